@@ -1,0 +1,202 @@
+"""Rewrite: apply a FoldPlan to a model, in place.
+
+Three transformations, applied in this order. Each declares whether it
+preserves the model's computation when applied after the ones before it; the
+tests check every promise on perturbed-weight models.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import fx, nn
+
+from .analysis import analyze
+from .capture import ExampleInputs
+from .errors import PlanError
+from .norm import RMSNorm
+from .ops import rms_norm
+from .plan import FoldPlan
+
+_FUNCTIONAL_LN = {torch.nn.functional.layer_norm, torch.layer_norm,
+                  torch.ops.aten.layer_norm.default, torch.ops.aten.layer_norm}
+
+
+def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    path, _, attr = fqn.rpartition(".")
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        raise PlanError(f"the plan names {fqn}, which this model does not have") from None
+    if not isinstance(getattr(module, attr, None), torch.Tensor):
+        raise PlanError(f"the plan names {fqn}, which this model does not have")
+    return module, attr
+
+
+def _tensor(model: nn.Module, fqn: str) -> torch.Tensor:
+    module, attr = _owner(model, fqn)
+    return getattr(module, attr)
+
+
+def _untie_config(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    configs = {id(config): config}
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        text = get_text()
+        configs[id(text)] = text
+    for cfg in configs.values():
+        if hasattr(cfg, "tie_word_embeddings"):
+            cfg.tie_word_embeddings = False
+
+
+class Transformation:
+    """One step of the rewrite."""
+
+    preserves_computation: bool = True
+    """Applied after the steps before it, the model's outputs do not change."""
+
+    def check(self, model: nn.Module, plan: FoldPlan) -> None:
+        """Raise PlanError if the plan does not fit the model; changes nothing."""
+
+    def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
+        raise NotImplementedError
+
+
+class UntieParameters(Transformation):
+    """Give each tied name in ``plan.untied`` its own copy of the tensor.
+
+    Both names still hold equal values, so nothing changes yet; it lets the
+    centering of the embedding leave the tied output head alone.
+    """
+
+    preserves_computation = True
+
+    def check(self, model: nn.Module, plan: FoldPlan) -> None:
+        for u in plan.untied:
+            _owner(model, u.param), _owner(model, u.tied_to)
+
+    def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
+        for u in plan.untied:
+            module, attr = _owner(model, u.param)
+            old = getattr(module, attr)
+            if old is not _tensor(model, u.tied_to):
+                continue  # already untied
+            copy = old.detach().clone()
+            setattr(module, attr, nn.Parameter(copy, old.requires_grad)
+                    if isinstance(old, nn.Parameter) else copy)
+        if plan.untied:
+            _untie_config(model)
+        return model
+
+
+class CenterParameters(Transformation):
+    """Column-based weight centering in float64, cast back to each dtype.
+
+    Only LN inputs see the change (the analysis proved it), and an LN ignores
+    its input's mean, so the outputs stay the same.
+    """
+
+    preserves_computation = True
+
+    def check(self, model: nn.Module, plan: FoldPlan) -> None:
+        for c in plan.centered:
+            t = _tensor(model, c.param)
+            if not -t.dim() <= c.axis < max(t.dim(), 1):
+                raise PlanError(f"the plan centers {c.param} along axis {c.axis}, "
+                                f"but it has {t.dim()} dimensions")
+
+    def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
+        with torch.no_grad():
+            for c in plan.centered:
+                t = _tensor(model, c.param)
+                if t.device.type == "meta":
+                    continue
+                wide = t.to(torch.float64)
+                t.copy_(wide - wide.mean(c.axis, keepdim=True))
+        return model
+
+
+class SwapLayerNorms(Transformation):
+    """Replace every foldable LN with ``enjoyln.RMSNorm``.
+
+    Exact once CenterParameters has run: each swapped LN then sees a
+    zero-mean input, where LN and RMSNorm agree.
+    """
+
+    preserves_computation = True
+
+    def check(self, model: nn.Module, plan: FoldPlan) -> None:
+        for e in plan.foldable:
+            if e.kind == "module":
+                try:
+                    module = model.get_submodule(e.name)
+                except AttributeError:
+                    module = None
+                if not isinstance(module, (nn.LayerNorm, RMSNorm)):
+                    raise PlanError(f"the plan folds {e.name}, which is not a LayerNorm in this model")
+            elif not isinstance(model, fx.GraphModule) or not any(
+                    n.name == e.name for n in model.graph.nodes):
+                raise PlanError(f"the plan folds the functional layer_norm {e.name}, "
+                                "which this model's graph does not have")
+
+    def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
+        functional = False
+        for e in plan.foldable:
+            if e.kind == "module":
+                module = model.get_submodule(e.name)
+                if isinstance(module, RMSNorm):
+                    continue
+                parent_path, _, attr = e.name.rpartition(".")
+                setattr(model.get_submodule(parent_path), attr, RMSNorm.from_layer_norm(module))
+            else:
+                node = next(n for n in model.graph.nodes if n.name == e.name)
+                if node.target in _FUNCTIONAL_LN:
+                    node.args, node.kwargs = _rms_args(node), {}
+                    node.target = rms_norm
+                    functional = True
+        if functional:
+            model.recompile()
+        return model
+
+
+def _rms_args(node: fx.Node) -> tuple:
+    """F.layer_norm's (or aten's) arguments, as rms_norm's positional ones."""
+    names = ("input", "normalized_shape", "weight", "bias", "eps")
+    defaults = {"weight": None, "bias": None, "eps": 1e-5}
+    return tuple(node.args[i] if i < len(node.args) else node.kwargs.get(n, defaults.get(n))
+                 for i, n in enumerate(names))
+
+
+PIPELINE: tuple[Transformation, ...] = (UntieParameters(), CenterParameters(), SwapLayerNorms())
+
+
+def apply_plan(model: nn.Module, plan: FoldPlan) -> nn.Module:
+    """Apply a plan in place; check it fits the model before changing anything."""
+    for step in PIPELINE:
+        step.check(model, plan)
+    for step in PIPELINE:
+        step(model, plan)
+    return model
+
+
+def fold(model: nn.Module, example_inputs: ExampleInputs = None, *,
+         plan: FoldPlan | None = None) -> nn.Module:
+    """Fold every foldable LayerNorm of ``model`` into RMSNorm, in place.
+
+    Centers the upstream weights in float64, unties tied weights where needed
+    and swaps the LNs; the outputs stay the same. Returns ``model``.
+
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    >>> type(fold(net, torch.randn(2, 8))[1]).__name__
+    'RMSNorm'
+    """
+    if plan is None:
+        plan = analyze(model, example_inputs)
+    for note in plan.notes:
+        warnings.warn(f"enjoyln: {note}", stacklevel=2)
+    return apply_plan(model, plan)
