@@ -98,7 +98,8 @@ def perturb(model: nn.Module, seed: int = 0, *, scale: float = 1.0) -> nn.Module
 
     LN gains ~ N(1, 0.3), LN biases and other biases ~ N(0, 0.2), and each
     embedding table or constant added to the stream gets a common offset
-    vector plus a random per-row shift. In place; returns ``model``.
+    vector plus a random per-row shift, both on the scale of its own spread.
+    In place; returns ``model``.
     """
     gen = torch.Generator().manual_seed(seed)
 
@@ -106,8 +107,11 @@ def perturb(model: nn.Module, seed: int = 0, *, scale: float = 1.0) -> nn.Module
         return (torch.randn(t.shape, generator=gen) * std * scale).to(t.dtype)
 
     def offset(t: torch.Tensor) -> torch.Tensor:
-        common = randn(t[(0,) * (t.dim() - 1)], 0.5)
-        rows = randn(t[..., :1], 0.3)
+        # Relative to the table's own spread, so the shift is visible but does
+        # not swamp the rows (one token would then win every argmax).
+        spread = float(t.float().std()) if t.numel() > 1 else 1.0
+        common = randn(t[(0,) * (t.dim() - 1)], spread)
+        rows = randn(t[..., :1], 0.5 * spread)
         return common + rows
 
     norms = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)

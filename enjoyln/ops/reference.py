@@ -1,4 +1,4 @@
-"""The reference RMSNorm: plain PyTorch, fp32 accumulation, any input dtype.
+"""The reference RMSNorm: plain PyTorch, at least fp32 accumulation, any input dtype.
 
 Every fast kernel is tested against this function.
 """
@@ -19,10 +19,10 @@ def rms_norm_reference(
 ) -> torch.Tensor:
     """``x * rsqrt(mean(x**2) + eps) * weight + bias`` over the trailing dims."""
     dims = tuple(range(-len(normalized_shape), 0))
-    xf = x.float()
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     y = xf * torch.rsqrt(xf.square().mean(dims, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y * weight.to(xf.dtype)
     if bias is not None:
-        y = y + bias.float()
+        y = y + bias.to(xf.dtype)
     return y.to(x.dtype)

@@ -1,0 +1,25 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def assert_same_outputs(reference, candidate, inputs, rtol=1e-5):
+    """Independent of enjoyln.check: every output within rtol of the reference's scale."""
+    from enjoyln.testing import max_relative_diff, model_outputs
+
+    ref, cand = model_outputs(reference, inputs), model_outputs(candidate, inputs)
+    assert ref.keys() == cand.keys()
+    assert ref, "the model returned no tensors"
+    for name in ref:
+        assert ref[name].shape == cand[name].shape, name
+        assert ref[name].dtype == cand[name].dtype, name
+        rel = max_relative_diff(ref[name], cand[name])
+        assert rel <= rtol, f"{name}: relative difference {rel:.3g} > {rtol:g}"

@@ -1,0 +1,89 @@
+"""The equivalence check, including deliberately wrong folds it must catch."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import enjoyln
+from enjoyln.plan import LayerNormEntry
+from enjoyln.rewrite import apply_plan
+from enjoyln.testing import perturb, tiny_model
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return perturb(tiny_model("gpt2"), seed=8)
+
+
+def test_correct_fold_passes_with_details(gpt2):
+    folded = enjoyln.fold(copy.deepcopy(gpt2))
+    report = enjoyln.check(gpt2, folded, batches=4)
+    assert report.passed and report.batches == 4
+    assert [o.name for o in report.outputs] == ["logits"]
+    assert 0 < report.max_abs_diff and report.max_rel_diff < 1e-5
+    assert report.generation.passed and len(report.generation.reference[0]) == 8
+    assert "PASS" in report.summary() and report.to_dict()["passed"] is True
+
+
+def test_dropped_beta_fails(gpt2):
+    folded = enjoyln.fold(copy.deepcopy(gpt2))
+    folded.transformer.h[1].ln_2.bias = None  # the classic bug: RMSNorm without LN's bias
+    report = enjoyln.check(gpt2, folded)
+    assert not report.passed and report.max_rel_diff > 1e-4
+    assert "FAIL" in report.summary()
+
+
+def test_hard_coded_eps_fails():
+    bert = perturb(tiny_model("bert"), seed=9)  # BERT uses eps=1e-12
+    folded = enjoyln.fold(copy.deepcopy(bert))
+    folded.embeddings.LayerNorm.eps = 1e-5
+    # a tiny epsilon change is a tiny output change; make the scale small enough to show it
+    with torch.no_grad():
+        bert.embeddings.word_embeddings.weight.mul_(1e-3)
+        folded.embeddings.word_embeddings.weight.mul_(1e-3)
+    assert not enjoyln.check(bert, folded).passed
+
+
+def test_swapping_a_post_ln_layer_norm_fails():
+    bert = perturb(tiny_model("bert"), seed=10)
+    plan = enjoyln.analyze(bert)
+    forged = copy.deepcopy(plan)
+    name = "encoder.layer.0.attention.output.LayerNorm"
+    forged.layer_norms = [LayerNormEntry(name, "module", True, centered=[])
+                          if e.name == name else e for e in forged.layer_norms]
+    wrong = apply_plan(copy.deepcopy(bert), forged)
+    assert isinstance(wrong.get_submodule(name), enjoyln.RMSNorm)
+    report = enjoyln.check(bert, wrong)
+    assert not report.passed
+    assert not any(o.passed for o in report.outputs)
+
+
+def test_uncentered_swap_fails_for_plain_module():
+    net = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).eval()
+    perturb(net)
+    wrong = copy.deepcopy(net)
+    wrong[1] = enjoyln.RMSNorm.from_layer_norm(wrong[1])
+    x = torch.randn(4, 8)
+    report = enjoyln.check(net, wrong, x)
+    assert not report.passed and report.batches == 3
+
+
+def test_half_precision_uses_the_relative_criterion():
+    model = perturb(tiny_model("opt"), seed=11).to(torch.float16)
+    folded = enjoyln.fold(copy.deepcopy(model))
+    report = enjoyln.check(model, folded)
+    assert report.passed, report.summary()
+    assert report.dtype == "float16" and "fp32" in report.criterion
+    out = report.outputs[0]
+    assert out.reference_error > 0 and out.candidate_error <= 2 * out.reference_error
+    assert report.generation is not None and not report.generation.required
+    # and a real bug still fails in half precision
+    folded.model.decoder.final_layer_norm.bias = None
+    assert not enjoyln.check(model, folded).passed
+
+
+def test_plain_module_without_inputs_is_a_clear_error():
+    with pytest.raises(enjoyln.CaptureError, match="pass example_inputs"):
+        enjoyln.check(nn.Linear(2, 2), nn.Linear(2, 2))

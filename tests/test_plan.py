@@ -1,0 +1,47 @@
+import json
+
+import pytest
+
+import enjoyln
+from enjoyln.plan import Centering, FoldPlan, LayerNormEntry, Untie, format_bytes
+from enjoyln.testing import perturb, tiny_model
+
+
+def test_json_round_trip_of_a_real_plan():
+    plan = enjoyln.analyze(perturb(tiny_model("bert")))
+    again = FoldPlan.from_json(plan.to_json())
+    assert again == plan
+    assert json.loads(plan.to_json())["format_version"] == 1
+    assert isinstance(again.layer_norms[0].centered[0], Centering)
+
+
+def test_summary_names_every_ln_and_the_untie_cost():
+    plan = enjoyln.analyze(perturb(tiny_model("gpt2")))
+    text = plan.summary()
+    assert text.startswith("GPT2LMHeadModel: 5 of 5 LayerNorms foldable")
+    for e in plan.layer_norms:
+        assert e.name in text
+    assert "Untie lm_head.weight from transformer.wte.weight: +32.0 KiB" in text
+
+
+def test_centered_is_deduplicated_and_only_from_foldable():
+    a, b = Centering("x", 0), Centering("y", 1)
+    plan = FoldPlan("M", [LayerNormEntry("l1", "module", True, centered=[a, b]),
+                          LayerNormEntry("l2", "module", True, centered=[a]),
+                          LayerNormEntry("l3", "module", False, "no", centered=[Centering("z", 0)])],
+                    untied=[Untie("h", "x", 10), Untie("g", "x", 6)])
+    assert plan.centered == [a, b]
+    assert plan.untie_bytes == 16
+    with pytest.raises(KeyError):
+        plan["nope"]
+
+
+def test_newer_format_is_refused():
+    with pytest.raises(enjoyln.PlanError, match="format version 99"):
+        FoldPlan.from_dict({"format_version": 99, "model": "M"})
+
+
+def test_format_bytes():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(32768) == "32.0 KiB"
+    assert format_bytes(3 * 1024**3) == "3.0 GiB"

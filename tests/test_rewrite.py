@@ -1,0 +1,77 @@
+"""Rewrite: functional LNs in a GraphModule, plans applied later, bad plans."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import enjoyln
+from enjoyln.ops import rms_norm
+from enjoyln.testing import perturb, tiny_model
+from conftest import assert_same_outputs
+
+
+class TwoFunctional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.proj = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.rand(8) + 0.5)
+        self.b = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        h = F.layer_norm(self.lin(x), (8,), self.w, self.b, eps=1e-6)
+        return F.layer_norm(torch.relu(self.proj(h)), (8,), self.w, self.b)
+
+
+def test_functional_layer_norm_in_graph_module_is_rewritten():
+    gm = fx.symbolic_trace(TwoFunctional().eval())
+    x = torch.randn(3, 4, 8)
+    plan = enjoyln.analyze(gm, x)
+    first, second = plan.layer_norms
+    assert first.kind == "functional" and first.foldable and first.eps == 1e-6
+    assert not second.foldable and "relu" in second.reason
+    ref = copy.deepcopy(gm)
+    folded = enjoyln.fold(gm, x, plan=plan)
+    targets = [n.target for n in folded.graph.nodes if n.op == "call_function"]
+    assert targets.count(rms_norm) == 1 and targets.count(F.layer_norm) == 1
+    assert_same_outputs(ref, folded, x)
+
+
+def test_plan_applied_after_json_round_trip():
+    model = perturb(tiny_model("gpt2"), seed=5)
+    plan = enjoyln.FoldPlan.from_json(enjoyln.analyze(model).to_json())
+    folded = enjoyln.fold(copy.deepcopy(model), plan=plan)
+    assert enjoyln.check(model, folded).passed
+
+
+def test_plan_for_another_model_is_refused_before_any_change():
+    gpt2 = tiny_model("gpt2")
+    plan = enjoyln.analyze(perturb(tiny_model("opt")))
+    before = copy.deepcopy(gpt2.state_dict())
+    with pytest.raises(enjoyln.PlanError, match="does not have"):
+        enjoyln.fold(gpt2, plan=plan)
+    after = gpt2.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(isinstance(m, enjoyln.RMSNorm) for m in gpt2.modules())
+
+
+def test_applying_a_plan_twice_changes_nothing_more():
+    model = perturb(tiny_model("gpt2"), seed=6)
+    plan = enjoyln.analyze(model)
+    once = enjoyln.fold(copy.deepcopy(model), plan=plan)
+    twice = enjoyln.fold(copy.deepcopy(once), plan=plan)
+    for (name, a), b in zip(once.state_dict().items(), twice.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=0, msg=name)
+    assert sum(isinstance(m, enjoyln.RMSNorm) for m in twice.modules()) == 5
+    assert enjoyln.analyze(once).layer_norms == []  # nothing left to fold
+
+
+def test_fold_preserves_half_dtype():
+    model = perturb(tiny_model("gpt2"), seed=7).to(torch.bfloat16)
+    folded = enjoyln.fold(copy.deepcopy(model))
+    assert {p.dtype for p in folded.parameters()} == {torch.bfloat16}
+    report = enjoyln.check(model, folded)
+    assert report.passed, report.summary()
