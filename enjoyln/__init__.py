@@ -6,16 +6,18 @@
 '1'
 """
 
+from ._version import __version__
 from .analysis import analyze
 from .check import CheckReport, check
+from .checkpoint import analyze_checkpoint, check_checkpoints, fold_checkpoint, load
 from .errors import CaptureError, CheckpointError, EnjoylnError, PlanError
 from .norm import RMSNorm
 from .plan import Centering, FoldPlan, LayerNormEntry, Untie
 from .rewrite import fold
 
-__version__ = "0.1.0"
 
 __all__ = [
-    "analyze", "fold", "check", "CheckReport", "RMSNorm", "FoldPlan", "LayerNormEntry", "Centering", "Untie",
+    "analyze", "fold", "check", "CheckReport", "load", "fold_checkpoint",
+    "analyze_checkpoint", "check_checkpoints", "RMSNorm", "FoldPlan", "LayerNormEntry", "Centering", "Untie",
     "EnjoylnError", "CaptureError", "CheckpointError", "PlanError", "__version__",
 ]

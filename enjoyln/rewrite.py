@@ -53,6 +53,30 @@ def _untie_config(model: nn.Module) -> None:
             cfg.tie_word_embeddings = False
 
 
+def center_(t: torch.Tensor, axis: int, *, chunk_elements: int = 1 << 22) -> torch.Tensor:
+    """Subtract ``t``'s mean along ``axis``, in place, computed in float64.
+
+    Works in slices along another axis, so the float64 temporaries stay small
+    even for a vocabulary-sized embedding.
+    """
+    if t.device.type == "meta" or t.numel() == 0:
+        return t
+    axis = axis % t.dim()
+    mean = t.mean(axis, dtype=torch.float64, keepdim=True) if t.is_floating_point() else None
+    if mean is None:
+        raise PlanError(f"cannot center a tensor of dtype {t.dtype}")
+    other = next((d for d in range(t.dim()) if d != axis), None)
+    if other is None:
+        t.copy_(t.to(torch.float64) - mean)
+        return t
+    step = max(1, chunk_elements // max(1, t.numel() // t.shape[other]))
+    for start in range(0, t.shape[other], step):
+        part = t.narrow(other, start, min(step, t.shape[other] - start))
+        m = mean if mean.shape[other] == 1 else mean.narrow(other, start, part.shape[other])
+        part.copy_(part.to(torch.float64) - m)
+    return t
+
+
 class Transformation:
     """One step of the rewrite."""
 
@@ -112,11 +136,7 @@ class CenterParameters(Transformation):
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         with torch.no_grad():
             for c in plan.centered:
-                t = _tensor(model, c.param)
-                if t.device.type == "meta":
-                    continue
-                wide = t.to(torch.float64)
-                t.copy_(wide - wide.mean(c.axis, keepdim=True))
+                center_(_tensor(model, c.param), c.axis)
         return model
 
 

@@ -152,3 +152,27 @@ def model_outputs(model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
 
     with torch.no_grad():
         return flatten_outputs(as_inputs(inputs).call(model))
+
+
+def demo_checkpoint(path: Any, *, layers: int = 4, width: int = 256, vocab: int = 512,
+                    seed: int = 0) -> Any:
+    """Write a small GPT-2-style checkpoint with a word-level tokenizer to ``path``.
+
+    Random weights, perturbed away from init; nothing is downloaded. Returns
+    the path.
+    """
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    model = tiny_model("gpt2", seed=seed, n_layer=layers, n_embd=width, n_head=max(1, width // 64),
+                       vocab_size=vocab, n_positions=1024, initializer_range=0.2)
+    perturb(model, seed=seed)
+    model.save_pretrained(path)
+    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(vocab - 2)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(path)
+    return path

@@ -1,0 +1,575 @@
+"""Checkpoint I/O: fold a Hugging Face model directory into a new one, streaming.
+
+The analysis runs on the meta device (no weights in memory). The fold then
+streams tensor by tensor: tensors that do not change are copied byte for
+byte, centered ones are loaded one at a time, centered in float64 and written
+back in their own dtype. Peak memory is a few of the largest tensors.
+
+The output is written into a temporary directory beside OUT_DIR and renamed
+into place at the end, so an interrupted run never leaves a partial OUT_DIR,
+and the input directory is only ever read.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import struct
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ._version import __version__
+from .analysis import analyze
+from .errors import CheckpointError, EnjoylnError
+from .plan import FORMAT_VERSION, FoldPlan
+from .rewrite import SwapLayerNorms, center_
+
+SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+PT_WEIGHTS, PT_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+_WEIGHT_FILES = {SAFE_WEIGHTS, SAFE_INDEX, PT_WEIGHTS, PT_INDEX}
+_COPY_CHUNK = 16 << 20
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+}
+_CODES = {v: k for k, v in _DTYPES.items() if v is not None}
+
+Progress = Callable[[int, int], None]
+"""Called with (bytes done, bytes total) as the output is written."""
+
+
+# --- reading ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes sit in a safetensors file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class ModelDir:
+    """A validated Hugging Face model directory."""
+
+    path: Path
+    config: dict[str, Any]
+    architecture: str
+    shards: list[str]
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    pickled: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate a safetensors header: every tensor within the file."""
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise ValueError("shorter than a header")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > size - 8 or header_len > 100 << 20:
+                raise ValueError("header length beyond the end of the file")
+            header = json.loads(f.read(header_len))
+        base = 8 + header_len
+        metadata = header.pop("__metadata__", None) or {}
+        tensors, end_max = {}, 0
+        for name, info in header.items():
+            start, end = info["data_offsets"]
+            shape = tuple(int(s) for s in info["shape"])
+            if info["dtype"] not in _DTYPES or not 0 <= start <= end:
+                raise ValueError(f"bad entry for {name}")
+            tensors[name] = TensorInfo(name, info["dtype"], shape, file.name, base + start, base + end)
+            end_max = max(end_max, end)
+        if base + end_max > size:
+            raise ValueError("truncated: tensor data runs past the end of the file")
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} is not a valid safetensors file ({exc})") from None
+    return tensors, metadata
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path.parent} has no {path.name}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc.__class__.__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object ({what})")
+    return data
+
+
+def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False) -> ModelDir:
+    """Validate a model directory: config, architecture and every weight header.
+
+    Nothing is loaded; a corrupt or truncated shard is reported here, before
+    any output is written.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise CheckpointError(f"{root} does not exist")
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory")
+    if not any(root.iterdir()):
+        raise CheckpointError(f"{root} is empty")
+    config = _read_json(root / "config.json", "a model config")
+    archs = config.get("architectures") or []
+    if not archs or not isinstance(archs, list):
+        raise CheckpointError(f"{root / 'config.json'} names no architecture (\"architectures\" is missing)")
+    import transformers
+
+    arch = archs[0]
+    if not isinstance(arch, str) or not isinstance(getattr(transformers, arch, None), type):
+        raise CheckpointError(f"unknown architecture {arch!r}: transformers {transformers.__version__} "
+                              "has no such model class (remote code is not run)")
+    md = ModelDir(root, config, arch, [])
+    if (root / SAFE_INDEX).exists():
+        index = _read_json(root / SAFE_INDEX, "a weight index")
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{root / SAFE_INDEX} has no weight_map")
+        md.shards = sorted(set(weight_map.values()))
+    elif (root / SAFE_WEIGHTS).exists():
+        md.shards = [SAFE_WEIGHTS]
+    elif (root / PT_INDEX).exists() or (root / PT_WEIGHTS).exists():
+        if not allow_pickle:
+            raise CheckpointError(f"{root} has only pickle (.bin) weights, which can run code when "
+                                  "loaded; pass --allow-pickle to load them with weights_only=True")
+        md.pickled = True
+        md.shards = (sorted(set(_read_json(root / PT_INDEX, "a weight index")["weight_map"].values()))
+                     if (root / PT_INDEX).exists() else [PT_WEIGHTS])
+    else:
+        raise CheckpointError(f"{root} has no weights (model.safetensors or {SAFE_INDEX})")
+    for shard in md.shards:
+        file = root / shard
+        if not file.is_file():
+            raise CheckpointError(f"{root} lacks the weight shard {shard} named by its index")
+        if not md.pickled:
+            tensors, _ = read_safetensors_header(file)
+            md.tensors.update(tensors)
+    return md
+
+
+def meta_model(md: ModelDir) -> nn.Module:
+    """The model class of ``md`` built on the meta device: graph and names, no weights."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(md.path, trust_remote_code=False)
+    except Exception as exc:  # transformers raises many kinds for a bad config
+        raise CheckpointError(f"cannot read {md.path / 'config.json'}: {str(exc).splitlines()[0]}") from None
+    cls = getattr(transformers, md.architecture)
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    except Exception as exc:
+        raise CheckpointError(f"cannot build {md.architecture} from its config: "
+                              f"{str(exc).splitlines()[0]}") from None
+    return model.eval()
+
+
+def analyze_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False) -> FoldPlan:
+    """The fold plan for a model directory, computed on the meta device.
+
+    >>> analyze_checkpoint("path/to/gpt2").summary()  # doctest: +SKIP
+    """
+    return analyze(meta_model(open_model_dir(path, allow_pickle=allow_pickle)))
+
+
+# --- planning the output -------------------------------------------------------------------
+
+
+@dataclass
+class Entry:
+    """One output tensor and how to produce its bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    source: TensorInfo | None = None  # copy these bytes ...
+    axis: int | None = None  # ... after centering along this axis
+    tensor: torch.Tensor | None = None  # or write this (pickle input)
+
+
+def _checkpoint_key(name: str, keys: set[str], prefix: str) -> str | None:
+    """The checkpoint key for a parameter name; checkpoints of a base model lack the prefix."""
+    for candidate in (name, name.removeprefix(prefix + ".") if prefix else name,
+                      f"{prefix}.{name}" if prefix else name):
+        if candidate in keys:
+            return candidate
+    return None
+
+
+def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str,
+                  pickled: dict[str, tuple[str, torch.Tensor]] | None) -> list[tuple[str, list[Entry]]]:
+    """Output shards like the input's, each with its entries in input order."""
+    if pickled is not None:
+        shards: list[tuple[str, list[Entry]]] = [(s, []) for s in md.shards]
+        home = {s: es for s, es in shards}
+        for name, (shard, t) in pickled.items():
+            home[shard].append(Entry(name, _CODES[t.dtype], tuple(t.shape),
+                                     t.numel() * t.element_size(), tensor=t))
+    else:
+        shards = [(s, [Entry(t.name, t.dtype, t.shape, t.nbytes, source=t)
+                       for t in sorted(md.tensors.values(), key=lambda t: t.start) if t.file == s])
+                  for s in md.shards]
+    by_key = {e.name: e for _, es in shards for e in es}
+    key = lambda name: _checkpoint_key(name, set(by_key), prefix)  # noqa: E731
+    partner = {u.tied_to: u.param for u in plan.untied} | {u.param: u.tied_to for u in plan.untied}
+    extras: dict[str, tuple[str, int | None]] = {}  # new name -> (source key, centering axis)
+    for c in plan.centered:
+        k = key(c.param)
+        if k is not None:
+            by_key[k].axis = c.axis
+        elif c.param in partner and key(partner[c.param]) is not None:
+            # Only the tied head was saved: it supplies the embedding too, centered.
+            extras[c.param] = (key(partner[c.param]), c.axis)
+        else:
+            raise CheckpointError(f"the checkpoint has no tensor for {c.param}, which the fold centers")
+    for u in plan.untied:
+        if key(u.param) is None:
+            src = key(u.tied_to)
+            if src is None:
+                raise CheckpointError(f"the checkpoint has neither {u.param} nor {u.tied_to}")
+            extras[u.param] = (src, None)  # the head keeps the original values
+    for new, (src_key, axis) in extras.items():
+        src = by_key[src_key]
+        for _, entries in shards:
+            if src in entries:
+                entries.append(Entry(new, src.dtype, src.shape, src.nbytes, source=src.source,
+                                     axis=axis, tensor=src.tensor))
+                break
+    return shards
+
+
+def _reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None,
+             single_name: str = SAFE_WEIGHTS) -> list[tuple[str, list[Entry]]]:
+    """Keep the input's shards (renamed to .safetensors), or pack up to ``max_bytes`` each."""
+    if max_bytes is None:
+        if len(shards) == 1:
+            return [(single_name, shards[0][1])]
+        n = len(shards)
+        return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors" if name.endswith(".bin") else name, es)
+                for i, (name, es) in enumerate(shards)]
+    packed: list[list[Entry]] = [[]]
+    size = 0
+    for _, entries in shards:
+        for e in entries:
+            if packed[-1] and size + e.nbytes > max_bytes:
+                packed.append([])
+                size = 0
+            packed[-1].append(e)
+            size += e.nbytes
+    if len(packed) == 1:
+        return [(single_name, packed[0])]
+    n = len(packed)
+    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", es) for i, es in enumerate(packed)]
+
+
+# --- writing -------------------------------------------------------------------------------
+
+
+def _tensor_bytes(e: Entry, root: Path) -> torch.Tensor:
+    """The tensor for a centered entry, loaded alone and centered in float64."""
+    if e.tensor is not None:
+        t = e.tensor.clone()
+    else:
+        from safetensors import safe_open
+
+        with safe_open(root / e.source.file, framework="pt") as f:
+            t = f.get_tensor(e.source.name)
+    center_(t, e.axis)
+    return t
+
+
+def _write_shard(file: Path, entries: list[Entry], root: Path, metadata: dict[str, str],
+                 advance: Callable[[int], None]) -> None:
+    """Write one safetensors file tensor by tensor.
+
+    safetensors' own writer needs every tensor of a file in memory at once;
+    the header is small JSON with known sizes, so it is written first and
+    the data streamed after it. The result is re-read with safetensors.
+    """
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for e in entries:
+        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(file, "wb") as out:
+        out.write(struct.pack("<Q", len(blob)))
+        out.write(blob)
+        src_files: dict[str, Any] = {}
+        try:
+            for e in entries:
+                if e.axis is not None or e.tensor is not None:
+                    t = _tensor_bytes(e, root) if e.axis is not None else e.tensor
+                    out.write(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                              if t.numel() else b"")
+                    advance(e.nbytes)
+                    continue
+                f = src_files.get(e.source.file)
+                if f is None:
+                    f = src_files[e.source.file] = open(root / e.source.file, "rb")
+                f.seek(e.source.start)
+                left = e.nbytes
+                while left:
+                    chunk = f.read(min(left, _COPY_CHUNK))
+                    if not chunk:
+                        raise CheckpointError(f"{root / e.source.file} ended early")
+                    out.write(chunk)
+                    left -= len(chunk)
+                    advance(len(chunk))
+        finally:
+            for f in src_files.values():
+                f.close()
+
+
+def _output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
+    config = json.loads(json.dumps(md.config))
+    if plan.untied:
+        config["tie_word_embeddings"] = False
+        for sub in ("text_config", "decoder"):
+            if isinstance(config.get(sub), dict) and "tie_word_embeddings" in config[sub]:
+                config[sub]["tie_word_embeddings"] = False
+    config["enjoyln"] = {
+        "format_version": FORMAT_VERSION,
+        "version": __version__,
+        "rmsnorm": [e.name for e in plan.foldable],
+        "centered": [{"param": c.param, "axis": c.axis} for c in plan.centered],
+        "untied": [u.param for u in plan.untied],
+        "plan": plan.to_dict(),
+    }
+    return config
+
+
+def _check_paths(src: Path, out: Path, force: bool) -> None:
+    src, out = src.resolve(), out.resolve()
+    if out == src or src in out.parents:
+        raise CheckpointError(f"OUT_DIR {out} is inside MODEL_DIR {src}; choose a directory elsewhere")
+    if out in src.parents:
+        raise CheckpointError(f"OUT_DIR {out} contains MODEL_DIR {src}; choose a directory elsewhere")
+    if out.exists():
+        if not out.is_dir():
+            raise CheckpointError(f"OUT_DIR {out} exists and is not a directory")
+        if any(out.iterdir()) and not force:
+            raise CheckpointError(f"OUT_DIR {out} is not empty; pass --force to replace it")
+
+
+def _os_error(exc: OSError, where: Path) -> CheckpointError:
+    if exc.errno == errno.ENOSPC:
+        return CheckpointError(f"disk full while writing {where}; nothing was written")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return CheckpointError(f"permission denied writing {where}; nothing was written")
+    return CheckpointError(f"cannot write {where}: {exc.strerror or exc}; nothing was written")
+
+
+@dataclass
+class FoldResult:
+    """What ``fold_checkpoint`` did."""
+
+    plan: FoldPlan
+    out_dir: Path | None
+    files: list[str]
+    bytes_written: int
+    seconds: float
+
+
+def _load_pickled(md: ModelDir) -> dict[str, tuple[str, torch.Tensor]]:
+    """Pickle weights, loaded only because the user asked, and only as plain tensors."""
+    tensors: dict[str, tuple[str, torch.Tensor]] = {}
+    for shard in md.shards:
+        try:
+            part = torch.load(md.path / shard, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"cannot load {md.path / shard} with weights_only=True: "
+                                  f"{(str(exc).splitlines() or [''])[0]}") from None
+        tensors.update({k: (shard, v) for k, v in part.items() if isinstance(v, torch.Tensor)})
+    return tensors
+
+
+def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                    max_shard_size: int | None = None, force: bool = False,
+                    allow_pickle: bool = False, dry_run: bool = False,
+                    plan: FoldPlan | None = None, progress: Progress | None = None) -> FoldResult:
+    """Fold a Hugging Face model directory into OUT_DIR, streaming tensor by tensor.
+
+    OUT_DIR gets every file of MODEL_DIR (tokenizer and processor files
+    included), the centered weights in their own dtypes, an explicit untied
+    head, and an ``enjoyln`` block in config.json. It loads with plain
+    ``from_pretrained`` (the LNs are still there and see zero-mean inputs), or
+    with ``enjoyln.load`` (the LNs run as RMSNorm).
+
+    >>> fold_checkpoint("gpt2-dir", "gpt2-folded")  # doctest: +SKIP
+    """
+    start = time.perf_counter()
+    src, out = Path(model_dir), Path(out_dir)
+    md = open_model_dir(src, allow_pickle=allow_pickle)
+    _check_paths(src, out, force)
+    model = meta_model(md)
+    if plan is None:
+        plan = analyze(model)
+    if dry_run or not plan.foldable:
+        return FoldResult(plan, None, [], 0, time.perf_counter() - start)
+    pickled = _load_pickled(md) if md.pickled else None
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    shards = _reshard(_plan_entries(md, plan, prefix, pickled), max_shard_size)
+    total = sum(e.nbytes for _, es in shards for e in es)
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total)
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.enjoyln-", dir=out.parent))
+    except OSError as exc:
+        raise _os_error(exc, out) from None
+    try:
+        skip = _WEIGHT_FILES | set(md.shards) | {"config.json"}
+        for item in md.path.iterdir():
+            if item.name in skip:
+                continue
+            (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+        (tmp / "config.json").write_text(json.dumps(_output_config(md, plan), indent=2) + "\n")
+        metadata = {"format": "pt", "enjoyln": __version__}
+        for name, entries in shards:
+            _write_shard(tmp / name, entries, md.path, metadata, advance)
+        files = [name for name, _ in shards]
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total, "enjoyln": __version__},
+                     "weight_map": {e.name: name for name, es in shards for e in es}}
+            (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        for name in files:  # the output must read back, or it is not published
+            read_safetensors_header(tmp / name)
+        _publish(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _os_error(exc, out) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return FoldResult(plan, out, files, total, time.perf_counter() - start)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished temporary directory to ``out``, replacing it if it exists."""
+    if out.exists():
+        trash = out.with_name(f".{out.name}.enjoyln-old-{os.getpid()}")
+        os.replace(out, trash)
+        os.replace(tmp, out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+def load(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
+    """Load a folded directory and run its recorded LNs as ``enjoyln.RMSNorm``.
+
+    A directory without an ``enjoyln`` block loads as it is.
+
+    >>> model = load("gpt2-folded", torch_dtype="bfloat16")  # doctest: +SKIP
+    """
+    md = open_model_dir(path, allow_pickle=bool(from_pretrained_kwargs.pop("allow_pickle", False)))
+    import transformers
+
+    cls = getattr(transformers, md.architecture)
+    from_pretrained_kwargs.setdefault("trust_remote_code", False)
+    if md.pickled:
+        from_pretrained_kwargs.setdefault("use_safetensors", False)
+    try:
+        model = cls.from_pretrained(md.path, **from_pretrained_kwargs)
+    except EnjoylnError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"cannot load {md.path}: {type(exc).__name__}: "
+                              f"{(str(exc).splitlines() or [''])[0]}") from None
+    block = md.config.get("enjoyln")
+    if block:
+        plan = FoldPlan.from_dict(block["plan"])
+        plan.untied = []  # already untied and centered on disk: only the swap is left
+        swap = SwapLayerNorms()
+        swap.check(model, plan)
+        swap(model, plan)
+    return model.eval()
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """'500MB', '2GB', '1.5GiB' or a byte count, as bytes."""
+    if text is None or isinstance(text, int):
+        return text
+    s = text.strip().upper().replace(" ", "")
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6,
+             "GB": 10**9, "B": 1}
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            try:
+                return int(float(s[: -len(unit)]) * mult)
+            except ValueError:
+                break
+    try:
+        return int(s)
+    except ValueError:
+        raise CheckpointError(f"cannot read the size {text!r}; write e.g. 500MB or 2GB") from None
+
+
+
+def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike, *,
+                      allow_pickle: bool = False, **check_kwargs: Any) -> "CheckReport":
+    """Load two model directories and compare them with ``enjoyln.check``.
+
+    The candidate loads through ``enjoyln.load``, so a folded directory runs
+    with its RMSNorms. A half-precision reference is also loaded in float32,
+    as the ground truth of the precision-aware criterion.
+
+    >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
+    True
+    """
+    from .check import HALF, check
+
+    ref_md = open_model_dir(reference_dir, allow_pickle=allow_pickle)
+    cand_md = open_model_dir(candidate_dir, allow_pickle=allow_pickle)
+    if ref_md.architecture != cand_md.architecture:
+        raise CheckpointError(f"{reference_dir} is a {ref_md.architecture} but {candidate_dir} is a "
+                              f"{cand_md.architecture}")
+    reference = load(reference_dir, allow_pickle=allow_pickle)
+    candidate = load(candidate_dir, allow_pickle=allow_pickle)
+    dtype = next((p.dtype for p in reference.parameters() if p.is_floating_point()), torch.float32)
+    if dtype in HALF:
+        check_kwargs.setdefault("fp32_reference",
+                                load(reference_dir, allow_pickle=allow_pickle, dtype=torch.float32))
+    return check(reference, candidate, **check_kwargs)

@@ -1,0 +1,273 @@
+"""The ``enjoyln`` command line: a thin typer layer over the Python API.
+
+Every command maps to one or two API calls; this module only parses options,
+draws tables and progress, and turns errors into one line and an exit code
+(0 ok, 1 check failed, 2 bad input).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from .errors import EnjoylnError
+from .plan import FoldPlan, format_bytes
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Fold LayerNorm into RMSNorm with exactly the same outputs.")
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Bad input becomes one line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            _quiet_transformers()
+            return fn(*args, **kwargs)
+        except EnjoylnError as exc:
+            err.print(f"error: {exc}", markup=False)
+            raise typer.Exit(exc.exit_code) from None
+        except OSError as exc:
+            err.print(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), markup=False)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err.print("interrupted; nothing was written")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+
+def _compact(params: list[str]) -> str:
+    """'transformer.h.0.attn.c_proj.weight', ... -> 'transformer.h.*.attn.c_proj'."""
+    modules = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", p.rsplit(".", 1)[0] if p.endswith(("weight", "bias")) else p)
+                            for p in params)
+    return f"{len(params)} tensors: " + ", ".join(modules)
+
+
+def plan_table(plan: FoldPlan) -> Table:
+    table = Table(title=f"{plan.model}: {len(plan.foldable)} of {len(plan.layer_norms)} LayerNorms foldable",
+                  title_justify="left")
+    table.add_column("LayerNorm", overflow="fold")
+    table.add_column("fold")
+    table.add_column("centered / reason", overflow="fold")
+    for e in plan.layer_norms:
+        if e.foldable:
+            table.add_row(e.name, "[green]yes[/]", escape(_compact([c.param for c in e.centered])))
+        else:
+            table.add_row(e.name, "[red]no[/]", escape(e.reason))
+    return table
+
+
+def print_plan(plan: FoldPlan) -> None:
+    if not plan.layer_norms:
+        out.print(f"{plan.model} has no LayerNorm: nothing to fold.")
+        return
+    out.print(plan_table(plan))
+    if plan.centered or plan.untied:
+        changes = Table(title=f"Changes: center {len(plan.centered)} tensors, untie {len(plan.untied)} "
+                              f"(+{format_bytes(plan.untie_bytes)})", title_justify="left")
+        changes.add_column("parameter", overflow="fold")
+        changes.add_column("change", overflow="fold")
+        for c in plan.centered:
+            changes.add_row(c.param, f"center along axis {c.axis}")
+        for u in plan.untied:
+            changes.add_row(u.param, f"untie from {u.tied_to}: +{format_bytes(u.nbytes)}")
+        out.print(changes)
+    for note in plan.notes:
+        out.print(f"[yellow]Note:[/] {note}")
+    if not plan.foldable:
+        out.print("Nothing is foldable: the output would equal the input.")
+
+
+def print_report(report: Any) -> None:
+    colour = "green" if report.passed else "red"
+    out.print(f"[{colour}]{escape(report.summary())}[/]")
+
+
+def _progress() -> Progress:
+    return Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True)
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+
+@app.command()
+@friendly
+def fold(
+    model_dir: Path = typer.Argument(..., help="Hugging Face model directory (config.json + safetensors)."),
+    out_dir: Path = typer.Argument(..., help="Where to write the folded model directory."),
+    max_shard_size: Optional[str] = typer.Option(None, help="Re-shard the output, e.g. 2GB; default: like the input."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT_DIR."),
+    check: bool = typer.Option(True, "--check/--no-check", help="Compare outputs after writing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Analyse and report; write nothing."),
+    as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON only."),
+    allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Read .bin weights (weights_only=True)."),
+    batches: int = typer.Option(3, help="Input batches for the check."),
+    seq_len: int = typer.Option(16, help="Sequence length for the check."),
+) -> None:
+    """Fold a model directory into OUT_DIR and check that its outputs are unchanged."""
+    from .checkpoint import check_checkpoints, fold_checkpoint, parse_size
+
+    start = time.perf_counter()
+    with _progress() as bar:
+        task = bar.add_task("writing", total=None, visible=not as_json)
+        result = fold_checkpoint(model_dir, out_dir, max_shard_size=parse_size(max_shard_size),
+                                 force=force, allow_pickle=allow_pickle, dry_run=dry_run,
+                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
+    plan = result.plan
+    payload: dict[str, Any] = {"plan": plan.to_dict(), "out_dir": str(result.out_dir) if result.out_dir else None,
+                               "files": result.files, "bytes_written": result.bytes_written,
+                               "fold_seconds": result.seconds}
+    if not as_json:
+        print_plan(plan)
+        if result.out_dir:
+            speed = result.bytes_written / max(result.seconds, 1e-9) / 1e6
+            out.print(f"Wrote {result.out_dir} ({len(result.files)} weight files, "
+                      f"{format_bytes(result.bytes_written)}) in {result.seconds:.2f} s ({speed:.0f} MB/s)")
+        elif dry_run:
+            out.print("Dry run: nothing written.")
+    report = None
+    if result.out_dir and check:
+        report = check_checkpoints(model_dir, result.out_dir, allow_pickle=allow_pickle,
+                                   batches=batches, seq_len=seq_len)
+        payload["check"] = report.to_dict()
+        if not as_json:
+            print_report(report)
+    payload["seconds"] = time.perf_counter() - start
+    if as_json:
+        out.print_json(json.dumps(payload))
+    if report is not None and not report.passed:
+        raise typer.Exit(1)
+
+
+@app.command()
+@friendly
+def inspect(
+    model_dir: Path = typer.Argument(..., help="Hugging Face model directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    graph: Optional[Path] = typer.Option(None, help="Write each LN's zero-mean graph to this .html or .svg file."),
+    allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Accept a directory with .bin weights."),
+) -> None:
+    """Analyse a model directory on the meta device: which LNs fold, and why not."""
+    from .checkpoint import analyze_checkpoint
+
+    plan = analyze_checkpoint(model_dir, allow_pickle=allow_pickle)
+    if graph is not None:
+        from .graphviz import write_graph
+        from .checkpoint import meta_model, open_model_dir
+
+        write_graph(meta_model(open_model_dir(model_dir, allow_pickle=allow_pickle)), graph)
+    if as_json:
+        out.print_json(plan.to_json())
+    else:
+        print_plan(plan)
+        if graph is not None:
+            out.print(f"Wrote the zero-mean graphs to {graph}")
+
+
+@app.command("check")
+@friendly
+def check_cmd(
+    reference_dir: Path = typer.Argument(..., help="The original model directory."),
+    candidate_dir: Path = typer.Argument(..., help="The converted model directory."),
+    batches: int = typer.Option(3, help="Seeded input batches."),
+    batch_size: int = typer.Option(2, help="Rows per batch."),
+    seq_len: int = typer.Option(16, help="Sequence length of token inputs."),
+    seed: int = typer.Option(0, help="Seed of the first batch."),
+    rtol: float = typer.Option(1e-5, help="Relative tolerance in float32."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Accept .bin weights."),
+) -> None:
+    """CI gate: exit 0 if CANDIDATE computes what REFERENCE does, 1 if not, 2 on bad input."""
+    from .checkpoint import check_checkpoints
+
+    report = check_checkpoints(reference_dir, candidate_dir, allow_pickle=allow_pickle, batches=batches,
+                               batch_size=batch_size, seq_len=seq_len, seed=seed, rtol=rtol)
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+    else:
+        print_report(report)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+@app.command()
+@friendly
+def demo(
+    workdir: Optional[Path] = typer.Option(None, help="Keep the demo checkpoints here (default: a temporary directory)."),
+    layers: int = typer.Option(4, help="Layers of the demo GPT-2."),
+    width: int = typer.Option(256, help="Hidden size of the demo GPT-2."),
+) -> None:
+    """The whole flow on a small GPT-2 that enjoyln builds itself: build, inspect, fold, check, time."""
+    from .bench import compare_latency
+    from .capture import hf_example_inputs
+    from .checkpoint import analyze_checkpoint, check_checkpoints, fold_checkpoint, load
+    from .testing import demo_checkpoint
+
+    temp = None
+    if workdir is None:
+        temp = tempfile.TemporaryDirectory(prefix="enjoyln-demo-")
+        workdir = Path(temp.name)
+    try:
+        src, dst = workdir / "gpt2-demo", workdir / "gpt2-demo-folded"
+        out.rule("1. build")
+        demo_checkpoint(src, layers=layers, width=width)
+        out.print(f"A random GPT-2 ({layers} layers, width {width}, perturbed weights) in {src}")
+        out.rule("2. inspect")
+        print_plan(analyze_checkpoint(src))
+        out.rule("3. fold")
+        with _progress() as bar:
+            task = bar.add_task("writing", total=None)
+            result = fold_checkpoint(src, dst, force=True,
+                                     progress=lambda d, t: bar.update(task, completed=d, total=t))
+        out.print(f"Wrote {dst} in {result.seconds:.2f} s: {', '.join(sorted(os.listdir(dst)))}")
+        out.rule("4. check")
+        report = check_checkpoints(src, dst)
+        print_report(report)
+        out.rule("5. speed (forward, batch 1, 512 tokens, median of alternating runs)")
+        original, folded = load(src), load(dst)
+        inputs = hf_example_inputs(original, batch=1, seq_len=512)
+        timing = compare_latency(original, folded, inputs, repeats=10)
+        out.print(f"original {timing.a_ms:.1f} ms, folded {timing.b_ms:.1f} ms: "
+                  f"folded/original = {timing.ratio:.3f} ({timing.speedup:+.1%})")
+        if not report.passed:
+            raise typer.Exit(1)
+    finally:
+        if temp is not None:
+            temp.cleanup()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
