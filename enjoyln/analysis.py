@@ -637,6 +637,62 @@ class Analysis:
             return what if isinstance(new, Refusal) else new
         return what
 
+    # -- explaining ------------------------------------------------------------------------
+
+    def zero_mean_graph(self, ln: fx.Node, limit: int = 400) -> tuple[dict[str, dict], list[tuple[str, str]]]:
+        """The LN's zero-mean graph (Def. 4.2): carrying ops back to the leaves.
+
+        Returns nodes (name -> {label, kind, detail}) and edges (input, user).
+        Kinds: ``ln``, ``op`` (carries the zero mean), ``source`` (centered),
+        ``zero`` (zero-mean already) and ``blocked`` (where folding fails).
+        """
+        nodes: dict[str, dict] = {}
+        edges: list[tuple[str, str]] = []
+        stack = [(ln, None)]
+        while stack and len(nodes) < limit:
+            node, user = stack.pop()
+            if user is not None:
+                edges.append((node.name, user))
+            if node.name in nodes:
+                continue
+            state, name = self.states.get(node), op_name(node)
+            source = self.sources.get(node.name) or (
+                self.sources.get(self.cap.placeholder_fqn.get(node.name, "")))
+            if node is ln:
+                info = {"label": self.cap.module_path(node) or node.name, "kind": "ln", "detail": ""}
+                stack.append((node.args[0], node.name))
+            elif isinstance(source, Source) and source.node is node:
+                info = {"label": source.label, "kind": "source",
+                        "detail": ", ".join(f"{c.param} (axis {c.axis})" for c in source.params)}
+            elif node in self.centers:
+                info = {"label": f"x - mean(x) {self.where(node)}", "kind": "zero", "detail": ""}
+            elif isinstance(state, Zero | NotZero) and (name in MAP_OPS or _key(node) in MAP_OPS
+                                                        or name in SUM_OPS or name in SCALE_OPS):
+                refused = isinstance(state, NotZero) and not any(
+                    isinstance(self.states.get(i), NotZero) for i in node.all_input_nodes)
+                info = {"label": f"{name} {self.where(node)}", "kind": "blocked" if refused else "op",
+                        "detail": state.why if refused else ""}
+                if not refused:
+                    for i in node.all_input_nodes:
+                        if isinstance(self.states.get(i), Zero | NotZero) and _shape(i):
+                            stack.append((i, node.name))
+            else:
+                why = state.why if isinstance(state, NotZero) else ""
+                info = {"label": self.describe(node), "kind": "blocked", "detail": why}
+            nodes[node.name] = info
+        return nodes, edges
+
+    def ln_nodes(self) -> dict[str, list[fx.Node]]:
+        """Plan entry name -> the LN calls it covers."""
+        functional = self._functional_names()
+        out: dict[str, list[fx.Node]] = {}
+        for node in self.graph.nodes:
+            if op_name(node) in LN_OPS:
+                module, path = self.cap.module_of(node), self.cap.module_path(node)
+                name = path if isinstance(module, nn.LayerNorm) and path else functional.get(node, node.name)
+                out.setdefault(name, []).append(node)
+        return out
+
     # -- driver -------------------------------------------------------------------------
 
     def run(self) -> FoldPlan:

@@ -218,16 +218,36 @@ class Entry:
     tensor: torch.Tensor | None = None  # or write this (pickle input)
 
 
-def _checkpoint_key(name: str, keys: set[str], prefix: str) -> str | None:
-    """The checkpoint key for a parameter name; checkpoints of a base model lack the prefix."""
-    for candidate in (name, name.removeprefix(prefix + ".") if prefix else name,
-                      f"{prefix}.{name}" if prefix else name):
-        if candidate in keys:
-            return candidate
+def saved_names(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> the key ``save_pretrained`` writes for it.
+
+    transformers 5 renames some weights on save (ViT's ``layers.0.attention.
+    k_proj`` is saved as ``encoder.layer.0.attention.attention.key``). Its own
+    reverse conversion, run on meta tensors, tells which key holds which
+    tensor, matched by identity.
+    """
+    named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    try:
+        from transformers.modeling_utils import revert_weight_conversion
+
+        reverted = revert_weight_conversion(model, dict(named))
+    except Exception:  # an older transformers, or a converter that needs real data
+        return {}
+    by_id = {id(v): k for k, v in reverted.items()}
+    return {name: name if name in reverted else by_id.get(id(t), name) for name, t in named.items()}
+
+
+def _checkpoint_key(name: str, keys: set[str], prefix: str, saved: dict[str, str]) -> str | None:
+    """The checkpoint key for a parameter name: as saved, maybe without the base prefix."""
+    for base in dict.fromkeys((name, saved.get(name, name))):
+        for candidate in (base, base.removeprefix(prefix + ".") if prefix else base,
+                          f"{prefix}.{base}" if prefix else base):
+            if candidate in keys:
+                return candidate
     return None
 
 
-def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str,
+def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, str],
                   pickled: dict[str, tuple[str, torch.Tensor]] | None) -> list[tuple[str, list[Entry]]]:
     """Output shards like the input's, each with its entries in input order."""
     if pickled is not None:
@@ -241,7 +261,7 @@ def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str,
                        for t in sorted(md.tensors.values(), key=lambda t: t.start) if t.file == s])
                   for s in md.shards]
     by_key = {e.name: e for _, es in shards for e in es}
-    key = lambda name: _checkpoint_key(name, set(by_key), prefix)  # noqa: E731
+    key = lambda name: _checkpoint_key(name, set(by_key), prefix, saved)  # noqa: E731
     partner = {u.tied_to: u.param for u in plan.untied} | {u.param: u.tied_to for u in plan.untied}
     extras: dict[str, tuple[str, int | None]] = {}  # new name -> (source key, centering axis)
     for c in plan.centered:
@@ -250,7 +270,7 @@ def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str,
             by_key[k].axis = c.axis
         elif c.param in partner and key(partner[c.param]) is not None:
             # Only the tied head was saved: it supplies the embedding too, centered.
-            extras[c.param] = (key(partner[c.param]), c.axis)
+            extras[saved.get(c.param, c.param)] = (key(partner[c.param]), c.axis)
         else:
             raise CheckpointError(f"the checkpoint has no tensor for {c.param}, which the fold centers")
     for u in plan.untied:
@@ -258,7 +278,7 @@ def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str,
             src = key(u.tied_to)
             if src is None:
                 raise CheckpointError(f"the checkpoint has neither {u.param} nor {u.tied_to}")
-            extras[u.param] = (src, None)  # the head keeps the original values
+            extras[saved.get(u.param, u.param)] = (src, None)  # the head keeps the original values
     for new, (src_key, axis) in extras.items():
         src = by_key[src_key]
         for _, entries in shards:
@@ -441,7 +461,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         return FoldResult(plan, None, [], 0, time.perf_counter() - start)
     pickled = _load_pickled(md) if md.pickled else None
     prefix = getattr(model, "base_model_prefix", "") or ""
-    shards = _reshard(_plan_entries(md, plan, prefix, pickled), max_shard_size)
+    shards = _reshard(_plan_entries(md, plan, prefix, saved_names(model), pickled), max_shard_size)
     total = sum(e.nbytes for _, es in shards for e in es)
     done = 0
 

@@ -180,7 +180,7 @@ def inspect(
 
     plan = analyze_checkpoint(model_dir, allow_pickle=allow_pickle)
     if graph is not None:
-        from .graphviz import write_graph
+        from .graph_view import write_graph
         from .checkpoint import meta_model, open_model_dir
 
         write_graph(meta_model(open_model_dir(model_dir, allow_pickle=allow_pickle)), graph)

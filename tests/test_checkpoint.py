@@ -1,0 +1,173 @@
+"""Checkpoint round trips: directory -> fold -> directory, for every architecture."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+import enjoyln
+from enjoyln.capture import hf_example_inputs, is_causal_lm
+from enjoyln.checkpoint import fold_checkpoint, load, open_model_dir, parse_size
+from enjoyln.testing import ARCHITECTURES, demo_checkpoint, perturb, tiny_model
+from conftest import assert_same_outputs
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+
+    def make(arch, dtype=torch.float32, **save_kwargs):
+        path = root / f"{arch}-{str(dtype)[6:]}-{len(save_kwargs)}"
+        if not path.exists():
+            model = perturb(tiny_model(arch), seed=21).to(dtype)
+            model.save_pretrained(path, **save_kwargs)
+            (path / "tokenizer.json").write_text('{"fake": "tokenizer"}')
+            (path / "preprocessor_config.json").write_text("{}")
+        return path
+
+    return make
+
+
+def reload_plain(path):
+    config = json.loads((path / "config.json").read_text())
+    return getattr(transformers, config["architectures"][0]).from_pretrained(path).eval()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_round_trip(arch, saved, tmp_path):
+    src = saved(arch)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    result = fold_checkpoint(src, tmp_path / "out")
+    out = result.out_dir
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before  # input untouched
+    assert (out / "tokenizer.json").read_text() == '{"fake": "tokenizer"}'
+    assert (out / "preprocessor_config.json").exists()
+    config = json.loads((out / "config.json").read_text())
+    block = config["enjoyln"]
+    assert block["format_version"] == 1 and block["version"] == enjoyln.__version__
+    assert block["rmsnorm"] == [e.name for e in result.plan.foldable]
+    assert len(block["centered"]) == len(result.plan.centered)
+    if result.plan.untied:
+        assert config["tie_word_embeddings"] is False
+        with safe_open(out / "model.safetensors", "pt") as f:
+            assert all(u.param in f.keys() for u in result.plan.untied)
+    original = reload_plain(src)
+    plain, folded = reload_plain(out), load(out)
+    assert sum(isinstance(m, enjoyln.RMSNorm) for m in plain.modules()) == 0
+    assert sum(isinstance(m, enjoyln.RMSNorm) for m in folded.modules()) == len(result.plan.foldable)
+    inputs = hf_example_inputs(original, seed=22)
+    assert_same_outputs(original, plain, inputs)
+    assert_same_outputs(original, folded, inputs)
+    if is_causal_lm(original):
+        report = enjoyln.check(original, folded)
+        assert report.passed and report.generation.passed
+
+
+def test_dtypes_are_kept_per_tensor(saved, tmp_path):
+    src = saved("opt", torch.bfloat16)
+    out = fold_checkpoint(src, tmp_path / "out").out_dir
+    with safe_open(src / "model.safetensors", "pt") as a, safe_open(out / "model.safetensors", "pt") as b:
+        for key in a.keys():
+            assert a.get_slice(key).get_dtype() == b.get_slice(key).get_dtype() == "BF16"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_check_passes(dtype, saved, tmp_path):
+    src = saved("gpt2", dtype)
+    out = fold_checkpoint(src, tmp_path / "out").out_dir
+    report = enjoyln.check_checkpoints(src, out)
+    assert report.passed, report.summary()
+    assert report.dtype == str(dtype)[6:]
+    assert all(o.candidate_error is not None for o in report.outputs)
+
+
+def test_sharded_input_keeps_its_shards_and_index(saved, tmp_path):
+    src = saved("gpt2", torch.float32, max_shard_size="120KB")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3
+    out = fold_checkpoint(src, tmp_path / "out").out_dir
+    new_index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(new_index["weight_map"].values())) == shards
+    assert set(new_index["weight_map"]) == set(index["weight_map"]) | {"lm_head.weight"}
+    total = 0
+    for key, shard in new_index["weight_map"].items():
+        with safe_open(out / shard, "pt") as f:
+            assert key in f.keys()
+            total += f.get_tensor(key).numel() * 4
+    assert new_index["metadata"]["total_size"] == total
+    assert enjoyln.check_checkpoints(src, out).passed
+
+
+def test_reshard_by_max_shard_size(saved, tmp_path):
+    src = saved("gpt2")
+    out = fold_checkpoint(src, tmp_path / "out", max_shard_size=parse_size("100KB")).out_dir
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) >= 4 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert all(p.stat().st_size < 100_000 + 70_000 for p in out.glob("*.safetensors"))
+    assert enjoyln.check_checkpoints(src, out).passed
+
+
+def test_head_saved_instead_of_embedding(saved, tmp_path):
+    """A checkpoint that stored only the tied head still yields both tensors."""
+    from safetensors.torch import load_file, save_file
+
+    src = saved("gpt2")
+    alt = tmp_path / "alt"
+    alt.mkdir()
+    for p in src.iterdir():
+        (alt / p.name).write_bytes(p.read_bytes())
+    sd = load_file(src / "model.safetensors")
+    sd["lm_head.weight"] = sd.pop("transformer.wte.weight")
+    save_file(sd, alt / "model.safetensors", metadata={"format": "pt"})
+    out = fold_checkpoint(alt, tmp_path / "out").out_dir
+    with safe_open(out / "model.safetensors", "pt") as f:
+        wte, head = f.get_tensor("transformer.wte.weight"), f.get_tensor("lm_head.weight")
+    assert torch.equal(head, sd["lm_head.weight"])
+    assert wte.double().mean(1).abs().max() < 1e-6
+    assert enjoyln.check_checkpoints(src, out).passed
+
+
+def test_dry_run_writes_nothing(saved, tmp_path):
+    result = fold_checkpoint(saved("bert"), tmp_path / "out", dry_run=True)
+    assert result.out_dir is None and len(result.plan.foldable) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_pickle_weights_with_explicit_permission(saved, tmp_path):
+    src = saved("gpt2")
+    pkl = tmp_path / "pkl"
+    pkl.mkdir()
+    (pkl / "config.json").write_text((src / "config.json").read_text())
+    sd = reload_plain(src).state_dict()
+    torch.save({k: v for k, v in sd.items() if k != "lm_head.weight"}, pkl / "pytorch_model.bin")
+    with pytest.raises(enjoyln.CheckpointError, match="--allow-pickle"):
+        open_model_dir(pkl)
+    out = fold_checkpoint(pkl, tmp_path / "out", allow_pickle=True).out_dir
+    assert (out / "model.safetensors").exists() and not (out / "pytorch_model.bin").exists()
+    assert enjoyln.check_checkpoints(src, out).passed
+
+
+def test_progress_reports_bytes(saved, tmp_path):
+    seen = []
+    fold_checkpoint(saved("gpt2"), tmp_path / "out", progress=lambda d, t: seen.append((d, t)))
+    assert seen and seen[-1][0] == seen[-1][1] > 0
+    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+
+
+def test_demo_checkpoint_has_a_working_tokenizer(tmp_path):
+    path = demo_checkpoint(tmp_path / "demo", layers=1, width=64, vocab=64)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    assert tok("w1 w2")["input_ids"] == [3, 4]
+    out = fold_checkpoint(path, tmp_path / "out").out_dir
+    assert transformers.AutoTokenizer.from_pretrained(out)("w1 w2")["input_ids"] == [3, 4]
+
+
+def test_model_without_layer_norm_writes_nothing(tmp_path):
+    src = tmp_path / "llama"
+    tiny_model("llama").save_pretrained(src)
+    result = fold_checkpoint(src, tmp_path / "out")
+    assert result.plan.layer_norms == [] and result.out_dir is None
+    assert not (tmp_path / "out").exists()
