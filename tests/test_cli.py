@@ -1,0 +1,273 @@
+"""The command line, through typer's CliRunner and through real subprocesses."""
+
+import errno
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from enjoyln import checkpoint
+from enjoyln.cli import app
+from enjoyln.testing import perturb, tiny_model
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "gpt2"
+    perturb(tiny_model("gpt2"), seed=31).save_pretrained(path)
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+def digest(path):
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        h.update(str(p.relative_to(path)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def copy_dir(src, dst):
+    dst.mkdir(parents=True)
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def test_fold_then_check(gpt2_dir, tmp_path):
+    result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "5 of 5 LayerNorms foldable" in result.output
+    assert "lm_head.weight" in result.output and "PASS" in result.output
+    result = runner.invoke(app, ["check", str(gpt2_dir), str(tmp_path / "out"), "--batches", "2"])
+    assert result.exit_code == 0 and "PASS" in result.output
+
+
+def test_fold_json_and_dry_run(gpt2_dir, tmp_path):
+    result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out"), "--dry-run", "--json"])
+    assert result.exit_code == 0
+    payload = json.loads(result.stdout)
+    assert payload["out_dir"] is None and len(payload["plan"]["layer_norms"]) == 5
+    assert not (tmp_path / "out").exists()
+    result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out"), "--json"])
+    payload = json.loads(result.stdout)
+    assert payload["check"]["passed"] is True and payload["files"] == ["model.safetensors"]
+
+
+def test_check_fails_with_exit_1_on_a_wrong_checkpoint(gpt2_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "out"
+    assert runner.invoke(app, ["fold", str(gpt2_dir), str(out), "--no-check"]).exit_code == 0
+    sd = load_file(out / "model.safetensors")
+    sd["transformer.h.0.ln_2.bias"] = torch.zeros_like(sd["transformer.h.0.ln_2.bias"])  # drop a beta
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    result = runner.invoke(app, ["check", str(gpt2_dir), str(out), "--json"])
+    assert result.exit_code == 1
+    assert json.loads(result.stdout)["passed"] is False
+
+
+def test_inspect_table_json_and_graph(gpt2_dir, tmp_path):
+    result = runner.invoke(app, ["inspect", str(gpt2_dir)])
+    assert result.exit_code == 0 and "transformer.ln_f" in result.output
+    result = runner.invoke(app, ["inspect", str(gpt2_dir), "--json"])
+    assert json.loads(result.stdout)["model"] == "GPT2LMHeadModel"
+    for suffix in ("html", "svg"):
+        graph = tmp_path / f"g.{suffix}"
+        result = runner.invoke(app, ["inspect", str(gpt2_dir), "--graph", str(graph)])
+        assert result.exit_code == 0, result.output
+        text = graph.read_text()
+        assert "transformer.h.1.ln_2" in text and "<svg" in text
+        assert text.count("#c7f0c2") >= 5  # centered leaves drawn in green
+    result = runner.invoke(app, ["inspect", str(gpt2_dir), "--graph", str(tmp_path / "g.png")])
+    assert result.exit_code == 2 and "must end in .html or .svg" in result.stderr
+
+
+def test_inspect_bert_reasons(tmp_path):
+    tiny_model("bert").save_pretrained(tmp_path / "bert")
+    result = runner.invoke(app, ["inspect", str(tmp_path / "bert"), "--json"])
+    plan = json.loads(result.stdout)
+    reasons = [e["reason"] for e in plan["layer_norms"] if not e["foldable"]]
+    assert len(reasons) == 4 and all("which is not zero-mean" in r for r in reasons)
+
+
+def test_no_layer_norm_says_nothing_to_fold(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path / "llama")
+    result = runner.invoke(app, ["fold", str(tmp_path / "llama"), str(tmp_path / "out")])
+    assert result.exit_code == 0 and "nothing to fold" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+# --- bad input: one line, exit 2, input unchanged, no OUT_DIR -------------------------------
+
+def corrupt(src, tmp):
+    d = copy_dir(src, tmp / "in")
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    return d
+
+
+def truncated(src, tmp):
+    d = copy_dir(src, tmp / "in")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    return d
+
+
+def bad_config(src, tmp):
+    d = copy_dir(src, tmp / "in")
+    (d / "config.json").write_text("{oops")
+    return d
+
+
+def no_config(src, tmp):
+    d = copy_dir(src, tmp / "in")
+    (d / "config.json").unlink()
+    return d
+
+
+def unknown_arch(src, tmp):
+    d = copy_dir(src, tmp / "in")
+    config = json.loads((d / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def pickle_only(src, tmp):
+    d = tmp / "in"
+    d.mkdir()
+    (d / "config.json").write_text((src / "config.json").read_text())
+    torch.save({"x": torch.zeros(1)}, d / "pytorch_model.bin")
+    return d
+
+
+def empty(src, tmp):
+    (tmp / "in").mkdir()
+    return tmp / "in"
+
+
+BAD = [
+    (lambda s, t: t / "missing", "does not exist"),
+    (empty, "is empty"),
+    (no_config, "has no config.json"),
+    (bad_config, "is not valid JSON"),
+    (unknown_arch, "unknown architecture 'NoSuchModelForCausalLM'"),
+    (corrupt, "is not a valid safetensors file"),
+    (truncated, "truncated"),
+    (pickle_only, "--allow-pickle"),
+]
+
+
+@pytest.mark.parametrize("make,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input(make, message, gpt2_dir, tmp_path):
+    src = make(gpt2_dir, tmp_path)
+    before = digest(src) if src.exists() else None
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["fold", str(src), str(out)])
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert (digest(src) if src.exists() else None) == before
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("where", ["same", "inside"])
+def test_out_dir_equal_to_or_inside_model_dir(where, gpt2_dir, tmp_path):
+    src = copy_dir(gpt2_dir, tmp_path / "in")
+    before = digest(src)
+    out = src if where == "same" else src / "sub"
+    result = runner.invoke(app, ["fold", str(src), str(out)])
+    assert result.exit_code == 2 and "inside MODEL_DIR" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert digest(src) == before and not (src / "sub").exists()
+
+
+def test_non_empty_out_dir_needs_force(gpt2_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = runner.invoke(app, ["fold", str(gpt2_dir), str(out)])
+    assert result.exit_code == 2 and "--force" in result.stderr
+    assert (out / "keep.txt").read_text() == "mine"
+    result = runner.invoke(app, ["fold", str(gpt2_dir), str(out), "--force", "--no-check"])
+    assert result.exit_code == 0 and not (out / "keep.txt").exists()
+    assert (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("code,message", [(errno.ENOSPC, "disk full"), (errno.EACCES, "permission denied")])
+def test_disk_full_or_permission_denied(code, message, gpt2_dir, tmp_path, monkeypatch):
+    # Root ignores file permissions and tmpfs quotas are not available here, so the
+    # failing write is simulated at the point where data goes to disk.
+    def failing_write(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(checkpoint, "_write_shard", failing_write)
+    before = digest(gpt2_dir)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["fold", str(gpt2_dir), str(out)])
+    assert result.exit_code == 2 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists() and digest(gpt2_dir) == before
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_permission_denied_creating_the_temporary_directory(gpt2_dir, tmp_path, monkeypatch):
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(checkpoint.tempfile, "mkdtemp", denied)
+    result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out")])
+    assert result.exit_code == 2 and "permission denied" in result.stderr
+
+
+def test_check_bad_input_exits_2(gpt2_dir, tmp_path):
+    result = runner.invoke(app, ["check", str(gpt2_dir), str(tmp_path / "nope")])
+    assert result.exit_code == 2 and "does not exist" in result.stderr
+
+
+def test_allow_pickle_folds_bin_weights(gpt2_dir, tmp_path):
+    import transformers
+
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "config.json").write_text((gpt2_dir / "config.json").read_text())
+    sd = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir).state_dict()
+    sd.pop("lm_head.weight")
+    torch.save(sd, src / "pytorch_model.bin")
+    result = runner.invoke(app, ["fold", str(src), str(tmp_path / "out"), "--allow-pickle"])
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.output
+
+
+# --- real subprocesses ---------------------------------------------------------------------------
+
+def run(*args):
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_entry_point_subprocess(gpt2_dir, tmp_path):
+    proc = run("enjoyln", "fold", str(gpt2_dir), str(tmp_path / "out"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["check"]["passed"] is True
+    proc = run("enjoyln", "fold", str(tmp_path / "missing"), str(tmp_path / "out2"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'missing'} does not exist"]
+
+
+def test_python_dash_m_subprocess(gpt2_dir, tmp_path):
+    proc = run(sys.executable, "-m", "enjoyln", "inspect", str(gpt2_dir), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["layer_norms"]) == 5
+    proc = run(sys.executable, "-m", "enjoyln", "check", str(gpt2_dir), str(gpt2_dir))
+    assert proc.returncode == 0 and "PASS" in proc.stdout
