@@ -18,7 +18,9 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -316,26 +318,65 @@ def _reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None,
 # --- writing -------------------------------------------------------------------------------
 
 
-def _tensor_bytes(e: Entry, root: Path) -> torch.Tensor:
-    """The tensor for a centered entry, loaded alone and centered in float64."""
-    if e.tensor is not None:
-        t = e.tensor.clone()
-    else:
-        from safetensors import safe_open
+class _Buffer:
+    """One reusable buffer for the tensor being centered.
 
-        with safe_open(root / e.source.file, framework="pt") as f:
-            t = f.get_tensor(e.source.name)
-    center_(t, e.axis)
-    return t
+    Fresh memory costs a page fault per page on first touch; reusing one
+    buffer sized for the largest centered tensor avoids that, and bounds the
+    memory the fold needs.
+    """
+
+    def __init__(self) -> None:
+        self.data = torch.empty(0, dtype=torch.uint8)
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> torch.Tensor:
+        if self.data.numel() < nbytes:
+            self.data = torch.empty(nbytes, dtype=torch.uint8)
+        return self.data[:nbytes].view(dtype).view(shape)
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, name: str) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if not n:
+            raise CheckpointError(f"{name} ended early")
+        got += n
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _copy_range(src: int, dst: int, start: int, count: int, at: int, advance: Callable[[int], None]) -> None:
+    """Copy ``count`` bytes from ``src`` at ``start`` to ``dst`` at ``at``, in the kernel if possible."""
+    while count:
+        step = min(count, 64 << 20)
+        try:
+            n = os.copy_file_range(src, dst, step, start, at)
+        except (AttributeError, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT):
+                raise
+            chunk = os.pread(src, step, start)
+            _pwrite_all(dst, memoryview(chunk), at)
+            n = len(chunk)
+        if n <= 0:
+            raise CheckpointError("a weight file ended early")
+        start, at, count = start + n, at + n, count - n
+        advance(n)
 
 
 def _write_shard(file: Path, entries: list[Entry], root: Path, metadata: dict[str, str],
-                 advance: Callable[[int], None]) -> None:
+                 advance: Callable[[int], None], buffer: _Buffer) -> None:
     """Write one safetensors file tensor by tensor.
 
     safetensors' own writer needs every tensor of a file in memory at once;
-    the header is small JSON with known sizes, so it is written first and
-    the data streamed after it. The result is re-read with safetensors.
+    the header is small JSON with known sizes, so it is written first, and
+    every tensor then goes to its own offset. Unchanged tensors are copied
+    by the kernel on a second thread while this one centers the others.
+    Callers re-read the result's header.
     """
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
@@ -344,33 +385,48 @@ def _write_shard(file: Path, entries: list[Entry], root: Path, metadata: dict[st
         offset += e.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    with open(file, "wb") as out:
-        out.write(struct.pack("<Q", len(blob)))
-        out.write(blob)
-        src_files: dict[str, Any] = {}
-        try:
-            for e in entries:
-                if e.axis is not None or e.tensor is not None:
-                    t = _tensor_bytes(e, root) if e.axis is not None else e.tensor
-                    out.write(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-                              if t.numel() else b"")
+    base = 8 + len(blob)
+    positions, pos = [], base
+    for e in entries:
+        positions.append(pos)
+        pos += e.nbytes
+    fds: dict[str, int] = {}
+    out = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _pwrite_all(out, memoryview(struct.pack("<Q", len(blob)) + blob), 0)
+        for e in entries:
+            if e.source is not None and e.source.file not in fds:
+                fds[e.source.file] = os.open(root / e.source.file, os.O_RDONLY)
+        raw = [(e, at) for e, at in zip(entries, positions) if e.axis is None and e.tensor is None]
+        cooked = [(e, at) for e, at in zip(entries, positions) if not (e.axis is None and e.tensor is None)]
+
+        def copy_raw() -> None:
+            for e, at in raw:
+                _copy_range(fds[e.source.file], out, e.source.start, e.nbytes, at, advance)
+
+        with ThreadPoolExecutor(1) as pool:
+            copying = pool.submit(copy_raw)
+            try:
+                for e, at in cooked:
+                    if e.tensor is not None:
+                        t = buffer.tensor(e.tensor.dtype, e.shape, e.nbytes)
+                        t.copy_(e.tensor)
+                    else:
+                        t = buffer.tensor(_DTYPES[e.dtype], e.shape, e.nbytes)
+                    view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
+                    if e.tensor is None:
+                        _pread_into(fds[e.source.file], view, e.source.start, str(root / e.source.file))
+                    if e.axis is not None:
+                        center_(t, e.axis)
+                    _pwrite_all(out, view, at)
                     advance(e.nbytes)
-                    continue
-                f = src_files.get(e.source.file)
-                if f is None:
-                    f = src_files[e.source.file] = open(root / e.source.file, "rb")
-                f.seek(e.source.start)
-                left = e.nbytes
-                while left:
-                    chunk = f.read(min(left, _COPY_CHUNK))
-                    if not chunk:
-                        raise CheckpointError(f"{root / e.source.file} ended early")
-                    out.write(chunk)
-                    left -= len(chunk)
-                    advance(len(chunk))
-        finally:
-            for f in src_files.values():
-                f.close()
+            finally:
+                copying.result()
+        os.ftruncate(out, pos)
+    finally:
+        os.close(out)
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
@@ -421,6 +477,9 @@ class FoldResult:
     files: list[str]
     bytes_written: int
     seconds: float
+    """Wall time of the whole fold, analysis included."""
+    stream_seconds: float = 0.0
+    """Wall time of writing the weights alone."""
 
 
 def _load_pickled(md: ModelDir) -> dict[str, tuple[str, torch.Tensor]]:
@@ -464,12 +523,14 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     shards = _reshard(_plan_entries(md, plan, prefix, saved_names(model), pickled), max_shard_size)
     total = sum(e.nbytes for _, es in shards for e in es)
     done = 0
+    lock = threading.Lock()
 
     def advance(n: int) -> None:
         nonlocal done
-        done += n
-        if progress is not None:
-            progress(done, total)
+        with lock:
+            done += n
+            if progress is not None:
+                progress(done, total)
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -484,8 +545,11 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
         (tmp / "config.json").write_text(json.dumps(_output_config(md, plan), indent=2) + "\n")
         metadata = {"format": "pt", "enjoyln": __version__}
+        buffer = _Buffer()
+        stream_start = time.perf_counter()
         for name, entries in shards:
-            _write_shard(tmp / name, entries, md.path, metadata, advance)
+            _write_shard(tmp / name, entries, md.path, metadata, advance, buffer)
+        stream_seconds = time.perf_counter() - stream_start
         files = [name for name, _ in shards]
         if len(shards) > 1:
             index = {"metadata": {"total_size": total, "enjoyln": __version__},
@@ -500,7 +564,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return FoldResult(plan, out, files, total, time.perf_counter() - start)
+    return FoldResult(plan, out, files, total, time.perf_counter() - start, stream_seconds)
 
 
 def _publish(tmp: Path, out: Path) -> None:

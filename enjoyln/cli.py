@@ -144,13 +144,14 @@ def fold(
     plan = result.plan
     payload: dict[str, Any] = {"plan": plan.to_dict(), "out_dir": str(result.out_dir) if result.out_dir else None,
                                "files": result.files, "bytes_written": result.bytes_written,
-                               "fold_seconds": result.seconds}
+                               "fold_seconds": result.seconds, "stream_seconds": result.stream_seconds}
     if not as_json:
         print_plan(plan)
         if result.out_dir:
-            speed = result.bytes_written / max(result.seconds, 1e-9) / 1e6
+            speed = result.bytes_written / max(result.stream_seconds, 1e-9) / 1e6
             out.print(f"Wrote {result.out_dir} ({len(result.files)} weight files, "
-                      f"{format_bytes(result.bytes_written)}) in {result.seconds:.2f} s ({speed:.0f} MB/s)")
+                      f"{format_bytes(result.bytes_written)}) in {result.seconds:.2f} s; the weights took "
+                      f"{result.stream_seconds:.2f} s ({speed:.0f} MB/s)")
         elif dry_run:
             out.print("Dry run: nothing written.")
     report = None

@@ -53,27 +53,30 @@ def _untie_config(model: nn.Module) -> None:
             cfg.tie_word_embeddings = False
 
 
-def center_(t: torch.Tensor, axis: int, *, chunk_elements: int = 1 << 22) -> torch.Tensor:
+def center_(t: torch.Tensor, axis: int, *, chunk_elements: int = 1 << 17) -> torch.Tensor:
     """Subtract ``t``'s mean along ``axis``, in place, computed in float64.
 
-    Works in slices along another axis, so the float64 temporaries stay small
-    even for a vocabulary-sized embedding.
+    Works on cache-sized contiguous blocks of rows, so the float64 copy is a
+    block, never the whole tensor: folding a vocabulary-sized embedding needs
+    no extra memory to speak of, and runs at memory speed.
     """
     if t.device.type == "meta" or t.numel() == 0:
         return t
-    axis = axis % t.dim()
-    mean = t.mean(axis, dtype=torch.float64, keepdim=True) if t.is_floating_point() else None
-    if mean is None:
+    if not t.is_floating_point():
         raise PlanError(f"cannot center a tensor of dtype {t.dtype}")
-    other = next((d for d in range(t.dim()) if d != axis), None)
-    if other is None:
-        t.copy_(t.to(torch.float64) - mean)
+    axis = axis % t.dim()
+    rows = max(1, chunk_elements * t.shape[0] // t.numel())
+    blocks = t.split(rows, 0) if t.dim() > 1 else [t]
+    if axis == 0 and t.dim() > 1:
+        # The mean runs across the blocks: sum them first, then shift each.
+        total = sum(b.sum(0, keepdim=True, dtype=torch.float64) for b in blocks)
+        mean = total / t.shape[0]
+        for b in blocks:
+            b.copy_(b.to(torch.float64).sub_(mean))
         return t
-    step = max(1, chunk_elements // max(1, t.numel() // t.shape[other]))
-    for start in range(0, t.shape[other], step):
-        part = t.narrow(other, start, min(step, t.shape[other] - start))
-        m = mean if mean.shape[other] == 1 else mean.narrow(other, start, part.shape[other])
-        part.copy_(part.to(torch.float64) - m)
+    for b in blocks:
+        wide = b.to(torch.float64)
+        b.copy_(wide.sub_(wide.mean(axis, keepdim=True)))
     return t
 
 
