@@ -68,3 +68,177 @@ def compare_latency(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *
     tokens = int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
     return LatencyComparison(statistics.median(times["a"]) * 1e3, statistics.median(times["b"]) * 1e3,
                              repeats, tokens)
+
+
+# --- kernels ------------------------------------------------------------------------------------
+
+
+@dataclass
+class KernelResult:
+    """One shape and dtype: native LN against enjoyln RMSNorm and against F.rms_norm + bias."""
+
+    rows: int
+    cols: int
+    dtype: str
+    device: str
+    threads: int
+    backend: str
+    layer_norm_us: float
+    rms_norm_us: float
+    torch_rms_norm_us: float
+    copy_us: float
+    bytes_moved: int
+
+    @property
+    def ratio(self) -> float:
+        """enjoyln RMSNorm time / native LN time; below 1 is faster."""
+        return self.rms_norm_us / self.layer_norm_us
+
+    @property
+    def torch_ratio(self) -> float:
+        return self.torch_rms_norm_us / self.layer_norm_us
+
+    def gbps(self, us: float) -> float:
+        return self.bytes_moved / (us * 1e-6) / 1e9
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ratio": self.ratio, "torch_ratio": self.torch_ratio,
+                "layer_norm_gbps": self.gbps(self.layer_norm_us), "rms_norm_gbps": self.gbps(self.rms_norm_us)}
+
+
+def _median_time(fn: Any, repeats: int, sync: Any) -> float:
+    for _ in range(max(3, repeats // 10)):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def kernel_benchmark(shapes: list[tuple[int, int]], dtypes: list[torch.dtype], *, device: str = "cpu",
+                     repeats: int = 200, seed: int = 0) -> list[KernelResult]:
+    """Time native LN, enjoyln RMSNorm and ``F.rms_norm`` + bias, interleaved, per shape and dtype.
+
+    Bytes moved are ``M·N·(size_x + size_y) + N·(size_γ + size_β)``; a copy of
+    the input (``clone``) is timed too, as the floor no kernel can beat.
+    """
+    import torch.nn.functional as F
+
+    from . import ops
+
+    gen = torch.Generator().manual_seed(seed)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    results = []
+    with torch.inference_mode():
+        for rows, cols in shapes:
+            for dtype in dtypes:
+                x = torch.randn(rows, cols, generator=gen).to(device, dtype)
+                w = (torch.rand(cols, generator=gen) + 0.5).to(device, dtype)
+                b = torch.randn(cols, generator=gen).to(device, dtype)
+                calls = {
+                    "ln": lambda: F.layer_norm(x, (cols,), w, b, 1e-5),
+                    "rms": lambda: ops.rms_norm(x, (cols,), w, b, 1e-5),
+                    "torch": lambda: F.rms_norm(x, (cols,), w, 1e-5) + b,
+                    "copy": lambda: x.clone(),
+                }
+                # interleave rounds so drift hits every candidate alike
+                rounds = {k: [] for k in calls}
+                for _ in range(5):
+                    for key, fn in calls.items():
+                        rounds[key].append(_median_time(fn, max(1, repeats // 5), sync))
+                t = {k: statistics.median(v) for k, v in rounds.items()}
+                size = x.element_size()
+                results.append(KernelResult(rows, cols, str(dtype).replace("torch.", ""), device,
+                                            torch.get_num_threads(), ops.backend(x, w, b), t["ln"], t["rms"],
+                                            t["torch"], t["copy"], rows * cols * 2 * size + cols * 2 * size))
+    return results
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+
+@dataclass
+class EndToEndResult:
+    """Original against folded: medians of alternating forwards, and the LN share."""
+
+    latency: LatencyComparison
+    layer_norm_share: float
+    batch: int
+    seq_len: int
+    threads: int
+
+    @property
+    def share_captured(self) -> float:
+        """Speedup as a fraction of the time the original spent in LN."""
+        return self.latency.speedup / self.layer_norm_share if self.layer_norm_share else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"latency": self.latency.to_dict(), "layer_norm_share": self.layer_norm_share,
+                "share_captured": self.share_captured, "batch": self.batch, "seq_len": self.seq_len,
+                "threads": self.threads}
+
+
+def layer_norm_share(model: nn.Module, example_inputs: ExampleInputs, *, runs: int = 3) -> float:
+    """Fraction of the model's CPU self time spent in LayerNorm, from the PyTorch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = as_inputs(example_inputs)
+    with torch.inference_mode():
+        inputs.call(model)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(runs):
+                inputs.call(model)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    ln = sum(e.self_cpu_time_total for e in events if "layer_norm" in e.key)
+    return ln / total if total else 0.0
+
+
+def end_to_end(original: nn.Module, folded: nn.Module, example_inputs: ExampleInputs, *,
+               repeats: int = 20) -> EndToEndResult:
+    """Forward latency of the original and the folded model, and the original's LN share."""
+    inputs = as_inputs(example_inputs)
+    latency = compare_latency(original, folded, inputs, repeats=repeats)
+    share = layer_norm_share(original, inputs)
+    ids = inputs.kwargs.get("input_ids")
+    batch, seq = (tuple(ids.shape) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else (0, 0))
+    return EndToEndResult(latency, share, batch, seq, torch.get_num_threads())
+
+
+def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: Any) -> None:
+    """A bar chart of time ratios (RMSNorm / LayerNorm); needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from .errors import EnjoylnError
+
+        raise EnjoylnError("--plot needs matplotlib: pip install 'enjoyln[plot]'") from None
+    labels = [f"{r.rows}x{r.cols}\n{r.dtype}" for r in kernels]
+    ours = [r.ratio for r in kernels]
+    theirs = [r.torch_ratio for r in kernels]
+    floor = [r.copy_us / r.layer_norm_us for r in kernels]
+    if e2e is not None:
+        labels.append("end to end")
+        ours.append(e2e.latency.ratio)
+        theirs.append(float("nan"))
+        floor.append(float("nan"))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(labels)), 4))
+    xs = range(len(labels))
+    ax.bar([x - 0.27 for x in xs], ours, 0.27, label="enjoyln RMSNorm")
+    ax.bar(xs, theirs, 0.27, label="F.rms_norm + bias")
+    ax.bar([x + 0.27 for x in xs], floor, 0.27, label="copy of the input (floor)")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("time / native LayerNorm")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

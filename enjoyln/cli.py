@@ -265,6 +265,121 @@ def demo(
             temp.cleanup()
 
 
+def _parse_shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        return [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",") if part]  # type: ignore[misc]
+    except ValueError:
+        raise EnjoylnError(f"cannot read --shapes {text!r}; write e.g. 2048x768,4096x1024") from None
+
+
+def _parse_dtypes(text: str) -> list[Any]:
+    import torch
+
+    out = []
+    for name in text.split(","):
+        dtype = getattr(torch, name.strip(), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise EnjoylnError(f"unknown floating dtype {name!r} in --dtypes")
+        out.append(dtype)
+    return out
+
+
+@app.command()
+@friendly
+def bench(
+    model_dir: Optional[Path] = typer.Argument(None, help="Model directory, original or folded (default: a random GPT-2 small)."),
+    kernels: bool = typer.Option(True, "--kernels/--no-kernels", help="Time the norm kernels alone."),
+    e2e: bool = typer.Option(True, "--e2e/--no-e2e", help="Time the original against the folded model."),
+    shapes: str = typer.Option("2048x768,4096x1024", help="Kernel shapes, ROWSxCOLS, comma-separated."),
+    dtypes: str = typer.Option("float32,bfloat16", help="Kernel dtypes, comma-separated."),
+    batch: int = typer.Option(1, help="End-to-end batch size."),
+    seq_len: int = typer.Option(512, help="End-to-end sequence length."),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's default)."),
+    repeats: int = typer.Option(20, help="End-to-end forwards per model."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    plot: Optional[Path] = typer.Option(None, help="Save a PNG of the ratios (needs matplotlib)."),
+) -> None:
+    """Measure enjoyln RMSNorm against native LayerNorm, alone and in a model."""
+    import torch
+
+    from . import ops
+    from .bench import end_to_end, kernel_benchmark
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise EnjoylnError("--device cuda, but CUDA is not available")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    payload: dict[str, Any] = {"threads": torch.get_num_threads(), "backends": ops.status()}
+    if not as_json:
+        out.print(f"backends: {ops.status()}; {torch.get_num_threads()} threads")
+    results = []
+    if kernels:
+        results = kernel_benchmark(_parse_shapes(shapes), _parse_dtypes(dtypes), device=device)
+        payload["kernels"] = [r.to_dict() for r in results]
+        if not as_json:
+            table = Table(title="Norm kernels: median µs; torch = F.rms_norm + bias; copy = x.clone(), "
+                                "the floor", title_justify="left")
+            for col in ("shape", "dtype", "path", "LN µs", "RMS µs", "RMS/LN", "torch µs", "torch/LN",
+                        "copy/LN", "LN GB/s", "RMS GB/s"):
+                table.add_column(col, no_wrap=True)
+            for r in results:
+                table.add_row(f"{r.rows}x{r.cols}", r.dtype, r.backend, f"{r.layer_norm_us:.0f}",
+                              f"{r.rms_norm_us:.0f}", f"{r.ratio:.2f}", f"{r.torch_rms_norm_us:.0f}",
+                              f"{r.torch_ratio:.2f}", f"{r.copy_us / r.layer_norm_us:.2f}",
+                              f"{r.gbps(r.layer_norm_us):.1f}", f"{r.gbps(r.rms_norm_us):.1f}")
+            out.print(table)
+    e2e_result = None
+    if e2e:
+        original, folded = _bench_models(model_dir, device)
+        from .capture import hf_example_inputs
+
+        inputs = hf_example_inputs(original, batch=batch, seq_len=seq_len)
+        e2e_result = end_to_end(original, folded, inputs, repeats=repeats)
+        payload["e2e"] = e2e_result.to_dict()
+        if not as_json:
+            lat = e2e_result.latency
+            out.print(f"End to end ({type(original).__name__}, batch {batch}, seq {seq_len}): original "
+                      f"{lat.a_ms:.1f} ms, folded {lat.b_ms:.1f} ms; folded/original {lat.ratio:.4f} "
+                      f"({lat.speedup:+.2%}); {lat.tokens_per_s('a'):.0f} -> {lat.tokens_per_s('b'):.0f} tokens/s")
+            out.print(f"LayerNorm share of the original (profiler): {e2e_result.layer_norm_share:.2%}; "
+                      f"the fold captured {e2e_result.share_captured:.0%} of it")
+    if plot is not None:
+        from .bench import plot_results
+
+        plot_results(results, e2e_result, plot)
+        if not as_json:
+            out.print(f"Saved {plot}")
+    if as_json:
+        out.print_json(json.dumps(payload))
+
+
+def _bench_models(model_dir: Optional[Path], device: str) -> tuple[Any, Any]:
+    """(original, folded): from a directory (either kind), or a random GPT-2 small."""
+    import copy
+
+    from . import fold as fold_model
+    from .checkpoint import load, open_model_dir
+
+    if model_dir is None:
+        import transformers
+
+        from .testing import perturb
+
+        original = perturb(transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval())
+        folded = fold_model(copy.deepcopy(original))
+    elif open_model_dir(model_dir).config.get("enjoyln"):
+        import transformers
+
+        md = open_model_dir(model_dir)
+        original = getattr(transformers, md.architecture).from_pretrained(model_dir).eval()
+        folded = load(model_dir)
+    else:
+        original = load(model_dir)
+        folded = fold_model(copy.deepcopy(original))
+    return original.to(device), folded.to(device)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

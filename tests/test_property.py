@@ -36,10 +36,10 @@ def programs(draw):
     steps = []
     for n in range(draw(st.integers(2, 9))):
         # mostly start from a linear layer: the raw input can never be centered
-        first = ["linear"] * 6 + ["embed_add", "param_add", "act"]
+        first = ["linear"] * 6 + ["embed_add", "param_add", "act", "ln"]
         kind = draw(st.sampled_from(first if n == 0 else UNARY + BINARY + ["linear", "linear", "ln", "ln", "add", "add"]))
         # mostly build on recent values, so chains (linear -> ... -> LN) form
-        i = max(0, len(widths) - 1 - draw(st.integers(0, 3)))
+        i = max(min(1, len(widths) - 1), len(widths) - 1 - draw(st.integers(0, 3)))
         w = widths[i]
         if kind == "linear":
             out = draw(st.sampled_from([D, 2 * D]))
@@ -50,7 +50,12 @@ def programs(draw):
             steps.append((kind, i, j))
             widths.append(w)
         elif kind == "cat_feat":
-            j = draw(st.sampled_from([k for k, wk in enumerate(widths) if wk + w <= 4 * D]))
+            fits = [k for k, wk in enumerate(widths) if wk + w <= 4 * D]
+            if not fits:  # too wide already: add to itself instead
+                steps.append(("add", i, i))
+                widths.append(w)
+                continue
+            j = draw(st.sampled_from(fits))
             steps.append((kind, i, j))
             widths.append(w + widths[j])
         elif kind == "row_scale":

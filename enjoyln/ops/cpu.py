@@ -1,0 +1,118 @@
+"""The fused CPU RMSNorm: a small C kernel compiled on first use.
+
+PyTorch's CPU ``F.rms_norm`` is an unfused composite, slower than the
+``F.layer_norm`` it would replace. This kernel does one read of the input
+and one write of the output. It is compiled with the system C compiler
+(``$CC``, else ``cc``) into ``$ENJOYLN_CACHE`` (default ``~/.cache/enjoyln``)
+and loaded with ctypes; when no compiler works the caller falls back to the
+reference implementation, and ``status()`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("rmsnorm_cpu.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+_loaded = False
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ENJOYLN_CACHE", Path.home() / ".cache" / "enjoyln"))
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _build() -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([cc, *FLAGS, platform.machine(), platform.node()]).encode())
+    lib_path = cache_dir() / f"rmsnorm_cpu-{key.hexdigest()[:16]}.so"
+    if not lib_path.exists():
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+            out = Path(tmp) / lib_path.name
+            proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"],
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                first = (proc.stderr.strip().splitlines() or ["failed"])[0]
+                raise RuntimeError(f"{cc} failed: {first}")
+            os.replace(out, lib_path)  # atomic: concurrent builds never see half a file
+    lib = ctypes.CDLL(str(lib_path))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name in ("f32", "bf16", "f16"):
+        fn = getattr(lib, f"enjoyln_rms_norm_{name}", None)
+        if fn is not None:
+            fn.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, ctypes.c_int]
+            fn.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built once per process; None if it cannot be."""
+    global _lib, _error, _loaded
+    if _loaded:
+        return _lib
+    with _lock:
+        if not _loaded:
+            if os.environ.get("ENJOYLN_DISABLE_CPU_KERNEL"):
+                _error = "disabled by ENJOYLN_DISABLE_CPU_KERNEL"
+            else:
+                try:
+                    _lib = _build()
+                except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                    _error = str(exc)
+            _loaded = True
+    return _lib
+
+
+def status() -> str:
+    """'fused C kernel (...)' or the reason the reference path is used."""
+    lib = library()
+    if lib is None:
+        return f"reference PyTorch (no fused kernel: {_error})"
+    return f"fused C kernel, {torch.get_num_threads()} threads"
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+    if x.device.type != "cpu" or x.dtype not in DTYPES or not x.is_contiguous() or x.numel() == 0:
+        return False
+    if x.dtype == torch.float16 and not getattr(library(), "enjoyln_has_f16", lambda: 0)():
+        return False
+    for t in (weight, bias):
+        if t is not None and (t.dtype != x.dtype or not t.is_contiguous() or t.device.type != "cpu"):
+            return False
+    return library() is not None
+
+
+def rms_norm_cpu(x: torch.Tensor, n: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 eps: float) -> torch.Tensor:
+    """Fused forward over rows of ``n`` trailing elements; check ``supports`` first."""
+    y = torch.empty_like(x)
+    fn = getattr(library(), f"enjoyln_rms_norm_{DTYPES[x.dtype]}")
+    fn(x.data_ptr(), weight.data_ptr() if weight is not None else None,
+       bias.data_ptr() if bias is not None else None, y.data_ptr(),
+       x.numel() // n, n, eps, torch.get_num_threads())
+    return y

@@ -1,0 +1,138 @@
+"""The RMSNorm kernels: the fused CPU path, dispatch, the custom op and its backward."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import enjoyln
+from enjoyln import ops
+from enjoyln.ops import cpu, rms_norm, rms_norm_reference
+
+SHAPES = [(1, 1), (3, 7), (5, 768), (2, 3, 1000), (64, 4096)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# a few ulps of the output dtype, relative to the output's scale
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+
+
+def close(a, b, dtype):
+    scale = b.float().abs().max().clamp_min(1.0)
+    assert a.dtype == b.dtype == dtype
+    assert float((a.float() - b.float()).abs().max() / scale) <= TOL[dtype]
+
+
+needs_kernel = pytest.mark.skipif(cpu.library() is None, reason="no C compiler for the CPU kernel")
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
+def test_cpu_kernel_matches_reference(shape, dtype, affine):
+    n = shape[-1]
+    x = (torch.randn(shape) * 3 + 0.5).to(dtype)
+    w = (torch.rand(n) + 0.5).to(dtype) if affine in ("both", "weight") else None
+    b = torch.randn(n).to(dtype) if affine in ("both", "bias") else None
+    assert ops.backend(x, w, b) == "cpu"
+    close(cpu.rms_norm_cpu(x.contiguous(), n, w, b, 1e-6), rms_norm_reference(x, (n,), w, b, 1e-6), dtype)
+    close(rms_norm(x, (n,), w, b, 1e-6), rms_norm_reference(x, (n,), w, b, 1e-6), dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_kernel_threads_agree(threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, w, b = torch.randn(333, 257), torch.rand(257), torch.randn(257)
+        assert torch.equal(rms_norm(x, (257,), w, b), cpu.rms_norm_cpu(x, 257, w, b, 1e-5))
+        close(rms_norm(x, (257,), w, b), rms_norm_reference(x, (257,), w, b), torch.float32)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_unsupported_inputs_take_the_reference_path():
+    x = torch.randn(4, 8, dtype=torch.float64)
+    assert ops.backend(x) == "reference"
+    assert ops.backend(torch.randn(4, 8), torch.rand(8, dtype=torch.float64)) == "reference"
+    t = torch.randn(8, 4).t()  # not contiguous: made contiguous, then fused
+    close(rms_norm(t, (8,)), rms_norm_reference(t, (8,)), torch.float32)
+    y = rms_norm(x, (8,), torch.rand(8, dtype=torch.float64))
+    assert y.dtype == torch.float64
+
+
+def test_multi_axis_normalized_shape():
+    x, w, b = torch.randn(2, 3, 4, 5), torch.rand(4, 5), torch.randn(4, 5)
+    close(rms_norm(x, (4, 5), w, b), rms_norm_reference(x, (4, 5), w, b), torch.float32)
+
+
+def test_disabled_kernel_falls_back_and_says_why():
+    code = ("import os, torch; os.environ['ENJOYLN_DISABLE_CPU_KERNEL'] = '1'\n"
+            "from enjoyln import ops\n"
+            "print(ops.backend(torch.randn(2, 4))); print(ops.status()['cpu'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["reference", "reference PyTorch (no fused kernel: disabled by ENJOYLN_DISABLE_CPU_KERNEL)"]
+
+
+def test_missing_compiler_falls_back(tmp_path):
+    code = ("import torch\nfrom enjoyln import ops\n"
+            "print(ops.backend(torch.randn(2, 4))); print(ops.status()['cpu'])")
+    env = {"PATH": str(tmp_path), "CC": "", "ENJOYLN_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.splitlines()[0] == "reference" and "no C compiler" in out
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradcheck(bias):
+    x = torch.randn(3, 2, 6, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(6, dtype=torch.float64) + 0.5).requires_grad_()
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True) if bias else None
+    inputs = (x, w, b) if bias else (x, w)
+    fn = (lambda x, w, b: rms_norm(x, (6,), w, b, 1e-5)) if bias else (lambda x, w: rms_norm(x, (6,), w, None, 1e-5))
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_backward_in_float32_matches_autograd_of_reference():
+    x = torch.randn(4, 33, requires_grad=True)
+    w = (torch.rand(33) + 0.5).requires_grad_()
+    b = torch.randn(33, requires_grad=True)
+    g = torch.randn(4, 33)
+    rms_norm(x, (33,), w, b).backward(g)
+    ours = [t.grad.clone() for t in (x, w, b)]
+    for t in (x, w, b):
+        t.grad = None
+    rms_norm_reference(x, (33,), w, b).backward(g)
+    for a, t in zip(ours, (x, w, b)):
+        torch.testing.assert_close(a, t.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_folded_model_trains_like_the_original():
+    """Gradients of a folded model equal the original's (centered parameters aside)."""
+    from enjoyln.testing import perturb, tiny_model
+
+    model = perturb(tiny_model("gpt2"), seed=3)
+    folded = enjoyln.fold(__import__("copy").deepcopy(model))
+    ids = torch.randint(0, 128, (2, 9))
+    for m in (model, folded):
+        m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), folded.parameters()):
+        if "ln_" in name and name.endswith(("weight", "bias")):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_export_shows_one_custom_op():
+    rms = enjoyln.RMSNorm(16)
+    ep = torch.export.export(rms, (torch.randn(2, 16),), strict=False)
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets == [torch.ops.enjoyln.rms_norm.default]
+    with torch.no_grad():
+        out = ep.module()(torch.ones(2, 16))
+    close(out, rms_norm_reference(torch.ones(2, 16), (16,), rms.weight.detach(), rms.bias.detach()), torch.float32)
+
+
+def test_status_names_every_device():
+    status = ops.status()
+    assert set(status) == {"cpu", "cuda"}
+    assert status["cuda"] == "not available" or "Triton" in status["cuda"] or "reference" in status["cuda"]
