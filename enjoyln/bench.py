@@ -170,6 +170,8 @@ class EndToEndResult:
     batch: int
     seq_len: int
     threads: int
+    norm_ms: tuple[float, float] = (0.0, 0.0)
+    """Wall time inside the norm modules per forward: (original LNs, folded norms)."""
 
     @property
     def share_captured(self) -> float:
@@ -178,6 +180,7 @@ class EndToEndResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"latency": self.latency.to_dict(), "layer_norm_share": self.layer_norm_share,
+                "norm_ms": list(self.norm_ms),
                 "share_captured": self.share_captured, "batch": self.batch, "seq_len": self.seq_len,
                 "threads": self.threads}
 
@@ -198,15 +201,50 @@ def layer_norm_share(model: nn.Module, example_inputs: ExampleInputs, *, runs: i
     return ln / total if total else 0.0
 
 
+def norm_time_ms(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *, runs: int = 6) -> tuple[float, float]:
+    """Median wall time per forward spent inside the norm modules of ``a`` and of ``b``.
+
+    Timed in place, inside the running model, where caches hold what the
+    layers around each norm left there; far less noisy than whole forwards
+    when the norms are a small share of the model.
+    """
+    from .norm import RMSNorm
+
+    inputs = as_inputs(example_inputs)
+    kinds = (nn.LayerNorm, RMSNorm)
+    totals: dict[int, list[float]] = {0: [], 1: []}
+    for idx, model in enumerate((a, b)):
+        spent = [0.0]
+        handles = []
+        for module in model.modules():
+            if isinstance(module, kinds):
+                handles.append(module.register_forward_pre_hook(lambda m, i: m.__dict__.__setitem__("_t0", time.perf_counter())))
+                handles.append(module.register_forward_hook(
+                    lambda m, i, o: spent.__setitem__(0, spent[0] + time.perf_counter() - m.__dict__.pop("_t0"))))
+        try:
+            with torch.inference_mode():
+                inputs.call(model)
+                for _ in range(runs):
+                    spent[0] = 0.0
+                    inputs.call(model)
+                    totals[idx].append(spent[0] * 1e3)
+        finally:
+            for h in handles:
+                h.remove()
+    return statistics.median(totals[0]), statistics.median(totals[1])
+
+
 def end_to_end(original: nn.Module, folded: nn.Module, example_inputs: ExampleInputs, *,
                repeats: int = 20) -> EndToEndResult:
-    """Forward latency of the original and the folded model, and the original's LN share."""
+    """Forward latency of the original and the folded model, the original's LN share,
+    and the time inside the norms of each."""
     inputs = as_inputs(example_inputs)
     latency = compare_latency(original, folded, inputs, repeats=repeats)
     share = layer_norm_share(original, inputs)
     ids = inputs.kwargs.get("input_ids")
     batch, seq = (tuple(ids.shape) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else (0, 0))
-    return EndToEndResult(latency, share, batch, seq, torch.get_num_threads())
+    return EndToEndResult(latency, share, batch, seq, torch.get_num_threads(),
+                          norm_time_ms(original, folded, inputs))
 
 
 def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: Any) -> None:

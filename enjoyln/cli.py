@@ -344,6 +344,8 @@ def bench(
                       f"({lat.speedup:+.2%}); {lat.tokens_per_s('a'):.0f} -> {lat.tokens_per_s('b'):.0f} tokens/s")
             out.print(f"LayerNorm share of the original (profiler): {e2e_result.layer_norm_share:.2%}; "
                       f"the fold captured {e2e_result.share_captured:.0%} of it")
+            ln_ms, rms_ms = e2e_result.norm_ms
+            out.print(f"Time inside the norms per forward: LayerNorm {ln_ms:.2f} ms, folded {rms_ms:.2f} ms")
     if plot is not None:
         from .bench import plot_results
 
