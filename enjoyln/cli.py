@@ -32,11 +32,18 @@ out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def _quiet_transformers() -> None:
+def _quiet() -> None:
+    """Library chatter (progress bars, deprecation notes) would bury the one line that matters."""
+    import logging
+    import warnings
+
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
 
 
 def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -45,7 +52,7 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            _quiet_transformers()
+            _quiet()
             return fn(*args, **kwargs)
         except EnjoylnError as exc:
             err.print(f"error: {exc}", markup=False)
@@ -380,6 +387,45 @@ def _bench_models(model_dir: Optional[Path], device: str) -> tuple[Any, Any]:
         original = load(model_dir)
         folded = fold_model(copy.deepcopy(original))
     return original.to(device), folded.to(device)
+
+
+@app.command("export")
+@friendly
+def export_cmd(
+    model_dir: Path = typer.Argument(..., help="A model directory, folded or not (it is folded first)."),
+    out_file: Path = typer.Argument(..., help="Where to write the .onnx file."),
+    opset: int = typer.Option(23, help="23+: ONNX RMSNormalization; 18-22: onnxruntime's SimplifiedLayerNormalization."),
+    batch: int = typer.Option(1, help="Batch size of the traced inputs."),
+    seq_len: int = typer.Option(128, help="Sequence length of the traced inputs."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Accept .bin weights."),
+) -> None:
+    """Export to ONNX with RMSNorm as one op, check the file and run it once in onnxruntime."""
+    import copy
+
+    from . import fold as fold_model
+    from .capture import hf_example_inputs
+    from .checkpoint import load, open_model_dir
+    from .onnx_export import export_onnx
+
+    if out_file.exists() and not force:
+        raise EnjoylnError(f"{out_file} exists; pass --force to replace it")
+    md = open_model_dir(model_dir, allow_pickle=allow_pickle)
+    model = load(model_dir, allow_pickle=allow_pickle)
+    if not md.config.get("enjoyln"):
+        model = fold_model(copy.deepcopy(model))
+    inputs = hf_example_inputs(model, batch=batch, seq_len=seq_len)
+    report = export_onnx(model, out_file, inputs, opset=opset)
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+    else:
+        out.print(f"Wrote {out_file} (opset {opset}): {report.rms_norm_nodes} RMSNorm ops, "
+                  f"{report.layer_norm_nodes} LayerNormalization ops; onnx.checker passed")
+        verdict = "[green]matches[/]" if report.passed else "[red]DIFFERS from[/]"
+        out.print(f"onnxruntime {verdict} PyTorch: max relative difference {report.max_rel_diff:.3g}")
+    if not report.passed:
+        raise typer.Exit(1)
 
 
 def main() -> None:
