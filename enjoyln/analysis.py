@@ -26,7 +26,7 @@ import torch
 from torch import fx, nn
 
 from .capture import Capture, ExampleInputs, capture
-from .plan import Centering, FoldPlan, LayerNormEntry, Untie
+from .plan import AuxCentering, Centering, FoldPlan, LayerNormEntry, Untie
 
 # --- op tables ----------------------------------------------------------------------
 
@@ -156,8 +156,9 @@ class Refusal(str):
 class Analysis:
     """Runs the dataflow and the soundness check over one captured graph."""
 
-    def __init__(self, cap: Capture):
+    def __init__(self, cap: Capture, aux: dict[fx.Node, AuxCentering] | None = None):
         self.cap = cap
+        self.aux = aux or {}
         self.graph = cap.graph
         self.placeholders = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
         self.placeholder_of: dict[str, fx.Node] = {}
@@ -168,6 +169,7 @@ class Analysis:
                     self.placeholder_of[alias] = node
         self.sources: dict[str, Source] = {}
         self.states: dict[fx.Node, Any] = {}
+        self.last_bad: dict[str, str] = {}  # source -> what its centering would change, last pass
         self.centers = self._find_centerings()
         self.output_names = self._output_names()
 
@@ -424,6 +426,12 @@ class Analysis:
         """The zero-mean state of ``node``'s output (Algorithm 1's update)."""
         name, key = op_name(node), _key(node)
         where = self.where(node)
+        if node in self.aux:
+            point = self.aux[node]
+            src = Source(f"aux:{point.module}:{point.where}", point.describe(), node,
+                         len(_shape(node)) - 1, ())
+            self.sources[src.key] = src
+            return Zero(src.axis, frozenset({src.key}))
         if node.op == "placeholder":
             src = self.param_source(node)
             if src is not None:
@@ -591,7 +599,13 @@ class Analysis:
                 continue
             keys = frozenset().union(*(h[1][1] for h in hits))
             name = op_name(node)
-            if node in seeds:
+            if node in self.aux:
+                # A shift arriving at an inserted centering is removed by it if it
+                # passes the op unchanged (an LN ignores it anyway).
+                if not (name in LN_OPS and all(self.ln_sink_ok(node, i, ax) for i, (ax, _) in hits)) \
+                        and not isinstance(self._carry_shift(node, hits), int):
+                    flag(keys, f"the input of {self.describe(node)}")
+            elif node in seeds:
                 flag(keys, f"the input of {self.describe(node)}")
             elif node.op == "output":
                 outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
@@ -707,6 +721,7 @@ class Analysis:
         while True:
             keys = set().union(*(needs[n] for n in active)) if active else set()
             bad, untie = self.affected(keys)
+            self.last_bad.update(bad)
             dropped = {n for n in active if needs[n] & bad.keys()}
             for n in dropped:
                 key = sorted(needs[n] & bad.keys())[0]
@@ -793,6 +808,96 @@ class Analysis:
         return {o: t.name for o, t in zip(ours, theirs)}
 
 
+# --- auxiliary centering --------------------------------------------------------------------
+
+
+def _within(path: str, scope: str) -> bool:
+    return scope == "" or path == scope or path.startswith(scope + ".")
+
+
+def _candidate_points(analysis: Analysis, plan: FoldPlan) -> dict[fx.Node, tuple[AuxCentering, set[str]]]:
+    """Module outputs and inputs on the zero-mean graphs of LNs that do not fold,
+    with the names of those LNs each one lies upstream of."""
+    cap = analysis.cap
+    by_name = {n.name: n for n in analysis.graph.nodes}
+    widths = {e.normalized_shape[-1] for e in plan.layer_norms if e.normalized_shape}
+    coverage: dict[fx.Node, set[str]] = {}
+    for name, calls in analysis.ln_nodes().items():
+        if plan[name].foldable:
+            continue
+        nodes, _ = analysis.zero_mean_graph(calls[0])
+        for n in nodes:
+            node = by_name.get(n)
+            if node is not None and node is not calls[0] and isinstance(analysis.states.get(node), NotZero):
+                coverage.setdefault(node, set()).add(name)
+    points: dict[fx.Node, tuple[AuxCentering, set[str]]] = {}
+    for node, count in coverage.items():
+        shape = _shape(node)
+        if node.op != "call_function" or not shape or shape[-1] not in widths:
+            continue
+        path = cap.module_path(node)
+        outside = [u for u in node.users if not _within(cap.module_path(u), path)]
+        if path and outside:
+            escaping = {n for n in analysis.graph.nodes if _within(cap.module_path(n), path)
+                        and any(not _within(cap.module_path(u), path) for u in n.users)}
+            if escaping == {node}:  # the module returns exactly this tensor
+                points[node] = (AuxCentering(path, "output"), count)
+                continue
+        callees = set()  # for each reader, the outermost module call it sits in that ``node`` does not
+        for user in node.users:
+            stack = [p for p, _ in (user.meta.get("nn_module_stack") or {}).values()]
+            callees.add(next((p for p in stack if p and not _within(path, p)), None))
+        if len(callees) == 1 and None not in callees:
+            points[node] = (AuxCentering(callees.pop(), "input"), count)
+    return points
+
+
+def auxiliary_plan(cap: Capture, *, max_candidates: int = 6) -> tuple[FoldPlan, dict[fx.Node, AuxCentering]]:
+    """Greedily insert centerings that each make more LNs foldable than they cost.
+
+    Each candidate is judged by the full analysis, soundness included, with
+    the inserted centering as one more source whose shift must only reach LN
+    inputs. Returns the plan with the chosen points, and the points by node.
+    """
+    base = Analysis(cap)
+    plan = base.run()
+    chosen: dict[fx.Node, AuxCentering] = {}
+    refused: dict[str, tuple[str, set[str]]] = {}
+    while True:
+        points = _candidate_points(base, plan)
+        ranked = sorted(points.items(), key=lambda kv: -len(kv[1][1]))[:max_candidates]
+        best = None
+        for node, (point, covered) in ranked:
+            if node in chosen:
+                continue
+            trial = Analysis(cap, {**chosen, node: point})
+            trial_plan = trial.run()
+            gain = len(trial_plan.foldable) - len(plan.foldable)
+            if gain > 1 and (best is None or gain > best[0]):
+                best = (gain, node, point, trial, trial_plan)
+            if gain <= 1:
+                key = f"aux:{point.module}:{point.where}"
+                why = trial.last_bad.get(key)
+                if why:
+                    refused[point.describe()] = (why, covered)
+        if best is None:
+            break
+        gain, node, point, base, plan = best
+        chosen[node] = point
+    plan.auxiliary = list(chosen.values())
+    if chosen:
+        plan.notes.append(f"auxiliary centering: {len(chosen)} inserted, "
+                          f"{len(plan.foldable) - len(Analysis(cap).run().foldable)} more LNs foldable")
+    explained: set[str] = set()
+    for what, (why, covered) in refused.items():
+        for e in plan.layer_norms:
+            if not e.foldable and e.name in covered and e.name not in explained:
+                e.reason += f"; {what} would not help, as it would also change {why}"
+                explained.add(e.name)
+        plan.notes.append(f"{what} was considered but would also change {why}")
+    return plan, chosen
+
+
 def rewritable_reason(entry: LayerNormEntry) -> str:
     return (f"it is a functional layer_norm call ({entry.name}); enjoyln replaces nn.LayerNorm "
             "modules, and functional calls only in a torch.fx.GraphModule")
@@ -803,14 +908,54 @@ def analyze_capture(cap: Capture) -> FoldPlan:
     return Analysis(cap).run()
 
 
-def analyze(model: nn.Module, example_inputs: ExampleInputs = None) -> FoldPlan:
+def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
+            auxiliary_centering: bool = False) -> FoldPlan:
     """Find the foldable LayerNorms of ``model`` and what folding them needs.
 
-    A dry run: the model is traced, never modified.
+    A dry run: the model is traced, never modified. With
+    ``auxiliary_centering``, explicit centerings are also placed where each
+    makes more LNs foldable than it costs (``plan.auxiliary``).
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     >>> analyze(net, torch.randn(2, 8)).foldable[0].name
     '1'
     """
-    return analyze_capture(capture(model, example_inputs))
+    if not auxiliary_centering:
+        return analyze_capture(capture(model, example_inputs))
+    return _analyze_with_auxiliary(model, example_inputs)
+
+
+def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs) -> FoldPlan:
+    """Choose centerings, then prove the folds again on the model with them in place.
+
+    The first pass proves each inserted centering changes only LN inputs; the
+    second, a strict analysis of the model with the centering hooks installed,
+    gives the parameters to center and confirms every predicted fold. The
+    hooks are removed again before returning.
+    """
+    from . import centering
+
+    predicted, _ = auxiliary_plan(capture(model, example_inputs))
+    if not predicted.auxiliary:
+        return predicted
+    for a in predicted.auxiliary:
+        centering.install(model, a.module, a.where)
+    try:
+        plan = analyze_capture(capture(model, example_inputs))
+    finally:
+        for a in predicted.auxiliary:
+            centering.remove(model, a.module)
+    missing = {e.name for e in predicted.foldable} - {e.name for e in plan.foldable}
+    if missing:  # the hooks did not land where the graph said: keep the strict result
+        strict = analyze_capture(capture(model, example_inputs))
+        strict.notes.append("auxiliary centering was not applied: the re-analysis could not confirm "
+                            f"{sorted(missing)[0]}")
+        return strict
+    plan.auxiliary = predicted.auxiliary
+    plan.notes = predicted.notes + [n for n in plan.notes if n not in predicted.notes]
+    reasons = {e.name: e.reason for e in predicted.layer_norms if not e.foldable}
+    for e in plan.layer_norms:
+        if not e.foldable and e.name in reasons:
+            e.reason = reasons[e.name]
+    return plan

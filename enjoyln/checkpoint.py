@@ -32,7 +32,7 @@ from ._version import __version__
 from .analysis import analyze
 from .errors import CheckpointError, EnjoylnError
 from .plan import FORMAT_VERSION, FoldPlan
-from .rewrite import SwapLayerNorms, center_
+from .rewrite import InsertCentering, SwapLayerNorms, center_
 
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 PT_WEIGHTS, PT_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -196,12 +196,14 @@ def meta_model(md: ModelDir) -> nn.Module:
     return model.eval()
 
 
-def analyze_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False) -> FoldPlan:
+def analyze_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
+                       auxiliary_centering: bool = False) -> FoldPlan:
     """The fold plan for a model directory, computed on the meta device.
 
     >>> analyze_checkpoint("path/to/gpt2").summary()  # doctest: +SKIP
     """
-    return analyze(meta_model(open_model_dir(path, allow_pickle=allow_pickle)))
+    model = meta_model(open_model_dir(path, allow_pickle=allow_pickle))
+    return analyze(model, auxiliary_centering=auxiliary_centering)
 
 
 # --- planning the output -------------------------------------------------------------------
@@ -442,6 +444,7 @@ def _output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
         "rmsnorm": [e.name for e in plan.foldable],
         "centered": [{"param": c.param, "axis": c.axis} for c in plan.centered],
         "untied": [u.param for u in plan.untied],
+        "auxiliary_centering": [{"module": a.module, "where": a.where} for a in plan.auxiliary],
         "plan": plan.to_dict(),
     }
     return config
@@ -497,7 +500,7 @@ def _load_pickled(md: ModelDir) -> dict[str, tuple[str, torch.Tensor]]:
 
 def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                     max_shard_size: int | None = None, force: bool = False,
-                    allow_pickle: bool = False, dry_run: bool = False,
+                    allow_pickle: bool = False, dry_run: bool = False, auxiliary_centering: bool = False,
                     plan: FoldPlan | None = None, progress: Progress | None = None) -> FoldResult:
     """Fold a Hugging Face model directory into OUT_DIR, streaming tensor by tensor.
 
@@ -515,7 +518,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     _check_paths(src, out, force)
     model = meta_model(md)
     if plan is None:
-        plan = analyze(model)
+        plan = analyze(model, auxiliary_centering=auxiliary_centering)
     if dry_run or not plan.foldable:
         return FoldResult(plan, None, [], 0, time.perf_counter() - start)
     pickled = _load_pickled(md) if md.pickled else None
@@ -584,7 +587,8 @@ def _publish(tmp: Path, out: Path) -> None:
 def load(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a folded directory and run its recorded LNs as ``enjoyln.RMSNorm``.
 
-    A directory without an ``enjoyln`` block loads as it is.
+    Auxiliary centerings recorded in the directory are installed again. A
+    directory without an ``enjoyln`` block loads as it is.
 
     >>> model = load("gpt2-folded", torch_dtype="bfloat16")  # doctest: +SKIP
     """
@@ -605,10 +609,11 @@ def load(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
     block = md.config.get("enjoyln")
     if block:
         plan = FoldPlan.from_dict(block["plan"])
-        plan.untied = []  # already untied and centered on disk: only the swap is left
-        swap = SwapLayerNorms()
-        swap.check(model, plan)
-        swap(model, plan)
+        plan.untied = []  # already untied and centered on disk: the centerings and the swap are left
+        for step in (InsertCentering(), SwapLayerNorms()):
+            step.check(model, plan)
+        for step in (InsertCentering(), SwapLayerNorms()):
+            step(model, plan)
     return model.eval()
 
 

@@ -106,8 +106,10 @@ def print_plan(plan: FoldPlan) -> None:
         for u in plan.untied:
             changes.add_row(u.param, f"untie from {u.tied_to}: +{format_bytes(u.nbytes)}")
         out.print(changes)
+    for a in plan.auxiliary:
+        out.print(f"Auxiliary centering: {a.describe()}")
     for note in plan.notes:
-        out.print(f"[yellow]Note:[/] {note}")
+        out.print(f"[yellow]Note:[/] {escape(note)}")
     if not plan.foldable:
         out.print("Nothing is foldable: the output would equal the input.")
 
@@ -136,6 +138,8 @@ def fold(
     dry_run: bool = typer.Option(False, "--dry-run", help="Analyse and report; write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON only."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Read .bin weights (weights_only=True)."),
+    auxiliary_centering: bool = typer.Option(False, "--auxiliary-centering",
+                                             help="Insert explicit centerings where each frees more LNs than it costs."),
     batches: int = typer.Option(3, help="Input batches for the check."),
     seq_len: int = typer.Option(16, help="Sequence length for the check."),
 ) -> None:
@@ -147,6 +151,7 @@ def fold(
         task = bar.add_task("writing", total=None, visible=not as_json)
         result = fold_checkpoint(model_dir, out_dir, max_shard_size=parse_size(max_shard_size),
                                  force=force, allow_pickle=allow_pickle, dry_run=dry_run,
+                                 auxiliary_centering=auxiliary_centering,
                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
     plan = result.plan
     payload: dict[str, Any] = {"plan": plan.to_dict(), "out_dir": str(result.out_dir) if result.out_dir else None,
@@ -182,11 +187,13 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     graph: Optional[Path] = typer.Option(None, help="Write each LN's zero-mean graph to this .html or .svg file."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Accept a directory with .bin weights."),
+    auxiliary_centering: bool = typer.Option(False, "--auxiliary-centering",
+                                             help="Also place explicit centerings where they pay off."),
 ) -> None:
     """Analyse a model directory on the meta device: which LNs fold, and why not."""
     from .checkpoint import analyze_checkpoint
 
-    plan = analyze_checkpoint(model_dir, allow_pickle=allow_pickle)
+    plan = analyze_checkpoint(model_dir, allow_pickle=allow_pickle, auxiliary_centering=auxiliary_centering)
     if graph is not None:
         from .graph_view import write_graph
         from .checkpoint import meta_model, open_model_dir

@@ -31,6 +31,17 @@ class Untie:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class AuxCentering:
+    """An explicit ``x - x.mean(-1)`` inserted at a module's output or input."""
+
+    module: str
+    where: str  # "output" or "input"
+
+    def describe(self) -> str:
+        return f"an auxiliary centering at the {self.where} of {self.module}"
+
+
 @dataclass
 class LayerNormEntry:
     """One LayerNorm: an ``nn.LayerNorm`` module or a functional call."""
@@ -74,6 +85,8 @@ class FoldPlan:
     layer_norms: list[LayerNormEntry] = field(default_factory=list)
     untied: list[Untie] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    auxiliary: list[AuxCentering] = field(default_factory=list)
+    """Centerings inserted to make more LNs foldable (``auxiliary_centering=True``)."""
 
     @property
     def foldable(self) -> list[LayerNormEntry]:
@@ -105,6 +118,7 @@ class FoldPlan:
             "layer_norms": [e.to_dict() for e in self.layer_norms],
             "untied": [asdict(u) for u in self.untied],
             "notes": list(self.notes),
+            "auxiliary": [asdict(a) for a in self.auxiliary],
         }
 
     @classmethod
@@ -122,6 +136,7 @@ class FoldPlan:
             layer_norms=[LayerNormEntry.from_dict(e) for e in d.get("layer_norms", [])],
             untied=[Untie(**u) for u in d.get("untied", [])],
             notes=list(d.get("notes", [])),
+            auxiliary=[AuxCentering(**a) for a in d.get("auxiliary", [])],
         )
 
     def to_json(self, **kwargs: Any) -> str:
@@ -146,6 +161,8 @@ class FoldPlan:
             lines += [f"  {c.param} (axis {c.axis})" for c in centered]
         for u in self.untied:
             lines.append(f"Untie {u.param} from {u.tied_to}: +{format_bytes(u.nbytes)}")
+        for a in self.auxiliary:
+            lines.append(f"Insert {a.describe()}")
         lines += [f"Note: {note}" for note in self.notes]
         return "\n".join(lines)
 

@@ -12,6 +12,7 @@ import warnings
 import torch
 from torch import fx, nn
 
+from . import centering
 from .analysis import analyze
 from .capture import ExampleInputs
 from .errors import PlanError
@@ -91,6 +92,31 @@ class Transformation:
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         raise NotImplementedError
+
+
+class InsertCentering(Transformation):
+    """Install the plan's auxiliary centerings as forward hooks.
+
+    The analysis placed each one only where the shift it removes reaches
+    nothing but LN inputs, so the outputs do not change.
+    """
+
+    preserves_computation = True
+
+    def check(self, model: nn.Module, plan: FoldPlan) -> None:
+        for a in plan.auxiliary:
+            if a.where not in ("output", "input"):
+                raise PlanError(f"unknown centering place {a.where!r} for {a.module}")
+            try:
+                model.get_submodule(a.module)
+            except AttributeError:
+                raise PlanError(f"the plan centers the {a.where} of {a.module}, which this model "
+                                "does not have") from None
+
+    def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
+        for a in plan.auxiliary:
+            centering.install(model, a.module, a.where)
+        return model
 
 
 class UntieParameters(Transformation):
@@ -174,7 +200,9 @@ class SwapLayerNorms(Transformation):
                 if isinstance(module, RMSNorm):
                     continue
                 parent_path, _, attr = e.name.rpartition(".")
-                setattr(model.get_submodule(parent_path), attr, RMSNorm.from_layer_norm(module))
+                rms = RMSNorm.from_layer_norm(module)
+                centering.move_hooks(module, rms)
+                setattr(model.get_submodule(parent_path), attr, rms)
             else:
                 node = next(n for n in model.graph.nodes if n.name == e.name)
                 if node.target in _FUNCTIONAL_LN:
@@ -194,7 +222,8 @@ def _rms_args(node: fx.Node) -> tuple:
                  for i, n in enumerate(names))
 
 
-PIPELINE: tuple[Transformation, ...] = (UntieParameters(), CenterParameters(), SwapLayerNorms())
+PIPELINE: tuple[Transformation, ...] = (InsertCentering(), UntieParameters(), CenterParameters(),
+                                        SwapLayerNorms())
 
 
 def apply_plan(model: nn.Module, plan: FoldPlan) -> nn.Module:
@@ -207,11 +236,14 @@ def apply_plan(model: nn.Module, plan: FoldPlan) -> nn.Module:
 
 
 def fold(model: nn.Module, example_inputs: ExampleInputs = None, *,
-         plan: FoldPlan | None = None) -> nn.Module:
+         plan: FoldPlan | None = None, auxiliary_centering: bool = False) -> nn.Module:
     """Fold every foldable LayerNorm of ``model`` into RMSNorm, in place.
 
     Centers the upstream weights in float64, unties tied weights where needed
-    and swaps the LNs; the outputs stay the same. Returns ``model``.
+    and swaps the LNs; the outputs stay the same. With
+    ``auxiliary_centering``, explicit centerings are inserted where each makes
+    more LNs foldable than it costs (BLOOM, the Whisper encoder). Returns
+    ``model``.
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
@@ -219,7 +251,8 @@ def fold(model: nn.Module, example_inputs: ExampleInputs = None, *,
     'RMSNorm'
     """
     if plan is None:
-        plan = analyze(model, example_inputs)
+        plan = analyze(model, example_inputs, auxiliary_centering=auxiliary_centering)
     for note in plan.notes:
-        warnings.warn(f"enjoyln: {note}", stacklevel=2)
+        if "training mode" in note:
+            warnings.warn(f"enjoyln: {note}", stacklevel=2)
     return apply_plan(model, plan)

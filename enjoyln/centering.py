@@ -1,0 +1,77 @@
+"""Auxiliary centering: an explicit ``x - x.mean(-1)`` at a module's output or input.
+
+Installed as forward hooks, so the model's code and its state dict stay as
+they are. The analysis proves an inserted centering safe only when the shift
+it removes reaches nothing but LN inputs, which ignore it; that is also why a
+checkpoint folded this way still gives the original outputs when loaded
+without the hooks (plain ``from_pretrained``): every LN after the point is
+still a LayerNorm there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import PlanError
+
+_MARK = "_enjoyln_centering"
+
+
+def center_last(x: torch.Tensor) -> torch.Tensor:
+    """``x - x.mean(-1, keepdim=True)``."""
+    return x - x.mean(-1, keepdim=True)
+
+
+def _center_output(module: nn.Module, args: Any, output: Any) -> Any:
+    if not isinstance(output, torch.Tensor):
+        raise RuntimeError(f"enjoyln: the centering at the output of {type(module).__name__} expects a "
+                           f"tensor, got {type(output).__name__}")
+    return center_last(output)
+
+
+def _center_input(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if args and isinstance(args[0], torch.Tensor):
+        return (center_last(args[0]), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return args, {**kwargs, "hidden_states": center_last(kwargs["hidden_states"])}
+    raise RuntimeError(f"enjoyln: the centering at the input of {type(module).__name__} found no tensor "
+                       "as its first argument or as hidden_states")
+
+
+def install(model: nn.Module, module_path: str, where: str) -> None:
+    """Center the output (or the first input) of ``model.<module_path>``; idempotent."""
+    try:
+        module = model.get_submodule(module_path)
+    except AttributeError:
+        raise PlanError(f"the plan centers the {where} of {module_path}, which this model does not have") from None
+    if getattr(module, _MARK, None):
+        return
+    if where == "output":
+        handle = module.register_forward_hook(_center_output)
+    elif where == "input":
+        handle = module.register_forward_pre_hook(_center_input, with_kwargs=True)
+    else:
+        raise PlanError(f"unknown centering place {where!r}; expected 'output' or 'input'")
+    setattr(module, _MARK, (where, handle.id))
+
+
+def remove(model: nn.Module, module_path: str) -> None:
+    module = model.get_submodule(module_path)
+    mark = getattr(module, _MARK, None)
+    if mark:
+        for table in ("_forward_hooks", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
+            getattr(module, table).pop(mark[1], None)
+        delattr(module, _MARK)
+
+
+def move_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Carry every forward hook (a centering included) over to a replacing module."""
+    for table in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                  "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
+        if hasattr(old, table):
+            getattr(new, table).update(getattr(old, table))
+    if hasattr(old, _MARK):
+        setattr(new, _MARK, getattr(old, _MARK))
