@@ -14,10 +14,11 @@ from .errors import CaptureError, CheckpointError, EnjoylnError, PlanError
 from .norm import RMSNorm
 from .plan import Centering, FoldPlan, LayerNormEntry, Untie
 from .rewrite import fold
+from .training import cbwc, cbwc_remove
 
 
 __all__ = [
     "analyze", "fold", "check", "CheckReport", "load", "fold_checkpoint",
-    "analyze_checkpoint", "check_checkpoints", "RMSNorm", "FoldPlan", "LayerNormEntry", "Centering", "Untie",
+    "analyze_checkpoint", "check_checkpoints", "cbwc", "cbwc_remove", "RMSNorm", "FoldPlan", "LayerNormEntry", "Centering", "Untie",
     "EnjoylnError", "CaptureError", "CheckpointError", "PlanError", "__version__",
 ]

@@ -1,0 +1,100 @@
+"""Training with CBWC + RMSNorm: the same optimisation as the LayerNorm model.
+
+``cbwc(model)`` keeps each centered parameter as a free tensor ``V`` and
+makes the layer use ``V - mean(V, output axis)`` at every step, through
+``torch.nn.utils.parametrize``; the foldable LNs become RMSNorm. By the
+paper's Prop. 3.2 the trajectory equals the LayerNorm model's under any
+optimizer that works element-wise (SGD, Adam, AdamW with decoupled weight
+decay), as long as nothing random sits between a centered layer and its LN:
+dropout in training mode breaks that exactness.
+
+``cbwc_remove(model)`` bakes the centering into plain weights, leaving a
+folded model ready for inference (and for ``save_pretrained``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from . import centering
+from .analysis import analyze
+from .capture import ExampleInputs
+from .plan import FoldPlan
+from .rewrite import InsertCentering, SwapLayerNorms, UntieParameters, _owner
+
+
+class Centered(nn.Module):
+    """The CBWC parametrisation: ``V - V.mean(axis, keepdim=True)``."""
+
+    def __init__(self, axis: int) -> None:
+        super().__init__()
+        self.axis = axis
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        return v - v.mean(self.axis, keepdim=True)
+
+    def extra_repr(self) -> str:
+        return f"axis={self.axis}"
+
+
+def _active_dropout(model: nn.Module) -> list[str]:
+    drops = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
+    return [name for name, m in model.named_modules() if isinstance(m, drops) and m.p > 0]
+
+
+def cbwc(model: nn.Module, example_inputs: ExampleInputs = None, *, plan: FoldPlan | None = None,
+         auxiliary_centering: bool = False) -> nn.Module:
+    """Prepare ``model`` for training or fine-tuning with CBWC + RMSNorm, in place.
+
+    The plan is computed in eval mode (the structure, not the dropout, decides
+    what folds); the model's mode is restored afterwards.
+
+    >>> model = cbwc(model)            # doctest: +SKIP
+    >>> train(model); cbwc_remove(model)  # doctest: +SKIP
+    """
+    if plan is None:
+        was_training = model.training
+        model.eval()
+        try:
+            plan = analyze(model, example_inputs, auxiliary_centering=auxiliary_centering)
+        finally:
+            model.train(was_training)
+    dropout = _active_dropout(model)
+    if dropout:
+        warnings.warn(f"enjoyln: {len(dropout)} dropout layers (e.g. {dropout[0]}) are active in training "
+                      "mode; between a centered layer and its LN they break the exact equivalence with the "
+                      "LayerNorm model (the paper's §5.3). Set their p to 0 for an exact trajectory.",
+                      stacklevel=2)
+    for step in (InsertCentering(), UntieParameters(), SwapLayerNorms()):
+        step.check(model, plan)
+    InsertCentering()(model, plan)
+    UntieParameters()(model, plan)
+    for c in plan.centered:
+        module, attr = _owner(model, c.param)
+        if isinstance(getattr(module, attr), nn.Parameter):
+            parametrize.register_parametrization(module, attr, Centered(c.axis))
+        else:  # a buffer does not train: center it once
+            with torch.no_grad():
+                getattr(module, attr).sub_(getattr(module, attr).mean(c.axis, keepdim=True))
+    SwapLayerNorms()(model, plan)
+    model._enjoyln_cbwc_plan = plan
+    return model
+
+
+def cbwc_remove(model: nn.Module) -> nn.Module:
+    """Replace every CBWC parametrisation by its current centered value, in place."""
+    for module in model.modules():
+        if not parametrize.is_parametrized(module):
+            continue
+        for attr in list(module.parametrizations.keys()):
+            if any(isinstance(p, Centered) for p in module.parametrizations[attr]):
+                parametrize.remove_parametrizations(module, attr, leave_parametrized=True)
+    model.__dict__.pop("_enjoyln_cbwc_plan", None)
+    return model
+
+
+__all__ = ["cbwc", "cbwc_remove", "Centered", "centering"]
