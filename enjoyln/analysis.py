@@ -26,6 +26,7 @@ import torch
 from torch import fx, nn
 
 from .capture import Capture, ExampleInputs, capture
+from .errors import CaptureError
 from .plan import AuxCentering, Centering, FoldPlan, LayerNormEntry, Untie
 
 # --- op tables ----------------------------------------------------------------------
@@ -943,14 +944,17 @@ def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs) -> 
         centering.install(model, a.module, a.where)
     try:
         plan = analyze_capture(capture(model, example_inputs))
+    except CaptureError as exc:  # a hook met an output it cannot center
+        plan = FoldPlan(predicted.model)
+        plan.notes.append(f"auxiliary centering was not applied: {exc}")
     finally:
         for a in predicted.auxiliary:
             centering.remove(model, a.module)
     missing = {e.name for e in predicted.foldable} - {e.name for e in plan.foldable}
     if missing:  # the hooks did not land where the graph said: keep the strict result
         strict = analyze_capture(capture(model, example_inputs))
-        strict.notes.append("auxiliary centering was not applied: the re-analysis could not confirm "
-                            f"{sorted(missing)[0]}")
+        strict.notes += plan.notes or ["auxiliary centering was not applied: the re-analysis could not "
+                                       f"confirm {sorted(missing)[0]}"]
         return strict
     plan.auxiliary = predicted.auxiliary
     plan.notes = predicted.notes + [n for n in plan.notes if n not in predicted.notes]

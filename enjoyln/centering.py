@@ -26,10 +26,12 @@ def center_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def _center_output(module: nn.Module, args: Any, output: Any) -> Any:
-    if not isinstance(output, torch.Tensor):
-        raise RuntimeError(f"enjoyln: the centering at the output of {type(module).__name__} expects a "
-                           f"tensor, got {type(output).__name__}")
-    return center_last(output)
+    if isinstance(output, torch.Tensor):
+        return center_last(output)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (center_last(output[0]), *output[1:])  # (hidden_states, extras...), as HF modules return
+    raise RuntimeError(f"enjoyln: the centering at the output of {type(module).__name__} expects a "
+                       f"tensor, got {type(output).__name__}")
 
 
 def _center_input(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

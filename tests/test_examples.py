@@ -1,0 +1,30 @@
+"""The examples run as shipped (short settings)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args, cwd):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+def test_fold_any_module(tmp_path):
+    proc = run(str(ROOT / "examples" / "fold_any_module.py"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "5 of 5 LayerNorms foldable" in proc.stdout and "PASS" in proc.stdout
+
+
+def test_finetune_cbwc(tmp_path):
+    proc = run(str(ROOT / "examples" / "finetune_cbwc.py"), "--steps", "6", "--out", "curves.png", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    gap = float(proc.stdout.split("CBWC vs LN: ")[1].split()[0])
+    assert gap < 1e-4
+    assert "CBWC + RMSNorm" in proc.stdout
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "curves.png").stat().st_size > 1000
