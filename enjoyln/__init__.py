@@ -11,14 +11,14 @@ from .analysis import analyze
 from .check import CheckReport, check
 from .checkpoint import analyze_checkpoint, check_checkpoints, fold_checkpoint, load
 from .errors import CaptureError, CheckpointError, EnjoylnError, PlanError
-from .norm import RMSNorm
+from .norm import GroupRMSNorm, RMSNorm
 from .plan import Centering, FoldPlan, LayerNormEntry, Untie
 from .rewrite import fold
 from .training import cbwc, cbwc_remove
 
 
 __all__ = [
-    "analyze", "fold", "check", "CheckReport", "load", "fold_checkpoint",
+    "analyze", "fold", "GroupRMSNorm", "check", "CheckReport", "load", "fold_checkpoint",
     "analyze_checkpoint", "check_checkpoints", "cbwc", "cbwc_remove", "RMSNorm", "FoldPlan", "LayerNormEntry", "Centering", "Untie",
     "EnjoylnError", "CaptureError", "CheckpointError", "PlanError", "__version__",
 ]

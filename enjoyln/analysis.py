@@ -34,7 +34,7 @@ from .plan import AuxCentering, Centering, FoldPlan, LayerNormEntry, Untie
 IDENTITY_OPS = {
     "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "_to_copy", "to",
     "type_as", "positive", "neg", "dropout", "feature_dropout", "alpha_dropout",
-    "feature_alpha_dropout", "native_dropout", "roll", "flip",
+    "feature_alpha_dropout", "native_dropout", "flip",
 }
 RESHAPE_OPS = {"view", "reshape", "_unsafe_view", "view_as", "reshape_as", "flatten",
                "unflatten", "squeeze", "unsqueeze"}
@@ -50,6 +50,7 @@ SCALE_OPS = {"mul", "div"}
 SOURCE_OPS = {"linear", "addmm", "mm", "matmul", "embedding", "convolution", "conv1d",
               "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
 LN_OPS = {"layer_norm", "native_layer_norm"}
+GN_OPS = {"group_norm", "native_group_norm", "instance_norm"}
 # Ops that read only the shape, dtype or device of a tensor, never its values.
 META_OPS = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride",
             "_assert_tensor_metadata", "_assert_scalar", "empty_like", "zeros_like",
@@ -124,6 +125,9 @@ class Zero:
 
     axis: int
     sources: frozenset[str]
+    whole: bool = False
+    """Part of the zero mean comes from an explicit centering of the whole axis,
+    which does not make each group of a GroupNorm zero-mean."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,8 @@ class Source:
     node: fx.Node
     axis: int
     params: tuple[Centering, ...]
+    groups: int = 1
+    """The shift its centering causes is constant within each of this many blocks."""
 
 
 class Refusal(str):
@@ -414,6 +420,17 @@ class Analysis:
             params.append(self._centering(node, bfqn, bperm[-1] if name == "addmm" else bperm[0]))
         return Source(node.name, label, node, _norm_dim(out_axis, len(out_shape)), tuple(params))
 
+    def grouped(self, key: str, groups: int) -> str:
+        """The key of ``key``'s source centered in ``groups`` blocks (for a GroupNorm)."""
+        if groups == 1:
+            return key
+        src = self.sources[key]
+        new = f"{key}#g{groups}"
+        if new not in self.sources:
+            params = tuple(Centering(c.param, c.axis, groups) for c in src.params)
+            self.sources[new] = Source(new, f"{src.label} (in {groups} groups)", src.node, src.axis, params, groups)
+        return new
+
     def param_source(self, node: fx.Node) -> Source | None:
         fqn = self.cap.placeholder_fqn.get(node.name)
         shape = _shape(node)
@@ -432,7 +449,7 @@ class Analysis:
             src = Source(f"aux:{point.module}:{point.where}", point.describe(), node,
                          len(_shape(node)) - 1, ())
             self.sources[src.key] = src
-            return Zero(src.axis, frozenset({src.key}))
+            return Zero(src.axis, frozenset({src.key}), whole=True)
         if node.op == "placeholder":
             src = self.param_source(node)
             if src is not None:
@@ -447,9 +464,12 @@ class Analysis:
         if node.op != "call_function":
             return None
         if node in self.centers:
-            return Zero(self.center_axis(node), frozenset())
+            return Zero(self.center_axis(node), frozenset(), whole=True)
         if name in LN_OPS:
             return NotZero(f"includes the output of {self.ln_label(node)}, which is not zero-mean")
+        if name in GN_OPS:
+            path = self.cap.module_path(node) or node.name
+            return NotZero(f"includes the output of the {name.replace('_', ' ')} {path}, which is not zero-mean")
         if name in META_OPS:
             return None
         src = self.source_of(node)
@@ -469,7 +489,7 @@ class Analysis:
                 return state if isinstance(state, NotZero) else NotZero(
                     f"includes the output of {name} {where}, which is not zero-mean")
             new = self.carry(node, arg, state.axis)
-            return NotZero(new) if isinstance(new, Refusal) else Zero(new, state.sources)
+            return NotZero(new) if isinstance(new, Refusal) else Zero(new, state.sources, state.whole)
         if name in SUM_OPS:
             return self._transfer_sum(node)
         if name in SCALE_OPS:
@@ -483,7 +503,7 @@ class Analysis:
 
     def _transfer_sum(self, node: fx.Node) -> State:
         where = self.where(node)
-        axes, sources = set(), set()
+        axes, sources, whole = set(), set(), False
         for operand in self._operands(node):
             if not isinstance(operand, fx.Node):
                 if operand:
@@ -498,9 +518,10 @@ class Analysis:
                 return NotZero(new)
             axes.add(new)
             sources |= state.sources
+            whole |= state.whole
         if len(axes) != 1:
             return NotZero(f"adds tensors whose feature axes do not line up {where}")
-        return Zero(axes.pop(), frozenset(sources))
+        return Zero(axes.pop(), frozenset(sources), whole)
 
     def _transfer_scale(self, node: fx.Node) -> State:
         a, b = node.args[0], node.args[1]
@@ -517,7 +538,7 @@ class Analysis:
             if isinstance(new, Refusal):
                 return NotZero(new)
             if self.per_row(factor, node, new):
-                return Zero(new, state.sources)
+                return Zero(new, state.sources, state.whole)
         if first_bad is not None and not all(isinstance(self.states.get(x), Zero) for x in (a, b) if isinstance(x, fx.Node)):
             return first_bad
         return NotZero(f"is multiplied by a per-feature tensor {self.where(node)}; a per-feature "
@@ -549,7 +570,7 @@ class Analysis:
         active = {k: self.sources[k] for k in active}
         bad: dict[str, str] = {}
         untie: dict[str, Untie] = {}
-        changed: dict[fx.Node, tuple[int, frozenset[str]]] = {}
+        changed: dict[fx.Node, tuple[int, frozenset[str], int]] = {}  # axis, sources, groups
 
         def flag(keys: Iterable[str], what: str) -> None:
             for k in keys:
@@ -558,17 +579,25 @@ class Analysis:
         # placeholder name -> {alias: axis} and the sources that center it
         centered: dict[str, dict[str, int]] = {}
         centered_by: dict[str, set[str]] = {}
+        grouping: dict[str, dict[int, set[str]]] = {}  # placeholder -> groups -> sources
         for src in active.values():
-            changed[src.node] = (src.axis, frozenset({src.key}))
+            prev = changed.get(src.node)
+            keys0 = frozenset({src.key}) | (prev[1] if prev else frozenset())
+            changed[src.node] = (src.axis, keys0, max(src.groups, prev[2] if prev else 1))
             for c in src.params:
                 ph = self.placeholder_of.get(c.param)
                 if ph is None:
                     continue
                 axes = centered.setdefault(ph.name, {})
                 centered_by.setdefault(ph.name, set()).add(src.key)
+                grouping.setdefault(ph.name, {}).setdefault(c.groups, set()).add(src.key)
                 axes.setdefault(c.param, c.axis)
                 if len(set(axes.values())) > 1 or axes[c.param] != c.axis:
                     flag(centered_by[ph.name], f"{c.param} along two different axes")
+        for ph_name, by_groups in grouping.items():
+            if len(by_groups) > 1:  # centered whole for an LN and in groups for a GroupNorm
+                what = f"{self.cap.placeholder_fqn[ph_name]}, which another norm needs centered as a whole"
+                flag(set().union(*(keys for g, keys in by_groups.items() if g > 1)), what)
         seeds = set(changed)
         # Other reads of a centered weight: another call of the same module
         # shifts its output the same way, a tied alias gets its own copy, and
@@ -583,7 +612,7 @@ class Analysis:
                     continue
                 src = self.source_of(user)
                 if isinstance(src, Source) and src.params in roles:
-                    changed[user] = (src.axis, frozenset(keys))
+                    changed[user] = (src.axis, frozenset(keys), max(active[k].groups for k in keys))
                     seeds.add(user)
                     continue
                 alias = self.cap.use_alias(user, self.cap.placeholder_fqn[ph_name])
@@ -599,11 +628,19 @@ class Analysis:
             if not hits:
                 continue
             keys = frozenset().union(*(h[1][1] for h in hits))
+            groups = 1
+            for _, (_, _, g) in hits:
+                groups = _merge_groups(groups, g)
+                if groups is None:
+                    break
             name = op_name(node)
+            if groups is None:
+                flag(keys, f"{self.describe(node)}, where shifts of incompatible groupings meet")
+                continue
             if node in self.aux:
                 # A shift arriving at an inserted centering is removed by it if it
                 # passes the op unchanged (an LN ignores it anyway).
-                if not (name in LN_OPS and all(self.ln_sink_ok(node, i, ax) for i, (ax, _) in hits)) \
+                if not (name in LN_OPS and all(self.ln_sink_ok(node, i, ax) for i, (ax, _, _) in hits)) \
                         and not isinstance(self._carry_shift(node, hits), int):
                     flag(keys, f"the input of {self.describe(node)}")
             elif node in seeds:
@@ -614,31 +651,59 @@ class Analysis:
                     if out in changed:
                         label = self.output_names.get(i, str(i))
                         flag(changed[out][1], f"the model output `{label}`")
-            elif name in META_OPS or node in self.centers or node in absorbing:
-                pass  # reads no values, or removes the shift itself
+            elif name in META_OPS:
+                pass  # reads no values
+            elif node in self.centers or node in absorbing:
+                if groups != 1:  # x - mean(x) removes a shift shared by all features, not per group
+                    flag({k for k in keys if active[k].groups > 1} or keys,
+                         f"{self.describe(node)}, which does not remove a per-group shift")
             elif name in LN_OPS:
-                if not all(self.ln_sink_ok(node, i, ax) for i, (ax, _) in hits):
+                if groups != 1:
+                    grouped = {k for k in keys if active[k].groups > 1} or keys
+                    flag(grouped, f"{self.describe(node)}, which does not ignore a per-group shift")
+                elif not all(self.ln_sink_ok(node, i, ax) for i, (ax, _, _) in hits):
                     flag(keys, f"{self.describe(node)} along an axis it does not normalize")
+            elif name in GN_OPS:
+                why = self.gn_sink_refusal(node, hits, groups)
+                if why:
+                    flag(keys, why)
             else:
                 new = self._carry_shift(node, hits)
                 if isinstance(new, int):
-                    changed[node] = (new, keys)
+                    changed[node] = (new, keys, groups)
                 else:
                     flag(keys, new)
         return bad, untie
 
-    def _carry_shift(self, node: fx.Node, hits: list[tuple[fx.Node, tuple[int, Any]]]) -> int | str:
+    def gn_sink_refusal(self, node: fx.Node, hits: list, groups: int) -> str:
+        """Why a shift reaching this GroupNorm would change its output ('' if it would not)."""
+        shape = _shape(node.args[0])
+        g = self.gn_groups(node)
+        if any(i is not node.args[0] for i, _ in hits) or shape is None:
+            return f"the parameters of {self.describe(node)}"
+        if math.prod(shape[2:]) != 1:
+            return f"{self.describe(node)}, which averages over {math.prod(shape[2:])} positions too"
+        if any(ax != 1 for _, (ax, _, _) in hits) or g % groups:
+            return f"{self.describe(node)}, whose groups the shift does not respect"
+        return ""
+
+    def gn_groups(self, node: fx.Node) -> int:
+        if op_name(node) == "instance_norm":
+            return _shape(node.args[0])[1]
+        return int(_arg(node, 1, "num_groups", 1))
+
+    def _carry_shift(self, node: fx.Node, hits: list[tuple[fx.Node, tuple[int, Any, int]]]) -> int | str:
         """The axis a per-row shift of ``node``'s inputs lands on in its output,
         or what the shift would change."""
         name = op_name(node)
         what = f"the input of {self.describe(node)}"
         if name in SUM_OPS:
-            axes = {self.carry(node, i, ax) for i, (ax, _) in hits}
+            axes = {self.carry(node, i, ax) for i, (ax, _, _) in hits}
             axis = axes.pop() if len(axes) == 1 else None
             return axis if isinstance(axis, int) and not isinstance(axis, Refusal) else what
         if len(hits) != 1:
             return what
-        stream, (axis, _) = hits[0]
+        stream, (axis, _, _) = hits[0]
         if name in SCALE_OPS and _key(node) not in MAP_OPS:
             a, b = node.args[0], node.args[1]
             if stream is b and name == "div":
@@ -706,6 +771,8 @@ class Analysis:
                 module, path = self.cap.module_of(node), self.cap.module_path(node)
                 name = path if isinstance(module, nn.LayerNorm) and path else functional.get(node, node.name)
                 out.setdefault(name, []).append(node)
+            elif op_name(node) in GN_OPS:
+                out.setdefault(self.cap.module_path(node) or node.name, []).append(node)
         return out
 
     # -- driver -------------------------------------------------------------------------
@@ -754,6 +821,9 @@ class Analysis:
         rewritable: set[str] = set()
         functional = self._functional_names()
         for node in self.graph.nodes:
+            if op_name(node) in GN_OPS:
+                self._group_norm_entry(node, entries, needs, rewritable)
+                continue
             if op_name(node) not in LN_OPS:
                 continue
             module, path = self.cap.module_of(node), self.cap.module_path(node)
@@ -790,6 +860,45 @@ class Analysis:
                 needs[name] |= state.sources
         return entries, needs, rewritable
 
+    def _group_norm_entry(self, node: fx.Node, entries: dict[str, LayerNormEntry],
+                          needs: dict[str, set[str]], rewritable: set[str]) -> None:
+        """GroupNorm (and InstanceNorm) folds with grouped CBWC only where it is exact."""
+        module, path = self.cap.module_of(node), self.cap.module_path(node)
+        name = path or node.name
+        x, shape = node.args[0], _shape(node.args[0])
+        groups = self.gn_groups(node) if shape else 1
+        eps = float(_arg(node, 4 if op_name(node) == "group_norm" else 7, "eps", 1e-5))
+        entry = entries.get(name)
+        if entry is None:
+            entry = entries[name] = LayerNormEntry(name, "module", True, "", [], tuple(shape[1:2]) if shape else (),
+                                                   eps, "group_norm", groups)
+            needs[name] = set()
+        if isinstance(module, nn.GroupNorm) and type(module).forward is nn.GroupNorm.forward:
+            rewritable.add(name)
+        if not entry.foldable:
+            return
+        state = self.states.get(x)
+        spatial = math.prod(shape[2:]) if shape else 0
+        if op_name(node) == "instance_norm" or (shape and shape[1] // groups < 2):
+            entry.foldable, entry.reason = False, (
+                "each of its groups holds one channel, and centering a single channel would zero it")
+        elif not isinstance(module, nn.GroupNorm):
+            entry.foldable, entry.reason = False, "it is not an nn.GroupNorm module enjoyln can replace"
+        elif spatial != 1:
+            entry.foldable, entry.reason = False, (
+                f"GroupNorm also averages over the {spatial} positions of each channel; weight centering "
+                "can only remove the group mean at each position, which changes GroupNorm's output, so no "
+                "change of weights folds it exactly")
+        elif isinstance(state, NotZero):
+            entry.foldable, entry.reason = False, f"its input {state.why}"
+        elif not isinstance(state, Zero) or state.axis != 1:
+            entry.foldable, entry.reason = False, "its input is not zero-mean along its channels"
+        elif state.whole:
+            entry.foldable, entry.reason = False, (
+                "its input passes an explicit centering of all channels, which leaves each group's mean")
+        else:
+            needs[name] |= {self.grouped(k, groups) for k in state.sources}
+
     def _functional_names(self) -> dict[fx.Node, str]:
         """Functional LN calls in the graph, mapped to the user's GraphModule nodes.
 
@@ -810,6 +919,15 @@ class Analysis:
 
 
 # --- auxiliary centering --------------------------------------------------------------------
+
+
+def _merge_groups(a: int | None, b: int | None) -> int | None:
+    """Shifts constant in ``a`` and in ``b`` blocks sum to one constant in the finer,
+    if one grouping refines the other."""
+    if a is None or b is None:
+        return None
+    hi, lo = max(a, b), min(a, b)
+    return hi if hi % lo == 0 else None
 
 
 def _within(path: str, scope: str) -> bool:

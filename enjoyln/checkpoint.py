@@ -219,6 +219,7 @@ class Entry:
     nbytes: int
     source: TensorInfo | None = None  # copy these bytes ...
     axis: int | None = None  # ... after centering along this axis
+    groups: int = 1  # ... in this many blocks
     tensor: torch.Tensor | None = None  # or write this (pickle input)
 
 
@@ -271,7 +272,7 @@ def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, st
     for c in plan.centered:
         k = key(c.param)
         if k is not None:
-            by_key[k].axis = c.axis
+            by_key[k].axis, by_key[k].groups = c.axis, c.groups
         elif c.param in partner and key(partner[c.param]) is not None:
             # Only the tied head was saved: it supplies the embedding too, centered.
             extras[saved.get(c.param, c.param)] = (key(partner[c.param]), c.axis)
@@ -419,7 +420,7 @@ def _write_shard(file: Path, entries: list[Entry], root: Path, metadata: dict[st
                     if e.tensor is None:
                         _pread_into(fds[e.source.file], view, e.source.start, str(root / e.source.file))
                     if e.axis is not None:
-                        center_(t, e.axis)
+                        center_(t, e.axis, e.groups)
                     _pwrite_all(out, view, at)
                     advance(e.nbytes)
             finally:
@@ -442,7 +443,7 @@ def _output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
         "format_version": FORMAT_VERSION,
         "version": __version__,
         "rmsnorm": [e.name for e in plan.foldable],
-        "centered": [{"param": c.param, "axis": c.axis} for c in plan.centered],
+        "centered": [{"param": c.param, "axis": c.axis, "groups": c.groups} for c in plan.centered],
         "untied": [u.param for u in plan.untied],
         "auxiliary_centering": [{"module": a.module, "where": a.where} for a in plan.auxiliary],
         "plan": plan.to_dict(),

@@ -16,10 +16,15 @@ FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class Centering:
-    """A parameter to center: ``p -= p.mean(axis, keepdim=True)``."""
+    """A parameter to center: ``p -= p.mean(axis, keepdim=True)``.
+
+    With ``groups > 1`` (for a GroupNorm), the axis is split into that many
+    equal blocks and each block is centered on its own.
+    """
 
     param: str
     axis: int
+    groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,8 @@ class LayerNormEntry:
     centered: list[Centering] = field(default_factory=list)
     normalized_shape: tuple[int, ...] = ()
     eps: float = 1e-5
+    norm: str = "layer_norm"  # or "group_norm"
+    groups: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -69,6 +76,8 @@ class LayerNormEntry:
             centered=[Centering(**c) for c in d.get("centered", [])],
             normalized_shape=tuple(d.get("normalized_shape", ())),
             eps=float(d.get("eps", 1e-5)),
+            norm=d.get("norm", "layer_norm"),
+            groups=int(d.get("groups", 1)),
         )
 
 
@@ -154,11 +163,13 @@ class FoldPlan:
         lines = [f"{self.model}: {k} of {n} LayerNorms foldable"]
         for e in self.layer_norms:
             mark = "fold" if e.foldable else "keep"
-            lines.append(f"  [{mark}] {e.name}" + ("" if e.foldable else f": {e.reason}"))
+            kind = f" (GroupNorm, {e.groups} groups)" if e.norm == "group_norm" else ""
+            lines.append(f"  [{mark}] {e.name}{kind}" + ("" if e.foldable else f": {e.reason}"))
         centered = self.centered
         if centered:
             lines.append(f"Center {len(centered)} parameters:")
-            lines += [f"  {c.param} (axis {c.axis})" for c in centered]
+            lines += [f"  {c.param} (axis {c.axis}" + (f", in {c.groups} groups)" if c.groups > 1 else ")")
+                      for c in centered]
         for u in self.untied:
             lines.append(f"Untie {u.param} from {u.tied_to}: +{format_bytes(u.nbytes)}")
         for a in self.auxiliary:

@@ -16,7 +16,7 @@ from . import centering
 from .analysis import analyze
 from .capture import ExampleInputs
 from .errors import PlanError
-from .norm import RMSNorm
+from .norm import GroupRMSNorm, RMSNorm
 from .ops import rms_norm
 from .plan import FoldPlan
 
@@ -54,18 +54,24 @@ def _untie_config(model: nn.Module) -> None:
             cfg.tie_word_embeddings = False
 
 
-def center_(t: torch.Tensor, axis: int, *, chunk_elements: int = 1 << 17) -> torch.Tensor:
+def center_(t: torch.Tensor, axis: int, groups: int = 1, *, chunk_elements: int = 1 << 17) -> torch.Tensor:
     """Subtract ``t``'s mean along ``axis``, in place, computed in float64.
 
-    Works on cache-sized contiguous blocks of rows, so the float64 copy is a
-    block, never the whole tensor: folding a vocabulary-sized embedding needs
-    no extra memory to speak of, and runs at memory speed.
+    With ``groups``, each of that many equal blocks of ``axis`` is centered on
+    its own (grouped CBWC). Works on cache-sized contiguous blocks of rows, so
+    the float64 copy is a block, never the whole tensor: folding a
+    vocabulary-sized embedding needs no extra memory to speak of.
     """
     if t.device.type == "meta" or t.numel() == 0:
         return t
     if not t.is_floating_point():
         raise PlanError(f"cannot center a tensor of dtype {t.dtype}")
     axis = axis % t.dim()
+    if groups > 1:
+        if t.shape[axis] % groups:
+            raise PlanError(f"cannot split an axis of {t.shape[axis]} into {groups} groups")
+        center_(t.unflatten(axis, (groups, t.shape[axis] // groups)), axis + 1, chunk_elements=chunk_elements)
+        return t
     rows = max(1, chunk_elements * t.shape[0] // t.numel())
     blocks = t.split(rows, 0) if t.dim() > 1 else [t]
     if axis == 0 and t.dim() > 1:
@@ -165,12 +171,12 @@ class CenterParameters(Transformation):
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         with torch.no_grad():
             for c in plan.centered:
-                center_(_tensor(model, c.param), c.axis)
+                center_(_tensor(model, c.param), c.axis, c.groups)
         return model
 
 
 class SwapLayerNorms(Transformation):
-    """Replace every foldable LN with ``enjoyln.RMSNorm``.
+    """Replace every foldable LN with ``enjoyln.RMSNorm`` (a GroupNorm with ``GroupRMSNorm``).
 
     Exact once CenterParameters has run: each swapped LN then sees a
     zero-mean input, where LN and RMSNorm agree.
@@ -185,8 +191,10 @@ class SwapLayerNorms(Transformation):
                     module = model.get_submodule(e.name)
                 except AttributeError:
                     module = None
-                if not isinstance(module, (nn.LayerNorm, RMSNorm)):
-                    raise PlanError(f"the plan folds {e.name}, which is not a LayerNorm in this model")
+                kinds = (nn.GroupNorm, GroupRMSNorm) if e.norm == "group_norm" else (nn.LayerNorm, RMSNorm)
+                if not isinstance(module, kinds):
+                    kind = "GroupNorm" if e.norm == "group_norm" else "LayerNorm"
+                    raise PlanError(f"the plan folds {e.name}, which is not a {kind} in this model")
             elif not isinstance(model, fx.GraphModule) or not any(
                     n.name == e.name for n in model.graph.nodes):
                 raise PlanError(f"the plan folds the functional layer_norm {e.name}, "
@@ -197,10 +205,11 @@ class SwapLayerNorms(Transformation):
         for e in plan.foldable:
             if e.kind == "module":
                 module = model.get_submodule(e.name)
-                if isinstance(module, RMSNorm):
+                if isinstance(module, (RMSNorm, GroupRMSNorm)):
                     continue
                 parent_path, _, attr = e.name.rpartition(".")
-                rms = RMSNorm.from_layer_norm(module)
+                rms = (GroupRMSNorm.from_group_norm(module) if e.norm == "group_norm"
+                       else RMSNorm.from_layer_norm(module))
                 centering.move_hooks(module, rms)
                 setattr(model.get_submodule(parent_path), attr, rms)
             else:

@@ -25,7 +25,7 @@ from enjoyln.testing import max_relative_diff, perturb
 
 D, B, T, VOCAB = 8, 2, 4, 16
 EXAMPLES = int(os.environ.get("ENJOYLN_PROPERTY_EXAMPLES", "300"))
-UNARY = ["linear", "scale", "row_scale", "layerscale", "act", "ln", "reshape", "split_heads",
+UNARY = ["linear", "gn", "scale", "row_scale", "layerscale", "act", "ln", "reshape", "split_heads",
          "transpose", "param_add", "embed_add", "dropout", "center", "slice_feat"]
 BINARY = ["add", "cat_feat", "cat_seq"]
 
@@ -41,6 +41,8 @@ def programs(draw):
         # mostly build on recent values, so chains (linear -> ... -> LN) form
         i = max(min(1, len(widths) - 1), len(widths) - 1 - draw(st.integers(0, 3)))
         w = widths[i]
+        if kind == "slice_feat" and w < 4 or kind == "gn" and (w < 4 or w % 2):
+            kind = "ln"  # too narrow to halve or to split into two groups
         if kind == "linear":
             out = draw(st.sampled_from([D, 2 * D]))
             steps.append((kind, i, out, draw(st.booleans())))
@@ -97,6 +99,8 @@ class Program(nn.Module):
                 self.mods[str(k)] = nn.Linear(w, step[2], bias=step[3])
             elif kind == "ln":
                 self.mods[str(k)] = nn.LayerNorm(w, eps=step[2])
+            elif kind == "gn":
+                self.mods[str(k)] = nn.GroupNorm(2, w)
             elif kind == "embed_add":
                 self.mods[str(k)] = nn.Embedding(VOCAB, w)
             elif kind == "layerscale":
@@ -113,6 +117,8 @@ class Program(nn.Module):
             key = str(k)
             if kind in ("linear", "ln", "dropout"):
                 out = self.mods[key](v)
+            elif kind == "gn":  # GroupNorm over the features of each token: no spatial extent
+                out = self.mods[key](v.reshape(-1, v.shape[-1])).reshape(v.shape)
             elif kind == "embed_add":
                 out = v + self.mods[key](ids)
             elif kind == "param_add":
@@ -165,9 +171,11 @@ def test_fold_is_exact_whenever_the_plan_says_foldable():
             assert max_relative_diff(r, o) < 1e-9, plan.summary()
         stats["programs"] += 1
         stats["with foldable"] += bool(plan.foldable)
+        stats["group norms folded"] += sum(e.foldable and e.norm == "group_norm" for e in plan.layer_norms)
         stats["with refused"] += any(not e.foldable for e in plan.layer_norms)
 
     run()
     # the generator must exercise both outcomes, or the property says little
     assert stats["with foldable"] >= 0.15 * stats["programs"], stats
     assert stats["with refused"] >= 0.15 * stats["programs"], stats
+    assert stats["group norms folded"] >= 10, stats
