@@ -24,17 +24,25 @@ def launch_config(n: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _load_input(X, R, S, row, stride_x, stride_r, stride_s, cols, mask, HAS_RES: tl.constexpr):
+    """The row to normalise, in fp32: ``x``, or ``x + residual`` stored to S and read back
+    in S's dtype, exactly as the unfused ``norm(x + residual)`` would see it."""
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(S + row * stride_s + cols, x.to(S.dtype.element_ty), mask=mask)
+        x = tl.load(S + row * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _rms_norm_row(X, R, S, W, B, Y, stride_x, stride_r, stride_s, stride_y, N, eps,
                   HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                   BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        x += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(S + row * stride_s + cols, x.to(S.dtype.element_ty), mask=mask)
-        x = tl.load(S + row * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
+    x = _load_input(X, R, S, row, stride_x, stride_r, stride_s, cols, mask, HAS_RES)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     y = x * rstd
     if HAS_W:
@@ -53,11 +61,7 @@ def _rms_norm_looped(X, R, S, W, B, Y, stride_x, stride_r, stride_s, stride_y, N
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < N
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            x += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(S + row * stride_s + cols, x.to(S.dtype.element_ty), mask=mask)
-            x = tl.load(S + row * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _load_input(X, R, S, row, stride_x, stride_r, stride_s, cols, mask, HAS_RES)
         acc += x * x
     rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
     for start in range(0, N, BLOCK):
