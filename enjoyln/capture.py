@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 from torch import nn

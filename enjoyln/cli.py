@@ -11,7 +11,6 @@ import functools
 import json
 import os
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -178,9 +178,12 @@ class FoldPlan:
         return "\n".join(lines)
 
 
-def format_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+def format_bytes(n: float) -> str:
+    """512 B, 32.0 KiB, 3.0 GiB."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
+        if abs(n) < 1024 or unit == "GiB":
+            break
+    return f"{n:.1f} {unit}"

@@ -1,6 +1,5 @@
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from enjoyln import RMSNorm

@@ -5,7 +5,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import enjoyln
 from enjoyln import ops

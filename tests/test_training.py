@@ -5,7 +5,6 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 from torch.nn.utils import parametrize
 
 import enjoyln
