@@ -56,6 +56,20 @@ META_OPS = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size",
             "_assert_tensor_metadata", "_assert_scalar", "empty_like", "zeros_like",
             "ones_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full",
             "rand_like", "randn_like", "randint_like", "_local_scalar_dense"}
+CAST_OPS = {"_to_copy", "to", "type_as"}
+
+
+def _lossy_cast(src: fx.Node, node: fx.Node) -> str:
+    """'' for a cast that keeps every value (same or wider float); else what it does."""
+    a, b = src.meta.get("val"), node.meta.get("val")
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dtype == b.dtype:
+        return ""
+    if not b.dtype.is_floating_point:
+        return f"cast to {str(b.dtype).replace('torch.', '')}"
+    wider = torch.promote_types(a.dtype, b.dtype) == b.dtype
+    return "" if wider else f"rounded to {str(b.dtype).replace('torch.', '')}"
+
+
 # Ops through which a weight is still "the parameter", only transposed or cast.
 PARAM_VIEW_OPS = {"_to_copy", "to", "detach", "alias", "contiguous", "t", "transpose",
                   "permute", "numpy_T"}
@@ -283,6 +297,9 @@ class Analysis:
                 return Refusal(
                     f"passes through dropout in training mode {where}; call model.eval() first")
             return axis
+        if name in CAST_OPS:
+            why = _lossy_cast(src, node)
+            return Refusal(f"is {why} {where}, which does not commute with centering") if why else axis
         if name in IDENTITY_OPS or key in ("mul.Scalar", "div.Scalar"):
             return axis
         if name in RESHAPE_OPS:
@@ -762,17 +779,23 @@ class Analysis:
             nodes[node.name] = info
         return nodes, edges
 
+    def entry_name(self, node: fx.Node, functional: dict[fx.Node, str]) -> tuple[str, str]:
+        """(plan entry name, kind) of a norm call: its module's path, or the node's
+        name in the user's GraphModule; calls of one module share an entry."""
+        module, path = self.cap.module_of(node), self.cap.module_path(node)
+        if op_name(node) in GN_OPS:
+            return path or node.name, "module"
+        if isinstance(module, nn.LayerNorm) and path and type(module).forward is nn.LayerNorm.forward:
+            return path, "module"
+        return functional.get(node) or path or node.name, "functional"
+
     def ln_nodes(self) -> dict[str, list[fx.Node]]:
-        """Plan entry name -> the LN calls it covers."""
+        """Plan entry name -> the norm calls it covers."""
         functional = self._functional_names()
         out: dict[str, list[fx.Node]] = {}
         for node in self.graph.nodes:
-            if op_name(node) in LN_OPS:
-                module, path = self.cap.module_of(node), self.cap.module_path(node)
-                name = path if isinstance(module, nn.LayerNorm) and path else functional.get(node, node.name)
-                out.setdefault(name, []).append(node)
-            elif op_name(node) in GN_OPS:
-                out.setdefault(self.cap.module_path(node) or node.name, []).append(node)
+            if op_name(node) in LN_OPS or op_name(node) in GN_OPS:
+                out.setdefault(self.entry_name(node, functional)[0], []).append(node)
         return out
 
     # -- driver -------------------------------------------------------------------------
@@ -826,14 +849,9 @@ class Analysis:
                 continue
             if op_name(node) not in LN_OPS:
                 continue
-            module, path = self.cap.module_of(node), self.cap.module_path(node)
-            if isinstance(module, nn.LayerNorm) and path and type(module).forward is nn.LayerNorm.forward:
-                name, kind = path, "module"
+            name, kind = self.entry_name(node, functional)
+            if kind == "module" or node in functional:
                 rewritable.add(name)
-            else:
-                name, kind = functional.get(node, f"{node.name}"), "functional"
-                if node in functional:
-                    rewritable.add(name)
             norm_shape = tuple(int(s) for s in _arg(node, 1, "normalized_shape", ()))
             eps = float(_arg(node, 4, "eps", 1e-5))
             entry = entries.get(name)
@@ -863,8 +881,8 @@ class Analysis:
     def _group_norm_entry(self, node: fx.Node, entries: dict[str, LayerNormEntry],
                           needs: dict[str, set[str]], rewritable: set[str]) -> None:
         """GroupNorm (and InstanceNorm) folds with grouped CBWC only where it is exact."""
-        module, path = self.cap.module_of(node), self.cap.module_path(node)
-        name = path or node.name
+        module = self.cap.module_of(node)
+        name = self.entry_name(node, {})[0]
         x, shape = node.args[0], _shape(node.args[0])
         groups = self.gn_groups(node) if shape else 1
         eps = float(_arg(node, 4 if op_name(node) == "group_norm" else 7, "eps", 1e-5))
@@ -1018,8 +1036,8 @@ def auxiliary_plan(cap: Capture, *, max_candidates: int = 6) -> tuple[FoldPlan, 
 
 
 def rewritable_reason(entry: LayerNormEntry) -> str:
-    return (f"it is a functional layer_norm call ({entry.name}); enjoyln replaces nn.LayerNorm "
-            "modules, and functional calls only in a torch.fx.GraphModule")
+    return (f"it is a functional layer_norm call in {entry.name}, not a plain nn.LayerNorm; enjoyln "
+            "replaces nn.LayerNorm modules, and functional calls only in a torch.fx.GraphModule")
 
 
 def analyze_capture(cap: Capture) -> FoldPlan:

@@ -8,8 +8,11 @@ optimizer that works element-wise (SGD, Adam, AdamW with decoupled weight
 decay), as long as nothing random sits between a centered layer and its LN:
 dropout in training mode breaks that exactness.
 
-``cbwc_remove(model)`` bakes the centering into plain weights, leaving a
-folded model ready for inference (and for ``save_pretrained``).
+Tied weights stay tied while training (the embedding reads the centered
+tensor, the tied head the raw one), so a tied LM trains as its LayerNorm
+original does. ``cbwc_remove(model)`` bakes the centering into plain weights,
+which unties them, leaving a folded model ready for inference (and for
+``save_pretrained``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from . import centering
 from .analysis import analyze
 from .capture import ExampleInputs
 from .plan import FoldPlan
-from .rewrite import InsertCentering, SwapLayerNorms, UntieParameters, _owner
+from .rewrite import InsertCentering, SwapLayerNorms, UntieParameters, _owner, _untie_config
 
 
 class Centered(nn.Module):
@@ -72,7 +75,9 @@ def cbwc(model: nn.Module, example_inputs: ExampleInputs = None, *, plan: FoldPl
     for step in (InsertCentering(), UntieParameters(), SwapLayerNorms()):
         step.check(model, plan)
     InsertCentering()(model, plan)
-    UntieParameters()(model, plan)
+    # Tied weights stay tied: the parametrisation goes on the module that needs
+    # the centering (the embedding), while the tied head keeps reading the raw
+    # tensor, so both still train one tensor, as in the LayerNorm model.
     for c in plan.centered:
         module, attr = _owner(model, c.param)
         if isinstance(getattr(module, attr), nn.Parameter):
@@ -92,9 +97,21 @@ def cbwc_remove(model: nn.Module) -> nn.Module:
             continue
         for attr in list(module.parametrizations.keys()):
             if any(isinstance(p, Centered) for p in module.parametrizations[attr]):
+                _detach_tied_readers(model, module.parametrizations[attr].original)
                 parametrize.remove_parametrizations(module, attr, leave_parametrized=True)
-    model.__dict__.pop("_enjoyln_cbwc_plan", None)
+    plan = model.__dict__.pop("_enjoyln_cbwc_plan", None)
+    if plan is not None and plan.untied:
+        _untie_config(model)  # the head now holds the raw tensor, the embedding the centered one
     return model
+
+
+def _detach_tied_readers(model: nn.Module, original: nn.Parameter) -> None:
+    """Give modules that read the raw tensor (a tied head) their own copy, since
+    baking writes the centered values into ``original`` in place."""
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        if p is original and ".parametrizations." not in name:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, nn.Parameter(p.detach().clone(), p.requires_grad))
 
 
 __all__ = ["cbwc", "cbwc_remove", "Centered", "centering"]

@@ -251,3 +251,35 @@ def test_shared_weight_read_elsewhere_blocks_the_fold():
 def test_no_layer_norm_says_so():
     plan = enjoyln.analyze(nn.Sequential(nn.Linear(D, D), nn.ReLU()), x_inputs())
     assert plan.layer_norms == [] and "nothing to fold" in plan.summary()
+
+
+@pytest.mark.parametrize("dtype,folds", [(torch.int64, False), (torch.float16, False), (torch.float32, True)])
+def test_casts(dtype, folds):
+    """A cast that keeps every value carries the zero mean; rounding does not."""
+
+    class Cast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.ln = nn.Linear(D, D), nn.LayerNorm(D)
+
+        def forward(self, x):
+            return self.ln((self.lin(x) * 3).to(dtype).to(torch.float32))
+
+    e = entry(Cast().eval(), x_inputs())
+    assert e.foldable == folds
+    if not folds:
+        assert ("cast to int64" if dtype == torch.int64 else "rounded to float16") in e.reason
+    fold_and_compare(Cast(), x_inputs())
+
+
+def test_custom_layer_norm_modules_are_named_by_path():
+    """ConvNext's LayerNorm subclass has its own forward: reported by module path, not folded."""
+    import transformers
+
+    config = transformers.ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
+                                         image_size=32)
+    model = transformers.ConvNextForImageClassification(config).eval()
+    plan = enjoyln.analyze(model, auxiliary_centering=True)
+    names = [e.name for e in plan.layer_norms]
+    assert "convnext.embeddings.layernorm" in names and "convnext.layernorm" in names
+    assert all(not e.name.startswith("layer_norm") for e in plan.layer_norms)

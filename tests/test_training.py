@@ -81,3 +81,29 @@ def test_no_warning_without_dropout():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         enjoyln.cbwc(lm())
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+def test_tied_head_trains_as_in_the_layer_norm_model(optimizer):
+    base = perturb(tiny_model("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), seed=54).double().train()
+    assert base.lm_head.weight is base.transformer.wte.weight
+    ref, cb = copy.deepcopy(base), enjoyln.cbwc(copy.deepcopy(base))
+    assert cb.lm_head.weight is cb.transformer.wte.parametrizations.weight.original  # still one tensor
+    make = {"SGD": lambda p: torch.optim.SGD(p, lr=0.1), "Adam": lambda p: torch.optim.Adam(p, lr=1e-3)}[optimizer]
+    data = batches(10)
+    for model in (ref, cb):
+        opt = make(model.parameters())
+        for ids in data:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    ids = data[0]
+    with torch.no_grad():
+        a = ref.eval()(input_ids=ids, use_cache=False).logits
+        b = cb.eval()(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    enjoyln.cbwc_remove(cb)
+    assert cb.config.tie_word_embeddings is False
+    assert cb.lm_head.weight is not cb.transformer.wte.weight
+    torch.testing.assert_close(cb.lm_head.weight, ref.lm_head.weight, rtol=0, atol=1e-9)
