@@ -1,15 +1,15 @@
 """Analysis: which LayerNorms fold, and what must be centered for them.
 
-Three steps over the traced graph, following FOLDING.md:
+Three steps over the traced graph (the README's "How it decides"):
 
-1. Classify every node (§2-3): a *source* (a general linear layer or a
+1. Classify every node: a *source* (a general linear layer or a
    parameter whose output CBWC can make zero-mean), a *map*, *sum* or *scale*
    op that carries the zero-mean property along a tracked feature axis, a
    LayerNorm, an explicit centering, or *other*.
 2. The forward zero-mean dataflow (the paper's Algorithm 1): each tensor is
    either "zero-mean along axis a once these sources are centered" or "not
    zero-mean, because ...". An LN whose input is the former is a candidate.
-3. The soundness check (§4): centering a source shifts every value computed
+3. The soundness check: centering a source shifts every value computed
    from it by a per-row constant. That shift must reach nothing but LN inputs,
    which ignore it. Sources whose shift escapes anywhere else are dropped with
    the LNs that need them, until nothing changes.
@@ -245,6 +245,17 @@ class Analysis:
         perm[a], perm[b] = perm[b], perm[a]
         return fqn, tuple(perm)
 
+    def _role(self, params: tuple[Centering, ...]) -> frozenset:
+        """What a centering does, whatever names it goes by: tensor, axis, groups."""
+        return frozenset((getattr(self.placeholder_of.get(c.param), "name", c.param), c.axis, c.groups)
+                         for c in params)
+
+    def _owner_module(self, fqn: str) -> nn.Module | None:
+        try:
+            return self.cap.model.get_submodule(fqn.rpartition(".")[0])
+        except AttributeError:
+            return None
+
     def _readers(self, node: fx.Node) -> list[fx.Node]:
         """The ops that read a parameter, looking through transposes and casts."""
         out = []
@@ -270,7 +281,8 @@ class Analysis:
             shape = _shape(x)
             dims = _arg(m, 1, "dim")
             keep = _arg(m, 2, "keepdim", False)
-            if shape and keep and isinstance(dims, (list, tuple)) and len(dims) == 1:
+            plain = _arg(node, 2, "alpha", 1) == 1 and len(m.args) <= 3 and not m.kwargs.get("dtype")
+            if shape and keep and plain and isinstance(dims, (list, tuple)) and len(dims) == 1:
                 found[node] = m
         return found
 
@@ -282,7 +294,7 @@ class Analysis:
 
     def carry(self, node: fx.Node, src: fx.Node, axis: int) -> int | Refusal:
         """Where ``src``'s feature axis lands in ``node``'s output, for the ops
-        that keep a per-row shift a per-row shift (FOLDING.md §3)."""
+        that keep a per-row shift a per-row shift."""
         name, key = op_name(node), _key(node)
         in_shape, out_shape = _shape(src), _shape(node)
         where = self.where(node)
@@ -571,9 +583,13 @@ class Analysis:
     # -- pass 2: soundness ----------------------------------------------------------------
 
     def ln_sink_ok(self, node: fx.Node, changed_input: fx.Node, axis: int) -> bool:
-        """An LN ignores a per-row shift along the one axis it normalizes."""
+        """An LN ignores a per-row shift along the one axis it normalizes (its
+        output does; the mean a ``native_layer_norm`` also returns does not)."""
         shape = _shape(changed_input)
         norm_shape = list(_arg(node, 1, "normalized_shape", []))
+        if op_name(node) == "native_layer_norm" and any(
+                u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
+            return False
         return (node.args[0] is changed_input and shape is not None
                 and axis == len(shape) - 1 and math.prod(norm_shape[:-1]) == 1
                 and all(a is not changed_input for a in node.args[1:]))
@@ -623,23 +639,27 @@ class Analysis:
             ph, keys = self.placeholders[ph_name], centered_by[ph_name]
             if ph in seeds:
                 continue  # a parameter used as data: its reads are followed below
-            roles = {active[k].params for k in keys}
+            roles = {self._role(active[k].params) for k in keys}
+            owners = {id(self._owner_module(a)) for a in aliases}
             for user in self._readers(ph):
                 if user in seeds:
                     continue
                 src = self.source_of(user)
-                if isinstance(src, Source) and src.params in roles:
+                if isinstance(src, Source) and self._role(src.params) in roles:
                     changed[user] = (src.axis, frozenset(keys), max(active[k].groups for k in keys))
                     seeds.add(user)
                     continue
                 alias = self.cap.use_alias(user, self.cap.placeholder_fqn[ph_name])
-                if alias is not None and alias not in aliases:
+                # untying clones the tensor for another module; one module reachable
+                # under two names is still one module
+                if alias is not None and alias not in aliases and id(self._owner_module(alias)) not in owners:
                     val = ph.meta.get("val")
                     nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
                     untie[alias] = Untie(alias, next(iter(aliases)), nbytes)
                 else:
                     flag(keys, f"{self.describe(user)}, which reads the same weight")
-        absorbing = {m for m in self.centers.values() if len(m.users) == 1}
+        # an explicit centering removes a shift along its own axis, nothing else
+        absorbing = {m: sub for sub, m in self.centers.items() if len(m.users) == 1}
         for node in self.graph.nodes:
             hits = [(i, changed[i]) for i in node.all_input_nodes if i in changed]
             if not hits:
@@ -670,7 +690,8 @@ class Analysis:
                         flag(changed[out][1], f"the model output `{label}`")
             elif name in META_OPS:
                 pass  # reads no values
-            elif node in self.centers or node in absorbing:
+            elif (node in self.centers or node in absorbing) and all(
+                    ax == self.center_axis(absorbing.get(node, node)) for _, (ax, _, _) in hits):
                 if groups != 1:  # x - mean(x) removes a shift shared by all features, not per group
                     flag({k for k in keys if active[k].groups > 1} or keys,
                          f"{self.describe(node)}, which does not remove a per-group shift")
@@ -830,7 +851,8 @@ class Analysis:
             if e.foldable:
                 cs = {c for k in needs[name] for c in self.sources[k].params}
                 e.centered = sorted(cs, key=lambda c: (c.param, c.axis))
-        plan = FoldPlan(type(self.cap.model).__name__, list(entries.values()))
+        plan = FoldPlan(type(self.cap.model).__name__, list(entries.values()),
+                        norm_modules=norm_module_paths(self.cap.model))
         plan.untied = sorted(untie.values(), key=lambda u: u.param) if plan.foldable else []
         if self.cap.model.training and any(op_name(n) in DROPOUT_OPS for n in self.graph.nodes):
             plan.notes.append("the model is in training mode, so its dropout blocks folding; "
@@ -937,6 +959,14 @@ class Analysis:
 
 
 # --- auxiliary centering --------------------------------------------------------------------
+
+
+def norm_module_paths(model: nn.Module) -> list[str]:
+    """Paths of the model's LayerNorm and GroupNorm modules, folded or not."""
+    from .norm import GroupRMSNorm, RMSNorm
+
+    kinds = (nn.LayerNorm, nn.GroupNorm, RMSNorm, GroupRMSNorm)
+    return sorted(name for name, m in model.named_modules() if name and isinstance(m, kinds))
 
 
 def _merge_groups(a: int | None, b: int | None) -> int | None:

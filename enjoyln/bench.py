@@ -6,6 +6,7 @@ medians; a ratio from one run is meaningful, an absolute time is not.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -185,6 +186,27 @@ class EndToEndResult:
                 "threads": self.threads}
 
 
+@contextlib.contextmanager
+def _quiet_fds() -> Any:
+    """Silence the profiler's C++ start/stop lines, which bypass Python's streams."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
+
+
 def layer_norm_share(model: nn.Module, example_inputs: ExampleInputs, *, runs: int = 3) -> float:
     """Fraction of the model's CPU self time spent in LayerNorm, from the PyTorch profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -192,7 +214,7 @@ def layer_norm_share(model: nn.Module, example_inputs: ExampleInputs, *, runs: i
     inputs = as_inputs(example_inputs)
     with torch.inference_mode():
         inputs.call(model)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with _quiet_fds(), profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(runs):
                 inputs.call(model)
     events = prof.key_averages()

@@ -1,7 +1,7 @@
 """Capture: trace a model into a ``torch.export`` graph and index it.
 
 The analysis never looks at module boundaries, only at the traced ATen graph
-(FOLDING.md §5.8): in-place adds, functional ``layer_norm`` calls and parameters
+: in-place adds, functional ``layer_norm`` calls and parameters
 used as data are all visible there. This module owns everything that ties the
 graph back to the model: parameter names, tied parameters, module paths and the
 names of the model's outputs.
@@ -257,7 +257,10 @@ def _functionalize(graph: torch.fx.Graph) -> bool:
     """
     inplace = [(n, _functional_twin(n.target)) for n in graph.nodes if n.op == "call_function"]
     inplace = [(n, twin) for n, twin in inplace if twin is not None]
-    if any(not isinstance(n.args[0], torch.fx.Node) or _is_view(n.args[0]) for n, _ in inplace):
+    # A write through a view, or to a tensor some view aliases, reaches values
+    # this renaming cannot follow; the caller functionalises properly instead.
+    if any(not isinstance(n.args[0], torch.fx.Node) or _is_view(n.args[0])
+           or any(_is_view(u) for u in n.args[0].users if u is not n) for n, _ in inplace):
         return False
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node, twin in inplace:

@@ -3,7 +3,7 @@
 In float32 the criterion is ``max|ref - cand| <= rtol * max|ref|`` for every
 output on every batch. In float16 and bfloat16 rounding the centered weights
 costs about an ulp, so the criterion is relative to the original's own
-rounding (FOLDING.md §7): the candidate's deviation from a float32 copy of the
+rounding: the candidate's deviation from a float32 copy of the
 reference may be at most ``half_factor`` times the half-precision reference's
 own deviation from it.
 """
@@ -136,6 +136,7 @@ def input_batches(model: nn.Module, example_inputs: ExampleInputs = None, *, bat
 
 
 def _to(inputs: Inputs, dtype: torch.dtype) -> Inputs:
+    """Floating inputs in ``dtype`` (pixel values, audio features); token ids stay."""
     cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
     return Inputs(tuple(cast(a) for a in inputs.args), {k: cast(v) for k, v in inputs.kwargs.items()})
 
@@ -173,15 +174,20 @@ def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInp
     >>> check(net, folded, torch.randn(2, 8)).passed
     True
     """
-    dtype = _dtype(reference)
-    half = dtype in HALF
-    if half and fp32_reference is None:
+    dtype, cand_dtype = _dtype(reference), _dtype(candidate)
+    half = dtype in HALF or cand_dtype in HALF
+    baseline = reference  # the half-precision model whose own rounding sets the bar
+    if half and dtype not in HALF:
+        # an fp32 original against a half-precision candidate: the original is the
+        # truth, and the original rounded to the candidate's dtype is the baseline
+        fp32_reference, baseline, dtype = reference, copy.deepcopy(reference).to(cand_dtype), cand_dtype
+    elif half and fp32_reference is None:
         fp32_reference = copy.deepcopy(reference).float()
     all_inputs = input_batches(reference, example_inputs, batches=batches, seed=seed,
                                batch_size=batch_size, seq_len=seq_len)
     worst: dict[str, OutputCheck] = {}
     for inputs in all_inputs:
-        ref, cand = _run(reference, inputs), _run(candidate, inputs)
+        ref, cand = _run(baseline, _to(inputs, dtype)), _run(candidate, _to(inputs, cand_dtype))
         ref32 = _run(fp32_reference, _to(inputs, torch.float32)) if half else {}
         for name, r in ref.items():
             c = cand.get(name)
@@ -211,7 +217,7 @@ def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInp
     if generate_tokens > 0 and is_causal_lm(reference):
         prompt = next((b.kwargs.get("input_ids") for b in all_inputs if "input_ids" in b.kwargs), None)
         if prompt is not None:
-            ref_tokens = _generate(reference, prompt[:, :8], generate_tokens)
+            ref_tokens = _generate(baseline, prompt[:, :8], generate_tokens)
             cand_tokens = _generate(candidate, prompt[:, :8], generate_tokens)
             generation = GenerationCheck(ref_tokens == cand_tokens, generate_tokens,
                                          ref_tokens, cand_tokens, required=not half)

@@ -32,7 +32,7 @@ from ._version import __version__
 from .analysis import analyze
 from .errors import CheckpointError, EnjoylnError
 from .plan import FORMAT_VERSION, FoldPlan
-from .rewrite import InsertCentering, SwapLayerNorms, center_
+from .rewrite import InsertCentering, SwapLayerNorms, center_, check_fits
 
 if TYPE_CHECKING:
     from .check import CheckReport
@@ -453,6 +453,21 @@ def _output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
     return config
 
 
+def _check_shapes(md: ModelDir, model: nn.Module) -> None:
+    """Every saved tensor the model knows has the shape its config implies, so a
+    mismatched checkpoint is refused before anything is written."""
+    if md.pickled:
+        return
+    saved = saved_names(model)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    keys = set(md.tensors)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        key = _checkpoint_key(name, keys, prefix, saved)
+        if key is not None and tuple(md.tensors[key].shape) != tuple(t.shape):
+            raise CheckpointError(f"{key} has shape {list(md.tensors[key].shape)} in the checkpoint but "
+                                  f"{list(t.shape)} in the model config.json describes")
+
+
 def _check_paths(src: Path, out: Path, force: bool) -> None:
     src, out = src.resolve(), out.resolve()
     if out == src or src in out.parents:
@@ -518,10 +533,13 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     start = time.perf_counter()
     src, out = Path(model_dir), Path(out_dir)
     md = open_model_dir(src, allow_pickle=allow_pickle)
-    _check_paths(src, out, force)
+    _check_paths(src, out, force or dry_run)
     model = meta_model(md)
     if plan is None:
         plan = analyze(model, auxiliary_centering=auxiliary_centering)
+    else:
+        check_fits(model, plan)
+    _check_shapes(md, model)
     if dry_run or not plan.foldable:
         return FoldResult(plan, None, [], 0, time.perf_counter() - start)
     pickled = _load_pickled(md) if md.pickled else None
@@ -627,16 +645,19 @@ def parse_size(text: str | int | None) -> int | None:
     s = text.strip().upper().replace(" ", "")
     units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6,
              "GB": 10**9, "B": 1}
+    size = None
     for unit, mult in units.items():
         if s.endswith(unit):
             try:
-                return int(float(s[: -len(unit)]) * mult)
+                size = int(float(s[: -len(unit)]) * mult)
             except ValueError:
-                break
-    try:
-        return int(s)
-    except ValueError:
-        raise CheckpointError(f"cannot read the size {text!r}; write e.g. 500MB or 2GB") from None
+                pass
+            break
+    else:
+        size = int(s) if s.isdigit() else None
+    if size is None or size <= 0:
+        raise CheckpointError(f"cannot use the size {text!r}; write a positive size such as 500MB or 2GB")
+    return size
 
 
 

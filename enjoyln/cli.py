@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +28,8 @@ from .plan import FoldPlan, format_bytes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fold LayerNorm into RMSNorm with exactly the same outputs.")
-out = Console(highlight=False, soft_wrap=True)
+# wide enough for the tables when piped, where rich would assume 80 columns
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
@@ -118,9 +120,29 @@ def print_report(report: Any) -> None:
     out.print(f"[{colour}]{escape(report.summary())}[/]")
 
 
-def _progress() -> Progress:
-    return Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                    TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True)
+class _Bytes:
+    """A byte progress bar on stderr that appears only once bytes move, so an
+    early error is not preceded by the traces of an empty bar."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled, self.bar, self.task = enabled, None, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            self.bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                                TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("writing", total=total)
+        self.bar.update(self.task, completed=done, total=total)
+
+    def __enter__(self) -> "_Bytes":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 # --- commands ----------------------------------------------------------------------------------
@@ -146,12 +168,10 @@ def fold(
     from .checkpoint import check_checkpoints, fold_checkpoint, parse_size
 
     start = time.perf_counter()
-    with _progress() as bar:
-        task = bar.add_task("writing", total=None, visible=not as_json)
+    with _Bytes(enabled=not as_json) as bar:
         result = fold_checkpoint(model_dir, out_dir, max_shard_size=parse_size(max_shard_size),
                                  force=force, allow_pickle=allow_pickle, dry_run=dry_run,
-                                 auxiliary_centering=auxiliary_centering,
-                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
+                                 auxiliary_centering=auxiliary_centering, progress=bar)
     plan = result.plan
     payload: dict[str, Any] = {"plan": plan.to_dict(), "out_dir": str(result.out_dir) if result.out_dir else None,
                                "files": result.files, "bytes_written": result.bytes_written,
@@ -165,6 +185,12 @@ def fold(
                       f"{result.stream_seconds:.2f} s ({speed:.0f} MB/s)")
         elif dry_run:
             out.print("Dry run: nothing written.")
+    if not dry_run and not plan.foldable:
+        if as_json:
+            out.print_json(json.dumps(payload))
+        what = ("has no LayerNorm" if not plan.layer_norms
+                else f"has {len(plan.layer_norms)} LayerNorms and none can fold")
+        raise EnjoylnError(f"nothing to fold: {plan.model} {what}; nothing was written")
     report = None
     if result.out_dir and check:
         report = check_checkpoints(model_dir, result.out_dir, allow_pickle=allow_pickle,
@@ -257,10 +283,8 @@ def demo(
         out.rule("2. inspect")
         print_plan(analyze_checkpoint(src))
         out.rule("3. fold")
-        with _progress() as bar:
-            task = bar.add_task("writing", total=None)
-            result = fold_checkpoint(src, dst, force=True,
-                                     progress=lambda d, t: bar.update(task, completed=d, total=t))
+        with _Bytes() as bar:
+            result = fold_checkpoint(src, dst, force=True, progress=bar)
         out.print(f"Wrote {dst} in {result.seconds:.2f} s: {', '.join(sorted(os.listdir(dst)))}")
         out.rule("4. check")
         report = check_checkpoints(src, dst)
@@ -280,9 +304,12 @@ def demo(
 
 def _parse_shapes(text: str) -> list[tuple[int, int]]:
     try:
-        return [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",") if part]  # type: ignore[misc]
+        shapes = [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",") if part]
     except ValueError:
-        raise EnjoylnError(f"cannot read --shapes {text!r}; write e.g. 2048x768,4096x1024") from None
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) <= 0 for s in shapes):
+        raise EnjoylnError(f"cannot use --shapes {text!r}; write positive sizes such as 2048x768,4096x1024")
+    return shapes  # type: ignore[return-value]
 
 
 def _parse_dtypes(text: str) -> list[Any]:

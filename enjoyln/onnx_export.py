@@ -111,34 +111,44 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
     _require()
     import onnx
 
+    newest = onnx.defs.onnx_opset_version()
     if opset < 18:
         raise EnjoylnError(f"opset {opset} is too old; use 18 or later (23+ for ONNX's RMSNormalization)")
+    if opset > newest:
+        raise EnjoylnError(f"opset {opset} is newer than this onnx ({onnx.__version__}) knows; use at most {newest}")
     path = Path(path)
     inputs = resolve_inputs(model, example_inputs)
     kwargs = inputs.kwargs
     table = {torch.ops.enjoyln.rms_norm.default: translation(opset)}
     model = model.eval()
+    # Written beside the target and renamed at the end: a failed export leaves no file.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.enjoyln-tmp")
     try:
-        # the exporter narrates its steps on stdout, which would spoil --json
-        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+        # the exporter narrates its steps on stdout and its optimiser on stderr
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             program = torch.onnx.export(model, inputs.args, kwargs=kwargs, dynamo=True, opset_version=opset,
                                         custom_translation_table=table, verbose=False)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        program.save(str(path))
+            program.save(str(tmp))
+        proto = onnx.load(str(tmp), load_external_data=False)
+        ops = Counter(n.op_type for n in proto.graph.node)
+        report = ExportReport(str(path), opset, dict(sorted(ops.items())),
+                              sum(ops[o] for o in RMS_OPS), ops["LayerNormalization"])
+        onnx.checker.check_model(str(tmp))
+        report.checked = True
+        if verify:
+            report.max_rel_diff = _compare_with_onnxruntime(model, tmp, inputs.args, kwargs)
+            report.passed = report.max_rel_diff <= rtol
+        for extra in tmp.parent.glob(f"{tmp.name}*"):  # external data files follow their model
+            os.replace(extra, path.with_name(extra.name.replace(tmp.name, path.name)))
     except EnjoylnError:
         raise
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise EnjoylnError(f"ONNX export of {type(model).__name__} failed: {first}") from exc
-    proto = onnx.load(str(path), load_external_data=False)
-    ops = Counter(n.op_type for n in proto.graph.node)
-    report = ExportReport(str(path), opset, dict(sorted(ops.items())),
-                          sum(ops[o] for o in RMS_OPS), ops["LayerNormalization"])
-    onnx.checker.check_model(str(path))
-    report.checked = True
-    if verify:
-        report.max_rel_diff = _compare_with_onnxruntime(model, path, inputs.args, kwargs)
-        report.passed = report.max_rel_diff <= rtol
+    finally:
+        for leftover in tmp.parent.glob(f"{tmp.name}*"):
+            leftover.unlink(missing_ok=True)
     return report
 
 

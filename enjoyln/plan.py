@@ -96,6 +96,8 @@ class FoldPlan:
     notes: list[str] = field(default_factory=list)
     auxiliary: list[AuxCentering] = field(default_factory=list)
     """Centerings inserted to make more LNs foldable (``auxiliary_centering=True``)."""
+    norm_modules: list[str] = field(default_factory=list)
+    """Every LayerNorm and GroupNorm module of the analysed model, to recognise it again."""
 
     @property
     def foldable(self) -> list[LayerNormEntry]:
@@ -128,6 +130,7 @@ class FoldPlan:
             "untied": [asdict(u) for u in self.untied],
             "notes": list(self.notes),
             "auxiliary": [asdict(a) for a in self.auxiliary],
+            "norm_modules": list(self.norm_modules),
         }
 
     @classmethod
@@ -146,6 +149,7 @@ class FoldPlan:
             untied=[Untie(**u) for u in d.get("untied", [])],
             notes=list(d.get("notes", [])),
             auxiliary=[AuxCentering(**a) for a in d.get("auxiliary", [])],
+            norm_modules=list(d.get("norm_modules", [])),
         )
 
     def to_json(self, **kwargs: Any) -> str:

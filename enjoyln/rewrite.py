@@ -235,8 +235,26 @@ PIPELINE: tuple[Transformation, ...] = (InsertCentering(), UntieParameters(), Ce
                                         SwapLayerNorms())
 
 
+def check_fits(model: nn.Module, plan: FoldPlan) -> None:
+    """Refuse a plan made for another model: another class, or other norm modules
+    (a plan for 2 layers applied to 3 would leave the third layer's sources
+    uncentered under a swapped final norm)."""
+    from .analysis import norm_module_paths
+
+    if plan.model and plan.model != type(model).__name__:
+        raise PlanError(f"the plan was made for a {plan.model}, not a {type(model).__name__}")
+    if plan.norm_modules:
+        ours, theirs = set(norm_module_paths(model)), set(plan.norm_modules)
+        if ours != theirs:
+            odd = sorted(ours ^ theirs)[0]
+            where = "this model has" if odd in ours else "the plan names"
+            raise PlanError(f"the plan was made for another model ({where} {odd}, the other does not); "
+                            "analyze this model instead")
+
+
 def apply_plan(model: nn.Module, plan: FoldPlan) -> nn.Module:
     """Apply a plan in place; check it fits the model before changing anything."""
+    check_fits(model, plan)
     for step in PIPELINE:
         step.check(model, plan)
     for step in PIPELINE:

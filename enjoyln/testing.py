@@ -2,7 +2,7 @@
 perturbation that takes them away from Hugging Face's default init.
 
 A fresh model has LN gains of 1, LN biases of 0 and zero linear biases, which
-hides most folding mistakes (FOLDING.md §5.7). Always ``perturb`` before
+hides most folding mistakes (an unsound fold can look exact). Always ``perturb`` before
 comparing a folded model with its original.
 
 >>> model = perturb(tiny_model("gpt2"))

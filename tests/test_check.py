@@ -87,3 +87,13 @@ def test_half_precision_uses_the_relative_criterion():
 def test_plain_module_without_inputs_is_a_clear_error():
     with pytest.raises(enjoyln.CaptureError, match="pass example_inputs"):
         enjoyln.check(nn.Linear(2, 2), nn.Linear(2, 2))
+
+
+def test_half_candidate_of_an_fp32_original():
+    """A folded model converted to fp16 is judged against the fp32 original's own fp16 rounding."""
+    model = perturb(tiny_model("gpt2"), seed=12)
+    folded = enjoyln.fold(copy.deepcopy(model)).half()
+    report = enjoyln.check(model, folded)
+    assert report.passed and report.dtype == "float16", report.summary()
+    folded.transformer.ln_f.bias = None
+    assert not enjoyln.check(model, folded).passed

@@ -102,8 +102,27 @@ def test_inspect_bert_reasons(tmp_path):
 def test_no_layer_norm_says_nothing_to_fold(tmp_path):
     tiny_model("llama").save_pretrained(tmp_path / "llama")
     result = runner.invoke(app, ["fold", str(tmp_path / "llama"), str(tmp_path / "out")])
-    assert result.exit_code == 0 and "nothing to fold" in result.output
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ("error: nothing to fold: LlamaForCausalLM has no LayerNorm; "
+                                     "nothing was written")
     assert not (tmp_path / "out").exists()
+
+
+def test_bad_option_values(gpt2_dir, tmp_path):
+    for args, message in [(["fold", str(gpt2_dir), str(tmp_path / "o"), "--max-shard-size", "0"], "positive size"),
+                          (["fold", str(gpt2_dir), str(tmp_path / "o"), "--max-shard-size", "-5"], "positive size"),
+                          (["bench", "--no-e2e", "--shapes", "0x64"], "positive sizes")]:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and message in result.stderr, args
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_dry_run_accepts_a_non_empty_out_dir(gpt2_dir, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out"), "--dry-run"])
+    assert result.exit_code == 0 and (tmp_path / "out" / "keep.txt").read_text() == "mine"
 
 
 # --- bad input: one line, exit 2, input unchanged, no OUT_DIR -------------------------------

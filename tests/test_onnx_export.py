@@ -52,9 +52,11 @@ def test_missing_extra_is_a_clear_error(tmp_path, monkeypatch):
         export_onnx(torch.nn.Linear(2, 2), tmp_path / "x.onnx", torch.randn(1, 2))
 
 
-def test_old_opset_is_refused(tmp_path):
-    with pytest.raises(enjoyln.EnjoylnError, match="opset 17 is too old"):
-        export_onnx(torch.nn.Linear(2, 2), tmp_path / "x.onnx", torch.randn(1, 2), opset=17)
+@pytest.mark.parametrize("opset,message", [(17, "opset 17 is too old"), (99, "opset 99 is newer")])
+def test_unusable_opset_is_refused_and_leaves_no_file(tmp_path, opset, message):
+    with pytest.raises(enjoyln.EnjoylnError, match=message):
+        export_onnx(torch.nn.Linear(2, 2), tmp_path / "x.onnx", torch.randn(1, 2), opset=opset)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_export_folds_then_exports(tmp_path):

@@ -51,11 +51,18 @@ def test_plan_for_another_model_is_refused_before_any_change():
     gpt2 = tiny_model("gpt2")
     plan = enjoyln.analyze(perturb(tiny_model("opt")))
     before = copy.deepcopy(gpt2.state_dict())
-    with pytest.raises(enjoyln.PlanError, match="does not have"):
+    with pytest.raises(enjoyln.PlanError, match="made for a OPTForCausalLM, not a GPT2LMHeadModel"):
         enjoyln.fold(gpt2, plan=plan)
     after = gpt2.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert not any(isinstance(m, enjoyln.RMSNorm) for m in gpt2.modules())
+
+
+def test_plan_for_a_smaller_config_is_refused():
+    plan = enjoyln.analyze(perturb(tiny_model("gpt2")))
+    deeper = tiny_model("gpt2", n_layer=3)
+    with pytest.raises(enjoyln.PlanError, match="this model has transformer.h.2.ln_1"):
+        enjoyln.fold(deeper, plan=plan)
 
 
 def test_applying_a_plan_twice_changes_nothing_more():
