@@ -204,7 +204,9 @@ def analyze_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
 
     >>> analyze_checkpoint("path/to/gpt2").summary()  # doctest: +SKIP
     """
-    model = meta_model(open_model_dir(path, allow_pickle=allow_pickle))
+    md = open_model_dir(path, allow_pickle=allow_pickle)
+    model = meta_model(md)
+    _check_shapes(md, model)
     return analyze(model, auxiliary_centering=auxiliary_centering)
 
 
