@@ -51,10 +51,43 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 #define ID(v) (v)
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* float32 on AVX-512: four independent accumulators, so the sum of squares is
+ * not one long chain of dependent multiply-adds. */
+void enjoyln_rms_norm_f32(const float* x, const float* w, const float* b, float* y,
+                          int64_t rows, int64_t n, float eps, int threads) {
+    if (!w || !b) { ROW_LOOP(float, ID, ID) return; }
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t i = 0; i < rows; i++) {
+        const float* xr = x + i * n;
+        float* yr = y + i * n;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t j = 0;
+        for (; j + 64 <= n; j += 64) {
+            __m512 v0 = _mm512_loadu_ps(xr + j), v1 = _mm512_loadu_ps(xr + j + 16);
+            __m512 v2 = _mm512_loadu_ps(xr + j + 32), v3 = _mm512_loadu_ps(xr + j + 48);
+            a0 = _mm512_fmadd_ps(v0, v0, a0); a1 = _mm512_fmadd_ps(v1, v1, a1);
+            a2 = _mm512_fmadd_ps(v2, v2, a2); a3 = _mm512_fmadd_ps(v3, v3, a3);
+        }
+        for (; j + 16 <= n; j += 16) { __m512 v = _mm512_loadu_ps(xr + j); a0 = _mm512_fmadd_ps(v, v, a0); }
+        float ss = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        for (; j < n; j++) ss += xr[j] * xr[j];
+        const float r = 1.0f / sqrtf(ss / (float)n + eps);
+        const __m512 vr = _mm512_set1_ps(r);
+        j = 0;
+        for (; j + 16 <= n; j += 16)
+            _mm512_storeu_ps(yr + j, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + j), vr),
+                                                     _mm512_loadu_ps(w + j), _mm512_loadu_ps(b + j)));
+        for (; j < n; j++) yr[j] = xr[j] * r * w[j] + b[j];
+    }
+}
+#else
 void enjoyln_rms_norm_f32(const float* x, const float* w, const float* b, float* y,
                           int64_t rows, int64_t n, float eps, int threads) {
     ROW_LOOP(float, ID, ID)
 }
+#endif
 
 void enjoyln_rms_norm_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* b, uint16_t* y,
                            int64_t rows, int64_t n, float eps, int threads) {
