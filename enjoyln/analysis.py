@@ -57,6 +57,9 @@ META_OPS = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size",
             "ones_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full",
             "rand_like", "randn_like", "randint_like", "_local_scalar_dense"}
 CAST_OPS = {"_to_copy", "to", "type_as"}
+# What a user's torch.fx.GraphModule may call a LayerNorm
+FUNCTIONAL_LN = {torch.nn.functional.layer_norm, torch.layer_norm,
+                 torch.ops.aten.layer_norm.default, torch.ops.aten.layer_norm}
 
 
 def _lossy_cast(src: fx.Node, node: fx.Node) -> str:
@@ -231,8 +234,6 @@ class Analysis:
         inner = self._param(node.args[0])
         if inner is None or name in ("_to_copy", "to", "detach", "alias", "contiguous"):
             return inner
-        if inner is None:
-            return None
         fqn, perm = inner
         if name == "numpy_T":
             return fqn, perm[::-1]
@@ -828,6 +829,11 @@ class Analysis:
                 state = (state, NotZero("includes LayerNorm statistics"), NotZero("includes LayerNorm statistics"))
             self.states[node] = state
         entries, needs, rewritable = self._layer_norms()
+        # an LN that cannot be replaced needs no centering: drop it before the
+        # soundness pass, so its sources do not count against the others
+        for name, e in entries.items():
+            if e.foldable and name not in rewritable:
+                e.foldable, e.reason = False, rewritable_reason(e)
         active = {name for name, e in entries.items() if e.foldable}
         untie: dict[str, Untie] = {}
         while True:
@@ -843,10 +849,6 @@ class Analysis:
             if not dropped:
                 break
             active -= dropped
-        for name in active:
-            if name not in rewritable:
-                entries[name].foldable = False
-                entries[name].reason = rewritable_reason(entries[name])
         for name, e in entries.items():
             if e.foldable:
                 cs = {c for k in needs[name] for c in self.sources[k].params}
@@ -948,9 +950,7 @@ class Analysis:
         model = self.cap.model
         if not isinstance(model, fx.GraphModule):
             return {}
-        targets = {torch.nn.functional.layer_norm, torch.layer_norm,
-                   torch.ops.aten.layer_norm.default, torch.ops.aten.layer_norm}
-        theirs = [n for n in model.graph.nodes if n.op == "call_function" and n.target in targets]
+        theirs = [n for n in model.graph.nodes if n.op == "call_function" and n.target in FUNCTIONAL_LN]
         ours = [n for n in self.graph.nodes if op_name(n) in LN_OPS
                 and not isinstance(self.cap.module_of(n), nn.LayerNorm)]
         if len(theirs) != len(ours):

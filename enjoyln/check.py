@@ -142,8 +142,13 @@ def _to(inputs: Inputs, dtype: torch.dtype) -> Inputs:
 
 
 def _run(model: nn.Module, inputs: Inputs) -> dict[str, torch.Tensor]:
-    with torch.no_grad():
-        return flatten_outputs(inputs.call(model))
+    try:
+        with torch.no_grad():
+            return flatten_outputs(inputs.call(model))
+    except Exception as exc:  # the model's own error, on inputs enjoyln made or was given
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CaptureError(f"running {type(model).__name__} on the check inputs failed: "
+                           f"{type(exc).__name__}: {first}") from exc
 
 
 def _generate(model: nn.Module, prompt: torch.Tensor, n: int) -> list[list[int]]:

@@ -3,7 +3,8 @@
 The analysis runs on the meta device (no weights in memory). The fold then
 streams tensor by tensor: tensors that do not change are copied byte for
 byte, centered ones are loaded one at a time, centered in float64 and written
-back in their own dtype. Peak memory is a few of the largest tensors.
+back in their own dtype. Peak memory is a few of the largest tensors (pickle
+weights, read only with ``--allow-pickle``, are loaded whole).
 
 The output is written into a temporary directory beside OUT_DIR and renamed
 into place at the end, so an interrupted run never leaves a partial OUT_DIR,
@@ -13,7 +14,9 @@ and the input directory is only ever read.
 from __future__ import annotations
 
 import errno
+import fnmatch
 import json
+import math
 import os
 import shutil
 import struct
@@ -83,10 +86,6 @@ class ModelDir:
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     pickled: bool = False
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
-
 
 def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate a safetensors header: every tensor within the file."""
@@ -97,8 +96,10 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str
             if len(raw_len) < 8:
                 raise ValueError("shorter than a header")
             (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > size - 8 or header_len > 100 << 20:
+            if header_len > size - 8:
                 raise ValueError("header length beyond the end of the file")
+            if header_len > 100 << 20:
+                raise ValueError("header larger than 100 MiB")
             header = json.loads(f.read(header_len))
         base = 8 + header_len
         metadata = header.pop("__metadata__", None) or {}
@@ -108,6 +109,9 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str
             shape = tuple(int(s) for s in info["shape"])
             if info["dtype"] not in _DTYPES or not 0 <= start <= end:
                 raise ValueError(f"bad entry for {name}")
+            dtype = _DTYPES[info["dtype"]]
+            if dtype is None or end - start != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"{name} holds {end - start} bytes, not what its dtype and shape need")
             tensors[name] = TensorInfo(name, info["dtype"], shape, file.name, base + start, base + end)
             end_max = max(end_max, end)
         if base + end_max > size:
@@ -127,6 +131,18 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object ({what})")
     return data
+
+
+def _index_shards(index_file: Path) -> list[str]:
+    """The shard files a weight index names: plain file names inside the directory."""
+    weight_map = _read_json(index_file, "a weight index").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_file} has no weight_map")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if not isinstance(shard, str) or Path(shard).name != shard or shard.startswith("."):
+            raise CheckpointError(f"{index_file} names the shard {shard!r}, which is not a file in its directory")
+    return shards
 
 
 def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False) -> ModelDir:
@@ -154,11 +170,7 @@ def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False) -> Mo
                               "has no such model class (remote code is not run)")
     md = ModelDir(root, config, arch, [])
     if (root / SAFE_INDEX).exists():
-        index = _read_json(root / SAFE_INDEX, "a weight index")
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{root / SAFE_INDEX} has no weight_map")
-        md.shards = sorted(set(weight_map.values()))
+        md.shards = _index_shards(root / SAFE_INDEX)
     elif (root / SAFE_WEIGHTS).exists():
         md.shards = [SAFE_WEIGHTS]
     elif (root / PT_INDEX).exists() or (root / PT_WEIGHTS).exists():
@@ -166,8 +178,7 @@ def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False) -> Mo
             raise CheckpointError(f"{root} has only pickle (.bin) weights, which can run code when "
                                   "loaded; pass --allow-pickle to load them with weights_only=True")
         md.pickled = True
-        md.shards = (sorted(set(_read_json(root / PT_INDEX, "a weight index")["weight_map"].values()))
-                     if (root / PT_INDEX).exists() else [PT_WEIGHTS])
+        md.shards = _index_shards(root / PT_INDEX) if (root / PT_INDEX).exists() else [PT_WEIGHTS]
     else:
         raise CheckpointError(f"{root} has no weights (model.safetensors or {SAFE_INDEX})")
     for shard in md.shards:
@@ -263,6 +274,8 @@ def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, st
         shards: list[tuple[str, list[Entry]]] = [(s, []) for s in md.shards]
         home = {s: es for s, es in shards}
         for name, (shard, t) in pickled.items():
+            if t.dtype not in _CODES:
+                raise CheckpointError(f"{name} has dtype {t.dtype}, which safetensors cannot store")
             home[shard].append(Entry(name, _CODES[t.dtype], tuple(t.shape),
                                      t.numel() * t.element_size(), tensor=t))
     else:
@@ -407,8 +420,12 @@ def _write_shard(file: Path, entries: list[Entry], root: Path, metadata: dict[st
         raw = [(e, at) for e, at in zip(entries, positions) if e.axis is None and e.tensor is None]
         cooked = [(e, at) for e, at in zip(entries, positions) if not (e.axis is None and e.tensor is None)]
 
+        stop = threading.Event()
+
         def copy_raw() -> None:
             for e, at in raw:
+                if stop.is_set():
+                    return
                 _copy_range(fds[e.source.file], out, e.source.start, e.nbytes, at, advance)
 
         with ThreadPoolExecutor(1) as pool:
@@ -427,8 +444,11 @@ def _write_shard(file: Path, entries: list[Entry], root: Path, metadata: dict[st
                         center_(t, e.axis, e.groups)
                     _pwrite_all(out, view, at)
                     advance(e.nbytes)
-            finally:
-                copying.result()
+            except BaseException:
+                stop.set()  # the first error is the one to report; the copy just stops
+                copying.exception()
+                raise
+            copying.result()
         os.ftruncate(out, pos)
     finally:
         os.close(out)
@@ -453,6 +473,12 @@ def _output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
         "plan": plan.to_dict(),
     }
     return config
+
+
+def _is_weight_file(name: str) -> bool:
+    return fnmatch.fnmatch(name, "*.safetensors") or any(fnmatch.fnmatch(name, p) for p in (
+        "pytorch_model*.bin", "*.bin.index.json", "*.safetensors.index.json", "tf_model*.h5",
+        "flax_model*.msgpack", "model*.ckpt*", "*.pt", "*.pth"))
 
 
 def _check_shapes(md: ModelDir, model: nn.Module) -> None:
@@ -566,8 +592,8 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     try:
         skip = _WEIGHT_FILES | set(md.shards) | {"config.json"}
         for item in md.path.iterdir():
-            if item.name in skip:
-                continue
+            if item.name in skip or _is_weight_file(item.name):
+                continue  # weights in any other format would be stale, uncentered copies
             (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
         (tmp / "config.json").write_text(json.dumps(_output_config(md, plan), indent=2) + "\n")
         metadata = {"format": "pt", "enjoyln": __version__}
@@ -613,7 +639,7 @@ def load(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
     Auxiliary centerings recorded in the directory are installed again. A
     directory without an ``enjoyln`` block loads as it is.
 
-    >>> model = load("gpt2-folded", torch_dtype="bfloat16")  # doctest: +SKIP
+    >>> model = load("gpt2-folded", dtype="bfloat16")  # doctest: +SKIP
     """
     md = open_model_dir(path, allow_pickle=bool(from_pretrained_kwargs.pop("allow_pickle", False)))
     import transformers
@@ -631,7 +657,11 @@ def load(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
                               f"{(str(exc).splitlines() or [''])[0]}") from None
     block = md.config.get("enjoyln")
     if block:
-        plan = FoldPlan.from_dict(block["plan"])
+        try:
+            plan = FoldPlan.from_dict(block["plan"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"the enjoyln block in {md.path / 'config.json'} is malformed "
+                                  f"({type(exc).__name__}: {exc})") from None
         plan.untied = []  # already untied and centered on disk: the centerings and the swap are left
         for step in (InsertCentering(), SwapLayerNorms()):
             step.check(model, plan)
@@ -642,7 +672,11 @@ def load(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
 
 def parse_size(text: str | int | None) -> int | None:
     """'500MB', '2GB', '1.5GiB' or a byte count, as bytes."""
-    if text is None or isinstance(text, int):
+    if text is None:
+        return None
+    if isinstance(text, int):
+        if text <= 0:
+            raise CheckpointError(f"cannot use the size {text}; it must be positive")
         return text
     s = text.strip().upper().replace(" ", "")
     units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6,
@@ -652,7 +686,7 @@ def parse_size(text: str | int | None) -> int | None:
         if s.endswith(unit):
             try:
                 size = int(float(s[: -len(unit)]) * mult)
-            except ValueError:
+            except (ValueError, OverflowError):
                 pass
             break
     else:

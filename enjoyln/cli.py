@@ -48,7 +48,8 @@ def _quiet() -> None:
 
 
 def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Bad input becomes one line on stderr and exit code 2, never a traceback."""
+    """Any failure becomes one line on stderr and exit code 2, never a traceback
+    (unless ENJOYLN_DEBUG is set)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -62,8 +63,17 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
             err.print(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), markup=False)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
-            err.print("interrupted; nothing was written")
+            err.print("interrupted")
             raise typer.Exit(130) from None
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except Exception as exc:  # a bug or an unforeseen input: still one line, and how to see more
+            if os.environ.get("ENJOYLN_DEBUG"):
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0]
+            err.print(f"error: {type(exc).__name__}: {first} (set ENJOYLN_DEBUG=1 for the traceback)",
+                      markup=False)
+            raise typer.Exit(2) from None
 
     return wrapper
 
@@ -161,8 +171,8 @@ def fold(
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Read .bin weights (weights_only=True)."),
     auxiliary_centering: bool = typer.Option(False, "--auxiliary-centering",
                                              help="Insert explicit centerings where each frees more LNs than it costs."),
-    batches: int = typer.Option(3, help="Input batches for the check."),
-    seq_len: int = typer.Option(16, help="Sequence length for the check."),
+    batches: int = typer.Option(3, min=1, help="Input batches for the check."),
+    seq_len: int = typer.Option(16, min=1, help="Sequence length for the check."),
 ) -> None:
     """Fold a model directory into OUT_DIR and check that its outputs are unchanged."""
     from .checkpoint import check_checkpoints, fold_checkpoint, parse_size
@@ -220,10 +230,12 @@ def inspect(
 
     plan = analyze_checkpoint(model_dir, allow_pickle=allow_pickle, auxiliary_centering=auxiliary_centering)
     if graph is not None:
-        from .graph_view import write_graph
         from .checkpoint import meta_model, open_model_dir
+        from .graph_view import write_graph
 
         write_graph(meta_model(open_model_dir(model_dir, allow_pickle=allow_pickle)), graph)
+        if plan.auxiliary:
+            out.print("Note: the picture shows the strict analysis, without the auxiliary centerings")
     if as_json:
         out.print_json(plan.to_json())
     else:
@@ -237,9 +249,9 @@ def inspect(
 def check_cmd(
     reference_dir: Path = typer.Argument(..., help="The original model directory."),
     candidate_dir: Path = typer.Argument(..., help="The converted model directory."),
-    batches: int = typer.Option(3, help="Seeded input batches."),
-    batch_size: int = typer.Option(2, help="Rows per batch."),
-    seq_len: int = typer.Option(16, help="Sequence length of token inputs."),
+    batches: int = typer.Option(3, min=1, help="Seeded input batches."),
+    batch_size: int = typer.Option(2, min=1, help="Rows per batch."),
+    seq_len: int = typer.Option(16, min=1, help="Sequence length of token inputs."),
     seed: int = typer.Option(0, help="Seed of the first batch."),
     rtol: float = typer.Option(1e-5, help="Relative tolerance in float32."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
@@ -262,8 +274,8 @@ def check_cmd(
 @friendly
 def demo(
     workdir: Optional[Path] = typer.Option(None, help="Keep the demo checkpoints here (default: a temporary directory)."),
-    layers: int = typer.Option(4, help="Layers of the demo GPT-2."),
-    width: int = typer.Option(256, help="Hidden size of the demo GPT-2."),
+    layers: int = typer.Option(4, min=1, help="Layers of the demo GPT-2."),
+    width: int = typer.Option(256, min=1, help="Hidden size of the demo GPT-2."),
 ) -> None:
     """The whole flow on a small GPT-2 that enjoyln builds itself: build, inspect, fold, check, time."""
     from .bench import compare_latency
@@ -332,10 +344,10 @@ def bench(
     e2e: bool = typer.Option(True, "--e2e/--no-e2e", help="Time the original against the folded model."),
     shapes: str = typer.Option("2048x768,4096x1024", help="Kernel shapes, ROWSxCOLS, comma-separated."),
     dtypes: str = typer.Option("float32,bfloat16", help="Kernel dtypes, comma-separated."),
-    batch: int = typer.Option(1, help="End-to-end batch size."),
-    seq_len: int = typer.Option(512, help="End-to-end sequence length."),
-    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's default)."),
-    repeats: int = typer.Option(20, help="End-to-end forwards per model."),
+    batch: int = typer.Option(1, min=1, help="End-to-end batch size."),
+    seq_len: int = typer.Option(512, min=1, help="End-to-end sequence length."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: torch's default)."),
+    repeats: int = typer.Option(20, min=1, help="End-to-end forwards per model."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     plot: Optional[Path] = typer.Option(None, help="Save a PNG of the ratios (needs matplotlib)."),
@@ -428,8 +440,8 @@ def export_cmd(
     model_dir: Path = typer.Argument(..., help="A model directory, folded or not (it is folded first)."),
     out_file: Path = typer.Argument(..., help="Where to write the .onnx file."),
     opset: int = typer.Option(23, help="23+: ONNX RMSNormalization; 18-22: onnxruntime's SimplifiedLayerNormalization."),
-    batch: int = typer.Option(1, help="Batch size of the traced inputs."),
-    seq_len: int = typer.Option(128, help="Sequence length of the traced inputs."),
+    batch: int = typer.Option(1, min=1, help="Batch size of the traced inputs."),
+    seq_len: int = typer.Option(128, min=1, help="Sequence length of the traced inputs."),
     force: bool = typer.Option(False, "--force", help="Replace an existing file."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Accept .bin weights."),

@@ -123,10 +123,3 @@ def _offsets(blocks: list[tuple[str, int, int]]) -> list[int]:
         out.append(dy)
         dy += h + 20
     return out
-
-
-def graphs(model: nn.Module, example_inputs: ExampleInputs = None) -> dict[str, Any]:
-    """Each LN's zero-mean graph as data: {name: (nodes, edges)}."""
-    analysis = Analysis(capture(model, example_inputs))
-    analysis.run()
-    return {name: analysis.zero_mean_graph(calls[0]) for name, calls in analysis.ln_nodes().items()}

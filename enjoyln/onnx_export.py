@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
+import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -120,11 +122,15 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
     inputs = resolve_inputs(model, example_inputs)
     kwargs = inputs.kwargs
     table = {torch.ops.enjoyln.rms_norm.default: translation(opset)}
-    model = model.eval()
-    # Written beside the target and renamed at the end: a failed export leaves no file.
+    # Written into a temporary directory beside the target, under the final name
+    # (external data files refer to it), and moved at the end: a failed export
+    # leaves nothing behind.
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.enjoyln-tmp")
+    tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.enjoyln-", dir=path.parent))
+    tmp = tmpdir / path.name
+    was_training = model.training
     try:
+        model.eval()
         # the exporter narrates its steps on stdout and its optimiser on stderr
         with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             program = torch.onnx.export(model, inputs.args, kwargs=kwargs, dynamo=True, opset_version=opset,
@@ -139,16 +145,16 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
         if verify:
             report.max_rel_diff = _compare_with_onnxruntime(model, tmp, inputs.args, kwargs)
             report.passed = report.max_rel_diff <= rtol
-        for extra in tmp.parent.glob(f"{tmp.name}*"):  # external data files follow their model
-            os.replace(extra, path.with_name(extra.name.replace(tmp.name, path.name)))
+        for item in tmpdir.iterdir():
+            os.replace(item, path.parent / item.name)
     except EnjoylnError:
         raise
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise EnjoylnError(f"ONNX export of {type(model).__name__} failed: {first}") from exc
     finally:
-        for leftover in tmp.parent.glob(f"{tmp.name}*"):
-            leftover.unlink(missing_ok=True)
+        model.train(was_training)
+        shutil.rmtree(tmpdir, ignore_errors=True)
     return report
 
 
@@ -177,6 +183,8 @@ def _compare_with_onnxruntime(model: nn.Module, path: Path, args: tuple, kwargs:
     got = session.run(None, ort_feed(session, args, kwargs))
     with torch.no_grad():
         want = list(flatten_outputs(model(*args, **kwargs)).values())
+    if not want or len(want) != len(got):
+        raise EnjoylnError(f"onnxruntime returned {len(got)} outputs where PyTorch returns {len(want)}")
     worst = 0.0
     for a, b in zip(want, got):
         a = a.detach().double()

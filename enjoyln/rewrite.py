@@ -1,6 +1,6 @@
 """Rewrite: apply a FoldPlan to a model, in place.
 
-Three transformations, applied in this order. Each declares whether it
+Four transformations, applied in this order (see ``PIPELINE``). Each declares whether it
 preserves the model's computation when applied after the ones before it; the
 tests check every promise on perturbed-weight models.
 """
@@ -13,15 +13,12 @@ import torch
 from torch import fx, nn
 
 from . import centering
-from .analysis import analyze
+from .analysis import FUNCTIONAL_LN, analyze
 from .capture import ExampleInputs
 from .errors import PlanError
 from .norm import GroupRMSNorm, RMSNorm
 from .ops import rms_norm
 from .plan import FoldPlan
-
-_FUNCTIONAL_LN = {torch.nn.functional.layer_norm, torch.layer_norm,
-                  torch.ops.aten.layer_norm.default, torch.ops.aten.layer_norm}
 
 
 def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -214,7 +211,7 @@ class SwapLayerNorms(Transformation):
                 setattr(model.get_submodule(parent_path), attr, rms)
             else:
                 node = next(n for n in model.graph.nodes if n.name == e.name)
-                if node.target in _FUNCTIONAL_LN:
+                if node.target in FUNCTIONAL_LN:
                     node.args, node.kwargs = _rms_args(node), {}
                     node.target = rms_norm
                     functional = True

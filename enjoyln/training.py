@@ -27,21 +27,26 @@ from . import centering
 from .analysis import analyze
 from .capture import ExampleInputs
 from .plan import FoldPlan
-from .rewrite import InsertCentering, SwapLayerNorms, UntieParameters, _owner, _untie_config
+from .rewrite import InsertCentering, SwapLayerNorms, UntieParameters, _owner, _untie_config, center_
 
 
 class Centered(nn.Module):
-    """The CBWC parametrisation: ``V - V.mean(axis, keepdim=True)``."""
+    """The CBWC parametrisation: ``V - V.mean(axis, keepdim=True)``, or within
+    each of ``groups`` equal blocks of the axis (grouped CBWC, for GroupNorm)."""
 
-    def __init__(self, axis: int) -> None:
+    def __init__(self, axis: int, groups: int = 1) -> None:
         super().__init__()
-        self.axis = axis
+        self.axis, self.groups = axis, groups
 
     def forward(self, v: torch.Tensor) -> torch.Tensor:
-        return v - v.mean(self.axis, keepdim=True)
+        if self.groups == 1:
+            return v - v.mean(self.axis, keepdim=True)
+        axis = self.axis % v.dim()
+        blocks = v.unflatten(axis, (self.groups, v.shape[axis] // self.groups))
+        return (blocks - blocks.mean(axis + 1, keepdim=True)).flatten(axis, axis + 1)
 
     def extra_repr(self) -> str:
-        return f"axis={self.axis}"
+        return f"axis={self.axis}, groups={self.groups}"
 
 
 def _active_dropout(model: nn.Module) -> list[str]:
@@ -81,10 +86,10 @@ def cbwc(model: nn.Module, example_inputs: ExampleInputs = None, *, plan: FoldPl
     for c in plan.centered:
         module, attr = _owner(model, c.param)
         if isinstance(getattr(module, attr), nn.Parameter):
-            parametrize.register_parametrization(module, attr, Centered(c.axis))
+            parametrize.register_parametrization(module, attr, Centered(c.axis, c.groups))
         else:  # a buffer does not train: center it once
             with torch.no_grad():
-                getattr(module, attr).sub_(getattr(module, attr).mean(c.axis, keepdim=True))
+                center_(getattr(module, attr), c.axis, c.groups)
     SwapLayerNorms()(model, plan)
     model._enjoyln_cbwc_plan = plan
     return model

@@ -171,3 +171,47 @@ def test_model_without_layer_norm_writes_nothing(tmp_path):
     result = fold_checkpoint(src, tmp_path / "out")
     assert result.plan.layer_norms == [] and result.out_dir is None
     assert not (tmp_path / "out").exists()
+
+
+def test_index_naming_a_file_outside_the_directory_is_refused(saved, tmp_path):
+    src = saved("gpt2", torch.float32, max_shard_size="120KB")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for p in src.iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    key = next(iter(index["weight_map"]))
+    index["weight_map"][key] = "../elsewhere.safetensors"
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(enjoyln.CheckpointError, match="not a file in its directory"):
+        fold_checkpoint(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_header_with_wrong_byte_counts_is_refused(saved, tmp_path):
+    import struct
+
+    src = saved("gpt2")
+    data = (src / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [1] + header[name]["shape"]  # one more axis, same bytes: fine
+    header[name]["shape"][-1] += 1  # now the bytes do not match
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((src / "config.json").read_text())
+    (bad / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n:])
+    with pytest.raises(enjoyln.CheckpointError, match="not what its dtype and shape need"):
+        fold_checkpoint(bad, tmp_path / "out")
+
+
+def test_malformed_enjoyln_block_is_a_clear_error(saved, tmp_path):
+    out = fold_checkpoint(saved("gpt2"), tmp_path / "out").out_dir
+    config = json.loads((out / "config.json").read_text())
+    config["enjoyln"]["plan"] = {"layer_norms": "oops"}
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(enjoyln.CheckpointError, match="enjoyln block .* is malformed"):
+        load(out)

@@ -107,3 +107,16 @@ def test_tied_head_trains_as_in_the_layer_norm_model(optimizer):
     assert cb.config.tie_word_embeddings is False
     assert cb.lm_head.weight is not cb.transformer.wte.weight
     torch.testing.assert_close(cb.lm_head.weight, ref.lm_head.weight, rtol=0, atol=1e-9)
+
+
+def test_cbwc_centers_in_groups_for_a_group_norm():
+    from torch import nn
+
+    model = perturb(nn.Sequential(nn.Linear(8, 8), nn.GroupNorm(2, 8)).eval())
+    x = torch.randn(5, 8)
+    cb = enjoyln.cbwc(copy.deepcopy(model), x)
+    with torch.no_grad():
+        torch.testing.assert_close(cb(x), model(x), rtol=1e-5, atol=1e-5)
+    enjoyln.cbwc_remove(cb)
+    with torch.no_grad():
+        torch.testing.assert_close(cb(x), model(x), rtol=1e-5, atol=1e-5)

@@ -40,6 +40,8 @@ def backend(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None)
     """Which implementation ``rms_norm`` uses for these tensors: 'triton', 'cpu' or 'reference'."""
     if _triton_ok(x):
         return "triton"
+    if x.device.type == "cpu" and not x.is_contiguous():
+        x = x.contiguous()  # as rms_norm does before choosing
     if cpu.supports(x, weight, bias):
         return "cpu"
     return "reference"
@@ -150,7 +152,8 @@ def rms_norm(
 def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None,
                  bias: Tensor | None = None, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
     """``s = x + residual`` and ``rms_norm(s)``; fused on CUDA. Returns ``(s, normed)``."""
-    if _triton_ok(x) and len(normalized_shape) == 1 and not _needs_op(x, residual, weight, bias):
+    if (_triton_ok(x) and len(normalized_shape) == 1 and residual.shape == x.shape
+            and not _needs_op(x, residual, weight, bias)):
         from .triton_kernels import add_rms_norm_triton
 
         return add_rms_norm_triton(x, residual, weight, bias, eps)
