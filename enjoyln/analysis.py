@@ -1028,6 +1028,7 @@ def auxiliary_plan(cap: Capture, *, max_candidates: int = 6) -> tuple[FoldPlan, 
     """
     base = Analysis(cap)
     plan = base.run()
+    strict_count = len(plan.foldable)
     chosen: dict[fx.Node, AuxCentering] = {}
     refused: dict[str, tuple[str, set[str]]] = {}
     while True:
@@ -1054,7 +1055,7 @@ def auxiliary_plan(cap: Capture, *, max_candidates: int = 6) -> tuple[FoldPlan, 
     plan.auxiliary = list(chosen.values())
     if chosen:
         plan.notes.append(f"auxiliary centering: {len(chosen)} inserted, "
-                          f"{len(plan.foldable) - len(Analysis(cap).run().foldable)} more LNs foldable")
+                          f"{len(plan.foldable) - strict_count} more LNs foldable")
     explained: set[str] = set()
     for what, (why, covered) in refused.items():
         for e in plan.layer_norms:
@@ -1103,7 +1104,8 @@ def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs) -> 
     """
     from . import centering
 
-    predicted, _ = auxiliary_plan(capture(model, example_inputs))
+    unhooked = capture(model, example_inputs)
+    predicted, _ = auxiliary_plan(unhooked)
     if not predicted.auxiliary:
         return predicted
     for a in predicted.auxiliary:
@@ -1118,7 +1120,7 @@ def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs) -> 
             centering.remove(model, a.module)
     missing = {e.name for e in predicted.foldable} - {e.name for e in plan.foldable}
     if missing:  # the hooks did not land where the graph said: keep the strict result
-        strict = analyze_capture(capture(model, example_inputs))
+        strict = analyze_capture(unhooked)
         strict.notes += plan.notes or ["auxiliary centering was not applied: the re-analysis could not "
                                        f"confirm {sorted(missing)[0]}"]
         return strict

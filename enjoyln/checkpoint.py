@@ -283,7 +283,8 @@ def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, st
                        for t in sorted(md.tensors.values(), key=lambda t: t.start) if t.file == s])
                   for s in md.shards]
     by_key = {e.name: e for _, es in shards for e in es}
-    key = lambda name: _checkpoint_key(name, set(by_key), prefix, saved)  # noqa: E731
+    keys = set(by_key)
+    key = lambda name: _checkpoint_key(name, keys, prefix, saved)  # noqa: E731
     partner = {u.tied_to: u.param for u in plan.untied} | {u.param: u.tied_to for u in plan.untied}
     extras: dict[str, tuple[str, int | None]] = {}  # new name -> (source key, centering axis)
     for c in plan.centered:

@@ -42,8 +42,8 @@ def _layout(nodes: dict[str, dict], edges: list[tuple[str, str]], root: str) -> 
             for d, names in cols.items() for i, n in enumerate(names)}
 
 
-def _svg(title: str, reason: str, foldable: bool, nodes: dict[str, dict], edges: list[tuple[str, str]], root: str,
-         dy: int = 0) -> tuple[str, int, int]:
+def _svg(title: str, reason: str, foldable: bool, nodes: dict[str, dict], edges: list[tuple[str, str]],
+         root: str) -> tuple[str, int, int]:
     pos = _layout(nodes, edges, root)
 
     def kind(info: dict) -> str:
@@ -51,7 +51,7 @@ def _svg(title: str, reason: str, foldable: bool, nodes: dict[str, dict], edges:
 
     w = max((x for x, _ in pos.values()), default=0) + _W + 20
     h = max((y for _, y in pos.values()), default=0) + _H + 50
-    parts = [f'<g transform="translate(10,{dy})">',
+    parts = ['<g transform="translate(10,0)">',
              f'<text x="0" y="16" font-weight="bold">{html.escape(title)}</text>']
     if reason:
         parts.append(f'<text x="0" y="32" fill="#a00">{html.escape(reason)}</text>')
@@ -88,23 +88,23 @@ def write_graph(model: nn.Module, path: str | Path, example_inputs: ExampleInput
     plan = analysis.run()
     entries = {e.name: e for e in plan.layer_norms}
     blocks: list[tuple[str, int, int]] = []
-    dy = 0
     for name, calls in analysis.ln_nodes().items():
         e = entries[name]
         nodes, edges = analysis.zero_mean_graph(calls[0])
         status = "folds" if e.foldable else "kept as LayerNorm"
-        block = _svg(f"{name}: {status}", e.reason, e.foldable, nodes, edges, calls[0].name, dy)
-        blocks.append(block)
-        dy += block[2] + 20
+        blocks.append(_svg(f"{name}: {status}", e.reason, e.foldable, nodes, edges, calls[0].name))
     width = max((b[1] for b in blocks), default=400)
-    if path.suffix.lower() == ".svg":
-        body = "\n".join(b[0] for b in blocks)
+    if path.suffix.lower() == ".svg":  # one picture: stack the blocks
+        body, dy = [], 0
+        for svg, _, h in blocks:
+            body.append(f'<g transform="translate(0,{dy})">{svg}</g>')
+            dy += h + 20
         text = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{max(dy, 40)}" '
-                f'font-family="sans-serif" font-size="13">{_DEFS}{body}</svg>\n')
+                f'font-family="sans-serif" font-size="13">{_DEFS}{"".join(body)}</svg>\n')
     else:
         sections = [f'<section><svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-                    f'font-family="sans-serif" font-size="13">{_DEFS}{svg.replace(f"translate(10,{_dy})", "translate(10,0)")}</svg></section>'
-                    for (svg, w, h), _dy in zip(blocks, _offsets(blocks))]
+                    f'font-family="sans-serif" font-size="13">{_DEFS}{svg}</svg></section>'
+                    for svg, w, h in blocks]
         text = ("<!doctype html><html><head><meta charset='utf-8'><title>enjoyln: "
                 f"{html.escape(plan.model)}</title><style>body{{font-family:sans-serif}} section{{overflow-x:auto;"
                 "margin-bottom:1em}</style></head><body>"
@@ -116,10 +116,3 @@ def write_graph(model: nn.Module, path: str | Path, example_inputs: ExampleInput
         raise EnjoylnError(f"cannot write {path}: {exc.strerror or exc}") from None
     return path
 
-
-def _offsets(blocks: list[tuple[str, int, int]]) -> list[int]:
-    dy, out = 0, []
-    for _, _, h in blocks:
-        out.append(dy)
-        dy += h + 20
-    return out
