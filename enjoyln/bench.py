@@ -171,17 +171,26 @@ class EndToEndResult:
     batch: int
     seq_len: int
     threads: int
-    norm_ms: tuple[float, float] = (0.0, 0.0)
-    """Wall time inside the norm modules per forward: (original LNs, folded norms)."""
+    norm_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Wall time inside the norm modules per forward: (original LNs, folded norms,
+    a plain copy of the input in place of each folded norm)."""
 
     @property
     def share_captured(self) -> float:
         """Speedup as a fraction of the time the original spent in LN."""
         return self.latency.speedup / self.layer_norm_share if self.layer_norm_share else 0.0
 
+    @property
+    def best_possible_speedup(self) -> float:
+        """The whole-forward speedup if each folded norm cost only a copy of its input: the
+        most any norm that writes a new tensor could give, measured in this model."""
+        ln, _, copy = self.norm_ms
+        return (ln - copy) / self.latency.a_ms if self.latency.a_ms else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         return {"latency": self.latency.to_dict(), "layer_norm_share": self.layer_norm_share,
-                "norm_ms": list(self.norm_ms),
+                "norm_ms": dict(zip(("layer_norm", "folded", "copy_floor"), self.norm_ms)),
+                "best_possible_speedup": self.best_possible_speedup,
                 "share_captured": self.share_captured, "batch": self.batch, "seq_len": self.seq_len,
                 "threads": self.threads}
 
@@ -223,8 +232,10 @@ def layer_norm_share(model: nn.Module, example_inputs: ExampleInputs, *, runs: i
     return ln / total if total else 0.0
 
 
-def norm_time_ms(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *, runs: int = 6) -> tuple[float, float]:
-    """Median wall time per forward spent inside the norm modules of ``a`` and of ``b``.
+def norm_time_ms(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
+                 runs: int = 6) -> tuple[float, float, float]:
+    """Median wall time per forward spent inside the norm modules: of ``a``, of ``b``, and of
+    ``b`` with each of its RMSNorms doing nothing but copy its input (the floor).
 
     Timed in place, inside the running model, where caches hold what the
     layers around each norm left there; far less noisy than whole forwards
@@ -233,14 +244,13 @@ def norm_time_ms(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *, r
     from .norm import RMSNorm
 
     inputs = as_inputs(example_inputs)
-    kinds = (nn.LayerNorm, RMSNorm)
-    totals: dict[int, list[float]] = {0: [], 1: []}
-    for idx, model in enumerate((a, b)):
-        spent = [0.0]
-        handles = []
+
+    def timed(model: nn.Module) -> float:
+        spent, handles, totals = [0.0], [], []
         for module in model.modules():
-            if isinstance(module, kinds):
-                handles.append(module.register_forward_pre_hook(lambda m, i: m.__dict__.__setitem__("_t0", time.perf_counter())))
+            if isinstance(module, (nn.LayerNorm, RMSNorm)):
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, i: m.__dict__.__setitem__("_t0", time.perf_counter())))
                 handles.append(module.register_forward_hook(
                     lambda m, i, o: spent.__setitem__(0, spent[0] + time.perf_counter() - m.__dict__.pop("_t0"))))
         try:
@@ -249,11 +259,22 @@ def norm_time_ms(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *, r
                 for _ in range(runs):
                     spent[0] = 0.0
                     inputs.call(model)
-                    totals[idx].append(spent[0] * 1e3)
+                    totals.append(spent[0] * 1e3)
         finally:
             for h in handles:
                 h.remove()
-    return statistics.median(totals[0]), statistics.median(totals[1])
+        return statistics.median(totals)
+
+    ln_ms, rms_ms = timed(a), timed(b)
+    swapped = [m for m in b.modules() if isinstance(m, RMSNorm)]
+    for m in swapped:  # later layers see unnormalised values: same shapes, same cost
+        m.forward = torch.Tensor.clone
+    try:
+        copy_ms = timed(b)
+    finally:
+        for m in swapped:
+            del m.forward
+    return ln_ms, rms_ms, copy_ms
 
 
 def end_to_end(original: nn.Module, folded: nn.Module, example_inputs: ExampleInputs, *,

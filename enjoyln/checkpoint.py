@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ._version import __version__
-from .analysis import analyze
+from .analysis import analyze, norm_module_paths
 from .errors import CheckpointError, EnjoylnError
 from .plan import FORMAT_VERSION, FoldPlan
 from .rewrite import InsertCentering, SwapLayerNorms, center_, check_fits
@@ -165,9 +165,10 @@ def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False) -> Mo
     import transformers
 
     arch = archs[0]
-    if not isinstance(arch, str) or not isinstance(getattr(transformers, arch, None), type):
-        raise CheckpointError(f"unknown architecture {arch!r}: transformers {transformers.__version__} "
-                              "has no such model class (remote code is not run)")
+    # dir() lists transformers' lazy names without importing the model's module,
+    # which alone can take seconds; meta_model imports it and checks it is a class.
+    if not isinstance(arch, str) or arch not in dir(transformers):
+        raise _unknown_architecture(arch)
     md = ModelDir(root, config, arch, [])
     if (root / SAFE_INDEX).exists():
         md.shards = _index_shards(root / SAFE_INDEX)
@@ -191,6 +192,13 @@ def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False) -> Mo
     return md
 
 
+def _unknown_architecture(arch: Any) -> CheckpointError:
+    import transformers
+
+    return CheckpointError(f"unknown architecture {arch!r}: transformers {transformers.__version__} "
+                           "has no such model class (remote code is not run)")
+
+
 def meta_model(md: ModelDir) -> nn.Module:
     """The model class of ``md`` built on the meta device: graph and names, no weights."""
     import transformers
@@ -199,7 +207,9 @@ def meta_model(md: ModelDir) -> nn.Module:
         config = transformers.AutoConfig.from_pretrained(md.path, trust_remote_code=False)
     except Exception as exc:  # transformers raises many kinds for a bad config
         raise CheckpointError(f"cannot read {md.path / 'config.json'}: {str(exc).splitlines()[0]}") from None
-    cls = getattr(transformers, md.architecture)
+    cls = getattr(transformers, md.architecture, None)
+    if not isinstance(cls, type):
+        raise _unknown_architecture(md.architecture)
     try:
         with torch.device("meta"):
             model = cls(config)
@@ -371,9 +381,10 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _copy_range(src: int, dst: int, start: int, count: int, at: int, advance: Callable[[int], None]) -> None:
+def _copy_range(src: int, dst: int, start: int, count: int, at: int, advance: Callable[[int], None],
+                stop: threading.Event | None = None) -> None:
     """Copy ``count`` bytes from ``src`` at ``start`` to ``dst`` at ``at``, in the kernel if possible."""
-    while count:
+    while count and not (stop is not None and stop.is_set()):
         step = min(count, 64 << 20)
         try:
             n = os.copy_file_range(src, dst, step, start, at)
@@ -455,6 +466,127 @@ def _write_shard(file: Path, entries: list[Entry], root: Path, metadata: dict[st
         os.close(out)
         for fd in fds.values():
             os.close(fd)
+
+
+_HEADER_ROOM = 4096
+"""Room the early copy leaves in front of a shard's data for its header to grow (the
+enjoyln tag, an untied head's entry). A whole page, so the data keeps its alignment."""
+
+
+def _packed_span(md: ModelDir, shard: str) -> tuple[int, int] | None:
+    """(start, length) of a shard's tensor data if its tensors tile it end to end, as
+    safetensors writes them; None for anything else, which is then rewritten instead."""
+    with open(md.path / shard, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+    base = pos = 8 + header_len
+    for t in sorted((t for t in md.tensors.values() if t.file == shard), key=lambda t: (t.start, t.end)):
+        if t.start != pos:
+            return None
+        pos = t.end
+    return base, pos - base
+
+
+class _EarlyCopy:
+    """Copies the input's weight files into the output directory while the analysis runs.
+
+    The analysis is seconds of CPU work and the copy is seconds of I/O, so
+    they overlap. Each copy keeps the input's bytes at the same offsets plus
+    ``_HEADER_ROOM``; once the plan is known, ``_finish_shard`` centers the
+    planned tensors in place, appends any new ones and writes the header. A
+    shard whose layout changes is written afresh instead.
+    """
+
+    def __init__(self, md: ModelDir, tmp: Path, spans: dict[str, tuple[str, int, int]],
+                 advance: Callable[[int], None]) -> None:
+        self.md, self.tmp, self.spans, self.advance = md, tmp, spans, advance
+        self.done = {shard: threading.Event() for shard in spans}
+        self.copied: set[str] = set()
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="enjoyln-early-copy", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for shard, (name, base, length) in self.spans.items():
+                src = os.open(self.md.path / shard, os.O_RDONLY)
+                try:
+                    dst = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                    try:
+                        _copy_range(src, dst, base, length, base + _HEADER_ROOM, self.advance, self.stop)
+                    finally:
+                        os.close(dst)
+                finally:
+                    os.close(src)
+                if self.stop.is_set():
+                    return
+                self.copied.add(shard)
+                self.done[shard].set()
+        except BaseException as exc:  # reported by wait(), in the thread that can act on it
+            self.error = exc
+        finally:
+            self.stop.set()
+            for event in self.done.values():
+                event.set()
+
+    def wait(self, shard: str) -> None:
+        """Block until ``shard`` is copied; raise what the copy raised."""
+        self.done[shard].wait()
+        if self.error is not None:
+            raise self.error
+        if shard not in self.copied:
+            raise RuntimeError(f"the early copy of {shard} was stopped")
+
+    def cancel(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def _finish_shard(file: Path, entries: list[Entry], root: Path, base: int, metadata: dict[str, str],
+                  advance: Callable[[int], None], buffer: _Buffer) -> bool:
+    """Turn an early copy of a shard into the output shard; False if its header would not fit.
+
+    The first entries are the input's tensors, already in place; centered ones
+    are read, centered and written back where they are; entries added by the
+    plan (untied heads) are appended after them.
+    """
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for e in entries:
+        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    start = base + _HEADER_ROOM
+    if len(blob) > start - 8:
+        return False
+    blob += b" " * (start - 8 - len(blob))  # JSON allows trailing spaces; safetensors pads this way too
+    fds: dict[str, int] = {}
+    out = os.open(file, os.O_RDWR)
+    try:
+        at = start
+        for e in entries:
+            if e.source is None:  # only pickle input lacks a source, and never comes here
+                raise AssertionError(e.name)
+            if e.source.file not in fds:
+                fds[e.source.file] = os.open(root / e.source.file, os.O_RDONLY)
+            appended = e.source.start + _HEADER_ROOM != at or e.source.file != file.name
+            if e.axis is not None:
+                t = buffer.tensor(_DTYPES[e.dtype], e.shape, e.nbytes)
+                view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
+                _pread_into(fds[e.source.file], view, e.source.start, str(root / e.source.file))
+                center_(t, e.axis, e.groups)
+                _pwrite_all(out, view, at)
+                advance(e.nbytes)
+            elif appended:
+                _copy_range(fds[e.source.file], out, e.source.start, e.nbytes, at, advance)
+            at += e.nbytes
+        _pwrite_all(out, memoryview(struct.pack("<Q", len(blob)) + blob), 0)
+        os.ftruncate(out, at)
+    finally:
+        os.close(out)
+        for fd in fds.values():
+            os.close(fd)
+    return True
 
 
 def _output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
@@ -563,34 +695,46 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     src, out = Path(model_dir), Path(out_dir)
     md = open_model_dir(src, allow_pickle=allow_pickle)
     _check_paths(src, out, force or dry_run)
-    model = meta_model(md)
-    if plan is None:
-        plan = analyze(model, auxiliary_centering=auxiliary_centering)
-    else:
-        check_fits(model, plan)
-    _check_shapes(md, model)
-    if dry_run or not plan.foldable:
-        return FoldResult(plan, None, [], 0, time.perf_counter() - start)
-    pickled = _load_pickled(md) if md.pickled else None
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    shards = _reshard(_plan_entries(md, plan, prefix, saved_names(model), pickled), max_shard_size)
-    total = sum(e.nbytes for _, es in shards for e in es)
-    done = 0
-    lock = threading.Lock()
+    done, total, lock = [0], [0], threading.Lock()
 
     def advance(n: int) -> None:
-        nonlocal done
         with lock:
-            done += n
+            done[0] += n
             if progress is not None:
-                progress(done, total)
+                progress(done[0], max(total[0], done[0]))
 
+    tmp: Path | None = None
+    early: _EarlyCopy | None = None
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.enjoyln-", dir=out.parent))
-    except OSError as exc:
-        raise _os_error(exc, out) from None
-    try:
+        spans = _early_spans(md, max_shard_size) if not dry_run else {}
+        if spans:  # copy while the model's code loads and the analysis runs; see _EarlyCopy
+            tmp = _temp_dir(out)
+            total[0] = sum(length for _, _, length in spans.values())
+            early = _EarlyCopy(md, tmp, spans, advance)
+        stream_start = time.perf_counter()
+        model = meta_model(md)
+        if early is not None and not norm_module_paths(model):
+            early.cancel()  # no norm module: almost surely nothing to fold, so stop copying now
+            early, spans = None, {}
+        if plan is not None:
+            check_fits(model, plan)
+        _check_shapes(md, model)
+        if plan is None:
+            plan = analyze(model, auxiliary_centering=auxiliary_centering)
+        if dry_run or not plan.foldable:
+            return FoldResult(plan, None, [], 0, time.perf_counter() - start)
+        pickled = _load_pickled(md) if md.pickled else None
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        shards = _reshard(_plan_entries(md, plan, prefix, saved_names(model), pickled), max_shard_size)
+        bytes_out = sum(e.nbytes for _, es in shards for e in es)
+        by_name = {name: shard for shard, (name, _, _) in spans.items()}
+        layout = {name: _early_layout(md, by_name.get(name), entries) for name, entries in shards}
+        with lock:  # what is left: whole shards written afresh; centered and appended tensors
+            total[0] += sum(e.nbytes for name, es in shards for i, e in enumerate(es)
+                            if layout[name] is None or i >= layout[name] or e.axis is not None)
+        if tmp is None:
+            tmp = _temp_dir(out)
+            stream_start = time.perf_counter()
         skip = _WEIGHT_FILES | set(md.shards) | {"config.json"}
         for item in md.path.iterdir():
             if item.name in skip or _is_weight_file(item.name):
@@ -599,25 +743,68 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         (tmp / "config.json").write_text(json.dumps(_output_config(md, plan), indent=2) + "\n")
         metadata = {"format": "pt", "enjoyln": __version__}
         buffer = _Buffer()
-        stream_start = time.perf_counter()
         for name, entries in shards:
+            if early is not None and name in by_name:
+                early.wait(by_name[name])  # never rewrite a file the copy is still writing
+            if layout[name] is not None and _finish_shard(tmp / name, entries, md.path,
+                                                          spans[by_name[name]][1], metadata, advance, buffer):
+                continue
+            if layout[name] is not None:  # the header outgrew its room: write the shard afresh
+                with lock:
+                    total[0] += sum(e.nbytes for e in entries)
             _write_shard(tmp / name, entries, md.path, metadata, advance, buffer)
+        if early is not None:
+            early.cancel()
         stream_seconds = time.perf_counter() - stream_start
         files = [name for name, _ in shards]
         if len(shards) > 1:
-            index = {"metadata": {"total_size": total, "enjoyln": __version__},
+            index = {"metadata": {"total_size": bytes_out, "enjoyln": __version__},
                      "weight_map": {e.name: name for name, es in shards for e in es}}
             (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for name in files:  # the output must read back, or it is not published
             read_safetensors_header(tmp / name)
         _publish(tmp, out)
+        tmp = None
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise _os_error(exc, out) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return FoldResult(plan, out, files, total, time.perf_counter() - start, stream_seconds)
+    finally:
+        if early is not None:
+            early.cancel()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return FoldResult(plan, out, files, bytes_out, time.perf_counter() - start, stream_seconds)
+
+
+def _temp_dir(out: Path) -> Path:
+    """A fresh directory beside OUT_DIR, renamed into place only when complete."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.enjoyln-", dir=out.parent))
+
+
+def _early_spans(md: ModelDir, max_shard_size: int | None) -> dict[str, tuple[str, int, int]]:
+    """Input shard -> (output file, data start, data length) for each shard that can be
+    copied before the plan is known: safetensors, packed, and not re-sharded."""
+    if md.pickled or max_shard_size is not None:
+        return {}
+    names = [name for name, _ in _reshard([(shard, []) for shard in md.shards], None)]
+    spans = {}
+    for shard, name in zip(md.shards, names):
+        span = _packed_span(md, shard)
+        if span is not None:
+            spans[shard] = (name, *span)
+    return spans
+
+
+def _early_layout(md: ModelDir, shard: str | None, entries: list[Entry]) -> int | None:
+    """How many leading ``entries`` sit where the early copy of ``shard`` put them (all of
+    that shard's tensors, in order), or None if the output shard must be written afresh."""
+    if shard is None:
+        return None
+    inputs = sorted((t for t in md.tensors.values() if t.file == shard), key=lambda t: (t.start, t.end))
+    if len(entries) < len(inputs) or any(e.source is not t or e.name != t.name or e.tensor is not None
+                                         for e, t in zip(entries, inputs)):
+        return None
+    return len(inputs)
 
 
 def _publish(tmp: Path, out: Path) -> None:

@@ -396,8 +396,10 @@ def bench(
                       f"({lat.speedup:+.2%}); {lat.tokens_per_s('a'):.0f} -> {lat.tokens_per_s('b'):.0f} tokens/s")
             out.print(f"LayerNorm share of the original (profiler): {e2e_result.layer_norm_share:.2%}; "
                       f"the fold captured {e2e_result.share_captured:.0%} of it")
-            ln_ms, rms_ms = e2e_result.norm_ms
-            out.print(f"Time inside the norms per forward: LayerNorm {ln_ms:.2f} ms, folded {rms_ms:.2f} ms")
+            ln_ms, rms_ms, copy_ms = e2e_result.norm_ms
+            out.print(f"Time inside the norms per forward: LayerNorm {ln_ms:.2f} ms, folded {rms_ms:.2f} ms, "
+                      f"a bare copy in their place {copy_ms:.2f} ms (the floor: at best "
+                      f"{e2e_result.best_possible_speedup:+.2%} end to end)")
     if plot is not None:
         from .bench import plot_results
 

@@ -215,3 +215,78 @@ def test_malformed_enjoyln_block_is_a_clear_error(saved, tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(enjoyln.CheckpointError, match="enjoyln block .* is malformed"):
         load(out)
+
+
+def _tensors(path):
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as g:
+            out.update({k: g.get_tensor(k) for k in g.keys()})
+    return out
+
+
+@pytest.mark.parametrize("shard_size", [None, "120KB"])
+def test_early_copy_gives_the_same_tensors_as_a_fresh_write(shard_size, saved, tmp_path, monkeypatch):
+    """The fast path (copy during analysis, then center in place) and the plain
+    writer produce the same bytes for every tensor, and the same files."""
+    from enjoyln import checkpoint
+
+    src = saved("gpt2", torch.float32, **({"max_shard_size": shard_size} if shard_size else {}))
+    assert checkpoint._early_spans(open_model_dir(src), None)  # the fast path applies here
+    fast = fold_checkpoint(src, tmp_path / "fast")
+    monkeypatch.setattr(checkpoint, "_early_spans", lambda md, size: {})
+    slow = fold_checkpoint(src, tmp_path / "slow")
+    assert fast.files == slow.files and fast.bytes_written == slow.bytes_written
+    a, b = _tensors(tmp_path / "fast"), _tensors(tmp_path / "slow")
+    assert a.keys() == b.keys() and "lm_head.weight" in a
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    original = _tensors(src)
+    centered = {c.param for c in fast.plan.centered}
+    assert any(not torch.equal(a[k], original[k]) for k in centered)  # centering happened in place
+    assert torch.equal(a["lm_head.weight"], original["transformer.wte.weight"])  # the head keeps the old values
+    assert enjoyln.check_checkpoints(src, tmp_path / "fast").passed
+
+
+def test_header_without_room_falls_back_to_a_fresh_write(saved, tmp_path, monkeypatch):
+    from enjoyln import checkpoint
+
+    src = saved("gpt2")
+    monkeypatch.setattr(checkpoint, "_HEADER_ROOM", 8)  # the untied head's entry cannot fit
+    calls = []
+    real = checkpoint._write_shard
+    monkeypatch.setattr(checkpoint, "_write_shard", lambda *a, **k: calls.append(a[0].name) or real(*a, **k))
+    out = fold_checkpoint(src, tmp_path / "out").out_dir
+    assert calls == ["model.safetensors"]
+    assert enjoyln.check_checkpoints(src, out).passed
+
+
+def test_unpacked_input_is_written_afresh(saved, tmp_path):
+    """A shard with a gap between tensors is valid to read but cannot be copied as is."""
+    import struct
+
+    from enjoyln import checkpoint
+
+    src = saved("opt")
+    bad = tmp_path / "gappy"
+    bad.mkdir()
+    for p in src.iterdir():
+        if p.name != "model.safetensors":
+            (bad / p.name).write_bytes(p.read_bytes())
+    data = (src / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    body = data[8 + n:]
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    chunks, pos = [], 0
+    for k in names:  # 16 bytes of padding after every tensor
+        lo, hi = header[k]["data_offsets"]
+        chunks.append(body[lo:hi] + b"\0" * 16)
+        header[k]["data_offsets"] = [pos, pos + hi - lo]
+        pos += hi - lo + 16
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    (bad / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + b"".join(chunks))
+    assert checkpoint._early_spans(open_model_dir(bad), None) == {}
+    out = fold_checkpoint(bad, tmp_path / "out").out_dir
+    assert enjoyln.check_checkpoints(src, out).passed

@@ -223,14 +223,18 @@ def test_non_empty_out_dir_needs_force(gpt2_dir, tmp_path):
     assert (out / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("where", ["_copy_range", "_pwrite_all", "_write_shard"])
 @pytest.mark.parametrize("code,message", [(errno.ENOSPC, "disk full"), (errno.EACCES, "permission denied")])
-def test_disk_full_or_permission_denied(code, message, gpt2_dir, tmp_path, monkeypatch):
+def test_disk_full_or_permission_denied(code, message, where, gpt2_dir, tmp_path, monkeypatch):
     # Root ignores file permissions and tmpfs quotas are not available here, so the
-    # failing write is simulated at the point where data goes to disk.
+    # failing write is simulated where data goes to disk: the byte copy (on the
+    # early-copy thread), the write of centered tensors, and the fresh-shard writer.
     def failing_write(*args, **kwargs):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(checkpoint, "_write_shard", failing_write)
+    monkeypatch.setattr(checkpoint, where, failing_write)
+    if where == "_write_shard":  # only used when the early copy cannot be
+        monkeypatch.setattr(checkpoint, "_early_spans", lambda md, size: {})
     before = digest(gpt2_dir)
     out = tmp_path / "out"
     result = runner.invoke(app, ["fold", str(gpt2_dir), str(out)])

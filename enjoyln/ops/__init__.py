@@ -143,10 +143,29 @@ def rms_norm(
     >>> torch.allclose(rms_norm(x, (8,)), torch.nn.functional.layer_norm(x, (8,)), atol=1e-6)
     True
     """
+    if _plain_cpu(x, weight, bias):  # the inference hot path: a few attribute reads, then C
+        return cpu.rms_norm_cpu(x, normalized_shape[-1] if len(normalized_shape) == 1 else
+                                math.prod(normalized_shape), weight, bias, float(eps))
     shape = [int(s) for s in normalized_shape]
     if _needs_op(x, weight, bias):
         return torch.ops.enjoyln.rms_norm(x, shape, weight, bias, float(eps))
     return _forward(x, shape, weight, bias, float(eps))
+
+
+def _plain_cpu(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
+    """True for plain contiguous CPU tensors that need no autograd or tracer and fit the C
+    kernel; the same answer as ``not _needs_op(...) and cpu.supports(...)``, only cheaper,
+    because a call costs LayerNorm-sized time at small shapes otherwise."""
+    if type(x) is not Tensor or not x.is_cpu or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    grad = torch.is_grad_enabled()
+    if grad and x.requires_grad:
+        return False
+    for t in (weight, bias):
+        if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter)
+                              or (grad and t.requires_grad)):
+            return False
+    return cpu.supports(x, weight, bias)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None,

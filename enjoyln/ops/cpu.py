@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
 _loaded = False
+_kernels: dict[torch.dtype, Any] = {}  # dtype -> ctypes function, filled once the library loads
 
 
 def cache_dir() -> Path:
@@ -84,8 +86,19 @@ def library() -> ctypes.CDLL | None:
                     _lib = _build()
                 except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                     _error = str(exc)
+            if _lib is not None:
+                has_f16 = getattr(_lib, "enjoyln_has_f16", lambda: 0)()
+                _kernels.update({dtype: getattr(_lib, f"enjoyln_rms_norm_{name}") for dtype, name in DTYPES.items()
+                                 if dtype != torch.float16 or has_f16})
             _loaded = True
     return _lib
+
+
+def kernel(dtype: torch.dtype) -> Any:
+    """The compiled function for ``dtype``, or None."""
+    if not _loaded:
+        library()
+    return _kernels.get(dtype)
 
 
 def status() -> str:
@@ -97,22 +110,21 @@ def status() -> str:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
-    if x.device.type != "cpu" or x.dtype not in DTYPES or not x.is_contiguous() or x.numel() == 0:
-        return False
-    if x.dtype == torch.float16 and not getattr(library(), "enjoyln_has_f16", lambda: 0)():
+    # x.is_cpu rather than x.device.type: this runs on every call, and building
+    # a device object costs more than the check it serves.
+    if not x.is_cpu or not x.is_contiguous() or x.numel() == 0 or kernel(x.dtype) is None:
         return False
     for t in (weight, bias):
-        if t is not None and (t.dtype != x.dtype or not t.is_contiguous() or t.device.type != "cpu"):
+        if t is not None and (t.dtype != x.dtype or not t.is_cpu or not t.is_contiguous()):
             return False
-    return library() is not None
+    return True
 
 
 def rms_norm_cpu(x: torch.Tensor, n: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
                  eps: float) -> torch.Tensor:
     """Fused forward over rows of ``n`` trailing elements; check ``supports`` first."""
     y = torch.empty_like(x)
-    fn = getattr(library(), f"enjoyln_rms_norm_{DTYPES[x.dtype]}")
-    fn(x.data_ptr(), weight.data_ptr() if weight is not None else None,
-       bias.data_ptr() if bias is not None else None, y.data_ptr(),
-       x.numel() // n, n, eps, torch.get_num_threads())
+    _kernels[x.dtype](x.data_ptr(), weight.data_ptr() if weight is not None else None,
+                      bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                      x.numel() // n, n, eps, torch.get_num_threads())
     return y

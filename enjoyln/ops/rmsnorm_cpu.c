@@ -26,7 +26,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 }
 
 #define ROW_LOOP(T, LOAD, STORE)                                                        \
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")                   \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(rows * n >= PARALLEL_MIN)")                   \
     for (int64_t i = 0; i < rows; i++) {                                                \
         const T* xr = x + i * n;                                                        \
         T* yr = y + i * n;                                                              \
@@ -50,6 +50,9 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     }
 
 #define ID(v) (v)
+/* Below this many elements, waking a second thread costs more than it saves
+ * (PyTorch's CPU kernels use a similar grain). */
+#define PARALLEL_MIN 32768
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -58,7 +61,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 void enjoyln_rms_norm_f32(const float* x, const float* w, const float* b, float* y,
                           int64_t rows, int64_t n, float eps, int threads) {
     if (!w || !b) { ROW_LOOP(float, ID, ID) return; }
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(rows * n >= PARALLEL_MIN)")
     for (int64_t i = 0; i < rows; i++) {
         const float* xr = x + i * n;
         float* yr = y + i * n;
