@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -81,6 +82,10 @@ def timed(cmd: list[str]) -> tuple[float, int, str]:
     return secs, peak_kb * 1024, proc.stdout
 
 
+def _ram_gb() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+
+
 def measure(src: Path, root: Path, runs: int) -> tuple[float, float, float, int]:
     """(copy s, fold s, fold's streaming s, peak RSS) for one checkpoint: best of ``runs``
     alternating runs of each, so both see the same page cache."""
@@ -123,7 +128,8 @@ def main() -> None:
                         f"| {fold_s:.1f} s ({total / 1e9 / fold_s:.2f} GB/s) | **{copy_s / fold_s:.2f}** "
                         f"| {rss / 2**30:.2f} GiB |")
         lines = [f"Synthetic GPT-2-shaped checkpoints, width {args.width}, fp32, random weights; {machine()}. "
-                 f"Best of {args.runs} alternating runs each; the files sit in the page cache for both.", "", *rows, ""]
+                 f"Best of {args.runs} alternating runs each, so both meet the same page cache (on this "
+                 f"{_ram_gb():.0f} GB machine it cannot hold input and output of the larger one).", "", *rows, ""]
         if len(results) == 2:
             (b1, _, c1, f1, _, _), (b2, _, c2, f2, _, _) = results
             copy_rate, fold_rate = (b2 - b1) / (c2 - c1) / 1e9, (b2 - b1) / (f2 - f1) / 1e9
