@@ -400,6 +400,16 @@ def _copy_range(src: int, dst: int, start: int, count: int, at: int, advance: Ca
         advance(n)
 
 
+def _header_json(entries: list[Entry], metadata: dict[str, str]) -> bytes:
+    """A safetensors header for ``entries`` stored back to back, unpadded."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for e in entries:
+        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
 def _write_shard(file: Path, entries: list[Entry], root: Path, metadata: dict[str, str],
                  advance: Callable[[int], None], buffer: _Buffer) -> None:
     """Write one safetensors file tensor by tensor.
@@ -410,12 +420,7 @@ def _write_shard(file: Path, entries: list[Entry], root: Path, metadata: dict[st
     by the kernel on a second thread while this one centers the others.
     Callers re-read the result's header.
     """
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for e in entries:
-        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
-        offset += e.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob = _header_json(entries, metadata)
     blob += b" " * (-len(blob) % 8)
     base = 8 + len(blob)
     positions, pos = [], base
@@ -550,12 +555,7 @@ def _finish_shard(file: Path, entries: list[Entry], root: Path, base: int, metad
     are read, centered and written back where they are; entries added by the
     plan (untied heads) are appended after them.
     """
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for e in entries:
-        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
-        offset += e.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob = _header_json(entries, metadata)
     start = base + _HEADER_ROOM
     if len(blob) > start - 8:
         return False
