@@ -6,19 +6,36 @@
 '1'
 """
 
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
 from ._version import __version__
-from .analysis import analyze
-from .check import CheckReport, check
-from .checkpoint import analyze_checkpoint, check_checkpoints, fold_checkpoint, load
-from .errors import CaptureError, CheckpointError, EnjoylnError, PlanError
-from .norm import GroupRMSNorm, RMSNorm
-from .plan import Centering, FoldPlan, LayerNormEntry, Untie
-from .rewrite import fold
-from .training import cbwc, cbwc_remove
+
+# Names are imported on first use, so that `import enjoyln` (and the command
+# line's entry point) does not import torch: an interrupt or a bad argument in
+# the first second then gets one line, not an import traceback.
+_EXPORTS = {
+    "analyze": "analysis", "fold": "rewrite", "check": "equivalence", "CheckReport": "equivalence",
+    "load": "checkpoint", "fold_checkpoint": "checkpoint", "analyze_checkpoint": "checkpoint",
+    "check_checkpoints": "checkpoint", "cbwc": "training", "cbwc_remove": "training",
+    "RMSNorm": "norm", "GroupRMSNorm": "norm", "FoldPlan": "plan", "LayerNormEntry": "plan",
+    "Centering": "plan", "Untie": "plan", "EnjoylnError": "errors", "CaptureError": "errors",
+    "CheckpointError": "errors", "PlanError": "errors", "CheckFailed": "errors",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
 
 
-__all__ = [
-    "analyze", "fold", "GroupRMSNorm", "check", "CheckReport", "load", "fold_checkpoint",
-    "analyze_checkpoint", "check_checkpoints", "cbwc", "cbwc_remove", "RMSNorm", "FoldPlan", "LayerNormEntry", "Centering", "Untie",
-    "EnjoylnError", "CaptureError", "CheckpointError", "PlanError", "__version__",
-]
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'enjoyln' has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

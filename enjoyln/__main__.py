@@ -1,3 +1,38 @@
-from .cli import main
+"""Entry point of the ``enjoyln`` command and of ``python -m enjoyln``.
 
-main()
+Kept free of heavy imports, so the signal handlers are in place before torch
+and transformers load: SIGTERM (what ``timeout``, ``kill`` and CI cancellation
+send) cleans up like Ctrl-C, and an interrupt at any moment gives one line
+and exit code 130 (143 for SIGTERM). A second Ctrl-C stops at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from .errors import Interrupted
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the cleanup finish
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    raise Interrupted(signum)
+
+
+def main() -> None:
+    """Run the command line."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # background jobs ignore it: keep that
+        signal.signal(signal.SIGINT, _interrupt)
+    try:
+        from .cli import app
+
+        app()
+    except Interrupted as exc:
+        print(exc.message, file=sys.stderr)
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()

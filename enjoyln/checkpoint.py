@@ -6,21 +6,19 @@ byte, centered ones are loaded one at a time, centered in float64 and written
 back in their own dtype. Peak memory is a few of the largest tensors (pickle
 weights, read only with ``--allow-pickle``, are loaded whole).
 
-The output is written into a temporary directory beside OUT_DIR and renamed
-into place at the end, so an interrupted run never leaves a partial OUT_DIR,
-and the input directory is only ever read.
+The output is written into a temporary directory beside OUT_DIR, checked
+there, and renamed into place only when the check passes, so OUT_DIR never
+holds a partial or unchecked fold; the input directory is only ever read.
+Reading, containing and publishing directories is ``model_dir``'s job.
 """
 
 from __future__ import annotations
 
 import errno
-import fnmatch
 import json
-import math
 import os
 import shutil
 import struct
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,201 +31,36 @@ from torch import nn
 
 from ._version import __version__
 from .analysis import analyze, norm_module_paths
-from .errors import CheckpointError, EnjoylnError
+from .errors import CheckFailed, CheckpointError, EnjoylnError
+from .model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, WEIGHT_FILES,
+                        ModelDir, TensorInfo, check_out_dir, check_shapes, checkpoint_key, clean_stale,
+                        copy_extras, keep_failed as _keep_failed, meta_model, model_class, open_model_dir, publish,
+                        read_safetensors_header, saved_names, signals_held, temp_dir, umask)
 from .plan import FORMAT_VERSION, FoldPlan
 from .rewrite import InsertCentering, SwapLayerNorms, center_, check_fits
 
 if TYPE_CHECKING:
-    from .check import CheckReport
+    from .equivalence import CheckReport
 
-SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
-PT_WEIGHTS, PT_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
-_WEIGHT_FILES = {SAFE_WEIGHTS, SAFE_INDEX, PT_WEIGHTS, PT_INDEX}
-
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
-}
-_CODES = {v: k for k, v in _DTYPES.items() if v is not None}
+__all__ = ["fold_checkpoint", "analyze_checkpoint", "check_checkpoints", "load", "open_model_dir",
+           "read_safetensors_header", "meta_model", "parse_size", "FoldResult", "ModelDir", "TensorInfo"]
 
 Progress = Callable[[int, int], None]
 """Called with (bytes done, bytes total) as the output is written."""
 
-
-# --- reading ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor's bytes sit in a safetensors file."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: str
-    start: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
-
-
-@dataclass
-class ModelDir:
-    """A validated Hugging Face model directory."""
-
-    path: Path
-    config: dict[str, Any]
-    architecture: str
-    shards: list[str]
-    tensors: dict[str, TensorInfo] = field(default_factory=dict)
-    pickled: bool = False
-
-
-def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and validate a safetensors header: every tensor within the file."""
-    size = file.stat().st_size
-    try:
-        with open(file, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) < 8:
-                raise ValueError("shorter than a header")
-            (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > size - 8:
-                raise ValueError("header length beyond the end of the file")
-            if header_len > 100 << 20:
-                raise ValueError("header larger than 100 MiB")
-            header = json.loads(f.read(header_len))
-        base = 8 + header_len
-        metadata = header.pop("__metadata__", None) or {}
-        tensors, end_max = {}, 0
-        for name, info in header.items():
-            start, end = info["data_offsets"]
-            shape = tuple(int(s) for s in info["shape"])
-            if info["dtype"] not in _DTYPES or not 0 <= start <= end:
-                raise ValueError(f"bad entry for {name}")
-            dtype = _DTYPES[info["dtype"]]
-            if dtype is None or end - start != math.prod(shape) * dtype.itemsize:
-                raise ValueError(f"{name} holds {end - start} bytes, not what its dtype and shape need")
-            tensors[name] = TensorInfo(name, info["dtype"], shape, file.name, base + start, base + end)
-            end_max = max(end_max, end)
-        if base + end_max > size:
-            raise ValueError("truncated: tensor data runs past the end of the file")
-    except (ValueError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file} is not a valid safetensors file ({exc})") from None
-    return tensors, metadata
-
-
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path.parent} has no {path.name}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON ({exc.__class__.__name__}: {exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} does not hold a JSON object ({what})")
-    return data
-
-
-def _index_shards(index_file: Path) -> list[str]:
-    """The shard files a weight index names: plain file names inside the directory."""
-    weight_map = _read_json(index_file, "a weight index").get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{index_file} has no weight_map")
-    shards = sorted(set(weight_map.values()))
-    for shard in shards:
-        if not isinstance(shard, str) or Path(shard).name != shard or shard.startswith("."):
-            raise CheckpointError(f"{index_file} names the shard {shard!r}, which is not a file in its directory")
-    return shards
-
-
-def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False) -> ModelDir:
-    """Validate a model directory: config, architecture and every weight header.
-
-    Nothing is loaded; a corrupt or truncated shard is reported here, before
-    any output is written.
-    """
-    root = Path(path)
-    if not root.exists():
-        raise CheckpointError(f"{root} does not exist")
-    if not root.is_dir():
-        raise CheckpointError(f"{root} is not a directory")
-    if not any(root.iterdir()):
-        raise CheckpointError(f"{root} is empty")
-    config = _read_json(root / "config.json", "a model config")
-    archs = config.get("architectures") or []
-    if not archs or not isinstance(archs, list):
-        raise CheckpointError(f"{root / 'config.json'} names no architecture (\"architectures\" is missing)")
-    import transformers
-
-    arch = archs[0]
-    # dir() lists transformers' lazy names without importing the model's module,
-    # which alone can take seconds; meta_model imports it and checks it is a class.
-    if not isinstance(arch, str) or arch not in dir(transformers):
-        raise _unknown_architecture(arch)
-    md = ModelDir(root, config, arch, [])
-    if (root / SAFE_INDEX).exists():
-        md.shards = _index_shards(root / SAFE_INDEX)
-    elif (root / SAFE_WEIGHTS).exists():
-        md.shards = [SAFE_WEIGHTS]
-    elif (root / PT_INDEX).exists() or (root / PT_WEIGHTS).exists():
-        if not allow_pickle:
-            raise CheckpointError(f"{root} has only pickle (.bin) weights, which can run code when "
-                                  "loaded; pass --allow-pickle to load them with weights_only=True")
-        md.pickled = True
-        md.shards = _index_shards(root / PT_INDEX) if (root / PT_INDEX).exists() else [PT_WEIGHTS]
-    else:
-        raise CheckpointError(f"{root} has no weights (model.safetensors or {SAFE_INDEX})")
-    for shard in md.shards:
-        file = root / shard
-        if not file.is_file():
-            raise CheckpointError(f"{root} lacks the weight shard {shard} named by its index")
-        if not md.pickled:
-            tensors, _ = read_safetensors_header(file)
-            md.tensors.update(tensors)
-    return md
-
-
-def _unknown_architecture(arch: Any) -> CheckpointError:
-    import transformers
-
-    return CheckpointError(f"unknown architecture {arch!r}: transformers {transformers.__version__} "
-                           "has no such model class (remote code is not run)")
-
-
-def meta_model(md: ModelDir) -> nn.Module:
-    """The model class of ``md`` built on the meta device: graph and names, no weights."""
-    import transformers
-
-    try:
-        config = transformers.AutoConfig.from_pretrained(md.path, trust_remote_code=False)
-    except Exception as exc:  # transformers raises many kinds for a bad config
-        raise CheckpointError(f"cannot read {md.path / 'config.json'}: {str(exc).splitlines()[0]}") from None
-    cls = getattr(transformers, md.architecture, None)
-    if not isinstance(cls, type):
-        raise _unknown_architecture(md.architecture)
-    try:
-        with torch.device("meta"):
-            model = cls(config)
-    except Exception as exc:
-        raise CheckpointError(f"cannot build {md.architecture} from its config: "
-                              f"{str(exc).splitlines()[0]}") from None
-    return model.eval()
+CHECK_MODES = ("full", "static", "none")
+"""full: the static weight check, then a forward comparison; static: weights only; none."""
 
 
 def analyze_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
-                       auxiliary_centering: bool = False) -> FoldPlan:
+                       auxiliary_centering: bool = False, trust_remote_code: bool = False) -> FoldPlan:
     """The fold plan for a model directory, computed on the meta device.
 
     >>> analyze_checkpoint("path/to/gpt2").summary()  # doctest: +SKIP
     """
-    md = open_model_dir(path, allow_pickle=allow_pickle)
+    md = open_model_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     model = meta_model(md)
-    _check_shapes(md, model)
+    check_shapes(md, model)
     return analyze(model, auxiliary_centering=auxiliary_centering)
 
 
@@ -248,35 +81,6 @@ class Entry:
     tensor: torch.Tensor | None = None  # or write this (pickle input)
 
 
-def saved_names(model: nn.Module) -> dict[str, str]:
-    """Parameter name -> the key ``save_pretrained`` writes for it.
-
-    transformers 5 renames some weights on save (ViT's ``layers.0.attention.
-    k_proj`` is saved as ``encoder.layer.0.attention.attention.key``). Its own
-    reverse conversion, run on meta tensors, tells which key holds which
-    tensor, matched by identity.
-    """
-    named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
-    try:
-        from transformers.modeling_utils import revert_weight_conversion
-
-        reverted = revert_weight_conversion(model, dict(named))
-    except Exception:  # an older transformers, or a converter that needs real data
-        return {}
-    by_id = {id(v): k for k, v in reverted.items()}
-    return {name: name if name in reverted else by_id.get(id(t), name) for name, t in named.items()}
-
-
-def _checkpoint_key(name: str, keys: set[str], prefix: str, saved: dict[str, str]) -> str | None:
-    """The checkpoint key for a parameter name: as saved, maybe without the base prefix."""
-    for base in dict.fromkeys((name, saved.get(name, name))):
-        for candidate in (base, base.removeprefix(prefix + ".") if prefix else base,
-                          f"{prefix}.{base}" if prefix else base):
-            if candidate in keys:
-                return candidate
-    return None
-
-
 def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, str],
                   pickled: dict[str, tuple[str, torch.Tensor]] | None) -> list[tuple[str, list[Entry]]]:
     """Output shards like the input's, each with its entries in input order."""
@@ -294,7 +98,7 @@ def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, st
                   for s in md.shards]
     by_key = {e.name: e for _, es in shards for e in es}
     keys = set(by_key)
-    key = lambda name: _checkpoint_key(name, keys, prefix, saved)  # noqa: E731
+    key = lambda name: checkpoint_key(name, keys, prefix, saved)  # noqa: E731
     partner = {u.tied_to: u.param for u in plan.untied} | {u.param: u.tied_to for u in plan.untied}
     extras: dict[str, tuple[str, int | None]] = {}  # new name -> (source key, centering axis)
     for c in plan.centered:
@@ -428,7 +232,7 @@ def _write_shard(file: Path, entries: list[Entry], root: Path, metadata: dict[st
         positions.append(pos)
         pos += e.nbytes
     fds: dict[str, int] = {}
-    out = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    out = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
         _pwrite_all(out, memoryview(struct.pack("<Q", len(blob)) + blob), 0)
         for e in entries:
@@ -478,17 +282,12 @@ _HEADER_ROOM = 4096
 enjoyln tag, an untied head's entry). A whole page, so the data keeps its alignment."""
 
 
-def _packed_span(md: ModelDir, shard: str) -> tuple[int, int] | None:
-    """(start, length) of a shard's tensor data if its tensors tile it end to end, as
-    safetensors writes them; None for anything else, which is then rewritten instead."""
+def _packed_span(md: ModelDir, shard: str) -> tuple[int, int]:
+    """(start, length) of a shard's tensor data, which validation proved tiles the file."""
     with open(md.path / shard, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
-    base = pos = 8 + header_len
-    for t in sorted((t for t in md.tensors.values() if t.file == shard), key=lambda t: (t.start, t.end)):
-        if t.start != pos:
-            return None
-        pos = t.end
-    return base, pos - base
+    base = 8 + header_len
+    return base, (md.path / shard).stat().st_size - base
 
 
 class _EarlyCopy:
@@ -508,15 +307,21 @@ class _EarlyCopy:
         self.copied: set[str] = set()
         self.stop = threading.Event()
         self.error: BaseException | None = None
+        self.started, self.finished = time.perf_counter(), None
         self.thread = threading.Thread(target=self._run, name="enjoyln-early-copy", daemon=True)
         self.thread.start()
+
+    def seconds_before(self, moment: float) -> float:
+        """How long the copy ran before ``moment`` (its own time, not the analysis it overlapped)."""
+        end = self.finished if self.finished is not None else time.perf_counter()
+        return max(0.0, min(end, moment) - self.started)
 
     def _run(self) -> None:
         try:
             for shard, (name, base, length) in self.spans.items():
                 src = os.open(self.md.path / shard, os.O_RDONLY)
                 try:
-                    dst = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                    dst = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
                     try:
                         _copy_range(src, dst, base, length, base + _HEADER_ROOM, self.advance, self.stop)
                     finally:
@@ -530,6 +335,7 @@ class _EarlyCopy:
         except BaseException as exc:  # reported by wait(), in the thread that can act on it
             self.error = exc
         finally:
+            self.finished = time.perf_counter()
             self.stop.set()
             for event in self.done.values():
                 event.set()
@@ -608,41 +414,10 @@ def _output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
     return config
 
 
-def _is_weight_file(name: str) -> bool:
-    return fnmatch.fnmatch(name, "*.safetensors") or any(fnmatch.fnmatch(name, p) for p in (
-        "pytorch_model*.bin", "*.bin.index.json", "*.safetensors.index.json", "tf_model*.h5",
-        "flax_model*.msgpack", "model*.ckpt*", "*.pt", "*.pth"))
-
-
-def _check_shapes(md: ModelDir, model: nn.Module) -> None:
-    """Every saved tensor the model knows has the shape its config implies, so a
-    mismatched checkpoint is refused before anything is written."""
-    if md.pickled:
-        return
-    saved = saved_names(model)
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    keys = set(md.tensors)
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        key = _checkpoint_key(name, keys, prefix, saved)
-        if key is not None and tuple(md.tensors[key].shape) != tuple(t.shape):
-            raise CheckpointError(f"{key} has shape {list(md.tensors[key].shape)} in the checkpoint but "
-                                  f"{list(t.shape)} in the model config.json describes")
-
-
-def _check_paths(src: Path, out: Path, force: bool) -> None:
-    src, out = src.resolve(), out.resolve()
-    if out == src or src in out.parents:
-        raise CheckpointError(f"OUT_DIR {out} is inside MODEL_DIR {src}; choose a directory elsewhere")
-    if out in src.parents:
-        raise CheckpointError(f"OUT_DIR {out} contains MODEL_DIR {src}; choose a directory elsewhere")
-    if out.exists():
-        if not out.is_dir():
-            raise CheckpointError(f"OUT_DIR {out} exists and is not a directory")
-        if any(out.iterdir()) and not force:
-            raise CheckpointError(f"OUT_DIR {out} is not empty; pass --force to replace it")
-
-
-def _os_error(exc: OSError, where: Path) -> CheckpointError:
+def _os_error(exc: OSError, out: Path, tmp: Path | None) -> CheckpointError:
+    """One line naming the path at fault: OUT_DIR for anything written there, else the file itself."""
+    name = Path(exc.filename) if exc.filename else None
+    where = out if name is None or (tmp is not None and (name == tmp or tmp in name.parents)) else name
     if exc.errno == errno.ENOSPC:
         return CheckpointError(f"disk full while writing {where}; nothing was written")
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -659,9 +434,15 @@ class FoldResult:
     files: list[str]
     bytes_written: int
     seconds: float
-    """Wall time of the whole fold, analysis included."""
+    """Wall time of the whole fold, analysis and check included."""
     stream_seconds: float = 0.0
-    """Wall time of writing the weights alone."""
+    """Time spent moving the weights: the copy itself, not the wait for imports or the analysis."""
+    report: "CheckReport | None" = None
+    """The check that ran before OUT_DIR was published (None with ``check="none"``)."""
+    skipped: list[str] = field(default_factory=list)
+    """Entries of MODEL_DIR not copied, with the reason (outside it, special files)."""
+    cleaned: list[Path] = field(default_factory=list)
+    """Temporary directories of killed runs for the same OUT_DIR, removed first."""
 
 
 def _load_pickled(md: ModelDir) -> dict[str, tuple[str, torch.Tensor]]:
@@ -680,8 +461,10 @@ def _load_pickled(md: ModelDir) -> dict[str, tuple[str, torch.Tensor]]:
 def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                     max_shard_size: int | None = None, force: bool = False,
                     allow_pickle: bool = False, dry_run: bool = False, auxiliary_centering: bool = False,
-                    plan: FoldPlan | None = None, progress: Progress | None = None) -> FoldResult:
-    """Fold a Hugging Face model directory into OUT_DIR, streaming tensor by tensor.
+                    plan: FoldPlan | None = None, progress: Progress | None = None,
+                    check: str = "full", keep_failed: bool = False, trust_remote_code: bool = False,
+                    check_options: dict[str, Any] | None = None) -> FoldResult:
+    """Fold a Hugging Face model directory into OUT_DIR, streaming tensor by tensor, and check it.
 
     OUT_DIR gets every file of MODEL_DIR (tokenizer and processor files
     included), the centered weights in their own dtypes, an explicit untied
@@ -689,12 +472,25 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     ``from_pretrained`` (the LNs are still there and see zero-mean inputs), or
     with ``enjoyln.load`` (the LNs run as RMSNorm).
 
-    >>> fold_checkpoint("gpt2-dir", "gpt2-folded")  # doctest: +SKIP
+    The fold is written to a temporary directory and checked there
+    (``check``: ``"full"`` proves every weight and then compares outputs,
+    ``"static"`` proves the weights only, ``"none"`` skips it); only a
+    candidate that passes is renamed to OUT_DIR. A failing one raises
+    ``CheckFailed`` and is removed, or kept beside OUT_DIR with
+    ``keep_failed``.
+
+    >>> fold_checkpoint("gpt2-dir", "gpt2-folded").report.passed  # doctest: +SKIP
+    True
     """
     start = time.perf_counter()
     src, out = Path(model_dir), Path(out_dir)
-    md = open_model_dir(src, allow_pickle=allow_pickle)
-    _check_paths(src, out, force or dry_run)
+    if check not in CHECK_MODES:
+        raise EnjoylnError(f"unknown check mode {check!r}; use one of {', '.join(CHECK_MODES)}")
+    md = open_model_dir(src, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    check_out_dir(src, out, force, dry_run=dry_run)
+    if check == "full" and not dry_run:
+        require_memory(md)  # say so before anything is written
+    cleaned = [] if dry_run else clean_stale(out)
     done, total, lock = [0], [0], threading.Lock()
 
     def advance(n: int) -> None:
@@ -708,21 +504,21 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     try:
         spans = _early_spans(md, max_shard_size) if not dry_run else {}
         if spans:  # copy while the model's code loads and the analysis runs; see _EarlyCopy
-            tmp = _temp_dir(out)
             total[0] = sum(length for _, _, length in spans.values())
-            early = _EarlyCopy(md, tmp, spans, advance)
-        stream_start = time.perf_counter()
+            with signals_held():  # an interrupt must find tmp and early set, to clean them up
+                tmp = temp_dir(out)
+                early = _EarlyCopy(md, tmp, spans, advance)
         model = meta_model(md)
         if early is not None and not norm_module_paths(model):
             early.cancel()  # no norm module: almost surely nothing to fold, so stop copying now
             early, spans = None, {}
         if plan is not None:
             check_fits(model, plan)
-        _check_shapes(md, model)
+        check_shapes(md, model)
         if plan is None:
             plan = analyze(model, auxiliary_centering=auxiliary_centering)
         if dry_run or not plan.foldable:
-            return FoldResult(plan, None, [], 0, time.perf_counter() - start)
+            return FoldResult(plan, None, [], 0, time.perf_counter() - start, cleaned=cleaned)
         pickled = _load_pickled(md) if md.pickled else None
         prefix = getattr(model, "base_model_prefix", "") or ""
         shards = _reshard(_plan_entries(md, plan, prefix, saved_names(model), pickled), max_shard_size)
@@ -733,13 +529,10 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             total[0] += sum(e.nbytes for name, es in shards for i, e in enumerate(es)
                             if layout[name] is None or i >= layout[name] or e.axis is not None)
         if tmp is None:
-            tmp = _temp_dir(out)
-            stream_start = time.perf_counter()
-        skip = _WEIGHT_FILES | set(md.shards) | {"config.json"}
-        for item in md.path.iterdir():
-            if item.name in skip or _is_weight_file(item.name):
-                continue  # weights in any other format would be stale, uncentered copies
-            (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+            with signals_held():
+                tmp = temp_dir(out)
+        write_start = time.perf_counter()
+        skipped = copy_extras(md, tmp)
         (tmp / "config.json").write_text(json.dumps(_output_config(md, plan), indent=2) + "\n")
         metadata = {"format": "pt", "enjoyln": __version__}
         buffer = _Buffer()
@@ -753,9 +546,10 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                 with lock:
                     total[0] += sum(e.nbytes for e in entries)
             _write_shard(tmp / name, entries, md.path, metadata, advance, buffer)
+        stream_seconds = time.perf_counter() - write_start
         if early is not None:
             early.cancel()
-        stream_seconds = time.perf_counter() - stream_start
+            stream_seconds += early.seconds_before(write_start)
         files = [name for name, _ in shards]
         if len(shards) > 1:
             index = {"metadata": {"total_size": bytes_out, "enjoyln": __version__},
@@ -763,22 +557,28 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for name in files:  # the output must read back, or it is not published
             read_safetensors_header(tmp / name)
-        _publish(tmp, out)
+        report = None
+        if check != "none":
+            report = check_checkpoints(src, tmp, mode=check, plan=plan, allow_pickle=allow_pickle,
+                                       trust_remote_code=trust_remote_code, **(check_options or {}))
+            if not report.passed:
+                kept = _keep_failed(tmp, out) if keep_failed else None
+                tmp = None if kept else tmp
+                where = (f"the candidate is kept in {kept}" if kept
+                         else "pass --keep-failed to keep the candidate for inspection")
+                raise CheckFailed(f"the folded model failed its check, so {out} was not written; {where}",
+                                  report, kept)
+        publish(tmp, out)
         tmp = None
     except OSError as exc:
-        raise _os_error(exc, out) from None
+        raise _os_error(exc, out, tmp) from None
     finally:
         if early is not None:
             early.cancel()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    return FoldResult(plan, out, files, bytes_out, time.perf_counter() - start, stream_seconds)
-
-
-def _temp_dir(out: Path) -> Path:
-    """A fresh directory beside OUT_DIR, renamed into place only when complete."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.enjoyln-", dir=out.parent))
+    return FoldResult(plan, out, files, bytes_out, time.perf_counter() - start, stream_seconds,
+                      report=report, skipped=skipped, cleaned=cleaned)
 
 
 def _early_spans(md: ModelDir, max_shard_size: int | None) -> dict[str, tuple[str, int, int]]:
@@ -787,12 +587,7 @@ def _early_spans(md: ModelDir, max_shard_size: int | None) -> dict[str, tuple[st
     if md.pickled or max_shard_size is not None:
         return {}
     names = [name for name, _ in _reshard([(shard, []) for shard in md.shards], None)]
-    spans = {}
-    for shard, name in zip(md.shards, names):
-        span = _packed_span(md, shard)
-        if span is not None:
-            spans[shard] = (name, *span)
-    return spans
+    return {shard: (name, *_packed_span(md, shard)) for shard, name in zip(md.shards, names)}
 
 
 def _early_layout(md: ModelDir, shard: str | None, entries: list[Entry]) -> int | None:
@@ -807,35 +602,27 @@ def _early_layout(md: ModelDir, shard: str | None, entries: list[Entry]) -> int 
     return len(inputs)
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished temporary directory to ``out``, replacing it if it exists."""
-    if out.exists():
-        trash = out.with_name(f".{out.name}.enjoyln-old-{os.getpid()}")
-        os.replace(out, trash)
-        os.replace(tmp, out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-
-
 # --- loading ---------------------------------------------------------------------------------
 
 
-def load(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
+def load(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_code: bool = False,
+         **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a folded directory and run its recorded LNs as ``enjoyln.RMSNorm``.
 
     Auxiliary centerings recorded in the directory are installed again. A
-    directory without an ``enjoyln`` block loads as it is.
+    directory without an ``enjoyln`` block loads as it is. Custom code runs
+    only with ``trust_remote_code=True``.
 
     >>> model = load("gpt2-folded", dtype="bfloat16")  # doctest: +SKIP
     """
-    md = open_model_dir(path, allow_pickle=bool(from_pretrained_kwargs.pop("allow_pickle", False)))
-    import transformers
+    from .static_check import recorded_plan
 
-    cls = getattr(transformers, md.architecture)
-    from_pretrained_kwargs.setdefault("trust_remote_code", False)
+    md = open_model_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    cls = model_class(md)
+    from_pretrained_kwargs["trust_remote_code"] = trust_remote_code
     if md.pickled:
         from_pretrained_kwargs.setdefault("use_safetensors", False)
+    plan = recorded_plan(md)  # a malformed block is refused before the weights load
     try:
         model = cls.from_pretrained(md.path, **from_pretrained_kwargs)
     except EnjoylnError:
@@ -843,13 +630,7 @@ def load(path: str | os.PathLike, **from_pretrained_kwargs: Any) -> nn.Module:
     except Exception as exc:
         raise CheckpointError(f"cannot load {md.path}: {type(exc).__name__}: "
                               f"{(str(exc).splitlines() or [''])[0]}") from None
-    block = md.config.get("enjoyln")
-    if block:
-        try:
-            plan = FoldPlan.from_dict(block["plan"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"the enjoyln block in {md.path / 'config.json'} is malformed "
-                                  f"({type(exc).__name__}: {exc})") from None
+    if plan is not None:
         plan.untied = []  # already untied and centered on disk: the centerings and the swap are left
         for step in (InsertCentering(), SwapLayerNorms()):
             step.check(model, plan)
@@ -885,28 +666,85 @@ def parse_size(text: str | int | None) -> int | None:
 
 
 
-def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike, *,
-                      allow_pickle: bool = False, **check_kwargs: Any) -> "CheckReport":
-    """Load two model directories and compare them with ``enjoyln.check``.
+def available_memory() -> int | None:
+    """Bytes this process could still allocate: free memory, capped by a cgroup limit; None if unknown."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            cap = int(Path(limit).read_text().split()[0]) - int(Path(usage).read_text().split()[0])
+        except (OSError, ValueError, IndexError):  # "max", or no such controller
+            continue
+        avail = cap if avail is None else min(avail, cap)
+    return avail
 
-    The candidate loads through ``enjoyln.load``, so a folded directory runs
-    with its RMSNorms. A half-precision reference is also loaded in float32,
-    as the ground truth of the precision-aware criterion.
+
+def forward_check_bytes(md: ModelDir) -> int:
+    """What the forward comparison needs: both models, a float32 copy of a half-precision
+    reference, and room for activations."""
+    n = md.nbytes
+    half = any(t.dtype in ("F16", "BF16") for t in md.tensors.values())
+    return int(2.1 * n + (2 * n if half else 0)) + (256 << 20)
+
+
+def require_memory(md: ModelDir) -> None:
+    """Refuse, before anything is written, a forward check that cannot fit in memory."""
+    from .plan import format_bytes
+
+    need, have = forward_check_bytes(md), available_memory()
+    if have is not None and need > have:
+        raise CheckpointError(f"the forward check loads both models and needs about {format_bytes(need)} of "
+                              f"memory, but {format_bytes(have)} is available; pass --static to prove every "
+                              "weight without running the model (or --no-check)")
+
+
+def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike, *,
+                      allow_pickle: bool = False, trust_remote_code: bool = False, mode: str = "full",
+                      plan: FoldPlan | None = None, progress: Progress | None = None,
+                      **check_kwargs: Any) -> "CheckReport":
+    """Prove CANDIDATE computes what REFERENCE does: every weight, then the outputs.
+
+    ``mode="full"`` (the default) first runs the static check (every tensor
+    of the candidate is the fold plan applied to the reference; see
+    ``enjoyln.static_check``), then loads both and compares their outputs
+    with ``enjoyln.check`` on inputs that cover every position. ``"static"``
+    stops after the weights; ``"forward"`` skips them (for candidates made
+    by other tools). The candidate loads through ``enjoyln.load``, so a
+    folded directory runs with its RMSNorms; a half-precision reference is
+    also loaded in float32, as the ground truth of the precision-aware
+    criterion.
 
     >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
     True
     """
-    from .check import HALF, check
+    from .equivalence import HALF, CheckReport, check
+    from .static_check import static_check
 
-    ref_md = open_model_dir(reference_dir, allow_pickle=allow_pickle)
-    cand_md = open_model_dir(candidate_dir, allow_pickle=allow_pickle)
+    if mode not in ("full", "static", "forward"):
+        raise EnjoylnError(f"unknown check mode {mode!r}; use full, static or forward")
+    ref_md = open_model_dir(reference_dir, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    cand_md = open_model_dir(candidate_dir, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     if ref_md.architecture != cand_md.architecture:
         raise CheckpointError(f"{reference_dir} is a {ref_md.architecture} but {candidate_dir} is a "
                               f"{cand_md.architecture}")
-    reference = load(reference_dir, allow_pickle=allow_pickle)
-    candidate = load(candidate_dir, allow_pickle=allow_pickle)
+    static = None
+    if mode != "forward":
+        static = static_check(ref_md, cand_md, plan=plan, progress=progress)
+        if mode == "static" or not static.passed:
+            return CheckReport.from_static(static, forward_skipped=mode != "static")
+    require_memory(ref_md)
+    kwargs = {"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code}
+    reference, candidate = load(reference_dir, **kwargs), load(candidate_dir, **kwargs)
     dtype = next((p.dtype for p in reference.parameters() if p.is_floating_point()), torch.float32)
     if dtype in HALF:
-        check_kwargs.setdefault("fp32_reference",
-                                load(reference_dir, allow_pickle=allow_pickle, dtype=torch.float32))
-    return check(reference, candidate, **check_kwargs)
+        check_kwargs.setdefault("fp32_reference", load(reference_dir, dtype=torch.float32, **kwargs))
+    report = check(reference, candidate, **check_kwargs)
+    report.add_static(static)
+    return report

@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from .errors import EnjoylnError
+from .errors import CheckFailed, EnjoylnError, Interrupted
 from .plan import FoldPlan, format_bytes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -62,7 +62,10 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
         except OSError as exc:
             err.print(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), markup=False)
             raise typer.Exit(2) from None
-        except KeyboardInterrupt:
+        except Interrupted as exc:
+            err.print(exc.message)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:  # Ctrl-C where the command line's own handlers are not installed
             err.print("interrupted")
             raise typer.Exit(130) from None
         except (typer.Exit, typer.Abort, SystemExit):
@@ -132,27 +135,40 @@ def print_report(report: Any) -> None:
 
 class _Bytes:
     """A byte progress bar on stderr that appears only once bytes move, so an
-    early error is not preceded by the traces of an empty bar."""
+    early error is not preceded by the traces of an empty bar; ``phase(name)``
+    gives the callback for one phase (writing, checking)."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self.enabled, self.bar, self.task = enabled, None, None
+        # Off a terminal a bar shows nothing useful, and rich still ends it with a newline
+        # that would land in front of an error message.
+        self.enabled, self.bar, self.tasks = enabled and err.is_terminal, None, {}
+
+    def phase(self, name: str) -> Callable[[int, int], None]:
+        def update(done: int, total: int) -> None:
+            if not self.enabled:
+                return
+            if self.bar is None:
+                self.bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                                    TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True)
+                self.bar.start()
+            if name not in self.tasks:
+                self.tasks[name] = self.bar.add_task(name, total=total)
+            self.bar.update(self.tasks[name], completed=done, total=total)
+        return update
 
     def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is None:
-            self.bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                                TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True)
-            self.bar.start()
-            self.task = self.bar.add_task("writing", total=total)
-        self.bar.update(self.task, completed=done, total=total)
+        self.phase("writing")(done, total)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
 
     def __enter__(self) -> "_Bytes":
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+        self.stop()
 
 
 # --- commands ----------------------------------------------------------------------------------
@@ -164,34 +180,64 @@ def fold(
     model_dir: Path = typer.Argument(..., help="Hugging Face model directory (config.json + safetensors)."),
     out_dir: Path = typer.Argument(..., help="Where to write the folded model directory."),
     max_shard_size: Optional[str] = typer.Option(None, help="Re-shard the output, e.g. 2GB; default: like the input."),
-    force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT_DIR."),
-    check: bool = typer.Option(True, "--check/--no-check", help="Compare outputs after writing."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it is an earlier enjoyln output."),
+    check: bool = typer.Option(True, "--check/--no-check", help="Check the fold before publishing it."),
+    static: bool = typer.Option(False, "--static", help="Check every weight, but run no forward pass."),
+    keep_failed: bool = typer.Option(False, "--keep-failed", help="Keep a candidate that fails its check."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Analyse and report; write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON only."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Read .bin weights (weights_only=True)."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code",
+                                           help="Analyse, run and keep the directory's custom model code."),
     auxiliary_centering: bool = typer.Option(False, "--auxiliary-centering",
                                              help="Insert explicit centerings where each frees more LNs than it costs."),
-    batches: int = typer.Option(3, min=1, help="Input batches for the check."),
-    seq_len: int = typer.Option(16, min=1, help="Sequence length for the check."),
+    batches: int = typer.Option(3, min=1, help="Input batches for the forward check."),
+    seq_len: int = typer.Option(16, min=1, help="Sequence length of the short check batches."),
 ) -> None:
-    """Fold a model directory into OUT_DIR and check that its outputs are unchanged."""
-    from .checkpoint import check_checkpoints, fold_checkpoint, parse_size
+    """Fold a model directory, check the result, and publish it to OUT_DIR only if it passes."""
+    from .checkpoint import fold_checkpoint, parse_size
 
     start = time.perf_counter()
+    mode = "none" if not check else "static" if static else "full"
+    payload: dict[str, Any] = {}
     with _Bytes(enabled=not as_json) as bar:
-        result = fold_checkpoint(model_dir, out_dir, max_shard_size=parse_size(max_shard_size),
-                                 force=force, allow_pickle=allow_pickle, dry_run=dry_run,
-                                 auxiliary_centering=auxiliary_centering, progress=bar)
+        try:
+            result = fold_checkpoint(model_dir, out_dir, max_shard_size=parse_size(max_shard_size), force=force,
+                                     allow_pickle=allow_pickle, dry_run=dry_run, check=mode,
+                                     keep_failed=keep_failed, trust_remote_code=trust_remote_code,
+                                     auxiliary_centering=auxiliary_centering, progress=bar.phase("writing"),
+                                     check_options={"batches": batches, "seq_len": seq_len,
+                                                    "progress": bar.phase("checking weights")})
+        except CheckFailed as exc:
+            bar.stop()
+            if as_json:
+                out.print_json(json.dumps({"check": exc.report.to_dict(), "out_dir": None,
+                                           "kept": str(exc.kept) if exc.kept else None}))
+            else:
+                print_report(exc.report)
+            raise
     plan = result.plan
-    payload: dict[str, Any] = {"plan": plan.to_dict(), "out_dir": str(result.out_dir) if result.out_dir else None,
-                               "files": result.files, "bytes_written": result.bytes_written,
-                               "fold_seconds": result.seconds, "stream_seconds": result.stream_seconds}
+    payload.update({"plan": plan.to_dict(), "out_dir": str(result.out_dir) if result.out_dir else None,
+                    "files": result.files, "bytes_written": result.bytes_written,
+                    "fold_seconds": result.seconds, "stream_seconds": result.stream_seconds,
+                    "skipped": result.skipped, "cleaned": [str(p) for p in result.cleaned]})
+    if result.report is not None:
+        payload["check"] = result.report.to_dict()
     if not as_json:
+        if result.cleaned:
+            out.print(f"Removed {len(result.cleaned)} temporary "
+                      f"director{'y' if len(result.cleaned) == 1 else 'ies'} left by an interrupted run: "
+                      + ", ".join(escape(str(p)) for p in result.cleaned))
         print_plan(plan)
+        if result.skipped:
+            out.print(f"[yellow]Not copied:[/] {escape('; '.join(result.skipped))}")
+        if result.report is not None:
+            print_report(result.report)
         if result.out_dir:
             speed = result.bytes_written / max(result.stream_seconds, 1e-9) / 1e6
-            out.print(f"Wrote {result.out_dir} ({len(result.files)} weight files, "
-                      f"{format_bytes(result.bytes_written)}) in {result.seconds:.2f} s; the weights took "
+            checked = {"none": "unchecked", "static": "weights checked", "full": "checked"}[mode]
+            out.print(f"Wrote {result.out_dir} ({checked}; {len(result.files)} weight files, "
+                      f"{format_bytes(result.bytes_written)}) in {result.seconds:.2f} s; moving the weights took "
                       f"{result.stream_seconds:.2f} s ({speed:.0f} MB/s)")
         elif dry_run:
             out.print("Dry run: nothing written.")
@@ -201,18 +247,9 @@ def fold(
         what = ("has no LayerNorm" if not plan.layer_norms
                 else f"has {len(plan.layer_norms)} LayerNorms and none can fold")
         raise EnjoylnError(f"nothing to fold: {plan.model} {what}; nothing was written")
-    report = None
-    if result.out_dir and check:
-        report = check_checkpoints(model_dir, result.out_dir, allow_pickle=allow_pickle,
-                                   batches=batches, seq_len=seq_len)
-        payload["check"] = report.to_dict()
-        if not as_json:
-            print_report(report)
     payload["seconds"] = time.perf_counter() - start
     if as_json:
         out.print_json(json.dumps(payload))
-    if report is not None and not report.passed:
-        raise typer.Exit(1)
 
 
 @app.command()
@@ -249,19 +286,29 @@ def inspect(
 def check_cmd(
     reference_dir: Path = typer.Argument(..., help="The original model directory."),
     candidate_dir: Path = typer.Argument(..., help="The converted model directory."),
-    batches: int = typer.Option(3, min=1, help="Seeded input batches."),
-    batch_size: int = typer.Option(2, min=1, help="Rows per batch."),
-    seq_len: int = typer.Option(16, min=1, help="Sequence length of token inputs."),
+    static: bool = typer.Option(False, "--static", help="Check every weight only; no forward pass (any size)."),
+    forward_only: bool = typer.Option(False, "--forward-only",
+                                      help="Skip the weight check (for candidates made by other tools)."),
+    batches: int = typer.Option(3, min=1, help="Seeded input batches (the first covers every position)."),
+    batch_size: int = typer.Option(2, min=1, help="Rows of the short batches."),
+    seq_len: int = typer.Option(16, min=1, help="Sequence length of the short batches."),
     seed: int = typer.Option(0, help="Seed of the first batch."),
     rtol: float = typer.Option(1e-5, help="Relative tolerance in float32."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Accept .bin weights."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run the directories' custom code."),
 ) -> None:
     """CI gate: exit 0 if CANDIDATE computes what REFERENCE does, 1 if not, 2 on bad input."""
     from .checkpoint import check_checkpoints
 
-    report = check_checkpoints(reference_dir, candidate_dir, allow_pickle=allow_pickle, batches=batches,
-                               batch_size=batch_size, seq_len=seq_len, seed=seed, rtol=rtol)
+    if static and forward_only:
+        raise EnjoylnError("--static and --forward-only exclude each other")
+    mode = "static" if static else "forward" if forward_only else "full"
+    with _Bytes(enabled=not as_json) as bar:
+        report = check_checkpoints(reference_dir, candidate_dir, allow_pickle=allow_pickle,
+                                   trust_remote_code=trust_remote_code, mode=mode,
+                                   progress=bar.phase("checking weights"), batches=batches,
+                                   batch_size=batch_size, seq_len=seq_len, seed=seed, rtol=rtol)
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
     else:
@@ -294,13 +341,15 @@ def demo(
         out.print(f"A random GPT-2 ({layers} layers, width {width}, perturbed weights) in {src}")
         out.rule("2. inspect")
         print_plan(analyze_checkpoint(src))
-        out.rule("3. fold")
+        out.rule("3. fold, check and publish")
         with _Bytes() as bar:
-            result = fold_checkpoint(src, dst, force=True, progress=bar)
-        out.print(f"Wrote {dst} in {result.seconds:.2f} s: {', '.join(sorted(os.listdir(dst)))}")
-        out.rule("4. check")
-        report = check_checkpoints(src, dst)
+            result = fold_checkpoint(src, dst, force=True, progress=bar.phase("writing"),
+                                     check_options={"progress": bar.phase("checking weights")})
+        report = result.report
         print_report(report)
+        out.print(f"Wrote {dst} in {result.seconds:.2f} s: {', '.join(sorted(os.listdir(dst)))}")
+        out.rule("4. check again, as a CI gate would: enjoyln check ORIGINAL FOLDED")
+        print_report(check_checkpoints(src, dst))
         out.rule("5. speed (forward, batch 1, 512 tokens, median of alternating runs)")
         original, folded = load(src), load(dst)
         inputs = hf_example_inputs(original, batch=1, seq_len=512)
@@ -476,8 +525,10 @@ def export_cmd(
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Run the command line (the console script goes through ``enjoyln.__main__``)."""
+    from .__main__ import main as entry
+
+    entry()
 
 
 if __name__ == "__main__":  # pragma: no cover

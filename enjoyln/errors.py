@@ -7,6 +7,8 @@ one, the fix.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class EnjoylnError(Exception):
     """Base class: a problem with the user's input, not a bug in enjoyln."""
@@ -24,3 +26,32 @@ class PlanError(EnjoylnError):
 
 class CheckpointError(EnjoylnError):
     """A model directory is missing, malformed, or cannot be written."""
+
+
+class CheckFailed(EnjoylnError):
+    """A folded checkpoint did not pass its check, so it was not published.
+
+    ``report`` is the failing ``CheckReport``; ``kept`` the directory the
+    candidate was kept in (``keep_failed=True``), else None.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, report: Any = None, kept: Any = None) -> None:
+        super().__init__(message)
+        self.report, self.kept = report, kept
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM, raised by the command line's signal handlers where the program is,
+    so every ``finally`` cleans up; the exit code is 128 + the signal number.
+
+    Not a KeyboardInterrupt: click and typer turn those into a silent exit 130.
+    """
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        super().__init__(signum)
+        self.exit_code = 128 + signum
+        self.message = "terminated" if signum == signal.SIGTERM else "interrupted"

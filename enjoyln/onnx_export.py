@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .capture import ExampleInputs, resolve_inputs
-from .check import flatten_outputs
+from .equivalence import flatten_outputs
 from .errors import EnjoylnError
 
 DEFAULT_OPSET = 23

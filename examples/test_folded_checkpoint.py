@@ -16,5 +16,6 @@ FOLDED = os.environ.get("FOLDED", "models/folded")
 @pytest.mark.skipif(not (os.path.isdir(ORIGINAL) and os.path.isdir(FOLDED)),
                     reason="set ORIGINAL and FOLDED to two model directories")
 def test_folded_checkpoint_matches_original():
-    report = enjoyln.check_checkpoints(ORIGINAL, FOLDED, batches=4, seq_len=64)
+    # every weight first (streamed, any size), then the outputs; mode="static" skips the forward pass
+    report = enjoyln.check_checkpoints(ORIGINAL, FOLDED)
     assert report.passed, report.summary()

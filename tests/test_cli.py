@@ -219,7 +219,13 @@ def test_non_empty_out_dir_needs_force(gpt2_dir, tmp_path):
     assert result.exit_code == 2 and "--force" in result.stderr
     assert (out / "keep.txt").read_text() == "mine"
     result = runner.invoke(app, ["fold", str(gpt2_dir), str(out), "--force", "--no-check"])
-    assert result.exit_code == 0 and not (out / "keep.txt").exists()
+    assert result.exit_code == 2 and "not an enjoyln output" in result.stderr  # --force spares it
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    assert runner.invoke(app, ["fold", str(gpt2_dir), str(out), "--no-check"]).exit_code == 0
+    (out / "extra.txt").write_text("from an earlier fold")
+    result = runner.invoke(app, ["fold", str(gpt2_dir), str(out), "--force", "--no-check"])
+    assert result.exit_code == 0 and not (out / "extra.txt").exists()  # an earlier output is replaced
     assert (out / "model.safetensors").exists()
 
 
@@ -248,7 +254,9 @@ def test_permission_denied_creating_the_temporary_directory(gpt2_dir, tmp_path, 
     def denied(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(checkpoint.tempfile, "mkdtemp", denied)
+    from enjoyln import model_dir
+
+    monkeypatch.setattr(model_dir.tempfile, "mkdtemp", denied)
     result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out")])
     assert result.exit_code == 2 and "permission denied" in result.stderr
 

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture import ExampleInputs, Inputs, as_inputs, hf_example_inputs, is_causal_lm, is_hf_model
+from .capture import (ExampleInputs, Inputs, as_inputs, config_value, hf_example_inputs, is_causal_lm,
+                      is_hf_model)
 from .errors import CaptureError
 
 HALF = (torch.float16, torch.bfloat16)
@@ -51,6 +52,28 @@ class GenerationCheck:
 
 
 @dataclass
+class Coverage:
+    """What the forward comparison's inputs reached."""
+
+    positions: int = 0
+    """Positions 0 .. positions-1 of the longest sequence fed."""
+    max_positions: int | None = None
+    """What the config allows (None: not a sequence model, or no limit)."""
+    distinct_ids: int = 0
+    vocab_size: int | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.positions:
+            allowed = f" of {self.max_positions}" if self.max_positions else ""
+            parts.append(f"positions 0-{self.positions - 1}{allowed}")
+        if self.distinct_ids:
+            vocab = f" of {self.vocab_size}" if self.vocab_size else ""
+            parts.append(f"{self.distinct_ids} distinct token ids{vocab}")
+        return ", ".join(parts)
+
+
+@dataclass
 class CheckReport:
     """The outcome of ``check``; ``passed`` is the verdict."""
 
@@ -62,15 +85,38 @@ class CheckReport:
     dtype: str
     criterion: str
     generation: GenerationCheck | None = None
+    coverage: Coverage | None = None
+    static: Any = None
+    """The static weight check (``enjoyln.static_check.StaticReport``), when it ran."""
+    forward_skipped: str = ""
+    """Why the forward comparison did not run, if it did not."""
+
+    @classmethod
+    def from_static(cls, static: Any, *, forward_skipped: bool) -> "CheckReport":
+        why = "the weights already differ" if forward_skipped else "static check only"
+        return cls(passed=static.passed, max_abs_diff=0.0, max_rel_diff=0.0, outputs=[], batches=0,
+                   dtype="", criterion="", static=static, forward_skipped=why)
+
+    def add_static(self, static: Any) -> None:
+        if static is not None:
+            self.static = static
+            self.passed = self.passed and static.passed
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def summary(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
-        lines = [f"{verdict}: {len(self.outputs)} outputs over {self.batches} batches ({self.dtype}); "
-                 f"max abs diff {self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}",
-                 f"  criterion: {self.criterion}"]
+        lines = [f"{verdict}"]
+        if self.static is not None:
+            lines += [f"  {line}" for line in self.static.summary().splitlines()]
+        if self.forward_skipped:
+            lines.append(f"  forward comparison not run: {self.forward_skipped}")
+            return "\n".join(lines)
+        covered = f"; inputs cover {self.coverage.describe()}" if self.coverage and self.coverage.describe() else ""
+        lines += [f"  forward: {len(self.outputs)} outputs over {self.batches} batches ({self.dtype}); "
+                  f"max abs diff {self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}{covered}",
+                  f"  criterion: {self.criterion}"]
         for o in self.outputs:
             extra = ""
             if o.candidate_error is not None:
@@ -135,6 +181,43 @@ def input_batches(model: nn.Module, example_inputs: ExampleInputs = None, *, bat
     return [first] + [_inputs_like(first, seed + i) for i in range(1, batches)]
 
 
+MAX_COVER_POSITIONS = 2048
+"""Longest sequence the coverage batch feeds; longer position tables are covered by the static check."""
+COVER_TOKENS = 4096
+"""Most tokens in the coverage batch, spread over up to four rows of distinct ids."""
+
+
+def coverage_batch(model: nn.Module, *, seed: int = 0, length: int | None = None) -> tuple[Inputs, Coverage] | None:
+    """One batch that reaches every position the config allows, with as many distinct token ids
+    as fit, or None for a model without token inputs.
+
+    A few random tokens reach a few percent of a position table and a fraction
+    of a percent of the embedding rows; a gate must see the rest.
+    """
+    if not is_hf_model(model):
+        return None
+    config, params = model.config, inspect.signature(model.forward).parameters
+    vocab = config_value(config, "vocab_size")
+    max_pos = config_value(config, "max_position_embeddings", "n_positions", "max_target_positions")
+    max_pos = max_pos if isinstance(max_pos, int) and max_pos > 0 else None
+    if "input_ids" not in params or not isinstance(vocab, int) or vocab <= 0:
+        return None
+    length = length or min(max_pos or MAX_COVER_POSITIONS, MAX_COVER_POSITIONS)
+    rows = max(1, min(4, COVER_TOKENS // length, -(-min(vocab, COVER_TOKENS) // length)))
+    inputs = hf_example_inputs(model, batch=rows, seq_len=length, seed=seed)
+    if "input_ids" not in inputs:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    shape = inputs["input_ids"].shape
+    count = shape[0] * shape[1]
+    ids = torch.cat([torch.randperm(vocab, generator=gen) for _ in range(-(-count // vocab))])[:count]
+    inputs["input_ids"] = ids.view(shape).to(inputs["input_ids"].device)
+    types = getattr(config, "type_vocab_size", None)
+    if "token_type_ids" in params and isinstance(types, int) and types > 1:
+        inputs["token_type_ids"] = torch.randint(0, types, shape, generator=gen).to(ids.device)
+    return Inputs((), inputs), Coverage(shape[1], max_pos, int(ids.unique().numel()), vocab)
+
+
 def _to(inputs: Inputs, dtype: torch.dtype) -> Inputs:
     """Floating inputs in ``dtype`` (pixel values, audio features); token ids stay."""
     cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
@@ -190,6 +273,9 @@ def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInp
         fp32_reference = copy.deepcopy(reference).float()
     all_inputs = input_batches(reference, example_inputs, batches=batches, seed=seed,
                                batch_size=batch_size, seq_len=seq_len)
+    first, coverage = (None, None) if example_inputs is not None else _covering(baseline, dtype, seed)
+    if first is not None:
+        all_inputs[0] = first
     worst: dict[str, OutputCheck] = {}
     for inputs in all_inputs:
         ref, cand = _run(baseline, _to(inputs, dtype)), _run(candidate, _to(inputs, cand_dtype))
@@ -236,5 +322,31 @@ def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInp
         max_abs_diff=max((o.max_abs_diff for o in outputs), default=0.0),
         max_rel_diff=max((o.max_rel_diff for o in outputs), default=0.0),
         outputs=outputs, batches=len(all_inputs), dtype=str(dtype).replace("torch.", ""),
-        criterion=criterion, generation=generation,
+        criterion=criterion, generation=generation, coverage=coverage,
     )
+
+
+def _covering(model: nn.Module, dtype: torch.dtype, seed: int) -> tuple[Inputs | None, Coverage | None]:
+    """The coverage batch at the longest length the model accepts.
+
+    Some models cannot take their nominal maximum (RoBERTa's positions start
+    after the padding index, so 512 allows 510 tokens), so shorter lengths
+    are tried before giving up on full coverage.
+    """
+    found = coverage_batch(model, seed=seed)
+    if found is None:
+        return None, None
+    inputs, coverage = found
+    length = coverage.positions
+    for attempt in (length, length - 1, length - 2, length // 2, length // 4):
+        if attempt < 1:
+            break
+        if attempt != length:
+            inputs, coverage = coverage_batch(model, seed=seed, length=attempt)
+        try:
+            with torch.no_grad():
+                _run(model, _to(inputs, dtype))
+            return inputs, coverage
+        except CaptureError:
+            continue
+    return None, None

@@ -1,0 +1,628 @@
+"""Model directories: read and validate one, contain it, and publish a new one.
+
+A model directory comes from somewhere else, so it is treated as untrusted:
+
+- every safetensors header is validated as strictly as the format requires
+  before anything is written;
+- symlinks are followed only for the files a model directory needs (weights,
+  index, config, tokenizer, processor, generation config), wherever they
+  resolve, as in the Hugging Face cache; nothing else that resolves outside
+  the directory is copied;
+- custom code (``auto_map``, ``*.py``) is refused unless the user trusts it,
+  so an output never carries code that the analysis did not see.
+
+Output goes to a temporary directory beside OUT_DIR, named after the process
+that owns it, and is renamed into place only when complete and checked. A
+later run for the same OUT_DIR removes what a killed run left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+import json
+import math
+import os
+import shutil
+import signal
+import stat
+import struct
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .errors import CheckpointError
+
+SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+PT_WEIGHTS, PT_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+WEIGHT_FILES = {SAFE_WEIGHTS, SAFE_INDEX, PT_WEIGHTS, PT_INDEX}
+
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+}
+CODES = {v: k for k, v in DTYPES.items() if v is not None}
+
+# The files a model directory needs: only these are followed through a symlink
+# that leaves the directory (the Hugging Face cache links every file to a blob).
+NEEDED = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+          "pytorch_model*.bin", "*.bin.index.json", "tokenizer*", "vocab*", "merges.txt", "*.model",
+          "*.tiktoken", "special_tokens_map.json", "added_tokens.json", "preprocessor_config.json",
+          "*processor_config.json", "chat_template*", "feature_extractor_config.json")
+_VCS = {".git", ".hg", ".svn"}
+
+
+# --- reading ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes sit in a safetensors file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class ModelDir:
+    """A validated Hugging Face model directory."""
+
+    path: Path
+    config: dict[str, Any]
+    architecture: str
+    shards: list[str]
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    pickled: bool = False
+    custom_code: list[str] = field(default_factory=list)
+    """What makes this a remote-code model (``auto_map``, ``.py`` files); empty if none."""
+    trust_remote_code: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        if self.pickled:
+            return sum((self.path / s).stat().st_size for s in self.shards)
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"the header names {key} twice")
+        seen[key] = value
+    return seen
+
+
+def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate a safetensors header, as strictly as the format requires.
+
+    Every tensor's byte count matches its dtype and shape, and the tensors
+    tile the data section exactly: sorted by offset they start at 0, each
+    begins where the one before ends (no overlap, no gap) and the last ends
+    at the end of the file. A file that breaks this is refused, naming the
+    tensors, because an overlap would otherwise come out of a fold as two
+    independent copies of the same bytes.
+    """
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise ValueError("shorter than a header")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > size - 8:
+                raise ValueError("header length beyond the end of the file")
+            if header_len > 100 << 20:
+                raise ValueError("header larger than 100 MiB")
+            header = json.loads(f.read(header_len), object_pairs_hook=_no_duplicates)
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        base = 8 + header_len
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise ValueError("__metadata__ must map strings to strings")
+        tensors = {}
+        for name, info in header.items():
+            start, end = (int(v) for v in info["data_offsets"])
+            shape = tuple(int(s) for s in info["shape"])
+            if DTYPES.get(info["dtype"]) is None:
+                raise ValueError(f"{name} has the unknown dtype {info['dtype']!r}")
+            if start < 0 or end < start:
+                raise ValueError(f"{name}'s data offsets [{start}, {end}] are out of order")
+            if any(s < 0 for s in shape):
+                raise ValueError(f"{name} has a negative size in its shape {list(shape)}")
+            if end - start != math.prod(shape) * DTYPES[info["dtype"]].itemsize:
+                raise ValueError(f"{name} holds {end - start} bytes, not what its dtype and shape need")
+            tensors[name] = TensorInfo(name, info["dtype"], shape, file.name, base + start, base + end)
+        pos, last = base, None
+        for t in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
+            if t.start < pos:
+                raise ValueError(f"{t.name} overlaps {last} (bytes {t.start - base}-{pos - base} of the data)")
+            if t.start > pos:
+                where = f"after {last}" if last else "before the first tensor"
+                raise ValueError(f"{t.start - pos} bytes {where} belong to no tensor (a gap before {t.name})")
+            pos, last = t.end, t.name
+        if pos > size:
+            raise ValueError("truncated: tensor data runs past the end of the file")
+        if pos < size:
+            raise ValueError(f"{size - pos} bytes after the last tensor belong to no tensor")
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {file}: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} is not a valid safetensors file ({exc})") from None
+    return tensors, metadata
+
+
+def input_file(path: Path) -> Path:
+    """``path`` if it is a readable regular file (through symlinks); else a clear error naming it."""
+    if path.is_symlink():
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:
+            raise CheckpointError(f"{path} is a symlink loop") from None
+        except OSError:
+            raise CheckpointError(f"{path} is a dangling symlink (it points to {os.readlink(path)})") from None
+    if not path.exists():
+        raise CheckpointError(f"{path.parent} has no {path.name}")
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a regular file")
+    return path
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(input_file(path).read_text())
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc.__class__.__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object ({what})")
+    return data
+
+
+def _index(index_file: Path) -> dict[str, str]:
+    """A weight index's map, naming only plain files inside the directory."""
+    weight_map = read_json(index_file, "a weight index").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_file} has no weight_map")
+    for shard in set(weight_map.values()):
+        if not isinstance(shard, str) or Path(shard).name != shard or shard.startswith("."):
+            raise CheckpointError(f"{index_file} names the shard {shard!r}, which is not a file in its directory")
+    return weight_map
+
+
+def custom_code(root: Path, config: dict[str, Any]) -> list[str]:
+    """What in ``root`` would run code that is not part of transformers."""
+    found = []
+    if config.get("auto_map"):
+        found.append("auto_map in config.json")
+    for item in sorted(root.iterdir()):
+        if item.suffix == ".json" and item.name != "config.json" and item.is_file():
+            try:
+                if "auto_map" in json.loads(item.read_text()):
+                    found.append(f"auto_map in {item.name}")
+            except (ValueError, TypeError, OSError, UnicodeDecodeError):
+                pass
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _VCS)
+        found += [str((Path(folder) / f).relative_to(root)) for f in sorted(files) if f.endswith(".py")]
+    return found
+
+
+def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False,
+                   trust_remote_code: bool = False) -> ModelDir:
+    """Validate a model directory: config, architecture, custom code and every weight header.
+
+    Nothing is loaded; a corrupt or malformed shard is reported here, before
+    any output is written.
+
+    >>> open_model_dir("gpt2-dir").architecture  # doctest: +SKIP
+    'GPT2LMHeadModel'
+    """
+    root = Path(path)
+    if not root.exists():
+        raise CheckpointError(f"{root} does not exist")
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory")
+    if not any(root.iterdir()):
+        raise CheckpointError(f"{root} is empty")
+    config = read_json(root / "config.json", "a model config")
+    archs = config.get("architectures") or []
+    if not archs or not isinstance(archs, list):
+        raise CheckpointError(f"{root / 'config.json'} names no architecture (\"architectures\" is missing)")
+    code = custom_code(root, config)
+    if code and not trust_remote_code:
+        raise CheckpointError(f"{root} carries custom code ({', '.join(code[:3])}); enjoyln analyses only "
+                              "transformers' own model classes and never writes code it did not analyse; "
+                              "pass --trust-remote-code to analyse, run and keep that code")
+    arch = archs[0]
+    remote = bool(code) and bool(config.get("auto_map"))
+    if not isinstance(arch, str) or (not remote and arch not in _transformers_names()):
+        raise unknown_architecture(arch)
+    md = ModelDir(root, config, arch, [], custom_code=code, trust_remote_code=trust_remote_code)
+    index: dict[str, str] | None = None
+    if (root / SAFE_INDEX).exists() or (root / SAFE_INDEX).is_symlink():
+        index = _index(root / SAFE_INDEX)
+        md.shards = sorted(set(index.values()))
+    elif (root / SAFE_WEIGHTS).exists() or (root / SAFE_WEIGHTS).is_symlink():
+        md.shards = [SAFE_WEIGHTS]
+    elif any((root / n).exists() for n in (PT_INDEX, PT_WEIGHTS)):
+        if not allow_pickle:
+            raise CheckpointError(f"{root} has only pickle (.bin) weights, which can run code when "
+                                  "loaded; pass --allow-pickle to load them with weights_only=True")
+        md.pickled = True
+        md.shards = sorted(set(_index(root / PT_INDEX).values())) if (root / PT_INDEX).exists() else [PT_WEIGHTS]
+    else:
+        raise CheckpointError(f"{root} has no weights (model.safetensors or {SAFE_INDEX})")
+    for shard in md.shards:
+        file = root / shard
+        if not (file.exists() or file.is_symlink()):
+            raise CheckpointError(f"{root} lacks the weight shard {shard} named by its index")
+        input_file(file)
+        if md.pickled:
+            continue
+        tensors, _ = read_safetensors_header(file)
+        for name in tensors.keys() & md.tensors.keys():
+            raise CheckpointError(f"{name} is stored twice, in {md.tensors[name].file} and in {shard}")
+        md.tensors.update(tensors)
+    if index is not None and not md.pickled:
+        for name, shard in index.items():
+            if name not in md.tensors or md.tensors[name].file != shard:
+                raise CheckpointError(f"{root / SAFE_INDEX} puts {name} in {shard}, which does not hold it")
+        extra = sorted(md.tensors.keys() - index.keys())
+        if extra:
+            raise CheckpointError(f"{md.tensors[extra[0]].file} holds {extra[0]}, which "
+                                  f"{root / SAFE_INDEX} does not list")
+    return md
+
+
+@functools.lru_cache(maxsize=1)
+def _transformers_names() -> frozenset[str]:
+    """transformers' public names. dir() lists its lazy names without importing the model's
+    module, which alone can take seconds (meta_model imports it and checks it is a class),
+    but it costs half a second itself, so it is asked once."""
+    import transformers
+
+    return frozenset(dir(transformers))
+
+
+def unknown_architecture(arch: Any) -> CheckpointError:
+    import transformers
+
+    return CheckpointError(f"unknown architecture {arch!r}: transformers {transformers.__version__} "
+                           "has no such model class (remote code is not run)")
+
+
+def model_class(md: ModelDir) -> type:
+    """The class ``from_pretrained`` would build for ``md``: transformers' own, or,
+    only when the user trusts it, the directory's custom code."""
+    import transformers
+
+    if md.custom_code and md.trust_remote_code and md.config.get("auto_map"):
+        refs = [v for v in md.config["auto_map"].values() if isinstance(v, str)
+                and v.rpartition(".")[2] == md.architecture]
+        if not refs:
+            raise CheckpointError(f"{md.path / 'config.json'}'s auto_map has no entry for {md.architecture}")
+        if "--" in refs[0]:
+            raise CheckpointError(f"{md.architecture} lives in another repository ({refs[0]}); "
+                                  "enjoyln does not download code")
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        try:
+            return get_class_from_dynamic_module(refs[0], md.path, local_files_only=True)
+        except Exception as exc:  # the user's own code, failing to import
+            raise CheckpointError(f"cannot import {refs[0]} from {md.path}: {type(exc).__name__}: "
+                                  f"{(str(exc).splitlines() or [''])[0]}") from None
+    cls = getattr(transformers, md.architecture, None)
+    if not isinstance(cls, type):
+        raise unknown_architecture(md.architecture)
+    return cls
+
+
+def meta_model(md: ModelDir) -> nn.Module:
+    """The model class of ``md`` built on the meta device: graph and names, no weights."""
+    import transformers
+
+    cls = model_class(md)
+    try:
+        config = transformers.AutoConfig.from_pretrained(md.path, trust_remote_code=md.trust_remote_code)
+    except Exception as exc:  # transformers raises many kinds for a bad config
+        raise CheckpointError(f"cannot read {md.path / 'config.json'}: {str(exc).splitlines()[0]}") from None
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    except Exception as exc:
+        raise CheckpointError(f"cannot build {md.architecture} from its config: "
+                              f"{str(exc).splitlines()[0]}") from None
+    return model.eval()
+
+
+def saved_names(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> the key ``save_pretrained`` writes for it.
+
+    transformers 5 renames some weights on save (ViT's ``layers.0.attention.
+    k_proj`` is saved as ``encoder.layer.0.attention.attention.key``). Its own
+    reverse conversion, run on meta tensors, tells which key holds which
+    tensor, matched by identity.
+    """
+    named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    try:
+        from transformers.modeling_utils import revert_weight_conversion
+
+        reverted = revert_weight_conversion(model, dict(named))
+    except Exception:  # an older transformers, or a converter that needs real data
+        return {}
+    by_id = {id(v): k for k, v in reverted.items()}
+    return {name: name if name in reverted else by_id.get(id(t), name) for name, t in named.items()}
+
+
+def checkpoint_key(name: str, keys: set[str], prefix: str, saved: dict[str, str]) -> str | None:
+    """The checkpoint key for a parameter name: as saved, maybe without the base prefix."""
+    for base in dict.fromkeys((name, saved.get(name, name))):
+        for candidate in (base, base.removeprefix(prefix + ".") if prefix else base,
+                          f"{prefix}.{base}" if prefix else base):
+            if candidate in keys:
+                return candidate
+    return None
+
+
+def check_shapes(md: ModelDir, model: nn.Module) -> None:
+    """Every saved tensor the model knows has the shape its config implies, so a
+    mismatched checkpoint is refused before anything is written."""
+    if md.pickled:
+        return
+    saved = saved_names(model)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    keys = set(md.tensors)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        key = checkpoint_key(name, keys, prefix, saved)
+        if key is not None and tuple(md.tensors[key].shape) != tuple(t.shape):
+            raise CheckpointError(f"{key} has shape {list(md.tensors[key].shape)} in the checkpoint but "
+                                  f"{list(t.shape)} in the model config.json describes")
+
+
+# --- copying the other files ------------------------------------------------------------
+
+
+def is_weight_file(name: str) -> bool:
+    return fnmatch.fnmatch(name, "*.safetensors") or any(fnmatch.fnmatch(name, p) for p in (
+        "pytorch_model*.bin", "*.bin.index.json", "*.safetensors.index.json", "tf_model*.h5",
+        "flax_model*.msgpack", "model*.ckpt*", "*.pt", "*.pth"))
+
+
+def _needed(name: str) -> bool:
+    return any(fnmatch.fnmatch(name, p) for p in NEEDED)
+
+
+def copy_extras(md: ModelDir, dest: Path) -> list[str]:
+    """Copy every file of ``md`` but the weights and config into ``dest``; return what was skipped.
+
+    A symlink is followed when it resolves inside the directory, or when it
+    is a file a model directory needs (top level only). Anything else that
+    resolves outside the directory, special files and version-control data
+    are skipped; modes follow the umask, not the source.
+    """
+    root = md.path.resolve()
+    skip = WEIGHT_FILES | set(md.shards) | {"config.json"}
+    skipped: list[str] = []
+
+    def inside(p: Path) -> bool:
+        return p == root or root in p.parents
+
+    def visit(src: Path, rel: Path, top: bool) -> None:
+        name = str(rel)
+        if src.is_symlink():
+            try:
+                target = src.resolve(strict=True)
+            except (OSError, RuntimeError):
+                if top and _needed(src.name):
+                    input_file(src)  # raises, naming the link
+                skipped.append(f"{name} (a dangling symlink)")
+                return
+            if not inside(target) and not (top and _needed(src.name) and target.is_file()):
+                skipped.append(f"{name} (resolves outside the model directory)")
+                return
+            if target.is_dir() and (target == root or target in src.parent.resolve().parents
+                                    or target == src.parent.resolve()):
+                skipped.append(f"{name} (a symlink to a directory that contains it)")
+                return
+        try:
+            mode = src.stat().st_mode
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {src}: {exc.strerror or exc}") from None
+        if stat.S_ISDIR(mode):
+            if src.name in _VCS:
+                skipped.append(f"{name} (version-control data)")
+                return
+            (dest / rel).mkdir(exist_ok=True)
+            for child in sorted(src.iterdir()):
+                visit(child, rel / child.name, False)
+        elif stat.S_ISREG(mode):
+            try:
+                shutil.copyfile(src, dest / rel)
+            except OSError as exc:
+                if exc.filename and Path(exc.filename) == dest / rel:
+                    raise
+                raise CheckpointError(f"cannot read {src}: {exc.strerror or exc}") from None
+        else:
+            skipped.append(f"{name} (not a regular file)")
+
+    for item in sorted(md.path.iterdir()):
+        if item.name in skip or is_weight_file(item.name):
+            continue  # weights in any other format would be stale, uncentered copies
+        visit(item, Path(item.name), True)
+    return skipped
+
+
+# --- the output directory ------------------------------------------------------------------
+
+
+def umask() -> int:
+    """The process umask, read without changing it where the system allows (threads run)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def is_enjoyln_output(path: Path) -> bool:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("enjoyln"), dict)
+
+
+def check_out_dir(src: Path, out: Path, force: bool, *, dry_run: bool = False) -> None:
+    """Refuse an OUT_DIR that would overlap MODEL_DIR, or that ``--force`` must not delete."""
+    src, out = src.resolve(), out.resolve()
+    if out == src or src in out.parents:
+        raise CheckpointError(f"OUT_DIR {out} is inside MODEL_DIR {src}; choose a directory elsewhere")
+    if out in src.parents:
+        raise CheckpointError(f"OUT_DIR {out} contains MODEL_DIR {src}; choose a directory elsewhere")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise CheckpointError(f"OUT_DIR {out} exists and is not a directory")
+    if dry_run or not any(out.iterdir()):
+        return
+    if not force:
+        raise CheckpointError(f"OUT_DIR {out} is not empty; pass --force to replace an earlier enjoyln output")
+    if not is_enjoyln_output(out):
+        raise CheckpointError(f"OUT_DIR {out} is not empty and is not an enjoyln output (its config.json has "
+                              "no enjoyln block); --force replaces only those, so remove it yourself")
+
+
+_OWNER = ".enjoyln-owner"
+
+
+def _start_time(pid: int) -> str:
+    """The kernel's start time of ``pid`` (to tell a reused pid apart), or '' where unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _alive(pid: int, started: str) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not started or not _start_time(pid) or _start_time(pid) == started
+
+
+def _owner(tmp: Path) -> tuple[int, str] | None:
+    """(pid, start time) of the process that made a temporary directory."""
+    try:
+        pid, _, started = (tmp / _OWNER).read_text().partition(" ")
+        return int(pid), started.strip()
+    except (OSError, ValueError):
+        pass
+    parts = tmp.name.rsplit("enjoyln-", 1)[-1].split("-")  # the pid is also in the name
+    digits = [p for p in parts if p.isdigit()]
+    return (int(digits[0]), "") if digits else None
+
+
+def stale_temp_dirs(out: Path) -> tuple[list[Path], list[tuple[Path, int]]]:
+    """Temporary directories for ``out`` left by runs that died, and those a live run owns."""
+    dead, live = [], []
+    parent = out.parent if out.parent.exists() else None
+    for tmp in sorted(parent.glob(f".{out.name}.enjoyln-*")) if parent else []:
+        if not tmp.is_dir() or tmp.is_symlink():
+            continue
+        owner = _owner(tmp)
+        if owner is None:
+            continue  # not ours to judge: no record of who made it
+        if owner[0] != os.getpid() and _alive(*owner):
+            live.append((tmp, owner[0]))
+        elif owner[0] != os.getpid():
+            dead.append(tmp)
+    return dead, live
+
+
+def clean_stale(out: Path) -> list[Path]:
+    """Remove what killed runs left for ``out``; refuse while another live run writes it."""
+    dead, live = stale_temp_dirs(out)
+    if live:
+        tmp, pid = live[0]
+        raise CheckpointError(f"another enjoyln (pid {pid}) is writing {out} (its work is in {tmp}); "
+                              "wait for it, or stop it")
+    for tmp in dead:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dead
+
+
+def temp_dir(out: Path) -> Path:
+    """A fresh directory beside OUT_DIR, owned by this process, renamed into place when done."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.enjoyln-{os.getpid()}-", dir=out.parent))
+    (tmp / _OWNER).write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    return tmp
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Move the finished temporary directory to ``out``, replacing an earlier output."""
+    (tmp / _OWNER).unlink(missing_ok=True)
+    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it 0700, whatever the umask
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    trash = out.with_name(f".{out.name}.enjoyln-{os.getpid()}-old")
+    with signals_held():  # never stop between the two renames, leaving no OUT_DIR at all
+        os.replace(out, trash)
+        os.replace(tmp, out)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Delay SIGINT and SIGTERM until the block is done (where the platform allows), so that
+    a step and the bookkeeping that lets cleanup undo it happen together or not at all."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    mask = getattr(signal, "pthread_sigmask", None)
+    if mask is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    mask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        mask(signal.SIG_UNBLOCK, held)
+
+
+def keep_failed(tmp: Path, out: Path) -> Path:
+    """Move a candidate that failed its check beside OUT_DIR, for inspection."""
+    (tmp / _OWNER).unlink(missing_ok=True)
+    os.chmod(tmp, 0o777 & ~umask())
+    kept = out.with_name(f"{out.name}.enjoyln-failed")
+    n = 1
+    while kept.exists():
+        n += 1
+        kept = out.with_name(f"{out.name}.enjoyln-failed-{n}")
+    os.replace(tmp, kept)
+    return kept

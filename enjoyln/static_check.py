@@ -1,0 +1,343 @@
+"""The static check: prove a checkpoint is the fold plan applied to another, weight by weight.
+
+No forward pass and no model in memory: both directories are streamed tensor
+by tensor, so it runs at disk speed and fits any size. Every tensor the
+candidate's model loads is accounted for:
+
+- an unchanged tensor is byte-identical to the reference's (or equal to it
+  cast exactly, for a half-precision candidate of a float32 reference);
+- a centered tensor equals the reference's, centered in float64 and cast to
+  its dtype, to within that dtype's rounding;
+- an untied head equals the tensor it was tied to;
+- the candidate's config is the reference's, with the ``enjoyln`` block and
+  an untied head as the only differences;
+- the recorded plan is what this enjoyln's analysis gives for the config.
+
+The expectations come from the plan and the model's own parameter names, not
+from the code that wrote the fold, so the two check each other.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .errors import CheckpointError, EnjoylnError
+from .model_dir import (DTYPES, ModelDir, TensorInfo, check_shapes, checkpoint_key, meta_model,
+                        saved_names)
+from .plan import Centering, FoldPlan
+
+_CHUNK = 16 << 20
+_IGNORED_CONFIG = {"enjoyln", "transformers_version", "_name_or_path", "_commit_hash", "dtype",
+                   "torch_dtype", "tie_word_embeddings", "_attn_implementation_autoset"}
+
+
+@dataclass
+class StaticReport:
+    """What the static check verified, and every problem it found (empty when it passed)."""
+
+    passed: bool
+    tensors: int = 0
+    identical: int = 0
+    centered: int = 0
+    untied: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    form: str = ""
+    """'folded' (the plan applied) or 'identical' (the candidate is the reference)."""
+    plan: str = ""
+    """Where the plan came from: 'recorded' (the enjoyln block, confirmed) or 'analysis'."""
+    problems: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        what = (f"{self.tensors} tensors verified ({self.identical} identical, {self.centered} centered, "
+                f"{self.untied} untied), {self.bytes_read / 1e6:.1f} MB read in {self.seconds:.2f} s")
+        lines = [f"{verdict}: static check, {what}"]
+        if self.form:
+            lines.append(f"  the candidate is {'the plan applied to the reference' if self.form == 'folded' else 'identical to the reference'}"
+                         f" (plan: {self.plan})")
+        lines += [f"  [FAIL] {p}" for p in self.problems[:20]]
+        if len(self.problems) > 20:
+            lines.append(f"  ... and {len(self.problems) - 20} more problems")
+        return "\n".join(lines)
+
+
+class _Reader:
+    """Tensors of a model directory, read one at a time."""
+
+    def __init__(self, md: ModelDir) -> None:
+        self.md = md
+        self.fds: dict[str, int] = {}
+        self.pickled: dict[str, torch.Tensor] | None = None
+        self.bytes_read = 0
+        if md.pickled:
+            from .checkpoint import _load_pickled
+
+            self.pickled = {k: t for k, (_, t) in _load_pickled(md).items()}
+
+    def keys(self) -> set[str]:
+        return set(self.pickled) if self.pickled is not None else set(self.md.tensors)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.pickled[key].dtype if self.pickled is not None else DTYPES[self.md.tensors[key].dtype]
+
+    def _fd(self, info: TensorInfo) -> int:
+        if info.file not in self.fds:
+            self.fds[info.file] = os.open(self.md.path / info.file, os.O_RDONLY)
+        return self.fds[info.file]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if self.pickled is not None:
+            return self.pickled[key]
+        info = self.md.tensors[key]
+        data = torch.empty(info.nbytes, dtype=torch.uint8)
+        view, got = memoryview(data.numpy()), 0
+        while got < info.nbytes:
+            n = os.preadv(self._fd(info), [view[got:]], info.start + got)
+            if not n:
+                raise CheckpointError(f"{self.md.path / info.file} ended early")
+            got += n
+        self.bytes_read += info.nbytes
+        return data.view(DTYPES[info.dtype]).view(info.shape) if info.nbytes else torch.empty(
+            info.shape, dtype=DTYPES[info.dtype])
+
+    def chunks(self, key: str):
+        info = self.md.tensors[key]
+        for at in range(info.start, info.end, _CHUNK):
+            chunk = os.pread(self._fd(info), min(_CHUNK, info.end - at), at)
+            self.bytes_read += len(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def _same_bytes(ref: _Reader, cand: _Reader, rk: str, ck: str) -> bool:
+    if ref.pickled is not None or cand.pickled is not None:
+        a, b = ref.tensor(rk), cand.tensor(ck)
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8),
+                                                                         b.view(-1).view(torch.uint8))
+    if ref.md.tensors[rk].nbytes != cand.md.tensors[ck].nbytes:
+        return False
+    return all(a == b for a, b in zip(ref.chunks(rk), cand.chunks(ck)))
+
+
+def centered(t: torch.Tensor, c: Centering, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """``t`` centered as ``c`` says, in float64."""
+    from .rewrite import center_
+
+    wide = t.to(torch.float64)
+    center_(wide, c.axis, c.groups)
+    return wide
+
+
+def _close(cand: torch.Tensor, expected: torch.Tensor) -> tuple[bool, float]:
+    """Equal to the dtype's rounding of ``expected`` (float64): a few ulps of the tensor's scale."""
+    if cand.shape != expected.shape:
+        return False, math.inf
+    if not cand.is_floating_point():
+        return bool(torch.equal(cand, expected.to(cand.dtype))), 0.0
+    diff = float((cand.to(torch.float64) - expected).abs().max()) if cand.numel() else 0.0
+    scale = float(expected.abs().max()) if cand.numel() else 0.0
+    return diff <= 4 * torch.finfo(cand.dtype).eps * scale, diff
+
+
+def _config_problems(ref: dict[str, Any], cand: dict[str, Any], untie: bool, path: str = "") -> list[str]:
+    problems = []
+    for key in sorted(ref.keys() | cand.keys()):
+        if key in _IGNORED_CONFIG:
+            if key == "tie_word_embeddings" and ref.get(key) != cand.get(key) and not (untie and not cand.get(key)):
+                problems.append(f"config.json changes {path}{key} from {ref.get(key)!r} to {cand.get(key)!r}")
+            continue
+        a, b = ref.get(key), cand.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            problems += _config_problems(a, b, untie, f"{path}{key}.")
+        elif a != b:
+            problems.append(f"config.json changes {path}{key} from {a!r} to {b!r}")
+    return problems
+
+
+def _loaded_config(md: ModelDir) -> dict[str, Any]:
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(md.path, trust_remote_code=md.trust_remote_code).to_dict()
+    except Exception as exc:  # transformers raises many kinds for a bad config
+        raise CheckpointError(f"cannot read {md.path / 'config.json'}: {str(exc).splitlines()[0]}") from None
+
+
+def _essentials(plan: FoldPlan) -> dict[str, set]:
+    return {"folded LayerNorms": {e.name for e in plan.foldable},
+            "centered tensors": {tuple(sorted(asdict(c).items())) for c in plan.centered},
+            "untied tensors": {u.param for u in plan.untied},
+            "auxiliary centerings": {(a.module, a.where) for a in plan.auxiliary}}
+
+
+def _plan_problems(recorded: FoldPlan, analysed: FoldPlan) -> list[str]:
+    problems = []
+    mine, theirs = _essentials(analysed), _essentials(recorded)
+    for what in mine:
+        extra, missing = theirs[what] - mine[what], mine[what] - theirs[what]
+        if extra or missing:
+            odd = sorted(map(str, extra or missing))[0]
+            problems.append(f"the recorded plan is not what this enjoyln's analysis gives: its {what} "
+                            f"{'include' if extra else 'lack'} {odd}; fold again with this version")
+    return problems
+
+
+def recorded_plan(md: ModelDir) -> FoldPlan | None:
+    block = md.config.get("enjoyln")
+    if block is None:
+        return None
+    try:
+        return FoldPlan.from_dict(block["plan"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"the enjoyln block in {md.path / 'config.json'} is malformed "
+                              f"({type(exc).__name__}: {exc})") from None
+
+
+def _names(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Every parameter or persistent buffer name -> all names of the same tensor."""
+    by_id: dict[int, list[str]] = {}
+    persistent = set(model.state_dict(keep_vars=True))
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + [
+            (n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in persistent]:
+        by_id.setdefault(id(t), []).append(name)
+    return {n: tuple(names) for names in by_id.values() for n in names}
+
+
+def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> StaticReport:
+    """Verify, without running either model, that ``cand`` is ``ref`` with its fold plan applied.
+
+    ``plan`` is the plan the fold used, when the caller knows it (the check
+    inside ``fold_checkpoint``); otherwise the reference is analysed, and a
+    plan recorded in the candidate must agree with that analysis.
+
+    >>> static_check(open_model_dir("gpt2"), open_model_dir("gpt2-folded")).passed  # doctest: +SKIP
+    True
+    """
+    from .analysis import analyze
+
+    start = time.perf_counter()
+    report = StaticReport(passed=False)
+    problems = report.problems
+    recorded = recorded_plan(cand)
+    ref_model, cand_model = meta_model(ref), meta_model(cand)
+    check_shapes(ref, ref_model)
+    check_shapes(cand, cand_model)
+    if plan is None:
+        try:
+            plan = analyze(ref_model, auxiliary_centering=bool(recorded and recorded.auxiliary))
+            report.plan = "analysis"
+        except EnjoylnError as exc:
+            if recorded is not None:
+                problems.append(f"cannot confirm the recorded plan: the analysis of the reference failed ({exc})")
+            plan = FoldPlan(type(ref_model).__name__)
+            report.plan = "none (the analysis failed)"
+    if recorded is not None:
+        problems += _plan_problems(recorded, plan)
+        plan, report.plan = recorded, "recorded, confirmed by the analysis" if not problems else "recorded"
+    problems += _config_problems(_loaded_config(ref), _loaded_config(cand), bool(plan.untied))
+
+    ref_names, cand_names = _names(ref_model), _names(cand_model)
+    centerings = {c.param: c for c in plan.centered}
+    untied = {u.param for u in plan.untied}
+    reader_ref, reader_cand = _Reader(ref), _Reader(cand)
+    ref_keys, cand_keys = reader_ref.keys(), reader_cand.keys()
+    prefix = getattr(ref_model, "base_model_prefix", "") or ""
+    saved_ref, saved_cand = saved_names(ref_model), saved_names(cand_model)
+
+    def ref_key(name: str) -> str | None:
+        for alias in (name, *ref_names.get(name, ())):
+            key = checkpoint_key(alias, ref_keys, prefix, saved_ref)
+            if key is not None:
+                return key
+        return None
+
+    # one entry per tensor the candidate's model loads: (candidate key, reference key, centering)
+    todo: dict[str, tuple[str, Centering | None, bool]] = {}
+    for name, aliases in cand_names.items():
+        if name != aliases[0]:
+            continue  # a tied alias: the same tensor, checked once
+        ck = next((k for a in aliases if (k := checkpoint_key(a, cand_keys, prefix, saved_cand))), None)
+        rk = ref_key(name)
+        if ck is None:
+            if rk is not None:
+                problems.append(f"the candidate has no tensor for {name}; loading it would initialise it at random")
+            continue
+        if rk is None:
+            problems.append(f"the candidate's {ck} has no counterpart in the reference")
+            continue
+        c = next((centerings[a] for a in aliases if a in centerings), None)
+        todo[ck] = (rk, c, any(a in untied for a in aliases))
+    for key in sorted(cand_keys - todo.keys()):  # stored but not loaded: must still be the reference's
+        if key in ref_keys:
+            todo[key] = (key, None, False)
+        else:
+            problems.append(f"the candidate holds {key}, which neither its model nor the reference has")
+    for key in sorted(ref_keys - cand_keys - {rk for rk, _, _ in todo.values()}):
+        problems.append(f"the candidate lacks the reference's tensor {key}")
+
+    total = sum(reader_cand.md.tensors[k].nbytes if cand.tensors else 0 for k in todo)
+    not_identical: list[str] = []
+    not_folded = [f"the candidate still ties {u.param} to {u.tied_to}, so centering one changes the other"
+                  for u in plan.untied if u.tied_to in cand_names.get(u.param, ())]
+    done = 0
+    try:
+        for ck, (rk, c, is_untied) in todo.items():
+            same_dtype = reader_ref.dtype(rk) == reader_cand.dtype(ck)
+            if c is None and same_dtype:
+                identical = folded = _same_bytes(reader_ref, reader_cand, rk, ck)
+                diff = None
+            else:
+                r, t = reader_ref.tensor(rk), reader_cand.tensor(ck)
+                identical = _bitwise_equal(r.to(t.dtype) if not same_dtype else r, t)
+                folded, diff = (identical, None) if c is None else _close(t, centered(r, c, reader_ref.tensor))
+            report.tensors += 1
+            report.identical += identical and c is None
+            report.centered += c is not None and folded
+            report.untied += is_untied and folded
+            if not identical:
+                not_identical.append(f"{ck} differs from the reference's {rk}")
+            if not folded:
+                not_folded.append(f"{ck} is not {rk} centered along axis {c.axis} (max abs diff {diff:.3g})"
+                                  if c is not None else f"{ck} differs from the reference's {rk}")
+            done += reader_cand.md.tensors[ck].nbytes if cand.tensors else 0
+            if progress is not None:
+                progress(done, total)
+    finally:
+        reader_ref.close()
+        reader_cand.close()
+    # Without a recorded plan the candidate may be the reference itself or the
+    # whole plan applied; anything in between is not proven, so it is judged
+    # against whichever form it is closer to.
+    if recorded is None and (not not_identical or len(not_identical) < len(not_folded)):
+        report.form = "identical"
+        problems += not_identical
+    else:
+        report.form = "folded"
+        problems += not_folded
+    report.bytes_read = reader_ref.bytes_read + reader_cand.bytes_read
+    report.seconds = time.perf_counter() - start
+    report.passed = not problems
+    return report
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.bool or a.element_size() == 0:
+        return bool(torch.equal(a, b))
+    return bool(torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)))

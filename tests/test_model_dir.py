@@ -1,0 +1,140 @@
+"""Model directories: strict validation, containment, and what the output looks like on disk."""
+
+import json
+import os
+import stat
+import struct
+import time
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from enjoyln import CheckpointError
+from enjoyln.checkpoint import fold_checkpoint, open_model_dir
+from enjoyln.cli import app
+from enjoyln.testing import perturb, tiny_model
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    path = tmp_path_factory.mktemp("md") / "gpt2"
+    perturb(tiny_model("gpt2"), seed=43).save_pretrained(path)
+    return path
+
+
+def clone(src, dst):
+    dst.mkdir(parents=True)
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def test_duplicate_header_keys_and_trailing_bytes_are_refused(src, tmp_path):
+    data = (src / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    bad = clone(src, tmp_path / "trailing")
+    (bad / "model.safetensors").write_bytes(data + b"junk")
+    with pytest.raises(CheckpointError, match="4 bytes after the last tensor"):
+        open_model_dir(bad)
+    blob = data[8:8 + n].decode().rstrip()
+    key = json.loads(blob)
+    name = next(k for k in key if k != "__metadata__")
+    twice = blob[:-1] + f', "{name}": ' + json.dumps(key[name]) + "}"
+    twice = twice.encode() + b" " * (-len(twice) % 8)
+    dup = clone(src, tmp_path / "dup")
+    (dup / "model.safetensors").write_bytes(struct.pack("<Q", len(twice)) + twice + data[8 + n:])
+    with pytest.raises(CheckpointError, match=f"names {name} twice"):
+        open_model_dir(dup)
+
+
+def test_index_that_disagrees_with_its_shards_is_refused(src, tmp_path):
+    sharded = tmp_path / "sharded"
+    perturb(tiny_model("gpt2"), seed=43).save_pretrained(sharded, max_shard_size="120KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    key = next(k for k, v in index["weight_map"].items() if v == shards[0])
+    index["weight_map"][key] = shards[1]
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"puts {key} in {shards[1]}, which does not hold it"):
+        open_model_dir(sharded)
+
+
+def test_errors_name_the_path_at_fault(src, tmp_path):
+    model = clone(src, tmp_path / "model")
+    (model / "model.safetensors").unlink()
+    (model / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    result = runner.invoke(app, ["fold", str(model), str(tmp_path / "out")])
+    assert result.exit_code == 2 and "model.safetensors is a dangling symlink" in result.stderr
+    assert str(model) in result.stderr and "OUT_DIR" not in result.stderr
+    model2 = clone(src, tmp_path / "model2")
+    (model2 / "tokenizer.json").symlink_to(model2 / "tokenizer.json")
+    result = runner.invoke(app, ["fold", str(model2), str(tmp_path / "out")])
+    assert result.exit_code == 2 and "tokenizer.json is a symlink loop" in result.stderr
+
+
+def test_special_files_and_dangling_extras_are_skipped(src, tmp_path):
+    model = clone(src, tmp_path / "model")
+    os.mkfifo(model / "pipe")  # reading it would hang
+    (model / "old.txt").symlink_to(tmp_path / "nowhere")
+    result = fold_checkpoint(model, tmp_path / "out", check="none")
+    assert sorted(result.skipped) == ["old.txt (a dangling symlink)", "pipe (not a regular file)"]
+    assert not (tmp_path / "out" / "pipe").exists()
+
+
+def test_output_modes_follow_the_umask(src, tmp_path):
+    model = clone(src, tmp_path / "model")
+    (model / "tokenizer.json").write_text("{}")
+    os.chmod(model / "tokenizer.json", 0o600)
+    old = os.umask(0o002)
+    try:
+        out = fold_checkpoint(model, tmp_path / "out", check="none").out_dir
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o775
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o664, name
+
+
+def test_throughput_counts_the_copy_not_the_analysis(src, tmp_path, monkeypatch):
+    from enjoyln import checkpoint
+
+    real = checkpoint.analyze
+    monkeypatch.setattr(checkpoint, "analyze", lambda *a, **k: time.sleep(1.0) or real(*a, **k))
+    result = fold_checkpoint(src, tmp_path / "out", check="none")
+    assert result.seconds > 1.0 and result.stream_seconds < 0.5
+
+
+def test_no_blank_line_before_an_error(src, tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "enjoyln", "fold", str(src), str(tmp_path / "out")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: OUT_DIR"), repr(proc.stderr)
+
+
+def test_trusted_remote_code_is_analysed_run_and_kept(src, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    model = clone(src, tmp_path / "model")
+    (model / "modeling_custom.py").write_text(
+        "from transformers import GPT2LMHeadModel\n\n\nclass CustomLM(GPT2LMHeadModel):\n    pass\n")
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["CustomLM"]
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomLM"}
+    (model / "config.json").write_text(json.dumps(config))
+    result = runner.invoke(app, ["fold", str(model), str(tmp_path / "out"), "--trust-remote-code"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    assert (out / "modeling_custom.py").exists() and json.loads((out / "config.json").read_text())["auto_map"]
+    from enjoyln import load
+
+    loaded = load(out, trust_remote_code=True)
+    assert type(loaded).__name__ == "CustomLM"
+    assert sum(type(m).__name__ == "RMSNorm" for m in loaded.modules()) == 5
+    with pytest.raises(CheckpointError, match="--trust-remote-code"):
+        load(out)

@@ -1,0 +1,167 @@
+"""The static check: every tensor of a candidate is the plan applied to the reference."""
+
+import copy
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import enjoyln
+from enjoyln.checkpoint import fold_checkpoint, open_model_dir
+from enjoyln.static_check import static_check
+from enjoyln.testing import perturb, tiny_model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("static")
+    model = perturb(tiny_model("gpt2"), seed=41)
+    model.save_pretrained(root / "ref")
+    fold_checkpoint(root / "ref", root / "folded", check="none")
+    return root / "ref", root / "folded", model
+
+
+def clone(src, dst):
+    dst.mkdir(parents=True)
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def run(ref, cand):
+    return static_check(open_model_dir(ref), open_model_dir(cand))
+
+
+def test_fold_passes_with_every_tensor_accounted_for(pair):
+    ref, folded, _ = pair
+    report = run(ref, folded)
+    assert report.passed, report.summary()
+    n = len(load_file(folded / "model.safetensors"))
+    assert report.tensors == n and report.form == "folded" and report.plan.startswith("recorded")
+    assert report.centered == 10 and report.untied == 1 and report.identical == n - 10
+    assert report.bytes_read >= 2 * (folded / "model.safetensors").stat().st_size - 20_000
+
+
+def test_the_reference_itself_passes_as_identical(pair):
+    ref, _, _ = pair
+    report = run(ref, ref)
+    assert report.passed and report.form == "identical" and report.centered == 0
+
+
+def test_a_fold_saved_by_transformers_passes_without_a_block(pair, tmp_path):
+    ref, _, model = pair
+    enjoyln.fold(copy.deepcopy(model)).save_pretrained(tmp_path / "hf")
+    report = run(ref, tmp_path / "hf")
+    assert report.passed and report.form == "folded" and report.plan == "analysis", report.summary()
+
+
+def edited(folded, tmp_path, edit):
+    cand = clone(folded, tmp_path / "cand")
+    sd = load_file(cand / "model.safetensors")
+    edit(sd)
+    save_file(sd, cand / "model.safetensors", metadata={"format": "pt"})
+    return cand
+
+
+def test_a_dropped_beta_is_caught(pair, tmp_path):
+    ref, folded, _ = pair
+    cand = edited(folded, tmp_path, lambda sd: sd["transformer.h.0.ln_2.bias"].zero_())
+    report = run(ref, cand)
+    assert not report.passed and any("transformer.h.0.ln_2.bias differs" in p for p in report.problems)
+
+
+def test_a_perturbed_centered_tensor_is_caught(pair, tmp_path):
+    ref, folded, _ = pair
+    key = "transformer.h.1.mlp.c_proj.weight"
+    cand = edited(folded, tmp_path, lambda sd: sd[key].view(-1)[7].add_(1e-3 * float(sd[key].abs().max())))
+    report = run(ref, cand)
+    assert not report.passed and any(p.startswith(f"{key} is not {key} centered") for p in report.problems)
+
+
+def test_a_partial_fold_without_a_block_is_not_proven(pair, tmp_path):
+    """Only the embedding centered, head still tied: neither the reference nor the fold."""
+    ref, _, _ = pair
+    cand = clone(ref, tmp_path / "cand")
+    sd = load_file(cand / "model.safetensors")
+    wte = sd["transformer.wte.weight"]
+    wte.sub_(wte.double().mean(1, keepdim=True).float())
+    save_file(sd, cand / "model.safetensors", metadata={"format": "pt"})
+    report = run(ref, cand)
+    assert not report.passed and report.form == "identical"
+    assert report.problems == ["transformer.wte.weight differs from the reference's transformer.wte.weight"]
+
+
+def test_a_tampered_plan_is_refused(pair, tmp_path):
+    ref, folded, _ = pair
+    cand = clone(folded, tmp_path / "cand")
+    config = json.loads((cand / "config.json").read_text())
+    config["enjoyln"]["plan"]["layer_norms"][0]["centered"][0]["axis"] = 0
+    (cand / "config.json").write_text(json.dumps(config))
+    report = run(ref, cand)
+    assert not report.passed and "the recorded plan is not what this enjoyln's analysis gives" in report.problems[0]
+
+
+def test_a_config_change_is_caught(pair, tmp_path):
+    ref, folded, _ = pair
+    cand = clone(folded, tmp_path / "cand")
+    config = json.loads((cand / "config.json").read_text())
+    config["layer_norm_epsilon"] = 1e-3
+    (cand / "config.json").write_text(json.dumps(config))
+    report = run(ref, cand)
+    assert not report.passed and "config.json changes layer_norm_epsilon from 1e-05 to 0.001" in report.problems
+
+
+def test_a_missing_head_is_caught(pair, tmp_path):
+    """tie_word_embeddings is false, so from_pretrained would initialise the head at random."""
+    ref, folded, _ = pair
+    cand = edited(folded, tmp_path, lambda sd: sd.pop("lm_head.weight"))
+    report = run(ref, cand)
+    assert not report.passed and any("no tensor for lm_head.weight" in p for p in report.problems)
+
+
+def test_half_precision_candidate_of_a_float32_reference(pair, tmp_path):
+    ref, folded, _ = pair
+    cand = edited(folded, tmp_path, lambda sd: sd.update({k: v.to(torch.bfloat16) for k, v in sd.items()}))
+    report = run(ref, cand)
+    assert report.passed, report.summary()
+    wrong = edited(cand, tmp_path / "w", lambda sd: sd["transformer.wpe.weight"].view(-1)[5].add_(0.05))
+    assert not run(ref, wrong).passed
+
+
+def test_pickle_reference(pair, tmp_path):
+    ref, folded, model = pair
+    pkl = tmp_path / "pkl"
+    pkl.mkdir()
+    (pkl / "config.json").write_text((ref / "config.json").read_text())
+    torch.save({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, pkl / "pytorch_model.bin")
+    report = static_check(open_model_dir(pkl, allow_pickle=True), open_model_dir(folded))
+    assert report.passed, report.summary()
+
+
+def test_check_static_mode_runs_no_model(pair, monkeypatch):
+    from enjoyln import checkpoint
+
+    ref, folded, _ = pair
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("static mode loaded a model"))
+    report = enjoyln.check_checkpoints(ref, folded, mode="static")
+    assert report.passed and report.forward_skipped == "static check only" and report.outputs == []
+
+
+def test_fold_refuses_a_forward_check_that_cannot_fit(pair, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from enjoyln import checkpoint
+    from enjoyln.cli import app
+
+    ref, _, _ = pair
+    monkeypatch.setattr(checkpoint, "available_memory", lambda: 1 << 20)
+    runner = CliRunner()
+    result = runner.invoke(app, ["fold", str(ref), str(tmp_path / "out")])
+    assert result.exit_code == 2 and "--static" in result.stderr and "1.0 MiB is available" in result.stderr
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.enjoyln-*"))
+    result = runner.invoke(app, ["fold", str(ref), str(tmp_path / "out"), "--static"])
+    assert result.exit_code == 0 and "static check" in result.output and "forward comparison not run" in result.output
+    plain = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out")
+    assert sum(isinstance(m, torch.nn.LayerNorm) for m in plain.modules()) == 5
