@@ -106,7 +106,9 @@ def hf_example_inputs(
     params = inspect.signature(model.forward).parameters
     gen = torch.Generator().manual_seed(seed)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    # a model dispatched by accelerate keeps offloaded parameters on meta but runs on the CPU
+    device = (torch.device("cpu") if getattr(model, "hf_device_map", None)
+              else next((p.device for p in model.parameters()), torch.device("cpu")))
     max_pos = config_value(config, "max_position_embeddings", "n_positions", "max_target_positions")
     seq = min(seq_len, max_pos) if isinstance(max_pos, int) and max_pos > 0 else seq_len
     out: dict[str, Any] = {}

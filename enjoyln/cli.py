@@ -193,6 +193,8 @@ def fold(
                                              help="Insert explicit centerings where each frees more LNs than it costs."),
     batches: int = typer.Option(3, min=1, help="Input batches for the forward check."),
     seq_len: int = typer.Option(16, min=1, help="Sequence length of the short check batches."),
+    max_memory: Optional[str] = typer.Option(None, help="Run the check's models one at a time within this much "
+                                                        "memory, e.g. 1GB (default: automatic)."),
 ) -> None:
     """Fold a model directory, check the result, and publish it to OUT_DIR only if it passes."""
     from .checkpoint import fold_checkpoint, parse_size
@@ -207,6 +209,7 @@ def fold(
                                      keep_failed=keep_failed, trust_remote_code=trust_remote_code,
                                      auxiliary_centering=auxiliary_centering, progress=bar.phase("writing"),
                                      check_options={"batches": batches, "seq_len": seq_len,
+                                                    "max_memory": parse_size(max_memory),
                                                     "progress": bar.phase("checking weights")})
         except CheckFailed as exc:
             bar.stop()
@@ -297,9 +300,11 @@ def check_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Accept .bin weights."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run the directories' custom code."),
+    max_memory: Optional[str] = typer.Option(None, help="Run the models one at a time within this much memory, "
+                                                        "e.g. 1GB (default: automatic)."),
 ) -> None:
     """CI gate: exit 0 if CANDIDATE computes what REFERENCE does, 1 if not, 2 on bad input."""
-    from .checkpoint import check_checkpoints
+    from .checkpoint import check_checkpoints, parse_size
 
     if static and forward_only:
         raise EnjoylnError("--static and --forward-only exclude each other")
@@ -307,6 +312,7 @@ def check_cmd(
     with _Bytes(enabled=not as_json) as bar:
         report = check_checkpoints(reference_dir, candidate_dir, allow_pickle=allow_pickle,
                                    trust_remote_code=trust_remote_code, mode=mode,
+                                   max_memory=parse_size(max_memory),
                                    progress=bar.phase("checking weights"), batches=batches,
                                    batch_size=batch_size, seq_len=seq_len, seed=seed, rtol=rtol)
     if as_json:

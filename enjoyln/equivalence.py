@@ -6,14 +6,23 @@ costs about an ulp, so the criterion is relative to the original's own
 rounding: the candidate's deviation from a float32 copy of the
 reference may be at most ``half_factor`` times the half-precision reference's
 own deviation from it.
+
+The models run one after another: the reference's outputs are stored (in
+memory, or on disk for a check within a memory budget), the reference is
+dropped, and the candidate is compared against them chunk by chunk. So only
+one model needs to be in memory at a time.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
+import os
+import tempfile
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -90,6 +99,8 @@ class CheckReport:
     """The static weight check (``enjoyln.static_check.StaticReport``), when it ran."""
     forward_skipped: str = ""
     """Why the forward comparison did not run, if it did not."""
+    memory: str = ""
+    """How the models were held, when not both in memory (a check within a budget)."""
 
     @classmethod
     def from_static(cls, static: Any, *, forward_skipped: bool) -> "CheckReport":
@@ -117,6 +128,8 @@ class CheckReport:
         lines += [f"  forward: {len(self.outputs)} outputs over {self.batches} batches ({self.dtype}); "
                   f"max abs diff {self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}{covered}",
                   f"  criterion: {self.criterion}"]
+        if self.memory:
+            lines.append(f"  memory: {self.memory}")
         for o in self.outputs:
             extra = ""
             if o.candidate_error is not None:
@@ -187,7 +200,8 @@ COVER_TOKENS = 4096
 """Most tokens in the coverage batch, spread over up to four rows of distinct ids."""
 
 
-def coverage_batch(model: nn.Module, *, seed: int = 0, length: int | None = None) -> tuple[Inputs, Coverage] | None:
+def coverage_batch(model: nn.Module, *, seed: int = 0, length: int | None = None,
+                   max_rows: int = 4) -> tuple[Inputs, Coverage] | None:
     """One batch that reaches every position the config allows, with as many distinct token ids
     as fit, or None for a model without token inputs.
 
@@ -203,7 +217,7 @@ def coverage_batch(model: nn.Module, *, seed: int = 0, length: int | None = None
     if "input_ids" not in params or not isinstance(vocab, int) or vocab <= 0:
         return None
     length = length or min(max_pos or MAX_COVER_POSITIONS, MAX_COVER_POSITIONS)
-    rows = max(1, min(4, COVER_TOKENS // length, -(-min(vocab, COVER_TOKENS) // length)))
+    rows = max(1, min(max_rows, COVER_TOKENS // length, -(-min(vocab, COVER_TOKENS) // length)))
     inputs = hf_example_inputs(model, batch=rows, seq_len=length, seed=seed)
     if "input_ids" not in inputs:
         return None
@@ -246,15 +260,109 @@ def _generate(model: nn.Module, prompt: torch.Tensor, n: int) -> list[list[int]]
     return out[:, prompt.shape[1]:].tolist()
 
 
+@dataclass
+class ModelSource:
+    """A model for the check, produced on demand so that it need not stay in memory.
+
+    ``get(dtype)`` returns the model in ``dtype`` (loading it, or converting a
+    copy); the check drops it before asking for the next one.
+    """
+
+    dtype: torch.dtype
+    get: Callable[[torch.dtype], nn.Module]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ModelSource":
+        own = _dtype(model)
+        return cls(own, lambda dtype: model if dtype == own else copy.deepcopy(model).to(dtype))
+
+
+class _Outputs:
+    """Every output of one model on every batch, kept in memory or written to a directory."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        self.tensors: dict[tuple[int, str], torch.Tensor] = {}
+        self.meta: dict[tuple[int, str], tuple[torch.dtype, torch.Size, Path]] = {}
+
+    def put(self, batch: int, outputs: dict[str, torch.Tensor]) -> None:
+        for name, t in outputs.items():
+            t = t.detach().contiguous()
+            if self.directory is None:
+                self.tensors[batch, name] = t
+                continue
+            file = self.directory / f"{len(self.meta)}.bin"
+            with open(file, "wb") as f:
+                f.write(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+            self.meta[batch, name] = (t.dtype, t.shape, file)
+
+    def names(self, batch: int) -> list[str]:
+        return [n for b, n in (self.tensors.keys() if self.directory is None else self.meta.keys()) if b == batch]
+
+    def shape(self, batch: int, name: str) -> torch.Size:
+        return self.tensors[batch, name].shape if self.directory is None else self.meta[batch, name][1]
+
+    def chunks(self, batch: int, name: str, size: int) -> Iterator[torch.Tensor]:
+        """The output flattened, ``size`` elements at a time."""
+        if self.directory is None:
+            yield from self.tensors[batch, name].view(-1).split(size)
+            return
+        dtype, shape, file = self.meta[batch, name]
+        step = size * dtype.itemsize
+        with open(file, "rb") as f:
+            while chunk := f.read(step):
+                yield torch.frombuffer(bytearray(chunk), dtype=dtype)
+
+
+_CHUNK = 1 << 22
+
+
+def _compare(name: str, base: _Outputs, truth: _Outputs | None, batch: int, cand: torch.Tensor,
+             rtol: float, half_factor: float, dtype: torch.dtype) -> OutputCheck:
+    """One output of one batch, compared chunk by chunk (so a vocabulary-wide logit tensor is
+    never held three times over in float64)."""
+    if cand is None or cand.shape != base.shape(batch, name):
+        return OutputCheck(name, float("inf"), float("inf"), False)
+    flat = cand.detach().contiguous().view(-1).split(_CHUNK)
+    t_chunks = truth.chunks(batch, name, _CHUNK) if truth is not None and (batch, name) in (
+        truth.tensors if truth.directory is None else truth.meta) else None
+    diff = scale = ref_err = cand_err = t_scale = 0.0
+    exact, floating = True, cand.is_floating_point()
+    for r, c in zip(base.chunks(batch, name, _CHUNK), flat):
+        if not floating:
+            exact = exact and bool(torch.equal(r, c))
+            continue
+        rd, cd = r.double(), c.double()
+        diff = max(diff, float((rd - cd).abs().max()) if rd.numel() else 0.0)
+        scale = max(scale, float(rd.abs().max()) if rd.numel() else 0.0)
+        if t_chunks is not None:
+            td = next(t_chunks).double()
+            ref_err = max(ref_err, float((rd - td).abs().max()) if td.numel() else 0.0)
+            cand_err = max(cand_err, float((cd - td).abs().max()) if td.numel() else 0.0)
+            t_scale = max(t_scale, float(td.abs().max()) if td.numel() else 0.0)
+    rel = diff / scale if scale else (0.0 if diff == 0 else float("inf"))
+    out = OutputCheck(name, diff, rel, False)
+    if not floating:
+        out.passed = exact
+    elif t_chunks is not None:
+        out.reference_error, out.candidate_error = ref_err, cand_err
+        floor = torch.finfo(dtype).eps * t_scale
+        out.passed = cand_err <= half_factor * max(ref_err, floor)
+    else:
+        out.passed = diff <= rtol * scale
+    return out
+
+
 def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInputs = None, *,
           batches: int = 3, seed: int = 0, batch_size: int = 2, seq_len: int = 16,
           rtol: float = 1e-5, half_factor: float = 2.0, generate_tokens: int = 8,
           fp32_reference: nn.Module | None = None) -> CheckReport:
     """Compare ``candidate`` with ``reference`` on seeded input batches.
 
-    Hugging Face models get synthesized inputs; other models need
-    ``example_inputs`` (the first batch; later ones are random alike). Causal
-    LMs are also decoded greedily for ``generate_tokens`` tokens.
+    Hugging Face models get synthesized inputs, the first batch covering
+    every position the config allows; other models need ``example_inputs``
+    (the first batch; later ones are random alike). Causal LMs are also
+    decoded greedily for ``generate_tokens`` tokens.
 
     >>> import copy, torch, enjoyln
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
@@ -262,56 +370,81 @@ def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInp
     >>> check(net, folded, torch.randn(2, 8)).passed
     True
     """
-    dtype, cand_dtype = _dtype(reference), _dtype(candidate)
-    half = dtype in HALF or cand_dtype in HALF
-    baseline = reference  # the half-precision model whose own rounding sets the bar
-    if half and dtype not in HALF:
+    return check_sources(ModelSource.of(reference), ModelSource.of(candidate), example_inputs,
+                         batches=batches, seed=seed, batch_size=batch_size, seq_len=seq_len, rtol=rtol,
+                         half_factor=half_factor, generate_tokens=generate_tokens,
+                         fp32_reference=ModelSource.of(fp32_reference) if fp32_reference is not None else None)
+
+
+def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs: ExampleInputs = None, *,
+                  batches: int = 3, seed: int = 0, batch_size: int = 2, seq_len: int = 16,
+                  rtol: float = 1e-5, half_factor: float = 2.0, generate_tokens: int = 8,
+                  fp32_reference: ModelSource | None = None, spill: bool = False,
+                  max_rows: int = 4) -> CheckReport:
+    """``check``, with models produced one at a time: the reference (in the dtype that sets
+    the bar), a float32 truth in half precision, then the candidate.
+
+    With ``spill``, the stored outputs go to a temporary directory instead of
+    memory, and ``max_rows`` bounds the rows of the coverage batch, so that a
+    check within a memory budget holds one model and one batch's outputs.
+    """
+    half = reference.dtype in HALF or candidate.dtype in HALF
+    base_dtype, truth = reference.dtype, None
+    if half and reference.dtype not in HALF:
         # an fp32 original against a half-precision candidate: the original is the
         # truth, and the original rounded to the candidate's dtype is the baseline
-        fp32_reference, baseline, dtype = reference, copy.deepcopy(reference).to(cand_dtype), cand_dtype
-    elif half and fp32_reference is None:
-        fp32_reference = copy.deepcopy(reference).float()
-    all_inputs = input_batches(reference, example_inputs, batches=batches, seed=seed,
-                               batch_size=batch_size, seq_len=seq_len)
-    first, coverage = (None, None) if example_inputs is not None else _covering(baseline, dtype, seed)
-    if first is not None:
-        all_inputs[0] = first
-    worst: dict[str, OutputCheck] = {}
-    for inputs in all_inputs:
-        ref, cand = _run(baseline, _to(inputs, dtype)), _run(candidate, _to(inputs, cand_dtype))
-        ref32 = _run(fp32_reference, _to(inputs, torch.float32)) if half else {}
-        for name, r in ref.items():
-            c = cand.get(name)
-            if c is None or c.shape != r.shape:
-                worst[name] = OutputCheck(name, float("inf"), float("inf"), False)
-                continue
-            rd, cd = r.detach().double(), c.detach().double()
-            diff = float((rd - cd).abs().max()) if r.numel() else 0.0
-            scale = float(rd.abs().max()) if r.numel() else 0.0
-            rel = diff / scale if scale else (0.0 if diff == 0 else float("inf"))
-            out = OutputCheck(name, diff, rel, False)
-            if not r.is_floating_point():
-                out.passed = bool(torch.equal(r, c))
-            elif half and name in ref32:
-                truth = ref32[name].double()
-                out.reference_error = float((rd - truth).abs().max())
-                out.candidate_error = float((cd - truth).abs().max())
-                floor = torch.finfo(dtype).eps * float(truth.abs().max())
-                out.passed = out.candidate_error <= half_factor * max(out.reference_error, floor)
-            else:
-                out.passed = diff <= rtol * scale
-            prev = worst.get(name)
-            if prev is None or (prev.passed and not out.passed) or (prev.passed == out.passed and out.max_abs_diff > prev.max_abs_diff):
-                worst[name] = out
+        base_dtype, truth = candidate.dtype, reference
+    elif half:
+        truth = fp32_reference or reference
+    with tempfile.TemporaryDirectory(prefix="enjoyln-check-") if spill else _nothing() as spill_dir:
+        base = _Outputs(Path(spill_dir) / "base" if spill else None)
+        truth_out = _Outputs(Path(spill_dir) / "truth" if spill else None) if truth is not None else None
+        for store in (base, truth_out):
+            if store is not None and store.directory is not None:
+                store.directory.mkdir()
+
+        model = reference.get(base_dtype)
+        all_inputs = input_batches(model, example_inputs, batches=batches, seed=seed,
+                                   batch_size=batch_size, seq_len=seq_len)
+        first, coverage = ((None, None) if example_inputs is not None
+                           else _covering(model, base_dtype, seed, max_rows))
+        if first is not None:
+            all_inputs[0] = first
+        causal = generate_tokens > 0 and is_causal_lm(model)
+        prompt = next((b.kwargs.get("input_ids") for b in all_inputs if "input_ids" in b.kwargs), None)
+        prompt = prompt[:, :8] if causal and prompt is not None else None
+        for i, inputs in enumerate(all_inputs):
+            base.put(i, _run(model, _to(inputs, base_dtype)))
+        ref_tokens = _generate(model, prompt, generate_tokens) if prompt is not None else None
+        del model
+        gc.collect()
+        if truth is not None:
+            model = truth.get(torch.float32)
+            for i, inputs in enumerate(all_inputs):
+                truth_out.put(i, _run(model, _to(inputs, torch.float32)))
+            del model
+            gc.collect()
+
+        model = candidate.get(candidate.dtype)
+        worst: dict[str, OutputCheck] = {}
+        for i, inputs in enumerate(all_inputs):
+            cand = _run(model, _to(inputs, candidate.dtype))
+            for name in base.names(i):
+                out = _compare(name, base, truth_out, i, cand.get(name), rtol, half_factor, base_dtype)
+                prev = worst.get(name)
+                if prev is None or (prev.passed and not out.passed) or (
+                        prev.passed == out.passed and out.max_abs_diff > prev.max_abs_diff):
+                    worst[name] = out
+            del cand
+        cand_tokens = _generate(model, prompt, generate_tokens) if prompt is not None else None
+        del model
+        gc.collect()
+
     outputs = list(worst.values())
     generation = None
-    if generate_tokens > 0 and is_causal_lm(reference):
-        prompt = next((b.kwargs.get("input_ids") for b in all_inputs if "input_ids" in b.kwargs), None)
-        if prompt is not None:
-            ref_tokens = _generate(baseline, prompt[:, :8], generate_tokens)
-            cand_tokens = _generate(candidate, prompt[:, :8], generate_tokens)
-            generation = GenerationCheck(ref_tokens == cand_tokens, generate_tokens,
-                                         ref_tokens, cand_tokens, required=not half)
+    if ref_tokens is not None:
+        generation = GenerationCheck(ref_tokens == cand_tokens, generate_tokens,
+                                     ref_tokens, cand_tokens, required=not half)
     passed = bool(outputs) and all(o.passed for o in outputs)
     if generation is not None and generation.required:
         passed = passed and generation.passed
@@ -321,19 +454,28 @@ def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInp
         passed=passed,
         max_abs_diff=max((o.max_abs_diff for o in outputs), default=0.0),
         max_rel_diff=max((o.max_rel_diff for o in outputs), default=0.0),
-        outputs=outputs, batches=len(all_inputs), dtype=str(dtype).replace("torch.", ""),
+        outputs=outputs, batches=len(all_inputs), dtype=str(base_dtype).replace("torch.", ""),
         criterion=criterion, generation=generation, coverage=coverage,
     )
 
 
-def _covering(model: nn.Module, dtype: torch.dtype, seed: int) -> tuple[Inputs | None, Coverage | None]:
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _covering(model: nn.Module, dtype: torch.dtype, seed: int,
+              max_rows: int = 4) -> tuple[Inputs | None, Coverage | None]:
     """The coverage batch at the longest length the model accepts.
 
     Some models cannot take their nominal maximum (RoBERTa's positions start
     after the padding index, so 512 allows 510 tokens), so shorter lengths
     are tried before giving up on full coverage.
     """
-    found = coverage_batch(model, seed=seed)
+    found = coverage_batch(model, seed=seed, max_rows=max_rows)
     if found is None:
         return None, None
     inputs, coverage = found
@@ -342,7 +484,7 @@ def _covering(model: nn.Module, dtype: torch.dtype, seed: int) -> tuple[Inputs |
         if attempt < 1:
             break
         if attempt != length:
-            inputs, coverage = coverage_batch(model, seed=seed, length=attempt)
+            inputs, coverage = coverage_batch(model, seed=seed, length=attempt, max_rows=max_rows)
         try:
             with torch.no_grad():
                 _run(model, _to(inputs, dtype))

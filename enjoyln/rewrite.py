@@ -204,9 +204,12 @@ class SwapLayerNorms(Transformation):
                 module = model.get_submodule(e.name)
                 if isinstance(module, (RMSNorm, GroupRMSNorm)):
                     continue
+                cls = GroupRMSNorm if e.norm == "group_norm" else RMSNorm
+                if hasattr(module, "_hf_hook"):
+                    _become(module, cls)
+                    continue
                 parent_path, _, attr = e.name.rpartition(".")
-                rms = (GroupRMSNorm.from_group_norm(module) if e.norm == "group_norm"
-                       else RMSNorm.from_layer_norm(module))
+                rms = cls.from_group_norm(module) if cls is GroupRMSNorm else cls.from_layer_norm(module)
                 centering.move_hooks(module, rms)
                 setattr(model.get_submodule(parent_path), attr, rms)
             else:
@@ -218,6 +221,20 @@ class SwapLayerNorms(Transformation):
         if functional:
             model.recompile()
         return model
+
+
+def _become(module: nn.Module, cls: type) -> None:
+    """Turn a norm module into ``cls`` in place.
+
+    A model loaded with offloading (accelerate's ``device_map``) keeps each
+    module's weights behind a hook that wraps that module's ``forward``; a new
+    module would have none, so the module stays and changes class instead.
+    RMSNorm and GroupRMSNorm read only attributes that LayerNorm and GroupNorm
+    already have.
+    """
+    module.__class__ = cls
+    if hasattr(module, "_old_forward"):
+        module._old_forward = cls.forward.__get__(module)
 
 
 def _rms_args(node: fx.Node) -> tuple:

@@ -23,7 +23,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -97,8 +97,9 @@ class _Reader:
         return self.fds[info.file]
 
     def tensor(self, key: str) -> torch.Tensor:
+        """A fresh copy: callers center it in place."""
         if self.pickled is not None:
-            return self.pickled[key]
+            return self.pickled[key].clone()
         info = self.md.tensors[key]
         data = torch.empty(info.nbytes, dtype=torch.uint8)
         view, got = memoryview(data.numpy()), 0
@@ -118,6 +119,18 @@ class _Reader:
             self.bytes_read += len(chunk)
             yield chunk
 
+    def elements(self, key: str, count: int) -> Iterator[torch.Tensor]:
+        """The tensor flattened, ``count`` elements at a time, never all of it in memory."""
+        if self.pickled is not None:
+            yield from self.pickled[key].reshape(-1).split(count)
+            return
+        info, dtype = self.md.tensors[key], DTYPES[self.md.tensors[key].dtype]
+        step = count * dtype.itemsize
+        for at in range(info.start, info.end, step):
+            chunk = os.pread(self._fd(info), min(step, info.end - at), at)
+            self.bytes_read += len(chunk)
+            yield torch.frombuffer(bytearray(chunk), dtype=dtype)
+
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
@@ -133,24 +146,51 @@ def _same_bytes(ref: _Reader, cand: _Reader, rk: str, ck: str) -> bool:
     return all(a == b for a, b in zip(ref.chunks(rk), cand.chunks(ck)))
 
 
-def centered(t: torch.Tensor, c: Centering, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
-    """``t`` centered as ``c`` says, in float64."""
+def center_as_planned(t: torch.Tensor, c: Centering, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """``t`` centered in place as ``c`` says, by the very function the fold uses (float64
+    arithmetic, one block at a time, so no wide copy of the whole tensor)."""
     from .rewrite import center_
 
-    wide = t.to(torch.float64)
-    center_(wide, c.axis, c.groups)
-    return wide
+    return center_(t, c.axis, c.groups)
 
 
-def _close(cand: torch.Tensor, expected: torch.Tensor) -> tuple[bool, float]:
-    """Equal to the dtype's rounding of ``expected`` (float64): a few ulps of the tensor's scale."""
-    if cand.shape != expected.shape:
+_ELEMENTS = 1 << 21
+
+
+def _equal_to_file(expected: torch.Tensor, cand: _Reader, key: str) -> bool:
+    """Bit for bit, once ``expected`` is cast to the candidate's dtype."""
+    flat, at = expected.reshape(-1), 0
+    for chunk in cand.elements(key, _ELEMENTS):
+        if not _bitwise_equal(flat[at:at + chunk.numel()].to(chunk.dtype), chunk):
+            return False
+        at += chunk.numel()
+    return at == flat.numel()
+
+
+def _close_to_file(expected: torch.Tensor, cand: _Reader, key: str) -> tuple[bool, float]:
+    """Equal to ``expected`` to the candidate dtype's rounding: within 4 ulp of the tensor's scale.
+
+    Bit-identical for a fold enjoyln wrote; the tolerance is for another tool's
+    arithmetic, or a candidate in another dtype than the reference.
+    """
+    flat, at, diff, scale = expected.reshape(-1), 0, 0.0, 0.0
+    dtype = expected.dtype
+    for chunk in cand.elements(key, _ELEMENTS):
+        e = flat[at:at + chunk.numel()]
+        at += chunk.numel()
+        dtype = chunk.dtype
+        if not chunk.is_floating_point():
+            if not _bitwise_equal(e.to(chunk.dtype), chunk):
+                return False, math.inf
+            continue
+        if chunk.numel():
+            scale = max(scale, float(e.abs().max()))
+            if not _bitwise_equal(e.to(chunk.dtype), chunk):
+                diff = max(diff, float((chunk.double() - e.double()).abs().max()))
+    if at != flat.numel():
         return False, math.inf
-    if not cand.is_floating_point():
-        return bool(torch.equal(cand, expected.to(cand.dtype))), 0.0
-    diff = float((cand.to(torch.float64) - expected).abs().max()) if cand.numel() else 0.0
-    scale = float(expected.abs().max()) if cand.numel() else 0.0
-    return diff <= 4 * torch.finfo(cand.dtype).eps * scale, diff
+    tolerance = 4 * torch.finfo(dtype).eps * scale if dtype.is_floating_point else 0.0
+    return diff <= tolerance, diff
 
 
 def _config_problems(ref: dict[str, Any], cand: dict[str, Any], untie: bool, path: str = "") -> list[str]:
@@ -298,13 +338,20 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     try:
         for ck, (rk, c, is_untied) in todo.items():
             same_dtype = reader_ref.dtype(rk) == reader_cand.dtype(ck)
-            if c is None and same_dtype:
+            shape_ok = _shape(reader_ref, rk) == _shape(reader_cand, ck)
+            diff = None
+            if not shape_ok:
+                identical = folded = False
+            elif c is None and same_dtype:
                 identical = folded = _same_bytes(reader_ref, reader_cand, rk, ck)
-                diff = None
-            else:
-                r, t = reader_ref.tensor(rk), reader_cand.tensor(ck)
-                identical = _bitwise_equal(r.to(t.dtype) if not same_dtype else r, t)
-                folded, diff = (identical, None) if c is None else _close(t, centered(r, c, reader_ref.tensor))
+            else:  # one tensor in memory at a time; the candidate is read in chunks
+                r = reader_ref.tensor(rk)
+                identical = recorded is None and _equal_to_file(r, reader_cand, ck)
+                if c is None:
+                    folded = identical or _equal_to_file(r, reader_cand, ck)
+                else:
+                    folded, diff = _close_to_file(center_as_planned(r, c, reader_ref.tensor), reader_cand, ck)
+                del r
             report.tensors += 1
             report.identical += identical and c is None
             report.centered += c is not None and folded
@@ -312,7 +359,9 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
             if not identical:
                 not_identical.append(f"{ck} differs from the reference's {rk}")
             if not folded:
-                not_folded.append(f"{ck} is not {rk} centered along axis {c.axis} (max abs diff {diff:.3g})"
+                not_folded.append(f"{ck} has shape {list(_shape(reader_cand, ck))}, not {list(_shape(reader_ref, rk))}"
+                                  if not shape_ok else
+                                  f"{ck} is not {rk} centered along axis {c.axis} (max abs diff {diff:.3g})"
                                   if c is not None else f"{ck} differs from the reference's {rk}")
             done += reader_cand.md.tensors[ck].nbytes if cand.tensors else 0
             if progress is not None:
@@ -333,6 +382,10 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     report.seconds = time.perf_counter() - start
     report.passed = not problems
     return report
+
+
+def _shape(reader: _Reader, key: str) -> tuple[int, ...]:
+    return tuple(reader.pickled[key].shape) if reader.pickled is not None else reader.md.tensors[key].shape
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -165,3 +165,38 @@ def test_fold_refuses_a_forward_check_that_cannot_fit(pair, tmp_path, monkeypatc
     assert result.exit_code == 0 and "static check" in result.output and "forward comparison not run" in result.output
     plain = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out")
     assert sum(isinstance(m, torch.nn.LayerNorm) for m in plain.modules()) == 5
+
+
+def test_bounded_check_offloads_and_still_catches_a_change(pair, tmp_path, monkeypatch):
+    """Within a budget far below the model, weights come from disk as each layer runs; the check
+    stays exact, and a changed weight still fails the forward comparison."""
+    from enjoyln import checkpoint
+
+    ref, folded, _ = pair
+    monkeypatch.setattr(checkpoint, "_activation_bytes", lambda md: 0)
+    monkeypatch.setattr(checkpoint, "MIN_BUDGET", 0)
+    maps, real = [], checkpoint.load
+
+    def spy(*args, **kwargs):
+        model = real(*args, **kwargs)
+        maps.append(set(getattr(model, "hf_device_map", {}).values()))
+        return model
+
+    monkeypatch.setattr(checkpoint, "load", spy)
+    report = enjoyln.check_checkpoints(ref, folded, max_memory=100_000)
+    assert report.passed, report.summary()
+    assert len(maps) == 2 and all("disk" in m for m in maps) and "within 97.7 KiB" in report.memory
+    assert report.max_rel_diff < 1e-6 and report.generation.passed
+    key = "transformer.h.1.attn.c_proj.weight"  # (a change of 1e-3 of its scale moves the logits by 2e-6:
+    cand = edited(folded, tmp_path, lambda sd: sd[key].view(-1)[3].add_(float(sd[key].abs().max())))  # static's job)
+    report = enjoyln.check_checkpoints(ref, cand, max_memory=100_000, mode="forward")
+    assert not report.passed and report.max_rel_diff > 1e-5
+
+
+def test_fold_runs_the_check_one_model_at_a_time_when_two_do_not_fit(pair, tmp_path, monkeypatch):
+    from enjoyln import checkpoint
+
+    ref, _, _ = pair
+    monkeypatch.setattr(checkpoint, "forward_check_bytes", lambda md: 1 << 40)  # "does not fit twice"
+    result = fold_checkpoint(ref, tmp_path / "out")
+    assert result.report.passed and "would not fit in memory side by side" in result.report.memory
