@@ -10,7 +10,7 @@ from ._version import __version__
 from .analysis import analyze
 from .check import CheckReport, check
 from .checkpoint import analyze_checkpoint, check_checkpoints, fold_checkpoint, load
-from .errors import CaptureError, CheckpointError, EnjoylnError, PlanError
+from .errors import AnalysisError, CaptureError, CheckpointError, EnjoylnError, PlanError
 from .norm import GroupRMSNorm, RMSNorm
 from .plan import Centering, FoldPlan, LayerNormEntry, Untie
 from .rewrite import fold
@@ -20,5 +20,5 @@ from .training import cbwc, cbwc_remove
 __all__ = [
     "analyze", "fold", "GroupRMSNorm", "check", "CheckReport", "load", "fold_checkpoint",
     "analyze_checkpoint", "check_checkpoints", "cbwc", "cbwc_remove", "RMSNorm", "FoldPlan", "LayerNormEntry", "Centering", "Untie",
-    "EnjoylnError", "CaptureError", "CheckpointError", "PlanError", "__version__",
+    "EnjoylnError", "AnalysisError", "CaptureError", "CheckpointError", "PlanError", "__version__",
 ]

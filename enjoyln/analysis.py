@@ -22,7 +22,9 @@ zero-mean graph, and places auxiliary centerings.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
+
+import torch
 
 from torch import fx, nn
 
@@ -34,6 +36,9 @@ from .plan import AuxCentering, FoldPlan, LayerNormEntry, Untie
 from .rules import DROPOUT_OPS, Refusal, Source, kind_of
 from .soundness import ShiftSoundness, gn_groups
 
+Weights = Mapping[str, torch.Tensor] | None
+"""Values of parameters held on the meta device, by name."""
+
 __all__ = ["analyze", "analyze_capture", "auxiliary_plan", "norm_module_paths", "op_name", "FUNCTIONAL_LN",
            "Analysis", "Zero", "NotZero", "State", "Source", "Refusal"]
 
@@ -41,10 +46,11 @@ __all__ = ["analyze", "analyze_capture", "auxiliary_plan", "norm_module_paths", 
 class Analysis:
     """Runs the dataflow and the soundness check over one captured graph."""
 
-    def __init__(self, cap: Capture, aux: dict[fx.Node, AuxCentering] | None = None):
+    def __init__(self, cap: Capture, aux: dict[fx.Node, AuxCentering] | None = None, *,
+                 weights: Weights = None):
         self.cap = cap
         self.aux = aux or {}
-        self.index = GraphIndex(cap)
+        self.index = GraphIndex(cap, weights)
         self.graph = cap.graph
         self.flow = Dataflow(self.index, self.aux)
         self.sources: dict[str, Source] = self.flow.sources
@@ -70,18 +76,26 @@ class Analysis:
         Kinds: ``ln``, ``op`` (carries the zero mean), ``source`` (centered),
         ``zero`` (zero-mean already) and ``blocked`` (where folding fails).
         """
+        with self.index.reporting():
+            return self._zero_mean_graph(ln, limit)
+
+    def _zero_mean_graph(self, ln: fx.Node, limit: int) -> tuple[dict[str, dict], list[tuple[str, str]]]:
         nodes: dict[str, dict] = {}
         edges: list[tuple[str, str]] = []
+        by_node = {}  # the plain source of a node, or its LayerScale one
+        for s in self.sources.values():
+            if "#" not in s.key and (s.node not in by_node or s.chain):
+                by_node[s.node] = s
         stack = [(ln, None)]
         while stack and len(nodes) < limit:
             node, user = stack.pop()
+            self.index.at = node
             if user is not None:
                 edges.append((node.name, user))
             if node.name in nodes:
                 continue
             state = self.states.get(node)
-            source = self.sources.get(node.name) or (
-                self.sources.get(self.cap.placeholder_fqn.get(node.name, "")))
+            source = by_node.get(node)
             if node is ln:
                 info = {"label": self.cap.module_path(node) or node.name, "kind": "ln", "detail": ""}
                 stack.append((node.args[0], node.name))
@@ -127,6 +141,11 @@ class Analysis:
     # -- driver -------------------------------------------------------------------------
 
     def run(self) -> FoldPlan:
+        """The plan: which LNs fold, what to center and untie. Any failure is an AnalysisError."""
+        with self.index.reporting():
+            return self._run()
+
+    def _run(self) -> FoldPlan:
         self.flow.run()
         entries, needs, rewritable = self._layer_norms()
         # an LN that cannot be replaced needs no centering: drop it before the
@@ -168,6 +187,7 @@ class Analysis:
         rewritable: set[str] = set()
         functional = self._functional_names()
         for node in self.graph.nodes:
+            self.index.at = node
             if op_name(node) in GN_OPS:
                 self._group_norm_entry(node, entries, needs, rewritable)
                 continue
@@ -238,6 +258,8 @@ class Analysis:
         elif state.whole:
             entry.foldable, entry.reason = False, (
                 "its input passes an explicit centering of all channels, which leaves each group's mean")
+        elif any(self.sources[k].groups != 1 for k in state.sources):
+            entry.foldable, entry.reason = False, "its input is split into blocks of another size before it"
         else:
             needs[name] |= {self.flow.grouped(k, groups) for k in state.sources}
 
@@ -290,6 +312,7 @@ def _candidate_points(analysis: Analysis, plan: FoldPlan) -> dict[fx.Node, tuple
                 coverage.setdefault(node, set()).add(name)
     points: dict[fx.Node, tuple[AuxCentering, set[str]]] = {}
     for node, count in coverage.items():
+        analysis.index.at = node
         dims = shape(node)
         if node.op != "call_function" or not dims or dims[-1] not in widths:
             continue
@@ -310,26 +333,28 @@ def _candidate_points(analysis: Analysis, plan: FoldPlan) -> dict[fx.Node, tuple
     return points
 
 
-def auxiliary_plan(cap: Capture, *, max_candidates: int = 6) -> tuple[FoldPlan, dict[fx.Node, AuxCentering]]:
+def auxiliary_plan(cap: Capture, *, max_candidates: int = 6,
+                   weights: Weights = None) -> tuple[FoldPlan, dict[fx.Node, AuxCentering]]:
     """Greedily insert centerings that each make more LNs foldable than they cost.
 
     Each candidate is judged by the full analysis, soundness included, with
     the inserted centering as one more source whose shift must only reach LN
     inputs. Returns the plan with the chosen points, and the points by node.
     """
-    base = Analysis(cap)
+    base = Analysis(cap, weights=weights)
     plan = base.run()
     strict_count = len(plan.foldable)
     chosen: dict[fx.Node, AuxCentering] = {}
     refused: dict[str, tuple[str, set[str]]] = {}
     while True:
-        points = _candidate_points(base, plan)
+        with base.index.reporting():
+            points = _candidate_points(base, plan)
         ranked = sorted(points.items(), key=lambda kv: -len(kv[1][1]))[:max_candidates]
         best = None
         for node, (point, covered) in ranked:
             if node in chosen:
                 continue
-            trial = Analysis(cap, {**chosen, node: point})
+            trial = Analysis(cap, {**chosen, node: point}, weights=weights)
             trial_plan = trial.run()
             gain = len(trial_plan.foldable) - len(plan.foldable)
             if gain > 1 and (best is None or gain > best[0]):
@@ -362,18 +387,20 @@ def rewritable_reason(entry: LayerNormEntry) -> str:
             "replaces nn.LayerNorm modules, and functional calls only in a torch.fx.GraphModule")
 
 
-def analyze_capture(cap: Capture) -> FoldPlan:
+def analyze_capture(cap: Capture, *, weights: Weights = None) -> FoldPlan:
     """Run the analysis on an already captured graph."""
-    return Analysis(cap).run()
+    return Analysis(cap, weights=weights).run()
 
 
 def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
-            auxiliary_centering: bool = False) -> FoldPlan:
+            auxiliary_centering: bool = False, weights: Weights = None) -> FoldPlan:
     """Find the foldable LayerNorms of ``model`` and what folding them needs.
 
     A dry run: the model is traced, never modified. With
     ``auxiliary_centering``, explicit centerings are also placed where each
-    makes more LNs foldable than it costs (``plan.auxiliary``).
+    makes more LNs foldable than it costs (``plan.auxiliary``). ``weights``
+    gives values for parameters the model holds on the meta device, where a
+    rule depends on them (a LayerScale gain with a zero entry does not fold).
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
@@ -381,11 +408,11 @@ def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
     '1'
     """
     if not auxiliary_centering:
-        return analyze_capture(capture(model, example_inputs))
-    return _analyze_with_auxiliary(model, example_inputs)
+        return analyze_capture(capture(model, example_inputs), weights=weights)
+    return _analyze_with_auxiliary(model, example_inputs, weights)
 
 
-def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs) -> FoldPlan:
+def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs, weights: Weights) -> FoldPlan:
     """Choose centerings, then prove the folds again on the model with them in place.
 
     The first pass proves each inserted centering changes only LN inputs; the
@@ -396,13 +423,13 @@ def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs) -> 
     from . import centering
 
     unhooked = capture(model, example_inputs)
-    predicted, _ = auxiliary_plan(unhooked)
+    predicted, _ = auxiliary_plan(unhooked, weights=weights)
     if not predicted.auxiliary:
         return predicted
     for a in predicted.auxiliary:
         centering.install(model, a.module, a.where)
     try:
-        plan = analyze_capture(capture(model, example_inputs))
+        plan = analyze_capture(capture(model, example_inputs), weights=weights)
     except CaptureError as exc:  # a hook met an output it cannot center
         plan = FoldPlan(predicted.model)
         plan.notes.append(f"auxiliary centering was not applied: {exc}")
@@ -411,7 +438,7 @@ def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs) -> 
             centering.remove(model, a.module)
     missing = {e.name for e in predicted.foldable} - {e.name for e in plan.foldable}
     if missing:  # the hooks did not land where the graph said: keep the strict result
-        strict = analyze_capture(unhooked)
+        strict = analyze_capture(unhooked, weights=weights)
         strict.notes += plan.notes or ["auxiliary centering was not applied: the re-analysis could not "
                                        f"confirm {sorted(missing)[0]}"]
         return strict

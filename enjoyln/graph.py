@@ -10,12 +10,14 @@ explicitly. Nothing here decides what folds; ``rules``, ``dataflow`` and
 from __future__ import annotations
 
 import operator
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import fx, nn
 
 from .capture import Capture
+from .errors import AnalysisError, EnjoylnError
 from .plan import Centering
 
 LN_OPS = {"layer_norm", "native_layer_norm"}
@@ -23,6 +25,15 @@ GN_OPS = {"group_norm", "native_group_norm", "instance_norm"}
 # What a user's torch.fx.GraphModule may call a LayerNorm
 FUNCTIONAL_LN = {torch.nn.functional.layer_norm, torch.layer_norm,
                  torch.ops.aten.layer_norm.default, torch.ops.aten.layer_norm}
+# Ops that read only the shape, dtype or device of a tensor, never its values.
+META_OPS = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride",
+            "_assert_tensor_metadata", "_assert_scalar", "empty_like", "zeros_like",
+            "ones_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full",
+            "rand_like", "randn_like", "randint_like", "_local_scalar_dense"}
+# Ops that read their first argument's values and only the shape or dtype of the second.
+TEMPLATE_OPS = {"expand_as", "view_as", "reshape_as", "type_as"}
+# Ops that return their input's values unchanged (a cast keeping the dtype).
+_COPY_OPS = {"_to_copy", "to", "alias", "clone", "detach", "contiguous", "lift_fresh_copy"}
 # Ops through which a weight is still "the parameter", only transposed or cast.
 PARAM_VIEW_OPS = {"_to_copy", "to", "detach", "alias", "contiguous", "t", "transpose",
                   "permute", "numpy_T"}
@@ -47,15 +58,22 @@ def op_key(node: fx.Node) -> str:
     return f"{name}.{overload}" if overload == "Scalar" and name in ("mul", "div") else name
 
 
+def _static(size: Any) -> int | None:
+    """A size as an int, or None if it is symbolic. Never guards: ``int()`` on a
+    data-dependent size (``x[mask]``) raises instead of answering."""
+    if isinstance(size, int):
+        return size
+    node = getattr(size, "node", None)
+    return node.maybe_as_int() if node is not None and hasattr(node, "maybe_as_int") else None
+
+
 def shape(node: Any) -> tuple[int, ...] | None:
     """The static shape of a node's tensor value; None if it has none or a size is symbolic."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(val, torch.Tensor):
         return None
-    try:
-        return tuple(int(s) for s in val.shape)
-    except (TypeError, ValueError):  # unbacked symbolic sizes
-        return None
+    dims = tuple(_static(s) for s in val.shape)
+    return None if None in dims else dims
 
 
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
@@ -69,11 +87,43 @@ def norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
+def reads_value(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` reads ``node``'s values, not just its shape, dtype or device."""
+    name = op_name(user)
+    if name in META_OPS and name != "_local_scalar_dense":  # .item() reads the value
+        return False
+    if name in TEMPLATE_OPS:
+        return bool(user.args) and user.args[0] is node
+    return True
+
+
+def _mutates(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def live_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose values reach an output or a mutation through value reads.
+
+    The rest are dead, or read only for their shape (``x.size()``,
+    ``expand_as``'s template, BART's ``embed_positions(inputs_embeds[:, :, -1])``):
+    whatever their values, the model computes the same.
+    """
+    live: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op == "output" or _mutates(node) or any(
+                u in live and reads_value(u, node) for u in node.users):
+            live.add(node)
+    return live
+
+
 class GraphIndex:
     """One captured graph and the maps from its nodes back to the model."""
 
-    def __init__(self, cap: Capture):
+    def __init__(self, cap: Capture, weights: Mapping[str, torch.Tensor] | None = None):
         self.cap = cap
+        self.weights = dict(weights or {})
+        """Values of parameters the model holds on the meta device, where known."""
         self.graph = cap.graph
         self.placeholders = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
         self.placeholder_of: dict[str, fx.Node] = {}
@@ -83,10 +133,29 @@ class GraphIndex:
             for alias in cap.aliases.get(fqn, (fqn,)):
                 if node.users or alias not in self.placeholder_of:
                     self.placeholder_of[alias] = node
+        self.buffers = {name: fqn for name, fqn in cap.program.graph_signature.inputs_to_buffers.items()
+                        if name in cap.constants}
+        """Placeholder name -> a non-persistent buffer it holds (not in a checkpoint)."""
+        self.live = live_nodes(self.graph)
         self.centers = self._find_centerings()
         """Explicit ``x - x.mean(axis, keepdim=True)``: sub node -> its mean node."""
         self.output_names = self._output_names()
         """Position in the output node's arguments -> the user-facing output name."""
+        self.at: fx.Node | None = None
+        """The node a pass is looking at, to name it if the analysis fails."""
+
+    @contextmanager
+    def reporting(self) -> Iterator[None]:
+        """Turn any failure inside into an AnalysisError naming the op and its module."""
+        try:
+            yield
+        except EnjoylnError:
+            raise
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            what = f"at {self.describe(self.at)}" if self.at is not None else "before reaching any op"
+            raise AnalysisError(f"enjoyln could not analyse {type(self.cap.model).__name__} {what}: "
+                                f"{type(exc).__name__}: {first}") from exc
 
     # -- naming ------------------------------------------------------------------------
 
@@ -116,7 +185,23 @@ class GraphIndex:
             if spec.kind == OutputKind.USER_OUTPUT:
                 names[i] = self.cap.output_names[k] if k < len(self.cap.output_names) else str(k)
                 k += 1
+            elif spec.kind == OutputKind.BUFFER_MUTATION:
+                names[i] = f"buffer:{spec.target}"
         return names
+
+    def writes_back(self, index: int, out: fx.Node) -> bool:
+        """Whether output ``index`` stores a buffer's own value back into it, unchanged
+        (CTRL's ``self.pos_encoding = self.pos_encoding.to(dtype)``)."""
+        target = self.output_names.get(index, "").removeprefix("buffer:")
+        node = out
+        while node.op == "call_function" and op_name(node) in _COPY_OPS and node.args:
+            before = node.args[0]
+            if not isinstance(before, fx.Node) or shape(before) != shape(node) or (
+                    before.meta["val"].dtype != node.meta["val"].dtype):
+                return False
+            node = before
+        fqn = self.cap.placeholder_fqn.get(node.name) or self.buffers.get(node.name)
+        return node.op == "placeholder" and fqn == target and index in self.output_names
 
     # -- parameters ----------------------------------------------------------------------
 
@@ -146,14 +231,27 @@ class GraphIndex:
         perm[a], perm[b] = perm[b], perm[a]
         return fqn, tuple(perm)
 
+    def value(self, fqn: str) -> torch.Tensor | None:
+        """The values of a parameter or buffer, or None where they are not known (meta)."""
+        t = self.weights.get(fqn)
+        if t is None:
+            try:
+                t = self.cap.model.get_parameter(fqn)
+            except AttributeError:
+                try:
+                    t = self.cap.model.get_buffer(fqn)
+                except AttributeError:
+                    return None
+        return None if t.device.type == "meta" else t
+
     def centering(self, user: fx.Node, fqn: str, axis: int) -> Centering:
         """The centering of ``fqn`` along ``axis``, under the name ``user`` reads it by."""
         return Centering(self.cap.use_alias(user, fqn) or fqn, axis)
 
     def role(self, params: tuple[Centering, ...]) -> frozenset:
-        """What a centering does, whatever names it goes by: tensor, axis, groups."""
-        return frozenset((getattr(self.placeholder_of.get(c.param), "name", c.param), c.axis, c.groups)
-                         for c in params)
+        """What a centering does, whatever names it goes by: tensor, axis, groups, blocks, gain."""
+        name = lambda p: getattr(self.placeholder_of.get(p), "name", p)  # noqa: E731
+        return frozenset((name(c.param), c.axis, c.groups, c.blocks, c.scale and name(c.scale)) for c in params)
 
     def owner_module(self, fqn: str) -> nn.Module | None:
         try:

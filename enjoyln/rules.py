@@ -25,24 +25,19 @@ says which ops' outputs weight centering can make zero-mean.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
-from .graph import GraphIndex, arg, norm_dim, op_key, op_name, shape
+from .graph import META_OPS, GraphIndex, arg, norm_dim, op_key, op_name, shape
 from .plan import Centering
 
 MAP, SUM, SCALE = "map", "sum", "scale"
 
 SOURCE_OPS = {"linear", "addmm", "mm", "matmul", "embedding", "convolution", "conv1d",
               "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
-# Ops that read only the shape, dtype or device of a tensor, never its values.
-META_OPS = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride",
-            "_assert_tensor_metadata", "_assert_scalar", "empty_like", "zeros_like",
-            "ones_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full",
-            "rand_like", "randn_like", "randint_like", "_local_scalar_dense"}
 DROPOUT_OPS = {"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
                "native_dropout"}
 CAST_OPS = {"_to_copy", "to", "type_as"}
@@ -137,9 +132,46 @@ def per_row(factor: Any, out: fx.Node, axis: int) -> bool:
 # --- the rules ---------------------------------------------------------------------------
 
 
-@rule("getitem", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "positive", "neg", "flip",
+@rule("getitem", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "positive", "neg",
       "mul.Scalar", "div.Scalar")
 def _identity(op: Op) -> int | Refusal:
+    return op.axis
+
+
+def _dims(op: Op, index: int, name: str) -> list[int]:
+    dims = arg(op.node, index, name, [])
+    return [norm_dim(d, op.ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+
+
+@rule("flip", "roll")
+def _reorder(op: Op) -> int | Refusal:
+    """Reversing or rolling positions treats every feature alike; doing it to the
+    features themselves reorders them, which per-feature gains and blocks cannot follow."""
+    name = op_name(op.node)
+    dims = _dims(op, 1 if name == "flip" else 2, "dims")
+    if op.axis in dims or (name == "roll" and not dims):
+        return Refusal(f"is {'flipped' if name == 'flip' else 'rolled'} along the feature axis {op.where}")
+    return op.axis
+
+
+_SPATIAL = {  # op -> how many trailing axes it works over, the same way for every channel
+    **{f"upsample_nearest{k}d": k for k in (1, 2, 3)}, **{f"_upsample_nearest_exact{k}d": k for k in (1, 2, 3)},
+    "upsample_linear1d": 1, "upsample_bilinear2d": 2, "_upsample_bilinear2d_aa": 2, "upsample_bicubic2d": 2,
+    "_upsample_bicubic2d_aa": 2, "upsample_trilinear3d": 3,
+    **{f"avg_pool{k}d": k for k in (1, 2, 3)}, **{f"adaptive_avg_pool{k}d": k for k in (1, 2, 3)},
+    "_adaptive_avg_pool2d": 2, "_adaptive_avg_pool3d": 3,
+    **{f"reflection_pad{k}d": k for k in (1, 2, 3)}, **{f"replication_pad{k}d": k for k in (1, 2, 3)},
+}
+
+
+@rule(*_SPATIAL)
+def _spatial(op: Op) -> int | Refusal:
+    """Resampling, average pooling and padding over the trailing (spatial) axes: a
+    linear map of the positions, the same for every feature."""
+    name = op_name(op.node)
+    if op.axis >= op.ndim - _SPATIAL[name]:
+        what = "pooled" if "pool" in name else "padded" if "pad" in name else "resampled"
+        return Refusal(f"is {what} along the feature axis by {name} {op.where}")
     return op.axis
 
 
@@ -182,8 +214,11 @@ def reshape_axis(in_shape: tuple[int, ...], axis: int, out_shape: tuple[int, ...
     return None
 
 
-@rule("view", "reshape", "_unsafe_view", "view_as", "reshape_as", "flatten", "unflatten", "squeeze",
-      "unsqueeze")
+RESHAPE_OPS = {"view", "reshape", "_unsafe_view", "view_as", "reshape_as", "flatten", "unflatten", "squeeze",
+               "unsqueeze"}
+
+
+@rule(*RESHAPE_OPS)
 def _reshape(op: Op) -> int | Refusal:
     new = reshape_axis(op.in_shape, op.axis, op.out_shape)
     return new if new is not None else Refusal(
@@ -233,6 +268,37 @@ def _select(op: Op) -> int | Refusal:
     return op.axis - (dim < op.axis)
 
 
+def constant_along(node: Any, axis: int) -> bool:
+    """Whether an (index) tensor is the same along ``axis``: broadcast or repeated from size 1."""
+    dims = shape(node)
+    if dims is None or not 0 <= axis < len(dims):
+        return False
+    if dims[axis] == 1:
+        return True
+    name = op_name(node)
+    inner = node.args[0] if node.op == "call_function" and node.args else None
+    in_dims = shape(inner)
+    if in_dims is None:
+        return False
+    if name in ("clone", "contiguous", "_to_copy", "to", "alias", "detach"):
+        return constant_along(inner, axis)
+    if name in ("expand", "expand_as", "repeat"):
+        pos = axis - (len(dims) - len(in_dims))
+        return pos < 0 or in_dims[pos] == 1 or (name != "repeat" and constant_along(inner, pos))
+    return False
+
+
+@rule("gather")
+def _gather(op: Op) -> int | Refusal:
+    """Picking positions along another axis, the same ones for every feature."""
+    dim = op.dim(1, "dim")
+    if dim == op.axis:
+        return Refusal(f"has its feature axis indexed by gather {op.where}")
+    if op.out_shape[op.axis] != op.in_shape[op.axis] or not constant_along(op.node.args[2], op.axis):
+        return Refusal(f"is gathered {op.where} with indices that differ between features")
+    return op.axis
+
+
 @rule("index_select")
 def _index_select(op: Op) -> int | Refusal:
     dim = op.dim(1, "dim")
@@ -268,9 +334,9 @@ def _reduce(op: Op) -> int | Refusal:
     return op.axis if arg(op.node, 2, "keepdim", False) else op.axis - sum(d < op.axis for d in dims)
 
 
-@rule("constant_pad_nd")
+@rule("constant_pad_nd", "pad")
 def _pad(op: Op) -> int | Refusal:
-    pad, value = list(op.node.args[1]), arg(op.node, 2, "value", 0)
+    pad, value = list(op.node.args[1]), arg(op.node, 3 if op_name(op.node) == "pad" else 2, "value", 0) or 0
     padded = {op.ndim - 1 - i // 2 for i, p in enumerate(pad) if p}
     if op.axis in padded:
         return Refusal(f"is padded along the feature axis {op.where}")
@@ -300,6 +366,85 @@ rule("add", "sub", "rsub", kind=SUM)(_broadcast)
 rule("mul", "div", kind=SCALE)(_broadcast)
 
 
+# --- splitting the feature axis into blocks (per-head norms) ------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the blocks of a split feature axis went.
+
+    A reshape that splits an axis of ``size`` features into ``(..., H, D)``
+    leaves ``groups = size / D`` blocks of ``D`` features, indexed by the
+    other new axes: ``axes`` holds (tensor axis, length, stride in blocks), and
+    ``offset`` the first block still in view after selections.
+    """
+
+    groups: int
+    size: int
+    axes: tuple[tuple[int, int, int], ...]
+    offset: int = 0
+
+    def visible(self) -> frozenset[int]:
+        """The blocks this tensor still holds."""
+        blocks = {self.offset}
+        for _, length, stride in self.axes:
+            blocks = {b + i * stride for b in blocks for i in range(length)}
+        return frozenset(blocks)
+
+
+def split_axis(in_shape: tuple[int, ...], axis: int, out_shape: tuple[int, ...]) -> tuple[int, Layout] | None:
+    """(new feature axis, layout) if a reshape splits ``axis`` into several axes, the
+    last of them (the block) becoming the feature axis."""
+    n, inner, outer = in_shape[axis], math.prod(in_shape[axis + 1:]), math.prod(in_shape[:axis])
+    for q in reversed(range(len(out_shape))):
+        if out_shape[q] == 1 or math.prod(out_shape[q + 1:]) != inner:
+            continue
+        p, size = q, out_shape[q]
+        while size < n and p > 0:
+            p -= 1
+            size *= out_shape[p]
+        if size != n or p == q or math.prod(out_shape[:p]) != outer:
+            return None
+        axes, stride = [], 1
+        for r in range(q - 1, p - 1, -1):
+            if out_shape[r] > 1:
+                axes.append((r, out_shape[r], stride))
+            stride *= out_shape[r]
+        return q, Layout(n // out_shape[q], n, tuple(reversed(axes)))
+    return None
+
+
+def carry_layout(node: fx.Node, src: fx.Node, layout: Layout | None, where: str) -> Layout | None:
+    """The layout after ``node``: selections along a block axis narrow the blocks in
+    view; other ops move the block axes (None once an op mixes them)."""
+    if layout is None:
+        return None
+    name = op_name(node)
+    axes, offset = [], layout.offset
+    out_shape = shape(node)
+    for a, length, stride in layout.axes:
+        if name in ("select", "slice", "narrow") and norm_dim(arg(node, 1, "dim", 0), len(shape(src))) == a:
+            if name == "select":
+                index = arg(node, 2, "index")
+                offset += (index + length if index < 0 else index) * stride
+                continue
+            start = arg(node, 2, "start", 0) or 0
+            start = max(0, start + length if start < 0 else start)
+            step = arg(node, 4, "step", 1) if name == "slice" else 1
+            if step != 1 or out_shape is None:
+                return None
+            offset += min(start, length) * stride
+            moved, new_length = a, out_shape[a]
+        else:
+            moved = carry(node, src, a, where)
+            if isinstance(moved, Refusal) or out_shape is None or out_shape[moved] != length:
+                return None
+            new_length = length
+        if new_length > 1:
+            axes.append((moved, new_length, stride))
+    return Layout(layout.groups, layout.size, tuple(axes), offset)
+
+
 # --- sources: what weight centering makes zero-mean ------------------------------------------
 
 
@@ -314,6 +459,9 @@ class Source:
     params: tuple[Centering, ...]
     groups: int = 1
     """The shift its centering causes is constant within each of this many blocks."""
+    chain: tuple[fx.Node, ...] = ()
+    """For a LayerScale source (``node`` is the product ``γ ⊙ y``): the nodes from the
+    layer to ``y``, whose values centering changes by more than a per-row constant."""
 
 
 # op -> (weight arg, bias arg, weight's output-feature axis, bias's, output's feature axis)
@@ -365,12 +513,38 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
     return Source(node.name, g.label(node), node, norm_dim(out_axis, len(out_shape)), tuple(params))
 
 
+def per_feature_param(g: GraphIndex, factor: Any, out: fx.Node, axis: int) -> str | None:
+    """The parameter ``factor`` is if it is a gain along ``axis`` of ``out`` (one entry
+    per feature, broadcast over every other axis), else None."""
+    param, dims, out_dims = g.param(factor), shape(factor), shape(out)
+    if param is None or dims is None or out_dims is None:
+        return None
+    pos = axis - (len(out_dims) - len(dims))
+    ok = 0 <= pos and dims[pos] == out_dims[axis] == math.prod(dims)
+    return param[0] if ok else None
+
+
+def map_chain(start: fx.Node, end: fx.Node) -> tuple[fx.Node, ...] | None:
+    """The nodes from ``start`` to ``end`` if ``end`` is ``start`` through MAP ops only."""
+    nodes = [end]
+    while nodes[-1] is not start:
+        node = nodes[-1]
+        if kind_of(node) != MAP or not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        nodes.append(node.args[0])
+    return tuple(reversed(nodes))
+
+
 def param_source(g: GraphIndex, node: fx.Node) -> Source | None:
-    """A parameter used as data (a positional table, a cls token), centered along its last axis."""
-    fqn = g.cap.placeholder_fqn.get(node.name)
+    """A parameter used as data (a positional table, a cls token), centered along its
+    last axis; a non-persistent buffer (a sinusoidal table) too, marked as not saved."""
+    fqn = g.cap.placeholder_fqn.get(node.name) or g.buffers.get(node.name)
     dims = shape(node)
-    if not fqn or not dims:
+    if not fqn or not dims or not node.meta["val"].is_floating_point():
         return None
     user = next(iter(node.users), node)
     axis = len(dims) - 1
-    return Source(fqn, fqn, node, axis, (g.centering(user, fqn, axis),))
+    centering = g.centering(user, fqn, axis)
+    if node.name in g.buffers:
+        centering = replace(centering, saved=False)
+    return Source(fqn, fqn, node, axis, (centering,))

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import torch
 from torch import fx
 
-from .graph import GN_OPS, LN_OPS, GraphIndex, arg, op_name, shape
+from .graph import GN_OPS, LN_OPS, GraphIndex, arg, op_name, reads_value, shape
 from .plan import AuxCentering, Untie
-from .rules import MAP, META_OPS, SCALE, SUM, Refusal, Source, carry, kind_of, per_row, source_of
+from .rules import (MAP, RESHAPE_OPS, SCALE, SUM, Layout, Refusal, Source, carry, carry_layout, kind_of, per_row,
+                    source_of, split_axis)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class Shift:
     axis: int
     keys: frozenset[str]
     groups: int = 1
+    layout: Layout | None = None
+    """Where the blocks went, if the feature axis was split."""
 
 
 Hits = list[tuple[fx.Node, Shift]]
@@ -74,9 +77,16 @@ class Spread:
     def sink(self, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Flags | None:
         raise NotImplementedError
 
+    def narrow(self, shift: Shift) -> Shift:
+        """``shift`` without the keys whose change lies outside the blocks still in view."""
+        return shift
+
     def spread(self, changed: dict[fx.Node, Shift]) -> None:
         for node in self.g.graph.nodes:
-            hits = [(i, changed[i]) for i in node.all_input_nodes if i in changed]
+            self.g.at = node
+            if node not in self.g.live:
+                continue  # its values reach nothing the model computes
+            hits = [(i, changed[i]) for i in node.all_input_nodes if i in changed and reads_value(node, i)]
             if not hits:
                 continue
             keys = frozenset().union(*(s.keys for _, s in hits))
@@ -91,22 +101,27 @@ class Spread:
                 for ks, what in flags:
                     self.flag(ks, what)
                 continue
-            new = carry_shift(self.g, node, hits)
-            if isinstance(new, int):
-                changed[node] = Shift(new, keys, groups)
+            new = carry_shift(self.g, node, hits, keys, groups)
+            if isinstance(new, Shift):
+                new = self.narrow(new)
+                if new.keys:
+                    changed[node] = new
             else:
                 self.flag(keys, new)
 
 
-def carry_shift(g: GraphIndex, node: fx.Node, hits: Hits) -> int | str:
-    """The axis a per-row change of ``node``'s inputs lands on in its output,
-    or what the change would alter."""
+def carry_shift(g: GraphIndex, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Shift | str:
+    """The change of ``node``'s output, if its inputs' per-row changes stay per-row
+    there; else what the change would alter."""
     what = f"the input of {g.describe(node)}"
     kind, where = kind_of(node), g.where(node)
     if kind == SUM:
         axes = {carry(node, i, s.axis, where) for i, s in hits}
         axis = axes.pop() if len(axes) == 1 else None
-        return axis if isinstance(axis, int) and not isinstance(axis, Refusal) else what
+        if not isinstance(axis, int) or isinstance(axis, Refusal):
+            return what
+        layouts = {carry_layout(node, i, s.layout, where) for i, s in hits}
+        return Shift(axis, keys, groups, layouts.pop() if len(layouts) == 1 else None)
     if len(hits) != 1:
         return what
     stream, s = hits[0]
@@ -116,12 +131,28 @@ def carry_shift(g: GraphIndex, node: fx.Node, hits: Hits) -> int | str:
             return what
         new = carry(node, stream, s.axis, where)
         factor = b if stream is a else a
-        ok = not isinstance(new, Refusal) and per_row(factor, node, new)
-        return new if ok else what
+        if isinstance(new, Refusal) or not per_row(factor, node, new):
+            return what
+        return Shift(new, keys, groups, carry_layout(node, stream, s.layout, where))
     if kind == MAP and stream is node.args[0]:
         new = carry(node, stream, s.axis, where)
-        return what if isinstance(new, Refusal) else new
+        if isinstance(new, Refusal):
+            return _split_shift(node, stream, s) or what
+        return Shift(new, keys, groups, carry_layout(node, stream, s.layout, where))
     return what
+
+
+def _split_shift(node: fx.Node, stream: fx.Node, s: Shift) -> Shift | None:
+    """A change constant within blocks of the feature axis, after a reshape splits the
+    axis into pieces no larger than a block: constant along each piece."""
+    found = split_axis(shape(stream), s.axis, shape(node)) if op_name(node) in RESHAPE_OPS else None
+    if found is None:
+        return None
+    axis, layout = found
+    block = shape(stream)[s.axis] // s.groups
+    if block % shape(node)[axis]:
+        return None
+    return Shift(axis, s.keys, 1, layout)
 
 
 class ShiftSoundness(Spread):
@@ -151,8 +182,10 @@ class ShiftSoundness(Spread):
         # placeholder name -> {alias: axis} and the sources that center it
         centered: dict[str, dict[str, int]] = {}
         centered_by: dict[str, set[str]] = {}
-        grouping: dict[str, dict[int, set[str]]] = {}  # placeholder -> groups -> sources
+        grouping: dict[str, dict[tuple, set[str]]] = {}  # placeholder -> (groups, scale) -> sources
         for src in active.values():
+            g.at = src.node
+            self._check_chain(src)
             prev = changed.get(src.node)
             keys0 = frozenset({src.key}) | (prev.keys if prev else frozenset())
             changed[src.node] = Shift(src.axis, keys0, max(src.groups, prev.groups if prev else 1))
@@ -162,15 +195,23 @@ class ShiftSoundness(Spread):
                     continue
                 axes = centered.setdefault(ph.name, {})
                 centered_by.setdefault(ph.name, set()).add(src.key)
-                grouping.setdefault(ph.name, {}).setdefault(c.groups, set()).add(src.key)
+                grouping.setdefault(ph.name, {}).setdefault((c.groups, c.scale), set()).add(src.key)
                 axes.setdefault(c.param, c.axis)
                 if len(set(axes.values())) > 1 or axes[c.param] != c.axis:
                     self.flag(centered_by[ph.name], f"{c.param} along two different axes")
-        for ph_name, by_groups in grouping.items():
-            if len(by_groups) > 1:  # centered whole for an LN and in groups for a GroupNorm
-                what = f"{g.cap.placeholder_fqn[ph_name]}, which another norm needs centered as a whole"
-                self.flag(set().union(*(keys for n, keys in by_groups.items() if n > 1)), what)
+        for ph_name, by_how in grouping.items():
+            if len(by_how) > 1:  # e.g. centered whole for an LN and in groups for a GroupNorm
+                plain = by_how.get((1, None))
+                what = f"{g.cap.placeholder_fqn[ph_name]}, which another norm needs centered " + (
+                    "as a whole" if plain else "another way")
+                self.flag(set().union(*(keys for keys in by_how.values() if keys is not plain)), what)
+        for src in active.values():  # a LayerScale gain is read as it is, never centered
+            for c in src.params:
+                ph = g.placeholder_of.get(c.scale) if c.scale else None
+                if ph is not None and (ph.name in centered or ph in changed):
+                    self.flag({src.key}, f"{c.scale}, which it is centered for, and which is centered too")
         self.seeds = set(changed)
+        inner = {src.chain[0] for src in active.values() if src.chain}
         # Other reads of a centered weight: another call of the same module
         # shifts its output the same way, a tied alias gets its own copy, and
         # anything else changes.
@@ -181,7 +222,8 @@ class ShiftSoundness(Spread):
             roles = {g.role(active[k].params) for k in keys}
             owners = {id(g.owner_module(a)) for a in aliases}
             for user in g.readers(ph):
-                if user in self.seeds:
+                g.at = user
+                if user in self.seeds or user in inner or user not in g.live:
                     continue
                 src = source_of(g, user)
                 if isinstance(src, Source) and g.role(src.params) in roles:
@@ -199,6 +241,30 @@ class ShiftSoundness(Spread):
                     self.flag(keys, f"{g.describe(user)}, which reads the same weight")
         return changed, untie
 
+    def _check_chain(self, src: Source) -> None:
+        """Centering a layer for its LayerScale changes the layer's own output by more
+        than a per-row constant: only the product may read it."""
+        g = self.g
+        for node, after in zip(src.chain, src.chain[1:] + (src.node,)):
+            for user in node.users:
+                if user is not after and user in g.live and reads_value(user, node):
+                    self.flag({src.key}, f"{g.describe(user)}, which reads the output of "
+                                         f"{g.label(src.chain[0])} before its LayerScale")
+
+    def narrow(self, shift: Shift) -> Shift:
+        layout = shift.layout
+        if layout is None:
+            return shift
+        view = layout.visible()
+        keep = set()
+        for k in shift.keys:
+            src = self.active[k]
+            blocks = src.params[0].blocks if src.params else None
+            same_split = src.groups == layout.groups and shape(src.node)[src.axis] == layout.size
+            if not same_split or view & set(range(src.groups) if blocks is None else blocks):
+                keep.add(k)
+        return replace(shift, keys=frozenset(keep)) if len(keep) < len(shift.keys) else shift
+
     def _grouped(self, keys: frozenset[str]) -> set[str]:
         return {k for k in keys if self.active[k].groups > 1} or set(keys)
 
@@ -209,7 +275,7 @@ class ShiftSoundness(Spread):
             # passes the op unchanged (an LN ignores it anyway).
             if name in LN_OPS and all(ln_sink_ok(node, i, s.axis) for i, s in hits):
                 return []
-            if isinstance(carry_shift(g, node, hits), int):
+            if isinstance(carry_shift(g, node, hits, keys, groups), Shift):
                 return []
             return [(keys, f"the input of {g.describe(node)}")]
         if node in self.seeds:
@@ -217,10 +283,8 @@ class ShiftSoundness(Spread):
         if node.op == "output":
             outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
             changed = dict(hits)
-            return [(changed[out].keys, f"the model output `{g.output_names.get(i, str(i))}`")
-                    for i, out in enumerate(outs) if out in changed]
-        if name in META_OPS:
-            return []  # reads no values
+            return [(changed[out].keys, _output_label(g.output_names.get(i, str(i))))
+                    for i, out in enumerate(outs) if out in changed and not g.writes_back(i, out)]
         center = self.absorbing.get(node, node)
         if center in g.centers and all(s.axis == g.center_axis(center) for _, s in hits):
             if groups != 1:  # x - mean(x) removes a shift shared by all features, not per group
@@ -236,6 +300,12 @@ class ShiftSoundness(Spread):
             why = gn_sink_refusal(g, node, hits, groups)
             return [(keys, why)] if why else []
         return None
+
+
+def _output_label(name: str) -> str:
+    if name.startswith("buffer:"):
+        return f"the buffer {name.removeprefix('buffer:')}, which the forward overwrites"
+    return f"the model output `{name}`"
 
 
 def ln_sink_ok(node: fx.Node, changed_input: fx.Node, axis: int) -> bool:
