@@ -171,7 +171,7 @@ class Analysis:
         for name, e in entries.items():
             if e.foldable:
                 cs = {c for k in needs[name] for c in self.sources[k].params}
-                e.centered = sorted(cs, key=lambda c: (c.param, c.axis))
+                e.centered = sorted(cs, key=lambda c: (c.param, c.axis, c.groups, c.blocks or (), c.scale or ""))
         plan = FoldPlan(type(self.cap.model).__name__, list(entries.values()),
                         norm_modules=norm_module_paths(self.cap.model))
         plan.untied = sorted(untie.values(), key=lambda u: u.param) if plan.foldable else []
