@@ -23,6 +23,7 @@ _EXPORTS = {
     "RMSNorm": "norm", "GroupRMSNorm": "norm", "FoldPlan": "plan", "LayerNormEntry": "plan",
     "Centering": "plan", "Untie": "plan", "EnjoylnError": "errors", "CaptureError": "errors",
     "CheckpointError": "errors", "PlanError": "errors", "CheckFailed": "errors",
+    "AnalysisError": "errors",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

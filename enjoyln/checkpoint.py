@@ -38,7 +38,7 @@ from .model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEI
                         copy_extras, keep_failed as _keep_failed, meta_model, model_class, open_model_dir, publish,
                         read_safetensors_header, saved_names, signals_held, temp_dir, umask)
 from .plan import FORMAT_VERSION, FoldPlan, format_bytes
-from .rewrite import InsertCentering, SwapLayerNorms, center_, check_fits
+from .rewrite import InsertCentering, SwapLayerNorms, center_, center_all, check_fits
 
 if TYPE_CHECKING:
     from .equivalence import CheckReport
@@ -62,7 +62,45 @@ def analyze_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
     md = open_model_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     model = meta_model(md)
     check_shapes(md, model)
-    return analyze(model, auxiliary_centering=auxiliary_centering)
+    return _analyze(md, model, auxiliary_centering)
+
+
+def _analyze(md: ModelDir, model: nn.Module, auxiliary_centering: bool) -> FoldPlan:
+    """The plan for the meta model; LayerScale gains the fold needs are read from the
+    checkpoint, and where one has a zero entry the analysis runs again knowing it."""
+    plan = analyze(model, auxiliary_centering=auxiliary_centering)
+    names = sorted({c.scale for c in plan.centered if c.scale})
+    if not names:
+        return plan
+    gains = dict(zip(names, _read_tensors(md, model, names)))
+    if all(bool(g.ne(0).all()) for g in gains.values()):
+        return plan
+    return analyze(model, auxiliary_centering=auxiliary_centering, weights=gains)
+
+
+def _read_tensors(md: ModelDir, model: nn.Module, names: list[str],
+                  pickled: dict[str, tuple[str, torch.Tensor]] | None = None) -> list[torch.Tensor]:
+    """Small tensors (LayerScale gains) by parameter name, read from the checkpoint."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    saved = saved_names(model)
+    if md.pickled and pickled is None:
+        pickled = _load_pickled(md)
+    keys = set(pickled) if pickled is not None else set(md.tensors)
+    out = []
+    for name in names:
+        key = checkpoint_key(name, keys, prefix, saved)
+        if key is None:
+            raise CheckpointError(f"the checkpoint has no tensor for {name}, which the fold needs")
+        if pickled is not None:
+            out.append(pickled[key][1])
+            continue
+        info = md.tensors[key]
+        data = torch.empty(info.nbytes, dtype=torch.uint8)
+        with open(md.path / info.file, "rb") as f:
+            f.seek(info.start)
+            f.readinto(memoryview(data.numpy()))
+        out.append(data.view(_DTYPES[info.dtype]).reshape(info.shape))
+    return out
 
 
 # --- planning the output -------------------------------------------------------------------
@@ -80,10 +118,13 @@ class Entry:
     axis: int | None = None  # ... after centering along this axis
     groups: int = 1  # ... in this many blocks
     tensor: torch.Tensor | None = None  # or write this (pickle input)
+    blocks: tuple[int, ...] | None = None  # ... only these of the blocks
+    scale: torch.Tensor | None = None  # ... for this LayerScale gain
 
 
 def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, str],
-                  pickled: dict[str, tuple[str, torch.Tensor]] | None) -> list[tuple[str, list[Entry]]]:
+                  pickled: dict[str, tuple[str, torch.Tensor]] | None,
+                  model: nn.Module) -> list[tuple[str, list[Entry]]]:
     """Output shards like the input's, each with its entries in input order."""
     if pickled is not None:
         shards: list[tuple[str, list[Entry]]] = [(s, []) for s in md.shards]
@@ -102,10 +143,18 @@ def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, st
     key = lambda name: checkpoint_key(name, keys, prefix, saved)  # noqa: E731
     partner = {u.tied_to: u.param for u in plan.untied} | {u.param: u.tied_to for u in plan.untied}
     extras: dict[str, tuple[str, int | None]] = {}  # new name -> (source key, centering axis)
+    gains = [c.scale for c in plan.centered if c.scale]
+    gains = dict(zip(gains, _read_tensors(md, model, gains, pickled))) if gains else {}
     for c in plan.centered:
+        if not c.saved:
+            continue  # a non-persistent buffer: not in the checkpoint, enjoyln.load centers it
         k = key(c.param)
+        if k is None and c.param not in partner:
+            k = _alias_key(model, c.param, key)
         if k is not None:
-            by_key[k].axis, by_key[k].groups = c.axis, c.groups
+            e = by_key[k]
+            blocks = c.blocks if e.axis is None else _block_union(e.blocks, c.blocks)
+            e.axis, e.groups, e.blocks, e.scale = c.axis, c.groups, blocks, gains.get(c.scale)
         elif c.param in partner and key(partner[c.param]) is not None:
             # Only the tied head was saved: it supplies the embedding too, centered.
             extras[saved.get(c.param, c.param)] = (key(partner[c.param]), c.axis)
@@ -125,6 +174,20 @@ def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, st
                                      axis=axis, tensor=src.tensor))
                 break
     return shards
+
+
+def _alias_key(model: nn.Module, name: str, key: Callable[[str], str | None]) -> str | None:
+    """The checkpoint key of a tensor saved under another of its names (BART's encoder
+    and decoder embeddings are ``shared.weight``)."""
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    tensor = dict(named).get(name)
+    return next((key(other) for other, t in named if t is tensor and key(other) is not None), None)
+
+
+def _block_union(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """One tensor's blocks centered for several norms (q and k of one fused projection):
+    the blocks are disjoint and centered each on its own, so one pass does them all."""
+    return None if a is None or b is None else tuple(sorted({*a, *b}))
 
 
 def _reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None,
@@ -263,7 +326,7 @@ def _write_shard(file: Path, entries: list[Entry], root: Path, metadata: dict[st
                     if e.tensor is None:
                         _pread_into(fds[e.source.file], view, e.source.start, str(root / e.source.file))
                     if e.axis is not None:
-                        center_(t, e.axis, e.groups)
+                        center_(t, e.axis, e.groups, e.scale, e.blocks)
                     _pwrite_all(out, view, at)
                     advance(e.nbytes)
             except BaseException:
@@ -381,7 +444,7 @@ def _finish_shard(file: Path, entries: list[Entry], root: Path, base: int, metad
                 t = buffer.tensor(_DTYPES[e.dtype], e.shape, e.nbytes)
                 view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
                 _pread_into(fds[e.source.file], view, e.source.start, str(root / e.source.file))
-                center_(t, e.axis, e.groups)
+                center_(t, e.axis, e.groups, e.scale, e.blocks)
                 _pwrite_all(out, view, at)
                 advance(e.nbytes)
             elif appended:
@@ -407,7 +470,8 @@ def _output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
         "format_version": FORMAT_VERSION,
         "version": __version__,
         "rmsnorm": [e.name for e in plan.foldable],
-        "centered": [{"param": c.param, "axis": c.axis, "groups": c.groups} for c in plan.centered],
+        "centered": [c.to_dict() for c in plan.centered],
+        "center_on_load": [c.param for c in plan.centered if not c.saved],
         "untied": [u.param for u in plan.untied],
         "auxiliary_centering": [{"module": a.module, "where": a.where} for a in plan.auxiliary],
         "plan": plan.to_dict(),
@@ -517,12 +581,12 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             check_fits(model, plan)
         check_shapes(md, model)
         if plan is None:
-            plan = analyze(model, auxiliary_centering=auxiliary_centering)
+            plan = _analyze(md, model, auxiliary_centering)
         if dry_run or not plan.foldable:
             return FoldResult(plan, None, [], 0, time.perf_counter() - start, cleaned=cleaned)
         pickled = _load_pickled(md) if md.pickled else None
         prefix = getattr(model, "base_model_prefix", "") or ""
-        shards = _reshard(_plan_entries(md, plan, prefix, saved_names(model), pickled), max_shard_size)
+        shards = _reshard(_plan_entries(md, plan, prefix, saved_names(model), pickled, model), max_shard_size)
         bytes_out = sum(e.nbytes for _, es in shards for e in es)
         by_name = {name: shard for shard, (name, _, _) in spans.items()}
         layout = {name: _early_layout(md, by_name.get(name), entries) for name, entries in shards}
@@ -643,6 +707,8 @@ def load(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_co
         plan.untied = []  # already untied and centered on disk: the centerings and the swap are left
         for step in (InsertCentering(), SwapLayerNorms()):
             step.check(model, plan)
+        # non-persistent buffers (sinusoidal tables) are built afresh by the model: center them again
+        center_all(model, [c for c in plan.centered if not c.saved])
         for step in (InsertCentering(), SwapLayerNorms()):
             step(model, plan)
     return model.eval()

@@ -20,6 +20,10 @@ class CaptureError(EnjoylnError):
     """The model could not be traced, or no example inputs could be built."""
 
 
+class AnalysisError(EnjoylnError):
+    """The traced graph holds something the analysis cannot follow; names the op and its module."""
+
+
 class PlanError(EnjoylnError):
     """A fold plan does not match the model it is applied to."""
 

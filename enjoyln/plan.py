@@ -18,13 +18,53 @@ FORMAT_VERSION = 1
 class Centering:
     """A parameter to center: ``p -= p.mean(axis, keepdim=True)``.
 
-    With ``groups > 1`` (for a GroupNorm), the axis is split into that many
-    equal blocks and each block is centered on its own.
+    With ``groups > 1`` (for a GroupNorm, or a per-head norm), the axis is
+    split into that many equal blocks and each block is centered on its own;
+    ``blocks`` limits that to some of them. With ``scale`` (LayerScale, a
+    per-feature gain γ applied after this layer), ``γ·p`` is centered instead:
+    ``p -= mean(γ·p) / γ``.
     """
 
     param: str
     axis: int
     groups: int = 1
+    blocks: tuple[int, ...] | None = None
+    """Only these of the ``groups`` blocks; None: all of them."""
+    scale: str | None = None
+    """The parameter holding γ, indexed like ``axis``; it is not changed."""
+    saved: bool = True
+    """False for a non-persistent buffer, which a checkpoint does not store;
+    ``enjoyln.load`` centers it again after loading."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields, leaving out the newer ones at their defaults, so older plans read the same."""
+        d: dict[str, Any] = {"param": self.param, "axis": self.axis, "groups": self.groups}
+        if self.blocks is not None:
+            d["blocks"] = list(self.blocks)
+        if self.scale is not None:
+            d["scale"] = self.scale
+        if not self.saved:
+            d["saved"] = False
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Centering":
+        blocks = d.get("blocks")
+        return cls(d["param"], int(d["axis"]), int(d.get("groups", 1)),
+                   tuple(int(b) for b in blocks) if blocks is not None else None,
+                   d.get("scale"), bool(d.get("saved", True)))
+
+    def describe(self) -> str:
+        """``lin.weight (axis 0, in 4 groups)``."""
+        more = []
+        if self.groups > 1:
+            blocks = ", ".join(map(str, self.blocks[:6])) + (", ..." if len(self.blocks or ()) > 6 else "")
+            more.append(f"in {self.groups} groups" + (f", blocks {blocks}" if self.blocks is not None else ""))
+        if self.scale:
+            more.append(f"scaled by {self.scale}")
+        if not self.saved:
+            more.append("a buffer, centered again on load")
+        return f"{self.param} (axis {self.axis}" + "".join(f", {m}" for m in more) + ")"
 
 
 @dataclass(frozen=True)
@@ -64,6 +104,7 @@ class LayerNormEntry:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["normalized_shape"] = list(self.normalized_shape)
+        d["centered"] = [c.to_dict() for c in self.centered]
         return d
 
     @classmethod
@@ -73,7 +114,7 @@ class LayerNormEntry:
             kind=d["kind"],
             foldable=bool(d["foldable"]),
             reason=d.get("reason", ""),
-            centered=[Centering(**c) for c in d.get("centered", [])],
+            centered=[Centering.from_dict(c) for c in d.get("centered", [])],
             normalized_shape=tuple(d.get("normalized_shape", ())),
             eps=float(d.get("eps", 1e-5)),
             norm=d.get("norm", "layer_norm"),
@@ -172,8 +213,7 @@ class FoldPlan:
         centered = self.centered
         if centered:
             lines.append(f"Center {len(centered)} parameters:")
-            lines += [f"  {c.param} (axis {c.axis}" + (f", in {c.groups} groups)" if c.groups > 1 else ")")
-                      for c in centered]
+            lines += [f"  {c.describe()}" for c in centered]
         for u in self.untied:
             lines.append(f"Untie {u.param} from {u.tied_to}: +{format_bytes(u.nbytes)}")
         for a in self.auxiliary:

@@ -8,6 +8,7 @@ tests check every promise on perturbed-weight models.
 from __future__ import annotations
 
 import warnings
+from typing import Sequence
 
 import torch
 from torch import fx, nn
@@ -18,7 +19,7 @@ from .capture import ExampleInputs
 from .errors import PlanError
 from .norm import GroupRMSNorm, RMSNorm
 from .ops import rms_norm
-from .plan import FoldPlan
+from .plan import Centering, FoldPlan
 
 
 def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -51,36 +52,66 @@ def _untie_config(model: nn.Module) -> None:
             cfg.tie_word_embeddings = False
 
 
-def center_(t: torch.Tensor, axis: int, groups: int = 1, *, chunk_elements: int = 1 << 17) -> torch.Tensor:
+def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
+            blocks: Sequence[int] | None = None, *, chunk_elements: int = 1 << 17) -> torch.Tensor:
     """Subtract ``t``'s mean along ``axis``, in place, computed in float64.
 
     With ``groups``, each of that many equal blocks of ``axis`` is centered on
-    its own (grouped CBWC). Works on cache-sized contiguous blocks of rows, so
-    the float64 copy is a block, never the whole tensor: folding a
-    vocabulary-sized embedding needs no extra memory to speak of.
+    its own (grouped CBWC); ``blocks`` limits that to the listed blocks. With
+    ``scale`` (a LayerScale γ, one entry per index of ``axis``), ``γ·t`` becomes
+    zero-mean instead: ``t -= mean(γ·t) / γ``; γ must have no zero entry.
+    Works on cache-sized contiguous blocks of rows, so the float64 copy is a
+    block, never the whole tensor: folding a vocabulary-sized embedding needs
+    no extra memory to speak of.
+
+    >>> w = torch.tensor([[1., 2.], [3., 6.]])
+    >>> center_(w, 0, scale=torch.tensor([1., 2.])) * torch.tensor([[1.], [2.]])
+    tensor([[-2.5000, -5.0000],
+            [ 2.5000,  5.0000]])
     """
     if t.device.type == "meta" or t.numel() == 0:
         return t
     if not t.is_floating_point():
         raise PlanError(f"cannot center a tensor of dtype {t.dtype}")
     axis = axis % t.dim()
-    if groups > 1:
-        if t.shape[axis] % groups:
-            raise PlanError(f"cannot split an axis of {t.shape[axis]} into {groups} groups")
-        center_(t.unflatten(axis, (groups, t.shape[axis] // groups)), axis + 1, chunk_elements=chunk_elements)
+    n = t.shape[axis]
+    if scale is not None:
+        scale = scale.detach().reshape(-1).to("cpu", torch.float64)
+        if scale.numel() != n:
+            raise PlanError(f"cannot scale an axis of {n} by a gain of {scale.numel()} entries")
+        if not bool(scale.ne(0).all()):
+            raise PlanError("cannot center for a LayerScale gain with a zero entry: "
+                            "no centering makes the scaled output zero-mean")
+    if groups > 1 or blocks is not None:
+        if groups < 1 or n % groups:
+            raise PlanError(f"cannot split an axis of {n} into {groups} groups")
+        size = n // groups
+        for b in range(groups) if blocks is None else blocks:
+            if not 0 <= b < groups:
+                raise PlanError(f"there is no block {b} of {groups}")
+            part = None if scale is None else scale[b * size:(b + 1) * size]
+            center_(t.narrow(axis, b * size, size), axis, scale=part, chunk_elements=chunk_elements)
         return t
+    if scale is not None:  # shaped to broadcast along ``axis``
+        scale = scale.to(t.device).reshape([n if d == axis else 1 for d in range(t.dim())])
     rows = max(1, chunk_elements * t.shape[0] // t.numel())
-    blocks = t.split(rows, 0) if t.dim() > 1 else [t]
+    parts = t.split(rows, 0) if t.dim() > 1 else [t]
+    scales = ([scale] * len(parts) if scale is None or axis != 0 or t.dim() == 1
+              else list(scale.split(rows, 0)))
     if axis == 0 and t.dim() > 1:
-        # The mean runs across the blocks: sum them first, then shift each.
-        total = sum(b.sum(0, keepdim=True, dtype=torch.float64) for b in blocks)
-        mean = total / t.shape[0]
-        for b in blocks:
-            b.copy_(b.to(torch.float64).sub_(mean))
+        # The mean runs across the row blocks: sum them first, then shift each.
+        total = sum((b.to(torch.float64) if s is None else b.to(torch.float64) * s).sum(0, keepdim=True)
+                    for b, s in zip(parts, scales))
+        mean = total / n
+        for b, s in zip(parts, scales):
+            b.copy_(b.to(torch.float64).sub_(mean if s is None else mean / s))
         return t
-    for b in blocks:
+    for b, s in zip(parts, scales):
         wide = b.to(torch.float64)
-        b.copy_(wide.sub_(wide.mean(axis, keepdim=True)))
+        if s is None:
+            b.copy_(wide.sub_(wide.mean(axis, keepdim=True)))
+        else:
+            b.copy_(wide.sub_((wide * s).mean(axis, keepdim=True) / s))
     return t
 
 
@@ -164,12 +195,32 @@ class CenterParameters(Transformation):
             if not -t.dim() <= c.axis < max(t.dim(), 1):
                 raise PlanError(f"the plan centers {c.param} along axis {c.axis}, "
                                 f"but it has {t.dim()} dimensions")
+            n = t.shape[c.axis] if t.dim() else 1
+            if n % c.groups or any(not 0 <= b < c.groups for b in c.blocks or ()):
+                raise PlanError(f"the plan centers {c.param} in {c.groups} groups, which its "
+                                f"{n} entries along axis {c.axis} do not fit")
+            if c.scale:
+                s = _tensor(model, c.scale)
+                if s.numel() != n:
+                    raise PlanError(f"the plan scales {c.param} by {c.scale}, which has {s.numel()} "
+                                    f"entries, not {n}")
+                if s.device.type != "meta" and not bool(s.ne(0).all()):
+                    raise PlanError(f"the plan centers {c.param} for the LayerScale gain {c.scale}, "
+                                    "which has a zero entry; analyze this model again")
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         with torch.no_grad():
-            for c in plan.centered:
-                center_(_tensor(model, c.param), c.axis, c.groups)
+            center_all(model, plan.centered)
         return model
+
+
+def center_all(model: nn.Module, centerings: Sequence[Centering]) -> None:
+    """Apply ``centerings`` to ``model``'s tensors, in place. Every LayerScale gain is
+    read before any tensor changes (the analysis never centers a gain)."""
+    scales = {c.scale: _tensor(model, c.scale).detach().clone() for c in centerings if c.scale}
+    with torch.no_grad():
+        for c in centerings:
+            center_(_tensor(model, c.param), c.axis, c.groups, scales.get(c.scale), c.blocks)
 
 
 class SwapLayerNorms(Transformation):

@@ -146,12 +146,15 @@ def _same_bytes(ref: _Reader, cand: _Reader, rk: str, ck: str) -> bool:
     return all(a == b for a, b in zip(ref.chunks(rk), cand.chunks(ck)))
 
 
-def center_as_planned(t: torch.Tensor, c: Centering, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
-    """``t`` centered in place as ``c`` says, by the very function the fold uses (float64
-    arithmetic, one block at a time, so no wide copy of the whole tensor)."""
+def center_as_planned(t: torch.Tensor, cs: list[Centering], read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """``t`` centered in place as ``cs`` say (per-head centerings of one weight come as several),
+    by the very function the fold uses (float64 arithmetic, one block at a time, so no wide copy
+    of the whole tensor). ``read`` gives a LayerScale gain by parameter name."""
     from .rewrite import center_
 
-    return center_(t, c.axis, c.groups)
+    for c in cs:
+        center_(t, c.axis, c.groups, scale=read(c.scale) if c.scale else None, blocks=c.blocks)
+    return t
 
 
 _ELEMENTS = 1 << 21
@@ -292,7 +295,10 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     problems += _config_problems(_loaded_config(ref), _loaded_config(cand), bool(plan.untied))
 
     ref_names, cand_names = _names(ref_model), _names(cand_model)
-    centerings = {c.param: c for c in plan.centered}
+    centerings: dict[str, list[Centering]] = {}
+    for c in plan.centered:
+        if c.saved:  # a non-persistent buffer is not in any checkpoint; load centers it
+            centerings.setdefault(c.param, []).append(c)
     untied = {u.param for u in plan.untied}
     reader_ref, reader_cand = _Reader(ref), _Reader(cand)
     ref_keys, cand_keys = reader_ref.keys(), reader_cand.keys()
@@ -306,7 +312,13 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
                 return key
         return None
 
-    # one entry per tensor the candidate's model loads: (candidate key, reference key, centering)
+    def read_param(name: str) -> torch.Tensor:
+        key = ref_key(name)
+        if key is None:
+            raise CheckpointError(f"the reference has no tensor for {name}, which the plan's centering reads")
+        return reader_ref.tensor(key)
+
+    # one entry per tensor the candidate's model loads: (candidate key, reference key, centerings)
     todo: dict[str, tuple[str, Centering | None, bool]] = {}
     for name, aliases in cand_names.items():
         if name != aliases[0]:
@@ -320,7 +332,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
         if rk is None:
             problems.append(f"the candidate's {ck} has no counterpart in the reference")
             continue
-        c = next((centerings[a] for a in aliases if a in centerings), None)
+        c = next((centerings[a] for a in aliases if a in centerings), None)  # a list, or None
         todo[ck] = (rk, c, any(a in untied for a in aliases))
     for key in sorted(cand_keys - todo.keys()):  # stored but not loaded: must still be the reference's
         if key in ref_keys:
@@ -350,7 +362,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
                 if c is None:
                     folded = identical or _equal_to_file(r, reader_cand, ck)
                 else:
-                    folded, diff = _close_to_file(center_as_planned(r, c, reader_ref.tensor), reader_cand, ck)
+                    folded, diff = _close_to_file(center_as_planned(r, c, read_param), reader_cand, ck)
                 del r
             report.tensors += 1
             report.identical += identical and c is None
@@ -361,7 +373,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
             if not folded:
                 not_folded.append(f"{ck} has shape {list(_shape(reader_cand, ck))}, not {list(_shape(reader_ref, rk))}"
                                   if not shape_ok else
-                                  f"{ck} is not {rk} centered along axis {c.axis} (max abs diff {diff:.3g})"
+                                  f"{ck} is not {rk} centered along axis {c[0].axis} (max abs diff {diff:.3g})"
                                   if c is not None else f"{ck} differs from the reference's {rk}")
             done += reader_cand.md.tensors[ck].nbytes if cand.tensors else 0
             if progress is not None:

@@ -32,21 +32,34 @@ from .rewrite import InsertCentering, SwapLayerNorms, UntieParameters, _owner, _
 
 class Centered(nn.Module):
     """The CBWC parametrisation: ``V - V.mean(axis, keepdim=True)``, or within
-    each of ``groups`` equal blocks of the axis (grouped CBWC, for GroupNorm)."""
+    each of ``groups`` equal blocks of the axis (grouped CBWC, for GroupNorm and
+    per-head norms; ``blocks``: only those), or ``V - mean(γV) / γ`` for a
+    LayerScale gain ``γ`` (read live, so it may train too: the centered layer
+    times γ is then exactly the LN model's, projected)."""
 
-    def __init__(self, axis: int, groups: int = 1) -> None:
+    def __init__(self, axis: int, groups: int = 1, blocks: tuple[int, ...] | None = None,
+                 scale: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.axis, self.groups = axis, groups
+        self.axis, self.groups, self.blocks = axis, groups, blocks
+        self._scale = [scale]  # a reference, not a parameter of this module
 
     def forward(self, v: torch.Tensor) -> torch.Tensor:
-        if self.groups == 1:
-            return v - v.mean(self.axis, keepdim=True)
         axis = self.axis % v.dim()
-        blocks = v.unflatten(axis, (self.groups, v.shape[axis] // self.groups))
-        return (blocks - blocks.mean(axis + 1, keepdim=True)).flatten(axis, axis + 1)
+        n = v.shape[axis]
+        scale = self._scale[0]
+        s = 1 if scale is None else scale.reshape(-1).reshape([n if d == axis else 1 for d in range(v.dim())])
+        parts = (v * s).unflatten(axis, (self.groups, n // self.groups))
+        shift = parts.mean(axis + 1, keepdim=True).expand_as(parts).flatten(axis, axis + 1) / s
+        if self.blocks is not None:
+            keep = torch.zeros(self.groups, dtype=v.dtype, device=v.device)
+            keep[list(self.blocks)] = 1
+            shift = shift * keep.repeat_interleave(n // self.groups).reshape(
+                [n if d == axis else 1 for d in range(v.dim())])
+        return v - shift
 
     def extra_repr(self) -> str:
-        return f"axis={self.axis}, groups={self.groups}"
+        return f"axis={self.axis}, groups={self.groups}" + (f", blocks={self.blocks}" if self.blocks else "") + (
+            ", scaled" if self._scale[0] is not None else "")
 
 
 def _active_dropout(model: nn.Module) -> list[str]:
@@ -85,11 +98,13 @@ def cbwc(model: nn.Module, example_inputs: ExampleInputs = None, *, plan: FoldPl
     # tensor, so both still train one tensor, as in the LayerNorm model.
     for c in plan.centered:
         module, attr = _owner(model, c.param)
-        if isinstance(getattr(module, attr), nn.Parameter):
-            parametrize.register_parametrization(module, attr, Centered(c.axis, c.groups))
+        scale = getattr(*_owner(model, c.scale)) if c.scale else None
+        # a tensor centered for two norms (q and k blocks of one projection) stacks two
+        if isinstance(getattr(module, attr), nn.Parameter) or parametrize.is_parametrized(module, attr):
+            parametrize.register_parametrization(module, attr, Centered(c.axis, c.groups, c.blocks, scale))
         else:  # a buffer does not train: center it once
             with torch.no_grad():
-                center_(getattr(module, attr), c.axis, c.groups)
+                center_(getattr(module, attr), c.axis, c.groups, scale, c.blocks)
     SwapLayerNorms()(model, plan)
     model._enjoyln_cbwc_plan = plan
     return model

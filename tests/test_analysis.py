@@ -152,9 +152,10 @@ def test_concat_along_features_is_refused_but_along_sequence_folds():
     fold_and_compare(Concat(1), x_inputs())
 
 
-def test_layerscale_is_refused():
+def test_layerscale_folds_by_centering_for_its_gain():
     e = entry(LayerScale().eval(), x_inputs())
-    assert not e.foldable and "per-feature" in e.reason
+    assert e.foldable and {(c.param, c.scale) for c in e.centered} == {("lin.weight", "gamma"), ("lin.bias", "gamma")}
+    fold_and_compare(LayerScale(), x_inputs())
 
 
 def test_depthwise_conv_is_refused_dense_conv_folds():

@@ -1,0 +1,253 @@
+"""Pass 1: the forward zero-mean dataflow (the paper's Algorithm 1).
+
+Each tensor of the graph is either "zero-mean along axis ``a`` once these
+sources are centered" (``Zero``) or "not zero-mean, because ..." (``NotZero``).
+Sources are general linear layers and parameters used as data (``rules.
+source_of``); the ops that carry the property are the ``rules``. An LN output
+is not zero-mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch import fx, nn
+
+from .graph import GN_OPS, LN_OPS, GraphIndex, op_name, shape
+from .plan import AuxCentering
+from .rules import (MAP, META_OPS, RESHAPE_OPS, SCALE, SUM, Layout, Refusal, Source, carry, carry_layout,
+                    kind_of, map_chain, param_source, per_feature_param, per_row, source_of, split_axis)
+
+
+@dataclass(frozen=True)
+class Zero:
+    """Zero-mean along ``axis`` once ``sources`` are centered (none: already)."""
+
+    axis: int
+    sources: frozenset[str]
+    whole: bool = False
+    """Part of the zero mean comes from an explicit centering of the whole axis,
+    which does not make each group of a GroupNorm zero-mean."""
+    layout: Layout | None = None
+    """Where the blocks went, if the feature axis was split (per-head norms)."""
+
+
+@dataclass(frozen=True)
+class NotZero:
+    """Not zero-mean; ``why`` completes the sentence "its input ..."."""
+
+    why: str
+
+
+State = Zero | NotZero
+
+
+def ln_label(g: GraphIndex, node: fx.Node) -> str:
+    """An LN call as a user would name it: its module's path, or the functional call."""
+    module = g.cap.module_of(node)
+    path = g.module_path(node)
+    if isinstance(module, nn.LayerNorm) and path:
+        return path
+    return f"the functional layer_norm `{node.name}` {g.where(node)}"
+
+
+class Dataflow:
+    """The zero-mean state of every node, and the sources they need centered."""
+
+    def __init__(self, g: GraphIndex, aux: dict[fx.Node, AuxCentering] | None = None):
+        self.g = g
+        self.aux = aux or {}
+        self.sources: dict[str, Source] = {}
+        self.states: dict[fx.Node, Any] = {}
+
+    def run(self) -> None:
+        for node in self.g.graph.nodes:
+            self.g.at = node
+            state = self.transfer(node)
+            if op_name(node) == "native_layer_norm":
+                state = (state, NotZero("includes LayerNorm statistics"), NotZero("includes LayerNorm statistics"))
+            self.states[node] = state
+
+    def grouped(self, key: str, groups: int, blocks: tuple[int, ...] | None = None) -> str:
+        """The key of ``key``'s source centered in ``groups`` blocks (for a GroupNorm or
+        a per-head norm), or only in the listed ``blocks`` of them."""
+        if groups == 1:
+            return key
+        src = self.sources[key]
+        new = f"{key}#g{groups}" + (":" + ",".join(map(str, blocks)) if blocks is not None else "")
+        if new not in self.sources:
+            params = tuple(replace(c, groups=groups, blocks=blocks) for c in src.params)
+            some = f", {len(blocks)} of them" if blocks is not None else ""
+            self.sources[new] = replace(src, key=new, label=f"{src.label} (in {groups} groups{some})",
+                                        params=params, groups=groups)
+        return new
+
+    def _add(self, src: Source) -> Zero:
+        self.sources[src.key] = src
+        return Zero(src.axis, frozenset({src.key}))
+
+    def transfer(self, node: fx.Node) -> Any:
+        """The zero-mean state of ``node``'s output (Algorithm 1's update)."""
+        g = self.g
+        name = op_name(node)
+        if node in self.aux:
+            point = self.aux[node]
+            src = Source(f"aux:{point.module}:{point.where}", point.describe(), node, len(shape(node)) - 1, ())
+            self.sources[src.key] = src
+            return Zero(src.axis, frozenset({src.key}), whole=True)
+        if node.op == "placeholder":
+            return self._placeholder(node)
+        if node.op != "call_function":
+            return None
+        if node in g.centers:
+            return Zero(g.center_axis(node), frozenset(), whole=True)
+        if name in LN_OPS:
+            return NotZero(f"includes the output of {ln_label(g, node)}, which is not zero-mean")
+        if name in GN_OPS:
+            return NotZero(f"includes the output of the {name.replace('_', ' ')} {g.label(node)}, "
+                           "which is not zero-mean")
+        if name in META_OPS:
+            return None
+        src = source_of(g, node)
+        if isinstance(src, Source):
+            return self._add(src)
+        if isinstance(src, Refusal):
+            return NotZero(str(src))
+        kind = kind_of(node)
+        if kind == MAP:
+            return self._transfer_map(node)
+        if kind == SUM:
+            return self._transfer_sum(node)
+        if kind == SCALE:
+            return self._transfer_scale(node)
+        return NotZero(f"includes the output of {name} {g.where(node)}, which is not zero-mean")
+
+    def _placeholder(self, node: fx.Node) -> State:
+        cap = self.g.cap
+        src = param_source(self.g, node)
+        if src is not None:
+            return self._add(src)
+        if node.name in cap.constants:
+            return NotZero(f"includes the constant {cap.constants[node.name]}, which is "
+                           "not saved with the model and so cannot be centered")
+        if node.name in cap.placeholder_fqn:
+            return NotZero(f"includes the scalar parameter {cap.placeholder_fqn[node.name]}")
+        return NotZero(f"includes the model input `{node.name}`, which is not zero-mean")
+
+    def _transfer_map(self, node: fx.Node) -> Any:
+        name, x = op_name(node), node.args[0]
+        state = self.states.get(x) if isinstance(x, fx.Node) else None
+        if name == "getitem" and isinstance(state, tuple):  # a native_layer_norm's (out, mean, rstd)
+            return state[node.args[1]] if node.args[1] < len(state) else None
+        if not isinstance(state, Zero):
+            return state if isinstance(state, NotZero) else NotZero(
+                f"includes the output of {name} {self.g.where(node)}, which is not zero-mean")
+        where = self.g.where(node)
+        new = carry(node, x, state.axis, where)
+        if isinstance(new, Refusal):
+            return self._split(node, x, state) or NotZero(new)
+        layout = carry_layout(node, x, state.layout, where)
+        if layout is None or layout.visible() == state.layout.visible():
+            return Zero(new, state.sources, state.whole, layout)
+        # only some blocks are left: only they need centering
+        blocks = tuple(sorted(layout.visible()))
+        if any(self.sources[k].groups != layout.groups for k in state.sources):
+            return NotZero(f"is split into blocks {where} in a way enjoyln cannot follow")
+        keys = frozenset(self.grouped(k.partition("#")[0], layout.groups, blocks) for k in state.sources)
+        return Zero(new, keys, state.whole, layout)
+
+    def _split(self, node: fx.Node, x: fx.Node, state: Zero) -> State | None:
+        """A reshape that splits the feature axis into blocks (``(..., H, D)``): the blocks
+        are zero-mean once each is centered on its own (per-head norms)."""
+        found = split_axis(shape(x), state.axis, shape(node)) if op_name(node) in RESHAPE_OPS else None
+        if found is None or state.whole or state.layout is not None:
+            return None
+        axis, layout = found
+        for k in state.sources:
+            src = self.sources[k]
+            if src.groups != 1 or src.chain or not src.params or any(c.scale or c.blocks for c in src.params):
+                return None
+        return Zero(axis, frozenset(self.grouped(k, layout.groups) for k in state.sources), False, layout)
+
+    def _transfer_sum(self, node: fx.Node) -> State:
+        where = self.g.where(node)
+        axes, sources, whole, layouts = set(), set(), False, set()
+        for operand in operands(node):
+            if not isinstance(operand, fx.Node):
+                if operand:
+                    return NotZero(f"has the constant {operand} added {where}")
+                continue
+            state = self.states.get(operand)
+            if not isinstance(state, Zero):
+                return state if isinstance(state, NotZero) else NotZero(
+                    f"includes {self.g.describe(operand)}, which is not zero-mean")
+            new = carry(node, operand, state.axis, where)
+            if isinstance(new, Refusal):
+                return NotZero(new)
+            axes.add(new)
+            sources |= state.sources
+            whole |= state.whole
+            layouts.add(carry_layout(node, operand, state.layout, where))
+        if len(axes) != 1:
+            return NotZero(f"adds tensors whose feature axes do not line up {where}")
+        return Zero(axes.pop(), frozenset(sources), whole, layouts.pop() if len(layouts) == 1 else None)
+
+    def _transfer_scale(self, node: fx.Node) -> State:
+        a, b = node.args[0], node.args[1]
+        candidates = [(a, b)] if op_name(node) == "div" else [(a, b), (b, a)]
+        first_bad: NotZero | None = None
+        for stream, factor in candidates:
+            state = self.states.get(stream) if isinstance(stream, fx.Node) else None
+            if isinstance(state, NotZero):
+                first_bad = first_bad or state
+                continue
+            if not isinstance(state, Zero):
+                continue
+            new = carry(node, stream, state.axis, self.g.where(node))
+            if isinstance(new, Refusal):
+                return NotZero(new)
+            if per_row(factor, node, new):
+                return Zero(new, state.sources, state.whole,
+                            carry_layout(node, stream, state.layout, self.g.where(node)))
+            scaled = self._layer_scale(node, stream, factor, state, new)
+            if scaled is not None:
+                return scaled
+        # the operand with the output's shape is the stream; the other one scales it
+        stream_ok = any(isinstance(self.states.get(x), Zero) and shape(x) == shape(node)
+                        for x in (a, b) if isinstance(x, fx.Node))
+        if first_bad is not None and not stream_ok:
+            return first_bad
+        return NotZero(f"is multiplied by a per-feature tensor {self.g.where(node)}; a per-feature scale "
+                       "keeps a zero mean only as a LayerScale: a parameter right after one layer")
+
+
+    def _layer_scale(self, node: fx.Node, stream: fx.Node, factor: Any, state: Zero, axis: int) -> State | None:
+        """``γ ⊙ y`` with ``y`` one layer's output and ``γ`` a per-feature parameter
+        (LayerScale): zero-mean once the layer is centered for ``γ``. None if it is
+        not that pattern."""
+        g = self.g
+        fqn = per_feature_param(g, factor, node, axis)
+        if fqn is None or len(state.sources) != 1 or state.whole:
+            return None
+        (key,) = state.sources
+        src = self.sources[key]
+        chain = map_chain(src.node, stream)
+        if (chain is None or src.groups != 1 or src.chain or not src.params
+                or any(c.scale or c.blocks is not None for c in src.params)):
+            return None
+        gain = g.value(fqn)
+        if gain is not None and not bool(gain.ne(0).all()):
+            return NotZero(f"is multiplied by the LayerScale gain {fqn} {g.where(node)}, which has a zero "
+                           f"entry, so no centering of {src.label} makes the product zero-mean")
+        name = g.cap.use_alias(node, fqn) or fqn
+        params = tuple(replace(c, scale=name) for c in src.params)
+        return self._add(Source(f"{key}*{fqn}", f"{src.label} (for the LayerScale {fqn})", node, axis, params,
+                                chain=chain))
+
+
+def operands(node: fx.Node) -> list[Any]:
+    """The tensors a SUM op combines."""
+    if op_name(node) in ("cat", "concat", "concatenate", "stack"):
+        return list(node.args[0])
+    return [a for a in node.args[:2]]

@@ -1,0 +1,292 @@
+"""The captured graph, indexed for the analysis passes.
+
+Reading nodes (op names, shapes, arguments) and tying them back to the
+model: which placeholder holds which parameter under which names, where a
+node sits, what the model's outputs are called, and where the model centers
+explicitly. Nothing here decides what folds; ``rules``, ``dataflow`` and
+``soundness`` do.
+"""
+
+from __future__ import annotations
+
+import operator
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import fx, nn
+
+from .capture import Capture
+from .errors import AnalysisError, EnjoylnError
+from .plan import Centering
+
+LN_OPS = {"layer_norm", "native_layer_norm"}
+GN_OPS = {"group_norm", "native_group_norm", "instance_norm"}
+# What a user's torch.fx.GraphModule may call a LayerNorm
+FUNCTIONAL_LN = {torch.nn.functional.layer_norm, torch.layer_norm,
+                 torch.ops.aten.layer_norm.default, torch.ops.aten.layer_norm}
+# Ops that read only the shape, dtype or device of a tensor, never its values.
+META_OPS = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride",
+            "_assert_tensor_metadata", "_assert_scalar", "empty_like", "zeros_like",
+            "ones_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full",
+            "rand_like", "randn_like", "randint_like", "_local_scalar_dense"}
+# Ops that read their first argument's values and only the shape or dtype of the second.
+TEMPLATE_OPS = {"expand_as", "view_as", "reshape_as", "type_as"}
+# Ops that return their input's values unchanged (a cast keeping the dtype).
+_COPY_OPS = {"_to_copy", "to", "alias", "clone", "detach", "contiguous", "lift_fresh_copy"}
+# Ops through which a weight is still "the parameter", only transposed or cast.
+PARAM_VIEW_OPS = {"_to_copy", "to", "detach", "alias", "contiguous", "t", "transpose",
+                  "permute", "numpy_T"}
+
+
+def op_name(node: fx.Node) -> str:
+    """The ATen packet name of a call ('add', 'linear'), or 'getitem'."""
+    if node.op != "call_function":
+        return node.op
+    if node.target is operator.getitem:
+        return "getitem"
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is not None:
+        return packet.__name__
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def op_key(node: fx.Node) -> str:
+    """op name, with the overload where it changes the meaning (mul.Scalar)."""
+    name = op_name(node)
+    overload = getattr(node.target, "_overloadname", "")
+    return f"{name}.{overload}" if overload == "Scalar" and name in ("mul", "div") else name
+
+
+def _static(size: Any) -> int | None:
+    """A size as an int, or None if it is symbolic. Never guards: ``int()`` on a
+    data-dependent size (``x[mask]``) raises instead of answering."""
+    if isinstance(size, int):
+        return size
+    node = getattr(size, "node", None)
+    return node.maybe_as_int() if node is not None and hasattr(node, "maybe_as_int") else None
+
+
+def shape(node: Any) -> tuple[int, ...] | None:
+    """The static shape of a node's tensor value; None if it has none or a size is symbolic."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    dims = tuple(_static(s) for s in val.shape)
+    return None if None in dims else dims
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """A call's argument by position or keyword."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def reads_value(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` reads ``node``'s values, not just its shape, dtype or device."""
+    name = op_name(user)
+    if name in META_OPS and name != "_local_scalar_dense":  # .item() reads the value
+        return False
+    if name in TEMPLATE_OPS:
+        return bool(user.args) and user.args[0] is node
+    return True
+
+
+def _mutates(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def live_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose values reach an output or a mutation through value reads.
+
+    The rest are dead, or read only for their shape (``x.size()``,
+    ``expand_as``'s template, BART's ``embed_positions(inputs_embeds[:, :, -1])``):
+    whatever their values, the model computes the same.
+    """
+    live: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op == "output" or _mutates(node) or any(
+                u in live and reads_value(u, node) for u in node.users):
+            live.add(node)
+    return live
+
+
+class GraphIndex:
+    """One captured graph and the maps from its nodes back to the model."""
+
+    def __init__(self, cap: Capture, weights: Mapping[str, torch.Tensor] | None = None):
+        self.cap = cap
+        self.weights = dict(weights or {})
+        """Values of parameters the model holds on the meta device, where known."""
+        self.graph = cap.graph
+        self.placeholders = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
+        self.placeholder_of: dict[str, fx.Node] = {}
+        """Every name of a parameter (tied aliases too) -> its placeholder."""
+        for name, fqn in cap.placeholder_fqn.items():
+            node = self.placeholders[name]
+            for alias in cap.aliases.get(fqn, (fqn,)):
+                if node.users or alias not in self.placeholder_of:
+                    self.placeholder_of[alias] = node
+        self.buffers = {name: fqn for name, fqn in cap.program.graph_signature.inputs_to_buffers.items()
+                        if name in cap.constants}
+        """Placeholder name -> a non-persistent buffer it holds (not in a checkpoint)."""
+        self.live = live_nodes(self.graph)
+        self.centers = self._find_centerings()
+        """Explicit ``x - x.mean(axis, keepdim=True)``: sub node -> its mean node."""
+        self.output_names = self._output_names()
+        """Position in the output node's arguments -> the user-facing output name."""
+        self.at: fx.Node | None = None
+        """The node a pass is looking at, to name it if the analysis fails."""
+
+    @contextmanager
+    def reporting(self) -> Iterator[None]:
+        """Turn any failure inside into an AnalysisError naming the op and its module."""
+        try:
+            yield
+        except EnjoylnError:
+            raise
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            what = f"at {self.describe(self.at)}" if self.at is not None else "before reaching any op"
+            raise AnalysisError(f"enjoyln could not analyse {type(self.cap.model).__name__} {what}: "
+                                f"{type(exc).__name__}: {first}") from exc
+
+    # -- naming ------------------------------------------------------------------------
+
+    def where(self, node: fx.Node) -> str:
+        return self.cap.where(node)
+
+    def module_path(self, node: fx.Node) -> str:
+        return self.cap.module_path(node)
+
+    def label(self, node: fx.Node) -> str:
+        """The module path of a node, or its name at the top level."""
+        return self.cap.module_path(node) or node.name
+
+    def describe(self, node: fx.Node) -> str:
+        if node.op == "placeholder":
+            fqn = self.cap.placeholder_fqn.get(node.name)
+            return f"the parameter {fqn}" if fqn else f"the model input `{node.name}`"
+        if op_name(node) in LN_OPS:
+            return f"the LayerNorm {self.label(node)}"
+        return f"{op_name(node)} {self.where(node)}"
+
+    def _output_names(self) -> dict[int, str]:
+        from torch.export.graph_signature import OutputKind
+
+        names, k = {}, 0
+        for i, spec in enumerate(self.cap.program.graph_signature.output_specs):
+            if spec.kind == OutputKind.USER_OUTPUT:
+                names[i] = self.cap.output_names[k] if k < len(self.cap.output_names) else str(k)
+                k += 1
+            elif spec.kind == OutputKind.BUFFER_MUTATION:
+                names[i] = f"buffer:{spec.target}"
+        return names
+
+    def writes_back(self, index: int, out: fx.Node) -> bool:
+        """Whether output ``index`` stores a buffer's own value back into it, unchanged
+        (CTRL's ``self.pos_encoding = self.pos_encoding.to(dtype)``)."""
+        target = self.output_names.get(index, "").removeprefix("buffer:")
+        node = out
+        while node.op == "call_function" and op_name(node) in _COPY_OPS and node.args:
+            before = node.args[0]
+            if not isinstance(before, fx.Node) or shape(before) != shape(node) or (
+                    before.meta["val"].dtype != node.meta["val"].dtype):
+                return False
+            node = before
+        fqn = self.cap.placeholder_fqn.get(node.name) or self.buffers.get(node.name)
+        return node.op == "placeholder" and fqn == target and index in self.output_names
+
+    # -- parameters ----------------------------------------------------------------------
+
+    def param(self, node: Any) -> tuple[str, tuple[int, ...]] | None:
+        """(parameter name, permutation) if ``node`` is a parameter, maybe transposed."""
+        if not isinstance(node, fx.Node):
+            return None
+        if node.op == "placeholder":
+            fqn = self.cap.placeholder_fqn.get(node.name)
+            dims = shape(node)
+            return (fqn, tuple(range(len(dims)))) if fqn and dims is not None else None
+        name = op_name(node)
+        if name not in PARAM_VIEW_OPS:
+            return None
+        inner = self.param(node.args[0])
+        if inner is None or name in ("_to_copy", "to", "detach", "alias", "contiguous"):
+            return inner
+        fqn, perm = inner
+        if name == "numpy_T":
+            return fqn, perm[::-1]
+        if name == "permute":
+            return fqn, tuple(perm[norm_dim(d, len(perm))] for d in node.args[1])
+        if name == "t" and len(perm) < 2:
+            return inner
+        a, b = (0, 1) if name == "t" else (norm_dim(node.args[1], len(perm)), norm_dim(node.args[2], len(perm)))
+        perm = list(perm)
+        perm[a], perm[b] = perm[b], perm[a]
+        return fqn, tuple(perm)
+
+    def value(self, fqn: str) -> torch.Tensor | None:
+        """The values of a parameter or buffer, or None where they are not known (meta)."""
+        t = self.weights.get(fqn)
+        if t is None:
+            try:
+                t = self.cap.model.get_parameter(fqn)
+            except AttributeError:
+                try:
+                    t = self.cap.model.get_buffer(fqn)
+                except AttributeError:
+                    return None
+        return None if t.device.type == "meta" else t
+
+    def centering(self, user: fx.Node, fqn: str, axis: int) -> Centering:
+        """The centering of ``fqn`` along ``axis``, under the name ``user`` reads it by."""
+        return Centering(self.cap.use_alias(user, fqn) or fqn, axis)
+
+    def role(self, params: tuple[Centering, ...]) -> frozenset:
+        """What a centering does, whatever names it goes by: tensor, axis, groups, blocks, gain."""
+        name = lambda p: getattr(self.placeholder_of.get(p), "name", p)  # noqa: E731
+        return frozenset((name(c.param), c.axis, c.groups, c.blocks, c.scale and name(c.scale)) for c in params)
+
+    def owner_module(self, fqn: str) -> nn.Module | None:
+        try:
+            return self.cap.model.get_submodule(fqn.rpartition(".")[0])
+        except AttributeError:
+            return None
+
+    def readers(self, node: fx.Node) -> list[fx.Node]:
+        """The ops that read a parameter, looking through transposes and casts."""
+        out = []
+        for user in node.users:
+            if op_name(user) in PARAM_VIEW_OPS:
+                out += self.readers(user)
+            else:
+                out.append(user)
+        return out
+
+    # -- explicit centerings ------------------------------------------------------------------
+
+    def _find_centerings(self) -> dict[fx.Node, fx.Node]:
+        found = {}
+        for node in self.graph.nodes:
+            if op_name(node) != "sub" or len(node.args) < 2:
+                continue
+            x, m = node.args[0], node.args[1]
+            if not (isinstance(m, fx.Node) and op_name(m) == "mean" and m.args[0] is x):
+                continue
+            dims = arg(m, 1, "dim")
+            keep = arg(m, 2, "keepdim", False)
+            plain = arg(node, 2, "alpha", 1) == 1 and len(m.args) <= 3 and not m.kwargs.get("dtype")
+            if shape(x) and keep and plain and isinstance(dims, (list, tuple)) and len(dims) == 1:
+                found[node] = m
+        return found
+
+    def center_axis(self, sub: fx.Node) -> int:
+        """The axis an explicit centering removes the mean along."""
+        mean = self.centers[sub]
+        return norm_dim(arg(mean, 1, "dim")[0], len(shape(sub.args[0])))

@@ -1,0 +1,550 @@
+"""Op rules: which ops keep a property that is the same for every feature, and where
+the feature axis goes.
+
+Both passes ask the same question of an op: if its input is zero-mean along
+``axis`` (the dataflow), or changed by a per-row constant along ``axis`` (the
+soundness pass), is its output too, and along which axis? Every op that treats
+all features alike and linearly answers yes, so one rule serves both passes
+(and any later pass whose property such ops keep, such as a rotation of the
+feature axis).
+
+Each op family is one short function registered with ``@rule``; its ``kind``
+says which of its inputs carry the property:
+
+- ``MAP``: the first argument (views, reshapes, slicing, reductions over
+  other axes, scalar scales);
+- ``SUM``: every tensor operand (residual adds, ``cat``, ``stack``);
+- ``SCALE``: one operand, multiplied by a factor that must be per-row
+  (``per_row``).
+
+A rule returns the output's feature axis, or a ``Refusal`` saying why the op
+does not keep the property. Ops without a rule keep nothing. ``source_of``
+says which ops' outputs weight centering can make zero-mean.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from .graph import META_OPS, GraphIndex, arg, norm_dim, op_key, op_name, shape
+from .plan import Centering
+
+MAP, SUM, SCALE = "map", "sum", "scale"
+
+SOURCE_OPS = {"linear", "addmm", "mm", "matmul", "embedding", "convolution", "conv1d",
+              "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
+DROPOUT_OPS = {"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+               "native_dropout"}
+CAST_OPS = {"_to_copy", "to", "type_as"}
+SPLIT_OPS = {"split", "split_with_sizes", "chunk", "tensor_split", "unbind",
+             "unsafe_split", "unsafe_split_with_sizes"}
+
+
+class Refusal(str):
+    """A phrase saying why an op does not keep the property, completing "its input ..."."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op seen by a rule: ``src``'s feature axis ``axis`` entering ``node``."""
+
+    node: fx.Node
+    src: fx.Node
+    axis: int
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...] | None
+    where: str
+
+    @property
+    def ndim(self) -> int:
+        return len(self.in_shape)
+
+    def dim(self, index: int, name: str, default: Any = None, ndim: int | None = None) -> int:
+        """A dimension argument, made non-negative."""
+        return norm_dim(arg(self.node, index, name, default), self.ndim if ndim is None else ndim)
+
+
+CarryFn = Callable[[Op], "int | Refusal"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: str
+    carry: CarryFn
+
+
+RULES: dict[str, Rule] = {}
+"""Op key (``op_key``) -> its rule."""
+
+
+def rule(*keys: str, kind: str = MAP) -> Callable[[CarryFn], CarryFn]:
+    """Register ``fn`` as the rule of the ops ``keys``."""
+    def register(fn: CarryFn) -> CarryFn:
+        for k in keys:
+            RULES[k] = Rule(kind, fn)
+        return fn
+    return register
+
+
+def rule_of(node: fx.Node) -> Rule | None:
+    if node.op != "call_function":
+        return None
+    return RULES.get(op_key(node)) or RULES.get(op_name(node))
+
+
+def kind_of(node: fx.Node) -> str | None:
+    """MAP, SUM, SCALE, or None for an op that keeps nothing."""
+    r = rule_of(node)
+    return r.kind if r else None
+
+
+def carry(node: fx.Node, src: fx.Node, axis: int, where: str) -> int | Refusal:
+    """Where ``src``'s feature axis ``axis`` lands in ``node``'s output, if ``node``
+    keeps the property; else why not."""
+    name = op_name(node)
+    if name == "getitem":
+        return axis
+    r = rule_of(node)
+    if r is None:
+        return Refusal(f"passes through {name} {where}")
+    in_shape, out_shape = shape(src), shape(node)
+    if in_shape is None or (out_shape is None and name not in SPLIT_OPS):
+        return Refusal(f"passes through {name} {where}, whose shapes are unknown")
+    return r.carry(Op(node, src, axis, in_shape, out_shape, where))
+
+
+def per_row(factor: Any, out: fx.Node, axis: int) -> bool:
+    """True if ``factor`` is constant along output axis ``axis`` (a per-row scale)."""
+    if not isinstance(factor, fx.Node):
+        return True
+    dims, out_dims = shape(factor), shape(out)
+    if dims is None or out_dims is None:
+        return False
+    pos = axis - (len(out_dims) - len(dims))
+    return pos < 0 or dims[pos] == 1
+
+
+# --- the rules ---------------------------------------------------------------------------
+
+
+@rule("getitem", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "positive", "neg",
+      "mul.Scalar", "div.Scalar")
+def _identity(op: Op) -> int | Refusal:
+    return op.axis
+
+
+def _dims(op: Op, index: int, name: str) -> list[int]:
+    dims = arg(op.node, index, name, [])
+    return [norm_dim(d, op.ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+
+
+@rule("flip", "roll")
+def _reorder(op: Op) -> int | Refusal:
+    """Reversing or rolling positions treats every feature alike; doing it to the
+    features themselves reorders them, which per-feature gains and blocks cannot follow."""
+    name = op_name(op.node)
+    dims = _dims(op, 1 if name == "flip" else 2, "dims")
+    if op.axis in dims or (name == "roll" and not dims):
+        return Refusal(f"is {'flipped' if name == 'flip' else 'rolled'} along the feature axis {op.where}")
+    return op.axis
+
+
+_SPATIAL = {  # op -> how many trailing axes it works over, the same way for every channel
+    **{f"upsample_nearest{k}d": k for k in (1, 2, 3)}, **{f"_upsample_nearest_exact{k}d": k for k in (1, 2, 3)},
+    "upsample_linear1d": 1, "upsample_bilinear2d": 2, "_upsample_bilinear2d_aa": 2, "upsample_bicubic2d": 2,
+    "_upsample_bicubic2d_aa": 2, "upsample_trilinear3d": 3,
+    **{f"avg_pool{k}d": k for k in (1, 2, 3)}, **{f"adaptive_avg_pool{k}d": k for k in (1, 2, 3)},
+    "_adaptive_avg_pool2d": 2, "_adaptive_avg_pool3d": 3,
+    **{f"reflection_pad{k}d": k for k in (1, 2, 3)}, **{f"replication_pad{k}d": k for k in (1, 2, 3)},
+}
+
+
+@rule(*_SPATIAL)
+def _spatial(op: Op) -> int | Refusal:
+    """Resampling, average pooling and padding over the trailing (spatial) axes: a
+    linear map of the positions, the same for every feature."""
+    name = op_name(op.node)
+    if op.axis >= op.ndim - _SPATIAL[name]:
+        what = "pooled" if "pool" in name else "padded" if "pad" in name else "resampled"
+        return Refusal(f"is {what} along the feature axis by {name} {op.where}")
+    return op.axis
+
+
+@rule(*DROPOUT_OPS)
+def _dropout(op: Op) -> int | Refusal:
+    p, train = arg(op.node, 1, "p", 0.5), arg(op.node, 2, "train", True)
+    if train and p:
+        return Refusal(f"passes through dropout in training mode {op.where}; call model.eval() first")
+    return op.axis
+
+
+def _lossy_cast(src: fx.Node, node: fx.Node) -> str:
+    """'' for a cast that keeps every value (same or wider float); else what it does."""
+    a, b = src.meta.get("val"), node.meta.get("val")
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dtype == b.dtype:
+        return ""
+    if not b.dtype.is_floating_point:
+        return f"cast to {str(b.dtype).replace('torch.', '')}"
+    wider = torch.promote_types(a.dtype, b.dtype) == b.dtype
+    return "" if wider else f"rounded to {str(b.dtype).replace('torch.', '')}"
+
+
+@rule(*CAST_OPS)
+def _cast(op: Op) -> int | Refusal:
+    why = _lossy_cast(op.src, op.node)
+    return Refusal(f"is {why} {op.where}, which does not commute with centering") if why else op.axis
+
+
+def reshape_axis(in_shape: tuple[int, ...], axis: int, out_shape: tuple[int, ...]) -> int | None:
+    """Where a contiguous reshape moves ``axis``, if it keeps it whole.
+
+    The feature coordinate of element ``i`` is ``(i // inner) % d``; a reshape
+    keeps it iff some output axis has the same size ``d`` and the same product
+    of sizes to its right.
+    """
+    d, inner = in_shape[axis], math.prod(in_shape[axis + 1:])
+    for j, size in enumerate(out_shape):
+        if size == d and math.prod(out_shape[j + 1:]) == inner:
+            return j
+    return None
+
+
+RESHAPE_OPS = {"view", "reshape", "_unsafe_view", "view_as", "reshape_as", "flatten", "unflatten", "squeeze",
+               "unsqueeze"}
+
+
+@rule(*RESHAPE_OPS)
+def _reshape(op: Op) -> int | Refusal:
+    new = reshape_axis(op.in_shape, op.axis, op.out_shape)
+    return new if new is not None else Refusal(
+        f"is reshaped {op.where} in a way that splits or merges the feature axis")
+
+
+@rule("expand", "expand_as", "repeat")
+def _expand(op: Op) -> int | Refusal:
+    new = op.axis + len(op.out_shape) - op.ndim
+    ok = op.out_shape[new] == op.in_shape[op.axis]
+    return new if ok else Refusal(f"is repeated along the feature axis {op.where}")
+
+
+@rule("permute", "transpose", "t", "numpy_T", "swapaxes", "movedim")
+def _permute(op: Op) -> int | Refusal:
+    node, ndim, name = op.node, op.ndim, op_name(op.node)
+    perm = list(range(ndim))
+    if name == "numpy_T":
+        perm = perm[::-1]
+    elif name == "permute":
+        perm = [norm_dim(d, ndim) for d in node.args[1]]
+    elif name == "movedim":
+        as_list = lambda d: [norm_dim(x, ndim) for x in (d if isinstance(d, (list, tuple)) else [d])]  # noqa: E731
+        src_d, dst_d = as_list(node.args[1]), as_list(node.args[2])
+        perm = [p for p in range(ndim) if p not in src_d]
+        for s, d in sorted(zip(src_d, dst_d), key=lambda x: x[1]):
+            perm.insert(d, s)
+    elif ndim >= 2:
+        a, b = (0, 1) if name == "t" else (norm_dim(node.args[1], ndim), norm_dim(node.args[2], ndim))
+        perm[a], perm[b] = perm[b], perm[a]
+    return perm.index(op.axis)
+
+
+@rule("slice", "narrow")
+def _slice(op: Op) -> int | Refusal:
+    dim = op.dim(1, "dim", 0)
+    if dim != op.axis or op.out_shape[op.axis] == op.in_shape[op.axis]:
+        return op.axis
+    return Refusal(f"is cut along the feature axis by {op_name(op.node)} {op.where}")
+
+
+@rule("select")
+def _select(op: Op) -> int | Refusal:
+    dim = op.dim(1, "dim")
+    if dim == op.axis:
+        return Refusal(f"has its feature axis indexed by select {op.where}")
+    return op.axis - (dim < op.axis)
+
+
+def constant_along(node: Any, axis: int) -> bool:
+    """Whether an (index) tensor is the same along ``axis``: broadcast or repeated from size 1."""
+    dims = shape(node)
+    if dims is None or not 0 <= axis < len(dims):
+        return False
+    if dims[axis] == 1:
+        return True
+    name = op_name(node)
+    inner = node.args[0] if node.op == "call_function" and node.args else None
+    in_dims = shape(inner)
+    if in_dims is None:
+        return False
+    if name in ("clone", "contiguous", "_to_copy", "to", "alias", "detach"):
+        return constant_along(inner, axis)
+    if name in ("expand", "expand_as", "repeat"):
+        pos = axis - (len(dims) - len(in_dims))
+        return pos < 0 or in_dims[pos] == 1 or (name != "repeat" and constant_along(inner, pos))
+    return False
+
+
+@rule("gather")
+def _gather(op: Op) -> int | Refusal:
+    """Picking positions along another axis, the same ones for every feature."""
+    dim = op.dim(1, "dim")
+    if dim == op.axis:
+        return Refusal(f"has its feature axis indexed by gather {op.where}")
+    if op.out_shape[op.axis] != op.in_shape[op.axis] or not constant_along(op.node.args[2], op.axis):
+        return Refusal(f"is gathered {op.where} with indices that differ between features")
+    return op.axis
+
+
+@rule("index_select")
+def _index_select(op: Op) -> int | Refusal:
+    dim = op.dim(1, "dim")
+    return op.axis if dim != op.axis else Refusal(f"has its feature axis indexed by index_select {op.where}")
+
+
+@rule("index")
+def _index(op: Op) -> int | Refusal:
+    indices = list(arg(op.node, 1, "indices", []))
+    indexed = [i for i, ix in enumerate(indices) if ix is not None]
+    if op.axis == op.ndim - 1 and all(i < op.axis for i in indexed) and op.out_shape[-1] == op.in_shape[op.axis]:
+        return len(op.out_shape) - 1
+    return Refusal(f"is indexed {op.where} in a way that enjoyln cannot follow")
+
+
+@rule(*SPLIT_OPS)
+def _split(op: Op) -> int | Refusal:
+    name = op_name(op.node)
+    dim = op.dim(2 if name != "unbind" else 1, "dim", 0)
+    if dim == op.axis:
+        return Refusal(f"is split along the feature axis by {name} {op.where}")
+    return op.axis - (dim < op.axis) if name == "unbind" else op.axis
+
+
+@rule("sum", "mean")
+def _reduce(op: Op) -> int | Refusal:
+    name, dims = op_name(op.node), arg(op.node, 1, "dim")
+    if not dims:
+        return Refusal(f"is reduced over every axis by {name} {op.where}")
+    dims = [norm_dim(d, op.ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    if op.axis in dims:
+        return Refusal(f"is reduced over the feature axis by {name} {op.where}")
+    return op.axis if arg(op.node, 2, "keepdim", False) else op.axis - sum(d < op.axis for d in dims)
+
+
+@rule("constant_pad_nd", "pad")
+def _pad(op: Op) -> int | Refusal:
+    pad, value = list(op.node.args[1]), arg(op.node, 3 if op_name(op.node) == "pad" else 2, "value", 0) or 0
+    padded = {op.ndim - 1 - i // 2 for i, p in enumerate(pad) if p}
+    if op.axis in padded:
+        return Refusal(f"is padded along the feature axis {op.where}")
+    return op.axis if not padded or value == 0 else Refusal(f"is padded with the non-zero value {value} {op.where}")
+
+
+@rule("cat", "concat", "concatenate", kind=SUM)
+def _cat(op: Op) -> int | Refusal:
+    dim = op.dim(1, "dim", 0)
+    return op.axis if dim != op.axis else Refusal(f"is concatenated along the feature axis {op.where}")
+
+
+@rule("stack", kind=SUM)
+def _stack(op: Op) -> int | Refusal:
+    dim = op.dim(1, "dim", 0, ndim=op.ndim + 1)
+    return op.axis + (op.axis >= dim)
+
+
+def _broadcast(op: Op) -> int | Refusal:
+    new = op.axis + len(op.out_shape) - op.ndim
+    if op.out_shape[new] != op.in_shape[op.axis]:
+        return Refusal(f"is broadcast along the feature axis by {op_name(op.node)} {op.where}")
+    return new
+
+
+rule("add", "sub", "rsub", kind=SUM)(_broadcast)
+rule("mul", "div", kind=SCALE)(_broadcast)
+
+
+# --- splitting the feature axis into blocks (per-head norms) ------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the blocks of a split feature axis went.
+
+    A reshape that splits an axis of ``size`` features into ``(..., H, D)``
+    leaves ``groups = size / D`` blocks of ``D`` features, indexed by the
+    other new axes: ``axes`` holds (tensor axis, length, stride in blocks), and
+    ``offset`` the first block still in view after selections.
+    """
+
+    groups: int
+    size: int
+    axes: tuple[tuple[int, int, int], ...]
+    offset: int = 0
+
+    def visible(self) -> frozenset[int]:
+        """The blocks this tensor still holds."""
+        blocks = {self.offset}
+        for _, length, stride in self.axes:
+            blocks = {b + i * stride for b in blocks for i in range(length)}
+        return frozenset(blocks)
+
+
+def split_axis(in_shape: tuple[int, ...], axis: int, out_shape: tuple[int, ...]) -> tuple[int, Layout] | None:
+    """(new feature axis, layout) if a reshape splits ``axis`` into several axes, the
+    last of them (the block) becoming the feature axis."""
+    n, inner, outer = in_shape[axis], math.prod(in_shape[axis + 1:]), math.prod(in_shape[:axis])
+    for q in reversed(range(len(out_shape))):
+        if out_shape[q] == 1 or math.prod(out_shape[q + 1:]) != inner:
+            continue
+        p, size = q, out_shape[q]
+        while size < n and p > 0:
+            p -= 1
+            size *= out_shape[p]
+        if size != n or p == q or math.prod(out_shape[:p]) != outer:
+            return None
+        axes, stride = [], 1
+        for r in range(q - 1, p - 1, -1):
+            if out_shape[r] > 1:
+                axes.append((r, out_shape[r], stride))
+            stride *= out_shape[r]
+        return q, Layout(n // out_shape[q], n, tuple(reversed(axes)))
+    return None
+
+
+def carry_layout(node: fx.Node, src: fx.Node, layout: Layout | None, where: str) -> Layout | None:
+    """The layout after ``node``: selections along a block axis narrow the blocks in
+    view; other ops move the block axes (None once an op mixes them)."""
+    if layout is None:
+        return None
+    name = op_name(node)
+    axes, offset = [], layout.offset
+    out_shape = shape(node)
+    for a, length, stride in layout.axes:
+        if name in ("select", "slice", "narrow") and norm_dim(arg(node, 1, "dim", 0), len(shape(src))) == a:
+            if name == "select":
+                index = arg(node, 2, "index")
+                offset += (index + length if index < 0 else index) * stride
+                continue
+            start = arg(node, 2, "start", 0) or 0
+            start = max(0, start + length if start < 0 else start)
+            step = arg(node, 4, "step", 1) if name == "slice" else 1
+            if step != 1 or out_shape is None:
+                return None
+            offset += min(start, length) * stride
+            moved, new_length = a, out_shape[a]
+        else:
+            moved = carry(node, src, a, where)
+            if isinstance(moved, Refusal) or out_shape is None or out_shape[moved] != length:
+                return None
+            new_length = length
+        if new_length > 1:
+            axes.append((moved, new_length, stride))
+    return Layout(layout.groups, layout.size, tuple(axes), offset)
+
+
+# --- sources: what weight centering makes zero-mean ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """A value that CBWC makes zero-mean: a linear layer's output or a parameter."""
+
+    key: str
+    label: str
+    node: fx.Node
+    axis: int
+    params: tuple[Centering, ...]
+    groups: int = 1
+    """The shift its centering causes is constant within each of this many blocks."""
+    chain: tuple[fx.Node, ...] = ()
+    """For a LayerScale source (``node`` is the product ``γ ⊙ y``): the nodes from the
+    layer to ``y``, whose values centering changes by more than a per-row constant."""
+
+
+# op -> (weight arg, bias arg, weight's output-feature axis, bias's, output's feature axis)
+_LAYOUTS = {
+    "linear": (1, 2, 0, 0, -1),
+    "addmm": (2, 0, -1, -1, -1),
+    "mm": (1, None, -1, None, -1),
+    "matmul": (1, None, -1, None, -1),
+    "embedding": (0, None, 1, None, -1),
+}
+
+
+def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
+    """The Source a general linear layer's output is, if it is one."""
+    name = op_name(node)
+    if name not in SOURCE_OPS:
+        return None
+    out_shape = shape(node)
+    where = g.where(node)
+    weight_idx, bias_idx, w_axis, b_axis, out_axis = _LAYOUTS.get(name, (1, 2, 0, 0, None))
+    if name.startswith("conv"):
+        transposed = (bool(arg(node, 6, "transposed", False)) if name == "convolution"
+                      else "transpose" in name)
+        groups = arg(node, 8 if name == "convolution" else 6, "groups", 1)
+        if groups != 1:
+            return Refusal(f"includes the output of a grouped or depthwise convolution "
+                           f"{where}, which weight centering cannot make zero-mean")
+        w_axis = 1 if transposed else 0
+    weight = g.param(node.args[weight_idx])
+    if weight is None or out_shape is None:
+        return Refusal(f"includes the output of {name} {where}, whose weight is not a "
+                       "parameter enjoyln can center")
+    fqn, perm = weight
+    if name in ("mm", "matmul") and len(perm) < 2:
+        return Refusal(f"includes the output of {name} {where}, which is not a linear layer")
+    if name.startswith("conv"):
+        out_axis = len(out_shape) - (len(perm) - 1)
+    params = [g.centering(node, fqn, perm[w_axis])]
+    bias_node = arg(node, bias_idx, "bias") if bias_idx is not None else None
+    if name == "addmm":
+        bias_node = node.args[0]
+    if bias_node is not None:
+        bias = g.param(bias_node)
+        if bias is None:
+            return Refusal(f"includes the output of {name} {where}, whose bias is not a "
+                           "parameter enjoyln can center")
+        bfqn, bperm = bias
+        params.append(g.centering(node, bfqn, bperm[-1] if name == "addmm" else bperm[0]))
+    return Source(node.name, g.label(node), node, norm_dim(out_axis, len(out_shape)), tuple(params))
+
+
+def per_feature_param(g: GraphIndex, factor: Any, out: fx.Node, axis: int) -> str | None:
+    """The parameter ``factor`` is if it is a gain along ``axis`` of ``out`` (one entry
+    per feature, broadcast over every other axis), else None."""
+    param, dims, out_dims = g.param(factor), shape(factor), shape(out)
+    if param is None or dims is None or out_dims is None:
+        return None
+    pos = axis - (len(out_dims) - len(dims))
+    ok = 0 <= pos and dims[pos] == out_dims[axis] == math.prod(dims)
+    return param[0] if ok else None
+
+
+def map_chain(start: fx.Node, end: fx.Node) -> tuple[fx.Node, ...] | None:
+    """The nodes from ``start`` to ``end`` if ``end`` is ``start`` through MAP ops only."""
+    nodes = [end]
+    while nodes[-1] is not start:
+        node = nodes[-1]
+        if kind_of(node) != MAP or not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        nodes.append(node.args[0])
+    return tuple(reversed(nodes))
+
+
+def param_source(g: GraphIndex, node: fx.Node) -> Source | None:
+    """A parameter used as data (a positional table, a cls token), centered along its
+    last axis; a non-persistent buffer (a sinusoidal table) too, marked as not saved."""
+    fqn = g.cap.placeholder_fqn.get(node.name) or g.buffers.get(node.name)
+    dims = shape(node)
+    if not fqn or not dims or not node.meta["val"].is_floating_point():
+        return None
+    user = next(iter(node.users), node)
+    axis = len(dims) - 1
+    centering = g.centering(user, fqn, axis)
+    if node.name in g.buffers:
+        centering = replace(centering, saved=False)
+    return Source(fqn, fqn, node, axis, (centering,))

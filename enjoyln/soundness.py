@@ -1,0 +1,334 @@
+"""Pass 2: soundness. Centering a source changes every value computed from it.
+
+Centering shifts a source's output by a per-row constant along its feature
+axis (``Shift``). ``Spread`` follows such changes forward through the ops
+that keep them per-row (the same ``rules`` as the dataflow) and asks a sink
+policy what every other reader makes of them. For weight centering
+(``ShiftSoundness``) the only harmless readers are LN inputs, which ignore a
+per-row shift, and explicit centerings along the same axis; anything else (a
+model output, an attention or MLP input, a nonlinearity, another read of the
+same weight) is where the change escapes, and the sources it came from are
+refused. A later pass with other seeds or stricter sinks (a rotation of the
+stream) subclasses ``Spread``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+import torch
+from torch import fx
+
+from .graph import GN_OPS, LN_OPS, GraphIndex, arg, op_name, reads_value, shape
+from .plan import AuxCentering, Untie
+from .rules import (MAP, RESHAPE_OPS, SCALE, SUM, Layout, Refusal, Source, carry, carry_layout, kind_of, per_row,
+                    source_of, split_axis)
+
+
+@dataclass(frozen=True)
+class Shift:
+    """A value changed by a constant along ``axis`` (within each of ``groups`` blocks),
+    because the sources ``keys`` are centered."""
+
+    axis: int
+    keys: frozenset[str]
+    groups: int = 1
+    layout: Layout | None = None
+    """Where the blocks went, if the feature axis was split."""
+
+
+Hits = list[tuple[fx.Node, Shift]]
+Flags = list[tuple[Iterable[str], str]]
+
+
+def merge_groups(a: int | None, b: int | None) -> int | None:
+    """Shifts constant in ``a`` and in ``b`` blocks sum to one constant in the finer,
+    if one grouping refines the other."""
+    if a is None or b is None:
+        return None
+    hi, lo = max(a, b), min(a, b)
+    return hi if hi % lo == 0 else None
+
+
+def gn_groups(node: fx.Node) -> int:
+    if op_name(node) == "instance_norm":
+        return shape(node.args[0])[1]
+    return int(arg(node, 1, "num_groups", 1))
+
+
+class Spread:
+    """Follows changed values forward from ``seeds`` and collects where they escape.
+
+    Subclasses say what a reader does with a change (``sink``): ``None`` to carry
+    it on through the op's rule, or the flags it raises (none: it absorbs it).
+    """
+
+    def __init__(self, g: GraphIndex):
+        self.g = g
+        self.bad: dict[str, str] = {}
+
+    def flag(self, keys: Iterable[str], what: str) -> None:
+        for k in keys:
+            self.bad.setdefault(k, what)
+
+    def sink(self, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Flags | None:
+        raise NotImplementedError
+
+    def narrow(self, shift: Shift) -> Shift:
+        """``shift`` without the keys whose change lies outside the blocks still in view."""
+        return shift
+
+    def spread(self, changed: dict[fx.Node, Shift]) -> None:
+        for node in self.g.graph.nodes:
+            self.g.at = node
+            if node not in self.g.live:
+                continue  # its values reach nothing the model computes
+            hits = [(i, changed[i]) for i in node.all_input_nodes if i in changed and reads_value(node, i)]
+            if not hits:
+                continue
+            keys = frozenset().union(*(s.keys for _, s in hits))
+            groups: int | None = 1
+            for _, s in hits:
+                groups = merge_groups(groups, s.groups)
+            if groups is None:
+                self.flag(keys, f"{self.g.describe(node)}, where shifts of incompatible groupings meet")
+                continue
+            flags = self.sink(node, hits, keys, groups)
+            if flags is not None:
+                for ks, what in flags:
+                    self.flag(ks, what)
+                continue
+            new = carry_shift(self.g, node, hits, keys, groups)
+            if isinstance(new, Shift):
+                new = self.narrow(new)
+                if new.keys:
+                    changed[node] = new
+            else:
+                self.flag(keys, new)
+
+
+def carry_shift(g: GraphIndex, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Shift | str:
+    """The change of ``node``'s output, if its inputs' per-row changes stay per-row
+    there; else what the change would alter."""
+    what = f"the input of {g.describe(node)}"
+    kind, where = kind_of(node), g.where(node)
+    if kind == SUM:
+        axes = {carry(node, i, s.axis, where) for i, s in hits}
+        axis = axes.pop() if len(axes) == 1 else None
+        if not isinstance(axis, int) or isinstance(axis, Refusal):
+            return what
+        layouts = {carry_layout(node, i, s.layout, where) for i, s in hits}
+        return Shift(axis, keys, groups, layouts.pop() if len(layouts) == 1 else None)
+    if len(hits) != 1:
+        return what
+    stream, s = hits[0]
+    if kind == SCALE:
+        a, b = node.args[0], node.args[1]
+        if stream is b and op_name(node) == "div":
+            return what
+        new = carry(node, stream, s.axis, where)
+        factor = b if stream is a else a
+        if isinstance(new, Refusal) or not per_row(factor, node, new):
+            return what
+        return Shift(new, keys, groups, carry_layout(node, stream, s.layout, where))
+    if kind == MAP and stream is node.args[0]:
+        new = carry(node, stream, s.axis, where)
+        if isinstance(new, Refusal):
+            return _split_shift(node, stream, s) or what
+        return Shift(new, keys, groups, carry_layout(node, stream, s.layout, where))
+    return what
+
+
+def _split_shift(node: fx.Node, stream: fx.Node, s: Shift) -> Shift | None:
+    """A change constant within blocks of the feature axis, after a reshape splits the
+    axis into pieces no larger than a block: constant along each piece."""
+    found = split_axis(shape(stream), s.axis, shape(node)) if op_name(node) in RESHAPE_OPS else None
+    if found is None:
+        return None
+    axis, layout = found
+    block = shape(stream)[s.axis] // s.groups
+    if block % shape(node)[axis]:
+        return None
+    return Shift(axis, s.keys, 1, layout)
+
+
+class ShiftSoundness(Spread):
+    """Which sources' centering changes something other than LN inputs."""
+
+    def __init__(self, g: GraphIndex, sources: dict[str, Source], aux: dict[fx.Node, AuxCentering]):
+        super().__init__(g)
+        self.sources = sources
+        self.aux = aux
+        self.active: dict[str, Source] = {}
+        self.seeds: set[fx.Node] = set()
+        self.absorbing = {m: sub for sub, m in g.centers.items() if len(m.users) == 1}
+
+    def affected(self, active: Iterable[str]) -> tuple[dict[str, str], dict[str, Untie]]:
+        """(bad source -> what its centering would change, untie alias -> Untie)
+        for the set of ``active`` sources centered together."""
+        self.active = {k: self.sources[k] for k in active}
+        self.bad = {}
+        changed, untie = self._seed()
+        self.spread(changed)
+        return self.bad, untie
+
+    def _seed(self) -> tuple[dict[fx.Node, Shift], dict[str, Untie]]:
+        g, active = self.g, self.active
+        changed: dict[fx.Node, Shift] = {}
+        untie: dict[str, Untie] = {}
+        # placeholder name -> {alias: axis} and the sources that center it
+        centered: dict[str, dict[str, int]] = {}
+        centered_by: dict[str, set[str]] = {}
+        grouping: dict[str, dict[tuple, set[str]]] = {}  # placeholder -> (groups, scale) -> sources
+        for src in active.values():
+            g.at = src.node
+            self._check_chain(src)
+            prev = changed.get(src.node)
+            keys0 = frozenset({src.key}) | (prev.keys if prev else frozenset())
+            changed[src.node] = Shift(src.axis, keys0, max(src.groups, prev.groups if prev else 1))
+            for c in src.params:
+                ph = g.placeholder_of.get(c.param)
+                if ph is None:
+                    continue
+                axes = centered.setdefault(ph.name, {})
+                centered_by.setdefault(ph.name, set()).add(src.key)
+                grouping.setdefault(ph.name, {}).setdefault((c.groups, c.scale), set()).add(src.key)
+                axes.setdefault(c.param, c.axis)
+                if len(set(axes.values())) > 1 or axes[c.param] != c.axis:
+                    self.flag(centered_by[ph.name], f"{c.param} along two different axes")
+        for ph_name, by_how in grouping.items():
+            if len(by_how) > 1:  # e.g. centered whole for an LN and in groups for a GroupNorm
+                plain = by_how.get((1, None))
+                what = f"{g.cap.placeholder_fqn[ph_name]}, which another norm needs centered " + (
+                    "as a whole" if plain else "another way")
+                self.flag(set().union(*(keys for keys in by_how.values() if keys is not plain)), what)
+        for src in active.values():  # a LayerScale gain is read as it is, never centered
+            for c in src.params:
+                ph = g.placeholder_of.get(c.scale) if c.scale else None
+                if ph is not None and (ph.name in centered or ph in changed):
+                    self.flag({src.key}, f"{c.scale}, which it is centered for, and which is centered too")
+        self.seeds = set(changed)
+        inner = {src.chain[0] for src in active.values() if src.chain}
+        # Other reads of a centered weight: another call of the same module
+        # shifts its output the same way, a tied alias gets its own copy, and
+        # anything else changes.
+        for ph_name, aliases in centered.items():
+            ph, keys = g.placeholders[ph_name], centered_by[ph_name]
+            if ph in self.seeds:
+                continue  # a parameter used as data: its reads are followed by spread()
+            roles = {g.role(active[k].params) for k in keys}
+            owners = {id(g.owner_module(a)) for a in aliases}
+            for user in g.readers(ph):
+                g.at = user
+                if user in self.seeds or user in inner or user not in g.live:
+                    continue
+                src = source_of(g, user)
+                if isinstance(src, Source) and g.role(src.params) in roles:
+                    changed[user] = Shift(src.axis, frozenset(keys), max(active[k].groups for k in keys))
+                    self.seeds.add(user)
+                    continue
+                alias = g.cap.use_alias(user, g.cap.placeholder_fqn[ph_name])
+                # untying clones the tensor for another module; one module reachable
+                # under two names is still one module
+                if alias is not None and alias not in aliases and id(g.owner_module(alias)) not in owners:
+                    val = ph.meta.get("val")
+                    nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+                    untie[alias] = Untie(alias, next(iter(aliases)), nbytes)
+                else:
+                    self.flag(keys, f"{g.describe(user)}, which reads the same weight")
+        return changed, untie
+
+    def _check_chain(self, src: Source) -> None:
+        """Centering a layer for its LayerScale changes the layer's own output by more
+        than a per-row constant: only the product may read it."""
+        g = self.g
+        for node, after in zip(src.chain, src.chain[1:] + (src.node,)):
+            for user in node.users:
+                if user is not after and user in g.live and reads_value(user, node):
+                    self.flag({src.key}, f"{g.describe(user)}, which reads the output of "
+                                         f"{g.label(src.chain[0])} before its LayerScale")
+
+    def narrow(self, shift: Shift) -> Shift:
+        layout = shift.layout
+        if layout is None:
+            return shift
+        view = layout.visible()
+        keep = set()
+        for k in shift.keys:
+            src = self.active[k]
+            blocks = src.params[0].blocks if src.params else None
+            same_split = src.groups == layout.groups and shape(src.node)[src.axis] == layout.size
+            if not same_split or view & set(range(src.groups) if blocks is None else blocks):
+                keep.add(k)
+        return replace(shift, keys=frozenset(keep)) if len(keep) < len(shift.keys) else shift
+
+    def _grouped(self, keys: frozenset[str]) -> set[str]:
+        return {k for k in keys if self.active[k].groups > 1} or set(keys)
+
+    def sink(self, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Flags | None:
+        g, name = self.g, op_name(node)
+        if node in self.aux:
+            # A shift arriving at an inserted centering is removed by it if it
+            # passes the op unchanged (an LN ignores it anyway).
+            if name in LN_OPS and all(ln_sink_ok(node, i, s.axis) for i, s in hits):
+                return []
+            if isinstance(carry_shift(g, node, hits, keys, groups), Shift):
+                return []
+            return [(keys, f"the input of {g.describe(node)}")]
+        if node in self.seeds:
+            return [(keys, f"the input of {g.describe(node)}")]
+        if node.op == "output":
+            outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+            changed = dict(hits)
+            return [(changed[out].keys, _output_label(g.output_names.get(i, str(i))))
+                    for i, out in enumerate(outs) if out in changed and not g.writes_back(i, out)]
+        center = self.absorbing.get(node, node)
+        if center in g.centers and all(s.axis == g.center_axis(center) for _, s in hits):
+            if groups != 1:  # x - mean(x) removes a shift shared by all features, not per group
+                return [(self._grouped(keys), f"{g.describe(node)}, which does not remove a per-group shift")]
+            return []
+        if name in LN_OPS:
+            if groups != 1:
+                return [(self._grouped(keys), f"{g.describe(node)}, which does not ignore a per-group shift")]
+            if not all(ln_sink_ok(node, i, s.axis) for i, s in hits):
+                return [(keys, f"{g.describe(node)} along an axis it does not normalize")]
+            return []
+        if name in GN_OPS:
+            why = gn_sink_refusal(g, node, hits, groups)
+            return [(keys, why)] if why else []
+        return None
+
+
+def _output_label(name: str) -> str:
+    if name.startswith("buffer:"):
+        return f"the buffer {name.removeprefix('buffer:')}, which the forward overwrites"
+    return f"the model output `{name}`"
+
+
+def ln_sink_ok(node: fx.Node, changed_input: fx.Node, axis: int) -> bool:
+    """An LN ignores a per-row shift along the one axis it normalizes (its
+    output does; the mean a ``native_layer_norm`` also returns does not)."""
+    dims = shape(changed_input)
+    norm_shape = list(arg(node, 1, "normalized_shape", []))
+    if op_name(node) == "native_layer_norm" and any(
+            u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
+        return False
+    return (node.args[0] is changed_input and dims is not None
+            and axis == len(dims) - 1 and math.prod(norm_shape[:-1]) == 1
+            and all(a is not changed_input for a in node.args[1:]))
+
+
+def gn_sink_refusal(g: GraphIndex, node: fx.Node, hits: Hits, groups: int) -> str:
+    """Why a shift reaching this GroupNorm would change its output ('' if it would not)."""
+    dims = shape(node.args[0])
+    n = gn_groups(node)
+    if any(i is not node.args[0] for i, _ in hits) or dims is None:
+        return f"the parameters of {g.describe(node)}"
+    if math.prod(dims[2:]) != 1:
+        return f"{g.describe(node)}, which averages over {math.prod(dims[2:])} positions too"
+    if any(s.axis != 1 for _, s in hits) or n % groups:
+        return f"{g.describe(node)}, whose groups the shift does not respect"
+    return ""
