@@ -43,7 +43,7 @@ random m x m block; wider odd factors fall back to a random orthogonal matrix.""
 
 def _random_orthogonal(n: int, gen: torch.Generator) -> torch.Tensor:
     q, r = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
-    return q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(n, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(n, dtype=torch.float64))).contiguous()
 
 
 def hadamard_matrix(n: int) -> torch.Tensor:
