@@ -195,3 +195,16 @@ def test_rotated_checkpoint_through_the_command_line(tmp_path):
         assert result.exit_code == 0, result.output
     result = runner.invoke(app, ["rotate", str(src), str(tmp_path / "x"), "--kind", "fourier"])
     assert result.exit_code == 2 and "unknown --kind" in result.stderr
+
+
+def test_rotate_refusal_through_the_command_line_writes_nothing(tmp_path):
+    from typer.testing import CliRunner
+
+    from enjoyln.cli import app
+
+    src = tmp_path / "bert"
+    perturb(tiny_model("bert"), seed=30).save_pretrained(src)
+    result = CliRunner().invoke(app, ["rotate", str(src), str(tmp_path / "out")])
+    assert result.exit_code == 2 and "cannot be rotated" in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.enjoyln-*"))
