@@ -17,7 +17,7 @@ from ._version import __version__
 # line's entry point) does not import torch: an interrupt or a bad argument in
 # the first second then gets one line, not an import traceback.
 _EXPORTS = {
-    "analyze": "analysis", "fold": "rewrite", "check": "equivalence", "CheckReport": "equivalence",
+    "analyze": "analysis", "fold": "rewrite", "rotate": "rewrite", "check": "equivalence", "CheckReport": "equivalence",
     "load": "checkpoint", "fold_checkpoint": "checkpoint", "analyze_checkpoint": "checkpoint",
     "check_checkpoints": "checkpoint", "cbwc": "training", "cbwc_remove": "training",
     "RMSNorm": "norm", "GroupRMSNorm": "norm", "FoldPlan": "plan", "LayerNormEntry": "plan",

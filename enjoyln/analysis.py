@@ -29,6 +29,7 @@ import torch
 from torch import fx, nn
 
 from .capture import Capture, ExampleInputs, capture
+from .affine import plan_fusion
 from .dataflow import Dataflow, NotZero, State, Zero
 from .errors import CaptureError
 from .graph import FUNCTIONAL_LN, GN_OPS, LN_OPS, GraphIndex, arg, op_name, shape
@@ -47,8 +48,9 @@ class Analysis:
     """Runs the dataflow and the soundness check over one captured graph."""
 
     def __init__(self, cap: Capture, aux: dict[fx.Node, AuxCentering] | None = None, *,
-                 weights: Weights = None):
+                 weights: Weights = None, fuse_affine: bool = False):
         self.cap = cap
+        self.fuse_affine = fuse_affine
         self.aux = aux or {}
         self.index = GraphIndex(cap, weights)
         self.graph = cap.graph
@@ -172,13 +174,30 @@ class Analysis:
             if e.foldable:
                 cs = {c for k in needs[name] for c in self.sources[k].params}
                 e.centered = sorted(cs, key=lambda c: (c.param, c.axis, c.groups, c.blocks or (), c.scale or ""))
+        self.needs = needs
         plan = FoldPlan(type(self.cap.model).__name__, list(entries.values()),
                         norm_modules=norm_module_paths(self.cap.model))
+        if self.fuse_affine and plan.foldable:
+            for u in plan_fusion(self.index, plan.layer_norms, self.ln_nodes()):
+                untie.setdefault(u.param, u)
         plan.untied = sorted(untie.values(), key=lambda u: u.param) if plan.foldable else []
         if self.cap.model.training and any(op_name(n) in DROPOUT_OPS for n in self.graph.nodes):
             plan.notes.append("the model is in training mode, so its dropout blocks folding; "
                               "call model.eval() first")
         return plan
+
+    def rotation(self, plan: FoldPlan, kind: str, seed: int, keep_mean: bool) -> None:
+        """Add a rotation of the residual stream to ``plan`` (made by ``run`` with
+        ``fuse_affine``), or a note saying why the stream cannot be rotated."""
+        from .rotation import plan_rotation
+
+        with self.index.reporting():
+            found = plan_rotation(self.index, plan, self.sources, self.needs, self.ln_nodes(), kind, seed, keep_mean)
+        if isinstance(found, str):
+            plan.rotation = None
+            plan.notes.append(f"the residual stream cannot be rotated: {found}")
+        else:
+            plan.rotation = found
 
     def _layer_norms(self) -> tuple[dict[str, LayerNormEntry], dict[str, set[str]], set[str]]:
         """One entry per LN module (all its calls) or per functional call."""
@@ -387,13 +406,19 @@ def rewritable_reason(entry: LayerNormEntry) -> str:
             "replaces nn.LayerNorm modules, and functional calls only in a torch.fx.GraphModule")
 
 
-def analyze_capture(cap: Capture, *, weights: Weights = None) -> FoldPlan:
-    """Run the analysis on an already captured graph."""
-    return Analysis(cap, weights=weights).run()
+def analyze_capture(cap: Capture, *, weights: Weights = None, fuse_affine: bool = False,
+                    rotate: tuple[str, int, bool] | None = None) -> FoldPlan:
+    """Run the analysis on an already captured graph; ``rotate`` is (kind, seed, keep_mean)."""
+    analysis = Analysis(cap, weights=weights, fuse_affine=fuse_affine or rotate is not None)
+    plan = analysis.run()
+    if rotate is not None:
+        analysis.rotation(plan, *rotate)
+    return plan
 
 
 def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
-            auxiliary_centering: bool = False, weights: Weights = None) -> FoldPlan:
+            auxiliary_centering: bool = False, weights: Weights = None, fuse_affine: bool = False,
+            rotate: tuple[str, int, bool] | None = None) -> FoldPlan:
     """Find the foldable LayerNorms of ``model`` and what folding them needs.
 
     A dry run: the model is traced, never modified. With
@@ -401,6 +426,10 @@ def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
     makes more LNs foldable than it costs (``plan.auxiliary``). ``weights``
     gives values for parameters the model holds on the meta device, where a
     rule depends on them (a LayerScale gain with a zero entry does not fold).
+    With ``fuse_affine``, each folded norm's γ and β are also moved into the
+    linear layers that read its output, where that is sound (``enjoyln.affine``).
+    With ``rotate`` (kind, seed, keep_mean), the plan also rotates the residual
+    stream where that is proved exact (``enjoyln.rotation``), or says why not.
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
@@ -408,11 +437,13 @@ def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
     '1'
     """
     if not auxiliary_centering:
-        return analyze_capture(capture(model, example_inputs), weights=weights)
-    return _analyze_with_auxiliary(model, example_inputs, weights)
+        return analyze_capture(capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine,
+                               rotate=rotate)
+    return _analyze_with_auxiliary(model, example_inputs, weights, fuse_affine, rotate)
 
 
-def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs, weights: Weights) -> FoldPlan:
+def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs, weights: Weights,
+                            fuse_affine: bool = False, rotate: tuple[str, int, bool] | None = None) -> FoldPlan:
     """Choose centerings, then prove the folds again on the model with them in place.
 
     The first pass proves each inserted centering changes only LN inputs; the
@@ -425,11 +456,16 @@ def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs, wei
     unhooked = capture(model, example_inputs)
     predicted, _ = auxiliary_plan(unhooked, weights=weights)
     if not predicted.auxiliary:
+        if fuse_affine or rotate:
+            plan = analyze_capture(unhooked, weights=weights, fuse_affine=True, rotate=rotate)
+            plan.notes = predicted.notes
+            return plan
         return predicted
     for a in predicted.auxiliary:
         centering.install(model, a.module, a.where)
     try:
-        plan = analyze_capture(capture(model, example_inputs), weights=weights)
+        plan = analyze_capture(capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine,
+                               rotate=rotate)
     except CaptureError as exc:  # a hook met an output it cannot center
         plan = FoldPlan(predicted.model)
         plan.notes.append(f"auxiliary centering was not applied: {exc}")
@@ -438,7 +474,7 @@ def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs, wei
             centering.remove(model, a.module)
     missing = {e.name for e in predicted.foldable} - {e.name for e in plan.foldable}
     if missing:  # the hooks did not land where the graph said: keep the strict result
-        strict = analyze_capture(unhooked, weights=weights)
+        strict = analyze_capture(unhooked, weights=weights, fuse_affine=fuse_affine, rotate=rotate)
         strict.notes += plan.notes or ["auxiliary centering was not applied: the re-analysis could not "
                                        f"confirm {sorted(missing)[0]}"]
         return strict

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import struct
@@ -37,8 +38,8 @@ from .model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEI
                         ModelDir, TensorInfo, check_out_dir, check_shapes, checkpoint_key, clean_stale,
                         copy_extras, keep_failed as _keep_failed, meta_model, model_class, open_model_dir, publish,
                         read_safetensors_header, saved_names, signals_held, temp_dir, umask)
-from .plan import FORMAT_VERSION, FoldPlan, format_bytes
-from .rewrite import InsertCentering, SwapLayerNorms, center_, center_all, check_fits
+from .plan import AFFINE_GAIN, FORMAT_VERSION, FoldPlan, format_bytes
+from .rewrite import InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits
 
 if TYPE_CHECKING:
     from .equivalence import CheckReport
@@ -54,7 +55,8 @@ CHECK_MODES = ("full", "static", "none")
 
 
 def analyze_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
-                       auxiliary_centering: bool = False, trust_remote_code: bool = False) -> FoldPlan:
+                       auxiliary_centering: bool = False, trust_remote_code: bool = False,
+                       fuse_affine: bool = False, rotate: tuple[str, int, bool] | None = None) -> FoldPlan:
     """The fold plan for a model directory, computed on the meta device.
 
     >>> analyze_checkpoint("path/to/gpt2").summary()  # doctest: +SKIP
@@ -62,20 +64,24 @@ def analyze_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
     md = open_model_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     model = meta_model(md)
     check_shapes(md, model)
-    return _analyze(md, model, auxiliary_centering)
+    return _analyze(md, model, auxiliary_centering, fuse_affine, rotate)
 
 
-def _analyze(md: ModelDir, model: nn.Module, auxiliary_centering: bool) -> FoldPlan:
-    """The plan for the meta model; LayerScale gains the fold needs are read from the
+def _analyze(md: ModelDir, model: nn.Module, auxiliary_centering: bool, fuse_affine: bool = False,
+             rotate: tuple[str, int, bool] | None = None) -> FoldPlan:
+    """The plan for the meta model. The gains a rule depends on (a LayerScale gain the
+    centering divides by, a norm's γ that a kept bias is divided by) are read from the
     checkpoint, and where one has a zero entry the analysis runs again knowing it."""
-    plan = analyze(model, auxiliary_centering=auxiliary_centering)
-    names = sorted({c.scale for c in plan.centered if c.scale})
+    options = {"auxiliary_centering": auxiliary_centering, "fuse_affine": fuse_affine, "rotate": rotate}
+    plan = analyze(model, **options)
+    names = sorted({c.scale for c in plan.centered if c.scale}
+                   | {f"{e.name}.weight" for e in plan.foldable if e.affine == AFFINE_GAIN})
     if not names:
         return plan
     gains = dict(zip(names, _read_tensors(md, model, names)))
     if all(bool(g.ne(0).all()) for g in gains.values()):
         return plan
-    return analyze(model, auxiliary_centering=auxiliary_centering, weights=gains)
+    return analyze(model, weights=gains, **options)
 
 
 def _read_tensors(md: ModelDir, model: nn.Module, names: list[str],
@@ -173,6 +179,76 @@ def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, st
                 entries.append(Entry(new, src.dtype, src.shape, src.nbytes, source=src.source,
                                      axis=axis, tensor=src.tensor))
                 break
+    return shards
+
+
+def moves_values(plan: FoldPlan) -> bool:
+    """Whether a plan computes tensors from other tensors (a fused affine, a rotation), which
+    the tensor-by-tensor stream cannot do: such folds are computed on the loaded model."""
+    return bool(plan.fused) or plan.rotation is not None
+
+
+def final_tensors(md: ModelDir, plan: FoldPlan, meta: nn.Module, *, trust_remote_code: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the folded checkpoint, by key: the model loaded from ``md`` with the plan
+    applied in memory (in float64 where it computes), in each key's own dtype.
+
+    A folded norm whose affine moved keeps γ = 1 and β = 0 (or β/γ) on disk, so
+    a plain ``from_pretrained`` still gives the original's outputs.
+    """
+    model = _load_plain(md, trust_remote_code)
+    apply_plan(model, plan)
+    prefix = getattr(meta, "base_model_prefix", "") or ""
+    saved = saved_names(meta)
+    keys = set(md.tensors) if not md.pickled else set(_load_pickled(md))
+    named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    out: dict[str, torch.Tensor] = {}
+    for name, t in named.items():
+        key = checkpoint_key(name, keys, prefix, saved)
+        if key is not None:
+            out.setdefault(key, t.detach())
+    for u in plan.untied:
+        if checkpoint_key(u.param, keys, prefix, saved) is None:
+            out[saved.get(u.param, u.param)] = named[u.param].detach()
+    for e in plan.foldable:
+        for leaf, fill in (("weight", 1.0), ("bias", 0.0)):
+            key = checkpoint_key(f"{e.name}.{leaf}", keys, prefix, saved)
+            if key is not None and key not in out:  # dropped with the affine: 1 and 0 on disk
+                info = md.tensors.get(key)
+                shape = info.shape if info is not None else tuple(e.normalized_shape)
+                dtype = _DTYPES[info.dtype] if info is not None else torch.float32
+                out[key] = torch.full(shape, fill, dtype=dtype)
+    for key, t in out.items():
+        info = md.tensors.get(key)
+        if info is not None and t.dtype != _DTYPES[info.dtype]:
+            out[key] = t.to(_DTYPES[info.dtype])
+    return out
+
+
+def _load_plain(md: ModelDir, trust_remote_code: bool) -> nn.Module:
+    cls = model_class(md)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "dtype": "auto"}
+    if md.pickled:
+        kwargs["use_safetensors"] = False
+    try:
+        return cls.from_pretrained(md.path, **kwargs).eval()
+    except Exception as exc:
+        raise CheckpointError(f"cannot load {md.path}: {type(exc).__name__}: "
+                              f"{(str(exc).splitlines() or [''])[0]}") from None
+
+
+def _moved_entries(md: ModelDir, tensors: dict[str, torch.Tensor]) -> list[tuple[str, list[Entry]]]:
+    """Output shards like the input's, each tensor given as it is to be written."""
+    home: dict[str, str] = ({t.name: t.file for t in md.tensors.values()} if not md.pickled
+                            else {k: shard for k, (shard, _) in _load_pickled(md).items()})
+    shards: list[tuple[str, list[Entry]]] = [(s, []) for s in md.shards]
+    by_shard = dict(shards)
+    order = sorted(tensors, key=lambda k: (md.tensors[k].start if k in md.tensors else math.inf, k))
+    for key in order:
+        t = tensors[key].contiguous()
+        if t.dtype not in _CODES:
+            raise CheckpointError(f"{key} has dtype {t.dtype}, which safetensors cannot store")
+        by_shard[home.get(key, md.shards[-1])].append(
+            Entry(key, _CODES[t.dtype], tuple(t.shape), t.numel() * t.element_size(), tensor=t))
     return shards
 
 
@@ -476,6 +552,10 @@ def _output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
         "auxiliary_centering": [{"module": a.module, "where": a.where} for a in plan.auxiliary],
         "plan": plan.to_dict(),
     }
+    if plan.rotation is not None:
+        config["enjoyln"]["rotation"] = {"kind": plan.rotation.kind, "seed": plan.rotation.seed,
+                                         "keep_mean": plan.rotation.keep_mean,
+                                         "plain_loading_exact": plan.rotation.keep_mean}
     return config
 
 
@@ -528,7 +608,8 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                     allow_pickle: bool = False, dry_run: bool = False, auxiliary_centering: bool = False,
                     plan: FoldPlan | None = None, progress: Progress | None = None,
                     check: str = "full", keep_failed: bool = False, trust_remote_code: bool = False,
-                    check_options: dict[str, Any] | None = None) -> FoldResult:
+                    check_options: dict[str, Any] | None = None, fuse_affine: bool = False,
+                    rotate: tuple[str, int, bool] | None = None) -> FoldResult:
     """Fold a Hugging Face model directory into OUT_DIR, streaming tensor by tensor, and check it.
 
     OUT_DIR gets every file of MODEL_DIR (tokenizer and processor files
@@ -543,6 +624,11 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     candidate that passes is renamed to OUT_DIR. A failing one raises
     ``CheckFailed`` and is removed, or kept beside OUT_DIR with
     ``keep_failed``.
+
+    With ``fuse_affine`` the folded norms' affines move into their readers;
+    with ``rotate`` (kind, seed, keep_mean) the residual stream is rotated too
+    (see ``enjoyln.rotate``). Both compute tensors from other tensors, so the
+    model is loaded once, in memory, instead of streamed.
 
     >>> fold_checkpoint("gpt2-dir", "gpt2-folded").report.passed  # doctest: +SKIP
     True
@@ -567,7 +653,8 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     tmp: Path | None = None
     early: _EarlyCopy | None = None
     try:
-        spans = _early_spans(md, max_shard_size) if not dry_run else {}
+        in_memory = fuse_affine or rotate is not None or (plan is not None and moves_values(plan))
+        spans = _early_spans(md, max_shard_size) if not dry_run and not in_memory else {}
         if spans:  # copy while the model's code loads and the analysis runs; see _EarlyCopy
             total[0] = sum(length for _, _, length in spans.values())
             with signals_held():  # an interrupt must find tmp and early set, to clean them up
@@ -581,12 +668,19 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             check_fits(model, plan)
         check_shapes(md, model)
         if plan is None:
-            plan = _analyze(md, model, auxiliary_centering)
+            plan = _analyze(md, model, auxiliary_centering, fuse_affine, rotate)
+        if rotate is not None and plan.rotation is None and not dry_run:
+            why = next((n for n in plan.notes if "cannot be rotated" in n), "the plan has no rotation")
+            raise EnjoylnError(f"{why}; nothing was written")
         if dry_run or not plan.foldable:
             return FoldResult(plan, None, [], 0, time.perf_counter() - start, cleaned=cleaned)
-        pickled = _load_pickled(md) if md.pickled else None
         prefix = getattr(model, "base_model_prefix", "") or ""
-        shards = _reshard(_plan_entries(md, plan, prefix, saved_names(model), pickled, model), max_shard_size)
+        if moves_values(plan):
+            entries = _moved_entries(md, final_tensors(md, plan, model, trust_remote_code=trust_remote_code))
+        else:
+            pickled = _load_pickled(md) if md.pickled else None
+            entries = _plan_entries(md, plan, prefix, saved_names(model), pickled, model)
+        shards = _reshard(entries, max_shard_size)
         bytes_out = sum(e.nbytes for _, es in shards for e in es)
         by_name = {name: shard for shard, (name, _, _) in spans.items()}
         layout = {name: _early_layout(md, by_name.get(name), entries) for name, entries in shards}
@@ -707,8 +801,17 @@ def load(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_co
         plan.untied = []  # already untied and centered on disk: the centerings and the swap are left
         for step in (InsertCentering(), SwapLayerNorms()):
             step.check(model, plan)
-        # non-persistent buffers (sinusoidal tables) are built afresh by the model: center them again
+        # non-persistent buffers (sinusoidal tables) are built afresh by the model: center them
+        # (and rotate them) again
         center_all(model, [c for c in plan.centered if not c.saved])
+        if plan.rotation is not None:
+            from .rotation import apply_rotation
+            from .rewrite import _tensor
+
+            with torch.no_grad():
+                for rot in plan.rotation.rotated:
+                    if not rot.saved:
+                        apply_rotation(_tensor(model, rot.param), rot, plan.rotation)
         for step in (InsertCentering(), SwapLayerNorms()):
             step(model, plan)
     return model.eval()

@@ -122,6 +122,22 @@ def print_plan(plan: FoldPlan) -> None:
         out.print(changes)
     for a in plan.auxiliary:
         out.print(f"Auxiliary centering: {a.describe()}")
+    affine = [e for e in plan.foldable if e.affine]
+    if affine:
+        table = Table(title=f"Affine: {sum(e.weightless for e in affine)} of {len(affine)} folded norms become "
+                            "weightless", title_justify="left")
+        table.add_column("LayerNorm", overflow="fold")
+        table.add_column("γ and β", overflow="fold")
+        for e in affine:
+            into = ", ".join(sorted({f.weight for f in e.fused})) or "nothing to move"
+            what = {"fused": f"into {into}", "gain fused": f"γ into {into}; β stays as β/γ ({e.affine_reason})",
+                    "kept": f"kept: {e.affine_reason}"}[e.affine]
+            table.add_row(e.name, escape(what))
+        out.print(table)
+    if plan.rotation is not None:
+        r = plan.rotation
+        out.print(f"Rotation: {r.kind} (seed {r.seed}, {'keeps' if r.keep_mean else 'does not keep'} the mean) "
+                  f"of {len(r.rotated)} tensors")
     for note in plan.notes:
         out.print(f"[yellow]Note:[/] {escape(note)}")
     if not plan.foldable:
@@ -191,12 +207,60 @@ def fold(
                                            help="Analyse, run and keep the directory's custom model code."),
     auxiliary_centering: bool = typer.Option(False, "--auxiliary-centering",
                                              help="Insert explicit centerings where each frees more LNs than it costs."),
+    fuse_affine: bool = typer.Option(False, "--fuse-affine",
+                                     help="Move each folded norm's gain and bias into the layers reading it."),
     batches: int = typer.Option(3, min=1, help="Input batches for the forward check."),
     seq_len: int = typer.Option(16, min=1, help="Sequence length of the short check batches."),
     max_memory: Optional[str] = typer.Option(None, help="Run the check's models one at a time within this much "
                                                         "memory, e.g. 1GB (default: automatic)."),
 ) -> None:
     """Fold a model directory, check the result, and publish it to OUT_DIR only if it passes."""
+    _fold_command(model_dir, out_dir, max_shard_size=max_shard_size, force=force, check=check, static=static,
+                  keep_failed=keep_failed, dry_run=dry_run, as_json=as_json, allow_pickle=allow_pickle,
+                  trust_remote_code=trust_remote_code, auxiliary_centering=auxiliary_centering,
+                  fuse_affine=fuse_affine, rotate=None, batches=batches, seq_len=seq_len, max_memory=max_memory)
+
+
+@app.command()
+@friendly
+def rotate(
+    model_dir: Path = typer.Argument(..., help="Hugging Face model directory (the original, or a folded one)."),
+    out_dir: Path = typer.Argument(..., help="Where to write the rotated model directory."),
+    kind: str = typer.Option("hadamard", help="hadamard (randomized Hadamard, as QuaRot) or random (Haar)."),
+    seed: int = typer.Option(0, help="Seed of the rotation."),
+    keep_mean: bool = typer.Option(True, "--keep-mean/--no-keep-mean",
+                                   help="Q fixes the all-ones vector, so plain from_pretrained stays exact."),
+    max_shard_size: Optional[str] = typer.Option(None, help="Re-shard the output, e.g. 2GB; default: like the input."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it is an earlier enjoyln output."),
+    check: bool = typer.Option(True, "--check/--no-check", help="Check the result before publishing it."),
+    static: bool = typer.Option(False, "--static", help="Check every weight, but run no forward pass."),
+    keep_failed: bool = typer.Option(False, "--keep-failed", help="Keep a candidate that fails its check."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Analyse and report; write nothing."),
+    as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON only."),
+    allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Read .bin weights (weights_only=True)."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code",
+                                           help="Analyse, run and keep the directory's custom model code."),
+    batches: int = typer.Option(3, min=1, help="Input batches for the forward check."),
+    seq_len: int = typer.Option(16, min=1, help="Sequence length of the short check batches."),
+    max_memory: Optional[str] = typer.Option(None, help="Run the check's models one at a time within this much "
+                                                        "memory, e.g. 1GB (default: automatic)."),
+) -> None:
+    """Fold with fused affines and rotate the residual stream by an orthogonal Q; same outputs, proved."""
+    from .rotation import KINDS
+
+    if kind not in KINDS:
+        raise EnjoylnError(f"unknown --kind {kind!r}; use {' or '.join(KINDS)}")
+    _fold_command(model_dir, out_dir, max_shard_size=max_shard_size, force=force, check=check, static=static,
+                  keep_failed=keep_failed, dry_run=dry_run, as_json=as_json, allow_pickle=allow_pickle,
+                  trust_remote_code=trust_remote_code, auxiliary_centering=False, fuse_affine=True,
+                  rotate=(kind, seed, keep_mean), batches=batches, seq_len=seq_len, max_memory=max_memory)
+
+
+def _fold_command(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[str], force: bool, check: bool,
+                  static: bool, keep_failed: bool, dry_run: bool, as_json: bool, allow_pickle: bool,
+                  trust_remote_code: bool, auxiliary_centering: bool, fuse_affine: bool,
+                  rotate: Optional[tuple[str, int, bool]], batches: int, seq_len: int,
+                  max_memory: Optional[str]) -> None:
     from .checkpoint import fold_checkpoint, parse_size
 
     start = time.perf_counter()
@@ -207,7 +271,8 @@ def fold(
             result = fold_checkpoint(model_dir, out_dir, max_shard_size=parse_size(max_shard_size), force=force,
                                      allow_pickle=allow_pickle, dry_run=dry_run, check=mode,
                                      keep_failed=keep_failed, trust_remote_code=trust_remote_code,
-                                     auxiliary_centering=auxiliary_centering, progress=bar.phase("writing"),
+                                     auxiliary_centering=auxiliary_centering, fuse_affine=fuse_affine,
+                                     rotate=rotate, progress=bar.phase("writing"),
                                      check_options={"batches": batches, "seq_len": seq_len,
                                                     "max_memory": parse_size(max_memory),
                                                     "progress": bar.phase("checking weights")})
@@ -242,6 +307,9 @@ def fold(
             out.print(f"Wrote {result.out_dir} ({checked}; {len(result.files)} weight files, "
                       f"{format_bytes(result.bytes_written)}) in {result.seconds:.2f} s; moving the weights took "
                       f"{result.stream_seconds:.2f} s ({speed:.0f} MB/s)")
+            if plan.rotation is not None and not plan.rotation.keep_mean:
+                out.print("[yellow]Note:[/] this rotation does not keep the stream zero-mean: load it with "
+                          "enjoyln.load; a plain from_pretrained runs LayerNorms and gives different outputs")
         elif dry_run:
             out.print("Dry run: nothing written.")
     if not dry_run and not plan.foldable:
@@ -264,11 +332,17 @@ def inspect(
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Accept a directory with .bin weights."),
     auxiliary_centering: bool = typer.Option(False, "--auxiliary-centering",
                                              help="Also place explicit centerings where they pay off."),
+    fuse_affine: bool = typer.Option(False, "--fuse-affine", help="Also say where each norm's affine can move."),
+    rotate: Optional[str] = typer.Option(None, help="Also say whether the stream can be rotated (hadamard or random)."),
 ) -> None:
     """Analyse a model directory on the meta device: which LNs fold, and why not."""
     from .checkpoint import analyze_checkpoint
+    from .rotation import KINDS
 
-    plan = analyze_checkpoint(model_dir, allow_pickle=allow_pickle, auxiliary_centering=auxiliary_centering)
+    if rotate is not None and rotate not in KINDS:
+        raise EnjoylnError(f"unknown --rotate {rotate!r}; use {' or '.join(KINDS)}")
+    plan = analyze_checkpoint(model_dir, allow_pickle=allow_pickle, auxiliary_centering=auxiliary_centering,
+                              fuse_affine=fuse_affine, rotate=(rotate, 0, True) if rotate else None)
     if graph is not None:
         from .checkpoint import meta_model, open_model_dir
         from .graph_view import write_graph

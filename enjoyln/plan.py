@@ -87,6 +87,72 @@ class AuxCentering:
         return f"an auxiliary centering at the {self.where} of {self.module}"
 
 
+@dataclass(frozen=True)
+class Fused:
+    """Part of a folded norm's affine, moved into a linear layer that reads its output.
+
+    Entries ``start .. start + length`` of ``weight``'s input axis ``axis`` read
+    the norm's features ``offset .. offset + length``: they are multiplied by
+    γ there, and ``bias`` (when the norm's β is fused too) gains ``W β``.
+    """
+
+    weight: str
+    axis: int
+    start: int
+    length: int
+    offset: int = 0
+    bias: str | None = None
+
+    def describe(self) -> str:
+        cols = "" if self.start == 0 and self.offset == 0 else f", entries {self.start}-{self.start + self.length - 1}"
+        return f"{self.weight} (input axis {self.axis}{cols})" + (f", {self.bias}" if self.bias else "")
+
+
+AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT = "fused", "gain fused", "kept"
+"""What became of a folded norm's γ and β with ``fuse_affine``: both moved into the layers
+reading it (the norm is weightless); γ moved and β kept as β/γ (the norm keeps a bias, as
+its readers have none for it); or both kept, with the reason in ``affine_reason``."""
+
+
+@dataclass(frozen=True)
+class Rotated:
+    """A tensor multiplied by the rotation ``Q`` along ``axis``: ``t ×_axis Q``."""
+
+    param: str
+    axis: int
+    saved: bool = True
+    """False for a non-persistent buffer: ``enjoyln.load`` rotates it again after loading."""
+    start: int = 0
+    """The block of ``axis`` that is rotated starts here (a reader of several concatenated norms)."""
+    length: int = 0
+    """... and is this long (0: to the end of the axis)."""
+
+
+@dataclass
+class Rotation:
+    """An orthogonal ``Q`` applied to the residual stream (see ``enjoyln.rotation``).
+
+    ``Q`` is rebuilt from ``kind``, ``seed`` and the stream's width, so the plan
+    stays small; with ``keep_mean`` it fixes the all-ones vector, so a zero-mean
+    stream stays zero-mean and plain LayerNorms still agree with RMSNorm.
+    """
+
+    kind: str
+    seed: int
+    keep_mean: bool
+    rotated: list[Rotated] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "seed": self.seed, "keep_mean": self.keep_mean,
+                "rotated": [asdict(r) for r in self.rotated]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Rotation":
+        return cls(str(d["kind"]), int(d["seed"]), bool(d["keep_mean"]),
+                   [Rotated(r["param"], int(r["axis"]), bool(r.get("saved", True)), int(r.get("start", 0)),
+                            int(r.get("length", 0))) for r in d.get("rotated", [])])
+
+
 @dataclass
 class LayerNormEntry:
     """One LayerNorm: an ``nn.LayerNorm`` module or a functional call."""
@@ -100,11 +166,24 @@ class LayerNormEntry:
     eps: float = 1e-5
     norm: str = "layer_norm"  # or "group_norm"
     groups: int = 1
+    affine: str = ""
+    """With ``fuse_affine``: AFFINE_FUSED, AFFINE_GAIN or AFFINE_KEPT; '' when not asked."""
+    affine_reason: str = ""
+    """Why the affine stayed (AFFINE_KEPT) or why β did (AFFINE_GAIN)."""
+    fused: list[Fused] = field(default_factory=list)
+
+    @property
+    def weightless(self) -> bool:
+        """Runs as a weightless RMSNorm (``elementwise_affine=False``)."""
+        return self.foldable and self.affine == AFFINE_FUSED
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["normalized_shape"] = list(self.normalized_shape)
         d["centered"] = [c.to_dict() for c in self.centered]
+        for key in ("affine", "affine_reason", "fused"):  # newer fields, written only when used
+            if not d[key]:
+                d.pop(key)
         return d
 
     @classmethod
@@ -119,6 +198,9 @@ class LayerNormEntry:
             eps=float(d.get("eps", 1e-5)),
             norm=d.get("norm", "layer_norm"),
             groups=int(d.get("groups", 1)),
+            affine=d.get("affine", ""),
+            affine_reason=d.get("affine_reason", ""),
+            fused=[Fused(**f) for f in d.get("fused", [])],
         )
 
 
@@ -139,6 +221,8 @@ class FoldPlan:
     """Centerings inserted to make more LNs foldable (``auxiliary_centering=True``)."""
     norm_modules: list[str] = field(default_factory=list)
     """Every LayerNorm and GroupNorm module of the analysed model, to recognise it again."""
+    rotation: Rotation | None = None
+    """The rotation of the residual stream (``enjoyln.rotate``), if any."""
 
     @property
     def foldable(self) -> list[LayerNormEntry]:
@@ -152,6 +236,11 @@ class FoldPlan:
             for c in entry.centered:
                 seen.setdefault(c, None)
         return list(seen)
+
+    @property
+    def fused(self) -> list[Fused]:
+        """Every place a norm's affine moves to."""
+        return [f for e in self.foldable if e.affine in (AFFINE_FUSED, AFFINE_GAIN) for f in e.fused]
 
     @property
     def untie_bytes(self) -> int:
@@ -172,6 +261,7 @@ class FoldPlan:
             "notes": list(self.notes),
             "auxiliary": [asdict(a) for a in self.auxiliary],
             "norm_modules": list(self.norm_modules),
+            **({"rotation": self.rotation.to_dict()} if self.rotation else {}),
         }
 
     @classmethod
@@ -191,6 +281,7 @@ class FoldPlan:
             notes=list(d.get("notes", [])),
             auxiliary=[AuxCentering(**a) for a in d.get("auxiliary", [])],
             norm_modules=list(d.get("norm_modules", [])),
+            rotation=Rotation.from_dict(d["rotation"]) if d.get("rotation") else None,
         )
 
     def to_json(self, **kwargs: Any) -> str:
@@ -218,6 +309,18 @@ class FoldPlan:
             lines.append(f"Untie {u.param} from {u.tied_to}: +{format_bytes(u.nbytes)}")
         for a in self.auxiliary:
             lines.append(f"Insert {a.describe()}")
+        for e in self.foldable:
+            if e.affine == AFFINE_KEPT:
+                lines.append(f"Keep the affine of {e.name}: {e.affine_reason}")
+            elif e.affine:
+                what = "γ and β" if e.affine == AFFINE_FUSED else f"γ (β stays, as β/γ: {e.affine_reason})"
+                into = ", ".join(f.describe() for f in e.fused) or "nothing to move"
+                lines.append(f"Fuse {what} of {e.name} into {into}")
+        if self.rotation is not None:
+            r = self.rotation
+            lines.append(f"Rotate the residual stream ({r.kind}, seed {r.seed}, "
+                         f"{'keeping the mean' if r.keep_mean else 'not keeping the mean'}): "
+                         f"{len(r.rotated)} tensors")
         lines += [f"Note: {note}" for note in self.notes]
         return "\n".join(lines)
 

@@ -7,6 +7,7 @@ tests check every promise on perturbed-weight models.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Sequence
 
@@ -19,7 +20,7 @@ from .capture import ExampleInputs
 from .errors import PlanError
 from .norm import GroupRMSNorm, RMSNorm
 from .ops import rms_norm
-from .plan import Centering, FoldPlan
+from .plan import AFFINE_FUSED, AFFINE_GAIN, Centering, FoldPlan, Fused
 
 
 def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -223,6 +224,76 @@ def center_all(model: nn.Module, centerings: Sequence[Centering]) -> None:
             center_(_tensor(model, c.param), c.axis, c.groups, scales.get(c.scale), c.blocks)
 
 
+def fuse_(weight: torch.Tensor, bias: torch.Tensor | None, f: Fused, gamma: torch.Tensor | None,
+          beta: torch.Tensor | None) -> None:
+    """Move a norm's affine into one linear layer that reads it, in place, in float64:
+    ``bias += W β`` (W as it was), then the block of W's input axis ``*= γ``."""
+    wide = weight.detach().to(torch.float64)
+    block = wide.narrow(f.axis, f.start, f.length)
+    seg = slice(f.offset, f.offset + f.length)
+    if bias is not None and beta is not None:
+        added = torch.tensordot(block, beta[seg].to(torch.float64), dims=([f.axis], [0]))
+        bias.copy_(bias.detach().to(torch.float64) + added.reshape(bias.shape))
+    if gamma is not None:
+        shape = [f.length if d == f.axis else 1 for d in range(wide.dim())]
+        block.mul_(gamma[seg].to(torch.float64).reshape(shape))
+    weight.copy_(wide)
+
+
+class FuseAffine(Transformation):
+    """Move each folded norm's γ and β into the linear layers that read its output.
+
+    Each reader ``z = W y + c`` of ``y = γ ⊙ r + β`` becomes ``(W diag γ) r +
+    (W β + c)``; the norm keeps γ = 1 and β = 0 (or β/γ where a reader has no
+    bias), so as a LayerNorm it still computes what its readers now expect,
+    and the outputs do not change. Runs before the centering, which commutes
+    with it.
+    """
+
+    preserves_computation = True
+
+    def check(self, model: nn.Module, plan: FoldPlan) -> None:
+        for e in plan.foldable:
+            if e.affine not in (AFFINE_FUSED, AFFINE_GAIN):
+                continue
+            try:
+                norm = model.get_submodule(e.name)
+            except AttributeError:
+                raise PlanError(f"the plan fuses the affine of {e.name}, which this model does not have") from None
+            width = math.prod(e.normalized_shape) if e.normalized_shape else None
+            for f in e.fused:
+                w = _tensor(model, f.weight)
+                if not 0 <= f.axis < w.dim() or f.start + f.length > w.shape[f.axis] or (
+                        width is not None and f.offset + f.length > width):
+                    raise PlanError(f"the plan fuses {e.name} into entries {f.start}-{f.start + f.length - 1} of "
+                                    f"{f.weight}'s axis {f.axis}, which it does not have")
+                if f.bias and e.affine == AFFINE_FUSED and _tensor(model, f.bias).numel() * w.shape[f.axis] != w.numel():
+                    raise PlanError(f"the plan adds to {f.bias}, whose shape does not fit {f.weight}")
+            gamma = getattr(norm, "weight", None)
+            if e.affine == AFFINE_GAIN and gamma is not None and gamma.device.type != "meta" and not bool(gamma.ne(0).all()):
+                raise PlanError(f"the plan keeps {e.name}'s bias as β/γ, but its gain has a zero entry; "
+                                "analyze this model again")
+
+    def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
+        with torch.no_grad():
+            for e in plan.foldable:
+                if e.affine not in (AFFINE_FUSED, AFFINE_GAIN):
+                    continue
+                norm = model.get_submodule(e.name)
+                weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
+                gamma = weight.detach().to(torch.float64).reshape(-1).clone() if weight is not None else None
+                beta = bias.detach().to(torch.float64).reshape(-1).clone() if bias is not None else None
+                for f in e.fused:
+                    target = _tensor(model, f.bias) if f.bias and e.affine == AFFINE_FUSED else None
+                    fuse_(_tensor(model, f.weight), target, f, gamma, beta)
+                if weight is not None:
+                    weight.fill_(1)
+                if bias is not None:
+                    kept = beta / gamma if e.affine == AFFINE_GAIN and gamma is not None else beta
+                    bias.copy_(kept.reshape(bias.shape) if e.affine == AFFINE_GAIN else torch.zeros_like(bias))
+        return model
+
+
 class SwapLayerNorms(Transformation):
     """Replace every foldable LN with ``enjoyln.RMSNorm`` (a GroupNorm with ``GroupRMSNorm``).
 
@@ -261,6 +332,11 @@ class SwapLayerNorms(Transformation):
                     continue
                 parent_path, _, attr = e.name.rpartition(".")
                 rms = cls.from_group_norm(module) if cls is GroupRMSNorm else cls.from_layer_norm(module)
+                if e.affine in (AFFINE_FUSED, AFFINE_GAIN):  # γ = 1 (and β = 0) now: drop them
+                    rms.register_parameter("weight", None)
+                    if e.affine == AFFINE_FUSED:
+                        rms.register_parameter("bias", None)
+                    rms.elementwise_affine = False
                 centering.move_hooks(module, rms)
                 setattr(model.get_submodule(parent_path), attr, rms)
             else:
@@ -296,8 +372,41 @@ def _rms_args(node: fx.Node) -> tuple:
                  for i, n in enumerate(names))
 
 
-PIPELINE: tuple[Transformation, ...] = (InsertCentering(), UntieParameters(), CenterParameters(),
-                                        SwapLayerNorms())
+class RotateStream(Transformation):
+    """Rotate the residual stream by the plan's ``Q`` (``enjoyln.rotation``), in float64.
+
+    Runs after SwapLayerNorms: the weightless RMSNorms then commute with ``Q``,
+    and the analysis proved every other reader of the stream is a residual sum
+    or a linear layer rotated alike, so the outputs do not change.
+    """
+
+    preserves_computation = True
+
+    def check(self, model: nn.Module, plan: FoldPlan) -> None:
+        from .rotation import KINDS
+
+        r = plan.rotation
+        if r is None:
+            return
+        if r.kind not in KINDS:
+            raise PlanError(f"the plan rotates with the unknown kind {r.kind!r}")
+        for rot in r.rotated:
+            t = _tensor(model, rot.param)
+            if not 0 <= rot.axis < t.dim() or rot.start + (rot.length or 1) > t.shape[rot.axis]:
+                raise PlanError(f"the plan rotates {rot.param} along axis {rot.axis}, which it does not have")
+
+    def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
+        from .rotation import apply_rotation
+
+        if plan.rotation is not None:
+            with torch.no_grad():
+                for rot in plan.rotation.rotated:
+                    apply_rotation(_tensor(model, rot.param), rot, plan.rotation)
+        return model
+
+
+PIPELINE: tuple[Transformation, ...] = (InsertCentering(), UntieParameters(), FuseAffine(), CenterParameters(),
+                                        SwapLayerNorms(), RotateStream())
 
 
 def check_fits(model: nn.Module, plan: FoldPlan) -> None:
@@ -328,14 +437,17 @@ def apply_plan(model: nn.Module, plan: FoldPlan) -> nn.Module:
 
 
 def fold(model: nn.Module, example_inputs: ExampleInputs = None, *,
-         plan: FoldPlan | None = None, auxiliary_centering: bool = False) -> nn.Module:
+         plan: FoldPlan | None = None, auxiliary_centering: bool = False,
+         fuse_affine: bool = False) -> nn.Module:
     """Fold every foldable LayerNorm of ``model`` into RMSNorm, in place.
 
     Centers the upstream weights in float64, unties tied weights where needed
     and swaps the LNs; the outputs stay the same. With
     ``auxiliary_centering``, explicit centerings are inserted where each makes
-    more LNs foldable than it costs (BLOOM, the Whisper encoder). Returns
-    ``model``.
+    more LNs foldable than it costs (BLOOM, the Whisper encoder). With
+    ``fuse_affine``, each folded norm's γ and β also move into the linear
+    layers that read it, where that is sound, leaving a weightless RMSNorm
+    (see ``enjoyln.affine``). Returns ``model``.
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
@@ -343,8 +455,37 @@ def fold(model: nn.Module, example_inputs: ExampleInputs = None, *,
     'RMSNorm'
     """
     if plan is None:
-        plan = analyze(model, example_inputs, auxiliary_centering=auxiliary_centering)
+        plan = analyze(model, example_inputs, auxiliary_centering=auxiliary_centering, fuse_affine=fuse_affine)
     for note in plan.notes:
         if "training mode" in note:
             warnings.warn(f"enjoyln: {note}", stacklevel=2)
+    return apply_plan(model, plan)
+
+
+def rotate(model: nn.Module, example_inputs: ExampleInputs = None, *, kind: str = "hadamard", seed: int = 0,
+           keep_mean: bool = True, plan: FoldPlan | None = None) -> nn.Module:
+    """Fold ``model`` with fused affines and rotate its residual stream by an orthogonal ``Q``, in place.
+
+    The outputs stay the same, provably (see ``enjoyln.rotation``); the stream,
+    and every linear layer that reads it, are now in the rotated basis, which
+    spreads outlier features across all of them (as QuaRot and SpinQuant rely
+    on). ``kind`` is ``"hadamard"`` (randomized Hadamard) or ``"random"``;
+    with ``keep_mean`` (the default) ``Q`` fixes the all-ones vector, so the
+    stream stays zero-mean and plain LayerNorms still give the same outputs.
+    Raises ``PlanError`` with the reason where the stream cannot be rotated.
+
+    >>> import enjoyln
+    >>> from enjoyln.testing import perturb, tiny_model
+    >>> model = enjoyln.rotate(perturb(tiny_model("gpt2")))
+    >>> type(model.transformer.ln_f).__name__, model.transformer.h[0].ln_1.weight is None
+    ('RMSNorm', True)
+    """
+    if any(isinstance(m, (RMSNorm, GroupRMSNorm)) for m in model.modules()):
+        raise PlanError("this model is already folded in memory; rotate the original model (rotate folds it "
+                        "too), or a folded checkpoint loaded with plain from_pretrained")
+    if plan is None:
+        plan = analyze(model, example_inputs, fuse_affine=True, rotate=(kind, int(seed), bool(keep_mean)))
+    if plan.rotation is None:
+        why = next((n for n in plan.notes if "cannot be rotated" in n), "the plan has no rotation")
+        raise PlanError(why)
     return apply_plan(model, plan)

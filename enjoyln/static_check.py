@@ -47,6 +47,8 @@ class StaticReport:
     identical: int = 0
     centered: int = 0
     untied: int = 0
+    computed: int = 0
+    """With a fused affine or a rotation: tensors recomputed from the reference, and equal."""
     bytes_read: int = 0
     seconds: float = 0.0
     form: str = ""
@@ -60,8 +62,9 @@ class StaticReport:
 
     def summary(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
-        what = (f"{self.tensors} tensors verified ({self.identical} identical, {self.centered} centered, "
-                f"{self.untied} untied), {self.bytes_read / 1e6:.1f} MB read in {self.seconds:.2f} s")
+        kinds = (f"{self.computed} recomputed with the fused affine and rotation" if self.computed else
+                 f"{self.identical} identical, {self.centered} centered, {self.untied} untied")
+        what = f"{self.tensors} tensors verified ({kinds}), {self.bytes_read / 1e6:.1f} MB read in {self.seconds:.2f} s"
         lines = [f"{verdict}: static check, {what}"]
         if self.form:
             lines.append(f"  the candidate is {'the plan applied to the reference' if self.form == 'folded' else 'identical to the reference'}"
@@ -221,10 +224,25 @@ def _loaded_config(md: ModelDir) -> dict[str, Any]:
 
 
 def _essentials(plan: FoldPlan) -> dict[str, set]:
+    r = plan.rotation
     return {"folded LayerNorms": {e.name for e in plan.foldable},
             "centered tensors": {tuple(sorted(asdict(c).items())) for c in plan.centered},
             "untied tensors": {u.param for u in plan.untied},
-            "auxiliary centerings": {(a.module, a.where) for a in plan.auxiliary}}
+            "auxiliary centerings": {(a.module, a.where) for a in plan.auxiliary},
+            "fused affines": {(e.name, e.affine, tuple(tuple(asdict(f).items()) for f in e.fused))
+                              for e in plan.foldable if e.affine},
+            "rotations": {(r.kind, r.seed, r.keep_mean, tuple(tuple(asdict(x).items()) for x in r.rotated))}
+            if r else set()}
+
+
+def _options(recorded: FoldPlan | None) -> dict[str, Any]:
+    """The analysis options a recorded plan was made with."""
+    if recorded is None:
+        return {"auxiliary_centering": False}
+    r = recorded.rotation
+    return {"auxiliary_centering": bool(recorded.auxiliary),
+            "fuse_affine": any(e.affine for e in recorded.layer_norms),
+            "rotate": (r.kind, r.seed, r.keep_mean) if r else None}
 
 
 def _plan_problems(recorded: FoldPlan, analysed: FoldPlan) -> list[str]:
@@ -271,7 +289,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     >>> static_check(open_model_dir("gpt2"), open_model_dir("gpt2-folded")).passed  # doctest: +SKIP
     True
     """
-    from .analysis import analyze
+    from .checkpoint import _analyze, final_tensors, moves_values
 
     start = time.perf_counter()
     report = StaticReport(passed=False)
@@ -282,7 +300,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     check_shapes(cand, cand_model)
     if plan is None:
         try:
-            plan = analyze(ref_model, auxiliary_centering=bool(recorded and recorded.auxiliary))
+            plan = _analyze(ref, ref_model, **_options(recorded))
             report.plan = "analysis"
         except EnjoylnError as exc:
             if recorded is not None:
@@ -342,6 +360,11 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     for key in sorted(ref_keys - cand_keys - {rk for rk, _, _ in todo.values()}):
         problems.append(f"the candidate lacks the reference's tensor {key}")
 
+    # A fused affine or a rotation computes tensors from other tensors: those are recomputed
+    # from the reference in memory, by the code the fold used, and compared in chunks.
+    expected = final_tensors(ref, plan, ref_model) if moves_values(plan) and not problems else None
+    if expected is not None:
+        report.form = "folded"
     total = sum(reader_cand.md.tensors[k].nbytes if cand.tensors else 0 for k in todo)
     not_identical: list[str] = []
     not_folded = [f"the candidate still ties {u.param} to {u.tied_to}, so centering one changes the other"
@@ -354,6 +377,10 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
             diff = None
             if not shape_ok:
                 identical = folded = False
+            elif expected is not None:
+                identical = False
+                folded, diff = _close_to_file(expected[ck], reader_cand, ck) if ck in expected else (False, None)
+                report.computed += folded
             elif c is None and same_dtype:
                 identical = folded = _same_bytes(reader_ref, reader_cand, rk, ck)
             else:  # one tensor in memory at a time; the candidate is read in chunks
@@ -366,13 +393,15 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
                 del r
             report.tensors += 1
             report.identical += identical and c is None
-            report.centered += c is not None and folded
+            report.centered += bool(c) and folded
             report.untied += is_untied and folded
             if not identical:
                 not_identical.append(f"{ck} differs from the reference's {rk}")
             if not folded:
                 not_folded.append(f"{ck} has shape {list(_shape(reader_cand, ck))}, not {list(_shape(reader_ref, rk))}"
                                   if not shape_ok else
+                                  f"{ck} is not what the plan makes of the reference (max abs diff {diff if diff is not None else float('inf'):.3g})"
+                                  if expected is not None else
                                   f"{ck} is not {rk} centered along axis {c[0].axis} (max abs diff {diff:.3g})"
                                   if c is not None else f"{ck} differs from the reference's {rk}")
             done += reader_cand.md.tensors[ck].nbytes if cand.tensors else 0
@@ -384,7 +413,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     # Without a recorded plan the candidate may be the reference itself or the
     # whole plan applied; anything in between is not proven, so it is judged
     # against whichever form it is closer to.
-    if recorded is None and (not not_identical or len(not_identical) < len(not_folded)):
+    if expected is None and recorded is None and (not not_identical or len(not_identical) < len(not_folded)):
         report.form = "identical"
         problems += not_identical
     else:

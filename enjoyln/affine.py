@@ -1,0 +1,262 @@
+"""Fusing the affine: move a folded norm's γ and β into the linear layers that read it.
+
+With ``y = γ ⊙ r + β`` the output of a folded norm (``r`` its plain RMS-normalised
+input), a linear layer ``z = W y + c`` that reads it is ``z = (W diag γ) r + (W β + c)``.
+So when every reader of ``y`` is such a layer, reached through ops that only move
+values around (views, permutes, selections of rows, a ``cat`` that places it in
+a block of a wider input), γ and β move into those layers and the norm becomes
+weightless: an RMSNorm with no affine, which commutes with any rotation of its
+input (``enjoyln.rotation``).
+
+Where a reader has no bias to take ``W β``, β stays on the norm as ``β / γ``
+(``γ (r + β/γ)`` is what the scaled layer then sees); where the output reaches
+anything else (a model output, a nonlinearity, the residual stream itself),
+the affine stays, with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from torch import fx
+
+from .graph import LN_OPS, GraphIndex, arg, norm_dim, op_name, reads_value, shape
+from .plan import AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT, Fused, LayerNormEntry, Untie
+from .rules import CAST_OPS, DROPOUT_OPS, RESHAPE_OPS, SPLIT_OPS, Refusal, carry
+
+# Ops that only move values around: through them, every element still carries its own
+# feature's γ and β. (Scaling, summing, padding or interpolating would change what β
+# contributes, so they are not here.)
+MOVES = ({"getitem", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "permute", "transpose", "t",
+          "numpy_T", "swapaxes", "movedim", "select", "slice", "narrow", "index", "index_select", "gather",
+          "expand", "expand_as", "repeat", "flip", "roll"}
+         | DROPOUT_OPS | CAST_OPS | RESHAPE_OPS | SPLIT_OPS)
+CATS = {"cat", "concat", "concatenate"}
+
+Segments = tuple[tuple[int, int, int], ...]
+"""Blocks of the feature axis that hold the norm's output: (start, length, offset in the norm)."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    """The norm's output as it reaches a value: its feature axis, and where along it."""
+
+    axis: int
+    segments: Segments
+
+
+def _reader(g: GraphIndex, node: fx.Node, value: fx.Node, trace: Trace) -> list[Fused] | str | None:
+    """The Fused entries if ``node`` is a linear layer reading ``value`` as its input,
+    a refusal if it reads it some other way, None if it is not a linear layer."""
+    name = op_name(node)
+    if name == "linear":
+        x, w, b, in_pos = node.args[0], node.args[1], arg(node, 2, "bias"), 1
+    elif name == "addmm":
+        b, x, w, in_pos = node.args[0], node.args[1], node.args[2], 0
+    elif name in ("mm", "matmul"):
+        x, w, b, in_pos = node.args[0], node.args[1], None, 0
+    else:
+        return None
+    where = g.describe(node)
+    if x is not value:
+        return f"is read by {where} as its weight or bias"
+    dims, wdims = shape(x), shape(w)
+    if dims is None or wdims is None or len(wdims) != 2 or trace.axis != len(dims) - 1:
+        return f"is read by {where} along an axis it does not contract"
+    weight = g.param(w)
+    if weight is None:
+        return f"is read by {where}, whose weight is not a parameter"
+    bias = None
+    if b is not None:
+        found = g.param(b)
+        if found is None:
+            return f"is read by {where}, whose bias is not a parameter"
+        bias = g.cap.use_alias(node, found[0]) or found[0]
+    fqn, perm = weight
+    alias = g.cap.use_alias(node, fqn) or fqn
+    return [Fused(alias, perm[in_pos], start, length, offset, bias) for start, length, offset in trace.segments]
+
+
+def _move(node: fx.Node, src: fx.Node, trace: Trace, where: str) -> Trace | Refusal:
+    """``trace`` after an op that moves values: the feature axis carried, or cut."""
+    name = op_name(node)
+    if name in ("slice", "narrow") and norm_dim(arg(node, 1, "dim", 0), len(shape(src))) == trace.axis:
+        start = arg(node, 2, "start", 0) or 0
+        size = shape(src)[trace.axis]
+        start = max(0, start + size if start < 0 else start)
+        length = shape(node)[trace.axis]
+        if (arg(node, 4, "step", 1) if name == "slice" else 1) != 1:
+            return Refusal(f"is cut with a step along its features by {name} {where}")
+        kept = tuple((max(s, start) - start, min(s + n, start + length) - max(s, start), o + max(s, start) - s)
+                     for s, n, o in trace.segments if min(s + n, start + length) > max(s, start))
+        return Trace(trace.axis, kept)
+    new = carry(node, src, trace.axis, where)
+    return new if isinstance(new, Refusal) else replace(trace, axis=new)
+
+
+def _cat(node: fx.Node, traces: dict[fx.Node, Trace], where: str) -> Trace | Refusal:
+    """A cat of the norm's output with other values: along the features it just moves the
+    blocks; along another axis only the norm's output may be in it."""
+    parts = list(node.args[0])
+    dims = shape(node)
+    if dims is None:
+        return Refusal(f"passes through {op_name(node)} {where}, whose shapes are unknown")
+    dim = norm_dim(arg(node, 1, "dim", 0), len(dims))
+    axes = {traces[p].axis for p in parts if p in traces}
+    if len(axes) != 1:
+        return Refusal(f"is concatenated {where} with its features on different axes")
+    axis = axes.pop()
+    if dim != axis:
+        if any(p not in traces for p in parts) or len({traces[p].segments for p in parts}) != 1:
+            return Refusal(f"is concatenated {where} with other values")
+        return traces[parts[0]]
+    segments, at = [], 0
+    for p in parts:
+        if p in traces:
+            segments += [(s + at, n, o) for s, n, o in traces[p].segments]
+        at += shape(p)[dim]
+    return Trace(axis, tuple(segments))
+
+
+def trace_readers(g: GraphIndex, ln: fx.Node) -> tuple[list[Fused], set[fx.Node]] | str:
+    """Where one call of a norm puts its output: the linear layers that read it (with the
+    blocks of their input), or why its affine cannot move."""
+    dims = shape(ln.args[0])
+    if dims is None:
+        return "its input's shape is not known"
+    width = dims[-1]
+    traces: dict[fx.Node, Trace] = {}
+    if op_name(ln) == "native_layer_norm":
+        for u in ln.users:
+            if op_name(u) == "getitem" and u.args[1] == 0:
+                traces[u] = Trace(len(dims) - 1, ((0, width, 0),))
+    else:
+        traces[ln] = Trace(len(dims) - 1, ((0, width, 0),))
+    fused: list[Fused] = []
+    readers: set[fx.Node] = set()
+    for node in g.graph.nodes:
+        g.at = node
+        hits = [i for i in node.all_input_nodes if i in traces and reads_value(node, i)]
+        if not hits or node not in g.live:
+            continue  # nothing of the norm's output, or nothing the model computes
+        if node.op == "output":
+            outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+            names = [g.output_names.get(i, str(i)) for i, o in enumerate(outs) if o in hits]
+            return f"its output is the model output `{names[0] if names else '?'}`"
+        where, name = g.where(node), op_name(node)
+        if len(hits) == 1:
+            found = _reader(g, node, hits[0], traces[hits[0]])
+            if isinstance(found, str):
+                return f"its output {found}"
+            if found is not None:
+                fused += [f for f in found if f.length > 0]
+                readers.add(node)
+                continue
+        if name in CATS:
+            new = _cat(node, traces, where)
+        elif name in MOVES and len(hits) == 1 and node.args and node.args[0] is hits[0]:
+            new = _move(node, hits[0], traces[hits[0]], where)
+        else:
+            return f"its output reaches {g.describe(node)}"
+        if isinstance(new, Refusal):
+            return f"its output {new}"
+        traces[node] = new
+    return fused, readers
+
+
+def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, list[fx.Node]]) -> list[Untie]:
+    """Decide, for every folded norm, where its γ and β go (``entry.affine`` and
+    ``entry.fused``); return the weights that must be untied for it.
+
+    A weight takes a norm's affine only if every value read of it is one of that
+    norm's readers (or another norm's, on other blocks of its input); a tied
+    alias owned by another module gets its own copy instead.
+    """
+    found: dict[str, tuple[list[Fused], set[fx.Node]]] = {}
+    for e in entries:
+        if not e.foldable or e.norm != "layer_norm":
+            continue
+        if e.kind != "module":
+            e.affine, e.affine_reason = AFFINE_KEPT, "it is a functional layer_norm, whose affine enjoyln keeps"
+            continue
+        fused: list[Fused] = []
+        readers: set[fx.Node] = set()
+        for ln in calls.get(e.name, []):
+            result = trace_readers(g, ln)
+            if isinstance(result, str):
+                e.affine, e.affine_reason = AFFINE_KEPT, result
+                break
+            fused += [f for f in result[0] if f not in fused]
+            readers |= result[1]
+        else:
+            found[e.name] = (fused, readers)
+    untie: dict[str, Untie] = {}
+    while True:
+        blocked = _shared(g, found, untie)
+        if not blocked:
+            break
+        for name, why in blocked.items():
+            entry = next(e for e in entries if e.name == name)
+            entry.affine, entry.affine_reason = AFFINE_KEPT, why
+            found.pop(name)
+    for e in entries:
+        if e.name not in found:
+            continue
+        e.fused = sorted(found[e.name][0], key=lambda f: (f.weight, f.start))
+        module = g.cap.model.get_submodule(e.name)
+        gain, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        no_bias = sorted({f.weight for f in e.fused if f.bias is None})
+        if bias is None or not no_bias:
+            e.affine = AFFINE_FUSED
+        else:
+            values = g.value(f"{e.name}.weight") if gain is not None else None
+            if values is not None and not bool(values.ne(0).all()):
+                e.affine, e.affine_reason, e.fused = AFFINE_KEPT, (
+                    f"its gain has a zero entry, so β cannot stay as β/γ, and {no_bias[0]} has no bias to "
+                    "take it"), []
+            else:
+                e.affine, e.affine_reason = AFFINE_GAIN, f"{no_bias[0]} has no bias to take it"
+    return sorted(untie.values(), key=lambda u: u.param)
+
+
+def _shared(g: GraphIndex, found: dict[str, tuple[list[Fused], set[fx.Node]]],
+            untie: dict[str, Untie]) -> dict[str, str]:
+    """Norms whose readers' weights are read elsewhere (and cannot be untied), or by two
+    norms on the same block."""
+    blocked: dict[str, str] = {}
+    owners: dict[str, set[str]] = {}  # placeholder -> norms fusing into it
+    for name, (fused, _) in found.items():
+        for f in fused:
+            ph = g.placeholder_of.get(f.weight)
+            if ph is not None:
+                owners.setdefault(ph.name, set()).add(name)
+    for ph_name, norms in owners.items():
+        ph = g.placeholders[ph_name]
+        ours = set().union(*(found[n][1] for n in norms))
+        blocks = [(f.axis, f.start, f.length, n) for n in norms for f in found[n][0]
+                  if g.placeholder_of.get(f.weight) is ph]
+        for a, (axis, s, n_len, who) in enumerate(blocks):
+            for axis2, s2, n2, who2 in blocks[a + 1:]:
+                if who != who2 and axis == axis2 and s < s2 + n2 and s2 < s + n_len:
+                    blocked.setdefault(who, f"{g.cap.placeholder_fqn[ph_name]} also takes the affine of {who2}")
+        for bias in {f.bias for n in norms for f in found[n][0] if f.bias and g.placeholder_of.get(f.weight) is ph}:
+            bph = g.placeholder_of.get(bias)
+            for user in g.readers(bph) if bph is not None else []:
+                if user not in ours and user in g.live:
+                    for who in norms:
+                        blocked.setdefault(who, f"{bias} is also read by {g.describe(user)}")
+        aliases = {f.weight for n in norms for f in found[n][0] if g.placeholder_of.get(f.weight) is ph}
+        owner_ids = {id(g.owner_module(a)) for a in aliases}
+        for user in g.readers(ph):
+            if user in ours or user not in g.live:
+                continue
+            alias = g.cap.use_alias(user, g.cap.placeholder_fqn[ph_name])
+            if alias is not None and alias not in aliases and id(g.owner_module(alias)) not in owner_ids:
+                val = ph.meta.get("val")
+                nbytes = val.numel() * val.element_size() if val is not None else 0
+                for a in aliases:  # the norm's reader gets its own copy
+                    untie[a] = Untie(a, alias, nbytes)
+                continue
+            for who in norms:
+                blocked.setdefault(who, f"{sorted(aliases)[0]} is also read by {g.describe(user)}")
+    return blocked

@@ -1,0 +1,163 @@
+"""fuse_affine: each folded norm's γ and β move into the linear layers that read it."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import enjoyln
+from enjoyln.capture import hf_example_inputs
+from enjoyln.plan import AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT, FoldPlan
+from enjoyln.rewrite import PIPELINE
+from enjoyln.testing import perturb, tiny_model
+from conftest import assert_same_outputs
+
+# arch -> (weightless, bias-only) RMSNorms after fold(fuse_affine=True) of the tiny perturbed model
+ZOO = {
+    "gpt2": (4, 1),      # ln_f feeds lm_head, which has no bias: β stays as β/γ
+    "opt": (4, 1),
+    "phi": (3, 0),
+    "gptj": (1, 2),      # q, k, v have no bias
+    "gpt_neox": (4, 1),
+    "falcon": (0, 3),
+    "vit": (5, 0),
+    "clip": (4, 0),      # text final_layer_norm is a model output; vision pre_layrnorm feeds an LN
+    "whisper": (6, 5),   # k_proj has no bias
+    "bloom": (4, 1),     # with auxiliary centering
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ZOO))
+def test_fuse_affine_is_exact_and_leaves_weightless_norms(arch):
+    model = perturb(tiny_model(arch), seed=11)
+    folded = enjoyln.fold(copy.deepcopy(model), fuse_affine=True, auxiliary_centering=arch in ("bloom", "whisper"))
+    assert_same_outputs(model, folded, hf_example_inputs(model, seed=12))
+    norms = [m for m in folded.modules() if isinstance(m, enjoyln.RMSNorm)]
+    weightless = sum(m.weight is None and m.bias is None for m in norms)
+    bias_only = sum(m.weight is None and m.bias is not None for m in norms)
+    assert (weightless, bias_only) == ZOO[arch]
+
+
+def test_fused_weights_are_the_float64_products():
+    model = perturb(tiny_model("gpt2"), seed=13)
+    plan = enjoyln.analyze(model, fuse_affine=True)
+    ln = model.transformer.h[0].ln_1
+    w, b = model.transformer.h[0].attn.c_attn.weight, model.transformer.h[0].attn.c_attn.bias
+    folded = enjoyln.fold(copy.deepcopy(model), plan=plan)
+    g64, b64 = ln.weight.double(), ln.bias.double()
+    expected_w = (w.double() * g64[:, None]).float()  # Conv1D: [in, out], the input axis is 0
+    expected_b = (b.double() + b64 @ w.double()).float()
+    assert torch.equal(folded.transformer.h[0].attn.c_attn.weight, expected_w)
+    assert torch.equal(folded.transformer.h[0].attn.c_attn.bias, expected_b)
+    entry = plan["transformer.h.0.ln_1"]
+    assert entry.affine == AFFINE_FUSED and [f.weight for f in entry.fused] == ["transformer.h.0.attn.c_attn.weight"]
+    assert entry.fused[0].axis == 0 and entry.fused[0].bias == "transformer.h.0.attn.c_attn.bias"
+
+
+def test_every_transformation_keeps_its_promise_with_fused_affines():
+    model = perturb(tiny_model("gpt2"), seed=14)
+    plan = enjoyln.analyze(model, fuse_affine=True)
+    inputs = hf_example_inputs(model, seed=15)
+    work = copy.deepcopy(model)
+    for step in PIPELINE:
+        step(work, plan)
+        assert step.preserves_computation
+        assert_same_outputs(model, work, inputs)
+
+
+def test_plan_round_trip_keeps_the_fusion():
+    plan = enjoyln.analyze(perturb(tiny_model("gptj")), fuse_affine=True)
+    again = FoldPlan.from_json(plan.to_json())
+    assert again == plan and any(e.affine == AFFINE_GAIN for e in again.layer_norms)
+    assert "β stays, as β/γ" in plan.summary()
+
+
+class Block(nn.Module):
+    def __init__(self, reader="linear", d=8):
+        super().__init__()
+        self.embed = nn.Embedding(16, d)
+        self.ln = nn.LayerNorm(d)
+        self.lin = nn.Linear(d, d)
+        self.wide = nn.Linear(2 * d, 4)
+        self.reader = reader
+
+    def forward(self, ids):
+        y = self.ln(self.embed(ids))
+        if self.reader == "output":
+            return self.lin(y), y
+        if self.reader == "gelu":
+            return self.lin(torch.nn.functional.gelu(y))
+        if self.reader == "cat":  # two blocks of a wider linear's input
+            return self.wide(torch.cat([y, y], -1))
+        if self.reader == "rows":  # selecting positions moves values only
+            return self.lin(y[:, 1:3].transpose(0, 1))
+        if self.reader == "mean":  # averaging positions changes what β contributes
+            return self.lin(y.mean(1))
+        return self.lin(y)
+
+
+def _block(reader):
+    torch.manual_seed(0)
+    return perturb(Block(reader)).eval()
+
+
+@pytest.mark.parametrize("reader,affine,why", [
+    ("linear", AFFINE_FUSED, ""),
+    ("rows", AFFINE_FUSED, ""),
+    ("cat", AFFINE_FUSED, ""),
+    ("output", AFFINE_KEPT, "is the model output `1`"),
+    ("gelu", AFFINE_KEPT, "reaches gelu"),
+    ("mean", AFFINE_KEPT, "reaches mean"),
+])
+def test_where_the_affine_can_go(reader, affine, why):
+    model = _block(reader)
+    ids = torch.randint(0, 16, (3, 5))
+    plan = enjoyln.analyze(model, ids, fuse_affine=True)
+    entry = plan["ln"]
+    assert entry.foldable and entry.affine == affine and why in entry.affine_reason
+    if reader == "cat":
+        assert sorted((f.start, f.length, f.offset) for f in entry.fused) == [(0, 8, 0), (8, 8, 0)]
+    folded = enjoyln.fold(copy.deepcopy(model), ids, plan=plan)
+    assert_same_outputs(model, folded, ids)
+    assert (folded.ln.weight is None) == (affine == AFFINE_FUSED)
+
+
+def test_a_zero_gain_keeps_the_affine_when_a_reader_has_no_bias():
+    torch.manual_seed(0)
+    model = perturb(Block()).eval()
+    model.lin = nn.Linear(8, 8, bias=False)
+    ids = torch.randint(0, 16, (3, 5))
+    assert enjoyln.analyze(model, ids, fuse_affine=True)["ln"].affine == AFFINE_GAIN
+    with torch.no_grad():
+        model.ln.weight[3] = 0
+    entry = enjoyln.analyze(model, ids, fuse_affine=True)["ln"]
+    assert entry.affine == AFFINE_KEPT and "zero entry" in entry.affine_reason
+    assert_same_outputs(model, enjoyln.fold(copy.deepcopy(model), ids, fuse_affine=True), ids)
+
+
+def test_a_weight_read_elsewhere_is_untied_with_its_cost():
+    """GPT-2's head is the embedding: the fused head gets its own copy."""
+    model = perturb(tiny_model("gpt2", n_layer=1), seed=16)
+    plan = enjoyln.analyze(model, fuse_affine=True)
+    assert [u.param for u in plan.untied] == ["lm_head.weight"] and plan.untied[0].nbytes == 128 * 64 * 4
+    folded = enjoyln.fold(copy.deepcopy(model), plan=plan)
+    assert folded.lm_head.weight is not folded.transformer.wte.weight
+
+
+def test_checkpoint_with_fused_affines(tmp_path):
+    src = tmp_path / "src"
+    model = perturb(tiny_model("opt"), seed=17)
+    model.save_pretrained(src)
+    result = enjoyln.fold_checkpoint(src, tmp_path / "out", fuse_affine=True)
+    assert result.report.passed and result.report.static.computed == result.report.static.tensors
+    inputs = hf_example_inputs(model, seed=18)
+    plain = transformers.OPTForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert torch.equal(plain.model.decoder.layers[0].self_attn_layer_norm.weight, torch.ones(64))
+    assert torch.equal(plain.model.decoder.layers[0].self_attn_layer_norm.bias, torch.zeros(64))
+    assert_same_outputs(model, plain, inputs)  # LN(x)·1 + 0 feeding the fused layers
+    loaded = enjoyln.load(tmp_path / "out")
+    norms = [m for m in loaded.modules() if isinstance(m, enjoyln.RMSNorm)]
+    assert sum(m.weight is None and m.bias is None for m in norms) == 4
+    assert_same_outputs(model, loaded, inputs)
