@@ -258,17 +258,24 @@ def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False,
         raise unknown_architecture(arch)
     md = ModelDir(root, config, arch, [], custom_code=code, trust_remote_code=trust_remote_code)
     index: dict[str, str] | None = None
-    if (root / SAFE_INDEX).exists() or (root / SAFE_INDEX).is_symlink():
+    present = {n for n in WEIGHT_FILES if (root / n).exists() or (root / n).is_symlink()}
+    for single, index_name in ((SAFE_WEIGHTS, SAFE_INDEX), (PT_WEIGHTS, PT_INDEX)):
+        if {single, index_name} <= present:
+            # transformers loads the single file and ignores the index; a check that read the
+            # shards would vouch for weights that nothing loads
+            raise CheckpointError(f"{root} holds both {single} and {index_name}, so one of them is stale "
+                                  f"(transformers would load {single}); remove the other")
+    if SAFE_INDEX in present:
         index = _index(root / SAFE_INDEX)
         md.shards = sorted(set(index.values()))
-    elif (root / SAFE_WEIGHTS).exists() or (root / SAFE_WEIGHTS).is_symlink():
+    elif SAFE_WEIGHTS in present:
         md.shards = [SAFE_WEIGHTS]
-    elif any((root / n).exists() for n in (PT_INDEX, PT_WEIGHTS)):
+    elif present & {PT_INDEX, PT_WEIGHTS}:
         if not allow_pickle:
             raise CheckpointError(f"{root} has only pickle (.bin) weights, which can run code when "
                                   "loaded; pass --allow-pickle to load them with weights_only=True")
         md.pickled = True
-        md.shards = sorted(set(_index(root / PT_INDEX).values())) if (root / PT_INDEX).exists() else [PT_WEIGHTS]
+        md.shards = sorted(set(_index(root / PT_INDEX).values())) if PT_INDEX in present else [PT_WEIGHTS]
     else:
         raise CheckpointError(f"{root} has no weights (model.safetensors or {SAFE_INDEX})")
     for shard in md.shards:
