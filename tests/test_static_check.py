@@ -165,3 +165,27 @@ def test_fold_refuses_a_forward_check_that_cannot_fit(pair, tmp_path, monkeypatc
     assert result.exit_code == 0 and "static check" in result.output and "forward comparison not run" in result.output
     plain = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out")
     assert sum(isinstance(m, torch.nn.LayerNorm) for m in plain.modules()) == 5
+
+
+def test_a_half_precision_change_within_a_few_ulps_of_the_maximum_is_caught(tmp_path):
+    """In bfloat16, 4 ulp of a tensor's maximum is 3% of it: a bound on the whole tensor's scale
+    let a whole embedding row move by that much, and the forward check's own half-precision
+    margin did not see it either. Each element may be off by one ulp of itself, no more."""
+    from typer.testing import CliRunner
+
+    from enjoyln.cli import app
+
+    perturb(tiny_model("gpt2"), seed=41).to(torch.bfloat16).save_pretrained(tmp_path / "ref")
+    fold_checkpoint(tmp_path / "ref", tmp_path / "folded", check="none")
+    assert run(tmp_path / "ref", tmp_path / "folded").passed
+
+    def shift_row(sd):
+        w = sd["transformer.wte.weight"].float()
+        w[5] += 3.5 * torch.finfo(torch.bfloat16).eps * float(w.abs().max()) * torch.sign(torch.randn(w.shape[1]))
+        sd["transformer.wte.weight"] = w.to(torch.bfloat16)
+
+    cand = edited(tmp_path / "folded", tmp_path, shift_row)
+    report = run(tmp_path / "ref", cand)
+    assert not report.passed and any("transformer.wte.weight is not" in p for p in report.problems)
+    result = CliRunner().invoke(app, ["check", str(tmp_path / "ref"), str(cand)])
+    assert result.exit_code == 1, result.output
