@@ -5,7 +5,8 @@ by tensor, so it runs at disk speed and fits any size. Every tensor the
 candidate's model loads is accounted for:
 
 - an unchanged tensor is byte-identical to the reference's (or equal to it
-  cast exactly, for a half-precision candidate of a float32 reference);
+  cast exactly, for a half-precision candidate of a float32 reference; no
+  other change of dtype is accepted);
 - a centered tensor equals the reference's, centered in float64 and cast to
   its dtype, to within that dtype's rounding;
 - an untied head equals the tensor it was tied to;
@@ -303,8 +304,15 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     done = 0
     try:
         for ck, (rk, c, is_untied) in todo.items():
-            same_dtype = reader_ref.dtype(rk) == reader_cand.dtype(ck)
-            if c is None and same_dtype:
+            ref_dtype, cand_dtype = reader_ref.dtype(rk), reader_cand.dtype(ck)
+            same_dtype = ref_dtype == cand_dtype
+            recast = None
+            if not _cast_allowed(ref_dtype, cand_dtype):
+                # the reference cast to int8 or float8 compares equal to a candidate that lost
+                # almost everything; loaded into the model's dtype, it would run
+                recast = f"{ck} is stored as {cand_dtype}, but the reference's {rk} is {ref_dtype}"
+                identical = folded = False
+            elif c is None and same_dtype:
                 identical = folded = _same_bytes(reader_ref, reader_cand, rk, ck)
                 diff = None
             else:
@@ -317,10 +325,11 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
             report.centered += c is not None and folded
             report.untied += is_untied and folded
             if not identical:
-                not_identical.append(f"{ck} differs from the reference's {rk}")
+                not_identical.append(recast or f"{ck} differs from the reference's {rk}")
             if not folded:
-                not_folded.append(f"{ck} is not {rk} centered along axis {c.axis} (max abs diff {diff:.3g})"
-                                  if c is not None else f"{ck} differs from the reference's {rk}")
+                not_folded.append(recast or (f"{ck} is not {rk} centered along axis {c.axis} (max abs "
+                                             f"diff {diff:.3g})" if c is not None
+                                             else f"{ck} differs from the reference's {rk}"))
             done += reader_cand.md.tensors[ck].nbytes if cand.tensors else 0
             if progress is not None:
                 progress(done, total)
@@ -340,6 +349,12 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     report.seconds = time.perf_counter() - start
     report.passed = not problems
     return report
+
+
+def _cast_allowed(ref: torch.dtype, cand: torch.dtype) -> bool:
+    """The one change of dtype a candidate may make: a half-precision copy of a float32 (or
+    float64) reference, whose own criterion the forward check applies."""
+    return ref == cand or (ref in (torch.float32, torch.float64) and cand in (torch.float16, torch.bfloat16))
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -189,3 +189,16 @@ def test_a_half_precision_change_within_a_few_ulps_of_the_maximum_is_caught(tmp_
     assert not report.passed and any("transformer.wte.weight is not" in p for p in report.problems)
     result = CliRunner().invoke(app, ["check", str(tmp_path / "ref"), str(cand)])
     assert result.exit_code == 1, result.output
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn, torch.int8])
+def test_a_candidate_cast_to_another_kind_of_dtype_is_caught(pair, tmp_path, dtype):
+    """The reference cast to int32 is all zeros, and equals a zeroed candidate; float8 keeps three
+    bits. Only a half-precision copy of a float32 reference is accepted."""
+    ref, folded, _ = pair
+    key, centered_key = "transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_proj.weight"
+    cand = edited(folded, tmp_path, lambda sd: sd.update({k: sd[k].to(dtype) for k in (key, centered_key)}))
+    report = run(ref, cand)
+    assert not report.passed
+    assert f"{key} is stored as {dtype}, but the reference's {key} is torch.float32" in report.problems
+    assert any(p.startswith(f"{centered_key} is stored as") for p in report.problems)
