@@ -187,7 +187,7 @@ def _loaded_config(md: ModelDir) -> dict[str, Any]:
 def _essentials(plan: FoldPlan) -> dict[str, set]:
     return {"folded LayerNorms": {e.name for e in plan.foldable},
             "centered tensors": {tuple(sorted(asdict(c).items())) for c in plan.centered},
-            "untied tensors": {u.param for u in plan.untied},
+            "untied tensors": {(u.param, u.tied_to) for u in plan.untied},
             "auxiliary centerings": {(a.module, a.where) for a in plan.auxiliary}}
 
 
@@ -299,8 +299,9 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
 
     total = sum(reader_cand.md.tensors[k].nbytes if cand.tensors else 0 for k in todo)
     not_identical: list[str] = []
-    not_folded = [f"the candidate still ties {u.param} to {u.tied_to}, so centering one changes the other"
-                  for u in plan.untied if u.tied_to in cand_names.get(u.param, ())]
+    # whatever the plan says it was tied to: a tie to anything means the head follows a centering
+    not_folded = [f"the candidate still ties {u.param} to {others[0]}, so centering one changes the other"
+                  for u in plan.untied if (others := [a for a in cand_names.get(u.param, ()) if a != u.param])]
     done = 0
     try:
         for ck, (rk, c, is_untied) in todo.items():

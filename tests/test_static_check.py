@@ -202,3 +202,20 @@ def test_a_candidate_cast_to_another_kind_of_dtype_is_caught(pair, tmp_path, dty
     assert not report.passed
     assert f"{key} is stored as {dtype}, but the reference's {key} is torch.float32" in report.problems
     assert any(p.startswith(f"{centered_key} is stored as") for p in report.problems)
+
+
+def test_a_head_tied_again_is_caught_whatever_the_plan_says_it_was_tied_to(pair, tmp_path):
+    """tie_word_embeddings back to true and no stored head: the head follows the centered
+    embedding. A recorded plan naming another tensor as the head's partner must not hide it."""
+    ref, folded, _ = pair
+    cand = edited(folded, tmp_path, lambda sd: sd.pop("lm_head.weight"))
+    config = json.loads((cand / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    config["enjoyln"]["plan"]["untied"][0]["tied_to"] = "transformer.wpe.weight"
+    (cand / "config.json").write_text(json.dumps(config))
+    report = run(ref, cand)
+    assert not report.passed
+    assert any(p.startswith("the candidate still ties lm_head.weight to transformer.wte.weight")
+               for p in report.problems), report.problems
+    assert any("untied tensors include ('lm_head.weight', 'transformer.wpe.weight')" in p
+               for p in report.problems), report.problems
