@@ -24,6 +24,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import stat
@@ -543,28 +544,32 @@ def _alive(pid: int, started: str) -> bool:
     return not started or not _start_time(pid) or _start_time(pid) == started
 
 
-def _owner(tmp: Path) -> tuple[int, str] | None:
+def _owner(tmp: Path, pid: int) -> tuple[int, str]:
     """(pid, start time) of the process that made a temporary directory."""
     try:
-        pid, _, started = (tmp / _OWNER).read_text().partition(" ")
-        return int(pid), started.strip()
+        recorded, _, started = (tmp / _OWNER).read_text().partition(" ")
+        return int(recorded), started.strip()
     except (OSError, ValueError):
-        pass
-    parts = tmp.name.rsplit("enjoyln-", 1)[-1].split("-")  # the pid is also in the name
-    digits = [p for p in parts if p.isdigit()]
-    return (int(digits[0]), "") if digits else None
+        return pid, ""  # killed before it wrote the record, or the old output a publish moved aside
+
+
+def _ours(out: Path, name: str) -> int | None:
+    """The pid in ``name`` if it is one of the names enjoyln gives OUT_DIR's temporary
+    directories (``.OUT.enjoyln-PID-XXXXXXXX`` from mkdtemp, ``.OUT.enjoyln-PID-old``), else None:
+    a user's ``.OUT.enjoyln-backup-2024`` is not ours to remove."""
+    match = re.fullmatch(re.escape(f".{out.name}.enjoyln-") + r"(\d+)-(?:old|[a-z0-9_]{8})", name)
+    return int(match.group(1)) if match else None
 
 
 def stale_temp_dirs(out: Path) -> tuple[list[Path], list[tuple[Path, int]]]:
     """Temporary directories for ``out`` left by runs that died, and those a live run owns."""
     dead, live = [], []
-    parent = out.parent if out.parent.exists() else None
-    for tmp in sorted(parent.glob(f".{out.name}.enjoyln-*")) if parent else []:
-        if not tmp.is_dir() or tmp.is_symlink():
+    parent = out.parent if out.parent.is_dir() else None
+    for tmp in sorted(parent.iterdir()) if parent else []:
+        pid = _ours(out, tmp.name)
+        if pid is None or not tmp.is_dir() or tmp.is_symlink():
             continue
-        owner = _owner(tmp)
-        if owner is None:
-            continue  # not ours to judge: no record of who made it
+        owner = _owner(tmp, pid)
         if owner[0] != os.getpid() and _alive(*owner):
             live.append((tmp, owner[0]))
         elif owner[0] != os.getpid():

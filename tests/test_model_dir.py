@@ -138,3 +138,25 @@ def test_trusted_remote_code_is_analysed_run_and_kept(src, tmp_path, monkeypatch
     assert sum(type(m).__name__ == "RMSNorm" for m in loaded.modules()) == 5
     with pytest.raises(CheckpointError, match="--trust-remote-code"):
         load(out)
+
+
+def test_only_enjoyln_temp_dir_names_are_judged_stale(tmp_path):
+    """A user's own `.out.enjoyln-backup-2024` is not debris; glob characters in OUT_DIR's name
+    neither hide its own debris nor match another OUT_DIR's."""
+    from enjoyln.model_dir import clean_stale, stale_temp_dirs
+
+    mine = tmp_path / ".out.enjoyln-backup-2024"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    killed = tmp_path / ".out.enjoyln-999999999-abcd_123"  # no owner record: killed at once
+    killed.mkdir()
+    old = tmp_path / ".out.enjoyln-999999999-old"  # an earlier output a publish moved aside
+    old.mkdir()
+    assert sorted(clean_stale(tmp_path / "out")) == sorted([killed, old])
+    assert (mine / "notes.txt").read_text() == "keep"
+
+    own = tmp_path / ".m[1].enjoyln-999999999-abcdefgh"
+    own.mkdir()
+    other = tmp_path / f".m1.enjoyln-{os.getppid()}-abcdefgh"  # a live run for OUT_DIR m1
+    other.mkdir()
+    assert stale_temp_dirs(tmp_path / "m[1]") == ([own], [])
