@@ -36,7 +36,7 @@ from .model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEI
                         ModelDir, TensorInfo, check_out_dir, check_shapes, checkpoint_key, clean_stale,
                         copy_extras, keep_failed as _keep_failed, meta_model, model_class, open_model_dir, publish,
                         read_safetensors_header, saved_names, signals_held, temp_dir, umask)
-from .plan import FORMAT_VERSION, FoldPlan
+from .plan import FORMAT_VERSION, FoldPlan, block_lists
 from .rewrite import InsertCentering, SwapLayerNorms, center_, check_fits
 
 if TYPE_CHECKING:
@@ -405,10 +405,7 @@ def _output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
     config["enjoyln"] = {
         "format_version": FORMAT_VERSION,
         "version": __version__,
-        "rmsnorm": [e.name for e in plan.foldable],
-        "centered": [{"param": c.param, "axis": c.axis, "groups": c.groups} for c in plan.centered],
-        "untied": [u.param for u in plan.untied],
-        "auxiliary_centering": [{"module": a.module, "where": a.where} for a in plan.auxiliary],
+        **block_lists(plan),
         "plan": plan.to_dict(),
     }
     return config

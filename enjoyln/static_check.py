@@ -32,7 +32,7 @@ from torch import nn
 from .errors import CheckpointError, EnjoylnError
 from .model_dir import (DTYPES, ModelDir, TensorInfo, check_shapes, checkpoint_key, meta_model,
                         saved_names)
-from .plan import Centering, FoldPlan
+from .plan import Centering, FoldPlan, block_lists
 
 _CHUNK = 16 << 20
 _IGNORED_CONFIG = {"enjoyln", "transformers_version", "_name_or_path", "_commit_hash", "dtype",
@@ -255,6 +255,8 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
             report.plan = "none (the analysis failed)"
     if recorded is not None:
         problems += _plan_problems(recorded, plan)
+        problems += [f"the enjoyln block's {key} list is not what its plan gives" for key, value
+                     in block_lists(recorded).items() if cand.config["enjoyln"].get(key) != value]
         plan, report.plan = recorded, "recorded, confirmed by the analysis" if not problems else "recorded"
     problems += _config_problems(_loaded_config(ref), _loaded_config(cand), bool(plan.untied))
 

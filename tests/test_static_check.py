@@ -219,3 +219,18 @@ def test_a_head_tied_again_is_caught_whatever_the_plan_says_it_was_tied_to(pair,
                for p in report.problems), report.problems
     assert any("untied tensors include ('lm_head.weight', 'transformer.wpe.weight')" in p
                for p in report.problems), report.problems
+
+
+@pytest.mark.parametrize("key,value", [("rmsnorm", ["transformer.h.0.ln_1", "transformer.h.9.ln_1"]),
+                                       ("centered", []), ("untied", []),
+                                       ("auxiliary_centering", [{"module": "transformer.h.0", "where": "output"}])])
+def test_the_block_lists_beside_the_plan_are_confirmed(pair, tmp_path, key, value):
+    """A reader that takes `rmsnorm` from the block, not the full plan, must not be told to swap
+    LNs that were never folded."""
+    ref, folded, _ = pair
+    cand = clone(folded, tmp_path / "cand")
+    config = json.loads((cand / "config.json").read_text())
+    config["enjoyln"][key] = value
+    (cand / "config.json").write_text(json.dumps(config))
+    report = run(ref, cand)
+    assert not report.passed and f"the enjoyln block's {key} list is not what its plan gives" in report.problems
