@@ -481,6 +481,10 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     """
     start = time.perf_counter()
     src, out = Path(model_dir), Path(out_dir)
+    if out.is_symlink() or out.name in ("", ".."):
+        # publishing renames OUT_DIR itself: a link would be replaced by a directory (its target
+        # left stale), and '.' or '..' have no name to put a temporary directory beside
+        out = out.resolve()
     if check not in CHECK_MODES:
         raise EnjoylnError(f"unknown check mode {check!r}; use one of {', '.join(CHECK_MODES)}")
     md = open_model_dir(src, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)

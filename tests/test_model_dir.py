@@ -160,3 +160,23 @@ def test_only_enjoyln_temp_dir_names_are_judged_stale(tmp_path):
     other = tmp_path / f".m1.enjoyln-{os.getppid()}-abcdefgh"  # a live run for OUT_DIR m1
     other.mkdir()
     assert stale_temp_dirs(tmp_path / "m[1]") == ([own], [])
+
+
+def test_a_symlinked_or_dot_out_dir_is_written_where_it_points(src, tmp_path, monkeypatch):
+    """Publishing renames OUT_DIR: a link to an earlier output used to be replaced by a directory
+    (the output it pointed to left stale, a `.link.enjoyln-PID-old` link left forever), and `.`
+    failed with "PosixPath('.') has an empty name"."""
+    real, link = tmp_path / "real", tmp_path / "link"
+    assert runner.invoke(app, ["fold", str(src), str(real), "--no-check"]).exit_code == 0
+    (real / "config.json").write_text((real / "config.json").read_text().replace('"enjoyln": {', '"enjoyln": {"old": 1, '))
+    link.symlink_to(real)
+    result = runner.invoke(app, ["fold", str(src), str(link), "--no-check", "--force"])
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and '"old": 1' not in (real / "config.json").read_text()
+    assert not list(tmp_path.glob(".*enjoyln-*"))
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    result = runner.invoke(app, ["fold", str(src), ".", "--no-check"])
+    assert result.exit_code == 0, result.output
+    assert (here / "model.safetensors").exists() and not list(tmp_path.glob(".*enjoyln-*"))
