@@ -430,11 +430,15 @@ def copy_extras(md: ModelDir, dest: Path) -> list[str]:
     root = md.path.resolve()
     skip = WEIGHT_FILES | set(md.shards) | {"config.json"}
     skipped: list[str] = []
+    linked: set[Path] = set()  # directories already entered through a link
 
     def inside(p: Path) -> bool:
         return p == root or root in p.parents
 
-    def visit(src: Path, rel: Path, top: bool) -> None:
+    def visit(src: Path, rel: Path, top: bool, chain: tuple[Path, ...]) -> None:
+        # chain: the real directories being copied, outermost first. Links that lead back into
+        # one of them would recurse until the path is too long; links entered twice could
+        # copy a tree exponentially many times.
         name = str(rel)
         if src.is_symlink():
             try:
@@ -447,10 +451,15 @@ def copy_extras(md: ModelDir, dest: Path) -> list[str]:
             if not inside(target) and not (top and _needed(src.name) and target.is_file()):
                 skipped.append(f"{name} (resolves outside the model directory)")
                 return
-            if target.is_dir() and (target == root or target in src.parent.resolve().parents
+            if target.is_dir() and (target in chain or target in src.parent.resolve().parents
                                     or target == src.parent.resolve()):
                 skipped.append(f"{name} (a symlink to a directory that contains it)")
                 return
+            if target.is_dir() and target in linked:
+                skipped.append(f"{name} (a second symlink to a directory already copied)")
+                return
+            if target.is_dir():
+                linked.add(target)
         try:
             mode = src.stat().st_mode
         except OSError as exc:
@@ -461,7 +470,7 @@ def copy_extras(md: ModelDir, dest: Path) -> list[str]:
                 return
             (dest / rel).mkdir(exist_ok=True)
             for child in sorted(src.iterdir()):
-                visit(child, rel / child.name, False)
+                visit(child, rel / child.name, False, (*chain, src.resolve()))
         elif stat.S_ISREG(mode):
             try:
                 shutil.copyfile(src, dest / rel)
@@ -475,7 +484,7 @@ def copy_extras(md: ModelDir, dest: Path) -> list[str]:
     for item in sorted(md.path.iterdir()):
         if item.name in skip or is_weight_file(item.name):
             continue  # weights in any other format would be stale, uncentered copies
-        visit(item, Path(item.name), True)
+        visit(item, Path(item.name), True, (root,))
     return skipped
 
 

@@ -180,3 +180,26 @@ def test_a_symlinked_or_dot_out_dir_is_written_where_it_points(src, tmp_path, mo
     result = runner.invoke(app, ["fold", str(src), ".", "--no-check"])
     assert result.exit_code == 0, result.output
     assert (here / "model.safetensors").exists() and not list(tmp_path.glob(".*enjoyln-*"))
+
+
+def test_directory_links_that_loop_or_fan_out_are_copied_once(src, tmp_path):
+    """a/tob -> ../b and b/toa -> ../a used to recurse until 'Too many levels of symbolic links'
+    failed the fold; twenty levels of two links each would have copied a file a million times."""
+    from enjoyln.model_dir import copy_extras
+
+    model = clone(src, tmp_path / "model")
+    (model / "a").mkdir()
+    (model / "b").mkdir()
+    (model / "a" / "tob").symlink_to("../b")
+    (model / "b" / "toa").symlink_to("../a")
+    for i in range(20):
+        (model / f"d{i}").mkdir()
+        for link in ("x", "y"):
+            (model / f"d{i}" / link).symlink_to(f"../d{i + 1}")
+    (model / "d20").mkdir()
+    (model / "d20" / "leaf.txt").write_text("leaf")
+    out = tmp_path / "out"
+    out.mkdir()
+    skipped = copy_extras(open_model_dir(model), out)
+    assert "a/tob/toa (a symlink to a directory that contains it)" in skipped
+    assert len(list(out.rglob("leaf.txt"))) <= 21 and (out / "d20" / "leaf.txt").read_text() == "leaf"
