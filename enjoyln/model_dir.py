@@ -140,8 +140,14 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str
             raise ValueError("__metadata__ must map strings to strings")
         tensors = {}
         for name, info in header.items():
-            start, end = (int(v) for v in info["data_offsets"])
-            shape = tuple(int(s) for s in info["shape"])
+            offsets, shape = info["data_offsets"], info["shape"]
+            # safetensors itself refuses 0.0, "12" or true where it expects an unsigned integer;
+            # int() would take them, and vouch for a file nothing can load
+            if not (isinstance(offsets, list) and len(offsets) == 2 and isinstance(shape, list)
+                    and all(type(v) is int for v in offsets + shape)):
+                raise ValueError(f"{name}'s data_offsets and shape must be lists of integers")
+            start, end = offsets
+            shape = tuple(shape)
             if DTYPES.get(info["dtype"]) is None:
                 raise ValueError(f"{name} has the unknown dtype {info['dtype']!r}")
             if start < 0 or end < start:

@@ -166,8 +166,16 @@ def out_of_order(head, body):
     return body
 
 
+def float_offsets(head, body):
+    """Tiles exactly, but safetensors refuses 0.0 where it expects an integer: nothing could load it."""
+    for k in ordered(head):
+        head[k]["data_offsets"] = [float(v) for v in head[k]["data_offsets"]]
+    return body
+
+
 @pytest.mark.parametrize("edit,words", [(full_overlap, "overlaps"), (partial_overlap, "overlaps"),
-                                        (gap, "belong to no tensor"), (out_of_order, "out of order")])
+                                        (gap, "belong to no tensor"), (out_of_order, "out of order"),
+                                        (float_offsets, "must be lists of integers")])
 def test_malformed_offsets_are_refused(edit, words, dirs, tmp_path):
     src, _ = dirs
     bad = copy_dir(src, tmp_path / "bad")
