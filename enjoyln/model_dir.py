@@ -421,7 +421,7 @@ def is_weight_file(name: str) -> bool:
         "flax_model*.msgpack", "model*.ckpt*", "*.pt", "*.pth"))
 
 
-def _needed(name: str) -> bool:
+def needed_file(name: str) -> bool:
     return any(fnmatch.fnmatch(name, p) for p in NEEDED)
 
 
@@ -450,11 +450,11 @@ def copy_extras(md: ModelDir, dest: Path) -> list[str]:
             try:
                 target = src.resolve(strict=True)
             except (OSError, RuntimeError):
-                if top and _needed(src.name):
+                if top and needed_file(src.name):
                     input_file(src)  # raises, naming the link
                 skipped.append(f"{name} (a dangling symlink)")
                 return
-            if not inside(target) and not (top and _needed(src.name) and target.is_file()):
+            if not inside(target) and not (top and needed_file(src.name) and target.is_file()):
                 skipped.append(f"{name} (resolves outside the model directory)")
                 return
             if target.is_dir() and (target in chain or target in src.parent.resolve().parents

@@ -11,7 +11,8 @@ candidate's model loads is accounted for:
   its dtype, to within that dtype's rounding;
 - an untied head equals the tensor it was tied to;
 - the candidate's config is the reference's, with the ``enjoyln`` block and
-  an untied head as the only differences;
+  an untied head as the only differences, and its tokenizer, processor and
+  generation config are the reference's;
 - the recorded plan is what this enjoyln's analysis gives for the config.
 
 The expectations come from the plan and the model's own parameter names, not
@@ -20,6 +21,8 @@ from the code that wrote the fold, so the two check each other.
 
 from __future__ import annotations
 
+import filecmp
+import json
 import math
 import os
 import time
@@ -30,8 +33,8 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, EnjoylnError
-from .model_dir import (DTYPES, ModelDir, TensorInfo, check_shapes, checkpoint_key, meta_model,
-                        saved_names)
+from .model_dir import (DTYPES, ModelDir, TensorInfo, check_shapes, checkpoint_key, input_file, is_weight_file,
+                        meta_model, needed_file, saved_names)
 from .plan import Centering, FoldPlan, block_lists
 
 _CHUNK = 16 << 20
@@ -175,6 +178,68 @@ def _config_problems(ref: dict[str, Any], cand: dict[str, Any], untie: bool, pat
     return problems
 
 
+def _serving_files(md: ModelDir) -> dict[str, Path]:
+    """The files beside the weights that decide what the model is fed and how it generates."""
+    return {p.name: p for p in md.path.iterdir() if needed_file(p.name) and not is_weight_file(p.name)
+            and p.name not in ("config.json", "generation_config.json")
+            and p.is_file()}  # as the fold copies them: through links
+
+
+def _generation(md: ModelDir) -> dict[str, Any]:
+    """The generation settings ``from_pretrained`` gives the model: the file's, or, without one,
+    those it derives from config.json."""
+    import transformers
+
+    try:
+        if (md.path / "generation_config.json").is_file():
+            settings = transformers.GenerationConfig.from_pretrained(md.path).to_dict()
+        else:
+            config = transformers.AutoConfig.from_pretrained(md.path, trust_remote_code=md.trust_remote_code)
+            settings = transformers.GenerationConfig.from_model_config(config).to_dict()
+    except Exception as exc:  # transformers raises many kinds for a bad file
+        raise CheckpointError(f"cannot read the generation config of {md.path}: "
+                              f"{(str(exc).splitlines() or [''])[0]}") from None
+    settings.pop("transformers_version", None)
+    return settings
+
+
+def _json(path: Path) -> Any:
+    """A JSON file's content, without the transformers version that saved it."""
+    try:
+        data = json.loads(input_file(path).read_bytes())
+    except ValueError:
+        return None  # compared as bytes instead
+    return {k: v for k, v in data.items() if k != "transformers_version"} if isinstance(data, dict) else data
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        if a.suffix == ".json" and (ja := _json(a)) is not None:
+            return ja == _json(b)
+        return filecmp.cmp(input_file(a), input_file(b), shallow=False)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {exc.filename or b}: {exc.strerror or exc}") from None
+
+
+def _file_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
+    """The fold copies the tokenizer, processor and generation config as they are; a candidate
+    whose tokenizer maps text to other ids computes something else from the same weights."""
+    theirs, ours = _serving_files(ref), _serving_files(cand)
+    problems = []
+    theirs_gen, ours_gen = _generation(ref), _generation(cand)
+    for key in sorted(k for k in theirs_gen.keys() | ours_gen.keys() if theirs_gen.get(k) != ours_gen.get(k)):
+        problems.append(f"the candidate's generation config changes {key} from {theirs_gen.get(key)!r} "
+                        f"to {ours_gen.get(key)!r}")
+    for name in sorted(theirs.keys() | ours.keys()):
+        if name not in ours:
+            problems.append(f"the candidate lacks the reference's {name}")
+        elif name not in theirs:
+            problems.append(f"the candidate has {name}, which the reference does not")
+        elif not _same_file(theirs[name], ours[name]):
+            problems.append(f"the candidate's {name} differs from the reference's")
+    return problems
+
+
 def _loaded_config(md: ModelDir) -> dict[str, Any]:
     import transformers
 
@@ -259,6 +324,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
                      in block_lists(recorded).items() if cand.config["enjoyln"].get(key) != value]
         plan, report.plan = recorded, "recorded, confirmed by the analysis" if not problems else "recorded"
     problems += _config_problems(_loaded_config(ref), _loaded_config(cand), bool(plan.untied))
+    problems += _file_problems(ref, cand)
 
     ref_names, cand_names = _names(ref_model), _names(cand_model)
     centerings = {c.param: c for c in plan.centered}

@@ -234,3 +234,30 @@ def test_the_block_lists_beside_the_plan_are_confirmed(pair, tmp_path, key, valu
     (cand / "config.json").write_text(json.dumps(config))
     report = run(ref, cand)
     assert not report.passed and f"the enjoyln block's {key} list is not what its plan gives" in report.problems
+
+
+def test_the_tokenizer_and_generation_config_must_be_the_references(pair, tmp_path):
+    """The same weights fed other ids, or generating under other settings, compute something
+    else; the forward check feeds ids directly and never sees the tokenizer."""
+    ref, folded, _ = pair
+    source = clone(ref, tmp_path / "ref")
+    (source / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}}}))
+    (source / "vocab.txt").write_text("a\nb\n")
+    base = clone(folded, tmp_path / "base")
+    for name in ("tokenizer.json", "vocab.txt"):
+        (base / name).write_bytes((source / name).read_bytes())
+    assert run(source, base).passed
+    swapped = clone(base, tmp_path / "swapped")
+    (swapped / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 1, "b": 0}}}))
+    (swapped / "vocab.txt").write_text("b\na\n")
+    generation = json.loads((swapped / "generation_config.json").read_text())
+    (swapped / "generation_config.json").write_text(json.dumps({**generation, "repetition_penalty": 1.3}))
+    (swapped / "special_tokens_map.json").write_text("{}")
+    report = run(source, swapped)
+    assert not report.passed
+    assert {"the candidate's tokenizer.json differs from the reference's",
+            "the candidate's vocab.txt differs from the reference's",
+            "the candidate's generation config changes repetition_penalty from None to 1.3",
+            "the candidate has special_tokens_map.json, which the reference does not"} <= set(report.problems)
+    (base / "vocab.txt").unlink()
+    assert "the candidate lacks the reference's vocab.txt" in run(source, base).problems
