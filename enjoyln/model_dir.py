@@ -471,12 +471,15 @@ def copy_extras(md: ModelDir, dest: Path) -> list[str]:
         except OSError as exc:
             raise CheckpointError(f"cannot read {src}: {exc.strerror or exc}") from None
         if stat.S_ISDIR(mode):
-            if src.name in _VCS:
+            if src.name in _VCS or src.resolve().name in _VCS:  # also through a link to one
                 skipped.append(f"{name} (version-control data)")
                 return
             (dest / rel).mkdir(exist_ok=True)
             for child in sorted(src.iterdir()):
                 visit(child, rel / child.name, False, (*chain, src.resolve()))
+        elif stat.S_ISREG(mode) and name.endswith(".py") and not md.trust_remote_code:
+            # custom_code() walked the real tree; one reached only through a link was never accepted
+            skipped.append(f"{name} (code, reached through a link)")
         elif stat.S_ISREG(mode):
             try:
                 shutil.copyfile(src, dest / rel)

@@ -203,3 +203,21 @@ def test_directory_links_that_loop_or_fan_out_are_copied_once(src, tmp_path):
     skipped = copy_extras(open_model_dir(model), out)
     assert "a/tob/toa (a symlink to a directory that contains it)" in skipped
     assert len(list(out.rglob("leaf.txt"))) <= 21 and (out / "d20" / "leaf.txt").read_text() == "leaf"
+
+
+def test_a_link_to_version_control_data_copies_none_of_it(src, tmp_path):
+    """`stuff -> .git`: the .git walk that looks for custom code skips it, but the copy followed
+    the link, so the fold failed its own check with "<hidden temp dir> carries custom code
+    (stuff/hooks/evil.py)", and with --no-check published the repository and its hooks."""
+    model = clone(src, tmp_path / "model")
+    (model / ".git" / "hooks").mkdir(parents=True)
+    (model / ".git" / "hooks" / "evil.py").write_text("print('ran')\n")
+    (model / "stuff").symlink_to(".git")
+    (model / "notes").mkdir()
+    (model / "notes" / "hooks").symlink_to("../.git/hooks")  # a link to a directory of code
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["fold", str(model), str(out), "--no-check"])
+    assert result.exit_code == 0, result.output
+    assert not list(out.rglob("*.py")) and not (out / "stuff").exists()
+    assert "stuff (version-control data)" in result.output
+    assert "notes/hooks/evil.py (code, reached through a link)" in result.output
