@@ -419,9 +419,12 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
 
 
 def _cast_allowed(ref: torch.dtype, cand: torch.dtype) -> bool:
-    """The one change of dtype a candidate may make: a half-precision copy of a float32 (or
-    float64) reference, whose own criterion the forward check applies."""
-    return ref == cand or (ref in (torch.float32, torch.float64) and cand in (torch.float16, torch.bfloat16))
+    """The changes of dtype a candidate may make: a half-precision copy of a float32 (or float64)
+    reference, whose own criterion the forward check applies, or a wider float, which is exact."""
+    wider = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64),
+             torch.float32: (torch.float64,)}
+    return (ref == cand or cand in wider.get(ref, ())
+            or (ref in (torch.float32, torch.float64) and cand in (torch.float16, torch.bfloat16)))
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
