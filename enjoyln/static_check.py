@@ -5,8 +5,8 @@ by tensor, so it runs at disk speed and fits any size. Every tensor the
 candidate's model loads is accounted for:
 
 - an unchanged tensor is byte-identical to the reference's (or equal to it
-  cast exactly, for a half-precision candidate of a float32 reference; no
-  other change of dtype is accepted);
+  cast exactly, for a half-precision candidate of a float32 reference or a
+  wider float; no other change of dtype is accepted);
 - a centered tensor equals the reference's, centered in float64 and cast to
   its dtype, to within that dtype's rounding;
 - an untied head equals the tensor it was tied to;
