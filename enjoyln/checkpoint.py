@@ -38,7 +38,7 @@ from .model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEI
                         ModelDir, TensorInfo, check_out_dir, check_shapes, checkpoint_key, clean_stale,
                         copy_extras, keep_failed as _keep_failed, meta_model, model_class, open_model_dir, publish,
                         read_safetensors_header, saved_names, signals_held, temp_dir, umask)
-from .plan import AFFINE_GAIN, FORMAT_VERSION, FoldPlan, format_bytes
+from .plan import AFFINE_GAIN, FORMAT_VERSION, FoldPlan, block_lists, format_bytes
 from .rewrite import InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits
 
 if TYPE_CHECKING:
@@ -545,11 +545,7 @@ def _output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
     config["enjoyln"] = {
         "format_version": FORMAT_VERSION,
         "version": __version__,
-        "rmsnorm": [e.name for e in plan.foldable],
-        "centered": [c.to_dict() for c in plan.centered],
-        "center_on_load": [c.param for c in plan.centered if not c.saved],
-        "untied": [u.param for u in plan.untied],
-        "auxiliary_centering": [{"module": a.module, "where": a.where} for a in plan.auxiliary],
+        **block_lists(plan),
         "plan": plan.to_dict(),
     }
     if plan.rotation is not None:
@@ -635,6 +631,10 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     """
     start = time.perf_counter()
     src, out = Path(model_dir), Path(out_dir)
+    if out.is_symlink() or out.name in ("", ".."):
+        # publishing renames OUT_DIR itself: a link would be replaced by a directory (its target
+        # left stale), and '.' or '..' have no name to put a temporary directory beside
+        out = out.resolve()
     if check not in CHECK_MODES:
         raise EnjoylnError(f"unknown check mode {check!r}; use one of {', '.join(CHECK_MODES)}")
     md = open_model_dir(src, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)

@@ -24,6 +24,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import stat
@@ -139,8 +140,14 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str
             raise ValueError("__metadata__ must map strings to strings")
         tensors = {}
         for name, info in header.items():
-            start, end = (int(v) for v in info["data_offsets"])
-            shape = tuple(int(s) for s in info["shape"])
+            offsets, shape = info["data_offsets"], info["shape"]
+            # safetensors itself refuses 0.0, "12" or true where it expects an unsigned integer;
+            # int() would take them, and vouch for a file nothing can load
+            if not (isinstance(offsets, list) and len(offsets) == 2 and isinstance(shape, list)
+                    and all(type(v) is int for v in offsets + shape)):
+                raise ValueError(f"{name}'s data_offsets and shape must be lists of integers")
+            start, end = offsets
+            shape = tuple(shape)
             if DTYPES.get(info["dtype"]) is None:
                 raise ValueError(f"{name} has the unknown dtype {info['dtype']!r}")
             if start < 0 or end < start:
@@ -258,17 +265,24 @@ def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False,
         raise unknown_architecture(arch)
     md = ModelDir(root, config, arch, [], custom_code=code, trust_remote_code=trust_remote_code)
     index: dict[str, str] | None = None
-    if (root / SAFE_INDEX).exists() or (root / SAFE_INDEX).is_symlink():
+    present = {n for n in WEIGHT_FILES if (root / n).exists() or (root / n).is_symlink()}
+    for single, index_name in ((SAFE_WEIGHTS, SAFE_INDEX), (PT_WEIGHTS, PT_INDEX)):
+        if {single, index_name} <= present:
+            # transformers loads the single file and ignores the index; a check that read the
+            # shards would vouch for weights that nothing loads
+            raise CheckpointError(f"{root} holds both {single} and {index_name}, so one of them is stale "
+                                  f"(transformers would load {single}); remove the other")
+    if SAFE_INDEX in present:
         index = _index(root / SAFE_INDEX)
         md.shards = sorted(set(index.values()))
-    elif (root / SAFE_WEIGHTS).exists() or (root / SAFE_WEIGHTS).is_symlink():
+    elif SAFE_WEIGHTS in present:
         md.shards = [SAFE_WEIGHTS]
-    elif any((root / n).exists() for n in (PT_INDEX, PT_WEIGHTS)):
+    elif present & {PT_INDEX, PT_WEIGHTS}:
         if not allow_pickle:
             raise CheckpointError(f"{root} has only pickle (.bin) weights, which can run code when "
                                   "loaded; pass --allow-pickle to load them with weights_only=True")
         md.pickled = True
-        md.shards = sorted(set(_index(root / PT_INDEX).values())) if (root / PT_INDEX).exists() else [PT_WEIGHTS]
+        md.shards = sorted(set(_index(root / PT_INDEX).values())) if PT_INDEX in present else [PT_WEIGHTS]
     else:
         raise CheckpointError(f"{root} has no weights (model.safetensors or {SAFE_INDEX})")
     for shard in md.shards:
@@ -407,7 +421,7 @@ def is_weight_file(name: str) -> bool:
         "flax_model*.msgpack", "model*.ckpt*", "*.pt", "*.pth"))
 
 
-def _needed(name: str) -> bool:
+def needed_file(name: str) -> bool:
     return any(fnmatch.fnmatch(name, p) for p in NEEDED)
 
 
@@ -422,38 +436,50 @@ def copy_extras(md: ModelDir, dest: Path) -> list[str]:
     root = md.path.resolve()
     skip = WEIGHT_FILES | set(md.shards) | {"config.json"}
     skipped: list[str] = []
+    linked: set[Path] = set()  # directories already entered through a link
 
     def inside(p: Path) -> bool:
         return p == root or root in p.parents
 
-    def visit(src: Path, rel: Path, top: bool) -> None:
+    def visit(src: Path, rel: Path, top: bool, chain: tuple[Path, ...]) -> None:
+        # chain: the real directories being copied, outermost first. Links that lead back into
+        # one of them would recurse until the path is too long; links entered twice could
+        # copy a tree exponentially many times.
         name = str(rel)
         if src.is_symlink():
             try:
                 target = src.resolve(strict=True)
             except (OSError, RuntimeError):
-                if top and _needed(src.name):
+                if top and needed_file(src.name):
                     input_file(src)  # raises, naming the link
                 skipped.append(f"{name} (a dangling symlink)")
                 return
-            if not inside(target) and not (top and _needed(src.name) and target.is_file()):
+            if not inside(target) and not (top and needed_file(src.name) and target.is_file()):
                 skipped.append(f"{name} (resolves outside the model directory)")
                 return
-            if target.is_dir() and (target == root or target in src.parent.resolve().parents
+            if target.is_dir() and (target in chain or target in src.parent.resolve().parents
                                     or target == src.parent.resolve()):
                 skipped.append(f"{name} (a symlink to a directory that contains it)")
                 return
+            if target.is_dir() and target in linked:
+                skipped.append(f"{name} (a second symlink to a directory already copied)")
+                return
+            if target.is_dir():
+                linked.add(target)
         try:
             mode = src.stat().st_mode
         except OSError as exc:
             raise CheckpointError(f"cannot read {src}: {exc.strerror or exc}") from None
         if stat.S_ISDIR(mode):
-            if src.name in _VCS:
+            if src.name in _VCS or src.resolve().name in _VCS:  # also through a link to one
                 skipped.append(f"{name} (version-control data)")
                 return
             (dest / rel).mkdir(exist_ok=True)
             for child in sorted(src.iterdir()):
-                visit(child, rel / child.name, False)
+                visit(child, rel / child.name, False, (*chain, src.resolve()))
+        elif stat.S_ISREG(mode) and name.endswith(".py") and not md.trust_remote_code:
+            # custom_code() walked the real tree; one reached only through a link was never accepted
+            skipped.append(f"{name} (code, reached through a link)")
         elif stat.S_ISREG(mode):
             try:
                 shutil.copyfile(src, dest / rel)
@@ -467,7 +493,7 @@ def copy_extras(md: ModelDir, dest: Path) -> list[str]:
     for item in sorted(md.path.iterdir()):
         if item.name in skip or is_weight_file(item.name):
             continue  # weights in any other format would be stale, uncentered copies
-        visit(item, Path(item.name), True)
+        visit(item, Path(item.name), True, (root,))
     return skipped
 
 
@@ -536,28 +562,32 @@ def _alive(pid: int, started: str) -> bool:
     return not started or not _start_time(pid) or _start_time(pid) == started
 
 
-def _owner(tmp: Path) -> tuple[int, str] | None:
+def _owner(tmp: Path, pid: int) -> tuple[int, str]:
     """(pid, start time) of the process that made a temporary directory."""
     try:
-        pid, _, started = (tmp / _OWNER).read_text().partition(" ")
-        return int(pid), started.strip()
+        recorded, _, started = (tmp / _OWNER).read_text().partition(" ")
+        return int(recorded), started.strip()
     except (OSError, ValueError):
-        pass
-    parts = tmp.name.rsplit("enjoyln-", 1)[-1].split("-")  # the pid is also in the name
-    digits = [p for p in parts if p.isdigit()]
-    return (int(digits[0]), "") if digits else None
+        return pid, ""  # killed before it wrote the record, or the old output a publish moved aside
+
+
+def _ours(out: Path, name: str) -> int | None:
+    """The pid in ``name`` if it is one of the names enjoyln gives OUT_DIR's temporary
+    directories (``.OUT.enjoyln-PID-XXXXXXXX`` from mkdtemp, ``.OUT.enjoyln-PID-old``), else None:
+    a user's ``.OUT.enjoyln-backup-2024`` is not ours to remove."""
+    match = re.fullmatch(re.escape(f".{out.name}.enjoyln-") + r"(\d+)-(?:old|[a-z0-9_]{8})", name)
+    return int(match.group(1)) if match else None
 
 
 def stale_temp_dirs(out: Path) -> tuple[list[Path], list[tuple[Path, int]]]:
     """Temporary directories for ``out`` left by runs that died, and those a live run owns."""
     dead, live = [], []
-    parent = out.parent if out.parent.exists() else None
-    for tmp in sorted(parent.glob(f".{out.name}.enjoyln-*")) if parent else []:
-        if not tmp.is_dir() or tmp.is_symlink():
+    parent = out.parent if out.parent.is_dir() else None
+    for tmp in sorted(parent.iterdir()) if parent else []:
+        pid = _ours(out, tmp.name)
+        if pid is None or not tmp.is_dir() or tmp.is_symlink():
             continue
-        owner = _owner(tmp)
-        if owner is None:
-            continue  # not ours to judge: no record of who made it
+        owner = _owner(tmp, pid)
         if owner[0] != os.getpid() and _alive(*owner):
             live.append((tmp, owner[0]))
         elif owner[0] != os.getpid():

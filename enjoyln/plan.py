@@ -325,6 +325,16 @@ class FoldPlan:
         return "\n".join(lines)
 
 
+def block_lists(plan: FoldPlan) -> dict[str, list[Any]]:
+    """The lists a folded checkpoint's ``enjoyln`` block carries beside the full plan, for
+    readers that do not parse it: derived from the plan, so the static check can confirm them."""
+    return {"rmsnorm": [e.name for e in plan.foldable],
+            "centered": [c.to_dict() for c in plan.centered],
+            "center_on_load": [c.param for c in plan.centered if not c.saved],
+            "untied": [u.param for u in plan.untied],
+            "auxiliary_centering": [{"module": a.module, "where": a.where} for a in plan.auxiliary]}
+
+
 def format_bytes(n: float) -> str:
     """512 B, 32.0 KiB, 3.0 GiB."""
     if abs(n) < 1024:

@@ -5,12 +5,14 @@ by tensor, so it runs at disk speed and fits any size. Every tensor the
 candidate's model loads is accounted for:
 
 - an unchanged tensor is byte-identical to the reference's (or equal to it
-  cast exactly, for a half-precision candidate of a float32 reference);
+  cast exactly, for a half-precision candidate of a float32 reference or a
+  wider float; no other change of dtype is accepted);
 - a centered tensor equals the reference's, centered in float64 and cast to
   its dtype, to within that dtype's rounding;
 - an untied head equals the tensor it was tied to;
 - the candidate's config is the reference's, with the ``enjoyln`` block and
-  an untied head as the only differences;
+  an untied head as the only differences, and its tokenizer, processor and
+  generation config are the reference's;
 - the recorded plan is what this enjoyln's analysis gives for the config.
 
 The expectations come from the plan and the model's own parameter names, not
@@ -19,6 +21,8 @@ from the code that wrote the fold, so the two check each other.
 
 from __future__ import annotations
 
+import filecmp
+import json
 import math
 import os
 import time
@@ -29,9 +33,9 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, EnjoylnError
-from .model_dir import (DTYPES, ModelDir, TensorInfo, check_shapes, checkpoint_key, meta_model,
-                        saved_names)
-from .plan import Centering, FoldPlan
+from .model_dir import (DTYPES, ModelDir, TensorInfo, check_shapes, checkpoint_key, input_file, is_weight_file,
+                        meta_model, needed_file, saved_names)
+from .plan import Centering, FoldPlan, block_lists
 
 _CHUNK = 16 << 20
 _IGNORED_CONFIG = {"enjoyln", "transformers_version", "_name_or_path", "_commit_hash", "dtype",
@@ -141,9 +145,7 @@ class _Reader:
 
 def _same_bytes(ref: _Reader, cand: _Reader, rk: str, ck: str) -> bool:
     if ref.pickled is not None or cand.pickled is not None:
-        a, b = ref.tensor(rk), cand.tensor(ck)
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8),
-                                                                         b.view(-1).view(torch.uint8))
+        return _bitwise_equal(ref.tensor(rk), cand.tensor(ck))  # a pickled tensor may be a strided view
     if ref.md.tensors[rk].nbytes != cand.md.tensors[ck].nbytes:
         return False
     return all(a == b for a, b in zip(ref.chunks(rk), cand.chunks(ck)))
@@ -173,30 +175,34 @@ def _equal_to_file(expected: torch.Tensor, cand: _Reader, key: str) -> bool:
     return at == flat.numel()
 
 
-def _close_to_file(expected: torch.Tensor, cand: _Reader, key: str) -> tuple[bool, float]:
-    """Equal to ``expected`` to the candidate dtype's rounding: within 4 ulp of the tensor's scale.
+def _close_to_file(expected: torch.Tensor, cand: _Reader, key: str, scale: float | None = None) -> tuple[bool, float]:
+    """``expected`` rounded to the candidate's dtype, element by element, read in chunks.
 
-    Bit-identical for a fold enjoyln wrote; the tolerance is for another tool's
-    arithmetic, or a candidate in another dtype than the reference.
+    At most one ulp of each element off (another tool may sum in another order,
+    which can flip a rounding), plus float64 noise of the input's ``scale``. A
+    bound relative to the whole tensor's maximum would let a small element move
+    by many of its own ulps (in bfloat16, 3% of the maximum). A fold enjoyln
+    wrote is bit-identical.
     """
-    flat, at, diff, scale = expected.reshape(-1), 0, 0.0, 0.0
-    dtype = expected.dtype
+    flat, at, diff = expected.reshape(-1), 0, 0.0
+    if scale is None:
+        scale = float(flat.abs().max()) if flat.numel() else 0.0
     for chunk in cand.elements(key, _ELEMENTS):
         e = flat[at:at + chunk.numel()]
         at += chunk.numel()
-        dtype = chunk.dtype
-        if not chunk.is_floating_point():
-            if not _bitwise_equal(e.to(chunk.dtype), chunk):
-                return False, math.inf
+        if _bitwise_equal(e.to(chunk.dtype), chunk):
             continue
-        if chunk.numel():
-            scale = max(scale, float(e.abs().max()))
-            if not _bitwise_equal(e.to(chunk.dtype), chunk):
-                diff = max(diff, float((chunk.double() - e.double()).abs().max()))
+        if not chunk.is_floating_point():
+            return False, math.inf
+        info = torch.finfo(chunk.dtype)
+        d = chunk.to(torch.float64).sub_(e.to(torch.float64)).abs_()
+        bound = e.to(torch.float64).abs_().clamp_min_(info.tiny).mul_(info.eps).add_(1e-12 * scale)
+        diff = max(diff, float(d.max()))
+        if not bool(d.le(bound).all()):
+            return False, diff
     if at != flat.numel():
         return False, math.inf
-    tolerance = 4 * torch.finfo(dtype).eps * scale if dtype.is_floating_point else 0.0
-    return diff <= tolerance, diff
+    return True, diff
 
 
 def _config_problems(ref: dict[str, Any], cand: dict[str, Any], untie: bool, path: str = "") -> list[str]:
@@ -214,6 +220,68 @@ def _config_problems(ref: dict[str, Any], cand: dict[str, Any], untie: bool, pat
     return problems
 
 
+def _serving_files(md: ModelDir) -> dict[str, Path]:
+    """The files beside the weights that decide what the model is fed and how it generates."""
+    return {p.name: p for p in md.path.iterdir() if needed_file(p.name) and not is_weight_file(p.name)
+            and p.name not in ("config.json", "generation_config.json")
+            and p.is_file()}  # as the fold copies them: through links
+
+
+def _generation(md: ModelDir) -> dict[str, Any]:
+    """The generation settings ``from_pretrained`` gives the model: the file's, or, without one,
+    those it derives from config.json."""
+    import transformers
+
+    try:
+        if (md.path / "generation_config.json").is_file():
+            settings = transformers.GenerationConfig.from_pretrained(md.path).to_dict()
+        else:
+            config = transformers.AutoConfig.from_pretrained(md.path, trust_remote_code=md.trust_remote_code)
+            settings = transformers.GenerationConfig.from_model_config(config).to_dict()
+    except Exception as exc:  # transformers raises many kinds for a bad file
+        raise CheckpointError(f"cannot read the generation config of {md.path}: "
+                              f"{(str(exc).splitlines() or [''])[0]}") from None
+    settings.pop("transformers_version", None)
+    return settings
+
+
+def _json(path: Path) -> Any:
+    """A JSON file's content, without the transformers version that saved it."""
+    try:
+        data = json.loads(input_file(path).read_bytes())
+    except ValueError:
+        return None  # compared as bytes instead
+    return {k: v for k, v in data.items() if k != "transformers_version"} if isinstance(data, dict) else data
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        if a.suffix == ".json" and (ja := _json(a)) is not None:
+            return ja == _json(b)
+        return filecmp.cmp(input_file(a), input_file(b), shallow=False)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {exc.filename or b}: {exc.strerror or exc}") from None
+
+
+def _file_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
+    """The fold copies the tokenizer, processor and generation config as they are; a candidate
+    whose tokenizer maps text to other ids computes something else from the same weights."""
+    theirs, ours = _serving_files(ref), _serving_files(cand)
+    problems = []
+    theirs_gen, ours_gen = _generation(ref), _generation(cand)
+    for key in sorted(k for k in theirs_gen.keys() | ours_gen.keys() if theirs_gen.get(k) != ours_gen.get(k)):
+        problems.append(f"the candidate's generation config changes {key} from {theirs_gen.get(key)!r} "
+                        f"to {ours_gen.get(key)!r}")
+    for name in sorted(theirs.keys() | ours.keys()):
+        if name not in ours:
+            problems.append(f"the candidate lacks the reference's {name}")
+        elif name not in theirs:
+            problems.append(f"the candidate has {name}, which the reference does not")
+        elif not _same_file(theirs[name], ours[name]):
+            problems.append(f"the candidate's {name} differs from the reference's")
+    return problems
+
+
 def _loaded_config(md: ModelDir) -> dict[str, Any]:
     import transformers
 
@@ -227,7 +295,7 @@ def _essentials(plan: FoldPlan) -> dict[str, set]:
     r = plan.rotation
     return {"folded LayerNorms": {e.name for e in plan.foldable},
             "centered tensors": {tuple(sorted(asdict(c).items())) for c in plan.centered},
-            "untied tensors": {u.param for u in plan.untied},
+            "untied tensors": {(u.param, u.tied_to) for u in plan.untied},
             "auxiliary centerings": {(a.module, a.where) for a in plan.auxiliary},
             "fused affines": {(e.name, e.affine, tuple(tuple(asdict(f).items()) for f in e.fused))
                               for e in plan.foldable if e.affine},
@@ -309,8 +377,11 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
             report.plan = "none (the analysis failed)"
     if recorded is not None:
         problems += _plan_problems(recorded, plan)
+        problems += [f"the enjoyln block's {key} list is not what its plan gives" for key, value
+                     in block_lists(recorded).items() if cand.config["enjoyln"].get(key) != value]
         plan, report.plan = recorded, "recorded, confirmed by the analysis" if not problems else "recorded"
     problems += _config_problems(_loaded_config(ref), _loaded_config(cand), bool(plan.untied))
+    problems += _file_problems(ref, cand)
 
     ref_names, cand_names = _names(ref_model), _names(cand_model)
     centerings: dict[str, list[Centering]] = {}
@@ -367,15 +438,22 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
         report.form = "folded"
     total = sum(reader_cand.md.tensors[k].nbytes if cand.tensors else 0 for k in todo)
     not_identical: list[str] = []
-    not_folded = [f"the candidate still ties {u.param} to {u.tied_to}, so centering one changes the other"
-                  for u in plan.untied if u.tied_to in cand_names.get(u.param, ())]
+    # whatever the plan says it was tied to: a tie to anything means the head follows a centering
+    not_folded = [f"the candidate still ties {u.param} to {others[0]}, so centering one changes the other"
+                  for u in plan.untied if (others := [a for a in cand_names.get(u.param, ()) if a != u.param])]
     done = 0
     try:
         for ck, (rk, c, is_untied) in todo.items():
-            same_dtype = reader_ref.dtype(rk) == reader_cand.dtype(ck)
+            ref_dtype, cand_dtype = reader_ref.dtype(rk), reader_cand.dtype(ck)
+            same_dtype = ref_dtype == cand_dtype
             shape_ok = _shape(reader_ref, rk) == _shape(reader_cand, ck)
-            diff = None
-            if not shape_ok:
+            diff, recast = None, None
+            if not _cast_allowed(ref_dtype, cand_dtype):
+                # the reference cast to int8 or float8 compares equal to a candidate that lost
+                # almost everything; loaded into the model's dtype, it would run
+                recast = f"{ck} is stored as {cand_dtype}, but the reference's {rk} is {ref_dtype}"
+                identical = folded = False
+            elif not shape_ok:
                 identical = folded = False
             elif expected is not None:
                 identical = False
@@ -389,21 +467,23 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
                 if c is None:
                     folded = identical or _equal_to_file(r, reader_cand, ck)
                 else:
-                    folded, diff = _close_to_file(center_as_planned(r, c, read_param), reader_cand, ck)
+                    scale = float(r.abs().max()) if r.numel() else 0.0
+                    folded, diff = _close_to_file(center_as_planned(r, c, read_param), reader_cand, ck, scale)
                 del r
             report.tensors += 1
             report.identical += identical and c is None
             report.centered += bool(c) and folded
             report.untied += is_untied and folded
             if not identical:
-                not_identical.append(f"{ck} differs from the reference's {rk}")
+                not_identical.append(recast or f"{ck} differs from the reference's {rk}")
             if not folded:
-                not_folded.append(f"{ck} has shape {list(_shape(reader_cand, ck))}, not {list(_shape(reader_ref, rk))}"
-                                  if not shape_ok else
-                                  f"{ck} is not what the plan makes of the reference (max abs diff {diff if diff is not None else float('inf'):.3g})"
-                                  if expected is not None else
-                                  f"{ck} is not {rk} centered along axis {c[0].axis} (max abs diff {diff:.3g})"
-                                  if c is not None else f"{ck} differs from the reference's {rk}")
+                not_folded.append(recast or (
+                    f"{ck} has shape {list(_shape(reader_cand, ck))}, not {list(_shape(reader_ref, rk))}"
+                    if not shape_ok else
+                    f"{ck} is not what the plan makes of the reference (max abs diff "
+                    f"{diff if diff is not None else float('inf'):.3g})" if expected is not None else
+                    f"{ck} is not {rk} centered along axis {c[0].axis} (max abs diff {diff:.3g})"
+                    if c is not None else f"{ck} differs from the reference's {rk}"))
             done += reader_cand.md.tensors[ck].nbytes if cand.tensors else 0
             if progress is not None:
                 progress(done, total)
@@ -427,6 +507,15 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
 
 def _shape(reader: _Reader, key: str) -> tuple[int, ...]:
     return tuple(reader.pickled[key].shape) if reader.pickled is not None else reader.md.tensors[key].shape
+
+
+def _cast_allowed(ref: torch.dtype, cand: torch.dtype) -> bool:
+    """The changes of dtype a candidate may make: a half-precision copy of a float32 (or float64)
+    reference, whose own criterion the forward check applies, or a wider float, which is exact."""
+    wider = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64),
+             torch.float32: (torch.float64,)}
+    return (ref == cand or cand in wider.get(ref, ())
+            or (ref in (torch.float32, torch.float64) and cand in (torch.float16, torch.bfloat16)))
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -166,8 +166,16 @@ def out_of_order(head, body):
     return body
 
 
+def float_offsets(head, body):
+    """Tiles exactly, but safetensors refuses 0.0 where it expects an integer: nothing could load it."""
+    for k in ordered(head):
+        head[k]["data_offsets"] = [float(v) for v in head[k]["data_offsets"]]
+    return body
+
+
 @pytest.mark.parametrize("edit,words", [(full_overlap, "overlaps"), (partial_overlap, "overlaps"),
-                                        (gap, "belong to no tensor"), (out_of_order, "out of order")])
+                                        (gap, "belong to no tensor"), (out_of_order, "out of order"),
+                                        (float_offsets, "must be lists of integers")])
 def test_malformed_offsets_are_refused(edit, words, dirs, tmp_path):
     src, _ = dirs
     bad = copy_dir(src, tmp_path / "bad")
@@ -326,3 +334,24 @@ def test_a_live_run_is_not_disturbed(dirs, tmp_path):
     result = runner.invoke(app, ["fold", str(src), str(tmp_path / "out")])
     assert result.exit_code == 2 and f"pid {os.getppid()}" in result.stderr
     assert tmp.exists() and not (tmp_path / "out").exists()
+
+
+# --- found in review ----------------------------------------------------------------------
+
+
+def test_a_stale_index_beside_a_single_weight_file_is_refused(dirs, tmp_path):
+    """transformers loads model.safetensors and ignores the index: checking the shards the index
+    names would vouch for weights that nothing loads."""
+    src, folded = dirs
+    cand = copy_dir(folded, tmp_path / "cand")
+    shard = "model-00001-of-00001.safetensors"
+    (cand / shard).write_bytes((folded / "model.safetensors").read_bytes())
+    keys = [k for k in header(folded / "model.safetensors")[0] if k != "__metadata__"]
+    (cand / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: shard for k in keys}}))
+    width = header(folded / "model.safetensors")[0]["transformer.wte.weight"]["shape"][1]
+    change_one_element(cand / "model.safetensors", "transformer.wte.weight", 900 * width, rel=0.05)
+    for command in (["check", str(src), str(cand)], ["check", str(src), str(cand), "--static"]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2 and "holds both model.safetensors and model.safetensors.index.json" \
+            in result.stderr, result.output
+        assert len(result.stderr.strip().splitlines()) == 1

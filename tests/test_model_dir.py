@@ -138,3 +138,86 @@ def test_trusted_remote_code_is_analysed_run_and_kept(src, tmp_path, monkeypatch
     assert sum(type(m).__name__ == "RMSNorm" for m in loaded.modules()) == 5
     with pytest.raises(CheckpointError, match="--trust-remote-code"):
         load(out)
+
+
+def test_only_enjoyln_temp_dir_names_are_judged_stale(tmp_path):
+    """A user's own `.out.enjoyln-backup-2024` is not debris; glob characters in OUT_DIR's name
+    neither hide its own debris nor match another OUT_DIR's."""
+    from enjoyln.model_dir import clean_stale, stale_temp_dirs
+
+    mine = tmp_path / ".out.enjoyln-backup-2024"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    killed = tmp_path / ".out.enjoyln-999999999-abcd_123"  # no owner record: killed at once
+    killed.mkdir()
+    old = tmp_path / ".out.enjoyln-999999999-old"  # an earlier output a publish moved aside
+    old.mkdir()
+    assert sorted(clean_stale(tmp_path / "out")) == sorted([killed, old])
+    assert (mine / "notes.txt").read_text() == "keep"
+
+    own = tmp_path / ".m[1].enjoyln-999999999-abcdefgh"
+    own.mkdir()
+    other = tmp_path / f".m1.enjoyln-{os.getppid()}-abcdefgh"  # a live run for OUT_DIR m1
+    other.mkdir()
+    assert stale_temp_dirs(tmp_path / "m[1]") == ([own], [])
+
+
+def test_a_symlinked_or_dot_out_dir_is_written_where_it_points(src, tmp_path, monkeypatch):
+    """Publishing renames OUT_DIR: a link to an earlier output used to be replaced by a directory
+    (the output it pointed to left stale, a `.link.enjoyln-PID-old` link left forever), and `.`
+    failed with "PosixPath('.') has an empty name"."""
+    real, link = tmp_path / "real", tmp_path / "link"
+    assert runner.invoke(app, ["fold", str(src), str(real), "--no-check"]).exit_code == 0
+    (real / "config.json").write_text((real / "config.json").read_text().replace('"enjoyln": {', '"enjoyln": {"old": 1, '))
+    link.symlink_to(real)
+    result = runner.invoke(app, ["fold", str(src), str(link), "--no-check", "--force"])
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and '"old": 1' not in (real / "config.json").read_text()
+    assert not list(tmp_path.glob(".*enjoyln-*"))
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    result = runner.invoke(app, ["fold", str(src), ".", "--no-check"])
+    assert result.exit_code == 0, result.output
+    assert (here / "model.safetensors").exists() and not list(tmp_path.glob(".*enjoyln-*"))
+
+
+def test_directory_links_that_loop_or_fan_out_are_copied_once(src, tmp_path):
+    """a/tob -> ../b and b/toa -> ../a used to recurse until 'Too many levels of symbolic links'
+    failed the fold; twenty levels of two links each would have copied a file a million times."""
+    from enjoyln.model_dir import copy_extras
+
+    model = clone(src, tmp_path / "model")
+    (model / "a").mkdir()
+    (model / "b").mkdir()
+    (model / "a" / "tob").symlink_to("../b")
+    (model / "b" / "toa").symlink_to("../a")
+    for i in range(20):
+        (model / f"d{i}").mkdir()
+        for link in ("x", "y"):
+            (model / f"d{i}" / link).symlink_to(f"../d{i + 1}")
+    (model / "d20").mkdir()
+    (model / "d20" / "leaf.txt").write_text("leaf")
+    out = tmp_path / "out"
+    out.mkdir()
+    skipped = copy_extras(open_model_dir(model), out)
+    assert "a/tob/toa (a symlink to a directory that contains it)" in skipped
+    assert len(list(out.rglob("leaf.txt"))) <= 21 and (out / "d20" / "leaf.txt").read_text() == "leaf"
+
+
+def test_a_link_to_version_control_data_copies_none_of_it(src, tmp_path):
+    """`stuff -> .git`: the .git walk that looks for custom code skips it, but the copy followed
+    the link, so the fold failed its own check with "<hidden temp dir> carries custom code
+    (stuff/hooks/evil.py)", and with --no-check published the repository and its hooks."""
+    model = clone(src, tmp_path / "model")
+    (model / ".git" / "hooks").mkdir(parents=True)
+    (model / ".git" / "hooks" / "evil.py").write_text("print('ran')\n")
+    (model / "stuff").symlink_to(".git")
+    (model / "notes").mkdir()
+    (model / "notes" / "hooks").symlink_to("../.git/hooks")  # a link to a directory of code
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["fold", str(model), str(out), "--no-check"])
+    assert result.exit_code == 0, result.output
+    assert not list(out.rglob("*.py")) and not (out / "stuff").exists()
+    assert "stuff (version-control data)" in result.output
+    assert "notes/hooks/evil.py (code, reached through a link)" in result.output

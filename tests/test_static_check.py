@@ -200,3 +200,114 @@ def test_fold_runs_the_check_one_model_at_a_time_when_two_do_not_fit(pair, tmp_p
     monkeypatch.setattr(checkpoint, "forward_check_bytes", lambda md: 1 << 40)  # "does not fit twice"
     result = fold_checkpoint(ref, tmp_path / "out")
     assert result.report.passed and "would not fit in memory side by side" in result.report.memory
+
+
+def test_a_half_precision_change_within_a_few_ulps_of_the_maximum_is_caught(tmp_path):
+    """In bfloat16, 4 ulp of a tensor's maximum is 3% of it: a bound on the whole tensor's scale
+    let a whole embedding row move by that much, and the forward check's own half-precision
+    margin did not see it either. Each element may be off by one ulp of itself, no more."""
+    from typer.testing import CliRunner
+
+    from enjoyln.cli import app
+
+    perturb(tiny_model("gpt2"), seed=41).to(torch.bfloat16).save_pretrained(tmp_path / "ref")
+    fold_checkpoint(tmp_path / "ref", tmp_path / "folded", check="none")
+    assert run(tmp_path / "ref", tmp_path / "folded").passed
+
+    def shift_row(sd):
+        w = sd["transformer.wte.weight"].float()
+        w[5] += 3.5 * torch.finfo(torch.bfloat16).eps * float(w.abs().max()) * torch.sign(torch.randn(w.shape[1]))
+        sd["transformer.wte.weight"] = w.to(torch.bfloat16)
+
+    cand = edited(tmp_path / "folded", tmp_path, shift_row)
+    report = run(tmp_path / "ref", cand)
+    assert not report.passed and any("transformer.wte.weight is not" in p for p in report.problems)
+    result = CliRunner().invoke(app, ["check", str(tmp_path / "ref"), str(cand)])
+    assert result.exit_code == 1, result.output
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn, torch.int8])
+def test_a_candidate_cast_to_another_kind_of_dtype_is_caught(pair, tmp_path, dtype):
+    """The reference cast to int32 is all zeros, and equals a zeroed candidate; float8 keeps three
+    bits. Only a half-precision copy of a float32 reference is accepted."""
+    ref, folded, _ = pair
+    key, centered_key = "transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_proj.weight"
+    cand = edited(folded, tmp_path, lambda sd: sd.update({k: sd[k].to(dtype) for k in (key, centered_key)}))
+    report = run(ref, cand)
+    assert not report.passed
+    assert f"{key} is stored as {dtype}, but the reference's {key} is torch.float32" in report.problems
+    assert any(p.startswith(f"{centered_key} is stored as") for p in report.problems)
+
+
+def test_a_head_tied_again_is_caught_whatever_the_plan_says_it_was_tied_to(pair, tmp_path):
+    """tie_word_embeddings back to true and no stored head: the head follows the centered
+    embedding. A recorded plan naming another tensor as the head's partner must not hide it."""
+    ref, folded, _ = pair
+    cand = edited(folded, tmp_path, lambda sd: sd.pop("lm_head.weight"))
+    config = json.loads((cand / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    config["enjoyln"]["plan"]["untied"][0]["tied_to"] = "transformer.wpe.weight"
+    (cand / "config.json").write_text(json.dumps(config))
+    report = run(ref, cand)
+    assert not report.passed
+    assert any(p.startswith("the candidate still ties lm_head.weight to transformer.wte.weight")
+               for p in report.problems), report.problems
+    assert any("untied tensors include ('lm_head.weight', 'transformer.wpe.weight')" in p
+               for p in report.problems), report.problems
+
+
+@pytest.mark.parametrize("key,value", [("rmsnorm", ["transformer.h.0.ln_1", "transformer.h.9.ln_1"]),
+                                       ("centered", []), ("untied", []),
+                                       ("auxiliary_centering", [{"module": "transformer.h.0", "where": "output"}])])
+def test_the_block_lists_beside_the_plan_are_confirmed(pair, tmp_path, key, value):
+    """A reader that takes `rmsnorm` from the block, not the full plan, must not be told to swap
+    LNs that were never folded."""
+    ref, folded, _ = pair
+    cand = clone(folded, tmp_path / "cand")
+    config = json.loads((cand / "config.json").read_text())
+    config["enjoyln"][key] = value
+    (cand / "config.json").write_text(json.dumps(config))
+    report = run(ref, cand)
+    assert not report.passed and f"the enjoyln block's {key} list is not what its plan gives" in report.problems
+
+
+def test_the_tokenizer_and_generation_config_must_be_the_references(pair, tmp_path):
+    """The same weights fed other ids, or generating under other settings, compute something
+    else; the forward check feeds ids directly and never sees the tokenizer."""
+    ref, folded, _ = pair
+    source = clone(ref, tmp_path / "ref")
+    (source / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}}}))
+    (source / "vocab.txt").write_text("a\nb\n")
+    base = clone(folded, tmp_path / "base")
+    for name in ("tokenizer.json", "vocab.txt"):
+        (base / name).write_bytes((source / name).read_bytes())
+    assert run(source, base).passed
+    swapped = clone(base, tmp_path / "swapped")
+    (swapped / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 1, "b": 0}}}))
+    (swapped / "vocab.txt").write_text("b\na\n")
+    generation = json.loads((swapped / "generation_config.json").read_text())
+    (swapped / "generation_config.json").write_text(json.dumps({**generation, "repetition_penalty": 1.3}))
+    (swapped / "special_tokens_map.json").write_text("{}")
+    report = run(source, swapped)
+    assert not report.passed
+    assert {"the candidate's tokenizer.json differs from the reference's",
+            "the candidate's vocab.txt differs from the reference's",
+            "the candidate's generation config changes repetition_penalty from None to 1.3",
+            "the candidate has special_tokens_map.json, which the reference does not"} <= set(report.problems)
+    (base / "vocab.txt").unlink()
+    assert "the candidate lacks the reference's vocab.txt" in run(source, base).problems
+
+
+def test_a_pickled_tensor_stored_as_a_strided_view(pair, tmp_path):
+    """torch.save keeps strides: a transposed weight failed the fold and the check with
+    "RuntimeError: view size is not compatible with input tensor's size and stride"."""
+    ref, folded, model = pair
+    pkl = tmp_path / "pkl"
+    pkl.mkdir()
+    (pkl / "config.json").write_text((ref / "config.json").read_text())
+    sd = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    key = "transformer.h.0.attn.c_attn.weight"
+    sd[key] = sd[key].t().contiguous().t()
+    torch.save(sd, pkl / "pytorch_model.bin")
+    report = static_check(open_model_dir(pkl, allow_pickle=True), open_model_dir(folded))
+    assert report.passed, report.summary()
