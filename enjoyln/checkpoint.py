@@ -325,6 +325,14 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+def _fd_path(fd: int) -> str:
+    """The file an open descriptor reads, for messages."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "a weight file"
+
+
 def _copy_range(src: int, dst: int, start: int, count: int, at: int, advance: Callable[[int], None],
                 stop: threading.Event | None = None) -> None:
     """Copy ``count`` bytes from ``src`` at ``start`` to ``dst`` at ``at``, in the kernel if possible."""
@@ -339,7 +347,7 @@ def _copy_range(src: int, dst: int, start: int, count: int, at: int, advance: Ca
             _pwrite_all(dst, memoryview(chunk), at)
             n = len(chunk)
         if n <= 0:
-            raise CheckpointError("a weight file ended early")
+            raise CheckpointError(f"{_fd_path(src)} ended early: it changed while it was being read")
         start, at, count = start + n, at + n, count - n
         advance(n)
 
@@ -584,6 +592,8 @@ class FoldResult:
     """Entries of MODEL_DIR not copied, with the reason (outside it, special files)."""
     cleaned: list[Path] = field(default_factory=list)
     """Temporary directories of killed runs for the same OUT_DIR, removed first."""
+    followed: list[str] = field(default_factory=list)
+    """Files a model directory needs, copied through links that leave MODEL_DIR (``name -> target``)."""
 
 
 def _load_pickled(md: ModelDir) -> dict[str, tuple[str, torch.Tensor]]:
@@ -691,7 +701,8 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             with signals_held():
                 tmp = temp_dir(out)
         write_start = time.perf_counter()
-        skipped = copy_extras(md, tmp)
+        followed: list[str] = []
+        skipped = copy_extras(md, tmp, followed)
         (tmp / "config.json").write_text(json.dumps(_output_config(md, plan), indent=2) + "\n")
         metadata = {"format": "pt", "enjoyln": __version__}
         buffer = _Buffer()
@@ -737,7 +748,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return FoldResult(plan, out, files, bytes_out, time.perf_counter() - start, stream_seconds,
-                      report=report, skipped=skipped, cleaned=cleaned)
+                      report=report, skipped=skipped, cleaned=cleaned, followed=followed)
 
 
 def _early_spans(md: ModelDir, max_shard_size: int | None) -> dict[str, tuple[str, int, int]]:

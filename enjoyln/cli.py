@@ -288,7 +288,8 @@ def _fold_command(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[st
     payload.update({"plan": plan.to_dict(), "out_dir": str(result.out_dir) if result.out_dir else None,
                     "files": result.files, "bytes_written": result.bytes_written,
                     "fold_seconds": result.seconds, "stream_seconds": result.stream_seconds,
-                    "skipped": result.skipped, "cleaned": [str(p) for p in result.cleaned]})
+                    "skipped": result.skipped, "followed": result.followed,
+                    "cleaned": [str(p) for p in result.cleaned]})
     if result.report is not None:
         payload["check"] = result.report.to_dict()
     if not as_json:
@@ -299,6 +300,9 @@ def _fold_command(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[st
         print_plan(plan)
         if result.skipped:
             out.print(f"[yellow]Not copied:[/] {escape('; '.join(result.skipped))}")
+        if result.followed:
+            out.print(f"Copied through links out of MODEL_DIR (files a model needs): "
+                      f"{escape(', '.join(result.followed))}")
         if result.report is not None:
             print_report(result.report)
         if result.out_dir:

@@ -425,8 +425,11 @@ def needed_file(name: str) -> bool:
     return any(fnmatch.fnmatch(name, p) for p in NEEDED)
 
 
-def copy_extras(md: ModelDir, dest: Path) -> list[str]:
+def copy_extras(md: ModelDir, dest: Path, followed: list[str] | None = None) -> list[str]:
     """Copy every file of ``md`` but the weights and config into ``dest``; return what was skipped.
+
+    ``followed`` collects the needed files copied through a link that leaves the
+    directory (``name -> target``), so that the caller can say so.
 
     A symlink is followed when it resolves inside the directory, or when it
     is a file a model directory needs (top level only). Anything else that
@@ -457,6 +460,8 @@ def copy_extras(md: ModelDir, dest: Path) -> list[str]:
             if not inside(target) and not (top and needed_file(src.name) and target.is_file()):
                 skipped.append(f"{name} (resolves outside the model directory)")
                 return
+            if not inside(target) and followed is not None:
+                followed.append(f"{name} -> {target}")
             if target.is_dir() and (target in chain or target in src.parent.resolve().parents
                                     or target == src.parent.resolve()):
                 skipped.append(f"{name} (a symlink to a directory that contains it)")

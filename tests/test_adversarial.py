@@ -220,6 +220,7 @@ def test_symlinks_out_of_the_model_dir_are_not_followed(dirs, tmp_path):
     assert (out / "notes" / "readme.txt").read_text() == "kept" and (out / "README.md").read_text() == "kept"
     assert (out / "tokenizer.json").stat().st_size == (src / "model.safetensors").stat().st_size
     assert "Not copied" in result.output and "passwd" in result.output
+    assert f"tokenizer.json -> {cache / 'abc123'}" in result.output  # followed out of MODEL_DIR, and said
 
 
 def test_custom_code_needs_the_flag(dirs, tmp_path):
