@@ -28,7 +28,7 @@ import functools
 import math
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 from .graph import LN_OPS, GraphIndex, op_name, shape
 from .plan import AFFINE_FUSED, AFFINE_GAIN, FoldPlan, LayerNormEntry, Rotated, Rotation
@@ -263,42 +263,6 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
 
 
 # --- applying it -------------------------------------------------------------------------------
-
-
-class RotateStream:
-    """Apply ``plan.rotation`` in place, in float64: each listed tensor ``×_axis Q``.
-
-    Exact once the norms are RMSNorms (``SwapLayerNorms`` ran first): they
-    commute with ``Q``, and every other reader of the stream was proved to be
-    a residual sum or a rotated reader.
-    """
-
-    preserves_computation = True
-
-    def check(self, model: nn.Module, plan: FoldPlan) -> None:
-        from .errors import PlanError
-        from .rewrite import _tensor
-
-        r = plan.rotation
-        if r is None:
-            return
-        if r.kind not in KINDS:
-            raise PlanError(f"the plan rotates with the unknown kind {r.kind!r}")
-        for rot in r.rotated:
-            t = _tensor(model, rot.param)
-            if not 0 <= rot.axis < t.dim():
-                raise PlanError(f"the plan rotates {rot.param} along axis {rot.axis}, which it does not have")
-
-    def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
-        from .rewrite import _tensor
-
-        r = plan.rotation
-        if r is None:
-            return model
-        with torch.no_grad():
-            for rot in r.rotated:
-                apply_rotation(_tensor(model, rot.param), rot, r)
-        return model
 
 
 def apply_rotation(t: torch.Tensor, rot: Rotated, r: Rotation) -> torch.Tensor:

@@ -23,3 +23,11 @@ def assert_same_outputs(reference, candidate, inputs, rtol=1e-5):
         assert ref[name].dtype == cand[name].dtype, name
         rel = max_relative_diff(ref[name], cand[name])
         assert rel <= rtol, f"{name}: relative difference {rel:.3g} > {rtol:g}"
+
+
+def copy_dir(src, dst):
+    """A copy of a flat model directory's files (a fresh candidate to tamper with)."""
+    dst.mkdir(parents=True)
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst

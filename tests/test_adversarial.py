@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 from enjoyln.cli import app
 from enjoyln.testing import perturb, tiny_model
+from conftest import copy_dir
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,12 +42,6 @@ def dirs(tmp_path_factory):
     assert result.exit_code == 0, result.output
     return src, root / "folded"
 
-
-def copy_dir(src, dst):
-    dst.mkdir(parents=True)
-    for p in src.iterdir():
-        (dst / p.name).write_bytes(p.read_bytes())
-    return dst
 
 
 def header(path):

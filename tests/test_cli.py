@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from enjoyln import checkpoint
 from enjoyln.cli import app
 from enjoyln.testing import perturb, tiny_model
+from conftest import copy_dir
 
 runner = CliRunner()
 
@@ -34,12 +35,6 @@ def digest(path):
             h.update(p.read_bytes())
     return h.hexdigest()
 
-
-def copy_dir(src, dst):
-    dst.mkdir(parents=True)
-    for p in src.iterdir():
-        (dst / p.name).write_bytes(p.read_bytes())
-    return dst
 
 
 def test_fold_then_check(gpt2_dir, tmp_path):

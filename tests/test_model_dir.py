@@ -14,6 +14,7 @@ from enjoyln import CheckpointError
 from enjoyln.checkpoint import fold_checkpoint, open_model_dir
 from enjoyln.cli import app
 from enjoyln.testing import perturb, tiny_model
+from conftest import copy_dir as clone
 
 runner = CliRunner()
 
@@ -24,12 +25,6 @@ def src(tmp_path_factory):
     perturb(tiny_model("gpt2"), seed=43).save_pretrained(path)
     return path
 
-
-def clone(src, dst):
-    dst.mkdir(parents=True)
-    for p in src.iterdir():
-        (dst / p.name).write_bytes(p.read_bytes())
-    return dst
 
 
 def test_duplicate_header_keys_and_trailing_bytes_are_refused(src, tmp_path):

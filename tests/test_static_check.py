@@ -12,6 +12,7 @@ import enjoyln
 from enjoyln.checkpoint import fold_checkpoint, open_model_dir
 from enjoyln.static_check import static_check
 from enjoyln.testing import perturb, tiny_model
+from conftest import copy_dir as clone
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +23,6 @@ def pair(tmp_path_factory):
     fold_checkpoint(root / "ref", root / "folded", check="none")
     return root / "ref", root / "folded", model
 
-
-def clone(src, dst):
-    dst.mkdir(parents=True)
-    for p in src.iterdir():
-        (dst / p.name).write_bytes(p.read_bytes())
-    return dst
 
 
 def run(ref, cand):
