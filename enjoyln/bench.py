@@ -290,6 +290,69 @@ def end_to_end(original: nn.Module, folded: nn.Module, example_inputs: ExampleIn
                           norm_time_ms(original, folded, inputs))
 
 
+# --- torch.compile -------------------------------------------------------------------------------
+
+
+@dataclass
+class CompiledResult:
+    """Compiled original against compiled folded (inductor, ``fullgraph=True``)."""
+
+    latency: LatencyComparison
+    kernels: tuple[int, int]
+    """Kernels inductor generated: (original, folded)."""
+    norm_kernels: tuple[int, int]
+    """Of those, the kernels computing a norm: (original, folded)."""
+    fused_add_norms: int
+    """Folded norm kernels that also compute the residual add feeding the norm."""
+    max_rel_diff: float
+    """Compiled folded against the eager original, over every output."""
+    compile_s: tuple[float, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "latency": self.latency.to_dict()}
+
+
+def _kernel_names(code: str) -> list[str]:
+    import re
+
+    return re.findall(r"^(cpp_fused_\w+|triton_\w+) = async_compile", code, re.M)
+
+
+def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: ExampleInputs, *,
+                        repeats: int = 20) -> CompiledResult:
+    """Compile both models with inductor and time them side by side, alternating.
+
+    ``fullgraph=True`` makes any graph break an error. The folded model's compiled
+    outputs are compared with the eager original's, and the generated code is
+    read for how many kernels each model needs and whether the norms were fused.
+
+    >>> r = compiled_comparison(original, folded, inputs)  # doctest: +SKIP
+    >>> r.latency.ratio, r.max_rel_diff                   # doctest: +SKIP
+    """
+    from torch._inductor.utils import run_and_get_code
+
+    from .check import flatten_outputs
+    from .testing import max_relative_diff
+
+    inputs = as_inputs(example_inputs)
+    compiled, names, seconds, outputs = [], [], [], []
+    with torch.inference_mode():
+        reference = flatten_outputs(inputs.call(original))
+        for model in (original, folded):
+            start = time.perf_counter()
+            fn = torch.compile(model, fullgraph=True)
+            out, code = run_and_get_code(lambda: inputs.call(fn))  # noqa: B023
+            seconds.append(time.perf_counter() - start)
+            compiled.append(fn)
+            names.append(_kernel_names("\n".join(code)))
+            outputs.append(flatten_outputs(out))
+    diff = max(max_relative_diff(reference[k], outputs[1][k]) for k in reference)
+    norms = ([n for n in names[0] if "layer_norm" in n], [n for n in names[1] if "rsqrt" in n or "layer_norm" in n])
+    latency = compare_latency(compiled[0], compiled[1], inputs, repeats=repeats)
+    return CompiledResult(latency, (len(names[0]), len(names[1])), (len(norms[0]), len(norms[1])),
+                          sum("add" in n for n in norms[1]), diff, (seconds[0], seconds[1]))
+
+
 def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: Any) -> None:
     """A bar chart of time ratios (RMSNorm / LayerNorm); needs matplotlib."""
     try:

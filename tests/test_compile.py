@@ -98,3 +98,21 @@ def test_compiled_norm_trains():
     x.grad = None
     block(x, torch.zeros(3, 32))[1].square().sum().backward()  # eager: the custom op's backward
     torch.testing.assert_close(grad, x.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_cli_bench_compile_reports_compiled_against_compiled(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from enjoyln.cli import app
+
+    # the shapes of the first test, so inductor's cache may serve its graphs
+    perturb(tiny_model("gpt2"), seed=13).save_pretrained(tmp_path / "m")
+    result = CliRunner().invoke(app, ["bench", str(tmp_path / "m"), "--no-kernels", "--no-e2e", "--compile",
+                                      "--batch", "2", "--seq-len", "16", "--repeats", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    compiled = json.loads(result.stdout)["compiled"]
+    assert compiled["latency"]["repeats"] == 2 and compiled["max_rel_diff"] <= 1e-5
+    assert compiled["kernels"][1] <= compiled["kernels"][0]
+    assert compiled["norm_kernels"] == [5, 5] and compiled["fused_add_norms"] >= 3  # 2 layers: 2·2 + ln_f
