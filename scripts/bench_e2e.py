@@ -74,19 +74,26 @@ def compiled(original: torch.nn.Module, folded: torch.nn.Module, inputs: dict, a
     if device == "cuda":  # where a GPU is present, compile for it; the README figures are CPU
         original, folded = original.to(device), folded.to(device)
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    r = compiled_comparison(original, folded, inputs, repeats=args.repeats)
-    lat = r.latency
+    default = torch.get_num_threads()
+    rows = ["| threads | compiled original ms | compiled folded ms | **folded / original** | kernels generated "
+            "(original → folded) | norm kernels with the residual add fused in | in the norm kernels per "
+            "forward: LN → RMSNorm | compiled folded vs eager original (max rel. diff) |",
+            "|---|---|---|---|---|---|---|---|"]
+    for threads in sorted({1, default}) if device == "cpu" else [default]:
+        torch.set_num_threads(threads)  # inductor's CPU code is generated for this count
+        r = compiled_comparison(original, folded, inputs, repeats=args.repeats, profile_kernels=device == "cpu")
+        lat, (ln, rms) = r.latency, r.norm_kernel_ms
+        norms = f"{ln:.2f} → {rms:.2f} ms ({rms / ln:.2f}x)" if ln else "-"
+        rows.append(f"| {threads} | {lat.a_ms:.1f} | {lat.b_ms:.1f} | **{lat.ratio:.3f}** | {r.kernels[0]} → "
+                    f"{r.kernels[1]} | {r.fused_add_norms} of {r.norm_kernels[1]} | {norms} | {r.max_rel_diff:.1e} |")
+    torch.set_num_threads(default)
     text = "\n".join([
         f"GPT-2 small (random, perturbed), fp32, batch 1, sequence {args.seq_len}, {device.upper()}; both "
-        f"compiled with `torch.compile(model, fullgraph=True)` (inductor); medians of {args.repeats} "
-        f"alternating forwards each. {machine()}.", "",
-        "| compiled original ms | compiled folded ms | **folded / original** | kernels generated "
-        "(original → folded) | norm kernels with the residual add fused in | compiled folded vs eager original "
-        "(max rel. diff) |",
-        "|---|---|---|---|---|---|",
-        f"| {lat.a_ms:.1f} | {lat.b_ms:.1f} | **{lat.ratio:.3f}** | {r.kernels[0]} → {r.kernels[1]} "
-        f"| {r.fused_add_norms} of {r.norm_kernels[1]} | {r.max_rel_diff:.1e} |", "",
-        "Command: `python scripts/bench_e2e.py --only compiled --write` (or `enjoyln bench --compile`)."])
+        f"compiled with `torch.compile(model, fullgraph=True)` (inductor, no graph breaks); medians of "
+        f"{args.repeats} alternating forwards each. {machine()}.", "", *rows, "",
+        "The norm kernels are timed by the profiler (inductor's `cpp.enable_kernel_profile`), with what inductor "
+        "fused into them. Command: `python scripts/bench_e2e.py --only compiled --write` (or `enjoyln bench "
+        "--compile`)."])
     print(text)
     if args.write and device == "cpu":
         replace_section("e2e-compile", text)
