@@ -351,10 +351,10 @@ def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: 
     >>> r = compiled_comparison(original, folded, inputs)  # doctest: +SKIP
     >>> r.latency.ratio, r.max_rel_diff                   # doctest: +SKIP
     """
+    import torch._inductor.config as inductor_config
+
     from .check import flatten_outputs
     from .testing import max_relative_diff
-
-    import torch._inductor.config as inductor_config
 
     inputs = as_inputs(example_inputs)
     compiled, names, seconds, outputs = [], [], [], []
