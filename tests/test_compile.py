@@ -7,7 +7,6 @@ import re
 import pytest
 import torch
 from conftest import assert_same_outputs
-from torch._inductor.utils import run_and_get_code
 
 import enjoyln
 from enjoyln.capture import hf_example_inputs
@@ -16,9 +15,16 @@ from enjoyln.testing import perturb, tiny_model
 pytestmark = pytest.mark.slow
 
 
+def run_and_get_code(fn, *args, **kwargs):
+    # imported when a test runs: torch._dynamo imports Triton, and the interpreter tests
+    # (test_triton.py) need Triton imported with TRITON_INTERPRET=1 first, at collection
+    from torch._inductor.utils import run_and_get_code
+
+    return run_and_get_code(fn, *args, **kwargs)
+
+
 def compiled_code(model, inputs):
     """Compile ``model`` with inductor, no graph breaks allowed; (compiled model, its code)."""
-    torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
         _, code = run_and_get_code(compiled, **inputs)
@@ -78,7 +84,6 @@ class AddNorm(torch.nn.Module):
 def test_residual_add_casts_and_norm_are_one_kernel(dtype):
     block = AddNorm(96, dtype).eval()
     x, r = torch.randn(4, 7, 96).to(dtype), torch.randn(4, 7, 96).to(dtype)
-    torch._dynamo.reset()
     with torch.no_grad():
         (s, y), code = run_and_get_code(torch.compile(block, fullgraph=True), x, r)
         s_ref, y_ref = block(x, r)  # eager: the C kernel
@@ -92,7 +97,6 @@ def test_compiled_norm_trains():
     """Under compile the norm is plain math, so autograd differentiates it directly."""
     block = AddNorm(32, torch.float32)
     x = torch.randn(3, 32, requires_grad=True)
-    torch._dynamo.reset()
     torch.compile(block, fullgraph=True)(x, torch.zeros(3, 32))[1].square().sum().backward()
     grad = x.grad.clone()
     x.grad = None

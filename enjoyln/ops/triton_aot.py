@@ -7,9 +7,13 @@ nothing about registers; this module is what the test suite and
 ``scripts/compile_triton.py`` use to keep every variant compiling for sm_80 and
 sm_90 without spilling to local memory.
 
->>> from enjoyln.ops.triton_aot import compile_variant, variants
->>> result = compile_variant(variants()[0], 80)   # doctest: +SKIP
->>> result.spills                                 # doctest: +SKIP
+Compilation runs in fresh processes: Triton builds its standard library for
+the interpreter when it is first imported with ``TRITON_INTERPRET=1`` (as the
+interpreter tests do), and ``triton.compile`` cannot use that build.
+
+>>> from enjoyln.ops.triton_aot import ARCHS, compile_all, variants
+>>> results = compile_all([(v, arch) for v in variants() for arch in ARCHS])  # doctest: +SKIP
+>>> sum(r.spills for r in results)                                            # doctest: +SKIP
 0
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -74,9 +79,10 @@ def variants() -> list[Variant]:
     combination, aligned or not, for the one-block kernel at its largest block (the most
     registers per thread) and for the looped kernel; then every other block size the
     launcher picks, in the heaviest form (fp32, residual, weight, bias, unaligned)."""
-    kernels = _kernels()
-    largest = kernels.launch_config(kernels.MAX_FUSED)
-    looped = kernels.LOOPED_CONFIG
+    from . import triton_launch as launch
+
+    largest = launch.launch_config(launch.MAX_FUSED)
+    looped = launch.LOOPED_CONFIG
     out = []
     for kernel, (block, warps) in (("row", largest), ("looped", looped)):
         for dtype in DTYPES:
@@ -85,8 +91,8 @@ def variants() -> list[Variant]:
                     for aligned in (True, False):
                         out.append(Variant(kernel, dtype, residual, weight, bias, block, warps, aligned))
     block = 1
-    while block < kernels.MAX_FUSED:
-        out.append(Variant("row", "fp32", True, True, True, *kernels.launch_config(block), aligned=False))
+    while block < launch.MAX_FUSED:
+        out.append(Variant("row", "fp32", True, True, True, *launch.launch_config(block), aligned=False))
         block *= 2
     return out
 
@@ -137,7 +143,10 @@ def _field(pattern: str, log: str) -> int:
 
 
 def compile_variant(v: Variant, arch: int, cache_dir: str | None = None) -> Compiled:
-    """Compile ``v`` for ``sm_{arch}`` and read registers and spills from ptxas' log."""
+    """Compile ``v`` for ``sm_{arch}`` and read registers and spills from ptxas' log.
+
+    Needs a process whose Triton was not imported for the interpreter; ``compile_all``
+    provides one."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -148,8 +157,9 @@ def compile_variant(v: Variant, arch: int, cache_dir: str | None = None) -> Comp
     signature, constexprs, attrs = _signature(v)
     log = io.StringIO()
     with contextlib.ExitStack() as stack:
-        for group in (knobs.nvidia, knobs.compilation, knobs.cache):
+        for group in (knobs.nvidia, knobs.compilation, knobs.cache, knobs.runtime):
             stack.enter_context(group.scope())
+        knobs.runtime.interpret = False
         knobs.nvidia.dump_ptxas_log = True  # ptxas runs with -v; its log is printed
         knobs.compilation.always_compile = True  # a cache hit would skip ptxas and its log
         if cache_dir is not None:
@@ -171,27 +181,27 @@ def compile_all(pairs: list[tuple[Variant, int]], cache_dir: str | None = None,
     """``compile_variant`` for each (variant, arch), in ``workers`` fresh processes.
 
     Spawned, not forked: the caller may hold torch's thread pools, which a forked
-    child must not touch."""
+    child must not touch, or a Triton imported for the interpreter."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    if workers <= 1:
-        return [compile_variant(v, arch, cache_dir) for v, arch in pairs]
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max(1, workers), mp_context=context, initializer=_without_interpreter) as pool:
         return list(pool.map(compile_variant, *zip(*pairs), [cache_dir] * len(pairs), chunksize=4))
 
 
+def _without_interpreter() -> None:
+    os.environ.pop("TRITON_INTERPRET", None)  # before this worker first imports Triton
+
+
 def ptxas_missing() -> str | None:
-    """Why AOT compilation cannot run here, or None."""
-    try:
-        import triton  # noqa: F401
-        from triton import knobs
-    except ImportError:
+    """Why ahead-of-time compilation cannot run here, or None; imports nothing from Triton."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.submodule_search_locations:
         return "triton is not installed (pip install 'enjoyln[triton]')"
-    try:
-        for tool in (knobs.nvidia.ptxas, knobs.nvidia.ptxas_blackwell):
-            if not Path(tool.path).exists():
-                return f"triton has no {tool.path}"
-    except Exception as exc:  # a Triton build without the NVIDIA backend
-        return f"triton has no ptxas: {exc}"
+    bin_dir = Path(spec.submodule_search_locations[0]) / "backends" / "nvidia" / "bin"
+    for name, env in (("ptxas", "TRITON_PTXAS_PATH"), ("ptxas-blackwell", "TRITON_PTXAS_BLACKWELL_PATH")):
+        paths = [p for p in (os.environ.get(env), str(bin_dir / name)) if p]  # as Triton looks for it
+        if not any(os.access(p, os.X_OK) for p in paths):
+            return f"triton has no {name} at {paths[-1]} (a build without the NVIDIA backend?)"
     return None

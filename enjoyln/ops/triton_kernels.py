@@ -3,9 +3,9 @@
 One program per row. When the row fits in one block (N <= 16384) it is
 loaded once, kept in registers, reduced and written: one read, one write.
 Larger rows take a two-pass loop: held in registers, a row of 32768 spills to
-local memory on sm_80 and sm_90 with 16 or 32 warps (tests/test_triton_aot.py
-compiles every variant for both and fails on any spill). Block size and warps follow N, as in
-Liger-Kernel and flash-attention's Triton layer norm. Accumulation is fp32;
+local memory on sm_80 and sm_90 (``triton_launch.py``; tests/test_triton_aot.py
+compiles every variant for both and fails on any spill). Block size and warps
+follow N, as in Liger-Kernel and flash-attention's Triton layer norm. Accumulation is fp32;
 the output has the input's dtype. Tested on CPU tensors with TRITON_INTERPRET=1.
 """
 
@@ -15,17 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_FUSED = 16384
-# (block, warps) of the two-pass kernel. 4096 with 8 or 16 warps spilled 4-12 bytes in fp16
-# under the --regAllocOptLevel=2 that Triton 3.9 passes to ptxas, at 40-64 registers.
-LOOPED_CONFIG = (2048, 8)
-
-
-def launch_config(n: int) -> tuple[int, int]:
-    """(block size, warps) for rows of ``n`` elements."""
-    block = min(triton.next_power_of_2(max(n, 1)), MAX_FUSED)
-    warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
-    return block, warps
+from .triton_launch import LOOPED_CONFIG, MAX_FUSED, launch_config  # noqa: F401 (launch_config: tests)
 
 
 @triton.jit
