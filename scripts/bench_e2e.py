@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 from pathlib import Path
 
@@ -75,6 +76,7 @@ def compiled(original: torch.nn.Module, folded: torch.nn.Module, inputs: dict, a
         original, folded = original.to(device), folded.to(device)
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     default = torch.get_num_threads()
+    load = [os.getloadavg()[0]]  # the machine may be shared: say how busy it was
     rows = ["| threads | compiled original ms | compiled folded ms | **folded / original** | kernels generated "
             "(original → folded) | norm kernels with the residual add fused in | in the norm kernels per "
             "forward: LN → RMSNorm | compiled folded vs eager original (max rel. diff) |",
@@ -86,11 +88,13 @@ def compiled(original: torch.nn.Module, folded: torch.nn.Module, inputs: dict, a
         norms = f"{ln:.2f} → {rms:.2f} ms ({rms / ln:.2f}x)" if ln else "-"
         rows.append(f"| {threads} | {lat.a_ms:.1f} | {lat.b_ms:.1f} | **{lat.ratio:.3f}** | {r.kernels[0]} → "
                     f"{r.kernels[1]} | {r.fused_add_norms} of {r.norm_kernels[1]} | {norms} | {r.max_rel_diff:.1e} |")
+        load.append(os.getloadavg()[0])
     torch.set_num_threads(default)
     text = "\n".join([
         f"GPT-2 small (random, perturbed), fp32, batch 1, sequence {args.seq_len}, {device.upper()}; both "
         f"compiled with `torch.compile(model, fullgraph=True)` (inductor, no graph breaks); medians of "
-        f"{args.repeats} alternating forwards each. {machine()}.", "", *rows, "",
+        f"{args.repeats} alternating forwards each. {machine()}; 1-minute load average "
+        f"{', '.join(f'{x:.1f}' for x in load)} at the start and after each row.", "", *rows, "",
         "The norm kernels are timed by the profiler (inductor's `cpp.enable_kernel_profile`), with what inductor "
         "fused into them. Command: `python scripts/bench_e2e.py --only compiled --write` (or `enjoyln bench "
         "--compile`)."])
