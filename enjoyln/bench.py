@@ -290,6 +290,107 @@ def end_to_end(original: nn.Module, folded: nn.Module, example_inputs: ExampleIn
                           norm_time_ms(original, folded, inputs))
 
 
+# --- torch.compile -------------------------------------------------------------------------------
+
+
+@dataclass
+class CompiledResult:
+    """Compiled original against compiled folded (inductor, ``fullgraph=True``)."""
+
+    latency: LatencyComparison
+    kernels: tuple[int, int]
+    """Kernels inductor generated: (original, folded)."""
+    norm_kernels: tuple[int, int]
+    """Of those, the kernels computing a norm: (original, folded)."""
+    fused_add_norms: int
+    """Folded norm kernels that also compute the residual add feeding the norm."""
+    max_rel_diff: float
+    """Compiled folded against the eager original, over every output."""
+    compile_s: tuple[float, float]
+    norm_kernel_ms: tuple[float, float] = (0.0, 0.0)
+    """Per forward, in the generated kernels that compute a norm (with whatever inductor fused
+    into them), from the profiler: (original, folded). Zero unless asked for."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "latency": self.latency.to_dict()}
+
+
+def _kernel_names(code: str) -> list[str]:
+    import re
+
+    return re.findall(r"^(cpp_fused_\w+|triton_\w+) = async_compile", code, re.M)
+
+
+@contextlib.contextmanager
+def _inductor_code() -> Any:
+    """Collect the code inductor generates inside the block. ``run_and_get_code`` does
+    the same, but resets dynamo first, which would drop a model compiled before."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        yield codes
+
+
+def _is_norm_kernel(name: str) -> bool:
+    return "layer_norm" in name or "rsqrt" in name
+
+
+def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: ExampleInputs, *,
+                        repeats: int = 20, profile_kernels: bool = False) -> CompiledResult:
+    """Compile both models with inductor and time them side by side, alternating.
+
+    ``fullgraph=True`` makes any graph break an error. The folded model's compiled
+    outputs are compared with the eager original's, and the generated code is
+    read for how many kernels each model needs and whether the norms were fused.
+    ``profile_kernels`` (CPU) compiles with inductor's kernel profiling on and
+    reports the time spent in the norm kernels.
+
+    >>> r = compiled_comparison(original, folded, inputs)  # doctest: +SKIP
+    >>> r.latency.ratio, r.max_rel_diff                   # doctest: +SKIP
+    """
+    import torch._inductor.config as inductor_config
+
+    from .check import flatten_outputs
+    from .testing import max_relative_diff
+
+    inputs = as_inputs(example_inputs)
+    compiled, names, seconds, outputs = [], [], [], []
+    torch._dynamo.reset()  # inductor's CPU code fixes its thread count when it is generated
+    with torch.inference_mode(), inductor_config.patch({"cpp.enable_kernel_profile": profile_kernels}):
+        reference = flatten_outputs(inputs.call(original))
+        for model in (original, folded):
+            start = time.perf_counter()
+            fn = torch.compile(model, fullgraph=True)
+            with _inductor_code() as code:
+                out = inputs.call(fn)
+            seconds.append(time.perf_counter() - start)
+            compiled.append(fn)
+            names.append(_kernel_names("\n".join(code)))
+            outputs.append(flatten_outputs(out))
+    diff = max(max_relative_diff(reference[k], outputs[1][k]) for k in reference)
+    norms = [[n for n in kernels if _is_norm_kernel(n)] for kernels in names]
+    latency = compare_latency(compiled[0], compiled[1], inputs, repeats=repeats)
+    norm_ms = tuple(_norm_kernel_ms(fn, inputs) for fn in compiled) if profile_kernels else (0.0, 0.0)
+    return CompiledResult(latency, (len(names[0]), len(names[1])), (len(norms[0]), len(norms[1])),
+                          sum("add" in n for n in norms[1]), diff, (seconds[0], seconds[1]), norm_ms)
+
+
+def _norm_kernel_ms(fn: Any, inputs: Any, runs: int = 6) -> float:
+    """Median per forward of the self time of the norm kernels, as the profiler records them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per_run = []
+    with torch.inference_mode():
+        for _ in range(runs):
+            with _quiet_fds(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                inputs.call(fn)
+            per_run.append(sum(e.self_cpu_time_total for e in prof.key_averages() if _is_norm_kernel(e.key)))
+    return statistics.median(per_run) / 1e3
+
+
 def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: Any) -> None:
     """A bar chart of time ratios (RMSNorm / LayerNorm); needs matplotlib."""
     try:

@@ -484,6 +484,8 @@ def bench(
     device: str = typer.Option("cpu", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     plot: Optional[Path] = typer.Option(None, help="Save a PNG of the ratios (needs matplotlib)."),
+    compile_: bool = typer.Option(False, "--compile", help="Also time both models under torch.compile "
+                                  "(inductor, fullgraph=True), and check the compiled folded model."),
 ) -> None:
     """Measure enjoyln RMSNorm against native LayerNorm, alone and in a model."""
     import torch
@@ -515,11 +517,12 @@ def bench(
                               f"{r.gbps(r.layer_norm_us):.1f}", f"{r.gbps(r.rms_norm_us):.1f}")
             out.print(table)
     e2e_result = None
-    if e2e:
+    if e2e or compile_:
         original, folded = _bench_models(model_dir, device)
         from .capture import hf_example_inputs
 
         inputs = hf_example_inputs(original, batch=batch, seq_len=seq_len)
+    if e2e:
         e2e_result = end_to_end(original, folded, inputs, repeats=repeats)
         payload["e2e"] = e2e_result.to_dict()
         if not as_json:
@@ -533,6 +536,20 @@ def bench(
             out.print(f"Time inside the norms per forward: LayerNorm {ln_ms:.2f} ms, folded {rms_ms:.2f} ms, "
                       f"a bare copy in their place {copy_ms:.2f} ms (the floor: at best "
                       f"{e2e_result.best_possible_speedup:+.2%} end to end)")
+    if compile_:
+        from .bench import compiled_comparison
+
+        comp = compiled_comparison(original, folded, inputs, repeats=repeats)
+        payload["compiled"] = comp.to_dict()
+        if not as_json:
+            lat = comp.latency
+            out.print(f"Compiled (inductor, fullgraph, no graph breaks): original {lat.a_ms:.1f} ms, folded "
+                      f"{lat.b_ms:.1f} ms; folded/original {lat.ratio:.4f}; compiled folded against the eager "
+                      f"original: max relative difference {comp.max_rel_diff:.1e}")
+            out.print(f"Generated kernels: original {comp.kernels[0]}, folded {comp.kernels[1]}; norm kernels "
+                      f"{comp.norm_kernels[0]} and {comp.norm_kernels[1]}, {comp.fused_add_norms} of the folded "
+                      f"ones with the residual add fused in; compile {comp.compile_s[0]:.0f} s and "
+                      f"{comp.compile_s[1]:.0f} s")
     if plot is not None:
         from .bench import plot_results
 

@@ -13,7 +13,7 @@ kernels = importlib.import_module("enjoyln.ops.triton_kernels")
 from enjoyln.ops import rms_norm_reference  # noqa: E402
 
 # N = 1, non-powers of two, a power of two, and rows beyond one block (the looped kernel)
-NS = [1, 7, 96, 1000, 1024, 70_001]
+NS = [1, 7, 96, 1000, 1024, 16_384, 16_385, 70_001]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -36,7 +36,7 @@ def test_forward_matches_reference(n, dtype, bias):
     assert ulps(y, rms_norm_reference(x, (n,), w, b, 1e-5), dtype) <= 4
 
 
-@pytest.mark.parametrize("n", [1, 96, 1000, 70_001])
+@pytest.mark.parametrize("n", [1, 96, 1000, 16_385, 70_001])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_residual_variant_returns_sum_and_norm(n, dtype):
     x, r = torch.randn(3, n).to(dtype), torch.randn(3, n).to(dtype)
@@ -56,5 +56,5 @@ def test_launch_config_follows_n():
     assert kernels.launch_config(768) == (1024, 4)
     assert kernels.launch_config(4096) == (4096, 8)
     assert kernels.launch_config(16384) == (16384, 16)
-    assert kernels.launch_config(65536) == (65536, 32)
+    assert kernels.launch_config(65536) == (16384, 16)  # beyond MAX_FUSED the looped kernel runs
     assert kernels.launch_config(1) == (1, 4)

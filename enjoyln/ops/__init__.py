@@ -6,10 +6,12 @@
 - CPU, float32/bfloat16/float16, contiguous: the fused C kernel (``cpu.py``);
 - anything else: the reference implementation (``reference.py``).
 
-``backend(x)`` names the one a tensor would use. Under tracing (torch.export,
-torch.compile, ONNX export) or when a gradient is needed, the call goes
+``backend(x)`` names the one a tensor would use. Under torch.export, the ONNX
+export, ``torch.jit`` tracing or when a gradient is needed, the call goes
 through the custom op ``torch.ops.enjoyln.rms_norm``, so graphs show one
-RMSNorm node and autograd uses the backward below.
+RMSNorm node and autograd uses the backward below. Under ``torch.compile`` it
+is the reference math instead, which inductor fuses with the residual add and
+the casts around it; an opaque op would be a separate kernel call there.
 """
 
 from __future__ import annotations
@@ -147,9 +149,22 @@ def rms_norm(
         return cpu.rms_norm_cpu(x, normalized_shape[-1] if len(normalized_shape) == 1 else
                                 math.prod(normalized_shape), weight, bias, float(eps))
     shape = [int(s) for s in normalized_shape]
+    if _compiling_not_exporting():
+        return rms_norm_reference(x, shape, weight, bias, float(eps))
     if _needs_op(x, weight, bias):
         return torch.ops.enjoyln.rms_norm(x, shape, weight, bias, float(eps))
     return _forward(x, shape, weight, bias, float(eps))
+
+
+def _compiling_not_exporting() -> bool:
+    """True while dynamo traces for ``torch.compile``, false under ``torch.export``.
+
+    In torch 2.13, ``torch.compile`` sets ``is_dynamo_compiling``; strict export sets
+    it as well, but also ``is_exporting``, which non-strict export (and the ONNX
+    export, which uses it) sets alone. So exported graphs keep one
+    ``enjoyln::rms_norm`` node, and compiled ones see plain math that inductor fuses.
+    """
+    return torch.compiler.is_dynamo_compiling() and not torch.compiler.is_exporting()
 
 
 def _plain_cpu(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:

@@ -1,9 +1,11 @@
 """Triton RMSNorm kernels for CUDA: forward, and forward fused with a residual add.
 
-One program per row. When the row fits in one block (N <= 65536) it is
+One program per row. When the row fits in one block (N <= 16384) it is
 loaded once, kept in registers, reduced and written: one read, one write.
-Larger rows take a two-pass loop. Block size and warps follow N, as in
-Liger-Kernel and flash-attention's Triton layer norm. Accumulation is fp32;
+Larger rows take a two-pass loop: held in registers, a row of 32768 spills to
+local memory on sm_80 and sm_90 (``triton_launch.py``; tests/test_triton_aot.py
+compiles every variant for both and fails on any spill). Block size and warps
+follow N, as in Liger-Kernel and flash-attention's Triton layer norm. Accumulation is fp32;
 the output has the input's dtype. Tested on CPU tensors with TRITON_INTERPRET=1.
 """
 
@@ -13,14 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_FUSED = 65536
-
-
-def launch_config(n: int) -> tuple[int, int]:
-    """(block size, warps) for rows of ``n`` elements."""
-    block = min(triton.next_power_of_2(max(n, 1)), MAX_FUSED)
-    warps = 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
-    return block, warps
+from .triton_launch import LOOPED_CONFIG, MAX_FUSED, launch_config  # noqa: F401 (launch_config: tests)
 
 
 @triton.jit
@@ -93,7 +88,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     block, warps = launch_config(n)
     kernel = _rms_norm_row if n <= MAX_FUSED else _rms_norm_looped
     if n > MAX_FUSED:
-        block, warps = 4096, 16
+        block, warps = LOOPED_CONFIG
     if rows:
         kernel[(rows,)](
             x2, r2 if r2 is not None else x2, s if s is not None else y, weight, bias, y,
