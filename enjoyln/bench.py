@@ -353,7 +353,7 @@ def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: 
     """
     import torch._inductor.config as inductor_config
 
-    from .check import flatten_outputs
+    from .equivalence import flatten_outputs
     from .testing import max_relative_diff
 
     inputs = as_inputs(example_inputs)
