@@ -161,6 +161,8 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
     _require()
     import onnx
 
+    from . import ops  # noqa: F401  (registers enjoyln::rms_norm, which the table below translates)
+
     opset = opset if opset is not None else (OPTIMIZE_OPSET if optimize else DEFAULT_OPSET)
     newest = onnx.defs.onnx_opset_version()
     if opset < 18:
@@ -217,9 +219,13 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
     except EnjoylnError:
         raise
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        hint = "; export with dynamic=False (--static) for fixed shapes" if "static shape" in str(exc) else ""
-        raise EnjoylnError(f"ONNX export of {type(model).__name__} failed: {first}{hint}") from exc
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        # a dynamic axis the model fixes: torch.export says which, deep in its message
+        fixed = [line.strip("- ") for line in lines if "inferred a static shape" in line]
+        if fixed:
+            raise EnjoylnError(f"ONNX export of {type(model).__name__} failed: {fixed[0]}; export with "
+                               "dynamic=False (--static) for fixed shapes") from exc
+        raise EnjoylnError(f"ONNX export of {type(model).__name__} failed: {lines[0]}") from exc
     finally:
         model.train(was_training)
         shutil.rmtree(tmpdir, ignore_errors=True)
@@ -233,6 +239,7 @@ def deployment_inputs(model: nn.Module, example_inputs: ExampleInputs = None) ->
     """The example inputs, with what a deployed Hugging Face model is fed besides its ids:
     an ``attention_mask`` of ones and (where the model has token types) ``token_type_ids``."""
     inputs = resolve_inputs(model, example_inputs)
+    inputs = Inputs(tuple(inputs.args), dict(inputs.kwargs))  # entries are added and replaced below
     ids = inputs.kwargs.get("input_ids")
     if is_hf_model(model) and isinstance(ids, torch.Tensor):
         params = inspect.signature(model.forward).parameters
@@ -253,7 +260,7 @@ def _dynamic_axes(model: nn.Module, inputs: Inputs) -> dict[str, Any]:
             # Image sizes stay fixed: ViT checks them against its config, and with
             # interpolate_pos_encoding its traced graph keeps the traced size's shortcut
             # (onnxruntime then fails at any other size).
-            return dict(AXES.get(name, {0: "batch"}))
+            return {a: n for a, n in AXES.get(name, {0: "batch"}).items() if a < value.dim()}
         if isinstance(value, (tuple, list)):
             return type(value)(spec(name, v) for v in value)
         return None
