@@ -591,36 +591,67 @@ def _bench_models(model_dir: Optional[Path], device: str) -> tuple[Any, Any]:
 def export_cmd(
     model_dir: Path = typer.Argument(..., help="A model directory, folded or not (it is folded first)."),
     out_file: Path = typer.Argument(..., help="Where to write the .onnx file."),
-    opset: int = typer.Option(23, help="23+: ONNX RMSNormalization; 18-22: onnxruntime's SimplifiedLayerNormalization."),
-    batch: int = typer.Option(1, min=1, help="Batch size of the traced inputs."),
-    seq_len: int = typer.Option(128, min=1, help="Sequence length of the traced inputs."),
+    opset: Optional[int] = typer.Option(None, help="23+: ONNX RMSNormalization; 18-22: onnxruntime's "
+                                        "SimplifiedLayerNormalization. Default 23, or 22 with --optimize."),
+    optimize: bool = typer.Option(False, "--optimize", help="Run onnxruntime's transformer optimizer "
+                                  "(Skip*LayerNormalization fusions), check and write its result."),
+    fuse_affine: bool = typer.Option(False, "--fuse-affine", help="Fold with each norm's gain and bias moved "
+                                     "into its readers: weightless RMSNorm ops with no Add after them."),
+    static: bool = typer.Option(False, "--static", help="Fixed input shapes (the traced ones)."),
+    batch: int = typer.Option(2, min=1, help="Batch size of the traced inputs."),
+    seq_len: int = typer.Option(16, min=1, help="Sequence length of the traced inputs."),
     force: bool = typer.Option(False, "--force", help="Replace an existing file."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Accept .bin weights."),
 ) -> None:
-    """Export to ONNX with RMSNorm as one op, check the file and run it once in onnxruntime."""
-    import copy
-
+    """Export to ONNX with RMSNorm as one op and dynamic batch and sequence axes; check the
+    file and run it in onnxruntime at the traced shape and a second one."""
     from . import fold as fold_model
     from .capture import hf_example_inputs
     from .checkpoint import load, open_model_dir
     from .onnx_export import export_onnx
+    from .static_check import recorded_plan
 
+    import logging
+
+    import torch.onnx  # its import resets the level _quiet gave it; the registry warns of a missing torchvision
+
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     if out_file.exists() and not force:
         raise EnjoylnError(f"{out_file} exists; pass --force to replace it")
     md = open_model_dir(model_dir, allow_pickle=allow_pickle)
+    recorded = recorded_plan(md)
+    if recorded is not None and fuse_affine and not any(e.affine for e in recorded.foldable):
+        raise EnjoylnError(f"{model_dir} was folded without --fuse-affine; export it without --fuse-affine, "
+                           "or fold the original with `enjoyln fold --fuse-affine`")
     model = load(model_dir, allow_pickle=allow_pickle)
-    if not md.config.get("enjoyln"):
-        model = fold_model(copy.deepcopy(model))
+    if recorded is None:
+        model = fold_model(model, fuse_affine=fuse_affine)
     inputs = hf_example_inputs(model, batch=batch, seq_len=seq_len)
-    report = export_onnx(model, out_file, inputs, opset=opset)
+    report = export_onnx(model, out_file, inputs, opset=opset, optimize=optimize, dynamic=not static)
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
     else:
-        out.print(f"Wrote {out_file} (opset {opset}): {report.rms_norm_nodes} RMSNorm ops, "
+        def dims(shape: list[Any]) -> str:
+            return escape("[" + ", ".join(map(str, shape)) + "]")
+
+        bias = f" ({report.rms_bias_adds} followed by a bias Add)" if report.rms_bias_adds else ""
+        out.print(f"Wrote {out_file} (opset {report.opset}): {report.rms_norm_nodes} RMSNorm ops{bias}, "
                   f"{report.layer_norm_nodes} LayerNormalization ops; onnx.checker passed")
-        verdict = "[green]matches[/]" if report.passed else "[red]DIFFERS from[/]"
-        out.print(f"onnxruntime {verdict} PyTorch: max relative difference {report.max_rel_diff:.3g}")
+        out.print("Inputs: " + ", ".join(f"{k} {dims(v)}" for k, v in report.inputs.items())
+                  + "; outputs: " + ", ".join(f"{k} {dims(v)}" for k, v in report.outputs.items()))
+        shapes = " and ".join(", ".join(f"{k} {'x'.join(map(str, v))}" for k, v in s.items()) for s in report.shapes)
+        verdict = "[green]matches[/]" if report.max_rel_diff <= 1e-4 else "[red]DIFFERS from[/]"
+        out.print(f"onnxruntime {verdict} PyTorch at {shapes}: max relative difference {report.max_rel_diff:.3g}")
+        if report.optimized:
+            norms = ", ".join(f"{n} {report.optimized_ops[n]}" for n in sorted(report.optimized_ops)
+                              if "Normalization" in n)
+            verdict = "[green]matches[/]" if report.optimized_max_rel_diff <= 1e-4 else "[red]DIFFERS from[/]"
+            out.print(f"Optimized (onnxruntime optimizer, model_type {report.optimizer_model_type}): {norms}; "
+                      f"fused {report.skip_fused} of {report.skip_candidates} residual Add + norm pairs; "
+                      f"{verdict} PyTorch: max relative difference {report.optimized_max_rel_diff:.3g}")
+        for note in report.notes:
+            out.print(f"[yellow]warning:[/] {escape(note)}")
     if not report.passed:
         raise typer.Exit(1)
 

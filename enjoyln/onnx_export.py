@@ -1,22 +1,34 @@
-"""ONNX export of folded models, with RMSNorm as a real RMSNorm op.
+"""ONNX export of folded models: RMSNorm as one op, dynamic shapes, onnxruntime's optimizer.
 
 ``enjoyln.RMSNorm`` traces as the custom op ``enjoyln::rms_norm``; this module
-translates it for ``torch.onnx.export`` into:
+translates it for ``torch.onnx.export`` (the dynamo exporter) into:
 
 - opset 23 and later: ONNX's ``RMSNormalization``;
 - earlier opsets: onnxruntime's ``SimplifiedLayerNormalization`` (default
   domain), which only onnxruntime runs.
 
-Neither takes a bias after the norm, so LN's β becomes a following ``Add``.
+Neither takes a bias after the norm, so a norm that keeps β has a following
+``Add``; a weightless norm (``fold(..., fuse_affine=True)``) is the op alone.
 (``SkipSimplifiedLayerNormalization``'s bias is added before the norm, so it
-cannot carry β.) Needs ``pip install 'enjoyln[onnx]'``.
+cannot carry β.)
+
+Batch and sequence axes are dynamic, under the names optimum gives them, and
+the file is checked in onnxruntime at the traced shape and at a second one.
+With ``optimize=True`` onnxruntime's transformer optimizer fuses the residual
+``Add`` into ``SkipLayerNormalization`` / ``SkipSimplifiedLayerNormalization``;
+it has no pattern for ``RMSNormalization``, and its symbolic shape inference
+(which the Skip fusions need) fails on opset 23's ``Attention`` op, so the
+optimized path exports at opset 22. Needs ``pip install 'enjoyln[onnx]'``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
+import logging
 import os
+import re
 import shutil
 import tempfile
 from collections import Counter
@@ -27,12 +39,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture import ExampleInputs, resolve_inputs
-from .equivalence import flatten_outputs
+from .capture import ExampleInputs, Inputs, config_value, is_causal_lm, is_hf_model, resolve_inputs
+from .equivalence import _inputs_like, flatten_outputs
 from .errors import EnjoylnError
 
 DEFAULT_OPSET = 23
-RMS_OPS = ("RMSNormalization", "SimplifiedLayerNormalization")
+OPTIMIZE_OPSET = 22
+"""The newest opset whose graphs onnxruntime's optimizer can fuse RMS forms in (see the module note)."""
+RMS_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+LN_OPS = ("LayerNormalization", "SkipLayerNormalization", "EmbedLayerNormalization")
+SKIP_OPS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
+
+SEQUENCE_AXES = {0: "batch", 1: "sequence"}
+DECODER_AXES = {0: "batch", 1: "decoder_sequence"}
+AXES = {"input_ids": SEQUENCE_AXES, "attention_mask": SEQUENCE_AXES, "token_type_ids": SEQUENCE_AXES,
+        "position_ids": SEQUENCE_AXES, "decoder_input_ids": DECODER_AXES,
+        "decoder_attention_mask": DECODER_AXES}
+"""Dynamic axes of the inputs optimum names; any other tensor input gets a dynamic ``batch`` axis 0."""
+OPTIMIZER_TYPES = {"gpt2": "gpt2", "bert": "bert", "roberta": "bert", "distilbert": "bert", "vit": "vit",
+                   "deit": "vit", "swin": "swin", "bart": "bart", "t5": "t5", "gpt_neox": "gpt_neox",
+                   "phi": "phi", "clip": "clip"}
+"""Hugging Face model_type -> onnxruntime optimizer model_type; others: gpt2 for causal LMs, else bert."""
 
 
 def _require() -> None:
@@ -76,7 +103,7 @@ def translation(opset: int) -> Any:
     def rms_norm(x: Any, normalized_shape: list[int], weight: Any = None, bias: Any = None,
                  eps: float = 1e-5) -> Any:
         axis = -len(normalized_shape)
-        if weight is None:  # both ops require a scale
+        if weight is None:  # both ops require a scale: ones, which the exporter folds into a constant
             weight = op.Expand(op.CastLike(1.0, x), op.Constant(value_ints=list(normalized_shape)))
         if opset >= DEFAULT_OPSET:
             y = op.RMSNormalization(x, weight, axis=axis, epsilon=eps, stash_type=1)
@@ -94,68 +121,364 @@ class ExportReport:
     path: str
     opset: int
     ops: dict[str, int] = field(default_factory=dict)
+    """Op counts of the exported graph (before any optimizer)."""
     rms_norm_nodes: int = 0
     layer_norm_nodes: int = 0
+    rms_bias_adds: int = 0
+    """RMS ops followed by an ``Add`` of a constant: norms that kept β."""
+    inputs: dict[str, list[Any]] = field(default_factory=dict)
+    """Input name -> shape, dynamic axes by name."""
+    outputs: dict[str, list[Any]] = field(default_factory=dict)
     checked: bool = False
+    shapes: list[dict[str, list[int]]] = field(default_factory=list)
+    """The input shapes onnxruntime was checked at: the traced one, then a second one."""
     max_rel_diff: float | None = None
     passed: bool | None = None
+    optimized: bool = False
+    optimizer_model_type: str = ""
+    optimized_ops: dict[str, int] = field(default_factory=dict)
+    skip_candidates: int = 0
+    """Norms fed by a residual ``Add`` of two computed tensors, which the optimizer fuses."""
+    skip_fused: int = 0
+    optimized_max_rel_diff: float | None = None
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: ExampleInputs = None, *,
-                opset: int = DEFAULT_OPSET, verify: bool = True, rtol: float = 1e-4) -> ExportReport:
-    """Export ``model`` (folded or not) to ONNX; check it and run it once in onnxruntime.
+                opset: int | None = None, verify: bool = True, rtol: float = 1e-4, dynamic: bool = True,
+                optimize: bool = False) -> ExportReport:
+    """Export ``model`` (folded or not) to ONNX with dynamic batch and sequence axes; check it
+    and run it in onnxruntime at the traced shape and a second one. With ``optimize``, run
+    onnxruntime's transformer optimizer, check the optimized file the same way, and write it.
 
-    >>> export_onnx(enjoyln.fold(model), "model.onnx")  # doctest: +SKIP
+    ``opset`` defaults to 23 (22 with ``optimize``, see the module note).
+
+    >>> export_onnx(enjoyln.fold(model, fuse_affine=True), "model.onnx", optimize=True)  # doctest: +SKIP
     """
     _require()
     import onnx
 
+    from . import ops  # noqa: F401  (registers enjoyln::rms_norm, which the table below translates)
+
+    opset = opset if opset is not None else (OPTIMIZE_OPSET if optimize else DEFAULT_OPSET)
     newest = onnx.defs.onnx_opset_version()
     if opset < 18:
         raise EnjoylnError(f"opset {opset} is too old; use 18 or later (23+ for ONNX's RMSNormalization)")
     if opset > newest:
         raise EnjoylnError(f"opset {opset} is newer than this onnx ({onnx.__version__}) knows; use at most {newest}")
     path = Path(path)
-    inputs = resolve_inputs(model, example_inputs)
-    kwargs = inputs.kwargs
+    inputs = deployment_inputs(model, example_inputs)
+    axes = _dynamic_axes(model, inputs) if dynamic else {}
     table = {torch.ops.enjoyln.rms_norm.default: translation(opset)}
     # Written into a temporary directory beside the target, under the final name
     # (external data files refer to it), and moved at the end: a failed export
     # leaves nothing behind.
     path.parent.mkdir(parents=True, exist_ok=True)
     tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.enjoyln-", dir=path.parent))
-    tmp = tmpdir / path.name
+    plain = tmpdir / "plain" / path.name
+    plain.parent.mkdir()
     was_training = model.training
     try:
         model.eval()
+        with torch.no_grad():
+            names = _output_names(inputs.call(model))
+        shapes = {k: v for k, v in axes.items() if v is not None}
         # the exporter narrates its steps on stdout and its optimiser on stderr
         with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            program = torch.onnx.export(model, inputs.args, kwargs=kwargs, dynamo=True, opset_version=opset,
-                                        custom_translation_table=table, verbose=False)
-            program.save(str(tmp))
-        proto = onnx.load(str(tmp), load_external_data=False)
+            program = torch.onnx.export(model, inputs.args, kwargs=inputs.kwargs, dynamo=True, opset_version=opset,
+                                        custom_translation_table=table, dynamic_shapes=axes or None,
+                                        output_names=names, verbose=False)
+            program.save(str(plain))
+        proto = onnx.load(str(plain), load_external_data=False)
+        _name_axes(proto, shapes)
+        onnx.save(proto, str(plain))  # only the graph: external data, if any, stays where it is
         ops = Counter(n.op_type for n in proto.graph.node)
-        report = ExportReport(str(path), opset, dict(sorted(ops.items())),
-                              sum(ops[o] for o in RMS_OPS), ops["LayerNormalization"])
-        onnx.checker.check_model(str(tmp))
+        report = ExportReport(str(path), opset, dict(sorted(ops.items())), sum(ops[o] for o in RMS_OPS),
+                              ops["LayerNormalization"], _rms_bias_adds(proto),
+                              _value_shapes(proto.graph.input), _value_shapes(proto.graph.output))
+        onnx.checker.check_model(str(plain))
         report.checked = True
+        runs = [inputs, second_shape(inputs, report.inputs)] if verify else []
+        report.shapes = [_shape_of(r) for r in runs]
+        with torch.no_grad():
+            wants = [list(flatten_outputs(r.call(model)).values()) for r in runs]
         if verify:
-            report.max_rel_diff = _compare_with_onnxruntime(model, tmp, inputs.args, kwargs)
+            report.max_rel_diff = compare_with_onnxruntime(plain, runs, wants)
             report.passed = report.max_rel_diff <= rtol
-        for item in tmpdir.iterdir():
-            os.replace(item, path.parent / item.name)
+        final = plain
+        if optimize:
+            final = tmpdir / path.name
+            _optimize(model, plain, final, proto, report)
+            if verify:
+                report.optimized_max_rel_diff = compare_with_onnxruntime(final, runs, wants)
+                report.passed = report.passed and report.optimized_max_rel_diff <= rtol
+        for item in final.parent.iterdir():
+            if item.is_file():
+                os.replace(item, path.parent / item.name)
     except EnjoylnError:
         raise
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise EnjoylnError(f"ONNX export of {type(model).__name__} failed: {first}") from exc
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        # a dynamic axis the model fixes: torch.export says which, deep in its message
+        fixed = [line.strip("- ") for line in lines if "inferred a static shape" in line]
+        if fixed:
+            raise EnjoylnError(f"ONNX export of {type(model).__name__} failed: {fixed[0]}; export with "
+                               "dynamic=False (--static) for fixed shapes") from exc
+        raise EnjoylnError(f"ONNX export of {type(model).__name__} failed: {lines[0]}") from exc
     finally:
         model.train(was_training)
         shutil.rmtree(tmpdir, ignore_errors=True)
     return report
+
+
+# --- inputs and their axes --------------------------------------------------------------------------
+
+
+def deployment_inputs(model: nn.Module, example_inputs: ExampleInputs = None) -> Inputs:
+    """The example inputs, with what a deployed Hugging Face model is fed besides its ids:
+    an ``attention_mask`` of ones and (where the model has token types) ``token_type_ids``."""
+    inputs = resolve_inputs(model, example_inputs)
+    inputs = Inputs(tuple(inputs.args), dict(inputs.kwargs))  # entries are added and replaced below
+    ids = inputs.kwargs.get("input_ids")
+    if is_hf_model(model) and isinstance(ids, torch.Tensor):
+        params = inspect.signature(model.forward).parameters
+        if "attention_mask" in params:
+            inputs.kwargs.setdefault("attention_mask", torch.ones_like(ids))
+        if "token_type_ids" in params and config_value(model.config, "type_vocab_size"):
+            inputs.kwargs.setdefault("token_type_ids", torch.zeros_like(ids))
+    return inputs
+
+
+def _dynamic_axes(model: nn.Module, inputs: Inputs) -> dict[str, Any]:
+    """``dynamic_shapes`` by forward parameter name. torch.export fixes any axis traced at size
+    0 or 1, so such axes are first repeated to size 2 (in ``inputs``, in place)."""
+    bound = inspect.signature(model.forward).bind(*inputs.args, **inputs.kwargs).arguments
+
+    def spec(name: str, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            # Image sizes stay fixed: ViT checks them against its config, and with
+            # interpolate_pos_encoding its traced graph keeps the traced size's shortcut
+            # (onnxruntime then fails at any other size).
+            return {a: n for a, n in AXES.get(name, {0: "batch"}).items() if a < value.dim()}
+        if isinstance(value, (tuple, list)):
+            return type(value)(spec(name, v) for v in value)
+        return None
+
+    axes = {name: spec(name, value) for name, value in bound.items()}
+    for name, value in bound.items():
+        if isinstance(value, torch.Tensor) and axes[name]:
+            grown = value
+            for a in axes[name]:
+                if grown.shape[a] == 1:
+                    grown = grown.repeat_interleave(2, dim=a)
+            if grown is not value:
+                _replace_input(model, inputs, name, grown)
+    return axes
+
+
+def _replace_input(model: nn.Module, inputs: Inputs, name: str, value: torch.Tensor) -> None:
+    if name in inputs.kwargs:
+        inputs.kwargs[name] = value
+        return
+    position = list(inspect.signature(model.forward).parameters).index(name)
+    inputs.args = inputs.args[:position] + (value,) + inputs.args[position + 1:]
+
+
+def second_shape(inputs: Inputs, shapes: dict[str, list[Any]]) -> Inputs:
+    """Fresh inputs with every dynamic axis of the exported file resized: ``batch`` one larger,
+    every other axis a quarter shorter; an ``attention_mask`` pads the end of its last row.
+
+    ``shapes`` are the file's inputs (name -> dims, dynamic ones by name), in order.
+    """
+    positional = [n for n in shapes if n not in inputs.kwargs]
+    named = dict(zip(positional, inputs.args)) | inputs.kwargs
+    sizes: dict[str, int] = {}
+    for name, dims in shapes.items():
+        for axis, dim in enumerate(dims):
+            if isinstance(dim, str) and isinstance(named.get(name), torch.Tensor):
+                n = named[name].shape[axis]
+                sizes.setdefault(dim, n + 1 if dim == "batch" else n - max(1, n // 4))
+
+    def resize(name: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        for axis, dim in enumerate(shapes.get(name, ())):
+            if isinstance(dim, str) and axis < value.dim():
+                want = sizes[dim]
+                value = torch.cat([value] * -(-want // value.shape[axis]), dim=axis).narrow(axis, 0, want)
+        return value
+
+    args = tuple(resize(positional[i] if i < len(positional) else "", a) for i, a in enumerate(inputs.args))
+    second = _inputs_like(Inputs(args, {k: resize(k, v) for k, v in inputs.kwargs.items()}), seed=1)
+    mask = second.kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
+        mask[-1, mask.shape[1] - max(1, mask.shape[1] // 4):] = 0
+    return second
+
+
+def _shape_of(inputs: Inputs) -> dict[str, list[int]]:
+    named = {f"arg{i}": a for i, a in enumerate(inputs.args)} | inputs.kwargs
+    return {k: list(v.shape) for k, v in named.items() if isinstance(v, torch.Tensor)}
+
+
+def _output_names(out: Any) -> list[str]:
+    """optimum's names where the model has them (``logits``, ``last_hidden_state``), else output_N."""
+    names = list(flatten_outputs(out))
+    return [n if re.fullmatch(r"[A-Za-z_]\w*", n) else "output_" + re.sub(r"\W", "_", n) for n in names]
+
+
+# --- the exported graph ---------------------------------------------------------------------------
+
+
+def _name_axes(proto: Any, axes: dict[str, Any]) -> None:
+    """Give the exporter's symbols (``s72``) the names asked for; the exporter does so itself only
+    when every argument is a tensor."""
+    rename: dict[str, str] = {}
+    for value in proto.graph.input:
+        spec = axes.get(value.name)
+        if not isinstance(spec, dict):
+            continue
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if axis in spec and dim.dim_param and dim.dim_param != spec[axis]:
+                rename.setdefault(dim.dim_param, spec[axis])
+    if not rename:
+        return
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, rename)) + r")\b")
+    for value in (*proto.graph.input, *proto.graph.output, *proto.graph.value_info):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param:
+                dim.dim_param = pattern.sub(lambda m: rename[m.group(1)], dim.dim_param)
+
+
+def _value_shapes(values: Any) -> dict[str, list[Any]]:
+    return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
+
+
+def _producers(proto: Any) -> dict[str, Any]:
+    return {o: n for n in proto.graph.node for o in n.output}
+
+
+def _rms_bias_adds(proto: Any) -> int:
+    """Adds of a constant straight after an RMS op: the β of a norm that kept it."""
+    produced = _producers(proto)
+    constants = {i.name for i in proto.graph.initializer} | {
+        n.output[0] for n in proto.graph.node if n.op_type == "Constant"}
+    count = 0
+    for node in proto.graph.node:
+        if node.op_type == "Add" and len(node.input) == 2:
+            parents = [produced.get(i) for i in node.input]
+            if any(p is not None and p.op_type in RMS_OPS for p in parents) and set(node.input) & constants:
+                count += 1
+    return count
+
+
+def _skip_candidates(proto: Any) -> int:
+    """Norm nodes whose input is an ``Add`` of two computed tensors, none an embedding lookup:
+    the pairs onnxruntime's optimizer fuses into Skip*LayerNormalization."""
+    produced = _producers(proto)
+    constants = {i.name for i in proto.graph.initializer}
+    count = 0
+    for node in proto.graph.node:
+        if node.op_type not in ("LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization"):
+            continue
+        add = produced.get(node.input[0])
+        if add is None or add.op_type != "Add" or len(add.input) != 2 or set(add.input) & constants:
+            continue
+        if any(produced.get(i) is not None and produced[i].op_type == "Gather" for i in add.input):
+            continue
+        count += 1
+    return count
+
+
+# --- onnxruntime ----------------------------------------------------------------------------------
+
+
+def optimizer_model_type(model: nn.Module) -> str:
+    """The onnxruntime optimizer's ``model_type`` for a model."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind in OPTIMIZER_TYPES:
+        return OPTIMIZER_TYPES[kind]
+    return "gpt2" if is_causal_lm(model) else "bert"
+
+
+def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: ExportReport) -> None:
+    """Run onnxruntime's transformer optimizer on ``src``, write ``dst``, and count what it fused."""
+    import onnx
+    import onnxruntime
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    config = getattr(model, "config", None)
+    heads = config_value(config, "num_attention_heads", "n_head", "num_heads") if config is not None else None
+    hidden = config_value(config, "hidden_size", "n_embd", "d_model") if config is not None else None
+    kind = optimizer_model_type(model)
+    external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+    # The optimizer logs every pattern it did not find and prints its shape inference failures;
+    # onnxruntime warns about the file it serialises. The counts below say what matters.
+    logging.disable(logging.WARNING)
+    onnxruntime.set_default_logger_severity(3)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            optimized = optimize_model(str(src), model_type=kind, num_heads=int(heads or 0),
+                                       hidden_size=int(hidden or 0))
+            _fuse_bias_skip_simplified(optimized)
+            optimized.save_model_to_file(str(dst), use_external_data_format=external)
+    finally:
+        logging.disable(logging.NOTSET)
+        onnxruntime.set_default_logger_severity(2)
+    ops = Counter(n.op_type for n in onnx.load(str(dst), load_external_data=False).graph.node)
+    report.optimized = True
+    report.optimizer_model_type = kind
+    report.optimized_ops = dict(sorted(ops.items()))
+    report.skip_candidates = _skip_candidates(proto)
+    report.skip_fused = sum(ops[o] for o in SKIP_OPS)
+    norms_before = (report.layer_norm_nodes, report.rms_norm_nodes)
+    norms_after = (sum(ops[o] for o in LN_OPS), sum(ops[o] for o in RMS_OPS))
+    if norms_after != norms_before:
+        report.notes.append(f"the optimizer turned {norms_before[0]} LayerNorm and {norms_before[1]} RMSNorm ops "
+                            f"into {norms_after[0]} and {norms_after[1]}")
+    if report.skip_fused < report.skip_candidates:
+        why = (f" (at opset {report.opset} it cannot fuse RMSNormalization, and its shape inference fails on "
+               f"the Attention op; use opset {OPTIMIZE_OPSET})" if report.opset >= DEFAULT_OPSET else "")
+        report.notes.append(f"onnxruntime's optimizer fused {report.skip_fused} of {report.skip_candidates} "
+                            f"residual Add + norm pairs{why}")
+
+
+def _fuse_bias_skip_simplified(model: Any) -> int:
+    """Move a linear layer's bias ``Add`` into the ``SkipSimplifiedLayerNormalization`` it feeds.
+
+    onnxruntime's optimizer does this for ``SkipLayerNormalization`` only
+    (``FusionBiasSkipLayerNormalization``), though the simplified op takes the same
+    optional bias input; without it the folded graph keeps one more pass over the
+    activations per residual sum than the original. ``model`` is the optimizer's
+    ``OnnxModel``; returns the number of Adds removed.
+    """
+    produced = model.output_name_to_node()
+    consumers = model.input_name_to_nodes()
+    outputs = {o.name for o in model.model.graph.output}
+    removed = []
+    for node in model.get_nodes_by_op_type("SkipSimplifiedLayerNormalization"):
+        if len(node.input) != 3:
+            continue
+        for slot in (0, 1):
+            add = produced.get(node.input[slot])
+            if (add is None or add.op_type != "Add" or add in removed or add.output[0] in outputs
+                    or len(consumers.get(add.output[0], [])) != 1):
+                continue
+            for side in (0, 1):
+                bias = model.get_initializer(add.input[1 - side])
+                parent = produced.get(add.input[side])
+                if bias is not None and len(bias.dims) == 1 and parent is not None and parent.op_type == "MatMul":
+                    node.input[slot] = add.input[side]
+                    node.input.append(add.input[1 - side])
+                    removed.append(add)
+                    break
+            if len(node.input) == 4:
+                break
+    model.remove_nodes(removed)
+    return len(removed)
 
 
 def ort_session(path: str | os.PathLike, threads: int | None = None) -> Any:
@@ -178,17 +501,23 @@ def ort_feed(session: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any
     return feed
 
 
-def _compare_with_onnxruntime(model: nn.Module, path: Path, args: tuple, kwargs: dict) -> float:
+def compare_with_onnxruntime(path: str | os.PathLike, runs: list[Inputs], wants: list[list[torch.Tensor]]) -> float:
+    """The largest difference between onnxruntime's outputs for ``runs`` and PyTorch's
+    (``wants``), relative to each output's largest magnitude."""
     session = ort_session(path)
-    got = session.run(None, ort_feed(session, args, kwargs))
-    with torch.no_grad():
-        want = list(flatten_outputs(model(*args, **kwargs)).values())
-    if not want or len(want) != len(got):
-        raise EnjoylnError(f"onnxruntime returned {len(got)} outputs where PyTorch returns {len(want)}")
     worst = 0.0
-    for a, b in zip(want, got):
-        a = a.detach().double()
-        b = torch.from_numpy(b).double()
-        scale = float(a.abs().max()) or 1.0
-        worst = max(worst, float((a - b).abs().max()) / scale)
+    for inputs, want in zip(runs, wants):
+        try:
+            got = session.run(None, ort_feed(session, inputs.args, inputs.kwargs))
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise EnjoylnError(f"onnxruntime cannot run the exported file at input shapes {_shape_of(inputs)}: "
+                               f"{first}") from exc
+        if not want or len(want) != len(got):
+            raise EnjoylnError(f"onnxruntime returned {len(got)} outputs where PyTorch returns {len(want)}")
+        for a, b in zip(want, got):
+            a = a.detach().double()
+            b = torch.from_numpy(b).double()
+            scale = float(a.abs().max()) or 1.0
+            worst = max(worst, float((a - b).abs().max()) / scale)
     return worst
