@@ -1073,7 +1073,7 @@ def rewritable_reason(entry: LayerNormEntry) -> str:
 
 def analyze_capture(cap: Capture) -> FoldPlan:
     """Run the analysis on an already captured graph."""
-    return Analysis(cap).run()
+    return cap.annotate(Analysis(cap).run())
 
 
 def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,

@@ -11,15 +11,15 @@ own deviation from it.
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from .capture import ExampleInputs, Inputs, as_inputs, hf_example_inputs, is_causal_lm, is_hf_model
 from .errors import CaptureError
+from .inputs import (ExampleInputs, Inputs, as_inputs, hf_example_inputs, is_causal_lm, is_hf_model,
+                     wants_no_cache)
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -130,7 +130,7 @@ def input_batches(model: nn.Module, example_inputs: ExampleInputs = None, *, bat
         return [Inputs((), hf_example_inputs(model, batch=batch_size, seq_len=seq_len, seed=seed + i))
                 for i in range(batches)]
     first = as_inputs(example_inputs)
-    if is_hf_model(model) and "use_cache" in inspect.signature(model.forward).parameters:
+    if is_hf_model(model) and wants_no_cache(model):
         first.kwargs.setdefault("use_cache", False)
     return [first] + [_inputs_like(first, seed + i) for i in range(1, batches)]
 
