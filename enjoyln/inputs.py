@@ -179,9 +179,14 @@ def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[d
         text["input_ids"] = ids(seq)
     options: list[dict[str, Any]] = []
     if "pixel_values" in params and (main == "pixel_values" or config_value(config, "image_size")):
-        options += _pixel_options(config, randn, batch)
-        if text:
-            options.append({})  # a vision-language model may need image tokens we cannot place
+        pixels = _pixel_options(config, randn, batch)
+        image_token = config_value(config, "image_token_id", "image_token_index")
+        if text and isinstance(image_token, int):  # a vision-language model: the text holds the image
+            with_tokens = _with_image_tokens(model, pixels[0], text["input_ids"], image_token)
+            options += [with_tokens] if with_tokens else []
+            options.append({})  # else the text alone
+        else:
+            options += pixels
     for name in ("pixel_values_videos",):
         if name in params and main == name:
             frames = config_value(config, "frames_per_clip", "num_frames") or 4
@@ -213,6 +218,37 @@ def _pixel_options(config: Any, randn: Any, batch: int) -> list[dict[str, Any]]:
         return [{"pixel_values": video}, {"pixel_values": image}]
     # an image, then one image per sample as a stack (Idefics takes (batch, images, C, H, W))
     return [{"pixel_values": image}, {"pixel_values": image.unsqueeze(1)}]
+
+
+def _with_image_tokens(model: nn.Module, pixels: dict[str, Any], text: torch.Tensor,
+                       image_token: int) -> dict[str, Any] | None:
+    """Pixels and text that starts with one placeholder token per image feature, as a processor
+    would write it; the count comes from running the model's own ``get_image_features``."""
+    get = getattr(model, "get_image_features", None)
+    if get is None:
+        return None
+    params = inspect.signature(get).parameters
+    extra = {n: getattr(model.config, n) for n in params
+             if n.startswith("vision_feature") and getattr(model.config, n, None) is not None}
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = get(**pixels, **extra)
+    except Exception:  # noqa: BLE001 - this model needs more than pixels: no image then
+        return None
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    feats = getattr(out, "pooler_output", None) if not isinstance(out, (torch.Tensor, list, tuple)) else out
+    if isinstance(feats, (list, tuple)) and feats and isinstance(feats[0], torch.Tensor):
+        per_image = feats[0].shape[0] if feats[0].dim() == 2 else feats[0].shape[-2]
+    elif isinstance(feats, torch.Tensor) and feats.dim() >= 2:
+        per_image = feats.shape[-2] if feats.dim() == 3 else feats.shape[0] // text.shape[0]
+    else:
+        return None
+    placeholders = torch.full((text.shape[0], int(per_image)), image_token, dtype=text.dtype, device=text.device)
+    return {**pixels, "input_ids": torch.cat([placeholders, text], dim=1)}
 
 
 def _waveform_options(config: Any, randn: Any, batch: int, frames: int) -> list[dict[str, Any]]:

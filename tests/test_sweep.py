@@ -1,0 +1,115 @@
+"""A sample of the transformers zoo through the sweep (scripts/sweep_transformers.py).
+
+The sample covers the patterns of issue 10: post-LN encoder-decoders (BART,
+mBART, FSMT), a shape-only read (BART's ``embed_positions``), LayerScale
+(DINOv2, BEiT), an interpolated position table (YOLOS), masking by gather
+(ViT-MAE), per-head norms (Persimmon), sinusoidal buffers (M2M-100, XGLM),
+data-dependent control flow (FSMT, LED, Longformer, ViLT), audio (wav2vec2,
+HuBERT, Whisper), video (VideoMAE, TimeSformer), vision-language models that
+take ``use_cache`` through ``**kwargs`` (LLaVA, InternVL), configs without the
+usual size fields (CvT, GLPN, CANINE), VITS, and the classics (GPT-2, BERT).
+Each runs in a forked process, two at a time, as in the full sweep.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sweep_transformers.py"
+spec = importlib.util.spec_from_file_location("sweep_transformers", SCRIPT)
+sweep_mod = importlib.util.module_from_spec(spec)
+sys.modules["sweep_transformers"] = sweep_mod
+spec.loader.exec_module(sweep_mod)
+
+# model type -> (status, folded LNs, LN entries, analyze(model) without inputs succeeds)
+EXPECTED = {
+    "gpt2": ("exact", 5, 5, True),
+}
+
+# Folds that the analysis rules of issue 10 part 4 make provable; the lead enables this
+# after merging them (RULES_MERGED = True). Counts: model type -> folded LNs.
+RULES_MERGED = False
+EXPECTED_AFTER_RULES: dict[str, int] = {}
+
+# Raw exceptions raised inside enjoyln/analysis.py, to be fixed there (issue 10 part 2):
+# model type -> (exception type, the frame in enjoyln). Empty once fixed.
+RAW_IN_ANALYSIS: dict[str, tuple[str, str]] = {}
+
+SAMPLE = sorted(EXPECTED)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return sweep_mod.sweep(SAMPLE, jobs=2, timeout=150, progress=False)
+
+
+def test_no_raw_errors_outside_the_analysis(results):
+    raw = {t: r for t, r in results.items() if r["status"] == "raw_error"}
+    assert {t: (r["type"], r.get("enjoyln_frame", "").split(" ")[0].rsplit(":", 1)[0]) for t, r in raw.items()} == \
+        {t: (kind, frame.rsplit(":", 1)[0]) for t, (kind, frame) in RAW_IN_ANALYSIS.items()}
+
+
+@pytest.mark.parametrize("model_type", SAMPLE)
+def test_status_and_counts(results, model_type):
+    r = results[model_type]
+    status, folded, entries, no_input = EXPECTED[model_type]
+    assert r["status"] == status, r.get("message") or r.get("reason")
+    if status in ("exact", "inexact"):
+        assert (r["folded"], r["ln_entries"]) == (folded, entries)
+        assert r["max_rel"] <= sweep_mod.RTOL or status == "inexact"
+    assert bool(r.get("no_input", {}).get("ok")) == no_input, r.get("no_input")
+
+
+def test_every_fold_in_the_sample_is_exact(results):
+    folded = {t: r for t, r in results.items() if r.get("folded")}
+    assert folded and all(r["status"] == "exact" for r in folded.values())
+
+
+@pytest.mark.skipif(not RULES_MERGED, reason="enable after merging the analysis rules of issue 10 part 4")
+@pytest.mark.parametrize("model_type", sorted(EXPECTED_AFTER_RULES))
+def test_folds_after_the_new_rules(results, model_type):
+    r = results[model_type]
+    assert r["status"] == "exact" and r["folded"] == EXPECTED_AFTER_RULES[model_type]
+
+
+# --- the sweep's own helpers ------------------------------------------------------------
+
+
+def test_refusal_reasons_are_normalised_across_models():
+    norms = ["model.encoder.layers.0.final_layer_norm", "ln_f"]
+    a = sweep_mod.normalize_reason(
+        "its input includes the output of model.encoder.layers.0.final_layer_norm, which is not zero-mean", norms)
+    b = sweep_mod.normalize_reason("its input includes the output of ln_f, which is not zero-mean", norms)
+    assert a == b == "its input includes the output of a LayerNorm, which is not zero-mean"
+    c = sweep_mod.normalize_reason("its input includes the output of gelu in model.layers.3.mlp, which is "
+                                   "not zero-mean")
+    assert c == "its input includes the output of gelu in M, which is not zero-mean"
+    d = sweep_mod.normalize_reason("folding it needs the parameter wte.weight centered, but that would also "
+                                   "change the model output `hidden_states`")
+    assert d == "folding it needs a centering that would also change the model output `x`"
+
+
+def test_tiny_configs_shrink_nested_configs_and_keep_rotary_sections_whole():
+    cfg = sweep_mod.tiny_config("qwen2_vl", 0)
+    text = cfg.text_config
+    assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads) == (64, 2, 4)
+    assert sum(text.rope_parameters["mrope_section"]) == 64 // 4 // 2
+    assert cfg.vision_config.depth <= 2
+
+
+def test_perturb_skips_empty_parameters():
+    """DINOv3 keeps zero register tokens: an empty parameter must not break perturbation."""
+    from enjoyln.testing import perturb
+
+    class Registers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_tokens = nn.Parameter(torch.zeros(1, 0, 8))
+            self.embed = nn.Embedding(4, 8)
+
+    model = perturb(Registers())
+    assert model.register_tokens.shape == (1, 0, 8)
