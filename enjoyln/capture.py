@@ -12,6 +12,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import os
+import sysconfig
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -164,6 +167,18 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+def _origin(exc: BaseException) -> str:
+    """Where in the model's own code tracing stopped, as `` (at file:line: `code`)``, or ''."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), sysconfig.get_paths()["stdlib"], "<")
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    code = (frame.line or "").strip()
+    where = f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno}"
+    return f" (at {where}" + (f": `{code[:100]}`)" if code else ")")
+
+
 def _data_dependent(exc: BaseException) -> bool:
     """Did tracing stop at Python control flow on a tensor's values (``if mask.any():``)?"""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
@@ -233,16 +248,16 @@ def export(model: nn.Module, inputs: Inputs) -> tuple[torch.export.ExportedProgr
     except Exception as exc:  # export raises many unrelated types
         if not _data_dependent(exc):
             raise CaptureError(f"torch.export could not trace {name}: {type(exc).__name__}: "
-                               f"{_first_line(exc)}") from exc
+                               f"{_first_line(exc)}{_origin(exc)}") from exc
         first = exc
     try:
         with torch.no_grad(), _quiet_logs("torch.export", "torch.fx.experimental.symbolic_shapes"):
             program = torch.export.draft_export(model, inputs.args, inputs.kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - reported with the first failure
         raise CaptureError(
-            f"torch.export could not trace {name}: {type(first).__name__}: {_first_line(first)}; "
-            f"draft_export, which fixes such branches to the example's values, also failed: "
-            f"{type(exc).__name__}: {_first_line(exc)}") from exc
+            f"torch.export could not trace {name}: {type(first).__name__}: {_first_line(first)}"
+            f"{_origin(first)}; draft_export, which fixes such branches to the example's values, also "
+            f"failed: {type(exc).__name__}: {_first_line(exc)}{_origin(exc)}") from exc
     return program, _specializations(program)
 
 

@@ -29,6 +29,7 @@ import math
 import multiprocessing as mp
 import os
 import re
+import resource
 import sys
 import time
 import traceback
@@ -163,6 +164,8 @@ def shrink(cfg: Any, vocab: int, width: int, heads: int) -> dict[str, Any]:
             elif key in ("vocab_size", "vocab_size_per_layer_input") and value != vocab and (
                     value > vocab or key == "vocab_size" and value > 256):
                 kw[key] = vocab  # big enough for every special token id (LLaVA's image token is 32000)
+            elif key == "upsample_groups" and value > width:  # Mimi: one group per channel
+                kw[key] = width
             elif key == "rotary_dim" and value > head_dim:
                 kw[key] = head_dim // 2
             elif key in SMALL and value > SMALL[key]:
@@ -664,6 +667,8 @@ def _child(model_type: str, conn: Any, quiet: bool) -> None:
             result = run_one(model_type)
     except BaseException as exc:  # noqa: BLE001 - anything the sweep itself did not foresee
         result = {"model_type": model_type, **classify(exc, "sweep"), "status": "raw_error"}
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # a forked child starts from zero
+    result["cpu_seconds"] = round(usage.ru_utime + usage.ru_stime, 2)
     conn.send(json.loads(json.dumps(result, default=str)))
     conn.close()
     os._exit(0)  # skip the interpreter's teardown of a large heap
@@ -754,6 +759,7 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             skipped[key] = skipped.get(key, 0) + 1
     return {
         "model_types": len(rs),
+        "cpu_seconds": round(sum(r.get("cpu_seconds", r.get("seconds", 0.0)) for r in rs)),
         "tried": sum(r["status"] != "skipped" for r in rs),
         **status,
         "inexact_float64_rounding": inexact_rounding,
@@ -780,7 +786,7 @@ def print_summary(s: dict[str, Any], wall: float | None = None) -> None:
     for reason, c in list(s["refusals"].items())[:15]:
         print(f"  {c['architectures']:4d} {c['entries']:5d}  {reason}")
     if wall is not None:
-        print(f"wall time {wall:.0f} s")
+        print(f"wall time {wall:.0f} s; CPU time in the workers {s['cpu_seconds']} s")
 
 
 def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any] | None) -> str:
@@ -823,8 +829,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="comma-separated model types")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=90.0)
+    ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--write", action="store_true", help="write the README coverage section")
+    ap.add_argument("--enjoyln-commit", help="the enjoyln version swept, when it is not a git checkout")
     args = ap.parse_args(argv)
 
     import subprocess
@@ -843,8 +850,8 @@ def main(argv: list[str] | None = None) -> int:
         results = sweep(types, jobs=args.jobs, timeout=args.timeout, log=log)
     wall = time.perf_counter() - start
     root = Path(enjoyln.__file__).resolve().parent.parent
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip() or "unknown"
+    commit = args.enjoyln_commit or subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     sys.path.insert(0, str(HERE))
     from _readme import machine
 

@@ -63,6 +63,9 @@ def test_untraceable_model_names_both_causes_on_one_line():
     message = str(err.value)
     assert "\n" not in message
     assert "draft_export" in message and "positive inputs are not supported" in message
+    # both failures point into the model's code
+    assert "(at tests/test_capture.py:" in message or "test_capture.py:" in message
+    assert "`if x.sum() > 0:" in message and "`raise ValueError(" in message
 
 
 def test_non_data_dependent_failure_is_not_retried():
