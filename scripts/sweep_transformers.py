@@ -624,6 +624,7 @@ def run_one(model_type: str) -> dict[str, Any]:
             batches = [inputs, second_batch(model, source, inputs)]
         info["ln_entries"] = len(plan.layer_norms)
         info["folded"] = len(plan.foldable)
+        info["folded_names"] = [e.name for e in plan.foldable]
         refusals: dict[str, int] = {}
         for e in plan.layer_norms:
             if not e.foldable:
@@ -691,8 +692,17 @@ def sweep(model_types: list[str], *, jobs: int = 2, timeout: float = 60.0,
     import transformers
 
     transformers.logging.set_verbosity_error()
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    _warm_up()
+    try:
+        _warm_up()
+        return _run_pool(model_types, jobs, timeout, progress, quiet, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_pool(model_types: list[str], jobs: int, timeout: float, progress: bool, quiet: bool,
+              log: Any) -> dict[str, dict[str, Any]]:
     ctx = mp.get_context("fork")
     pending, running, results = list(model_types), {}, {}
     while pending or running:
@@ -790,37 +800,45 @@ def print_summary(s: dict[str, Any], wall: float | None = None) -> None:
 
 
 def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any] | None) -> str:
-    before = (f" Before this work (enjoyln at `{base['meta'].get('enjoyln_commit', '?')}`, same sweep): "
-              f"{base['summary']['folded']} of {base['summary']['ln_entries']} LN entries folded, "
-              f"`analyze(model)` without inputs {base['summary']['no_input_pct']}%, "
-              f"{base['summary']['raw_error']} raw errors." if base else "")
+    """The README's coverage block: this sweep beside the same sweep of enjoyln before issue 10."""
+    b = base["summary"] if base else None
+
+    def row(label: str, fmt: Any) -> str:
+        return f"| {label} | {fmt(b) if b else '-'} | {fmt(s)} |"
+
+    def skipped(x: dict[str, Any]) -> str:
+        return ", ".join(f"{k} {v}" for k, v in x["skipped_reasons"].items())
+
+    before = f"before (`{base['meta'].get('enjoyln_commit', '?')}`)" if base else "before"
     lines = [
-        f"Every model type registered in transformers {meta['transformers']} ({s['model_types']}), "
-        f"tiny configs, perturbed weights, two batches; {meta['machine']}; {meta['wall_seconds']:.0f} s "
-        f"with {meta['jobs']} workers.",
+        f"Every model type registered in transformers {meta['transformers']} ({s['model_types']}): tiny "
+        f"configs, perturbed weights, every output on two batches. {meta['machine']}; "
+        f"{meta['jobs']} workers, {meta['wall_seconds'] / 60:.0f} min wall "
+        f"({s['cpu_seconds'] / 60:.0f} min of CPU time in the workers; the machine was shared).",
         "",
-        "| | |",
-        "|---|---|",
-        f"| architectures tried | {s['tried']} (and {s['skipped']} skipped: "
-        + ", ".join(f"{k} {v}" for k, v in s["skipped_reasons"].items()) + ") |",
-        f"| exact | {s['exact']} |",
-        f"| inexact in float32 | {s['inexact']} ({s['inexact_float64_rounding']} exact in float64: "
-        "the original's own rounding) |",
-        f"| clean errors (`EnjoylnError`) | {s['clean_error']} |",
-        f"| raw errors | {s['raw_error']} |",
-        f"| **folded LNs** | **{s['folded']}** of {s['ln_entries']} LN entries |",
-        f"| `analyze(model)` without inputs | {s['no_input_ok']} of {s['forward_runs']} architectures "
-        f"whose forward runs ({s['no_input_pct']}%) |",
+        f"| | {before} | now |",
+        "|---|---|---|",
+        row("architectures tried (forward runs, has a LayerNorm or GroupNorm)", lambda x: x["tried"]),
+        row("exact", lambda x: x["exact"]),
+        row("inexact in float32 (of which exact in float64: the original's own rounding)",
+            lambda x: f"{x['inexact']} ({x['inexact_float64_rounding']})"),
+        row("clean errors (`EnjoylnError`)", lambda x: x["clean_error"]),
+        row("raw exceptions", lambda x: x["raw_error"]),
+        row("**folded LNs** / LN entries", lambda x: f"**{x['folded']}** / {x['ln_entries']}"),
+        row("`analyze(model)` without inputs", lambda x: f"{x['no_input_ok']} of {x['forward_runs']} "
+            f"({x['no_input_pct']}%)"),
         "",
-        before.strip(),
+        f"Skipped now: {skipped(s)}.",
         "",
-        "| refusal reason (normalised) | architectures | LN entries |",
+        "Refusal reasons now, with module paths, names and numbers taken out:",
+        "",
+        "| refusal reason | architectures | LN entries |",
         "|---|---|---|",
     ]
     for reason, c in list(s["refusals"].items())[:15]:
         lines.append(f"| {reason.replace('|', '/')} | {c['architectures']} | {c['entries']} |")
-    lines += ["", "Command: `python scripts/sweep_transformers.py --write` "
-              "(per-architecture results in `scripts/sweep_results.json`)."]
+    lines += ["", "Command: `python scripts/sweep_transformers.py --write` (per-architecture records in "
+              "`scripts/sweep_results.json`, the run before in `scripts/sweep_baseline.json`)."]
     return "\n".join(lines)
 
 
@@ -832,6 +850,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--write", action="store_true", help="write the README coverage section")
     ap.add_argument("--enjoyln-commit", help="the enjoyln version swept, when it is not a git checkout")
+    ap.add_argument("--from-results", action="store_true",
+                    help="do not sweep: summarise --out again (and --write the README from it)")
     args = ap.parse_args(argv)
 
     import subprocess
@@ -841,6 +861,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import enjoyln
 
+    if args.from_results:
+        saved = json.loads(args.out.read_text())
+        print_summary(saved["summary"])
+        if args.write:
+            write_readme(saved["summary"], saved["meta"])
+        return 0
     types = args.only.split(",") if args.only else list(CONFIG_MAPPING_NAMES)
     unknown = [t for t in types if t not in CONFIG_MAPPING_NAMES]
     if unknown:
@@ -862,11 +888,16 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({"meta": meta, "summary": summary, "results": results}, indent=1) + "\n")
     print_summary(summary, wall)
     if args.write:
-        from _readme import replace_section
-
-        base = json.loads(BASELINE.read_text()) if BASELINE.exists() else None
-        replace_section("sweep", readme_section(summary, meta, base))
+        write_readme(summary, meta)
     return 0
+
+
+def write_readme(summary: dict[str, Any], meta: dict[str, Any]) -> None:
+    sys.path.insert(0, str(HERE))
+    from _readme import replace_section
+
+    base = json.loads(BASELINE.read_text()) if BASELINE.exists() else None
+    replace_section("sweep", readme_section(summary, meta, base))
 
 
 if __name__ == "__main__":

@@ -25,32 +25,68 @@ sweep_mod = importlib.util.module_from_spec(spec)
 sys.modules["sweep_transformers"] = sweep_mod
 spec.loader.exec_module(sweep_mod)
 
-# model type -> (status, folded LNs, LN entries, analyze(model) without inputs succeeds)
+# model type -> (status, folded LNs, LN entries, analyze(model) without inputs succeeds),
+# as they hold with the analysis rules before issue 10 part 4.
 EXPECTED = {
+    "bart": ("exact", 0, 12, True),
+    "mbart": ("exact", 0, 14, True),
+    "gpt_neox_japanese": ("exact", 0, 5, True),
+    "dinov2": ("exact", 1, 5, True),
+    "beit": ("exact", 0, 5, True),
+    "yolos": ("exact", 0, 5, True),
+    "vit_mae": ("exact", 0, 5, True),
+    "persimmon": ("exact", 5, 9, True),
+    "m2m_100": ("exact", 0, 12, True),
+    "xglm": ("exact", 0, 5, True),
+    "fsmt": ("exact", 0, 10, True),  # captured by draft_export
+    "led": ("exact", 2, 12, True),  # captured by draft_export
+    "vilt": ("exact", 1, 6, True),  # captured by draft_export
+    "wav2vec2": ("exact", 0, 7, True),  # a waveform
+    "hubert": ("exact", 0, 7, True),
+    "videomae": ("exact", 0, 4, True),  # 5-D video
+    "timesformer": ("exact", 7, 7, True),
+    "llava": ("exact", 1, 6, True),  # use_cache through **kwargs, image tokens in the text
+    "internvl": ("exact", 0, 5, True),
+    "cvt": ("exact", 3, 29, True),  # no image_size in the config
+    "glpn": ("exact", 7, 19, True),
+    "canine": ("exact", 0, 11, True),  # no vocab_size in the config
+    "vits": ("raw_error", None, None, False),  # see RAW_IN_ANALYSIS
     "gpt2": ("exact", 5, 5, True),
+    "bert": ("exact", 1, 5, True),
+    "whisper": ("exact", 7, 12, True),
 }
 
-# Folds that the analysis rules of issue 10 part 4 make provable; the lead enables this
-# after merging them (RULES_MERGED = True). Counts: model type -> folded LNs.
+# Folds that the analysis rules of issue 10 part 4 make provable (the issue's acceptance):
+# model type -> folded LNs, or the LNs that must be among the folded. The lead sets
+# RULES_MERGED = True after merging those rules; until then these tests are skipped, visibly.
 RULES_MERGED = False
-EXPECTED_AFTER_RULES: dict[str, int] = {}
+EXPECTED_AFTER_RULES: dict[str, int | set[str]] = {
+    "gpt_neox_japanese": 5,
+    "dinov2": 5,
+    "yolos": 5,
+    "persimmon": 9,
+    "bart": {"model.encoder.layernorm_embedding", "model.decoder.layernorm_embedding"},
+}
 
 # Raw exceptions raised inside enjoyln/analysis.py, to be fixed there (issue 10 part 2):
-# model type -> (exception type, the frame in enjoyln). Empty once fixed.
-RAW_IN_ANALYSIS: dict[str, tuple[str, str]] = {}
+# model type -> (exception type, the enjoyln file it is raised from). Empty once fixed;
+# VITS then moves to an exact status in EXPECTED.
+RAW_IN_ANALYSIS: dict[str, tuple[str, str]] = {
+    "vits": ("GuardOnDataDependentSymNode", "enjoyln/analysis.py"),
+}
 
 SAMPLE = sorted(EXPECTED)
 
 
 @pytest.fixture(scope="module")
 def results():
-    return sweep_mod.sweep(SAMPLE, jobs=2, timeout=150, progress=False)
+    return sweep_mod.sweep(SAMPLE, jobs=2, timeout=600, progress=False)  # a guard against hangs only
 
 
 def test_no_raw_errors_outside_the_analysis(results):
     raw = {t: r for t, r in results.items() if r["status"] == "raw_error"}
-    assert {t: (r["type"], r.get("enjoyln_frame", "").split(" ")[0].rsplit(":", 1)[0]) for t, r in raw.items()} == \
-        {t: (kind, frame.rsplit(":", 1)[0]) for t, (kind, frame) in RAW_IN_ANALYSIS.items()}
+    found = {t: (r["type"], r.get("enjoyln_frame", "").split(":")[0]) for t, r in raw.items()}
+    assert found == RAW_IN_ANALYSIS
 
 
 @pytest.mark.parametrize("model_type", SAMPLE)
@@ -72,8 +108,12 @@ def test_every_fold_in_the_sample_is_exact(results):
 @pytest.mark.skipif(not RULES_MERGED, reason="enable after merging the analysis rules of issue 10 part 4")
 @pytest.mark.parametrize("model_type", sorted(EXPECTED_AFTER_RULES))
 def test_folds_after_the_new_rules(results, model_type):
-    r = results[model_type]
-    assert r["status"] == "exact" and r["folded"] == EXPECTED_AFTER_RULES[model_type]
+    r, want = results[model_type], EXPECTED_AFTER_RULES[model_type]
+    assert r["status"] == "exact"
+    if isinstance(want, int):
+        assert r["folded"] == want
+    else:
+        assert want <= set(r["folded_names"])
 
 
 # --- the sweep's own helpers ------------------------------------------------------------
