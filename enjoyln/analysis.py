@@ -413,7 +413,7 @@ def analyze_capture(cap: Capture, *, weights: Weights = None, fuse_affine: bool 
     plan = analysis.run()
     if rotate is not None:
         analysis.rotation(plan, *rotate)
-    return plan
+    return cap.annotate(plan)
 
 
 def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,

@@ -9,151 +9,26 @@ names of the model's outputs.
 
 from __future__ import annotations
 
-import inspect
+import contextlib
+import logging
 import operator
+import os
+import sysconfig
+import traceback
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from .errors import CaptureError
+from .inputs import (ExampleInputs, Inputs, as_inputs, config_value, hf_example_inputs, is_causal_lm,
+                     is_hf_model, resolve_inputs)
 
-ExampleInputs = Any
-"""A tensor, a tuple of positional arguments, or a dict of keyword arguments."""
-
-
-@dataclass
-class Inputs:
-    """Positional and keyword arguments for one call of the model."""
-
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
-
-    def call(self, model: nn.Module) -> Any:
-        return model(*self.args, **self.kwargs)
-
-    def tensors(self) -> list[torch.Tensor]:
-        leaves = pytree.tree_leaves((self.args, self.kwargs))
-        return [t for t in leaves if isinstance(t, torch.Tensor)]
-
-
-def as_inputs(example_inputs: ExampleInputs) -> Inputs:
-    """Normalise what a user passes as example inputs."""
-    if isinstance(example_inputs, Inputs):
-        return example_inputs
-    if isinstance(example_inputs, torch.Tensor):
-        return Inputs((example_inputs,), {})
-    if isinstance(example_inputs, Mapping):
-        return Inputs((), dict(example_inputs))
-    if isinstance(example_inputs, (tuple, list)):
-        return Inputs(tuple(example_inputs), {})
-    raise CaptureError(
-        f"example_inputs must be a tensor, a tuple of tensors or a dict of keyword "
-        f"arguments, not {type(example_inputs).__name__}"
-    )
-
-
-# --- Hugging Face input synthesis ------------------------------------------------
-
-_SUBCONFIGS = ("text_config", "vision_config", "audio_config", "encoder", "decoder")
-
-
-def config_value(config: Any, *names: str) -> Any:
-    """The first of ``names`` set on ``config`` or one of its sub-configs."""
-    for cfg in (config, *(getattr(config, s, None) for s in _SUBCONFIGS)):
-        if cfg is None:
-            continue
-        for name in names:
-            value = getattr(cfg, name, None)
-            if value is not None:
-                return value
-    return None
-
-
-def is_hf_model(model: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return isinstance(model, PreTrainedModel)
-
-
-def is_causal_lm(model: nn.Module) -> bool:
-    """A decoder-only model that can ``generate()``."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "is_encoder_decoder", False):
-        return False
-    can_generate = getattr(model, "can_generate", None)
-    return bool(can_generate and can_generate())
-
-
-def hf_example_inputs(
-    model: nn.Module, *, batch: int = 2, seq_len: int = 16, seed: int = 0
-) -> dict[str, Any]:
-    """Synthesize keyword inputs for a Hugging Face model from its config.
-
-    Token ids, pixel values or audio features are chosen by what ``forward``
-    accepts; encoder-decoders also get ``decoder_input_ids``; causal LMs get
-    ``use_cache=False`` so the traced graph has no cache outputs.
-
-    >>> from transformers import GPT2Config, GPT2LMHeadModel
-    >>> sorted(hf_example_inputs(GPT2LMHeadModel(GPT2Config(n_layer=1))))
-    ['input_ids', 'use_cache']
-    """
-    config = model.config
-    params = inspect.signature(model.forward).parameters
-    gen = torch.Generator().manual_seed(seed)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    # a model dispatched by accelerate keeps offloaded parameters on meta but runs on the CPU
-    device = (torch.device("cpu") if getattr(model, "hf_device_map", None)
-              else next((p.device for p in model.parameters()), torch.device("cpu")))
-    max_pos = config_value(config, "max_position_embeddings", "n_positions", "max_target_positions")
-    seq = min(seq_len, max_pos) if isinstance(max_pos, int) and max_pos > 0 else seq_len
-    out: dict[str, Any] = {}
-
-    def ids(length: int) -> torch.Tensor:
-        vocab = config_value(config, "vocab_size")
-        return torch.randint(0, int(vocab), (batch, length), generator=gen).to(device)
-
-    if "input_ids" in params and config_value(config, "vocab_size"):
-        out["input_ids"] = ids(seq)
-    if "pixel_values" in params and config_value(config, "image_size"):
-        size = config_value(config, "image_size")
-        size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
-        channels = config_value(config, "num_channels") or 3
-        out["pixel_values"] = torch.randn((batch, channels, *size), generator=gen).to(device, dtype)
-    if "input_features" in params and config_value(config, "num_mel_bins"):
-        mels = config_value(config, "num_mel_bins")
-        frames = 2 * (config_value(config, "max_source_positions") or 1500)
-        out["input_features"] = torch.randn((batch, mels, frames), generator=gen).to(device, dtype)
-    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-        dec_max = config_value(config, "max_target_positions") or seq
-        out["decoder_input_ids"] = ids(min(seq, dec_max))
-    if not out:
-        raise CaptureError(
-            f"cannot build example inputs for {type(model).__name__} from its config; "
-            "pass example_inputs explicitly"
-        )
-    if "use_cache" in params:
-        out["use_cache"] = False
-    return out
-
-
-def resolve_inputs(model: nn.Module, example_inputs: ExampleInputs = None, *, seed: int = 0) -> Inputs:
-    """The user's example inputs, or inputs synthesized for a Hugging Face model."""
-    if example_inputs is not None:
-        inputs = as_inputs(example_inputs)
-        if is_hf_model(model) and "use_cache" in inspect.signature(model.forward).parameters:
-            inputs.kwargs.setdefault("use_cache", False)
-        return inputs
-    if is_hf_model(model):
-        return Inputs((), hf_example_inputs(model, seed=seed))
-    raise CaptureError(
-        f"{type(model).__name__} is not a Hugging Face model, so enjoyln cannot invent "
-        "its inputs; pass example_inputs (a tensor, a tuple or a dict of keyword arguments)"
-    )
+# Input handling lives in .inputs; these names stay importable from here.
+__all__ = ["Capture", "capture", "export", "ExampleInputs", "Inputs", "as_inputs", "config_value",
+           "hf_example_inputs", "is_causal_lm", "is_hf_model", "resolve_inputs"]
 
 
 # --- the captured graph -----------------------------------------------------------
@@ -173,10 +48,21 @@ class Capture:
     aliases: dict[str, tuple[str, ...]]
     """Parameter name -> every name under which the same tensor object is reachable."""
     output_names: list[str]
+    specialized: list[str] = field(default_factory=list)
+    """Branches ``torch.export.draft_export`` took as the example's values dictated,
+    one phrase each; empty when plain ``torch.export`` traced the model."""
 
     @property
     def graph(self) -> torch.fx.Graph:
         return self.program.graph
+
+    def annotate(self, plan: Any) -> Any:
+        """Add to ``plan.notes`` what the proof's graph assumed about the inputs; returns ``plan``."""
+        if self.specialized:
+            plan.notes.append(
+                "the proof covers inputs that take the same data-dependent branches as the example: "
+                + "; ".join(self.specialized))
+        return plan
 
     def module_path(self, node: torch.fx.Node) -> str:
         stack = node.meta.get("nn_module_stack")
@@ -274,11 +160,114 @@ def _functionalize(graph: torch.fx.Graph) -> bool:
     return True
 
 
+# --- tracing --------------------------------------------------------------------------
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _origin(exc: BaseException) -> str:
+    """Where in the model's own code tracing stopped, as `` (at file:line: `code`)``, or ''."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), sysconfig.get_paths()["stdlib"], "<")
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    code = (frame.line or "").strip()
+    where = f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno}"
+    return f" (at {where}" + (f": `{code[:100]}`)" if code else ")")
+
+
+def _data_dependent(exc: BaseException) -> bool:
+    """Did tracing stop at Python control flow on a tensor's values (``if mask.any():``)?"""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (GuardOnDataDependentSymNode, DataDependentOutputException,
+                            DynamicOutputShapeException)) or "data-dependent" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@contextlib.contextmanager
+def _quiet_logs(*names: str) -> Iterator[None]:
+    """draft_export logs a banner and each specialization as warnings; the plan reports them."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _specializations(program: torch.export.ExportedProgram) -> list[str]:
+    """One phrase per value-dependent decision in a draft_export report."""
+    report = getattr(program, "_report", None)
+    if report is None:
+        return []
+    # file names are interned process-wide, and only the first trace to meet one logs it
+    from torch._logging.structured import INTERN_TABLE
+
+    files = {**{i: f for f, i in INTERN_TABLE.items()}, **getattr(report, "str_to_filename", {})}
+    out: list[str] = []
+    for failure in report.failures:
+        data, kind = failure.data, str(failure.failure_type)
+        if kind in ("MISSING_FAKE_KERNEL", "MISMATCHED_FAKE_KERNEL"):
+            out.append(f"the custom op {data.get('op')} has no exact shape rule, so its output shapes "
+                       "are those of the example")
+            continue
+        stack = data.get("user_stack") or [{}]
+        frame = stack[-1]
+        where = files.get(frame.get("filename"), "?")
+        where = where.split("site-packages/")[-1]
+        code = frame.get("loc") or data.get("expr", "?")
+        phrase = f"`{code}` ({where}:{frame.get('line', '?')}) as on the example ({data.get('expr')} = {data.get('result')})"
+        if phrase not in out:
+            out.append(phrase)
+    return out
+
+
+def export(model: nn.Module, inputs: Inputs) -> tuple[torch.export.ExportedProgram, list[str]]:
+    """``torch.export`` (non-strict), or ``draft_export`` where control flow depends on data.
+
+    Returns the program and the branches ``draft_export`` fixed to the example's
+    values (empty for a plain export). Either failure is a one-line CaptureError.
+    """
+    name = type(model).__name__
+    try:
+        with torch.no_grad():
+            return torch.export.export(model, inputs.args, inputs.kwargs, strict=False), []
+    except Exception as exc:  # export raises many unrelated types
+        if not _data_dependent(exc):
+            raise CaptureError(f"torch.export could not trace {name}: {type(exc).__name__}: "
+                               f"{_first_line(exc)}{_origin(exc)}") from exc
+        first = exc
+    try:
+        with torch.no_grad(), _quiet_logs("torch.export", "torch.fx.experimental.symbolic_shapes"):
+            program = torch.export.draft_export(model, inputs.args, inputs.kwargs, strict=False)
+    except Exception as exc:  # noqa: BLE001 - reported with the first failure
+        raise CaptureError(
+            f"torch.export could not trace {name}: {type(first).__name__}: {_first_line(first)}"
+            f"{_origin(first)}; draft_export, which fixes such branches to the example's values, also "
+            f"failed: {type(exc).__name__}: {_first_line(exc)}{_origin(exc)}") from exc
+    return program, _specializations(program)
+
+
 def capture(model: nn.Module, example_inputs: ExampleInputs = None) -> Capture:
     """Trace ``model`` with ``torch.export`` (non-strict) and index the graph.
 
     The model is traced in the mode it is in: a model left in training mode
-    keeps its dropout, and the analysis refuses to fold through it.
+    keeps its dropout, and the analysis refuses to fold through it. Where
+    Python control flow depends on tensor values, ``torch.export.draft_export``
+    traces the branches the example takes instead (``Capture.specialized``).
 
     >>> import torch
     >>> cap = capture(torch.nn.Linear(4, 4), torch.randn(2, 4))
@@ -288,15 +277,7 @@ def capture(model: nn.Module, example_inputs: ExampleInputs = None) -> Capture:
     if not isinstance(model, nn.Module):
         raise CaptureError(f"expected a torch.nn.Module, got {type(model).__name__}")
     inputs = resolve_inputs(model, example_inputs)
-    try:
-        with torch.no_grad():
-            program = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
-    except Exception as exc:  # export raises many unrelated types
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CaptureError(
-            f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: {first}"
-        ) from exc
-
+    program, specialized = export(model, inputs)
     if not _functionalize(program.graph):
         program = program.run_decompositions({})
     sig = program.graph_signature
@@ -315,4 +296,5 @@ def capture(model: nn.Module, example_inputs: ExampleInputs = None) -> Capture:
         constants=constants,
         aliases=_aliases(model),
         output_names=output_names,
+        specialized=specialized,
     )

@@ -34,10 +34,10 @@ from torch import nn
 from ._version import __version__
 from .analysis import analyze, norm_module_paths
 from .errors import CheckFailed, CheckpointError, EnjoylnError
-from .model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, WEIGHT_FILES,
-                        ModelDir, TensorInfo, check_out_dir, check_shapes, checkpoint_key, clean_stale,
+from .model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, ModelDir, TensorInfo,
+                        check_out_dir, check_shapes, checkpoint_key, clean_stale,
                         copy_extras, keep_failed as _keep_failed, meta_model, model_class, open_model_dir, publish,
-                        read_safetensors_header, saved_names, signals_held, temp_dir, umask)
+                        read_safetensors_header, saved_names, signals_held, temp_dir)
 from .plan import AFFINE_GAIN, FORMAT_VERSION, FoldPlan, block_lists, format_bytes
 from .rewrite import InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits
 

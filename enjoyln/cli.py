@@ -614,7 +614,7 @@ def export_cmd(
 
     import logging
 
-    import torch.onnx  # its import resets the level _quiet gave it; the registry warns of a missing torchvision
+    import torch.onnx  # noqa: F401  its import resets the level _quiet gave it; the registry warns of a missing torchvision
 
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     if out_file.exists() and not force:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
-import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,8 +26,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .capture import (ExampleInputs, Inputs, as_inputs, config_value, hf_example_inputs, is_causal_lm,
-                      is_hf_model)
+from .inputs import (ExampleInputs, Inputs, as_inputs, config_value, hf_example_inputs, is_causal_lm,
+                     is_hf_model, wants_no_cache)
 from .errors import CaptureError
 
 HALF = (torch.float16, torch.bfloat16)
@@ -189,7 +188,7 @@ def input_batches(model: nn.Module, example_inputs: ExampleInputs = None, *, bat
         return [Inputs((), hf_example_inputs(model, batch=batch_size, seq_len=seq_len, seed=seed + i))
                 for i in range(batches)]
     first = as_inputs(example_inputs)
-    if is_hf_model(model) and "use_cache" in inspect.signature(model.forward).parameters:
+    if is_hf_model(model) and wants_no_cache(model):
         first.kwargs.setdefault("use_cache", False)
     return [first] + [_inputs_like(first, seed + i) for i in range(1, batches)]
 

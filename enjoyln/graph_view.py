@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 

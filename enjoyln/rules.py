@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from .graph import META_OPS, GraphIndex, arg, norm_dim, op_key, op_name, shape
+from .graph import GraphIndex, arg, norm_dim, op_key, op_name, shape
 from .plan import Centering
 
 MAP, SUM, SCALE = "map", "sum", "scale"

@@ -124,11 +124,11 @@ def perturb(model: nn.Module, seed: int = 0, *, scale: float = 1.0) -> nn.Module
                 if getattr(module, "bias", None) is not None:
                     module.bias.copy_(randn(module.bias, 0.2))
                 seen.update(id(p) for p in module.parameters(recurse=False))
-            elif isinstance(module, nn.Embedding):
+            elif isinstance(module, nn.Embedding) and module.weight.numel():
                 module.weight.add_(offset(module.weight))
                 seen.add(id(module.weight))
         for name, p in model.named_parameters():
-            if id(p) in seen or not p.is_floating_point():
+            if id(p) in seen or not p.is_floating_point() or p.numel() == 0:
                 continue
             leaf = name.rpartition(".")[2]
             if leaf == "bias" or leaf.endswith("_bias"):

@@ -1,10 +1,12 @@
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 import enjoyln
 from enjoyln.capture import capture, hf_example_inputs
-from enjoyln.testing import tiny_model
+from enjoyln.testing import perturb, tiny_model
 
 
 def test_plain_module_needs_example_inputs():
@@ -12,16 +14,68 @@ def test_plain_module_needs_example_inputs():
         enjoyln.analyze(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
 
 
-def test_untraceable_model_names_the_cause():
-    class DataDependent(nn.Module):
-        def forward(self, x):
-            if x.sum() > 0:  # data-dependent control flow
-                return x
-            return -x
+class Branchy(nn.Module):
+    """An LN behind Python control flow on the input's values."""
 
-    with pytest.raises(enjoyln.CaptureError, match="torch.export could not trace DataDependent") as err:
-        enjoyln.analyze(DataDependent(), torch.randn(3))
-    assert "\n" not in str(err.value)
+    def __init__(self):
+        super().__init__()
+        self.proj, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        y = self.proj(x)
+        if x.sum() > 0:  # data-dependent control flow
+            return self.ln(y)
+        return y
+
+
+def test_data_dependent_branch_is_specialized_and_said():
+    """torch.export refuses `if x.sum() > 0:`; draft_export traces the example's branch,
+    and the plan says the proof covers only inputs that take it."""
+    model = perturb(Branchy()).eval()
+    x = torch.randn(4, 8).abs()
+    cap = capture(model, x)
+    assert len(cap.specialized) == 1
+    assert "if x.sum() > 0:" in cap.specialized[0] and "test_capture.py" in cap.specialized[0]
+    plan = enjoyln.analyze(model, x)
+    assert [e.name for e in plan.foldable] == ["ln"]
+    assert any("same data-dependent branches" in n and "x.sum() > 0" in n for n in plan.notes)
+    assert "if x.sum() > 0:" in plan.summary()
+    folded = enjoyln.fold(copy.deepcopy(model), plan=plan)
+    assert enjoyln.check(model, folded, x, batches=1).passed
+    # the other branch returns the centered projection itself: check catches it
+    assert not enjoyln.check(model, folded, -x, batches=1).passed
+
+
+def test_plain_export_records_no_specialization():
+    cap = capture(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), torch.randn(2, 4))
+    assert cap.specialized == []
+
+
+def test_untraceable_model_names_both_causes_on_one_line():
+    class FailsOnExample(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent, and the example takes the failing branch
+                raise ValueError("positive inputs are not supported")
+            return x
+
+    with pytest.raises(enjoyln.CaptureError, match="torch.export could not trace FailsOnExample") as err:
+        enjoyln.analyze(FailsOnExample(), torch.ones(3))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "draft_export" in message and "positive inputs are not supported" in message
+    # both failures point into the model's code
+    assert "(at tests/test_capture.py:" in message or "test_capture.py:" in message
+    assert "`if x.sum() > 0:" in message and "`raise ValueError(" in message
+
+
+def test_non_data_dependent_failure_is_not_retried():
+    class Unsupported(nn.Module):
+        def forward(self, x):
+            return torch.from_numpy(x.numpy())  # leaves the tracer's world
+
+    with pytest.raises(enjoyln.CaptureError, match="torch.export could not trace Unsupported") as err:
+        enjoyln.analyze(Unsupported(), torch.ones(3))
+    assert "draft_export" not in str(err.value) and "\n" not in str(err.value)
 
 
 def test_wrong_example_inputs_type():

@@ -1,7 +1,6 @@
 """Checkpoint round trips: directory -> fold -> directory, for every architecture."""
 
 import json
-import shutil
 
 import pytest
 import torch

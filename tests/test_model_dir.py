@@ -7,7 +7,6 @@ import struct
 import time
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from enjoyln import CheckpointError

@@ -1,0 +1,371 @@
+"""Example inputs: what a user passes, and what enjoyln synthesizes for a Hugging Face model.
+
+A model's config says what its inputs look like (vocabulary, image size,
+channels, frames, mel bins, the audio front end's strides), and ``forward``'s
+signature and ``main_input_name`` say which of them it takes. Where the layout
+is still ambiguous (a 4-D image or a 5-D stack of images, features as
+``(mels, frames)`` or ``(frames, mels)``), the candidates are tried in order on
+a forward pass and the first that runs is used, for every later seed too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .errors import CaptureError
+
+ExampleInputs = Any
+"""A tensor, a tuple of positional arguments, or a dict of keyword arguments."""
+
+
+@dataclass
+class Inputs:
+    """Positional and keyword arguments for one call of the model."""
+
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    def call(self, model: nn.Module) -> Any:
+        return model(*self.args, **self.kwargs)
+
+    def tensors(self) -> list[torch.Tensor]:
+        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def as_inputs(example_inputs: ExampleInputs) -> Inputs:
+    """Normalise what a user passes as example inputs."""
+    if isinstance(example_inputs, Inputs):
+        return example_inputs
+    if isinstance(example_inputs, torch.Tensor):
+        return Inputs((example_inputs,), {})
+    if isinstance(example_inputs, Mapping):
+        return Inputs((), dict(example_inputs))
+    if isinstance(example_inputs, (tuple, list)):
+        return Inputs(tuple(example_inputs), {})
+    raise CaptureError(
+        f"example_inputs must be a tensor, a tuple of tensors or a dict of keyword "
+        f"arguments, not {type(example_inputs).__name__}"
+    )
+
+
+# --- reading a Hugging Face config ----------------------------------------------------
+
+_SUBCONFIGS = ("text_config", "vision_config", "audio_config", "encoder", "decoder")
+
+
+def config_value(config: Any, *names: str) -> Any:
+    """The first of ``names`` set on ``config`` or one of its sub-configs."""
+    for cfg in (config, *(getattr(config, s, None) for s in _SUBCONFIGS)):
+        if cfg is None:
+            continue
+        for name in names:
+            value = getattr(cfg, name, None)
+            if value is not None:
+                return value
+    return None
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A decoder-only model that can ``generate()``."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return False
+    can_generate = getattr(model, "can_generate", None)
+    return bool(can_generate and can_generate())
+
+
+def wants_no_cache(model: nn.Module) -> bool:
+    """Does ``forward`` accept ``use_cache``, by name or through ``**kwargs`` of a caching config?
+
+    Without ``use_cache=False`` such a model returns a cache object, which
+    ``torch.export`` cannot return (LLaVA, InternVL, Qwen3-VL take it as a kwarg).
+    """
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" in params:
+        return True
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return var_kw and config_value(getattr(model, "config", None), "use_cache") is not None
+
+
+def forward_inputs(model: nn.Module) -> tuple[list[str], list[str]]:
+    """(every named input of ``forward``, the ones without a default)."""
+    params = inspect.signature(model.forward).parameters
+    named = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    required = [n for n in named if params[n].default is inspect.Parameter.empty]
+    return named, required
+
+
+# --- synthesis ------------------------------------------------------------------------
+
+_KEPT_TOKENS = {"pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+                "cls_token_id", "mask_token_id", "unk_token_id"}
+
+
+def _placeholder_ids(config: Any) -> set[int]:
+    """Token ids that stand for an image, a video or audio: random text must not contain them."""
+    found: set[int] = set()
+    for cfg in (config, *(getattr(config, s, None) for s in _SUBCONFIGS)):
+        for key, value in (vars(cfg).items() if cfg is not None else ()):
+            if key in _KEPT_TOKENS or not (key.endswith("_token_id") or key.endswith("_token_index")):
+                continue
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                found.add(value)
+    return found
+
+
+def _audio_length(config: Any, frames: int) -> int:
+    """Samples a convolutional feature encoder turns into ``frames`` frames (wav2vec2: 320 per frame)."""
+    kernels, strides = config_value(config, "conv_kernel"), config_value(config, "conv_stride")
+    if isinstance(kernels, (list, tuple)) and isinstance(strides, (list, tuple)) and len(kernels) == len(strides):
+        length = frames
+        for k, s in zip(reversed(kernels), reversed(strides)):
+            length = (length - 1) * s + k
+        return length
+    rate = config_value(config, "sampling_rate")
+    return int(rate) // 4 if isinstance(rate, int) and rate > 0 else 4000
+
+
+def _image_size(config: Any) -> tuple[int, int]:
+    size = config_value(config, "image_size", "img_size", "input_size")
+    if isinstance(size, (list, tuple)) and len(size) >= 2:
+        return int(size[-2]), int(size[-1])
+    if isinstance(size, int) and size > 0:
+        return size, size
+    return 224, 224  # what image processors produce when the config does not say (CvT, GLPN)
+
+
+def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[dict[str, Any]]:
+    """Possible keyword inputs, the most likely first; the same random draws for each."""
+    config = model.config
+    params = inspect.signature(model.forward).parameters
+    main = getattr(model, "main_input_name", "input_ids")
+    gen = torch.Generator().manual_seed(seed)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    # a model dispatched by accelerate keeps offloaded parameters on meta but runs on the CPU
+    device = (torch.device("cpu") if getattr(model, "hf_device_map", None)
+              else next((p.device for p in model.parameters()), torch.device("cpu")))
+    max_pos = config_value(config, "max_position_embeddings", "n_positions", "max_target_positions")
+    seq = min(seq_len, max_pos) if isinstance(max_pos, int) and max_pos > 0 else seq_len
+    vocab = config_value(config, "vocab_size")
+    placeholders = _placeholder_ids(config)
+
+    def ids(length: int) -> torch.Tensor:
+        high = int(vocab) if vocab else 256  # no vocabulary: characters or bytes (CANINE)
+        out = torch.randint(0, high, (batch, length), generator=gen)
+        if placeholders:
+            plain = next(i for i in range(high) if i not in placeholders)
+            out[torch.isin(out, torch.tensor(sorted(placeholders)))] = plain
+        return out.to(device)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(device, dtype)
+
+    text: dict[str, Any] = {}
+    if "input_ids" in params and (vocab or main == "input_ids"):
+        text["input_ids"] = ids(seq)
+    options: list[dict[str, Any]] = []
+    if "pixel_values" in params and (main == "pixel_values" or config_value(config, "image_size")):
+        pixels = _pixel_options(config, randn, batch)
+        image_token = config_value(config, "image_token_id", "image_token_index")
+        if text and isinstance(image_token, int):  # a vision-language model: the text holds the image
+            with_tokens = _with_image_tokens(model, pixels[0], text["input_ids"], image_token)
+            options += [with_tokens] if with_tokens else []
+            options.append({})  # else the text alone
+        else:
+            options += pixels
+    for name in ("pixel_values_videos",):
+        if name in params and main == name:
+            frames = config_value(config, "frames_per_clip", "num_frames") or 4
+            size, channels = _image_size(config), config_value(config, "num_channels") or 3
+            options.append({name: randn(batch, frames, channels, *size)})
+    if "input_values" in params and main == "input_values":
+        options += _waveform_options(config, randn, batch, seq_len)
+    if "input_features" in params and (main == "input_features" or config_value(config, "num_mel_bins")):
+        options += _feature_options(config, randn, batch)
+    if "past_values" in params and main == "past_values":
+        options += _series_options(config, params, randn, batch)
+    tail: dict[str, Any] = {}
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        dec_max = config_value(config, "max_target_positions") or seq
+        tail["decoder_input_ids"] = ids(min(seq, dec_max))
+    cands = [{**text, **o, **tail} for o in (options or [{}])]
+    cands = [c for c in cands if c]
+    if wants_no_cache(model):
+        cands = [{**c, "use_cache": False} for c in cands]
+    return cands
+
+
+def _pixel_options(config: Any, randn: Any, batch: int) -> list[dict[str, Any]]:
+    size, channels = _image_size(config), config_value(config, "num_channels", "in_channels") or 3
+    frames = config_value(config, "num_frames")
+    image = randn(batch, channels, *size)
+    if isinstance(frames, int) and frames > 0:  # video: (batch, frames, channels, height, width)
+        video = randn(batch, frames, channels, *size)
+        return [{"pixel_values": video}, {"pixel_values": image}]
+    # an image, then one image per sample as a stack (Idefics takes (batch, images, C, H, W))
+    return [{"pixel_values": image}, {"pixel_values": image.unsqueeze(1)}]
+
+
+def _with_image_tokens(model: nn.Module, pixels: dict[str, Any], text: torch.Tensor,
+                       image_token: int) -> dict[str, Any] | None:
+    """Pixels and text that starts with one placeholder token per image feature, as a processor
+    would write it; the count comes from running the model's own ``get_image_features``."""
+    get = getattr(model, "get_image_features", None)
+    if get is None:
+        return None
+    params = inspect.signature(get).parameters
+    extra = {n: getattr(model.config, n) for n in params
+             if n.startswith("vision_feature") and getattr(model.config, n, None) is not None}
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = get(**pixels, **extra)
+    except Exception:  # noqa: BLE001 - this model needs more than pixels: no image then
+        return None
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    feats = getattr(out, "pooler_output", None) if not isinstance(out, (torch.Tensor, list, tuple)) else out
+    if isinstance(feats, (list, tuple)) and feats and isinstance(feats[0], torch.Tensor):
+        per_image = feats[0].shape[0] if feats[0].dim() == 2 else feats[0].shape[-2]
+    elif isinstance(feats, torch.Tensor) and feats.dim() >= 2:
+        per_image = feats.shape[-2] if feats.dim() == 3 else feats.shape[0] // text.shape[0]
+    else:
+        return None
+    placeholders = torch.full((text.shape[0], int(per_image)), image_token, dtype=text.dtype, device=text.device)
+    return {**pixels, "input_ids": torch.cat([placeholders, text], dim=1)}
+
+
+def _waveform_options(config: Any, randn: Any, batch: int, frames: int) -> list[dict[str, Any]]:
+    mels, max_len = config_value(config, "num_mel_bins"), config_value(config, "max_length")
+    if mels and max_len and not config_value(config, "conv_stride"):  # a spectrogram (AST)
+        return [{"input_values": randn(batch, int(max_len), int(mels))}]
+    wave = randn(batch, _audio_length(config, frames))
+    channels = config_value(config, "audio_channels", "channels")
+    mono = {"input_values": wave.unsqueeze(1)}
+    if isinstance(channels, int) and channels > 1:
+        return [{"input_values": wave.unsqueeze(1).expand(-1, channels, -1).contiguous()}, mono]
+    return [{"input_values": wave}, mono]
+
+
+def _feature_options(config: Any, randn: Any, batch: int) -> list[dict[str, Any]]:
+    src = config_value(config, "max_source_positions")
+    mels = config_value(config, "num_mel_bins")
+    if mels and src:  # Whisper: (batch, mels, 2 x positions), exactly
+        return [{"input_features": randn(batch, int(mels), 2 * int(src))}]
+    per_channel, channels = config_value(config, "input_feat_per_channel"), config_value(config, "input_channels")
+    dims = [per_channel * channels if per_channel and channels else None,
+            config_value(config, "feature_projection_input_dim"), config_value(config, "feature_size"),
+            mels, config_value(config, "input_dim", "n_mels", "num_mel_bins_per_frame")]
+    dim = next((int(d) for d in dims if isinstance(d, int) and d > 0), 80)
+    frames = 64
+    return [{"input_features": randn(batch, frames, dim)}, {"input_features": randn(batch, dim, frames)}]
+
+
+def _series_options(config: Any, params: Any, randn: Any, batch: int) -> list[dict[str, Any]]:
+    context = config_value(config, "context_length") or 32
+    lags = config_value(config, "lags_sequence") or [0]
+    length = int(context) + int(max(lags))
+    channels = config_value(config, "num_input_channels", "input_size") or 1
+    out = {"past_values": randn(batch, length, channels).squeeze(-1) if channels == 1 else
+           randn(batch, length, channels)}
+    time_features = config_value(config, "num_time_features")
+    if "past_time_features" in params and isinstance(time_features, int):
+        out["past_time_features"] = randn(batch, length, time_features)
+    if "past_observed_mask" in params:
+        out["past_observed_mask"] = torch.ones_like(out["past_values"])
+    return [out, {"past_values": randn(batch, length, channels)}]
+
+
+_CHOICE: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
+def _runs(model: nn.Module, inputs: dict[str, Any]) -> bool:
+    """Does the model run on ``inputs``? Eval mode, no grad, and its modes restored after."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(**inputs)
+        return True
+    except Exception as exc:  # noqa: BLE001 - any failure rules the candidate out
+        # on the meta device data-dependent code cannot run; the shapes got that far
+        return "meta" in str(exc) and any(p.is_meta for p in model.parameters())
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
+def hf_example_inputs(
+    model: nn.Module, *, batch: int = 2, seq_len: int = 16, seed: int = 0
+) -> dict[str, Any]:
+    """Synthesize keyword inputs for a Hugging Face model from its config.
+
+    Token ids, images, video, waveforms, audio features or time series are
+    chosen by ``forward``'s signature and the model's ``main_input_name``;
+    encoder-decoders also get ``decoder_input_ids``; models that take
+    ``use_cache`` (by name or through ``**kwargs``) get ``use_cache=False`` so
+    the traced graph has no cache outputs. Where several layouts are possible,
+    the first the model runs on is used, and remembered for later seeds.
+
+    >>> from transformers import GPT2Config, GPT2LMHeadModel
+    >>> sorted(hf_example_inputs(GPT2LMHeadModel(GPT2Config(n_layer=1))))
+    ['input_ids', 'use_cache']
+    """
+    cands = _candidates(model, batch, seq_len, seed)
+    if not cands:
+        raise CaptureError(_cannot_synthesize(model, "enjoyln does not know how to make its inputs"))
+    if len(cands) == 1:
+        return cands[0]
+    choice = _CHOICE.get(model)
+    if choice is None or choice >= len(cands):
+        choice = next((i for i, c in enumerate(cands) if _runs(model, c)), None)
+        if choice is None:
+            raise CaptureError(_cannot_synthesize(
+                model, f"it runs on none of the {len(cands)} input layouts enjoyln tried "
+                       f"({', '.join(_describe(c) for c in cands)})"))
+        _CHOICE[model] = choice
+    return cands[choice]
+
+
+def _describe(inputs: dict[str, Any]) -> str:
+    return " + ".join(f"{k} {list(v.shape)}" for k, v in inputs.items() if isinstance(v, torch.Tensor))
+
+
+def _cannot_synthesize(model: nn.Module, why: str) -> str:
+    named, required = forward_inputs(model)
+    needs = required or ([getattr(model, "main_input_name", None) or named[0]] if named else [])
+    return (f"cannot build example inputs for {type(model).__name__} from its config: {why}; pass "
+            f"example_inputs, a dict with at least {', '.join(needs) or 'its inputs'}")
+
+
+def resolve_inputs(model: nn.Module, example_inputs: ExampleInputs = None, *, seed: int = 0) -> Inputs:
+    """The user's example inputs, or inputs synthesized for a Hugging Face model."""
+    if example_inputs is not None:
+        inputs = as_inputs(example_inputs)
+        if is_hf_model(model) and wants_no_cache(model):
+            inputs.kwargs.setdefault("use_cache", False)
+        return inputs
+    if is_hf_model(model):
+        return Inputs((), hf_example_inputs(model, seed=seed))
+    raise CaptureError(
+        f"{type(model).__name__} is not a Hugging Face model, so enjoyln cannot invent "
+        "its inputs; pass example_inputs (a tensor, a tuple or a dict of keyword arguments)"
+    )
