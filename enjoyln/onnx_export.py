@@ -50,12 +50,12 @@ RMS_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLa
 LN_OPS = ("LayerNormalization", "SkipLayerNormalization", "EmbedLayerNormalization")
 SKIP_OPS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
 
-SEQUENCE_AXES = {0: "batch", 1: "sequence"}
-DECODER_AXES = {0: "batch", 1: "decoder_sequence"}
+SEQUENCE_AXES = {0: "batch_size", 1: "sequence_length"}
+DECODER_AXES = {0: "batch_size", 1: "decoder_sequence_length"}
 AXES = {"input_ids": SEQUENCE_AXES, "attention_mask": SEQUENCE_AXES, "token_type_ids": SEQUENCE_AXES,
         "position_ids": SEQUENCE_AXES, "decoder_input_ids": DECODER_AXES,
         "decoder_attention_mask": DECODER_AXES}
-"""Dynamic axes of the inputs optimum names; any other tensor input gets a dynamic ``batch`` axis 0."""
+"""Dynamic axes of the inputs optimum names; any other tensor input gets a dynamic ``batch_size`` axis 0."""
 OPTIMIZER_TYPES = {"gpt2": "gpt2", "bert": "bert", "roberta": "bert", "distilbert": "bert", "vit": "vit",
                    "deit": "vit", "swin": "swin", "bart": "bart", "t5": "t5", "gpt_neox": "gpt_neox",
                    "phi": "phi", "clip": "clip"}
@@ -262,7 +262,7 @@ def _dynamic_axes(model: nn.Module, inputs: Inputs) -> dict[str, Any]:
             # Image sizes stay fixed: ViT checks them against its config, and with
             # interpolate_pos_encoding its traced graph keeps the traced size's shortcut
             # (onnxruntime then fails at any other size).
-            return {a: n for a, n in AXES.get(name, {0: "batch"}).items() if a < value.dim()}
+            return {a: n for a, n in AXES.get(name, {0: "batch_size"}).items() if a < value.dim()}
         if isinstance(value, (tuple, list)):
             return type(value)(spec(name, v) for v in value)
         return None
@@ -288,7 +288,7 @@ def _replace_input(model: nn.Module, inputs: Inputs, name: str, value: torch.Ten
 
 
 def second_shape(inputs: Inputs, shapes: dict[str, list[Any]]) -> Inputs:
-    """Fresh inputs with every dynamic axis of the exported file resized: ``batch`` one larger,
+    """Fresh inputs with every dynamic axis of the exported file resized: ``batch_size`` one larger,
     every other axis a quarter shorter; an ``attention_mask`` pads the end of its last row.
 
     ``shapes`` are the file's inputs (name -> dims, dynamic ones by name), in order.
@@ -300,7 +300,7 @@ def second_shape(inputs: Inputs, shapes: dict[str, list[Any]]) -> Inputs:
         for axis, dim in enumerate(dims):
             if isinstance(dim, str) and isinstance(named.get(name), torch.Tensor):
                 n = named[name].shape[axis]
-                sizes.setdefault(dim, n + 1 if dim == "batch" else n - max(1, n // 4))
+                sizes.setdefault(dim, n + 1 if dim == "batch_size" else n - max(1, n // 4))
 
     def resize(name: str, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):

@@ -40,19 +40,19 @@ def exports(request, tmp_path_factory):
     return Exports(request.param, tmp_path_factory.mktemp(request.param))
 
 
-TEXT_AXES = {"input_ids": ["batch", "sequence"], "attention_mask": ["batch", "sequence"]}
+TEXT_AXES = {"input_ids": ["batch_size", "sequence_length"], "attention_mask": ["batch_size", "sequence_length"]}
 
 
 def test_dynamic_axes_have_optimums_names(exports):
     inputs = exports.plain.inputs
     if exports.arch == "vit":
-        assert inputs == {"pixel_values": ["batch", 3, 32, 32]}  # ViT checks its image size
-        assert exports.plain.outputs == {"logits": ["batch", 5]}
+        assert inputs == {"pixel_values": ["batch_size", 3, 32, 32]}  # ViT checks its image size
+        assert exports.plain.outputs == {"logits": ["batch_size", 5]}
     else:
         assert {k: inputs[k] for k in TEXT_AXES} == TEXT_AXES
         assert ("token_type_ids" in inputs) == (exports.arch == "bert")
         out = "logits" if exports.arch == "gpt2" else "last_hidden_state"
-        assert exports.plain.outputs[out][:2] == ["batch", "sequence"]
+        assert exports.plain.outputs[out][:2] == ["batch_size", "sequence_length"]
 
 
 @pytest.mark.parametrize("which", ["plain", "original_opt", "folded_opt"])
@@ -164,14 +164,14 @@ def test_rms_norm_without_affine_exports_with_a_dynamic_batch(tmp_path):
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), enjoyln.RMSNorm(8, elementwise_affine=False)).eval()
     report = export_onnx(net, tmp_path / "n.onnx", torch.randn(3, 8))
     assert report.rms_norm_nodes == 1 and report.rms_bias_adds == 0 and report.passed
-    assert report.inputs == {"input": ["batch", 8]}
+    assert report.inputs == {"input": ["batch_size", 8]}
     assert [s["arg0"] for s in report.shapes] == [[3, 8], [4, 8]]
 
 
 def test_a_traced_batch_of_one_still_gives_a_dynamic_axis(tmp_path):
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), enjoyln.RMSNorm(8)).eval()
     report = export_onnx(net, tmp_path / "n.onnx", torch.randn(1, 8))
-    assert report.inputs == {"input": ["batch", 8]} and report.passed
+    assert report.inputs == {"input": ["batch_size", 8]} and report.passed
 
 
 def test_static_export_keeps_the_traced_shape(tmp_path):
@@ -194,7 +194,7 @@ def test_a_model_that_fixes_its_batch_is_a_clear_error(tmp_path):
 def test_second_shape_grows_the_batch_shortens_the_rest_and_pads_the_mask():
     ids = torch.randint(0, 50, (2, 16))
     first = Inputs((), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False})
-    axes = {"input_ids": ["batch", "sequence"], "attention_mask": ["batch", "sequence"]}
+    axes = {"input_ids": ["batch_size", "sequence_length"], "attention_mask": ["batch_size", "sequence_length"]}
     second = second_shape(first, axes)
     assert second.kwargs["input_ids"].shape == second.kwargs["attention_mask"].shape == (3, 12)
     assert second.kwargs["use_cache"] is False
@@ -227,7 +227,7 @@ def test_cli_export_fuse_affine_optimize(tmp_path):
     result = runner.invoke(app, ["export", str(src), str(tmp_path / "v.onnx"), "--fuse-affine", "--optimize"])
     assert result.exit_code == 0, result.output
     assert "(opset 22): 5 RMSNorm ops, 0 LayerNormalization ops" in result.output
-    assert "pixel_values [batch, 3, 32, 32]" in result.output
+    assert "pixel_values [batch_size, 3, 32, 32]" in result.output
     assert "SimplifiedLayerNormalization 1, SkipSimplifiedLayerNormalization 4" in result.output
     assert "fused 4 of 4 residual Add + norm pairs" in result.output
     assert result.output.count("matches PyTorch") == 2
