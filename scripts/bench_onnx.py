@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 import tempfile
 import time
