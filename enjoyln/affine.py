@@ -183,6 +183,10 @@ def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, l
         if e.kind != "module":
             e.affine, e.affine_reason = AFFINE_KEPT, "it is a functional layer_norm, whose affine enjoyln keeps"
             continue
+        elsewhere = _affine_read_elsewhere(g, e.name, calls.get(e.name, []))
+        if elsewhere:
+            e.affine, e.affine_reason = AFFINE_KEPT, elsewhere
+            continue
         fused: list[Fused] = []
         readers: Readers = {}
         for ln in calls.get(e.name, []):
@@ -224,6 +228,17 @@ def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, l
             else:
                 e.affine, e.affine_reason = AFFINE_GAIN, f"{no_bias[0]} has no bias to take it"
     return sorted(untie.values(), key=lambda u: u.param)
+
+
+def _affine_read_elsewhere(g: GraphIndex, name: str, calls: list[fx.Node]) -> str | None:
+    """Why a norm's γ or β cannot become 1 and 0: something other than the norm reads it
+    (another norm sharing it, or the model itself)."""
+    for leaf, what in (("weight", "gain"), ("bias", "bias")):
+        ph = g.placeholder_of.get(f"{name}.{leaf}")
+        for user in g.readers(ph) if ph is not None else []:
+            if user not in calls and user in g.live:
+                return f"its {what} {name}.{leaf} is also read by {g.describe(user)}"
+    return None
 
 
 def _mismatched(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]]) -> dict[str, str]:

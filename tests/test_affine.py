@@ -213,3 +213,41 @@ def test_readers_sharing_a_weight_or_bias(case, affine, why):
     if affine == AFFINE_FUSED:
         assert len(entry.fused) == 1
         assert_same_outputs(model, enjoyln.rotate(copy.deepcopy(model), ids), ids)
+
+
+class SharedAffine(nn.Module):
+    """Two norms sharing one γ and β, or a γ the model also reads itself."""
+
+    def __init__(self, case, d=8):
+        super().__init__()
+        self.embed = nn.Embedding(16, d)
+        self.ln1, self.ln2, self.ln_f = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.lin1, self.lin2, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 16)
+        self.case = case
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.lin1(self.ln1(h))
+        h = h + self.lin2(self.ln2(h))
+        out = self.head(self.ln_f(h))
+        return out * self.ln1.weight.sum() if self.case == "read" else out
+
+
+@pytest.mark.parametrize("case,why", [
+    ("tied", "its gain ln1.weight is also read by the LayerNorm ln2"),
+    ("read", "its gain ln1.weight is also read by sum"),
+])
+def test_a_gain_read_elsewhere_keeps_the_affine(case, why):
+    """Fusing sets γ to 1 and β to 0: a second norm sharing them (or the model reading γ) would
+    see 1 and 0 (they used to, silently wrong; a plain load of the checkpoint too)."""
+    torch.manual_seed(0)
+    model = perturb(SharedAffine(case)).eval()
+    if case == "tied":
+        model.ln2.weight, model.ln2.bias = model.ln1.weight, model.ln1.bias
+    ids = torch.randint(0, 16, (2, 5))
+    plan = enjoyln.analyze(model, ids, fuse_affine=True)
+    assert plan["ln1"].affine == AFFINE_KEPT and why in plan["ln1"].affine_reason, plan["ln1"].affine_reason
+    assert plan["ln_f"].affine == AFFINE_FUSED
+    assert_same_outputs(model, enjoyln.fold(copy.deepcopy(model), ids, plan=plan), ids)
+    with pytest.raises(enjoyln.PlanError, match="ln1.weight is also read"):
+        enjoyln.rotate(copy.deepcopy(model), ids)
