@@ -251,3 +251,21 @@ def test_a_gain_read_elsewhere_keeps_the_affine(case, why):
     assert_same_outputs(model, enjoyln.fold(copy.deepcopy(model), ids, plan=plan), ids)
     with pytest.raises(enjoyln.PlanError, match="ln1.weight is also read"):
         enjoyln.rotate(copy.deepcopy(model), ids)
+
+
+def test_checkpoint_keys_the_model_does_not_load_are_kept(tmp_path):
+    """The hub's GPT-2 stores attn.bias masks that the model does not load: the fused fold
+    (computed on the loaded model) used to drop them and then fail its own static check."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    model = perturb(tiny_model("gpt2", n_layer=1), seed=19)
+    model.save_pretrained(src)
+    tensors = load_file(src / "model.safetensors")
+    tensors["transformer.h.0.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    result = enjoyln.fold_checkpoint(src, tmp_path / "out", fuse_affine=True)
+    assert result.report.passed
+    assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["transformer.h.0.attn.masked_bias"],
+                       torch.tensor(-1e4))
+    assert_same_outputs(model, enjoyln.load(tmp_path / "out"), hf_example_inputs(model, seed=20))
