@@ -53,6 +53,8 @@ def _reader(g: GraphIndex, node: fx.Node, value: fx.Node, trace: Trace) -> list[
         x, w, b, in_pos = node.args[0], node.args[1], arg(node, 2, "bias"), 1
     elif name == "addmm":
         b, x, w, in_pos = node.args[0], node.args[1], node.args[2], 0
+        if arg(node, 3, "beta", 1) != 1 or arg(node, 4, "alpha", 1) != 1:
+            return f"is read by {g.describe(node)}, which scales its product or its bias"
     elif name in ("mm", "matmul"):
         x, w, b, in_pos = node.args[0], node.args[1], None, 0
     else:
@@ -118,7 +120,11 @@ def _cat(node: fx.Node, traces: dict[fx.Node, Trace], where: str) -> Trace | Ref
     return Trace(axis, tuple(segments))
 
 
-def trace_readers(g: GraphIndex, ln: fx.Node) -> tuple[list[Fused], set[fx.Node]] | str:
+Readers = dict[fx.Node, list[Fused]]
+"""The linear layers that read a norm's output, each with the blocks of its input that do."""
+
+
+def trace_readers(g: GraphIndex, ln: fx.Node) -> Readers | str:
     """Where one call of a norm puts its output: the linear layers that read it (with the
     blocks of their input), or why its affine cannot move."""
     dims = shape(ln.args[0])
@@ -132,8 +138,7 @@ def trace_readers(g: GraphIndex, ln: fx.Node) -> tuple[list[Fused], set[fx.Node]
                 traces[u] = Trace(len(dims) - 1, ((0, width, 0),))
     else:
         traces[ln] = Trace(len(dims) - 1, ((0, width, 0),))
-    fused: list[Fused] = []
-    readers: set[fx.Node] = set()
+    readers: Readers = {}
     for node in g.graph.nodes:
         g.at = node
         hits = [i for i in node.all_input_nodes if i in traces and reads_value(node, i)]
@@ -149,8 +154,7 @@ def trace_readers(g: GraphIndex, ln: fx.Node) -> tuple[list[Fused], set[fx.Node]
             if isinstance(found, str):
                 return f"its output {found}"
             if found is not None:
-                fused += [f for f in found if f.length > 0]
-                readers.add(node)
+                readers[node] = [f for f in found if f.length > 0]
                 continue
         if name in CATS:
             new = _cat(node, traces, where)
@@ -161,7 +165,7 @@ def trace_readers(g: GraphIndex, ln: fx.Node) -> tuple[list[Fused], set[fx.Node]
         if isinstance(new, Refusal):
             return f"its output {new}"
         traces[node] = new
-    return fused, readers
+    return readers
 
 
 def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, list[fx.Node]]) -> list[Untie]:
@@ -172,27 +176,34 @@ def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, l
     norm's readers (or another norm's, on other blocks of its input); a tied
     alias owned by another module gets its own copy instead.
     """
-    found: dict[str, tuple[list[Fused], set[fx.Node]]] = {}
+    found: dict[str, tuple[list[Fused], Readers]] = {}
     for e in entries:
         if not e.foldable or e.norm != "layer_norm":
             continue
         if e.kind != "module":
             e.affine, e.affine_reason = AFFINE_KEPT, "it is a functional layer_norm, whose affine enjoyln keeps"
             continue
+        elsewhere = _affine_read_elsewhere(g, e.name, calls.get(e.name, []))
+        if elsewhere:
+            e.affine, e.affine_reason = AFFINE_KEPT, elsewhere
+            continue
         fused: list[Fused] = []
-        readers: set[fx.Node] = set()
+        readers: Readers = {}
         for ln in calls.get(e.name, []):
             result = trace_readers(g, ln)
             if isinstance(result, str):
                 e.affine, e.affine_reason = AFFINE_KEPT, result
                 break
-            fused += [f for f in result[0] if f not in fused]
-            readers |= result[1]
+            for node, parts in result.items():
+                # a layer read twice (another call, or another path to it) takes the affine once
+                fused += [f for f in parts if f not in fused]
+                readers.setdefault(node, [])
+                readers[node] += [f for f in parts if f not in readers[node]]
         else:
             found[e.name] = (fused, readers)
     untie: dict[str, Untie] = {}
     while True:
-        blocked = _shared(g, found, untie)
+        blocked = _shared(g, found, untie) or _mismatched(g, found)
         if not blocked:
             break
         for name, why in blocked.items():
@@ -219,7 +230,58 @@ def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, l
     return sorted(untie.values(), key=lambda u: u.param)
 
 
-def _shared(g: GraphIndex, found: dict[str, tuple[list[Fused], set[fx.Node]]],
+def _affine_read_elsewhere(g: GraphIndex, name: str, calls: list[fx.Node]) -> str | None:
+    """Why a norm's γ or β cannot become 1 and 0: something other than the norm reads it
+    (another norm sharing it, or the model itself)."""
+    for leaf, what in (("weight", "gain"), ("bias", "bias")):
+        ph = g.placeholder_of.get(f"{name}.{leaf}")
+        for user in g.readers(ph) if ph is not None else []:
+            if user not in calls and user in g.live:
+                return f"its {what} {name}.{leaf} is also read by {g.describe(user)}"
+    return None
+
+
+def _mismatched(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]]) -> dict[str, str]:
+    """Norms whose readers share a weight or a bias but read different things with it.
+
+    Fusing scales each block of a weight once and adds ``W β`` to each bias once, so
+    every layer that reads a fused weight must read the same norms on the same
+    blocks (a layer reading another value where a norm's γ went would see it
+    scaled), and a bias may take ``W β`` from one weight only.
+    """
+    reads: dict[fx.Node, set[tuple[str, Fused]]] = {}
+    for name, (_, readers) in found.items():
+        for node, parts in readers.items():
+            reads.setdefault(node, set()).update((name, f) for f in parts)
+    by_weight: dict[fx.Node, dict[frozenset, fx.Node]] = {}
+    by_bias: dict[fx.Node, set[fx.Node]] = {}
+    for node, parts in reads.items():
+        for _, f in parts:
+            ph = g.placeholder_of.get(f.weight)
+            if ph is not None:
+                by_weight.setdefault(ph, {}).setdefault(frozenset(parts), node)
+            bph = g.placeholder_of.get(f.bias) if f.bias else None
+            if bph is not None and ph is not None:
+                by_bias.setdefault(bph, set()).add(ph)
+    blocked: dict[str, str] = {}
+    for ph, kinds in by_weight.items():
+        if len(kinds) > 1:
+            first, second = list(kinds.values())[:2]
+            why = (f"{g.cap.placeholder_fqn[ph.name]} is read by {g.describe(first)} and {g.describe(second)}, "
+                   "which read different values with it")
+            for parts in kinds:
+                for name, _ in parts:
+                    blocked.setdefault(name, why)
+    for bph, weights in by_bias.items():
+        if len(weights) > 1:
+            why = f"{g.cap.placeholder_fqn[bph.name]} is the bias of more than one weight that reads it"
+            for parts in (p for ph in weights for p in by_weight[ph]):
+                for name, _ in parts:
+                    blocked.setdefault(name, why)
+    return blocked
+
+
+def _shared(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]],
             untie: dict[str, Untie]) -> dict[str, str]:
     """Norms whose readers' weights are read elsewhere (and cannot be untied), or by two
     norms on the same block."""

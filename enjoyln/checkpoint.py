@@ -97,16 +97,18 @@ def _read_tensors(md: ModelDir, model: nn.Module, names: list[str],
         key = checkpoint_key(name, keys, prefix, saved)
         if key is None:
             raise CheckpointError(f"the checkpoint has no tensor for {name}, which the fold needs")
-        if pickled is not None:
-            out.append(pickled[key][1])
-            continue
-        info = md.tensors[key]
-        data = torch.empty(info.nbytes, dtype=torch.uint8)
-        with open(md.path / info.file, "rb") as f:
-            f.seek(info.start)
-            f.readinto(memoryview(data.numpy()))
-        out.append(data.view(_DTYPES[info.dtype]).reshape(info.shape))
+        out.append(pickled[key][1] if pickled is not None else _stored(md, key))
     return out
+
+
+def _stored(md: ModelDir, key: str) -> torch.Tensor:
+    """One tensor of a safetensors checkpoint, as stored."""
+    info = md.tensors[key]
+    data = torch.empty(info.nbytes, dtype=torch.uint8)
+    with open(md.path / info.file, "rb") as f:
+        f.seek(info.start)
+        f.readinto(memoryview(data.numpy()))
+    return data.view(_DTYPES[info.dtype]).reshape(info.shape)
 
 
 # --- planning the output -------------------------------------------------------------------
@@ -217,6 +219,11 @@ def final_tensors(md: ModelDir, plan: FoldPlan, meta: nn.Module, *, trust_remote
                 shape = info.shape if info is not None else tuple(e.normalized_shape)
                 dtype = _DTYPES[info.dtype] if info is not None else torch.float32
                 out[key] = torch.full(shape, fill, dtype=dtype)
+    # stored but not loaded by the model (GPT-2's attn.bias masks): kept as they are, as the
+    # tensor-by-tensor fold keeps them
+    pickled = _load_pickled(md) if md.pickled and keys - out.keys() else None
+    for key in sorted(keys - out.keys()):
+        out[key] = pickled[key][1] if pickled is not None else _stored(md, key)
     for key, t in out.items():
         info = md.tensors.get(key)
         if info is not None and t.dtype != _DTYPES[info.dtype]:

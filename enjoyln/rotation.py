@@ -67,7 +67,6 @@ def _fix_ones(q: torch.Tensor) -> torch.Tensor:
     return q - 2 * torch.outer(v, v @ q)
 
 
-@functools.lru_cache(maxsize=8)
 def rotation_matrix(n: int, kind: str = "hadamard", seed: int = 0, keep_mean: bool = True) -> torch.Tensor:
     """An orthogonal ``n x n`` matrix in float64, the same for the same arguments on any machine.
 
@@ -81,6 +80,11 @@ def rotation_matrix(n: int, kind: str = "hadamard", seed: int = 0, keep_mean: bo
     >>> bool(torch.allclose(q @ q.T, torch.eye(8, dtype=torch.float64))), bool(torch.allclose(q.sum(1), torch.ones(8, dtype=torch.float64)))
     (True, True)
     """
+    return _rotation_matrix(int(n), kind, int(seed), bool(keep_mean)).clone()  # the cached one stays unchanged
+
+
+@functools.lru_cache(maxsize=8)
+def _rotation_matrix(n: int, kind: str, seed: int, keep_mean: bool) -> torch.Tensor:
     if kind not in KINDS:
         raise ValueError(f"unknown rotation kind {kind!r}; use one of {', '.join(KINDS)}")
     gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + n)

@@ -161,3 +161,111 @@ def test_checkpoint_with_fused_affines(tmp_path):
     norms = [m for m in loaded.modules() if isinstance(m, enjoyln.RMSNorm)]
     assert sum(m.weight is None and m.bias is None for m in norms) == 4
     assert_same_outputs(model, loaded, inputs)
+
+
+class Shared(nn.Module):
+    """A norm whose readers share a weight or a bias in ways a single fusion cannot serve."""
+
+    def __init__(self, case, d=8):
+        super().__init__()
+        self.embed, self.other = nn.Embedding(16, d), nn.Embedding(16, d)
+        self.ln, self.ln_f = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.lin, self.wide, self.part = nn.Linear(d, d), nn.Linear(2 * d, d), nn.Linear(d // 2, d // 2)
+        self.w, self.b, self.b2 = nn.Parameter(torch.randn(d, d)), nn.Parameter(torch.randn(d)), nn.Parameter(torch.randn(d))
+        self.head = nn.Linear(d, 16)
+        self.case, self.d = case, d
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        y = self.ln(h)
+        F, d = torch.nn.functional, self.d
+        z = {
+            "twice": lambda: self.lin(y) + self.lin(y[:, :1]),  # one layer, two paths: fused once
+            "two_biases": lambda: F.linear(y, self.w, self.b) + F.linear(y, self.w, self.b2),
+            "one_bias": lambda: F.linear(y, self.w, self.b) + F.linear(y, self.lin.weight, self.b),
+            "halves": lambda: torch.cat([self.part(y[..., :d // 2]), self.part(y[..., d // 2:])], -1),
+            "swapped": lambda: self.wide(torch.cat([y, self.other(ids)], -1)) + self.wide(torch.cat([self.other(ids), y], -1)),
+            "addmm_beta": lambda: torch.addmm(self.b, y.reshape(-1, d), self.w, beta=0.5).view(y.shape),
+            "addmm_alpha": lambda: torch.addmm(self.b, y.reshape(-1, d), self.w, alpha=2.0).view(y.shape),
+        }[self.case]()
+        return self.head(self.ln_f(h + z))
+
+
+@pytest.mark.parametrize("case,affine,why", [
+    ("twice", AFFINE_FUSED, ""),
+    ("two_biases", AFFINE_KEPT, "read different values with it"),
+    ("one_bias", AFFINE_KEPT, "b is the bias of more than one weight"),
+    ("halves", AFFINE_KEPT, "read different values with it"),
+    ("swapped", AFFINE_KEPT, "read different values with it"),
+    ("addmm_beta", AFFINE_KEPT, "scales its product or its bias"),
+    ("addmm_alpha", AFFINE_KEPT, "scales its product or its bias"),
+])
+def test_readers_sharing_a_weight_or_bias(case, affine, why):
+    """Each block of a weight takes γ once and each bias W β once: readers that would need
+    it twice, or differently, keep the affine (they used to be fused twice, silently wrong)."""
+    torch.manual_seed(0)
+    model = perturb(Shared(case)).eval()
+    ids = torch.randint(0, 16, (2, 5))
+    plan = enjoyln.analyze(model, ids, fuse_affine=True)
+    entry = plan["ln"]
+    assert entry.foldable and entry.affine == affine and why in entry.affine_reason, entry.affine_reason
+    assert_same_outputs(model, enjoyln.fold(copy.deepcopy(model), ids, plan=plan), ids)
+    if affine == AFFINE_FUSED:
+        assert len(entry.fused) == 1
+        assert_same_outputs(model, enjoyln.rotate(copy.deepcopy(model), ids), ids)
+
+
+class SharedAffine(nn.Module):
+    """Two norms sharing one γ and β, or a γ the model also reads itself."""
+
+    def __init__(self, case, d=8):
+        super().__init__()
+        self.embed = nn.Embedding(16, d)
+        self.ln1, self.ln2, self.ln_f = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.lin1, self.lin2, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 16)
+        self.case = case
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.lin1(self.ln1(h))
+        h = h + self.lin2(self.ln2(h))
+        out = self.head(self.ln_f(h))
+        return out * self.ln1.weight.sum() if self.case == "read" else out
+
+
+@pytest.mark.parametrize("case,why", [
+    ("tied", "its gain ln1.weight is also read by the LayerNorm ln2"),
+    ("read", "its gain ln1.weight is also read by sum"),
+])
+def test_a_gain_read_elsewhere_keeps_the_affine(case, why):
+    """Fusing sets γ to 1 and β to 0: a second norm sharing them (or the model reading γ) would
+    see 1 and 0 (they used to, silently wrong; a plain load of the checkpoint too)."""
+    torch.manual_seed(0)
+    model = perturb(SharedAffine(case)).eval()
+    if case == "tied":
+        model.ln2.weight, model.ln2.bias = model.ln1.weight, model.ln1.bias
+    ids = torch.randint(0, 16, (2, 5))
+    plan = enjoyln.analyze(model, ids, fuse_affine=True)
+    assert plan["ln1"].affine == AFFINE_KEPT and why in plan["ln1"].affine_reason, plan["ln1"].affine_reason
+    assert plan["ln_f"].affine == AFFINE_FUSED
+    assert_same_outputs(model, enjoyln.fold(copy.deepcopy(model), ids, plan=plan), ids)
+    with pytest.raises(enjoyln.PlanError, match="ln1.weight is also read"):
+        enjoyln.rotate(copy.deepcopy(model), ids)
+
+
+def test_checkpoint_keys_the_model_does_not_load_are_kept(tmp_path):
+    """The hub's GPT-2 stores attn.bias masks that the model does not load: the fused fold
+    (computed on the loaded model) used to drop them and then fail its own static check."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    model = perturb(tiny_model("gpt2", n_layer=1), seed=19)
+    model.save_pretrained(src)
+    tensors = load_file(src / "model.safetensors")
+    tensors["transformer.h.0.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    result = enjoyln.fold_checkpoint(src, tmp_path / "out", fuse_affine=True)
+    assert result.report.passed
+    assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["transformer.h.0.attn.masked_bias"],
+                       torch.tensor(-1e4))
+    assert_same_outputs(model, enjoyln.load(tmp_path / "out"), hf_example_inputs(model, seed=20))

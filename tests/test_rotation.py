@@ -30,6 +30,14 @@ def test_rotation_matrices_are_orthogonal(n, kind, keep_mean):
     assert not torch.equal(q, rotation_matrix(n, kind, 4, keep_mean))
 
 
+def test_a_returned_matrix_is_the_callers_own():
+    """Changing a returned Q in place must not change the Q later rotations use."""
+    q = rotation_matrix(8, "hadamard", 0, True)
+    q.mul_(2)
+    assert torch.allclose(rotation_matrix(8, "hadamard", 0, True) @ rotation_matrix(8, "hadamard", 0, True).T,
+                          torch.eye(8, dtype=torch.float64))
+
+
 def test_hadamard_spreads_a_single_feature():
     q = rotation_matrix(64, "hadamard", 0, False)
     assert torch.allclose(q.abs(), torch.full((64, 64), 1 / 8, dtype=torch.float64))
