@@ -25,6 +25,24 @@ def assert_same_outputs(reference, candidate, inputs, rtol=1e-5):
         assert rel <= rtol, f"{name}: relative difference {rel:.3g} > {rtol:g}"
 
 
+def steps_keep_their_promise(model, plan, inputs):
+    """Apply the rewrite pipeline to a copy of ``model`` one step at a time; after each step
+    that declares ``preserves_computation`` the outputs must be the original's. Returns the
+    steps that do not declare it."""
+    import copy
+
+    from enjoyln.rewrite import PIPELINE
+
+    work, undeclared = copy.deepcopy(model), []
+    for step in PIPELINE:
+        step(work, plan)
+        if step.preserves_computation:
+            assert_same_outputs(model, work, inputs)
+        else:
+            undeclared.append(step)
+    return undeclared
+
+
 def copy_dir(src, dst):
     """A copy of a flat model directory's files (a fresh candidate to tamper with)."""
     dst.mkdir(parents=True)

@@ -7,9 +7,8 @@ import torch
 
 import enjoyln
 from enjoyln.capture import hf_example_inputs, is_causal_lm
-from enjoyln.rewrite import PIPELINE
 from enjoyln.testing import ARCHITECTURES, perturb, tiny_model
-from conftest import assert_same_outputs
+from conftest import assert_same_outputs, steps_keep_their_promise
 
 L = 2  # layers in every tiny model
 # (foldable, total, untied): the provable maximum under strict folding, FOLDING.md §6.
@@ -111,11 +110,7 @@ def test_every_transformation_keeps_its_promise(arch):
     model = perturb(tiny_model(arch), seed=3)
     plan = enjoyln.analyze(model)
     inputs = hf_example_inputs(model, seed=4)
-    work = copy.deepcopy(model)
-    for step in PIPELINE:
-        step(work, plan)
-        if step.preserves_computation:
-            assert_same_outputs(model, work, inputs)
+    steps_keep_their_promise(model, plan, inputs)
 
 
 def test_model_without_layer_norm_says_nothing_to_fold():
