@@ -189,11 +189,10 @@ def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[d
             options.append({})  # else the text alone
         else:
             options += pixels
-    for name in ("pixel_values_videos",):
-        if name in params and main == name:
-            frames = config_value(config, "frames_per_clip", "num_frames") or 4
-            size, channels = _image_size(config), config_value(config, "num_channels") or 3
-            options.append({name: randn(batch, frames, channels, *size)})
+    if "pixel_values_videos" in params and main == "pixel_values_videos":
+        frames = config_value(config, "frames_per_clip", "num_frames") or 4
+        size, channels = _image_size(config), config_value(config, "num_channels") or 3
+        options.append({"pixel_values_videos": randn(batch, frames, channels, *size)})
     if "input_values" in params and main == "input_values":
         options += _waveform_options(config, randn, batch, seq_len)
     if "input_features" in params and (main == "input_features" or config_value(config, "num_mel_bins")):

@@ -184,7 +184,8 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
     try:
         model.eval()
         with torch.no_grad():
-            names = _output_names(inputs.call(model))
+            traced_outputs = inputs.call(model)
+        names = _output_names(traced_outputs)
         shapes = {k: v for k, v in axes.items() if v is not None}
         # the exporter narrates its steps on stdout and its optimiser on stderr
         with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -203,8 +204,9 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
         report.checked = True
         runs = [inputs, second_shape(inputs, report.inputs)] if verify else []
         report.shapes = [_shape_of(r) for r in runs]
-        with torch.no_grad():
-            wants = [list(flatten_outputs(r.call(model)).values()) for r in runs]
+        with torch.no_grad():  # the traced shape's outputs are already at hand
+            wants = [list(flatten_outputs(traced_outputs if r is inputs else r.call(model)).values())
+                     for r in runs]
         if verify:
             report.max_rel_diff = compare_with_onnxruntime(plain, runs, wants)
             report.passed = report.max_rel_diff <= rtol

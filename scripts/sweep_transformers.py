@@ -814,7 +814,7 @@ def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any]
         f"Every model type registered in transformers {meta['transformers']} ({s['model_types']}): tiny "
         f"configs, perturbed weights, every output on two batches. {meta['machine']}; "
         f"{meta['jobs']} workers, {meta['wall_seconds'] / 60:.0f} min wall "
-        f"({s['cpu_seconds'] / 60:.0f} min of CPU time in the workers; the machine was shared).",
+        f"({s['cpu_seconds'] / 60:.0f} min of CPU time in the workers).",
         "",
         f"| | {before} | now |",
         "|---|---|---|",
