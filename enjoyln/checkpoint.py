@@ -39,7 +39,8 @@ from .model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEI
                         copy_extras, keep_failed as _keep_failed, meta_model, model_class, open_model_dir, publish,
                         read_safetensors_header, saved_names, signals_held, temp_dir)
 from .plan import AFFINE_GAIN, FORMAT_VERSION, FoldPlan, block_lists, format_bytes
-from .rewrite import InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits
+from .rewrite import (InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits,
+                      ties_lost_on_untie)
 
 if TYPE_CHECKING:
     from .equivalence import CheckReport
@@ -174,12 +175,23 @@ def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, st
             if src is None:
                 raise CheckpointError(f"the checkpoint has neither {u.param} nor {u.tied_to}")
             extras[saved.get(u.param, u.param)] = (src, None)  # the head keeps the original values
+    copies: dict[str, Entry] = {}  # new name -> the entry whose output it repeats
+    for target, source in ties_lost_on_untie(model, plan).items():
+        src = key(source) or _alias_key(model, source, key)
+        if key(target) is None and src is not None:
+            copies[saved.get(target, target)] = by_key[src]
     for new, (src_key, axis) in extras.items():
         src = by_key[src_key]
         for _, entries in shards:
             if src in entries:
                 entries.append(Entry(new, src.dtype, src.shape, src.nbytes, source=src.source,
                                      axis=axis, tensor=src.tensor))
+                break
+    for new, src in copies.items():  # centered (or not) exactly as the tensor it is tied to
+        for _, entries in shards:
+            if src in entries:
+                entries.append(Entry(new, src.dtype, src.shape, src.nbytes, source=src.source, axis=src.axis,
+                                     groups=src.groups, tensor=src.tensor, blocks=src.blocks, scale=src.scale))
                 break
     return shards
 
@@ -211,6 +223,9 @@ def final_tensors(md: ModelDir, plan: FoldPlan, meta: nn.Module, *, trust_remote
     for u in plan.untied:
         if checkpoint_key(u.param, keys, prefix, saved) is None:
             out[saved.get(u.param, u.param)] = named[u.param].detach()
+    for target in ties_lost_on_untie(meta, plan):
+        if checkpoint_key(target, keys, prefix, saved) is None and target in named:
+            out.setdefault(saved.get(target, target), named[target].detach())
     for e in plan.foldable:
         for leaf, fill in (("weight", 1.0), ("bias", 0.0)):
             key = checkpoint_key(f"{e.name}.{leaf}", keys, prefix, saved)

@@ -39,6 +39,14 @@ def _tensor(model: nn.Module, fqn: str) -> torch.Tensor:
     return getattr(module, attr)
 
 
+def _has(model: nn.Module, fqn: str) -> bool:
+    try:
+        _owner(model, fqn)
+    except PlanError:
+        return False
+    return True
+
+
 def _untie_config(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if config is None:
@@ -51,6 +59,43 @@ def _untie_config(model: nn.Module) -> None:
     for cfg in configs.values():
         if hasattr(cfg, "tie_word_embeddings"):
             cfg.tie_word_embeddings = False
+
+
+def declared_ties(model: nn.Module) -> dict[str, str]:
+    """Every tie (target name -> source name) the model's classes declare in
+    ``_tied_weights_keys``, whether or not its config applies them now."""
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    if not callable(expand):
+        return {}
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None),
+                                                                          "tie_word_embeddings")}
+    saved = {key: cfg.tie_word_embeddings for key, cfg in configs.items()}
+    try:
+        for cfg in configs.values():
+            cfg.tie_word_embeddings = True
+        return dict(expand(all_submodels=True))
+    except Exception:  # a model whose declared ties do not expand: it declares none that we can keep
+        return {}
+    finally:
+        for key, cfg in configs.items():
+            cfg.tie_word_embeddings = saved[key]
+
+
+def ties_lost_on_untie(model: nn.Module, plan: FoldPlan) -> dict[str, str]:
+    """The ties (target -> source) that untying the plan's heads also drops.
+
+    transformers 5 applies every tie in ``_tied_weights_keys`` only while
+    ``tie_word_embeddings`` is on, and a checkpoint stores one tensor per tie.
+    Untying the head turns it off for all of them, so BERT's MLM decoder bias,
+    tied to ``cls.predictions.bias``, would load at random. Each such target
+    must be written out with its source's values. ``model`` is as the analysis
+    saw it: its config still ties.
+    """
+    if not plan.untied:
+        return {}
+    planned = {(u.param, u.tied_to) for u in plan.untied} | {(u.tied_to, u.param) for u in plan.untied}
+    return {t: s for t, s in declared_ties(model).items()
+            if (t, s) not in planned and t not in {u.param for u in plan.untied}}
 
 
 def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
@@ -405,8 +450,35 @@ class RotateStream(Transformation):
         return model
 
 
+class SeparateTies(Transformation):
+    """Give each tie that untying the head dropped its own copy of the (final) tensor.
+
+    In memory the two names still share one tensor, which is right, but the
+    untied config no longer re-ties them on load, and ``save_pretrained``
+    writes a shared tensor once: a reloaded model would get the other name at
+    random (BERT's MLM decoder bias). Separate, equal copies compute the same.
+    Last, so that every centering, fusion and rotation reached both names.
+    """
+
+    preserves_computation = True
+
+    def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
+        if not plan.untied:
+            return model  # the config still ties: the loader re-ties them
+        for target, source in declared_ties(model).items():
+            if not (_has(model, target) and _has(model, source)):
+                continue
+            module, attr = _owner(model, target)
+            old = getattr(module, attr)
+            if old is _tensor(model, source):
+                copy = old.detach().clone()
+                setattr(module, attr, nn.Parameter(copy, old.requires_grad)
+                        if isinstance(old, nn.Parameter) else copy)
+        return model
+
+
 PIPELINE: tuple[Transformation, ...] = (InsertCentering(), UntieParameters(), FuseAffine(), CenterParameters(),
-                                        SwapLayerNorms(), RotateStream())
+                                        SwapLayerNorms(), RotateStream(), SeparateTies())
 
 
 def check_fits(model: nn.Module, plan: FoldPlan) -> None:

@@ -27,7 +27,8 @@ from . import centering
 from .analysis import analyze
 from .capture import ExampleInputs
 from .plan import FoldPlan
-from .rewrite import InsertCentering, SwapLayerNorms, UntieParameters, _owner, _untie_config, center_
+from .rewrite import (InsertCentering, SeparateTies, SwapLayerNorms, UntieParameters, _owner, _untie_config,
+                      center_)
 
 
 class Centered(nn.Module):
@@ -122,6 +123,7 @@ def cbwc_remove(model: nn.Module) -> nn.Module:
     plan = model.__dict__.pop("_enjoyln_cbwc_plan", None)
     if plan is not None and plan.untied:
         _untie_config(model)  # the head now holds the raw tensor, the embedding the centered one
+        SeparateTies()(model, plan)  # other declared ties (BERT's decoder bias) are no longer re-tied on load
     return model
 
 

@@ -264,3 +264,38 @@ def test_header_without_room_falls_back_to_a_fresh_write(saved, tmp_path, monkey
     result = fold_checkpoint(src, tmp_path / "out", check="static")
     assert calls == ["model.safetensors"]
     assert result.report.passed
+
+
+def _bert_mlm(seed=31):
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                     intermediate_size=128, vocab_size=128, max_position_embeddings=64)
+    return perturb(transformers.BertForMaskedLM(config).eval(), seed=seed)
+
+
+@pytest.mark.parametrize("fuse_affine", [False, True])
+def test_masked_lm_keeps_its_tied_decoder_bias(fuse_affine, tmp_path):
+    """Untying BERT's MLM head turns tie_word_embeddings off, and transformers 5 then drops
+    every declared tie, the decoder bias's too: it must be stored, or it loads at random."""
+    src, out = tmp_path / "bert-mlm", tmp_path / "out"
+    original = _bert_mlm()
+    original.save_pretrained(src)
+    result = fold_checkpoint(src, out, fuse_affine=fuse_affine)
+    assert result.report.passed, result.report.summary()
+    assert result.plan.untied and result.report.static.tensors == len(
+        dict(transformers.BertForMaskedLM.from_pretrained(out).state_dict()))
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert torch.equal(f.get_tensor("cls.predictions.decoder.bias"), f.get_tensor("cls.predictions.bias"))
+    inputs = hf_example_inputs(original, seed=3)
+    assert_same_outputs(original, reload_plain(out), inputs)
+    assert_same_outputs(original, load(out), inputs)
+
+
+def test_in_memory_fold_of_a_masked_lm_saves_and_reloads(tmp_path):
+    import copy
+
+    original = _bert_mlm()
+    folded = enjoyln.fold(copy.deepcopy(original))
+    assert folded.cls.predictions.decoder.bias is not folded.cls.predictions.bias
+    folded.save_pretrained(tmp_path / "saved")
+    inputs = hf_example_inputs(original, seed=4)
+    assert_same_outputs(original, reload_plain(tmp_path / "saved"), inputs)

@@ -146,3 +146,20 @@ def test_cbwc_with_a_trained_layer_scale_gain_and_per_head_blocks(arch):
     enjoyln.cbwc_remove(cb)
     with torch.no_grad():
         torch.testing.assert_close(cb(ids), base(ids), rtol=1e-9, atol=1e-9)
+
+
+def test_baked_masked_lm_saves_and_reloads(tmp_path):
+    """cbwc_remove unties the head; BERT's other declared tie (the decoder bias) must survive a save."""
+    import transformers
+
+    from enjoyln.capture import hf_example_inputs
+    from enjoyln.testing import perturb
+    from conftest import assert_same_outputs
+
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                     intermediate_size=128, vocab_size=128, max_position_embeddings=64)
+    model = perturb(transformers.BertForMaskedLM(config).eval(), seed=8)
+    enjoyln.cbwc_remove(enjoyln.cbwc(model))
+    model.save_pretrained(tmp_path / "baked")
+    reloaded = transformers.BertForMaskedLM.from_pretrained(tmp_path / "baked").eval()
+    assert_same_outputs(model, reloaded, hf_example_inputs(model, seed=2))
