@@ -968,7 +968,8 @@ def require_memory(md: ModelDir, max_memory: int | None = None) -> None:
     floor = _largest_tensor(md) + _activation_bytes(md) + MIN_BUDGET
     if budget < floor or (have is not None and floor > have):
         limit = (f"--max-memory allows {format_bytes(budget)}" if max_memory is not None and budget < floor
-                 else f"{format_bytes(have)} is available")
+                 else f"{format_bytes(have)} is available" if have is None or floor > have
+                 else f"the budget is {format_bytes(budget)} (half of the {format_bytes(have)} available)")
         raise CheckpointError(f"the forward check needs at least {format_bytes(floor)} of memory even with one "
                               f"model at a time, but {limit}; pass --static to prove every weight without "
                               "running the model (or --no-check)")

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -546,3 +547,66 @@ def test_every_claim_of_the_enjoyln_block_is_verified(pair, tmp_path):
     # the writing tool's version is the one claim nothing can check
     assert tampered("version", lambda b: b.update(version="0.0.1")).passed
     assert checkpoint._output_config  # the one writer both sides use
+
+
+def test_a_fold_with_auxiliary_centering_that_placed_none_passes(tmp_path):
+    """The option leaves its trace only in the plan's reasons, which the block must still match."""
+    perturb(tiny_model("bert"), seed=3).save_pretrained(tmp_path / "ref")
+    result = fold_checkpoint(tmp_path / "ref", tmp_path / "folded", check="none", auxiliary_centering=True)
+    assert not result.plan.auxiliary
+    report = run(tmp_path / "ref", tmp_path / "folded")
+    assert report.passed, report.summary()
+
+
+def gptj_with_positions(tmp_path, n_positions):
+    """A GPT-J whose sinusoid table (n_positions x rotary_dim floats, built at load, stored
+    nowhere) outweighs its weights."""
+    path = tmp_path / "gptj"
+    perturb(tiny_model("gptj"), seed=5).save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config["n_positions"] = n_positions
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_the_memory_check_counts_what_the_model_builds_from_its_config(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from enjoyln import checkpoint
+    from enjoyln.cli import app
+
+    ref = gptj_with_positions(tmp_path, 8_000_000)  # a 256 MB table in each of the two models
+    monkeypatch.setattr(checkpoint, "available_memory", lambda: 512 << 20)
+    result = CliRunner().invoke(app, ["fold", str(ref), str(tmp_path / "a" / "out")])
+    assert result.exit_code == 2, result.output
+    assert re.match(r"error: the forward check needs at least 29\d\.\d MiB of memory even with one model at a "
+                    r"time, but the budget is 256\.0 MiB \(half of the 512\.0 MiB available\); pass --static",
+                    result.stderr), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "a").exists()
+    result = CliRunner().invoke(app, ["check", str(ref), str(ref)])
+    assert result.exit_code == 2 and "the forward check needs at least" in result.stderr
+
+
+def test_a_table_too_large_to_build_is_refused_before_it_is_built(tmp_path, monkeypatch):
+    """n_positions = 1e9 makes a 32 GB table: refused, never allocated."""
+    from enjoyln import checkpoint
+
+    ref = gptj_with_positions(tmp_path, 1_000_000_000)
+    monkeypatch.setattr(checkpoint, "available_memory", lambda: 8 << 30)
+    with pytest.raises(enjoyln.CheckpointError, match=r"needs at least 29.9 GiB of memory even with one model"):
+        fold_checkpoint(ref, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert fold_checkpoint(ref, tmp_path / "out", check="static").report.passed
+
+
+def test_forward_only_still_compares_the_dtype_the_model_loads_in(pair, tmp_path, monkeypatch):
+    from enjoyln import checkpoint
+
+    ref, folded, _ = pair
+    cand = set_config(cand_of(folded, tmp_path), dtype="float16")
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    report = enjoyln.check_checkpoints(ref, cand, mode="forward")
+    assert not report.passed and report.forward_skipped == "the candidate does not load as the reference does"
+    assert report.static.problems[0].startswith("the candidate loads in float16 (from config.json)")
+    assert "FAIL: load settings" in report.summary()
