@@ -1039,9 +1039,13 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
         raise CheckpointError(f"{reference_dir} is a {ref_md.architecture} but {candidate_dir} is a "
                               f"{cand_md.architecture}")
     auto = max_memory is None
-    max_memory = max_memory if max_memory is not None else bounded_budget(ref_md)
+    if max_memory is None and mode != "static":
+        # the candidate's own config decides what it builds (with --forward-only, whatever it says)
+        max_memory = bounded_budget(ref_md)
+        max_memory = max_memory if max_memory is not None else bounded_budget(cand_md)
     if mode != "static":
         require_memory(ref_md, max_memory)  # before the weights are read, not after
+        require_memory(cand_md, max_memory)
     static = None
     if mode != "forward":
         static = static_check(ref_md, cand_md, plan=plan, progress=progress, dtype=dtype)

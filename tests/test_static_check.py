@@ -610,3 +610,30 @@ def test_forward_only_still_compares_the_dtype_the_model_loads_in(pair, tmp_path
     assert not report.passed and report.forward_skipped == "the candidate does not load as the reference does"
     assert report.static.problems[0].startswith("the candidate loads in float16 (from config.json)")
     assert "FAIL: load settings" in report.summary()
+
+
+def test_a_candidate_meant_for_another_dtype_is_judged_in_it_on_both_paths(pair, tmp_path, monkeypatch):
+    """With --dtype the forward comparison runs the candidate as from_pretrained loads it, also
+    when the models run one at a time (which chose the dtype from the stored weights)."""
+    from enjoyln import checkpoint
+
+    ref, folded, _ = pair
+    cand = set_config(cand_of(folded, tmp_path), dtype="bfloat16")
+    report = enjoyln.check_checkpoints(ref, cand, dtype="bfloat16")
+    assert report.passed and report.dtype == "bfloat16", report.summary()
+    monkeypatch.setattr(checkpoint, "_activation_bytes", lambda md: 0)
+    monkeypatch.setattr(checkpoint, "MIN_BUDGET", 0)
+    report = enjoyln.check_checkpoints(ref, cand, dtype="bfloat16", max_memory=100_000)
+    assert report.passed and report.dtype == "bfloat16" and report.memory, report.summary()
+
+
+def test_forward_only_counts_what_the_candidate_builds(tmp_path, monkeypatch):
+    """Without the static check, the candidate's config is whatever it says: its table counts."""
+    from enjoyln import checkpoint
+
+    ref = gptj_with_positions(tmp_path / "r", 64)
+    cand = gptj_with_positions(tmp_path / "c", 1_000_000_000)
+    monkeypatch.setattr(checkpoint, "available_memory", lambda: 8 << 30)
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(enjoyln.CheckpointError, match=r"needs at least 29.9 GiB of memory even with one model"):
+        enjoyln.check_checkpoints(ref, cand, mode="forward")
