@@ -87,10 +87,11 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
             _quiet()
             return fn(*args, **kwargs)
         except EnjoylnError as exc:
-            err.print(one_line(f"error: {exc}"), markup=False)
+            err.print(one_line(f"error: {exc}"), markup=False, emoji=False)
             raise typer.Exit(exc.exit_code) from None
         except OSError as exc:
-            err.print(one_line(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")), markup=False)
+            err.print(one_line(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")), markup=False,
+                      emoji=False)
             raise typer.Exit(2) from None
         except Interrupted as exc:
             err.print(exc.message)

@@ -133,7 +133,8 @@ def test_half_precision_candidate_of_a_float32_reference(pair, tmp_path):
     assert not report.passed and any("is stored as torch.bfloat16, but the reference's" in p for p in report.problems)
     report = static_check(open_model_dir(ref), open_model_dir(cand), dtype="bfloat16")
     assert not report.passed
-    assert any(p.startswith("the candidate loads in float32 (from config.json), not in bfloat16") for p in report.problems)
+    assert any(p.startswith("the candidate loads in float32 (from config.json), not in bfloat16")
+               for p in report.problems)
     set_config(cand, dtype="bfloat16")
     report = static_check(open_model_dir(ref), open_model_dir(cand), dtype=torch.bfloat16)
     assert report.passed, report.summary()
@@ -408,10 +409,13 @@ def test_a_fold_of_a_checkpoint_without_a_config_dtype_loads_in_the_same_dtype(t
     assert run(tmp_path / "ref", sharded).passed
     fold_checkpoint(tmp_path / "ref", tmp_path / "single", check="none")
     # a float64 copy is exact, but as the first floating tensor it sets the dtype of everything
-    first = edited(tmp_path / "single", tmp_path / "a", lambda sd: sd.update({"lm_head.weight": sd["lm_head.weight"].double()}))
+    def widened(key):
+        return lambda sd: sd.update({key: sd[key].double()})
+
+    first = edited(tmp_path / "single", tmp_path / "a", widened("lm_head.weight"))
     assert any(p.startswith("the candidate loads in float64 (from its first floating tensor (in model.safetensors))")
                for p in run(tmp_path / "ref", first).problems)
-    later = edited(tmp_path / "single", tmp_path / "b", lambda sd: sd.update({"transformer.wpe.weight": sd["transformer.wpe.weight"].double()}))
+    later = edited(tmp_path / "single", tmp_path / "b", widened("transformer.wpe.weight"))
     assert run(tmp_path / "ref", later).passed
 
 
