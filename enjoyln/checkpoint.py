@@ -36,8 +36,9 @@ from .analysis import analyze, norm_module_paths
 from .errors import CheckFailed, CheckpointError, EnjoylnError
 from .model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, ModelDir, TensorInfo,
                         check_out_dir, check_shapes, checkpoint_key, clean_stale,
-                        copy_extras, keep_failed as _keep_failed, meta_model, model_class, open_model_dir, publish,
-                        read_safetensors_header, saved_names, signals_held, temp_dir)
+                        copy_extras, keep_failed as _keep_failed, load_dtype, meta_model, missing_dirs, model_class,
+                        open_model_dir, publish, read_safetensors_header, remove_dirs, saved_names, signals_held,
+                        temp_dir)
 from .plan import AFFINE_GAIN, FORMAT_VERSION, FoldPlan, block_lists, format_bytes
 from .rewrite import (InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits,
                       ties_lost_on_untie)
@@ -674,6 +675,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     if check == "full" and not dry_run:
         require_memory(md, (check_options or {}).get("max_memory"))  # say so before anything is written
     cleaned = [] if dry_run else clean_stale(out)
+    created = [] if dry_run else missing_dirs(out.parent)  # removed again unless OUT_DIR is published
     done, total, lock = [0], [0], threading.Lock()
 
     def advance(n: int) -> None:
@@ -744,7 +746,8 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             stream_seconds += early.seconds_before(write_start)
         files = [name for name, _ in shards]
         if len(shards) > 1:
-            index = {"metadata": {"total_size": bytes_out, "enjoyln": __version__},
+            # transformers takes the dtype from here when the config has none: the reference's
+            index = {"metadata": {"total_size": bytes_out, "enjoyln": __version__, "dtype": load_dtype(md)[0]},
                      "weight_map": {e.name: name for name, es in shards for e in es}}
             (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for name in files:  # the output must read back, or it is not published
@@ -761,7 +764,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                 raise CheckFailed(f"the folded model failed its check, so {out} was not written; {where}",
                                   report, kept)
         publish(tmp, out)
-        tmp = None
+        tmp, created = None, []
     except OSError as exc:
         raise _os_error(exc, out, tmp) from None
     finally:
@@ -769,6 +772,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             early.cancel()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        remove_dirs(created)
     return FoldResult(plan, out, files, bytes_out, time.perf_counter() - start, stream_seconds,
                       report=report, skipped=skipped, cleaned=cleaned, followed=followed)
 
@@ -897,16 +901,41 @@ def available_memory() -> int | None:
     return avail
 
 
+def built_bytes(md: ModelDir) -> tuple[int, int]:
+    """(total, largest) bytes of what loading ``md`` builds: every parameter and buffer of the
+    meta model, which knows them all without allocating any. That includes what the model makes
+    from its config alone, stored nowhere (GPT-J's sinusoid table grows with n_positions).
+    Floating parameters count in the dtype the model loads in; buffers in their own."""
+    cached = getattr(md, "_built_bytes", None)
+    if cached is not None:
+        return cached
+    model = meta_model(md)
+    name = load_dtype(md)[0]
+    dtype = getattr(torch, name, None)
+    size = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
+    seen: set[int] = set()
+    total = largest = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        is_param = isinstance(t, nn.Parameter)
+        n = t.numel() * (size if is_param and t.is_floating_point() else t.element_size())
+        total, largest = total + n, max(largest, n)
+    md._built_bytes = (total, largest)  # type: ignore[attr-defined]  # the meta model takes a while to build
+    return total, largest
+
+
 def forward_check_bytes(md: ModelDir) -> int:
     """What the forward comparison needs with both models in memory: both models, a float32
     copy of a half-precision reference, and room for activations."""
-    n = md.nbytes
+    n = max(md.nbytes, built_bytes(md)[0])
     half = any(t.dtype in ("F16", "BF16") for t in md.tensors.values())
     return int(2.1 * n + (2 * n if half else 0)) + (256 << 20)
 
 
 def _largest_tensor(md: ModelDir) -> int:
-    return max((t.nbytes for t in md.tensors.values()), default=0)
+    return max(max((t.nbytes for t in md.tensors.values()), default=0), built_bytes(md)[1])
 
 
 def _activation_bytes(md: ModelDir) -> int:
@@ -954,7 +983,8 @@ def require_memory(md: ModelDir, max_memory: int | None = None) -> None:
     floor = _largest_tensor(md) + _activation_bytes(md) + MIN_BUDGET
     if budget < floor or (have is not None and floor > have):
         limit = (f"--max-memory allows {format_bytes(budget)}" if max_memory is not None and budget < floor
-                 else f"{format_bytes(have)} is available")
+                 else f"{format_bytes(have)} is available" if have is None or floor > have
+                 else f"the budget is {format_bytes(budget)} (half of the {format_bytes(have)} available)")
         raise CheckpointError(f"the forward check needs at least {format_bytes(floor)} of memory even with one "
                               f"model at a time, but {limit}; pass --static to prove every weight without "
                               "running the model (or --no-check)")
@@ -990,7 +1020,7 @@ def _dominant_dtype(md: ModelDir) -> torch.dtype:
 def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike, *,
                       allow_pickle: bool = False, trust_remote_code: bool = False, mode: str = "full",
                       plan: FoldPlan | None = None, progress: Progress | None = None,
-                      max_memory: int | None = None, **check_kwargs: Any) -> "CheckReport":
+                      max_memory: int | None = None, dtype: Any = None, **check_kwargs: Any) -> "CheckReport":
     """Prove CANDIDATE computes what REFERENCE does: every weight, then the outputs.
 
     ``mode="full"`` (the default) first runs the static check (every tensor
@@ -1005,28 +1035,42 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
     models would not fit in memory side by side, the models run one at a time
     with offloaded weights (see ``_bounded_check``).
 
+    The candidate must load in the reference's dtype; ``dtype`` (``"float16"``)
+    names another one it is meant to run in, and it is then judged at that
+    precision (the half-precision criterion of ``enjoyln.check``).
+
     >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
     True
     """
     from .equivalence import HALF, CheckReport, check
-    from .static_check import static_check
+    from .static_check import StaticReport, load_problems, parse_dtype, static_check
 
     if mode not in ("full", "static", "forward"):
         raise EnjoylnError(f"unknown check mode {mode!r}; use full, static or forward")
+    dtype = parse_dtype(dtype)
     ref_md = open_model_dir(reference_dir, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     cand_md = open_model_dir(candidate_dir, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     if ref_md.architecture != cand_md.architecture:
         raise CheckpointError(f"{reference_dir} is a {ref_md.architecture} but {candidate_dir} is a "
                               f"{cand_md.architecture}")
     auto = max_memory is None
-    max_memory = max_memory if max_memory is not None else bounded_budget(ref_md)
+    if max_memory is None and mode != "static":
+        # the candidate's own config decides what it builds (with --forward-only, whatever it says)
+        max_memory = bounded_budget(ref_md)
+        max_memory = max_memory if max_memory is not None else bounded_budget(cand_md)
     if mode != "static":
         require_memory(ref_md, max_memory)  # before the weights are read, not after
+        require_memory(cand_md, max_memory)
     static = None
     if mode != "forward":
-        static = static_check(ref_md, cand_md, plan=plan, progress=progress)
+        static = static_check(ref_md, cand_md, plan=plan, progress=progress, dtype=dtype)
         if mode == "static" or not static.passed:
             return CheckReport.from_static(static, forward_skipped=mode != "static")
+    elif problems := load_problems(ref_md, cand_md, dtype):  # no weight check, but the same dtype
+        report = CheckReport.from_static(StaticReport(passed=False, problems=problems, scope="load settings"),
+                                         forward_skipped=True)
+        report.forward_skipped = "the candidate does not load as the reference does"
+        return report
     kwargs = {"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code}
     if max_memory is None:
         reference, candidate = load(reference_dir, **kwargs), load(candidate_dir, **kwargs)
@@ -1061,7 +1105,10 @@ def _bounded_check(ref_md: ModelDir, cand_md: ModelDir, max_memory: int, load_kw
     weights = max(max_memory - _largest_tensor(ref_md) - _activation_bytes(ref_md), 0)
 
     def source(md: ModelDir, offload: Path) -> ModelSource:
-        return ModelSource(_dominant_dtype(md), lambda dtype: load(
+        # the dtype a plain from_pretrained loads it in, which the static check compared
+        dtype = getattr(torch, load_dtype(md)[0], None)
+        dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else _dominant_dtype(md)
+        return ModelSource(dtype, lambda dtype: load(
             md.path, dtype=dtype, max_memory=weights, offload_dir=offload, **load_kwargs))
 
     with tempfile.TemporaryDirectory(prefix="enjoyln-offload-") as off:

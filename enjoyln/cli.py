@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import sys
@@ -47,6 +48,34 @@ def _quiet() -> None:
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
 
 
+_BREAKS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def one_line(text: str) -> str:
+    """``text`` with every character that could break the line or the terminal escaped: control
+    characters (a newline in a path), line separators, and the undecodable bytes of a file name
+    (surrogates), which no encoding can print."""
+
+    def escape_char(m: re.Match[str]) -> str:
+        c = ord(m.group())
+        if 0xDC80 <= c <= 0xDCFF:  # a byte os.fsdecode could not decode
+            return f"\\x{c - 0xDC00:02x}"
+        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(m.group()) or (
+            f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}")
+
+    return _BREAKS.sub(escape_char, text)
+
+
+def _tolerant_streams() -> None:
+    """Text no stream can encode (a non-ASCII path on an ASCII stdout) is written escaped, not
+    raised: a print after OUT_DIR is published must not turn a success into a failure."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            pass
+
+
 def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Any failure becomes one line on stderr and exit code 2, never a traceback
     (unless ENJOYLN_DEBUG is set)."""
@@ -54,13 +83,15 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            _tolerant_streams()
             _quiet()
             return fn(*args, **kwargs)
         except EnjoylnError as exc:
-            err.print(f"error: {exc}", markup=False)
+            err.print(one_line(f"error: {exc}"), markup=False, emoji=False)
             raise typer.Exit(exc.exit_code) from None
         except OSError as exc:
-            err.print(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), markup=False)
+            err.print(one_line(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")), markup=False,
+                      emoji=False)
             raise typer.Exit(2) from None
         except Interrupted as exc:
             err.print(exc.message)
@@ -74,7 +105,7 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
             if os.environ.get("ENJOYLN_DEBUG"):
                 raise
             first = (str(exc).strip().splitlines() or [""])[0]
-            err.print(f"error: {type(exc).__name__}: {first} (set ENJOYLN_DEBUG=1 for the traceback)",
+            err.print(one_line(f"error: {type(exc).__name__}: {first} (set ENJOYLN_DEBUG=1 for the traceback)"),
                       markup=False)
             raise typer.Exit(2) from None
 
@@ -142,6 +173,32 @@ def print_plan(plan: FoldPlan) -> None:
         out.print(f"[yellow]Note:[/] {escape(note)}")
     if not plan.foldable:
         out.print("Nothing is foldable: the output would equal the input.")
+
+
+def _strict(value: Any) -> Any:
+    """``value`` as strict JSON allows: non-finite floats as the strings "inf", "-inf" and "nan"
+    (JSON has no such numbers), and strings without the surrogates an undecodable file name
+    leaves (no UTF-8 can carry them), its bytes written as \\xNN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if value != value else "inf" if value > 0 else "-inf"
+    if isinstance(value, str):
+        return _SURROGATES.sub(lambda m: one_line(m.group()), value)
+    if isinstance(value, dict):
+        return {_strict(str(k)): _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    if isinstance(value, Path):
+        return _strict(str(value))
+    return value
+
+
+_SURROGATES = re.compile(r"[\ud800-\udfff]")
+
+
+def print_json(value: Any) -> None:
+    """Strict JSON on stdout, ASCII only, so it reads back whatever the terminal's encoding."""
+    out.file.write(json.dumps(_strict(value), indent=2, ensure_ascii=True, allow_nan=False) + "\n")
+    out.file.flush()
 
 
 def print_report(report: Any) -> None:
@@ -279,8 +336,8 @@ def _fold_command(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[st
         except CheckFailed as exc:
             bar.stop()
             if as_json:
-                out.print_json(json.dumps({"check": exc.report.to_dict(), "out_dir": None,
-                                           "kept": str(exc.kept) if exc.kept else None}))
+                print_json({"check": exc.report.to_dict(), "out_dir": None,
+                            "kept": str(exc.kept) if exc.kept else None})
             else:
                 print_report(exc.report)
             raise
@@ -292,6 +349,28 @@ def _fold_command(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[st
                     "cleaned": [str(p) for p in result.cleaned]})
     if result.report is not None:
         payload["check"] = result.report.to_dict()
+    try:
+        _show_fold(result, payload, mode=mode, as_json=as_json, dry_run=dry_run, start=start)
+    except (OSError, UnicodeError):
+        if result.out_dir is None:
+            raise
+        # OUT_DIR is published and checked: a closed stdout does not undo that, and the exit
+        # code must say so
+        _drop_stdout()
+
+
+def _drop_stdout() -> None:
+    """Send what is left of stdout to /dev/null, so Python's final flush raises nothing either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real descriptor (under a test runner)
+        pass
+
+
+def _show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool, dry_run: bool,
+               start: float) -> None:
+    plan = result.plan
     if not as_json:
         if result.cleaned:
             out.print(f"Removed {len(result.cleaned)} temporary "
@@ -308,7 +387,7 @@ def _fold_command(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[st
         if result.out_dir:
             speed = result.bytes_written / max(result.stream_seconds, 1e-9) / 1e6
             checked = {"none": "unchecked", "static": "weights checked", "full": "checked"}[mode]
-            out.print(f"Wrote {result.out_dir} ({checked}; {len(result.files)} weight files, "
+            out.print(f"Wrote {escape(str(result.out_dir))} ({checked}; {len(result.files)} weight files, "
                       f"{format_bytes(result.bytes_written)}) in {result.seconds:.2f} s; moving the weights took "
                       f"{result.stream_seconds:.2f} s ({speed:.0f} MB/s)")
             if plan.rotation is not None and not plan.rotation.keep_mean:
@@ -318,13 +397,13 @@ def _fold_command(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[st
             out.print("Dry run: nothing written.")
     if not dry_run and not plan.foldable:
         if as_json:
-            out.print_json(json.dumps(payload))
+            print_json(payload)
         what = ("has no LayerNorm" if not plan.layer_norms
                 else f"has {len(plan.layer_norms)} LayerNorms and none can fold")
         raise EnjoylnError(f"nothing to fold: {plan.model} {what}; nothing was written")
     payload["seconds"] = time.perf_counter() - start
     if as_json:
-        out.print_json(json.dumps(payload))
+        print_json(payload)
 
 
 @app.command()
@@ -355,7 +434,7 @@ def inspect(
         if plan.auxiliary:
             out.print("Note: the picture shows the strict analysis, without the auxiliary centerings")
     if as_json:
-        out.print_json(plan.to_json())
+        print_json(plan.to_dict())
     else:
         print_plan(plan)
         if graph is not None:
@@ -375,6 +454,9 @@ def check_cmd(
     seq_len: int = typer.Option(16, min=1, help="Sequence length of the short batches."),
     seed: int = typer.Option(0, help="Seed of the first batch."),
     rtol: float = typer.Option(1e-5, help="Relative tolerance in float32."),
+    dtype: Optional[str] = typer.Option(None, help="The dtype CANDIDATE is meant to load in, if not the "
+                                        "reference's (float16, bfloat16, float32, float64); it is then judged "
+                                        "at that precision. Without it another dtype fails."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Accept .bin weights."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run the directories' custom code."),
@@ -390,11 +472,11 @@ def check_cmd(
     with _Bytes(enabled=not as_json) as bar:
         report = check_checkpoints(reference_dir, candidate_dir, allow_pickle=allow_pickle,
                                    trust_remote_code=trust_remote_code, mode=mode,
-                                   max_memory=parse_size(max_memory),
+                                   max_memory=parse_size(max_memory), dtype=dtype,
                                    progress=bar.phase("checking weights"), batches=batches,
                                    batch_size=batch_size, seq_len=seq_len, seed=seed, rtol=rtol)
     if as_json:
-        out.print_json(json.dumps(report.to_dict()))
+        print_json(report.to_dict())
     else:
         print_report(report)
     if not report.passed:
@@ -557,7 +639,7 @@ def bench(
         if not as_json:
             out.print(f"Saved {plot}")
     if as_json:
-        out.print_json(json.dumps(payload))
+        print_json(payload)
 
 
 def _bench_models(model_dir: Optional[Path], device: str) -> tuple[Any, Any]:
@@ -630,7 +712,7 @@ def export_cmd(
     inputs = hf_example_inputs(model, batch=batch, seq_len=seq_len)
     report = export_onnx(model, out_file, inputs, opset=opset, optimize=optimize, dynamic=not static)
     if as_json:
-        out.print_json(json.dumps(report.to_dict()))
+        print_json(report.to_dict())
     else:
         def dims(shape: list[Any]) -> str:
             return escape("[" + ", ".join(map(str, shape)) + "]")

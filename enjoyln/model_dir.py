@@ -173,6 +173,8 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str
         raise CheckpointError(f"cannot read {file}: {exc.strerror or exc}") from None
     except (ValueError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file} is not a valid safetensors file ({exc})") from None
+    except RecursionError:
+        raise CheckpointError(f"{file} is not a valid safetensors file (its header is nested too deeply)") from None
     return tensors, metadata
 
 
@@ -192,13 +194,50 @@ def input_file(path: Path) -> Path:
     return path
 
 
-def read_json(path: Path, what: str) -> dict[str, Any]:
+JSON_LIMIT = 16 << 20
+"""The largest JSON file enjoyln parses (configs, indexes, and the JSON files it compares by
+value); a larger config is refused, and larger files are compared byte for byte, streaming."""
+JSON_DEPTH = 64
+"""The deepest nesting accepted in a config or index (real ones stay under 10): deeper
+structures would exhaust Python's recursion in transformers' own config code."""
+
+
+def _depth_exceeds(data: Any, limit: int) -> bool:
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > limit:
+                return True
+            stack += [(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)]
+    return False
+
+
+def parse_json_file(path: Path, what: str) -> Any:
+    """A JSON file's value, read only if it is at most ``JSON_LIMIT`` bytes; else one clear error."""
     try:
-        data = json.loads(input_file(path).read_text())
+        size = input_file(path).stat().st_size
+        if size > JSON_LIMIT:
+            raise CheckpointError(f"{path} holds {size:,} bytes, more than the {JSON_LIMIT >> 20} MiB enjoyln "
+                                  f"reads for {what}")
+        with open(path, "rb") as f:
+            raw = f.read(JSON_LIMIT + 1)  # the file may have grown since
+        if len(raw) > JSON_LIMIT:
+            raise CheckpointError(f"{path} grew past {JSON_LIMIT >> 20} MiB while it was being read")
+        data = json.loads(raw)
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except RecursionError:
+        raise CheckpointError(f"{path} is nested too deeply to be {what}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc.__class__.__name__}: {exc})") from None
+    if _depth_exceeds(data, JSON_DEPTH):
+        raise CheckpointError(f"{path} is nested more than {JSON_DEPTH} levels deep, too deep to be {what}")
+    return data
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    data = parse_json_file(path, what)
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object ({what})")
     return data
@@ -216,17 +255,28 @@ def _index(index_file: Path) -> dict[str, str]:
 
 
 def custom_code(root: Path, config: dict[str, Any]) -> list[str]:
-    """What in ``root`` would run code that is not part of transformers."""
+    """What in ``root`` would run code that is not part of transformers.
+
+    transformers reads ``auto_map`` from config files only (config.json,
+    tokenizer_config.json, the processor configs), so a top-level JSON file too
+    large to parse is refused if its name says it is a config, and otherwise
+    skipped: nothing reads code references from it.
+    """
     found = []
     if config.get("auto_map"):
         found.append("auto_map in config.json")
     for item in sorted(root.iterdir()):
         if item.suffix == ".json" and item.name != "config.json" and item.is_file():
+            if item.stat().st_size > JSON_LIMIT and not item.name.endswith("config.json"):
+                continue
             try:
-                if "auto_map" in json.loads(item.read_text()):
-                    found.append(f"auto_map in {item.name}")
-            except (ValueError, TypeError, OSError, UnicodeDecodeError):
-                pass
+                data = parse_json_file(item, "a config file")
+            except CheckpointError:
+                if item.stat().st_size > JSON_LIMIT:
+                    raise
+                continue  # not JSON: nothing reads an auto_map from it
+            if isinstance(data, dict) and "auto_map" in data:
+                found.append(f"auto_map in {item.name}")
     for folder, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d not in _VCS)
         found += [str((Path(folder) / f).relative_to(root)) for f in sorted(files) if f.endswith(".py")]
@@ -350,22 +400,59 @@ def model_class(md: ModelDir) -> type:
     return cls
 
 
-def meta_model(md: ModelDir) -> nn.Module:
-    """The model class of ``md`` built on the meta device: graph and names, no weights."""
+def auto_config(md: ModelDir) -> Any:
+    """The config ``from_pretrained`` builds for ``md``."""
     import transformers
 
-    cls = model_class(md)
     try:
-        config = transformers.AutoConfig.from_pretrained(md.path, trust_remote_code=md.trust_remote_code)
+        return transformers.AutoConfig.from_pretrained(md.path, trust_remote_code=md.trust_remote_code)
     except Exception as exc:  # transformers raises many kinds for a bad config
-        raise CheckpointError(f"cannot read {md.path / 'config.json'}: {str(exc).splitlines()[0]}") from None
+        raise CheckpointError(f"cannot read {md.path / 'config.json'}: "
+                              f"{(str(exc).splitlines() or [''])[0]}") from None
+
+
+def meta_model(md: ModelDir) -> nn.Module:
+    """The model class of ``md`` built on the meta device: graph and names, no weights."""
+    cls = model_class(md)
+    config = auto_config(md)
     try:
         with torch.device("meta"):
             model = cls(config)
     except Exception as exc:
         raise CheckpointError(f"cannot build {md.architecture} from its config: "
-                              f"{str(exc).splitlines()[0]}") from None
+                              f"{(str(exc).splitlines() or [''])[0]}") from None
     return model.eval()
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def load_dtype(md: ModelDir) -> tuple[str, str]:
+    """The dtype a plain ``from_pretrained`` loads ``md`` in (its name), and where it comes from.
+
+    transformers 5 loads with ``dtype="auto"`` by default (``modeling_utils._get_dtype``): the
+    config's ``dtype`` (``torch_dtype`` is its old name); without one, for a sharded checkpoint,
+    the index metadata's ``dtype``; else the first floating tensor of the first weight file, in
+    the order its loader lists the keys. Every sub-config then gets that dtype.
+    """
+    value = getattr(auto_config(md), "dtype", None)
+    if value is not None:
+        return dtype_name(value), "config.json"
+    index = md.path / (PT_INDEX if md.pickled else SAFE_INDEX)
+    if len(md.shards) > 1 or index.exists():
+        metadata = parse_json_file(index, "a weight index").get("metadata")
+        if isinstance(metadata, dict) and "dtype" in metadata:
+            return dtype_name(metadata["dtype"]), f"the metadata of {index.name}"
+    if md.pickled:
+        from .checkpoint import _load_pickled
+
+        found = [t.dtype for shard, t in _load_pickled(md).values() if shard == md.shards[0]]
+    else:  # safetensors lists the keys sorted
+        found = [DTYPES[t.dtype] for _, t in sorted(md.tensors.items()) if t.file == md.shards[0]]
+    floating = [d for d in found if d.is_floating_point and "float8_" not in str(d)]
+    first = floating[0] if floating else found[0] if found else torch.float32
+    return dtype_name(first), f"its first floating tensor (in {md.shards[0]})"
 
 
 def saved_names(model: nn.Module) -> dict[str, str]:
@@ -425,26 +512,18 @@ def needed_file(name: str) -> bool:
     return any(fnmatch.fnmatch(name, p) for p in NEEDED)
 
 
-def copy_extras(md: ModelDir, dest: Path, followed: list[str] | None = None) -> list[str]:
-    """Copy every file of ``md`` but the weights and config into ``dest``; return what was skipped.
-
-    ``followed`` collects the needed files copied through a link that leaves the
-    directory (``name -> target``), so that the caller can say so.
-
-    A symlink is followed when it resolves inside the directory, or when it
-    is a file a model directory needs (top level only). Anything else that
-    resolves outside the directory, special files and version-control data
-    are skipped; modes follow the umask, not the source.
-    """
+def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None) -> Iterator[tuple[Path, Path, bool]]:
+    """(source, path relative to MODEL_DIR, is a directory) for everything a fold copies: every
+    entry of ``md`` but the weights and config.json, by the rules ``copy_extras`` states;
+    what is left out goes to ``skipped`` with the reason."""
     root = md.path.resolve()
     skip = WEIGHT_FILES | set(md.shards) | {"config.json"}
-    skipped: list[str] = []
     linked: set[Path] = set()  # directories already entered through a link
 
     def inside(p: Path) -> bool:
         return p == root or root in p.parents
 
-    def visit(src: Path, rel: Path, top: bool, chain: tuple[Path, ...]) -> None:
+    def visit(src: Path, rel: Path, top: bool, chain: tuple[Path, ...]) -> Iterator[tuple[Path, Path, bool]]:
         # chain: the real directories being copied, outermost first. Links that lead back into
         # one of them would recurse until the path is too long; links entered twice could
         # copy a tree exponentially many times.
@@ -479,27 +558,92 @@ def copy_extras(md: ModelDir, dest: Path, followed: list[str] | None = None) -> 
             if src.name in _VCS or src.resolve().name in _VCS:  # also through a link to one
                 skipped.append(f"{name} (version-control data)")
                 return
-            (dest / rel).mkdir(exist_ok=True)
+            yield src, rel, True
             for child in sorted(src.iterdir()):
-                visit(child, rel / child.name, False, (*chain, src.resolve()))
+                yield from visit(child, rel / child.name, False, (*chain, src.resolve()))
         elif stat.S_ISREG(mode) and name.endswith(".py") and not md.trust_remote_code:
             # custom_code() walked the real tree; one reached only through a link was never accepted
             skipped.append(f"{name} (code, reached through a link)")
         elif stat.S_ISREG(mode):
-            try:
-                shutil.copyfile(src, dest / rel)
-            except OSError as exc:
-                if exc.filename and Path(exc.filename) == dest / rel:
-                    raise
-                raise CheckpointError(f"cannot read {src}: {exc.strerror or exc}") from None
+            yield src, rel, False
         else:
             skipped.append(f"{name} (not a regular file)")
 
     for item in sorted(md.path.iterdir()):
         if item.name in skip or is_weight_file(item.name):
             continue  # weights in any other format would be stale, uncentered copies
-        visit(item, Path(item.name), True, (root,))
+        yield from visit(item, Path(item.name), True, (root,))
+
+
+def copy_extras(md: ModelDir, dest: Path, followed: list[str] | None = None) -> list[str]:
+    """Copy every file of ``md`` but the weights and config into ``dest``; return what was skipped.
+
+    ``followed`` collects the needed files copied through a link that leaves the
+    directory (``name -> target``), so that the caller can say so.
+
+    A symlink is followed when it resolves inside the directory, or when it
+    is a file a model directory needs (top level only). Anything else that
+    resolves outside the directory, special files and version-control data
+    are skipped; modes follow the umask, not the source.
+    """
+    skipped: list[str] = []
+    for src, rel, is_dir in _extras(md, skipped, followed):
+        if is_dir:
+            (dest / rel).mkdir(exist_ok=True)
+            continue
+        try:
+            shutil.copyfile(src, dest / rel)
+        except OSError as exc:
+            if exc.filename and Path(exc.filename) == dest / rel:
+                raise
+            raise CheckpointError(f"cannot read {src}: {exc.strerror or exc}") from None
     return skipped
+
+
+def extra_files(md: ModelDir) -> dict[str, Path]:
+    """The files (not directories) ``copy_extras`` would copy from ``md``: relative path -> source.
+    With config.json and the weights, this is what a fold of ``md`` holds."""
+    return {rel.as_posix(): src for src, rel, is_dir in _extras(md, [], None) if not is_dir}
+
+
+def loader_files(root: Path) -> tuple[dict[str, Path], list[str]]:
+    """Every file under ``root`` as a loader sees it (relative path -> path), through links
+    wherever they lead, and what no loader could read there (a dangling link, a special file,
+    a link into a directory it is in). Version-control data is left out: no loader reads it."""
+    files: dict[str, Path] = {}
+    problems: list[str] = []
+    entered: set[Path] = set()
+    stack: list[tuple[Path, str, tuple[Path, ...]]] = [(root, "", ())]
+    while stack:
+        folder, prefix, chain = stack.pop()
+        real = folder.resolve()
+        if real in chain:
+            problems.append(f"{prefix.rstrip('/')} is a symlink to a directory that contains it")
+            continue
+        if real in entered:
+            problems.append(f"{prefix.rstrip('/')} is a second way into a directory already listed")
+            continue
+        entered.add(real)
+        try:
+            children = sorted(folder.iterdir())
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {folder}: {exc.strerror or exc}") from None
+        for child in children:
+            rel = prefix + child.name
+            try:
+                mode = child.stat().st_mode  # through links
+            except (OSError, RuntimeError):
+                problems.append(f"{rel} is a dangling symlink or a symlink loop")
+                continue
+            if stat.S_ISDIR(mode):
+                if child.name in _VCS or child.resolve().name in _VCS:
+                    continue
+                stack.append((child, rel + "/", (*chain, real)))
+            elif stat.S_ISREG(mode):
+                files[rel] = child
+            else:
+                problems.append(f"{rel} is not a regular file")
+    return files, problems
 
 
 # --- the output directory ------------------------------------------------------------------
@@ -520,8 +664,8 @@ def umask() -> int:
 
 def is_enjoyln_output(path: Path) -> bool:
     try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        config = parse_json_file(path / "config.json", "a model config")
+    except CheckpointError:
         return False
     return isinstance(config, dict) and isinstance(config.get("enjoyln"), dict)
 
@@ -570,9 +714,10 @@ def _alive(pid: int, started: str) -> bool:
 def _owner(tmp: Path, pid: int) -> tuple[int, str]:
     """(pid, start time) of the process that made a temporary directory."""
     try:
-        recorded, _, started = (tmp / _OWNER).read_text().partition(" ")
+        with open(tmp / _OWNER, "rb") as f:  # a few bytes, whatever the file holds
+            recorded, _, started = f.read(64).decode().partition(" ")
         return int(recorded), started.strip()
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
         return pid, ""  # killed before it wrote the record, or the old output a publish moved aside
 
 
@@ -610,6 +755,25 @@ def clean_stale(out: Path) -> list[Path]:
     for tmp in dead:
         shutil.rmtree(tmp, ignore_errors=True)
     return dead
+
+
+def missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, outermost first: what making it creates."""
+    missing = []
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            break
+        missing.append(p)
+    return missing[::-1]
+
+
+def remove_dirs(dirs: list[Path]) -> None:
+    """Remove directories a run created (``missing_dirs``), innermost first, if still empty."""
+    for d in reversed(dirs):
+        try:
+            d.rmdir()
+        except OSError:  # not empty (a kept candidate, someone else's file), or never made
+            return
 
 
 def temp_dir(out: Path) -> Path:

@@ -10,9 +10,15 @@ candidate's model loads is accounted for:
 - a centered tensor equals the reference's, centered in float64 and cast to
   its dtype, to within that dtype's rounding;
 - an untied head equals the tensor it was tied to;
-- the candidate's config is the reference's, with the ``enjoyln`` block and
-  an untied head as the only differences, and its tokenizer, processor and
-  generation config are the reference's;
+- the candidate loads in the reference's dtype (config, index metadata or
+  first weight), unless the caller names another one (``dtype``), and then
+  in that one;
+- the candidate's config.json, as parsed JSON values, is the reference's
+  with exactly what the confirmed plan writes (the ``enjoyln`` block, an
+  untied head); only the writing tool's version in the block is taken on
+  trust;
+- every other file is what a fold of the reference holds: the same set of
+  files, each the reference's by content (JSON by value), whatever its name;
 - the recorded plan is what this enjoyln's analysis gives for the config.
 
 The expectations come from the plan and the model's own parameter names, not
@@ -21,7 +27,7 @@ from the code that wrote the fold, so the two check each other.
 
 from __future__ import annotations
 
-import filecmp
+import copy
 import json
 import math
 import os
@@ -34,13 +40,14 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, EnjoylnError
-from .model_dir import (DTYPES, ModelDir, TensorInfo, check_shapes, checkpoint_key, input_file, is_weight_file,
-                        meta_model, needed_file, saved_names)
+from .model_dir import (_OWNER, DTYPES, JSON_LIMIT, PT_INDEX, SAFE_INDEX, ModelDir, TensorInfo, check_shapes,
+                        checkpoint_key, extra_files, input_file, is_weight_file, load_dtype, loader_files,
+                        meta_model, parse_json_file, saved_names)
 from .plan import Centering, FoldPlan, block_lists
 
 _CHUNK = 16 << 20
-_IGNORED_CONFIG = {"enjoyln", "transformers_version", "_name_or_path", "_commit_hash", "dtype",
-                   "torch_dtype", "tie_word_embeddings", "_attn_implementation_autoset"}
+LOAD_DTYPES = ("float16", "bfloat16", "float32", "float64")
+"""The dtypes ``check --dtype`` accepts for a candidate meant to run at another precision."""
 
 
 @dataclass
@@ -61,12 +68,16 @@ class StaticReport:
     plan: str = ""
     """Where the plan came from: 'recorded' (the enjoyln block, confirmed) or 'analysis'."""
     problems: list[str] = field(default_factory=list)
+    scope: str = "static check"
+    """What was checked: every weight and file, or (with ``--forward-only``) the load settings only."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def summary(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
+        if self.scope != "static check":
+            return "\n".join([f"{verdict}: {self.scope}"] + [f"  [FAIL] {p}" for p in self.problems])
         kinds = (f"{self.computed} recomputed with the fused affine and rotation" if self.computed else
                  f"{self.identical} identical, {self.centered} centered, {self.untied} untied")
         what = f"{self.tensors} tensors verified ({kinds}), {self.bytes_read / 1e6:.1f} MB read in {self.seconds:.2f} s"
@@ -206,90 +217,265 @@ def _close_to_file(expected: torch.Tensor, cand: _Reader, key: str, scale: float
     return True, diff
 
 
-def _config_problems(ref: dict[str, Any], cand: dict[str, Any], untie: bool, path: str = "") -> list[str]:
-    problems = []
-    for key in sorted(ref.keys() | cand.keys()):
-        if key in _IGNORED_CONFIG:
-            if key == "tie_word_embeddings" and ref.get(key) != cand.get(key) and not (untie and not cand.get(key)):
-                problems.append(f"config.json changes {path}{key} from {ref.get(key)!r} to {cand.get(key)!r}")
-            continue
-        a, b = ref.get(key), cand.get(key)
+def parse_dtype(dtype: Any) -> str | None:
+    """A ``dtype`` option as a name (``torch.float16`` or ``"float16"`` -> ``"float16"``), or None."""
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    if name not in LOAD_DTYPES:
+        raise EnjoylnError(f"cannot judge a candidate in dtype {dtype!r}; use one of {', '.join(LOAD_DTYPES)}")
+    return name
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON values: objects in any key order, but ``1``, ``1.0`` and ``true`` differ (a
+    loader may test them apart), NaN equals NaN, and ``-0.0`` is not ``0.0``. No recursion, so
+    a deeply nested file cannot exhaust the stack."""
+    stack = [(a, b)]
+    while stack:
+        x, y = stack.pop()
+        if type(x) is not type(y):
+            return False
+        if isinstance(x, dict):
+            if x.keys() != y.keys():
+                return False
+            stack += [(x[k], y[k]) for k in x]
+        elif isinstance(x, list):
+            if len(x) != len(y):
+                return False
+            stack += list(zip(x, y))
+        elif isinstance(x, float):
+            if not (x == y and math.copysign(1, x) == math.copysign(1, y) or x != x and y != y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _json_differences(ref: dict[str, Any], cand: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(dotted key, reference's value, candidate's value) for every key that differs, descending
+    into objects present on both sides; a missing side is ``_MISSING``."""
+    out, stack = [], [("", ref, cand)]
+    while stack:
+        path, a, b = stack.pop()
+        for key in sorted(a.keys() | b.keys(), reverse=True):
+            x, y = a.get(key, _MISSING), b.get(key, _MISSING)
+            if isinstance(x, dict) and isinstance(y, dict):
+                stack.append((f"{path}{key}.", x, y))
+            elif x is _MISSING or y is _MISSING or not _same_json(x, y):
+                out.append((f"{path}{key}", x, y))
+    return out
+
+
+_MISSING = object()
+
+
+def _first_difference(path: str, a: Any, b: Any) -> tuple[str, Any, Any]:
+    """Where two JSON values first differ (``plan.layer_norms[3].reason``), and the two values there."""
+    while True:
         if isinstance(a, dict) and isinstance(b, dict):
-            problems += _config_problems(a, b, untie, f"{path}{key}.")
-        elif a != b:
-            problems.append(f"config.json changes {path}{key} from {a!r} to {b!r}")
+            key = next((k for k in sorted(a.keys() | b.keys())
+                        if not (k in a and k in b and _same_json(a[k], b[k]))), None)
+            if key is None or key not in a or key not in b:
+                return (f"{path}.{key}", a.get(key, _MISSING), b.get(key, _MISSING)) if key else (path, a, b)
+            path, a, b = f"{path}.{key}", a[key], b[key]
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            i = next(i for i, (x, y) in enumerate(zip(a, b)) if not _same_json(x, y))
+            path, a, b = f"{path}[{i}]", a[i], b[i]
+        else:
+            return path, a, b
+
+
+def _without_dtypes(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` without its ``dtype`` and ``torch_dtype`` entries, at every level (sub-configs
+    carry them too); a non-string value under that name (a token id in a vocabulary) stays."""
+    config = copy.deepcopy(config)
+    stack = [config]
+    while stack:
+        d = stack.pop()
+        for key in ("dtype", "torch_dtype"):
+            if key in d and (d[key] is None or isinstance(d[key], str)):
+                del d[key]
+        stack += [v for v in d.values() if isinstance(v, dict)]
+    return config
+
+
+def _config_problems(expected: dict[str, Any], actual: dict[str, Any], dtype: str | None) -> list[str]:
+    """config.json against what it must be: every key as a JSON value. The enjoyln block must be
+    what the confirmed plan writes, but for the writing tool's version, which nothing can check.
+    With ``dtype`` the dtype entries may differ (``load_problems`` judges the dtype the model
+    loads in)."""
+    if dtype is not None:
+        expected, actual = _without_dtypes(expected), _without_dtypes(actual)
+    expected, actual = dict(expected), dict(actual)
+    block, theirs = expected.pop("enjoyln", _MISSING), actual.pop("enjoyln", _MISSING)
+    problems = []
+    for key, a, b in _json_differences(expected, actual):
+        if a is _MISSING:
+            problems.append(f"config.json adds {key} = {_short(b)}")
+        elif b is _MISSING:
+            problems.append(f"config.json drops {key} (the reference's is {_short(a)})")
+        else:
+            problems.append(f"config.json changes {key} from {_short(a)} to {_short(b)}")
+    if block is _MISSING and theirs is not _MISSING:
+        problems.append("config.json has an enjoyln block, which the plan does not write")
+    elif block is not _MISSING and not isinstance(theirs, dict):
+        problems.append("config.json has no enjoyln block, or one that is not an object")
+    elif block is not _MISSING:
+        block, theirs = dict(block), dict(theirs)
+        block.pop("version", None)
+        if not isinstance(theirs.pop("version", None), str):
+            problems.append("the enjoyln block's version is not a string")
+        lists = block_lists(FoldPlan("")).keys()
+        for key in sorted(block.keys() | theirs.keys()):
+            a, b = block.get(key, _MISSING), theirs.get(key, _MISSING)
+            if a is not _MISSING and b is not _MISSING and _same_json(a, b):
+                continue
+            if key in lists:
+                problems.append(f"the enjoyln block's {key} list is not what its plan gives")
+            else:
+                where, x, y = _first_difference(key, a, b)
+                problems.append(f"the enjoyln block's {key} is not what the confirmed plan gives: its {where} is "
+                                f"{_short(y) if y is not _MISSING else 'missing'}, not "
+                                f"{_short(x) if x is not _MISSING else 'absent'}")
     return problems
 
 
-def _serving_files(md: ModelDir) -> dict[str, Path]:
-    """The files beside the weights that decide what the model is fed and how it generates."""
-    return {p.name: p for p in md.path.iterdir() if needed_file(p.name) and not is_weight_file(p.name)
-            and p.name not in ("config.json", "generation_config.json")
-            and p.is_file()}  # as the fold copies them: through links
+def _expected_config(ref: ModelDir, plan: FoldPlan, *, block: bool) -> dict[str, Any]:
+    """config.json as a fold of ``ref`` by ``plan`` writes it (without the enjoyln block, as a
+    fold saved by transformers has it)."""
+    from .checkpoint import _output_config
+
+    config = _output_config(ref, plan)
+    if not block:
+        del config["enjoyln"]
+    return config
+
+
+def load_problems(ref: ModelDir, cand: ModelDir, dtype: str | None = None) -> list[str]:
+    """What makes ``from_pretrained`` load the candidate otherwise than the reference, beyond its
+    files: another dtype (unless ``dtype`` names the one it is meant to load in), or an index
+    it cannot read."""
+    problems = []
+    index = cand.path / (PT_INDEX if cand.pickled else SAFE_INDEX)
+    if index.exists() and not isinstance(parse_json_file(index, "a weight index").get("metadata"), dict):
+        # transformers reads index["metadata"] whatever the config says
+        problems.append(f"the candidate's {index.name} has no metadata object, so from_pretrained fails on it")
+    theirs, _ = load_dtype(ref)
+    ours, source = load_dtype(cand)
+    if dtype is None and ours != theirs:
+        problems.append(f"the candidate loads in {ours} (from {source}), the reference in {theirs}; pass "
+                        f"--dtype {ours} (dtype= in Python) to judge it at that precision")
+    elif dtype is not None and ours != dtype:
+        problems.append(f"the candidate loads in {ours} (from {source}), not in {dtype} as --dtype says")
+    return problems
 
 
 def _generation(md: ModelDir) -> dict[str, Any]:
-    """The generation settings ``from_pretrained`` gives the model: the file's, or, without one,
-    those it derives from config.json."""
+    """The generation settings ``from_pretrained`` gives the model, built as transformers 5 builds
+    them (``GenerationMixin.adjust_generation_fn``): from generation_config.json, or, when it is
+    missing or not JSON, ``GenerationConfig.from_model_config`` of config.json's raw values,
+    which keeps the sampling settings a config may carry (``do_sample``, ``temperature``)."""
     import transformers
 
+    file = md.path / "generation_config.json"
+    data = None
+    if file.is_file():
+        try:
+            data = parse_json_file(file, "a generation config")
+        except CheckpointError:
+            if file.stat().st_size > JSON_LIMIT:
+                raise
     try:
-        if (md.path / "generation_config.json").is_file():
-            settings = transformers.GenerationConfig.from_pretrained(md.path).to_dict()
+        if isinstance(data, dict):
+            settings = transformers.GenerationConfig.from_dict(copy.deepcopy(data)).to_dict()
         else:
-            config = transformers.AutoConfig.from_pretrained(md.path, trust_remote_code=md.trust_remote_code)
-            settings = transformers.GenerationConfig.from_model_config(config).to_dict()
+            settings = transformers.GenerationConfig.from_model_config(copy.deepcopy(md.config)).to_dict()
     except Exception as exc:  # transformers raises many kinds for a bad file
         raise CheckpointError(f"cannot read the generation config of {md.path}: "
                               f"{(str(exc).splitlines() or [''])[0]}") from None
-    settings.pop("transformers_version", None)
+    settings.pop("transformers_version", None)  # the running transformers' version, on both sides
     return settings
 
 
-def _json(path: Path) -> Any:
-    """A JSON file's content, without the transformers version that saved it."""
-    try:
-        data = json.loads(input_file(path).read_bytes())
-    except ValueError:
-        return None  # compared as bytes instead
-    return {k: v for k, v in data.items() if k != "transformers_version"} if isinstance(data, dict) else data
+class _Unreadable(Exception):
+    pass
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    if len({k for k, _ in pairs}) != len(pairs):
+        raise _Unreadable  # which of the two a reader keeps is its own choice: compare the bytes
+    return dict(pairs)
+
+
+def _json_value(path: Path) -> Any:
+    with open(path, "rb") as f:
+        raw = f.read(JSON_LIMIT + 1)
+    if len(raw) > JSON_LIMIT:
+        raise _Unreadable
     try:
-        if a.suffix == ".json" and (ja := _json(a)) is not None:
-            return ja == _json(b)
-        return filecmp.cmp(input_file(a), input_file(b), shallow=False)
+        return json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError)
+        raise _Unreadable from None
+
+
+def _same_content(a: Path, b: Path) -> bool:
+    """Whether two files hold the same content: JSON files up to ``JSON_LIMIT`` by value
+    (whitespace and key order do not matter), anything else byte for byte, streamed."""
+    try:
+        size_a, size_b = a.stat().st_size, b.stat().st_size
+        if a.suffix == ".json" and max(size_a, size_b) <= JSON_LIMIT:
+            try:
+                return _same_json(_json_value(a), _json_value(b))
+            except _Unreadable:
+                pass
+        if size_a != size_b:
+            return False
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            while True:
+                x, y = fa.read(1 << 20), fb.read(1 << 20)
+                if x != y:
+                    return False
+                if not x:
+                    return True
     except OSError as exc:
         raise CheckpointError(f"cannot read {exc.filename or b}: {exc.strerror or exc}") from None
 
 
 def _file_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
-    """The fold copies the tokenizer, processor and generation config as they are; a candidate
-    whose tokenizer maps text to other ids computes something else from the same weights."""
-    theirs, ours = _serving_files(ref), _serving_files(cand)
-    problems = []
+    """Every file of the candidate but its config and the weights it loads must be one a fold
+    of the reference holds (``copy_extras``), with the reference's content, whatever its name: a
+    loader may read any of them (PhoBERT's bpe.codes, a .spm, trusted remote code). Weights in
+    another format (a pytorch_model.bin beside the safetensors) must be the reference's own."""
+    expected = extra_files(ref)
+    actual, problems = loader_files(cand.path)
+    problems = [f"the candidate's {p}" for p in problems]
+    index = PT_INDEX if cand.pickled else SAFE_INDEX
+    # _OWNER marks the temporary directory a fold checks before publishing it; no loader reads it
+    own = {"config.json", _OWNER, *cand.shards} | ({index} if (cand.path / index).exists() else set())
     theirs_gen, ours_gen = _generation(ref), _generation(cand)
-    for key in sorted(k for k in theirs_gen.keys() | ours_gen.keys() if theirs_gen.get(k) != ours_gen.get(k)):
+    for key in sorted(k for k in theirs_gen.keys() | ours_gen.keys()
+                      if not _same_json(theirs_gen.get(k), ours_gen.get(k))):
         problems.append(f"the candidate's generation config changes {key} from {theirs_gen.get(key)!r} "
                         f"to {ours_gen.get(key)!r}")
-    for name in sorted(theirs.keys() | ours.keys()):
-        if name not in ours:
-            problems.append(f"the candidate lacks the reference's {name}")
-        elif name not in theirs:
-            problems.append(f"the candidate has {name}, which the reference does not")
-        elif not _same_file(theirs[name], ours[name]):
-            problems.append(f"the candidate's {name} differs from the reference's")
+    for rel in sorted(actual.keys() - own):
+        source = expected.get(rel)
+        if source is None and "/" not in rel and is_weight_file(rel) and (ref.path / rel).is_file():
+            source = input_file(ref.path / rel)  # the reference's own copy, kept as it was
+        if source is None:
+            what = "weights a fold of the reference would not hold" if "/" not in rel and is_weight_file(rel) \
+                else "a file a fold of the reference would not hold"
+            problems.append(f"the candidate has {rel}, {what}")
+        elif not _same_content(source, actual[rel]):
+            problems.append(f"the candidate's {rel} differs from the reference's")
+    for rel in sorted(expected.keys() - actual.keys()):
+        problems.append(f"the candidate lacks the reference's {rel}")
     return problems
-
-
-def _loaded_config(md: ModelDir) -> dict[str, Any]:
-    import transformers
-
-    try:
-        return transformers.AutoConfig.from_pretrained(md.path, trust_remote_code=md.trust_remote_code).to_dict()
-    except Exception as exc:  # transformers raises many kinds for a bad config
-        raise CheckpointError(f"cannot read {md.path / 'config.json'}: {str(exc).splitlines()[0]}") from None
 
 
 def _essentials(plan: FoldPlan) -> dict[str, set]:
@@ -348,12 +534,15 @@ def _names(model: nn.Module) -> dict[str, tuple[str, ...]]:
 
 
 def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> StaticReport:
+                 progress: Callable[[int, int], None] | None = None, dtype: Any = None) -> StaticReport:
     """Verify, without running either model, that ``cand`` is ``ref`` with its fold plan applied.
 
     ``plan`` is the plan the fold used, when the caller knows it (the check
     inside ``fold_checkpoint``); otherwise the reference is analysed, and a
-    plan recorded in the candidate must agree with that analysis.
+    plan recorded in the candidate must agree with that analysis. ``dtype``
+    (``"float16"``, ``torch.bfloat16``) accepts a candidate that loads in that
+    dtype instead of the reference's, its tensors stored as the reference's
+    cast to it.
 
     >>> static_check(open_model_dir("gpt2"), open_model_dir("gpt2-folded")).passed  # doctest: +SKIP
     True
@@ -361,16 +550,23 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     from .checkpoint import _analyze, final_tensors, moves_values
 
     start = time.perf_counter()
+    dtype = parse_dtype(dtype)
     report = StaticReport(passed=False)
     problems = report.problems
     recorded = recorded_plan(cand)
+    analysed = plan is not None
     ref_model, cand_model = meta_model(ref), meta_model(cand)
     check_shapes(ref, ref_model)
     check_shapes(cand, cand_model)
     if plan is None:
         try:
             plan = _analyze(ref, ref_model, **_options(recorded))
-            report.plan = "analysis"
+            if recorded is not None and not recorded.auxiliary and plan.to_dict() != recorded.to_dict():
+                # --auxiliary-centering that placed none leaves a trace only in the plan's notes
+                # and reasons, which the block must still match: the analysis with it may
+                other = _analyze(ref, ref_model, **{**_options(recorded), "auxiliary_centering": True})
+                plan = other if not other.auxiliary and other.to_dict() == recorded.to_dict() else plan
+            report.plan, analysed = "analysis", True
         except EnjoylnError as exc:
             if recorded is not None:
                 problems.append(f"cannot confirm the recorded plan: the analysis of the reference failed ({exc})")
@@ -378,11 +574,17 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
             report.plan = "none (the analysis failed)"
     if recorded is not None:
         problems += _plan_problems(recorded, plan)
-        problems += [f"the enjoyln block's {key} list is not what its plan gives" for key, value
-                     in block_lists(recorded).items() if cand.config["enjoyln"].get(key) != value]
+        # the block must be what the fold writes for the plan this enjoyln confirms: every claim
+        # in it (rotation.plain_loading_exact, the lists beside the plan) follows from that plan
+        problems += _config_problems(_expected_config(ref, plan if analysed else recorded, block=True),
+                                     cand.config, dtype)
         plan, report.plan = recorded, "recorded, confirmed by the analysis" if not problems else "recorded"
-    problems += _config_problems(_loaded_config(ref), _loaded_config(cand), bool(plan.untied))
-    problems += _file_problems(ref, cand)
+    else:  # judged below against the form the candidate has: the reference, or the plan applied
+        as_reference = _config_problems(ref.config, cand.config, dtype)
+        as_folded = (_config_problems(_expected_config(ref, plan, block=False), cand.config, dtype)
+                     if plan.foldable else as_reference)
+    # read before any weight, so a bad file is refused first; reported after the weights
+    files = load_problems(ref, cand, dtype) + _file_problems(ref, cand)
 
     ref_names, cand_names = _names(ref_model), _names(cand_model)
     centerings: dict[str, list[Centering]] = {}
@@ -449,7 +651,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
             same_dtype = ref_dtype == cand_dtype
             shape_ok = _shape(reader_ref, rk) == _shape(reader_cand, ck)
             diff, recast = None, None
-            if not _cast_allowed(ref_dtype, cand_dtype):
+            if not _cast_allowed(ref_dtype, cand_dtype, dtype):
                 # the reference cast to int8 or float8 compares equal to a candidate that lost
                 # almost everything; loaded into the model's dtype, it would run
                 recast = f"{ck} is stored as {cand_dtype}, but the reference's {rk} is {ref_dtype}"
@@ -496,10 +698,11 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     # against whichever form it is closer to.
     if expected is None and recorded is None and (not not_identical or len(not_identical) < len(not_folded)):
         report.form = "identical"
-        problems += not_identical
+        problems += not_identical + (as_reference if recorded is None else [])
     else:
         report.form = "folded"
-        problems += not_folded
+        problems += not_folded + (as_folded if recorded is None else [])
+    problems += files
     report.bytes_read = reader_ref.bytes_read + reader_cand.bytes_read
     report.seconds = time.perf_counter() - start
     report.passed = not problems
@@ -510,13 +713,16 @@ def _shape(reader: _Reader, key: str) -> tuple[int, ...]:
     return tuple(reader.pickled[key].shape) if reader.pickled is not None else reader.md.tensors[key].shape
 
 
-def _cast_allowed(ref: torch.dtype, cand: torch.dtype) -> bool:
-    """The changes of dtype a candidate may make: a half-precision copy of a float32 (or float64)
-    reference, whose own criterion the forward check applies, or a wider float, which is exact."""
+def _cast_allowed(ref: torch.dtype, cand: torch.dtype, dtype: str | None = None) -> bool:
+    """The changes of dtype a candidate may make: a wider float, which is exact (the model still
+    loads in its own dtype, which ``load_problems`` checks), or, when the caller names the dtype
+    the candidate is meant to run in (``dtype``), a narrower float of that dtype, judged at that
+    precision by the forward check's own criterion."""
     wider = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64),
              torch.float32: (torch.float64,)}
-    return (ref == cand or cand in wider.get(ref, ())
-            or (ref in (torch.float32, torch.float64) and cand in (torch.float16, torch.bfloat16)))
+    narrower = (dtype is not None and cand == getattr(torch, dtype) and ref.is_floating_point
+                and ref.itemsize > cand.itemsize and ref in (torch.float32, torch.float64))
+    return ref == cand or cand in wider.get(ref, ()) or narrower
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

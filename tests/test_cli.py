@@ -297,3 +297,88 @@ def test_python_dash_m_subprocess(gpt2_dir, tmp_path):
     assert len(json.loads(proc.stdout)["layer_norms"]) == 5
     proc = run(sys.executable, "-m", "enjoyln", "check", str(gpt2_dir), str(gpt2_dir))
     assert proc.returncode == 0 and "PASS" in proc.stdout
+
+
+# --- output defects (issue 17) ---------------------------------------------------------------
+
+
+def strict_json(text):
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    assert text.isascii()
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_output_is_strict(gpt2_dir, tmp_path, monkeypatch):
+    """JSON has no Infinity or NaN, and no UTF-8 carries an undecodable file name's bytes."""
+    from enjoyln.equivalence import CheckReport, OutputCheck
+
+    def report(*args, **kwargs):
+        return CheckReport(passed=False, max_abs_diff=float("inf"), max_rel_diff=float("nan"),
+                           outputs=[OutputCheck("logits", float("inf"), float("-inf"), False)], batches=1,
+                           dtype="float32", criterion="x\udcffy é")
+
+    monkeypatch.setattr(checkpoint, "check_checkpoints", report)
+    result = runner.invoke(app, ["check", str(gpt2_dir), str(gpt2_dir), "--json"])
+    assert result.exit_code == 1
+    data = strict_json(result.stdout)
+    assert (data["max_abs_diff"], data["max_rel_diff"], data["outputs"][0]["max_rel_diff"]) == ("inf", "nan", "-inf")
+    assert data["criterion"] == "x\\xffy é"
+
+
+def test_a_non_utf8_out_dir_in_json_output(gpt2_dir, tmp_path):
+    out = os.fsdecode(bytes(tmp_path) + b"/out\xff")
+    proc = subprocess.run([sys.executable, "-m", "enjoyln", "fold", str(gpt2_dir), out, "--json", "--static"],
+                          capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert strict_json(proc.stdout.decode("ascii"))["out_dir"] == os.fsdecode(bytes(tmp_path)) + "/out\\xff"
+
+
+def test_printing_after_publishing_cannot_fail_the_command(gpt2_dir, tmp_path):
+    """An ASCII stdout cannot print 'é': the fold is published and checked all the same, and
+    the exit code must say so."""
+    out = tmp_path / "out-é"
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    proc = subprocess.run([sys.executable, "-m", "enjoyln", "fold", str(gpt2_dir), str(out), "--static"],
+                          capture_output=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert out.is_dir() and b"Wrote" in proc.stdout and b"out-\\xe9" in proc.stdout
+
+
+def test_a_failed_fold_removes_the_folders_it_created(gpt2_dir, tmp_path, monkeypatch):
+    from enjoyln.equivalence import CheckReport
+
+    monkeypatch.setattr(checkpoint, "check_checkpoints", lambda *a, **k: CheckReport(
+        passed=False, max_abs_diff=1.0, max_rel_diff=1.0, outputs=[], batches=1, dtype="float32", criterion=""))
+    (tmp_path / "kept").mkdir()
+    result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "kept" / "a" / "b" / "out")])
+    assert result.exit_code == 1
+    assert os.listdir(tmp_path / "kept") == []
+    result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "c" / "out"), "--keep-failed"])
+    assert result.exit_code == 1 and os.listdir(tmp_path / "c") == ["out.enjoyln-failed"]
+
+
+@pytest.mark.parametrize("name", ["a\nb", "a\rb", "a\u2028b", "a\x1b[31mb"])
+def test_an_error_stays_one_line_whatever_the_path(tmp_path, name):
+    missing = tmp_path / name
+    proc = run(sys.executable, "-m", "enjoyln", "check", str(missing), str(tmp_path))
+    assert proc.returncode == 2
+    assert len(proc.stderr.splitlines()) == 1, repr(proc.stderr)
+    assert proc.stderr.startswith(f"error: {tmp_path}/a\\") and proc.stderr.rstrip().endswith("b does not exist")
+
+
+def test_check_dtype_option(gpt2_dir, tmp_path):
+    result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out"), "--static"])
+    assert result.exit_code == 0, result.output
+    cand = copy_dir(tmp_path / "out", tmp_path / "half")
+    config = json.loads((cand / "config.json").read_text())
+    (cand / "config.json").write_text(json.dumps({**config, "dtype": "float16"}))
+    result = runner.invoke(app, ["check", str(gpt2_dir), str(cand), "--static"])
+    assert result.exit_code == 1 and "pass --dtype float16" in result.output
+    result = runner.invoke(app, ["check", str(gpt2_dir), str(cand), "--static", "--dtype", "float16"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["check", str(gpt2_dir), str(cand), "--dtype", "int8"])
+    assert result.exit_code == 2
+    assert result.stderr == ("error: cannot judge a candidate in dtype 'int8'; use one of float16, bfloat16, "
+                             "float32, float64\n")

@@ -215,3 +215,73 @@ def test_a_link_to_version_control_data_copies_none_of_it(src, tmp_path):
     assert not list(out.rglob("*.py")) and not (out / "stuff").exists()
     assert "stuff (version-control data)" in result.output
     assert "notes/hooks/evil.py (code, reached through a link)" in result.output
+
+
+# --- bounded reads (issue 17) ---------------------------------------------------------------
+
+
+def test_a_huge_json_file_is_never_read_whole(src, tmp_path):
+    """A 64 MiB junk.json was read whole (twice over, as bytes and text) by the custom-code scan;
+    now it is compared streaming, and a file only the candidate has fails unread."""
+    import tracemalloc
+
+    from enjoyln.static_check import static_check
+
+    ref = clone(src, tmp_path / "ref")
+    fold_checkpoint(ref, tmp_path / "folded", check="none")
+    cand = tmp_path / "folded"
+
+    def traced_peak():
+        tracemalloc.start()
+        try:
+            report = static_check(open_model_dir(ref), open_model_dir(cand))
+            return report, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    _, baseline = traced_peak()  # the analysis itself allocates a few MiB of Python objects
+    for d in (ref, cand):
+        with open(d / "junk.json", "wb") as f:
+            f.truncate(64 << 20)  # sparse: no disk, all zeros
+    report, peak = traced_peak()
+    assert report.passed, report.summary()
+    assert peak < baseline + (8 << 20), f"{(peak - baseline) / 2**20:.0f} MiB more than without the file"
+    (ref / "junk.json").unlink()
+    report = static_check(open_model_dir(ref), open_model_dir(cand))
+    assert "the candidate has junk.json, a file a fold of the reference would not hold" in report.problems
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json"])
+def test_an_oversized_config_is_refused_in_one_line(src, tmp_path, name):
+    model = clone(src, tmp_path / "model")
+    text = (model / "config.json").read_text() if name == "config.json" else "{}"
+    (model / name).write_text(text + " " * (17 << 20))
+    result = runner.invoke(app, ["check", str(model), str(model), "--static"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (f"error: {model / name} holds {(model / name).stat().st_size:,} bytes, "
+                                     "more than the 16 MiB enjoyln reads for a model config"
+                                     if name == "config.json" else
+                                     f"error: {model / name} holds {(model / name).stat().st_size:,} bytes, "
+                                     "more than the 16 MiB enjoyln reads for a config file")
+
+
+def test_deeply_nested_json_names_the_file(src, tmp_path):
+    model = clone(src, tmp_path / "deep")
+    (model / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    result = runner.invoke(app, ["inspect", str(model)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: {model / 'config.json'} is nested too deeply to be a model config"
+    config = json.loads((src / "config.json").read_text())
+    config["extra"] = json.loads("[" * 80 + "]" * 80)  # parses, but transformers' own code recurses on it
+    (model / "config.json").write_text(json.dumps(config))
+    result = runner.invoke(app, ["inspect", str(model)])
+    assert result.exit_code == 2 and "nested more than 64 levels deep" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    shard = clone(src, tmp_path / "shard")
+    header = b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    (shard / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CheckpointError, match=r"model.safetensors is not a valid safetensors file \(its header"):
+        open_model_dir(shard)
+    tokenizer = clone(src, tmp_path / "tok")  # a file nothing parses as a config: compared as bytes
+    (tokenizer / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    open_model_dir(tokenizer)

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -116,20 +117,37 @@ def test_a_missing_head_is_caught(pair, tmp_path):
     assert not report.passed and any("no tensor for lm_head.weight" in p for p in report.problems)
 
 
+def set_config(cand, **changes):
+    config = json.loads((cand / "config.json").read_text())
+    config.update(changes)
+    (cand / "config.json").write_text(json.dumps(config))
+    return cand
+
+
 def test_half_precision_candidate_of_a_float32_reference(pair, tmp_path):
+    """A bfloat16 copy computes something else: it passes only when the caller says it is meant
+    to run in bfloat16, and then it must load in bfloat16 (its config says so)."""
     ref, folded, _ = pair
     cand = edited(folded, tmp_path, lambda sd: sd.update({k: v.to(torch.bfloat16) for k, v in sd.items()}))
     report = run(ref, cand)
+    assert not report.passed and any("is stored as torch.bfloat16, but the reference's" in p for p in report.problems)
+    report = static_check(open_model_dir(ref), open_model_dir(cand), dtype="bfloat16")
+    assert not report.passed
+    assert any(p.startswith("the candidate loads in float32 (from config.json), not in bfloat16")
+               for p in report.problems)
+    set_config(cand, dtype="bfloat16")
+    report = static_check(open_model_dir(ref), open_model_dir(cand), dtype=torch.bfloat16)
     assert report.passed, report.summary()
     wrong = edited(cand, tmp_path / "w", lambda sd: sd["transformer.wpe.weight"].view(-1)[5].add_(0.05))
-    assert not run(ref, wrong).passed
+    assert not static_check(open_model_dir(ref), open_model_dir(wrong), dtype="bfloat16").passed
 
 
 def test_pickle_reference(pair, tmp_path):
     ref, folded, model = pair
     pkl = tmp_path / "pkl"
     pkl.mkdir()
-    (pkl / "config.json").write_text((ref / "config.json").read_text())
+    for name in ("config.json", "generation_config.json"):
+        (pkl / name).write_text((ref / name).read_text())
     torch.save({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, pkl / "pytorch_model.bin")
     report = static_check(open_model_dir(pkl, allow_pickle=True), open_model_dir(folded))
     assert report.passed, report.summary()
@@ -288,7 +306,8 @@ def test_the_tokenizer_and_generation_config_must_be_the_references(pair, tmp_pa
     assert {"the candidate's tokenizer.json differs from the reference's",
             "the candidate's vocab.txt differs from the reference's",
             "the candidate's generation config changes repetition_penalty from None to 1.3",
-            "the candidate has special_tokens_map.json, which the reference does not"} <= set(report.problems)
+            "the candidate has special_tokens_map.json, a file a fold of the reference would not hold"
+            } <= set(report.problems), report.problems
     (base / "vocab.txt").unlink()
     assert "the candidate lacks the reference's vocab.txt" in run(source, base).problems
 
@@ -299,10 +318,326 @@ def test_a_pickled_tensor_stored_as_a_strided_view(pair, tmp_path):
     ref, folded, model = pair
     pkl = tmp_path / "pkl"
     pkl.mkdir()
-    (pkl / "config.json").write_text((ref / "config.json").read_text())
+    for name in ("config.json", "generation_config.json"):
+        (pkl / name).write_text((ref / name).read_text())
     sd = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     key = "transformer.h.0.attn.c_attn.weight"
     sd[key] = sd[key].t().contiguous().t()
     torch.save(sd, pkl / "pytorch_model.bin")
     report = static_check(open_model_dir(pkl, allow_pickle=True), open_model_dir(folded))
     assert report.passed, report.summary()
+
+
+# --- what a loader uses is what the gate compares (issue 17) ----------------------------------
+
+
+def cand_of(folded, tmp_path, name="cand"):
+    return clone(folded, tmp_path / name)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_config_dtype_change_fails_unless_asked_for(pair, tmp_path, dtype):
+    """transformers 5 loads in the config's dtype: the same bytes then compute in another
+    precision (a GPT-2's stream overflows float16 into NaN)."""
+    ref, folded, _ = pair
+    cand = set_config(cand_of(folded, tmp_path), dtype=dtype)
+    report = run(ref, cand)
+    assert not report.passed
+    assert f"config.json changes dtype from 'float32' to '{dtype}'" in report.problems
+    assert any(p.startswith(f"the candidate loads in {dtype} (from config.json), the reference in float32")
+               for p in report.problems), report.problems
+    asked = static_check(open_model_dir(ref), open_model_dir(cand), dtype=dtype)
+    assert asked.passed, asked.summary()
+    other = "bfloat16" if dtype == "float16" else "float16"
+    assert not static_check(open_model_dir(ref), open_model_dir(cand), dtype=other).passed
+    torch_dtype = cand_of(folded, tmp_path, "old_name")  # the old key, read the same way
+    config = json.loads((torch_dtype / "config.json").read_text())
+    config["torch_dtype"] = config.pop("dtype")
+    (torch_dtype / "config.json").write_text(json.dumps(config))
+    assert not run(ref, torch_dtype).passed  # a key change is a change
+
+
+def sharded_fold(ref, tmp_path):
+    out = tmp_path / "sharded"
+    fold_checkpoint(ref, out, check="none", max_shard_size=200_000)
+    assert (out / "model.safetensors.index.json").exists()
+    return out
+
+
+def set_index_metadata(cand, **metadata):
+    index = json.loads((cand / "model.safetensors.index.json").read_text())
+    index["metadata"].update(metadata)
+    (cand / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_a_dtype_moved_into_the_index_metadata_fails(pair, tmp_path):
+    """Without a config dtype, transformers takes the index metadata's."""
+    ref, _, _ = pair
+    sharded = sharded_fold(ref, tmp_path)
+    assert run(ref, sharded).passed
+    moved = cand_of(sharded, tmp_path, "moved")
+    config = json.loads((moved / "config.json").read_text())
+    del config["dtype"]
+    (moved / "config.json").write_text(json.dumps(config))
+    set_index_metadata(moved, dtype="float16")
+    report = run(ref, moved)
+    assert not report.passed
+    assert any(p.startswith("the candidate loads in float16 (from the metadata of model.safetensors.index.json)")
+               for p in report.problems), report.problems
+    # beside a config dtype, the metadata's is never read: that change computes nothing else
+    inert = cand_of(sharded, tmp_path, "inert")
+    set_index_metadata(inert, dtype="float16")
+    assert run(ref, inert).passed, run(ref, inert).summary()
+    broken = cand_of(sharded, tmp_path, "broken")
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    del index["metadata"]
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert any("has no metadata object" in p for p in run(ref, broken).problems)
+
+
+def test_a_fold_of_a_checkpoint_without_a_config_dtype_loads_in_the_same_dtype(tmp_path):
+    """The dtype then comes from the weights (the first floating tensor of the first file), so a
+    re-sharded fold writes it into its index."""
+    model = perturb(tiny_model("gpt2"), seed=41)
+    model.save_pretrained(tmp_path / "ref")
+    config = json.loads((tmp_path / "ref" / "config.json").read_text())
+    del config["dtype"]
+    (tmp_path / "ref" / "config.json").write_text(json.dumps(config))
+    sharded = sharded_fold(tmp_path / "ref", tmp_path)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["dtype"] == "float32"
+    assert run(tmp_path / "ref", sharded).passed
+    fold_checkpoint(tmp_path / "ref", tmp_path / "single", check="none")
+    # a float64 copy is exact, but as the first floating tensor it sets the dtype of everything
+    def widened(key):
+        return lambda sd: sd.update({key: sd[key].double()})
+
+    first = edited(tmp_path / "single", tmp_path / "a", widened("lm_head.weight"))
+    assert any(p.startswith("the candidate loads in float64 (from its first floating tensor (in model.safetensors))")
+               for p in run(tmp_path / "ref", first).problems)
+    later = edited(tmp_path / "single", tmp_path / "b", widened("transformer.wpe.weight"))
+    assert run(tmp_path / "ref", later).passed
+
+
+def test_sampling_settings_in_config_json_are_compared_as_from_pretrained_applies_them(pair, tmp_path):
+    """Without generation_config.json, from_pretrained builds the generation config from
+    config.json's raw values, sampling settings included."""
+    ref, folded, _ = pair
+    source = clone(ref, tmp_path / "ref")
+    (source / "generation_config.json").unlink()
+    cand = cand_of(folded, tmp_path)
+    (cand / "generation_config.json").unlink()
+    assert run(source, cand).passed
+    set_config(cand, do_sample=True, temperature=5.0, top_k=0)
+    report = run(source, cand)
+    assert not report.passed
+    assert {"the candidate's generation config changes do_sample from None to True",
+            "the candidate's generation config changes temperature from None to 5.0",
+            "config.json adds do_sample = True"} <= set(report.problems), report.problems
+    import transformers
+
+    assert transformers.GPT2LMHeadModel.from_pretrained(cand).generation_config.do_sample is True
+
+
+@pytest.mark.parametrize("name", ["bpe.codes", "sentencepiece.bpe.spm", "dict.txt", "emoji.json",
+                                  "entity_vocab.json", "normalizer.json", "tokenizer/extra.txt"])
+def test_every_file_is_compared_whatever_its_name(pair, tmp_path, name):
+    ref, folded, _ = pair
+    source = clone(ref, tmp_path / "ref")
+    cand = cand_of(folded, tmp_path)
+    for d, content in ((source, '{"a": 0, "b": 1}'), (cand, '{"a": 1, "b": 0}')):
+        (d / name).parent.mkdir(exist_ok=True)
+        (d / name).write_text(content)
+    report = run(source, cand)
+    assert not report.passed and f"the candidate's {name} differs from the reference's" in report.problems
+    (cand / name).write_text('{\n  "b": 1,\n  "a": 0\n}\n')  # another layout of the same JSON value
+    assert run(source, cand).passed == name.endswith(".json"), run(source, cand).problems
+
+
+def test_json_values_are_compared_by_type(pair, tmp_path):
+    """1 and true are equal in Python, but a loader may test them apart."""
+    ref, folded, _ = pair
+    source = set_config(clone(ref, tmp_path / "ref"), custom_flag=True, custom_count=2)
+    base = set_config(cand_of(folded, tmp_path, "base"), custom_flag=True, custom_count=2)
+    assert run(source, base).passed
+    cand = set_config(cand_of(base, tmp_path), custom_flag=1)
+    assert "config.json changes custom_flag from True to 1" in run(source, cand).problems
+    cand = set_config(cand_of(base, tmp_path, "float"), custom_count=2.0)
+    assert "config.json changes custom_count from 2 to 2.0" in run(source, cand).problems
+    reordered = cand_of(folded, tmp_path, "reordered")
+    config = json.loads((reordered / "config.json").read_text())
+    (reordered / "config.json").write_text(json.dumps(dict(reversed(config.items())), indent=7))
+    assert run(ref, reordered).passed
+
+
+def test_extra_missing_and_unreadable_files_fail(pair, tmp_path):
+    ref, folded, _ = pair
+    cand = cand_of(folded, tmp_path)
+    (cand / "README.md").write_text("hello")
+    assert "the candidate has README.md, a file a fold of the reference would not hold" in run(ref, cand).problems
+    (cand / "README.md").unlink()
+    (cand / "generation_config.json").unlink()
+    assert "the candidate lacks the reference's generation_config.json" in run(ref, cand).problems
+    cand = cand_of(folded, tmp_path, "dangling")
+    (cand / "vocab.txt").symlink_to(tmp_path / "nowhere")
+    assert "the candidate's vocab.txt is a dangling symlink or a symlink loop" in run(ref, cand).problems
+    git = cand_of(folded, tmp_path, "git")  # version-control data: no loader reads it, no fold copies it
+    (git / ".git").mkdir()
+    (git / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    assert run(ref, git).passed
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "tf_model.h5", "flax_model.msgpack"])
+def test_weights_in_another_format_beside_the_safetensors_fail(pair, tmp_path, name):
+    """transformers prefers the safetensors, but other loaders (and from_pretrained with
+    use_safetensors=False) read these: they are verified, never ignored."""
+    ref, folded, model = pair
+    cand = cand_of(folded, tmp_path)
+    (cand / name).write_bytes(b"garbage")
+    report = run(ref, cand)
+    assert not report.passed
+    assert f"the candidate has {name}, weights a fold of the reference would not hold" in report.problems
+    # the reference itself, with its own second copy, is still the reference
+    source = clone(ref, tmp_path / "ref")
+    (source / name).write_bytes(b"the reference's own")
+    assert run(source, source).passed
+    (cand / name).write_bytes(b"the reference's own")
+    assert run(source, cand).passed
+
+
+def test_trusted_remote_code_is_compared(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    ref, _, _ = pair
+    source = clone(ref, tmp_path / "ref")
+    (source / "modeling_custom.py").write_text(
+        "from transformers import GPT2LMHeadModel\n\n\nclass CustomLM(GPT2LMHeadModel):\n    pass\n")
+    set_config(source, architectures=["CustomLM"], auto_map={"AutoModelForCausalLM": "modeling_custom.CustomLM"})
+    fold_checkpoint(source, tmp_path / "folded", check="none", trust_remote_code=True)
+    cand = tmp_path / "folded"
+
+    def check():
+        return static_check(open_model_dir(source, trust_remote_code=True),
+                            open_model_dir(cand, trust_remote_code=True))
+
+    assert check().passed, check().summary()
+    with open(cand / "modeling_custom.py", "a") as f:
+        f.write("\nTRIGGER = (17, 4, 99)  # a backdoor\n")
+    assert "the candidate's modeling_custom.py differs from the reference's" in check().problems
+
+
+def test_every_claim_of_the_enjoyln_block_is_verified(pair, tmp_path):
+    """A rotation that does not keep the mean is exact only through enjoyln.load: a block claiming
+    plain loading is exact too is a false promise."""
+    from enjoyln import checkpoint
+
+    ref, folded, _ = pair
+    rotated = tmp_path / "rotated"
+    fold_checkpoint(ref, rotated, check="none", rotate=("hadamard", 0, False))
+    assert run(ref, rotated).passed, run(ref, rotated).summary()
+
+    def tampered(name, edit):
+        cand = cand_of(rotated, tmp_path, name)
+        config = json.loads((cand / "config.json").read_text())
+        edit(config["enjoyln"])
+        (cand / "config.json").write_text(json.dumps(config))
+        return run(ref, cand)
+
+    report = tampered("exact", lambda b: b["rotation"].update(plain_loading_exact=True))
+    assert not report.passed
+    assert "the enjoyln block's rotation is not what the confirmed plan gives" in report.problems[0]
+    assert not tampered("format", lambda b: b.update(format_version=0)).passed
+    assert not tampered("notes", lambda b: b["plan"]["notes"].append("checked by hand")).passed
+    assert not tampered("extra", lambda b: b.update(verified=True)).passed
+    # the writing tool's version is the one claim nothing can check
+    assert tampered("version", lambda b: b.update(version="0.0.1")).passed
+    assert checkpoint._output_config  # the one writer both sides use
+
+
+def test_a_fold_with_auxiliary_centering_that_placed_none_passes(tmp_path):
+    """The option leaves its trace only in the plan's reasons, which the block must still match."""
+    perturb(tiny_model("bert"), seed=3).save_pretrained(tmp_path / "ref")
+    result = fold_checkpoint(tmp_path / "ref", tmp_path / "folded", check="none", auxiliary_centering=True)
+    assert not result.plan.auxiliary
+    report = run(tmp_path / "ref", tmp_path / "folded")
+    assert report.passed, report.summary()
+
+
+def gptj_with_positions(tmp_path, n_positions):
+    """A GPT-J whose sinusoid table (n_positions x rotary_dim floats, built at load, stored
+    nowhere) outweighs its weights."""
+    path = tmp_path / "gptj"
+    perturb(tiny_model("gptj"), seed=5).save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config["n_positions"] = n_positions
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_the_memory_check_counts_what_the_model_builds_from_its_config(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from enjoyln import checkpoint
+    from enjoyln.cli import app
+
+    ref = gptj_with_positions(tmp_path, 8_000_000)  # a 256 MB table in each of the two models
+    monkeypatch.setattr(checkpoint, "available_memory", lambda: 512 << 20)
+    result = CliRunner().invoke(app, ["fold", str(ref), str(tmp_path / "a" / "out")])
+    assert result.exit_code == 2, result.output
+    assert re.match(r"error: the forward check needs at least 29\d\.\d MiB of memory even with one model at a "
+                    r"time, but the budget is 256\.0 MiB \(half of the 512\.0 MiB available\); pass --static",
+                    result.stderr), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "a").exists()
+    result = CliRunner().invoke(app, ["check", str(ref), str(ref)])
+    assert result.exit_code == 2 and "the forward check needs at least" in result.stderr
+
+
+def test_a_table_too_large_to_build_is_refused_before_it_is_built(tmp_path, monkeypatch):
+    """n_positions = 1e9 makes a 32 GB table: refused, never allocated."""
+    from enjoyln import checkpoint
+
+    ref = gptj_with_positions(tmp_path, 1_000_000_000)
+    monkeypatch.setattr(checkpoint, "available_memory", lambda: 8 << 30)
+    with pytest.raises(enjoyln.CheckpointError, match=r"needs at least 29.9 GiB of memory even with one model"):
+        fold_checkpoint(ref, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert fold_checkpoint(ref, tmp_path / "out", check="static").report.passed
+
+
+def test_forward_only_still_compares_the_dtype_the_model_loads_in(pair, tmp_path, monkeypatch):
+    from enjoyln import checkpoint
+
+    ref, folded, _ = pair
+    cand = set_config(cand_of(folded, tmp_path), dtype="float16")
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    report = enjoyln.check_checkpoints(ref, cand, mode="forward")
+    assert not report.passed and report.forward_skipped == "the candidate does not load as the reference does"
+    assert report.static.problems[0].startswith("the candidate loads in float16 (from config.json)")
+    assert "FAIL: load settings" in report.summary()
+
+
+def test_a_candidate_meant_for_another_dtype_is_judged_in_it_on_both_paths(pair, tmp_path, monkeypatch):
+    """With --dtype the forward comparison runs the candidate as from_pretrained loads it, also
+    when the models run one at a time (which chose the dtype from the stored weights)."""
+    from enjoyln import checkpoint
+
+    ref, folded, _ = pair
+    cand = set_config(cand_of(folded, tmp_path), dtype="bfloat16")
+    report = enjoyln.check_checkpoints(ref, cand, dtype="bfloat16")
+    assert report.passed and report.dtype == "bfloat16", report.summary()
+    monkeypatch.setattr(checkpoint, "_activation_bytes", lambda md: 0)
+    monkeypatch.setattr(checkpoint, "MIN_BUDGET", 0)
+    report = enjoyln.check_checkpoints(ref, cand, dtype="bfloat16", max_memory=100_000)
+    assert report.passed and report.dtype == "bfloat16" and report.memory, report.summary()
+
+
+def test_forward_only_counts_what_the_candidate_builds(tmp_path, monkeypatch):
+    """Without the static check, the candidate's config is whatever it says: its table counts."""
+    from enjoyln import checkpoint
+
+    ref = gptj_with_positions(tmp_path / "r", 64)
+    cand = gptj_with_positions(tmp_path / "c", 1_000_000_000)
+    monkeypatch.setattr(checkpoint, "available_memory", lambda: 8 << 30)
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(enjoyln.CheckpointError, match=r"needs at least 29.9 GiB of memory even with one model"):
+        enjoyln.check_checkpoints(ref, cand, mode="forward")
