@@ -184,10 +184,11 @@ def build_sources(root: str | os.PathLike) -> list[Source]:
       emoji.json);
     - ``bert``: a plain fold of a BertModel with PhoBERT's tokenizer (vocab.txt, bpe.codes) and
       sentence-transformers' files (modules.json, 1_Pooling/config.json);
-    - ``vit``: a plain fold of a ViT classifier with its image processor config.
+    - ``vit``: a plain fold of a ViT classifier with its image processor config;
+    - ``vit-bf16``: the same in bfloat16, which the gate judges by its half-precision criterion.
 
     >>> [s.name for s in build_sources(tmp)]  # doctest: +SKIP
-    ['gpt2', 'gpt2-fused', 'gpt2-rotated', 'bert', 'vit']
+    ['gpt2', 'gpt2-fused', 'gpt2-rotated', 'bert', 'vit', 'vit-bf16']
     """
     from transformers import ViTImageProcessor
 
@@ -195,7 +196,8 @@ def build_sources(root: str | os.PathLike) -> list[Source]:
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    gpt2, gpt2_ja, bert, vit = (root / n for n in ("ref-gpt2", "ref-gpt2-ja", "ref-bert", "ref-vit"))
+    gpt2, gpt2_ja, bert, vit, vit16 = (root / n for n in ("ref-gpt2", "ref-gpt2-ja", "ref-bert", "ref-vit",
+                                                          "ref-vit-bf16"))
 
     _gpt2_reference(gpt2, seed=1)
     _bpe_tokenizer(gpt2)
@@ -222,12 +224,17 @@ def build_sources(root: str | os.PathLike) -> list[Source]:
                                intermediate_size=64, image_size=16, patch_size=8, num_labels=3), seed=4)
     model.save_pretrained(vit)
     ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(vit)
+    model = perturb(tiny_model("vit", seed=5, num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                               intermediate_size=64, image_size=16, patch_size=8, num_labels=3), seed=5)
+    model.to(torch.bfloat16).save_pretrained(vit16)
+    ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(vit16)
 
     _run_cli("fold", str(gpt2), str(root / "gpt2"))
     _run_cli("fold", str(gpt2), str(root / "gpt2-fused"), "--fuse-affine")
     _run_cli("rotate", str(gpt2_ja), str(root / "gpt2-rotated"))
     _run_cli("fold", str(bert), str(root / "bert"))
     _run_cli("fold", str(vit), str(root / "vit"))
+    _run_cli("fold", str(vit16), str(root / "vit-bf16"))
     return [
         Source("gpt2", str(gpt2), str(root / "gpt2"), "GPT2LMHeadModel", "lm",
                ("tokenizer.json", "tokenizer_config.json", "generation_config.json")),
@@ -238,6 +245,8 @@ def build_sources(root: str | os.PathLike) -> list[Source]:
         Source("bert", str(bert), str(root / "bert"), "BertModel", "encoder",
                ("vocab.txt", "bpe.codes", "tokenizer_config.json")),
         Source("vit", str(vit), str(root / "vit"), "ViTForImageClassification", "image",
+               ("preprocessor_config.json",)),
+        Source("vit-bf16", str(vit16), str(root / "vit-bf16"), "ViTForImageClassification", "image",
                ("preprocessor_config.json",)),
     ]
 
@@ -1105,9 +1114,10 @@ def _attempt(fn: Callable[[], Any], directory: Path) -> Any:
 
 def _outputs(model: Any, source: Source, inputs: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     obs: dict[str, Any] = {}
+    dtype = next(model.parameters()).dtype
     with torch.no_grad():
         for i, batch in enumerate(inputs):
-            out = model(**batch)
+            out = model(**{k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()})
             tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
             obs[f"outputs[{i}]"] = tensors
         if source.kind == "lm":

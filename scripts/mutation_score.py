@@ -1,7 +1,7 @@
 """Mutation score of the gate: seeded mutations of checked folds, and what `enjoyln check` said.
 
 Builds the tiny folded sources of ``enjoyln.mutation`` (GPT-2 plain, ``--fuse-affine``
-and ``rotate``, BERT, ViT; tokenizers with unusually named files), draws N seeded
+and ``rotate``, BERT, ViT, ViT in bfloat16; tokenizers with unusually named files), draws N seeded
 mutations of them, each with the verdict a sound gate gives it (non-zero for a
 change, 0 for a proven-inert one), runs ``enjoyln check REFERENCE MUTANT`` on each
 (in process, as the command line would) and prints the score per category and
@@ -98,8 +98,8 @@ def main() -> None:
                                          for r in results], indent=1))
     if args.write:
         a = rows["all"]
-        body = (f"{a['n']} seeded mutations (seed {args.seed}) of five tiny checked folds (GPT-2 plain, "
-                f"`--fuse-affine` and `rotate`, BERT, ViT), each judged by `enjoyln check REFERENCE MUTANT`: "
+        body = (f"{a['n']} seeded mutations (seed {args.seed}) of six tiny checked folds (GPT-2 plain, "
+                f"`--fuse-affine` and `rotate`, BERT, ViT, ViT in bfloat16), each judged by `enjoyln check REFERENCE MUTANT`: "
                 f"**{100 * a['score']:.1f}%** right ({a['false_pass']} false passes, {a['false_fail']} false "
                 f"failures). {machine()}.\n\n{table(rows)}\n\n"
                 f"Command: `python scripts/mutation_score.py --n {args.n} --seed {args.seed} --write`; "
