@@ -63,13 +63,16 @@ def results(sources, mutations):
 
 @pytest.mark.xfail(strict=False, reason="gate fixes pending on branches gate-forward/gate-static")
 def test_gate_gets_every_mutation_right(results):
-    results, changed = results
+    results, _ = results
     assert len(results) == N
-    assert not changed, f"the gate changed its inputs: {changed}"
     wrong = [r for r in results if not r.correct]
     summary = ", ".join(f"{k} {100 * r['score']:.1f}%" for k, r in mu.score(results).items())
     assert not wrong, (f"{len(wrong)} of {N} verdicts wrong ({summary}); the first:\n"
                        + "\n".join(r.describe() for r in wrong[:15]))
+
+
+def test_the_gate_leaves_its_inputs_alone(results):
+    assert not results[1], f"the gate changed its inputs: {results[1]}"
 
 
 def test_mutations_owed_a_pass_are_inert(results):
