@@ -63,7 +63,7 @@ import struct
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -518,20 +518,18 @@ def _respace_json(text: str, rng: random.Random) -> str:
     """``text`` with other whitespace between its tokens, and nothing else changed."""
     tokens = list(_json_tokens(text))
     while True:
-        style = rng.choice(("compact", "spaced", "tabs", "crlf", "deep"))
+        newline, indent = rng.choice(((None, ""), ("\n", "\t"), ("\r\n", " "), ("\n", "   "), ("", " ")))
         out, depth = [], 0
         for tok in tokens:
-            if tok in "}]" and style in ("tabs", "crlf", "deep"):
+            if tok in "}]" and newline:
                 depth -= 1
-                out.append({"tabs": "\n", "crlf": "\r\n", "deep": "\n"}[style] + ("\t" if style == "tabs" else " " * 3) * depth)
+                out.append(newline + indent * depth)
             out.append(tok)
-            if tok in "{[" and style in ("tabs", "crlf", "deep"):
-                depth += 1
-            if tok in "{[," and style in ("tabs", "crlf", "deep"):
-                out.append({"tabs": "\n", "crlf": "\r\n", "deep": "\n"}[style]
-                           + ("\t" if style == "tabs" else " " * 3) * depth)
-            elif tok in ":," and style == "spaced":
-                out.append(" ")
+            depth += tok in "{[" and bool(newline)
+            if tok in "{[," and newline:
+                out.append(newline + indent * depth)
+            elif tok in ":," and newline is not None:
+                out.append(indent)  # a space (or tab) after separators: still only whitespace
         new = "".join(out) + rng.choice(("", "\n", " \n"))
         if new != text:
             assert json.loads(new) == json.loads(text)
@@ -1236,7 +1234,9 @@ def differences(base: dict[str, Any], other: dict[str, Any]) -> list[str]:
         a, b = base.get(key), other.get(key)
         if _same(a, b):
             continue
-        if isinstance(a, dict) and isinstance(b, dict) and all(isinstance(v, torch.Tensor) for v in (*a.values(), *b.values())):
+        tensors = isinstance(a, dict) and isinstance(b, dict) and all(
+            isinstance(v, torch.Tensor) for v in (*a.values(), *b.values()))
+        if tensors:
             parts = []
             for name in sorted(a.keys() & b.keys()):
                 x, y = a[name].double(), b[name].double()
@@ -1253,6 +1253,11 @@ def differences(base: dict[str, Any], other: dict[str, Any]) -> list[str]:
             keys = sorted(k for k in x.keys() | y.keys() if json.dumps(x.get(k)) != json.dumps(y.get(k)))
             out.append(f"{key}: " + ", ".join(f"{k} {_short(x.get(k, '(absent)'))} -> {_short(y.get(k, '(absent)'))}"
                                               for k in keys[:4]))
+        elif key == "tokenizer" and isinstance(a, str) and isinstance(b, str) and a.startswith("[") \
+                and b.startswith("["):
+            x, y = dict(map(tuple, json.loads(a))), dict(map(tuple, json.loads(b)))  # _plain's pairs
+            keys = sorted(k for k in x.keys() | y.keys() if x.get(k) != y.get(k))
+            out.append(f"tokenizer: its {', '.join(k.strip(chr(39)) for k in keys)} differ")
         else:
             out.append(f"{key}: {_short(a)} -> {_short(b)}")
     return out

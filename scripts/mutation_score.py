@@ -99,7 +99,8 @@ def main() -> None:
     if args.write:
         a = rows["all"]
         body = (f"{a['n']} seeded mutations (seed {args.seed}) of six tiny checked folds (GPT-2 plain, "
-                f"`--fuse-affine` and `rotate`, BERT, ViT, ViT in bfloat16), each judged by `enjoyln check REFERENCE MUTANT`: "
+                f"`--fuse-affine` and `rotate`, BERT, ViT, ViT in bfloat16), each judged by "
+                f"`enjoyln check REFERENCE MUTANT`: "
                 f"**{100 * a['score']:.1f}%** right ({a['false_pass']} false passes, {a['false_fail']} false "
                 f"failures); {machine()}, {args.workers} worker processes of one thread.\n\n{table(rows)}\n\n"
                 f"Command: `python scripts/mutation_score.py --n {args.n} --seed {args.seed} --write`; "
