@@ -1464,7 +1464,7 @@ def score(results: Sequence[Result]) -> dict[str, dict[str, Any]]:
             row["seconds"] += r.seconds
     for row in rows.values():
         row["score"] = 1 - (row["false_pass"] + row["false_fail"]) / row["n"]
-    order = [c for c in CATEGORIES if c in rows] + ["all"]
+    order = [c for c in CATEGORIES if c in rows] + [c for c in rows if c not in CATEGORIES and c != "all"] + ["all"]
     return {k: rows[k] for k in order}
 
 
