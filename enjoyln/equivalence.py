@@ -4,9 +4,9 @@ The default criterion is precision-aware: the tolerance comes from the
 reference's own rounding on the same inputs. The reference also runs in the
 next wider dtype (float32 -> float64, float16/bfloat16 -> float32), the
 "truth"; an output passes if ``max|cand - truth| <= factor * max(max|ref -
-truth|, 4 eps * max|truth|)``, each over every batch: the candidate may be at
-most ``factor`` (2) times as far from the exact result as the reference itself
-is. A float64 reference
+truth|, eps * max|truth|)``, each over every batch: the candidate may be at
+most ``factor`` (4, see ``FACTOR``) times as far from the exact result as the
+reference itself is. A float64 reference
 has no wider dtype, so it is judged with a fixed ``max|ref - cand| <= 1e-10
 * max|ref|``. An explicit ``rtol`` replaces all of this with the fixed
 criterion ``max|ref - cand| <= rtol * max|ref|``.
@@ -42,19 +42,24 @@ from .errors import CaptureError, EnjoylnError
 HALF = (torch.float16, torch.bfloat16)
 WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
 """The dtype the truth runs in, for a reference in each dtype."""
-FACTOR = 2.0
-"""How many times the reference's own rounding error the candidate may be from the truth."""
+FACTOR = 4.0
+"""How many times the reference's own rounding error the candidate may be from the truth.
+
+A correct conversion computes the same function in another order, and its
+float32 error is of the same size as the original's, but the maximum of an
+error field is one sample of its tail: measured on random GPT-2- and
+OPT-shaped models (2-12 layers), a correct fold, fused affine or rotation was
+0.6 to 1.75 times as far from float64 as the original, and up to 3.2 times on
+small OPTs with planted outlier features, whose errors are heavy-tailed.
+Any real change of the outputs is orders of magnitude beyond this."""
 FLOAT64_RTOL = 1e-10
 """The fixed criterion for a float64 reference, which has no wider dtype to measure its rounding against."""
 FALLBACK_RTOL = 1e-5
 """The fixed criterion when the reference cannot run in the wider dtype."""
-FLOOR_ULPS = 4.0
-"""The reference's own error is taken to be at least this many epsilons of the output's scale.
-
-A small model's outputs are off by a few ulps, so the maxima of two such errors
-are ratios of small integers; this floor keeps that granularity from failing a
-correct candidate (measured on the tiny zoo: a correct fold, fused affine or
-rotation reached 1.75x the original's own error, and 1.45x with this floor)."""
+FLOOR_EPS = 1.0
+"""The reference's own error is taken to be at least this many epsilons of the output's scale, so
+that an output the reference computes exactly (a copy, a sum of integers) still allows the
+candidate a rounding."""
 
 
 def _worse(a: float, b: float) -> float:
@@ -90,6 +95,8 @@ class OutputCheck:
     """False where this path is reported but not part of the verdict (see CheckReport.caveat)."""
     tolerance: float | None = None
     """The largest max|candidate - reference| the criterion allows; bounds a greedy flip's near-tie."""
+    scale: float = 0.0
+    """max|reference| over the finite elements (what max_rel_diff divides by)."""
 
     @property
     def label(self) -> str:
@@ -509,7 +516,7 @@ class _Criterion:
         if self.kind == "precision":
             t = str(truth).replace("torch.", "")
             return (f"precision-aware: max|candidate - {t} original| <= {self.factor:g} x "
-                    f"max(max|original - {t} original|, {FLOOR_ULPS:g} eps x max|{t} original|) "
+                    f"max(max|original - {t} original|, eps x max|{t} original|) "
                     "for each output")
         return f"fixed: max|original - candidate| <= {self.rtol:g} x max|original| for each output{why}"
 
@@ -579,14 +586,14 @@ def _judge(name: str, st: _Stats, crit: _Criterion) -> OutputCheck:
     """The verdict on one output, over every batch: no non-finite mismatch, then the criterion."""
     diff = math.inf if st.mismatch or st.nonfinite else st.diff
     rel = diff / st.scale if st.scale else (0.0 if diff == 0 else math.inf)
-    out = OutputCheck(name, diff, rel, False, nonfinite=st.nonfinite)
+    out = OutputCheck(name, diff, rel, False, nonfinite=st.nonfinite, scale=st.scale)
     if st.mismatch or not st.floating:
         out.passed = not st.mismatch
         out.tolerance = 0.0
         return out
     if crit.kind == "precision" and st.truth:
         out.reference_error, out.candidate_error = st.ref_err, (math.inf if st.nonfinite else st.cand_err)
-        out.allowed = crit.factor * max(st.ref_err, FLOOR_ULPS * torch.finfo(crit.dtype).eps * st.t_scale)
+        out.allowed = crit.factor * max(st.ref_err, FLOOR_EPS * torch.finfo(crit.dtype).eps * st.t_scale)
         measured = out.candidate_error
         out.tolerance = out.allowed + st.ref_err
     else:
