@@ -220,7 +220,7 @@ class CheckReport:
         lines += [f"  forward: {len(self.outputs)} outputs over {self.batches} batches ({self.dtype}){paths}; "
                   f"max abs diff {self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}{covered}",
                   f"  criterion: {self.criterion}"
-                  + (f"; margin {self.margin:.2f}x" if self.margin is not None else "")]
+                  + (f"; margin {self.margin:.3g}x" if self.margin is not None else "")]
         if self.memory:
             lines.append(f"  memory: {self.memory}")
         for note in self.notes:
@@ -233,7 +233,7 @@ class CheckReport:
             if o.allowed is not None:
                 extra += f", allowed {o.allowed:.3g}"
             if o.margin is not None:
-                extra += f" (margin {o.margin:.2f}x)"
+                extra += f" (margin {o.margin:.3g}x)"
             if o.nonfinite:
                 extra += f"; {o.nonfinite} elements NaN or Inf where the original is not (or another non-finite value)"
             state = ("ok" if o.passed else "FAIL") if o.required else ("differs" if not o.passed else "ok") + ", not required"
@@ -731,7 +731,7 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
         passed = passed and generation.passed
     margins = [o.margin for o in judged if o.margin is not None]
     max_abs = max_rel = 0.0
-    for o in outputs:
+    for o in judged or outputs:  # a path reported but not required has its own lines
         max_abs, max_rel = _worse(max_abs, o.max_abs_diff), _worse(max_rel, o.max_rel_diff)
     return CheckReport(
         passed=passed, max_abs_diff=max_abs, max_rel_diff=max_rel,
