@@ -189,6 +189,9 @@ class _Bytes:
 
 # --- commands ----------------------------------------------------------------------------------
 
+_RTOL_HELP = ("Judge the outputs with the fixed max|ref - cand| <= RTOL x max|ref| instead of the precision-aware "
+              "criterion (at most 4x the original's own rounding, measured against a float64 run of it).")
+
 
 @app.command()
 @friendly
@@ -213,9 +216,7 @@ def fold(
     seq_len: int = typer.Option(16, min=1, help="Sequence length of the short check batches."),
     max_memory: Optional[str] = typer.Option(None, help="Run the check's models one at a time within this much "
                                                         "memory, e.g. 1GB (default: automatic)."),
-    rtol: Optional[float] = typer.Option(None, min=0.0, help="Judge with the fixed max|ref - cand| <= RTOL x "
-                                         "max|ref| instead of the precision-aware criterion (the original's own "
-                                         "rounding, measured against a float64 run of it)."),
+    rtol: Optional[float] = typer.Option(None, min=0.0, help=_RTOL_HELP),
 ) -> None:
     """Fold a model directory, check the result, and publish it to OUT_DIR only if it passes."""
     _fold_command(model_dir, out_dir, max_shard_size=max_shard_size, force=force, check=check, static=static,
@@ -248,9 +249,7 @@ def rotate(
     seq_len: int = typer.Option(16, min=1, help="Sequence length of the short check batches."),
     max_memory: Optional[str] = typer.Option(None, help="Run the check's models one at a time within this much "
                                                         "memory, e.g. 1GB (default: automatic)."),
-    rtol: Optional[float] = typer.Option(None, min=0.0, help="Judge with the fixed max|ref - cand| <= RTOL x "
-                                         "max|ref| instead of the precision-aware criterion (the original's own "
-                                         "rounding, measured against a float64 run of it)."),
+    rtol: Optional[float] = typer.Option(None, min=0.0, help=_RTOL_HELP),
 ) -> None:
     """Fold with fused affines and rotate the residual stream by an orthogonal Q; same outputs, proved."""
     from .rotation import KINDS
@@ -382,9 +381,7 @@ def check_cmd(
     batch_size: int = typer.Option(2, min=1, help="Rows of the short batches."),
     seq_len: int = typer.Option(16, min=1, help="Sequence length of the short batches."),
     seed: int = typer.Option(0, help="Seed of the first batch."),
-    rtol: Optional[float] = typer.Option(None, min=0.0, help="Judge with the fixed max|ref - cand| <= RTOL x "
-                                         "max|ref| instead of the precision-aware criterion (the original's own "
-                                         "rounding, measured against a float64 run of it)."),
+    rtol: Optional[float] = typer.Option(None, min=0.0, help=_RTOL_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Accept .bin weights."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run the directories' custom code."),

@@ -399,6 +399,8 @@ def _judge_generation(ref: tuple[list[list[int]], list[torch.Tensor]],
     a genuine near-tie, and the rest of the row (a different prefix) is not compared."""
     (ref_tokens, ref_logits), (cand_tokens, cand_logits) = ref, cand
     ties: list[NearTie] = []
+    if len(ref_tokens) != len(cand_tokens):
+        return False, ties, f"{len(cand_tokens)} rows generated for {len(ref_tokens)}"
     for row, (a, b) in enumerate(zip(ref_tokens, cand_tokens)):
         step = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if step is None and len(a) == len(b):
