@@ -814,6 +814,15 @@ def load(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_co
 
     >>> model = load("gpt2-folded", dtype="bfloat16")  # doctest: +SKIP
     """
+    return _load(path, plain=False, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+                 max_memory=max_memory, offload_dir=offload_dir, **from_pretrained_kwargs)
+
+
+def _load(path: str | os.PathLike, *, plain: bool, allow_pickle: bool = False, trust_remote_code: bool = False,
+          max_memory: int | None = None, offload_dir: str | os.PathLike | None = None,
+          **from_pretrained_kwargs: Any) -> nn.Module:
+    """``load``, or with ``plain`` what transformers' own ``from_pretrained`` gives (the recorded
+    LNs stay LayerNorms): the two ways a user may load a folded directory."""
     from .static_check import recorded_plan
 
     md = open_model_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
@@ -827,6 +836,8 @@ def load(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_co
         from_pretrained_kwargs.update(device_map="auto", max_memory={"cpu": max(int(max_memory), 1)},
                                       offload_folder=str(offload_dir))
     plan = recorded_plan(md)  # a malformed block is refused before the weights load
+    if plain:
+        plan = None
     try:
         model = cls.from_pretrained(md.path, **from_pretrained_kwargs)
     except EnjoylnError:
@@ -926,12 +937,31 @@ def built_bytes(md: ModelDir) -> tuple[int, int]:
     return total, largest
 
 
+_WIDER = {"F16": 4, "BF16": 4, "F32": 8}
+"""Bytes per element of the truth (the reference in the next wider dtype) for each stored dtype."""
+
+
+def truth_bytes(md: ModelDir) -> int:
+    """The reference's weights in the next wider dtype, which the precision-aware criterion runs
+    (float64 for float32, float32 for half precision; nothing for float64)."""
+    if md.pickled:  # no header to read dtypes from: take float32, the usual
+        return 2 * md.nbytes
+    return sum(t.nbytes // _DTYPES[t.dtype].itemsize * _WIDER[t.dtype]
+               for t in md.tensors.values() if t.dtype in _WIDER)
+
+
+def _truth_ratio(md: ModelDir) -> float:
+    """How much wider the truth's tensors are than the reference's: 2, or 1 without a truth."""
+    dtype = _CODES.get(_dominant_dtype(md))
+    return _WIDER[dtype] / _DTYPES[dtype].itemsize if dtype in _WIDER else 1.0
+
+
 def forward_check_bytes(md: ModelDir) -> int:
-    """What the forward comparison needs with both models in memory: both models, a float32
-    copy of a half-precision reference, and room for activations."""
+    """What the forward comparison needs with both models in memory: both models as loading builds
+    them, the reference's truth in the next wider dtype (held with them), and room for activations."""
     n = max(md.nbytes, built_bytes(md)[0])
-    half = any(t.dtype in ("F16", "BF16") for t in md.tensors.values())
-    return int(2.1 * n + (2 * n if half else 0)) + (256 << 20)
+    truth = truth_bytes(md) * n / max(md.nbytes, 1)  # what the model builds is widened too
+    return int(2.1 * n + truth) + (256 << 20)
 
 
 def _largest_tensor(md: ModelDir) -> int:
@@ -980,7 +1010,8 @@ def require_memory(md: ModelDir, max_memory: int | None = None) -> None:
     budget = max_memory if max_memory is not None else bounded_budget(md)
     if budget is None:
         return
-    floor = _largest_tensor(md) + _activation_bytes(md) + MIN_BUDGET
+    wide = _truth_ratio(md)  # the truth runs too, one model at a time, in a wider dtype
+    floor = int(wide * (_largest_tensor(md) + _activation_bytes(md))) + MIN_BUDGET
     if budget < floor or (have is not None and floor > have):
         limit = (f"--max-memory allows {format_bytes(budget)}" if max_memory is not None and budget < floor
                  else f"{format_bytes(have)} is available" if have is None or floor > have
@@ -1028,12 +1059,12 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
     ``enjoyln.static_check``), then loads both and compares their outputs
     with ``enjoyln.check`` on inputs that cover every position. ``"static"``
     stops after the weights; ``"forward"`` skips them (for candidates made
-    by other tools). The candidate loads through ``enjoyln.load``, so a
-    folded directory runs with its RMSNorms; a half-precision reference is
-    also loaded in float32, as the ground truth of the precision-aware
-    criterion. With ``max_memory`` (bytes), or automatically when the two
-    models would not fit in memory side by side, the models run one at a time
-    with offloaded weights (see ``_bounded_check``).
+    by other tools). The candidate runs both ways a user may load it: through
+    ``enjoyln.load`` (its RMSNorms) and through plain ``from_pretrained``
+    (transformers' own class); the reference also runs in the next wider dtype,
+    the truth of the precision-aware criterion. With ``max_memory`` (bytes), or
+    automatically when the models would not fit in memory together, they run
+    one at a time with offloaded weights (see ``_bounded_check``).
 
     The candidate must load in the reference's dtype; ``dtype`` (``"float16"``)
     names another one it is meant to run in, and it is then judged at that
@@ -1042,7 +1073,7 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
     >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
     True
     """
-    from .equivalence import HALF, CheckReport, check
+    from .equivalence import CheckReport, ModelSource, check_sources
     from .static_check import StaticReport, load_problems, parse_dtype, static_check
 
     if mode not in ("full", "static", "forward"):
@@ -1071,30 +1102,73 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
                                          forward_skipped=True)
         report.forward_skipped = "the candidate does not load as the reference does"
         return report
+    plain_required, caveat, note = _plain_loading(cand_md, verified=mode == "full")
     kwargs = {"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code}
     if max_memory is None:
         reference, candidate = load(reference_dir, **kwargs), load(candidate_dir, **kwargs)
-        dtype = next((p.dtype for p in reference.parameters() if p.is_floating_point()), torch.float32)
-        if dtype in HALF:
-            check_kwargs.setdefault("fp32_reference", load(reference_dir, dtype=torch.float32, **kwargs))
-        report = check(reference, candidate, **check_kwargs)
+        ref_src, cand_src = ModelSource.of(reference), ModelSource.of(candidate)
+        # the truth and the plain load come from disk, each dropped after its run
+        truth = ModelSource(ref_src.dtype, lambda dtype: load(reference_dir, dtype=dtype, **kwargs))
+        plain = ModelSource(cand_src.dtype, lambda dtype: _load(candidate_dir, plain=True, dtype=dtype, **kwargs))
+        report = check_sources(ref_src, cand_src, truth=truth, **_path_kwargs(plain, plain_required),
+                               **check_kwargs)
     else:
-        report = _bounded_check(ref_md, cand_md, max_memory, kwargs, check_kwargs)
+        report = _bounded_check(ref_md, cand_md, max_memory, kwargs, check_kwargs, plain_required)
         report.memory = (f"{'the two models would not fit in memory side by side, so ' if auto else ''}"
                          f"the models ran one at a time within {format_bytes(max_memory)} "
                          "(weights beyond it read from disk as each layer ran)")
+    report.caveat = caveat if plain_required is False else ""
+    report.notes += [note] if note else []
     report.add_static(static)
     return report
 
 
+def _path_kwargs(plain: Any, required: bool | None) -> dict[str, Any]:
+    """The candidate's load paths for ``check_sources``: ``enjoyln.load``, and plain
+    ``from_pretrained`` unless the two are the same (no ``enjoyln`` block: ``required`` None)."""
+    from .equivalence import CandidatePath
+
+    others = [] if required is None else [CandidatePath("from_pretrained", plain, required)]
+    return {"candidate_path": "enjoyln.load", "other_paths": others}
+
+
+def _plain_loading(md: ModelDir, *, verified: bool) -> tuple[bool | None, str, str]:
+    """Whether plain ``from_pretrained`` of the candidate must match the reference: (required,
+    the verdict's caveat, a note). None: no ``enjoyln`` block, so ``enjoyln.load`` is plain loading.
+
+    Only a rotation without ``keep_mean`` is inexact under plain loading, and only a block that
+    says so twice (the rotation's ``keep_mean`` and ``plain_loading_exact`` both false) is
+    believed: a block claiming exactness anywhere gets the plain path held to it. Without the
+    static check (``verified`` False) nothing proves the block, so the verdict says what it
+    leaves out."""
+    from .static_check import recorded_plan
+
+    plan = recorded_plan(md)
+    if plan is None:
+        return None, "", "the candidate has no enjoyln block, so enjoyln.load is plain from_pretrained"
+    block = md.config["enjoyln"].get("rotation")
+    declared = (plan.rotation is not None and not plan.rotation.keep_mean and isinstance(block, dict)
+                and block.get("keep_mean") is False and block.get("plain_loading_exact") is False)
+    if not declared:
+        return True, "", ""
+    if verified:
+        return False, "", ("plain from_pretrained is reported but not required: the candidate is a rotation "
+                           "without keep_mean, which the static check verified, so its LayerNorms do not see "
+                           "a zero-mean stream")
+    return False, ("judged through enjoyln.load only: the candidate's enjoyln block declares a rotation without "
+                   "keep_mean, under which plain from_pretrained is not exact, and --forward-only does not "
+                   "verify that declaration; run the full check"), ""
+
+
 def _bounded_check(ref_md: ModelDir, cand_md: ModelDir, max_memory: int, load_kwargs: dict[str, Any],
-                   check_kwargs: dict[str, Any]) -> "CheckReport":
+                   check_kwargs: dict[str, Any], plain_required: bool | None = True) -> "CheckReport":
     """The forward check holding one model at a time, with at most ``max_memory`` for it.
 
     accelerate's big-model inference keeps part of the weights in memory and
     reads the rest from the safetensors files as each layer runs. Out of the
     budget come the largest tensor (loaded whole when its layer runs) and one
-    forward's activations; the reference's outputs wait on disk.
+    forward's activations, both twice as wide for the truth (the reference in
+    the next wider dtype); the reference's outputs wait on disk.
     """
     from .equivalence import ModelSource, check_sources
 
@@ -1102,15 +1176,22 @@ def _bounded_check(ref_md: ModelDir, cand_md: ModelDir, max_memory: int, load_kw
         raise CheckpointError("a check within a memory budget reads weights from safetensors files; convert "
                               "pickle weights first, or pass --static")
     _return_freed_memory()
-    weights = max(max_memory - _largest_tensor(ref_md) - _activation_bytes(ref_md), 0)
+    overhead = _largest_tensor(ref_md) + _activation_bytes(ref_md)
 
-    def source(md: ModelDir, offload: Path) -> ModelSource:
+    def source(md: ModelDir, offload: Path, plain: bool = False) -> ModelSource:
         # the dtype a plain from_pretrained loads it in, which the static check compared
-        dtype = getattr(torch, load_dtype(md)[0], None)
-        dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else _dominant_dtype(md)
-        return ModelSource(dtype, lambda dtype: load(
-            md.path, dtype=dtype, max_memory=weights, offload_dir=offload, **load_kwargs))
+        own = getattr(torch, load_dtype(md)[0], None)
+        own = own if isinstance(own, torch.dtype) and own.is_floating_point else _dominant_dtype(md)
+
+        def get(dtype: torch.dtype) -> nn.Module:
+            wide = dtype.itemsize / own.itemsize  # the truth: wider tensors, less room
+            weights = max(max_memory - int(max(wide, 1.0) * overhead), 0)
+            kwargs = dict(dtype=dtype, max_memory=weights, offload_dir=offload / str(dtype), **load_kwargs)
+            return _load(md.path, plain=True, **kwargs) if plain else load(md.path, **kwargs)
+        return ModelSource(own, get)
 
     with tempfile.TemporaryDirectory(prefix="enjoyln-offload-") as off:
-        return check_sources(source(ref_md, Path(off) / "reference"), source(cand_md, Path(off) / "candidate"),
-                             spill=True, max_rows=1, **check_kwargs)
+        ref_src = source(ref_md, Path(off) / "reference")
+        paths = _path_kwargs(source(cand_md, Path(off) / "plain", plain=True), plain_required)
+        return check_sources(ref_src, source(cand_md, Path(off) / "candidate"), truth=ref_src,
+                             spill=True, max_rows=1, **paths, **check_kwargs)

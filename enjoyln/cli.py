@@ -246,6 +246,9 @@ class _Bytes:
 
 # --- commands ----------------------------------------------------------------------------------
 
+_RTOL_HELP = ("Judge the outputs with the fixed max|ref - cand| <= RTOL x max|ref| instead of the precision-aware "
+              "criterion (at most 4x the original's own rounding, measured against a float64 run of it).")
+
 
 @app.command()
 @friendly
@@ -270,12 +273,14 @@ def fold(
     seq_len: int = typer.Option(16, min=1, help="Sequence length of the short check batches."),
     max_memory: Optional[str] = typer.Option(None, help="Run the check's models one at a time within this much "
                                                         "memory, e.g. 1GB (default: automatic)."),
+    rtol: Optional[float] = typer.Option(None, min=0.0, help=_RTOL_HELP),
 ) -> None:
     """Fold a model directory, check the result, and publish it to OUT_DIR only if it passes."""
     _fold_command(model_dir, out_dir, max_shard_size=max_shard_size, force=force, check=check, static=static,
                   keep_failed=keep_failed, dry_run=dry_run, as_json=as_json, allow_pickle=allow_pickle,
                   trust_remote_code=trust_remote_code, auxiliary_centering=auxiliary_centering,
-                  fuse_affine=fuse_affine, rotate=None, batches=batches, seq_len=seq_len, max_memory=max_memory)
+                  fuse_affine=fuse_affine, rotate=None, batches=batches, seq_len=seq_len, max_memory=max_memory,
+                  rtol=rtol)
 
 
 @app.command()
@@ -301,6 +306,7 @@ def rotate(
     seq_len: int = typer.Option(16, min=1, help="Sequence length of the short check batches."),
     max_memory: Optional[str] = typer.Option(None, help="Run the check's models one at a time within this much "
                                                         "memory, e.g. 1GB (default: automatic)."),
+    rtol: Optional[float] = typer.Option(None, min=0.0, help=_RTOL_HELP),
 ) -> None:
     """Fold with fused affines and rotate the residual stream by an orthogonal Q; same outputs, proved."""
     from .rotation import KINDS
@@ -310,14 +316,15 @@ def rotate(
     _fold_command(model_dir, out_dir, max_shard_size=max_shard_size, force=force, check=check, static=static,
                   keep_failed=keep_failed, dry_run=dry_run, as_json=as_json, allow_pickle=allow_pickle,
                   trust_remote_code=trust_remote_code, auxiliary_centering=False, fuse_affine=True,
-                  rotate=(kind, seed, keep_mean), batches=batches, seq_len=seq_len, max_memory=max_memory)
+                  rotate=(kind, seed, keep_mean), batches=batches, seq_len=seq_len, max_memory=max_memory,
+                  rtol=rtol)
 
 
 def _fold_command(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[str], force: bool, check: bool,
                   static: bool, keep_failed: bool, dry_run: bool, as_json: bool, allow_pickle: bool,
                   trust_remote_code: bool, auxiliary_centering: bool, fuse_affine: bool,
                   rotate: Optional[tuple[str, int, bool]], batches: int, seq_len: int,
-                  max_memory: Optional[str]) -> None:
+                  max_memory: Optional[str], rtol: Optional[float] = None) -> None:
     from .checkpoint import fold_checkpoint, parse_size
 
     start = time.perf_counter()
@@ -330,7 +337,7 @@ def _fold_command(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[st
                                      keep_failed=keep_failed, trust_remote_code=trust_remote_code,
                                      auxiliary_centering=auxiliary_centering, fuse_affine=fuse_affine,
                                      rotate=rotate, progress=bar.phase("writing"),
-                                     check_options={"batches": batches, "seq_len": seq_len,
+                                     check_options={"batches": batches, "seq_len": seq_len, "rtol": rtol,
                                                     "max_memory": parse_size(max_memory),
                                                     "progress": bar.phase("checking weights")})
         except CheckFailed as exc:
@@ -453,7 +460,7 @@ def check_cmd(
     batch_size: int = typer.Option(2, min=1, help="Rows of the short batches."),
     seq_len: int = typer.Option(16, min=1, help="Sequence length of the short batches."),
     seed: int = typer.Option(0, help="Seed of the first batch."),
-    rtol: float = typer.Option(1e-5, help="Relative tolerance in float32."),
+    rtol: Optional[float] = typer.Option(None, min=0.0, help=_RTOL_HELP),
     dtype: Optional[str] = typer.Option(None, help="The dtype CANDIDATE is meant to load in, if not the "
                                         "reference's (float16, bfloat16, float32, float64); it is then judged "
                                         "at that precision. Without it another dtype fails."),

@@ -75,7 +75,8 @@ def test_half_precision_uses_the_relative_criterion():
     folded = enjoyln.fold(copy.deepcopy(model))
     report = enjoyln.check(model, folded)
     assert report.passed, report.summary()
-    assert report.dtype == "float16" and "fp32" in report.criterion
+    assert report.dtype == "float16" and report.criterion_kind == "precision" and report.truth_dtype == "float32"
+    assert "float32 original" in report.criterion
     out = report.outputs[0]
     assert out.reference_error > 0 and out.candidate_error <= 2 * out.reference_error
     assert report.generation is not None and not report.generation.required

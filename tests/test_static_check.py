@@ -196,13 +196,14 @@ def test_bounded_check_offloads_and_still_catches_a_change(pair, tmp_path, monke
         return model
 
     monkeypatch.setattr(checkpoint, "load", spy)
-    report = enjoyln.check_checkpoints(ref, folded, max_memory=100_000)
+    report = enjoyln.check_checkpoints(ref, folded, max_memory=200_000)
     assert report.passed, report.summary()
-    assert len(maps) == 2 and all("disk" in m for m in maps) and "within 97.7 KiB" in report.memory
+    # the reference, its float64 truth and the candidate (plain from_pretrained is loaded apart)
+    assert len(maps) == 3 and all("disk" in m for m in maps) and "within 195.3 KiB" in report.memory
     assert report.max_rel_diff < 1e-6 and report.generation.passed
     key = "transformer.h.1.attn.c_proj.weight"  # (a change of 1e-3 of its scale moves the logits by 2e-6:
     cand = edited(folded, tmp_path, lambda sd: sd[key].view(-1)[3].add_(float(sd[key].abs().max())))  # static's job)
-    report = enjoyln.check_checkpoints(ref, cand, max_memory=100_000, mode="forward")
+    report = enjoyln.check_checkpoints(ref, cand, max_memory=200_000, mode="forward")
     assert not report.passed and report.max_rel_diff > 1e-5
 
 
