@@ -523,6 +523,14 @@ def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None) -> Ite
     def inside(p: Path) -> bool:
         return p == root or root in p.parents
 
+    # A Hugging Face cache snapshot (<repo>/snapshots/<revision>) links every file, whatever its
+    # name (a PhoBERT bpe.codes, an emoji.json), to <repo>/blobs: those are the snapshot's own.
+    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    blobs = blobs if blobs is not None and blobs.is_dir() and not blobs.is_symlink() else None
+
+    def cached(target: Path) -> bool:
+        return blobs is not None and target.parent == blobs and target.is_file()
+
     def visit(src: Path, rel: Path, top: bool, chain: tuple[Path, ...]) -> Iterator[tuple[Path, Path, bool]]:
         # chain: the real directories being copied, outermost first. Links that lead back into
         # one of them would recurse until the path is too long; links entered twice could
@@ -536,7 +544,7 @@ def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None) -> Ite
                     input_file(src)  # raises, naming the link
                 skipped.append(f"{name} (a dangling symlink)")
                 return
-            if not inside(target) and not (top and needed_file(src.name) and target.is_file()):
+            if not inside(target) and not (top and needed_file(src.name) and target.is_file()) and not cached(target):
                 skipped.append(f"{name} (resolves outside the model directory)")
                 return
             if not inside(target) and followed is not None:
@@ -581,8 +589,10 @@ def copy_extras(md: ModelDir, dest: Path, followed: list[str] | None = None) -> 
     ``followed`` collects the needed files copied through a link that leaves the
     directory (``name -> target``), so that the caller can say so.
 
-    A symlink is followed when it resolves inside the directory, or when it
-    is a file a model directory needs (top level only). Anything else that
+    A symlink is followed when it resolves inside the directory, when it is a
+    file a model directory needs (top level only), or when the directory is a
+    Hugging Face cache snapshot and it resolves to one of that repository's
+    blobs (any file, at any depth). Anything else that
     resolves outside the directory, special files and version-control data
     are skipped; modes follow the umask, not the source.
     """

@@ -514,6 +514,14 @@ def _json_tokens(text: str) -> Iterator[str]:
             i = j
 
 
+def _same_tokens(a: bytes, b: bytes) -> bool:
+    """Whether two byte strings are the same JSON tokens (whitespace between them aside)."""
+    try:
+        return list(_json_tokens(a.decode("utf-8"))) == list(_json_tokens(b.decode("utf-8")))
+    except (UnicodeDecodeError, ValueError, IndexError):  # not JSON text, or an unterminated string
+        return False
+
+
 def _respace_json(text: str, rng: random.Random) -> str:
     """``text`` with other whitespace between its tokens, and nothing else changed."""
     tokens = list(_json_tokens(text))
@@ -734,20 +742,10 @@ def _draw_weight_file(rng: random.Random, s: _Survey) -> Mutation | None:
     path = Path(s.source.candidate) / file
     base, header = _header(path)
     size = path.stat().st_size
-    kind = rng.choice(("metadata-format", "metadata-add", "relabel-dtype", "reshape", "swap-names",
-                       "append-bytes", "truncate"))
+    kind = rng.choice(("relabel-dtype", "reshape", "swap-names", "append-bytes", "truncate"))
     header = copy.deepcopy(header)
     names = [t.name for t in s.tensors if t.file == file and t.numel]
-    if kind == "metadata-format":
-        meta = header.setdefault("__metadata__", {})
-        new = rng.choice([f for f in ("tf", "flax", "mlx", "np") if f != meta.get("format")])
-        target, meta["format"] = f"{file} __metadata__.format -> {new}", new
-        ground, reason = "policy", "every weight byte is verified: transformers reads the declared format"
-    elif kind == "metadata-add":
-        header.setdefault("__metadata__", {})["x_note"] = "anything"
-        target, ground, reason = f"{file} __metadata__.x_note added", "policy", \
-            "every weight byte is verified, the header's too (no one has shown what reads the metadata)"
-    elif kind == "relabel-dtype":
+    if kind == "relabel-dtype":
         options = [n for n in names if header[n]["dtype"] in ("F32", "I32", "F16", "I16", "BF16")]
         if not options:
             return None
@@ -802,7 +800,8 @@ def _loaded(s: _Survey, name: str) -> bool:
 def _config_ground(s: _Survey, new: dict[str, Any], path: tuple) -> tuple[str, str]:
     if path and path[0] == "enjoyln":
         if path == ("enjoyln",):
-            return "plan-read", "without the block enjoyln.load runs the LayerNorms as LayerNorms"
+            return "plan-read", ("without the block nothing says how the affines moved or the stream turned, "
+                                 "and enjoyln.load runs the norms as LayerNorms")
         return "policy", "the enjoyln block must be exactly what the confirmed plan gives"
     if _config_as_loaded(new) != s.loaded_config:
         return "config-read", "transformers builds another config from it"
@@ -827,6 +826,14 @@ def _draw_config(rng: random.Random, s: _Survey, block: bool) -> Mutation | None
         path = _changed_path(s.config, new)
     ground, reason = _config_ground(s, new, path)
     text = _json_style(s.config, s.config_text)(new)
+    plan = s.config.get("enjoyln", {}).get("plan", {})
+    moved = bool(plan.get("rotation")) or any(e.get("affine") for e in plan.get("layer_norms", []))
+    if op == "delete-block" and not moved:
+        # what save_pretrained of an in-memory fold writes: LayerNorms that see zero-mean inputs, which
+        # compute the fold's function (to rounding) and which the gate judges as a fold without a plan
+        return _mutation(s, "enjoyln-block", op, done, (("write", "config.json", _b64(text.encode())),), "pass",
+                         "equivalent", "the plain folded form (enjoyln.fold then save_pretrained): enjoyln.load "
+                         "runs its LayerNorms on zero-mean inputs, the fold's function to rounding")
     return _mutation(s, "enjoyln-block" if block else "config", op, done,
                      (("write", "config.json", _b64(text.encode())),), "fail", ground, reason)
 
@@ -879,12 +886,16 @@ def _draw_file(rng: random.Random, s: _Survey, others: dict[str, dict[str, bytes
             return None
         i = rng.randrange(len(data))
         new = bytes([data[i] ^ rng.randrange(1, 256)])
+        if parsed is not None and _same_tokens(data, data[:i] + new + data[i + 1:]):
+            return None  # whitespace for whitespace between tokens: drawn as inert elsewhere
         return _mutation(s, "files", kind, f"{file} byte {i}: {data[i]:#04x} -> {new[0]:#04x}",
                          (("bytes", file, i, _b64(new)),), "fail", ground, reason)
     if kind == "truncate":
         if not data:
             return None
         n = rng.randrange(len(data))
+        if parsed is not None and _same_tokens(data, data[:n]):
+            return None  # only trailing whitespace cut
         return _mutation(s, "files", kind, f"{file} cut to {n} of {len(data)} bytes", (("truncate", file, n),),
                          "fail", ground, reason)
     if kind == "replace":
@@ -941,6 +952,18 @@ def _draw_extra_missing(rng: random.Random, s: _Survey, spm: bytes) -> Mutation 
             else _file_ground(s, file)
         return _mutation(s, "extra-missing", "missing", f"{file} removed", (("delete", file),), "fail", ground,
                          reason if ground != "policy" else "a missing file fails")
+    if rng.random() < 0.2:
+        if rng.random() < 0.5:
+            return _mutation(s, "extra-missing", "fifo", "a FIFO named pipe", (("fifo", "pipe"),), "fail", "policy",
+                             "a special file, which a fold never writes: its name does not prove that no "
+                             "loader opens it (and one that did would block)")
+        name = rng.choice(("notes.txt", "LICENSE", "model-card.md", "bpe.codes"))
+        if name in s.files:
+            return None
+        return _mutation(s, "extra-missing", "link-out", f"{name}: a link out of the directory",
+                         (("link-out", name, _b64(b"x\n")),), "fail", "policy",
+                         "an extra file, served through a link: a fold never writes links, and a name does not "
+                         "prove that no loader reads it (bpe.codes is PhoBERT's)")
     file = rng.choice([f for f in _EXTRA_FILES if f not in s.files])
     content = _EXTRA_FILES[file]
     if content is None:
@@ -956,7 +979,7 @@ def _draw_extra_missing(rng: random.Random, s: _Survey, spm: bytes) -> Mutation 
                      "fail", "policy", "an extra file fails, whether or not a loader reads it")
 
 
-_INERT_KINDS = ("config-reformat", "json-respace", "enjoyln-version", "vcs", "fifo", "link-out", "mtime",
+_INERT_KINDS = ("config-reformat", "json-respace", "enjoyln-version", "vcs", "metadata", "mtime",
                 "weights-reorder", "reshard", "cache-links")
 # Files the README says are followed through a link out of the directory (the Hugging Face cache
 # links every file to a blob): served that way, the same bytes reach every loader.
@@ -1004,15 +1027,20 @@ def _draw_inert(rng: random.Random, s: _Survey) -> Mutation | None:
                ("write", f"{vcs}/objects/ab/cdef", _b64(bytes(rng.randrange(256) for _ in range(32)))))
         return _mutation(s, "inert", kind, f"{vcs}/ added", ops, "pass", "inert",
                          "version-control data: no loader reads it, and a fold skips it")
-    if kind == "fifo":
-        return _mutation(s, "inert", kind, "a FIFO named pipe", (("fifo", "pipe"),), "pass", "inert",
-                         "a special file: no loader reads it, and a fold skips it (reading it would block)")
-    if kind == "link-out":
-        name = rng.choice(("notes.txt", "LICENSE", "model-card.md"))
-        if name in s.files:
-            return None
-        return _mutation(s, "inert", kind, f"{name}: a link out of the directory", (("link-out", name, _b64(b"x\n")),),
-                         "pass", "inert", "a link out of the directory to a file no loader reads; a fold skips it")
+    if kind == "metadata":
+        file = rng.choice(sorted({t.file for t in s.tensors}))
+        _, header = _header(Path(s.source.candidate) / file)
+        header = copy.deepcopy(header)
+        meta = header.setdefault("__metadata__", {})
+        if rng.random() < 0.5:
+            new = rng.choice([f for f in ("tf", "flax", "mlx", "np") if f != meta.get("format")])
+            target, meta["format"] = f"{file} __metadata__.format -> {new}", new
+        else:
+            target, meta["x_note"] = f"{file} __metadata__.x_note added", "anything"
+        return _mutation(s, "inert", kind, target, (("header", file, json.dumps(header)),), "pass",
+                         "inert", "transformers 5 reads a safetensors header's __metadata__ only in its torchao "
+                         "quantizer (which needs a quantization_config in config.json, compared like any key); "
+                         "safetensors and enjoyln.load read none of it")
     if kind == "mtime":
         file = rng.choice(s.files)
         return _mutation(s, "inert", kind, f"{file} touched", (("utime", file, rng.randrange(10**9, 16 * 10**8)),),

@@ -27,6 +27,7 @@ import contextlib
 import inspect
 import io
 import logging
+import math
 import os
 import re
 import shutil
@@ -520,6 +521,14 @@ def compare_with_onnxruntime(path: str | os.PathLike, runs: list[Inputs], wants:
         for a, b in zip(want, got):
             a = a.detach().double()
             b = torch.from_numpy(b).double()
-            scale = float(a.abs().max()) or 1.0
-            worst = max(worst, float((a - b).abs().max()) / scale)
+            if a.shape != b.shape:
+                return math.inf
+            finite = a.isfinite()
+            # a NaN or Inf where PyTorch is finite (or another non-finite value where it is not) is a
+            # difference; max(worst, nan) would be worst, so these are counted apart
+            if not torch.equal(finite, b.isfinite()) or not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()):
+                return math.inf
+            if finite.any():
+                scale = float(a[finite].abs().max()) or 1.0
+                worst = max(worst, float((a[finite] - b[finite]).abs().max()) / scale)
     return worst

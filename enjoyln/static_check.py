@@ -187,16 +187,20 @@ def _equal_to_file(expected: torch.Tensor, cand: _Reader, key: str) -> bool:
     return at == flat.numel()
 
 
-def _close_to_file(expected: torch.Tensor, cand: _Reader, key: str, scale: float | None = None) -> tuple[bool, float]:
-    """``expected`` rounded to the candidate's dtype, element by element, read in chunks.
+def _close_to_file(expected: torch.Tensor, cand: _Reader, key: str, scale: float | None = None, *,
+                   exact: bool = True) -> tuple[bool, float]:
+    """``expected`` rounded to the candidate's dtype, compared element by element, read in chunks;
+    (equal, max abs diff).
 
-    At most one ulp of each element off (another tool may sum in another order,
-    which can flip a rounding), plus float64 noise of the input's ``scale``. A
-    bound relative to the whole tensor's maximum would let a small element move
-    by many of its own ulps (in bfloat16, 3% of the maximum). A fold enjoyln
-    wrote is bit-identical.
+    In the reference's own dtype the candidate must be bit for bit what the fold computes: the
+    fold and this check run the same float64 code, which gives the same bits on every x86
+    capability and thread count, and one ulp of a bfloat16 bias moves the logits by 1e-3. Only a
+    candidate in another dtype (``exact`` False, ``--dtype``) may sit one ulp of that dtype off,
+    plus float64 noise of the input's ``scale``: it may have been centered after the cast, which
+    rounds twice. That bound is per element, since one relative to the whole tensor's maximum
+    would let a small element move by many of its own ulps.
     """
-    flat, at, diff = expected.reshape(-1), 0, 0.0
+    flat, at, diff, equal = expected.reshape(-1), 0, 0.0, True
     if scale is None:
         scale = float(flat.abs().max()) if flat.numel() else 0.0
     for chunk in cand.elements(key, _ELEMENTS):
@@ -206,15 +210,18 @@ def _close_to_file(expected: torch.Tensor, cand: _Reader, key: str, scale: float
             continue
         if not chunk.is_floating_point():
             return False, math.inf
-        info = torch.finfo(chunk.dtype)
         d = chunk.to(torch.float64).sub_(e.to(torch.float64)).abs_()
+        diff = max(diff, float(d.nan_to_num(math.inf).max()))
+        if exact:
+            equal = False
+            continue  # keep reading, to report the largest difference
+        info = torch.finfo(chunk.dtype)
         bound = e.to(torch.float64).abs_().clamp_min_(info.tiny).mul_(info.eps).add_(1e-12 * scale)
-        diff = max(diff, float(d.max()))
         if not bool(d.le(bound).all()):
             return False, diff
     if at != flat.numel():
         return False, math.inf
-    return True, diff
+    return equal, diff
 
 
 def parse_dtype(dtype: Any) -> str | None:
@@ -240,6 +247,10 @@ def _same_json(a: Any, b: Any) -> bool:
             if x.keys() != y.keys():
                 return False
             stack += [(x[k], y[k]) for k in x]
+        elif isinstance(x, _Object):
+            if len(x) != len(y) or any(kx != ky for (kx, _), (ky, _) in zip(x, y)):
+                return False
+            stack += [(vx, vy) for (_, vx), (_, vy) in zip(x, y)]
         elif isinstance(x, list):
             if len(x) != len(y):
                 return False
@@ -407,10 +418,16 @@ class _Unreadable(Exception):
     pass
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+class _Object(list):
+    """A JSON object as its (key, value) pairs, in the file's order: a loader may iterate one
+    (the added tokens of a tokenizer, BPE merges kept as an object), so two files whose objects
+    hold the same pairs in another order are not proven to load the same."""
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> _Object:
     if len({k for k, _ in pairs}) != len(pairs):
         raise _Unreadable  # which of the two a reader keeps is its own choice: compare the bytes
-    return dict(pairs)
+    return _Object(pairs)
 
 
 def _json_value(path: Path) -> Any:
@@ -425,8 +442,9 @@ def _json_value(path: Path) -> Any:
 
 
 def _same_content(a: Path, b: Path) -> bool:
-    """Whether two files hold the same content: JSON files up to ``JSON_LIMIT`` by value
-    (whitespace and key order do not matter), anything else byte for byte, streamed."""
+    """Whether two files hold the same content: JSON files up to ``JSON_LIMIT`` token by token
+    (whitespace does not matter; key order does, see ``_Object``), anything else byte for byte,
+    streamed."""
     try:
         size_a, size_b = a.stat().st_size, b.stat().st_size
         if a.suffix == ".json" and max(size_a, size_b) <= JSON_LIMIT:
@@ -660,7 +678,8 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
                 identical = folded = False
             elif expected is not None:
                 identical = False
-                folded, diff = _close_to_file(expected[ck], reader_cand, ck) if ck in expected else (False, None)
+                folded, diff = (_close_to_file(expected[ck], reader_cand, ck, exact=same_dtype) if ck in expected
+                                else (False, None))
                 report.computed += folded
             elif c is None and same_dtype:
                 identical = folded = _same_bytes(reader_ref, reader_cand, rk, ck)
@@ -671,7 +690,8 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
                     folded = identical or _equal_to_file(r, reader_cand, ck)
                 else:
                     scale = float(r.abs().max()) if r.numel() else 0.0
-                    folded, diff = _close_to_file(center_as_planned(r, c, read_param), reader_cand, ck, scale)
+                    folded, diff = _close_to_file(center_as_planned(r, c, read_param), reader_cand, ck, scale,
+                                                  exact=same_dtype)
                 del r
             report.tensors += 1
             report.identical += identical and c is None

@@ -218,6 +218,43 @@ def test_symlinks_out_of_the_model_dir_are_not_followed(dirs, tmp_path):
     assert f"tokenizer.json -> {cache / 'abc123'}" in result.output  # followed out of MODEL_DIR, and said
 
 
+def test_a_hugging_face_cache_snapshot_keeps_every_file(dirs, tmp_path):
+    """In the cache every file of a snapshot is a link to the repository's blobs, whatever its
+    name: a tokenizer file with an unusual name (PhoBERT's bpe.codes) must reach OUT_DIR, and the
+    gate must compare it, or the fold ships a model whose tokenizer is gone."""
+    import hashlib
+
+    src, _ = dirs
+    repo = tmp_path / "models--someone--gpt2"
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    (snapshot / "sub").mkdir(parents=True)
+    files = {"config.json": (src / "config.json").read_bytes(),
+             "model.safetensors": (src / "model.safetensors").read_bytes(),
+             "bpe.codes": b"h e 1\nhe l 2\n", "README.md": b"# card\n", "sub/notes.txt": b"kept\n"}
+    for name, data in files.items():
+        blob = blobs / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / name).symlink_to(Path("../" * name.count("/")) / ".." / ".." / "blobs" / blob.name)
+    (tmp_path / "secret").write_text("private")
+    (snapshot / "stray.txt").symlink_to(tmp_path / "secret")  # out of the repository: still not followed
+    result = runner.invoke(app, ["fold", str(snapshot), str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    for name in ("bpe.codes", "README.md", "sub/notes.txt"):
+        assert (out / name).read_bytes() == files[name] and not (out / name).is_symlink()
+    assert not (out / "stray.txt").exists()
+    import shutil
+
+    bad = Path(shutil.copytree(out, tmp_path / "bad"))
+    (bad / "bpe.codes").write_bytes(b"h e 1\n")
+    result = runner.invoke(app, ["check", str(snapshot), str(bad), "--static"])
+    assert result.exit_code == 1 and "bpe.codes differs" in result.output, result.output
+    (snapshot / "stray.txt").unlink()  # a fold would not hold it, so neither may a candidate
+    result = runner.invoke(app, ["check", str(snapshot), str(snapshot), "--static"])
+    assert result.exit_code == 0, result.output
+
+
 def test_custom_code_needs_the_flag(dirs, tmp_path):
     src, _ = dirs
     model = copy_dir(src, tmp_path / "model")

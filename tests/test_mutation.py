@@ -64,7 +64,6 @@ def results(sources, mutations):
     return out[:N], [name for name in before if before[name] != after[name]], out[N:]
 
 
-@pytest.mark.xfail(strict=False, reason="gate fixes pending on branches gate-forward/gate-static")
 def test_gate_gets_every_mutation_right(results):
     results = results[0]
     assert len(results) == N
@@ -81,7 +80,7 @@ def test_the_gate_leaves_its_inputs_alone(results):
 def test_mutations_owed_a_pass_are_inert(results):
     """Every inert mutation drawn: both loaders, the tokenizer or the image processor give
     what the unmutated fold gives, bit for bit."""
-    inert = [r for r in results[0] if r.mutation.expect == "pass"]
+    inert = [r for r in results[0] if r.mutation.ground == "inert"]
     assert {r.mutation.kind for r in inert} == set(mu._INERT_KINDS)
     assert len(inert) >= 30
     unproven = [r.describe() for r in inert if r.effect != []]

@@ -252,3 +252,20 @@ def test_cli_export_refuses_fuse_affine_on_a_plainly_folded_directory(tmp_path):
     assert result.exit_code == 2
     assert "was folded without --fuse-affine" in result.stderr
     assert not (tmp_path / "g.onnx").exists()
+
+
+def test_a_nan_or_inf_where_pytorch_is_finite_is_a_difference(tmp_path):
+    """max(worst, nan) is worst: a NaN output would have passed the export's own check."""
+    from enjoyln.onnx_export import compare_with_onnxruntime
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).eval()
+    x = torch.randn(2, 8)
+    export_onnx(net, tmp_path / "net.onnx", x, dynamic=False)
+    want = net(x).detach()
+    assert compare_with_onnxruntime(tmp_path / "net.onnx", [Inputs((x,), {})], [[want]]) < 1e-5
+    for bad in (float("nan"), float("inf")):
+        wrong = want.clone()
+        wrong[1, 3] = bad
+        assert compare_with_onnxruntime(tmp_path / "net.onnx", [Inputs((x,), {})], [[wrong]]) == float("inf")
+    shifted = want + 100  # a real difference still measures as one
+    assert compare_with_onnxruntime(tmp_path / "net.onnx", [Inputs((x,), {})], [[shifted]]) > 0.5

@@ -451,8 +451,39 @@ def test_every_file_is_compared_whatever_its_name(pair, tmp_path, name):
         (d / name).write_text(content)
     report = run(source, cand)
     assert not report.passed and f"the candidate's {name} differs from the reference's" in report.problems
-    (cand / name).write_text('{\n  "b": 1,\n  "a": 0\n}\n')  # another layout of the same JSON value
+    (cand / name).write_text('{\n  "a": 0,\n  "b": 1\n}\n')  # another layout of the same JSON tokens
     assert run(source, cand).passed == name.endswith(".json"), run(source, cand).problems
+    (cand / name).write_text('{"b": 1, "a": 0}')  # the same pairs in another order: a loader may iterate them
+    assert not run(source, cand).passed
+
+
+def nudged(sd, key, index, ulps=1):
+    """``key``'s element ``index`` moved by ``ulps`` units in the last place of its dtype (its bit
+    pattern as an integer, moved by ``ulps``: away from zero for positive ``ulps``)."""
+    bits = sd[key].view(-1).view({2: torch.int16, 4: torch.int32}[sd[key].element_size()])
+    bits[index] += ulps
+    return sd
+
+
+@pytest.mark.parametrize("key", ["transformer.h.1.mlp.c_proj.weight", "transformer.wte.weight"])
+def test_one_ulp_of_a_centered_element_fails(pair, tmp_path, key):
+    """A fold enjoyln wrote is bit for bit what the check computes; one ulp is not tolerated."""
+    ref, folded, _ = pair
+    cand = edited(folded, tmp_path, lambda sd: nudged(sd, key, 11))
+    report = run(ref, cand)
+    assert not report.passed and any(p.startswith(f"{key} is not") for p in report.problems), report.summary()
+
+
+def test_one_ulp_of_a_fused_bfloat16_tensor_fails(tmp_path):
+    """In bfloat16 one ulp of a bias moves the logits by about 1e-3: the tensors a fused affine
+    computes must be bit for bit what the check recomputes."""
+    perturb(tiny_model("gpt2"), seed=43).to(torch.bfloat16).save_pretrained(tmp_path / "ref")
+    fold_checkpoint(tmp_path / "ref", tmp_path / "fused", check="none", fuse_affine=True)
+    assert run(tmp_path / "ref", tmp_path / "fused").passed
+    key = "transformer.h.0.attn.c_attn.bias"
+    cand = edited(tmp_path / "fused", tmp_path, lambda sd: nudged(sd, key, 3, -1))
+    report = run(tmp_path / "ref", cand)
+    assert not report.passed and any(p.startswith(f"{key} is not what the plan makes") for p in report.problems)
 
 
 def test_json_values_are_compared_by_type(pair, tmp_path):
