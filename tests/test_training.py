@@ -157,7 +157,8 @@ def test_baked_masked_lm_saves_and_reloads(tmp_path):
     from conftest import assert_same_outputs
 
     config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                     intermediate_size=128, vocab_size=128, max_position_embeddings=64)
+                                     intermediate_size=128, vocab_size=128, max_position_embeddings=64,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     model = perturb(transformers.BertForMaskedLM(config).eval(), seed=8)
     enjoyln.cbwc_remove(enjoyln.cbwc(model))
     model.save_pretrained(tmp_path / "baked")
