@@ -17,10 +17,11 @@ from ._version import __version__
 # line's entry point) does not import torch: an interrupt or a bad argument in
 # the first second then gets one line, not an import traceback.
 _EXPORTS = {
-    "analyze": "analysis", "fold": "rewrite", "rotate": "rewrite", "check": "equivalence", "CheckReport": "equivalence",
-    "load": "checkpoint", "fold_checkpoint": "checkpoint", "analyze_checkpoint": "checkpoint",
-    "check_checkpoints": "checkpoint", "cbwc": "training", "cbwc_remove": "training",
-    "RMSNorm": "norm", "GroupRMSNorm": "norm", "FoldPlan": "plan", "LayerNormEntry": "plan",
+    "analyze": "analysis.driver", "fold": "transform.steps", "rotate": "transform.steps",
+    "check": "checking.forward", "CheckReport": "checking.forward",
+    "load": "convert", "fold_checkpoint": "convert", "analyze_checkpoint": "convert",
+    "check_checkpoints": "convert", "cbwc": "transform.training", "cbwc_remove": "transform.training",
+    "RMSNorm": "modules.norm", "GroupRMSNorm": "modules.norm", "FoldPlan": "plan", "LayerNormEntry": "plan",
     "Centering": "plan", "Untie": "plan", "EnjoylnError": "errors", "CaptureError": "errors",
     "CheckpointError": "errors", "PlanError": "errors", "CheckFailed": "errors",
     "AnalysisError": "errors",

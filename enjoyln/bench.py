@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture import ExampleInputs, as_inputs
+from .analysis.capture import ExampleInputs, as_inputs
 
 
 @dataclass
@@ -241,7 +241,7 @@ def norm_time_ms(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
     layers around each norm left there; far less noisy than whole forwards
     when the norms are a small share of the model.
     """
-    from .norm import RMSNorm
+    from .modules.norm import RMSNorm
 
     inputs = as_inputs(example_inputs)
 
@@ -353,7 +353,7 @@ def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: 
     """
     import torch._inductor.config as inductor_config
 
-    from .equivalence import flatten_outputs
+    from .checking.forward import flatten_outputs
     from .testing import max_relative_diff
 
     inputs = as_inputs(example_inputs)

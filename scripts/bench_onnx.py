@@ -27,8 +27,8 @@ import transformers
 
 import enjoyln
 from enjoyln.bench import compare_latency
-from enjoyln.capture import hf_example_inputs
-from enjoyln.onnx_export import LN_OPS, RMS_OPS, deployment_inputs, export_onnx, ort_feed, ort_session
+from enjoyln.analysis.capture import hf_example_inputs
+from enjoyln.export.onnx import LN_OPS, RMS_OPS, deployment_inputs, export_onnx, ort_feed, ort_session
 from enjoyln.testing import perturb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

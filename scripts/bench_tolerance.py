@@ -88,7 +88,7 @@ def build_opt(path: Path, layers: int, width: int, vocab: int, positions: int, s
 
 def run(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Fold each model three ways with the default check; one row per fold."""
-    from enjoyln.checkpoint import fold_checkpoint
+    from enjoyln.convert import fold_checkpoint
     from enjoyln.errors import CheckFailed
 
     models = {"GPT-2": (build_gpt2, args.vocab, args.positions),
@@ -135,7 +135,7 @@ def _x(margin: float | None) -> str:
 
 
 def body(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    from enjoyln.equivalence import FACTOR
+    from enjoyln.checking.forward import FACTOR
 
     lines = [
         f"Random checkpoints shaped like GPT-2 small and OPT-125m ({args.layers} layers, width {args.width}; "

@@ -31,7 +31,7 @@ def steps_keep_their_promise(model, plan, inputs):
     steps that do not declare it."""
     import copy
 
-    from enjoyln.rewrite import PIPELINE
+    from enjoyln.transform.steps import PIPELINE
 
     work, undeclared = copy.deepcopy(model), []
     for step in PIPELINE:

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from enjoyln.cli import app
+from enjoyln.cli.commands import app
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir
 
@@ -288,7 +288,7 @@ def test_force_spares_a_directory_that_is_not_an_enjoyln_output(dirs, tmp_path):
 
 def test_a_fold_that_fails_its_check_is_not_published(dirs, tmp_path, monkeypatch):
     """A deliberately broken fold: the writer centers one tensor wrongly."""
-    from enjoyln import checkpoint
+    from enjoyln import convert as checkpoint
 
     src, _ = dirs
     real = checkpoint.center_

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import enjoyln
-from enjoyln.capture import hf_example_inputs
+from enjoyln.analysis.capture import hf_example_inputs
 from enjoyln.testing import perturb, tiny_model
 from conftest import assert_same_outputs, steps_keep_their_promise
 
@@ -88,7 +88,7 @@ def test_checkpoint_round_trip_with_centering(tmp_path):
 def test_cli_flag(tmp_path):
     from typer.testing import CliRunner
 
-    from enjoyln.cli import app
+    from enjoyln.cli.commands import app
 
     src = tmp_path / "bloom"
     perturb(tiny_model("bloom"), seed=69).save_pretrained(src)

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 import enjoyln
 from enjoyln.bench import end_to_end, kernel_benchmark, norm_time_ms
-from enjoyln.capture import hf_example_inputs
-from enjoyln.cli import app
+from enjoyln.analysis.capture import hf_example_inputs
+from enjoyln.cli.commands import app
 from enjoyln.testing import perturb, tiny_model
 
 

@@ -8,7 +8,7 @@ from torch import nn
 
 import enjoyln
 from enjoyln.plan import LayerNormEntry
-from enjoyln.rewrite import apply_plan
+from enjoyln.transform.steps import apply_plan
 from enjoyln.testing import perturb, tiny_model
 
 

@@ -8,8 +8,8 @@ import transformers
 from safetensors import safe_open
 
 import enjoyln
-from enjoyln.capture import hf_example_inputs, is_causal_lm
-from enjoyln.checkpoint import fold_checkpoint, load, open_model_dir, parse_size
+from enjoyln.analysis.capture import hf_example_inputs, is_causal_lm
+from enjoyln.convert import fold_checkpoint, load, open_model_dir, parse_size
 from enjoyln.testing import ARCHITECTURES, demo_checkpoint, perturb, tiny_model
 from conftest import assert_same_outputs
 
@@ -234,7 +234,7 @@ def _tensors(path):
 def test_early_copy_gives_the_same_tensors_as_a_fresh_write(shard_size, saved, tmp_path, monkeypatch):
     """The fast path (copy during analysis, then center in place) and the plain
     writer produce the same bytes for every tensor, and the same files."""
-    from enjoyln import checkpoint
+    from enjoyln import convert as checkpoint
 
     src = saved("gpt2", torch.float32, **({"max_shard_size": shard_size} if shard_size else {}))
     assert checkpoint._early_spans(open_model_dir(src), None)  # the fast path applies here
@@ -254,7 +254,7 @@ def test_early_copy_gives_the_same_tensors_as_a_fresh_write(shard_size, saved, t
 
 
 def test_header_without_room_falls_back_to_a_fresh_write(saved, tmp_path, monkeypatch):
-    from enjoyln import checkpoint
+    from enjoyln import convert as checkpoint
 
     src = saved("gpt2")
     monkeypatch.setattr(checkpoint, "_HEADER_ROOM", 8)  # the untied head's entry cannot fit

@@ -9,7 +9,7 @@ import torch
 from conftest import assert_same_outputs
 
 import enjoyln
-from enjoyln.capture import hf_example_inputs
+from enjoyln.analysis.capture import hf_example_inputs
 from enjoyln.testing import perturb, tiny_model
 
 pytestmark = pytest.mark.slow
@@ -109,7 +109,7 @@ def test_cli_bench_compile_reports_compiled_against_compiled(tmp_path):
 
     from typer.testing import CliRunner
 
-    from enjoyln.cli import app
+    from enjoyln.cli.commands import app
 
     # the shapes of the first test, so inductor's cache may serve its graphs
     perturb(tiny_model("gpt2"), seed=13).save_pretrained(tmp_path / "m")

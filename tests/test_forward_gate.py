@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import enjoyln
-from enjoyln.checkpoint import fold_checkpoint
-from enjoyln.cli import app
-from enjoyln.equivalence import FACTOR, ModelSource, NearTie, _judge_generation, check_sources
+from enjoyln.convert import fold_checkpoint
+from enjoyln.cli.commands import app
+from enjoyln.checking.forward import FACTOR, ModelSource, NearTie, _judge_generation, check_sources
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir
 
@@ -265,7 +265,7 @@ def set_(key, index, value):
 @pytest.mark.parametrize("case", ["gpt2 all NaN", "gpt2-bf16 all NaN", "vit +100 with one NaN", "vit NaN logits"])
 @pytest.mark.parametrize("mode", MODES, ids=["default", "forward-only", "max-memory"])
 def test_non_finite_checkpoints_fail_in_every_mode(dirs, tmp_path, monkeypatch, case, mode):
-    from enjoyln import checkpoint
+    from enjoyln import convert as checkpoint
 
     monkeypatch.setattr(checkpoint, "_activation_bytes", lambda md: 0)
     monkeypatch.setattr(checkpoint, "MIN_BUDGET", 0)
@@ -370,8 +370,8 @@ def test_a_one_weight_change_still_fails_the_default_check(dirs, tmp_path):
 def test_the_memory_pre_check_counts_the_truth(dirs, monkeypatch):
     """The float64 truth of a float32 reference is twice its weights, and one model at a time
     needs room for its largest tensor in float64."""
-    from enjoyln import checkpoint
-    from enjoyln.checkpoint import forward_check_bytes, open_model_dir, require_memory
+    from enjoyln import convert as checkpoint
+    from enjoyln.convert import forward_check_bytes, open_model_dir, require_memory
 
     md, half = open_model_dir(dirs / "gpt2"), open_model_dir(dirs / "gpt2-bf16")
     assert forward_check_bytes(md) == int(2.1 * md.nbytes) + 2 * md.nbytes + (256 << 20)

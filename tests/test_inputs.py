@@ -6,7 +6,7 @@ import torch
 import transformers
 
 import enjoyln
-from enjoyln.inputs import hf_example_inputs, wants_no_cache
+from enjoyln.analysis.inputs import hf_example_inputs, wants_no_cache
 
 
 def _tiny(config_cls, model_cls, **kw):

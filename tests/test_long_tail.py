@@ -11,8 +11,8 @@ import transformers as T
 from safetensors import safe_open
 
 import enjoyln
-from enjoyln.capture import hf_example_inputs
-from enjoyln.checkpoint import fold_checkpoint, load
+from enjoyln.analysis.capture import hf_example_inputs
+from enjoyln.convert import fold_checkpoint, load
 from enjoyln.testing import perturb
 from conftest import assert_same_outputs
 

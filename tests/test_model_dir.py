@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from enjoyln import CheckpointError
-from enjoyln.checkpoint import fold_checkpoint, open_model_dir
-from enjoyln.cli import app
+from enjoyln.convert import fold_checkpoint, open_model_dir
+from enjoyln.cli.commands import app
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir as clone
 
@@ -93,7 +93,7 @@ def test_output_modes_follow_the_umask(src, tmp_path):
 
 
 def test_throughput_counts_the_copy_not_the_analysis(src, tmp_path, monkeypatch):
-    from enjoyln import checkpoint
+    from enjoyln import convert as checkpoint
 
     real = checkpoint.analyze
     monkeypatch.setattr(checkpoint, "analyze", lambda *a, **k: time.sleep(1.0) or real(*a, **k))
@@ -137,7 +137,7 @@ def test_trusted_remote_code_is_analysed_run_and_kept(src, tmp_path, monkeypatch
 def test_only_enjoyln_temp_dir_names_are_judged_stale(tmp_path):
     """A user's own `.out.enjoyln-backup-2024` is not debris; glob characters in OUT_DIR's name
     neither hide its own debris nor match another OUT_DIR's."""
-    from enjoyln.model_dir import clean_stale, stale_temp_dirs
+    from enjoyln.store.model_dir import clean_stale, stale_temp_dirs
 
     mine = tmp_path / ".out.enjoyln-backup-2024"
     mine.mkdir()
@@ -179,7 +179,7 @@ def test_a_symlinked_or_dot_out_dir_is_written_where_it_points(src, tmp_path, mo
 def test_directory_links_that_loop_or_fan_out_are_copied_once(src, tmp_path):
     """a/tob -> ../b and b/toa -> ../a used to recurse until 'Too many levels of symbolic links'
     failed the fold; twenty levels of two links each would have copied a file a million times."""
-    from enjoyln.model_dir import copy_extras
+    from enjoyln.store.model_dir import copy_extras
 
     model = clone(src, tmp_path / "model")
     (model / "a").mkdir()
@@ -225,7 +225,7 @@ def test_a_huge_json_file_is_never_read_whole(src, tmp_path):
     now it is compared streaming, and a file only the candidate has fails unread."""
     import tracemalloc
 
-    from enjoyln.static_check import static_check
+    from enjoyln.checking.static import static_check
 
     ref = clone(src, tmp_path / "ref")
     fold_checkpoint(ref, tmp_path / "folded", check="none")

@@ -13,7 +13,7 @@ import collections
 
 import pytest
 
-from enjoyln import mutation as mu
+from enjoyln.testing.mutation import drawing as mu
 
 pytestmark = pytest.mark.slow
 

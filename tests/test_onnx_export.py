@@ -16,8 +16,8 @@ for name in ("onnx", "onnxscript", "onnxruntime"):
 
 import onnx  # noqa: E402
 
-from enjoyln.capture import Inputs  # noqa: E402
-from enjoyln.onnx_export import RMS_OPS, export_onnx, ort_session, second_shape  # noqa: E402
+from enjoyln.analysis.capture import Inputs  # noqa: E402
+from enjoyln.export.onnx import RMS_OPS, export_onnx, ort_session, second_shape  # noqa: E402
 
 
 class Exports:
@@ -219,7 +219,7 @@ def test_unusable_opset_is_refused_and_leaves_no_file(tmp_path, opset, message):
 def test_cli_export_fuse_affine_optimize(tmp_path):
     from typer.testing import CliRunner
 
-    from enjoyln.cli import app
+    from enjoyln.cli.commands import app
 
     src = tmp_path / "vit"
     perturb(tiny_model("vit"), seed=42).save_pretrained(src)
@@ -241,8 +241,8 @@ def test_cli_export_fuse_affine_optimize(tmp_path):
 def test_cli_export_refuses_fuse_affine_on_a_plainly_folded_directory(tmp_path):
     from typer.testing import CliRunner
 
-    from enjoyln.checkpoint import fold_checkpoint
-    from enjoyln.cli import app
+    from enjoyln.convert import fold_checkpoint
+    from enjoyln.cli.commands import app
 
     src = tmp_path / "gpt2"
     perturb(tiny_model("gpt2"), seed=42).save_pretrained(src)
@@ -256,7 +256,7 @@ def test_cli_export_refuses_fuse_affine_on_a_plainly_folded_directory(tmp_path):
 
 def test_a_nan_or_inf_where_pytorch_is_finite_is_a_difference(tmp_path):
     """max(worst, nan) is worst: a NaN output would have passed the export's own check."""
-    from enjoyln.onnx_export import compare_with_onnxruntime
+    from enjoyln.export.onnx import compare_with_onnxruntime
 
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).eval()
     x = torch.randn(2, 8)

@@ -8,9 +8,9 @@ import transformers
 from torch import nn
 
 import enjoyln
-from enjoyln.capture import hf_example_inputs
-from enjoyln.rewrite import _tensor
-from enjoyln.rotation import hadamard_matrix, rotate_, rotation_matrix
+from enjoyln.analysis.capture import hf_example_inputs
+from enjoyln.transform.steps import _tensor
+from enjoyln.analysis.rotation import hadamard_matrix, rotate_, rotation_matrix
 from enjoyln.testing import perturb, tiny_model
 from conftest import assert_same_outputs, steps_keep_their_promise
 
@@ -176,7 +176,7 @@ def test_a_tied_head_is_rotated_with_the_embedding():
 def test_rotated_checkpoint_through_the_command_line(tmp_path):
     from typer.testing import CliRunner
 
-    from enjoyln.cli import app
+    from enjoyln.cli.commands import app
 
     src = tmp_path / "src"
     model = perturb(tiny_model("phi"), seed=28)
@@ -205,7 +205,7 @@ def test_rotated_checkpoint_through_the_command_line(tmp_path):
 def test_rotate_refusal_through_the_command_line_writes_nothing(tmp_path):
     from typer.testing import CliRunner
 
-    from enjoyln.cli import app
+    from enjoyln.cli.commands import app
 
     src = tmp_path / "bert"
     perturb(tiny_model("bert"), seed=30).save_pretrained(src)

@@ -254,7 +254,7 @@ def test_near_miss_heads_mixed_before_the_norm():
 
 
 def test_centering_one_tensor_in_blocks_for_two_norms_in_a_checkpoint_entry():
-    from enjoyln.checkpoint import _block_union
+    from enjoyln.convert import _block_union
 
     assert _block_union((0, 3), (1, 4)) == (0, 1, 3, 4)
     assert _block_union(None, (1,)) is None
@@ -321,7 +321,7 @@ def test_data_dependent_sizes_are_a_refusal_not_a_crash():
 
 
 def test_any_analysis_failure_is_one_line_naming_the_op_and_module(monkeypatch):
-    from enjoyln import rules
+    from enjoyln.analysis import rules
 
     def broken(op):
         raise IndexError("tuple index out of range")

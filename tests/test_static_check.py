@@ -10,8 +10,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import enjoyln
-from enjoyln.checkpoint import fold_checkpoint, open_model_dir
-from enjoyln.static_check import static_check
+from enjoyln.convert import fold_checkpoint, open_model_dir
+from enjoyln.checking.static import static_check
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir as clone
 
@@ -154,7 +154,7 @@ def test_pickle_reference(pair, tmp_path):
 
 
 def test_check_static_mode_runs_no_model(pair, monkeypatch):
-    from enjoyln import checkpoint
+    from enjoyln import convert as checkpoint
 
     ref, folded, _ = pair
     monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("static mode loaded a model"))
@@ -165,8 +165,8 @@ def test_check_static_mode_runs_no_model(pair, monkeypatch):
 def test_fold_refuses_a_forward_check_that_cannot_fit(pair, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from enjoyln import checkpoint
-    from enjoyln.cli import app
+    from enjoyln import convert as checkpoint
+    from enjoyln.cli.commands import app
 
     ref, _, _ = pair
     monkeypatch.setattr(checkpoint, "available_memory", lambda: 1 << 20)
@@ -183,7 +183,7 @@ def test_fold_refuses_a_forward_check_that_cannot_fit(pair, tmp_path, monkeypatc
 def test_bounded_check_offloads_and_still_catches_a_change(pair, tmp_path, monkeypatch):
     """Within a budget far below the model, weights come from disk as each layer runs; the check
     stays exact, and a changed weight still fails the forward comparison."""
-    from enjoyln import checkpoint
+    from enjoyln import convert as checkpoint
 
     ref, folded, _ = pair
     monkeypatch.setattr(checkpoint, "_activation_bytes", lambda md: 0)
@@ -208,7 +208,7 @@ def test_bounded_check_offloads_and_still_catches_a_change(pair, tmp_path, monke
 
 
 def test_fold_runs_the_check_one_model_at_a_time_when_two_do_not_fit(pair, tmp_path, monkeypatch):
-    from enjoyln import checkpoint
+    from enjoyln import convert as checkpoint
 
     ref, _, _ = pair
     monkeypatch.setattr(checkpoint, "forward_check_bytes", lambda md: 1 << 40)  # "does not fit twice"
@@ -222,7 +222,7 @@ def test_a_half_precision_change_within_a_few_ulps_of_the_maximum_is_caught(tmp_
     margin did not see it either. Each element may be off by one ulp of itself, no more."""
     from typer.testing import CliRunner
 
-    from enjoyln.cli import app
+    from enjoyln.cli.commands import app
 
     perturb(tiny_model("gpt2"), seed=41).to(torch.bfloat16).save_pretrained(tmp_path / "ref")
     fold_checkpoint(tmp_path / "ref", tmp_path / "folded", check="none")
@@ -560,7 +560,7 @@ def test_trusted_remote_code_is_compared(pair, tmp_path, monkeypatch):
 def test_every_claim_of_the_enjoyln_block_is_verified(pair, tmp_path):
     """A rotation that does not keep the mean is exact only through enjoyln.load: a block claiming
     plain loading is exact too is a false promise."""
-    from enjoyln import checkpoint
+    from enjoyln import convert as checkpoint
 
     ref, folded, _ = pair
     rotated = tmp_path / "rotated"
@@ -608,8 +608,8 @@ def gptj_with_positions(tmp_path, n_positions):
 def test_the_memory_check_counts_what_the_model_builds_from_its_config(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from enjoyln import checkpoint
-    from enjoyln.cli import app
+    from enjoyln import convert as checkpoint
+    from enjoyln.cli.commands import app
 
     ref = gptj_with_positions(tmp_path, 8_000_000)  # a 256 MB table in each of the two models
     monkeypatch.setattr(checkpoint, "available_memory", lambda: 1 << 30)
@@ -627,7 +627,7 @@ def test_the_memory_check_counts_what_the_model_builds_from_its_config(tmp_path,
 
 def test_a_table_too_large_to_build_is_refused_before_it_is_built(tmp_path, monkeypatch):
     """n_positions = 1e9 makes a 32 GB table: refused, never allocated."""
-    from enjoyln import checkpoint
+    from enjoyln import convert as checkpoint
 
     ref = gptj_with_positions(tmp_path, 1_000_000_000)
     monkeypatch.setattr(checkpoint, "available_memory", lambda: 8 << 30)
@@ -638,7 +638,7 @@ def test_a_table_too_large_to_build_is_refused_before_it_is_built(tmp_path, monk
 
 
 def test_forward_only_still_compares_the_dtype_the_model_loads_in(pair, tmp_path, monkeypatch):
-    from enjoyln import checkpoint
+    from enjoyln import convert as checkpoint
 
     ref, folded, _ = pair
     cand = set_config(cand_of(folded, tmp_path), dtype="float16")
@@ -652,7 +652,7 @@ def test_forward_only_still_compares_the_dtype_the_model_loads_in(pair, tmp_path
 def test_a_candidate_meant_for_another_dtype_is_judged_in_it_on_both_paths(pair, tmp_path, monkeypatch):
     """With --dtype the forward comparison runs the candidate as from_pretrained loads it, also
     when the models run one at a time (which chose the dtype from the stored weights)."""
-    from enjoyln import checkpoint
+    from enjoyln import convert as checkpoint
 
     ref, folded, _ = pair
     cand = set_config(cand_of(folded, tmp_path), dtype="bfloat16")
@@ -666,7 +666,7 @@ def test_a_candidate_meant_for_another_dtype_is_judged_in_it_on_both_paths(pair,
 
 def test_forward_only_counts_what_the_candidate_builds(tmp_path, monkeypatch):
     """Without the static check, the candidate's config is whatever it says: its table counts."""
-    from enjoyln import checkpoint
+    from enjoyln import convert as checkpoint
 
     ref = gptj_with_positions(tmp_path / "r", 64)
     cand = gptj_with_positions(tmp_path / "c", 1_000_000_000)

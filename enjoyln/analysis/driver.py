@@ -31,9 +31,9 @@ from torch import fx, nn
 from .capture import Capture, ExampleInputs, capture
 from .affine import plan_fusion
 from .dataflow import Dataflow, NotZero, State, Zero
-from .errors import CaptureError
+from ..errors import CaptureError
 from .graph import FUNCTIONAL_LN, GN_OPS, LN_OPS, GraphIndex, arg, op_name, shape
-from .plan import AuxCentering, FoldPlan, LayerNormEntry, Untie
+from ..plan import AuxCentering, FoldPlan, LayerNormEntry, Untie
 from .rules import DROPOUT_OPS, Refusal, Source, kind_of
 from .soundness import ShiftSoundness, gn_groups
 
@@ -304,7 +304,7 @@ class Analysis:
 
 def norm_module_paths(model: nn.Module) -> list[str]:
     """Paths of the model's LayerNorm and GroupNorm modules, folded or not."""
-    from .norm import GroupRMSNorm, RMSNorm
+    from ..modules.norm import GroupRMSNorm, RMSNorm
 
     kinds = (nn.LayerNorm, nn.GroupNorm, RMSNorm, GroupRMSNorm)
     return sorted(name for name, m in model.named_modules() if name and isinstance(m, kinds))
@@ -451,7 +451,7 @@ def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs, wei
     gives the parameters to center and confirms every predicted fold. The
     hooks are removed again before returning.
     """
-    from . import centering
+    from ..modules import centering
 
     unhooked = capture(model, example_inputs)
     predicted, _ = auxiliary_plan(unhooked, weights=weights)

@@ -38,7 +38,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 PT_WEIGHTS, PT_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -445,7 +445,7 @@ def load_dtype(md: ModelDir) -> tuple[str, str]:
         if isinstance(metadata, dict) and "dtype" in metadata:
             return dtype_name(metadata["dtype"]), f"the metadata of {index.name}"
     if md.pickled:
-        from .checkpoint import _load_pickled
+        from ..convert import _load_pickled
 
         found = [t.dtype for shard, t in _load_pickled(md).values() if shard == md.shards[0]]
     else:  # safetensors lists the keys sorted

@@ -35,9 +35,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from .inputs import (ExampleInputs, Inputs, as_inputs, config_value, hf_example_inputs, is_causal_lm,
+from ..analysis.inputs import (ExampleInputs, Inputs, as_inputs, config_value, hf_example_inputs, is_causal_lm,
                      is_hf_model, wants_no_cache)
-from .errors import CaptureError, EnjoylnError
+from ..errors import CaptureError, EnjoylnError
 
 HALF = (torch.float16, torch.bfloat16)
 WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .errors import CaptureError
+from ..errors import CaptureError
 
 ExampleInputs = Any
 """A tensor, a tuple of positional arguments, or a dict of keyword arguments."""

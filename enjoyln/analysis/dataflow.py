@@ -15,7 +15,7 @@ from typing import Any
 from torch import fx, nn
 
 from .graph import GN_OPS, LN_OPS, META_OPS, GraphIndex, op_name, shape
-from .plan import AuxCentering
+from ..plan import AuxCentering
 from .rules import (MAP, RESHAPE_OPS, SCALE, SUM, Layout, Refusal, Source, carry, carry_layout,
                     kind_of, map_chain, param_source, per_feature_param, per_row, source_of, split_axis)
 

@@ -39,11 +39,11 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .errors import CheckpointError, EnjoylnError
-from .model_dir import (_OWNER, DTYPES, JSON_LIMIT, PT_INDEX, SAFE_INDEX, ModelDir, TensorInfo, check_shapes,
+from ..errors import CheckpointError, EnjoylnError
+from ..store.model_dir import (_OWNER, DTYPES, JSON_LIMIT, PT_INDEX, SAFE_INDEX, ModelDir, TensorInfo, check_shapes,
                         checkpoint_key, extra_files, input_file, is_weight_file, load_dtype, loader_files,
                         meta_model, parse_json_file, saved_names)
-from .plan import Centering, FoldPlan, block_lists
+from ..plan import Centering, FoldPlan, block_lists
 
 _CHUNK = 16 << 20
 LOAD_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -100,7 +100,7 @@ class _Reader:
         self.pickled: dict[str, torch.Tensor] | None = None
         self.bytes_read = 0
         if md.pickled:
-            from .checkpoint import _load_pickled
+            from ..convert import _load_pickled
 
             self.pickled = {k: t for k, (_, t) in _load_pickled(md).items()}
 
@@ -167,7 +167,7 @@ def center_as_planned(t: torch.Tensor, cs: list[Centering], read: Callable[[str]
     """``t`` centered in place as ``cs`` say (per-head centerings of one weight come as several),
     by the very function the fold uses (float64 arithmetic, one block at a time, so no wide copy
     of the whole tensor). ``read`` gives a LayerScale gain by parameter name."""
-    from .rewrite import center_
+    from ..transform.steps import center_
 
     for c in cs:
         center_(t, c.axis, c.groups, scale=read(c.scale) if c.scale else None, blocks=c.blocks)
@@ -360,7 +360,7 @@ def _config_problems(expected: dict[str, Any], actual: dict[str, Any], dtype: st
 def _expected_config(ref: ModelDir, plan: FoldPlan, *, block: bool) -> dict[str, Any]:
     """config.json as a fold of ``ref`` by ``plan`` writes it (without the enjoyln block, as a
     fold saved by transformers has it)."""
-    from .checkpoint import _output_config
+    from ..convert import _output_config
 
     config = _output_config(ref, plan)
     if not block:
@@ -565,7 +565,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     >>> static_check(open_model_dir("gpt2"), open_model_dir("gpt2-folded")).passed  # doctest: +SKIP
     True
     """
-    from .checkpoint import _analyze, final_tensors, moves_values
+    from ..convert import _analyze, final_tensors, moves_values
 
     start = time.perf_counter()
     dtype = parse_dtype(dtype)

@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 from .graph import GN_OPS, LN_OPS, GraphIndex, arg, op_name, reads_value, shape
-from .plan import AuxCentering, Untie
+from ..plan import AuxCentering, Untie
 from .rules import (MAP, RESHAPE_OPS, SCALE, SUM, Layout, Refusal, Source, carry, carry_layout, kind_of, per_row,
                     source_of, split_axis)
 

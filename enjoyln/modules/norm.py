@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from . import ops
+from .. import ops
 
 
 class RMSNorm(nn.Module):

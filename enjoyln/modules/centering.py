@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import PlanError
+from ..errors import PlanError
 
 _MARK = "_enjoyln_centering"
 

@@ -14,13 +14,13 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
-from . import centering
-from .analysis import FUNCTIONAL_LN, analyze
-from .capture import ExampleInputs
-from .errors import PlanError
-from .norm import GroupRMSNorm, RMSNorm
-from .ops import rms_norm
-from .plan import AFFINE_FUSED, AFFINE_GAIN, Centering, FoldPlan, Fused
+from ..modules import centering
+from ..analysis.driver import FUNCTIONAL_LN, analyze
+from ..analysis.capture import ExampleInputs
+from ..errors import PlanError
+from ..modules.norm import GroupRMSNorm, RMSNorm
+from ..ops import rms_norm
+from ..plan import AFFINE_FUSED, AFFINE_GAIN, Centering, FoldPlan, Fused
 
 
 def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -428,7 +428,7 @@ class RotateStream(Transformation):
     preserves_computation = True
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
-        from .rotation import KINDS
+        from ..analysis.rotation import KINDS
 
         r = plan.rotation
         if r is None:
@@ -441,7 +441,7 @@ class RotateStream(Transformation):
                 raise PlanError(f"the plan rotates {rot.param} along axis {rot.axis}, which it does not have")
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
-        from .rotation import apply_rotation
+        from ..analysis.rotation import apply_rotation
 
         if plan.rotation is not None:
             with torch.no_grad():
@@ -485,7 +485,7 @@ def check_fits(model: nn.Module, plan: FoldPlan) -> None:
     """Refuse a plan made for another model: another class, or other norm modules
     (a plan for 2 layers applied to 3 would leave the third layer's sources
     uncentered under a swapped final norm)."""
-    from .analysis import norm_module_paths
+    from ..analysis.driver import norm_module_paths
 
     if plan.model and plan.model != type(model).__name__:
         raise PlanError(f"the plan was made for a {plan.model}, not a {type(model).__name__}")

@@ -17,8 +17,8 @@ import torch
 from torch import fx, nn
 
 from .capture import Capture
-from .errors import AnalysisError, EnjoylnError
-from .plan import Centering
+from ..errors import AnalysisError, EnjoylnError
+from ..plan import Centering
 
 LN_OPS = {"layer_norm", "native_layer_norm"}
 GN_OPS = {"group_norm", "native_group_norm", "instance_norm"}

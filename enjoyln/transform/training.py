@@ -23,11 +23,11 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from . import centering
-from .analysis import analyze
-from .capture import ExampleInputs
-from .plan import FoldPlan
-from .rewrite import (InsertCentering, SeparateTies, SwapLayerNorms, UntieParameters, _owner, _untie_config,
+from ..modules import centering
+from ..analysis.driver import analyze
+from ..analysis.capture import ExampleInputs
+from ..plan import FoldPlan
+from .steps import (InsertCentering, SeparateTies, SwapLayerNorms, UntieParameters, _owner, _untie_config,
                       center_)
 
 

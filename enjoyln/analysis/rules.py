@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from .graph import GraphIndex, arg, norm_dim, op_key, op_name, shape
-from .plan import Centering
+from ..plan import Centering
 
 MAP, SUM, SCALE = "map", "sum", "scale"
 

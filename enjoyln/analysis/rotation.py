@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 from .graph import LN_OPS, GraphIndex, op_name, shape
-from .plan import AFFINE_FUSED, AFFINE_GAIN, FoldPlan, LayerNormEntry, Rotated, Rotation
+from ..plan import AFFINE_FUSED, AFFINE_GAIN, FoldPlan, LayerNormEntry, Rotated, Rotation
 from .rules import MAP, SCALE, SUM, Refusal, Source, carry, kind_of, source_of
 from .soundness import Flags, Hits, Shift, Spread
 

@@ -94,7 +94,7 @@ _CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world", "a mode
 def _gpt2_reference(path: Path, seed: int) -> None:
     from safetensors.torch import load_file, save_file
 
-    from .testing import perturb, tiny_model
+    from .. import perturb, tiny_model
 
     model = perturb(tiny_model("gpt2", seed=seed, n_layer=1, n_embd=32, n_head=2, n_positions=16), seed=seed)
     # as in the hub's gpt2: a nested dict that no model reads
@@ -166,7 +166,7 @@ def _sentencepiece_model() -> bytes:
 def _run_cli(*args: str) -> None:
     from typer.testing import CliRunner
 
-    from .cli import app
+    from ...cli.commands import app
 
     result = CliRunner().invoke(app, list(args))
     if result.exit_code != 0:
@@ -192,7 +192,7 @@ def build_sources(root: str | os.PathLike) -> list[Source]:
     """
     from transformers import ViTImageProcessor
 
-    from .testing import perturb, tiny_model
+    from .. import perturb, tiny_model
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -1160,7 +1160,7 @@ def observe(directory: str | os.PathLike, source: Source) -> dict[str, Any]:
     processor's pixels. A loader that fails is recorded with its error."""
     import transformers
 
-    from .checkpoint import load
+    from ...convert import load
 
     root = Path(directory)
     obs: dict[str, Any] = {}
@@ -1239,8 +1239,8 @@ def _config_as_loaded_dir(root: Path) -> Any:
 
 def _plan_as_loaded(root: Path) -> str:
     """The fold plan ``enjoyln.load`` reads from the ``enjoyln`` block (None without one)."""
-    from .model_dir import open_model_dir
-    from .static_check import recorded_plan
+    from ...store.model_dir import open_model_dir
+    from ...checking.static import recorded_plan
 
     plan = recorded_plan(open_model_dir(root))
     return json.dumps(plan.to_dict() if plan is not None else None, sort_keys=True)
@@ -1357,7 +1357,7 @@ def gate(reference: str | os.PathLike, candidate: str | os.PathLike) -> tuple[in
     code, and the first line of its output that says why (empty for a pass)."""
     from typer.testing import CliRunner
 
-    from .cli import app
+    from ...cli.commands import app
 
     result = CliRunner().invoke(app, ["check", str(reference), str(candidate)])
     lines = [line.strip() for line in result.output.splitlines() if line.strip()]

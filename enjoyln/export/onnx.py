@@ -40,9 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture import ExampleInputs, Inputs, config_value, is_causal_lm, is_hf_model, resolve_inputs
-from .equivalence import _inputs_like, flatten_outputs
-from .errors import EnjoylnError
+from ..analysis.capture import ExampleInputs, Inputs, config_value, is_causal_lm, is_hf_model, resolve_inputs
+from ..checking.forward import _inputs_like, flatten_outputs
+from ..errors import EnjoylnError
 
 DEFAULT_OPSET = 23
 OPTIMIZE_OPSET = 22
@@ -162,7 +162,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
     _require()
     import onnx
 
-    from . import ops  # noqa: F401  (registers enjoyln::rms_norm, which the table below translates)
+    from .. import ops  # noqa: F401  (registers enjoyln::rms_norm, which the table below translates)
 
     opset = opset if opset is not None else (OPTIMIZE_OPSET if optimize else DEFAULT_OPSET)
     newest = onnx.defs.onnx_opset_version()

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from torch import nn
 
-from .analysis import Analysis
+from .driver import Analysis
 from .capture import ExampleInputs, capture
-from .errors import EnjoylnError
+from ..errors import EnjoylnError
 
 _COLOURS = {"ln": "#cfe2ff", "op": "#ffffff", "source": "#c7f0c2", "centerable": "#fff3bf",
             "zero": "#e6e6e6", "blocked": "#f8c4c4"}

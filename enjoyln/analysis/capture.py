@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .errors import CaptureError
+from ..errors import CaptureError
 from .inputs import (ExampleInputs, Inputs, as_inputs, config_value, hf_example_inputs, is_causal_lm,
                      is_hf_model, resolve_inputs)
 

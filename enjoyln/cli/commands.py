@@ -24,8 +24,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from .errors import CheckFailed, EnjoylnError, Interrupted
-from .plan import FoldPlan, format_bytes
+from ..errors import CheckFailed, EnjoylnError, Interrupted
+from ..plan import FoldPlan, format_bytes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fold LayerNorm into RMSNorm with exactly the same outputs.")
@@ -309,7 +309,7 @@ def rotate(
     rtol: Optional[float] = typer.Option(None, min=0.0, help=_RTOL_HELP),
 ) -> None:
     """Fold with fused affines and rotate the residual stream by an orthogonal Q; same outputs, proved."""
-    from .rotation import KINDS
+    from ..analysis.rotation import KINDS
 
     if kind not in KINDS:
         raise EnjoylnError(f"unknown --kind {kind!r}; use {' or '.join(KINDS)}")
@@ -325,7 +325,7 @@ def _fold_command(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[st
                   trust_remote_code: bool, auxiliary_centering: bool, fuse_affine: bool,
                   rotate: Optional[tuple[str, int, bool]], batches: int, seq_len: int,
                   max_memory: Optional[str], rtol: Optional[float] = None) -> None:
-    from .checkpoint import fold_checkpoint, parse_size
+    from ..convert import fold_checkpoint, parse_size
 
     start = time.perf_counter()
     mode = "none" if not check else "static" if static else "full"
@@ -426,16 +426,16 @@ def inspect(
     rotate: Optional[str] = typer.Option(None, help="Also say whether the stream can be rotated (hadamard or random)."),
 ) -> None:
     """Analyse a model directory on the meta device: which LNs fold, and why not."""
-    from .checkpoint import analyze_checkpoint
-    from .rotation import KINDS
+    from ..convert import analyze_checkpoint
+    from ..analysis.rotation import KINDS
 
     if rotate is not None and rotate not in KINDS:
         raise EnjoylnError(f"unknown --rotate {rotate!r}; use {' or '.join(KINDS)}")
     plan = analyze_checkpoint(model_dir, allow_pickle=allow_pickle, auxiliary_centering=auxiliary_centering,
                               fuse_affine=fuse_affine, rotate=(rotate, 0, True) if rotate else None)
     if graph is not None:
-        from .checkpoint import meta_model, open_model_dir
-        from .graph_view import write_graph
+        from ..convert import meta_model, open_model_dir
+        from ..analysis.explain import write_graph
 
         write_graph(meta_model(open_model_dir(model_dir, allow_pickle=allow_pickle)), graph)
         if plan.auxiliary:
@@ -471,7 +471,7 @@ def check_cmd(
                                                         "e.g. 1GB (default: automatic)."),
 ) -> None:
     """CI gate: exit 0 if CANDIDATE computes what REFERENCE does, 1 if not, 2 on bad input."""
-    from .checkpoint import check_checkpoints, parse_size
+    from ..convert import check_checkpoints, parse_size
 
     if static and forward_only:
         raise EnjoylnError("--static and --forward-only exclude each other")
@@ -498,10 +498,10 @@ def demo(
     width: int = typer.Option(256, min=1, help="Hidden size of the demo GPT-2."),
 ) -> None:
     """The whole flow on a small GPT-2 that enjoyln builds itself: build, inspect, fold, check, time."""
-    from .bench import compare_latency
-    from .capture import hf_example_inputs
-    from .checkpoint import analyze_checkpoint, check_checkpoints, fold_checkpoint, load
-    from .testing import demo_checkpoint
+    from ..bench import compare_latency
+    from ..analysis.capture import hf_example_inputs
+    from ..convert import analyze_checkpoint, check_checkpoints, fold_checkpoint, load
+    from ..testing import demo_checkpoint
 
     temp = None
     if workdir is None:
@@ -579,8 +579,8 @@ def bench(
     """Measure enjoyln RMSNorm against native LayerNorm, alone and in a model."""
     import torch
 
-    from . import ops
-    from .bench import end_to_end, kernel_benchmark
+    from .. import ops
+    from ..bench import end_to_end, kernel_benchmark
 
     if device == "cuda" and not torch.cuda.is_available():
         raise EnjoylnError("--device cuda, but CUDA is not available")
@@ -608,7 +608,7 @@ def bench(
     e2e_result = None
     if e2e or compile_:
         original, folded = _bench_models(model_dir, device)
-        from .capture import hf_example_inputs
+        from ..analysis.capture import hf_example_inputs
 
         inputs = hf_example_inputs(original, batch=batch, seq_len=seq_len)
     if e2e:
@@ -626,7 +626,7 @@ def bench(
                       f"a bare copy in their place {copy_ms:.2f} ms (the floor: at best "
                       f"{e2e_result.best_possible_speedup:+.2%} end to end)")
     if compile_:
-        from .bench import compiled_comparison
+        from ..bench import compiled_comparison
 
         comp = compiled_comparison(original, folded, inputs, repeats=repeats)
         payload["compiled"] = comp.to_dict()
@@ -640,7 +640,7 @@ def bench(
                       f"ones with the residual add fused in; compile {comp.compile_s[0]:.0f} s and "
                       f"{comp.compile_s[1]:.0f} s")
     if plot is not None:
-        from .bench import plot_results
+        from ..bench import plot_results
 
         plot_results(results, e2e_result, plot)
         if not as_json:
@@ -653,13 +653,13 @@ def _bench_models(model_dir: Optional[Path], device: str) -> tuple[Any, Any]:
     """(original, folded): from a directory (either kind), or a random GPT-2 small."""
     import copy
 
-    from . import fold as fold_model
-    from .checkpoint import load, open_model_dir
+    from .. import fold as fold_model
+    from ..convert import load, open_model_dir
 
     if model_dir is None:
         import transformers
 
-        from .testing import perturb
+        from ..testing import perturb
 
         original = perturb(transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval())
         folded = fold_model(copy.deepcopy(original))
@@ -695,11 +695,11 @@ def export_cmd(
 ) -> None:
     """Export to ONNX with RMSNorm as one op and dynamic batch and sequence axes; check the
     file and run it in onnxruntime at the traced shape and a second one."""
-    from . import fold as fold_model
-    from .capture import hf_example_inputs
-    from .checkpoint import load, open_model_dir
-    from .onnx_export import export_onnx
-    from .static_check import recorded_plan
+    from .. import fold as fold_model
+    from ..analysis.capture import hf_example_inputs
+    from ..convert import load, open_model_dir
+    from ..export.onnx import export_onnx
+    from ..checking.static import recorded_plan
 
     import logging
 
@@ -747,7 +747,7 @@ def export_cmd(
 
 def main() -> None:
     """Run the command line (the console script goes through ``enjoyln.__main__``)."""
-    from .__main__ import main as entry
+    from ..__main__ import main as entry
 
     entry()
 

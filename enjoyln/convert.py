@@ -32,19 +32,19 @@ import torch
 from torch import nn
 
 from ._version import __version__
-from .analysis import analyze, norm_module_paths
+from .analysis.driver import analyze, norm_module_paths
 from .errors import CheckFailed, CheckpointError, EnjoylnError
-from .model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, ModelDir, TensorInfo,
+from .store.model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, ModelDir, TensorInfo,
                         check_out_dir, check_shapes, checkpoint_key, clean_stale,
                         copy_extras, keep_failed as _keep_failed, load_dtype, meta_model, missing_dirs, model_class,
                         open_model_dir, publish, read_safetensors_header, remove_dirs, saved_names, signals_held,
                         temp_dir)
 from .plan import AFFINE_GAIN, FORMAT_VERSION, FoldPlan, block_lists, format_bytes
-from .rewrite import (InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits,
+from .transform.steps import (InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits,
                       ties_lost_on_untie)
 
 if TYPE_CHECKING:
-    from .equivalence import CheckReport
+    from .checking.forward import CheckReport
 
 __all__ = ["fold_checkpoint", "analyze_checkpoint", "check_checkpoints", "load", "open_model_dir",
            "read_safetensors_header", "meta_model", "parse_size", "FoldResult", "ModelDir", "TensorInfo"]
@@ -823,7 +823,7 @@ def _load(path: str | os.PathLike, *, plain: bool, allow_pickle: bool = False, t
           **from_pretrained_kwargs: Any) -> nn.Module:
     """``load``, or with ``plain`` what transformers' own ``from_pretrained`` gives (the recorded
     LNs stay LayerNorms): the two ways a user may load a folded directory."""
-    from .static_check import recorded_plan
+    from .checking.static import recorded_plan
 
     md = open_model_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     cls = model_class(md)
@@ -853,8 +853,8 @@ def _load(path: str | os.PathLike, *, plain: bool, allow_pickle: bool = False, t
         # (and rotate them) again
         center_all(model, [c for c in plan.centered if not c.saved])
         if plan.rotation is not None:
-            from .rotation import apply_rotation
-            from .rewrite import _tensor
+            from .analysis.rotation import apply_rotation
+            from .transform.steps import _tensor
 
             with torch.no_grad():
                 for rot in plan.rotation.rotated:
@@ -971,7 +971,7 @@ def _largest_tensor(md: ModelDir) -> int:
 def _activation_bytes(md: ModelDir) -> int:
     """A generous bound on one forward's largest live tensors with one row of the coverage
     batch: the logits over the vocabulary, or a few hidden states."""
-    from .equivalence import MAX_COVER_POSITIONS
+    from .checking.forward import MAX_COVER_POSITIONS
 
     cfg = md.config
     length = min(int(config_value_dict(cfg, "max_position_embeddings", "n_positions") or 512), MAX_COVER_POSITIONS)
@@ -1073,8 +1073,8 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
     >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
     True
     """
-    from .equivalence import CheckReport, ModelSource, check_sources
-    from .static_check import StaticReport, load_problems, parse_dtype, static_check
+    from .checking.forward import CheckReport, ModelSource, check_sources
+    from .checking.static import StaticReport, load_problems, parse_dtype, static_check
 
     if mode not in ("full", "static", "forward"):
         raise EnjoylnError(f"unknown check mode {mode!r}; use full, static or forward")
@@ -1126,7 +1126,7 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
 def _path_kwargs(plain: Any, required: bool | None) -> dict[str, Any]:
     """The candidate's load paths for ``check_sources``: ``enjoyln.load``, and plain
     ``from_pretrained`` unless the two are the same (no ``enjoyln`` block: ``required`` None)."""
-    from .equivalence import CandidatePath
+    from .checking.forward import CandidatePath
 
     others = [] if required is None else [CandidatePath("from_pretrained", plain, required)]
     return {"candidate_path": "enjoyln.load", "other_paths": others}
@@ -1141,7 +1141,7 @@ def _plain_loading(md: ModelDir, *, verified: bool) -> tuple[bool | None, str, s
     believed: a block claiming exactness anywhere gets the plain path held to it. Without the
     static check (``verified`` False) nothing proves the block, so the verdict says what it
     leaves out."""
-    from .static_check import recorded_plan
+    from .checking.static import recorded_plan
 
     plan = recorded_plan(md)
     if plan is None:
@@ -1170,7 +1170,7 @@ def _bounded_check(ref_md: ModelDir, cand_md: ModelDir, max_memory: int, load_kw
     forward's activations, both twice as wide for the truth (the reference in
     the next wider dtype); the reference's outputs wait on disk.
     """
-    from .equivalence import ModelSource, check_sources
+    from .checking.forward import ModelSource, check_sources
 
     if ref_md.pickled or cand_md.pickled:
         raise CheckpointError("a check within a memory budget reads weights from safetensors files; convert "

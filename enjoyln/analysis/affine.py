@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from torch import fx
 
 from .graph import GraphIndex, arg, norm_dim, op_name, reads_value, shape
-from .plan import AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT, Fused, LayerNormEntry, Untie
+from ..plan import AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT, Fused, LayerNormEntry, Untie
 from .rules import CAST_OPS, DROPOUT_OPS, RESHAPE_OPS, SPLIT_OPS, Refusal, carry
 
 # Ops that only move values around: through them, every element still carries its own

@@ -1,0 +1,1 @@
+"""Export of folded models to other formats (ONNX)."""
