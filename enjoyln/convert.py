@@ -33,13 +33,13 @@ from torch import nn
 
 from ._version import __version__
 from .analysis.driver import analyze, norm_module_paths
-from .errors import CheckFailed, CheckpointError, EnjoylnError
+from .errors import CheckFailed, CheckpointError, EnjoylnError, first_line
 from .store.model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, ModelDir, TensorInfo,
                         check_out_dir, check_shapes, checkpoint_key, clean_stale,
                         copy_extras, keep_failed as _keep_failed, load_dtype, meta_model, missing_dirs, model_class,
                         open_model_dir, publish, read_safetensors_header, remove_dirs, saved_names, signals_held,
                         temp_dir)
-from .plan import AFFINE_GAIN, FORMAT_VERSION, FoldPlan, block_lists, format_bytes
+from .plan import AFFINE_GAIN, FORMAT_VERSION, NOT_ROTATED, FoldPlan, RotationSpec, block_lists, format_bytes
 from .transform.steps import (InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits,
                       ties_lost_on_untie)
 
@@ -58,7 +58,8 @@ CHECK_MODES = ("full", "static", "none")
 
 def analyze_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
                        auxiliary_centering: bool = False, trust_remote_code: bool = False,
-                       fuse_affine: bool = False, rotate: tuple[str, int, bool] | None = None) -> FoldPlan:
+                       fuse_affine: bool = False,
+                       rotate: RotationSpec | tuple[str, int, bool] | None = None) -> FoldPlan:
     """The fold plan for a model directory, computed on the meta device.
 
     >>> analyze_checkpoint("path/to/gpt2").summary()  # doctest: +SKIP
@@ -66,11 +67,11 @@ def analyze_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
     md = open_model_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     model = meta_model(md)
     check_shapes(md, model)
-    return _analyze(md, model, auxiliary_centering, fuse_affine, rotate)
+    return _analyze(md, model, auxiliary_centering, fuse_affine, RotationSpec.of(rotate))
 
 
 def _analyze(md: ModelDir, model: nn.Module, auxiliary_centering: bool, fuse_affine: bool = False,
-             rotate: tuple[str, int, bool] | None = None) -> FoldPlan:
+             rotate: RotationSpec | None = None) -> FoldPlan:
     """The plan for the meta model. The gains a rule depends on (a LayerScale gain the
     centering divides by, a norm's γ that a kept bias is divided by) are read from the
     checkpoint, and where one has a zero entry the analysis runs again knowing it."""
@@ -256,7 +257,7 @@ def _load_plain(md: ModelDir, trust_remote_code: bool) -> nn.Module:
         return cls.from_pretrained(md.path, **kwargs).eval()
     except Exception as exc:
         raise CheckpointError(f"cannot load {md.path}: {type(exc).__name__}: "
-                              f"{(str(exc).splitlines() or [''])[0]}") from None
+                              f"{first_line(exc)}") from None
 
 
 def _moved_entries(md: ModelDir, tensors: dict[str, torch.Tensor]) -> list[tuple[str, list[Entry]]]:
@@ -627,7 +628,7 @@ def _load_pickled(md: ModelDir) -> dict[str, tuple[str, torch.Tensor]]:
             part = torch.load(md.path / shard, map_location="cpu", weights_only=True)
         except Exception as exc:
             raise CheckpointError(f"cannot load {md.path / shard} with weights_only=True: "
-                                  f"{(str(exc).splitlines() or [''])[0]}") from None
+                                  f"{first_line(exc)}") from None
         tensors.update({k: (shard, v) for k, v in part.items() if isinstance(v, torch.Tensor)})
     return tensors
 
@@ -638,7 +639,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                     plan: FoldPlan | None = None, progress: Progress | None = None,
                     check: str = "full", keep_failed: bool = False, trust_remote_code: bool = False,
                     check_options: dict[str, Any] | None = None, fuse_affine: bool = False,
-                    rotate: tuple[str, int, bool] | None = None) -> FoldResult:
+                    rotate: RotationSpec | tuple[str, int, bool] | None = None) -> FoldResult:
     """Fold a Hugging Face model directory into OUT_DIR, streaming tensor by tensor, and check it.
 
     OUT_DIR gets every file of MODEL_DIR (tokenizer and processor files
@@ -663,6 +664,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     True
     """
     start = time.perf_counter()
+    rotate = RotationSpec.of(rotate)
     src, out = Path(model_dir), Path(out_dir)
     if out.is_symlink() or out.name in ("", ".."):
         # publishing renames OUT_DIR itself: a link would be replaced by a directory (its target
@@ -704,7 +706,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         if plan is None:
             plan = _analyze(md, model, auxiliary_centering, fuse_affine, rotate)
         if rotate is not None and plan.rotation is None and not dry_run:
-            why = next((n for n in plan.notes if "cannot be rotated" in n), "the plan has no rotation")
+            why = plan.note(NOT_ROTATED) or "the plan has no rotation"
             raise EnjoylnError(f"{why}; nothing was written")
         if dry_run or not plan.foldable:
             return FoldResult(plan, None, [], 0, time.perf_counter() - start, cleaned=cleaned)
@@ -844,7 +846,7 @@ def _load(path: str | os.PathLike, *, plain: bool, allow_pickle: bool = False, t
         raise
     except Exception as exc:
         raise CheckpointError(f"cannot load {md.path}: {type(exc).__name__}: "
-                              f"{(str(exc).splitlines() or [''])[0]}") from None
+                              f"{first_line(exc)}") from None
     if plan is not None:
         plan.untied = []  # already untied and centered on disk: the centerings and the swap are left
         for step in (InsertCentering(), SwapLayerNorms()):

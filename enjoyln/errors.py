@@ -46,6 +46,17 @@ class CheckFailed(EnjoylnError):
         self.report, self.kept = report, kept
 
 
+def first_line(exc: BaseException, default: str | None = None) -> str:
+    """The first line of ``exc``'s message, for a one-line error; ``default`` (the
+    exception's type name unless given) when the message is empty.
+
+    >>> first_line(ValueError("bad shape\\nin layer 3")), first_line(KeyError())
+    ('bad shape', 'KeyError')
+    """
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else (type(exc).__name__ if default is None else default)
+
+
 class Interrupted(BaseException):
     """SIGINT or SIGTERM, raised by the command line's signal handlers where the program is,
     so every ``finally`` cleans up; the exit code is 128 + the signal number.

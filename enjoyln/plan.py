@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .errors import PlanError
+
 FORMAT_VERSION = 1
 
 
@@ -153,6 +155,65 @@ class Rotation:
                             int(r.get("length", 0))) for r in d.get("rotated", [])])
 
 
+@dataclass(frozen=True)
+class RotationSpec:
+    """What a rotation of the residual stream is asked to be (``enjoyln.rotate``):
+    the kind of ``Q`` (``"hadamard"`` or ``"random"``), its seed, and whether it keeps the mean.
+
+    >>> RotationSpec.of(("random", 3, False))
+    RotationSpec(kind='random', seed=3, keep_mean=False)
+    """
+
+    kind: str = "hadamard"
+    seed: int = 0
+    keep_mean: bool = True
+
+    @classmethod
+    def of(cls, value: "RotationSpec | tuple[str, int, bool] | None") -> "RotationSpec | None":
+        """``value`` as a spec; the public functions also take the (kind, seed, keep_mean) tuple."""
+        if value is None or isinstance(value, RotationSpec):
+            return value
+        kind, seed, keep_mean = value
+        return cls(str(kind), int(seed), bool(keep_mean))
+
+
+TRAINING_MODE, NOT_ROTATED = "training mode", "not rotated"
+"""Kinds of plan notes that code acts on: ``fold`` warns about the first, ``rotate`` raises the second."""
+_NOTE_TEXTS = {TRAINING_MODE: "the model is in training mode, so its dropout blocks folding; call model.eval() first",
+               NOT_ROTATED: "the residual stream cannot be rotated: {}"}
+
+
+class Note(str):
+    """A note of a plan: plain text (so a plan's JSON holds strings) with a ``kind`` that code
+    tests instead of the words; ``""`` for notes only meant to be read.
+
+    >>> note = Note.of(NOT_ROTATED, "no LayerNorm folds")
+    >>> note, note.kind
+    ('the residual stream cannot be rotated: no LayerNorm folds', 'not rotated')
+    """
+
+    kind: str
+
+    def __new__(cls, text: str, kind: str = "") -> "Note":
+        note = super().__new__(cls, text)
+        note.kind = kind
+        return note
+
+    @classmethod
+    def of(cls, kind: str, *args: Any) -> "Note":
+        """The note of ``kind``, its text completed with ``args``."""
+        return cls(_NOTE_TEXTS[kind].format(*args), kind)
+
+    @classmethod
+    def read(cls, text: str) -> "Note":
+        """A note read back from a plan's JSON, where only the text is stored: its kind is
+        recovered from the fixed start of the texts made by ``Note.of``."""
+        for kind, template in _NOTE_TEXTS.items():
+            if text.startswith(template.split("{}")[0]):
+                return cls(text, kind)
+        return cls(text)
+
+
 @dataclass
 class LayerNormEntry:
     """One LayerNorm: an ``nn.LayerNorm`` module or a functional call."""
@@ -216,7 +277,8 @@ class FoldPlan:
     model: str
     layer_norms: list[LayerNormEntry] = field(default_factory=list)
     untied: list[Untie] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
+    """Notes for the reader (plain strings are accepted too); ``note(kind)`` finds one by kind."""
     auxiliary: list[AuxCentering] = field(default_factory=list)
     """Centerings inserted to make more LNs foldable (``auxiliary_centering=True``)."""
     norm_modules: list[str] = field(default_factory=list)
@@ -246,6 +308,10 @@ class FoldPlan:
     def untie_bytes(self) -> int:
         return sum(u.nbytes for u in self.untied)
 
+    def note(self, kind: str) -> Note | None:
+        """The first note of ``kind`` (``TRAINING_MODE``, ``NOT_ROTATED``), if any."""
+        return next((n for n in self.notes if getattr(n, "kind", "") == kind), None)
+
     def __getitem__(self, name: str) -> LayerNormEntry:
         for entry in self.layer_norms:
             if entry.name == name:
@@ -258,7 +324,7 @@ class FoldPlan:
             "model": self.model,
             "layer_norms": [e.to_dict() for e in self.layer_norms],
             "untied": [asdict(u) for u in self.untied],
-            "notes": list(self.notes),
+            "notes": [str(n) if isinstance(n, str) else n for n in self.notes],  # a Note is a plain string here
             "auxiliary": [asdict(a) for a in self.auxiliary],
             "norm_modules": list(self.norm_modules),
             **({"rotation": self.rotation.to_dict()} if self.rotation else {}),
@@ -268,8 +334,6 @@ class FoldPlan:
     def from_dict(cls, d: dict[str, Any]) -> "FoldPlan":
         version = d.get("format_version", FORMAT_VERSION)
         if version > FORMAT_VERSION:
-            from .errors import PlanError
-
             raise PlanError(
                 f"this plan has format version {version}; this enjoyln reads up to "
                 f"{FORMAT_VERSION}, so upgrade enjoyln"
@@ -278,7 +342,7 @@ class FoldPlan:
             model=d["model"],
             layer_norms=[LayerNormEntry.from_dict(e) for e in d.get("layer_norms", [])],
             untied=[Untie(**u) for u in d.get("untied", [])],
-            notes=list(d.get("notes", [])),
+            notes=[Note.read(n) if isinstance(n, str) else n for n in d.get("notes", [])],
             auxiliary=[AuxCentering(**a) for a in d.get("auxiliary", [])],
             norm_modules=list(d.get("norm_modules", [])),
             rotation=Rotation.from_dict(d["rotation"]) if d.get("rotation") else None,

@@ -3,7 +3,8 @@ import json
 import pytest
 
 import enjoyln
-from enjoyln.plan import Centering, FoldPlan, LayerNormEntry, Untie, format_bytes
+from enjoyln.plan import (NOT_ROTATED, TRAINING_MODE, Centering, FoldPlan, LayerNormEntry, Note, RotationSpec, Untie,
+                          format_bytes)
 from enjoyln.testing import perturb, tiny_model
 
 
@@ -45,3 +46,36 @@ def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(32768) == "32.0 KiB"
     assert format_bytes(3 * 1024**3) == "3.0 GiB"
+
+
+def test_notes_are_typed_and_keep_their_kind_through_json():
+    model = perturb(tiny_model("gpt2")).train()
+    plan = enjoyln.analyze(model, rotate=("hadamard", 0, True))
+    assert plan.note(TRAINING_MODE) is not None and plan.note(NOT_ROTATED) is not None
+    # plain strings in the checkpoint's block, which the static check compares type for type
+    assert all(type(n) is str for n in plan.to_dict()["notes"])
+    again = FoldPlan.from_json(plan.to_json())
+    assert again == plan
+    assert [getattr(n, "kind", None) for n in again.notes] == [n.kind for n in plan.notes]
+    with pytest.warns(UserWarning, match="training mode"):
+        enjoyln.fold(perturb(tiny_model("gpt2")).train(), plan=again)
+    with pytest.raises(enjoyln.PlanError, match="cannot be rotated: no LayerNorm folds"):
+        enjoyln.rotate(perturb(tiny_model("gpt2")).train(), plan=again)
+
+
+def test_code_acts_on_a_note_kind_not_on_its_words():
+    # a note that only mentions the words: fold used to warn on `"training mode" in note`
+    model = perturb(tiny_model("gpt2")).eval()
+    plan = enjoyln.analyze(model)
+    plan.notes.append(Note("auxiliary centering was not applied: a hook met training mode dropout"))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        enjoyln.fold(model, plan=plan)
+    plan = FoldPlan("M", notes=["the residual stream cannot be rotated, said a note", Note.of(NOT_ROTATED, "why")])
+    assert plan.note(NOT_ROTATED) == "the residual stream cannot be rotated: why"
+
+
+def test_rotation_spec_takes_the_public_tuple():
+    assert RotationSpec.of(("random", "3", 0)) == RotationSpec("random", 3, False)
+    assert RotationSpec.of(None) is None and RotationSpec.of(RotationSpec()) == RotationSpec("hadamard", 0, True)

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..errors import CaptureError
+from ..errors import CaptureError, first_line
+from ..plan import FoldPlan, Note
 from .inputs import (ExampleInputs, Inputs, as_inputs, config_value, hf_example_inputs, is_causal_lm,
                      is_hf_model, resolve_inputs)
 
@@ -56,12 +57,12 @@ class Capture:
     def graph(self) -> torch.fx.Graph:
         return self.program.graph
 
-    def annotate(self, plan: Any) -> Any:
+    def annotate(self, plan: FoldPlan) -> FoldPlan:
         """Add to ``plan.notes`` what the proof's graph assumed about the inputs; returns ``plan``."""
         if self.specialized:
-            plan.notes.append(
+            plan.notes.append(Note(
                 "the proof covers inputs that take the same data-dependent branches as the example: "
-                + "; ".join(self.specialized))
+                + "; ".join(self.specialized)))
         return plan
 
     def module_path(self, node: torch.fx.Node) -> str:
@@ -163,10 +164,6 @@ def _functionalize(graph: torch.fx.Graph) -> bool:
 # --- tracing --------------------------------------------------------------------------
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
 def _origin(exc: BaseException) -> str:
     """Where in the model's own code tracing stopped, as `` (at file:line: `code`)``, or ''."""
     skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), sysconfig.get_paths()["stdlib"], "<")
@@ -248,16 +245,16 @@ def export(model: nn.Module, inputs: Inputs) -> tuple[torch.export.ExportedProgr
     except Exception as exc:  # export raises many unrelated types
         if not _data_dependent(exc):
             raise CaptureError(f"torch.export could not trace {name}: {type(exc).__name__}: "
-                               f"{_first_line(exc)}{_origin(exc)}") from exc
+                               f"{first_line(exc)}{_origin(exc)}") from exc
         first = exc
     try:
         with torch.no_grad(), _quiet_logs("torch.export", "torch.fx.experimental.symbolic_shapes"):
             program = torch.export.draft_export(model, inputs.args, inputs.kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - reported with the first failure
         raise CaptureError(
-            f"torch.export could not trace {name}: {type(first).__name__}: {_first_line(first)}"
+            f"torch.export could not trace {name}: {type(first).__name__}: {first_line(first)}"
             f"{_origin(first)}; draft_export, which fixes such branches to the example's values, also "
-            f"failed: {type(exc).__name__}: {_first_line(exc)}{_origin(exc)}") from exc
+            f"failed: {type(exc).__name__}: {first_line(exc)}{_origin(exc)}") from exc
     return program, _specializations(program)
 
 

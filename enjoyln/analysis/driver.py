@@ -33,7 +33,7 @@ from .affine import plan_fusion
 from .dataflow import Dataflow, NotZero, State, Zero
 from ..errors import CaptureError
 from .graph import FUNCTIONAL_LN, GN_OPS, LN_OPS, GraphIndex, arg, op_name, shape
-from ..plan import AuxCentering, FoldPlan, LayerNormEntry, Untie
+from ..plan import NOT_ROTATED, TRAINING_MODE, AuxCentering, FoldPlan, LayerNormEntry, Note, RotationSpec, Untie
 from .rules import DROPOUT_OPS, Refusal, Source, kind_of
 from .soundness import ShiftSoundness, gn_groups
 
@@ -182,20 +182,19 @@ class Analysis:
                 untie.setdefault(u.param, u)
         plan.untied = sorted(untie.values(), key=lambda u: u.param) if plan.foldable else []
         if self.cap.model.training and any(op_name(n) in DROPOUT_OPS for n in self.graph.nodes):
-            plan.notes.append("the model is in training mode, so its dropout blocks folding; "
-                              "call model.eval() first")
+            plan.notes.append(Note.of(TRAINING_MODE))
         return plan
 
-    def rotation(self, plan: FoldPlan, kind: str, seed: int, keep_mean: bool) -> None:
+    def rotation(self, plan: FoldPlan, spec: RotationSpec) -> None:
         """Add a rotation of the residual stream to ``plan`` (made by ``run`` with
         ``fuse_affine``), or a note saying why the stream cannot be rotated."""
         from .rotation import plan_rotation
 
         with self.index.reporting():
-            found = plan_rotation(self.index, plan, self.sources, self.needs, self.ln_nodes(), kind, seed, keep_mean)
+            found = plan_rotation(self.index, plan, self.sources, self.needs, self.ln_nodes(), spec)
         if isinstance(found, str):
             plan.rotation = None
-            plan.notes.append(f"the residual stream cannot be rotated: {found}")
+            plan.notes.append(Note.of(NOT_ROTATED, found))
         else:
             plan.rotation = found
 
@@ -389,15 +388,15 @@ def auxiliary_plan(cap: Capture, *, max_candidates: int = 6,
         chosen[node] = point
     plan.auxiliary = list(chosen.values())
     if chosen:
-        plan.notes.append(f"auxiliary centering: {len(chosen)} inserted, "
-                          f"{len(plan.foldable) - strict_count} more LNs foldable")
+        plan.notes.append(Note(f"auxiliary centering: {len(chosen)} inserted, "
+                               f"{len(plan.foldable) - strict_count} more LNs foldable"))
     explained: set[str] = set()
     for what, (why, covered) in refused.items():
         for e in plan.layer_norms:
             if not e.foldable and e.name in covered and e.name not in explained:
                 e.reason += f"; {what} would not help, as it would also change {why}"
                 explained.add(e.name)
-        plan.notes.append(f"{what} was considered but would also change {why}")
+        plan.notes.append(Note(f"{what} was considered but would also change {why}"))
     return plan, chosen
 
 
@@ -407,18 +406,18 @@ def rewritable_reason(entry: LayerNormEntry) -> str:
 
 
 def analyze_capture(cap: Capture, *, weights: Weights = None, fuse_affine: bool = False,
-                    rotate: tuple[str, int, bool] | None = None) -> FoldPlan:
-    """Run the analysis on an already captured graph; ``rotate`` is (kind, seed, keep_mean)."""
+                    rotate: RotationSpec | None = None) -> FoldPlan:
+    """Run the analysis on an already captured graph, and plan the ``rotate`` asked for."""
     analysis = Analysis(cap, weights=weights, fuse_affine=fuse_affine or rotate is not None)
     plan = analysis.run()
     if rotate is not None:
-        analysis.rotation(plan, *rotate)
+        analysis.rotation(plan, rotate)
     return cap.annotate(plan)
 
 
 def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
             auxiliary_centering: bool = False, weights: Weights = None, fuse_affine: bool = False,
-            rotate: tuple[str, int, bool] | None = None) -> FoldPlan:
+            rotate: RotationSpec | tuple[str, int, bool] | None = None) -> FoldPlan:
     """Find the foldable LayerNorms of ``model`` and what folding them needs.
 
     A dry run: the model is traced, never modified. With
@@ -428,7 +427,7 @@ def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
     rule depends on them (a LayerScale gain with a zero entry does not fold).
     With ``fuse_affine``, each folded norm's γ and β are also moved into the
     linear layers that read its output, where that is sound (``enjoyln.affine``).
-    With ``rotate`` (kind, seed, keep_mean), the plan also rotates the residual
+    With ``rotate`` (a ``RotationSpec``, or (kind, seed, keep_mean)), the plan also rotates the residual
     stream where that is proved exact (``enjoyln.rotation``), or says why not.
 
     >>> import torch
@@ -436,6 +435,7 @@ def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
     >>> analyze(net, torch.randn(2, 8)).foldable[0].name
     '1'
     """
+    rotate = RotationSpec.of(rotate)
     if not auxiliary_centering:
         return analyze_capture(capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine,
                                rotate=rotate)
@@ -443,7 +443,7 @@ def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
 
 
 def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs, weights: Weights,
-                            fuse_affine: bool = False, rotate: tuple[str, int, bool] | None = None) -> FoldPlan:
+                            fuse_affine: bool = False, rotate: RotationSpec | None = None) -> FoldPlan:
     """Choose centerings, then prove the folds again on the model with them in place.
 
     The first pass proves each inserted centering changes only LN inputs; the
@@ -468,15 +468,15 @@ def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs, wei
                                rotate=rotate)
     except CaptureError as exc:  # a hook met an output it cannot center
         plan = FoldPlan(predicted.model)
-        plan.notes.append(f"auxiliary centering was not applied: {exc}")
+        plan.notes.append(Note(f"auxiliary centering was not applied: {exc}"))
     finally:
         for a in predicted.auxiliary:
             centering.remove(model, a.module)
     missing = {e.name for e in predicted.foldable} - {e.name for e in plan.foldable}
     if missing:  # the hooks did not land where the graph said: keep the strict result
         strict = analyze_capture(unhooked, weights=weights, fuse_affine=fuse_affine, rotate=rotate)
-        strict.notes += plan.notes or ["auxiliary centering was not applied: the re-analysis could not "
-                                       f"confirm {sorted(missing)[0]}"]
+        strict.notes += plan.notes or [Note("auxiliary centering was not applied: the re-analysis could not "
+                                            f"confirm {sorted(missing)[0]}")]
         return strict
     plan.auxiliary = predicted.auxiliary
     plan.notes = predicted.notes + [n for n in plan.notes if n not in predicted.notes]

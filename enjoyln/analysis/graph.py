@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 
 from .capture import Capture
-from ..errors import AnalysisError, EnjoylnError
+from ..errors import AnalysisError, EnjoylnError, first_line
 from ..plan import Centering
 
 LN_OPS = {"layer_norm", "native_layer_norm"}
@@ -152,7 +152,7 @@ class GraphIndex:
         except EnjoylnError:
             raise
         except Exception as exc:
-            first = (str(exc).strip().splitlines() or [""])[0]
+            first = first_line(exc, "")
             what = f"at {self.describe(self.at)}" if self.at is not None else "before reaching any op"
             raise AnalysisError(f"enjoyln could not analyse {type(self.cap.model).__name__} {what}: "
                                 f"{type(exc).__name__}: {first}") from exc

@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 from .graph import LN_OPS, GraphIndex, op_name, shape
-from ..plan import AFFINE_FUSED, AFFINE_GAIN, FoldPlan, LayerNormEntry, Rotated, Rotation
+from ..plan import AFFINE_FUSED, AFFINE_GAIN, FoldPlan, LayerNormEntry, Rotated, Rotation, RotationSpec
 from .rules import MAP, SCALE, SUM, Refusal, Source, carry, kind_of, source_of
 from .soundness import Flags, Hits, Shift, Spread
 
@@ -193,7 +193,7 @@ def _constant_along(operand: fx.Node, out: fx.Node, axis: int) -> bool:
 
 
 def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], needs: dict[str, set[str]],
-                  calls: dict[str, list[fx.Node]], kind: str, seed: int, keep_mean: bool) -> Rotation | str:
+                  calls: dict[str, list[fx.Node]], spec: RotationSpec) -> Rotation | str:
     """The tensors to rotate, or why the stream cannot be rotated."""
     folded = [e for e in plan.layer_norms if e.foldable]
     if not folded:
@@ -222,7 +222,7 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
         seeds.add(src.node)
         for c in src.params:
             add(Rotated(c.param, c.axis, c.saved))
-    spread = RotationSpread(g, entries, keep_mean)
+    spread = RotationSpread(g, entries, spec.keep_mean)
     # other reads of a rotated weight: another call of the same layer, or a norm's reader
     # rotated the same way, are fine; anything else sees the rotation
     readers = {}
@@ -263,7 +263,7 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
             add(Rotated(f"{e.name}.bias", 0))
     if not spread.absorbed:
         return "no folded norm reads the stream"
-    return Rotation(kind, seed, keep_mean, sorted(rotated.values(), key=lambda r: (r.param, r.axis, r.start)))
+    return Rotation(spec.kind, spec.seed, spec.keep_mean, sorted(rotated.values(), key=lambda r: (r.param, r.axis, r.start)))
 
 
 # --- applying it -------------------------------------------------------------------------------

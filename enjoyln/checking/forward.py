@@ -37,7 +37,7 @@ from torch import nn
 
 from ..analysis.inputs import (ExampleInputs, Inputs, as_inputs, config_value, hf_example_inputs, is_causal_lm,
                      is_hf_model, wants_no_cache)
-from ..errors import CaptureError, EnjoylnError
+from ..errors import CaptureError, EnjoylnError, first_line
 
 HALF = (torch.float16, torch.bfloat16)
 WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
@@ -351,7 +351,7 @@ def _run(model: nn.Module, inputs: Inputs) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             return flatten_outputs(inputs.call(model))
     except Exception as exc:  # the model's own error, on inputs enjoyln made or was given
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first_line(exc)
         raise CaptureError(f"running {type(model).__name__} on the check inputs failed: "
                            f"{type(exc).__name__}: {first}") from exc
 
@@ -384,7 +384,7 @@ def _generate(model: nn.Module, prompt: torch.Tensor, n: int) -> tuple[list[list
                                  max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1,
                                  pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
     except Exception as exc:  # the model's own error, on a prompt enjoyln made
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first_line(exc)
         raise CaptureError(f"greedy generation with {type(model).__name__} failed: "
                            f"{type(exc).__name__}: {first}") from exc
     return out.sequences[:, prompt.shape[1]:].tolist(), [t.detach().clone() for t in out.logits]

@@ -39,11 +39,11 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, EnjoylnError
+from ..errors import CheckpointError, EnjoylnError, first_line
 from ..store.model_dir import (_OWNER, DTYPES, JSON_LIMIT, PT_INDEX, SAFE_INDEX, ModelDir, TensorInfo, check_shapes,
                         checkpoint_key, extra_files, input_file, is_weight_file, load_dtype, loader_files,
                         meta_model, parse_json_file, saved_names)
-from ..plan import Centering, FoldPlan, block_lists
+from ..plan import Centering, FoldPlan, RotationSpec, block_lists
 
 _CHUNK = 16 << 20
 LOAD_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -409,7 +409,7 @@ def _generation(md: ModelDir) -> dict[str, Any]:
             settings = transformers.GenerationConfig.from_model_config(copy.deepcopy(md.config)).to_dict()
     except Exception as exc:  # transformers raises many kinds for a bad file
         raise CheckpointError(f"cannot read the generation config of {md.path}: "
-                              f"{(str(exc).splitlines() or [''])[0]}") from None
+                              f"{first_line(exc)}") from None
     settings.pop("transformers_version", None)  # the running transformers' version, on both sides
     return settings
 
@@ -515,7 +515,7 @@ def _options(recorded: FoldPlan | None) -> dict[str, Any]:
     r = recorded.rotation
     return {"auxiliary_centering": bool(recorded.auxiliary),
             "fuse_affine": any(e.affine for e in recorded.layer_norms),
-            "rotate": (r.kind, r.seed, r.keep_mean) if r else None}
+            "rotate": RotationSpec(r.kind, r.seed, r.keep_mean) if r else None}
 
 
 def _plan_problems(recorded: FoldPlan, analysed: FoldPlan) -> list[str]:

@@ -24,8 +24,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from ..errors import CheckFailed, EnjoylnError, Interrupted
-from ..plan import FoldPlan, format_bytes
+from ..errors import CheckFailed, EnjoylnError, Interrupted, first_line
+from ..plan import FoldPlan, RotationSpec, format_bytes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fold LayerNorm into RMSNorm with exactly the same outputs.")
@@ -104,7 +104,7 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as exc:  # a bug or an unforeseen input: still one line, and how to see more
             if os.environ.get("ENJOYLN_DEBUG"):
                 raise
-            first = (str(exc).strip().splitlines() or [""])[0]
+            first = first_line(exc, "")
             err.print(one_line(f"error: {type(exc).__name__}: {first} (set ENJOYLN_DEBUG=1 for the traceback)"),
                       markup=False)
             raise typer.Exit(2) from None
@@ -316,14 +316,14 @@ def rotate(
     _fold_command(model_dir, out_dir, max_shard_size=max_shard_size, force=force, check=check, static=static,
                   keep_failed=keep_failed, dry_run=dry_run, as_json=as_json, allow_pickle=allow_pickle,
                   trust_remote_code=trust_remote_code, auxiliary_centering=False, fuse_affine=True,
-                  rotate=(kind, seed, keep_mean), batches=batches, seq_len=seq_len, max_memory=max_memory,
+                  rotate=RotationSpec(kind, seed, keep_mean), batches=batches, seq_len=seq_len, max_memory=max_memory,
                   rtol=rtol)
 
 
 def _fold_command(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[str], force: bool, check: bool,
                   static: bool, keep_failed: bool, dry_run: bool, as_json: bool, allow_pickle: bool,
                   trust_remote_code: bool, auxiliary_centering: bool, fuse_affine: bool,
-                  rotate: Optional[tuple[str, int, bool]], batches: int, seq_len: int,
+                  rotate: Optional[RotationSpec], batches: int, seq_len: int,
                   max_memory: Optional[str], rtol: Optional[float] = None) -> None:
     from ..convert import fold_checkpoint, parse_size
 
@@ -432,7 +432,7 @@ def inspect(
     if rotate is not None and rotate not in KINDS:
         raise EnjoylnError(f"unknown --rotate {rotate!r}; use {' or '.join(KINDS)}")
     plan = analyze_checkpoint(model_dir, allow_pickle=allow_pickle, auxiliary_centering=auxiliary_centering,
-                              fuse_affine=fuse_affine, rotate=(rotate, 0, True) if rotate else None)
+                              fuse_affine=fuse_affine, rotate=RotationSpec(rotate) if rotate else None)
     if graph is not None:
         from ..convert import meta_model, open_model_dir
         from ..analysis.explain import write_graph

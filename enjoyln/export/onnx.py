@@ -42,7 +42,7 @@ from torch import nn
 
 from ..analysis.capture import ExampleInputs, Inputs, config_value, is_causal_lm, is_hf_model, resolve_inputs
 from ..checking.forward import _inputs_like, flatten_outputs
-from ..errors import EnjoylnError
+from ..errors import EnjoylnError, first_line
 
 DEFAULT_OPSET = 23
 OPTIMIZE_OPSET = 22
@@ -513,7 +513,7 @@ def compare_with_onnxruntime(path: str | os.PathLike, runs: list[Inputs], wants:
         try:
             got = session.run(None, ort_feed(session, inputs.args, inputs.kwargs))
         except Exception as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            first = first_line(exc)
             raise EnjoylnError(f"onnxruntime cannot run the exported file at input shapes {_shape_of(inputs)}: "
                                f"{first}") from exc
         if not want or len(want) != len(got):

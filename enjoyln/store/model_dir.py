@@ -38,7 +38,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, first_line
 
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 PT_WEIGHTS, PT_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -393,7 +393,7 @@ def model_class(md: ModelDir) -> type:
             return get_class_from_dynamic_module(refs[0], md.path, local_files_only=True)
         except Exception as exc:  # the user's own code, failing to import
             raise CheckpointError(f"cannot import {refs[0]} from {md.path}: {type(exc).__name__}: "
-                                  f"{(str(exc).splitlines() or [''])[0]}") from None
+                                  f"{first_line(exc)}") from None
     cls = getattr(transformers, md.architecture, None)
     if not isinstance(cls, type):
         raise unknown_architecture(md.architecture)
@@ -408,7 +408,7 @@ def auto_config(md: ModelDir) -> Any:
         return transformers.AutoConfig.from_pretrained(md.path, trust_remote_code=md.trust_remote_code)
     except Exception as exc:  # transformers raises many kinds for a bad config
         raise CheckpointError(f"cannot read {md.path / 'config.json'}: "
-                              f"{(str(exc).splitlines() or [''])[0]}") from None
+                              f"{first_line(exc)}") from None
 
 
 def meta_model(md: ModelDir) -> nn.Module:
@@ -420,7 +420,7 @@ def meta_model(md: ModelDir) -> nn.Module:
             model = cls(config)
     except Exception as exc:
         raise CheckpointError(f"cannot build {md.architecture} from its config: "
-                              f"{(str(exc).splitlines() or [''])[0]}") from None
+                              f"{first_line(exc)}") from None
     return model.eval()
 
 

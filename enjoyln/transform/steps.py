@@ -20,7 +20,7 @@ from ..analysis.capture import ExampleInputs
 from ..errors import PlanError
 from ..modules.norm import GroupRMSNorm, RMSNorm
 from ..ops import rms_norm
-from ..plan import AFFINE_FUSED, AFFINE_GAIN, Centering, FoldPlan, Fused
+from ..plan import AFFINE_FUSED, AFFINE_GAIN, NOT_ROTATED, TRAINING_MODE, Centering, FoldPlan, Fused, RotationSpec
 
 
 def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -528,9 +528,9 @@ def fold(model: nn.Module, example_inputs: ExampleInputs = None, *,
     """
     if plan is None:
         plan = analyze(model, example_inputs, auxiliary_centering=auxiliary_centering, fuse_affine=fuse_affine)
-    for note in plan.notes:
-        if "training mode" in note:
-            warnings.warn(f"enjoyln: {note}", stacklevel=2)
+    note = plan.note(TRAINING_MODE)
+    if note:
+        warnings.warn(f"enjoyln: {note}", stacklevel=2)
     return apply_plan(model, plan)
 
 
@@ -556,8 +556,7 @@ def rotate(model: nn.Module, example_inputs: ExampleInputs = None, *, kind: str 
         raise PlanError("this model is already folded in memory; rotate the original model (rotate folds it "
                         "too), or a folded checkpoint loaded with plain from_pretrained")
     if plan is None:
-        plan = analyze(model, example_inputs, fuse_affine=True, rotate=(kind, int(seed), bool(keep_mean)))
+        plan = analyze(model, example_inputs, fuse_affine=True, rotate=RotationSpec(kind, int(seed), bool(keep_mean)))
     if plan.rotation is None:
-        why = next((n for n in plan.notes if "cannot be rotated" in n), "the plan has no rotation")
-        raise PlanError(why)
+        raise PlanError(plan.note(NOT_ROTATED) or "the plan has no rotation")
     return apply_plan(model, plan)

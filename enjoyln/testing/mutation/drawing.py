@@ -69,6 +69,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ...errors import first_line
+
 # --- the directories mutated ---------------------------------------------------------------
 
 
@@ -1134,7 +1136,7 @@ def _attempt(fn: Callable[[], Any], directory: Path) -> Any:
     try:
         return fn()
     except Exception as exc:  # a loader that fails is an observation too
-        first = (str(exc).strip().splitlines() or [""])[0].replace(str(directory), "<dir>")
+        first = first_line(exc, "").replace(str(directory), "<dir>")
         return f"error: {type(exc).__name__}: {first[:200]}"
 
 
@@ -1364,7 +1366,7 @@ def gate(reference: str | os.PathLike, candidate: str | os.PathLike) -> tuple[in
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         # only with ENJOYLN_DEBUG set does an exception get past the command line's handler
         exc = result.exception
-        return 2, f"{type(exc).__name__} (unforeseen): {(str(exc).strip().splitlines() or [''])[0]}"
+        return 2, f"{type(exc).__name__} (unforeseen): {first_line(exc, '')}"
     if result.exit_code == 0:
         return 0, ""
     why = next((line for line in lines if line.startswith("error:") or "[FAIL]" in line or "DIFFERENT" in line),
