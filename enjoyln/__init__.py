@@ -17,7 +17,7 @@ from ._version import __version__
 # line's entry point) does not import torch: an interrupt or a bad argument in
 # the first second then gets one line, not an import traceback.
 _EXPORTS = {
-    "analyze": "analysis.driver", "fold": "transform.steps", "rotate": "transform.steps",
+    "analyze": "analysis", "fold": "transform.steps", "rotate": "transform.steps",
     "check": "checking.forward", "CheckReport": "checking.forward",
     "load": "convert", "fold_checkpoint": "convert", "analyze_checkpoint": "convert",
     "check_checkpoints": "convert", "cbwc": "transform.training", "cbwc_remove": "transform.training",

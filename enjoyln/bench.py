@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .analysis.capture import ExampleInputs, as_inputs
+from .analysis.inputs import ExampleInputs, as_inputs
 
 
 @dataclass

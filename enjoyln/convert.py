@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from ._version import __version__
-from .analysis.driver import analyze, norm_module_paths
+from .analysis import analyze
+from .analysis.driver import norm_module_paths
 from .errors import CheckFailed, CheckpointError, EnjoylnError, first_line
 from .store.model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, ModelDir, TensorInfo,
                         check_out_dir, check_shapes, checkpoint_key, clean_stale,
@@ -40,6 +41,7 @@ from .store.model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SA
                         open_model_dir, publish, read_safetensors_header, remove_dirs, saved_names, signals_held,
                         temp_dir)
 from .plan import AFFINE_GAIN, FORMAT_VERSION, NOT_ROTATED, FoldPlan, RotationSpec, block_lists, format_bytes
+from .transform.rotation import apply_rotation
 from .transform.steps import (InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits,
                       ties_lost_on_untie)
 
@@ -855,7 +857,6 @@ def _load(path: str | os.PathLike, *, plain: bool, allow_pickle: bool = False, t
         # (and rotate them) again
         center_all(model, [c for c in plan.centered if not c.saved])
         if plan.rotation is not None:
-            from .analysis.rotation import apply_rotation
             from .transform.steps import _tensor
 
             with torch.no_grad():

@@ -22,7 +22,7 @@ import transformers
 
 import enjoyln
 from enjoyln.bench import compiled_comparison, end_to_end
-from enjoyln.analysis.capture import hf_example_inputs
+from enjoyln.analysis.inputs import hf_example_inputs
 from enjoyln.testing import perturb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

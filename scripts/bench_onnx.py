@@ -27,7 +27,7 @@ import transformers
 
 import enjoyln
 from enjoyln.bench import compare_latency
-from enjoyln.analysis.capture import hf_example_inputs
+from enjoyln.analysis.inputs import hf_example_inputs
 from enjoyln.export.onnx import LN_OPS, RMS_OPS, deployment_inputs, export_onnx, ort_feed, ort_session
 from enjoyln.testing import perturb
 

@@ -299,7 +299,7 @@ def perturb_all(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 def _cfg(config: Any, *names: str) -> Any:
-    from enjoyln.analysis.capture import config_value
+    from enjoyln.analysis.inputs import config_value
 
     return config_value(config, *names)
 
@@ -499,7 +499,7 @@ def _build(model_type: str, cls: Any, level: int) -> tuple[torch.nn.Module | Non
 
 def find_inputs(model: torch.nn.Module) -> tuple[str, dict[str, Any], int] | tuple[None, str, int]:
     """(source, inputs, norm calls): enjoyln's synthesis if the forward runs on it, else explicit ones."""
-    from enjoyln.analysis.capture import hf_example_inputs
+    from enjoyln.analysis.inputs import hf_example_inputs
 
     errors = []
     cands: list[tuple[str, Any]] = []
@@ -521,7 +521,7 @@ def find_inputs(model: torch.nn.Module) -> tuple[str, dict[str, Any], int] | tup
 
 
 def second_batch(model: torch.nn.Module, source: str, inputs: dict[str, Any]) -> dict[str, Any]:
-    from enjoyln.analysis.capture import hf_example_inputs
+    from enjoyln.analysis.inputs import hf_example_inputs
 
     if source == "enjoyln":
         return hf_example_inputs(model, batch=BATCH, seq_len=SEQ, seed=1)
@@ -616,7 +616,7 @@ def run_one(model_type: str) -> dict[str, Any]:
         if plan is None:
             plan = enjoyln.analyze(model, inputs)
         if source == "enjoyln":
-            from enjoyln.analysis.capture import hf_example_inputs
+            from enjoyln.analysis.inputs import hf_example_inputs
 
             batches = [hf_example_inputs(model, batch=BATCH, seq_len=SEQ, seed=s) for s in (0, 1)]
             info["inputs"] = "enjoyln"

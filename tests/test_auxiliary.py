@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import enjoyln
-from enjoyln.analysis.capture import hf_example_inputs
+from enjoyln.analysis.inputs import hf_example_inputs
 from enjoyln.testing import perturb, tiny_model
 from conftest import assert_same_outputs, steps_keep_their_promise
 

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 import enjoyln
-from enjoyln.analysis.capture import capture, hf_example_inputs
+from enjoyln.analysis.capture import capture
+from enjoyln.analysis.inputs import hf_example_inputs
 from enjoyln.testing import perturb, tiny_model
 
 

@@ -8,7 +8,7 @@ import transformers
 from safetensors import safe_open
 
 import enjoyln
-from enjoyln.analysis.capture import hf_example_inputs, is_causal_lm
+from enjoyln.analysis.inputs import hf_example_inputs, is_causal_lm
 from enjoyln.convert import fold_checkpoint, load, open_model_dir, parse_size
 from enjoyln.testing import ARCHITECTURES, demo_checkpoint, perturb, tiny_model
 from conftest import assert_same_outputs

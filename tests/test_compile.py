@@ -9,7 +9,7 @@ import torch
 from conftest import assert_same_outputs
 
 import enjoyln
-from enjoyln.analysis.capture import hf_example_inputs
+from enjoyln.analysis.inputs import hf_example_inputs
 from enjoyln.testing import perturb, tiny_model
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import transformers as T
 from safetensors import safe_open
 
 import enjoyln
-from enjoyln.analysis.capture import hf_example_inputs
+from enjoyln.analysis.inputs import hf_example_inputs
 from enjoyln.convert import fold_checkpoint, load
 from enjoyln.testing import perturb
 from conftest import assert_same_outputs

@@ -16,7 +16,7 @@ for name in ("onnx", "onnxscript", "onnxruntime"):
 
 import onnx  # noqa: E402
 
-from enjoyln.analysis.capture import Inputs  # noqa: E402
+from enjoyln.analysis.inputs import Inputs  # noqa: E402
 from enjoyln.export.onnx import RMS_OPS, export_onnx, ort_session, second_shape  # noqa: E402
 
 

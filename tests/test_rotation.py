@@ -8,9 +8,9 @@ import transformers
 from torch import nn
 
 import enjoyln
-from enjoyln.analysis.capture import hf_example_inputs
+from enjoyln.analysis.inputs import hf_example_inputs
 from enjoyln.transform.steps import _tensor
-from enjoyln.analysis.rotation import hadamard_matrix, rotate_, rotation_matrix
+from enjoyln.transform.rotation import hadamard_matrix, rotate_, rotation_matrix
 from enjoyln.testing import perturb, tiny_model
 from conftest import assert_same_outputs, steps_keep_their_promise
 

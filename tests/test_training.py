@@ -152,7 +152,7 @@ def test_baked_masked_lm_saves_and_reloads(tmp_path):
     """cbwc_remove unties the head; BERT's other declared tie (the decoder bias) must survive a save."""
     import transformers
 
-    from enjoyln.analysis.capture import hf_example_inputs
+    from enjoyln.analysis.inputs import hf_example_inputs
     from enjoyln.testing import perturb
     from conftest import assert_same_outputs
 

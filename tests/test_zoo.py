@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import enjoyln
-from enjoyln.analysis.capture import hf_example_inputs, is_causal_lm
+from enjoyln.analysis.inputs import hf_example_inputs, is_causal_lm
 from enjoyln.testing import ARCHITECTURES, perturb, tiny_model
 from conftest import assert_same_outputs, steps_keep_their_promise
 

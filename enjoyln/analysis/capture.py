@@ -24,12 +24,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, first_line
 from ..plan import FoldPlan, Note
-from .inputs import (ExampleInputs, Inputs, as_inputs, config_value, hf_example_inputs, is_causal_lm,
-                     is_hf_model, resolve_inputs)
-
-# Input handling lives in .inputs; these names stay importable from here.
-__all__ = ["Capture", "capture", "export", "ExampleInputs", "Inputs", "as_inputs", "config_value",
-           "hf_example_inputs", "is_causal_lm", "is_hf_model", "resolve_inputs"]
+from .inputs import ExampleInputs, Inputs, resolve_inputs
 
 
 # --- the captured graph -----------------------------------------------------------

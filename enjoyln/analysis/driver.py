@@ -1,6 +1,6 @@
-"""Analysis: which LayerNorms fold, and what must be centered for them.
+"""The analysis driver: which LayerNorms fold, and what must be centered for them.
 
-The driver of three steps over the traced graph (the README's "How it decides"):
+It runs three steps over the traced graph to a fixed point and builds the plan:
 
 1. ``rules``: every op is a *source* (a general linear layer or a parameter
    whose output CBWC can make zero-mean), an op that carries a property
@@ -15,8 +15,10 @@ The driver of three steps over the traced graph (the README's "How it decides"):
    ignore it. Sources whose shift escapes anywhere else are dropped with the
    LNs that need them, until nothing changes.
 
-This module runs them to a fixed point, builds the plan, explains each LN's
-zero-mean graph, and places auxiliary centerings.
+With ``fuse_affine`` it also plans where each folded norm's affine moves
+(``affine``), and on request the rotation of the residual stream
+(``rotation``). It can also give each LN's zero-mean graph, which the
+auxiliary placement (``auxiliary``) and the pictures (``explain``) use.
 """
 
 from __future__ import annotations
@@ -25,23 +27,20 @@ import math
 from typing import Any, Mapping
 
 import torch
-
 from torch import fx, nn
 
-from .capture import Capture, ExampleInputs, capture
-from .affine import plan_fusion
-from .dataflow import Dataflow, NotZero, State, Zero
-from ..errors import CaptureError
-from .graph import FUNCTIONAL_LN, GN_OPS, LN_OPS, GraphIndex, arg, op_name, shape
+from ..modules.norm import GroupRMSNorm, RMSNorm
 from ..plan import NOT_ROTATED, TRAINING_MODE, AuxCentering, FoldPlan, LayerNormEntry, Note, RotationSpec, Untie
-from .rules import DROPOUT_OPS, Refusal, Source, kind_of
+from .affine import plan_fusion
+from .capture import Capture
+from .dataflow import Dataflow, NotZero, Zero
+from .graph import FUNCTIONAL_LN, GN_OPS, LN_OPS, GraphIndex, arg, op_name, shape
+from .rotation import plan_rotation
+from .rules import DROPOUT_OPS, Source, kind_of
 from .soundness import ShiftSoundness, gn_groups
 
 Weights = Mapping[str, torch.Tensor] | None
 """Values of parameters held on the meta device, by name."""
-
-__all__ = ["analyze", "analyze_capture", "auxiliary_plan", "norm_module_paths", "op_name", "FUNCTIONAL_LN",
-           "Analysis", "Zero", "NotZero", "State", "Source", "Refusal"]
 
 
 class Analysis:
@@ -188,8 +187,6 @@ class Analysis:
     def rotation(self, plan: FoldPlan, spec: RotationSpec) -> None:
         """Add a rotation of the residual stream to ``plan`` (made by ``run`` with
         ``fuse_affine``), or a note saying why the stream cannot be rotated."""
-        from .rotation import plan_rotation
-
         with self.index.reporting():
             found = plan_rotation(self.index, plan, self.sources, self.needs, self.ln_nodes(), spec)
         if isinstance(found, str):
@@ -298,111 +295,15 @@ class Analysis:
         return {o: t.name for o, t in zip(ours, theirs)}
 
 
-# --- auxiliary centering --------------------------------------------------------------------
+def rewritable_reason(entry: LayerNormEntry) -> str:
+    return (f"it is a functional layer_norm call in {entry.name}, not a plain nn.LayerNorm; enjoyln "
+            "replaces nn.LayerNorm modules, and functional calls only in a torch.fx.GraphModule")
 
 
 def norm_module_paths(model: nn.Module) -> list[str]:
     """Paths of the model's LayerNorm and GroupNorm modules, folded or not."""
-    from ..modules.norm import GroupRMSNorm, RMSNorm
-
     kinds = (nn.LayerNorm, nn.GroupNorm, RMSNorm, GroupRMSNorm)
     return sorted(name for name, m in model.named_modules() if name and isinstance(m, kinds))
-
-
-def _within(path: str, scope: str) -> bool:
-    return scope == "" or path == scope or path.startswith(scope + ".")
-
-
-def _candidate_points(analysis: Analysis, plan: FoldPlan) -> dict[fx.Node, tuple[AuxCentering, set[str]]]:
-    """Module outputs and inputs on the zero-mean graphs of LNs that do not fold,
-    with the names of those LNs each one lies upstream of."""
-    cap = analysis.cap
-    by_name = {n.name: n for n in analysis.graph.nodes}
-    widths = {e.normalized_shape[-1] for e in plan.layer_norms if e.normalized_shape}
-    coverage: dict[fx.Node, set[str]] = {}
-    for name, calls in analysis.ln_nodes().items():
-        if plan[name].foldable:
-            continue
-        nodes, _ = analysis.zero_mean_graph(calls[0])
-        for n in nodes:
-            node = by_name.get(n)
-            if node is not None and node is not calls[0] and isinstance(analysis.states.get(node), NotZero):
-                coverage.setdefault(node, set()).add(name)
-    points: dict[fx.Node, tuple[AuxCentering, set[str]]] = {}
-    for node, count in coverage.items():
-        analysis.index.at = node
-        dims = shape(node)
-        if node.op != "call_function" or not dims or dims[-1] not in widths:
-            continue
-        path = cap.module_path(node)
-        outside = [u for u in node.users if not _within(cap.module_path(u), path)]
-        if path and outside:
-            escaping = {n for n in analysis.graph.nodes if _within(cap.module_path(n), path)
-                        and any(not _within(cap.module_path(u), path) for u in n.users)}
-            if escaping == {node}:  # the module returns exactly this tensor
-                points[node] = (AuxCentering(path, "output"), count)
-                continue
-        callees = set()  # for each reader, the outermost module call it sits in that ``node`` does not
-        for user in node.users:
-            stack = [p for p, _ in (user.meta.get("nn_module_stack") or {}).values()]
-            callees.add(next((p for p in stack if p and not _within(path, p)), None))
-        if len(callees) == 1 and None not in callees:
-            points[node] = (AuxCentering(callees.pop(), "input"), count)
-    return points
-
-
-def auxiliary_plan(cap: Capture, *, max_candidates: int = 6,
-                   weights: Weights = None) -> tuple[FoldPlan, dict[fx.Node, AuxCentering]]:
-    """Greedily insert centerings that each make more LNs foldable than they cost.
-
-    Each candidate is judged by the full analysis, soundness included, with
-    the inserted centering as one more source whose shift must only reach LN
-    inputs. Returns the plan with the chosen points, and the points by node.
-    """
-    base = Analysis(cap, weights=weights)
-    plan = base.run()
-    strict_count = len(plan.foldable)
-    chosen: dict[fx.Node, AuxCentering] = {}
-    refused: dict[str, tuple[str, set[str]]] = {}
-    while True:
-        with base.index.reporting():
-            points = _candidate_points(base, plan)
-        ranked = sorted(points.items(), key=lambda kv: -len(kv[1][1]))[:max_candidates]
-        best = None
-        for node, (point, covered) in ranked:
-            if node in chosen:
-                continue
-            trial = Analysis(cap, {**chosen, node: point}, weights=weights)
-            trial_plan = trial.run()
-            gain = len(trial_plan.foldable) - len(plan.foldable)
-            if gain > 1 and (best is None or gain > best[0]):
-                best = (gain, node, point, trial, trial_plan)
-            if gain <= 1:
-                key = f"aux:{point.module}:{point.where}"
-                why = trial.last_bad.get(key)
-                if why:
-                    refused[point.describe()] = (why, covered)
-        if best is None:
-            break
-        gain, node, point, base, plan = best
-        chosen[node] = point
-    plan.auxiliary = list(chosen.values())
-    if chosen:
-        plan.notes.append(Note(f"auxiliary centering: {len(chosen)} inserted, "
-                               f"{len(plan.foldable) - strict_count} more LNs foldable"))
-    explained: set[str] = set()
-    for what, (why, covered) in refused.items():
-        for e in plan.layer_norms:
-            if not e.foldable and e.name in covered and e.name not in explained:
-                e.reason += f"; {what} would not help, as it would also change {why}"
-                explained.add(e.name)
-        plan.notes.append(Note(f"{what} was considered but would also change {why}"))
-    return plan, chosen
-
-
-def rewritable_reason(entry: LayerNormEntry) -> str:
-    return (f"it is a functional layer_norm call in {entry.name}, not a plain nn.LayerNorm; enjoyln "
-            "replaces nn.LayerNorm modules, and functional calls only in a torch.fx.GraphModule")
 
 
 def analyze_capture(cap: Capture, *, weights: Weights = None, fuse_affine: bool = False,
@@ -413,75 +314,3 @@ def analyze_capture(cap: Capture, *, weights: Weights = None, fuse_affine: bool 
     if rotate is not None:
         analysis.rotation(plan, rotate)
     return cap.annotate(plan)
-
-
-def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
-            auxiliary_centering: bool = False, weights: Weights = None, fuse_affine: bool = False,
-            rotate: RotationSpec | tuple[str, int, bool] | None = None) -> FoldPlan:
-    """Find the foldable LayerNorms of ``model`` and what folding them needs.
-
-    A dry run: the model is traced, never modified. With
-    ``auxiliary_centering``, explicit centerings are also placed where each
-    makes more LNs foldable than it costs (``plan.auxiliary``). ``weights``
-    gives values for parameters the model holds on the meta device, where a
-    rule depends on them (a LayerScale gain with a zero entry does not fold).
-    With ``fuse_affine``, each folded norm's γ and β are also moved into the
-    linear layers that read its output, where that is sound (``enjoyln.affine``).
-    With ``rotate`` (a ``RotationSpec``, or (kind, seed, keep_mean)), the plan also rotates the residual
-    stream where that is proved exact (``enjoyln.rotation``), or says why not.
-
-    >>> import torch
-    >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-    >>> analyze(net, torch.randn(2, 8)).foldable[0].name
-    '1'
-    """
-    rotate = RotationSpec.of(rotate)
-    if not auxiliary_centering:
-        return analyze_capture(capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine,
-                               rotate=rotate)
-    return _analyze_with_auxiliary(model, example_inputs, weights, fuse_affine, rotate)
-
-
-def _analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs, weights: Weights,
-                            fuse_affine: bool = False, rotate: RotationSpec | None = None) -> FoldPlan:
-    """Choose centerings, then prove the folds again on the model with them in place.
-
-    The first pass proves each inserted centering changes only LN inputs; the
-    second, a strict analysis of the model with the centering hooks installed,
-    gives the parameters to center and confirms every predicted fold. The
-    hooks are removed again before returning.
-    """
-    from ..modules import centering
-
-    unhooked = capture(model, example_inputs)
-    predicted, _ = auxiliary_plan(unhooked, weights=weights)
-    if not predicted.auxiliary:
-        if fuse_affine or rotate:
-            plan = analyze_capture(unhooked, weights=weights, fuse_affine=True, rotate=rotate)
-            plan.notes = predicted.notes
-            return plan
-        return predicted
-    for a in predicted.auxiliary:
-        centering.install(model, a.module, a.where)
-    try:
-        plan = analyze_capture(capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine,
-                               rotate=rotate)
-    except CaptureError as exc:  # a hook met an output it cannot center
-        plan = FoldPlan(predicted.model)
-        plan.notes.append(Note(f"auxiliary centering was not applied: {exc}"))
-    finally:
-        for a in predicted.auxiliary:
-            centering.remove(model, a.module)
-    missing = {e.name for e in predicted.foldable} - {e.name for e in plan.foldable}
-    if missing:  # the hooks did not land where the graph said: keep the strict result
-        strict = analyze_capture(unhooked, weights=weights, fuse_affine=fuse_affine, rotate=rotate)
-        strict.notes += plan.notes or [Note("auxiliary centering was not applied: the re-analysis could not "
-                                            f"confirm {sorted(missing)[0]}")]
-        return strict
-    plan.auxiliary = predicted.auxiliary
-    plan.notes = predicted.notes + [n for n in plan.notes if n not in predicted.notes]
-    reasons = {e.name: e.reason for e in predicted.layer_norms if not e.foldable}
-    for e in plan.layer_norms:
-        if not e.foldable and e.name in reasons:
-            e.reason = reasons[e.name]
-    return plan

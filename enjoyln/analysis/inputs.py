@@ -368,3 +368,18 @@ def resolve_inputs(model: nn.Module, example_inputs: ExampleInputs = None, *, se
         f"{type(model).__name__} is not a Hugging Face model, so enjoyln cannot invent "
         "its inputs; pass example_inputs (a tensor, a tuple or a dict of keyword arguments)"
     )
+
+
+def inputs_like(inputs: Inputs, seed: int) -> Inputs:
+    """Fresh random inputs with the shapes, dtypes and integer ranges of ``inputs``."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def fresh(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dtype == torch.bool:
+            return x
+        if x.is_floating_point():
+            return torch.randn(x.shape, generator=gen).to(x.dtype).to(x.device)
+        lo, hi = int(x.min()), int(x.max())
+        return torch.randint(lo, hi + 1, x.shape, generator=gen).to(x.dtype).to(x.device)
+
+    return Inputs(tuple(fresh(a) for a in inputs.args), {k: fresh(v) for k, v in inputs.kwargs.items()})

@@ -35,8 +35,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..analysis.inputs import (ExampleInputs, Inputs, as_inputs, config_value, hf_example_inputs, is_causal_lm,
-                     is_hf_model, wants_no_cache)
+from ..analysis.inputs import (ExampleInputs, Inputs, as_inputs, config_value, hf_example_inputs, inputs_like,
+                               is_causal_lm, is_hf_model, wants_no_cache)
 from ..errors import CaptureError, EnjoylnError, first_line
 
 HALF = (torch.float16, torch.bfloat16)
@@ -272,21 +272,6 @@ def _dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _inputs_like(inputs: Inputs, seed: int) -> Inputs:
-    """Fresh random inputs with the shapes, dtypes and integer ranges of ``inputs``."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def fresh(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or x.dtype == torch.bool:
-            return x
-        if x.is_floating_point():
-            return torch.randn(x.shape, generator=gen).to(x.dtype).to(x.device)
-        lo, hi = int(x.min()), int(x.max())
-        return torch.randint(lo, hi + 1, x.shape, generator=gen).to(x.dtype).to(x.device)
-
-    return Inputs(tuple(fresh(a) for a in inputs.args), {k: fresh(v) for k, v in inputs.kwargs.items()})
-
-
 def input_batches(model: nn.Module, example_inputs: ExampleInputs = None, *, batches: int = 3,
                   seed: int = 0, batch_size: int = 2, seq_len: int = 16) -> list[Inputs]:
     """Seeded input batches: synthesized for Hugging Face models, else like the examples."""
@@ -299,7 +284,7 @@ def input_batches(model: nn.Module, example_inputs: ExampleInputs = None, *, bat
     first = as_inputs(example_inputs)
     if is_hf_model(model) and wants_no_cache(model):
         first.kwargs.setdefault("use_cache", False)
-    return [first] + [_inputs_like(first, seed + i) for i in range(1, batches)]
+    return [first] + [inputs_like(first, seed + i) for i in range(1, batches)]
 
 
 MAX_COVER_POSITIONS = 2048

@@ -309,7 +309,7 @@ def rotate(
     rtol: Optional[float] = typer.Option(None, min=0.0, help=_RTOL_HELP),
 ) -> None:
     """Fold with fused affines and rotate the residual stream by an orthogonal Q; same outputs, proved."""
-    from ..analysis.rotation import KINDS
+    from ..transform.rotation import KINDS
 
     if kind not in KINDS:
         raise EnjoylnError(f"unknown --kind {kind!r}; use {' or '.join(KINDS)}")
@@ -427,7 +427,7 @@ def inspect(
 ) -> None:
     """Analyse a model directory on the meta device: which LNs fold, and why not."""
     from ..convert import analyze_checkpoint
-    from ..analysis.rotation import KINDS
+    from ..transform.rotation import KINDS
 
     if rotate is not None and rotate not in KINDS:
         raise EnjoylnError(f"unknown --rotate {rotate!r}; use {' or '.join(KINDS)}")
@@ -499,7 +499,7 @@ def demo(
 ) -> None:
     """The whole flow on a small GPT-2 that enjoyln builds itself: build, inspect, fold, check, time."""
     from ..bench import compare_latency
-    from ..analysis.capture import hf_example_inputs
+    from ..analysis.inputs import hf_example_inputs
     from ..convert import analyze_checkpoint, check_checkpoints, fold_checkpoint, load
     from ..testing import demo_checkpoint
 
@@ -608,7 +608,7 @@ def bench(
     e2e_result = None
     if e2e or compile_:
         original, folded = _bench_models(model_dir, device)
-        from ..analysis.capture import hf_example_inputs
+        from ..analysis.inputs import hf_example_inputs
 
         inputs = hf_example_inputs(original, batch=batch, seq_len=seq_len)
     if e2e:
@@ -696,7 +696,7 @@ def export_cmd(
     """Export to ONNX with RMSNorm as one op and dynamic batch and sequence axes; check the
     file and run it in onnxruntime at the traced shape and a second one."""
     from .. import fold as fold_model
-    from ..analysis.capture import hf_example_inputs
+    from ..analysis.inputs import hf_example_inputs
     from ..convert import load, open_model_dir
     from ..export.onnx import export_onnx
     from ..checking.static import recorded_plan

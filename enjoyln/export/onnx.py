@@ -40,8 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..analysis.capture import ExampleInputs, Inputs, config_value, is_causal_lm, is_hf_model, resolve_inputs
-from ..checking.forward import _inputs_like, flatten_outputs
+from ..analysis.inputs import (ExampleInputs, Inputs, config_value, inputs_like, is_causal_lm, is_hf_model,
+                               resolve_inputs)
+from ..checking.forward import flatten_outputs
 from ..errors import EnjoylnError, first_line
 
 DEFAULT_OPSET = 23
@@ -315,7 +316,7 @@ def second_shape(inputs: Inputs, shapes: dict[str, list[Any]]) -> Inputs:
         return value
 
     args = tuple(resize(positional[i] if i < len(positional) else "", a) for i, a in enumerate(inputs.args))
-    second = _inputs_like(Inputs(args, {k: resize(k, v) for k, v in inputs.kwargs.items()}), seed=1)
+    second = inputs_like(Inputs(args, {k: resize(k, v) for k, v in inputs.kwargs.items()}), seed=1)
     mask = second.kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
         mask[-1, mask.shape[1] - max(1, mask.shape[1] // 4):] = 0

@@ -15,12 +15,15 @@ import torch
 from torch import fx, nn
 
 from ..modules import centering
-from ..analysis.driver import FUNCTIONAL_LN, analyze
-from ..analysis.capture import ExampleInputs
+from ..analysis import analyze
+from ..analysis.driver import norm_module_paths
+from ..analysis.graph import FUNCTIONAL_LN
+from ..analysis.inputs import ExampleInputs
 from ..errors import PlanError
 from ..modules.norm import GroupRMSNorm, RMSNorm
 from ..ops import rms_norm
 from ..plan import AFFINE_FUSED, AFFINE_GAIN, NOT_ROTATED, TRAINING_MODE, Centering, FoldPlan, Fused, RotationSpec
+from .rotation import KINDS, apply_rotation
 
 
 def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -428,8 +431,6 @@ class RotateStream(Transformation):
     preserves_computation = True
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
-        from ..analysis.rotation import KINDS
-
         r = plan.rotation
         if r is None:
             return
@@ -441,8 +442,6 @@ class RotateStream(Transformation):
                 raise PlanError(f"the plan rotates {rot.param} along axis {rot.axis}, which it does not have")
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
-        from ..analysis.rotation import apply_rotation
-
         if plan.rotation is not None:
             with torch.no_grad():
                 for rot in plan.rotation.rotated:
@@ -485,8 +484,6 @@ def check_fits(model: nn.Module, plan: FoldPlan) -> None:
     """Refuse a plan made for another model: another class, or other norm modules
     (a plan for 2 layers applied to 3 would leave the third layer's sources
     uncentered under a swapped final norm)."""
-    from ..analysis.driver import norm_module_paths
-
     if plan.model and plan.model != type(model).__name__:
         raise PlanError(f"the plan was made for a {plan.model}, not a {type(model).__name__}")
     if plan.norm_modules:

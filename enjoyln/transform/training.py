@@ -24,8 +24,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..modules import centering
-from ..analysis.driver import analyze
-from ..analysis.capture import ExampleInputs
+from ..analysis import analyze
+from ..analysis.inputs import ExampleInputs
 from ..plan import FoldPlan
 from .steps import (InsertCentering, SeparateTies, SwapLayerNorms, UntieParameters, _owner, _untie_config,
                       center_)

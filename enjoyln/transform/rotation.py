@@ -1,0 +1,109 @@
+"""Rotation matrices, and rotating tensors by them: the arithmetic of ``enjoyln.rotate``.
+
+``Q`` is rebuilt from a plan's ``Rotation`` (kind, seed, keep_mean) and the
+width of the stream, the same on any machine; the proof that rotating the
+stream keeps the outputs is in ``analysis.rotation``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..plan import Rotated, Rotation
+
+KINDS = ("hadamard", "random")
+MAX_BLOCK = 64
+"""Widths 2^k * m with m up to this get a Kronecker product of a Hadamard matrix and a
+random m x m block; wider odd factors fall back to a random orthogonal matrix."""
+
+
+def _random_orthogonal(n: int, gen: torch.Generator) -> torch.Tensor:
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(n, dtype=torch.float64))).contiguous()
+
+
+def hadamard_matrix(n: int) -> torch.Tensor:
+    """Sylvester's Hadamard matrix of order ``n`` (a power of two), scaled to be orthogonal."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def _fix_ones(q: torch.Tensor) -> torch.Tensor:
+    """``q`` made to map the all-ones vector to itself, by one reflection after it."""
+    n = q.shape[0]
+    u = torch.full((n,), 1 / math.sqrt(n), dtype=torch.float64)
+    w = q @ u
+    v = w - u
+    norm = float(v.norm())
+    if norm < 1e-12:
+        return q
+    v = v / norm
+    return q - 2 * torch.outer(v, v @ q)
+
+
+def rotation_matrix(n: int, kind: str = "hadamard", seed: int = 0, keep_mean: bool = True) -> torch.Tensor:
+    """An orthogonal ``n x n`` matrix in float64, the same for the same arguments on any machine.
+
+    ``hadamard``: a randomized Hadamard transform (random signs, then Sylvester's
+    Hadamard matrix), as in QuaRot; a width ``2^k m`` that is not a power of two
+    uses the Kronecker product with a random orthogonal ``m x m`` block (or, for
+    ``m > 64``, a random orthogonal matrix). ``random``: a Haar-random orthogonal
+    matrix. With ``keep_mean``, ``Q 1 = 1``.
+
+    >>> q = rotation_matrix(8)
+    >>> bool(torch.allclose(q @ q.T, torch.eye(8, dtype=torch.float64))), bool(torch.allclose(q.sum(1), torch.ones(8, dtype=torch.float64)))
+    (True, True)
+    """
+    return _rotation_matrix(int(n), kind, int(seed), bool(keep_mean)).clone()  # the cached one stays unchanged
+
+
+@functools.lru_cache(maxsize=8)
+def _rotation_matrix(n: int, kind: str, seed: int, keep_mean: bool) -> torch.Tensor:
+    if kind not in KINDS:
+        raise ValueError(f"unknown rotation kind {kind!r}; use one of {', '.join(KINDS)}")
+    gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + n)
+    if kind == "random":
+        q = _random_orthogonal(n, gen)
+    else:
+        k = n & -n  # the largest power of two dividing n
+        m = n // k
+        if m > MAX_BLOCK:
+            q = _random_orthogonal(n, gen)
+        else:
+            q = hadamard_matrix(k) if m == 1 else torch.kron(hadamard_matrix(k), _random_orthogonal(m, gen))
+            signs = torch.randint(0, 2, (n,), generator=gen).to(torch.float64) * 2 - 1
+            q = signs[:, None] * q
+    return _fix_ones(q) if keep_mean else q
+
+
+def rotate_(t: torch.Tensor, axis: int, q: torch.Tensor, start: int = 0, *, rows: int = 1 << 16) -> torch.Tensor:
+    """``t ×_axis Q`` in place, in float64, on entries ``start .. start + n`` of ``axis``:
+    every vector along that axis becomes ``v Q``. Works on slabs of the other axes,
+    so the float64 copy is never the whole tensor."""
+    if t.device.type == "meta":
+        return t
+    axis = axis % t.dim()
+    n = q.shape[0]
+    block = t.narrow(axis, start, n)
+    other = 0 if axis != 0 or t.dim() == 1 else 1
+    slabs = [block] if t.dim() == 1 else block.split(max(1, rows * n // max(block.numel(), 1) * block.shape[other]) or 1, other)
+    qq = q.to(t.device)
+    for slab in slabs:
+        wide = slab.detach().to(torch.float64).movedim(axis, -1)
+        slab.copy_((wide @ qq).movedim(-1, axis))
+    return t
+
+
+def apply_rotation(t: torch.Tensor, rot: Rotated, r: Rotation) -> torch.Tensor:
+    """One tensor of a plan's rotation, in place; the width is what its block holds."""
+    n = _width(t, rot)
+    return rotate_(t, rot.axis, rotation_matrix(n, r.kind, r.seed, r.keep_mean), rot.start)
+
+
+def _width(t: torch.Tensor, rot: Rotated) -> int:
+    return rot.length if rot.length else t.shape[rot.axis] - rot.start
