@@ -26,7 +26,7 @@ def main() -> None:
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # background jobs ignore it: keep that
         signal.signal(signal.SIGINT, _interrupt)
     try:
-        from .cli.commands import app
+        from .cli.app import app
 
         app()
     except Interrupted as exc:

@@ -7,7 +7,11 @@ medians; a ratio from one run is meaningful, an absolute time is not.
 from __future__ import annotations
 
 import contextlib
+import copy
+import os
+import re
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -15,7 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import ops
 from .analysis.inputs import ExampleInputs, as_inputs
+from .checking.forward import flatten_outputs
+from .convert import load, load_plain
+from .errors import EnjoylnError
+from .modules.norm import RMSNorm
+from .store.model_dir import open_model_dir
+from .testing import max_relative_diff, perturb
+from .transform.steps import fold
 
 
 @dataclass
@@ -129,7 +141,6 @@ def kernel_benchmark(shapes: list[tuple[int, int]], dtypes: list[torch.dtype], *
     """
     import torch.nn.functional as F
 
-    from . import ops
 
     gen = torch.Generator().manual_seed(seed)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -198,8 +209,6 @@ class EndToEndResult:
 @contextlib.contextmanager
 def _quiet_fds() -> Any:
     """Silence the profiler's C++ start/stop lines, which bypass Python's streams."""
-    import os
-    import sys
 
     sys.stdout.flush()
     sys.stderr.flush()
@@ -241,7 +250,6 @@ def norm_time_ms(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
     layers around each norm left there; far less noisy than whole forwards
     when the norms are a small share of the model.
     """
-    from .modules.norm import RMSNorm
 
     inputs = as_inputs(example_inputs)
 
@@ -316,7 +324,6 @@ class CompiledResult:
 
 
 def _kernel_names(code: str) -> list[str]:
-    import re
 
     return re.findall(r"^(cpp_fused_\w+|triton_\w+) = async_compile", code, re.M)
 
@@ -353,8 +360,6 @@ def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: 
     """
     import torch._inductor.config as inductor_config
 
-    from .checking.forward import flatten_outputs
-    from .testing import max_relative_diff
 
     inputs = as_inputs(example_inputs)
     compiled, names, seconds, outputs = [], [], [], []
@@ -399,8 +404,6 @@ def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from .errors import EnjoylnError
-
         raise EnjoylnError("--plot needs matplotlib: pip install 'enjoyln[plot]'") from None
     labels = [f"{r.rows}x{r.cols}\n{r.dtype}" for r in kernels]
     ours = [r.ratio for r in kernels]
@@ -424,3 +427,23 @@ def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = "cpu") -> tuple[nn.Module, nn.Module]:
+    """(original, folded) to time against each other: from a folded directory (the original is
+    what plain ``from_pretrained`` gives, LayerNorms kept), from an original one (folded in
+    memory), or, without a directory, a random GPT-2 small with perturbed weights.
+
+    >>> original, folded = models_to_compare()  # doctest: +SKIP
+    """
+    if model_dir is None:
+        import transformers
+
+        original = perturb(transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval())
+        folded = fold(copy.deepcopy(original))
+    elif open_model_dir(model_dir).config.get("enjoyln"):
+        original, folded = load_plain(model_dir), load(model_dir)
+    else:
+        original = load(model_dir)
+        folded = fold(copy.deepcopy(original))
+    return original.to(device), folded.to(device)

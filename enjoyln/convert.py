@@ -822,6 +822,18 @@ def load(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_co
                  max_memory=max_memory, offload_dir=offload_dir, **from_pretrained_kwargs)
 
 
+def load_plain(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_code: bool = False,
+               **from_pretrained_kwargs: Any) -> nn.Module:
+    """What transformers' own ``from_pretrained`` gives for a directory, with the class chosen as
+    ``load`` chooses it (custom code only with ``trust_remote_code``): a folded directory keeps
+    its LayerNorms, which see zero-mean inputs.
+
+    >>> model = load_plain("gpt2-folded")  # doctest: +SKIP
+    """
+    return _load(path, plain=True, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+                 **from_pretrained_kwargs)
+
+
 def _load(path: str | os.PathLike, *, plain: bool, allow_pickle: bool = False, trust_remote_code: bool = False,
           max_memory: int | None = None, offload_dir: str | os.PathLike | None = None,
           **from_pretrained_kwargs: Any) -> nn.Module:

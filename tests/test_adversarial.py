@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from enjoyln.cli.commands import app
+from enjoyln.cli.app import app
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir
 

@@ -88,7 +88,7 @@ def test_checkpoint_round_trip_with_centering(tmp_path):
 def test_cli_flag(tmp_path):
     from typer.testing import CliRunner
 
-    from enjoyln.cli.commands import app
+    from enjoyln.cli.app import app
 
     src = tmp_path / "bloom"
     perturb(tiny_model("bloom"), seed=69).save_pretrained(src)

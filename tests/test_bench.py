@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 import enjoyln
 from enjoyln.bench import end_to_end, kernel_benchmark, norm_time_ms
 from enjoyln.analysis.inputs import hf_example_inputs
-from enjoyln.cli.commands import app
+from enjoyln.cli.app import app
 from enjoyln.testing import perturb, tiny_model
 
 

@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from enjoyln import convert as checkpoint
-from enjoyln.cli.commands import app
+from enjoyln.cli.app import app
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir
 

@@ -109,7 +109,7 @@ def test_cli_bench_compile_reports_compiled_against_compiled(tmp_path):
 
     from typer.testing import CliRunner
 
-    from enjoyln.cli.commands import app
+    from enjoyln.cli.app import app
 
     # the shapes of the first test, so inductor's cache may serve its graphs
     perturb(tiny_model("gpt2"), seed=13).save_pretrained(tmp_path / "m")

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import enjoyln
 from enjoyln.convert import fold_checkpoint
-from enjoyln.cli.commands import app
+from enjoyln.cli.app import app
 from enjoyln.checking.forward import FACTOR, ModelSource, NearTie, _judge_generation, check_sources
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir

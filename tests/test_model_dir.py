@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from enjoyln import CheckpointError
 from enjoyln.convert import fold_checkpoint, open_model_dir
-from enjoyln.cli.commands import app
+from enjoyln.cli.app import app
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir as clone
 

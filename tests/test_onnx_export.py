@@ -219,7 +219,7 @@ def test_unusable_opset_is_refused_and_leaves_no_file(tmp_path, opset, message):
 def test_cli_export_fuse_affine_optimize(tmp_path):
     from typer.testing import CliRunner
 
-    from enjoyln.cli.commands import app
+    from enjoyln.cli.app import app
 
     src = tmp_path / "vit"
     perturb(tiny_model("vit"), seed=42).save_pretrained(src)
@@ -242,7 +242,7 @@ def test_cli_export_refuses_fuse_affine_on_a_plainly_folded_directory(tmp_path):
     from typer.testing import CliRunner
 
     from enjoyln.convert import fold_checkpoint
-    from enjoyln.cli.commands import app
+    from enjoyln.cli.app import app
 
     src = tmp_path / "gpt2"
     perturb(tiny_model("gpt2"), seed=42).save_pretrained(src)

@@ -176,7 +176,7 @@ def test_a_tied_head_is_rotated_with_the_embedding():
 def test_rotated_checkpoint_through_the_command_line(tmp_path):
     from typer.testing import CliRunner
 
-    from enjoyln.cli.commands import app
+    from enjoyln.cli.app import app
 
     src = tmp_path / "src"
     model = perturb(tiny_model("phi"), seed=28)
@@ -205,7 +205,7 @@ def test_rotated_checkpoint_through_the_command_line(tmp_path):
 def test_rotate_refusal_through_the_command_line_writes_nothing(tmp_path):
     from typer.testing import CliRunner
 
-    from enjoyln.cli.commands import app
+    from enjoyln.cli.app import app
 
     src = tmp_path / "bert"
     perturb(tiny_model("bert"), seed=30).save_pretrained(src)

@@ -166,7 +166,7 @@ def test_fold_refuses_a_forward_check_that_cannot_fit(pair, tmp_path, monkeypatc
     from typer.testing import CliRunner
 
     from enjoyln import convert as checkpoint
-    from enjoyln.cli.commands import app
+    from enjoyln.cli.app import app
 
     ref, _, _ = pair
     monkeypatch.setattr(checkpoint, "available_memory", lambda: 1 << 20)
@@ -222,7 +222,7 @@ def test_a_half_precision_change_within_a_few_ulps_of_the_maximum_is_caught(tmp_
     margin did not see it either. Each element may be off by one ulp of itself, no more."""
     from typer.testing import CliRunner
 
-    from enjoyln.cli.commands import app
+    from enjoyln.cli.app import app
 
     perturb(tiny_model("gpt2"), seed=41).to(torch.bfloat16).save_pretrained(tmp_path / "ref")
     fold_checkpoint(tmp_path / "ref", tmp_path / "folded", check="none")
@@ -609,7 +609,7 @@ def test_the_memory_check_counts_what_the_model_builds_from_its_config(tmp_path,
     from typer.testing import CliRunner
 
     from enjoyln import convert as checkpoint
-    from enjoyln.cli.commands import app
+    from enjoyln.cli.app import app
 
     ref = gptj_with_positions(tmp_path, 8_000_000)  # a 256 MB table in each of the two models
     monkeypatch.setattr(checkpoint, "available_memory", lambda: 1 << 30)

@@ -40,10 +40,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..analysis.inputs import (ExampleInputs, Inputs, config_value, inputs_like, is_causal_lm, is_hf_model,
-                               resolve_inputs)
+from .. import ops  # noqa: F401  (registers enjoyln::rms_norm, which export_onnx translates)
+from ..analysis.inputs import (ExampleInputs, Inputs, config_value, hf_example_inputs, inputs_like, is_causal_lm,
+                               is_hf_model, resolve_inputs)
 from ..checking.forward import flatten_outputs
+from ..checking.static import recorded_plan
+from ..convert import load
 from ..errors import EnjoylnError, first_line
+from ..store.model_dir import open_model_dir
+from ..transform.steps import fold
 
 DEFAULT_OPSET = 23
 OPTIMIZE_OPSET = 22
@@ -163,8 +168,6 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
     _require()
     import onnx
 
-    from .. import ops  # noqa: F401  (registers enjoyln::rms_norm, which the table below translates)
-
     opset = opset if opset is not None else (OPTIMIZE_OPSET if optimize else DEFAULT_OPSET)
     newest = onnx.defs.onnx_opset_version()
     if opset < 18:
@@ -174,7 +177,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
     path = Path(path)
     inputs = deployment_inputs(model, example_inputs)
     axes = _dynamic_axes(model, inputs) if dynamic else {}
-    table = {torch.ops.enjoyln.rms_norm.default: translation(opset)}
+    table = {torch.ops.enjoyln.rms_norm.default: translation(opset)}  # registered by importing ``ops``
     # Written into a temporary directory beside the target, under the final name
     # (external data files refer to it), and moved at the end: a failed export
     # leaves nothing behind.
@@ -239,6 +242,27 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
 
 
 # --- inputs and their axes --------------------------------------------------------------------------
+
+
+def export_checkpoint(model_dir: str | os.PathLike, path: str | os.PathLike, *, fuse_affine: bool = False,
+                      batch: int = 2, seq_len: int = 16, allow_pickle: bool = False, opset: int | None = None,
+                      optimize: bool = False, dynamic: bool = True) -> ExportReport:
+    """``export_onnx`` for a model directory: a folded one as its recorded plan folded it, any
+    other folded first, in memory (with its affines moved into their readers under
+    ``fuse_affine``); traced at ``batch`` x ``seq_len``.
+
+    >>> export_checkpoint("gpt2-folded", "gpt2.onnx").passed  # doctest: +SKIP
+    True
+    """
+    recorded = recorded_plan(open_model_dir(model_dir, allow_pickle=allow_pickle))
+    if recorded is not None and fuse_affine and not any(e.affine for e in recorded.foldable):
+        raise EnjoylnError(f"{model_dir} was folded without --fuse-affine; export it without --fuse-affine, "
+                           "or fold the original with `enjoyln fold --fuse-affine`")
+    model = load(model_dir, allow_pickle=allow_pickle)
+    if recorded is None:
+        model = fold(model, fuse_affine=fuse_affine)
+    return export_onnx(model, path, hf_example_inputs(model, batch=batch, seq_len=seq_len), opset=opset,
+                       optimize=optimize, dynamic=dynamic)
 
 
 def deployment_inputs(model: nn.Module, example_inputs: ExampleInputs = None) -> Inputs:

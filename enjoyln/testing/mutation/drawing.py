@@ -168,7 +168,7 @@ def _sentencepiece_model() -> bytes:
 def _run_cli(*args: str) -> None:
     from typer.testing import CliRunner
 
-    from ...cli.commands import app
+    from ...cli.app import app
 
     result = CliRunner().invoke(app, list(args))
     if result.exit_code != 0:
@@ -1359,7 +1359,7 @@ def gate(reference: str | os.PathLike, candidate: str | os.PathLike) -> tuple[in
     code, and the first line of its output that says why (empty for a pass)."""
     from typer.testing import CliRunner
 
-    from ...cli.commands import app
+    from ...cli.app import app
 
     result = CliRunner().invoke(app, ["check", str(reference), str(candidate)])
     lines = [line.strip() for line in result.output.splitlines() if line.strip()]

@@ -1,0 +1,356 @@
+"""What the command line prints: tables, reports, progress, strict JSON, and one-line errors.
+
+Errors go to stderr as one line with exit code 2 for bad input (1 for a check that
+failed), never a traceback; JSON goes to stdout, strict and ASCII only.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from ..errors import EnjoylnError, Interrupted, first_line
+from ..plan import FoldPlan, format_bytes
+
+# wide enough for the tables when piped, where rich would assume 80 columns
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+# --- one-line errors -------------------------------------------------------------------------
+
+
+def _quiet() -> None:
+    """Library chatter (progress bars, deprecation notes) would bury the one line that matters."""
+    import logging
+    import warnings
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+
+
+_BREAKS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def one_line(text: str) -> str:
+    """``text`` with every character that could break the line or the terminal escaped: control
+    characters (a newline in a path), line separators, and the undecodable bytes of a file name
+    (surrogates), which no encoding can print."""
+
+    def escape_char(m: re.Match[str]) -> str:
+        c = ord(m.group())
+        if 0xDC80 <= c <= 0xDCFF:  # a byte os.fsdecode could not decode
+            return f"\\x{c - 0xDC00:02x}"
+        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(m.group()) or (
+            f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}")
+
+    return _BREAKS.sub(escape_char, text)
+
+
+def _tolerant_streams() -> None:
+    """Text no stream can encode (a non-ASCII path on an ASCII stdout) is written escaped, not
+    raised: a print after OUT_DIR is published must not turn a success into a failure."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            pass
+
+
+def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Any failure becomes one line on stderr and exit code 2, never a traceback
+    (unless ENJOYLN_DEBUG is set)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            _tolerant_streams()
+            _quiet()
+            return fn(*args, **kwargs)
+        except EnjoylnError as exc:
+            err.print(one_line(f"error: {exc}"), markup=False, emoji=False)
+            raise typer.Exit(exc.exit_code) from None
+        except OSError as exc:
+            err.print(one_line(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")), markup=False,
+                      emoji=False)
+            raise typer.Exit(2) from None
+        except Interrupted as exc:
+            err.print(exc.message)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:  # Ctrl-C where the command line's own handlers are not installed
+            err.print("interrupted")
+            raise typer.Exit(130) from None
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except Exception as exc:  # a bug or an unforeseen input: still one line, and how to see more
+            if os.environ.get("ENJOYLN_DEBUG"):
+                raise
+            first = first_line(exc, "")
+            err.print(one_line(f"error: {type(exc).__name__}: {first} (set ENJOYLN_DEBUG=1 for the traceback)"),
+                      markup=False)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+# --- plans and reports ------------------------------------------------------------------------
+
+
+def _compact(params: list[str]) -> str:
+    """'transformer.h.0.attn.c_proj.weight', ... -> 'transformer.h.*.attn.c_proj'."""
+    modules = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", p.rsplit(".", 1)[0] if p.endswith(("weight", "bias")) else p)
+                            for p in params)
+    return f"{len(params)} tensors: " + ", ".join(modules)
+
+
+def plan_table(plan: FoldPlan) -> Table:
+    table = Table(title=f"{plan.model}: {len(plan.foldable)} of {len(plan.layer_norms)} LayerNorms foldable",
+                  title_justify="left")
+    table.add_column("LayerNorm", overflow="fold")
+    table.add_column("fold")
+    table.add_column("centered / reason", overflow="fold")
+    for e in plan.layer_norms:
+        if e.foldable:
+            table.add_row(e.name, "[green]yes[/]", escape(_compact([c.param for c in e.centered])))
+        else:
+            table.add_row(e.name, "[red]no[/]", escape(e.reason))
+    return table
+
+
+def print_plan(plan: FoldPlan) -> None:
+    if not plan.layer_norms:
+        out.print(f"{plan.model} has no LayerNorm: nothing to fold.")
+        return
+    out.print(plan_table(plan))
+    if plan.centered or plan.untied:
+        changes = Table(title=f"Changes: center {len(plan.centered)} tensors, untie {len(plan.untied)} "
+                              f"(+{format_bytes(plan.untie_bytes)})", title_justify="left")
+        changes.add_column("parameter", overflow="fold")
+        changes.add_column("change", overflow="fold")
+        for c in plan.centered:
+            changes.add_row(c.param, f"center along axis {c.axis}")
+        for u in plan.untied:
+            changes.add_row(u.param, f"untie from {u.tied_to}: +{format_bytes(u.nbytes)}")
+        out.print(changes)
+    for a in plan.auxiliary:
+        out.print(f"Auxiliary centering: {a.describe()}")
+    affine = [e for e in plan.foldable if e.affine]
+    if affine:
+        table = Table(title=f"Affine: {sum(e.weightless for e in affine)} of {len(affine)} folded norms become "
+                            "weightless", title_justify="left")
+        table.add_column("LayerNorm", overflow="fold")
+        table.add_column("γ and β", overflow="fold")
+        for e in affine:
+            into = ", ".join(sorted({f.weight for f in e.fused})) or "nothing to move"
+            what = {"fused": f"into {into}", "gain fused": f"γ into {into}; β stays as β/γ ({e.affine_reason})",
+                    "kept": f"kept: {e.affine_reason}"}[e.affine]
+            table.add_row(e.name, escape(what))
+        out.print(table)
+    if plan.rotation is not None:
+        r = plan.rotation
+        out.print(f"Rotation: {r.kind} (seed {r.seed}, {'keeps' if r.keep_mean else 'does not keep'} the mean) "
+                  f"of {len(r.rotated)} tensors")
+    for note in plan.notes:
+        out.print(f"[yellow]Note:[/] {escape(note)}")
+    if not plan.foldable:
+        out.print("Nothing is foldable: the output would equal the input.")
+
+
+def _strict(value: Any) -> Any:
+    """``value`` as strict JSON allows: non-finite floats as the strings "inf", "-inf" and "nan"
+    (JSON has no such numbers), and strings without the surrogates an undecodable file name
+    leaves (no UTF-8 can carry them), its bytes written as \\xNN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if value != value else "inf" if value > 0 else "-inf"
+    if isinstance(value, str):
+        return _SURROGATES.sub(lambda m: one_line(m.group()), value)
+    if isinstance(value, dict):
+        return {_strict(str(k)): _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    if isinstance(value, Path):
+        return _strict(str(value))
+    return value
+
+
+_SURROGATES = re.compile(r"[\ud800-\udfff]")
+
+
+def print_json(value: Any) -> None:
+    """Strict JSON on stdout, ASCII only, so it reads back whatever the terminal's encoding."""
+    out.file.write(json.dumps(_strict(value), indent=2, ensure_ascii=True, allow_nan=False) + "\n")
+    out.file.flush()
+
+
+def print_report(report: Any) -> None:
+    colour = "green" if report.passed else "red"
+    out.print(f"[{colour}]{escape(report.summary())}[/]")
+
+
+class ByteProgress:
+    """A byte progress bar on stderr that appears only once bytes move, so an
+    early error is not preceded by the traces of an empty bar; ``phase(name)``
+    gives the callback for one phase (writing, checking)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        # Off a terminal a bar shows nothing useful, and rich still ends it with a newline
+        # that would land in front of an error message.
+        self.enabled, self.bar, self.tasks = enabled and err.is_terminal, None, {}
+
+    def phase(self, name: str) -> Callable[[int, int], None]:
+        def update(done: int, total: int) -> None:
+            if not self.enabled:
+                return
+            if self.bar is None:
+                self.bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                                    TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True)
+                self.bar.start()
+            if name not in self.tasks:
+                self.tasks[name] = self.bar.add_task(name, total=total)
+            self.bar.update(self.tasks[name], completed=done, total=total)
+        return update
+
+    def __call__(self, done: int, total: int) -> None:
+        self.phase("writing")(done, total)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+    def __enter__(self) -> "ByteProgress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def drop_stdout() -> None:
+    """Send what is left of stdout to /dev/null, so Python's final flush raises nothing either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real descriptor (under a test runner)
+        pass
+
+
+def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool, dry_run: bool,
+               start: float) -> None:
+    plan = result.plan
+    if not as_json:
+        if result.cleaned:
+            out.print(f"Removed {len(result.cleaned)} temporary "
+                      f"director{'y' if len(result.cleaned) == 1 else 'ies'} left by an interrupted run: "
+                      + ", ".join(escape(str(p)) for p in result.cleaned))
+        print_plan(plan)
+        if result.skipped:
+            out.print(f"[yellow]Not copied:[/] {escape('; '.join(result.skipped))}")
+        if result.followed:
+            out.print(f"Copied through links out of MODEL_DIR (files a model needs): "
+                      f"{escape(', '.join(result.followed))}")
+        if result.report is not None:
+            print_report(result.report)
+        if result.out_dir:
+            speed = result.bytes_written / max(result.stream_seconds, 1e-9) / 1e6
+            checked = {"none": "unchecked", "static": "weights checked", "full": "checked"}[mode]
+            out.print(f"Wrote {escape(str(result.out_dir))} ({checked}; {len(result.files)} weight files, "
+                      f"{format_bytes(result.bytes_written)}) in {result.seconds:.2f} s; moving the weights took "
+                      f"{result.stream_seconds:.2f} s ({speed:.0f} MB/s)")
+            if plan.rotation is not None and not plan.rotation.keep_mean:
+                out.print("[yellow]Note:[/] this rotation does not keep the stream zero-mean: load it with "
+                          "enjoyln.load; a plain from_pretrained runs LayerNorms and gives different outputs")
+        elif dry_run:
+            out.print("Dry run: nothing written.")
+    if not dry_run and not plan.foldable:
+        if as_json:
+            print_json(payload)
+        what = ("has no LayerNorm" if not plan.layer_norms
+                else f"has {len(plan.layer_norms)} LayerNorms and none can fold")
+        raise EnjoylnError(f"nothing to fold: {plan.model} {what}; nothing was written")
+    payload["seconds"] = time.perf_counter() - start
+    if as_json:
+        print_json(payload)
+
+
+def print_export(report: Any, out_file: Path) -> None:
+    """An ONNX export's report: the ops written, the shapes, and onnxruntime's verdicts."""
+
+    def dims(shape: list[Any]) -> str:
+        return escape("[" + ", ".join(map(str, shape)) + "]")
+
+    bias = f" ({report.rms_bias_adds} followed by a bias Add)" if report.rms_bias_adds else ""
+    out.print(f"Wrote {out_file} (opset {report.opset}): {report.rms_norm_nodes} RMSNorm ops{bias}, "
+              f"{report.layer_norm_nodes} LayerNormalization ops; onnx.checker passed")
+    out.print("Inputs: " + ", ".join(f"{k} {dims(v)}" for k, v in report.inputs.items())
+              + "; outputs: " + ", ".join(f"{k} {dims(v)}" for k, v in report.outputs.items()))
+    shapes = " and ".join(", ".join(f"{k} {'x'.join(map(str, v))}" for k, v in s.items()) for s in report.shapes)
+    verdict = "[green]matches[/]" if report.max_rel_diff <= 1e-4 else "[red]DIFFERS from[/]"
+    out.print(f"onnxruntime {verdict} PyTorch at {shapes}: max relative difference {report.max_rel_diff:.3g}")
+    if report.optimized:
+        norms = ", ".join(f"{n} {report.optimized_ops[n]}" for n in sorted(report.optimized_ops)
+                          if "Normalization" in n)
+        verdict = "[green]matches[/]" if report.optimized_max_rel_diff <= 1e-4 else "[red]DIFFERS from[/]"
+        out.print(f"Optimized (onnxruntime optimizer, model_type {report.optimizer_model_type}): {norms}; "
+                  f"fused {report.skip_fused} of {report.skip_candidates} residual Add + norm pairs; "
+                  f"{verdict} PyTorch: max relative difference {report.optimized_max_rel_diff:.3g}")
+    for note in report.notes:
+        out.print(f"[yellow]warning:[/] {escape(note)}")
+
+
+# --- benchmarks -------------------------------------------------------------------------------
+
+
+def print_kernels(results: list[Any]) -> None:
+    table = Table(title="Norm kernels: median µs; torch = F.rms_norm + bias; copy = x.clone(), "
+                        "the floor", title_justify="left")
+    for col in ("shape", "dtype", "path", "LN µs", "RMS µs", "RMS/LN", "torch µs", "torch/LN",
+                "copy/LN", "LN GB/s", "RMS GB/s"):
+        table.add_column(col, no_wrap=True)
+    for r in results:
+        table.add_row(f"{r.rows}x{r.cols}", r.dtype, r.backend, f"{r.layer_norm_us:.0f}",
+                      f"{r.rms_norm_us:.0f}", f"{r.ratio:.2f}", f"{r.torch_rms_norm_us:.0f}",
+                      f"{r.torch_ratio:.2f}", f"{r.copy_us / r.layer_norm_us:.2f}",
+                      f"{r.gbps(r.layer_norm_us):.1f}", f"{r.gbps(r.rms_norm_us):.1f}")
+    out.print(table)
+
+
+def print_end_to_end(result: Any, model: str, batch: int, seq_len: int) -> None:
+    lat = result.latency
+    out.print(f"End to end ({model}, batch {batch}, seq {seq_len}): original "
+              f"{lat.a_ms:.1f} ms, folded {lat.b_ms:.1f} ms; folded/original {lat.ratio:.4f} "
+              f"({lat.speedup:+.2%}); {lat.tokens_per_s('a'):.0f} -> {lat.tokens_per_s('b'):.0f} tokens/s")
+    out.print(f"LayerNorm share of the original (profiler): {result.layer_norm_share:.2%}; "
+              f"the fold captured {result.share_captured:.0%} of it")
+    ln_ms, rms_ms, copy_ms = result.norm_ms
+    out.print(f"Time inside the norms per forward: LayerNorm {ln_ms:.2f} ms, folded {rms_ms:.2f} ms, "
+              f"a bare copy in their place {copy_ms:.2f} ms (the floor: at best "
+              f"{result.best_possible_speedup:+.2%} end to end)")
+
+
+def print_compiled(comp: Any) -> None:
+    lat = comp.latency
+    out.print(f"Compiled (inductor, fullgraph, no graph breaks): original {lat.a_ms:.1f} ms, folded "
+              f"{lat.b_ms:.1f} ms; folded/original {lat.ratio:.4f}; compiled folded against the eager "
+              f"original: max relative difference {comp.max_rel_diff:.1e}")
+    out.print(f"Generated kernels: original {comp.kernels[0]}, folded {comp.kernels[1]}; norm kernels "
+              f"{comp.norm_kernels[0]} and {comp.norm_kernels[1]}, {comp.fused_add_norms} of the folded "
+              f"ones with the residual add fused in; compile {comp.compile_s[0]:.0f} s and "
+              f"{comp.compile_s[1]:.0f} s")
