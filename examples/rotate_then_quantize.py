@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--write", action="store_true", help="put the table into README.md")
+    parser.add_argument("--write", action="store_true", help="put the table into docs/how-it-works.md")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -153,7 +153,7 @@ def main() -> None:
         raise SystemExit(f"the rotation lowered the int8 activation error only {base[2] / rot[2]:.1f}x")
     if args.write:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-        from _readme import replace_section
+        from _docs import replace_section
 
         replace_section("outliers", body)
 

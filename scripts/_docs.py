@@ -1,4 +1,9 @@
-"""Write a generated block into README.md between marker comments."""
+"""Write a generated block into the document that holds its marker comments.
+
+Each block lives in exactly one of README.md and docs/*.md, between
+``<!-- name:start -->`` and ``<!-- name:end -->``; ``replace_section`` finds it
+there, so a block can move between documents without its script changing.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +13,31 @@ from pathlib import Path
 
 import torch
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def replace_section(name: str, body: str, readme: Path = README) -> None:
-    """Replace the text between ``<!-- name:start -->`` and ``<!-- name:end -->``."""
-    text = readme.read_text()
+def documents(root: Path = ROOT) -> list[Path]:
+    """README.md and every document under docs/."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def block_file(name: str, root: Path = ROOT) -> Path:
+    """The one document holding the ``name`` block."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    found = [p for p in documents(root) if p.is_file() and start in (text := p.read_text()) and end in text]
+    if len(found) != 1:
+        where = ", ".join(str(p.relative_to(root)) for p in found) or "no document"
+        raise SystemExit(f"the {start} ... {end} block must be in exactly one document; found in {where}")
+    return found[0]
+
+
+def replace_section(name: str, body: str, root: Path = ROOT) -> Path:
+    """Replace the text between ``<!-- name:start -->`` and ``<!-- name:end -->``; returns the file."""
+    path = block_file(name, root)
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
-    if not pattern.search(text):
-        raise SystemExit(f"README.md has no {start} ... {end} block")
-    readme.write_text(pattern.sub(lambda _: f"{start}\n{body.rstrip()}\n{end}", text))
+    path.write_text(pattern.sub(lambda _: f"{start}\n{body.rstrip()}\n{end}", path.read_text()))
+    return path
 
 
 def machine() -> str:

@@ -2,7 +2,7 @@
 
 The models are built on the meta device from their default-size configs, so
 nothing is allocated and nothing is downloaded. Run with --write to update the
-README's table.
+table in docs/architectures.md.
 
     python scripts/architecture_table.py [--write]
 """
@@ -20,7 +20,7 @@ import enjoyln
 from enjoyln.plan import format_bytes
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _readme import replace_section  # noqa: E402
+from _docs import replace_section  # noqa: E402
 
 # (label, model class, config class, config overrides, paper's Table 3 total/strict/practical)
 MODELS = [
@@ -58,7 +58,7 @@ def centered_summary(plan: enjoyln.FoldPlan) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="update the README table")
+    parser.add_argument("--write", action="store_true", help="update the table in docs/architectures.md")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     rows = ["| architecture | LNs | foldable (strict) | with auxiliary centering | centered / untied (strict) "

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import machine, replace_section  # noqa: E402
+from _docs import machine, replace_section  # noqa: E402
 
 
 def build(path: Path, layers: int = 16, width: int = 1024) -> int:
@@ -93,7 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--budget", default="512MB")
-    parser.add_argument("--write", action="store_true", help="put the figures into README.md")
+    parser.add_argument("--write", action="store_true", help="put the figures into docs/checking.md")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="enjoyln-bounded-")) if args.workdir is None else args.workdir
     try:

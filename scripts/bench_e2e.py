@@ -1,4 +1,4 @@
-"""End-to-end benchmark for the README: GPT-2 small, original against folded.
+"""End-to-end benchmark for docs/performance.md: GPT-2 small, original against folded.
 
 fp32, batch 1, sequence 512, eval, no grad; forwards alternate A, B, A, B and
 the medians are compared. The share of the original's time spent in
@@ -26,7 +26,7 @@ from enjoyln.analysis.inputs import hf_example_inputs
 from enjoyln.testing import perturb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import machine, replace_section  # noqa: E402
+from _docs import machine, replace_section  # noqa: E402
 
 
 def main() -> None:
@@ -72,7 +72,7 @@ def eager(original: torch.nn.Module, folded: torch.nn.Module, inputs: dict, args
 
 def compiled(original: torch.nn.Module, folded: torch.nn.Module, inputs: dict, args: argparse.Namespace) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":  # where a GPU is present, compile for it; the README figures are CPU
+    if device == "cuda":  # where a GPU is present, compile for it; the figures in docs/performance.md are CPU
         original, folded = original.to(device), folded.to(device)
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     default = torch.get_num_threads()

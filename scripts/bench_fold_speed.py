@@ -17,7 +17,7 @@ import transformers
 import enjoyln
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import machine, replace_section  # noqa: E402
+from _docs import machine, replace_section  # noqa: E402
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Kernel benchmark for the README: enjoyln RMSNorm (with bias) against native LayerNorm.
+"""Kernel benchmark for docs/performance.md: enjoyln RMSNorm (with bias) against native LayerNorm.
 
 Runs in one process, on one thread and on the default thread count, at the
 shapes and dtypes of the acceptance criteria; each ratio comes from
@@ -19,7 +19,7 @@ from enjoyln import ops
 from enjoyln.bench import kernel_benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import machine, replace_section  # noqa: E402
+from _docs import machine, replace_section  # noqa: E402
 
 SHAPES = [(2048, 768), (4096, 1024)]
 DTYPES = [torch.float32, torch.bfloat16]

@@ -32,7 +32,7 @@ from enjoyln.export.onnx import LN_OPS, RMS_OPS, deployment_inputs, export_onnx,
 from enjoyln.testing import perturb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import machine, replace_section  # noqa: E402
+from _docs import machine, replace_section  # noqa: E402
 
 MODELS = {
     "gpt2": ("GPT-2-small", transformers.GPT2LMHeadModel, transformers.GPT2Config,

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import machine, replace_section  # noqa: E402
+from _docs import machine, replace_section  # noqa: E402
 
 
 def build(path: Path, layers: int, width: int, shard_bytes: int = 2 << 30) -> int:
@@ -109,7 +109,7 @@ def main() -> None:
                         help="a second, larger checkpoint, for the marginal throughput (0: skip)")
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--write", action="store_true", help="update the README figures")
+    parser.add_argument("--write", action="store_true", help="update the figures in docs/performance.md")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="enjoyln-stream-", dir=args.workdir))
     try:

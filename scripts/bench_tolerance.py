@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import machine, replace_section  # noqa: E402
+from _docs import machine, replace_section  # noqa: E402
 
 OUTLIERS = (3, 200)
 OUTLIER_SCALE = 20.0
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--positions", type=int, default=1024)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the checkpoints here")
-    parser.add_argument("--write", action="store_true", help="put the figures into README.md")
+    parser.add_argument("--write", action="store_true", help="put the figures into docs/checking.md")
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="enjoyln-tolerance-")) if args.workdir is None else args.workdir
     root.mkdir(parents=True, exist_ok=True)

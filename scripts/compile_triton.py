@@ -1,8 +1,8 @@
 """Compile every Triton kernel variant for sm_80 and sm_90 with no GPU, and tabulate ptxas' report.
 
 Prints one line per variant and architecture (registers, spill bytes, stack,
-shared memory); with --write, puts a summary per kernel, block and dtype in the
-README. Nothing runs on a GPU: these are compiler figures, not timings.
+shared memory); with --write, puts a summary per kernel, block and dtype in
+docs/performance.md. Nothing runs on a GPU: these are compiler figures, not timings.
 
     python scripts/compile_triton.py [--workers 2] [--write]
 """
@@ -20,7 +20,7 @@ import triton
 from enjoyln.ops import triton_aot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import replace_section  # noqa: E402
+from _docs import replace_section  # noqa: E402
 
 
 def main() -> None:
@@ -62,7 +62,7 @@ def main() -> None:
         f"Blocks 1-512 (4 warps, heaviest form): {min(c.registers for c in small)}-"
         f"{max(c.registers for c in small)} registers, {sum(c.spills for c in small)} spill bytes. "
         f"Total spill bytes over all {len(results)}: **{sum(c.spills for c in results)}**. "
-        "Command: `python scripts/compile_triton.py --write`; `tests/test_triton_aot.py` fails on any spill."])
+        "Command: `python scripts/compile_triton.py --write`; `tests/ops/test_triton_aot.py` fails on any spill."])
     print()
     print(text)
     if args.write:

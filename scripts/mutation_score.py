@@ -13,7 +13,7 @@ or image processor).
 
 ``--prove-inert`` also loads every inert mutant and requires it to compute what the
 unmutated fold computes, bit for bit (exits 1 if one does not). ``--write`` puts N, the
-seed and the score into README.md between the ``mutation-score`` markers.
+seed and the score into docs/checking.md between the ``mutation-score`` markers.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import machine, replace_section  # noqa: E402
+from _docs import machine, replace_section  # noqa: E402
 
 from enjoyln.testing.mutation import drawing as mu  # noqa: E402
 
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--prove-inert", action="store_true", help="Load every inert mutant and compare bit for bit.")
     parser.add_argument("--no-observe", action="store_true", help="Do not load wrong verdicts' mutants to say why.")
     parser.add_argument("--json", type=Path, help="Write every result here.")
-    parser.add_argument("--write", action="store_true", help="Write the score into README.md.")
+    parser.add_argument("--write", action="store_true", help="Write the score into docs/checking.md.")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="enjoyln-mutation-sources-") as tmp:
@@ -104,7 +104,7 @@ def main() -> None:
                 f"**{100 * a['score']:.1f}%** right ({a['false_pass']} false passes, {a['false_fail']} false "
                 f"failures); {machine()}, {args.workers} worker processes of one thread.\n\n{table(rows)}\n\n"
                 f"Command: `python scripts/mutation_score.py --n {args.n} --seed {args.seed} --write`; "
-                f"CI runs 500 (`tests/test_mutation.py`).")
+                f"CI runs 500 (`tests/testing/test_mutation.py`).")
         replace_section("mutation-score", body)
     sys.exit(1 if unproven or changed else 0)
 

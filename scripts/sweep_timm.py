@@ -14,7 +14,7 @@ model runs in its own forked process with a time limit, two at a time.
     python scripts/sweep_timm.py                        # all, to scripts/sweep_timm_results.json
     python scripts/sweep_timm.py --only timm/vit_small_patch16_224,open_clip/ViT-B-32/text
     python scripts/sweep_timm.py --list                 # the sample, one key a line
-    python scripts/sweep_timm.py --write                # and the README block (sweep-timm)
+    python scripts/sweep_timm.py --write                # and its block in docs/architectures.md (sweep-timm)
 
 Statuses are those of the transformers sweep: ``exact`` (max relative
 difference over every output ≤ 1e-5 in float32); ``inexact`` (then redone in
@@ -527,7 +527,7 @@ def _run_pool(keys: list[str], jobs: int, timeout: float, progress: bool, quiet:
     return {k: results[k] for k in keys}
 
 
-# --- summary and README ---------------------------------------------------------------
+# --- summary and the docs block -----------------------------------------------------------
 
 
 def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -600,7 +600,7 @@ def print_summary(s: dict[str, Any], meta: dict[str, Any] | None = None) -> None
 
 
 def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any] | None) -> str:
-    """The README block: this sweep beside the baseline (the same sweep of enjoyln before issue 19)."""
+    """The block in docs/architectures.md: this sweep beside the baseline (the same sweep of enjoyln before issue 19)."""
     same = base is None or base["meta"].get("enjoyln_commit") == meta.get("enjoyln_commit")
     cols = [("now", s)] if same else [(f"before (`{base['meta'].get('enjoyln_commit', '?')}`)", base["summary"]),
                                       ("now", s)]
@@ -656,7 +656,7 @@ def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any]
 
 
 def write_readme(summary: dict[str, Any], meta: dict[str, Any], out: Path) -> None:
-    from _readme import replace_section
+    from _docs import replace_section
 
     base = json.loads(BASELINE.read_text()) if BASELINE.exists() and out.resolve() != BASELINE.resolve() else None
     replace_section("sweep-timm", readme_section(summary, meta, base))
@@ -669,11 +669,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300.0)
-    ap.add_argument("--write", action="store_true", help="write the README block (sweep-timm)")
-    ap.add_argument("--machine-note", default="", help="said in the README block, e.g. that the machine was shared")
+    ap.add_argument("--write", action="store_true", help="write the block in docs/architectures.md (sweep-timm)")
+    ap.add_argument("--machine-note", default="", help="said in the block in docs/architectures.md, e.g. that the machine was shared")
     ap.add_argument("--enjoyln-commit", help="the enjoyln version swept, when it is not a git checkout")
     ap.add_argument("--from-results", action="store_true",
-                    help="do not sweep: summarise --out again (and --write the README from it)")
+                    help="do not sweep: summarise --out again (and --write docs/architectures.md from it)")
     args = ap.parse_args(argv)
 
     if args.list:
@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(enjoyln.__file__).resolve().parent.parent
     commit = args.enjoyln_commit or subprocess.run(
         ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    from _readme import machine
+    from _docs import machine
 
     meta = {**libs, "torch": torch.__version__, "enjoyln_commit": commit, "enjoyln_path": str(root),
             "machine": machine(), "machine_note": args.machine_note, "jobs": args.jobs,

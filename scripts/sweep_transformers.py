@@ -10,7 +10,7 @@ process with a time limit, two at a time.
 
     python scripts/sweep_transformers.py                  # all, to scripts/sweep_results.json
     python scripts/sweep_transformers.py --only bert,gpt2 --out /tmp/s.json
-    python scripts/sweep_transformers.py --write          # and the README coverage section
+    python scripts/sweep_transformers.py --write          # and the coverage block in docs/architectures.md
 
 Statuses: ``exact``; ``inexact`` (with a float64 triage); ``clean_error`` (an
 EnjoylnError, its message); ``raw_error`` (any other exception, with where it
@@ -746,7 +746,7 @@ def _run_pool(model_types: list[str], jobs: int, timeout: float, progress: bool,
     return {t: results[t] for t in model_types}
 
 
-# --- summary and README ---------------------------------------------------------------
+# --- summary and the docs block -----------------------------------------------------------
 
 
 def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -800,7 +800,7 @@ def print_summary(s: dict[str, Any], wall: float | None = None) -> None:
 
 
 def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any] | None) -> str:
-    """The README's coverage block: this sweep beside the same sweep of enjoyln before issue 10."""
+    """The coverage block in docs/architectures.md: this sweep beside the same sweep of enjoyln before issue 10."""
     b = base["summary"] if base else None
 
     def row(label: str, fmt: Any) -> str:
@@ -848,10 +848,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=180.0)
-    ap.add_argument("--write", action="store_true", help="write the README coverage section")
+    ap.add_argument("--write", action="store_true", help="write the coverage block in docs/architectures.md")
     ap.add_argument("--enjoyln-commit", help="the enjoyln version swept, when it is not a git checkout")
     ap.add_argument("--from-results", action="store_true",
-                    help="do not sweep: summarise --out again (and --write the README from it)")
+                    help="do not sweep: summarise --out again (and --write docs/architectures.md from it)")
     args = ap.parse_args(argv)
 
     import subprocess
@@ -879,7 +879,7 @@ def main(argv: list[str] | None = None) -> int:
     commit = args.enjoyln_commit or subprocess.run(
         ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     sys.path.insert(0, str(HERE))
-    from _readme import machine
+    from _docs import machine
 
     meta = {"transformers": transformers.__version__, "torch": torch.__version__,
             "enjoyln_commit": commit, "enjoyln_path": str(root), "machine": machine(),
@@ -894,7 +894,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_readme(summary: dict[str, Any], meta: dict[str, Any]) -> None:
     sys.path.insert(0, str(HERE))
-    from _readme import replace_section
+    from _docs import replace_section
 
     base = json.loads(BASELINE.read_text()) if BASELINE.exists() else None
     replace_section("sweep", readme_section(summary, meta, base))

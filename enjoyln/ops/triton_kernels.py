@@ -3,7 +3,7 @@
 One program per row. When the row fits in one block (N <= 16384) it is
 loaded once, kept in registers, reduced and written: one read, one write.
 Larger rows take a two-pass loop: held in registers, a row of 32768 spills to
-local memory on sm_80 and sm_90 (``triton_launch.py``; tests/test_triton_aot.py
+local memory on sm_80 and sm_90 (``triton_launch.py``; tests/ops/test_triton_aot.py
 compiles every variant for both and fails on any spill). Block size and warps
 follow N, as in Liger-Kernel and flash-attention's Triton layer norm. Accumulation is fp32;
 the output has the input's dtype. Tested on CPU tensors with TRITON_INTERPRET=1.

@@ -11,7 +11,7 @@ from __future__ import annotations
 MAX_FUSED = 16384
 """Longest row kept in registers by the one-block kernel; longer rows take the looped one.
 Held in registers, a row of 32768 spills to local memory on sm_80 and sm_90 with 16 or
-32 warps (tests/test_triton_aot.py)."""
+32 warps (tests/ops/test_triton_aot.py)."""
 
 LOOPED_CONFIG = (2048, 8)
 """(block, warps) of the two-pass kernel. 4096 with 8 or 16 warps spilled 4-12 bytes in fp16

@@ -38,7 +38,7 @@ The expectations are derived from the files (safetensors headers, JSON), never
 from the gate's code. :func:`observe` loads a directory as a user would
 (``from_pretrained``, ``enjoyln.load``, the tokenizer, the image processor) and
 fingerprints what they compute, bit for bit: an inert mutation is one whose
-fingerprint is the unmutated fold's (``tests/test_mutation.py`` proves each
+fingerprint is the unmutated fold's (``tests/testing/test_mutation.py`` proves each
 kind), and a claimed change is confirmed the same way.
 
 >>> sources = build_sources("/tmp/mutation-sources")  # doctest: +SKIP
