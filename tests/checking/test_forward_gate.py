@@ -414,7 +414,7 @@ def test_the_tolerance_benchmark_at_a_small_size(tmp_path, monkeypatch):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_tolerance.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_tolerance.py"
     spec = importlib.util.spec_from_file_location("bench_tolerance", script)
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_tolerance", bench)

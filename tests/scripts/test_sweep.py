@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sweep_transformers.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "sweep_transformers.py"
 spec = importlib.util.spec_from_file_location("sweep_transformers", SCRIPT)
 sweep_mod = importlib.util.module_from_spec(spec)
 sys.modules["sweep_transformers"] = sweep_mod

@@ -65,7 +65,7 @@ def test_untraceable_model_names_both_causes_on_one_line():
     assert "\n" not in message
     assert "draft_export" in message and "positive inputs are not supported" in message
     # both failures point into the model's code
-    assert "(at tests/test_capture.py:" in message or "test_capture.py:" in message
+    assert "(at tests/analysis/test_capture.py:" in message or "test_capture.py:" in message
     assert "`if x.sum() > 0:" in message and "`raise ValueError(" in message
 
 

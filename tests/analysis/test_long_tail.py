@@ -23,7 +23,7 @@ SEQ2SEQ = dict(encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention
 EMBEDDING_LNS = {"encoder.layernorm_embedding", "decoder.layernorm_embedding"}
 # architecture -> (config, model class, the LNs that must fold: "all" or a set, the rule it needs).
 # Names, not classes: importing a model class at collection time would import triton before
-# tests/test_triton.py can switch it to its interpreter.
+# tests/ops/test_triton.py can switch it to its interpreter.
 CASES = {
     "gpt_neox_japanese": (("GPTNeoXJapaneseConfig", dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                                                          intermediate_multiple_size=2, vocab_size=128,
