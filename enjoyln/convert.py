@@ -1071,7 +1071,7 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
 
     ``mode="full"`` (the default) first runs the static check (every tensor
     of the candidate is the fold plan applied to the reference; see
-    ``enjoyln.static_check``), then loads both and compares their outputs
+    ``enjoyln.checking.static``), then loads both and compares their outputs
     with ``enjoyln.check`` on inputs that cover every position. ``"static"``
     stops after the weights; ``"forward"`` skips them (for candidates made
     by other tools). The candidate runs both ways a user may load it: through

@@ -132,7 +132,7 @@ class Rotated:
 
 @dataclass
 class Rotation:
-    """An orthogonal ``Q`` applied to the residual stream (see ``enjoyln.rotation``).
+    """An orthogonal ``Q`` applied to the residual stream (see ``enjoyln.analysis.rotation``).
 
     ``Q`` is rebuilt from ``kind``, ``seed`` and the stream's width, so the plan
     stays small; with ``keep_mean`` it fixes the all-ones vector, so a zero-mean

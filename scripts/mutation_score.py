@@ -1,6 +1,6 @@
 """Mutation score of the gate: seeded mutations of checked folds, and what `enjoyln check` said.
 
-Builds the tiny folded sources of ``enjoyln.mutation`` (GPT-2 plain, ``--fuse-affine``
+Builds the tiny folded sources of ``enjoyln.testing.mutation`` (GPT-2 plain, ``--fuse-affine``
 and ``rotate``, BERT, ViT, ViT in bfloat16; tokenizers with unusually named files), draws N seeded
 mutations of them, each with the verdict a sound gate gives it (non-zero for a
 change, 0 for a proven-inert one), runs ``enjoyln check REFERENCE MUTANT`` on each

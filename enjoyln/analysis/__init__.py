@@ -30,9 +30,10 @@ def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
     gives values for parameters the model holds on the meta device, where a
     rule depends on them (a LayerScale gain with a zero entry does not fold).
     With ``fuse_affine``, each folded norm's γ and β are also moved into the
-    linear layers that read its output, where that is sound (``enjoyln.affine``).
-    With ``rotate`` (a ``RotationSpec``, or (kind, seed, keep_mean)), the plan also rotates the residual
-    stream where that is proved exact (``enjoyln.rotation``), or says why not.
+    linear layers that read its output, where that is sound (``analysis.affine``).
+    With ``rotate`` (a ``RotationSpec``, or the tuple (kind, seed, keep_mean)), the
+    plan also rotates the residual stream where that is proved exact
+    (``analysis.rotation``), or says why not.
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))

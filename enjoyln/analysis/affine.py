@@ -6,7 +6,7 @@ So when every reader of ``y`` is such a layer, reached through ops that only mov
 values around (views, permutes, selections of rows, a ``cat`` that places it in
 a block of a wider input), γ and β move into those layers and the norm becomes
 weightless: an RMSNorm with no affine, which commutes with any rotation of its
-input (``enjoyln.rotation``).
+input (``enjoyln.analysis.rotation``).
 
 Where a reader has no bias to take ``W β``, β stays on the norm as ``β / γ``
 (``γ (r + β/γ)`` is what the scaled layer then sees); where the output reaches

@@ -2,7 +2,7 @@
 
 A weightless RMSNorm commutes with any orthogonal ``Q``: ``RMSNorm(x Q) =
 RMSNorm(x) Q``, because ``‖x Q‖ = ‖x‖``. So once every norm on the residual
-stream is folded and its affine fused into its readers (``enjoyln.affine``),
+stream is folded and its affine fused into its readers (``enjoyln.analysis.affine``),
 the whole stream can be expressed in a rotated basis without changing what
 the model computes:
 

@@ -176,7 +176,7 @@ class CheckReport:
     generation: GenerationCheck | None = None
     coverage: Coverage | None = None
     static: Any = None
-    """The static weight check (``enjoyln.static_check.StaticReport``), when it ran."""
+    """The static weight check (``enjoyln.checking.static.StaticReport``), when it ran."""
     forward_skipped: str = ""
     """Why the forward comparison did not run, if it did not."""
     memory: str = ""

@@ -21,8 +21,12 @@ candidate's model loads is accounted for:
   files, each the reference's by content (JSON by value), whatever its name;
 - the recorded plan is what this enjoyln's analysis gives for the config.
 
-The expectations come from the plan and the model's own parameter names, not
-from the code that wrote the fold, so the two check each other.
+It is not independent of the fold: it reads the directories through the store
+(``store.model_dir``), and the tensors it expects are computed by the fold's own
+code (the plan's tensors, centering and fusing in float64, from ``convert`` and
+``transform.steps``). What it proves is that the candidate on disk is exactly what
+this enjoyln's plan and arithmetic make of the reference; the forward check, which
+runs both models, is the part that does not rely on that arithmetic.
 """
 
 from __future__ import annotations

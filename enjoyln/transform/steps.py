@@ -421,7 +421,7 @@ def _rms_args(node: fx.Node) -> tuple:
 
 
 class RotateStream(Transformation):
-    """Rotate the residual stream by the plan's ``Q`` (``enjoyln.rotation``), in float64.
+    """Rotate the residual stream by the plan's ``Q`` (``enjoyln.analysis.rotation``), in float64.
 
     Runs after SwapLayerNorms: the weightless RMSNorms then commute with ``Q``,
     and the analysis proved every other reader of the stream is a residual sum
@@ -516,7 +516,7 @@ def fold(model: nn.Module, example_inputs: ExampleInputs = None, *,
     more LNs foldable than it costs (BLOOM, the Whisper encoder). With
     ``fuse_affine``, each folded norm's γ and β also move into the linear
     layers that read it, where that is sound, leaving a weightless RMSNorm
-    (see ``enjoyln.affine``). Returns ``model``.
+    (see ``enjoyln.analysis.affine``). Returns ``model``.
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
@@ -535,7 +535,7 @@ def rotate(model: nn.Module, example_inputs: ExampleInputs = None, *, kind: str 
            keep_mean: bool = True, plan: FoldPlan | None = None) -> nn.Module:
     """Fold ``model`` with fused affines and rotate its residual stream by an orthogonal ``Q``, in place.
 
-    The outputs stay the same, provably (see ``enjoyln.rotation``); the stream,
+    The outputs stay the same, provably (see ``enjoyln.analysis.rotation``); the stream,
     and every linear layer that reads it, are now in the rotated basis, which
     spreads outlier features across all of them (as QuaRot and SpinQuant rely
     on). ``kind`` is ``"hadamard"`` (randomized Hadamard) or ``"random"``;
