@@ -48,8 +48,8 @@ from .transform.steps import (InsertCentering, SwapLayerNorms, apply_plan, cente
 if TYPE_CHECKING:
     from .checking.forward import CheckReport
 
-__all__ = ["fold_checkpoint", "analyze_checkpoint", "check_checkpoints", "load", "open_model_dir",
-           "read_safetensors_header", "meta_model", "parse_size", "FoldResult", "ModelDir", "TensorInfo"]
+__all__ = ["fold_checkpoint", "analyze_checkpoint", "check_checkpoints", "load", "load_plain", "parse_size",
+           "FoldResult"]
 
 Progress = Callable[[int, int], None]
 """Called with (bytes done, bytes total) as the output is written."""

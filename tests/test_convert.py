@@ -9,7 +9,8 @@ from safetensors import safe_open
 
 import enjoyln
 from enjoyln.analysis.inputs import hf_example_inputs, is_causal_lm
-from enjoyln.convert import fold_checkpoint, load, open_model_dir, parse_size
+from enjoyln.convert import fold_checkpoint, load, parse_size
+from enjoyln.store.model_dir import open_model_dir
 from enjoyln.testing import ARCHITECTURES, demo_checkpoint, perturb, tiny_model
 from conftest import assert_same_outputs
 

@@ -371,7 +371,8 @@ def test_the_memory_pre_check_counts_the_truth(dirs, monkeypatch):
     """The float64 truth of a float32 reference is twice its weights, and one model at a time
     needs room for its largest tensor in float64."""
     from enjoyln import convert as checkpoint
-    from enjoyln.convert import forward_check_bytes, open_model_dir, require_memory
+    from enjoyln.convert import forward_check_bytes, require_memory
+    from enjoyln.store.model_dir import open_model_dir
 
     md, half = open_model_dir(dirs / "gpt2"), open_model_dir(dirs / "gpt2-bf16")
     assert forward_check_bytes(md) == int(2.1 * md.nbytes) + 2 * md.nbytes + (256 << 20)

@@ -10,7 +10,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import enjoyln
-from enjoyln.convert import fold_checkpoint, open_model_dir
+from enjoyln.convert import fold_checkpoint
+from enjoyln.store.model_dir import open_model_dir
 from enjoyln.checking.static import static_check
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir as clone

@@ -10,7 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from enjoyln import CheckpointError
-from enjoyln.convert import fold_checkpoint, open_model_dir
+from enjoyln.convert import fold_checkpoint
+from enjoyln.store.model_dir import open_model_dir
 from enjoyln.cli.app import app
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir as clone
