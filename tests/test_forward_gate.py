@@ -182,17 +182,55 @@ def test_a_float64_reference_is_judged_with_a_fixed_tight_tolerance(gpt2):
 def test_a_flip_within_the_tolerance_is_a_near_tie_and_one_beyond_it_fails():
     f64 = dict(dtype=torch.float64)
     ref_logits = [torch.tensor([[3.0, 1.0, 2.0]], **f64), torch.tensor([[0.0, 5.0, 5.0 - 1e-7]], **f64)]
-    ref = ([[0, 1]], ref_logits)
-    near = ([[0, 2]], [ref_logits[0], torch.tensor([[0.0, 5.0 - 1e-7, 5.0]], **f64)])
+    ref = ([[0, 1]], ref_logits, ref_logits)  # no logits processors: the scores are the logits
+    near_logits = [ref_logits[0], torch.tensor([[0.0, 5.0 - 1e-7, 5.0]], **f64)]
+    near = ([[0, 2]], near_logits, near_logits)
     ok, ties, problem = _judge_generation(ref, near, tolerance=1e-6)
-    assert ok and not problem and ties == [NearTie(0, 1, 1, 2, pytest.approx(1e-7, rel=0.5), pytest.approx(1e-7, rel=0.5))]
-    far = ([[0, 2]], [ref_logits[0], torch.tensor([[0.0, 5.0, 6.0]], **f64)])
-    ok, _, problem = _judge_generation(ref, far, tolerance=1e-6)
+    assert ok and not problem
+    assert ties == [NearTie(0, 1, 1, 2, pytest.approx(1e-7, rel=0.5), pytest.approx(1e-7, rel=0.5),
+                            pytest.approx(1e-7, rel=0.5))]
+    far_logits = [ref_logits[0], torch.tensor([[0.0, 5.0, 6.0]], **f64)]
+    ok, _, problem = _judge_generation(ref, ([[0, 2]], far_logits, far_logits), tolerance=1e-6)
     assert not ok and "not a near-tie" in problem
     ok, _, problem = _judge_generation(ref, near, tolerance=None)
     assert not ok
-    nan = ([[0, 2]], [ref_logits[0], torch.tensor([[0.0, NAN, 5.0]], **f64)])
-    assert not _judge_generation(ref, nan, tolerance=1e3)[0]
+    nan = [ref_logits[0], torch.tensor([[0.0, NAN, 5.0]], **f64)]
+    assert not _judge_generation(ref, ([[0, 2]], nan, nan), tolerance=1e3)[0]
+
+
+def test_a_flip_the_logits_processors_make_is_no_near_tie():
+    """generate() chooses by the scores after the generation config's logits processors: raw
+    logits within the tolerance excused a flip that a suppressed token (score -inf) or a
+    repetition penalty made, with margins 1e5 times the tolerance."""
+    f64 = dict(dtype=torch.float64)
+    logits = [torch.tensor([[0.0, 5.0, 4.9]], **f64)]
+    ref = ([[1]], logits, logits)
+    suppressed = ([[2]], logits, [torch.tensor([[0.0, -INF, 4.9]], **f64)])
+    ok, ties, problem = _judge_generation(ref, suppressed, tolerance=1e-6)
+    assert not ok and not ties
+    assert "margins 0.1 (original) and inf (candidate)" in problem and "not a near-tie" in problem, problem
+    penalized = ([[2]], logits, [torch.tensor([[0.0, 5.0 / 1.3, 4.9]], **f64)])
+    ok, _, problem = _judge_generation(ref, penalized, tolerance=1e-6)
+    assert not ok and "margins 0.1 (original) and 1.05 (candidate)" in problem, problem
+    # the margin is judged where the rows first differ, in the scores: a tie there is excused
+    tie = [torch.tensor([[0.0, 5.0, 5.0 - 1e-7]], **f64)]
+    ok, ties, _ = _judge_generation(([[1]], logits, tie), ([[2]], logits, [tie[0].flip(-1).roll(1, -1)]), 1e-6)
+    assert ok and ties[0].reference_margin == pytest.approx(1e-7, rel=1e-3)
+
+
+def test_generation_settings_are_compared_and_their_flips_are_not_near_ties(gpt2):
+    """A candidate whose generation config suppresses the reference's greedy tokens: every row
+    flips with the raw logits equal, which the check called near-ties and passed."""
+    folded = enjoyln.fold(copy.deepcopy(gpt2))
+    first = {row[0] for row in enjoyln.check(gpt2, folded).generation.reference}
+    folded.generation_config.suppress_tokens = sorted(first)
+    report = enjoyln.check(gpt2, folded)
+    g = report.generation
+    assert not report.passed and not g.passed and not g.near_ties and "not a near-tie" in g.problem, report.summary()
+    assert "inf (candidate) in the scores generate() used" in g.problem
+    assert report.generation_settings == [f"generation settings: suppress_tokens is {sorted(first)!r}, "
+                                          "the original's None"]
+    assert f"[FAIL] generation settings: suppress_tokens is {sorted(first)!r}" in report.summary()
 
 
 def test_greedy_flips_through_the_check(gpt2):
@@ -298,6 +336,28 @@ def test_forward_only_runs_both_load_paths(dirs, tmp_path):
     code, out = gate(dirs / "gpt2", dirs / "gpt2-fused", "--forward-only")
     assert code == 0 and "through enjoyln.load and from_pretrained" in out, out
     assert "[ok] logits (from_pretrained)" in out
+
+
+def test_forward_only_compares_the_generation_settings_the_loaders_apply(dirs, tmp_path):
+    """--forward-only did not compare generation settings: a repetition penalty that leaves the
+    greedy tokens of the check as they were passed, and so did sampling settings in config.json,
+    which transformers uses when there is no generation_config.json."""
+    cand = copy_dir(dirs / "gpt2-folded", tmp_path / "cand")
+    g = json.loads((cand / "generation_config.json").read_text())
+    (cand / "generation_config.json").write_text(json.dumps({**g, "repetition_penalty": 1.0001}))
+    code, out = gate(dirs / "gpt2", cand, "--forward-only")
+    assert code == 1, out
+    assert ("[FAIL] generation settings (enjoyln.load and from_pretrained): repetition_penalty is 1.0001, "
+            "the original's None") in out
+    assert "greedy generation of 8 tokens after 8: identical" in out  # only the settings show it
+    ref = copy_dir(dirs / "gpt2", tmp_path / "ref")
+    for d in (ref, cand):
+        (d / "generation_config.json").unlink()
+    assert gate(ref, cand, "--forward-only")[0] == 0
+    cfg = json.loads((cand / "config.json").read_text())
+    (cand / "config.json").write_text(json.dumps({**cfg, "do_sample": True, "temperature": 5.0}))
+    code, out = gate(ref, cand, "--forward-only")
+    assert code == 1 and "do_sample is True, the original's None" in out and "temperature is 5.0" in out, out
 
 
 def test_a_block_declaring_plain_loading_inexact_is_shown_on_the_verdict(dirs, tmp_path):
