@@ -363,9 +363,21 @@ def _to(inputs: Inputs, dtype: torch.dtype) -> Inputs:
     return Inputs(tuple(cast(a) for a in inputs.args), {k: cast(v) for k, v in inputs.kwargs.items()})
 
 
-def _run(model: nn.Module, inputs: Inputs) -> dict[str, torch.Tensor]:
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """torch's RNG seeded for one model call and restored after it: a model whose eval forward
+    draws random numbers (ViTMAE's and PatchTST's random masking) must draw the same ones in
+    the reference, its truth and every candidate run, or a correct candidate (even an exact
+    copy) differs from it; the caller's RNG is left as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        yield
+
+
+def _run(model: nn.Module, inputs: Inputs, seed: int) -> dict[str, torch.Tensor]:
+    """The model's outputs on ``inputs``, under torch's RNG seeded with ``seed``."""
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _seeded(seed):
             return flatten_outputs(inputs.call(model))
     except Exception as exc:  # the model's own error, on inputs enjoyln made or was given
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -394,14 +406,15 @@ Generated = tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]
 logits and the scores generate() chose by, after the generation config's logits processors."""
 
 
-def _generate(model: nn.Module, prompt: torch.Tensor, n: int) -> Generated:
-    """Greedy tokens, with the raw logits and the processed scores of every step."""
+def _generate(model: nn.Module, prompt: torch.Tensor, n: int, seed: int) -> Generated:
+    """Greedy tokens, with the raw logits and the processed scores of every step (torch's RNG
+    seeded with ``seed``, as in ``_run``)."""
     config = model.generation_config
     pad = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_id or 0)
     if isinstance(pad, list):
         pad = pad[0]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _seeded(seed):
             out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
                                  max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1,
                                  pad_token_id=pad, output_logits=True, output_scores=True,
@@ -735,8 +748,8 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
         prompt = next((b.kwargs.get("input_ids") for b in all_inputs if "input_ids" in b.kwargs), None)
         prompt = prompt[:, :prompt_len] if new_tokens and prompt is not None else None
         for i, inputs in enumerate(all_inputs):
-            base.put(i, _run(model, _to(inputs, base_dtype)))
-        ref_gen = _generate(model, prompt, new_tokens) if prompt is not None else None
+            base.put(i, _run(model, _to(inputs, base_dtype), seed + i))
+        ref_gen = _generate(model, prompt, new_tokens, seed) if prompt is not None else None
         ref_settings = _generation_settings(model)
         del model
         reference.drop(base_dtype)
@@ -747,7 +760,7 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
             try:
                 model = truth.get(truth_dtype)
                 for i, inputs in enumerate(all_inputs):
-                    truth_out.put(i, _run(model, _to(inputs, truth_dtype)))
+                    truth_out.put(i, _run(model, _to(inputs, truth_dtype), seed + i))
             except EnjoylnError as exc:
                 if half:
                     raise
@@ -768,13 +781,13 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
             for problem in _settings_problems(ref_settings, _generation_settings(model)):
                 settings.setdefault(problem, []).append(path.name)
             for i, inputs in enumerate(all_inputs):
-                cand = _run(model, _to(inputs, path.source.dtype))
+                cand = _run(model, _to(inputs, path.source.dtype), seed + i)
                 for name in base.names(i):
                     st = _measure(name, base, truth_out, i, cand.get(name))
                     stats[n, name] = stats[n, name].merge(st) if (n, name) in stats else st
                 del cand
             if n == 0 and prompt is not None:
-                cand_gen = _generate(model, prompt, new_tokens)
+                cand_gen = _generate(model, prompt, new_tokens, seed)
             del model
             path.source.drop(path.source.dtype)
 
@@ -841,7 +854,7 @@ def _covering(model: nn.Module, dtype: torch.dtype, seed: int,
             inputs, coverage = coverage_batch(model, seed=seed, length=attempt, max_rows=max_rows)
         try:
             with torch.no_grad():
-                _run(model, _to(inputs, dtype))
+                _run(model, _to(inputs, dtype), seed)
             return inputs, coverage
         except CaptureError:
             continue

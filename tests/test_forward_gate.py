@@ -257,6 +257,52 @@ def test_greedy_flips_through_the_check(gpt2):
     assert not report.passed and not report.generation.passed and "not a near-tie" in report.summary()
 
 
+# --- models that draw random numbers in their eval forward ---------------------------------
+
+
+def tiny_vit_mae(seed=57):
+    """ViTMAE masks a random 75% of its patches in every forward, eval mode included."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.ViTMAEConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=64, image_size=16, patch_size=8)
+    return perturb(transformers.ViTMAEModel(config).eval(), seed=seed)
+
+
+def test_every_model_call_runs_under_the_same_seed_and_the_callers_rng_is_untouched():
+    """Each run drew its own masks: an exact copy of a ViTMAE failed (ids_restore differed), and
+    the reference's own float64 "rounding" was two different masks."""
+    mae = tiny_vit_mae()
+    inputs = {"pixel_values": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))}
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    report = enjoyln.check(mae, copy.deepcopy(mae), inputs)
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG, as it was
+    assert report.passed and report.max_abs_diff == 0, report.summary()
+    assert {o.name for o in report.outputs} == {"last_hidden_state", "mask", "ids_restore"}
+    ref_err = next(o.reference_error for o in report.outputs if o.name == "last_hidden_state")
+    assert ref_err < 1e-5  # the float64 truth masked the same patches: only rounding is left
+    folded = enjoyln.fold(copy.deepcopy(mae), inputs)
+    assert enjoyln.check(mae, folded, inputs).passed
+    with torch.no_grad():
+        folded.layers[0].mlp.fc2.bias[3] += 0.05
+    assert not enjoyln.check(mae, folded, inputs).passed
+
+
+def test_a_vit_mae_checkpoint_folds_and_a_changed_weight_fails(tmp_path):
+    """`enjoyln fold` refused to publish its own correct fold of a ViTMAE, and REF vs an exact
+    copy failed."""
+    tiny_vit_mae().save_pretrained(tmp_path / "ref")
+    result = CliRunner().invoke(app, ["fold", str(tmp_path / "ref"), str(tmp_path / "out")])
+    assert result.exit_code == 0 and (tmp_path / "out" / "model.safetensors").exists(), result.output
+    assert gate(tmp_path / "ref", copy_dir(tmp_path / "ref", tmp_path / "copy"))[0] == 0
+    key = "encoder.layer.0.output.dense.bias"
+    changed = edited(tmp_path / "out", tmp_path / "cand", set_(key, 3, 0.05))
+    code, out = gate(tmp_path / "ref", changed, "--forward-only")
+    assert code == 1 and "[FAIL] last_hidden_state (enjoyln.load)" in out, out
+
+
 # --- checkpoints: both load paths, NaN in every mode, short contexts -----------------------
 
 
