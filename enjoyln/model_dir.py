@@ -131,7 +131,9 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str
                 raise ValueError("header length beyond the end of the file")
             if header_len > 100 << 20:
                 raise ValueError("header larger than 100 MiB")
-            header = json.loads(f.read(header_len), object_pairs_hook=_no_duplicates)
+            # safetensors parses the header as UTF-8 (serde_json): Python's json.loads of bytes
+            # would also take a byte-order mark or UTF-16, and vouch for a file nothing loads
+            header = json.loads(f.read(header_len).decode("utf-8"), object_pairs_hook=_no_duplicates)
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
         base = 8 + header_len
@@ -213,6 +215,14 @@ def _depth_exceeds(data: Any, limit: int) -> bool:
     return False
 
 
+def loader_text(raw: bytes) -> str:
+    """A JSON file's bytes as transformers reads them (``open(..., encoding="utf-8")``): strict
+    UTF-8, a byte-order mark kept as a character, which ``json.loads`` then refuses. Python's
+    ``json.loads`` of the bytes would skip the mark and also take UTF-16 or UTF-32, so a file
+    transformers cannot read (for generation_config.json: silently ignores) would parse."""
+    return raw.decode("utf-8")
+
+
 def parse_json_file(path: Path, what: str) -> Any:
     """A JSON file's value, read only if it is at most ``JSON_LIMIT`` bytes; else one clear error."""
     try:
@@ -224,7 +234,7 @@ def parse_json_file(path: Path, what: str) -> Any:
             raw = f.read(JSON_LIMIT + 1)  # the file may have grown since
         if len(raw) > JSON_LIMIT:
             raise CheckpointError(f"{path} grew past {JSON_LIMIT >> 20} MiB while it was being read")
-        data = json.loads(raw)
+        data = json.loads(loader_text(raw))
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     except RecursionError:

@@ -42,7 +42,7 @@ from torch import nn
 from .errors import CheckpointError, EnjoylnError
 from .model_dir import (_OWNER, DTYPES, JSON_LIMIT, PT_INDEX, SAFE_INDEX, ModelDir, TensorInfo, check_shapes,
                         checkpoint_key, extra_files, input_file, is_weight_file, load_dtype, loader_files,
-                        meta_model, parse_json_file, saved_names)
+                        loader_text, meta_model, parse_json_file, saved_names)
 from .plan import Centering, FoldPlan, block_lists
 
 _CHUNK = 16 << 20
@@ -436,15 +436,16 @@ def _json_value(path: Path) -> Any:
     if len(raw) > JSON_LIMIT:
         raise _Unreadable
     try:
-        return json.loads(raw, object_pairs_hook=_no_duplicate_keys)
-    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError)
+        return json.loads(loader_text(raw), object_pairs_hook=_no_duplicate_keys)
+    except (ValueError, RecursionError):  # not JSON as loaders read it (UnicodeDecodeError is a ValueError)
         raise _Unreadable from None
 
 
 def _same_content(a: Path, b: Path) -> bool:
     """Whether two files hold the same content: JSON files up to ``JSON_LIMIT`` token by token
-    (whitespace does not matter; key order does, see ``_Object``), anything else byte for byte,
-    streamed."""
+    when both parse as transformers reads them (``loader_text``: whitespace does not matter; key
+    order does, see ``_Object``), anything else byte for byte, streamed (so a byte-order mark,
+    which makes a loader refuse or ignore the file, is a difference)."""
     try:
         size_a, size_b = a.stat().st_size, b.stat().st_size
         if a.suffix == ".json" and max(size_a, size_b) <= JSON_LIMIT:

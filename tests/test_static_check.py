@@ -674,3 +674,38 @@ def test_forward_only_counts_what_the_candidate_builds(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(enjoyln.CheckpointError, match=r"needs at least 59.7 GiB of memory even with one model"):
         enjoyln.check_checkpoints(ref, cand, mode="forward")
+
+
+def test_json_files_are_read_as_the_loaders_read_them(pair, tmp_path):
+    """transformers reads JSON as UTF-8 text, where json.loads refuses a byte-order mark: a
+    generation_config.json with one is silently replaced by settings built from config.json, a
+    tokenizer file with one does not load. Python's json.loads of the bytes skips the mark (and
+    takes UTF-16), so such candidates used to pass as the same JSON tokens."""
+    import transformers
+
+    ref, folded, _ = pair
+    source = clone(ref, tmp_path / "ref")
+    generation = {**json.loads((ref / "generation_config.json").read_text()), "repetition_penalty": 1.5}
+    base = cand_of(folded, tmp_path, "base")
+    for d in (source, base):
+        (d / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        (d / "emoji.json").write_text('{"a": 0}')
+    assert run(source, base).passed
+    for i, encode in enumerate((lambda text: b"\xef\xbb\xbf" + text.encode(), lambda text: text.encode("utf-16"))):
+        cand = cand_of(base, tmp_path, f"cand{i}")
+        for name in ("generation_config.json", "emoji.json"):
+            (cand / name).write_bytes(encode((base / name).read_text()))
+        problems = run(source, cand).problems
+        assert {"the candidate's generation_config.json differs from the reference's",
+                "the candidate's emoji.json differs from the reference's",
+                "the candidate's generation config changes repetition_penalty from 1.5 to None"} <= set(problems), \
+            problems
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(cand).generation_config
+        assert loaded.repetition_penalty is None  # what the gate predicted: the file was ignored
+    # the same bytes on both sides are the same file, whatever a loader makes of them
+    for name in ("generation_config.json", "emoji.json"):
+        (source / name).write_bytes((cand / name).read_bytes())
+    assert run(source, cand).passed, run(source, cand).problems
+    (cand / "config.json").write_bytes(b"\xef\xbb\xbf" + (cand / "config.json").read_bytes())
+    with pytest.raises(enjoyln.CheckpointError, match="config.json is not valid JSON"):
+        open_model_dir(cand)  # transformers cannot read it either
