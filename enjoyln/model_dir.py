@@ -254,13 +254,29 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def _index(index_file: Path) -> dict[str, str]:
-    """A weight index's map, naming only plain files inside the directory."""
+    """A weight index's map, naming only plain files inside the directory, each named as the
+    weights its loader reads it as.
+
+    transformers opens a shard with safetensors only if its name ends in ``.safetensors``, and
+    anything else with ``torch.load``: a safetensors index naming ``chat_template.jinja`` would
+    be read here as safetensors (and the file exempted from the comparison of the other files)
+    while the model fails to load and the tokenizer reads the same bytes as its template. A
+    pickle index's shards likewise carry a weight file's name, never a safetensors one.
+    """
     weight_map = read_json(index_file, "a weight index").get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index_file} has no weight_map")
-    for shard in set(weight_map.values()):
+    safe = index_file.name == SAFE_INDEX
+    for shard in sorted(set(weight_map.values()), key=repr):
         if not isinstance(shard, str) or Path(shard).name != shard or shard.startswith("."):
             raise CheckpointError(f"{index_file} names the shard {shard!r}, which is not a file in its directory")
+        if safe and not shard.endswith(".safetensors"):
+            raise CheckpointError(f"{index_file} names the shard {shard!r}, whose name does not end in .safetensors "
+                                  "(transformers would open it with torch.load, not as safetensors)")
+        if not safe and (shard.endswith((".safetensors", ".json")) or not (shard.endswith(".bin")
+                                                                            or is_weight_file(shard))):
+            raise CheckpointError(f"{index_file} names the shard {shard!r}, which is not named as pickle weights "
+                                  "(such as pytorch_model-00001-of-00002.bin)")
     return weight_map
 
 
