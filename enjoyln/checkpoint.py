@@ -1074,7 +1074,7 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
     True
     """
     from .equivalence import CheckReport, ModelSource, check_sources
-    from .static_check import StaticReport, load_problems, parse_dtype, static_check
+    from .static_check import StaticReport, code_problems, code_report, load_problems, parse_dtype, static_check
 
     if mode not in ("full", "static", "forward"):
         raise EnjoylnError(f"unknown check mode {mode!r}; use full, static or forward")
@@ -1084,6 +1084,10 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
     if ref_md.architecture != cand_md.architecture:
         raise CheckpointError(f"{reference_dir} is a {ref_md.architecture} but {candidate_dir} is a "
                               f"{cand_md.architecture}")
+    if code := code_problems(ref_md, cand_md):  # before anything imports the candidate's code
+        report = CheckReport.from_static(code_report(code), forward_skipped=True)
+        report.forward_skipped = "the candidate's code is not the reference's, so none of it was run"
+        return report
     auto = max_memory is None
     if max_memory is None and mode != "static":
         # the candidate's own config decides what it builds (with --forward-only, whatever it says)

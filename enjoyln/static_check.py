@@ -497,6 +497,36 @@ def _file_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
     return problems
 
 
+def code_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
+    """With remote code on either side: what makes the candidate's code other than the
+    reference's. Every ``.py`` file at any depth (what ``auto_map`` names, and what those import)
+    must be the reference's byte for byte, and config.json's ``auto_map`` (which class, from
+    which file or repository, ``from_pretrained`` imports) the reference's value.
+
+    The user trusted the reference's code. The candidate's is imported (to build its model, read
+    its config) only once this finds nothing: code that differs could rewrite the gate itself.
+    """
+    if not (ref.custom_code or cand.custom_code):
+        return []
+    ours = {rel: p for rel, p in loader_files(ref.path)[0].items() if rel.endswith(".py")}
+    theirs = {rel: p for rel, p in loader_files(cand.path)[0].items() if rel.endswith(".py")}
+    problems = [f"the candidate has {rel}, code the reference does not have" for rel in sorted(theirs.keys() - ours.keys())]
+    problems += [f"the candidate lacks the reference's {rel}" for rel in sorted(ours.keys() - theirs.keys())]
+    problems += [f"the candidate's {rel} differs from the reference's" for rel in sorted(ours.keys() & theirs.keys())
+                 if not _same_content(ours[rel], theirs[rel])]
+    a, b = ref.config.get("auto_map", _MISSING), cand.config.get("auto_map", _MISSING)
+    if not (a is b or a is not _MISSING and b is not _MISSING and _same_json(a, b)):
+        problems.append(f"config.json's auto_map is {_short(b) if b is not _MISSING else 'missing'}, "
+                        f"not the reference's {_short(a) if a is not _MISSING else '(none)'}")
+    return problems
+
+
+def code_report(problems: list[str]) -> StaticReport:
+    """The verdict on a candidate whose remote code is not the reference's: none of it was run."""
+    return StaticReport(passed=False, problems=problems,
+                        scope="remote code, compared before any of the candidate's code runs (none of it ran)")
+
+
 def _essentials(plan: FoldPlan) -> dict[str, set]:
     r = plan.rotation
     return {"folded LayerNorms": {e.name for e in plan.foldable},
@@ -570,6 +600,8 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
 
     start = time.perf_counter()
     dtype = parse_dtype(dtype)
+    if code := code_problems(ref, cand):  # before meta_model(cand) imports any of it
+        return code_report(code)
     report = StaticReport(passed=False)
     problems = report.problems
     recorded = recorded_plan(cand)
