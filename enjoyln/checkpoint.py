@@ -35,7 +35,7 @@ from ._version import __version__
 from .analysis import analyze, norm_module_paths
 from .errors import CheckFailed, CheckpointError, EnjoylnError
 from .model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, ModelDir, TensorInfo,
-                        check_out_dir, check_shapes, checkpoint_key, clean_stale,
+                        check_links, check_out_dir, check_shapes, checkpoint_key, clean_stale,
                         copy_extras, keep_failed as _keep_failed, load_dtype, meta_model, missing_dirs, model_class,
                         open_model_dir, publish, read_safetensors_header, remove_dirs, saved_names, signals_held,
                         temp_dir)
@@ -672,6 +672,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         raise EnjoylnError(f"unknown check mode {check!r}; use one of {', '.join(CHECK_MODES)}")
     md = open_model_dir(src, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     check_out_dir(src, out, force, dry_run=dry_run)
+    check_links(md)  # a file a loader reads, outside MODEL_DIR: refused before anything is written
     if check == "full" and not dry_run:
         require_memory(md, (check_options or {}).get("max_memory"))  # say so before anything is written
     cleaned = [] if dry_run else clean_stale(out)

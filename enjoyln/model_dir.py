@@ -7,7 +7,8 @@ A model directory comes from somewhere else, so it is treated as untrusted:
 - symlinks are followed only for the files a model directory needs (weights,
   index, config, tokenizer, processor, generation config), wherever they
   resolve, as in the Hugging Face cache; nothing else that resolves outside
-  the directory is copied;
+  the directory is copied, and a directory with such a link to a file a
+  loader may read is refused (a fold without it could load differently);
 - custom code (``auto_map``, ``*.py``) is refused unless the user trusts it,
   so an output never carries code that the analysis did not see.
 
@@ -538,10 +539,17 @@ def needed_file(name: str) -> bool:
     return any(fnmatch.fnmatch(name, p) for p in NEEDED)
 
 
-def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None) -> Iterator[tuple[Path, Path, bool]]:
+def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None,
+            foreign: list[str] | None = None) -> Iterator[tuple[Path, Path, bool]]:
     """(source, path relative to MODEL_DIR, is a directory) for everything a fold copies: every
     entry of ``md`` but the weights and config.json, by the rules ``copy_extras`` states;
-    what is left out goes to ``skipped`` with the reason."""
+    what is left out goes to ``skipped`` with the reason.
+
+    A link that leaves the directory to a file or folder a loader may read (any but a needed
+    file, a cache blob, version-control data, or code nobody trusted) raises, naming it: a fold
+    copies nothing from outside MODEL_DIR, and without it the copy could load otherwise. With
+    ``foreign`` (the gate's view of what a loader reads from the reference, which the user
+    handed over) such links are followed instead, and listed there."""
     root = md.path.resolve()
     skip = WEIGHT_FILES | set(md.shards) | {"config.json"}
     linked: set[Path] = set()  # directories already entered through a link
@@ -570,11 +578,6 @@ def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None) -> Ite
                     input_file(src)  # raises, naming the link
                 skipped.append(f"{name} (a dangling symlink)")
                 return
-            if not inside(target) and not (top and needed_file(src.name) and target.is_file()) and not cached(target):
-                skipped.append(f"{name} (resolves outside the model directory)")
-                return
-            if not inside(target) and followed is not None:
-                followed.append(f"{name} -> {target}")
             if target.is_dir() and (target in chain or target in src.parent.resolve().parents
                                     or target == src.parent.resolve()):
                 skipped.append(f"{name} (a symlink to a directory that contains it)")
@@ -582,6 +585,17 @@ def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None) -> Ite
             if target.is_dir() and target in linked:
                 skipped.append(f"{name} (a second symlink to a directory already copied)")
                 return
+            if not inside(target) and ((top and needed_file(src.name) and target.is_file()) or cached(target)):
+                if followed is not None:
+                    followed.append(f"{name} -> {target}")
+            elif not inside(target) and _readable(src, target, md.trust_remote_code):
+                if foreign is None:
+                    raise CheckpointError(
+                        f"{md.path / name} links to {target}, outside MODEL_DIR: a loader may read it, but a fold "
+                        "copies nothing from outside MODEL_DIR; replace the link with a copy of what it points "
+                        "to (or remove it) and run again")
+                foreign.append(f"{name} -> {target}")
+            # else inside, or outside but read by no loader: skipped below like its kind anywhere
             if target.is_dir():
                 linked.add(target)
         try:
@@ -609,6 +623,21 @@ def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None) -> Ite
         yield from visit(item, Path(item.name), True, (root,))
 
 
+def _readable(link: Path, target: Path, trusted: bool) -> bool:
+    """Whether a loader may read what a link resolves to. What a fold skips wherever it lies is
+    not: special files, version-control data, code without --trust-remote-code."""
+    if target.is_dir():
+        return link.name not in _VCS and target.name not in _VCS
+    return target.is_file() and (trusted or not link.name.endswith(".py"))
+
+
+def check_links(md: ModelDir) -> None:
+    """Refuse, before anything is written, a model directory whose links leave it for a file or
+    folder a loader may read (see ``_extras``): a fold would have to drop it."""
+    for _ in _extras(md, [], None):
+        pass
+
+
 def copy_extras(md: ModelDir, dest: Path, followed: list[str] | None = None) -> list[str]:
     """Copy every file of ``md`` but the weights and config into ``dest``; return what was skipped.
 
@@ -618,9 +647,10 @@ def copy_extras(md: ModelDir, dest: Path, followed: list[str] | None = None) -> 
     A symlink is followed when it resolves inside the directory, when it is a
     file a model directory needs (top level only), or when the directory is a
     Hugging Face cache snapshot and it resolves to one of that repository's
-    blobs (any file, at any depth). Anything else that
-    resolves outside the directory, special files and version-control data
-    are skipped; modes follow the umask, not the source.
+    blobs (any file, at any depth). Any other link that resolves outside the
+    directory to a file or folder is refused (``check_links`` says so before
+    anything is written); special files, version-control data and dangling
+    links are skipped; modes follow the umask, not the source.
     """
     skipped: list[str] = []
     for src, rel, is_dir in _extras(md, skipped, followed):
@@ -637,9 +667,10 @@ def copy_extras(md: ModelDir, dest: Path, followed: list[str] | None = None) -> 
 
 
 def extra_files(md: ModelDir) -> dict[str, Path]:
-    """The files (not directories) ``copy_extras`` would copy from ``md``: relative path -> source.
-    With config.json and the weights, this is what a fold of ``md`` holds."""
-    return {rel.as_posix(): src for src, rel, is_dir in _extras(md, [], None) if not is_dir}
+    """The files (not directories) ``copy_extras`` would copy from ``md``, and those reached
+    through links out of it, which a fold refuses to drop: relative path -> source. With
+    config.json and the weights, this is what a copy of ``md`` that loads the same holds."""
+    return {rel.as_posix(): src for src, rel, is_dir in _extras(md, [], None, []) if not is_dir}
 
 
 def loader_files(root: Path) -> tuple[dict[str, Path], list[str]]:
