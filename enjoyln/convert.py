@@ -36,7 +36,7 @@ from .analysis import analyze
 from .analysis.driver import norm_module_paths
 from .errors import CheckFailed, CheckpointError, EnjoylnError, first_line
 from .store.model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, ModelDir, TensorInfo,
-                        check_out_dir, check_shapes, checkpoint_key, clean_stale,
+                        check_links, check_out_dir, check_shapes, checkpoint_key, clean_stale,
                         copy_extras, keep_failed as _keep_failed, load_dtype, meta_model, missing_dirs, model_class,
                         open_model_dir, publish, read_safetensors_header, remove_dirs, saved_names, signals_held,
                         temp_dir)
@@ -676,6 +676,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         raise EnjoylnError(f"unknown check mode {check!r}; use one of {', '.join(CHECK_MODES)}")
     md = open_model_dir(src, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     check_out_dir(src, out, force, dry_run=dry_run)
+    check_links(md)  # a file a loader reads, outside MODEL_DIR: refused before anything is written
     if check == "full" and not dry_run:
         require_memory(md, (check_options or {}).get("max_memory"))  # say so before anything is written
     cleaned = [] if dry_run else clean_stale(out)
@@ -1089,7 +1090,7 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
     True
     """
     from .checking.forward import CheckReport, ModelSource, check_sources
-    from .checking.static import StaticReport, load_problems, parse_dtype, static_check
+    from .checking.static import StaticReport, code_problems, code_report, load_problems, parse_dtype, static_check
 
     if mode not in ("full", "static", "forward"):
         raise EnjoylnError(f"unknown check mode {mode!r}; use full, static or forward")
@@ -1099,6 +1100,10 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
     if ref_md.architecture != cand_md.architecture:
         raise CheckpointError(f"{reference_dir} is a {ref_md.architecture} but {candidate_dir} is a "
                               f"{cand_md.architecture}")
+    if code := code_problems(ref_md, cand_md):  # before anything imports the candidate's code
+        report = CheckReport.from_static(code_report(code), forward_skipped=True)
+        report.forward_skipped = "the candidate's code is not the reference's, so none of it was run"
+        return report
     auto = max_memory is None
     if max_memory is None and mode != "static":
         # the candidate's own config decides what it builds (with --forward-only, whatever it says)

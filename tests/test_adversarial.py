@@ -206,15 +206,20 @@ def test_symlinks_out_of_the_model_dir_are_not_followed(dirs, tmp_path):
     (model / "notes" / "inner").symlink_to(secret / "passwd")
     (model / "notes" / "readme.txt").write_text("kept")
     (model / "README.md").symlink_to(model / "notes" / "readme.txt")  # inside: followed
-    result = runner.invoke(app, ["fold", str(model), str(tmp_path / "out")])
-    assert result.exit_code == 0, result.output
     out = tmp_path / "out"
-    names = {str(p.relative_to(out)) for p in out.rglob("*")}
-    assert "passwd" not in names and "data" not in names and "notes/inner" not in names
+    # a file a loader may read, outside MODEL_DIR: never copied, and never silently dropped either
+    # (the fold would load otherwise), so the fold is refused, naming each link in turn
+    for link in ("data", "notes/inner", "passwd"):
+        result = runner.invoke(app, ["fold", str(model), str(out)])
+        assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
+        assert f"{model / link} links to" in result.stderr and "root:x" not in result.stderr
+        assert not out.exists() and not list(tmp_path.glob(".out.enjoyln-*"))
+        (model / link).unlink()
+    result = runner.invoke(app, ["fold", str(model), str(out)])
+    assert result.exit_code == 0, result.output
     assert not any("root:x" in p.read_text(errors="ignore") for p in out.rglob("*") if p.is_file())
     assert (out / "notes" / "readme.txt").read_text() == "kept" and (out / "README.md").read_text() == "kept"
     assert (out / "tokenizer.json").stat().st_size == (src / "model.safetensors").stat().st_size
-    assert "Not copied" in result.output and "passwd" in result.output
     assert f"tokenizer.json -> {cache / 'abc123'}" in result.output  # followed out of MODEL_DIR, and said
 
 
@@ -237,7 +242,13 @@ def test_a_hugging_face_cache_snapshot_keeps_every_file(dirs, tmp_path):
         blob.write_bytes(data)
         (snapshot / name).symlink_to(Path("../" * name.count("/")) / ".." / ".." / "blobs" / blob.name)
     (tmp_path / "secret").write_text("private")
-    (snapshot / "stray.txt").symlink_to(tmp_path / "secret")  # out of the repository: still not followed
+    (snapshot / "stray.txt").symlink_to(tmp_path / "secret")  # out of the repository: never copied
+    result = runner.invoke(app, ["fold", str(snapshot), str(tmp_path / "out")])
+    assert result.exit_code == 2 and "stray.txt links to" in result.stderr, result.output
+    # the gate reads it from the reference, through its link: a copy without it is not the reference
+    result = runner.invoke(app, ["check", str(snapshot), str(snapshot), "--static"])
+    assert result.exit_code == 0, result.output
+    (snapshot / "stray.txt").unlink()
     result = runner.invoke(app, ["fold", str(snapshot), str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     out = tmp_path / "out"
@@ -250,9 +261,6 @@ def test_a_hugging_face_cache_snapshot_keeps_every_file(dirs, tmp_path):
     (bad / "bpe.codes").write_bytes(b"h e 1\n")
     result = runner.invoke(app, ["check", str(snapshot), str(bad), "--static"])
     assert result.exit_code == 1 and "bpe.codes differs" in result.output, result.output
-    (snapshot / "stray.txt").unlink()  # a fold would not hold it, so neither may a candidate
-    result = runner.invoke(app, ["check", str(snapshot), str(snapshot), "--static"])
-    assert result.exit_code == 0, result.output
 
 
 def test_custom_code_needs_the_flag(dirs, tmp_path):

@@ -194,6 +194,48 @@ def test_index_naming_a_file_outside_the_directory_is_refused(saved, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_shard_not_named_as_its_weights_is_refused(saved, tmp_path):
+    """transformers opens a shard whose name does not end in .safetensors with torch.load: a
+    safetensors index naming chat_template.jinja was read here as safetensors, its file exempted
+    from the comparison of the other files, and `check --static` passed a candidate that does not
+    load and whose tokenizer reads the shard's bytes as its chat template."""
+    from typer.testing import CliRunner
+
+    from enjoyln.cli import app
+
+    src = saved("gpt2", torch.float32, max_shard_size="120KB")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for p in src.iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    (bad / shard).rename(bad / "chat_template.jinja")
+    index["weight_map"] = {k: "chat_template.jinja" if v == shard else v for k, v in index["weight_map"].items()}
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(enjoyln.CheckpointError, match="'chat_template.jinja', whose name does not end in .safetensors"):
+        fold_checkpoint(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    result = CliRunner().invoke(app, ["check", str(src), str(bad), "--static"])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert "chat_template.jinja" in result.stderr
+    # a pickle index's shards are named as pickle weights, never as a tokenizer file or safetensors
+    pkl = tmp_path / "pkl"
+    pkl.mkdir()
+    (pkl / "config.json").write_text((src / "config.json").read_text())
+    sd = reload_plain(src).state_dict()
+    for name in ("tokenizer.json", "model-00001-of-00001.safetensors"):
+        torch.save(sd, pkl / name)
+        (pkl / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {k: name for k in sd}}))
+        with pytest.raises(enjoyln.CheckpointError, match="not named as pickle weights"):
+            open_model_dir(pkl, allow_pickle=True)
+        (pkl / name).unlink()
+    torch.save(sd, pkl / "pytorch_model-00001-of-00001.bin")
+    (pkl / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {k: "pytorch_model-00001-of-00001.bin" for k in sd}}))
+    assert open_model_dir(pkl, allow_pickle=True).shards == ["pytorch_model-00001-of-00001.bin"]
+
+
 def test_header_with_wrong_byte_counts_is_refused(saved, tmp_path):
     import struct
 

@@ -15,6 +15,11 @@ Non-finite values are judged before any tolerance: where the reference is
 finite the candidate must be finite, and where the reference is NaN or ±Inf
 the candidate must hold the same value (NaN for NaN, the same infinity).
 
+Every model call (the reference, its truth, each load path of the candidate,
+greedy generation) runs under the same seeded RNG state, forked so that the
+caller's is untouched: a model whose eval forward draws random numbers
+(ViTMAE's patch masking) then draws the same ones in each run.
+
 The models run one after another: the reference's outputs are stored (in
 memory, or on disk for a check within a memory budget), the reference is
 dropped, and the candidate is compared against them chunk by chunk. So only
@@ -23,6 +28,7 @@ one model needs to be in memory at a time.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import inspect
@@ -112,9 +118,12 @@ class NearTie:
     reference_token: int
     candidate_token: int
     reference_margin: float
-    """reference logit of its token minus that of the candidate's token"""
+    """the reference's score of its token minus that of the candidate's token, in the scores
+    generate() chose by (after the generation config's logits processors)"""
     deviation: float
-    """max|candidate - reference| over the step logits up to this step"""
+    """max|candidate - reference| over the raw step logits up to this step"""
+    candidate_margin: float = 0.0
+    """the candidate's score of its token minus that of the reference's token, likewise"""
 
 
 @dataclass
@@ -122,10 +131,12 @@ class GenerationCheck:
     """Greedy decoding from the same prompts.
 
     Tokens must be identical, except that a row may flip at a genuine near-tie:
-    up to and including the first differing step the candidate's step logits
-    (computed on the same prefix) are within the criterion's tolerance of the
-    reference's, which bounds the reference's margin between the two tokens by
-    twice that tolerance. The tokens after a flip are not compared."""
+    up to and including the first differing step the candidate's raw step
+    logits (computed on the same prefix) are within the criterion's tolerance
+    of the reference's, and at that step, in the scores generate() chose by
+    (after the logits processors of each model's generation config), each
+    model's margin between the two tokens is at most twice that tolerance. The
+    tokens after a flip are not compared."""
 
     passed: bool
     new_tokens: int
@@ -192,6 +203,9 @@ class CheckReport:
     caveat: str = ""
     """What the verdict does not cover, shown with it (a load path the candidate declares inexact)."""
     notes: list[str] = field(default_factory=list)
+    generation_settings: list[str] = field(default_factory=list)
+    """How the generation settings a loader gave the candidate differ from the reference's (each
+    one fails the check: generate() applies them)."""
 
     @classmethod
     def from_static(cls, static: Any, *, forward_skipped: bool) -> "CheckReport":
@@ -238,6 +252,8 @@ class CheckReport:
                 extra += f"; {o.nonfinite} elements NaN or Inf where the original is not (or another non-finite value)"
             state = ("ok" if o.passed else "FAIL") if o.required else ("differs" if not o.passed else "ok") + ", not required"
             lines.append(f"  [{state}] {o.label}: abs {o.max_abs_diff:.3g}, rel {o.max_rel_diff:.3g}{extra}")
+        for problem in self.generation_settings:
+            lines.append(f"  [FAIL] {problem}")
         g = self.generation
         if g is not None:
             state = "identical" if g.identical else "same up to near-ties" if g.passed else "DIFFERENT"
@@ -245,7 +261,8 @@ class CheckReport:
             lines.append(f"  greedy generation of {g.new_tokens} tokens after {g.prompt_tokens}: {state}{note}")
             for t in g.near_ties:
                 lines.append(f"    row {t.row} step {t.step}: token {t.candidate_token} for {t.reference_token}, "
-                             f"the original's margin {t.reference_margin:.3g}, step logits within "
+                             f"margins {t.reference_margin:.3g} (original) and {t.candidate_margin:.3g} "
+                             f"(candidate) in the scores generate() used, step logits within "
                              f"{t.deviation:.3g} of the original's (tolerance {g.tolerance:.3g})")
             if g.problem:
                 lines.append(f"    {g.problem}")
@@ -331,9 +348,21 @@ def _to(inputs: Inputs, dtype: torch.dtype) -> Inputs:
     return Inputs(tuple(cast(a) for a in inputs.args), {k: cast(v) for k, v in inputs.kwargs.items()})
 
 
-def _run(model: nn.Module, inputs: Inputs) -> dict[str, torch.Tensor]:
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """torch's RNG seeded for one model call and restored after it: a model whose eval forward
+    draws random numbers (ViTMAE's and PatchTST's random masking) must draw the same ones in
+    the reference, its truth and every candidate run, or a correct candidate (even an exact
+    copy) differs from it; the caller's RNG is left as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        yield
+
+
+def _run(model: nn.Module, inputs: Inputs, seed: int) -> dict[str, torch.Tensor]:
+    """The model's outputs on ``inputs``, under torch's RNG seeded with ``seed``."""
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _seeded(seed):
             return flatten_outputs(inputs.call(model))
     except Exception as exc:  # the model's own error, on inputs enjoyln made or was given
         first = first_line(exc)
@@ -357,32 +386,50 @@ def generation_lengths(model: nn.Module, new_tokens: int) -> tuple[int, int]:
     return (prompt, new) if new > 0 else (0, 0)
 
 
-def _generate(model: nn.Module, prompt: torch.Tensor, n: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy tokens, and the raw logits of every step (batch x vocab each)."""
+Generated = tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]
+"""Greedy generation: the new tokens of each row, then per step (batch x vocab each) the raw
+logits and the scores generate() chose by, after the generation config's logits processors."""
+
+
+def _generate(model: nn.Module, prompt: torch.Tensor, n: int, seed: int) -> Generated:
+    """Greedy tokens, with the raw logits and the processed scores of every step (torch's RNG
+    seeded with ``seed``, as in ``_run``)."""
     config = model.generation_config
     pad = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_id or 0)
     if isinstance(pad, list):
         pad = pad[0]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _seeded(seed):
             out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
                                  max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1,
-                                 pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
+                                 pad_token_id=pad, output_logits=True, output_scores=True,
+                                 return_dict_in_generate=True)
     except Exception as exc:  # the model's own error, on a prompt enjoyln made
         first = first_line(exc)
         raise CaptureError(f"greedy generation with {type(model).__name__} failed: "
                            f"{type(exc).__name__}: {first}") from exc
-    return out.sequences[:, prompt.shape[1]:].tolist(), [t.detach().clone() for t in out.logits]
+    return (out.sequences[:, prompt.shape[1]:].tolist(), [t.detach().clone() for t in out.logits],
+            [t.detach().clone() for t in (out.scores or ())])
 
 
-def _judge_generation(ref: tuple[list[list[int]], list[torch.Tensor]],
-                      cand: tuple[list[list[int]], list[torch.Tensor]],
+def _margin(scores: list[torch.Tensor], step: int, row: int, mine: int, other: int) -> float:
+    """A model's score of its own token minus that of the other model's token (inf: no such score)."""
+    if step >= len(scores) or max(mine, other) >= scores[step].shape[-1]:
+        return math.inf
+    r = scores[step][row].double()
+    return float(r[mine] - r[other])
+
+
+def _judge_generation(ref: Generated, cand: Generated,
                       tolerance: float | None) -> tuple[bool, list[NearTie], str]:
     """Identical tokens pass; a row whose tokens first differ at a step passes only if the
-    candidate's step logits up to there, on the same prefix, are within ``tolerance`` of the
-    reference's: then the reference's own margin between the two tokens is at most twice that,
-    a genuine near-tie, and the rest of the row (a different prefix) is not compared."""
-    (ref_tokens, ref_logits), (cand_tokens, cand_logits) = ref, cand
+    candidate's raw step logits up to there, on the same prefix, are within ``tolerance`` of the
+    reference's, and at that step each model's margin between the two tokens, in the scores
+    generate() chose by, is at most twice ``tolerance``: a genuine near-tie. The raw logits
+    alone do not do: generate() chooses by the scores after the generation config's logits
+    processors (suppressed tokens, a repetition penalty), so equal logits can give tokens that
+    differ by a wide margin. The rest of a row that flipped (a different prefix) is not compared."""
+    (ref_tokens, ref_logits, ref_scores), (cand_tokens, cand_logits, cand_scores) = ref, cand
     ties: list[NearTie] = []
     if len(ref_tokens) != len(cand_tokens):
         return False, ties, f"{len(cand_tokens)} rows generated for {len(ref_tokens)}"
@@ -399,15 +446,41 @@ def _judge_generation(ref: tuple[list[list[int]], list[torch.Tensor]],
                 dev = math.inf
                 break
             dev = _worse(dev, float((r - c).abs().max()))
-        r = ref_logits[step][row].double()
-        margin = float(r[a[step]] - r[b[step]]) if b[step] < r.numel() else math.inf
-        if tolerance is None or not dev <= tolerance:
-            why = ("the original has no finite tolerance for its logits" if tolerance is None
-                   else f"the step logits are {dev:.3g} from the original's, more than the tolerance {tolerance:.3g}")
-            return False, ties, (f"row {row} step {step}: token {b[step]} for {a[step]} with the original's margin "
-                                 f"{margin:.3g}, not a near-tie: {why}")
-        ties.append(NearTie(row, step, a[step], b[step], margin, dev))
+        theirs = _margin(ref_scores, step, row, a[step], b[step])
+        ours = _margin(cand_scores, step, row, b[step], a[step])
+        flip = (f"row {row} step {step}: token {b[step]} for {a[step]}, margins {theirs:.3g} (original) and "
+                f"{ours:.3g} (candidate) in the scores generate() used")
+        if tolerance is None:
+            return False, ties, f"{flip}; not a near-tie: the original has no finite tolerance for its logits"
+        if not dev <= tolerance:
+            return False, ties, (f"{flip}; not a near-tie: the step logits are {dev:.3g} from the original's, "
+                                 f"more than the tolerance {tolerance:.3g}")
+        if not (theirs <= 2 * tolerance and ours <= 2 * tolerance):
+            return False, ties, (f"{flip}; not a near-tie: a margin is more than twice the tolerance "
+                                 f"{tolerance:.3g} (the generation settings differ, or the scores do)")
+        ties.append(NearTie(row, step, a[step], b[step], theirs, dev, ours))
     return True, ties, ""
+
+
+def _generation_settings(model: nn.Module) -> dict[str, Any] | None:
+    """The generation settings generate() starts from, as the loader gave them to the model
+    (generation_config.json, or what transformers builds from config.json without one)."""
+    config = getattr(model, "generation_config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        return None
+    settings = config.to_dict()
+    settings.pop("transformers_version", None)  # the running transformers' version, on both sides
+    return settings
+
+
+def _settings_problems(ref: dict[str, Any] | None, cand: dict[str, Any] | None) -> list[str]:
+    from .static_check import _same_json
+
+    if ref is None or cand is None:
+        return [] if ref is cand else [f"the candidate has {'none' if cand is None else 'some'}, the original "
+                                       f"{'none' if ref is None else 'some'}"]
+    return [f"{key} is {cand.get(key)!r}, the original's {ref.get(key)!r}"
+            for key in sorted(ref.keys() | cand.keys()) if not _same_json(ref.get(key), cand.get(key))]
 
 
 @dataclass
@@ -660,8 +733,9 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
         prompt = next((b.kwargs.get("input_ids") for b in all_inputs if "input_ids" in b.kwargs), None)
         prompt = prompt[:, :prompt_len] if new_tokens and prompt is not None else None
         for i, inputs in enumerate(all_inputs):
-            base.put(i, _run(model, _to(inputs, base_dtype)))
-        ref_gen = _generate(model, prompt, new_tokens) if prompt is not None else None
+            base.put(i, _run(model, _to(inputs, base_dtype), seed + i))
+        ref_gen = _generate(model, prompt, new_tokens, seed) if prompt is not None else None
+        ref_settings = _generation_settings(model)
         del model
         reference.drop(base_dtype)
 
@@ -671,7 +745,7 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
             try:
                 model = truth.get(truth_dtype)
                 for i, inputs in enumerate(all_inputs):
-                    truth_out.put(i, _run(model, _to(inputs, truth_dtype)))
+                    truth_out.put(i, _run(model, _to(inputs, truth_dtype), seed + i))
             except EnjoylnError as exc:
                 if half:
                     raise
@@ -686,16 +760,19 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
         stats: dict[tuple[int, str], _Stats] = {}
         paths = [CandidatePath(candidate_path, candidate)] + list(other_paths)
         cand_gen = None
+        settings: dict[str, list[str]] = {}  # a difference, and the load paths that show it
         for n, path in enumerate(paths):
             model = path.source.get(path.source.dtype)
+            for problem in _settings_problems(ref_settings, _generation_settings(model)):
+                settings.setdefault(problem, []).append(path.name)
             for i, inputs in enumerate(all_inputs):
-                cand = _run(model, _to(inputs, path.source.dtype))
+                cand = _run(model, _to(inputs, path.source.dtype), seed + i)
                 for name in base.names(i):
                     st = _measure(name, base, truth_out, i, cand.get(name))
                     stats[n, name] = stats[n, name].merge(st) if (n, name) in stats else st
                 del cand
             if n == 0 and prompt is not None:
-                cand_gen = _generate(model, prompt, new_tokens)
+                cand_gen = _generate(model, prompt, new_tokens, seed)
             del model
             path.source.drop(path.source.dtype)
 
@@ -716,6 +793,9 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
     passed = bool(judged) and all(o.passed for o in judged)
     if generation is not None and generation.required:
         passed = passed and generation.passed
+    passed = passed and not settings
+    settings_lines = [f"generation settings{' (' + ' and '.join(where) + ')' if any(where) else ''}: {problem}"
+                      for problem, where in settings.items()]
     margins = [o.margin for o in judged if o.margin is not None]
     max_abs = max_rel = 0.0
     for o in judged or outputs:  # a path reported but not required has its own lines
@@ -727,7 +807,7 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
         criterion_kind=crit.kind,
         truth_dtype=str(truth_dtype).replace("torch.", "") if crit.kind == "precision" else "",
         margin=min(margins) if margins else None,
-        paths=[p.name for p in paths if p.name], notes=notes,
+        paths=[p.name for p in paths if p.name], notes=notes, generation_settings=settings_lines,
     )
 
 
@@ -759,7 +839,7 @@ def _covering(model: nn.Module, dtype: torch.dtype, seed: int,
             inputs, coverage = coverage_batch(model, seed=seed, length=attempt, max_rows=max_rows)
         try:
             with torch.no_grad():
-                _run(model, _to(inputs, dtype))
+                _run(model, _to(inputs, dtype), seed)
             return inputs, coverage
         except CaptureError:
             continue

@@ -46,7 +46,7 @@ from torch import nn
 from ..errors import CheckpointError, EnjoylnError, first_line
 from ..store.model_dir import (_OWNER, DTYPES, JSON_LIMIT, PT_INDEX, SAFE_INDEX, ModelDir, TensorInfo, check_shapes,
                         checkpoint_key, extra_files, input_file, is_weight_file, load_dtype, loader_files,
-                        meta_model, parse_json_file, saved_names)
+                        loader_text, meta_model, parse_json_file, saved_names)
 from ..plan import Centering, FoldPlan, RotationSpec, block_lists
 
 _CHUNK = 16 << 20
@@ -440,15 +440,16 @@ def _json_value(path: Path) -> Any:
     if len(raw) > JSON_LIMIT:
         raise _Unreadable
     try:
-        return json.loads(raw, object_pairs_hook=_no_duplicate_keys)
-    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError)
+        return json.loads(loader_text(raw), object_pairs_hook=_no_duplicate_keys)
+    except (ValueError, RecursionError):  # not JSON as loaders read it (UnicodeDecodeError is a ValueError)
         raise _Unreadable from None
 
 
 def _same_content(a: Path, b: Path) -> bool:
     """Whether two files hold the same content: JSON files up to ``JSON_LIMIT`` token by token
-    (whitespace does not matter; key order does, see ``_Object``), anything else byte for byte,
-    streamed."""
+    when both parse as transformers reads them (``loader_text``: whitespace does not matter; key
+    order does, see ``_Object``), anything else byte for byte, streamed (so a byte-order mark,
+    which makes a loader refuse or ignore the file, is a difference)."""
     try:
         size_a, size_b = a.stat().st_size, b.stat().st_size
         if a.suffix == ".json" and max(size_a, size_b) <= JSON_LIMIT:
@@ -498,6 +499,36 @@ def _file_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
     for rel in sorted(expected.keys() - actual.keys()):
         problems.append(f"the candidate lacks the reference's {rel}")
     return problems
+
+
+def code_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
+    """With remote code on either side: what makes the candidate's code other than the
+    reference's. Every ``.py`` file at any depth (what ``auto_map`` names, and what those import)
+    must be the reference's byte for byte, and config.json's ``auto_map`` (which class, from
+    which file or repository, ``from_pretrained`` imports) the reference's value.
+
+    The user trusted the reference's code. The candidate's is imported (to build its model, read
+    its config) only once this finds nothing: code that differs could rewrite the gate itself.
+    """
+    if not (ref.custom_code or cand.custom_code):
+        return []
+    ours = {rel: p for rel, p in loader_files(ref.path)[0].items() if rel.endswith(".py")}
+    theirs = {rel: p for rel, p in loader_files(cand.path)[0].items() if rel.endswith(".py")}
+    problems = [f"the candidate has {rel}, code the reference does not have" for rel in sorted(theirs.keys() - ours.keys())]
+    problems += [f"the candidate lacks the reference's {rel}" for rel in sorted(ours.keys() - theirs.keys())]
+    problems += [f"the candidate's {rel} differs from the reference's" for rel in sorted(ours.keys() & theirs.keys())
+                 if not _same_content(ours[rel], theirs[rel])]
+    a, b = ref.config.get("auto_map", _MISSING), cand.config.get("auto_map", _MISSING)
+    if not (a is b or a is not _MISSING and b is not _MISSING and _same_json(a, b)):
+        problems.append(f"config.json's auto_map is {_short(b) if b is not _MISSING else 'missing'}, "
+                        f"not the reference's {_short(a) if a is not _MISSING else '(none)'}")
+    return problems
+
+
+def code_report(problems: list[str]) -> StaticReport:
+    """The verdict on a candidate whose remote code is not the reference's: none of it was run."""
+    return StaticReport(passed=False, problems=problems,
+                        scope="remote code, compared before any of the candidate's code runs (none of it ran)")
 
 
 def _essentials(plan: FoldPlan) -> dict[str, set]:
@@ -573,6 +604,8 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
 
     start = time.perf_counter()
     dtype = parse_dtype(dtype)
+    if code := code_problems(ref, cand):  # before meta_model(cand) imports any of it
+        return code_report(code)
     report = StaticReport(passed=False)
     problems = report.problems
     recorded = recorded_plan(cand)

@@ -7,7 +7,8 @@ A model directory comes from somewhere else, so it is treated as untrusted:
 - symlinks are followed only for the files a model directory needs (weights,
   index, config, tokenizer, processor, generation config), wherever they
   resolve, as in the Hugging Face cache; nothing else that resolves outside
-  the directory is copied;
+  the directory is copied, and a directory with such a link to a file a
+  loader may read is refused (a fold without it could load differently);
 - custom code (``auto_map``, ``*.py``) is refused unless the user trusts it,
   so an output never carries code that the analysis did not see.
 
@@ -131,7 +132,9 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str
                 raise ValueError("header length beyond the end of the file")
             if header_len > 100 << 20:
                 raise ValueError("header larger than 100 MiB")
-            header = json.loads(f.read(header_len), object_pairs_hook=_no_duplicates)
+            # safetensors parses the header as UTF-8 (serde_json): Python's json.loads of bytes
+            # would also take a byte-order mark or UTF-16, and vouch for a file nothing loads
+            header = json.loads(f.read(header_len).decode("utf-8"), object_pairs_hook=_no_duplicates)
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
         base = 8 + header_len
@@ -213,6 +216,14 @@ def _depth_exceeds(data: Any, limit: int) -> bool:
     return False
 
 
+def loader_text(raw: bytes) -> str:
+    """A JSON file's bytes as transformers reads them (``open(..., encoding="utf-8")``): strict
+    UTF-8, a byte-order mark kept as a character, which ``json.loads`` then refuses. Python's
+    ``json.loads`` of the bytes would skip the mark and also take UTF-16 or UTF-32, so a file
+    transformers cannot read (for generation_config.json: silently ignores) would parse."""
+    return raw.decode("utf-8")
+
+
 def parse_json_file(path: Path, what: str) -> Any:
     """A JSON file's value, read only if it is at most ``JSON_LIMIT`` bytes; else one clear error."""
     try:
@@ -224,7 +235,7 @@ def parse_json_file(path: Path, what: str) -> Any:
             raw = f.read(JSON_LIMIT + 1)  # the file may have grown since
         if len(raw) > JSON_LIMIT:
             raise CheckpointError(f"{path} grew past {JSON_LIMIT >> 20} MiB while it was being read")
-        data = json.loads(raw)
+        data = json.loads(loader_text(raw))
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     except RecursionError:
@@ -244,13 +255,29 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def _index(index_file: Path) -> dict[str, str]:
-    """A weight index's map, naming only plain files inside the directory."""
+    """A weight index's map, naming only plain files inside the directory, each named as the
+    weights its loader reads it as.
+
+    transformers opens a shard with safetensors only if its name ends in ``.safetensors``, and
+    anything else with ``torch.load``: a safetensors index naming ``chat_template.jinja`` would
+    be read here as safetensors (and the file exempted from the comparison of the other files)
+    while the model fails to load and the tokenizer reads the same bytes as its template. A
+    pickle index's shards likewise carry a weight file's name, never a safetensors one.
+    """
     weight_map = read_json(index_file, "a weight index").get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index_file} has no weight_map")
-    for shard in set(weight_map.values()):
+    safe = index_file.name == SAFE_INDEX
+    for shard in sorted(set(weight_map.values()), key=repr):
         if not isinstance(shard, str) or Path(shard).name != shard or shard.startswith("."):
             raise CheckpointError(f"{index_file} names the shard {shard!r}, which is not a file in its directory")
+        if safe and not shard.endswith(".safetensors"):
+            raise CheckpointError(f"{index_file} names the shard {shard!r}, whose name does not end in .safetensors "
+                                  "(transformers would open it with torch.load, not as safetensors)")
+        if not safe and (shard.endswith((".safetensors", ".json")) or not (shard.endswith(".bin")
+                                                                            or is_weight_file(shard))):
+            raise CheckpointError(f"{index_file} names the shard {shard!r}, which is not named as pickle weights "
+                                  "(such as pytorch_model-00001-of-00002.bin)")
     return weight_map
 
 
@@ -512,10 +539,17 @@ def needed_file(name: str) -> bool:
     return any(fnmatch.fnmatch(name, p) for p in NEEDED)
 
 
-def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None) -> Iterator[tuple[Path, Path, bool]]:
+def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None,
+            foreign: list[str] | None = None) -> Iterator[tuple[Path, Path, bool]]:
     """(source, path relative to MODEL_DIR, is a directory) for everything a fold copies: every
     entry of ``md`` but the weights and config.json, by the rules ``copy_extras`` states;
-    what is left out goes to ``skipped`` with the reason."""
+    what is left out goes to ``skipped`` with the reason.
+
+    A link that leaves the directory to a file or folder a loader may read (any but a needed
+    file, a cache blob, version-control data, or code nobody trusted) raises, naming it: a fold
+    copies nothing from outside MODEL_DIR, and without it the copy could load otherwise. With
+    ``foreign`` (the gate's view of what a loader reads from the reference, which the user
+    handed over) such links are followed instead, and listed there."""
     root = md.path.resolve()
     skip = WEIGHT_FILES | set(md.shards) | {"config.json"}
     linked: set[Path] = set()  # directories already entered through a link
@@ -544,11 +578,6 @@ def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None) -> Ite
                     input_file(src)  # raises, naming the link
                 skipped.append(f"{name} (a dangling symlink)")
                 return
-            if not inside(target) and not (top and needed_file(src.name) and target.is_file()) and not cached(target):
-                skipped.append(f"{name} (resolves outside the model directory)")
-                return
-            if not inside(target) and followed is not None:
-                followed.append(f"{name} -> {target}")
             if target.is_dir() and (target in chain or target in src.parent.resolve().parents
                                     or target == src.parent.resolve()):
                 skipped.append(f"{name} (a symlink to a directory that contains it)")
@@ -556,6 +585,17 @@ def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None) -> Ite
             if target.is_dir() and target in linked:
                 skipped.append(f"{name} (a second symlink to a directory already copied)")
                 return
+            if not inside(target) and ((top and needed_file(src.name) and target.is_file()) or cached(target)):
+                if followed is not None:
+                    followed.append(f"{name} -> {target}")
+            elif not inside(target) and _readable(src, target, md.trust_remote_code):
+                if foreign is None:
+                    raise CheckpointError(
+                        f"{md.path / name} links to {target}, outside MODEL_DIR: a loader may read it, but a fold "
+                        "copies nothing from outside MODEL_DIR; replace the link with a copy of what it points "
+                        "to (or remove it) and run again")
+                foreign.append(f"{name} -> {target}")
+            # else inside, or outside but read by no loader: skipped below like its kind anywhere
             if target.is_dir():
                 linked.add(target)
         try:
@@ -583,6 +623,21 @@ def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None) -> Ite
         yield from visit(item, Path(item.name), True, (root,))
 
 
+def _readable(link: Path, target: Path, trusted: bool) -> bool:
+    """Whether a loader may read what a link resolves to. What a fold skips wherever it lies is
+    not: special files, version-control data, code without --trust-remote-code."""
+    if target.is_dir():
+        return link.name not in _VCS and target.name not in _VCS
+    return target.is_file() and (trusted or not link.name.endswith(".py"))
+
+
+def check_links(md: ModelDir) -> None:
+    """Refuse, before anything is written, a model directory whose links leave it for a file or
+    folder a loader may read (see ``_extras``): a fold would have to drop it."""
+    for _ in _extras(md, [], None):
+        pass
+
+
 def copy_extras(md: ModelDir, dest: Path, followed: list[str] | None = None) -> list[str]:
     """Copy every file of ``md`` but the weights and config into ``dest``; return what was skipped.
 
@@ -592,9 +647,10 @@ def copy_extras(md: ModelDir, dest: Path, followed: list[str] | None = None) -> 
     A symlink is followed when it resolves inside the directory, when it is a
     file a model directory needs (top level only), or when the directory is a
     Hugging Face cache snapshot and it resolves to one of that repository's
-    blobs (any file, at any depth). Anything else that
-    resolves outside the directory, special files and version-control data
-    are skipped; modes follow the umask, not the source.
+    blobs (any file, at any depth). Any other link that resolves outside the
+    directory to a file or folder is refused (``check_links`` says so before
+    anything is written); special files, version-control data and dangling
+    links are skipped; modes follow the umask, not the source.
     """
     skipped: list[str] = []
     for src, rel, is_dir in _extras(md, skipped, followed):
@@ -611,9 +667,10 @@ def copy_extras(md: ModelDir, dest: Path, followed: list[str] | None = None) -> 
 
 
 def extra_files(md: ModelDir) -> dict[str, Path]:
-    """The files (not directories) ``copy_extras`` would copy from ``md``: relative path -> source.
-    With config.json and the weights, this is what a fold of ``md`` holds."""
-    return {rel.as_posix(): src for src, rel, is_dir in _extras(md, [], None) if not is_dir}
+    """The files (not directories) ``copy_extras`` would copy from ``md``, and those reached
+    through links out of it, which a fold refuses to drop: relative path -> source. With
+    config.json and the weights, this is what a copy of ``md`` that loads the same holds."""
+    return {rel.as_posix(): src for src, rel, is_dir in _extras(md, [], None, []) if not is_dir}
 
 
 def loader_files(root: Path) -> tuple[dict[str, Path], list[str]]:

@@ -182,17 +182,55 @@ def test_a_float64_reference_is_judged_with_a_fixed_tight_tolerance(gpt2):
 def test_a_flip_within_the_tolerance_is_a_near_tie_and_one_beyond_it_fails():
     f64 = dict(dtype=torch.float64)
     ref_logits = [torch.tensor([[3.0, 1.0, 2.0]], **f64), torch.tensor([[0.0, 5.0, 5.0 - 1e-7]], **f64)]
-    ref = ([[0, 1]], ref_logits)
-    near = ([[0, 2]], [ref_logits[0], torch.tensor([[0.0, 5.0 - 1e-7, 5.0]], **f64)])
+    ref = ([[0, 1]], ref_logits, ref_logits)  # no logits processors: the scores are the logits
+    near_logits = [ref_logits[0], torch.tensor([[0.0, 5.0 - 1e-7, 5.0]], **f64)]
+    near = ([[0, 2]], near_logits, near_logits)
     ok, ties, problem = _judge_generation(ref, near, tolerance=1e-6)
-    assert ok and not problem and ties == [NearTie(0, 1, 1, 2, pytest.approx(1e-7, rel=0.5), pytest.approx(1e-7, rel=0.5))]
-    far = ([[0, 2]], [ref_logits[0], torch.tensor([[0.0, 5.0, 6.0]], **f64)])
-    ok, _, problem = _judge_generation(ref, far, tolerance=1e-6)
+    assert ok and not problem
+    assert ties == [NearTie(0, 1, 1, 2, pytest.approx(1e-7, rel=0.5), pytest.approx(1e-7, rel=0.5),
+                            pytest.approx(1e-7, rel=0.5))]
+    far_logits = [ref_logits[0], torch.tensor([[0.0, 5.0, 6.0]], **f64)]
+    ok, _, problem = _judge_generation(ref, ([[0, 2]], far_logits, far_logits), tolerance=1e-6)
     assert not ok and "not a near-tie" in problem
     ok, _, problem = _judge_generation(ref, near, tolerance=None)
     assert not ok
-    nan = ([[0, 2]], [ref_logits[0], torch.tensor([[0.0, NAN, 5.0]], **f64)])
-    assert not _judge_generation(ref, nan, tolerance=1e3)[0]
+    nan = [ref_logits[0], torch.tensor([[0.0, NAN, 5.0]], **f64)]
+    assert not _judge_generation(ref, ([[0, 2]], nan, nan), tolerance=1e3)[0]
+
+
+def test_a_flip_the_logits_processors_make_is_no_near_tie():
+    """generate() chooses by the scores after the generation config's logits processors: raw
+    logits within the tolerance excused a flip that a suppressed token (score -inf) or a
+    repetition penalty made, with margins 1e5 times the tolerance."""
+    f64 = dict(dtype=torch.float64)
+    logits = [torch.tensor([[0.0, 5.0, 4.9]], **f64)]
+    ref = ([[1]], logits, logits)
+    suppressed = ([[2]], logits, [torch.tensor([[0.0, -INF, 4.9]], **f64)])
+    ok, ties, problem = _judge_generation(ref, suppressed, tolerance=1e-6)
+    assert not ok and not ties
+    assert "margins 0.1 (original) and inf (candidate)" in problem and "not a near-tie" in problem, problem
+    penalized = ([[2]], logits, [torch.tensor([[0.0, 5.0 / 1.3, 4.9]], **f64)])
+    ok, _, problem = _judge_generation(ref, penalized, tolerance=1e-6)
+    assert not ok and "margins 0.1 (original) and 1.05 (candidate)" in problem, problem
+    # the margin is judged where the rows first differ, in the scores: a tie there is excused
+    tie = [torch.tensor([[0.0, 5.0, 5.0 - 1e-7]], **f64)]
+    ok, ties, _ = _judge_generation(([[1]], logits, tie), ([[2]], logits, [tie[0].flip(-1).roll(1, -1)]), 1e-6)
+    assert ok and ties[0].reference_margin == pytest.approx(1e-7, rel=1e-3)
+
+
+def test_generation_settings_are_compared_and_their_flips_are_not_near_ties(gpt2):
+    """A candidate whose generation config suppresses the reference's greedy tokens: every row
+    flips with the raw logits equal, which the check called near-ties and passed."""
+    folded = enjoyln.fold(copy.deepcopy(gpt2))
+    first = {row[0] for row in enjoyln.check(gpt2, folded).generation.reference}
+    folded.generation_config.suppress_tokens = sorted(first)
+    report = enjoyln.check(gpt2, folded)
+    g = report.generation
+    assert not report.passed and not g.passed and not g.near_ties and "not a near-tie" in g.problem, report.summary()
+    assert "inf (candidate) in the scores generate() used" in g.problem
+    assert report.generation_settings == [f"generation settings: suppress_tokens is {sorted(first)!r}, "
+                                          "the original's None"]
+    assert f"[FAIL] generation settings: suppress_tokens is {sorted(first)!r}" in report.summary()
 
 
 def test_greedy_flips_through_the_check(gpt2):
@@ -217,6 +255,52 @@ def test_greedy_flips_through_the_check(gpt2):
     assert all(t.reference_margin <= 2 * g.tolerance for t in g.near_ties) and "near-ties" in report.summary()
     report = enjoyln.check(reference, hooked(enjoyln.fold(copy.deepcopy(gpt2)), tie(+1, gap=1.0), only_steps=True))
     assert not report.passed and not report.generation.passed and "not a near-tie" in report.summary()
+
+
+# --- models that draw random numbers in their eval forward ---------------------------------
+
+
+def tiny_vit_mae(seed=57):
+    """ViTMAE masks a random 75% of its patches in every forward, eval mode included."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.ViTMAEConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=64, image_size=16, patch_size=8)
+    return perturb(transformers.ViTMAEModel(config).eval(), seed=seed)
+
+
+def test_every_model_call_runs_under_the_same_seed_and_the_callers_rng_is_untouched():
+    """Each run drew its own masks: an exact copy of a ViTMAE failed (ids_restore differed), and
+    the reference's own float64 "rounding" was two different masks."""
+    mae = tiny_vit_mae()
+    inputs = {"pixel_values": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))}
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    report = enjoyln.check(mae, copy.deepcopy(mae), inputs)
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG, as it was
+    assert report.passed and report.max_abs_diff == 0, report.summary()
+    assert {o.name for o in report.outputs} == {"last_hidden_state", "mask", "ids_restore"}
+    ref_err = next(o.reference_error for o in report.outputs if o.name == "last_hidden_state")
+    assert ref_err < 1e-5  # the float64 truth masked the same patches: only rounding is left
+    folded = enjoyln.fold(copy.deepcopy(mae), inputs)
+    assert enjoyln.check(mae, folded, inputs).passed
+    with torch.no_grad():
+        folded.layers[0].mlp.fc2.bias[3] += 0.05
+    assert not enjoyln.check(mae, folded, inputs).passed
+
+
+def test_a_vit_mae_checkpoint_folds_and_a_changed_weight_fails(tmp_path):
+    """`enjoyln fold` refused to publish its own correct fold of a ViTMAE, and REF vs an exact
+    copy failed."""
+    tiny_vit_mae().save_pretrained(tmp_path / "ref")
+    result = CliRunner().invoke(app, ["fold", str(tmp_path / "ref"), str(tmp_path / "out")])
+    assert result.exit_code == 0 and (tmp_path / "out" / "model.safetensors").exists(), result.output
+    assert gate(tmp_path / "ref", copy_dir(tmp_path / "ref", tmp_path / "copy"))[0] == 0
+    key = "encoder.layer.0.output.dense.bias"
+    changed = edited(tmp_path / "out", tmp_path / "cand", set_(key, 3, 0.05))
+    code, out = gate(tmp_path / "ref", changed, "--forward-only")
+    assert code == 1 and "[FAIL] last_hidden_state (enjoyln.load)" in out, out
 
 
 # --- checkpoints: both load paths, NaN in every mode, short contexts -----------------------
@@ -298,6 +382,28 @@ def test_forward_only_runs_both_load_paths(dirs, tmp_path):
     code, out = gate(dirs / "gpt2", dirs / "gpt2-fused", "--forward-only")
     assert code == 0 and "through enjoyln.load and from_pretrained" in out, out
     assert "[ok] logits (from_pretrained)" in out
+
+
+def test_forward_only_compares_the_generation_settings_the_loaders_apply(dirs, tmp_path):
+    """--forward-only did not compare generation settings: a repetition penalty that leaves the
+    greedy tokens of the check as they were passed, and so did sampling settings in config.json,
+    which transformers uses when there is no generation_config.json."""
+    cand = copy_dir(dirs / "gpt2-folded", tmp_path / "cand")
+    g = json.loads((cand / "generation_config.json").read_text())
+    (cand / "generation_config.json").write_text(json.dumps({**g, "repetition_penalty": 1.0001}))
+    code, out = gate(dirs / "gpt2", cand, "--forward-only")
+    assert code == 1, out
+    assert ("[FAIL] generation settings (enjoyln.load and from_pretrained): repetition_penalty is 1.0001, "
+            "the original's None") in out
+    assert "greedy generation of 8 tokens after 8: identical" in out  # only the settings show it
+    ref = copy_dir(dirs / "gpt2", tmp_path / "ref")
+    for d in (ref, cand):
+        (d / "generation_config.json").unlink()
+    assert gate(ref, cand, "--forward-only")[0] == 0
+    cfg = json.loads((cand / "config.json").read_text())
+    (cand / "config.json").write_text(json.dumps({**cfg, "do_sample": True, "temperature": 5.0}))
+    code, out = gate(ref, cand, "--forward-only")
+    assert code == 1 and "do_sample is True, the original's None" in out and "temperature is 5.0" in out, out
 
 
 def test_a_block_declaring_plain_loading_inexact_is_shown_on_the_verdict(dirs, tmp_path):

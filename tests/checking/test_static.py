@@ -675,3 +675,76 @@ def test_forward_only_counts_what_the_candidate_builds(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(enjoyln.CheckpointError, match=r"needs at least 59.7 GiB of memory even with one model"):
         enjoyln.check_checkpoints(ref, cand, mode="forward")
+
+
+def test_json_files_are_read_as_the_loaders_read_them(pair, tmp_path):
+    """transformers reads JSON as UTF-8 text, where json.loads refuses a byte-order mark: a
+    generation_config.json with one is silently replaced by settings built from config.json, a
+    tokenizer file with one does not load. Python's json.loads of the bytes skips the mark (and
+    takes UTF-16), so such candidates used to pass as the same JSON tokens."""
+    import transformers
+
+    ref, folded, _ = pair
+    source = clone(ref, tmp_path / "ref")
+    generation = {**json.loads((ref / "generation_config.json").read_text()), "repetition_penalty": 1.5}
+    base = cand_of(folded, tmp_path, "base")
+    for d in (source, base):
+        (d / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        (d / "emoji.json").write_text('{"a": 0}')
+    assert run(source, base).passed
+    for i, encode in enumerate((lambda text: b"\xef\xbb\xbf" + text.encode(), lambda text: text.encode("utf-16"))):
+        cand = cand_of(base, tmp_path, f"cand{i}")
+        for name in ("generation_config.json", "emoji.json"):
+            (cand / name).write_bytes(encode((base / name).read_text()))
+        problems = run(source, cand).problems
+        assert {"the candidate's generation_config.json differs from the reference's",
+                "the candidate's emoji.json differs from the reference's",
+                "the candidate's generation config changes repetition_penalty from 1.5 to None"} <= set(problems), \
+            problems
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(cand).generation_config
+        assert loaded.repetition_penalty is None  # what the gate predicted: the file was ignored
+    # the same bytes on both sides are the same file, whatever a loader makes of them
+    for name in ("generation_config.json", "emoji.json"):
+        (source / name).write_bytes((cand / name).read_bytes())
+    assert run(source, cand).passed, run(source, cand).problems
+    (cand / "config.json").write_bytes(b"\xef\xbb\xbf" + (cand / "config.json").read_bytes())
+    with pytest.raises(enjoyln.CheckpointError, match="config.json is not valid JSON"):
+        open_model_dir(cand)  # transformers cannot read it either
+
+
+def test_the_candidates_code_is_compared_before_any_of_it_runs(pair, tmp_path, monkeypatch):
+    """The gate imported the candidate's remote code (to build its model) before comparing it
+    with the reference's: code that differed ran inside the gate, and could patch the comparison
+    so that the gate passed a backdoor. Nothing of it may run until it is proven the reference's."""
+    from typer.testing import CliRunner
+
+    from enjoyln.checkpoint import check_checkpoints
+    from enjoyln.cli import app
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    ref, _, _ = pair
+    source = clone(ref, tmp_path / "ref")
+    code = "from transformers import GPT2LMHeadModel\n\n\nclass CustomLM(GPT2LMHeadModel):\n    pass\n"
+    (source / "modeling_custom.py").write_text(code)
+    set_config(source, architectures=["CustomLM"], auto_map={"AutoModelForCausalLM": "modeling_custom.CustomLM"})
+    fold_checkpoint(source, tmp_path / "folded", check="none", trust_remote_code=True)
+    marker = tmp_path / "ran"
+    payload = f"\nopen({str(marker)!r}, 'w').write('ran')\n"
+    changed = cand_of(tmp_path / "folded", tmp_path, "changed")
+    (changed / "modeling_custom.py").write_text(code + payload)
+    other = cand_of(tmp_path / "folded", tmp_path, "other")  # the same file, but the config imports another
+    (other / "modeling_evil.py").write_text(code + payload)
+    set_config(other, auto_map={"AutoModelForCausalLM": "modeling_evil.CustomLM"})
+    for cand, problem in ((changed, "the candidate's modeling_custom.py differs from the reference's"),
+                          (other, "the candidate has modeling_evil.py, code the reference does not have")):
+        for mode in ("full", "static", "forward"):
+            report = check_checkpoints(source, cand, trust_remote_code=True, mode=mode)
+            assert not report.passed and problem in report.static.problems, report.summary()
+            assert not marker.exists(), f"the candidate's code ran ({mode})"
+        report = static_check(open_model_dir(source, trust_remote_code=True),
+                              open_model_dir(cand, trust_remote_code=True))
+        assert not report.passed and problem in report.problems and not marker.exists()
+        result = CliRunner().invoke(app, ["check", str(source), str(cand), "--trust-remote-code"])
+        assert result.exit_code == 1 and "none of it ran" in result.output and not marker.exists(), result.output
+    assert "auto_map" in " ".join(check_checkpoints(source, other, trust_remote_code=True, mode="static").static.problems)
+    assert check_checkpoints(source, tmp_path / "folded", trust_remote_code=True, mode="static").passed

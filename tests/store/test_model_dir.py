@@ -286,3 +286,44 @@ def test_deeply_nested_json_names_the_file(src, tmp_path):
     tokenizer = clone(src, tmp_path / "tok")  # a file nothing parses as a config: compared as bytes
     (tokenizer / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
     open_model_dir(tokenizer)
+
+
+def test_a_link_out_to_a_file_a_loader_reads_is_refused_and_compared(src, tmp_path):
+    """additional_chat_templates -> a folder shared by several model directories: a fold copied
+    nothing of it (one "Not copied" line, exit 0), and the gate, whose expected files were the
+    same walk, passed the fold; its tokenizer then had no "tool_use" template, and
+    apply_chat_template(chat_template="tool_use") returned the literal name."""
+    from enjoyln.static_check import static_check
+
+    shared = tmp_path / "shared-templates"
+    shared.mkdir()
+    (shared / "tool_use.jinja").write_text("{% for m in messages %}[TOOLS]{{ m['content'] }}{% endfor %}")
+    ref = clone(src, tmp_path / "ref")
+    (ref / "additional_chat_templates").symlink_to(shared)
+    out = tmp_path / "out"
+    for command in (["fold", str(ref), str(out)], ["fold", str(ref), str(out), "--no-check", "--dry-run"]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
+        assert f"additional_chat_templates links to {shared}" in result.stderr and "copy" in result.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out.enjoyln-*"))
+    # the gate compares what a loader reads from the reference, through its links
+    plain = clone(src, tmp_path / "plain")
+    fold_checkpoint(plain, tmp_path / "fold", check="none")
+    report = static_check(open_model_dir(ref), open_model_dir(tmp_path / "fold"))
+    assert report.problems == ["the candidate lacks the reference's additional_chat_templates/tool_use.jinja"]
+    (ref / "additional_chat_templates").unlink()  # what the message says: a copy in its place
+    (ref / "additional_chat_templates").mkdir()
+    (ref / "additional_chat_templates" / "tool_use.jinja").write_bytes((shared / "tool_use.jinja").read_bytes())
+    result = fold_checkpoint(ref, out, check="static")
+    assert result.report.passed and (out / "additional_chat_templates" / "tool_use.jinja").is_file()
+    # links out that no loader reads stay a skip, as their kinds are anywhere: special files,
+    # version-control data, dangling links
+    inert = clone(src, tmp_path / "inert")
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "repo.git").mkdir()
+    (inert / "pipe").symlink_to(tmp_path / "pipe")
+    (inert / ".git").symlink_to(tmp_path / "repo.git")
+    (inert / "old.txt").symlink_to(tmp_path / "gone")
+    result = fold_checkpoint(inert, tmp_path / "out-inert", check="none")
+    assert sorted(result.skipped) == [".git (version-control data)", "old.txt (a dangling symlink)",
+                                      "pipe (not a regular file)"]
