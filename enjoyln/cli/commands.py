@@ -456,10 +456,13 @@ def check_cmd(
     static: bool = typer.Option(False, "--static", help="Check every weight only; no forward pass (any size)."),
     forward_only: bool = typer.Option(False, "--forward-only",
                                       help="Skip the weight check (for candidates made by other tools)."),
-    batches: int = typer.Option(3, min=1, help="Seeded input batches (the first covers every position)."),
+    batches: int = typer.Option(3, min=1, help="Seeded input batches (with --thorough or --forward-only, "
+                                "the first covers every position)."),
     batch_size: int = typer.Option(2, min=1, help="Rows of the short batches."),
     seq_len: int = typer.Option(16, min=1, help="Sequence length of the short batches."),
     seed: int = typer.Option(0, help="Seed of the first batch."),
+    thorough: bool = typer.Option(False, "--thorough", help="After the weight check, also run a batch that "
+                                  "covers every position and thousands of token ids (slower)."),
     rtol: Optional[float] = typer.Option(None, min=0.0, help=_RTOL_HELP),
     dtype: Optional[str] = typer.Option(None, help="The dtype CANDIDATE is meant to load in, if not the "
                                         "reference's (float16, bfloat16, float32, float64); it is then judged "
@@ -475,13 +478,16 @@ def check_cmd(
 
     if static and forward_only:
         raise EnjoylnError("--static and --forward-only exclude each other")
+    if static and thorough:
+        raise EnjoylnError("--thorough adds to the forward comparison, which --static skips")
     mode = "static" if static else "forward" if forward_only else "full"
     with _Bytes(enabled=not as_json) as bar:
         report = check_checkpoints(reference_dir, candidate_dir, allow_pickle=allow_pickle,
                                    trust_remote_code=trust_remote_code, mode=mode,
                                    max_memory=parse_size(max_memory), dtype=dtype,
                                    progress=bar.phase("checking weights"), batches=batches,
-                                   batch_size=batch_size, seq_len=seq_len, seed=seed, rtol=rtol)
+                                   batch_size=batch_size, seq_len=seq_len, seed=seed, rtol=rtol,
+                                   thorough=thorough)
     if as_json:
         print_json(report.to_dict())
     else:
