@@ -34,6 +34,7 @@ from torch import nn
 from ._version import __version__
 from .analysis.driver import analyze, norm_module_paths
 from .errors import CheckFailed, CheckpointError, EnjoylnError
+from .store.plan_cache import cached_plan
 from .store.model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, ModelDir, TensorInfo,
                         check_out_dir, check_shapes, checkpoint_key, clean_stale,
                         copy_extras, keep_failed as _keep_failed, load_dtype, meta_model, missing_dirs, model_class,
@@ -75,7 +76,7 @@ def _analyze(md: ModelDir, model: nn.Module, auxiliary_centering: bool, fuse_aff
     centering divides by, a norm's γ that a kept bias is divided by) are read from the
     checkpoint, and where one has a zero entry the analysis runs again knowing it."""
     options = {"auxiliary_centering": auxiliary_centering, "fuse_affine": fuse_affine, "rotate": rotate}
-    plan = analyze(model, **options)
+    plan = cached_plan(md, options, lambda: analyze(model, **options))
     names = sorted({c.scale for c in plan.centered if c.scale}
                    | {f"{e.name}.weight" for e in plan.foldable if e.affine == AFFINE_GAIN})
     if not names:
