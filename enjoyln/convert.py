@@ -35,6 +35,7 @@ from ._version import __version__
 from .analysis import analyze
 from .analysis.driver import norm_module_paths
 from .errors import CheckFailed, CheckpointError, EnjoylnError, first_line
+from .store.plan_cache import cached_plan
 from .store.model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, ModelDir, TensorInfo,
                         check_links, check_out_dir, check_shapes, checkpoint_key, clean_stale,
                         copy_extras, keep_failed as _keep_failed, load_dtype, meta_model, missing_dirs, model_class,
@@ -78,7 +79,7 @@ def _analyze(md: ModelDir, model: nn.Module, auxiliary_centering: bool, fuse_aff
     centering divides by, a norm's γ that a kept bias is divided by) are read from the
     checkpoint, and where one has a zero entry the analysis runs again knowing it."""
     options = {"auxiliary_centering": auxiliary_centering, "fuse_affine": fuse_affine, "rotate": rotate}
-    plan = analyze(model, **options)
+    plan = cached_plan(md, options, lambda: analyze(model, **options))
     names = sorted({c.scale for c in plan.centered if c.scale}
                    | {f"{e.name}.weight" for e in plan.foldable if e.affine == AFFINE_GAIN})
     if not names:
@@ -1067,13 +1068,17 @@ def _dominant_dtype(md: ModelDir) -> torch.dtype:
 def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike, *,
                       allow_pickle: bool = False, trust_remote_code: bool = False, mode: str = "full",
                       plan: FoldPlan | None = None, progress: Progress | None = None,
-                      max_memory: int | None = None, dtype: Any = None, **check_kwargs: Any) -> "CheckReport":
+                      max_memory: int | None = None, dtype: Any = None, thorough: bool = False,
+                      **check_kwargs: Any) -> "CheckReport":
     """Prove CANDIDATE computes what REFERENCE does: every weight, then the outputs.
 
     ``mode="full"`` (the default) first runs the static check (every tensor
     of the candidate is the fold plan applied to the reference; see
-    ``enjoyln.checking.static``), then loads both and compares their outputs
-    with ``enjoyln.check`` on inputs that cover every position. ``"static"``
+    ``enjoyln.checking.static``), then loads both and confirms that their
+    outputs agree with ``enjoyln.check``: a few short batches and a greedy
+    decode, since the weights are already proven. ``thorough`` adds a batch
+    that covers every position and thousands of token ids, as ``"forward"``
+    always does (its weights unproven, the outputs are all the proof). ``"static"``
     stops after the weights; ``"forward"`` skips them (for candidates made
     by other tools). The candidate runs both ways a user may load it: through
     ``enjoyln.load`` (its RMSNorms) and through plain ``from_pretrained``
@@ -1122,6 +1127,8 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
                                          forward_skipped=True)
         report.forward_skipped = "the candidate does not load as the reference does"
         return report
+    if mode == "full" and not thorough:
+        check_kwargs = {**check_kwargs, "coverage": False}
     plain_required, caveat, note = _plain_loading(cand_md, verified=mode == "full")
     kwargs = {"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code}
     if max_memory is None:
@@ -1139,6 +1146,9 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
                          "(weights beyond it read from disk as each layer ran)")
     report.caveat = caveat if plain_required is False else ""
     report.notes += [note] if note else []
+    if check_kwargs.get("coverage") is False:
+        report.notes.append("the static part proved every weight, so the forward part confirmed it on short "
+                            "batches; --thorough also runs a batch over every position and many token ids")
     report.add_static(static)
     return report
 

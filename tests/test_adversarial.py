@@ -92,6 +92,9 @@ def test_unchanged_candidate_passes(dirs):
     src, folded = dirs
     result = runner.invoke(app, ["check", str(src), str(folded)])
     assert result.exit_code == 0, result.output
+    assert "identical" in result.output and "--thorough" in result.output and "positions 0-" not in result.output
+    result = runner.invoke(app, ["check", str(src), str(folded), "--thorough"])
+    assert result.exit_code == 0, result.output
     assert "positions 0-255 of 256" in result.output and "identical" in result.output
 
 

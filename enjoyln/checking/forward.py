@@ -695,7 +695,7 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
                   rtol: float | None = None, factor: float = FACTOR, generate_tokens: int = 8,
                   truth: ModelSource | None = None, spill: bool = False,
                   max_rows: int = 4, candidate_path: str = "",
-                  other_paths: Sequence[CandidatePath] = ()) -> CheckReport:
+                  other_paths: Sequence[CandidatePath] = (), coverage: bool = True) -> CheckReport:
     """``check``, with models produced one at a time: the reference (in the dtype that sets
     the bar), its truth in the next wider dtype (from ``truth``, the reference loaded another
     way, or the reference itself), then the candidate and any other load path of it
@@ -704,6 +704,9 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
     With ``spill``, the stored outputs go to a temporary directory instead of
     memory, and ``max_rows`` bounds the rows of the coverage batch, so that a
     check within a memory budget holds one model and one batch's outputs.
+    Without ``coverage`` the first batch is a short one like the others: for a
+    candidate whose every weight is already proven, the forward part only
+    confirms that the proven plan computes the same function.
     """
     half = reference.dtype in HALF or candidate.dtype in HALF
     base_dtype, truth = reference.dtype, truth or reference
@@ -724,8 +727,8 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
         model = reference.get(base_dtype)
         all_inputs = input_batches(model, example_inputs, batches=batches, seed=seed,
                                    batch_size=batch_size, seq_len=seq_len)
-        first, coverage = ((None, None) if example_inputs is not None
-                           else _covering(model, base_dtype, seed, max_rows))
+        first, covered = ((None, None) if example_inputs is not None or not coverage
+                          else _covering(model, base_dtype, seed, max_rows))
         if first is not None:
             all_inputs[0] = first
         causal = generate_tokens > 0 and is_causal_lm(model)
@@ -803,7 +806,7 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
     return CheckReport(
         passed=passed, max_abs_diff=max_abs, max_rel_diff=max_rel,
         outputs=outputs, batches=len(all_inputs), dtype=str(base_dtype).replace("torch.", ""),
-        criterion=crit.describe(truth_dtype, why), generation=generation, coverage=coverage,
+        criterion=crit.describe(truth_dtype, why), generation=generation, coverage=covered,
         criterion_kind=crit.kind,
         truth_dtype=str(truth_dtype).replace("torch.", "") if crit.kind == "precision" else "",
         margin=min(margins) if margins else None,

@@ -36,20 +36,22 @@ import json
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ..errors import CheckpointError, EnjoylnError, first_line
-from ..store.model_dir import (_OWNER, DTYPES, JSON_LIMIT, PT_INDEX, SAFE_INDEX, ModelDir, TensorInfo, check_shapes,
+from ..store.model_dir import (_OWNER, DTYPES, JSON_LIMIT, PT_INDEX, SAFE_INDEX, ModelDir, check_shapes,
                         checkpoint_key, extra_files, input_file, is_weight_file, load_dtype, loader_files,
                         loader_text, meta_model, parse_json_file, saved_names)
+from ..ops.compare import same_bytes
 from ..plan import Centering, FoldPlan, RotationSpec, block_lists
+from ..store.tensors import Buffer, TensorReader, read_ahead
 
-_CHUNK = 16 << 20
 LOAD_DTYPES = ("float16", "bfloat16", "float32", "float64")
 """The dtypes ``check --dtype`` accepts for a candidate meant to run at another precision."""
 
@@ -95,78 +97,6 @@ class StaticReport:
         return "\n".join(lines)
 
 
-class _Reader:
-    """Tensors of a model directory, read one at a time."""
-
-    def __init__(self, md: ModelDir) -> None:
-        self.md = md
-        self.fds: dict[str, int] = {}
-        self.pickled: dict[str, torch.Tensor] | None = None
-        self.bytes_read = 0
-        if md.pickled:
-            from ..convert import _load_pickled
-
-            self.pickled = {k: t for k, (_, t) in _load_pickled(md).items()}
-
-    def keys(self) -> set[str]:
-        return set(self.pickled) if self.pickled is not None else set(self.md.tensors)
-
-    def dtype(self, key: str) -> torch.dtype:
-        return self.pickled[key].dtype if self.pickled is not None else DTYPES[self.md.tensors[key].dtype]
-
-    def _fd(self, info: TensorInfo) -> int:
-        if info.file not in self.fds:
-            self.fds[info.file] = os.open(self.md.path / info.file, os.O_RDONLY)
-        return self.fds[info.file]
-
-    def tensor(self, key: str) -> torch.Tensor:
-        """A fresh copy: callers center it in place."""
-        if self.pickled is not None:
-            return self.pickled[key].clone()
-        info = self.md.tensors[key]
-        data = torch.empty(info.nbytes, dtype=torch.uint8)
-        view, got = memoryview(data.numpy()), 0
-        while got < info.nbytes:
-            n = os.preadv(self._fd(info), [view[got:]], info.start + got)
-            if not n:
-                raise CheckpointError(f"{self.md.path / info.file} ended early")
-            got += n
-        self.bytes_read += info.nbytes
-        return data.view(DTYPES[info.dtype]).view(info.shape) if info.nbytes else torch.empty(
-            info.shape, dtype=DTYPES[info.dtype])
-
-    def chunks(self, key: str):
-        info = self.md.tensors[key]
-        for at in range(info.start, info.end, _CHUNK):
-            chunk = os.pread(self._fd(info), min(_CHUNK, info.end - at), at)
-            self.bytes_read += len(chunk)
-            yield chunk
-
-    def elements(self, key: str, count: int) -> Iterator[torch.Tensor]:
-        """The tensor flattened, ``count`` elements at a time, never all of it in memory."""
-        if self.pickled is not None:
-            yield from self.pickled[key].reshape(-1).split(count)
-            return
-        info, dtype = self.md.tensors[key], DTYPES[self.md.tensors[key].dtype]
-        step = count * dtype.itemsize
-        for at in range(info.start, info.end, step):
-            chunk = os.pread(self._fd(info), min(step, info.end - at), at)
-            self.bytes_read += len(chunk)
-            yield torch.frombuffer(bytearray(chunk), dtype=dtype)
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-
-
-def _same_bytes(ref: _Reader, cand: _Reader, rk: str, ck: str) -> bool:
-    if ref.pickled is not None or cand.pickled is not None:
-        return _bitwise_equal(ref.tensor(rk), cand.tensor(ck))  # a pickled tensor may be a strided view
-    if ref.md.tensors[rk].nbytes != cand.md.tensors[ck].nbytes:
-        return False
-    return all(a == b for a, b in zip(ref.chunks(rk), cand.chunks(ck)))
-
-
 def center_as_planned(t: torch.Tensor, cs: list[Centering], read: Callable[[str], torch.Tensor]) -> torch.Tensor:
     """``t`` centered in place as ``cs`` say (per-head centerings of one weight come as several),
     by the very function the fold uses (float64 arithmetic, one block at a time, so no wide copy
@@ -181,51 +111,40 @@ def center_as_planned(t: torch.Tensor, cs: list[Centering], read: Callable[[str]
 _ELEMENTS = 1 << 21
 
 
-def _equal_to_file(expected: torch.Tensor, cand: _Reader, key: str) -> bool:
-    """Bit for bit, once ``expected`` is cast to the candidate's dtype."""
-    flat, at = expected.reshape(-1), 0
-    for chunk in cand.elements(key, _ELEMENTS):
-        if not _bitwise_equal(flat[at:at + chunk.numel()].to(chunk.dtype), chunk):
-            return False
-        at += chunk.numel()
-    return at == flat.numel()
-
-
-def _close_to_file(expected: torch.Tensor, cand: _Reader, key: str, scale: float | None = None, *,
-                   exact: bool = True) -> tuple[bool, float]:
-    """``expected`` rounded to the candidate's dtype, compared element by element, read in chunks;
-    (equal, max abs diff).
+def _close(expected: torch.Tensor, cand: torch.Tensor, scale: Callable[[], float], *,
+           exact: bool = True) -> tuple[bool, float]:
+    """``expected`` rounded to the candidate's dtype against the candidate; (equal, max abs diff).
 
     In the reference's own dtype the candidate must be bit for bit what the fold computes: the
     fold and this check run the same float64 code, which gives the same bits on every x86
     capability and thread count, and one ulp of a bfloat16 bias moves the logits by 1e-3. Only a
     candidate in another dtype (``exact`` False, ``--dtype``) may sit one ulp of that dtype off,
-    plus float64 noise of the input's ``scale``: it may have been centered after the cast, which
-    rounds twice. That bound is per element, since one relative to the whole tensor's maximum
-    would let a small element move by many of its own ulps.
+    plus float64 noise of the input's scale (``scale()``, the largest magnitude before
+    centering): it may have been centered after the cast, which rounds twice. That bound is per
+    element, since one relative to the whole tensor's maximum would let a small element move by
+    many of its own ulps.
     """
-    flat, at, diff, equal = expected.reshape(-1), 0, 0.0, True
-    if scale is None:
-        scale = float(flat.abs().max()) if flat.numel() else 0.0
-    for chunk in cand.elements(key, _ELEMENTS):
-        e = flat[at:at + chunk.numel()]
-        at += chunk.numel()
-        if _bitwise_equal(e.to(chunk.dtype), chunk):
+    if expected.shape != cand.shape:
+        return False, math.inf
+    rounded = expected.to(cand.dtype)
+    if same_bytes(rounded, cand):
+        return True, 0.0
+    if not cand.is_floating_point():
+        return False, math.inf
+    diff, bound_scale = 0.0, None
+    for e, c in zip(expected.reshape(-1).split(_ELEMENTS), cand.reshape(-1).split(_ELEMENTS)):
+        if same_bytes(e.to(c.dtype), c):
             continue
-        if not chunk.is_floating_point():
-            return False, math.inf
-        d = chunk.to(torch.float64).sub_(e.to(torch.float64)).abs_()
+        d = c.to(torch.float64).sub_(e.to(torch.float64)).abs_()
         diff = max(diff, float(d.nan_to_num(math.inf).max()))
         if exact:
-            equal = False
             continue  # keep reading, to report the largest difference
-        info = torch.finfo(chunk.dtype)
-        bound = e.to(torch.float64).abs_().clamp_min_(info.tiny).mul_(info.eps).add_(1e-12 * scale)
+        bound_scale = scale() if bound_scale is None else bound_scale
+        info = torch.finfo(c.dtype)
+        bound = e.to(torch.float64).abs_().clamp_min_(info.tiny).mul_(info.eps).add_(1e-12 * bound_scale)
         if not bool(d.le(bound).all()):
             return False, diff
-    if at != flat.numel():
-        return False, math.inf
-    return equal, diff
+    return not exact, diff
 
 
 def parse_dtype(dtype: Any) -> str | None:
@@ -647,7 +566,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
         if c.saved:  # a non-persistent buffer is not in any checkpoint; load centers it
             centerings.setdefault(c.param, []).append(c)
     untied = {u.param for u in plan.untied}
-    reader_ref, reader_cand = _Reader(ref), _Reader(cand)
+    reader_ref, reader_cand = _reader(ref), _reader(cand)
     ref_keys, cand_keys = reader_ref.keys(), reader_cand.keys()
     prefix = getattr(ref_model, "base_model_prefix", "") or ""
     saved_ref, saved_cand = saved_names(ref_model), saved_names(cand_model)
@@ -663,7 +582,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
         key = ref_key(name)
         if key is None:
             raise CheckpointError(f"the reference has no tensor for {name}, which the plan's centering reads")
-        return reader_ref.tensor(key)
+        return reader_ref.read(key)
 
     # one entry per tensor the candidate's model loads: (candidate key, reference key, centerings)
     todo: dict[str, tuple[str, Centering | None, bool]] = {}
@@ -694,17 +613,46 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     expected = final_tensors(ref, plan, ref_model) if moves_values(plan) and not problems else None
     if expected is not None:
         report.form = "folded"
-    total = sum(reader_cand.md.tensors[k].nbytes if cand.tensors else 0 for k in todo)
+    total = sum(reader_cand.nbytes(k) if cand.tensors else 0 for k in todo)
     not_identical: list[str] = []
     # whatever the plan says it was tied to: a tie to anything means the head follows a centering
     not_folded = [f"the candidate still ties {u.param} to {others[0]}, so centering one changes the other"
                   for u in plan.untied if (others := [a for a in cand_names.get(u.param, ()) if a != u.param])]
+    def plan_of(item: tuple[str, tuple[str, list[Centering] | None, bool]]) -> tuple[bool, bool]:
+        """(read the reference, read the candidate) for one tensor."""
+        ck, (rk, _, _) = item
+        comparable = (_cast_allowed(reader_ref.dtype(rk), reader_cand.dtype(ck), dtype)
+                      and reader_ref.shape(rk) == reader_cand.shape(ck))
+        return comparable and expected is None, comparable and (expected is None or ck in expected)
+
+    # two buffers a side: one holds the tensor being compared, the other the one read ahead
+    buffers = [(Buffer(), Buffer()), (Buffer(), Buffer())]
+
+    def load(job: tuple[int, tuple[str, tuple[str, list[Centering] | None, bool]]]):
+        i, item = job
+        ck, (rk, _, _) = item
+        want_ref, want_cand = plan_of(item)
+        into_ref, into_cand = buffers[i % 2]
+        if not (want_ref and want_cand):
+            return (reader_ref.read(rk, into_ref) if want_ref else None,
+                    reader_cand.read(ck, into_cand) if want_cand else None)
+        cand_read = side.submit(reader_cand.read, ck, into_cand)  # the two files read at once
+        return reader_ref.read(rk, into_ref), cand_read.result()
+
+    def size(job: tuple[int, tuple[str, tuple[str, list[Centering] | None, bool]]]) -> int:
+        ck, (rk, _, _) = item = job[1]
+        want_ref, want_cand = plan_of(item)
+        return want_ref * reader_ref.nbytes(rk) + want_cand * reader_cand.nbytes(ck)
+
+    # the candidate's files front to back, each tensor's successor read while it is compared
+    order = sorted(todo.items(), key=lambda item: reader_cand.offset(item[0]))
     done = 0
+    side = ThreadPoolExecutor(1, thread_name_prefix="enjoyln-read")
     try:
-        for ck, (rk, c, is_untied) in todo.items():
+        for (_, (ck, (rk, c, is_untied))), (r, t) in read_ahead(enumerate(order), load, size):
             ref_dtype, cand_dtype = reader_ref.dtype(rk), reader_cand.dtype(ck)
             same_dtype = ref_dtype == cand_dtype
-            shape_ok = _shape(reader_ref, rk) == _shape(reader_cand, ck)
+            shape_ok = reader_ref.shape(rk) == reader_cand.shape(ck)
             diff, recast = None, None
             if not _cast_allowed(ref_dtype, cand_dtype, dtype):
                 # the reference cast to int8 or float8 compares equal to a candidate that lost
@@ -715,21 +663,21 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
                 identical = folded = False
             elif expected is not None:
                 identical = False
-                folded, diff = (_close_to_file(expected[ck], reader_cand, ck, exact=same_dtype) if ck in expected
-                                else (False, None))
+                e = expected.get(ck)
+                folded, diff = (_close(e, t, lambda: float(e.abs().max()) if e.numel() else 0.0, exact=same_dtype)
+                                if t is not None else (False, None))
                 report.computed += folded
             elif c is None and same_dtype:
-                identical = folded = _same_bytes(reader_ref, reader_cand, rk, ck)
-            else:  # one tensor in memory at a time; the candidate is read in chunks
-                r = reader_ref.tensor(rk)
-                identical = recorded is None and _equal_to_file(r, reader_cand, ck)
+                identical = folded = same_bytes(r, t)
+            else:
+                identical = recorded is None and same_bytes(r.to(cand_dtype), t)
                 if c is None:
-                    folded = identical or _equal_to_file(r, reader_cand, ck)
+                    folded = identical or same_bytes(r.to(cand_dtype), t)
                 else:
-                    scale = float(r.abs().max()) if r.numel() else 0.0
-                    folded, diff = _close_to_file(center_as_planned(r, c, read_param), reader_cand, ck, scale,
-                                                  exact=same_dtype)
-                del r
+                    largest = float(r.abs().max()) if r.numel() and not same_dtype else 0.0
+                    folded, diff = _close(center_as_planned(r, c, read_param), t, lambda: largest,
+                                          exact=same_dtype)
+            del r, t
             report.tensors += 1
             report.identical += identical and c is None
             report.centered += bool(c) and folded
@@ -738,16 +686,17 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
                 not_identical.append(recast or f"{ck} differs from the reference's {rk}")
             if not folded:
                 not_folded.append(recast or (
-                    f"{ck} has shape {list(_shape(reader_cand, ck))}, not {list(_shape(reader_ref, rk))}"
+                    f"{ck} has shape {list(reader_cand.shape(ck))}, not {list(reader_ref.shape(rk))}"
                     if not shape_ok else
                     f"{ck} is not what the plan makes of the reference (max abs diff "
                     f"{diff if diff is not None else float('inf'):.3g})" if expected is not None else
                     f"{ck} is not {rk} centered along axis {c[0].axis} (max abs diff {diff:.3g})"
                     if c is not None else f"{ck} differs from the reference's {rk}"))
-            done += reader_cand.md.tensors[ck].nbytes if cand.tensors else 0
+            done += reader_cand.nbytes(ck) if cand.tensors else 0
             if progress is not None:
                 progress(done, total)
     finally:
+        side.shutdown()
         reader_ref.close()
         reader_cand.close()
     # Without a recorded plan the candidate may be the reference itself or the
@@ -766,8 +715,12 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     return report
 
 
-def _shape(reader: _Reader, key: str) -> tuple[int, ...]:
-    return tuple(reader.pickled[key].shape) if reader.pickled is not None else reader.md.tensors[key].shape
+def _reader(md: ModelDir) -> TensorReader:
+    if not md.pickled:
+        return TensorReader(md)
+    from ..convert import _load_pickled
+
+    return TensorReader(md, {k: t for k, (_, t) in _load_pickled(md).items()})
 
 
 def _cast_allowed(ref: torch.dtype, cand: torch.dtype, dtype: str | None = None) -> bool:
@@ -781,10 +734,3 @@ def _cast_allowed(ref: torch.dtype, cand: torch.dtype, dtype: str | None = None)
                 and ref.itemsize > cand.itemsize and ref in (torch.float32, torch.float64))
     return ref == cand or cand in wider.get(ref, ()) or narrower
 
-
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dtype == torch.bool or a.element_size() == 0:
-        return bool(torch.equal(a, b))
-    return bool(torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)))

@@ -156,10 +156,14 @@ def check(
     forward_only: Annotated[bool, typer.Option(
         "--forward-only", help="Skip the weight check (for candidates made by other tools).")] = False,
     batches: Annotated[int, typer.Option(
-        min=1, help="Seeded input batches (the first covers every position).")] = 3,
+        min=1, help="Seeded input batches (with --thorough or --forward-only, the first covers every "
+                    "position).")] = 3,
     batch_size: Annotated[int, typer.Option(min=1, help="Rows of the short batches.")] = 2,
     seq_len: Annotated[int, typer.Option(min=1, help="Sequence length of the short batches.")] = 16,
     seed: Annotated[int, typer.Option(help="Seed of the first batch.")] = 0,
+    thorough: Annotated[bool, typer.Option(
+        "--thorough", help="After the weight check, also run a batch that covers every position and "
+                           "thousands of token ids (slower).")] = False,
     rtol: Rtol = None,
     dtype: Annotated[Optional[str], typer.Option(
         help="The dtype CANDIDATE is meant to load in, if not the reference's (float16, bfloat16, float32, "
@@ -176,13 +180,16 @@ def check(
 
     if static and forward_only:
         raise EnjoylnError("--static and --forward-only exclude each other")
+    if static and thorough:
+        raise EnjoylnError("--thorough adds to the forward comparison, which --static skips")
     mode = "static" if static else "forward" if forward_only else "full"
     with ByteProgress(enabled=not as_json) as bar:
         report = convert.check_checkpoints(reference_dir, candidate_dir, allow_pickle=allow_pickle,
                                            trust_remote_code=trust_remote_code, mode=mode,
                                            max_memory=convert.parse_size(max_memory), dtype=dtype,
                                            progress=bar.phase("checking weights"), batches=batches,
-                                           batch_size=batch_size, seq_len=seq_len, seed=seed, rtol=rtol)
+                                           batch_size=batch_size, seq_len=seq_len, seed=seed, rtol=rtol,
+                                           thorough=thorough)
     if as_json:
         print_json(report.to_dict())
     else:

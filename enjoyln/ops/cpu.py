@@ -45,24 +45,30 @@ def _compiler() -> str | None:
     return None
 
 
-def _build() -> ctypes.CDLL:
+def compile_library(source: Path, flags: list[str]) -> ctypes.CDLL:
+    """``source`` compiled with ``flags`` into the cache (once per source, compiler, flags and
+    machine) and loaded; RuntimeError, OSError or SubprocessError if that cannot be done."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc, *FLAGS, platform.machine(), platform.node()]).encode())
-    lib_path = cache_dir() / f"rmsnorm_cpu-{key.hexdigest()[:16]}.so"
+    text = source.read_bytes()
+    key = hashlib.sha256(text + " ".join([cc, *flags, platform.machine(), platform.node()]).encode())
+    lib_path = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
             out = Path(tmp) / lib_path.name
-            proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"],
+            proc = subprocess.run([cc, *flags, str(source), "-o", str(out), "-lm"],
                                   capture_output=True, text=True, timeout=120)
             if proc.returncode != 0:
                 first = (proc.stderr.strip().splitlines() or ["failed"])[0]
                 raise RuntimeError(f"{cc} failed: {first}")
             os.replace(out, lib_path)  # atomic: concurrent builds never see half a file
-    lib = ctypes.CDLL(str(lib_path))
+    return ctypes.CDLL(str(lib_path))
+
+
+def _build() -> ctypes.CDLL:
+    lib = compile_library(SOURCE, FLAGS)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for name in ("f32", "bf16", "f16"):
         fn = getattr(lib, f"enjoyln_rms_norm_{name}", None)

@@ -21,6 +21,7 @@ from ..analysis.graph import FUNCTIONAL_LN
 from ..analysis.inputs import ExampleInputs
 from ..errors import PlanError
 from ..modules.norm import GroupRMSNorm, RMSNorm
+from ..ops import center as centering_kernel
 from ..ops import rms_norm
 from ..plan import AFFINE_FUSED, AFFINE_GAIN, NOT_ROTATED, TRAINING_MODE, Centering, FoldPlan, Fused, RotationSpec
 from .rotation import KINDS, apply_rotation
@@ -102,66 +103,25 @@ def ties_lost_on_untie(model: nn.Module, plan: FoldPlan) -> dict[str, str]:
 
 
 def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
-            blocks: Sequence[int] | None = None, *, chunk_elements: int = 1 << 17) -> torch.Tensor:
+            blocks: Sequence[int] | None = None) -> torch.Tensor:
     """Subtract ``t``'s mean along ``axis``, in place, computed in float64.
 
     With ``groups``, each of that many equal blocks of ``axis`` is centered on
     its own (grouped CBWC); ``blocks`` limits that to the listed blocks. With
     ``scale`` (a LayerScale γ, one entry per index of ``axis``), ``γ·t`` becomes
-    zero-mean instead: ``t -= mean(γ·t) / γ``; γ must have no zero entry.
-    Works on cache-sized contiguous blocks of rows, so the float64 copy is a
-    block, never the whole tensor: folding a vocabulary-sized embedding needs
-    no extra memory to speak of.
+    zero-mean instead: ``t -= mean(γ·t) / γ``; γ must have no zero entry. The
+    arithmetic is ``enjoyln.ops.center``'s, whose order is fixed, so the fold and
+    the static check give the same bits on every machine, at memory speed.
 
     >>> w = torch.tensor([[1., 2.], [3., 6.]])
     >>> center_(w, 0, scale=torch.tensor([1., 2.])) * torch.tensor([[1.], [2.]])
     tensor([[-2.5000, -5.0000],
             [ 2.5000,  5.0000]])
     """
-    if t.device.type == "meta" or t.numel() == 0:
-        return t
-    if not t.is_floating_point():
-        raise PlanError(f"cannot center a tensor of dtype {t.dtype}")
-    axis = axis % t.dim()
-    n = t.shape[axis]
-    if scale is not None:
-        scale = scale.detach().reshape(-1).to("cpu", torch.float64)
-        if scale.numel() != n:
-            raise PlanError(f"cannot scale an axis of {n} by a gain of {scale.numel()} entries")
-        if not bool(scale.ne(0).all()):
-            raise PlanError("cannot center for a LayerScale gain with a zero entry: "
-                            "no centering makes the scaled output zero-mean")
-    if groups > 1 or blocks is not None:
-        if groups < 1 or n % groups:
-            raise PlanError(f"cannot split an axis of {n} into {groups} groups")
-        size = n // groups
-        for b in range(groups) if blocks is None else blocks:
-            if not 0 <= b < groups:
-                raise PlanError(f"there is no block {b} of {groups}")
-            part = None if scale is None else scale[b * size:(b + 1) * size]
-            center_(t.narrow(axis, b * size, size), axis, scale=part, chunk_elements=chunk_elements)
-        return t
-    if scale is not None:  # shaped to broadcast along ``axis``
-        scale = scale.to(t.device).reshape([n if d == axis else 1 for d in range(t.dim())])
-    rows = max(1, chunk_elements * t.shape[0] // t.numel())
-    parts = t.split(rows, 0) if t.dim() > 1 else [t]
-    scales = ([scale] * len(parts) if scale is None or axis != 0 or t.dim() == 1
-              else list(scale.split(rows, 0)))
-    if axis == 0 and t.dim() > 1:
-        # The mean runs across the row blocks: sum them first, then shift each.
-        total = sum((b.to(torch.float64) if s is None else b.to(torch.float64) * s).sum(0, keepdim=True)
-                    for b, s in zip(parts, scales))
-        mean = total / n
-        for b, s in zip(parts, scales):
-            b.copy_(b.to(torch.float64).sub_(mean if s is None else mean / s))
-        return t
-    for b, s in zip(parts, scales):
-        wide = b.to(torch.float64)
-        if s is None:
-            b.copy_(wide.sub_(wide.mean(axis, keepdim=True)))
-        else:
-            b.copy_(wide.sub_((wide * s).mean(axis, keepdim=True) / s))
-    return t
+    try:
+        return centering_kernel.center_(t, axis, groups, scale, blocks)
+    except centering_kernel.CenteringError as exc:
+        raise PlanError(str(exc)) from None
 
 
 class Transformation:

@@ -444,7 +444,10 @@ def test_short_context_folds_end_to_end(tmp_path):
     assert result.exit_code == 0, result.output
     check = json.loads(result.stdout)["check"]
     assert check["passed"] and check["generation"]["new_tokens"] == 8 and check["generation"]["prompt_tokens"] == 4
-    assert check["coverage"]["positions"] == 12
+    assert check["coverage"] is None  # the weights are proven: the forward part is a short confirmation
+    result = CliRunner().invoke(app, ["check", str(tmp_path / "short"), str(tmp_path / "out"), "--thorough", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["coverage"]["positions"] == 12
     perturb(tiny_model("gpt2", n_positions=5), seed=55).save_pretrained(tmp_path / "shorter")
     report = fold_checkpoint(tmp_path / "shorter", tmp_path / "out5").report
     assert report.passed and report.generation.prompt_tokens == 1 and report.generation.new_tokens == 4
@@ -537,3 +540,21 @@ def test_the_tolerance_benchmark_at_a_small_size(tmp_path, monkeypatch):
     text = written["tolerance"]
     assert text.count("\n| GPT-2 |") == 3 and text.count("\n| OPT, outliers |") == 3
     assert "shared with other agents" in text and "bench_tolerance.py --write" in text
+
+
+def test_default_check_confirms_briefly_once_the_weights_are_proven(tmp_path):
+    """The static part proves every weight, so the default forward part runs short batches only;
+    --thorough adds the batch over every position, and --forward-only always runs it."""
+    perturb(tiny_model("gpt2", n_positions=24), seed=56).save_pretrained(tmp_path / "ref")
+    fold_checkpoint(tmp_path / "ref", tmp_path / "out", check="none")
+    runs = {}
+    for name, args in {"default": [], "thorough": ["--thorough"], "forward": ["--forward-only"]}.items():
+        result = CliRunner().invoke(app, ["check", str(tmp_path / "ref"), str(tmp_path / "out"), "--json", *args])
+        assert result.exit_code == 0, result.output
+        runs[name] = json.loads(result.stdout)
+    assert runs["default"]["coverage"] is None and runs["default"]["batches"] == 3
+    assert any("--thorough" in note for note in runs["default"]["notes"])
+    assert runs["thorough"]["coverage"]["positions"] == 24 and runs["forward"]["coverage"]["positions"] == 24
+    assert not any("--thorough" in note for note in runs["thorough"]["notes"])
+    result = CliRunner().invoke(app, ["check", str(tmp_path / "ref"), str(tmp_path / "out"), "--static", "--thorough"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output

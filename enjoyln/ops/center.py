@@ -1,0 +1,151 @@
+"""Column-based weight centering at memory speed: the C kernel of ``center.c`` and the same
+arithmetic in torch, for machines without a C compiler.
+
+The fold writes what ``center_`` computes and the static check recomputes it bit for bit, so
+the order of every float64 operation is fixed here, not left to a library (see ``center.c``):
+along the last axis eight partial sums, element ``i`` to partial ``i % 8``, combined as
+``((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7))``; along any other axis one sum per column in order of
+the rows. Both implementations follow it, and the tests hold them to the same bits.
+
+>>> t = torch.tensor([[1., 2.], [3., 6.]])
+>>> center_(t, 0)
+tensor([[-1., -2.],
+        [ 1.,  2.]])
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from . import cpu
+
+SOURCE = Path(__file__).with_name("center.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off",
+         "-fno-fast-math"]
+CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+
+_lock = threading.Lock()
+_kernel: Any = None
+_error: str | None = None
+_loaded = False
+_has_f16 = False
+
+
+def kernel() -> Any:
+    """The compiled ``enjoyln_center``, built once per process; None if it cannot be."""
+    global _kernel, _error, _loaded, _has_f16
+    if _loaded:
+        return _kernel
+    with _lock:
+        if not _loaded:
+            if os.environ.get("ENJOYLN_DISABLE_CPU_KERNEL"):
+                _error = "disabled by ENJOYLN_DISABLE_CPU_KERNEL"
+            else:
+                try:
+                    lib = cpu.compile_library(SOURCE, FLAGS)
+                    fn = lib.enjoyln_center
+                    i64 = ctypes.c_int64
+                    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, i64, i64, i64, i64, ctypes.c_void_p, ctypes.c_int]
+                    fn.restype = ctypes.c_int
+                    _has_f16 = bool(lib.enjoyln_center_has_f16())
+                    _kernel = fn
+                except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+                    _error = str(exc)
+            _loaded = True
+    return _kernel
+
+
+def status() -> str:
+    """'C kernel' or why the torch version is used."""
+    return "C kernel" if kernel() is not None else f"torch (no C kernel: {_error})"
+
+
+class CenteringError(ValueError):
+    """The centering asked for cannot be done (a zero gain, groups that do not divide the axis)."""
+
+
+def _gain(scale: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if scale is None:
+        return None
+    gain = scale.detach().reshape(-1).to("cpu", torch.float64).contiguous()
+    if gain.numel() != n:
+        raise CenteringError(f"cannot scale an axis of {n} by a gain of {gain.numel()} entries")
+    if not bool(gain.ne(0).all()):
+        raise CenteringError("cannot center for a LayerScale gain with a zero entry: "
+                             "no centering makes the scaled output zero-mean")
+    return gain
+
+
+def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
+            blocks: Sequence[int] | None = None) -> torch.Tensor:
+    """Subtract ``t``'s mean along ``axis``, in place, in float64 arithmetic of a fixed order.
+
+    With ``groups``, each of that many equal blocks of ``axis`` is centered on its own
+    (grouped CBWC); ``blocks`` limits that to the listed blocks. With ``scale`` (a
+    LayerScale γ, one entry per index of ``axis``), ``γ·t`` becomes zero-mean instead:
+    ``t -= mean(γ·t) / γ``; γ must have no zero entry. Returns ``t``.
+    """
+    if t.device.type == "meta" or t.numel() == 0:
+        return t
+    if not t.is_floating_point():
+        raise CenteringError(f"cannot center a tensor of dtype {t.dtype}")
+    axis = axis % t.dim()
+    n = t.shape[axis]
+    gain = _gain(scale, n)
+    if groups < 1 or n % groups:
+        raise CenteringError(f"cannot split an axis of {n} into {groups} groups")
+    size = n // groups
+    chosen = range(groups) if blocks is None else blocks
+    for b in chosen:
+        if not 0 <= b < groups:
+            raise CenteringError(f"there is no block {b} of {groups}")
+    outer, inner = math.prod(t.shape[:axis]), math.prod(t.shape[axis + 1:])
+    # a view, a strided parameter or a GPU tensor is centered in a contiguous CPU copy
+    work = t if t.device.type == "cpu" and t.is_contiguous() else t.detach().to("cpu").contiguous()
+    fn = kernel()
+    usable = fn is not None and work.dtype in CODES and (work.dtype != torch.float16 or _has_f16)
+    for b in chosen:
+        part = None if gain is None else gain[b * size:(b + 1) * size]
+        if usable:
+            ptr = work.data_ptr() + b * size * inner * work.element_size()
+            fn(ptr, CODES[work.dtype], outer, n * inner, size, inner,
+               part.data_ptr() if part is not None else None, torch.get_num_threads())
+        else:
+            block = work.view(outer, n, inner)[:, b * size:(b + 1) * size, :]
+            block.copy_(center_reference(block, part))
+    if work is not t:
+        with torch.no_grad():
+            t.copy_(work)
+    return t
+
+
+def center_reference(x: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
+    """``center.c``'s arithmetic in torch, on ``x`` of shape [outer, n, inner], centering
+    along ``n``; returns a new tensor of ``x``'s dtype. Slow loops, but the same bits."""
+    outer, n, inner = x.shape
+    wide = x.to(torch.float64)
+    if inner == 1:
+        rows = wide.reshape(outer, n)
+        terms = rows if gain is None else rows * gain
+        partial = torch.zeros(outer, 8, dtype=torch.float64)
+        for i in range(0, n, 8):
+            chunk = terms[:, i:i + 8]
+            partial[:, :chunk.shape[1]] += chunk
+        p = partial.unbind(1)
+        mean = (((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))) / n
+        shift = mean[:, None] if gain is None else mean[:, None] / gain
+        return (rows - shift).to(x.dtype).reshape(outer, n, 1)
+    acc = torch.zeros(outer, inner, dtype=torch.float64)
+    for i in range(n):
+        acc += wide[:, i] if gain is None else gain[i] * wide[:, i]
+    mean = acc / n
+    shift = mean[:, None, :] if gain is None else mean[:, None, :] / gain[None, :, None]
+    return (wide - shift).to(x.dtype)

@@ -1,0 +1,152 @@
+"""Reading a checkpoint's tensors one at a time, with the next one read while this one is used.
+
+``preadv`` releases the GIL, so a single reader thread overlaps the disk (or page cache) with
+the centering and comparison of the tensor before it. The read-ahead holds at most one job
+beyond the current one, and only a job of at most ``READ_AHEAD`` bytes, so peak memory stays
+a few of the largest tensors, as when nothing is read ahead.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Callable, Iterable, Iterator, TypeVar
+
+import torch
+
+from ..errors import CheckpointError
+from .model_dir import DTYPES, ModelDir, TensorInfo
+
+READ_AHEAD = 512 << 20
+"""The largest job (in bytes) read while the one before it is still in use."""
+
+J = TypeVar("J")
+R = TypeVar("R")
+
+
+class Buffer:
+    """A reusable buffer: fresh memory costs a page fault per page on first touch (most of the
+    time of reading from the page cache), so a loop reads each tensor into the same memory."""
+
+    def __init__(self) -> None:
+        self.data = torch.empty(0, dtype=torch.uint8)
+
+    def bytes(self, nbytes: int) -> torch.Tensor:
+        if self.data.numel() < nbytes:
+            self.data = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self.data = torch.empty(nbytes, dtype=torch.uint8)
+        return self.data[:nbytes]
+
+
+class TensorReader:
+    """The tensors of one model directory by checkpoint key, each read into a fresh buffer.
+
+    ``pickled`` holds the tensors of a pickled checkpoint the caller already loaded (with
+    ``weights_only=True``); otherwise the safetensors files are read with ``preadv``.
+
+    >>> reader = TensorReader(open_model_dir("gpt2"))  # doctest: +SKIP
+    >>> reader.read("wte.weight").shape  # doctest: +SKIP
+    torch.Size([50257, 768])
+    """
+
+    def __init__(self, md: ModelDir, pickled: dict[str, torch.Tensor] | None = None) -> None:
+        self.md = md
+        self.pickled = pickled
+        self.bytes_read = 0
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def keys(self) -> set[str]:
+        return set(self.pickled) if self.pickled is not None else set(self.md.tensors)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.pickled[key].dtype if self.pickled is not None else DTYPES[self.md.tensors[key].dtype]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.pickled[key].shape) if self.pickled is not None else self.md.tensors[key].shape
+
+    def nbytes(self, key: str) -> int:
+        if self.pickled is not None:
+            t = self.pickled[key]
+            return t.numel() * t.element_size()
+        return self.md.tensors[key].nbytes
+
+    def offset(self, key: str) -> tuple[str, int]:
+        """Where the tensor sits (file, byte): reading in this order reads each file front to back."""
+        if self.pickled is not None:
+            return "", 0
+        info = self.md.tensors[key]
+        return info.file, info.start
+
+    def _fd(self, info: TensorInfo) -> int:
+        with self._lock:  # the read-ahead thread and the caller may open a file at once
+            if info.file not in self._fds:
+                self._fds[info.file] = os.open(self.md.path / info.file, os.O_RDONLY)
+            return self._fds[info.file]
+
+    def read(self, key: str, into: Buffer | None = None) -> torch.Tensor:
+        """The tensor as stored, in memory of its own (``into``'s, valid until its next use):
+        callers may change it in place."""
+        if self.pickled is not None:
+            return self.pickled[key].clone()
+        info = self.md.tensors[key]
+        dtype = DTYPES[info.dtype]
+        if not info.nbytes:
+            return torch.empty(info.shape, dtype=dtype)
+        data = into.bytes(info.nbytes) if into is not None else torch.empty(info.nbytes, dtype=torch.uint8)
+        view, got, fd = memoryview(data.numpy()), 0, self._fd(info)
+        while got < info.nbytes:
+            n = os.preadv(fd, [view[got:]], info.start + got)
+            if not n:
+                raise CheckpointError(f"{self.md.path / info.file} ended early")
+            got += n
+        with self._lock:
+            self.bytes_read += info.nbytes
+        return data.view(dtype).view(info.shape)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def read_ahead(jobs: Iterable[J], load: Callable[[J], R], size: Callable[[J], int],
+               limit: int = READ_AHEAD) -> Iterator[tuple[J, R]]:
+    """``(job, load(job))`` in order; the next job's ``load`` runs in a thread while the caller
+    works on this one, when that job is at most ``limit`` bytes (``size``). An exception in a
+    load is raised where its job is yielded."""
+    jobs = list(jobs)
+    if not jobs:
+        return
+    pending: queue.Queue = queue.Queue(maxsize=1)
+
+    def run(job: J) -> None:
+        try:
+            pending.put((True, load(job)))
+        except BaseException as exc:  # handed to the caller, raised there
+            pending.put((False, exc))
+
+    thread: threading.Thread | None = None
+    ahead = False
+    for i, job in enumerate(jobs):
+        if ahead:
+            thread.join()
+            ok, value = pending.get()
+            if not ok:
+                raise value
+        else:
+            value = load(job)
+        nxt = jobs[i + 1] if i + 1 < len(jobs) else None
+        ahead = nxt is not None and size(nxt) <= limit
+        if ahead:
+            thread = threading.Thread(target=run, args=(nxt,), daemon=True, name="enjoyln-read-ahead")
+            thread.start()
+        try:
+            yield job, value
+        except GeneratorExit:
+            if thread is not None:
+                thread.join()  # never close files under a running read
+            raise
+        del value
