@@ -474,13 +474,13 @@ def _generation_settings(model: nn.Module) -> dict[str, Any] | None:
 
 
 def _settings_problems(ref: dict[str, Any] | None, cand: dict[str, Any] | None) -> list[str]:
-    from .static_check import _same_json
+    from .static import same_json
 
     if ref is None or cand is None:
         return [] if ref is cand else [f"the candidate has {'none' if cand is None else 'some'}, the original "
                                        f"{'none' if ref is None else 'some'}"]
     return [f"{key} is {cand.get(key)!r}, the original's {ref.get(key)!r}"
-            for key in sorted(ref.keys() | cand.keys()) if not _same_json(ref.get(key), cand.get(key))]
+            for key in sorted(ref.keys() | cand.keys()) if not same_json(ref.get(key), cand.get(key))]
 
 
 @dataclass

@@ -157,7 +157,7 @@ def parse_dtype(dtype: Any) -> str | None:
     return name
 
 
-def _same_json(a: Any, b: Any) -> bool:
+def same_json(a: Any, b: Any) -> bool:
     """Equal as JSON values: objects in any key order, but ``1``, ``1.0`` and ``true`` differ (a
     loader may test them apart), NaN equals NaN, and ``-0.0`` is not ``0.0``. No recursion, so
     a deeply nested file cannot exhaust the stack."""
@@ -201,7 +201,7 @@ def _json_differences(ref: dict[str, Any], cand: dict[str, Any]) -> list[tuple[s
             x, y = a.get(key, _MISSING), b.get(key, _MISSING)
             if isinstance(x, dict) and isinstance(y, dict):
                 stack.append((f"{path}{key}.", x, y))
-            elif x is _MISSING or y is _MISSING or not _same_json(x, y):
+            elif x is _MISSING or y is _MISSING or not same_json(x, y):
                 out.append((f"{path}{key}", x, y))
     return out
 
@@ -214,12 +214,12 @@ def _first_difference(path: str, a: Any, b: Any) -> tuple[str, Any, Any]:
     while True:
         if isinstance(a, dict) and isinstance(b, dict):
             key = next((k for k in sorted(a.keys() | b.keys())
-                        if not (k in a and k in b and _same_json(a[k], b[k]))), None)
+                        if not (k in a and k in b and same_json(a[k], b[k]))), None)
             if key is None or key not in a or key not in b:
                 return (f"{path}.{key}", a.get(key, _MISSING), b.get(key, _MISSING)) if key else (path, a, b)
             path, a, b = f"{path}.{key}", a[key], b[key]
         elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-            i = next(i for i, (x, y) in enumerate(zip(a, b)) if not _same_json(x, y))
+            i = next(i for i, (x, y) in enumerate(zip(a, b)) if not same_json(x, y))
             path, a, b = f"{path}[{i}]", a[i], b[i]
         else:
             return path, a, b
@@ -268,7 +268,7 @@ def _config_problems(expected: dict[str, Any], actual: dict[str, Any], dtype: st
         lists = block_lists(FoldPlan("")).keys()
         for key in sorted(block.keys() | theirs.keys()):
             a, b = block.get(key, _MISSING), theirs.get(key, _MISSING)
-            if a is not _MISSING and b is not _MISSING and _same_json(a, b):
+            if a is not _MISSING and b is not _MISSING and same_json(a, b):
                 continue
             if key in lists:
                 problems.append(f"the enjoyln block's {key} list is not what its plan gives")
@@ -373,7 +373,7 @@ def _same_content(a: Path, b: Path) -> bool:
         size_a, size_b = a.stat().st_size, b.stat().st_size
         if a.suffix == ".json" and max(size_a, size_b) <= JSON_LIMIT:
             try:
-                return _same_json(_json_value(a), _json_value(b))
+                return same_json(_json_value(a), _json_value(b))
             except _Unreadable:
                 pass
         if size_a != size_b:
@@ -402,7 +402,7 @@ def _file_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
     own = {"config.json", _OWNER, *cand.shards} | ({index} if (cand.path / index).exists() else set())
     theirs_gen, ours_gen = _generation(ref), _generation(cand)
     for key in sorted(k for k in theirs_gen.keys() | ours_gen.keys()
-                      if not _same_json(theirs_gen.get(k), ours_gen.get(k))):
+                      if not same_json(theirs_gen.get(k), ours_gen.get(k))):
         problems.append(f"the candidate's generation config changes {key} from {theirs_gen.get(key)!r} "
                         f"to {ours_gen.get(key)!r}")
     for rel in sorted(actual.keys() - own):
@@ -438,7 +438,7 @@ def code_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
     problems += [f"the candidate's {rel} differs from the reference's" for rel in sorted(ours.keys() & theirs.keys())
                  if not _same_content(ours[rel], theirs[rel])]
     a, b = ref.config.get("auto_map", _MISSING), cand.config.get("auto_map", _MISSING)
-    if not (a is b or a is not _MISSING and b is not _MISSING and _same_json(a, b)):
+    if not (a is b or a is not _MISSING and b is not _MISSING and same_json(a, b)):
         problems.append(f"config.json's auto_map is {_short(b) if b is not _MISSING else 'missing'}, "
                         f"not the reference's {_short(a) if a is not _MISSING else '(none)'}")
     return problems
