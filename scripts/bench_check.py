@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import machine, replace_section  # noqa: E402
+from _docs import machine, replace_section  # noqa: E402
 
 WIDTH = 2048
 
@@ -119,7 +119,7 @@ def main() -> None:
         text = table(*runs, args.layers, args.more_layers)
         print(text)
         if args.write:
-            replace_section("bench-check", text, Path(__file__).resolve().parent.parent / "docs" / "performance.md")
+            print(f"wrote {replace_section('bench-check', text)}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
