@@ -201,7 +201,7 @@ def test_a_shard_not_named_as_its_weights_is_refused(saved, tmp_path):
     load and whose tokenizer reads the shard's bytes as its chat template."""
     from typer.testing import CliRunner
 
-    from enjoyln.cli import app
+    from enjoyln.cli.app import app
 
     src = saved("gpt2", torch.float32, max_shard_size="120KB")
     bad = tmp_path / "bad"

@@ -718,8 +718,8 @@ def test_the_candidates_code_is_compared_before_any_of_it_runs(pair, tmp_path, m
     so that the gate passed a backdoor. Nothing of it may run until it is proven the reference's."""
     from typer.testing import CliRunner
 
-    from enjoyln.checkpoint import check_checkpoints
-    from enjoyln.cli import app
+    from enjoyln.convert import check_checkpoints
+    from enjoyln.cli.app import app
 
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
     ref, _, _ = pair

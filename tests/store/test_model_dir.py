@@ -293,7 +293,7 @@ def test_a_link_out_to_a_file_a_loader_reads_is_refused_and_compared(src, tmp_pa
     nothing of it (one "Not copied" line, exit 0), and the gate, whose expected files were the
     same walk, passed the fold; its tokenizer then had no "tool_use" template, and
     apply_chat_template(chat_template="tool_use") returned the literal name."""
-    from enjoyln.static_check import static_check
+    from enjoyln.checking.static import static_check
 
     shared = tmp_path / "shared-templates"
     shared.mkdir()
