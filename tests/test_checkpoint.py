@@ -362,3 +362,20 @@ def test_shared_embeddings_fold_through_the_file_and_in_memory(cls_name, tmp_pat
     inputs = hf_example_inputs(original, seed=42)
     for cand in (reload_plain(out), load(out), reload_plain(mem)):
         assert_same_outputs(original, cand, inputs)
+
+
+def test_a_fold_checks_in_another_process(tmp_path):
+    """CI folds in one process and checks in another: the recorded plan (which of BART's tied
+    embedding names the untied head was tied to) must not depend on the hash seed."""
+    import os
+    import subprocess
+    import sys
+
+    src, out = tmp_path / "ref", tmp_path / "out"
+    _shared_seq2seq("BartForConditionalGeneration").save_pretrained(src)
+    fold_checkpoint(src, out, check="none")
+    for seed in ("2", "3"):  # under hash order, these two name different tied embeddings
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(sys.path)}
+        proc = subprocess.run([sys.executable, "-m", "enjoyln", "check", str(src), str(out), "--static"],
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
