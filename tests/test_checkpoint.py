@@ -379,3 +379,47 @@ def test_a_fold_checks_in_another_process(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "enjoyln", "check", str(src), str(out), "--static"],
                               capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_tied_table_partly_untied_keeps_the_untied_name_as_it_was(tmp_path):
+    """Where only the encoder's embedding LN folds, the decoder's name of BART's shared table
+    must keep the original values: the plan unties it as it unties a head, the fold stores it
+    apart, and config.json records the untie; the file and in-memory folds agree."""
+    import copy
+    import dataclasses
+
+    from enjoyln.plan import Untie
+    from enjoyln.rewrite import apply_plan
+
+    src, out, mem = tmp_path / "ref", tmp_path / "out", tmp_path / "mem"
+    original = _shared_seq2seq("BartForConditionalGeneration", seed=43)
+    original.save_pretrained(src)
+    full = enjoyln.analyze(original)
+    kept = "model.decoder.layernorm_embedding"
+    assert kept in {e.name for e in full.foldable}
+    nbytes = full.untied[0].nbytes
+    plan = dataclasses.replace(
+        full, layer_norms=[dataclasses.replace(e, foldable=False, reason="kept", centered=[]) if e.name == kept
+                           else e for e in full.layer_norms],
+        untied=[Untie(name, "model.encoder.embed_tokens.weight", nbytes)
+                for name in ("lm_head.weight", "model.decoder.embed_tokens.weight")])
+    result = fold_checkpoint(src, out, plan=plan)
+    assert result.report.passed, result.report.summary()
+    apply_plan(copy.deepcopy(original), plan).save_pretrained(mem)
+    assert enjoyln.check_checkpoints(src, mem, plan=plan).passed
+
+    a, b = _tensors(out), _tensors(mem)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key].view(-1).view(torch.uint8), b[key].view(-1).view(torch.uint8)), key
+    table = _tensors(src)["model.shared.weight"]
+    for name in ("model.shared.weight", "model.encoder.embed_tokens.weight"):
+        assert torch.equal(a[name], _centered_once(table, 1)), name
+    for name in ("model.decoder.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(a[name], table), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    assert "model.decoder.embed_tokens.weight" in config["enjoyln"]["untied"]
+    inputs = hf_example_inputs(original, seed=44)
+    for cand in (reload_plain(out), load(out), reload_plain(mem)):
+        assert_same_outputs(original, cand, inputs)
