@@ -41,10 +41,10 @@ from .store.model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SA
                         copy_extras, keep_failed as _keep_failed, load_dtype, meta_model, missing_dirs, model_class,
                         open_model_dir, publish, read_safetensors_header, remove_dirs, saved_names, signals_held,
                         temp_dir)
-from .plan import AFFINE_GAIN, FORMAT_VERSION, NOT_ROTATED, FoldPlan, RotationSpec, block_lists, format_bytes
+from .plan import AFFINE_GAIN, FORMAT_VERSION, NOT_ROTATED, Centering, FoldPlan, RotationSpec, block_lists, format_bytes
 from .transform.rotation import apply_rotation
 from .transform.steps import (InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits,
-                      ties_lost_on_untie)
+                              merge_centerings, tie_groups, ties_lost_on_untie)
 
 if TYPE_CHECKING:
     from .checking.forward import CheckReport
@@ -155,34 +155,46 @@ def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, st
     by_key = {e.name: e for _, es in shards for e in es}
     keys = set(by_key)
     key = lambda name: checkpoint_key(name, keys, prefix, saved)  # noqa: E731
-    partner = {u.tied_to: u.param for u in plan.untied} | {u.param: u.tied_to for u in plan.untied}
+    # Tied names are one tensor, stored once under any of them (BART's encoder and decoder
+    # embeddings are model.shared.weight); an untied head is a tensor of its own.
+    groups = tie_groups(model, {u.param for u in plan.untied})
+
+    def stored(name: str) -> list[str]:
+        """The keys holding ``name``'s tensor: its own, or another tied name's."""
+        return list(dict.fromkeys(k for n in groups.get(name, (name,)) if (k := key(n)) is not None))
+
     extras: dict[str, tuple[str, int | None]] = {}  # new name -> (source key, centering axis)
     gains = [c.scale for c in plan.centered if c.scale]
     gains = dict(zip(gains, _read_tensors(md, model, gains, pickled))) if gains else {}
+    planned: dict[tuple[str, ...], list[Centering]] = {}  # each tensor once, with all its centerings
     for c in plan.centered:
-        if not c.saved:
-            continue  # a non-persistent buffer: not in the checkpoint, enjoyln.load centers it
-        k = key(c.param)
-        if k is None and c.param not in partner:
-            k = _alias_key(model, c.param, key)
-        if k is not None:
+        if c.saved:  # a non-persistent buffer is not in the checkpoint: enjoyln.load centers it
+            planned.setdefault(groups.get(c.param, (c.param,)), []).append(c)
+    for names, cs in planned.items():
+        merged = merge_centerings(cs)
+        if len(merged) > 1:
+            raise CheckpointError(f"the plan centers {names[0]} in {len(merged)} different ways, which a "
+                                  "stored tensor cannot take; analyze this model again")
+        c = merged[0]
+        found = stored(c.param)
+        for k in found:
             e = by_key[k]
-            blocks = c.blocks if e.axis is None else _block_union(e.blocks, c.blocks)
-            e.axis, e.groups, e.blocks, e.scale = c.axis, c.groups, blocks, gains.get(c.scale)
-        elif c.param in partner and key(partner[c.param]) is not None:
+            e.axis, e.groups, e.blocks, e.scale = c.axis, c.groups, c.blocks, gains.get(c.scale)
+        head = next((k for u in plan.untied if u.tied_to in names and (k := key(u.param)) is not None), None)
+        if not found and head is not None:
             # Only the tied head was saved: it supplies the embedding too, centered.
-            extras[saved.get(c.param, c.param)] = (key(partner[c.param]), c.axis)
-        else:
+            extras[saved.get(c.param, c.param)] = (head, c.axis)
+        elif not found:
             raise CheckpointError(f"the checkpoint has no tensor for {c.param}, which the fold centers")
     for u in plan.untied:
         if key(u.param) is None:
-            src = key(u.tied_to)
+            src = next(iter(stored(u.tied_to)), None)
             if src is None:
                 raise CheckpointError(f"the checkpoint has neither {u.param} nor {u.tied_to}")
             extras[saved.get(u.param, u.param)] = (src, None)  # the head keeps the original values
     copies: dict[str, Entry] = {}  # new name -> the entry whose output it repeats
     for target, source in ties_lost_on_untie(model, plan).items():
-        src = key(source) or _alias_key(model, source, key)
+        src = next(iter(stored(source)), None)
         if key(target) is None and src is not None:
             copies[saved.get(target, target)] = by_key[src]
     for new, (src_key, axis) in extras.items():
@@ -277,20 +289,6 @@ def _moved_entries(md: ModelDir, tensors: dict[str, torch.Tensor]) -> list[tuple
         by_shard[home.get(key, md.shards[-1])].append(
             Entry(key, _CODES[t.dtype], tuple(t.shape), t.numel() * t.element_size(), tensor=t))
     return shards
-
-
-def _alias_key(model: nn.Module, name: str, key: Callable[[str], str | None]) -> str | None:
-    """The checkpoint key of a tensor saved under another of its names (BART's encoder
-    and decoder embeddings are ``shared.weight``)."""
-    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-    tensor = dict(named).get(name)
-    return next((key(other) for other, t in named if t is tensor and key(other) is not None), None)
-
-
-def _block_union(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> tuple[int, ...] | None:
-    """One tensor's blocks centered for several norms (q and k of one fused projection):
-    the blocks are disjoint and centered each on its own, so one pass does them all."""
-    return None if a is None or b is None else tuple(sorted({*a, *b}))
 
 
 def _reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None,

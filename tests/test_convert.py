@@ -342,3 +342,127 @@ def test_in_memory_fold_of_a_masked_lm_saves_and_reloads(tmp_path):
     folded.save_pretrained(tmp_path / "saved")
     inputs = hf_example_inputs(original, seed=4)
     assert_same_outputs(original, reload_plain(tmp_path / "saved"), inputs)
+
+
+def _shared_seq2seq(cls_name, seed=41):
+    """A tiny encoder-decoder whose encoder and decoder embeddings (and head) are one ``shared``
+    table, which transformers 5 saves once, as ``[model.]shared.weight``."""
+    cls = getattr(transformers, cls_name)
+    sizes = dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                 decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=128,
+                 max_position_embeddings=32)
+    torch.manual_seed(seed)
+    return perturb(cls(cls.config_class(**sizes)).eval(), seed=seed)
+
+
+def _centered_once(t, axis):
+    """The float64 centering rounded once to ``t``'s dtype, computed here, not by enjoyln."""
+    wide = t.double()
+    return (wide - wide.mean(axis, keepdim=True)).to(t.dtype)
+
+
+@pytest.mark.parametrize("cls_name", ["BartForConditionalGeneration", "BartModel", "M2M100ForConditionalGeneration"])
+def test_shared_embeddings_fold_through_the_file_and_in_memory(cls_name, tmp_path):
+    """The plan centers encoder.embed_tokens and decoder.embed_tokens, one tensor stored under a
+    third name: `enjoyln fold` must find it, and both folds must center it once (not once per
+    name), so that the file fold and the in-memory fold give the same bytes and pass the gate."""
+    import copy
+
+    from typer.testing import CliRunner
+
+    from enjoyln.cli import app
+
+    runner = CliRunner()
+    src, out, mem = tmp_path / "ref", tmp_path / "out", tmp_path / "mem"
+    original = _shared_seq2seq(cls_name)
+    original.save_pretrained(src)
+    prefix = "" if cls_name.endswith("Model") else "model."
+    stored = _tensors(src)
+    assert f"{prefix}shared.weight" in stored and f"{prefix}encoder.embed_tokens.weight" not in stored
+
+    folded = runner.invoke(app, ["fold", str(src), str(out)])
+    assert folded.exit_code == 0, folded.output
+    enjoyln.fold(copy.deepcopy(original)).save_pretrained(mem)
+    for cand in (out, mem):
+        checked = runner.invoke(app, ["check", str(src), str(cand)])
+        assert checked.exit_code == 0, checked.output
+
+    a, b = _tensors(out), _tensors(mem)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key].view(-1).view(torch.uint8),
+                                                            b[key].view(-1).view(torch.uint8)), key
+    table = stored[f"{prefix}shared.weight"]
+    untied = "lm_head.weight" in a
+    # untied, the config ties nothing, so the encoder's and decoder's copies are stored too
+    names = ["shared", "encoder.embed_tokens", "decoder.embed_tokens"] if untied else ["shared"]
+    assert {k for k in a if "shared" in k or "embed_tokens" in k} == {f"{prefix}{n}.weight" for n in names}
+    for name in names:
+        assert torch.equal(a[f"{prefix}{name}.weight"], _centered_once(table, 1)), name
+    if untied:  # the logits still read the original table
+        assert torch.equal(a["lm_head.weight"], table)
+        assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    inputs = hf_example_inputs(original, seed=42)
+    for cand in (reload_plain(out), load(out), reload_plain(mem)):
+        assert_same_outputs(original, cand, inputs)
+
+
+def test_a_fold_checks_in_another_process(tmp_path):
+    """CI folds in one process and checks in another: the recorded plan (which of BART's tied
+    embedding names the untied head was tied to) must not depend on the hash seed."""
+    import os
+    import subprocess
+    import sys
+
+    src, out = tmp_path / "ref", tmp_path / "out"
+    _shared_seq2seq("BartForConditionalGeneration").save_pretrained(src)
+    fold_checkpoint(src, out, check="none")
+    for seed in ("2", "3"):  # under hash order, these two name different tied embeddings
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(sys.path)}
+        proc = subprocess.run([sys.executable, "-m", "enjoyln", "check", str(src), str(out), "--static"],
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_tied_table_partly_untied_keeps_the_untied_name_as_it_was(tmp_path):
+    """Where only the encoder's embedding LN folds, the decoder's name of BART's shared table
+    must keep the original values: the plan unties it as it unties a head, the fold stores it
+    apart, and config.json records the untie; the file and in-memory folds agree."""
+    import copy
+    import dataclasses
+
+    from enjoyln.plan import Untie
+    from enjoyln.transform.steps import apply_plan
+
+    src, out, mem = tmp_path / "ref", tmp_path / "out", tmp_path / "mem"
+    original = _shared_seq2seq("BartForConditionalGeneration", seed=43)
+    original.save_pretrained(src)
+    full = enjoyln.analyze(original)
+    kept = "model.decoder.layernorm_embedding"
+    assert kept in {e.name for e in full.foldable}
+    nbytes = full.untied[0].nbytes
+    plan = dataclasses.replace(
+        full, layer_norms=[dataclasses.replace(e, foldable=False, reason="kept", centered=[]) if e.name == kept
+                           else e for e in full.layer_norms],
+        untied=[Untie(name, "model.encoder.embed_tokens.weight", nbytes)
+                for name in ("lm_head.weight", "model.decoder.embed_tokens.weight")])
+    result = fold_checkpoint(src, out, plan=plan)
+    assert result.report.passed, result.report.summary()
+    apply_plan(copy.deepcopy(original), plan).save_pretrained(mem)
+    assert enjoyln.check_checkpoints(src, mem, plan=plan).passed
+
+    a, b = _tensors(out), _tensors(mem)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key].view(-1).view(torch.uint8), b[key].view(-1).view(torch.uint8)), key
+    table = _tensors(src)["model.shared.weight"]
+    for name in ("model.shared.weight", "model.encoder.embed_tokens.weight"):
+        assert torch.equal(a[name], _centered_once(table, 1)), name
+    for name in ("model.decoder.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(a[name], table), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    assert "model.decoder.embed_tokens.weight" in config["enjoyln"]["untied"]
+    inputs = hf_example_inputs(original, seed=44)
+    for cand in (reload_plain(out), load(out), reload_plain(mem)):
+        assert_same_outputs(original, cand, inputs)

@@ -169,7 +169,9 @@ class ShiftSoundness(Spread):
     def affected(self, active: Iterable[str]) -> tuple[dict[str, str], dict[str, Untie]]:
         """(bad source -> what its centering would change, untie alias -> Untie)
         for the set of ``active`` sources centered together."""
-        self.active = {k: self.sources[k] for k in active}
+        # in a fixed order: a set's order changes with PYTHONHASHSEED, and with it the name an
+        # untied head is recorded as tied to, which a check in another process must confirm
+        self.active = {k: self.sources[k] for k in sorted(active)}
         self.bad = {}
         changed, untie = self._seed()
         self.spread(changed)

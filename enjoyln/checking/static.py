@@ -520,6 +520,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     True
     """
     from ..convert import _analyze, final_tensors, moves_values
+    from ..transform.steps import merge_centerings, tie_groups
 
     start = time.perf_counter()
     dtype = parse_dtype(dtype)
@@ -566,6 +567,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
         if c.saved:  # a non-persistent buffer is not in any checkpoint; load centers it
             centerings.setdefault(c.param, []).append(c)
     untied = {u.param for u in plan.untied}
+    ref_groups = tie_groups(ref_model, untied)
     reader_ref, reader_cand = _reader(ref), _reader(cand)
     ref_keys, cand_keys = reader_ref.keys(), reader_cand.keys()
     prefix = getattr(ref_model, "base_model_prefix", "") or ""
@@ -598,7 +600,10 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
         if rk is None:
             problems.append(f"the candidate's {ck} has no counterpart in the reference")
             continue
-        c = next((centerings[a] for a in aliases if a in centerings), None)  # a list, or None
+        # the reference's tied names are one tensor, centered once for all of them, even where
+        # the candidate stores them apart (an untied config no longer ties BART's shared table)
+        names = dict.fromkeys((*aliases, *(a for n in aliases for a in ref_groups.get(n, (n,)))))
+        c = merge_centerings([x for a in names if a in centerings for x in centerings[a]]) or None
         todo[ck] = (rk, c, any(a in untied for a in aliases))
     for key in sorted(cand_keys - todo.keys()):  # stored but not loaded: must still be the reference's
         if key in ref_keys:

@@ -7,9 +7,10 @@ tests check every promise on perturbed-weight models.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 from torch import fx, nn
@@ -83,6 +84,45 @@ def declared_ties(model: nn.Module) -> dict[str, str]:
     finally:
         for key, cfg in configs.items():
             cfg.tie_word_embeddings = saved[key]
+
+
+def tie_groups(model: nn.Module, separate: Collection[str] = ()) -> dict[str, tuple[str, ...]]:
+    """Every parameter and buffer name -> all the names of its tensor, in the model's order.
+
+    Tied names are one tensor: BART's ``model.shared``, ``model.encoder.embed_tokens``
+    and ``model.decoder.embed_tokens`` (and its head, ``lm_head``). Names in
+    ``separate`` (the plan's untied heads, which get their own copy before any
+    centering) stand alone.
+
+    >>> emb = nn.Embedding(4, 2); net = nn.ModuleDict({"a": emb, "b": emb})
+    >>> tie_groups(net)["b.weight"]
+    ('a.weight', 'b.weight')
+    """
+    by_id: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if name not in separate:
+            by_id.setdefault(id(t), []).append(name)
+    groups = {n: tuple(names) for names in by_id.values() for n in names}
+    return groups | {n: (n,) for n in separate}
+
+
+def merge_centerings(centerings: Sequence[Centering], ndim: int | None = None) -> list[Centering]:
+    """The centerings of one tensor, each applied once: several names of a tied tensor (BART's
+    encoder and decoder embeddings) ask for the same centering, and doing it twice rounds twice.
+    Those that differ only in their blocks (q and k of one fused projection) become one with the
+    blocks joined: each block is centered on its own, so that computes the same. ``ndim`` (the
+    tensor's) makes axis -1 and axis ndim-1 one axis."""
+    merged: dict[tuple, Centering] = {}
+    for c in centerings:
+        axis = c.axis % ndim if ndim else c.axis
+        how = (axis, c.groups, c.scale, c.saved)
+        prev = merged.get(how)
+        if prev is None:
+            merged[how] = dataclasses.replace(c, axis=axis)
+        elif prev.blocks is not None:
+            blocks = None if c.blocks is None else tuple(sorted({*prev.blocks, *c.blocks}))
+            merged[how] = dataclasses.replace(prev, blocks=blocks)
+    return list(merged.values())
 
 
 def ties_lost_on_untie(model: nn.Module, plan: FoldPlan) -> dict[str, str]:
@@ -224,12 +264,18 @@ class CenterParameters(Transformation):
 
 
 def center_all(model: nn.Module, centerings: Sequence[Centering]) -> None:
-    """Apply ``centerings`` to ``model``'s tensors, in place. Every LayerScale gain is
-    read before any tensor changes (the analysis never centers a gain)."""
+    """Apply ``centerings`` to ``model``'s tensors, in place, each tensor once however many
+    of its tied names the plan lists. Every LayerScale gain is read before any tensor
+    changes (the analysis never centers a gain)."""
     scales = {c.scale: _tensor(model, c.scale).detach().clone() for c in centerings if c.scale}
+    by_tensor: dict[int, tuple[torch.Tensor, list[Centering]]] = {}
+    for c in centerings:
+        t = _tensor(model, c.param)
+        by_tensor.setdefault(id(t), (t, []))[1].append(c)
     with torch.no_grad():
-        for c in centerings:
-            center_(_tensor(model, c.param), c.axis, c.groups, scales.get(c.scale), c.blocks)
+        for t, cs in by_tensor.values():
+            for c in merge_centerings(cs, t.dim()):
+                center_(t, c.axis, c.groups, scales.get(c.scale), c.blocks)
 
 
 def fuse_(weight: torch.Tensor, bias: torch.Tensor | None, f: Fused, gamma: torch.Tensor | None,

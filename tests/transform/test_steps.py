@@ -82,3 +82,25 @@ def test_fold_preserves_half_dtype():
     assert {p.dtype for p in folded.parameters()} == {torch.bfloat16}
     report = enjoyln.check(model, folded)
     assert report.passed, report.summary()
+
+
+def test_a_tensor_tied_under_two_centered_names_is_centered_once():
+    """BART's plan centers encoder.embed_tokens and decoder.embed_tokens, one shared tensor:
+    centering it once per name would round it twice, and no checkpoint would match it."""
+    import transformers
+
+    config = transformers.BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                     decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                     vocab_size=128, max_position_embeddings=32)
+    model = perturb(transformers.BartModel(config).eval(), seed=5)
+    plan = enjoyln.analyze(model)
+    names = {c.param for c in plan.centered}
+    assert {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"} <= names
+    wide = model.shared.weight.detach().double()
+    expected = (wide - wide.mean(1, keepdim=True)).float()
+    reference = copy.deepcopy(model)
+    folded = enjoyln.fold(model, plan=plan)
+    assert folded.encoder.embed_tokens.weight is folded.shared.weight is folded.decoder.embed_tokens.weight
+    assert torch.equal(folded.shared.weight, expected)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
+    assert_same_outputs(reference, folded, {"input_ids": ids, "decoder_input_ids": ids})
