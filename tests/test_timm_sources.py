@@ -155,7 +155,7 @@ def test_fold_with_fused_affine_goes_through_the_in_memory_path(hub_dir, tmp_pat
     result = runner.invoke(app, ["fold", str(src), str(out), "--fuse-affine"])
     assert result.exit_code == 0, result.output
     loaded = enjoyln.load(out)
-    assert not loaded.norm.elementwise_affine
+    assert not loaded.norm.elementwise_affine and torch.equal(loaded.norm.weight, torch.ones(16))
     assert_same_outputs(original, loaded, described_inputs(original, seed=5))
 
 
