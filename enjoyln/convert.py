@@ -37,7 +37,7 @@ from .errors import CheckFailed, CheckpointError, EnjoylnError
 from .store.sources import source_of
 from .store.model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, ModelDir, TensorInfo,
                         check_out_dir, check_shapes, checkpoint_key, clean_stale,
-                        copy_extras, keep_failed as _keep_failed, load_dtype, meta_model, missing_dirs, model_class,
+                        copy_extras, keep_failed as _keep_failed, load_dtype, meta_model, missing_dirs,
                         open_model_dir, publish, read_safetensors_header, remove_dirs, saved_names, signals_held,
                         temp_dir)
 from .plan import AFFINE_GAIN, FORMAT_VERSION, FoldPlan, block_lists, format_bytes

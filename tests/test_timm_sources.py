@@ -182,6 +182,24 @@ def test_unknown_timm_architecture_and_missing_weights(hub_dir, tmp_path):
     assert result.exit_code == 2 and "has no model.safetensors" in result.output
 
 
+def test_a_timm_directory_is_read_from_its_own_file_whatever_its_config_says(hub_dir, standin, tmp_path):
+    """A directory is untrusted: its pretrained_cfg may name the hub, another file or a custom
+    loader, and its model_args may name a checkpoint; timm must load the directory's own weights."""
+    src, original = hub_dir
+    bad = shutil.copytree(src, tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    config["pretrained_cfg"].update(source="hf-hub", hf_hub_id="someone/else", file=str(tmp_path / "other.pth"),
+                                    url="https://example.invalid/w.pth", custom_load=True)
+    (bad / "config.json").write_text(json.dumps(config))
+    loaded = enjoyln.load(bad)
+    assert standin.loaded[-1] == str(bad / "model.safetensors")
+    assert_same_outputs(original, loaded, described_inputs(original, seed=1))
+    config["model_args"]["checkpoint_path"] = str(tmp_path / "evil.pth")
+    (bad / "config.json").write_text(json.dumps(config))
+    result = runner.invoke(app, ["inspect", str(bad)])
+    assert result.exit_code == 2 and "model_args set checkpoint_path" in result.output
+
+
 def test_without_timm_a_timm_directory_is_one_clear_line(hub_dir, monkeypatch, tmp_path):
     src, _ = hub_dir
     monkeypatch.setitem(sys.modules, "timm", None)  # import timm raises ImportError

@@ -123,6 +123,11 @@ def import_timm() -> Any:
                               "fold, check or load it") from None
 
 
+_LOADING_ARGS = frozenset({"pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path", "cache_dir"})
+"""``create_model``'s arguments that say where weights come from, which a directory's ``model_args``
+may not set."""
+
+
 class Timm(Source):
     """timm's hub format: ``create_model(architecture, pretrained=True, pretrained_cfg_overlay=
     dict(file=.../model.safetensors))`` with the directory's ``num_classes``, ``model_args`` and
@@ -139,6 +144,12 @@ class Timm(Source):
         for key, kind in (("model_args", dict), ("pretrained_cfg", dict), ("num_classes", int)):
             if key in config and not isinstance(config[key], kind):
                 raise CheckpointError(f"{root / 'config.json'}'s {key} is not {'an object' if kind is dict else 'an integer'}")
+        loading = sorted(set(config.get("model_args") or {}) & _LOADING_ARGS)
+        if loading:
+            # create_model would load (or fetch) weights from elsewhere than the directory's file
+            raise CheckpointError(f"{root / 'config.json'}'s model_args set {', '.join(loading)}, which say where "
+                                  "timm loads weights from, not what the model is; enjoyln reads only the "
+                                  "directory's model.safetensors")
         timm = import_timm()
         if not timm.is_model(arch):
             raise CheckpointError(f"unknown architecture {arch!r}: timm {timm.__version__} has no such model")
@@ -162,7 +173,8 @@ class Timm(Source):
         kwargs = dict(cfg.get("model_args") or {})
         if "num_classes" in cfg:
             kwargs["num_classes"] = cfg["num_classes"]
-        overlay["num_classes"] = kwargs.get("num_classes", overlay.get("num_classes"))
+        if "num_classes" in kwargs:  # as the model's head: else timm drops the stored head and loads the rest
+            overlay["num_classes"] = kwargs["num_classes"]
         return timm.create_model(md.architecture, pretrained=pretrained, pretrained_cfg_overlay=overlay, **kwargs)
 
     def meta_model(self, md: "ModelDir") -> nn.Module:
