@@ -175,3 +175,26 @@ def test_llmcompressor_fuses_a_weightless_norm_exactly():
     for name, norm in weightless(fused).items():
         real_fuse(norm, [r for r in readers(fused, plan, name) if isinstance(r, nn.Linear)])
     assert_same_outputs(rotated, fused, hf_example_inputs(model, seed=7), rtol=1e-6)
+
+
+def test_llmcompressor_quantizes_the_plain_loaded_rotation_and_saves_it(tmp_path):
+    """The serving path of the guide: plain from_pretrained of a keep-mean rotation, oneshot, and a
+    compressed checkpoint that reloads to the same model."""
+    _llmcompressor()
+    import transformers
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    model = opt()
+    model.save_pretrained(tmp_path / "opt")
+    enjoyln.fold_checkpoint(tmp_path / "opt", tmp_path / "rot", rotate=("hadamard", 0, True), check="static")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "rot").eval()
+    quantized = oneshot(model=plain, recipe=QuantizationModifier(targets="Linear", scheme="W8A16",
+                                                                 ignore=["lm_head"]))
+    quantized.save_pretrained(tmp_path / "w8a16", save_compressed=True)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "w8a16").eval()
+    inputs = hf_example_inputs(model, seed=8)
+    with torch.no_grad():
+        ref, out, back = (m(**inputs).logits for m in (model, quantized, reloaded))
+    assert 0 < float((ref - out).abs().max() / ref.abs().max()) < 0.02
+    assert torch.equal(out, back)
