@@ -36,9 +36,10 @@ from .analysis import analyze
 from .analysis.driver import norm_module_paths
 from .errors import CheckFailed, CheckpointError, EnjoylnError, first_line
 from .store.plan_cache import cached_plan
+from .store.sources import source_of
 from .store.model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, ModelDir, TensorInfo,
                         check_links, check_out_dir, check_shapes, checkpoint_key, clean_stale,
-                        copy_extras, keep_failed as _keep_failed, load_dtype, meta_model, missing_dirs, model_class,
+                        copy_extras, keep_failed as _keep_failed, load_dtype, meta_model, missing_dirs,
                         open_model_dir, publish, read_safetensors_header, remove_dirs, saved_names, signals_held,
                         temp_dir)
 from .plan import AFFINE_GAIN, FORMAT_VERSION, NOT_ROTATED, Centering, FoldPlan, RotationSpec, block_lists, format_bytes
@@ -264,12 +265,10 @@ def final_tensors(md: ModelDir, plan: FoldPlan, meta: nn.Module, *, trust_remote
 
 
 def _load_plain(md: ModelDir, trust_remote_code: bool) -> nn.Module:
-    cls = model_class(md)
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "dtype": "auto"}
-    if md.pickled:
-        kwargs["use_safetensors"] = False
     try:
-        return cls.from_pretrained(md.path, **kwargs).eval()
+        return source_of(md).load(md, trust_remote_code=trust_remote_code, dtype="auto").eval()
+    except EnjoylnError:
+        raise
     except Exception as exc:
         raise CheckpointError(f"cannot load {md.path}: {type(exc).__name__}: "
                               f"{first_line(exc)}") from None
@@ -674,6 +673,9 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     if check not in CHECK_MODES:
         raise EnjoylnError(f"unknown check mode {check!r}; use one of {', '.join(CHECK_MODES)}")
     md = open_model_dir(src, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    if max_shard_size is not None and not source_of(md).shards:
+        raise CheckpointError(f"{source_of(md).name} loads one weight file, model.safetensors, so this directory "
+                              "is not re-sharded; drop --max-shard-size")
     check_out_dir(src, out, force, dry_run=dry_run)
     check_links(md)  # a file a loader reads, outside MODEL_DIR: refused before anything is written
     if check == "full" and not dry_run:
@@ -810,6 +812,9 @@ def load(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_co
          **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a folded directory and run its recorded LNs as ``enjoyln.RMSNorm``.
 
+    A Hugging Face directory loads with ``from_pretrained`` (``from_pretrained_kwargs`` go
+    there); a timm hub-format directory with ``timm.create_model`` (``dtype`` only).
+
     Auxiliary centerings recorded in the directory are installed again. A
     directory without an ``enjoyln`` block loads as it is. Custom code runs
     only with ``trust_remote_code=True``. With ``max_memory`` (bytes), at
@@ -837,25 +842,18 @@ def load_plain(path: str | os.PathLike, *, allow_pickle: bool = False, trust_rem
 def _load(path: str | os.PathLike, *, plain: bool, allow_pickle: bool = False, trust_remote_code: bool = False,
           max_memory: int | None = None, offload_dir: str | os.PathLike | None = None,
           **from_pretrained_kwargs: Any) -> nn.Module:
-    """``load``, or with ``plain`` what transformers' own ``from_pretrained`` gives (the recorded
-    LNs stay LayerNorms): the two ways a user may load a folded directory."""
+    """``load``, or with ``plain`` what the library's own loader gives (transformers'
+    ``from_pretrained``, timm's ``create_model``; the recorded LNs stay LayerNorms): the two ways
+    a user may load a folded directory."""
     from .checking.static import recorded_plan
 
     md = open_model_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-    cls = model_class(md)
-    from_pretrained_kwargs["trust_remote_code"] = trust_remote_code
-    if md.pickled:
-        from_pretrained_kwargs.setdefault("use_safetensors", False)
-    if max_memory is not None:
-        if offload_dir is None:
-            raise CheckpointError("loading within a memory budget needs a directory for offloaded weights")
-        from_pretrained_kwargs.update(device_map="auto", max_memory={"cpu": max(int(max_memory), 1)},
-                                      offload_folder=str(offload_dir))
     plan = recorded_plan(md)  # a malformed block is refused before the weights load
     if plain:
         plan = None
     try:
-        model = cls.from_pretrained(md.path, **from_pretrained_kwargs)
+        model = source_of(md).load(md, trust_remote_code=trust_remote_code, max_memory=max_memory,
+                                   offload_dir=offload_dir, **from_pretrained_kwargs)
     except EnjoylnError:
         raise
     except Exception as exc:
@@ -1135,7 +1133,7 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
         # the truth and the plain load come from disk, each dropped after its run
         truth = ModelSource(ref_src.dtype, lambda dtype: load(reference_dir, dtype=dtype, **kwargs))
         plain = ModelSource(cand_src.dtype, lambda dtype: _load(candidate_dir, plain=True, dtype=dtype, **kwargs))
-        report = check_sources(ref_src, cand_src, truth=truth, **_path_kwargs(plain, plain_required),
+        report = check_sources(ref_src, cand_src, truth=truth, **_path_kwargs(plain, plain_required, cand_md),
                                **check_kwargs)
     else:
         report = _bounded_check(ref_md, cand_md, max_memory, kwargs, check_kwargs, plain_required)
@@ -1151,12 +1149,13 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
     return report
 
 
-def _path_kwargs(plain: Any, required: bool | None) -> dict[str, Any]:
-    """The candidate's load paths for ``check_sources``: ``enjoyln.load``, and plain
-    ``from_pretrained`` unless the two are the same (no ``enjoyln`` block: ``required`` None)."""
+def _path_kwargs(plain: Any, required: bool | None, md: ModelDir) -> dict[str, Any]:
+    """The candidate's load paths for ``check_sources``: ``enjoyln.load``, and its library's plain
+    loader (``from_pretrained``, ``timm.create_model``) unless the two are the same (no ``enjoyln``
+    block: ``required`` None)."""
     from .checking.forward import CandidatePath
 
-    others = [] if required is None else [CandidatePath("from_pretrained", plain, required)]
+    others = [] if required is None else [CandidatePath(source_of(md).loader, plain, required)]
     return {"candidate_path": "enjoyln.load", "other_paths": others}
 
 
@@ -1203,6 +1202,9 @@ def _bounded_check(ref_md: ModelDir, cand_md: ModelDir, max_memory: int, load_kw
     if ref_md.pickled or cand_md.pickled:
         raise CheckpointError("a check within a memory budget reads weights from safetensors files; convert "
                               "pickle weights first, or pass --static")
+    if not source_of(ref_md).bounded_loading:
+        raise CheckpointError(f"{source_of(ref_md).name} loads a model whole, so the check cannot run within a "
+                              "memory budget; pass --static to prove every weight without running the model")
     _return_freed_memory()
     overhead = _largest_tensor(ref_md) + _activation_bytes(ref_md)
 
@@ -1220,6 +1222,6 @@ def _bounded_check(ref_md: ModelDir, cand_md: ModelDir, max_memory: int, load_kw
 
     with tempfile.TemporaryDirectory(prefix="enjoyln-offload-") as off:
         ref_src = source(ref_md, Path(off) / "reference")
-        paths = _path_kwargs(source(cand_md, Path(off) / "plain", plain=True), plain_required)
+        paths = _path_kwargs(source(cand_md, Path(off) / "plain", plain=True), plain_required, cand_md)
         return check_sources(ref_src, source(cand_md, Path(off) / "candidate"), truth=ref_src,
                              spill=True, max_rows=1, **paths, **check_kwargs)

@@ -1,4 +1,4 @@
-"""Example inputs: what a user passes, and what enjoyln synthesizes for a Hugging Face model.
+"""Example inputs: what a user passes, and what enjoyln synthesizes from a model's configuration.
 
 A model's config says what its inputs look like (vocabulary, image size,
 channels, frames, mel bins, the audio front end's strides), and ``forward``'s
@@ -6,6 +6,10 @@ signature and ``main_input_name`` say which of them it takes. Where the layout
 is still ambiguous (a 4-D image or a 5-D stack of images, features as
 ``(mels, frames)`` or ``(frames, mels)``), the candidates are tried in order on
 a forward pass and the first that runs is used, for every later seed too.
+
+timm and open_clip models have no such config, but record their input sizes on
+the model (``pretrained_cfg["input_size"]``, ``image_size``, ``context_length``);
+``described_inputs`` reads those without importing either library.
 """
 
 from __future__ import annotations
@@ -296,13 +300,13 @@ def _series_options(config: Any, params: Any, randn: Any, batch: int) -> list[di
 _CHOICE: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
-def _runs(model: nn.Module, inputs: dict[str, Any]) -> bool:
+def _runs(model: nn.Module, inputs: "dict[str, Any] | Inputs") -> bool:
     """Does the model run on ``inputs``? Eval mode, no grad, and its modes restored after."""
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
         with torch.no_grad():
-            model(**inputs)
+            inputs.call(model) if isinstance(inputs, Inputs) else model(**inputs)
         return True
     except Exception as exc:  # noqa: BLE001 - any failure rules the candidate out
         # on the meta device data-dependent code cannot run; the shapes got that far
@@ -355,8 +359,121 @@ def _cannot_synthesize(model: nn.Module, why: str) -> str:
             f"example_inputs, a dict with at least {', '.join(needs) or 'its inputs'}")
 
 
+# --- models that describe their own inputs: timm and open_clip ---------------------------
+#
+# Neither library is imported: what they record on the model is read as plain attributes, so
+# any module that records the same is treated alike.
+
+
+def _int_pair(size: Any) -> tuple[int, int] | None:
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size, size
+    if isinstance(size, (list, tuple)) and len(size) >= 2 and all(isinstance(s, int) and s > 0 for s in size[-2:]):
+        return int(size[-2]), int(size[-1])
+    return None
+
+
+def _timm_input_size(model: nn.Module) -> tuple[int, int, int] | None:
+    """(C, H, W) from timm's ``pretrained_cfg["input_size"]`` (``default_cfg`` in older timm)."""
+    for name in ("pretrained_cfg", "default_cfg"):
+        cfg = getattr(model, name, None)
+        size = cfg.get("input_size") if isinstance(cfg, Mapping) else None
+        if isinstance(size, (list, tuple)) and len(size) == 3 and all(isinstance(s, int) and s > 0 for s in size):
+            return int(size[0]), int(size[1]), int(size[2])
+    return None
+
+
+def _channels(model: nn.Module) -> int:
+    """Image channels: the model's ``in_chans``, else its first 2-D convolution's, else 3 (RGB)."""
+    chans = getattr(model, "in_chans", None)
+    if isinstance(chans, int) and chans > 0:
+        return chans
+    conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    return conv.in_channels if conv is not None else 3
+
+
+def _text_shape(model: nn.Module) -> tuple[int, int] | None:
+    """(context length, vocabulary size) of an open_clip text tower or CLIP model."""
+    owners = (model, getattr(model, "text", None))
+    length = next((getattr(o, "context_length") for o in owners if isinstance(getattr(o, "context_length", None), int)), None)
+    vocab = next((getattr(o, "vocab_size") for o in owners if isinstance(getattr(o, "vocab_size", None), int)), None)
+    return (length, vocab) if length and length > 0 and vocab and vocab > 1 else None
+
+
+def _image_sizes(model: nn.Module) -> list[tuple[int, int, int]]:
+    """(C, H, W) candidates for an image model, the one its configuration states first; then the
+    size its patch embedding was built for, which ``create_model(..., img_size=...)`` sets
+    without updating ``pretrained_cfg``."""
+    sizes = []
+    timm_size = _timm_input_size(model)
+    if timm_size is not None:
+        sizes.append(timm_size)
+    own = _int_pair(getattr(model, "image_size", None))
+    if own is not None:
+        sizes.append((_channels(model), *own))
+    patch = _int_pair(getattr(getattr(model, "patch_embed", None), "img_size", None))
+    if patch is not None:
+        sizes.append((sizes[0][0] if sizes else _channels(model), *patch))
+    return list(dict.fromkeys(sizes))
+
+
+def described_inputs(model: nn.Module, *, batch: int = 2, seed: int = 0) -> Inputs | None:
+    """Inputs from what a timm or open_clip model records about itself; None if it records nothing.
+
+    - an image model: timm's ``pretrained_cfg["input_size"]`` (C, H, W), or open_clip's
+      ``image_size`` (an int or a pair) with the first convolution's channels, gives a
+      ``(batch, C, H, W)`` tensor;
+    - a text tower: ``context_length`` and ``vocab_size`` give ``(batch, context_length)``
+      token ids in ``[1, vocab_size)`` (0 is SigLIP's padding);
+    - a CLIP model (``visual`` with an ``image_size``, and the text's length and vocabulary)
+      gets both, as ``image=`` and ``text=``.
+
+    Where the stated size and the one the patch embedding was built for differ, the first the
+    model runs on is used.
+
+    >>> class Tower(torch.nn.Module):
+    ...     pretrained_cfg = {"input_size": (3, 32, 32)}
+    ...     def forward(self, x): return x.mean()
+    >>> described_inputs(Tower()).args[0].shape
+    torch.Size([2, 3, 32, 32])
+    """
+    gen = torch.Generator().manual_seed(seed)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    text = _text_shape(model)
+    visual = getattr(model, "visual", None)
+    params = inspect.signature(model.forward).parameters
+
+    def ids() -> torch.Tensor:
+        length, vocab = text
+        return torch.randint(1, vocab, (batch, length), generator=gen).to(device)
+
+    def image(size: tuple[int, int, int]) -> torch.Tensor:
+        return torch.randn((batch, *size), generator=gen).to(device, dtype)
+
+    if isinstance(visual, nn.Module) and text is not None and {"image", "text"} <= params.keys():
+        sizes = _image_sizes(visual)
+        if not sizes:
+            return None
+        return Inputs((), {"image": image(sizes[0]), "text": ids()})
+    sizes = _image_sizes(model)
+    if sizes:
+        cands = [Inputs((image(size),), {}) for size in sizes]
+        if len(cands) == 1:
+            return cands[0]
+        choice = _CHOICE.get(model)
+        if choice is None or choice >= len(cands):
+            choice = next((i for i, c in enumerate(cands) if _runs(model, c)), 0)
+            _CHOICE[model] = choice
+        return cands[choice]
+    if text is not None:
+        return Inputs((ids(),), {})
+    return None
+
+
 def resolve_inputs(model: nn.Module, example_inputs: ExampleInputs = None, *, seed: int = 0) -> Inputs:
-    """The user's example inputs, or inputs synthesized for a Hugging Face model."""
+    """The user's example inputs, or inputs synthesized from the model's own configuration:
+    a Hugging Face config, or what a timm or open_clip model records (``described_inputs``)."""
     if example_inputs is not None:
         inputs = as_inputs(example_inputs)
         if is_hf_model(model) and wants_no_cache(model):
@@ -364,10 +481,17 @@ def resolve_inputs(model: nn.Module, example_inputs: ExampleInputs = None, *, se
         return inputs
     if is_hf_model(model):
         return Inputs((), hf_example_inputs(model, seed=seed))
-    raise CaptureError(
-        f"{type(model).__name__} is not a Hugging Face model, so enjoyln cannot invent "
-        "its inputs; pass example_inputs (a tensor, a tuple or a dict of keyword arguments)"
-    )
+    described = described_inputs(model, seed=seed)
+    if described is not None:
+        return described
+    raise CaptureError(_undescribed(model))
+
+
+def _undescribed(model: nn.Module) -> str:
+    return (f"{type(model).__name__} is not a Hugging Face model and records no input size enjoyln can read "
+            "(timm's pretrained_cfg['input_size'], or open_clip's image_size, or context_length and "
+            "vocab_size), so enjoyln cannot invent its inputs; pass example_inputs (a tensor, a tuple or "
+            "a dict of keyword arguments)")
 
 
 def inputs_like(inputs: Inputs, seed: int) -> Inputs:

@@ -41,7 +41,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..analysis.inputs import (ExampleInputs, Inputs, as_inputs, config_value, hf_example_inputs, inputs_like,
+from ..analysis.inputs import (ExampleInputs, Inputs, as_inputs, config_value, described_inputs, hf_example_inputs,
+                               inputs_like,
                                is_causal_lm, is_hf_model, wants_no_cache)
 from ..errors import CaptureError, EnjoylnError, first_line
 
@@ -291,13 +292,18 @@ def _dtype(model: nn.Module) -> torch.dtype:
 
 def input_batches(model: nn.Module, example_inputs: ExampleInputs = None, *, batches: int = 3,
                   seed: int = 0, batch_size: int = 2, seq_len: int = 16) -> list[Inputs]:
-    """Seeded input batches: synthesized for Hugging Face models, else like the examples."""
+    """Seeded input batches: synthesized from the model's configuration (Hugging Face, timm, open_clip),
+    else like the examples."""
     if example_inputs is None:
-        if not is_hf_model(model):
-            raise CaptureError(f"{type(model).__name__} is not a Hugging Face model; pass "
+        if is_hf_model(model):
+            return [Inputs((), hf_example_inputs(model, batch=batch_size, seq_len=seq_len, seed=seed + i))
+                    for i in range(batches)]
+        described = [described_inputs(model, batch=batch_size, seed=seed + i) for i in range(batches)]
+        if described[0] is None:
+            raise CaptureError(f"{type(model).__name__} is not a Hugging Face model and records no input size "
+                               "(timm's pretrained_cfg, open_clip's image_size or context_length); pass "
                                "example_inputs to check it")
-        return [Inputs((), hf_example_inputs(model, batch=batch_size, seq_len=seq_len, seed=seed + i))
-                for i in range(batches)]
+        return described
     first = as_inputs(example_inputs)
     if is_hf_model(model) and wants_no_cache(model):
         first.kwargs.setdefault("use_cache", False)

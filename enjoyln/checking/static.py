@@ -49,6 +49,7 @@ from ..store.model_dir import (_OWNER, DTYPES, JSON_LIMIT, PT_INDEX, SAFE_INDEX,
                         checkpoint_key, extra_files, input_file, is_weight_file, load_dtype, loader_files,
                         loader_text, meta_model, parse_json_file, saved_names)
 from ..ops.compare import same_bytes
+from ..store.sources import source_of
 from ..plan import Centering, FoldPlan, RotationSpec, block_lists
 from ..store.tensors import Buffer, TensorReader, read_ahead
 
@@ -310,7 +311,7 @@ def load_problems(ref: ModelDir, cand: ModelDir, dtype: str | None = None) -> li
     return problems
 
 
-def _generation(md: ModelDir) -> dict[str, Any]:
+def transformers_generation(md: ModelDir) -> dict[str, Any]:
     """The generation settings ``from_pretrained`` gives the model, built as transformers 5 builds
     them (``GenerationMixin.adjust_generation_fn``): from generation_config.json, or, when it is
     missing or not JSON, ``GenerationConfig.from_model_config`` of config.json's raw values,
@@ -400,7 +401,7 @@ def _file_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
     index = PT_INDEX if cand.pickled else SAFE_INDEX
     # _OWNER marks the temporary directory a fold checks before publishing it; no loader reads it
     own = {"config.json", _OWNER, *cand.shards} | ({index} if (cand.path / index).exists() else set())
-    theirs_gen, ours_gen = _generation(ref), _generation(cand)
+    theirs_gen, ours_gen = source_of(ref).generation(ref), source_of(cand).generation(cand)
     for key in sorted(k for k in theirs_gen.keys() | ours_gen.keys()
                       if not same_json(theirs_gen.get(k), ours_gen.get(k))):
         problems.append(f"the candidate's generation config changes {key} from {theirs_gen.get(key)!r} "

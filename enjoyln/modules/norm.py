@@ -11,11 +11,34 @@ from torch import nn
 from .. import ops
 
 
+_UNIT = "_enjoyln_unit"
+"""Set on a weightless norm's tensor of ones: its (version, data pointer) while it holds them."""
+
+
+def _mark_unit(t: torch.Tensor) -> None:
+    setattr(t, _UNIT, (t._version, t.data_ptr()))
+
+
+def _is_unit(t: torch.Tensor | None) -> bool:
+    """``t`` is a weightless norm's ones, as made: not written in place (that bumps the version),
+    not given other data (``.data =`` moves the pointer), not a copy (new storage)."""
+    mark = getattr(t, _UNIT, None) if t is not None else None
+    return mark is not None and not torch.compiler.is_compiling() and mark == (t._version, t.data_ptr())
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with LayerNorm's gain, bias and epsilon.
 
     The constructor mirrors ``nn.LayerNorm``, and the parameters keep the names
     ``weight`` and ``bias``, so a state dict moves between the two unchanged.
+
+    A weightless norm (``elementwise_affine=False``, or γ fused into its readers)
+    still has a ``weight``: a buffer of ones, not in the state dict, so that
+    tools which read a norm's gain and fold it into the next linear layer
+    (llmcompressor's ``fuse_norm_linears``, AWQ- and SmoothQuant-style scaling)
+    work on it. While it holds the ones it was made with, ``forward`` runs the
+    weightless kernel, bit for bit what it ran before; once a tool writes to it,
+    ``forward`` multiplies by it.
 
     >>> ln = torch.nn.LayerNorm(8, eps=1e-12)
     >>> rms = RMSNorm.from_layer_norm(ln)
@@ -43,8 +66,36 @@ class RMSNorm(nn.Module):
             self.weight = nn.Parameter(torch.ones(self.normalized_shape, **factory))
             self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **factory)) if bias else None
         else:
-            self.register_parameter("weight", None)
+            self._set_unit_weight(**factory)
             self.register_parameter("bias", None)
+
+    def _set_unit_weight(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        ones = torch.ones(self.normalized_shape, dtype=dtype, device=device)
+        _mark_unit(ones)
+        self._parameters.pop("weight", None)
+        self.register_buffer("weight", ones, persistent=False)
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        """As ``nn.Module``'s, but a weight of None (a weightless norm) becomes a buffer of ones,
+        in the dtype and on the device of the weight it replaces."""
+        if name == "weight" and param is None and "normalized_shape" in self.__dict__:
+            old = self._parameters.get("weight", self._buffers.get("weight"))
+            self._buffers.pop("weight", None)
+            self._set_unit_weight(**({"dtype": old.dtype, "device": old.device} if old is not None else {}))
+            return
+        if name == "weight":
+            self._buffers.pop("weight", None)
+            self._non_persistent_buffers_set.discard("weight")
+        super().register_parameter(name, param)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module's own signature
+        unit = _is_unit(self._buffers.get("weight"))
+        super()._apply(fn, recurse)
+        if unit:  # moved or cast as made (or to_empty, which leaves memory unset): the ones again
+            with torch.no_grad():
+                self._buffers["weight"].fill_(1)
+            _mark_unit(self._buffers["weight"])
+        return self
 
     @classmethod
     def from_layer_norm(cls, ln: nn.LayerNorm) -> "RMSNorm":
@@ -60,7 +111,10 @@ class RMSNorm(nn.Module):
         return rms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        weight = self.weight
+        if not self.elementwise_affine and _is_unit(weight):
+            weight = None
+        return ops.rms_norm(x, self.normalized_shape, weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, eps={self.eps}, "

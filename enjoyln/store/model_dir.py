@@ -83,7 +83,7 @@ class TensorInfo:
 
 @dataclass
 class ModelDir:
-    """A validated Hugging Face model directory."""
+    """A validated model directory: Hugging Face's format, or timm's hub format."""
 
     path: Path
     config: dict[str, Any]
@@ -94,6 +94,8 @@ class ModelDir:
     custom_code: list[str] = field(default_factory=list)
     """What makes this a remote-code model (``auto_map``, ``.py`` files); empty if none."""
     trust_remote_code: bool = False
+    source: str = "transformers"
+    """The library that builds and loads the model (``sources.SOURCES``): transformers or timm."""
 
     @property
     def nbytes(self) -> int:
@@ -328,21 +330,21 @@ def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False,
     if not any(root.iterdir()):
         raise CheckpointError(f"{root} is empty")
     config = read_json(root / "config.json", "a model config")
-    archs = config.get("architectures") or []
-    if not archs or not isinstance(archs, list):
+    from .sources import source_for
+
+    source = source_for(config)
+    if source is None or (source.name == "transformers" and not isinstance(config["architectures"], list)):
         raise CheckpointError(f"{root / 'config.json'} names no architecture (\"architectures\" is missing)")
     code = custom_code(root, config)
     if code and not trust_remote_code:
         raise CheckpointError(f"{root} carries custom code ({', '.join(code[:3])}); enjoyln analyses only "
-                              "transformers' own model classes and never writes code it did not analyse; "
+                              f"{source.name}'s own model classes and never writes code it did not analyse; "
                               "pass --trust-remote-code to analyse, run and keep that code")
-    arch = archs[0]
-    remote = bool(code) and bool(config.get("auto_map"))
-    if not isinstance(arch, str) or (not remote and arch not in _transformers_names()):
-        raise unknown_architecture(arch)
-    md = ModelDir(root, config, arch, [], custom_code=code, trust_remote_code=trust_remote_code)
+    arch = source.architecture(root, config, remote=bool(code) and bool(config.get("auto_map")))
+    md = ModelDir(root, config, arch, [], custom_code=code, trust_remote_code=trust_remote_code, source=source.name)
     index: dict[str, str] | None = None
     present = {n for n in WEIGHT_FILES if (root / n).exists() or (root / n).is_symlink()}
+    source.check_weights(root, present)
     for single, index_name in ((SAFE_WEIGHTS, SAFE_INDEX), (PT_WEIGHTS, PT_INDEX)):
         if {single, index_name} <= present:
             # transformers loads the single file and ignores the index; a check that read the
@@ -439,7 +441,14 @@ def auto_config(md: ModelDir) -> Any:
 
 
 def meta_model(md: ModelDir) -> nn.Module:
-    """The model class of ``md`` built on the meta device: graph and names, no weights."""
+    """The model of ``md`` built on the meta device by its library: graph and names, no weights."""
+    from .sources import source_of
+
+    return source_of(md).meta_model(md)
+
+
+def transformers_meta_model(md: ModelDir) -> nn.Module:
+    """The transformers model class of ``md`` built on the meta device."""
     cls = model_class(md)
     config = auto_config(md)
     try:
@@ -456,6 +465,13 @@ def dtype_name(dtype: Any) -> str:
 
 
 def load_dtype(md: ModelDir) -> tuple[str, str]:
+    """The dtype the library's own loader gives ``md`` (its name), and where it comes from."""
+    from .sources import source_of
+
+    return source_of(md).load_dtype(md)
+
+
+def transformers_load_dtype(md: ModelDir) -> tuple[str, str]:
     """The dtype a plain ``from_pretrained`` loads ``md`` in (its name), and where it comes from.
 
     transformers 5 loads with ``dtype="auto"`` by default (``modeling_utils._get_dtype``): the

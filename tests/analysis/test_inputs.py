@@ -95,3 +95,153 @@ def test_impossible_synthesis_names_the_inputs_to_pass():
     with pytest.raises(enjoyln.CaptureError, match="pass example_inputs, a dict with at least states") as err:
         enjoyln.analyze(model)
     assert "\n" not in str(err.value)
+
+
+# --- models that record their own input sizes (timm, open_clip), mirrored in plain PyTorch -----
+
+import copy  # noqa: E402
+
+from torch import nn  # noqa: E402
+
+from conftest import assert_same_outputs  # noqa: E402
+from enjoyln.analysis.inputs import described_inputs  # noqa: E402
+from enjoyln.testing import perturb  # noqa: E402
+
+
+class PatchNet(nn.Module):
+    """timm's pattern: ``pretrained_cfg["input_size"]`` says (C, H, W); the patch embedding
+    refuses any other size, as timm's does."""
+
+    def __init__(self, img: int = 32, cfg_img: int | None = None, chans: int = 3):
+        super().__init__()
+        self.pretrained_cfg = {"input_size": (chans, cfg_img or img, cfg_img or img), "num_classes": 10}
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv2d(chans, 16, 8, 8)
+        self.patch_embed.img_size = (img, img)
+        self.norm1, self.fc, self.norm, self.head = nn.LayerNorm(16), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        if tuple(x.shape[-2:]) != self.patch_embed.img_size:
+            raise ValueError(f"input size {tuple(x.shape[-2:])} does not match the model's {self.patch_embed.img_size}")
+        x = self.patch_embed.proj(x).flatten(2).transpose(1, 2)
+        x = x + self.fc(self.norm1(x))
+        return self.head(self.norm(x)).mean(1)
+
+
+class ResNetTower(nn.Module):
+    """open_clip's ModifiedResNet: ``image_size`` is an int; the channels are its first conv's."""
+
+    def __init__(self, image_size=24, chans: int = 3):
+        super().__init__()
+        self.image_size = image_size
+        self.conv, self.ln = nn.Conv2d(chans, 8, 3, padding=1), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.ln(self.conv(x).mean((2, 3)))
+
+
+class TextTower(nn.Module):
+    """open_clip's TextTransformer: ``context_length`` and ``vocab_size``."""
+
+    def __init__(self, vocab: int = 40, ctx: int = 12, d: int = 16):
+        super().__init__()
+        self.context_length, self.vocab_size = ctx, vocab
+        self.token_embedding = nn.Embedding(vocab, d)
+        self.positional_embedding = nn.Parameter(torch.randn(ctx, d) * 0.1)
+        self.ln, self.proj, self.ln_final = nn.LayerNorm(d), nn.Linear(d, d), nn.LayerNorm(d)
+
+    def forward(self, text):
+        x = self.token_embedding(text) + self.positional_embedding
+        x = x + self.proj(self.ln(x))
+        return self.ln_final(x).mean(1)
+
+
+class ClipLike(nn.Module):
+    """open_clip's CLIP: a ``visual`` tower with ``image_size``, the text's length and vocabulary
+    on the model, and ``forward(image, text)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.visual = ResNetTower(image_size=(16, 20))
+        self.visual.image_size = (16, 20)
+        self.text = TextTower()
+        self.context_length, self.vocab_size = self.text.context_length, self.text.vocab_size
+
+    def forward(self, image=None, text=None):
+        return {"image_features": self.visual(image), "text_features": self.text(text)}
+
+
+def _folds_without_inputs(model, expected_folded):
+    """analyze() and fold() with no inputs; the fold computes what the model did (perturbed)."""
+    model = perturb(model.eval())
+    plan = enjoyln.analyze(model)
+    assert sorted(e.name for e in plan.foldable) == expected_folded
+    inputs = described_inputs(model, seed=3)
+    folded = enjoyln.fold(copy.deepcopy(model))
+    assert_same_outputs(model, folded, inputs)
+    return plan
+
+
+def test_timm_pattern_analyses_and_folds_without_inputs():
+    model = PatchNet()
+    inputs = described_inputs(model)
+    assert len(inputs.args) == 1 and not inputs.kwargs
+    assert inputs.args[0].shape == (2, 3, 32, 32) and inputs.args[0].dtype == torch.float32
+    _folds_without_inputs(PatchNet(), ["norm", "norm1"])
+    model = perturb(model.eval())
+    rotated = enjoyln.rotate(copy.deepcopy(model))
+    assert_same_outputs(model, rotated, described_inputs(model, seed=4))
+    assert enjoyln.check(model, rotated).passed  # the check needs no inputs either
+
+
+def test_timm_default_cfg_and_channels_come_from_the_config():
+    model = PatchNet(chans=1)
+    model.default_cfg = model.pretrained_cfg
+    del model.pretrained_cfg
+    assert described_inputs(model).args[0].shape == (2, 1, 32, 32)
+
+
+def test_size_the_patch_embedding_was_built_for_wins_when_the_config_size_does_not_run():
+    """``create_model(name, img_size=64)`` leaves pretrained_cfg's 224: the model runs only on 64."""
+    model = PatchNet(img=16, cfg_img=32)
+    assert described_inputs(model).args[0].shape == (2, 3, 16, 16)
+    _folds_without_inputs(PatchNet(img=16, cfg_img=32), ["norm", "norm1"])
+
+
+def test_open_clip_image_tower_with_int_and_tuple_image_size():
+    assert described_inputs(ResNetTower(image_size=24, chans=4)).args[0].shape == (2, 4, 24, 24)
+    tower = ResNetTower(image_size=(16, 20))
+    assert described_inputs(tower).args[0].shape == (2, 3, 16, 20)
+    _folds_without_inputs(tower, ["ln"])
+
+
+def test_open_clip_text_tower_gets_ids_of_its_context_length_within_its_vocabulary():
+    model = TextTower(vocab=40, ctx=12)
+    ids = described_inputs(model, batch=64).args[0]
+    assert ids.shape == (64, 12) and ids.dtype == torch.long
+    assert int(ids.min()) >= 1 and int(ids.max()) < 40  # 0 is SigLIP's padding id
+    _folds_without_inputs(TextTower(), ["ln", "ln_final"])
+
+
+def test_clip_model_gets_image_and_text():
+    model = ClipLike()
+    inputs = described_inputs(model)
+    assert not inputs.args and set(inputs.kwargs) == {"image", "text"}
+    assert inputs.kwargs["image"].shape == (2, 3, 16, 20) and inputs.kwargs["text"].shape == (2, 12)
+    _folds_without_inputs(ClipLike(), ["text.ln", "text.ln_final", "visual.ln"])
+
+
+def test_text_length_and_vocabulary_may_sit_on_the_text_tower():
+    """CoCa keeps ``vocab_size`` on its text tower only."""
+    model = ClipLike()
+    del model.vocab_size
+    assert described_inputs(model).kwargs["text"].shape == (2, 12)
+
+
+def test_a_module_that_records_no_input_size_names_what_enjoyln_looked_for():
+    net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    with pytest.raises(enjoyln.CaptureError, match=r"pretrained_cfg\['input_size'\].*pass example_inputs") as err:
+        enjoyln.analyze(net)
+    assert "\n" not in str(err.value)
+    with pytest.raises(enjoyln.CaptureError, match="records no input size"):
+        enjoyln.check(net, net)

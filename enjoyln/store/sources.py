@@ -1,0 +1,223 @@
+"""Where a model directory's model comes from: transformers, or timm.
+
+config.json says which library builds the model: transformers names its
+classes in ``"architectures"`` (a list); timm's hub format, as
+``timm.models.push_to_hf_hub`` writes it, names a registered model in
+``"architecture"`` (a string) beside ``num_classes``, ``model_args`` and
+``pretrained_cfg``. Everything that differs between the two (validating the
+name, building the model on the meta device, loading it, the dtype it loads
+in, the generation settings it carries) goes through a ``Source``; the rest
+of the file path (streaming, centering, the static check) is the same.
+
+timm is imported only for a timm directory. It is never asked to download
+anything: the weights always come from the directory's own
+``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+
+if TYPE_CHECKING:
+    from .model_dir import ModelDir
+
+
+class Source:
+    """What a model directory's library does for enjoyln."""
+
+    name = ""
+    bounded_loading = False
+    """Whether it can load within a memory budget, offloading weights (accelerate's big-model
+    inference, which only transformers' loader offers)."""
+    shards = True
+    """Whether its loader reads sharded weights (an index and several safetensors files)."""
+    loader = ""
+    """The plain loader's name, as the check reports the path it loaded the candidate by."""
+
+    def architecture(self, root: Path, config: dict[str, Any], remote: bool) -> str:
+        """The model's name from config.json, refused unless the library knows it."""
+        raise NotImplementedError
+
+    def check_weights(self, root: Path, present: set[str]) -> None:
+        """Refuse weight files this library would not load as a fold writes them."""
+
+    def meta_model(self, md: "ModelDir") -> nn.Module:
+        """The model built on the meta device, in eval mode: graph and names, no weights."""
+        raise NotImplementedError
+
+    def load(self, md: "ModelDir", *, trust_remote_code: bool = False, max_memory: int | None = None,
+             offload_dir: Any = None, **kwargs: Any) -> nn.Module:
+        """The model as the library's own loader gives it (LayerNorms unchanged)."""
+        raise NotImplementedError
+
+    def load_dtype(self, md: "ModelDir") -> tuple[str, str]:
+        """The dtype that loader gives the model (its name), and where that comes from."""
+        raise NotImplementedError
+
+    def generation(self, md: "ModelDir") -> dict[str, Any]:
+        """The generation settings the loaded model carries (compared by the static check)."""
+        return {}
+
+
+class Transformers(Source):
+    """transformers' own classes (``from_pretrained``), or the directory's code when trusted."""
+
+    name = "transformers"
+    bounded_loading = True
+    loader = "from_pretrained"
+
+    def architecture(self, root: Path, config: dict[str, Any], remote: bool) -> str:
+        from .model_dir import _transformers_names, unknown_architecture
+
+        arch = config["architectures"][0]
+        if not isinstance(arch, str) or (not remote and arch not in _transformers_names()):
+            raise unknown_architecture(arch)
+        return arch
+
+    def meta_model(self, md: "ModelDir") -> nn.Module:
+        from .model_dir import transformers_meta_model
+
+        return transformers_meta_model(md)
+
+    def load(self, md: "ModelDir", *, trust_remote_code: bool = False, max_memory: int | None = None,
+             offload_dir: Any = None, **kwargs: Any) -> nn.Module:
+        from .model_dir import model_class
+
+        cls = model_class(md)
+        kwargs["trust_remote_code"] = trust_remote_code
+        if md.pickled:
+            kwargs.setdefault("use_safetensors", False)
+        if max_memory is not None:
+            if offload_dir is None:
+                raise CheckpointError("loading within a memory budget needs a directory for offloaded weights")
+            kwargs.update(device_map="auto", max_memory={"cpu": max(int(max_memory), 1)},
+                          offload_folder=str(offload_dir))
+        return cls.from_pretrained(md.path, **kwargs)
+
+    def load_dtype(self, md: "ModelDir") -> tuple[str, str]:
+        from .model_dir import transformers_load_dtype
+
+        return transformers_load_dtype(md)
+
+    def generation(self, md: "ModelDir") -> dict[str, Any]:
+        from ..checking.static import transformers_generation
+
+        return transformers_generation(md)
+
+
+def import_timm() -> Any:
+    """timm, or one clear error: it is needed only for a timm directory, and is not a dependency."""
+    try:
+        return importlib.import_module("timm")
+    except Exception as exc:  # ImportError, or what a broken install raises (a CUDA torchvision on a CPU torch)
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"this is a timm model directory (config.json names an \"architecture\"), but timm "
+                              f"cannot be imported here ({type(exc).__name__}: {why}); install timm to inspect, "
+                              "fold, check or load it") from None
+
+
+_LOADING_ARGS = frozenset({"pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path", "cache_dir"})
+"""``create_model``'s arguments that say where weights come from, which a directory's ``model_args``
+may not set."""
+
+
+class Timm(Source):
+    """timm's hub format: ``create_model(architecture, pretrained=True, pretrained_cfg_overlay=
+    dict(file=.../model.safetensors))`` with the directory's ``num_classes``, ``model_args`` and
+    ``pretrained_cfg``. timm builds its models in float32 and copies the weights into them."""
+
+    name = "timm"
+    shards = False
+    loader = "timm.create_model"
+
+    def architecture(self, root: Path, config: dict[str, Any], remote: bool) -> str:
+        arch = config["architecture"]
+        if not isinstance(arch, str) or not arch:
+            raise CheckpointError(f"{root / 'config.json'} names the architecture {arch!r}, which is not a model name")
+        for key, kind in (("model_args", dict), ("pretrained_cfg", dict), ("num_classes", int)):
+            if key in config and not isinstance(config[key], kind):
+                raise CheckpointError(f"{root / 'config.json'}'s {key} is not {'an object' if kind is dict else 'an integer'}")
+        loading = sorted(set(config.get("model_args") or {}) & _LOADING_ARGS)
+        if loading:
+            # create_model would load (or fetch) weights from elsewhere than the directory's file
+            raise CheckpointError(f"{root / 'config.json'}'s model_args set {', '.join(loading)}, which say where "
+                                  "timm loads weights from, not what the model is; enjoyln reads only the "
+                                  "directory's model.safetensors")
+        timm = import_timm()
+        if not timm.is_model(arch):
+            raise CheckpointError(f"unknown architecture {arch!r}: timm {timm.__version__} has no such model")
+        return arch
+
+    def check_weights(self, root: Path, present: set[str]) -> None:
+        from .model_dir import SAFE_WEIGHTS
+
+        if SAFE_WEIGHTS not in present:
+            raise CheckpointError(f"{root} has no {SAFE_WEIGHTS}; enjoyln reads a timm model directory's weights "
+                                  "from that one file, which is what timm loads first")
+
+    def _build(self, md: "ModelDir", pretrained: bool) -> nn.Module:
+        from .model_dir import SAFE_WEIGHTS
+
+        timm = import_timm()
+        cfg = md.config
+        overlay = dict(cfg.get("pretrained_cfg") or {})
+        # the directory's own file and nothing else: no hub, no URL, no custom loader
+        overlay.update(file=str(md.path / SAFE_WEIGHTS), source="", state_dict=None, custom_load=False)
+        kwargs = dict(cfg.get("model_args") or {})
+        if "num_classes" in cfg:
+            kwargs["num_classes"] = cfg["num_classes"]
+        if "num_classes" in kwargs:  # as the model's head: else timm drops the stored head and loads the rest
+            overlay["num_classes"] = kwargs["num_classes"]
+        return timm.create_model(md.architecture, pretrained=pretrained, pretrained_cfg_overlay=overlay, **kwargs)
+
+    def meta_model(self, md: "ModelDir") -> nn.Module:
+        try:
+            with torch.device("meta"):
+                model = self._build(md, pretrained=False)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"cannot build {md.architecture} from {md.path / 'config.json'}: "
+                                  f"{(str(exc).splitlines() or [''])[0]}") from None
+        return model.eval()
+
+    def load(self, md: "ModelDir", *, trust_remote_code: bool = False, max_memory: int | None = None,
+             offload_dir: Any = None, dtype: Any = None, **kwargs: Any) -> nn.Module:
+        if max_memory is not None:
+            raise CheckpointError("timm loads a model whole, so it cannot run within a memory budget; pass --static "
+                                  "to prove every weight without running the model")
+        if kwargs:
+            raise CheckpointError(f"a timm model directory loads without {', '.join(sorted(kwargs))}")
+        model = self._build(md, pretrained=True)
+        if isinstance(dtype, str) and dtype != "auto":
+            dtype = getattr(torch, dtype, None)
+        if isinstance(dtype, torch.dtype):
+            model = model.to(dtype)
+        return model
+
+    def load_dtype(self, md: "ModelDir") -> tuple[str, str]:
+        return "float32", "timm, which builds its models in float32"
+
+
+TRANSFORMERS, TIMM = Transformers(), Timm()
+SOURCES = {s.name: s for s in (TRANSFORMERS, TIMM)}
+
+
+def source_for(config: dict[str, Any]) -> Source | None:
+    """The library a config.json is written for, or None if it names no architecture."""
+    if config.get("architectures"):
+        return TRANSFORMERS
+    if "architecture" in config and "architectures" not in config:
+        return TIMM
+    return None
+
+
+def source_of(md: "ModelDir") -> Source:
+    return SOURCES[md.source]
