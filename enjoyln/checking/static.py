@@ -311,33 +311,6 @@ def load_problems(ref: ModelDir, cand: ModelDir, dtype: str | None = None) -> li
     return problems
 
 
-def transformers_generation(md: ModelDir) -> dict[str, Any]:
-    """The generation settings ``from_pretrained`` gives the model, built as transformers 5 builds
-    them (``GenerationMixin.adjust_generation_fn``): from generation_config.json, or, when it is
-    missing or not JSON, ``GenerationConfig.from_model_config`` of config.json's raw values,
-    which keeps the sampling settings a config may carry (``do_sample``, ``temperature``)."""
-    import transformers
-
-    file = md.path / "generation_config.json"
-    data = None
-    if file.is_file():
-        try:
-            data = parse_json_file(file, "a generation config")
-        except CheckpointError:
-            if file.stat().st_size > JSON_LIMIT:
-                raise
-    try:
-        if isinstance(data, dict):
-            settings = transformers.GenerationConfig.from_dict(copy.deepcopy(data)).to_dict()
-        else:
-            settings = transformers.GenerationConfig.from_model_config(copy.deepcopy(md.config)).to_dict()
-    except Exception as exc:  # transformers raises many kinds for a bad file
-        raise CheckpointError(f"cannot read the generation config of {md.path}: "
-                              f"{first_line(exc)}") from None
-    settings.pop("transformers_version", None)  # the running transformers' version, on both sides
-    return settings
-
-
 class _Unreadable(Exception):
     pass
 

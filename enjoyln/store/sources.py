@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, first_line
 
 if TYPE_CHECKING:
     from .model_dir import ModelDir
@@ -107,9 +107,38 @@ class Transformers(Source):
         return transformers_load_dtype(md)
 
     def generation(self, md: "ModelDir") -> dict[str, Any]:
-        from ..checking.static import transformers_generation
-
         return transformers_generation(md)
+
+
+def transformers_generation(md: "ModelDir") -> dict[str, Any]:
+    """The generation settings ``from_pretrained`` gives the model, built as transformers 5 builds
+    them (``GenerationMixin.adjust_generation_fn``): from generation_config.json, or, when it is
+    missing or not JSON, ``GenerationConfig.from_model_config`` of config.json's raw values,
+    which keeps the sampling settings a config may carry (``do_sample``, ``temperature``)."""
+    import copy
+
+    import transformers
+
+    from .model_dir import JSON_LIMIT, parse_json_file
+
+    file = md.path / "generation_config.json"
+    data = None
+    if file.is_file():
+        try:
+            data = parse_json_file(file, "a generation config")
+        except CheckpointError:
+            if file.stat().st_size > JSON_LIMIT:
+                raise
+    try:
+        if isinstance(data, dict):
+            settings = transformers.GenerationConfig.from_dict(copy.deepcopy(data)).to_dict()
+        else:
+            settings = transformers.GenerationConfig.from_model_config(copy.deepcopy(md.config)).to_dict()
+    except Exception as exc:  # transformers raises many kinds for a bad file
+        raise CheckpointError(f"cannot read the generation config of {md.path}: "
+                              f"{first_line(exc)}") from None
+    settings.pop("transformers_version", None)  # the running transformers' version, on both sides
+    return settings
 
 
 def import_timm() -> Any:

@@ -143,7 +143,7 @@ def _blocks(lang):
 
 def test_guide_example_rotates_loads_and_quantizes(tmp_path, monkeypatch):
     _llmcompressor()
-    from enjoyln.cli.commands import app
+    from enjoyln.cli.app import app
 
     model = opt()
     model.save_pretrained(tmp_path / "my-model")

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 import enjoyln
 from conftest import assert_same_outputs
 from enjoyln.analysis.inputs import described_inputs
-from enjoyln.cli.commands import app
+from enjoyln.cli.app import app
 from enjoyln.testing import perturb
 
 runner = CliRunner()
