@@ -37,11 +37,12 @@ from .analysis.driver import norm_module_paths
 from .errors import CheckFailed, CheckpointError, EnjoylnError, first_line
 from .store.plan_cache import cached_plan
 from .store.sources import source_of
-from .store.model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, ModelDir, TensorInfo,
-                        check_links, check_out_dir, check_shapes, checkpoint_key, clean_stale,
-                        copy_extras, keep_failed as _keep_failed, load_dtype, meta_model, missing_dirs,
-                        open_model_dir, publish, read_safetensors_header, remove_dirs, saved_names, signals_held,
-                        temp_dir)
+from .store.model_dir import ModelDir, load_dtype, meta_model, open_model_dir
+from .store.files import check_links, copy_extras
+from .store.formats import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SAFE_WEIGHTS, load_pickled,
+                            read_safetensors_header, TensorInfo)
+from .store.hf import check_shapes, checkpoint_key, saved_names
+from .store.transaction import check_out_dir, clean_stale, keep_failed as _keep_failed, missing_dirs, publish, remove_dirs, signals_held, temp_dir
 from .plan import AFFINE_GAIN, FORMAT_VERSION, NOT_ROTATED, Centering, FoldPlan, RotationSpec, block_lists, format_bytes
 from .transform.rotation import apply_rotation
 from .transform.steps import (InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits,
@@ -97,7 +98,7 @@ def _read_tensors(md: ModelDir, model: nn.Module, names: list[str],
     prefix = getattr(model, "base_model_prefix", "") or ""
     saved = saved_names(model)
     if md.pickled and pickled is None:
-        pickled = _load_pickled(md)
+        pickled = load_pickled(md)
     keys = set(pickled) if pickled is not None else set(md.tensors)
     out = []
     for name in names:
@@ -231,7 +232,7 @@ def final_tensors(md: ModelDir, plan: FoldPlan, meta: nn.Module, *, trust_remote
     apply_plan(model, plan)
     prefix = getattr(meta, "base_model_prefix", "") or ""
     saved = saved_names(meta)
-    keys = set(md.tensors) if not md.pickled else set(_load_pickled(md))
+    keys = set(md.tensors) if not md.pickled else set(load_pickled(md))
     named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     out: dict[str, torch.Tensor] = {}
     for name, t in named.items():
@@ -254,7 +255,7 @@ def final_tensors(md: ModelDir, plan: FoldPlan, meta: nn.Module, *, trust_remote
                 out[key] = torch.full(shape, fill, dtype=dtype)
     # stored but not loaded by the model (GPT-2's attn.bias masks): kept as they are, as the
     # tensor-by-tensor fold keeps them
-    pickled = _load_pickled(md) if md.pickled and keys - out.keys() else None
+    pickled = load_pickled(md) if md.pickled and keys - out.keys() else None
     for key in sorted(keys - out.keys()):
         out[key] = pickled[key][1] if pickled is not None else _stored(md, key)
     for key, t in out.items():
@@ -277,7 +278,7 @@ def _load_plain(md: ModelDir, trust_remote_code: bool) -> nn.Module:
 def _moved_entries(md: ModelDir, tensors: dict[str, torch.Tensor]) -> list[tuple[str, list[Entry]]]:
     """Output shards like the input's, each tensor given as it is to be written."""
     home: dict[str, str] = ({t.name: t.file for t in md.tensors.values()} if not md.pickled
-                            else {k: shard for k, (shard, _) in _load_pickled(md).items()})
+                            else {k: shard for k, (shard, _) in load_pickled(md).items()})
     shards: list[tuple[str, list[Entry]]] = [(s, []) for s in md.shards]
     by_shard = dict(shards)
     order = sorted(tensors, key=lambda k: (md.tensors[k].start if k in md.tensors else math.inf, k))
@@ -620,19 +621,6 @@ class FoldResult:
     """Files a model directory needs, copied through links that leave MODEL_DIR (``name -> target``)."""
 
 
-def _load_pickled(md: ModelDir) -> dict[str, tuple[str, torch.Tensor]]:
-    """Pickle weights, loaded only because the user asked, and only as plain tensors."""
-    tensors: dict[str, tuple[str, torch.Tensor]] = {}
-    for shard in md.shards:
-        try:
-            part = torch.load(md.path / shard, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise CheckpointError(f"cannot load {md.path / shard} with weights_only=True: "
-                                  f"{first_line(exc)}") from None
-        tensors.update({k: (shard, v) for k, v in part.items() if isinstance(v, torch.Tensor)})
-    return tensors
-
-
 def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                     max_shard_size: int | None = None, force: bool = False,
                     allow_pickle: bool = False, dry_run: bool = False, auxiliary_centering: bool = False,
@@ -718,7 +706,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         if moves_values(plan):
             entries = _moved_entries(md, final_tensors(md, plan, model, trust_remote_code=trust_remote_code))
         else:
-            pickled = _load_pickled(md) if md.pickled else None
+            pickled = load_pickled(md) if md.pickled else None
             entries = _plan_entries(md, plan, prefix, saved_names(model), pickled, model)
         shards = _reshard(entries, max_shard_size)
         bytes_out = sum(e.nbytes for _, es in shards for e in es)

@@ -40,18 +40,15 @@ MAX_LINES = 600
 # expected,writer,transaction,memory,load}.py, checking/{report,static,compare,checkpoints}.py,
 # testing/mutation/{sources,drawing,observing,judging}.py, transform/tensors.py), and each entry
 # goes with its split.
-TO_SPLIT = {"enjoyln.convert", "enjoyln.store.model_dir", "enjoyln.checking.static", "enjoyln.checking.forward",
+TO_SPLIT = {"enjoyln.convert", "enjoyln.checking.static", "enjoyln.checking.forward",
             "enjoyln.testing.mutation.drawing", "enjoyln.transform.steps"}
-LONG_UNTIL_SPLIT = {"enjoyln.convert", "enjoyln.store.model_dir", "enjoyln.checking.static",
+LONG_UNTIL_SPLIT = {"enjoyln.convert", "enjoyln.checking.static",
                     "enjoyln.checking.forward", "enjoyln.testing.mutation.drawing"}
 UPWARD_UNTIL_SPLIT = {("enjoyln.checking.static", "enjoyln.convert"),  # the writer's expected tensors
-                      ("enjoyln.store.model_dir", "enjoyln.convert")}  # pickled loading
+                      }
 PRIVATE_UNTIL_SPLIT = {
-    ("enjoyln.checking.static", "enjoyln.store.model_dir", "_OWNER"),
     ("enjoyln.checking.static", "enjoyln.convert", "_output_config"),
     ("enjoyln.checking.static", "enjoyln.convert", "_analyze"),
-    ("enjoyln.checking.static", "enjoyln.convert", "_load_pickled"),
-    ("enjoyln.store.model_dir", "enjoyln.convert", "_load_pickled"),
     ("enjoyln.convert", "enjoyln.transform.steps", "_tensor"),
     ("enjoyln.transform.training", "enjoyln.transform.steps", "_owner"),
     ("enjoyln.transform.training", "enjoyln.transform.steps", "_untie_config"),
@@ -77,7 +74,14 @@ def imports(module: str) -> list[tuple[str, str | None, int]]:
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    # imports for annotations only never run, so they make no dependency (nor a cycle)
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found += [(a.name, None, node.lineno) for a in node.names if a.name.split(".")[0] == "enjoyln"]
         elif isinstance(node, ast.ImportFrom):

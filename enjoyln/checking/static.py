@@ -45,9 +45,12 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, EnjoylnError, first_line
-from ..store.model_dir import (_OWNER, DTYPES, JSON_LIMIT, PT_INDEX, SAFE_INDEX, ModelDir, check_shapes,
-                        checkpoint_key, extra_files, input_file, is_weight_file, load_dtype, loader_files,
-                        loader_text, meta_model, parse_json_file, saved_names)
+from ..store.model_dir import ModelDir, load_dtype, meta_model
+from ..store.files import extra_files, is_weight_file, loader_files
+from ..store.formats import (DTYPES, JSON_LIMIT, PT_INDEX, SAFE_INDEX, input_file, load_pickled, loader_text,
+                             parse_json_file)
+from ..store.hf import check_shapes, checkpoint_key, saved_names
+from ..store.transaction import OWNER_FILE
 from ..ops.compare import same_bytes
 from ..store.sources import source_of
 from ..plan import Centering, FoldPlan, RotationSpec, block_lists
@@ -372,8 +375,8 @@ def _file_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
     actual, problems = loader_files(cand.path)
     problems = [f"the candidate's {p}" for p in problems]
     index = PT_INDEX if cand.pickled else SAFE_INDEX
-    # _OWNER marks the temporary directory a fold checks before publishing it; no loader reads it
-    own = {"config.json", _OWNER, *cand.shards} | ({index} if (cand.path / index).exists() else set())
+    # OWNER_FILE marks the temporary directory a fold checks before publishing it; no loader reads it
+    own = {"config.json", OWNER_FILE, *cand.shards} | ({index} if (cand.path / index).exists() else set())
     theirs_gen, ours_gen = source_of(ref).generation(ref), source_of(cand).generation(cand)
     for key in sorted(k for k in theirs_gen.keys() | ours_gen.keys()
                       if not same_json(theirs_gen.get(k), ours_gen.get(k))):
@@ -697,9 +700,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
 def _reader(md: ModelDir) -> TensorReader:
     if not md.pickled:
         return TensorReader(md)
-    from ..convert import _load_pickled
-
-    return TensorReader(md, {k: t for k, (_, t) in _load_pickled(md).items()})
+    return TensorReader(md, {k: t for k, (_, t) in load_pickled(md).items()})
 
 
 def _cast_allowed(ref: torch.dtype, cand: torch.dtype, dtype: str | None = None) -> bool:

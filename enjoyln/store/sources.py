@@ -74,21 +74,21 @@ class Transformers(Source):
     loader = "from_pretrained"
 
     def architecture(self, root: Path, config: dict[str, Any], remote: bool) -> str:
-        from .model_dir import _transformers_names, unknown_architecture
+        from .hf import transformers_names, unknown_architecture
 
         arch = config["architectures"][0]
-        if not isinstance(arch, str) or (not remote and arch not in _transformers_names()):
+        if not isinstance(arch, str) or (not remote and arch not in transformers_names()):
             raise unknown_architecture(arch)
         return arch
 
     def meta_model(self, md: "ModelDir") -> nn.Module:
-        from .model_dir import transformers_meta_model
+        from .hf import transformers_meta_model
 
         return transformers_meta_model(md)
 
     def load(self, md: "ModelDir", *, trust_remote_code: bool = False, max_memory: int | None = None,
              offload_dir: Any = None, **kwargs: Any) -> nn.Module:
-        from .model_dir import model_class
+        from .hf import model_class
 
         cls = model_class(md)
         kwargs["trust_remote_code"] = trust_remote_code
@@ -102,7 +102,7 @@ class Transformers(Source):
         return cls.from_pretrained(md.path, **kwargs)
 
     def load_dtype(self, md: "ModelDir") -> tuple[str, str]:
-        from .model_dir import transformers_load_dtype
+        from .hf import transformers_load_dtype
 
         return transformers_load_dtype(md)
 
@@ -119,7 +119,7 @@ def transformers_generation(md: "ModelDir") -> dict[str, Any]:
 
     import transformers
 
-    from .model_dir import JSON_LIMIT, parse_json_file
+    from .formats import JSON_LIMIT, parse_json_file
 
     file = md.path / "generation_config.json"
     data = None
@@ -185,14 +185,14 @@ class Timm(Source):
         return arch
 
     def check_weights(self, root: Path, present: set[str]) -> None:
-        from .model_dir import SAFE_WEIGHTS
+        from .formats import SAFE_WEIGHTS
 
         if SAFE_WEIGHTS not in present:
             raise CheckpointError(f"{root} has no {SAFE_WEIGHTS}; enjoyln reads a timm model directory's weights "
                                   "from that one file, which is what timm loads first")
 
     def _build(self, md: "ModelDir", pretrained: bool) -> nn.Module:
-        from .model_dir import SAFE_WEIGHTS
+        from .formats import SAFE_WEIGHTS
 
         timm = import_timm()
         cfg = md.config

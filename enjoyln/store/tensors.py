@@ -16,7 +16,8 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import torch
 
 from ..errors import CheckpointError
-from .model_dir import DTYPES, ModelDir, TensorInfo
+from .model_dir import ModelDir
+from .formats import DTYPES, TensorInfo
 
 READ_AHEAD = 512 << 20
 """The largest job (in bytes) read while the one before it is still in use."""

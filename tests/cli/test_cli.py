@@ -249,9 +249,9 @@ def test_permission_denied_creating_the_temporary_directory(gpt2_dir, tmp_path, 
     def denied(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    from enjoyln.store import model_dir
+    from enjoyln.store import transaction
 
-    monkeypatch.setattr(model_dir.tempfile, "mkdtemp", denied)
+    monkeypatch.setattr(transaction.tempfile, "mkdtemp", denied)
     result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out")])
     assert result.exit_code == 2 and "permission denied" in result.stderr
 

@@ -138,7 +138,7 @@ def test_trusted_remote_code_is_analysed_run_and_kept(src, tmp_path, monkeypatch
 def test_only_enjoyln_temp_dir_names_are_judged_stale(tmp_path):
     """A user's own `.out.enjoyln-backup-2024` is not debris; glob characters in OUT_DIR's name
     neither hide its own debris nor match another OUT_DIR's."""
-    from enjoyln.store.model_dir import clean_stale, stale_temp_dirs
+    from enjoyln.store.transaction import clean_stale, stale_temp_dirs
 
     mine = tmp_path / ".out.enjoyln-backup-2024"
     mine.mkdir()
@@ -180,7 +180,7 @@ def test_a_symlinked_or_dot_out_dir_is_written_where_it_points(src, tmp_path, mo
 def test_directory_links_that_loop_or_fan_out_are_copied_once(src, tmp_path):
     """a/tob -> ../b and b/toa -> ../a used to recurse until 'Too many levels of symbolic links'
     failed the fold; twenty levels of two links each would have copied a file a million times."""
-    from enjoyln.store.model_dir import copy_extras
+    from enjoyln.store.files import copy_extras
 
     model = clone(src, tmp_path / "model")
     (model / "a").mkdir()

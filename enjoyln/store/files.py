@@ -1,0 +1,215 @@
+"""The files of a model directory besides the weights: which a loader may read, which links
+are followed (only to files a model needs, wherever they resolve, as in the Hugging Face cache),
+and copying them into an output."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import shutil
+import stat
+from pathlib import Path
+from typing import Any, Iterator, TYPE_CHECKING
+
+
+from ..errors import CheckpointError
+from .formats import WEIGHT_FILES, input_file
+from .transaction import umask
+
+if TYPE_CHECKING:
+    from .model_dir import ModelDir
+
+
+# The files a model directory needs: only these are followed through a symlink
+# that leaves the directory (the Hugging Face cache links every file to a blob).
+NEEDED = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+          "pytorch_model*.bin", "*.bin.index.json", "tokenizer*", "vocab*", "merges.txt", "*.model",
+          "*.tiktoken", "special_tokens_map.json", "added_tokens.json", "preprocessor_config.json",
+          "*processor_config.json", "chat_template*", "feature_extractor_config.json")
+
+
+VCS_DIRS = {".git", ".hg", ".svn"}
+
+
+def is_weight_file(name: str) -> bool:
+    return fnmatch.fnmatch(name, "*.safetensors") or any(fnmatch.fnmatch(name, p) for p in (
+        "pytorch_model*.bin", "*.bin.index.json", "*.safetensors.index.json", "tf_model*.h5",
+        "flax_model*.msgpack", "model*.ckpt*", "*.pt", "*.pth"))
+
+
+def needed_file(name: str) -> bool:
+    return any(fnmatch.fnmatch(name, p) for p in NEEDED)
+
+
+def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None,
+            foreign: list[str] | None = None) -> Iterator[tuple[Path, Path, bool]]:
+    """(source, path relative to MODEL_DIR, is a directory) for everything a fold copies: every
+    entry of ``md`` but the weights and config.json, by the rules ``copy_extras`` states;
+    what is left out goes to ``skipped`` with the reason.
+
+    A link that leaves the directory to a file or folder a loader may read (any but a needed
+    file, a cache blob, version-control data, or code nobody trusted) raises, naming it: a fold
+    copies nothing from outside MODEL_DIR, and without it the copy could load otherwise. With
+    ``foreign`` (the gate's view of what a loader reads from the reference, which the user
+    handed over) such links are followed instead, and listed there."""
+    root = md.path.resolve()
+    skip = WEIGHT_FILES | set(md.shards) | {"config.json"}
+    linked: set[Path] = set()  # directories already entered through a link
+
+    def inside(p: Path) -> bool:
+        return p == root or root in p.parents
+
+    # A Hugging Face cache snapshot (<repo>/snapshots/<revision>) links every file, whatever its
+    # name (a PhoBERT bpe.codes, an emoji.json), to <repo>/blobs: those are the snapshot's own.
+    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    blobs = blobs if blobs is not None and blobs.is_dir() and not blobs.is_symlink() else None
+
+    def cached(target: Path) -> bool:
+        return blobs is not None and target.parent == blobs and target.is_file()
+
+    def visit(src: Path, rel: Path, top: bool, chain: tuple[Path, ...]) -> Iterator[tuple[Path, Path, bool]]:
+        # chain: the real directories being copied, outermost first. Links that lead back into
+        # one of them would recurse until the path is too long; links entered twice could
+        # copy a tree exponentially many times.
+        name = str(rel)
+        if src.is_symlink():
+            try:
+                target = src.resolve(strict=True)
+            except (OSError, RuntimeError):
+                if top and needed_file(src.name):
+                    input_file(src)  # raises, naming the link
+                skipped.append(f"{name} (a dangling symlink)")
+                return
+            if target.is_dir() and (target in chain or target in src.parent.resolve().parents
+                                    or target == src.parent.resolve()):
+                skipped.append(f"{name} (a symlink to a directory that contains it)")
+                return
+            if target.is_dir() and target in linked:
+                skipped.append(f"{name} (a second symlink to a directory already copied)")
+                return
+            if not inside(target) and ((top and needed_file(src.name) and target.is_file()) or cached(target)):
+                if followed is not None:
+                    followed.append(f"{name} -> {target}")
+            elif not inside(target) and _readable(src, target, md.trust_remote_code):
+                if foreign is None:
+                    raise CheckpointError(
+                        f"{md.path / name} links to {target}, outside MODEL_DIR: a loader may read it, but a fold "
+                        "copies nothing from outside MODEL_DIR; replace the link with a copy of what it points "
+                        "to (or remove it) and run again")
+                foreign.append(f"{name} -> {target}")
+            # else inside, or outside but read by no loader: skipped below like its kind anywhere
+            if target.is_dir():
+                linked.add(target)
+        try:
+            mode = src.stat().st_mode
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {src}: {exc.strerror or exc}") from None
+        if stat.S_ISDIR(mode):
+            if src.name in VCS_DIRS or src.resolve().name in VCS_DIRS:  # also through a link to one
+                skipped.append(f"{name} (version-control data)")
+                return
+            yield src, rel, True
+            for child in sorted(src.iterdir()):
+                yield from visit(child, rel / child.name, False, (*chain, src.resolve()))
+        elif stat.S_ISREG(mode) and name.endswith(".py") and not md.trust_remote_code:
+            # custom_code() walked the real tree; one reached only through a link was never accepted
+            skipped.append(f"{name} (code, reached through a link)")
+        elif stat.S_ISREG(mode):
+            yield src, rel, False
+        else:
+            skipped.append(f"{name} (not a regular file)")
+
+    for item in sorted(md.path.iterdir()):
+        if item.name in skip or is_weight_file(item.name):
+            continue  # weights in any other format would be stale, uncentered copies
+        yield from visit(item, Path(item.name), True, (root,))
+
+
+def _readable(link: Path, target: Path, trusted: bool) -> bool:
+    """Whether a loader may read what a link resolves to. What a fold skips wherever it lies is
+    not: special files, version-control data, code without --trust-remote-code."""
+    if target.is_dir():
+        return link.name not in VCS_DIRS and target.name not in VCS_DIRS
+    return target.is_file() and (trusted or not link.name.endswith(".py"))
+
+
+def check_links(md: ModelDir) -> None:
+    """Refuse, before anything is written, a model directory whose links leave it for a file or
+    folder a loader may read (see ``_extras``): a fold would have to drop it."""
+    for _ in _extras(md, [], None):
+        pass
+
+
+def copy_extras(md: ModelDir, dest: Path, followed: list[str] | None = None) -> list[str]:
+    """Copy every file of ``md`` but the weights and config into ``dest``; return what was skipped.
+
+    ``followed`` collects the needed files copied through a link that leaves the
+    directory (``name -> target``), so that the caller can say so.
+
+    A symlink is followed when it resolves inside the directory, when it is a
+    file a model directory needs (top level only), or when the directory is a
+    Hugging Face cache snapshot and it resolves to one of that repository's
+    blobs (any file, at any depth). Any other link that resolves outside the
+    directory to a file or folder is refused (``check_links`` says so before
+    anything is written); special files, version-control data and dangling
+    links are skipped; modes follow the umask, not the source.
+    """
+    skipped: list[str] = []
+    for src, rel, is_dir in _extras(md, skipped, followed):
+        if is_dir:
+            (dest / rel).mkdir(exist_ok=True)
+            continue
+        try:
+            shutil.copyfile(src, dest / rel)
+        except OSError as exc:
+            if exc.filename and Path(exc.filename) == dest / rel:
+                raise
+            raise CheckpointError(f"cannot read {src}: {exc.strerror or exc}") from None
+    return skipped
+
+
+def extra_files(md: ModelDir) -> dict[str, Path]:
+    """The files (not directories) ``copy_extras`` would copy from ``md``, and those reached
+    through links out of it, which a fold refuses to drop: relative path -> source. With
+    config.json and the weights, this is what a copy of ``md`` that loads the same holds."""
+    return {rel.as_posix(): src for src, rel, is_dir in _extras(md, [], None, []) if not is_dir}
+
+
+def loader_files(root: Path) -> tuple[dict[str, Path], list[str]]:
+    """Every file under ``root`` as a loader sees it (relative path -> path), through links
+    wherever they lead, and what no loader could read there (a dangling link, a special file,
+    a link into a directory it is in). Version-control data is left out: no loader reads it."""
+    files: dict[str, Path] = {}
+    problems: list[str] = []
+    entered: set[Path] = set()
+    stack: list[tuple[Path, str, tuple[Path, ...]]] = [(root, "", ())]
+    while stack:
+        folder, prefix, chain = stack.pop()
+        real = folder.resolve()
+        if real in chain:
+            problems.append(f"{prefix.rstrip('/')} is a symlink to a directory that contains it")
+            continue
+        if real in entered:
+            problems.append(f"{prefix.rstrip('/')} is a second way into a directory already listed")
+            continue
+        entered.add(real)
+        try:
+            children = sorted(folder.iterdir())
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {folder}: {exc.strerror or exc}") from None
+        for child in children:
+            rel = prefix + child.name
+            try:
+                mode = child.stat().st_mode  # through links
+            except (OSError, RuntimeError):
+                problems.append(f"{rel} is a dangling symlink or a symlink loop")
+                continue
+            if stat.S_ISDIR(mode):
+                if child.name in VCS_DIRS or child.resolve().name in VCS_DIRS:
+                    continue
+                stack.append((child, rel + "/", (*chain, real)))
+            elif stat.S_ISREG(mode):
+                files[rel] = child
+            else:
+                problems.append(f"{rel} is not a regular file")
+    return files, problems

@@ -1,0 +1,157 @@
+"""transformers' side of a model directory: the model class a config names, the meta model,
+the dtype it loads in, and the mapping between parameter names and checkpoint keys."""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, first_line
+from .formats import load_pickled, DTYPES, PT_INDEX, SAFE_INDEX, parse_json_file
+
+if TYPE_CHECKING:
+    from .model_dir import ModelDir
+
+
+@functools.lru_cache(maxsize=1)
+def transformers_names() -> frozenset[str]:
+    """transformers' public names. dir() lists its lazy names without importing the model's
+    module, which alone can take seconds (meta_model imports it and checks it is a class),
+    but it costs half a second itself, so it is asked once."""
+    import transformers
+
+    return frozenset(dir(transformers))
+
+
+def unknown_architecture(arch: Any) -> CheckpointError:
+    import transformers
+
+    return CheckpointError(f"unknown architecture {arch!r}: transformers {transformers.__version__} "
+                           "has no such model class (remote code is not run)")
+
+
+def model_class(md: ModelDir) -> type:
+    """The class ``from_pretrained`` would build for ``md``: transformers' own, or,
+    only when the user trusts it, the directory's custom code."""
+    import transformers
+
+    if md.custom_code and md.trust_remote_code and md.config.get("auto_map"):
+        refs = [v for v in md.config["auto_map"].values() if isinstance(v, str)
+                and v.rpartition(".")[2] == md.architecture]
+        if not refs:
+            raise CheckpointError(f"{md.path / 'config.json'}'s auto_map has no entry for {md.architecture}")
+        if "--" in refs[0]:
+            raise CheckpointError(f"{md.architecture} lives in another repository ({refs[0]}); "
+                                  "enjoyln does not download code")
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        try:
+            return get_class_from_dynamic_module(refs[0], md.path, local_files_only=True)
+        except Exception as exc:  # the user's own code, failing to import
+            raise CheckpointError(f"cannot import {refs[0]} from {md.path}: {type(exc).__name__}: "
+                                  f"{first_line(exc)}") from None
+    cls = getattr(transformers, md.architecture, None)
+    if not isinstance(cls, type):
+        raise unknown_architecture(md.architecture)
+    return cls
+
+
+def auto_config(md: ModelDir) -> Any:
+    """The config ``from_pretrained`` builds for ``md``."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(md.path, trust_remote_code=md.trust_remote_code)
+    except Exception as exc:  # transformers raises many kinds for a bad config
+        raise CheckpointError(f"cannot read {md.path / 'config.json'}: "
+                              f"{first_line(exc)}") from None
+
+
+def transformers_meta_model(md: ModelDir) -> nn.Module:
+    """The transformers model class of ``md`` built on the meta device."""
+    cls = model_class(md)
+    config = auto_config(md)
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    except Exception as exc:
+        raise CheckpointError(f"cannot build {md.architecture} from its config: "
+                              f"{first_line(exc)}") from None
+    return model.eval()
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def transformers_load_dtype(md: ModelDir) -> tuple[str, str]:
+    """The dtype a plain ``from_pretrained`` loads ``md`` in (its name), and where it comes from.
+
+    transformers 5 loads with ``dtype="auto"`` by default (``modeling_utils._get_dtype``): the
+    config's ``dtype`` (``torch_dtype`` is its old name); without one, for a sharded checkpoint,
+    the index metadata's ``dtype``; else the first floating tensor of the first weight file, in
+    the order its loader lists the keys. Every sub-config then gets that dtype.
+    """
+    value = getattr(auto_config(md), "dtype", None)
+    if value is not None:
+        return dtype_name(value), "config.json"
+    index = md.path / (PT_INDEX if md.pickled else SAFE_INDEX)
+    if len(md.shards) > 1 or index.exists():
+        metadata = parse_json_file(index, "a weight index").get("metadata")
+        if isinstance(metadata, dict) and "dtype" in metadata:
+            return dtype_name(metadata["dtype"]), f"the metadata of {index.name}"
+    if md.pickled:
+        found = [t.dtype for shard, t in load_pickled(md).values() if shard == md.shards[0]]
+    else:  # safetensors lists the keys sorted
+        found = [DTYPES[t.dtype] for _, t in sorted(md.tensors.items()) if t.file == md.shards[0]]
+    floating = [d for d in found if d.is_floating_point and "float8_" not in str(d)]
+    first = floating[0] if floating else found[0] if found else torch.float32
+    return dtype_name(first), f"its first floating tensor (in {md.shards[0]})"
+
+
+def saved_names(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> the key ``save_pretrained`` writes for it.
+
+    transformers 5 renames some weights on save (ViT's ``layers.0.attention.
+    k_proj`` is saved as ``encoder.layer.0.attention.attention.key``). Its own
+    reverse conversion, run on meta tensors, tells which key holds which
+    tensor, matched by identity.
+    """
+    named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    try:
+        from transformers.modeling_utils import revert_weight_conversion
+
+        reverted = revert_weight_conversion(model, dict(named))
+    except Exception:  # an older transformers, or a converter that needs real data
+        return {}
+    by_id = {id(v): k for k, v in reverted.items()}
+    return {name: name if name in reverted else by_id.get(id(t), name) for name, t in named.items()}
+
+
+def checkpoint_key(name: str, keys: set[str], prefix: str, saved: dict[str, str]) -> str | None:
+    """The checkpoint key for a parameter name: as saved, maybe without the base prefix."""
+    for base in dict.fromkeys((name, saved.get(name, name))):
+        for candidate in (base, base.removeprefix(prefix + ".") if prefix else base,
+                          f"{prefix}.{base}" if prefix else base):
+            if candidate in keys:
+                return candidate
+    return None
+
+
+def check_shapes(md: ModelDir, model: nn.Module) -> None:
+    """Every saved tensor the model knows has the shape its config implies, so a
+    mismatched checkpoint is refused before anything is written."""
+    if md.pickled:
+        return
+    saved = saved_names(model)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    keys = set(md.tensors)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        key = checkpoint_key(name, keys, prefix, saved)
+        if key is not None and tuple(md.tensors[key].shape) != tuple(t.shape):
+            raise CheckpointError(f"{key} has shape {list(md.tensors[key].shape)} in the checkpoint but "
+                                  f"{list(t.shape)} in the model config.json describes")
