@@ -39,7 +39,7 @@ from .store.model_dir import (CODES as _CODES, DTYPES as _DTYPES, SAFE_INDEX, SA
                         copy_extras, keep_failed as _keep_failed, load_dtype, meta_model, missing_dirs, model_class,
                         open_model_dir, publish, read_safetensors_header, remove_dirs, saved_names, signals_held,
                         temp_dir)
-from .plan import AFFINE_GAIN, FORMAT_VERSION, FoldPlan, block_lists, format_bytes
+from .plan import AFFINE_GAIN, FoldPlan, block_lists, format_bytes
 from .transform.steps import (InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits,
                       ties_lost_on_untie)
 
@@ -574,7 +574,7 @@ def _output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
             if isinstance(config.get(sub), dict) and "tie_word_embeddings" in config[sub]:
                 config[sub]["tie_word_embeddings"] = False
     config["enjoyln"] = {
-        "format_version": FORMAT_VERSION,
+        "format_version": plan.format_version,
         "version": __version__,
         **block_lists(plan),
         "plan": plan.to_dict(),

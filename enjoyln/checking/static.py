@@ -499,6 +499,7 @@ def _file_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
 def _essentials(plan: FoldPlan) -> dict[str, set]:
     r = plan.rotation
     return {"folded LayerNorms": {e.name for e in plan.foldable},
+            "norm forms": {(e.name, *e.form) for e in plan.foldable if not e.plain_form},
             "centered tensors": {tuple(sorted(asdict(c).items())) for c in plan.centered},
             "untied tensors": {(u.param, u.tied_to) for u in plan.untied},
             "auxiliary centerings": {(a.module, a.where) for a in plan.auxiliary},
