@@ -364,16 +364,32 @@ def test_a_plan_with_norm_forms_round_trips_and_applies_to_a_fresh_copy():
         FoldPlan.from_dict(old_reader)
 
 
-def test_the_swap_in_place_keeps_the_form():
+@pytest.mark.parametrize("norm", [LayerNormAct2d, OlmoLayerNorm])
+def test_the_swap_in_place_keeps_the_form(norm):
     """Under accelerate's offloading the module changes class in place (``_become``)."""
-    model = prepared(ConvBlocks(LayerNormAct2d))
-    plan = enjoyln.analyze(model, image())
+    model, x = (prepared(ConvBlocks(norm)), image()) if norm is LayerNormAct2d else (prepared(PreLN(norm)), tokens())
+    plan = enjoyln.analyze(model, x)
     folded = copy.deepcopy(model)
     for m in (folded.norm1, folded.norm):
         m._hf_hook = object()
     enjoyln.fold(folded, plan=plan)
-    assert type(folded.norm) is enjoyln.RMSNorm and folded.norm.dim == 1 and folded.norm.then == ("act",)
-    assert_same_outputs(model, folded, image())
+    assert type(folded.norm) is enjoyln.RMSNorm
+    expected = (1, False, ("act",)) if norm is LayerNormAct2d else (-1, True, ())
+    assert (folded.norm.dim, folded.norm.upcast, folded.norm.then) == expected
+    assert_same_outputs(model, folded, x)
+
+
+def test_a_top_level_group_norm_call_is_reported():
+    class Top(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, D)
+
+        def forward(self, x):
+            return F.group_norm(self.lin(x), 2)
+
+    (e,) = enjoyln.analyze(prepared(Top()), torch.randn(3, 4)).layer_norms
+    assert e.norm == "group_norm" and not e.foldable and "not an nn.GroupNorm" in e.reason
 
 
 def test_a_plan_for_fewer_norm_modules_of_another_class_is_refused():

@@ -198,7 +198,7 @@ class Dataflow:
                 state = self.states.get(o)
                 if o not in mine and isinstance(state, Zero):
                     axes.add(carry(node, o, state.axis, g.where(node)))
-            if mine and len(axes) == 1 and isinstance(axis := axes.pop(), int) and not isinstance(axis, Refusal):
+            if mine and len(axes) == 1 and isinstance(axis := axes.pop(), int):  # a Refusal is a str
                 for o in mine:
                     want(node, o, axis)
         return {p: a for p, a in wanted.items() if p not in clash and a != len(shape(p)) - 1}

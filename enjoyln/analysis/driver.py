@@ -179,7 +179,8 @@ class Analysis:
                 e.centered = sorted(cs, key=lambda c: (c.param, c.axis, c.groups, c.blocks or (), c.scale or ""))
         self.needs = needs
         model = self.cap.model
-        kinds = {type(model.get_submodule(e.name)) for e in entries.values() if e.kind == "module"}
+        kinds = {type(self.cap.module_of(calls[0])) for name, calls in self.ln_nodes().items()
+                 if entries[name].kind == "module" and entries[name].norm == "layer_norm"}
         plan = FoldPlan(type(model).__name__, list(entries.values()), norm_modules=norm_module_paths(model, kinds))
         if self.fuse_affine and plan.foldable:
             for u in plan_fusion(self.index, plan.layer_norms, self.ln_nodes()):
@@ -323,10 +324,6 @@ class NormForm:
     dim: int = -1
     upcast: bool = False
     then: tuple[str, ...] = ()
-
-
-def _within(path: str, scope: str) -> bool:
-    return scope == "" or path == scope or path.startswith(scope + ".")
 
 
 def _perm(node: fx.Node, rank: int) -> list[int]:

@@ -433,7 +433,7 @@ def _become(module: nn.Module, cls: type, e: LayerNormEntry | None = None) -> No
     """
     if cls is RMSNorm and e is not None:
         for leaf in ("weight", "bias"):
-            if not isinstance(getattr(module, leaf, None), torch.Tensor):
+            if not hasattr(module, leaf):  # OLMo's norm has neither
                 module.register_parameter(leaf, None)
         module.normalized_shape, module.eps = tuple(e.normalized_shape), float(e.eps)
         module.elementwise_affine = module.weight is not None
