@@ -576,7 +576,7 @@ def _output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
             if isinstance(config.get(sub), dict) and "tie_word_embeddings" in config[sub]:
                 config[sub]["tie_word_embeddings"] = False
     config["enjoyln"] = {
-        "format_version": FORMAT_VERSION,
+        "format_version": plan.format_version,
         "version": __version__,
         **block_lists(plan),
         "plan": plan.to_dict(),

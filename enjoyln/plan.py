@@ -13,7 +13,10 @@ from typing import Any
 
 from .errors import PlanError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest plan format this enjoyln reads. A plan is written with the oldest version
+that holds it (``FoldPlan.format_version``), so older readers refuse only the plans they
+would misread."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,25 @@ class LayerNormEntry:
     affine_reason: str = ""
     """Why the affine stayed (AFFINE_KEPT) or why β did (AFFINE_GAIN)."""
     fused: list[Fused] = field(default_factory=list)
+    dim: int = -1
+    """The axis of the norm's input it normalizes: -1 (the last), or 1 for a channels-first
+    norm (``permute -> layer_norm -> permute`` back, timm's ``LayerNorm2d``)."""
+    upcast: bool = False
+    """The norm computes in float32 and casts back to its input's dtype (timm's
+    ``LayerNormFp32``, OLMo)."""
+    then: tuple[str, ...] = ()
+    """Child modules the norm module passes its output through, in order (the
+    activation of timm's ``LayerNormAct2d``); they stay, after the RMSNorm."""
+
+    @property
+    def form(self) -> tuple[int, bool, tuple[str, ...]]:
+        """What the replacing RMSNorm must do besides normalizing: (dim, upcast, then)."""
+        return self.dim, self.upcast, tuple(self.then)
+
+    @property
+    def plain_form(self) -> bool:
+        """Normalizes the last axis in the input's dtype and returns that (a plain LayerNorm)."""
+        return self.form == (-1, False, ())
 
     @property
     def weightless(self) -> bool:
@@ -242,9 +264,12 @@ class LayerNormEntry:
         d = asdict(self)
         d["normalized_shape"] = list(self.normalized_shape)
         d["centered"] = [c.to_dict() for c in self.centered]
-        for key in ("affine", "affine_reason", "fused"):  # newer fields, written only when used
+        d["then"] = list(self.then)
+        for key in ("affine", "affine_reason", "fused", "upcast", "then"):  # newer fields, written only when used
             if not d[key]:
                 d.pop(key)
+        if self.dim == -1:
+            d.pop("dim")
         return d
 
     @classmethod
@@ -262,6 +287,9 @@ class LayerNormEntry:
             affine=d.get("affine", ""),
             affine_reason=d.get("affine_reason", ""),
             fused=[Fused(**f) for f in d.get("fused", [])],
+            dim=int(d.get("dim", -1)),
+            upcast=bool(d.get("upcast", False)),
+            then=tuple(str(t) for t in d.get("then", ())),
         )
 
 
@@ -305,6 +333,13 @@ class FoldPlan:
         return [f for e in self.foldable if e.affine in (AFFINE_FUSED, AFFINE_GAIN) for f in e.fused]
 
     @property
+    def format_version(self) -> int:
+        """The oldest plan format that holds this plan: 2 once a norm is not a plain
+        LayerNorm (channels-first, upcasting, or with child modules after it), which a
+        reader of version 1 would replace wrongly."""
+        return 2 if any(not e.plain_form for e in self.layer_norms) else 1
+
+    @property
     def untie_bytes(self) -> int:
         return sum(u.nbytes for u in self.untied)
 
@@ -320,7 +355,7 @@ class FoldPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "model": self.model,
             "layer_norms": [e.to_dict() for e in self.layer_norms],
             "untied": [asdict(u) for u in self.untied],

@@ -42,7 +42,7 @@ MAX_LINES = 600
 # goes with its split.
 TO_SPLIT = {"enjoyln.convert", "enjoyln.checking.static", "enjoyln.checking.forward",
             "enjoyln.testing.mutation.drawing", "enjoyln.transform.steps"}
-LONG_UNTIL_SPLIT = {"enjoyln.convert", "enjoyln.checking.static",
+LONG_UNTIL_SPLIT = {"enjoyln.convert", "enjoyln.checking.static", "enjoyln.transform.steps",
                     "enjoyln.checking.forward", "enjoyln.testing.mutation.drawing"}
 UPWARD_UNTIL_SPLIT = {("enjoyln.checking.static", "enjoyln.convert"),  # the writer's expected tensors
                       }

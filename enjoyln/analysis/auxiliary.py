@@ -16,13 +16,9 @@ from ..modules import centering
 from ..plan import AuxCentering, FoldPlan, Note, RotationSpec
 from .capture import Capture, capture
 from .dataflow import NotZero
-from .driver import Analysis, Weights, analyze_capture
+from .driver import Analysis, Weights, analyze_capture, within_scope
 from .graph import shape
 from .inputs import ExampleInputs
-
-
-def _within(path: str, scope: str) -> bool:
-    return scope == "" or path == scope or path.startswith(scope + ".")
 
 
 def _candidate_points(analysis: Analysis, plan: FoldPlan) -> dict[fx.Node, tuple[AuxCentering, set[str]]]:
@@ -47,17 +43,17 @@ def _candidate_points(analysis: Analysis, plan: FoldPlan) -> dict[fx.Node, tuple
         if node.op != "call_function" or not dims or dims[-1] not in widths:
             continue
         path = cap.module_path(node)
-        outside = [u for u in node.users if not _within(cap.module_path(u), path)]
+        outside = [u for u in node.users if not within_scope(cap.module_path(u), path)]
         if path and outside:
-            escaping = {n for n in analysis.graph.nodes if _within(cap.module_path(n), path)
-                        and any(not _within(cap.module_path(u), path) for u in n.users)}
+            escaping = {n for n in analysis.graph.nodes if within_scope(cap.module_path(n), path)
+                        and any(not within_scope(cap.module_path(u), path) for u in n.users)}
             if escaping == {node}:  # the module returns exactly this tensor
                 points[node] = (AuxCentering(path, "output"), count)
                 continue
         callees = set()  # for each reader, the outermost module call it sits in that ``node`` does not
         for user in node.users:
             stack = [p for p, _ in (user.meta.get("nn_module_stack") or {}).values()]
-            callees.add(next((p for p in stack if p and not _within(path, p)), None))
+            callees.add(next((p for p in stack if p and not within_scope(path, p)), None))
         if len(callees) == 1 and None not in callees:
             points[node] = (AuxCentering(callees.pop(), "input"), count)
     return points

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from torch import fx, nn
+from torch import fx
 
-from .graph import GN_OPS, LN_OPS, META_OPS, GraphIndex, op_name, shape
+from .graph import GN_OPS, LN_OPS, META_OPS, GraphIndex, op_name, reads_value, shape
 from ..plan import AuxCentering
 from .rules import (MAP, RESHAPE_OPS, SCALE, SUM, Layout, Refusal, Source, carry, carry_layout,
-                    kind_of, map_chain, param_source, per_feature_param, per_row, source_of, split_axis)
+                    kind_of, linear_terms, param_source, per_feature_param, per_row, source_of, split_axis)
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,8 @@ State = Zero | NotZero
 
 def ln_label(g: GraphIndex, node: fx.Node) -> str:
     """An LN call as a user would name it: its module's path, or the functional call."""
-    module = g.cap.module_of(node)
     path = g.module_path(node)
-    if isinstance(module, nn.LayerNorm) and path:
+    if path:
         return path
     return f"the functional layer_norm `{node.name}` {g.where(node)}"
 
@@ -60,8 +59,19 @@ class Dataflow:
         self.aux = aux or {}
         self.sources: dict[str, Source] = {}
         self.states: dict[fx.Node, Any] = {}
+        self.param_axes: dict[fx.Node, int] = {}
+        """Parameters used as data whose feature axis is not their last (channels-first tables)."""
 
     def run(self) -> None:
+        self._pass()
+        axes = self._feature_axes()
+        if axes:  # once more, with those tables centered along the axis the graph gives them
+            self.param_axes = axes
+            self.sources.clear()
+            self.states.clear()
+            self._pass()
+
+    def _pass(self) -> None:
         for node in self.g.graph.nodes:
             self.g.at = node
             state = self.transfer(node)
@@ -125,7 +135,7 @@ class Dataflow:
 
     def _placeholder(self, node: fx.Node) -> State:
         cap = self.g.cap
-        src = param_source(self.g, node)
+        src = param_source(self.g, node, self.param_axes.get(node))
         if src is not None:
             return self._add(src)
         if node.name in cap.constants:
@@ -134,6 +144,64 @@ class Dataflow:
         if node.name in cap.placeholder_fqn:
             return NotZero(f"includes the scalar parameter {cap.placeholder_fqn[node.name]}")
         return NotZero(f"includes the model input `{node.name}`, which is not zero-mean")
+
+    def _feature_axes(self) -> dict[fx.Node, int]:
+        """The feature axis of each parameter used as data, where it is not its last.
+
+        A table added to the stream (``conv(x) + pos`` with ``pos`` of shape
+        (1, C, H, W), maybe resampled, tiled or permuted first) has the stream's
+        feature axis at that add. Each such add is followed back through the table's
+        own ops to the parameters; one that would need two different axes keeps its
+        last. A guess only: the next pass proves whatever it chooses.
+        """
+        g = self.g
+        tables: set[fx.Node] = set()  # values computed from parameters only
+        for node in g.graph.nodes:
+            if node.op == "placeholder":
+                src = self.sources.get(g.cap.placeholder_fqn.get(node.name) or g.buffers.get(node.name, ""))
+                if src is not None and src.node is node:
+                    tables.add(node)
+            elif node.op == "call_function" and kind_of(node) in (MAP, SUM) and node.all_input_nodes and all(
+                    i in tables for i in node.all_input_nodes if reads_value(node, i)):
+                tables.add(node)
+        wanted: dict[fx.Node, int] = {}
+        clash: set[fx.Node] = set()
+
+        def want(user: fx.Node, value: fx.Node, axis: int) -> None:
+            """``value``, read by ``user``, must hold its feature axis where ``user``'s output has it at ``axis``."""
+            dims = shape(value)
+            if dims is None:
+                return
+            where = g.where(user)
+            fits = [a for a in range(len(dims)) if carry(user, value, a, where) == axis]
+            if len(fits) > 1:
+                fits = [a for a in fits if dims[a] == shape(user)[axis]]
+            if len(fits) != 1:
+                return
+            if value.op == "placeholder":
+                if wanted.setdefault(value, fits[0]) != fits[0]:
+                    clash.add(value)
+            elif kind_of(value) == MAP:
+                want(value, value.args[0], fits[0])
+            else:
+                for operand in operands(value):
+                    if isinstance(operand, fx.Node) and operand in tables:
+                        want(value, operand, fits[0])
+
+        for node in g.graph.nodes:
+            if kind_of(node) != SUM or node in tables:
+                continue
+            parts = [o for o in operands(node) if isinstance(o, fx.Node)]
+            mine = [o for o in parts if o in tables]
+            axes = set()
+            for o in parts:
+                state = self.states.get(o)
+                if o not in mine and isinstance(state, Zero):
+                    axes.add(carry(node, o, state.axis, g.where(node)))
+            if mine and len(axes) == 1 and isinstance(axis := axes.pop(), int):  # a Refusal is a str
+                for o in mine:
+                    want(node, o, axis)
+        return {p: a for p, a in wanted.items() if p not in clash and a != len(shape(p)) - 1}
 
     def _transfer_map(self, node: fx.Node) -> Any:
         name, x = op_name(node), node.args[0]
@@ -223,27 +291,42 @@ class Dataflow:
 
 
     def _layer_scale(self, node: fx.Node, stream: fx.Node, factor: Any, state: Zero, axis: int) -> State | None:
-        """``γ ⊙ y`` with ``y`` one layer's output and ``γ`` a per-feature parameter
-        (LayerScale): zero-mean once the layer is centered for ``γ``. None if it is
-        not that pattern."""
+        """``γ ⊙ y`` with ``γ`` a per-feature parameter (LayerScale) and ``y`` a linear
+        combination of layers' outputs (one layer, or a sum of several, as timm's
+        ParallelScalingBlock): zero-mean once each layer is centered for ``γ``, as each
+        ``γ ⊙ yᵢ`` is then zero-mean. None if it is not that pattern."""
         g = self.g
         fqn = per_feature_param(g, factor, node, axis)
-        if fqn is None or len(state.sources) != 1 or state.whole:
+        if fqn is None or not state.sources or state.whole:
             return None
-        (key,) = state.sources
-        src = self.sources[key]
-        chain = map_chain(src.node, stream)
-        if (chain is None or src.groups != 1 or src.chain or not src.params
-                or any(c.scale or c.blocks is not None for c in src.params)):
+        by_node = {self.sources[k].node: k for k in state.sources}
+        if len(by_node) != len(state.sources):
             return None
+        found = linear_terms(stream, set(by_node))
+        if found is None or len(found[0]) != len(by_node):
+            return None
+        leaves, inner = found
+        for key in by_node.values():
+            src = self.sources[key]
+            if (src.groups != 1 or src.chain or not src.params
+                    or any(c.scale or c.blocks is not None for c in src.params)):
+                return None
         gain = g.value(fqn)
         if gain is not None and not bool(gain.ne(0).all()):
+            labels = " and ".join(self.sources[by_node[leaf]].label for leaf in leaves)
             return NotZero(f"is multiplied by the LayerScale gain {fqn} {g.where(node)}, which has a zero "
-                           f"entry, so no centering of {src.label} makes the product zero-mean")
+                           f"entry, so no centering of {labels} makes the product zero-mean")
         name = g.cap.use_alias(node, fqn) or fqn
-        params = tuple(replace(c, scale=name) for c in src.params)
-        return self._add(Source(f"{key}*{fqn}", f"{src.label} (for the LayerScale {fqn})", node, axis, params,
-                                chain=chain))
+        keys = []
+        for leaf in leaves:
+            key = by_node[leaf]
+            src = self.sources[key]
+            params = tuple(replace(c, scale=name) for c in src.params)
+            scaled = Source(f"{key}*{fqn}", f"{src.label} (for the LayerScale {fqn})", node, axis, params,
+                            chain=(leaf, *inner))
+            self.sources[scaled.key] = scaled
+            keys.append(scaled.key)
+        return Zero(axis, frozenset(keys))
 
 
 def operands(node: fx.Node) -> list[Any]:

@@ -137,6 +137,8 @@ class GraphIndex:
                         if name in cap.constants}
         """Placeholder name -> a non-persistent buffer it holds (not in a checkpoint)."""
         self.live = live_nodes(self.graph)
+        self.order = {n: i for i, n in enumerate(self.graph.nodes)}
+        """Each node's position in the graph."""
         self.centers = self._find_centerings()
         """Explicit ``x - x.mean(axis, keepdim=True)``: sub node -> its mean node."""
         self.output_names = self._output_names()

@@ -225,6 +225,16 @@ def _reshape(op: Op) -> int | Refusal:
         f"is reshaped {op.where} in a way that splits or merges the feature axis")
 
 
+@rule("tile")
+def _tile(op: Op) -> int | Refusal:
+    """``tile`` repeats along the axes whose count is not 1 (counts padded on the left)."""
+    reps = list(arg(op.node, 1, "dims", []))
+    rank = len(op.out_shape)
+    new = op.axis + rank - op.ndim
+    full = [1] * (rank - len(reps)) + reps
+    return new if full[new] == 1 else Refusal(f"is repeated along the feature axis {op.where}")
+
+
 @rule("expand", "expand_as", "repeat")
 def _expand(op: Op) -> int | Refusal:
     new = op.axis + len(op.out_shape) - op.ndim
@@ -513,10 +523,19 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
     return Source(node.name, g.label(node), node, norm_dim(out_axis, len(out_shape)), tuple(params))
 
 
+GAIN_VIEWS = {"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "flatten", "unflatten"}
+"""Reshapes through which a gain is still its parameter: they keep the entries' order."""
+
+
 def per_feature_param(g: GraphIndex, factor: Any, out: fx.Node, axis: int) -> str | None:
     """The parameter ``factor`` is if it is a gain along ``axis`` of ``out`` (one entry
-    per feature, broadcast over every other axis), else None."""
-    param, dims, out_dims = g.param(factor), shape(factor), shape(out)
+    per feature, broadcast over every other axis), else None. The parameter may be
+    reshaped to broadcast (``gamma.view(1, -1, 1, 1)``, metaformer's ``scale.view(C, 1, 1)``)."""
+    dims, out_dims = shape(factor), shape(out)
+    base = factor
+    while isinstance(base, fx.Node) and op_name(base) in GAIN_VIEWS and base.args:
+        base = base.args[0]
+    param = g.param(base)
     if param is None or dims is None or out_dims is None:
         return None
     pos = axis - (len(out_dims) - len(dims))
@@ -524,26 +543,55 @@ def per_feature_param(g: GraphIndex, factor: Any, out: fx.Node, axis: int) -> st
     return param[0] if ok else None
 
 
-def map_chain(start: fx.Node, end: fx.Node) -> tuple[fx.Node, ...] | None:
-    """The nodes from ``start`` to ``end`` if ``end`` is ``start`` through MAP ops only."""
-    nodes = [end]
-    while nodes[-1] is not start:
-        node = nodes[-1]
-        if kind_of(node) != MAP or not node.args or not isinstance(node.args[0], fx.Node):
+LINEAR_SUMS = {"add", "sub"}
+"""SUM ops whose output is a linear combination of their operands (a LayerScale may scale it)."""
+
+
+def linear_reads(user: fx.Node) -> list[fx.Node]:
+    """The inputs ``user`` is linear in, feature by feature: a MAP op's first argument, the
+    operands of an add or sub; none for anything else."""
+    kind = kind_of(user)
+    if kind == MAP:
+        return [user.args[0]] if user.args and isinstance(user.args[0], fx.Node) else []
+    if op_name(user) in LINEAR_SUMS:
+        return [a for a in user.args[:2] if isinstance(a, fx.Node)]
+    return []
+
+
+def linear_terms(stream: fx.Node, leaves: set[fx.Node]) -> tuple[list[fx.Node], tuple[fx.Node, ...]] | None:
+    """How ``stream`` is a linear combination of the ``leaves`` (sources), through MAP ops
+    and adds or subs of them only: (the leaves it reaches, the nodes in between, ``stream``
+    included, in graph order); None if anything else enters it (a constant, another value)."""
+    order = {n: i for i, n in enumerate(stream.graph.nodes)}
+    reached, inner, stack = [], set(), [stream]
+    while stack:
+        node = stack.pop()
+        if node in leaves:
+            if node not in reached:
+                reached.append(node)
+            continue
+        if node in inner:
+            continue
+        reads = linear_reads(node)
+        tensors = [a for a in node.args[:2] if op_name(node) in LINEAR_SUMS]
+        if not reads or (op_name(node) in LINEAR_SUMS and len(reads) != len(tensors)):
             return None
-        nodes.append(node.args[0])
-    return tuple(reversed(nodes))
+        inner.add(node)
+        stack.extend(reads)
+    return sorted(reached, key=order.__getitem__), tuple(sorted(inner, key=order.__getitem__))
 
 
-def param_source(g: GraphIndex, node: fx.Node) -> Source | None:
+def param_source(g: GraphIndex, node: fx.Node, axis: int | None = None) -> Source | None:
     """A parameter used as data (a positional table, a cls token), centered along its
-    last axis; a non-persistent buffer (a sinusoidal table) too, marked as not saved."""
+    last axis, or along ``axis`` where the graph says that is its feature axis (a
+    channels-first table); a non-persistent buffer (a sinusoidal table) too, marked
+    as not saved."""
     fqn = g.cap.placeholder_fqn.get(node.name) or g.buffers.get(node.name)
     dims = shape(node)
     if not fqn or not dims or not node.meta["val"].is_floating_point():
         return None
     user = next(iter(node.users), node)
-    axis = len(dims) - 1
+    axis = len(dims) - 1 if axis is None else axis
     centering = g.centering(user, fqn, axis)
     if node.name in g.buffers:
         centering = replace(centering, saved=False)

@@ -24,8 +24,8 @@ from torch import fx
 
 from .graph import GN_OPS, LN_OPS, GraphIndex, arg, op_name, reads_value, shape
 from ..plan import AuxCentering, Untie
-from .rules import (MAP, RESHAPE_OPS, SCALE, SUM, Layout, Refusal, Source, carry, carry_layout, kind_of, per_row,
-                    source_of, split_axis)
+from .rules import (MAP, RESHAPE_OPS, SCALE, SUM, Layout, Refusal, Source, carry, carry_layout, kind_of,
+                    linear_reads, per_row, source_of, split_axis)
 
 
 @dataclass(frozen=True)
@@ -244,12 +244,19 @@ class ShiftSoundness(Spread):
         return changed, untie
 
     def _check_chain(self, src: Source) -> None:
-        """Centering a layer for its LayerScale changes the layer's own output by more
-        than a per-row constant: only the product may read it."""
+        """Centering a layer for its LayerScale changes the layer's own output, and the
+        sum it enters, by more than a per-row constant: only the product may read them,
+        and only linearly, on the way the analysis followed."""
         g = self.g
-        for node, after in zip(src.chain, src.chain[1:] + (src.node,)):
+        inside = set(src.chain)
+        for node in src.chain:
             for user in node.users:
-                if user is not after and user in g.live and reads_value(user, node):
+                if user not in g.live or not reads_value(user, node):
+                    continue
+                ok = (user is src.node and node is src.chain[-1] and sum(a is node for a in user.args) == 1) or (
+                    user in inside and node in linear_reads(user)
+                    and sum(a is node for a in (*user.args, *user.kwargs.values())) == 1)
+                if not ok:
                     self.flag({src.key}, f"{g.describe(user)}, which reads the output of "
                                          f"{g.label(src.chain[0])} before its LayerScale")
 

@@ -430,6 +430,7 @@ def code_report(problems: list[str]) -> StaticReport:
 def _essentials(plan: FoldPlan) -> dict[str, set]:
     r = plan.rotation
     return {"folded LayerNorms": {e.name for e in plan.foldable},
+            "norm forms": {(e.name, *e.form) for e in plan.foldable if not e.plain_form},
             "centered tensors": {tuple(sorted(asdict(c).items())) for c in plan.centered},
             "untied tensors": {(u.param, u.tied_to) for u in plan.untied},
             "auxiliary centerings": {(a.module, a.where) for a in plan.auxiliary},

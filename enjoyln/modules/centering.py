@@ -17,7 +17,7 @@ from torch import nn
 
 from ..errors import PlanError
 
-_MARK = "_enjoyln_centering"
+CENTERING_MARK = "_enjoyln_centering"
 
 
 def center_last(x: torch.Tensor) -> torch.Tensor:
@@ -49,7 +49,7 @@ def install(model: nn.Module, module_path: str, where: str) -> None:
         module = model.get_submodule(module_path)
     except AttributeError:
         raise PlanError(f"the plan centers the {where} of {module_path}, which this model does not have") from None
-    if getattr(module, _MARK, None):
+    if getattr(module, CENTERING_MARK, None):
         return
     if where == "output":
         handle = module.register_forward_hook(_center_output)
@@ -57,16 +57,16 @@ def install(model: nn.Module, module_path: str, where: str) -> None:
         handle = module.register_forward_pre_hook(_center_input, with_kwargs=True)
     else:
         raise PlanError(f"unknown centering place {where!r}; expected 'output' or 'input'")
-    setattr(module, _MARK, (where, handle.id))
+    setattr(module, CENTERING_MARK, (where, handle.id))
 
 
 def remove(model: nn.Module, module_path: str) -> None:
     module = model.get_submodule(module_path)
-    mark = getattr(module, _MARK, None)
+    mark = getattr(module, CENTERING_MARK, None)
     if mark:
         for table in ("_forward_hooks", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
             getattr(module, table).pop(mark[1], None)
-        delattr(module, _MARK)
+        delattr(module, CENTERING_MARK)
 
 
 def move_hooks(old: nn.Module, new: nn.Module) -> None:
@@ -75,5 +75,5 @@ def move_hooks(old: nn.Module, new: nn.Module) -> None:
                   "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
         if hasattr(old, table):
             getattr(new, table).update(getattr(old, table))
-    if hasattr(old, _MARK):
-        setattr(new, _MARK, getattr(old, _MARK))
+    if hasattr(old, CENTERING_MARK):
+        setattr(new, CENTERING_MARK, getattr(old, CENTERING_MARK))

@@ -31,6 +31,11 @@ class RMSNorm(nn.Module):
 
     The constructor mirrors ``nn.LayerNorm``, and the parameters keep the names
     ``weight`` and ``bias``, so a state dict moves between the two unchanged.
+    Three options keep what other norm modules do around the normalization:
+    ``dim`` normalizes another axis (1: channels-first, as timm's ``LayerNorm2d``),
+    ``upcast`` computes in float32 and casts back to the input's dtype (timm's
+    ``LayerNormFp32``, OLMo), and ``then`` names child modules the output passes
+    through, in order (the activation of timm's ``LayerNormAct2d``).
 
     A weightless norm (``elementwise_affine=False``, or γ fused into its readers)
     still has a ``weight``: a buffer of ones, not in the state dict, so that
@@ -46,6 +51,11 @@ class RMSNorm(nn.Module):
     (True, 1e-12)
     """
 
+    # class-level defaults: a module turned into an RMSNorm in place (``_become``) has none of its own
+    dim: int = -1
+    upcast: bool = False
+    then: tuple[str, ...] = ()
+
     def __init__(
         self,
         normalized_shape: int | Sequence[int],
@@ -54,8 +64,12 @@ class RMSNorm(nn.Module):
         bias: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        dim: int = -1,
+        upcast: bool = False,
     ) -> None:
         super().__init__()
+        self.dim, self.upcast = int(dim), bool(upcast)
         if isinstance(normalized_shape, numbers.Integral):
             normalized_shape = (int(normalized_shape),)
         self.normalized_shape = tuple(int(s) for s in normalized_shape)
@@ -110,15 +124,59 @@ class RMSNorm(nn.Module):
         rms.train(ln.training)
         return rms
 
+    @classmethod
+    def from_module(cls, module: nn.Module, normalized_shape: Sequence[int], eps: float, *, dim: int = -1,
+                    upcast: bool = False, then: Sequence[str] = ()) -> "RMSNorm":
+        """An RMSNorm for any module that computes a layer norm over its own ``weight`` and
+        ``bias`` (either may be None): it shares them, and keeps the module's children,
+        calling those named in ``then`` on its output.
+
+        >>> class Fp32LN(torch.nn.LayerNorm):
+        ...     def forward(self, x):
+        ...         return torch.nn.functional.layer_norm(x.float(), self.normalized_shape,
+        ...                                               self.weight, self.bias, self.eps).to(x.dtype)
+        >>> RMSNorm.from_module(Fp32LN(8), (8,), 1e-5, upcast=True).upcast
+        True
+        """
+        rms = cls.__new__(cls)
+        nn.Module.__init__(rms)
+        rms.normalized_shape = tuple(int(s) for s in normalized_shape)
+        rms.eps = float(eps)
+        rms.dim, rms.upcast, rms.then = int(dim), bool(upcast), tuple(then)
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        rms.elementwise_affine = weight is not None
+        rms.register_parameter("weight", weight)
+        rms.register_parameter("bias", bias)
+        for name, child in module.named_children():  # their parameters keep their names
+            rms.add_module(name, child)
+        rms.train(module.training)
+        return rms
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
+        dtype, moved = x.dtype, self.dim not in (-1, x.dim() - 1)
+        if moved:
+            x = x.movedim(self.dim, -1)
+        weight, bias = self.weight, self.bias
         if not self.elementwise_affine and _is_unit(weight):
             weight = None
-        return ops.rms_norm(x, self.normalized_shape, weight, self.bias, self.eps)
+        if self.upcast:
+            x = x.float()
+            weight = weight.float() if weight is not None else None
+            bias = bias.float() if bias is not None else None
+        y = ops.rms_norm(x, self.normalized_shape, weight, bias, self.eps)
+        if self.upcast:
+            y = y.to(dtype)
+        if moved:
+            y = y.movedim(-1, self.dim)
+        for name in self.then:
+            y = self._modules[name](y)
+        return y
 
     def extra_repr(self) -> str:
+        more = (f", dim={self.dim}" if self.dim != -1 else "") + (", upcast=True" if self.upcast else "") + (
+            f", then={self.then}" if self.then else "")
         return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}")
+                f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}{more}")
 
 
 class GroupRMSNorm(nn.Module):

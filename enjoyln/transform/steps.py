@@ -24,7 +24,8 @@ from ..errors import PlanError
 from ..modules.norm import GroupRMSNorm, RMSNorm
 from ..ops import center as centering_kernel
 from ..ops import rms_norm
-from ..plan import AFFINE_FUSED, AFFINE_GAIN, NOT_ROTATED, TRAINING_MODE, Centering, FoldPlan, Fused, RotationSpec
+from ..plan import (AFFINE_FUSED, AFFINE_GAIN, NOT_ROTATED, TRAINING_MODE, Centering, FoldPlan, Fused, LayerNormEntry,
+                    RotationSpec)
 from .rotation import KINDS, apply_rotation
 
 
@@ -364,10 +365,13 @@ class SwapLayerNorms(Transformation):
                     module = model.get_submodule(e.name)
                 except AttributeError:
                     module = None
-                kinds = (nn.GroupNorm, GroupRMSNorm) if e.norm == "group_norm" else (nn.LayerNorm, RMSNorm)
-                if not isinstance(module, kinds):
-                    kind = "GroupNorm" if e.norm == "group_norm" else "LayerNorm"
-                    raise PlanError(f"the plan folds {e.name}, which is not a {kind} in this model")
+                if e.norm == "group_norm":
+                    if not isinstance(module, (nn.GroupNorm, GroupRMSNorm)):
+                        raise PlanError(f"the plan folds {e.name}, which is not a GroupNorm in this model")
+                    continue
+                why = _norm_misfit(module, e) if module is not None else "which this model does not have"
+                if why:
+                    raise PlanError(f"the plan folds {e.name}, {why}")
             elif not isinstance(model, fx.GraphModule) or not any(
                     n.name == e.name for n in model.graph.nodes):
                 raise PlanError(f"the plan folds the functional layer_norm {e.name}, "
@@ -382,10 +386,15 @@ class SwapLayerNorms(Transformation):
                     continue
                 cls = GroupRMSNorm if e.norm == "group_norm" else RMSNorm
                 if hasattr(module, "_hf_hook"):
-                    _become(module, cls)
+                    _become(module, cls, e)
                     continue
                 parent_path, _, attr = e.name.rpartition(".")
-                rms = cls.from_group_norm(module) if cls is GroupRMSNorm else cls.from_layer_norm(module)
+                if cls is GroupRMSNorm:
+                    rms = cls.from_group_norm(module)
+                elif isinstance(module, nn.LayerNorm) and e.plain_form:
+                    rms = cls.from_layer_norm(module)
+                else:
+                    rms = cls.from_module(module, e.normalized_shape, e.eps, dim=e.dim, upcast=e.upcast, then=e.then)
                 if e.affine in (AFFINE_FUSED, AFFINE_GAIN):  # γ = 1 (and β = 0) now: drop them
                     rms.register_parameter("weight", None)
                     if e.affine == AFFINE_FUSED:
@@ -404,15 +413,41 @@ class SwapLayerNorms(Transformation):
         return model
 
 
-def _become(module: nn.Module, cls: type) -> None:
+def _norm_misfit(module: nn.Module, e: LayerNormEntry) -> str:
+    """'' if ``module`` can be replaced as the plan's entry says; else why not. The analysis
+    proved what the module computes; this only catches a plan applied to another model."""
+    if isinstance(module, RMSNorm):
+        return ""
+    if isinstance(module, (nn.GroupNorm, GroupRMSNorm)):
+        return "which is a GroupNorm in this model, not a LayerNorm"
+    width = math.prod(e.normalized_shape) if e.normalized_shape else None
+    for leaf in ("weight", "bias"):
+        t = getattr(module, leaf, None)
+        if t is not None and (not isinstance(t, torch.Tensor) or (width is not None and t.numel() != width)):
+            return f"whose {leaf} does not fit a norm over {tuple(e.normalized_shape)}, so it is not that norm here"
+    children = dict(module.named_children())
+    for child in e.then:
+        if child not in children:
+            return f"which has no child module {child} to call after it here"
+    return ""
+
+
+def _become(module: nn.Module, cls: type, e: LayerNormEntry | None = None) -> None:
     """Turn a norm module into ``cls`` in place.
 
     A model loaded with offloading (accelerate's ``device_map``) keeps each
     module's weights behind a hook that wraps that module's ``forward``; a new
     module would have none, so the module stays and changes class instead.
-    RMSNorm and GroupRMSNorm read only attributes that LayerNorm and GroupNorm
-    already have.
+    GroupRMSNorm reads only attributes GroupNorm already has; an RMSNorm gets
+    the plan entry's shape, epsilon and form.
     """
+    if cls is RMSNorm and e is not None:
+        for leaf in ("weight", "bias"):
+            if not hasattr(module, leaf):  # OLMo's norm has neither
+                module.register_parameter(leaf, None)
+        module.normalized_shape, module.eps = tuple(e.normalized_shape), float(e.eps)
+        module.elementwise_affine = module.weight is not None
+        module.dim, module.upcast, module.then = e.dim, e.upcast, tuple(e.then)
     module.__class__ = cls
     if hasattr(module, "_old_forward"):
         module._old_forward = cls.forward.__get__(module)
@@ -493,7 +528,13 @@ def check_fits(model: nn.Module, plan: FoldPlan) -> None:
     if plan.model and plan.model != type(model).__name__:
         raise PlanError(f"the plan was made for a {plan.model}, not a {type(model).__name__}")
     if plan.norm_modules:
-        ours, theirs = set(norm_module_paths(model)), set(plan.norm_modules)
+        kinds = set()  # the classes the plan's norms have here: norm modules of other classes count too
+        for path in plan.norm_modules:
+            try:
+                kinds.add(type(model.get_submodule(path)))
+            except AttributeError:
+                pass
+        ours, theirs = set(norm_module_paths(model, kinds)), set(plan.norm_modules)
         if ours != theirs:
             odd = sorted(ours ^ theirs)[0]
             where = "this model has" if odd in ours else "the plan names"

@@ -45,6 +45,13 @@ CASES = {
                                  max_position_embeddings=64)), "XGLMModel", "all"),
     "ctrl": (("CTRLConfig", dict(n_layer=2, n_embd=32, n_head=4, dff=64, vocab_size=128, n_positions=64)),
              "CTRLModel", "all"),  # ... which the forward also writes back to itself
+    # norms that are not nn.LayerNorm modules (FOLDING.md §11): a non-parametric LN that upcasts
+    # (an nn.Module), and a channels-first one after the patchifying convolution
+    "olmo": (("OlmoConfig", dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                 vocab_size=128, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+                                 pad_token_id=1)), "OlmoForCausalLM", "all"),
+    "convnextv2": (("ConvNextV2Config", dict(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, image_size=32)),
+                   "ConvNextV2Model", {"embeddings.layernorm"}),
 }
 
 
@@ -97,7 +104,7 @@ def reload_plain(path):
     return getattr(T, arch).from_pretrained(path).eval()
 
 
-@pytest.mark.parametrize("arch", ["bart", "dinov2", "yolos", "persimmon", "m2m100"])
+@pytest.mark.parametrize("arch", ["bart", "dinov2", "yolos", "persimmon", "m2m100", "olmo", "convnextv2"])
 def test_checkpoint_round_trip(arch, saved, tmp_path):
     src = saved(arch)
     result = fold_checkpoint(src, tmp_path / "out")
@@ -121,6 +128,12 @@ def test_checkpoint_round_trip(arch, saved, tmp_path):
         with safe_open(result.out_dir / "model.safetensors", "pt") as f:
             w, g = f.get_tensor(c["param"]), f.get_tensor(c["scale"])
         assert (w.double() * g.double()[:, None]).mean(0).abs().max() < 1e-6
+    if arch in ("olmo", "convnextv2"):  # the norms' forms are recorded, and enjoyln.load honours them
+        forms = {e["name"]: (e.get("dim", -1), e.get("upcast", False)) for e in block["plan"]["layer_norms"]
+                 if e["foldable"]}
+        expected = (-1, True) if arch == "olmo" else (1, False)
+        assert set(forms.values()) == {expected} and block["format_version"] == 2
+        assert all((m.dim, m.upcast) == expected for m in folded.modules() if isinstance(m, enjoyln.RMSNorm))
     if arch == "persimmon":  # q and k blocks of one fused weight, in one pass
         fused = [c for c in block["centered"] if c["param"] == "layers.0.self_attn.query_key_value.weight"]
         assert sorted(tuple(c["blocks"]) for c in fused) == [(0, 3, 6, 9), (1, 4, 7, 10)]
