@@ -484,7 +484,8 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     >>> static_check(open_model_dir("gpt2"), open_model_dir("gpt2-folded")).passed  # doctest: +SKIP
     True
     """
-    from ..convert import _analyze, final_tensors, moves_values
+    from ..convert import _analyze, moves_values
+    from ..transform.stream import StreamedTensors
 
     start = time.perf_counter()
     dtype = parse_dtype(dtype)
@@ -571,9 +572,10 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     for key in sorted(ref_keys - cand_keys - {rk for rk, _, _ in todo.values()}):
         problems.append(f"the candidate lacks the reference's tensor {key}")
 
-    # A fused affine or a rotation computes tensors from other tensors: those are recomputed
-    # from the reference in memory, by the code the fold used, and compared in chunks.
-    expected = final_tensors(ref, plan, ref_model) if moves_values(plan) and not problems else None
+    # A fused affine or a rotation computes tensors from other tensors: each is recomputed from
+    # the reference tensors it depends on, by the code the fold used, when its turn comes.
+    expected = (StreamedTensors(ref, plan, ref_model, reader=reader_ref) if moves_values(plan) and not problems
+                else None)
     if expected is not None:
         report.form = "folded"
     total = sum(reader_cand.nbytes(k) if cand.tensors else 0 for k in todo)
@@ -626,10 +628,11 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
                 identical = folded = False
             elif expected is not None:
                 identical = False
-                e = expected.get(ck)
+                e = expected.get(ck) if t is not None else None
                 folded, diff = (_close(e, t, lambda: float(e.abs().max()) if e.numel() else 0.0, exact=same_dtype)
                                 if t is not None else (False, None))
                 report.computed += folded
+                del e
             elif c is None and same_dtype:
                 identical = folded = same_bytes(r, t)
             else:
@@ -660,6 +663,8 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
                 progress(done, total)
     finally:
         side.shutdown()
+        if expected is not None:
+            expected.close()
         reader_ref.close()
         reader_cand.close()
     # Without a recorded plan the candidate may be the reference itself or the
