@@ -15,6 +15,7 @@ Reading, containing and publishing directories is ``model_dir``'s job.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import math
 import os
@@ -47,6 +48,7 @@ from .plan import AFFINE_GAIN, FORMAT_VERSION, NOT_ROTATED, Centering, FoldPlan,
 from .transform.rotation import apply_rotation
 from .transform.steps import (InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits,
                               merge_centerings, tie_groups, ties_lost_on_untie)
+from .store.stream import StreamedTensors
 
 if TYPE_CHECKING:
     from .checking.forward import CheckReport
@@ -136,6 +138,7 @@ class Entry:
     tensor: torch.Tensor | None = None  # or write this (pickle input)
     blocks: tuple[int, ...] | None = None  # ... only these of the blocks
     scale: torch.Tensor | None = None  # ... for this LayerScale gain
+    compute: Callable[[], torch.Tensor] | None = None  # or write what this computes when its turn comes
 
 
 def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, str],
@@ -217,7 +220,8 @@ def _plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, st
 
 def moves_values(plan: FoldPlan) -> bool:
     """Whether a plan computes tensors from other tensors (a fused affine, a rotation), which
-    the tensor-by-tensor stream cannot do: such folds are computed on the loaded model."""
+    a centering of each tensor on its own cannot do: such folds are computed by
+    ``StreamedTensors``, each tensor from the reference tensors it depends on."""
     return bool(plan.fused) or plan.rotation is not None
 
 
@@ -227,6 +231,9 @@ def final_tensors(md: ModelDir, plan: FoldPlan, meta: nn.Module, *, trust_remote
 
     A folded norm whose affine moved keeps γ = 1 and β = 0 (or β/γ) on disk, so
     a plain ``from_pretrained`` still gives the original's outputs.
+
+    This holds the whole model; the fold and the static check use ``StreamedTensors``, which
+    computes the same tensors one at a time, and the tests hold it to this, bit for bit.
     """
     model = _load_plain(md, trust_remote_code)
     apply_plan(model, plan)
@@ -275,19 +282,22 @@ def _load_plain(md: ModelDir, trust_remote_code: bool) -> nn.Module:
                               f"{first_line(exc)}") from None
 
 
-def _moved_entries(md: ModelDir, tensors: dict[str, torch.Tensor]) -> list[tuple[str, list[Entry]]]:
-    """Output shards like the input's, each tensor given as it is to be written."""
+def _moved_entries(md: ModelDir, tensors: StreamedTensors) -> list[tuple[str, list[Entry]]]:
+    """Output shards like the input's, each tensor computed when the writer reaches it (or
+    copied, where the fold leaves its bytes as they are)."""
     home: dict[str, str] = ({t.name: t.file for t in md.tensors.values()} if not md.pickled
                             else {k: shard for k, (shard, _) in load_pickled(md).items()})
     shards: list[tuple[str, list[Entry]]] = [(s, []) for s in md.shards]
     by_shard = dict(shards)
-    order = sorted(tensors, key=lambda k: (md.tensors[k].start if k in md.tensors else math.inf, k))
+    order = sorted(tensors.keys(), key=lambda k: (md.tensors[k].start if k in md.tensors else math.inf, k))
     for key in order:
-        t = tensors[key].contiguous()
-        if t.dtype not in _CODES:
-            raise CheckpointError(f"{key} has dtype {t.dtype}, which safetensors cannot store")
+        out = tensors.outputs[key]
+        if out.dtype not in _CODES:
+            raise CheckpointError(f"{key} has dtype {out.dtype}, which safetensors cannot store")
+        source = tensors.source(key)
         by_shard[home.get(key, md.shards[-1])].append(
-            Entry(key, _CODES[t.dtype], tuple(t.shape), t.numel() * t.element_size(), tensor=t))
+            Entry(key, _CODES[out.dtype], out.shape, out.nbytes, source=source,
+                  compute=None if source is not None else functools.partial(tensors.get, key)))
     return shards
 
 
@@ -411,8 +421,9 @@ def _write_shard(file: Path, entries: list[Entry], root: Path, metadata: dict[st
         for e in entries:
             if e.source is not None and e.source.file not in fds:
                 fds[e.source.file] = os.open(root / e.source.file, os.O_RDONLY)
-        raw = [(e, at) for e, at in zip(entries, positions) if e.axis is None and e.tensor is None]
-        cooked = [(e, at) for e, at in zip(entries, positions) if not (e.axis is None and e.tensor is None)]
+        raw = [(e, at) for e, at in zip(entries, positions) if e.axis is None and e.tensor is None and e.compute is None]
+        cooked = [(e, at) for e, at in zip(entries, positions) if not (e.axis is None and e.tensor is None
+                                                                      and e.compute is None)]
 
         stop = threading.Event()
 
@@ -426,6 +437,15 @@ def _write_shard(file: Path, entries: list[Entry], root: Path, metadata: dict[st
             copying = pool.submit(copy_raw)
             try:
                 for e, at in cooked:
+                    if e.compute is not None:  # computed now, written from its own memory, dropped
+                        t = e.compute().contiguous()
+                        if t.dtype != _DTYPES[e.dtype] or t.numel() * t.element_size() != e.nbytes:
+                            raise AssertionError(f"{e.name} was computed as {t.dtype} {list(t.shape)}")
+                        _pwrite_all(out, memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes
+                                    else memoryview(b""), at)
+                        del t
+                        advance(e.nbytes)
+                        continue
                     if e.tensor is not None:
                         t = buffer.tensor(e.tensor.dtype, e.shape, e.nbytes)
                         t.copy_(e.tensor)
@@ -645,8 +665,9 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
     With ``fuse_affine`` the folded norms' affines move into their readers;
     with ``rotate`` (kind, seed, keep_mean) the residual stream is rotated too
-    (see ``enjoyln.rotate``). Both compute tensors from other tensors, so the
-    model is loaded once, in memory, instead of streamed.
+    (see ``enjoyln.rotate``). Both compute tensors from other tensors: each is
+    computed from the reference tensors it depends on as the writer reaches it
+    (``StreamedTensors``), so memory stays a few of the largest tensors.
 
     >>> fold_checkpoint("gpt2-dir", "gpt2-folded").report.passed  # doctest: +SKIP
     True
@@ -680,9 +701,11 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
     tmp: Path | None = None
     early: _EarlyCopy | None = None
+    streamed: StreamedTensors | None = None
     try:
-        in_memory = fuse_affine or rotate is not None or (plan is not None and moves_values(plan))
-        spans = _early_spans(md, max_shard_size) if not dry_run and not in_memory else {}
+        # a plan that moves values rewrites nearly every tensor: nothing to copy ahead
+        moving = fuse_affine or rotate is not None or (plan is not None and moves_values(plan))
+        spans = _early_spans(md, max_shard_size) if not dry_run and not moving else {}
         if spans:  # copy while the model's code loads and the analysis runs; see _EarlyCopy
             total[0] = sum(length for _, _, length in spans.values())
             with signals_held():  # an interrupt must find tmp and early set, to clean them up
@@ -704,7 +727,8 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             return FoldResult(plan, None, [], 0, time.perf_counter() - start, cleaned=cleaned)
         prefix = getattr(model, "base_model_prefix", "") or ""
         if moves_values(plan):
-            entries = _moved_entries(md, final_tensors(md, plan, model, trust_remote_code=trust_remote_code))
+            streamed = StreamedTensors(md, plan, model)
+            entries = _moved_entries(md, streamed)
         else:
             pickled = load_pickled(md) if md.pickled else None
             entries = _plan_entries(md, plan, prefix, saved_names(model), pickled, model)
@@ -735,6 +759,9 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                     total[0] += sum(e.nbytes for e in entries)
             _write_shard(tmp / name, entries, md.path, metadata, advance, buffer)
         stream_seconds = time.perf_counter() - write_start
+        if streamed is not None:
+            streamed.close()
+            streamed = None
         if early is not None:
             early.cancel()
             stream_seconds += early.seconds_before(write_start)
@@ -762,6 +789,8 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     except OSError as exc:
         raise _os_error(exc, out, tmp) from None
     finally:
+        if streamed is not None:
+            streamed.close()
         if early is not None:
             early.cancel()
         if tmp is not None:

@@ -497,8 +497,9 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     >>> static_check(open_model_dir("gpt2"), open_model_dir("gpt2-folded")).passed  # doctest: +SKIP
     True
     """
-    from ..convert import _analyze, final_tensors, moves_values
+    from ..convert import _analyze, moves_values
     from ..transform.steps import merge_centerings, tie_groups
+    from ..store.stream import StreamedTensors
 
     start = time.perf_counter()
     dtype = parse_dtype(dtype)
@@ -591,9 +592,10 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     for key in sorted(ref_keys - cand_keys - {rk for rk, _, _ in todo.values()}):
         problems.append(f"the candidate lacks the reference's tensor {key}")
 
-    # A fused affine or a rotation computes tensors from other tensors: those are recomputed
-    # from the reference in memory, by the code the fold used, and compared in chunks.
-    expected = final_tensors(ref, plan, ref_model) if moves_values(plan) and not problems else None
+    # A fused affine or a rotation computes tensors from other tensors: each is recomputed from
+    # the reference tensors it depends on, by the code the fold used, when its turn comes.
+    expected = (StreamedTensors(ref, plan, ref_model, reader=reader_ref) if moves_values(plan) and not problems
+                else None)
     if expected is not None:
         report.form = "folded"
     total = sum(reader_cand.nbytes(k) if cand.tensors else 0 for k in todo)
@@ -601,6 +603,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     # whatever the plan says it was tied to: a tie to anything means the head follows a centering
     not_folded = [f"the candidate still ties {u.param} to {others[0]}, so centering one changes the other"
                   for u in plan.untied if (others := [a for a in cand_names.get(u.param, ()) if a != u.param])]
+
     def plan_of(item: tuple[str, tuple[str, list[Centering] | None, bool]]) -> tuple[bool, bool]:
         """(read the reference, read the candidate) for one tensor."""
         ck, (rk, _, _) = item
@@ -646,10 +649,11 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
                 identical = folded = False
             elif expected is not None:
                 identical = False
-                e = expected.get(ck)
+                e = expected.get(ck) if t is not None else None
                 folded, diff = (_close(e, t, lambda: float(e.abs().max()) if e.numel() else 0.0, exact=same_dtype)
                                 if t is not None else (False, None))
                 report.computed += folded
+                del e
             elif c is None and same_dtype:
                 identical = folded = same_bytes(r, t)
             else:
@@ -680,6 +684,8 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
                 progress(done, total)
     finally:
         side.shutdown()
+        if expected is not None:
+            expected.close()
         reader_ref.close()
         reader_cand.close()
     # Without a recorded plan the candidate may be the reference itself or the

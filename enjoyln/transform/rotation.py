@@ -81,21 +81,38 @@ def _rotation_matrix(n: int, kind: str, seed: int, keep_mean: bool) -> torch.Ten
     return _fix_ones(q) if keep_mean else q
 
 
-def rotate_(t: torch.Tensor, axis: int, q: torch.Tensor, start: int = 0, *, rows: int = 1 << 16) -> torch.Tensor:
+SLAB_ELEMENTS = 1 << 22
+"""Elements of a tensor ``rotate_`` widens to float64 at a time (32 MiB, twice: the slab and its product)."""
+
+SLAB_ALIGN = 960
+"""Vectors in a slab are a multiple of this (lcm(64, 15)). BLAS computes a product's rows in
+tiles of a few rows, and a row outside a full tile goes through another kernel, with another
+order of the sums (MKL here: tiles of 4; other libraries use 2 to 24): slabs that start on a
+tile boundary give every row the bits one whole product gives it."""
+
+
+def rotate_(t: torch.Tensor, axis: int, q: torch.Tensor, start: int = 0, *,
+            slab: int = SLAB_ELEMENTS) -> torch.Tensor:
     """``t ×_axis Q`` in place, in float64, on entries ``start .. start + n`` of ``axis``:
-    every vector along that axis becomes ``v Q``. Works on slabs of the other axes,
-    so the float64 copy is never the whole tensor."""
+    every vector along that axis becomes ``v Q``. Works on slabs of about ``slab`` elements
+    (at least ``SLAB_ALIGN`` vectors) along another axis, so the float64 copies are never the
+    whole tensor, and the bits are those of one product over the whole tensor."""
     if t.device.type == "meta":
         return t
     axis = axis % t.dim()
     n = q.shape[0]
     block = t.narrow(axis, start, n)
-    other = 0 if axis != 0 or t.dim() == 1 else 1
-    slabs = [block] if t.dim() == 1 else block.split(max(1, rows * n // max(block.numel(), 1) * block.shape[other]) or 1, other)
+    if t.dim() == 1:
+        slabs = [block]
+    else:
+        other = 0 if axis != 0 else 1
+        per = max(block.numel() // max(block.shape[other], 1), 1)  # elements per index of the other axis
+        count = max(1, slab // per) // SLAB_ALIGN * SLAB_ALIGN or SLAB_ALIGN
+        slabs = block.split(count, other)
     qq = q.to(t.device)
-    for slab in slabs:
-        wide = slab.detach().to(torch.float64).movedim(axis, -1)
-        slab.copy_((wide @ qq).movedim(-1, axis))
+    for piece in slabs:
+        wide = piece.detach().to(torch.float64).movedim(axis, -1)
+        piece.copy_((wide @ qq).movedim(-1, axis))
     return t
 
 

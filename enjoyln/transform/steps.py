@@ -283,16 +283,40 @@ def fuse_(weight: torch.Tensor, bias: torch.Tensor | None, f: Fused, gamma: torc
           beta: torch.Tensor | None) -> None:
     """Move a norm's affine into one linear layer that reads it, in place, in float64:
     ``bias += W β`` (W as it was), then the block of W's input axis ``*= γ``."""
-    wide = weight.detach().to(torch.float64)
-    block = wide.narrow(f.axis, f.start, f.length)
-    seg = slice(f.offset, f.offset + f.length)
     if bias is not None and beta is not None:
-        added = torch.tensordot(block, beta[seg].to(torch.float64), dims=([f.axis], [0]))
-        bias.copy_(bias.detach().to(torch.float64) + added.reshape(bias.shape))
+        bias.copy_(bias.detach().to(torch.float64) + fused_product(weight, f, beta).reshape(bias.shape))
     if gamma is not None:
-        shape = [f.length if d == f.axis else 1 for d in range(wide.dim())]
-        block.mul_(gamma[seg].to(torch.float64).reshape(shape))
-    weight.copy_(wide)
+        scale_inputs_(weight, f, gamma)
+
+
+def fused_product(weight: torch.Tensor, f: Fused, beta: torch.Tensor) -> torch.Tensor:
+    """``W β`` over the block of ``weight`` that reads the norm, in float64: what ``fuse_`` adds
+    to the bias. The whole weight is widened first, as it always was, so the product's bits
+    (a BLAS reduction) stay what earlier folds wrote."""
+    block = weight.detach().to(torch.float64).narrow(f.axis, f.start, f.length)
+    return torch.tensordot(block, beta[f.offset:f.offset + f.length].to(torch.float64), dims=([f.axis], [0]))
+
+
+_SCALE_ELEMENTS = 1 << 22
+"""Elements widened to float64 at a time when a weight's block is scaled by γ (32 MiB)."""
+
+
+def scale_inputs_(weight: torch.Tensor, f: Fused, gamma: torch.Tensor, *, chunk: int | None = None) -> None:
+    """The block of ``weight``'s input axis that reads the norm ``*= γ``, in place: each element
+    rounded once from its float64 product. Element by element, so it runs in slabs of the other
+    axis and never widens the whole weight (an embedding-sized head would need twice its size)."""
+    chunk = chunk or _SCALE_ELEMENTS
+    seg = gamma[f.offset:f.offset + f.length].to(torch.float64)
+    block = weight.detach().narrow(f.axis, f.start, f.length)
+    g = seg.reshape([f.length if d == f.axis else 1 for d in range(block.dim())])
+    other = 1 if f.axis == 0 and block.dim() > 1 else 0
+    if block.dim() < 2 or other == f.axis:
+        pieces = [block]
+    else:
+        per = max(block.numel() // max(block.shape[other], 1), 1)
+        pieces = block.split(max(1, chunk // per), other)
+    for piece in pieces:
+        piece.copy_(piece.to(torch.float64).mul_(g))
 
 
 class FuseAffine(Transformation):

@@ -49,7 +49,7 @@ def test_rotate_along_any_axis_in_slabs():
     t = torch.randn(5, 12, 3)
     q = rotation_matrix(12, "random", 0, False)
     expected = torch.einsum("akb,kj->ajb", t.double(), q).float()
-    rotate_(t, 1, q, rows=4)
+    rotate_(t, 1, q, slab=4 * 12 * 3)
     assert torch.allclose(t, expected, atol=1e-6)
 
 

@@ -1,0 +1,411 @@
+"""The plan applied to a checkpoint tensor by tensor: each final tensor computed from the
+reference tensors it depends on, without the model in memory.
+
+``apply_plan`` changes a loaded model in place, which on a checkpoint means the whole model in
+memory. But every change the ``PIPELINE`` makes is an in-place operation on one tensor that
+reads a few others as they are at that moment:
+
+- ``UntieParameters``: the untied name starts as a copy of its tie source;
+- ``FuseAffine``: ``fuse_`` adds ``W β`` to a reader's bias (W as it is just before) and scales
+  W's block by γ (the norm's γ and β as they are when its entry is reached); the norm's γ
+  becomes 1 and its β 0 or β/γ;
+- ``CenterParameters``: ``center_`` in plan order, LayerScale gains read when the step starts;
+- ``RotateStream``: ``apply_rotation`` in plan order;
+- ``SwapLayerNorms`` drops the fused norms' γ (and β), ``SeparateTies`` only copies.
+
+``trace`` replays those steps on names alone and records, for each tensor (a *slot*: every name
+that shares it), the operations it undergoes, each with what it reads: another slot as it was
+after so many of its operations (a ``Ref``), or the ``Product`` ``W β``. ``StreamedTensors``
+then computes one output at a time: it reads the slot's reference tensor, converts it to the
+dtype a plain ``from_pretrained`` gives it, applies its operations with the same functions, in
+the same order and dtypes, and casts the result to the key's stored dtype, as ``final_tensors``
+does with the loaded model. So the bits are the same, and memory is one tensor being computed,
+the small values others read (norm gains, biases' products, kept once computed), and at most
+one weight computed ahead of its request (a fused bias comes before its weight in the file).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Union
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, PlanError
+from ..plan import AFFINE_FUSED, AFFINE_GAIN, Centering, FoldPlan, Fused, Rotated, Rotation
+from ..transform.rotation import apply_rotation
+from ..transform.steps import PIPELINE, center_, check_fits, fused_product, scale_inputs_, ties_lost_on_untie
+from .formats import DTYPES, TensorInfo, load_pickled
+from .hf import checkpoint_key, model_class, saved_names
+from .model_dir import ModelDir
+from .tensors import TensorReader
+
+STASH_BYTES = 512 << 20
+"""At most this much of weights computed ahead of their request (for a fused bias's ``W β``)."""
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Slot ``slot`` as it is after the first ``version`` of its operations."""
+
+    slot: int
+    version: int
+
+
+@dataclass(frozen=True, eq=False)
+class Product:
+    """``W β`` over the block of W that reads a norm, as ``fuse_`` adds it to W's bias: W as
+    ``weight`` says, β the norm's bias read by ``beta``. One per fusion (compared by identity)."""
+
+    weight: Ref
+    fused: Fused
+    beta: Ref
+
+
+Read = Union[Ref, Product]
+
+
+@dataclass
+class Op:
+    """One in-place change to a slot, as a step of the ``PIPELINE`` makes it."""
+
+    kind: str
+    """fill, set_bias, add_product, scale, center or rotate."""
+    reads: tuple[Read, ...] = ()
+    fill: float = 0.0
+    gain: bool = False  # set_bias: β/γ (AFFINE_GAIN) rather than 0
+    fused: Fused | None = None
+    centering: Centering | None = None
+    rotated: Rotated | None = None
+    rotation: Rotation | None = None
+
+
+@dataclass
+class Slot:
+    """One tensor of the loaded model: its names, its dtype and shape as loaded, where its first
+    value comes from (a checkpoint key, or another slot's value for an untied copy) and the
+    operations the pipeline applies to it."""
+
+    index: int
+    names: list[str]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    base: str | Ref | None = None
+    ops: list[Op] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+@dataclass
+class Trace:
+    """What the pipeline does to every tensor, and which names it leaves on the model."""
+
+    slots: list[Slot]
+    binding: dict[str, int]
+    """Name -> slot after the pipeline (an untied name has its own slot)."""
+    names: list[str]
+    """The model's parameter and buffer names after the pipeline, in ``named_parameters``
+    (with duplicates) then ``named_buffers`` order; the fused norms' dropped γ and β are gone."""
+
+
+def checkpoint_source(names: Iterable[str], key: Callable[[str], str | None]) -> str | None:
+    """The checkpoint key a tensor known by ``names`` (in ``named_parameters`` order: a tie's
+    source first) loads from: the first name the checkpoint has. All name resolution of the
+    streamed path is here and in ``key``."""
+    return next((k for name in names if (k := key(name)) is not None), None)
+
+
+def trace(model: nn.Module, plan: FoldPlan, key: Callable[[str], str | None]) -> Trace:
+    """Replay the ``PIPELINE`` on ``model``'s names (a meta model as ``from_pretrained`` builds
+    it: its ties and dtypes), recording each tensor's operations; ``key`` maps a name to its
+    checkpoint key. The steps' own checks run first, as ``apply_plan`` runs them."""
+    check_fits(model, plan)
+    for step in PIPELINE:
+        step.check(model, plan)
+    persistent = set(model.state_dict(keep_vars=True))
+    slots: list[Slot] = []
+    by_id: dict[int, int] = {}
+    binding: dict[str, int] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if id(t) not in by_id:
+            by_id[id(t)] = len(slots)
+            slots.append(Slot(len(slots), [], t.dtype, tuple(t.shape)))
+        binding[name] = by_id[id(t)]
+        slots[by_id[id(t)]].names.append(name)
+    for s in slots:  # a non-persistent buffer is built by the model, not loaded: no source
+        s.base = checkpoint_source([n for n in s.names if n in persistent], key)
+
+    def slot(name: str) -> Slot:
+        if name not in binding:
+            raise PlanError(f"the plan names {name}, which this model does not have")
+        return slots[binding[name]]
+
+    def now(s: Slot) -> Ref:
+        return Ref(s.index, len(s.ops))
+
+    # UntieParameters: a copy of the tied tensor as it is (nothing has changed it yet)
+    for u in plan.untied:
+        src = slot(u.tied_to)
+        if slot(u.param) is not src:
+            continue
+        copy = Slot(len(slots), [u.param], src.dtype, src.shape, base=now(src))
+        slots.append(copy)
+        binding[u.param] = copy.index
+    # FuseAffine
+    fusing = [e for e in plan.foldable if e.affine in (AFFINE_FUSED, AFFINE_GAIN)]
+    for e in fusing:
+        w, b = binding.get(f"{e.name}.weight"), binding.get(f"{e.name}.bias")
+        gamma = now(slots[w]) if w is not None else None
+        beta = now(slots[b]) if b is not None else None
+        for f in e.fused:
+            weight = slot(f.weight)
+            if f.bias and e.affine == AFFINE_FUSED and beta is not None:
+                slot(f.bias).ops.append(Op("add_product", (Product(now(weight), f, beta),)))
+            if gamma is not None:
+                weight.ops.append(Op("scale", (gamma,), fused=f))
+        if w is not None:
+            slots[w].ops.append(Op("fill", fill=1.0))
+        if b is not None:
+            gain = e.affine == AFFINE_GAIN
+            slots[b].ops.append(Op("set_bias", (beta, gamma) if gain and gamma is not None else (beta,), gain=gain))
+    # CenterParameters: the gains as they are when the step starts
+    scales = {c.scale: now(slot(c.scale)) for c in plan.centered if c.scale}
+    for c in plan.centered:
+        slot(c.param).ops.append(Op("center", (scales[c.scale],) if c.scale else (), centering=c))
+    # SwapLayerNorms: the fused norms lose their γ (and β)
+    dropped = {f"{e.name}.{leaf}" for e in fusing if e.kind == "module"
+               for leaf in (("weight", "bias") if e.affine == AFFINE_FUSED else ("weight",))}
+    # RotateStream
+    if plan.rotation is not None:
+        for rot in plan.rotation.rotated:
+            slot(rot.param).ops.append(Op("rotate", rotated=rot, rotation=plan.rotation))
+    # SeparateTies copies final values: nothing to compute
+    names = [n for n in dict.fromkeys([*(n for n, _ in model.named_parameters(remove_duplicate=False)),
+                                       *(n for n, _ in model.named_buffers())]) if n not in dropped]
+    return Trace(slots, binding, names)
+
+
+@dataclass
+class Output:
+    """How one key of the folded checkpoint is made: a slot's final value, a constant, or the
+    stored bytes; in ``dtype``."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    slot: int | None = None
+    fill: float | None = None
+    raw: str | None = None
+    """The checkpoint key whose stored bytes are the output, unchanged."""
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def load_model_meta(md: ModelDir) -> nn.Module:
+    """The model a plain ``from_pretrained`` builds for ``md``, on the meta device: its names,
+    its ties and the dtype each tensor loads in, without reading any weight."""
+    cls = model_class(md)
+    kwargs = {"trust_remote_code": md.trust_remote_code, "dtype": "auto", "device_map": "meta"}
+    if md.pickled:
+        kwargs["use_safetensors"] = False
+    try:
+        return cls.from_pretrained(md.path, **kwargs).eval()
+    except Exception as exc:
+        raise CheckpointError(f"cannot load {md.path}: {type(exc).__name__}: "
+                              f"{(str(exc).splitlines() or [''])[0]}") from None
+
+
+class StreamedTensors:
+    """Every tensor of ``md`` folded by ``plan``, by key, each computed when asked for.
+
+    The values are ``final_tensors``' bit for bit: that is the plan applied to the model loaded
+    whole, and this the same operations on one tensor at a time. ``meta`` is the analysis's
+    meta model (its base prefix and saved names resolve keys, as ``final_tensors`` does). A
+    tensor ``get`` returns is the caller's to read, not to change.
+
+    >>> tensors = StreamedTensors(md, plan, meta_model(md))  # doctest: +SKIP
+    >>> tensors.get("lm_head.weight").shape  # doctest: +SKIP
+    torch.Size([50257, 768])
+    """
+
+    def __init__(self, md: ModelDir, plan: FoldPlan, meta: nn.Module, *, reader: TensorReader | None = None) -> None:
+        self.md = md
+        self.reader = reader if reader is not None else _reader(md)
+        self._own_reader = reader is None
+        keys = self.reader.keys()
+        prefix = getattr(meta, "base_model_prefix", "") or ""
+        saved = saved_names(meta)
+
+        def key(name: str) -> str | None:
+            return checkpoint_key(name, keys, prefix, saved)
+
+        self.trace = t = trace(load_model_meta(md), plan, key)
+        for s in t.slots:
+            if isinstance(s.base, str) and tuple(self.reader.shape(s.base)) != s.shape:
+                raise CheckpointError(f"{s.base} has shape {list(self.reader.shape(s.base))} in the checkpoint, "
+                                      f"but {s.names[0]} loads as {list(s.shape)}")
+        # the keys final_tensors writes, in its order of precedence
+        slot_of: dict[str, int] = {}
+        for name in t.names:
+            if (k := key(name)) is not None:
+                slot_of.setdefault(k, t.binding[name])
+        for u in plan.untied:
+            if key(u.param) is None:
+                slot_of[saved.get(u.param, u.param)] = t.binding[u.param]
+        for target in ties_lost_on_untie(meta, plan):
+            if key(target) is None and target in t.names:
+                slot_of.setdefault(saved.get(target, target), t.binding[target])
+        stored = self.md.tensors  # final_tensors casts to the stored dtype only what a header lists
+        self.outputs: dict[str, Output] = {}
+        for k, i in slot_of.items():
+            s = t.slots[i]
+            if s.base is None and k in keys:  # a buffer the model builds itself: the stored bytes stay
+                self.outputs[k] = Output(self.reader.dtype(k), tuple(self.reader.shape(k)), raw=k)
+            else:
+                self.outputs[k] = Output(DTYPES[stored[k].dtype] if k in stored else s.dtype, s.shape, slot=i)
+        for e in plan.foldable:
+            for leaf, fill in (("weight", 1.0), ("bias", 0.0)):
+                k = key(f"{e.name}.{leaf}")
+                if k is not None and k not in self.outputs:  # dropped with the affine: 1 and 0 on disk
+                    info = stored.get(k)
+                    self.outputs[k] = Output(DTYPES[info.dtype] if info else torch.float32,
+                                             tuple(info.shape) if info else tuple(e.normalized_shape), fill=fill)
+        for k in sorted(keys - self.outputs.keys()):  # stored but not loaded: kept as they are
+            self.outputs[k] = Output(self.reader.dtype(k), tuple(self.reader.shape(k)), raw=k)
+        for out in self.outputs.values():  # nothing changes it: the stored bytes
+            s = t.slots[out.slot] if out.slot is not None else None
+            if s is not None and not s.ops and isinstance(s.base, str) and \
+                    s.dtype == out.dtype == self.reader.dtype(s.base):
+                out.raw, out.slot = s.base, None
+        self._pending: dict[int, set[str]] = {}
+        for k, out in self.outputs.items():
+            if out.slot is not None:
+                self._pending.setdefault(out.slot, set()).add(k)
+        self._taps: dict[tuple[int, int], list[Read]] = {}  # what others read of a slot, by version
+        for s in t.slots:
+            for op in s.ops:
+                for r in op.reads:
+                    at = r.weight if isinstance(r, Product) else r
+                    self._taps.setdefault((at.slot, at.version), []).append(r)
+        self._memo: dict[Read, torch.Tensor] = {}
+        self._stash: dict[int, torch.Tensor] = {}
+
+    def keys(self) -> list[str]:
+        return list(self.outputs)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.outputs
+
+    def source(self, key: str) -> TensorInfo | None:
+        """Where the output's bytes already are, unchanged (a safetensors input), or None."""
+        out = self.outputs[key]
+        return self.md.tensors.get(out.raw) if out.raw is not None else None
+
+    def get(self, key: str) -> torch.Tensor:
+        """The folded tensor for ``key``, in the key's dtype."""
+        out = self.outputs[key]
+        if out.raw is not None:
+            return self.reader.read(out.raw)
+        if out.fill is not None:
+            return torch.full(out.shape, out.fill, dtype=out.dtype)
+        s = self.trace.slots[out.slot]
+        pending = self._pending[s.index]
+        pending.discard(key)
+        t = self._stash.get(s.index)
+        if t is None:
+            t = self._value(s.index, len(s.ops))
+            if pending and self._stashed() + s.nbytes <= STASH_BYTES:
+                self._stash[s.index] = t  # another key has it too (a tie's copy)
+        if not pending:
+            self._stash.pop(s.index, None)
+        return t.to(out.dtype) if t.dtype != out.dtype else t
+
+    def _stashed(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._stash.values())
+
+    def _value(self, index: int, version: int) -> torch.Tensor:
+        """Slot ``index`` after ``version`` of its operations, in memory of its own."""
+        s = self.trace.slots[index]
+        if isinstance(s.base, Ref):
+            t = self._value(s.base.slot, s.base.version)
+        elif s.base is None:
+            raise CheckpointError(f"the checkpoint has no tensor for {s.names[0]}, which the fold needs")
+        else:
+            t = self.reader.read(s.base)
+            t = t.to(s.dtype) if t.dtype != s.dtype else t
+        with torch.no_grad():
+            for v, op in enumerate(s.ops[:version]):
+                self._tap(index, v, t)
+                self._apply(op, t)
+            self._tap(index, version, t)
+        return t
+
+    def _tap(self, index: int, version: int, t: torch.Tensor) -> None:
+        """Keep what other slots read of this one at this version: small values (a norm's γ or
+        β, a LayerScale gain, a bias's ``W β``), so that a large one is never held for them."""
+        for r in self._taps.get((index, version), ()):
+            if r not in self._memo:
+                self._memo[r] = (fused_product(t, r.fused, self._read(r.beta).to(torch.float64).reshape(-1))
+                                 if isinstance(r, Product) else t.clone())
+
+    def _read(self, r: Read) -> torch.Tensor:
+        if r not in self._memo:
+            at = r.weight if isinstance(r, Product) else r
+            s = self.trace.slots[at.slot]
+            # a fused bias comes before its weight in the file: finish the weight while it is here
+            ahead = (isinstance(r, Product) and bool(self._pending.get(at.slot)) and at.slot not in self._stash
+                     and self._stashed() + s.nbytes <= STASH_BYTES)
+            t = self._value(at.slot, len(s.ops) if ahead else at.version)
+            if ahead:
+                self._stash[at.slot] = t
+        return self._memo[r]
+
+    def _apply(self, op: Op, t: torch.Tensor) -> None:
+        """One operation, with the very code the in-memory steps run."""
+        if op.kind == "fill":  # FuseAffine: γ = 1
+            t.fill_(op.fill)
+        elif op.kind == "set_bias":  # FuseAffine: β/γ where β stays, else 0
+            beta = self._read(op.reads[0]).to(torch.float64).reshape(-1)
+            if not op.gain:
+                t.copy_(torch.zeros_like(t))
+            elif len(op.reads) > 1:
+                gamma = self._read(op.reads[1]).to(torch.float64).reshape(-1)
+                if not bool(gamma.ne(0).all()):
+                    raise PlanError("the plan keeps a norm's bias as β/γ, but its gain has a zero entry; "
+                                    "analyze this model again")
+                t.copy_((beta / gamma).reshape(t.shape))
+            else:
+                t.copy_(beta.reshape(t.shape))
+        elif op.kind == "add_product":  # fuse_: bias += W β
+            t.copy_(t.to(torch.float64) + self._read(op.reads[0]).reshape(t.shape))
+        elif op.kind == "scale":  # fuse_: W's block *= γ
+            scale_inputs_(t, op.fused, self._read(op.reads[0]).to(torch.float64).reshape(-1))
+        elif op.kind == "center":
+            c = op.centering
+            center_(t, c.axis, c.groups, self._read(op.reads[0]) if op.reads else None, c.blocks)
+        elif op.kind == "rotate":
+            apply_rotation(t, op.rotated, op.rotation)
+        else:  # pragma: no cover - trace makes no other kind
+            raise AssertionError(op.kind)
+
+    def close(self) -> None:
+        self._memo.clear()
+        self._stash.clear()
+        if self._own_reader:
+            self.reader.close()
+
+
+def _reader(md: ModelDir) -> TensorReader:
+    if not md.pickled:
+        return TensorReader(md)
+    return TensorReader(md, {k: t for k, (_, t) in load_pickled(md).items()})
