@@ -4,7 +4,7 @@ depends on, bit for bit what the plan applied to the loaded model gives (``final
 import pytest
 import torch
 
-from enjoyln.analysis.rotation import rotate_, rotation_matrix
+from enjoyln.transform.rotation import rotate_, rotation_matrix
 from enjoyln.plan import Fused
 from enjoyln.transform.steps import fuse_
 
