@@ -370,7 +370,7 @@ def test_shared_embeddings_fold_through_the_file_and_in_memory(cls_name, tmp_pat
 
     from typer.testing import CliRunner
 
-    from enjoyln.cli import app
+    from enjoyln.cli.app import app
 
     runner = CliRunner()
     src, out, mem = tmp_path / "ref", tmp_path / "out", tmp_path / "mem"

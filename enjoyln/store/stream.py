@@ -39,6 +39,7 @@ from ..transform.steps import PIPELINE, center_, check_fits, fused_product, scal
 from .formats import DTYPES, TensorInfo, load_pickled
 from .hf import checkpoint_key, model_class, saved_names
 from .model_dir import ModelDir
+from .sources import source_of
 from .tensors import TensorReader
 
 STASH_BYTES = 512 << 20
@@ -214,6 +215,8 @@ class Output:
 def load_model_meta(md: ModelDir) -> nn.Module:
     """The model a plain ``from_pretrained`` builds for ``md``, on the meta device: its names,
     its ties and the dtype each tensor loads in, without reading any weight."""
+    if md.source != "transformers":  # timm builds its model in the stored dtype: its meta model is that
+        return source_of(md).meta_model(md).eval()
     cls = model_class(md)
     kwargs = {"trust_remote_code": md.trust_remote_code, "dtype": "auto", "device_map": "meta"}
     if md.pickled:
