@@ -237,6 +237,8 @@ def test_pickled_and_unloaded_keys(tmp_path):
     _, got, expected = _streamed_and_final(pkl, allow_pickle=True, rotate=("random", 0, True))
     _assert_bit_identical(got, expected)
     assert torch.equal(got["transformer.h.0.attn.masked_bias"], torch.tensor(-1e4))
+    result = fold_checkpoint(pkl, tmp_path / "out", allow_pickle=True, check="static", rotate=("random", 0, True))
+    assert result.report.passed and result.report.static.computed == len(expected), result.report.summary()
 
 
 # --- the fold's files against the old writer -------------------------------------------------------
