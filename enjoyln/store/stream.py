@@ -19,9 +19,13 @@ after so many of its operations (a ``Ref``), or the ``Product`` ``W β``. ``Stre
 then computes one output at a time: it reads the slot's reference tensor, converts it to the
 dtype a plain ``from_pretrained`` gives it, applies its operations with the same functions, in
 the same order and dtypes, and casts the result to the key's stored dtype, as ``final_tensors``
-does with the loaded model. So the bits are the same, and memory is one tensor being computed,
-the small values others read (norm gains, biases' products, kept once computed), and at most
-one weight computed ahead of its request (a fused bias comes before its weight in the file).
+does with the loaded model. So the bits are the same, and memory is the tensor being computed,
+the small values others read (norm gains, biases' products, kept once computed), and weights
+computed ahead of their request (a fused bias comes before its weight in the file), at most
+``STASH_BYTES`` of them.
+
+Names resolve to checkpoint keys in two places only: ``checkpoint_source`` (where a tensor's
+value is read from) and ``output_slots`` (which keys the fold writes, as ``final_tensors``).
 """
 
 from __future__ import annotations
@@ -117,9 +121,26 @@ class Trace:
 
 def checkpoint_source(names: Iterable[str], key: Callable[[str], str | None]) -> str | None:
     """The checkpoint key a tensor known by ``names`` (in ``named_parameters`` order: a tie's
-    source first) loads from: the first name the checkpoint has. All name resolution of the
-    streamed path is here and in ``key``."""
+    source first) loads from: the first name the checkpoint has."""
     return next((k for name in names if (k := key(name)) is not None), None)
+
+
+def output_slots(t: Trace, plan: FoldPlan, meta: nn.Module, key: Callable[[str], str | None],
+                 saved: dict[str, str]) -> dict[str, int]:
+    """The keys of the folded checkpoint that hold a tensor of the model, each with its slot,
+    by ``final_tensors``' rules in its order: every name's key (the first name of a key wins),
+    then an untied head the checkpoint did not store, then a tie the untying dropped."""
+    slots: dict[str, int] = {}
+    for name in t.names:
+        if (k := key(name)) is not None:
+            slots.setdefault(k, t.binding[name])
+    for u in plan.untied:
+        if key(u.param) is None:
+            slots[saved.get(u.param, u.param)] = t.binding[u.param]
+    for target in ties_lost_on_untie(meta, plan):
+        if key(target) is None and target in t.names:
+            slots.setdefault(saved.get(target, target), t.binding[target])
+    return slots
 
 
 def trace(model: nn.Module, plan: FoldPlan, key: Callable[[str], str | None]) -> Trace:
@@ -257,17 +278,7 @@ class StreamedTensors:
             if isinstance(s.base, str) and tuple(self.reader.shape(s.base)) != s.shape:
                 raise CheckpointError(f"{s.base} has shape {list(self.reader.shape(s.base))} in the checkpoint, "
                                       f"but {s.names[0]} loads as {list(s.shape)}")
-        # the keys final_tensors writes, in its order of precedence
-        slot_of: dict[str, int] = {}
-        for name in t.names:
-            if (k := key(name)) is not None:
-                slot_of.setdefault(k, t.binding[name])
-        for u in plan.untied:
-            if key(u.param) is None:
-                slot_of[saved.get(u.param, u.param)] = t.binding[u.param]
-        for target in ties_lost_on_untie(meta, plan):
-            if key(target) is None and target in t.names:
-                slot_of.setdefault(saved.get(target, target), t.binding[target])
+        slot_of = output_slots(t, plan, meta, key, saved)
         stored = self.md.tensors  # final_tensors casts to the stored dtype only what a header lists
         self.outputs: dict[str, Output] = {}
         for k, i in slot_of.items():

@@ -75,3 +75,276 @@ def test_fusion_in_slabs_gives_the_old_bits(shape, f, bias, dtype, monkeypatch):
     assert torch.equal(bits(w), bits(w2))
     if bias:
         assert torch.equal(bits(b), bits(b2))
+
+
+# --- the streamed tensors against the plan applied in memory -----------------------------------
+
+import gc
+import json
+
+import transformers
+
+from enjoyln import convert
+from enjoyln.convert import _analyze, final_tensors, fold_checkpoint, open_model_dir
+from enjoyln.store.model_dir import meta_model
+from enjoyln.testing import perturb, tiny_model
+from enjoyln.store import stream
+from enjoyln.store.stream import Output, StreamedTensors
+
+
+def _bert_mlm():
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                     intermediate_size=128, vocab_size=128, max_position_embeddings=64)
+    return perturb(transformers.BertForMaskedLM(config).eval(), seed=31)
+
+
+def _dinov2():
+    """LayerScale after the attention and the MLP: its centerings read the gains."""
+    config = transformers.Dinov2Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                       intermediate_size=128, image_size=32, patch_size=8)
+    model = perturb(transformers.Dinov2Model(config).eval(), seed=32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lambda1" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=torch.Generator().manual_seed(33)))
+    return model
+
+
+MODELS = {
+    "gpt2": lambda: perturb(tiny_model("gpt2"), seed=21),  # the head tied to the embedding
+    "opt": lambda: perturb(tiny_model("opt"), seed=22),
+    "bert-mlm": _bert_mlm,  # the decoder bias tied to cls.predictions.bias
+    "dinov2": _dinov2,
+    "bloom": lambda: perturb(tiny_model("bloom"), seed=23),
+    "whisper": lambda: perturb(tiny_model("whisper"), seed=24),
+    "phi": lambda: perturb(tiny_model("phi"), seed=25),
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream")
+
+    def make(name, **save_kwargs):
+        path = root / f"{name}-{'-'.join(f'{k}{v}' for k, v in save_kwargs.items())}"
+        if not path.exists():
+            MODELS[name]().save_pretrained(path, **save_kwargs)
+        return path
+
+    return make
+
+
+def _streamed_and_final(path, order=None, allow_pickle=False, **options):
+    md = open_model_dir(path, allow_pickle=allow_pickle)
+    meta = meta_model(md)
+    plan = _analyze(md, meta, options.get("auxiliary_centering", False), options.get("fuse_affine", False),
+                    options.get("rotate"))
+    streamed = StreamedTensors(md, plan, meta)
+    keys = streamed.keys()
+    got = {k: streamed.get(k) for k in (order(keys) if order else keys)}
+    streamed.close()
+    return plan, got, final_tensors(md, plan, meta)
+
+
+def _assert_bit_identical(got, expected):
+    assert got.keys() == expected.keys()
+    for key, t in expected.items():
+        assert got[key].dtype == t.dtype and got[key].shape == t.shape, key
+        assert torch.equal(bits(got[key]), bits(t)), key
+
+
+@pytest.mark.parametrize("name,options", [
+    ("gpt2", {"fuse_affine": True}),
+    ("gpt2", {"rotate": ("hadamard", 0, True)}),
+    ("gpt2", {"rotate": ("random", 3, False)}),
+    ("opt", {"fuse_affine": True}),
+    ("opt", {"rotate": ("hadamard", 1, False)}),
+    ("opt", {"rotate": ("random", 0, True)}),
+    ("bert-mlm", {"fuse_affine": True}),  # nothing fuses (post-LN), but the untied head and tied bias
+    ("dinov2", {"fuse_affine": True}),
+    ("bloom", {"fuse_affine": True, "auxiliary_centering": True}),
+    ("whisper", {"fuse_affine": True, "auxiliary_centering": True}),
+    ("phi", {"rotate": ("hadamard", 0, True)}),  # a head with a bias: W β added to it
+])
+def test_streamed_tensors_are_final_tensors_bit_for_bit(name, options, saved):
+    """Each tensor computed from the reference tensors it depends on is what the plan applied
+    to the whole loaded model (the in-memory path the fold used before) gives, bit for bit,
+    whatever order the tensors are asked for in."""
+    path = saved(name)
+    plan, got, expected = _streamed_and_final(path, **options)
+    if "rotate" in options:
+        assert plan.rotation is not None
+    _assert_bit_identical(got, expected)
+    _, backwards, _ = _streamed_and_final(path, order=lambda keys: keys[::-1], **options)
+    _assert_bit_identical(backwards, expected)
+
+
+def test_every_kind_of_operation_is_exercised(saved):
+    """The cases above reach every operation the trace records (so none is untested)."""
+    kinds = set()
+    for name, options in [("opt", {"rotate": ("hadamard", 0, True)}), ("dinov2", {"fuse_affine": True}),
+                          ("gpt2", {"rotate": ("hadamard", 0, True)})]:
+        md = open_model_dir(saved(name))
+        meta = meta_model(md)
+        plan = _analyze(md, meta, False, options.get("fuse_affine", False), options.get("rotate"))
+        t = stream.trace(stream.load_model_meta(md), plan, lambda n: n)
+        kinds |= {op.kind for s in t.slots for op in s.ops}
+        kinds |= {"gain" for s in t.slots for op in s.ops if op.kind == "set_bias" and op.gain}
+        kinds |= {"scaled centering" for s in t.slots for op in s.ops if op.kind == "center" and op.reads}
+        kinds |= {"untied" for s in t.slots if isinstance(s.base, stream.Ref)}
+    assert kinds == {"fill", "set_bias", "add_product", "scale", "center", "rotate", "gain", "scaled centering",
+                     "untied"}
+
+
+def test_nothing_computed_ahead_is_still_bit_identical(saved, monkeypatch):
+    """Without room to finish a fused bias's weight ahead, the weight is computed twice; same bits."""
+    monkeypatch.setattr(stream, "STASH_BYTES", 0)
+    _, got, expected = _streamed_and_final(saved("opt"), fuse_affine=True)
+    _assert_bit_identical(got, expected)
+
+
+def test_sharded_half_precision_and_another_load_dtype(saved, tmp_path):
+    """A sharded bfloat16 checkpoint; and float32 weights that load in bfloat16 (config.json's
+    dtype): the operations run in the dtype the loaded model has, then cast back, as in memory."""
+    model = perturb(tiny_model("gpt2"), seed=26).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    _, got, expected = _streamed_and_final(tmp_path / "sharded", rotate=("hadamard", 0, True))
+    _assert_bit_identical(got, expected)
+    assert {t.dtype for t in got.values()} == {torch.bfloat16}
+
+    src = tmp_path / "loads-bf16"
+    perturb(tiny_model("opt"), seed=27).save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    _, got, expected = _streamed_and_final(src, fuse_affine=True)
+    _assert_bit_identical(got, expected)
+    assert got["model.decoder.layers.0.fc1.weight"].dtype == torch.float32  # stored dtype, bf16 values
+    assert torch.equal(got["model.decoder.layers.0.fc1.weight"],
+                       got["model.decoder.layers.0.fc1.weight"].to(torch.bfloat16).float())
+
+
+def test_pickled_and_unloaded_keys(tmp_path):
+    """Pickle weights (allow_pickle) stream from the loaded dict; keys the model does not load
+    (GPT-2's attn.masked_bias on the hub) are kept as stored."""
+    model = perturb(tiny_model("gpt2", n_layer=1), seed=28)
+    pkl = tmp_path / "pkl"
+    model.save_pretrained(pkl)  # for its config.json
+    (pkl / "model.safetensors").unlink()
+    sd = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    sd["transformer.h.0.attn.masked_bias"] = torch.tensor(-1e4)
+    torch.save(sd, pkl / "pytorch_model.bin")
+    _, got, expected = _streamed_and_final(pkl, allow_pickle=True, rotate=("random", 0, True))
+    _assert_bit_identical(got, expected)
+    assert torch.equal(got["transformer.h.0.attn.masked_bias"], torch.tensor(-1e4))
+    result = fold_checkpoint(pkl, tmp_path / "out", allow_pickle=True, check="static", rotate=("random", 0, True))
+    assert result.report.passed and result.report.static.computed == len(expected), result.report.summary()
+
+
+# --- the fold's files against the old writer -------------------------------------------------------
+
+
+class _InMemory:
+    """The fold's tensors as the old path gave them (``final_tensors``), behind the streamed API."""
+
+    def __init__(self, md, plan, meta, reader=None):
+        self.tensors = final_tensors(md, plan, meta)
+        self.outputs = {k: Output(t.dtype, tuple(t.shape)) for k, t in self.tensors.items()}
+
+    def keys(self):
+        return list(self.tensors)
+
+    def __contains__(self, key):
+        return key in self.tensors
+
+    def source(self, key):
+        return None
+
+    def get(self, key):
+        return self.tensors[key].contiguous()
+
+    def close(self):
+        pass
+
+
+def _files(path):
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize("name,options,shard", [
+    ("gpt2", {"fuse_affine": True}, None),
+    ("opt", {"rotate": ("hadamard", 0, True)}, None),
+    ("gpt2", {"rotate": ("random", 0, False)}, "30KB"),
+])
+def test_folded_files_are_the_old_paths_byte_for_byte(name, options, shard, saved, tmp_path, monkeypatch):
+    src = saved(name, max_shard_size=shard) if shard else saved(name)
+    new = fold_checkpoint(src, tmp_path / "new", check="none", **options).out_dir
+    monkeypatch.setattr(convert, "StreamedTensors", _InMemory)
+    old = fold_checkpoint(src, tmp_path / "old", check="none", **options).out_dir
+    assert _files(new) == _files(old)
+    if shard:
+        assert len([f for f in _files(new) if f.endswith(".safetensors")]) > 1
+
+
+def test_fold_and_rotate_pass_enjoyln_check(saved, tmp_path):
+    """The command line's fold --fuse-affine and rotate, each checked by enjoyln check (the
+    static proof recomputes every tensor the same streamed way, then the forward part)."""
+    from typer.testing import CliRunner
+
+    from enjoyln.cli.app import app
+
+    runner = CliRunner()
+    src = saved("gpt2")
+    for command in (["fold", "--fuse-affine"], ["rotate", "--kind", "random", "--no-keep-mean"]):
+        out = tmp_path / command[0]
+        result = runner.invoke(app, [command[0], str(src), str(out), *command[1:], "--no-check"])
+        assert result.exit_code == 0, result.output
+        result = runner.invoke(app, ["check", str(src), str(out)])
+        assert result.exit_code == 0 and "PASS" in result.output and "recomputed" in result.output, result.output
+
+
+# --- memory: never the whole model ------------------------------------------------------------------
+
+
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _cpu_storages() -> dict[int, int]:
+    """Every CPU tensor storage alive now, whoever holds it: data pointer -> bytes."""
+    return {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in gc.get_objects()
+            if type(o) in _TENSOR_TYPES and o.device.type == "cpu"}
+
+
+@pytest.mark.parametrize("options", [{"rotate": ("hadamard", 0, True)}])
+def test_the_stream_never_holds_the_whole_model(options, tmp_path, monkeypatch):
+    """Every time the fold writes a tensor, and every time the static check compares one, the
+    tensors alive (counted by their storages, whoever holds them) are a few of the largest,
+    not the model: 12 layers here, each tensor at most 1/30 of it. The plan applied in memory
+    (the old path) holds all of it while it writes."""
+    from enjoyln.checking import static
+
+    src = tmp_path / "src"
+    perturb(tiny_model("gpt2", n_layer=12), seed=29).save_pretrained(src)
+    md = open_model_dir(src)
+    largest, total = max(t.nbytes for t in md.tensors.values()), md.nbytes
+    assert 30 * largest < total
+    peaks = {"write": [], "compare": []}
+
+    def measured(where, real):
+        def run(*args, **kwargs):
+            calls[where] += 1
+            if calls[where] % 3 == 0:  # a scan of every object takes a while: every third call
+                peaks[where].append(sum(n for p, n in _cpu_storages().items() if p not in before))
+            return real(*args, **kwargs)
+        return run
+
+    calls = {"write": 0, "compare": 0}
+    monkeypatch.setattr(convert, "_pwrite_all", measured("write", convert._pwrite_all))
+    monkeypatch.setattr(static, "_close", measured("compare", static._close))
+    gc.collect()
+    before = set(_cpu_storages())
+    result = fold_checkpoint(src, tmp_path / "out", check="static", **options)
+    assert result.report.passed and result.report.static.computed > 0
+    assert len(peaks["write"]) > 30 and len(peaks["compare"]) > 30
+    assert 0 < max(peaks["write"]) <= 6 * largest, (peaks, largest, total)
+    assert 0 < max(peaks["compare"]) <= 8 * largest, (peaks, largest, total)
