@@ -11,6 +11,8 @@ process with a time limit, two at a time.
     python scripts/sweep_transformers.py                  # all, to scripts/sweep_results.json
     python scripts/sweep_transformers.py --only bert,gpt2 --out /tmp/s.json
     python scripts/sweep_transformers.py --write          # and the coverage block in docs/architectures.md
+    python scripts/sweep_transformers.py --only olmo,sam --merge --write
+        # re-sweep some types into the records already in --out, and write the docs block from all
 
 Statuses: ``exact``; ``inexact`` (with a float64 triage); ``clean_error`` (an
 EnjoylnError, its message); ``raw_error`` (any other exception, with where it
@@ -815,6 +817,9 @@ def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any]
         f"configs, perturbed weights, every output on two batches. {meta['machine']}; "
         f"{meta['jobs']} workers, {meta['wall_seconds'] / 60:.0f} min wall "
         f"({s['cpu_seconds'] / 60:.0f} min of CPU time in the workers).",
+        *[f"Re-swept since, with enjoyln `{r['enjoyln_commit']}` and transformers {r['transformers']} "
+          f"({r['wall_seconds'] / 60:.0f} min wall): {', '.join(r['model_types'])}."
+          for r in meta.get("resweeps", [])],
         "",
         f"| | {before} | now |",
         "|---|---|---|",
@@ -838,7 +843,9 @@ def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any]
     for reason, c in list(s["refusals"].items())[:15]:
         lines.append(f"| {reason.replace('|', '/')} | {c['architectures']} | {c['entries']} |")
     lines += ["", "Command: `python scripts/sweep_transformers.py --write` (per-architecture records in "
-              "`scripts/sweep_results.json`, the run before in `scripts/sweep_baseline.json`)."]
+              "`scripts/sweep_results.json`, the run before in `scripts/sweep_baseline.json`)"
+              + ("; a re-sweep of some types: `python scripts/sweep_transformers.py --only TYPES --merge --write`."
+                 if meta.get("resweeps") else ".")]
     return "\n".join(lines)
 
 
@@ -852,7 +859,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enjoyln-commit", help="the enjoyln version swept, when it is not a git checkout")
     ap.add_argument("--from-results", action="store_true",
                     help="do not sweep: summarise --out again (and --write docs/architectures.md from it)")
+    ap.add_argument("--merge", action="store_true",
+                    help="with --only: replace those types' records in --out, keep the others, and "
+                         "summarise them all (the meta lists what was re-swept, when and with what)")
     args = ap.parse_args(argv)
+    if args.merge and (not args.only or not args.out.exists()):
+        raise SystemExit("--merge needs --only and an existing --out to merge into")
 
     import subprocess
 
@@ -884,6 +896,16 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"transformers": transformers.__version__, "torch": torch.__version__,
             "enjoyln_commit": commit, "enjoyln_path": str(root), "machine": machine(),
             "jobs": args.jobs, "timeout": args.timeout, "wall_seconds": round(wall, 1)}
+    if args.merge:
+        saved = json.loads(args.out.read_text())
+        before = {t: (saved["results"].get(t) or {}).get("folded", 0) for t in types}
+        resweep = {**meta, "model_types": types}
+        meta = {**saved["meta"], "resweeps": [*saved["meta"].get("resweeps", []), resweep]}
+        results = {**saved["results"], **results}
+        for t in types:
+            now = results[t].get("folded", 0)
+            if now != before[t]:
+                print(f"{t}: folded {before[t]} -> {now}")
     summary = summarize(results)
     args.out.write_text(json.dumps({"meta": meta, "summary": summary, "results": results}, indent=1) + "\n")
     print_summary(summary, wall)
