@@ -264,6 +264,11 @@ class StreamedTensors:
 
     def __init__(self, md: ModelDir, plan: FoldPlan, meta: nn.Module, *, reader: TensorReader | None = None) -> None:
         self.md = md
+        from ..convert import _return_freed_memory
+
+        # the slabs and float64 copies are freed as fast as they come: without this, glibc keeps
+        # them on a heap that small, lasting values (the biases' W β) pin, and it grows by layer
+        _return_freed_memory()
         self.reader = reader if reader is not None else _reader(md)
         self._own_reader = reader is None
         keys = self.reader.keys()
