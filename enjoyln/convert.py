@@ -49,6 +49,7 @@ from .transform.rotation import apply_rotation
 from .transform.steps import (InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits,
                               merge_centerings, tie_groups, ties_lost_on_untie)
 from .store.stream import StreamedTensors
+from .store.tensors import return_freed_memory
 
 if TYPE_CHECKING:
     from .checking.forward import CheckReport
@@ -1051,25 +1052,6 @@ def require_memory(md: ModelDir, max_memory: int | None = None) -> None:
                               "running the model (or --no-check)")
 
 
-def _return_freed_memory() -> None:
-    """Make glibc hand large freed blocks back to the system at once.
-
-    Offloaded layers load and free the same large tensors over and over; with
-    glibc's adaptive threshold those land on the heap, fragment it and keep
-    the process's memory near twice the budget (1.9 GB against 0.9 GB for a
-    1 GB GPT-2 within 512 MB, measured). A fixed 128 KiB threshold puts them
-    in their own mappings, returned when freed. Elsewhere this does nothing.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
 def _dominant_dtype(md: ModelDir) -> torch.dtype:
     by_bytes: dict[str, int] = {}
     for t in md.tensors.values():
@@ -1222,7 +1204,7 @@ def _bounded_check(ref_md: ModelDir, cand_md: ModelDir, max_memory: int, load_kw
     if not source_of(ref_md).bounded_loading:
         raise CheckpointError(f"{source_of(ref_md).name} loads a model whole, so the check cannot run within a "
                               "memory budget; pass --static to prove every weight without running the model")
-    _return_freed_memory()
+    return_freed_memory()
     overhead = _largest_tensor(ref_md) + _activation_bytes(ref_md)
 
     def source(md: ModelDir, offload: Path, plain: bool = False) -> ModelSource:

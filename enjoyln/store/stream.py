@@ -44,7 +44,7 @@ from .formats import DTYPES, TensorInfo, load_pickled
 from .hf import checkpoint_key, model_class, saved_names
 from .model_dir import ModelDir
 from .sources import source_of
-from .tensors import TensorReader
+from .tensors import TensorReader, return_freed_memory
 
 STASH_BYTES = 512 << 20
 """At most this much of weights computed ahead of their request (for a fused bias's ``W β``)."""
@@ -264,11 +264,9 @@ class StreamedTensors:
 
     def __init__(self, md: ModelDir, plan: FoldPlan, meta: nn.Module, *, reader: TensorReader | None = None) -> None:
         self.md = md
-        from ..convert import _return_freed_memory
-
         # the slabs and float64 copies are freed as fast as they come: without this, glibc keeps
         # them on a heap that small, lasting values (the biases' W β) pin, and it grows by layer
-        _return_freed_memory()
+        return_freed_memory()
         self.reader = reader if reader is not None else _reader(md)
         self._own_reader = reader is None
         keys = self.reader.keys()

@@ -151,3 +151,22 @@ def read_ahead(jobs: Iterable[J], load: Callable[[J], R], size: Callable[[J], in
                 thread.join()  # never close files under a running read
             raise
         del value
+
+
+def return_freed_memory() -> None:
+    """Make glibc hand large freed blocks back to the system at once.
+
+    Offloaded layers load and free the same large tensors over and over; with
+    glibc's adaptive threshold those land on the heap, fragment it and keep
+    the process's memory near twice the budget (1.9 GB against 0.9 GB for a
+    1 GB GPT-2 within 512 MB, measured). A fixed 128 KiB threshold puts them
+    in their own mappings, returned when freed. Elsewhere this does nothing.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
