@@ -81,6 +81,7 @@ def enjoyln(*args: object) -> list[str]:
 
 
 def measure(ref: Path, root: Path) -> dict[str, dict]:
+    root.mkdir(parents=True, exist_ok=True)
     folded = root / "folded"
     out: dict[str, dict] = {}
     out["cp"] = timed(["cp", "-r", str(ref), str(root / "copy")], "cp -r")
