@@ -28,36 +28,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _docs import machine, replace_section  # noqa: E402
+from bench_bounded_check import build as build_checkpoint  # noqa: E402
 
 WIDTH = 2048
-
-
-def build(path: Path, layers: int, width: int = WIDTH) -> int:
-    import transformers
-
-    config = transformers.GPT2Config(n_embd=width, n_layer=layers, n_head=width // 128, vocab_size=50257,
-                                     n_positions=1024, architectures=["GPT2LMHeadModel"])
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in transformers.GPT2LMHeadModel(config).state_dict().items()
-                  if k != "lm_head.weight"}
-    gen = torch.Generator().manual_seed(0)
-    tensors = {}
-    for name, shape in shapes.items():
-        t = torch.randn(shape, generator=gen) * 0.02
-        if ".ln_" in name:
-            t = (1 + 0.3 * torch.randn(shape, generator=gen)) if name.endswith("weight") else 0.2 * torch.randn(shape, generator=gen)
-        elif name.endswith("bias"):
-            t = 0.2 * torch.randn(shape, generator=gen)
-        tensors[name] = t
-    path.mkdir(parents=True)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config.save_pretrained(path)
-    return size(path)
 
 
 def size(path: Path) -> int:
@@ -113,7 +88,7 @@ def main() -> None:
         runs = []
         for layers in (args.layers, args.more_layers):
             ref = work / f"ref{layers}"
-            print(f"{layers} layers: {build(ref, layers) / 1e9:.2f} GB", flush=True)
+            print(f"{layers} layers: {build_checkpoint(ref, layers, WIDTH) / 1e9:.2f} GB", flush=True)
             runs.append(measure(ref, work / f"out{layers}"))
             shutil.rmtree(work / f"out{layers}", ignore_errors=True)
             shutil.rmtree(ref)
