@@ -46,8 +46,8 @@ from .store.hf import check_shapes, checkpoint_key, saved_names
 from .store.transaction import check_out_dir, clean_stale, keep_failed as _keep_failed, missing_dirs, publish, remove_dirs, signals_held, temp_dir
 from .plan import AFFINE_GAIN, FORMAT_VERSION, NOT_ROTATED, Centering, FoldPlan, RotationSpec, block_lists, format_bytes
 from .transform.rotation import apply_rotation
-from .transform.steps import (InsertCentering, SwapLayerNorms, apply_plan, center_, center_all, check_fits,
-                              merge_centerings, tie_groups, ties_lost_on_untie)
+from .transform.steps import InsertCentering, SwapLayerNorms, apply_plan, check_fits
+from .transform.tensors import center_, center_all, merge_centerings, tie_groups, ties_lost_on_untie
 from .store.stream import StreamedTensors
 from .store.tensors import return_freed_memory
 
@@ -885,12 +885,12 @@ def _load(path: str | os.PathLike, *, plain: bool, allow_pickle: bool = False, t
         # (and rotate them) again
         center_all(model, [c for c in plan.centered if not c.saved])
         if plan.rotation is not None:
-            from .transform.steps import _tensor
+            from .transform.tensors import tensor_at
 
             with torch.no_grad():
                 for rot in plan.rotation.rotated:
                     if not rot.saved:
-                        apply_rotation(_tensor(model, rot.param), rot, plan.rotation)
+                        apply_rotation(tensor_at(model, rot.param), rot, plan.rotation)
         for step in (InsertCentering(), SwapLayerNorms()):
             step(model, plan)
     return model.eval()

@@ -105,7 +105,7 @@ def center_as_planned(t: torch.Tensor, cs: list[Centering], read: Callable[[str]
     """``t`` centered in place as ``cs`` say (per-head centerings of one weight come as several),
     by the very function the fold uses (float64 arithmetic, one block at a time, so no wide copy
     of the whole tensor). ``read`` gives a LayerScale gain by parameter name."""
-    from ..transform.steps import center_
+    from ..transform.tensors import center_
 
     for c in cs:
         center_(t, c.axis, c.groups, scale=read(c.scale) if c.scale else None, blocks=c.blocks)
@@ -498,7 +498,7 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     True
     """
     from ..convert import _analyze, moves_values
-    from ..transform.steps import merge_centerings, tie_groups
+    from ..transform.tensors import merge_centerings, tie_groups
     from ..store.stream import StreamedTensors
 
     start = time.perf_counter()

@@ -39,7 +39,8 @@ from torch import nn
 from ..errors import CheckpointError, PlanError
 from ..plan import AFFINE_FUSED, AFFINE_GAIN, Centering, FoldPlan, Fused, Rotated, Rotation
 from ..transform.rotation import apply_rotation
-from ..transform.steps import PIPELINE, center_, check_fits, fused_product, scale_inputs_, ties_lost_on_untie
+from ..transform.steps import PIPELINE, check_fits
+from ..transform.tensors import center_, fused_product, scale_inputs_, ties_lost_on_untie
 from .formats import DTYPES, TensorInfo, load_pickled
 from .hf import checkpoint_key, model_class, saved_names
 from .model_dir import ModelDir

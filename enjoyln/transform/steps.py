@@ -1,16 +1,14 @@
-"""Rewrite: apply a FoldPlan to a model, in place.
+"""Rewrite: apply a FoldPlan to a model, in place, and the public ``fold`` and ``rotate``.
 
-Four transformations, applied in this order (see ``PIPELINE``). Each declares whether it
+The Transformation steps, applied in this order (see ``PIPELINE``). Each declares whether it
 preserves the model's computation when applied after the ones before it; the
-tests check every promise on perturbed-weight models.
+tests check every promise on perturbed-weight models. Their tensor math is in ``tensors``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
-from typing import Collection, Sequence
 
 import torch
 from torch import fx, nn
@@ -22,147 +20,10 @@ from ..analysis.graph import FUNCTIONAL_LN
 from ..analysis.inputs import ExampleInputs
 from ..errors import PlanError
 from ..modules.norm import GroupRMSNorm, RMSNorm
-from ..ops import center as centering_kernel
 from ..ops import rms_norm
-from ..plan import (AFFINE_FUSED, AFFINE_GAIN, NOT_ROTATED, TRAINING_MODE, Centering, FoldPlan, Fused, LayerNormEntry,
-                    RotationSpec)
+from ..plan import AFFINE_FUSED, AFFINE_GAIN, NOT_ROTATED, TRAINING_MODE, FoldPlan, LayerNormEntry, RotationSpec
 from .rotation import KINDS, apply_rotation
-
-
-def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
-    path, _, attr = fqn.rpartition(".")
-    try:
-        module = model.get_submodule(path)
-    except AttributeError:
-        raise PlanError(f"the plan names {fqn}, which this model does not have") from None
-    if not isinstance(getattr(module, attr, None), torch.Tensor):
-        raise PlanError(f"the plan names {fqn}, which this model does not have")
-    return module, attr
-
-
-def _tensor(model: nn.Module, fqn: str) -> torch.Tensor:
-    module, attr = _owner(model, fqn)
-    return getattr(module, attr)
-
-
-def _has(model: nn.Module, fqn: str) -> bool:
-    try:
-        _owner(model, fqn)
-    except PlanError:
-        return False
-    return True
-
-
-def _untie_config(model: nn.Module) -> None:
-    config = getattr(model, "config", None)
-    if config is None:
-        return
-    configs = {id(config): config}
-    get_text = getattr(config, "get_text_config", None)
-    if callable(get_text):
-        text = get_text()
-        configs[id(text)] = text
-    for cfg in configs.values():
-        if hasattr(cfg, "tie_word_embeddings"):
-            cfg.tie_word_embeddings = False
-
-
-def declared_ties(model: nn.Module) -> dict[str, str]:
-    """Every tie (target name -> source name) the model's classes declare in
-    ``_tied_weights_keys``, whether or not its config applies them now."""
-    expand = getattr(model, "get_expanded_tied_weights_keys", None)
-    if not callable(expand):
-        return {}
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None),
-                                                                          "tie_word_embeddings")}
-    saved = {key: cfg.tie_word_embeddings for key, cfg in configs.items()}
-    try:
-        for cfg in configs.values():
-            cfg.tie_word_embeddings = True
-        return dict(expand(all_submodels=True))
-    except Exception:  # a model whose declared ties do not expand: it declares none that we can keep
-        return {}
-    finally:
-        for key, cfg in configs.items():
-            cfg.tie_word_embeddings = saved[key]
-
-
-def tie_groups(model: nn.Module, separate: Collection[str] = ()) -> dict[str, tuple[str, ...]]:
-    """Every parameter and buffer name -> all the names of its tensor, in the model's order.
-
-    Tied names are one tensor: BART's ``model.shared``, ``model.encoder.embed_tokens``
-    and ``model.decoder.embed_tokens`` (and its head, ``lm_head``). Names in
-    ``separate`` (the plan's untied heads, which get their own copy before any
-    centering) stand alone.
-
-    >>> emb = nn.Embedding(4, 2); net = nn.ModuleDict({"a": emb, "b": emb})
-    >>> tie_groups(net)["b.weight"]
-    ('a.weight', 'b.weight')
-    """
-    by_id: dict[int, list[str]] = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        if name not in separate:
-            by_id.setdefault(id(t), []).append(name)
-    groups = {n: tuple(names) for names in by_id.values() for n in names}
-    return groups | {n: (n,) for n in separate}
-
-
-def merge_centerings(centerings: Sequence[Centering], ndim: int | None = None) -> list[Centering]:
-    """The centerings of one tensor, each applied once: several names of a tied tensor (BART's
-    encoder and decoder embeddings) ask for the same centering, and doing it twice rounds twice.
-    Those that differ only in their blocks (q and k of one fused projection) become one with the
-    blocks joined: each block is centered on its own, so that computes the same. ``ndim`` (the
-    tensor's) makes axis -1 and axis ndim-1 one axis."""
-    merged: dict[tuple, Centering] = {}
-    for c in centerings:
-        axis = c.axis % ndim if ndim else c.axis
-        how = (axis, c.groups, c.scale, c.saved)
-        prev = merged.get(how)
-        if prev is None:
-            merged[how] = dataclasses.replace(c, axis=axis)
-        elif prev.blocks is not None:
-            blocks = None if c.blocks is None else tuple(sorted({*prev.blocks, *c.blocks}))
-            merged[how] = dataclasses.replace(prev, blocks=blocks)
-    return list(merged.values())
-
-
-def ties_lost_on_untie(model: nn.Module, plan: FoldPlan) -> dict[str, str]:
-    """The ties (target -> source) that untying the plan's heads also drops.
-
-    transformers 5 applies every tie in ``_tied_weights_keys`` only while
-    ``tie_word_embeddings`` is on, and a checkpoint stores one tensor per tie.
-    Untying the head turns it off for all of them, so BERT's MLM decoder bias,
-    tied to ``cls.predictions.bias``, would load at random. Each such target
-    must be written out with its source's values. ``model`` is as the analysis
-    saw it: its config still ties.
-    """
-    if not plan.untied:
-        return {}
-    planned = {(u.param, u.tied_to) for u in plan.untied} | {(u.tied_to, u.param) for u in plan.untied}
-    return {t: s for t, s in declared_ties(model).items()
-            if (t, s) not in planned and t not in {u.param for u in plan.untied}}
-
-
-def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
-            blocks: Sequence[int] | None = None) -> torch.Tensor:
-    """Subtract ``t``'s mean along ``axis``, in place, computed in float64.
-
-    With ``groups``, each of that many equal blocks of ``axis`` is centered on
-    its own (grouped CBWC); ``blocks`` limits that to the listed blocks. With
-    ``scale`` (a LayerScale γ, one entry per index of ``axis``), ``γ·t`` becomes
-    zero-mean instead: ``t -= mean(γ·t) / γ``; γ must have no zero entry. The
-    arithmetic is ``enjoyln.ops.center``'s, whose order is fixed, so the fold and
-    the static check give the same bits on every machine, at memory speed.
-
-    >>> w = torch.tensor([[1., 2.], [3., 6.]])
-    >>> center_(w, 0, scale=torch.tensor([1., 2.])) * torch.tensor([[1.], [2.]])
-    tensor([[-2.5000, -5.0000],
-            [ 2.5000,  5.0000]])
-    """
-    try:
-        return centering_kernel.center_(t, axis, groups, scale, blocks)
-    except centering_kernel.CenteringError as exc:
-        raise PlanError(str(exc)) from None
+from .tensors import center_all, declared_ties, fuse_, owner_of, tensor_at, untie_config
 
 
 class Transformation:
@@ -214,19 +75,19 @@ class UntieParameters(Transformation):
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         for u in plan.untied:
-            _owner(model, u.param), _owner(model, u.tied_to)
+            owner_of(model, u.param), owner_of(model, u.tied_to)
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         for u in plan.untied:
-            module, attr = _owner(model, u.param)
+            module, attr = owner_of(model, u.param)
             old = getattr(module, attr)
-            if old is not _tensor(model, u.tied_to):
+            if old is not tensor_at(model, u.tied_to):
                 continue  # already untied
             copy = old.detach().clone()
             setattr(module, attr, nn.Parameter(copy, old.requires_grad)
                     if isinstance(old, nn.Parameter) else copy)
         if plan.untied:
-            _untie_config(model)
+            untie_config(model)
         return model
 
 
@@ -241,7 +102,7 @@ class CenterParameters(Transformation):
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         for c in plan.centered:
-            t = _tensor(model, c.param)
+            t = tensor_at(model, c.param)
             if not -t.dim() <= c.axis < max(t.dim(), 1):
                 raise PlanError(f"the plan centers {c.param} along axis {c.axis}, "
                                 f"but it has {t.dim()} dimensions")
@@ -250,7 +111,7 @@ class CenterParameters(Transformation):
                 raise PlanError(f"the plan centers {c.param} in {c.groups} groups, which its "
                                 f"{n} entries along axis {c.axis} do not fit")
             if c.scale:
-                s = _tensor(model, c.scale)
+                s = tensor_at(model, c.scale)
                 if s.numel() != n:
                     raise PlanError(f"the plan scales {c.param} by {c.scale}, which has {s.numel()} "
                                     f"entries, not {n}")
@@ -264,59 +125,6 @@ class CenterParameters(Transformation):
         return model
 
 
-def center_all(model: nn.Module, centerings: Sequence[Centering]) -> None:
-    """Apply ``centerings`` to ``model``'s tensors, in place, each tensor once however many
-    of its tied names the plan lists. Every LayerScale gain is read before any tensor
-    changes (the analysis never centers a gain)."""
-    scales = {c.scale: _tensor(model, c.scale).detach().clone() for c in centerings if c.scale}
-    by_tensor: dict[int, tuple[torch.Tensor, list[Centering]]] = {}
-    for c in centerings:
-        t = _tensor(model, c.param)
-        by_tensor.setdefault(id(t), (t, []))[1].append(c)
-    with torch.no_grad():
-        for t, cs in by_tensor.values():
-            for c in merge_centerings(cs, t.dim()):
-                center_(t, c.axis, c.groups, scales.get(c.scale), c.blocks)
-
-
-def fuse_(weight: torch.Tensor, bias: torch.Tensor | None, f: Fused, gamma: torch.Tensor | None,
-          beta: torch.Tensor | None) -> None:
-    """Move a norm's affine into one linear layer that reads it, in place, in float64:
-    ``bias += W β`` (W as it was), then the block of W's input axis ``*= γ``."""
-    if bias is not None and beta is not None:
-        bias.copy_(bias.detach().to(torch.float64) + fused_product(weight, f, beta).reshape(bias.shape))
-    if gamma is not None:
-        scale_inputs_(weight, f, gamma)
-
-
-def fused_product(weight: torch.Tensor, f: Fused, beta: torch.Tensor) -> torch.Tensor:
-    """``W β`` over the block of ``weight`` that reads the norm, in float64: what ``fuse_`` adds
-    to the bias. The whole weight is widened first, as it always was, so the product's bits
-    (a BLAS reduction) stay what earlier folds wrote."""
-    block = weight.detach().to(torch.float64).narrow(f.axis, f.start, f.length)
-    return torch.tensordot(block, beta[f.offset:f.offset + f.length].to(torch.float64), dims=([f.axis], [0]))
-
-
-_SCALE_ELEMENTS = 1 << 22
-"""Elements widened to float64 at a time when a weight's block is scaled by γ (32 MiB)."""
-
-
-def scale_inputs_(weight: torch.Tensor, f: Fused, gamma: torch.Tensor, *, chunk: int | None = None) -> None:
-    """The block of ``weight``'s input axis that reads the norm ``*= γ``, in place: each element
-    rounded once from its float64 product. Element by element, so it runs in slabs of the other
-    axis and never widens the whole weight (an embedding-sized head would need twice its size)."""
-    chunk = chunk or _SCALE_ELEMENTS
-    seg = gamma[f.offset:f.offset + f.length].to(torch.float64)
-    block = weight.detach().narrow(f.axis, f.start, f.length)
-    g = seg.reshape([f.length if d == f.axis else 1 for d in range(block.dim())])
-    other = 1 if f.axis == 0 and block.dim() > 1 else 0
-    if block.dim() < 2 or other == f.axis:
-        pieces = [block]
-    else:
-        per = max(block.numel() // max(block.shape[other], 1), 1)
-        pieces = block.split(max(1, chunk // per), other)
-    for piece in pieces:
-        piece.copy_(piece.to(torch.float64).mul_(g))
 
 
 class FuseAffine(Transformation):
@@ -341,12 +149,12 @@ class FuseAffine(Transformation):
                 raise PlanError(f"the plan fuses the affine of {e.name}, which this model does not have") from None
             width = math.prod(e.normalized_shape) if e.normalized_shape else None
             for f in e.fused:
-                w = _tensor(model, f.weight)
+                w = tensor_at(model, f.weight)
                 if not 0 <= f.axis < w.dim() or f.start + f.length > w.shape[f.axis] or (
                         width is not None and f.offset + f.length > width):
                     raise PlanError(f"the plan fuses {e.name} into entries {f.start}-{f.start + f.length - 1} of "
                                     f"{f.weight}'s axis {f.axis}, which it does not have")
-                if f.bias and e.affine == AFFINE_FUSED and _tensor(model, f.bias).numel() * w.shape[f.axis] != w.numel():
+                if f.bias and e.affine == AFFINE_FUSED and tensor_at(model, f.bias).numel() * w.shape[f.axis] != w.numel():
                     raise PlanError(f"the plan adds to {f.bias}, whose shape does not fit {f.weight}")
             gamma = getattr(norm, "weight", None)
             if e.affine == AFFINE_GAIN and gamma is not None and gamma.device.type != "meta" and not bool(gamma.ne(0).all()):
@@ -363,8 +171,8 @@ class FuseAffine(Transformation):
                 gamma = weight.detach().to(torch.float64).reshape(-1).clone() if weight is not None else None
                 beta = bias.detach().to(torch.float64).reshape(-1).clone() if bias is not None else None
                 for f in e.fused:
-                    target = _tensor(model, f.bias) if f.bias and e.affine == AFFINE_FUSED else None
-                    fuse_(_tensor(model, f.weight), target, f, gamma, beta)
+                    target = tensor_at(model, f.bias) if f.bias and e.affine == AFFINE_FUSED else None
+                    fuse_(tensor_at(model, f.weight), target, f, gamma, beta)
                 if weight is not None:
                     weight.fill_(1)
                 if bias is not None:
@@ -502,7 +310,7 @@ class RotateStream(Transformation):
         if r.kind not in KINDS:
             raise PlanError(f"the plan rotates with the unknown kind {r.kind!r}")
         for rot in r.rotated:
-            t = _tensor(model, rot.param)
+            t = tensor_at(model, rot.param)
             if not 0 <= rot.axis < t.dim() or rot.start + (rot.length or 1) > t.shape[rot.axis]:
                 raise PlanError(f"the plan rotates {rot.param} along axis {rot.axis}, which it does not have")
 
@@ -510,8 +318,16 @@ class RotateStream(Transformation):
         if plan.rotation is not None:
             with torch.no_grad():
                 for rot in plan.rotation.rotated:
-                    apply_rotation(_tensor(model, rot.param), rot, plan.rotation)
+                    apply_rotation(tensor_at(model, rot.param), rot, plan.rotation)
         return model
+
+
+def _has(model: nn.Module, fqn: str) -> bool:
+    try:
+        owner_of(model, fqn)
+    except PlanError:
+        return False
+    return True
 
 
 class SeparateTies(Transformation):
@@ -532,9 +348,9 @@ class SeparateTies(Transformation):
         for target, source in declared_ties(model).items():
             if not (_has(model, target) and _has(model, source)):
                 continue
-            module, attr = _owner(model, target)
+            module, attr = owner_of(model, target)
             old = getattr(module, attr)
-            if old is _tensor(model, source):
+            if old is tensor_at(model, source):
                 copy = old.detach().clone()
                 setattr(module, attr, nn.Parameter(copy, old.requires_grad)
                         if isinstance(old, nn.Parameter) else copy)

@@ -27,8 +27,8 @@ from ..modules import centering
 from ..analysis import analyze
 from ..analysis.inputs import ExampleInputs
 from ..plan import FoldPlan
-from .steps import (InsertCentering, SeparateTies, SwapLayerNorms, UntieParameters, _owner, _untie_config,
-                      center_)
+from .steps import InsertCentering, SeparateTies, SwapLayerNorms, UntieParameters
+from .tensors import center_, owner_of, untie_config
 
 
 class Centered(nn.Module):
@@ -98,8 +98,8 @@ def cbwc(model: nn.Module, example_inputs: ExampleInputs = None, *, plan: FoldPl
     # the centering (the embedding), while the tied head keeps reading the raw
     # tensor, so both still train one tensor, as in the LayerNorm model.
     for c in plan.centered:
-        module, attr = _owner(model, c.param)
-        scale = getattr(*_owner(model, c.scale)) if c.scale else None
+        module, attr = owner_of(model, c.param)
+        scale = getattr(*owner_of(model, c.scale)) if c.scale else None
         # a tensor centered for two norms (q and k blocks of one projection) stacks two
         if isinstance(getattr(module, attr), nn.Parameter) or parametrize.is_parametrized(module, attr):
             parametrize.register_parametrization(module, attr, Centered(c.axis, c.groups, c.blocks, scale))
@@ -122,7 +122,7 @@ def cbwc_remove(model: nn.Module) -> nn.Module:
                 parametrize.remove_parametrizations(module, attr, leave_parametrized=True)
     plan = model.__dict__.pop("_enjoyln_cbwc_plan", None)
     if plan is not None and plan.untied:
-        _untie_config(model)  # the head now holds the raw tensor, the embedding the centered one
+        untie_config(model)  # the head now holds the raw tensor, the embedding the centered one
         SeparateTies()(model, plan)  # other declared ties (BERT's decoder bias) are no longer re-tied on load
     return model
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import enjoyln
 from enjoyln.analysis.inputs import hf_example_inputs
-from enjoyln.transform.steps import _tensor
+from enjoyln.transform.tensors import tensor_at
 from enjoyln.transform.rotation import hadamard_matrix, rotate_, rotation_matrix
 from enjoyln.testing import perturb, tiny_model
 from conftest import assert_same_outputs, steps_keep_their_promise
@@ -62,14 +62,14 @@ def test_rotate_is_exact_and_changes_every_stream_weight(arch):
     rotated = enjoyln.fold(copy.deepcopy(model), plan=plan)
     assert_same_outputs(model, rotated, hf_example_inputs(model, seed=22))
     for r in plan.rotation.rotated:
-        before, after = _tensor(fused, r.param), _tensor(rotated, r.param)
+        before, after = tensor_at(fused, r.param), tensor_at(rotated, r.param)
         assert not torch.allclose(before, after, atol=1e-3), r.param  # really moved to the rotated basis
     # every writer of the stream is rotated: its centered weights are all in the rotation
     rotated_names = {r.param for r in plan.rotation.rotated}
     for c in plan.centered:
         if c.saved and not c.param.startswith("lm_head"):
             assert c.param in rotated_names or any(
-                _tensor(model, c.param) is _tensor(model, n) for n in rotated_names), c.param
+                tensor_at(model, c.param) is tensor_at(model, n) for n in rotated_names), c.param
 
 
 def test_every_transformation_keeps_its_promise_when_rotating():

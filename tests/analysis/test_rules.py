@@ -255,7 +255,7 @@ def test_near_miss_heads_mixed_before_the_norm():
 
 def test_centering_one_tensor_in_blocks_for_two_norms_in_a_checkpoint_entry():
     from enjoyln.plan import Centering
-    from enjoyln.transform.steps import merge_centerings
+    from enjoyln.transform.tensors import merge_centerings
 
     q, k = Centering("qkv.weight", 0, 6, (0, 3)), Centering("qkv.weight", 0, 6, (4, 1))
     assert merge_centerings([q, k]) == [Centering("qkv.weight", 0, 6, (0, 1, 3, 4))]

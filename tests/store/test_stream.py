@@ -6,7 +6,7 @@ import torch
 
 from enjoyln.transform.rotation import rotate_, rotation_matrix
 from enjoyln.plan import Fused
-from enjoyln.transform.steps import fuse_
+from enjoyln.transform.tensors import fuse_
 
 
 def bits(t):
@@ -61,9 +61,9 @@ def test_rotation_in_slabs_gives_the_old_bits(shape, axis, start, n, dtype, slab
     ((5, 16, 3), Fused("w", 1, 0, 16), False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fusion_in_slabs_gives_the_old_bits(shape, f, bias, dtype, monkeypatch):
-    from enjoyln.transform import steps
+    from enjoyln.transform import tensors
 
-    monkeypatch.setattr(steps, "_SCALE_ELEMENTS", 7)  # many slabs
+    monkeypatch.setattr(tensors, "_SCALE_ELEMENTS", 7)  # many slabs
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(shape, generator=gen).to(dtype)
     out = shape[1 - f.axis] if len(shape) == 2 else shape[0] * shape[2]

@@ -1,0 +1,205 @@
+"""The tensor math of a fold and the lookups it works through: a parameter or buffer by its
+dotted name, tied names, centering (``center_``), and moving a norm's affine into a linear
+layer (``fuse_``); in float64, in place. The steps, the streamed writer and the static check
+share it, so all three give the same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Collection, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import PlanError
+from ..ops import center as centering_kernel
+from ..plan import Centering, FoldPlan, Fused
+
+
+def owner_of(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    """The module holding the tensor ``fqn`` names, and its attribute name; PlanError if none."""
+    path, _, attr = fqn.rpartition(".")
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        raise PlanError(f"the plan names {fqn}, which this model does not have") from None
+    if not isinstance(getattr(module, attr, None), torch.Tensor):
+        raise PlanError(f"the plan names {fqn}, which this model does not have")
+    return module, attr
+
+
+def tensor_at(model: nn.Module, fqn: str) -> torch.Tensor:
+    """The parameter or buffer ``fqn`` names in ``model``; PlanError if it has none."""
+    module, attr = owner_of(model, fqn)
+    return getattr(module, attr)
+
+
+def untie_config(model: nn.Module) -> None:
+    """Turn ``tie_word_embeddings`` off in ``model``'s config (and its text config), so that a
+    reload does not tie the untied head to the embedding again."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    configs = {id(config): config}
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        text = get_text()
+        configs[id(text)] = text
+    for cfg in configs.values():
+        if hasattr(cfg, "tie_word_embeddings"):
+            cfg.tie_word_embeddings = False
+
+
+def declared_ties(model: nn.Module) -> dict[str, str]:
+    """Every tie (target name -> source name) the model's classes declare in
+    ``_tied_weights_keys``, whether or not its config applies them now."""
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    if not callable(expand):
+        return {}
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None),
+                                                                          "tie_word_embeddings")}
+    saved = {key: cfg.tie_word_embeddings for key, cfg in configs.items()}
+    try:
+        for cfg in configs.values():
+            cfg.tie_word_embeddings = True
+        return dict(expand(all_submodels=True))
+    except Exception:  # a model whose declared ties do not expand: it declares none that we can keep
+        return {}
+    finally:
+        for key, cfg in configs.items():
+            cfg.tie_word_embeddings = saved[key]
+
+
+def tie_groups(model: nn.Module, separate: Collection[str] = ()) -> dict[str, tuple[str, ...]]:
+    """Every parameter and buffer name -> all the names of its tensor, in the model's order.
+
+    Tied names are one tensor: BART's ``model.shared``, ``model.encoder.embed_tokens``
+    and ``model.decoder.embed_tokens`` (and its head, ``lm_head``). Names in
+    ``separate`` (the plan's untied heads, which get their own copy before any
+    centering) stand alone.
+
+    >>> emb = nn.Embedding(4, 2); net = nn.ModuleDict({"a": emb, "b": emb})
+    >>> tie_groups(net)["b.weight"]
+    ('a.weight', 'b.weight')
+    """
+    by_id: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if name not in separate:
+            by_id.setdefault(id(t), []).append(name)
+    groups = {n: tuple(names) for names in by_id.values() for n in names}
+    return groups | {n: (n,) for n in separate}
+
+
+def merge_centerings(centerings: Sequence[Centering], ndim: int | None = None) -> list[Centering]:
+    """The centerings of one tensor, each applied once: several names of a tied tensor (BART's
+    encoder and decoder embeddings) ask for the same centering, and doing it twice rounds twice.
+    Those that differ only in their blocks (q and k of one fused projection) become one with the
+    blocks joined: each block is centered on its own, so that computes the same. ``ndim`` (the
+    tensor's) makes axis -1 and axis ndim-1 one axis."""
+    merged: dict[tuple, Centering] = {}
+    for c in centerings:
+        axis = c.axis % ndim if ndim else c.axis
+        how = (axis, c.groups, c.scale, c.saved)
+        prev = merged.get(how)
+        if prev is None:
+            merged[how] = dataclasses.replace(c, axis=axis)
+        elif prev.blocks is not None:
+            blocks = None if c.blocks is None else tuple(sorted({*prev.blocks, *c.blocks}))
+            merged[how] = dataclasses.replace(prev, blocks=blocks)
+    return list(merged.values())
+
+
+def ties_lost_on_untie(model: nn.Module, plan: FoldPlan) -> dict[str, str]:
+    """The ties (target -> source) that untying the plan's heads also drops.
+
+    transformers 5 applies every tie in ``_tied_weights_keys`` only while
+    ``tie_word_embeddings`` is on, and a checkpoint stores one tensor per tie.
+    Untying the head turns it off for all of them, so BERT's MLM decoder bias,
+    tied to ``cls.predictions.bias``, would load at random. Each such target
+    must be written out with its source's values. ``model`` is as the analysis
+    saw it: its config still ties.
+    """
+    if not plan.untied:
+        return {}
+    planned = {(u.param, u.tied_to) for u in plan.untied} | {(u.tied_to, u.param) for u in plan.untied}
+    return {t: s for t, s in declared_ties(model).items()
+            if (t, s) not in planned and t not in {u.param for u in plan.untied}}
+
+
+def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
+            blocks: Sequence[int] | None = None) -> torch.Tensor:
+    """Subtract ``t``'s mean along ``axis``, in place, computed in float64.
+
+    With ``groups``, each of that many equal blocks of ``axis`` is centered on
+    its own (grouped CBWC); ``blocks`` limits that to the listed blocks. With
+    ``scale`` (a LayerScale γ, one entry per index of ``axis``), ``γ·t`` becomes
+    zero-mean instead: ``t -= mean(γ·t) / γ``; γ must have no zero entry. The
+    arithmetic is ``enjoyln.ops.center``'s, whose order is fixed, so the fold and
+    the static check give the same bits on every machine, at memory speed.
+
+    >>> w = torch.tensor([[1., 2.], [3., 6.]])
+    >>> center_(w, 0, scale=torch.tensor([1., 2.])) * torch.tensor([[1.], [2.]])
+    tensor([[-2.5000, -5.0000],
+            [ 2.5000,  5.0000]])
+    """
+    try:
+        return centering_kernel.center_(t, axis, groups, scale, blocks)
+    except centering_kernel.CenteringError as exc:
+        raise PlanError(str(exc)) from None
+
+
+def center_all(model: nn.Module, centerings: Sequence[Centering]) -> None:
+    """Apply ``centerings`` to ``model``'s tensors, in place, each tensor once however many
+    of its tied names the plan lists. Every LayerScale gain is read before any tensor
+    changes (the analysis never centers a gain)."""
+    scales = {c.scale: tensor_at(model, c.scale).detach().clone() for c in centerings if c.scale}
+    by_tensor: dict[int, tuple[torch.Tensor, list[Centering]]] = {}
+    for c in centerings:
+        t = tensor_at(model, c.param)
+        by_tensor.setdefault(id(t), (t, []))[1].append(c)
+    with torch.no_grad():
+        for t, cs in by_tensor.values():
+            for c in merge_centerings(cs, t.dim()):
+                center_(t, c.axis, c.groups, scales.get(c.scale), c.blocks)
+
+
+
+def fuse_(weight: torch.Tensor, bias: torch.Tensor | None, f: Fused, gamma: torch.Tensor | None,
+          beta: torch.Tensor | None) -> None:
+    """Move a norm's affine into one linear layer that reads it, in place, in float64:
+    ``bias += W β`` (W as it was), then the block of W's input axis ``*= γ``."""
+    if bias is not None and beta is not None:
+        bias.copy_(bias.detach().to(torch.float64) + fused_product(weight, f, beta).reshape(bias.shape))
+    if gamma is not None:
+        scale_inputs_(weight, f, gamma)
+
+
+def fused_product(weight: torch.Tensor, f: Fused, beta: torch.Tensor) -> torch.Tensor:
+    """``W β`` over the block of ``weight`` that reads the norm, in float64: what ``fuse_`` adds
+    to the bias. The whole weight is widened first, as it always was, so the product's bits
+    (a BLAS reduction) stay what earlier folds wrote."""
+    block = weight.detach().to(torch.float64).narrow(f.axis, f.start, f.length)
+    return torch.tensordot(block, beta[f.offset:f.offset + f.length].to(torch.float64), dims=([f.axis], [0]))
+
+
+_SCALE_ELEMENTS = 1 << 22
+"""Elements widened to float64 at a time when a weight's block is scaled by γ (32 MiB)."""
+
+
+def scale_inputs_(weight: torch.Tensor, f: Fused, gamma: torch.Tensor, *, chunk: int | None = None) -> None:
+    """The block of ``weight``'s input axis that reads the norm ``*= γ``, in place: each element
+    rounded once from its float64 product. Element by element, so it runs in slabs of the other
+    axis and never widens the whole weight (an embedding-sized head would need twice its size)."""
+    chunk = chunk or _SCALE_ELEMENTS
+    seg = gamma[f.offset:f.offset + f.length].to(torch.float64)
+    block = weight.detach().narrow(f.axis, f.start, f.length)
+    g = seg.reshape([f.length if d == f.axis else 1 for d in range(block.dim())])
+    other = 1 if f.axis == 0 and block.dim() > 1 else 0
+    if block.dim() < 2 or other == f.axis:
+        pieces = [block]
+    else:
+        per = max(block.numel() // max(block.shape[other], 1), 1)
+        pieces = block.split(max(1, chunk // per), other)
+    for piece in pieces:
+        piece.copy_(piece.to(torch.float64).mul_(g))
