@@ -125,8 +125,6 @@ class CenterParameters(Transformation):
         return model
 
 
-
-
 class FuseAffine(Transformation):
     """Move each folded norm's γ and β into the linear layers that read its output.
 

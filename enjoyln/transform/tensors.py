@@ -164,7 +164,6 @@ def center_all(model: nn.Module, centerings: Sequence[Centering]) -> None:
                 center_(t, c.axis, c.groups, scales.get(c.scale), c.blocks)
 
 
-
 def fuse_(weight: torch.Tensor, bias: torch.Tensor | None, f: Fused, gamma: torch.Tensor | None,
           beta: torch.Tensor | None) -> None:
     """Move a norm's affine into one linear layer that reads it, in place, in float64:
