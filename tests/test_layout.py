@@ -40,10 +40,8 @@ MAX_LINES = 600
 # expected,writer,transaction,memory,load}.py, checking/{report,static,compare,checkpoints}.py,
 # testing/mutation/{sources,drawing,observing,judging}.py, transform/tensors.py), and each entry
 # goes with its split.
-TO_SPLIT = {"enjoyln.convert", "enjoyln.checking.static",
-            "enjoyln.testing.mutation.drawing", "enjoyln.transform.steps"}
-LONG_UNTIL_SPLIT = {"enjoyln.convert", "enjoyln.checking.static", "enjoyln.transform.steps",
-                    "enjoyln.testing.mutation.drawing"}
+TO_SPLIT = {"enjoyln.convert", "enjoyln.checking.static", "enjoyln.transform.steps"}
+LONG_UNTIL_SPLIT = {"enjoyln.convert", "enjoyln.checking.static", "enjoyln.transform.steps"}
 UPWARD_UNTIL_SPLIT = {("enjoyln.checking.static", "enjoyln.convert"),  # the writer's expected tensors
                       }
 PRIVATE_UNTIL_SPLIT = {
