@@ -18,7 +18,7 @@ from ._version import __version__
 # the first second then gets one line, not an import traceback.
 _EXPORTS = {
     "analyze": "analysis", "fold": "transform.steps", "rotate": "transform.steps",
-    "check": "checking.forward", "CheckReport": "checking.forward",
+    "check": "checking.forward", "CheckReport": "checking.report",
     "load": "convert", "fold_checkpoint": "convert", "analyze_checkpoint": "convert",
     "check_checkpoints": "convert", "cbwc": "transform.training", "cbwc_remove": "transform.training",
     "RMSNorm": "modules.norm", "GroupRMSNorm": "modules.norm", "FoldPlan": "plan", "LayerNormEntry": "plan",

@@ -52,7 +52,7 @@ from .store.stream import StreamedTensors
 from .store.tensors import return_freed_memory
 
 if TYPE_CHECKING:
-    from .checking.forward import CheckReport
+    from .checking.report import CheckReport
 
 __all__ = ["fold_checkpoint", "analyze_checkpoint", "check_checkpoints", "load", "load_plain", "parse_size",
            "FoldResult"]
@@ -1089,7 +1089,8 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
     >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
     True
     """
-    from .checking.forward import CheckReport, ModelSource, check_sources
+    from .checking.forward import ModelSource, check_sources
+    from .checking.report import CheckReport
     from .checking.static import StaticReport, code_problems, code_report, load_problems, parse_dtype, static_check
 
     if mode not in ("full", "static", "forward"):

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _docs import machine, replace_section  # noqa: E402
 
-from enjoyln.testing.mutation import drawing as mu  # noqa: E402
+from enjoyln.testing import mutation as mu  # noqa: E402
 
 
 def table(rows: dict) -> str:

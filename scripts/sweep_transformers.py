@@ -534,7 +534,7 @@ def second_batch(model: torch.nn.Module, source: str, inputs: dict[str, Any]) ->
 def compare(reference: torch.nn.Module, folded: torch.nn.Module, batches: list[dict[str, Any]]) -> dict[str, Any]:
     """Worst relative difference over every output and batch; outputs that differ between two
     runs of the reference itself (sampled noise) are left out and counted."""
-    from enjoyln.checking.forward import flatten_outputs
+    from enjoyln.checking.running import flatten_outputs
 
     worst, nondet, n = 0.0, set(), 0
     for inputs in batches:
@@ -567,7 +567,7 @@ def compare(reference: torch.nn.Module, folded: torch.nn.Module, batches: list[d
 def float64_triage(model: torch.nn.Module, plan: Any, batches: list[dict[str, Any]]) -> dict[str, Any]:
     """Redo the fold in float64: exact there means the float32 difference is rounding."""
     import enjoyln
-    from enjoyln.checking.forward import flatten_outputs
+    from enjoyln.checking.running import flatten_outputs
 
     def dbl(inputs: dict[str, Any]) -> dict[str, Any]:
         return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v

@@ -43,7 +43,7 @@ from torch import nn
 from .. import ops  # noqa: F401  (registers enjoyln::rms_norm, which export_onnx translates)
 from ..analysis.inputs import (ExampleInputs, Inputs, config_value, hf_example_inputs, inputs_like, is_causal_lm,
                                is_hf_model, resolve_inputs)
-from ..checking.forward import flatten_outputs
+from ..checking.running import flatten_outputs
 from ..checking.static import recorded_plan
 from ..convert import load
 from ..errors import EnjoylnError, first_line

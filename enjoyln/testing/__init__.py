@@ -148,7 +148,7 @@ def max_relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def model_outputs(model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
     """Run ``model`` under no_grad and flatten its tensor outputs by name."""
     from ..analysis.inputs import as_inputs
-    from ..checking.forward import flatten_outputs
+    from ..checking.running import flatten_outputs
 
     with torch.no_grad():
         return flatten_outputs(as_inputs(inputs).call(model))

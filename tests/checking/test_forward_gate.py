@@ -13,7 +13,9 @@ from typer.testing import CliRunner
 import enjoyln
 from enjoyln.convert import fold_checkpoint
 from enjoyln.cli.app import app
-from enjoyln.checking.forward import FACTOR, ModelSource, NearTie, _judge_generation, check_sources
+from enjoyln.checking.forward import FACTOR, ModelSource, check_sources
+from enjoyln.checking.generation import judge_generation
+from enjoyln.checking.report import NearTie
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir
 
@@ -185,17 +187,17 @@ def test_a_flip_within_the_tolerance_is_a_near_tie_and_one_beyond_it_fails():
     ref = ([[0, 1]], ref_logits, ref_logits)  # no logits processors: the scores are the logits
     near_logits = [ref_logits[0], torch.tensor([[0.0, 5.0 - 1e-7, 5.0]], **f64)]
     near = ([[0, 2]], near_logits, near_logits)
-    ok, ties, problem = _judge_generation(ref, near, tolerance=1e-6)
+    ok, ties, problem = judge_generation(ref, near, tolerance=1e-6)
     assert ok and not problem
     assert ties == [NearTie(0, 1, 1, 2, pytest.approx(1e-7, rel=0.5), pytest.approx(1e-7, rel=0.5),
                             pytest.approx(1e-7, rel=0.5))]
     far_logits = [ref_logits[0], torch.tensor([[0.0, 5.0, 6.0]], **f64)]
-    ok, _, problem = _judge_generation(ref, ([[0, 2]], far_logits, far_logits), tolerance=1e-6)
+    ok, _, problem = judge_generation(ref, ([[0, 2]], far_logits, far_logits), tolerance=1e-6)
     assert not ok and "not a near-tie" in problem
-    ok, _, problem = _judge_generation(ref, near, tolerance=None)
+    ok, _, problem = judge_generation(ref, near, tolerance=None)
     assert not ok
     nan = [ref_logits[0], torch.tensor([[0.0, NAN, 5.0]], **f64)]
-    assert not _judge_generation(ref, ([[0, 2]], nan, nan), tolerance=1e3)[0]
+    assert not judge_generation(ref, ([[0, 2]], nan, nan), tolerance=1e3)[0]
 
 
 def test_a_flip_the_logits_processors_make_is_no_near_tie():
@@ -206,15 +208,15 @@ def test_a_flip_the_logits_processors_make_is_no_near_tie():
     logits = [torch.tensor([[0.0, 5.0, 4.9]], **f64)]
     ref = ([[1]], logits, logits)
     suppressed = ([[2]], logits, [torch.tensor([[0.0, -INF, 4.9]], **f64)])
-    ok, ties, problem = _judge_generation(ref, suppressed, tolerance=1e-6)
+    ok, ties, problem = judge_generation(ref, suppressed, tolerance=1e-6)
     assert not ok and not ties
     assert "margins 0.1 (original) and inf (candidate)" in problem and "not a near-tie" in problem, problem
     penalized = ([[2]], logits, [torch.tensor([[0.0, 5.0 / 1.3, 4.9]], **f64)])
-    ok, _, problem = _judge_generation(ref, penalized, tolerance=1e-6)
+    ok, _, problem = judge_generation(ref, penalized, tolerance=1e-6)
     assert not ok and "margins 0.1 (original) and 1.05 (candidate)" in problem, problem
     # the margin is judged where the rows first differ, in the scores: a tie there is excused
     tie = [torch.tensor([[0.0, 5.0, 5.0 - 1e-7]], **f64)]
-    ok, ties, _ = _judge_generation(([[1]], logits, tie), ([[2]], logits, [tie[0].flip(-1).roll(1, -1)]), 1e-6)
+    ok, ties, _ = judge_generation(([[1]], logits, tie), ([[2]], logits, [tie[0].flip(-1).roll(1, -1)]), 1e-6)
     assert ok and ties[0].reference_margin == pytest.approx(1e-7, rel=1e-3)
 
 

@@ -312,7 +312,7 @@ def strict_json(text):
 
 def test_json_output_is_strict(gpt2_dir, tmp_path, monkeypatch):
     """JSON has no Infinity or NaN, and no UTF-8 carries an undecodable file name's bytes."""
-    from enjoyln.checking.forward import CheckReport, OutputCheck
+    from enjoyln.checking.report import CheckReport, OutputCheck
 
     def report(*args, **kwargs):
         return CheckReport(passed=False, max_abs_diff=float("inf"), max_rel_diff=float("nan"),
@@ -347,7 +347,7 @@ def test_printing_after_publishing_cannot_fail_the_command(gpt2_dir, tmp_path):
 
 
 def test_a_failed_fold_removes_the_folders_it_created(gpt2_dir, tmp_path, monkeypatch):
-    from enjoyln.checking.forward import CheckReport
+    from enjoyln.checking.report import CheckReport
 
     monkeypatch.setattr(checkpoint, "check_checkpoints", lambda *a, **k: CheckReport(
         passed=False, max_abs_diff=1.0, max_rel_diff=1.0, outputs=[], batches=1, dtype="float32", criterion=""))

@@ -9,11 +9,13 @@ what a loader reads does change it, that draws are seeded, and that every kind i
 
 from __future__ import annotations
 
+import base64
 import collections
 
 import pytest
 
-from enjoyln.testing.mutation import drawing as mu
+from enjoyln.testing import mutation as mu
+from enjoyln.testing.mutation.json_edits import json_tokens, respace_json
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +24,7 @@ N, SEED = 500, 0
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    mu._quiet()
+    mu.quiet()
     return mu.build_sources(tmp_path_factory.mktemp("mutation-sources"))
 
 
@@ -81,7 +83,7 @@ def test_mutations_owed_a_pass_are_inert(results):
     """Every inert mutation drawn: both loaders, the tokenizer or the image processor give
     what the unmutated fold gives, bit for bit."""
     inert = [r for r in results[0] if r.mutation.ground == "inert"]
-    assert {r.mutation.kind for r in inert} == set(mu._INERT_KINDS)
+    assert {r.mutation.kind for r in inert} == set(mu.INERT_KINDS)
     assert len(inert) >= 30
     unproven = [r.describe() for r in inert if r.effect != []]
     assert not unproven, "\n".join(unproven)
@@ -116,7 +118,7 @@ def test_draws_are_seeded_and_cover_every_kind(sources, mutations):
     categories = collections.Counter(m.category for m in mutations)
     assert set(categories) == set(mu.CATEGORIES)
     weights = {m.kind for m in mutations if m.category == "weights"}
-    assert weights == set(mu._ELEMENT_KINDS)
+    assert weights == set(mu.ELEMENT_KINDS)
     assert {m.source for m in mutations} == {s.name for s in sources}
     # stored tensors that no loader loads are mutated too, and nested and enjoyln-block keys
     assert any(m.category == "weights" and m.ground == "policy" for m in mutations)
@@ -130,9 +132,9 @@ def test_respaced_json_keeps_every_token():
 
     text = '{"a": [1, 2.50, -0.0, 1e-05, "x\\"y\\\\"], "b": {"c": null, "d": true}}'
     for seed in range(20):
-        new = mu._respace_json(text, random.Random(seed))
+        new = respace_json(text, random.Random(seed))
         assert new != text
-        assert list(mu._json_tokens(new)) == list(mu._json_tokens(text))
+        assert list(json_tokens(new)) == list(json_tokens(text))
         assert "2.50" in new and "1e-05" in new and "-0.0" in new  # numbers keep their spelling
 
 
@@ -152,4 +154,4 @@ def test_an_element_mutation_changes_exactly_its_bytes(sources, tmp_path):
         old, new = open(a, "rb").read(), b.read_bytes()
         changed = [i for i in range(len(old)) if old[i] != new[i]]
         assert len(old) == len(new) and changed and offset <= min(changed) and max(changed) < offset + len(
-            mu.base64.b64decode(data)), m.describe()
+            base64.b64decode(data)), m.describe()

@@ -1,0 +1,129 @@
+"""Greedy generation for the forward check: the prompt and tokens that fit a model's context,
+decoding with every step's logits and scores, judging flips as near-ties, and comparing the
+generation settings a loader gave the candidate with the reference's."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..analysis.inputs import config_value
+from ..errors import CaptureError, first_line
+from .report import NearTie, worse
+from .running import seeded
+
+
+PROMPT_TOKENS = 8
+"""Longest prompt the generation check feeds (fewer where the context is short)."""
+
+
+def generation_lengths(model: nn.Module, new_tokens: int) -> tuple[int, int]:
+    """(prompt tokens, new tokens) that fit the model's context: a model with 12 positions
+    cannot take an 8-token prompt and 8 more. (0, 0): no room to generate."""
+    limit = config_value(getattr(model, "config", None), "max_position_embeddings", "n_positions",
+                         "max_target_positions")
+    if not isinstance(limit, int) or limit <= 0:
+        return PROMPT_TOKENS, new_tokens
+    prompt = min(PROMPT_TOKENS, max(1, limit - new_tokens))
+    new = min(new_tokens, limit - prompt)
+    return (prompt, new) if new > 0 else (0, 0)
+
+
+Generated = tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]
+"""Greedy generation: the new tokens of each row, then per step (batch x vocab each) the raw
+logits and the scores generate() chose by, after the generation config's logits processors."""
+
+
+def generate_greedy(model: nn.Module, prompt: torch.Tensor, n: int, seed: int) -> Generated:
+    """Greedy tokens, with the raw logits and the processed scores of every step (torch's RNG
+    seeded with ``seed``, as in ``run_model``)."""
+    config = model.generation_config
+    pad = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_id or 0)
+    if isinstance(pad, list):
+        pad = pad[0]
+    try:
+        with torch.no_grad(), seeded(seed):
+            out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                 max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1,
+                                 pad_token_id=pad, output_logits=True, output_scores=True,
+                                 return_dict_in_generate=True)
+    except Exception as exc:  # the model's own error, on a prompt enjoyln made
+        first = first_line(exc)
+        raise CaptureError(f"greedy generation with {type(model).__name__} failed: "
+                           f"{type(exc).__name__}: {first}") from exc
+    return (out.sequences[:, prompt.shape[1]:].tolist(), [t.detach().clone() for t in out.logits],
+            [t.detach().clone() for t in (out.scores or ())])
+
+
+def _margin(scores: list[torch.Tensor], step: int, row: int, mine: int, other: int) -> float:
+    """A model's score of its own token minus that of the other model's token (inf: no such score)."""
+    if step >= len(scores) or max(mine, other) >= scores[step].shape[-1]:
+        return math.inf
+    r = scores[step][row].double()
+    return float(r[mine] - r[other])
+
+
+def judge_generation(ref: Generated, cand: Generated,
+                      tolerance: float | None) -> tuple[bool, list[NearTie], str]:
+    """Identical tokens pass; a row whose tokens first differ at a step passes only if the
+    candidate's raw step logits up to there, on the same prefix, are within ``tolerance`` of the
+    reference's, and at that step each model's margin between the two tokens, in the scores
+    generate() chose by, is at most twice ``tolerance``: a genuine near-tie. The raw logits
+    alone do not do: generate() chooses by the scores after the generation config's logits
+    processors (suppressed tokens, a repetition penalty), so equal logits can give tokens that
+    differ by a wide margin. The rest of a row that flipped (a different prefix) is not compared."""
+    (ref_tokens, ref_logits, ref_scores), (cand_tokens, cand_logits, cand_scores) = ref, cand
+    ties: list[NearTie] = []
+    if len(ref_tokens) != len(cand_tokens):
+        return False, ties, f"{len(cand_tokens)} rows generated for {len(ref_tokens)}"
+    for row, (a, b) in enumerate(zip(ref_tokens, cand_tokens)):
+        step = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if step is None and len(a) == len(b):
+            continue
+        if step is None or step >= len(ref_logits) or step >= len(cand_logits):
+            return False, ties, f"row {row}: {len(b)} tokens generated for {len(a)}"
+        dev = 0.0
+        for s in range(step + 1):
+            r, c = ref_logits[s][row].double(), cand_logits[s][row].double()
+            if r.shape != c.shape or not bool(torch.isfinite(c).all()) or not bool(torch.isfinite(r).all()):
+                dev = math.inf
+                break
+            dev = worse(dev, float((r - c).abs().max()))
+        theirs = _margin(ref_scores, step, row, a[step], b[step])
+        ours = _margin(cand_scores, step, row, b[step], a[step])
+        flip = (f"row {row} step {step}: token {b[step]} for {a[step]}, margins {theirs:.3g} (original) and "
+                f"{ours:.3g} (candidate) in the scores generate() used")
+        if tolerance is None:
+            return False, ties, f"{flip}; not a near-tie: the original has no finite tolerance for its logits"
+        if not dev <= tolerance:
+            return False, ties, (f"{flip}; not a near-tie: the step logits are {dev:.3g} from the original's, "
+                                 f"more than the tolerance {tolerance:.3g}")
+        if not (theirs <= 2 * tolerance and ours <= 2 * tolerance):
+            return False, ties, (f"{flip}; not a near-tie: a margin is more than twice the tolerance "
+                                 f"{tolerance:.3g} (the generation settings differ, or the scores do)")
+        ties.append(NearTie(row, step, a[step], b[step], theirs, dev, ours))
+    return True, ties, ""
+
+
+def generation_settings(model: nn.Module) -> dict[str, Any] | None:
+    """The generation settings generate() starts from, as the loader gave them to the model
+    (generation_config.json, or what transformers builds from config.json without one)."""
+    config = getattr(model, "generation_config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        return None
+    settings = config.to_dict()
+    settings.pop("transformers_version", None)  # the running transformers' version, on both sides
+    return settings
+
+
+def settings_problems(ref: dict[str, Any] | None, cand: dict[str, Any] | None) -> list[str]:
+    from .static import same_json
+
+    if ref is None or cand is None:
+        return [] if ref is cand else [f"the candidate has {'none' if cand is None else 'some'}, the original "
+                                       f"{'none' if ref is None else 'some'}"]
+    return [f"{key} is {cand.get(key)!r}, the original's {ref.get(key)!r}"
+            for key in sorted(ref.keys() | cand.keys()) if not same_json(ref.get(key), cand.get(key))]

@@ -1,0 +1,210 @@
+"""The forward check's report: each output's comparison, greedy generation, what the inputs
+covered, and the verdict, with their summaries."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+def worse(a: float, b: float) -> float:
+    """The worse of two measured differences: ``max`` that a NaN cannot lower (Python's
+    ``max(0.0, nan)`` is 0.0)."""
+    if math.isnan(a) or math.isnan(b):
+        return math.inf
+    return max(a, b)
+
+
+@dataclass
+class OutputCheck:
+    """One named output, worst case over all batches."""
+
+    name: str
+    max_abs_diff: float
+    """max|candidate - reference|; infinite where a non-finite value differs."""
+    max_rel_diff: float
+    passed: bool
+    reference_error: float | None = None
+    """Precision-aware criterion: max|reference - truth|, the reference's own rounding."""
+    candidate_error: float | None = None
+    """Precision-aware criterion: max|candidate - truth|."""
+    allowed: float | None = None
+    """The bound the judged quantity had to meet (candidate_error, or max_abs_diff with rtol)."""
+    margin: float | None = None
+    """allowed / the judged quantity (above 1 passes); None where the two agree exactly."""
+    nonfinite: int = 0
+    """Elements where the candidate is NaN or ±Inf and the reference is not, or holds another
+    non-finite value than the reference's."""
+    path: str = ""
+    """How the candidate was loaded ("enjoyln.load", "from_pretrained"); empty for models given in memory."""
+    required: bool = True
+    """False where this path is reported but not part of the verdict (see CheckReport.caveat)."""
+    tolerance: float | None = None
+    """The largest max|candidate - reference| the criterion allows; bounds a greedy flip's near-tie."""
+    scale: float = 0.0
+    """max|reference| over the finite elements (what max_rel_diff divides by)."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.path})" if self.path else self.name
+
+
+@dataclass
+class NearTie:
+    """A greedy token that differs where the reference's top choices were within the tolerance."""
+
+    row: int
+    step: int
+    reference_token: int
+    candidate_token: int
+    reference_margin: float
+    """the reference's score of its token minus that of the candidate's token, in the scores
+    generate() chose by (after the generation config's logits processors)"""
+    deviation: float
+    """max|candidate - reference| over the raw step logits up to this step"""
+    candidate_margin: float = 0.0
+    """the candidate's score of its token minus that of the reference's token, likewise"""
+
+
+@dataclass
+class GenerationCheck:
+    """Greedy decoding from the same prompts.
+
+    Tokens must be identical, except that a row may flip at a genuine near-tie:
+    up to and including the first differing step the candidate's raw step
+    logits (computed on the same prefix) are within the criterion's tolerance
+    of the reference's, and at that step, in the scores generate() chose by
+    (after the logits processors of each model's generation config), each
+    model's margin between the two tokens is at most twice that tolerance. The
+    tokens after a flip are not compared."""
+
+    passed: bool
+    new_tokens: int
+    reference: list[list[int]] = field(default_factory=list)
+    candidate: list[list[int]] = field(default_factory=list)
+    required: bool = True
+    """False in half precision, where a near-tie may flip a token legitimately."""
+    prompt_tokens: int = 0
+    identical: bool = True
+    tolerance: float | None = None
+    near_ties: list[NearTie] = field(default_factory=list)
+    problem: str = ""
+
+
+@dataclass
+class Coverage:
+    """What the forward comparison's inputs reached."""
+
+    positions: int = 0
+    """Positions 0 .. positions-1 of the longest sequence fed."""
+    max_positions: int | None = None
+    """What the config allows (None: not a sequence model, or no limit)."""
+    distinct_ids: int = 0
+    vocab_size: int | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.positions:
+            allowed = f" of {self.max_positions}" if self.max_positions else ""
+            parts.append(f"positions 0-{self.positions - 1}{allowed}")
+        if self.distinct_ids:
+            vocab = f" of {self.vocab_size}" if self.vocab_size else ""
+            parts.append(f"{self.distinct_ids} distinct token ids{vocab}")
+        return ", ".join(parts)
+
+
+@dataclass
+class CheckReport:
+    """The outcome of ``check``; ``passed`` is the verdict."""
+
+    passed: bool
+    max_abs_diff: float
+    max_rel_diff: float
+    outputs: list[OutputCheck]
+    batches: int
+    dtype: str
+    criterion: str
+    generation: GenerationCheck | None = None
+    coverage: Coverage | None = None
+    static: Any = None
+    """The static weight check (``enjoyln.checking.static.StaticReport``), when it ran."""
+    forward_skipped: str = ""
+    """Why the forward comparison did not run, if it did not."""
+    memory: str = ""
+    """How the models were held, when not both in memory (a check within a budget)."""
+    criterion_kind: str = ""
+    """"precision" (tolerance from the reference's own rounding) or "rtol" (a fixed relative one)."""
+    truth_dtype: str = ""
+    """The dtype the reference's truth ran in, for the precision-aware criterion."""
+    margin: float | None = None
+    """The smallest margin of the outputs in the verdict (allowed / measured; above 1 passes)."""
+    paths: list[str] = field(default_factory=list)
+    """How the candidate was loaded and run (both load paths of a checkpoint)."""
+    caveat: str = ""
+    """What the verdict does not cover, shown with it (a load path the candidate declares inexact)."""
+    notes: list[str] = field(default_factory=list)
+    generation_settings: list[str] = field(default_factory=list)
+    """How the generation settings a loader gave the candidate differ from the reference's (each
+    one fails the check: generate() applies them)."""
+
+    @classmethod
+    def from_static(cls, static: Any, *, forward_skipped: bool) -> "CheckReport":
+        why = "the weights already differ" if forward_skipped else "static check only"
+        return cls(passed=static.passed, max_abs_diff=0.0, max_rel_diff=0.0, outputs=[], batches=0,
+                   dtype="", criterion="", static=static, forward_skipped=why)
+
+    def add_static(self, static: Any) -> None:
+        if static is not None:
+            self.static = static
+            self.passed = self.passed and static.passed
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        lines = [f"{verdict}" + (f" ({self.caveat})" if self.caveat else "")]
+        if self.static is not None:
+            lines += [f"  {line}" for line in self.static.summary().splitlines()]
+        if self.forward_skipped:
+            lines.append(f"  forward comparison not run: {self.forward_skipped}")
+            return "\n".join(lines)
+        covered = f"; inputs cover {self.coverage.describe()}" if self.coverage and self.coverage.describe() else ""
+        paths = f" through {' and '.join(self.paths)}" if self.paths else ""
+        lines += [f"  forward: {len(self.outputs)} outputs over {self.batches} batches ({self.dtype}){paths}; "
+                  f"max abs diff {self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}{covered}",
+                  f"  criterion: {self.criterion}"
+                  + (f"; margin {self.margin:.3g}x" if self.margin is not None else "")]
+        if self.memory:
+            lines.append(f"  memory: {self.memory}")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        for o in self.outputs:
+            extra = ""
+            if o.candidate_error is not None:
+                extra = (f"; vs {self.truth_dtype or 'truth'}: candidate {o.candidate_error:.3g}, "
+                         f"original {o.reference_error:.3g}")
+            if o.allowed is not None:
+                extra += f", allowed {o.allowed:.3g}"
+            if o.margin is not None:
+                extra += f" (margin {o.margin:.3g}x)"
+            if o.nonfinite:
+                extra += f"; {o.nonfinite} elements NaN or Inf where the original is not (or another non-finite value)"
+            state = ("ok" if o.passed else "FAIL") if o.required else ("differs" if not o.passed else "ok") + ", not required"
+            lines.append(f"  [{state}] {o.label}: abs {o.max_abs_diff:.3g}, rel {o.max_rel_diff:.3g}{extra}")
+        for problem in self.generation_settings:
+            lines.append(f"  [FAIL] {problem}")
+        g = self.generation
+        if g is not None:
+            state = "identical" if g.identical else "same up to near-ties" if g.passed else "DIFFERENT"
+            note = "" if g.required else " (informational in half precision)"
+            lines.append(f"  greedy generation of {g.new_tokens} tokens after {g.prompt_tokens}: {state}{note}")
+            for t in g.near_ties:
+                lines.append(f"    row {t.row} step {t.step}: token {t.candidate_token} for {t.reference_token}, "
+                             f"margins {t.reference_margin:.3g} (original) and {t.candidate_margin:.3g} "
+                             f"(candidate) in the scores generate() used, step logits within "
+                             f"{t.deviation:.3g} of the original's (tolerance {g.tolerance:.3g})")
+            if g.problem:
+                lines.append(f"    {g.problem}")
+        return "\n".join(lines)
