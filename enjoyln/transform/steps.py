@@ -431,8 +431,8 @@ def rotate(model: nn.Module, example_inputs: ExampleInputs = None, *, kind: str 
     >>> import enjoyln
     >>> from enjoyln.testing import perturb, tiny_model
     >>> model = enjoyln.rotate(perturb(tiny_model("gpt2")))
-    >>> type(model.transformer.ln_f).__name__, model.transformer.h[0].ln_1.weight is None
-    ('RMSNorm', True)
+    >>> type(model.transformer.ln_f).__name__, model.transformer.h[0].ln_1.elementwise_affine
+    ('RMSNorm', False)
     """
     if any(isinstance(m, (RMSNorm, GroupRMSNorm)) for m in model.modules()):
         raise PlanError("this model is already folded in memory; rotate the original model (rotate folds it "
