@@ -36,14 +36,14 @@ def analyze_dir(md: ModelDir, model: nn.Module, auxiliary_centering: bool, fuse_
                    | {f"{e.name}.weight" for e in plan.foldable if e.affine == AFFINE_GAIN})
     if not names:
         return plan
-    gains = dict(zip(names, read_tensors(md, model, names)))
+    gains = dict(zip(names, _read_tensors(md, model, names)))
     if all(bool(g.ne(0).all()) for g in gains.values()):
         return plan
     return analyze(model, weights=gains, **options)
 
 
-def read_tensors(md: ModelDir, model: nn.Module, names: list[str],
-                 pickled: dict[str, tuple[str, torch.Tensor]] | None = None) -> list[torch.Tensor]:
+def _read_tensors(md: ModelDir, model: nn.Module, names: list[str],
+                  pickled: dict[str, tuple[str, torch.Tensor]] | None = None) -> list[torch.Tensor]:
     """Small tensors (LayerScale gains) by parameter name, read from the checkpoint."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     saved = saved_names(model)
@@ -109,7 +109,7 @@ def plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, str
 
     extras: dict[str, tuple[str, int | None]] = {}  # new name -> (source key, centering axis)
     gains = [c.scale for c in plan.centered if c.scale]
-    gains = dict(zip(gains, read_tensors(md, model, gains, pickled))) if gains else {}
+    gains = dict(zip(gains, _read_tensors(md, model, gains, pickled))) if gains else {}
     planned: dict[tuple[str, ...], list[Centering]] = {}  # each tensor once, with all its centerings
     for c in plan.centered:
         if c.saved:  # a non-persistent buffer is not in the checkpoint: enjoyln.load centers it
