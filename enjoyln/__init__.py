@@ -19,8 +19,8 @@ from ._version import __version__
 _EXPORTS = {
     "analyze": "analysis", "fold": "transform.steps", "rotate": "transform.steps",
     "check": "checking.forward", "CheckReport": "checking.report",
-    "load": "convert", "fold_checkpoint": "convert", "analyze_checkpoint": "convert",
-    "check_checkpoints": "convert", "cbwc": "transform.training", "cbwc_remove": "transform.training",
+    "load": "store.load", "fold_checkpoint": "convert", "analyze_checkpoint": "convert",
+    "check_checkpoints": "checking.checkpoints", "cbwc": "transform.training", "cbwc_remove": "transform.training",
     "RMSNorm": "modules.norm", "GroupRMSNorm": "modules.norm", "FoldPlan": "plan", "LayerNormEntry": "plan",
     "Centering": "plan", "Untie": "plan", "EnjoylnError": "errors", "CaptureError": "errors",
     "CheckpointError": "errors", "PlanError": "errors", "CheckFailed": "errors",

@@ -22,7 +22,7 @@ from torch import nn
 from . import ops
 from .analysis.inputs import ExampleInputs, as_inputs
 from .checking.running import flatten_outputs
-from .convert import load, load_plain
+from .store.load import load, load_plain
 from .errors import EnjoylnError
 from .modules.norm import RMSNorm
 from .store.model_dir import open_model_dir

@@ -9,7 +9,9 @@ from safetensors import safe_open
 
 import enjoyln
 from enjoyln.analysis.inputs import hf_example_inputs, is_causal_lm
-from enjoyln.convert import fold_checkpoint, load, parse_size
+from enjoyln.convert import fold_checkpoint
+from enjoyln.store.load import load
+from enjoyln.store.memory import parse_size
 from enjoyln.store.model_dir import open_model_dir
 from enjoyln.testing import ARCHITECTURES, demo_checkpoint, perturb, tiny_model
 from conftest import assert_same_outputs
@@ -277,12 +279,13 @@ def _tensors(path):
 def test_early_copy_gives_the_same_tensors_as_a_fresh_write(shard_size, saved, tmp_path, monkeypatch):
     """The fast path (copy during analysis, then center in place) and the plain
     writer produce the same bytes for every tensor, and the same files."""
-    from enjoyln import convert as checkpoint
+    from enjoyln import convert
+    from enjoyln.store import writer
 
     src = saved("gpt2", torch.float32, **({"max_shard_size": shard_size} if shard_size else {}))
-    assert checkpoint._early_spans(open_model_dir(src), None)  # the fast path applies here
+    assert writer.early_spans(open_model_dir(src), None)  # the fast path applies here
     fast = fold_checkpoint(src, tmp_path / "fast", check="static")
-    monkeypatch.setattr(checkpoint, "_early_spans", lambda md, size: {})
+    monkeypatch.setattr(convert, "early_spans", lambda md, size: {})
     slow = fold_checkpoint(src, tmp_path / "slow", check="none")
     assert fast.files == slow.files and fast.bytes_written == slow.bytes_written
     a, b = _tensors(tmp_path / "fast"), _tensors(tmp_path / "slow")
@@ -297,13 +300,14 @@ def test_early_copy_gives_the_same_tensors_as_a_fresh_write(shard_size, saved, t
 
 
 def test_header_without_room_falls_back_to_a_fresh_write(saved, tmp_path, monkeypatch):
-    from enjoyln import convert as checkpoint
+    from enjoyln import convert
+    from enjoyln.store import writer
 
     src = saved("gpt2")
-    monkeypatch.setattr(checkpoint, "_HEADER_ROOM", 8)  # the untied head's entry cannot fit
+    monkeypatch.setattr(writer, "_HEADER_ROOM", 8)  # the untied head's entry cannot fit
     calls = []
-    real = checkpoint._write_shard
-    monkeypatch.setattr(checkpoint, "_write_shard", lambda *a, **k: calls.append(a[0].name) or real(*a, **k))
+    real = writer.write_shard
+    monkeypatch.setattr(convert, "write_shard", lambda *a, **k: calls.append(a[0].name) or real(*a, **k))
     result = fold_checkpoint(src, tmp_path / "out", check="static")
     assert calls == ["model.safetensors"]
     assert result.report.passed

@@ -35,18 +35,6 @@ a module's layer."""
 
 MAX_LINES = 600
 
-# TEMPORARY: the modules below are still whole, so that fixes made on main while the layout
-# moved could be merged into them; they are split next (store/{safetensors,hf,files,block,
-# expected,writer,transaction,memory,load}.py, checking/{report,static,compare,checkpoints}.py,
-# testing/mutation/...), and each entry goes with its split.
-TO_SPLIT = {"enjoyln.convert", "enjoyln.checking.static"}
-LONG_UNTIL_SPLIT = {"enjoyln.convert", "enjoyln.checking.static"}
-UPWARD_UNTIL_SPLIT = {("enjoyln.checking.static", "enjoyln.convert"),  # the writer's expected tensors
-                      }
-PRIVATE_UNTIL_SPLIT = {
-    ("enjoyln.checking.static", "enjoyln.convert", "_output_config"),
-    ("enjoyln.checking.static", "enjoyln.convert", "_analyze"),
-}
 
 
 def _module_name(path: Path) -> str:
@@ -104,12 +92,12 @@ def test_every_module_imports():
 def test_imports_point_down():
     upward = [f"{m}:{line} imports {t} (layer {layer(m)} -> {layer(t)})"
               for m in MODULES for t, _, line in imports(m)
-              if t in MODULES and layer(t) > layer(m) and (m, t) not in UPWARD_UNTIL_SPLIT]
+              if t in MODULES and layer(t) > layer(m)]
     assert not upward, "\n".join(upward)
 
 
 def test_no_import_cycle():
-    edges = {m: {t for t, _, _ in imports(m) if t in MODULES and t != m and (m, t) not in UPWARD_UNTIL_SPLIT}
+    edges = {m: {t for t, _, _ in imports(m) if t in MODULES and t != m}
              for m in MODULES}
     state: dict[str, int] = {}
     path: list[str] = []
@@ -132,21 +120,10 @@ def test_no_import_cycle():
 
 def test_modules_are_short():
     long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert set(long) <= LONG_UNTIL_SPLIT, {m: n for m, n in long.items() if m not in LONG_UNTIL_SPLIT}
+    assert not long, long
 
 
 def test_no_private_name_crosses_modules():
     crossing = {(m, t, name) for m in MODULES for t, name, _ in imports(m)
                 if name and name.startswith("_") and not name.startswith("__") and t != m}
-    assert crossing <= PRIVATE_UNTIL_SPLIT, sorted(crossing - PRIVATE_UNTIL_SPLIT)
-
-
-def test_the_allow_lists_are_still_needed():
-    """An entry the code no longer needs is removed, so the lists only shrink."""
-    long = {m for m, p in MODULES.items() if len(p.read_text().splitlines()) > MAX_LINES}
-    upward = {(m, t) for m in MODULES for t, _, _ in imports(m) if t in MODULES and layer(t) > layer(m)}
-    private = {(m, t, n) for m in MODULES for t, n, _ in imports(m) if n and n.startswith("_")
-               and not n.startswith("__")}
-    assert LONG_UNTIL_SPLIT <= long and UPWARD_UNTIL_SPLIT <= upward and PRIVATE_UNTIL_SPLIT <= private
-    # and every exception is about a module still to be split
-    assert LONG_UNTIL_SPLIT | {t for _, t in UPWARD_UNTIL_SPLIT} | {t for _, t, _ in PRIVATE_UNTIL_SPLIT} <= TO_SPLIT
+    assert not crossing, sorted(crossing)

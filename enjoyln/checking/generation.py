@@ -120,7 +120,7 @@ def generation_settings(model: nn.Module) -> dict[str, Any] | None:
 
 
 def settings_problems(ref: dict[str, Any] | None, cand: dict[str, Any] | None) -> list[str]:
-    from .static import same_json
+    from .compare import same_json
 
     if ref is None or cand is None:
         return [] if ref is cand else [f"the candidate has {'none' if cand is None else 'some'}, the original "

@@ -74,18 +74,19 @@ def _publish(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[str], f
              max_memory: Optional[str], rtol: Optional[float] = None) -> None:
     """``fold_checkpoint`` with the options of ``fold`` and ``rotate``, and its result shown."""
     from .. import convert
+    from ..store.memory import parse_size
 
     start = time.perf_counter()
     mode = "none" if not check else "static" if static else "full"
     with ByteProgress(enabled=not as_json) as bar:
         try:
             result = convert.fold_checkpoint(
-                model_dir, out_dir, max_shard_size=convert.parse_size(max_shard_size), force=force,
+                model_dir, out_dir, max_shard_size=parse_size(max_shard_size), force=force,
                 allow_pickle=allow_pickle, dry_run=dry_run, check=mode, keep_failed=keep_failed,
                 trust_remote_code=trust_remote_code, auxiliary_centering=auxiliary_centering,
                 fuse_affine=fuse_affine, rotate=rotate, progress=bar.phase("writing"),
                 check_options={"batches": batches, "seq_len": seq_len, "rtol": rtol,
-                               "max_memory": convert.parse_size(max_memory),
+                               "max_memory": parse_size(max_memory),
                                "progress": bar.phase("checking weights")})
         except CheckFailed as exc:
             bar.stop()
@@ -176,7 +177,8 @@ def check(
         help="Run the models one at a time within this much memory, e.g. 1GB (default: automatic).")] = None,
 ) -> None:
     """CI gate: exit 0 if CANDIDATE computes what REFERENCE does, 1 if not, 2 on bad input."""
-    from .. import convert
+    from ..checking import checkpoints
+    from ..store.memory import parse_size
 
     if static and forward_only:
         raise EnjoylnError("--static and --forward-only exclude each other")
@@ -184,12 +186,12 @@ def check(
         raise EnjoylnError("--thorough adds to the forward comparison, which --static skips")
     mode = "static" if static else "forward" if forward_only else "full"
     with ByteProgress(enabled=not as_json) as bar:
-        report = convert.check_checkpoints(reference_dir, candidate_dir, allow_pickle=allow_pickle,
-                                           trust_remote_code=trust_remote_code, mode=mode,
-                                           max_memory=convert.parse_size(max_memory), dtype=dtype,
-                                           progress=bar.phase("checking weights"), batches=batches,
-                                           batch_size=batch_size, seq_len=seq_len, seed=seed, rtol=rtol,
-                                           thorough=thorough)
+        report = checkpoints.check_checkpoints(reference_dir, candidate_dir, allow_pickle=allow_pickle,
+                                               trust_remote_code=trust_remote_code, mode=mode,
+                                               max_memory=parse_size(max_memory), dtype=dtype,
+                                               progress=bar.phase("checking weights"), batches=batches,
+                                               batch_size=batch_size, seq_len=seq_len, seed=seed, rtol=rtol,
+                                               thorough=thorough)
     if as_json:
         print_json(report.to_dict())
     else:
@@ -207,7 +209,9 @@ def demo(
     """The whole flow on a small GPT-2 that enjoyln builds itself: build, inspect, fold, check, time."""
     from ..analysis.inputs import hf_example_inputs
     from ..bench import compare_latency
-    from ..convert import analyze_checkpoint, check_checkpoints, fold_checkpoint, load
+    from ..checking.checkpoints import check_checkpoints
+    from ..convert import analyze_checkpoint, fold_checkpoint
+    from ..store.load import load
     from ..testing import demo_checkpoint
 
     temp = None

@@ -44,8 +44,8 @@ from .. import ops  # noqa: F401  (registers enjoyln::rms_norm, which export_onn
 from ..analysis.inputs import (ExampleInputs, Inputs, config_value, hf_example_inputs, inputs_like, is_causal_lm,
                                is_hf_model, resolve_inputs)
 from ..checking.running import flatten_outputs
-from ..checking.static import recorded_plan
-from ..convert import load
+from ..store.block import recorded_plan
+from ..store.load import load
 from ..errors import EnjoylnError, first_line
 from ..store.model_dir import open_model_dir
 from ..transform.steps import fold

@@ -351,7 +351,7 @@ def set_(key, index, value):
 @pytest.mark.parametrize("case", ["gpt2 all NaN", "gpt2-bf16 all NaN", "vit +100 with one NaN", "vit NaN logits"])
 @pytest.mark.parametrize("mode", MODES, ids=["default", "forward-only", "max-memory"])
 def test_non_finite_checkpoints_fail_in_every_mode(dirs, tmp_path, monkeypatch, case, mode):
-    from enjoyln import convert as checkpoint
+    from enjoyln.checking import checkpoints as checkpoint
 
     monkeypatch.setattr(checkpoint, "_activation_bytes", lambda md: 0)
     monkeypatch.setattr(checkpoint, "MIN_BUDGET", 0)
@@ -481,8 +481,9 @@ def test_a_one_weight_change_still_fails_the_default_check(dirs, tmp_path):
 def test_the_memory_pre_check_counts_the_truth(dirs, monkeypatch):
     """The float64 truth of a float32 reference is twice its weights, and one model at a time
     needs room for its largest tensor in float64."""
-    from enjoyln import convert as checkpoint
-    from enjoyln.convert import forward_check_bytes, require_memory
+    from enjoyln.checking import checkpoints as checkpoint
+    from enjoyln.checking.checkpoints import require_memory
+    from enjoyln.store.memory import forward_check_bytes
     from enjoyln.store.model_dir import open_model_dir
 
     md, half = open_model_dir(dirs / "gpt2"), open_model_dir(dirs / "gpt2-bf16")

@@ -155,7 +155,7 @@ def test_pickle_reference(pair, tmp_path):
 
 
 def test_check_static_mode_runs_no_model(pair, monkeypatch):
-    from enjoyln import convert as checkpoint
+    from enjoyln.checking import checkpoints as checkpoint
 
     ref, folded, _ = pair
     monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("static mode loaded a model"))
@@ -166,7 +166,7 @@ def test_check_static_mode_runs_no_model(pair, monkeypatch):
 def test_fold_refuses_a_forward_check_that_cannot_fit(pair, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from enjoyln import convert as checkpoint
+    from enjoyln.checking import checkpoints as checkpoint
     from enjoyln.cli.app import app
 
     ref, _, _ = pair
@@ -184,7 +184,7 @@ def test_fold_refuses_a_forward_check_that_cannot_fit(pair, tmp_path, monkeypatc
 def test_bounded_check_offloads_and_still_catches_a_change(pair, tmp_path, monkeypatch):
     """Within a budget far below the model, weights come from disk as each layer runs; the check
     stays exact, and a changed weight still fails the forward comparison."""
-    from enjoyln import convert as checkpoint
+    from enjoyln.checking import checkpoints as checkpoint
 
     ref, folded, _ = pair
     monkeypatch.setattr(checkpoint, "_activation_bytes", lambda md: 0)
@@ -209,7 +209,7 @@ def test_bounded_check_offloads_and_still_catches_a_change(pair, tmp_path, monke
 
 
 def test_fold_runs_the_check_one_model_at_a_time_when_two_do_not_fit(pair, tmp_path, monkeypatch):
-    from enjoyln import convert as checkpoint
+    from enjoyln.checking import checkpoints as checkpoint
 
     ref, _, _ = pair
     monkeypatch.setattr(checkpoint, "forward_check_bytes", lambda md: 1 << 40)  # "does not fit twice"
@@ -561,7 +561,7 @@ def test_trusted_remote_code_is_compared(pair, tmp_path, monkeypatch):
 def test_every_claim_of_the_enjoyln_block_is_verified(pair, tmp_path):
     """A rotation that does not keep the mean is exact only through enjoyln.load: a block claiming
     plain loading is exact too is a false promise."""
-    from enjoyln import convert as checkpoint
+    from enjoyln.store import block
 
     ref, folded, _ = pair
     rotated = tmp_path / "rotated"
@@ -583,7 +583,7 @@ def test_every_claim_of_the_enjoyln_block_is_verified(pair, tmp_path):
     assert not tampered("extra", lambda b: b.update(verified=True)).passed
     # the writing tool's version is the one claim nothing can check
     assert tampered("version", lambda b: b.update(version="0.0.1")).passed
-    assert checkpoint._output_config  # the one writer both sides use
+    assert block.output_config  # the one writer both sides use
 
 
 def test_a_fold_with_auxiliary_centering_that_placed_none_passes(tmp_path):
@@ -609,7 +609,7 @@ def gptj_with_positions(tmp_path, n_positions):
 def test_the_memory_check_counts_what_the_model_builds_from_its_config(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from enjoyln import convert as checkpoint
+    from enjoyln.checking import checkpoints as checkpoint
     from enjoyln.cli.app import app
 
     ref = gptj_with_positions(tmp_path, 8_000_000)  # a 256 MB table in each of the two models
@@ -628,7 +628,7 @@ def test_the_memory_check_counts_what_the_model_builds_from_its_config(tmp_path,
 
 def test_a_table_too_large_to_build_is_refused_before_it_is_built(tmp_path, monkeypatch):
     """n_positions = 1e9 makes a 32 GB table: refused, never allocated."""
-    from enjoyln import convert as checkpoint
+    from enjoyln.checking import checkpoints as checkpoint
 
     ref = gptj_with_positions(tmp_path, 1_000_000_000)
     monkeypatch.setattr(checkpoint, "available_memory", lambda: 8 << 30)
@@ -639,7 +639,7 @@ def test_a_table_too_large_to_build_is_refused_before_it_is_built(tmp_path, monk
 
 
 def test_forward_only_still_compares_the_dtype_the_model_loads_in(pair, tmp_path, monkeypatch):
-    from enjoyln import convert as checkpoint
+    from enjoyln.checking import checkpoints as checkpoint
 
     ref, folded, _ = pair
     cand = set_config(cand_of(folded, tmp_path), dtype="float16")
@@ -653,7 +653,7 @@ def test_forward_only_still_compares_the_dtype_the_model_loads_in(pair, tmp_path
 def test_a_candidate_meant_for_another_dtype_is_judged_in_it_on_both_paths(pair, tmp_path, monkeypatch):
     """With --dtype the forward comparison runs the candidate as from_pretrained loads it, also
     when the models run one at a time (which chose the dtype from the stored weights)."""
-    from enjoyln import convert as checkpoint
+    from enjoyln.checking import checkpoints as checkpoint
 
     ref, folded, _ = pair
     cand = set_config(cand_of(folded, tmp_path), dtype="bfloat16")
@@ -667,7 +667,7 @@ def test_a_candidate_meant_for_another_dtype_is_judged_in_it_on_both_paths(pair,
 
 def test_forward_only_counts_what_the_candidate_builds(tmp_path, monkeypatch):
     """Without the static check, the candidate's config is whatever it says: its table counts."""
-    from enjoyln import convert as checkpoint
+    from enjoyln.checking import checkpoints as checkpoint
 
     ref = gptj_with_positions(tmp_path / "r", 64)
     cand = gptj_with_positions(tmp_path / "c", 1_000_000_000)
@@ -718,7 +718,7 @@ def test_the_candidates_code_is_compared_before_any_of_it_runs(pair, tmp_path, m
     so that the gate passed a backdoor. Nothing of it may run until it is proven the reference's."""
     from typer.testing import CliRunner
 
-    from enjoyln.convert import check_checkpoints
+    from enjoyln.checking.checkpoints import check_checkpoints
     from enjoyln.cli.app import app
 
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))

@@ -12,6 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from enjoyln import convert as checkpoint
+from enjoyln.checking import checkpoints
+from enjoyln.store import writer
 from enjoyln.cli.app import app
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir
@@ -224,7 +226,7 @@ def test_non_empty_out_dir_needs_force(gpt2_dir, tmp_path):
     assert (out / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("where", ["_copy_range", "_pwrite_all", "_write_shard"])
+@pytest.mark.parametrize("where", ["_copy_range", "_pwrite_all", "write_shard"])
 @pytest.mark.parametrize("code,message", [(errno.ENOSPC, "disk full"), (errno.EACCES, "permission denied")])
 def test_disk_full_or_permission_denied(code, message, where, gpt2_dir, tmp_path, monkeypatch):
     # Root ignores file permissions and tmpfs quotas are not available here, so the
@@ -233,9 +235,9 @@ def test_disk_full_or_permission_denied(code, message, where, gpt2_dir, tmp_path
     def failing_write(*args, **kwargs):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(checkpoint, where, failing_write)
-    if where == "_write_shard":  # only used when the early copy cannot be
-        monkeypatch.setattr(checkpoint, "_early_spans", lambda md, size: {})
+    monkeypatch.setattr(checkpoint if where == "write_shard" else writer, where, failing_write)
+    if where == "write_shard":  # only used when the early copy cannot be
+        monkeypatch.setattr(checkpoint, "early_spans", lambda md, size: {})
     before = digest(gpt2_dir)
     out = tmp_path / "out"
     result = runner.invoke(app, ["fold", str(gpt2_dir), str(out)])
@@ -319,7 +321,7 @@ def test_json_output_is_strict(gpt2_dir, tmp_path, monkeypatch):
                            outputs=[OutputCheck("logits", float("inf"), float("-inf"), False)], batches=1,
                            dtype="float32", criterion="x\udcffy é")
 
-    monkeypatch.setattr(checkpoint, "check_checkpoints", report)
+    monkeypatch.setattr(checkpoints, "check_checkpoints", report)
     result = runner.invoke(app, ["check", str(gpt2_dir), str(gpt2_dir), "--json"])
     assert result.exit_code == 1
     data = strict_json(result.stdout)

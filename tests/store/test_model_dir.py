@@ -94,7 +94,7 @@ def test_output_modes_follow_the_umask(src, tmp_path):
 
 
 def test_throughput_counts_the_copy_not_the_analysis(src, tmp_path, monkeypatch):
-    from enjoyln import convert as checkpoint
+    from enjoyln.store import expected as checkpoint
 
     real = checkpoint.analyze
     monkeypatch.setattr(checkpoint, "analyze", lambda *a, **k: time.sleep(1.0) or real(*a, **k))

@@ -1,6 +1,7 @@
 import json
 
 from enjoyln import convert
+from enjoyln.store import expected
 from enjoyln.plan import FoldPlan
 from enjoyln.store.model_dir import open_model_dir
 from enjoyln.testing import perturb, tiny_model
@@ -11,8 +12,8 @@ def test_a_config_is_analysed_once_per_options_and_code(tmp_path, monkeypatch):
     monkeypatch.setenv("ENJOYLN_CACHE", str(tmp_path / "cache"))
     perturb(tiny_model("gpt2"), seed=3).save_pretrained(tmp_path / "ref")
     calls = []
-    real = convert.analyze
-    monkeypatch.setattr(convert, "analyze", lambda *a, **k: calls.append(k) or real(*a, **k))
+    real = expected.analyze
+    monkeypatch.setattr(expected, "analyze", lambda *a, **k: calls.append(k) or real(*a, **k))
     first = convert.analyze_checkpoint(tmp_path / "ref")
     again = convert.analyze_checkpoint(tmp_path / "ref")
     assert len(calls) == 1 and again.to_dict() == first.to_dict() and first.foldable

@@ -85,7 +85,10 @@ import json
 import transformers
 
 from enjoyln import convert
-from enjoyln.convert import _analyze, final_tensors, fold_checkpoint, open_model_dir
+from enjoyln.convert import fold_checkpoint
+from enjoyln.store import writer
+from enjoyln.store.expected import analyze_dir, final_tensors
+from enjoyln.store.model_dir import open_model_dir
 from enjoyln.store.model_dir import meta_model
 from enjoyln.testing import perturb, tiny_model
 from enjoyln.store import stream
@@ -137,8 +140,8 @@ def saved(tmp_path_factory):
 def _streamed_and_final(path, order=None, allow_pickle=False, **options):
     md = open_model_dir(path, allow_pickle=allow_pickle)
     meta = meta_model(md)
-    plan = _analyze(md, meta, options.get("auxiliary_centering", False), options.get("fuse_affine", False),
-                    options.get("rotate"))
+    plan = analyze_dir(md, meta, options.get("auxiliary_centering", False), options.get("fuse_affine", False),
+                       options.get("rotate"))
     streamed = StreamedTensors(md, plan, meta)
     keys = streamed.keys()
     got = {k: streamed.get(k) for k in (order(keys) if order else keys)}
@@ -186,7 +189,7 @@ def test_every_kind_of_operation_is_exercised(saved):
                           ("gpt2", {"rotate": ("hadamard", 0, True)})]:
         md = open_model_dir(saved(name))
         meta = meta_model(md)
-        plan = _analyze(md, meta, False, options.get("fuse_affine", False), options.get("rotate"))
+        plan = analyze_dir(md, meta, False, options.get("fuse_affine", False), options.get("rotate"))
         t = stream.trace(stream.load_model_meta(md), plan, lambda n: n)
         kinds |= {op.kind for s in t.slots for op in s.ops}
         kinds |= {"gain" for s in t.slots for op in s.ops if op.kind == "set_bias" and op.gain}
@@ -339,7 +342,7 @@ def test_the_stream_never_holds_the_whole_model(options, tmp_path, monkeypatch):
         return run
 
     calls = {"write": 0, "compare": 0}
-    monkeypatch.setattr(convert, "_pwrite_all", measured("write", convert._pwrite_all))
+    monkeypatch.setattr(writer, "_pwrite_all", measured("write", writer._pwrite_all))
     monkeypatch.setattr(static, "_close", measured("compare", static._close))
     gc.collect()
     before = set(_cpu_storages())

@@ -1,0 +1,228 @@
+"""Checking one directory against another, as ``enjoyln check`` does: the static check, then the
+forward comparison through both ways a user may load the candidate, with both models in memory
+or one at a time within a memory budget; and refusing, before anything is written, a forward
+check that cannot fit."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, EnjoylnError
+from ..plan import FoldPlan, format_bytes
+from ..store.block import recorded_plan
+from ..store.load import load, load_plain
+from ..store.memory import (available_memory, built_bytes, config_value_dict, dominant_dtype, forward_check_bytes,
+                            truth_ratio)
+from ..store.model_dir import ModelDir, load_dtype, open_model_dir
+from ..store.sources import source_of
+from ..store.tensors import return_freed_memory
+from .compare import code_problems, load_problems, parse_dtype
+from .forward import MAX_COVER_POSITIONS, CandidatePath, ModelSource, check_sources
+from .report import CheckReport
+from .static import StaticReport, code_report, static_check
+
+MIN_BUDGET = 16 << 20
+"""Room, beyond the largest tensor and one forward's activations, that a check within a budget needs."""
+
+
+def bounded_budget(md: ModelDir) -> int | None:
+    """None if the forward check fits with both models in memory; else the budget for a check that
+    runs them one at a time, offloading weights, within half of what is available."""
+    need, have = forward_check_bytes(md), available_memory()
+    if have is None or need <= have:
+        return None
+    return have // 2
+
+
+def require_memory(md: ModelDir, max_memory: int | None = None) -> None:
+    """Refuse, before anything is written, a forward check that cannot run even one model at a time."""
+    have = available_memory()
+    budget = max_memory if max_memory is not None else bounded_budget(md)
+    if budget is None:
+        return
+    wide = truth_ratio(md)  # the truth runs too, one model at a time, in a wider dtype
+    floor = int(wide * (_largest_tensor(md) + _activation_bytes(md))) + MIN_BUDGET
+    if budget < floor or (have is not None and floor > have):
+        limit = (f"--max-memory allows {format_bytes(budget)}" if max_memory is not None and budget < floor
+                 else f"{format_bytes(have)} is available" if have is None or floor > have
+                 else f"the budget is {format_bytes(budget)} (half of the {format_bytes(have)} available)")
+        raise CheckpointError(f"the forward check needs at least {format_bytes(floor)} of memory even with one "
+                              f"model at a time, but {limit}; pass --static to prove every weight without "
+                              "running the model (or --no-check)")
+
+
+def _largest_tensor(md: ModelDir) -> int:
+    return max(max((t.nbytes for t in md.tensors.values()), default=0), built_bytes(md)[1])
+
+
+def _activation_bytes(md: ModelDir) -> int:
+    """A generous bound on one forward's largest live tensors with one row of the coverage
+    batch: the logits over the vocabulary, or a few hidden states."""
+    cfg = md.config
+    length = min(int(config_value_dict(cfg, "max_position_embeddings", "n_positions") or 512), MAX_COVER_POSITIONS)
+    hidden = int(config_value_dict(cfg, "hidden_size", "n_embd", "d_model") or 1024)
+    width = max(int(config_value_dict(cfg, "vocab_size") or 0), 4 * hidden)
+    return length * width * 4 + (32 << 20)
+
+
+def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike, *,
+                      allow_pickle: bool = False, trust_remote_code: bool = False, mode: str = "full",
+                      plan: FoldPlan | None = None, progress: Callable[[int, int], None] | None = None,
+                      max_memory: int | None = None, dtype: Any = None, thorough: bool = False,
+                      **check_kwargs: Any) -> "CheckReport":
+    """Prove CANDIDATE computes what REFERENCE does: every weight, then the outputs.
+
+    ``mode="full"`` (the default) first runs the static check (every tensor
+    of the candidate is the fold plan applied to the reference; see
+    ``enjoyln.checking.static``), then loads both and confirms that their
+    outputs agree with ``enjoyln.check``: a few short batches and a greedy
+    decode, since the weights are already proven. ``thorough`` adds a batch
+    that covers every position and thousands of token ids, as ``"forward"``
+    always does (its weights unproven, the outputs are all the proof). ``"static"``
+    stops after the weights; ``"forward"`` skips them (for candidates made
+    by other tools). The candidate runs both ways a user may load it: through
+    ``enjoyln.load`` (its RMSNorms) and through plain ``from_pretrained``
+    (transformers' own class); the reference also runs in the next wider dtype,
+    the truth of the precision-aware criterion. With ``max_memory`` (bytes), or
+    automatically when the models would not fit in memory together, they run
+    one at a time with offloaded weights (see ``_bounded_check``).
+
+    The candidate must load in the reference's dtype; ``dtype`` (``"float16"``)
+    names another one it is meant to run in, and it is then judged at that
+    precision (the half-precision criterion of ``enjoyln.check``).
+
+    >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
+    True
+    """
+    if mode not in ("full", "static", "forward"):
+        raise EnjoylnError(f"unknown check mode {mode!r}; use full, static or forward")
+    dtype = parse_dtype(dtype)
+    ref_md = open_model_dir(reference_dir, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    cand_md = open_model_dir(candidate_dir, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    if ref_md.architecture != cand_md.architecture:
+        raise CheckpointError(f"{reference_dir} is a {ref_md.architecture} but {candidate_dir} is a "
+                              f"{cand_md.architecture}")
+    if code := code_problems(ref_md, cand_md):  # before anything imports the candidate's code
+        report = CheckReport.from_static(code_report(code), forward_skipped=True)
+        report.forward_skipped = "the candidate's code is not the reference's, so none of it was run"
+        return report
+    auto = max_memory is None
+    if max_memory is None and mode != "static":
+        # the candidate's own config decides what it builds (with --forward-only, whatever it says)
+        max_memory = bounded_budget(ref_md)
+        max_memory = max_memory if max_memory is not None else bounded_budget(cand_md)
+    if mode != "static":
+        require_memory(ref_md, max_memory)  # before the weights are read, not after
+        require_memory(cand_md, max_memory)
+    static = None
+    if mode != "forward":
+        static = static_check(ref_md, cand_md, plan=plan, progress=progress, dtype=dtype)
+        if mode == "static" or not static.passed:
+            return CheckReport.from_static(static, forward_skipped=mode != "static")
+    elif problems := load_problems(ref_md, cand_md, dtype):  # no weight check, but the same dtype
+        report = CheckReport.from_static(StaticReport(passed=False, problems=problems, scope="load settings"),
+                                         forward_skipped=True)
+        report.forward_skipped = "the candidate does not load as the reference does"
+        return report
+    if mode == "full" and not thorough:
+        check_kwargs = {**check_kwargs, "coverage": False}
+    plain_required, caveat, note = _plain_loading(cand_md, verified=mode == "full")
+    kwargs = {"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code}
+    if max_memory is None:
+        reference, candidate = load(reference_dir, **kwargs), load(candidate_dir, **kwargs)
+        ref_src, cand_src = ModelSource.of(reference), ModelSource.of(candidate)
+        # the truth and the plain load come from disk, each dropped after its run
+        truth = ModelSource(ref_src.dtype, lambda dtype: load(reference_dir, dtype=dtype, **kwargs))
+        plain = ModelSource(cand_src.dtype, lambda dtype: load_plain(candidate_dir, dtype=dtype, **kwargs))
+        report = check_sources(ref_src, cand_src, truth=truth, **_path_kwargs(plain, plain_required, cand_md),
+                               **check_kwargs)
+    else:
+        report = _bounded_check(ref_md, cand_md, max_memory, kwargs, check_kwargs, plain_required)
+        report.memory = (f"{'the two models would not fit in memory side by side, so ' if auto else ''}"
+                         f"the models ran one at a time within {format_bytes(max_memory)} "
+                         "(weights beyond it read from disk as each layer ran)")
+    report.caveat = caveat if plain_required is False else ""
+    report.notes += [note] if note else []
+    if check_kwargs.get("coverage") is False:
+        report.notes.append("the static part proved every weight, so the forward part confirmed it on short "
+                            "batches; --thorough also runs a batch over every position and many token ids")
+    report.add_static(static)
+    return report
+
+
+def _path_kwargs(plain: Any, required: bool | None, md: ModelDir) -> dict[str, Any]:
+    """The candidate's load paths for ``check_sources``: ``enjoyln.load``, and its library's plain
+    loader (``from_pretrained``, ``timm.create_model``) unless the two are the same (no ``enjoyln``
+    block: ``required`` None)."""
+    others = [] if required is None else [CandidatePath(source_of(md).loader, plain, required)]
+    return {"candidate_path": "enjoyln.load", "other_paths": others}
+
+
+def _plain_loading(md: ModelDir, *, verified: bool) -> tuple[bool | None, str, str]:
+    """Whether plain ``from_pretrained`` of the candidate must match the reference: (required,
+    the verdict's caveat, a note). None: no ``enjoyln`` block, so ``enjoyln.load`` is plain loading.
+
+    Only a rotation without ``keep_mean`` is inexact under plain loading, and only a block that
+    says so twice (the rotation's ``keep_mean`` and ``plain_loading_exact`` both false) is
+    believed: a block claiming exactness anywhere gets the plain path held to it. Without the
+    static check (``verified`` False) nothing proves the block, so the verdict says what it
+    leaves out."""
+    plan = recorded_plan(md)
+    if plan is None:
+        return None, "", "the candidate has no enjoyln block, so enjoyln.load is plain from_pretrained"
+    block = md.config["enjoyln"].get("rotation")
+    declared = (plan.rotation is not None and not plan.rotation.keep_mean and isinstance(block, dict)
+                and block.get("keep_mean") is False and block.get("plain_loading_exact") is False)
+    if not declared:
+        return True, "", ""
+    if verified:
+        return False, "", ("plain from_pretrained is reported but not required: the candidate is a rotation "
+                           "without keep_mean, which the static check verified, so its LayerNorms do not see "
+                           "a zero-mean stream")
+    return False, ("judged through enjoyln.load only: the candidate's enjoyln block declares a rotation without "
+                   "keep_mean, under which plain from_pretrained is not exact, and --forward-only does not "
+                   "verify that declaration; run the full check"), ""
+
+
+def _bounded_check(ref_md: ModelDir, cand_md: ModelDir, max_memory: int, load_kwargs: dict[str, Any],
+                   check_kwargs: dict[str, Any], plain_required: bool | None = True) -> "CheckReport":
+    """The forward check holding one model at a time, with at most ``max_memory`` for it.
+
+    accelerate's big-model inference keeps part of the weights in memory and
+    reads the rest from the safetensors files as each layer runs. Out of the
+    budget come the largest tensor (loaded whole when its layer runs) and one
+    forward's activations, both twice as wide for the truth (the reference in
+    the next wider dtype); the reference's outputs wait on disk.
+    """
+    if ref_md.pickled or cand_md.pickled:
+        raise CheckpointError("a check within a memory budget reads weights from safetensors files; convert "
+                              "pickle weights first, or pass --static")
+    if not source_of(ref_md).bounded_loading:
+        raise CheckpointError(f"{source_of(ref_md).name} loads a model whole, so the check cannot run within a "
+                              "memory budget; pass --static to prove every weight without running the model")
+    return_freed_memory()
+    overhead = _largest_tensor(ref_md) + _activation_bytes(ref_md)
+
+    def source(md: ModelDir, offload: Path, plain: bool = False) -> ModelSource:
+        # the dtype a plain from_pretrained loads it in, which the static check compared
+        own = getattr(torch, load_dtype(md)[0], None)
+        own = own if isinstance(own, torch.dtype) and own.is_floating_point else dominant_dtype(md)
+
+        def get(dtype: torch.dtype) -> nn.Module:
+            wide = dtype.itemsize / own.itemsize  # the truth: wider tensors, less room
+            weights = max(max_memory - int(max(wide, 1.0) * overhead), 0)
+            kwargs = dict(dtype=dtype, max_memory=weights, offload_dir=offload / str(dtype), **load_kwargs)
+            return load_plain(md.path, **kwargs) if plain else load(md.path, **kwargs)
+        return ModelSource(own, get)
+
+    with tempfile.TemporaryDirectory(prefix="enjoyln-offload-") as off:
+        ref_src = source(ref_md, Path(off) / "reference")
+        paths = _path_kwargs(source(cand_md, Path(off) / "plain", plain=True), plain_required, cand_md)
+        return check_sources(ref_src, source(cand_md, Path(off) / "candidate"), truth=ref_src,
+                             spill=True, max_rows=1, **paths, **check_kwargs)

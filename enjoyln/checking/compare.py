@@ -1,0 +1,320 @@
+"""What the static check compares besides tensors: config.json as JSON values against what the
+plan writes, the other files by content, the dtype a candidate loads in, its remote code, and a
+recorded plan against this enjoyln's analysis."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, EnjoylnError
+from ..plan import FoldPlan, block_lists
+from ..store.block import output_config
+from ..store.files import extra_files, is_weight_file, loader_files
+from ..store.formats import JSON_LIMIT, PT_INDEX, SAFE_INDEX, input_file, loader_text, parse_json_file
+from ..store.model_dir import ModelDir, load_dtype
+from ..store.sources import source_of
+from ..store.transaction import OWNER_FILE
+
+LOAD_DTYPES = ("float16", "bfloat16", "float32", "float64")
+"""The dtypes ``check --dtype`` accepts for a candidate meant to run at another precision."""
+
+
+def parse_dtype(dtype: Any) -> str | None:
+    """A ``dtype`` option as a name (``torch.float16`` or ``"float16"`` -> ``"float16"``), or None."""
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    if name not in LOAD_DTYPES:
+        raise EnjoylnError(f"cannot judge a candidate in dtype {dtype!r}; use one of {', '.join(LOAD_DTYPES)}")
+    return name
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON values: objects in any key order, but ``1``, ``1.0`` and ``true`` differ (a
+    loader may test them apart), NaN equals NaN, and ``-0.0`` is not ``0.0``. No recursion, so
+    a deeply nested file cannot exhaust the stack."""
+    stack = [(a, b)]
+    while stack:
+        x, y = stack.pop()
+        if type(x) is not type(y):
+            return False
+        if isinstance(x, dict):
+            if x.keys() != y.keys():
+                return False
+            stack += [(x[k], y[k]) for k in x]
+        elif isinstance(x, _Object):
+            if len(x) != len(y) or any(kx != ky for (kx, _), (ky, _) in zip(x, y)):
+                return False
+            stack += [(vx, vy) for (_, vx), (_, vy) in zip(x, y)]
+        elif isinstance(x, list):
+            if len(x) != len(y):
+                return False
+            stack += list(zip(x, y))
+        elif isinstance(x, float):
+            if not (x == y and math.copysign(1, x) == math.copysign(1, y) or x != x and y != y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _json_differences(ref: dict[str, Any], cand: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(dotted key, reference's value, candidate's value) for every key that differs, descending
+    into objects present on both sides; a missing side is ``_MISSING``."""
+    out, stack = [], [("", ref, cand)]
+    while stack:
+        path, a, b = stack.pop()
+        for key in sorted(a.keys() | b.keys(), reverse=True):
+            x, y = a.get(key, _MISSING), b.get(key, _MISSING)
+            if isinstance(x, dict) and isinstance(y, dict):
+                stack.append((f"{path}{key}.", x, y))
+            elif x is _MISSING or y is _MISSING or not same_json(x, y):
+                out.append((f"{path}{key}", x, y))
+    return out
+
+
+_MISSING = object()
+
+
+def _first_difference(path: str, a: Any, b: Any) -> tuple[str, Any, Any]:
+    """Where two JSON values first differ (``plan.layer_norms[3].reason``), and the two values there."""
+    while True:
+        if isinstance(a, dict) and isinstance(b, dict):
+            key = next((k for k in sorted(a.keys() | b.keys())
+                        if not (k in a and k in b and same_json(a[k], b[k]))), None)
+            if key is None or key not in a or key not in b:
+                return (f"{path}.{key}", a.get(key, _MISSING), b.get(key, _MISSING)) if key else (path, a, b)
+            path, a, b = f"{path}.{key}", a[key], b[key]
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            i = next(i for i, (x, y) in enumerate(zip(a, b)) if not same_json(x, y))
+            path, a, b = f"{path}[{i}]", a[i], b[i]
+        else:
+            return path, a, b
+
+
+def _without_dtypes(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` without its ``dtype`` and ``torch_dtype`` entries, at every level (sub-configs
+    carry them too); a non-string value under that name (a token id in a vocabulary) stays."""
+    config = copy.deepcopy(config)
+    stack = [config]
+    while stack:
+        d = stack.pop()
+        for key in ("dtype", "torch_dtype"):
+            if key in d and (d[key] is None or isinstance(d[key], str)):
+                del d[key]
+        stack += [v for v in d.values() if isinstance(v, dict)]
+    return config
+
+
+def config_problems(expected: dict[str, Any], actual: dict[str, Any], dtype: str | None) -> list[str]:
+    """config.json against what it must be: every key as a JSON value. The enjoyln block must be
+    what the confirmed plan writes, but for the writing tool's version, which nothing can check.
+    With ``dtype`` the dtype entries may differ (``load_problems`` judges the dtype the model
+    loads in)."""
+    if dtype is not None:
+        expected, actual = _without_dtypes(expected), _without_dtypes(actual)
+    expected, actual = dict(expected), dict(actual)
+    block, theirs = expected.pop("enjoyln", _MISSING), actual.pop("enjoyln", _MISSING)
+    problems = []
+    for key, a, b in _json_differences(expected, actual):
+        if a is _MISSING:
+            problems.append(f"config.json adds {key} = {_short(b)}")
+        elif b is _MISSING:
+            problems.append(f"config.json drops {key} (the reference's is {_short(a)})")
+        else:
+            problems.append(f"config.json changes {key} from {_short(a)} to {_short(b)}")
+    if block is _MISSING and theirs is not _MISSING:
+        problems.append("config.json has an enjoyln block, which the plan does not write")
+    elif block is not _MISSING and not isinstance(theirs, dict):
+        problems.append("config.json has no enjoyln block, or one that is not an object")
+    elif block is not _MISSING:
+        block, theirs = dict(block), dict(theirs)
+        block.pop("version", None)
+        if not isinstance(theirs.pop("version", None), str):
+            problems.append("the enjoyln block's version is not a string")
+        lists = block_lists(FoldPlan("")).keys()
+        for key in sorted(block.keys() | theirs.keys()):
+            a, b = block.get(key, _MISSING), theirs.get(key, _MISSING)
+            if a is not _MISSING and b is not _MISSING and same_json(a, b):
+                continue
+            if key in lists:
+                problems.append(f"the enjoyln block's {key} list is not what its plan gives")
+            else:
+                where, x, y = _first_difference(key, a, b)
+                problems.append(f"the enjoyln block's {key} is not what the confirmed plan gives: its {where} is "
+                                f"{_short(y) if y is not _MISSING else 'missing'}, not "
+                                f"{_short(x) if x is not _MISSING else 'absent'}")
+    return problems
+
+
+def expected_config(ref: ModelDir, plan: FoldPlan, *, block: bool) -> dict[str, Any]:
+    """config.json as a fold of ``ref`` by ``plan`` writes it (without the enjoyln block, as a
+    fold saved by transformers has it)."""
+    config = output_config(ref, plan)
+    if not block:
+        del config["enjoyln"]
+    return config
+
+
+def load_problems(ref: ModelDir, cand: ModelDir, dtype: str | None = None) -> list[str]:
+    """What makes ``from_pretrained`` load the candidate otherwise than the reference, beyond its
+    files: another dtype (unless ``dtype`` names the one it is meant to load in), or an index
+    it cannot read."""
+    problems = []
+    index = cand.path / (PT_INDEX if cand.pickled else SAFE_INDEX)
+    if index.exists() and not isinstance(parse_json_file(index, "a weight index").get("metadata"), dict):
+        # transformers reads index["metadata"] whatever the config says
+        problems.append(f"the candidate's {index.name} has no metadata object, so from_pretrained fails on it")
+    theirs, _ = load_dtype(ref)
+    ours, source = load_dtype(cand)
+    if dtype is None and ours != theirs:
+        problems.append(f"the candidate loads in {ours} (from {source}), the reference in {theirs}; pass "
+                        f"--dtype {ours} (dtype= in Python) to judge it at that precision")
+    elif dtype is not None and ours != dtype:
+        problems.append(f"the candidate loads in {ours} (from {source}), not in {dtype} as --dtype says")
+    return problems
+
+
+class _Unreadable(Exception):
+    pass
+
+
+class _Object(list):
+    """A JSON object as its (key, value) pairs, in the file's order: a loader may iterate one
+    (the added tokens of a tokenizer, BPE merges kept as an object), so two files whose objects
+    hold the same pairs in another order are not proven to load the same."""
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> _Object:
+    if len({k for k, _ in pairs}) != len(pairs):
+        raise _Unreadable  # which of the two a reader keeps is its own choice: compare the bytes
+    return _Object(pairs)
+
+
+def _json_value(path: Path) -> Any:
+    with open(path, "rb") as f:
+        raw = f.read(JSON_LIMIT + 1)
+    if len(raw) > JSON_LIMIT:
+        raise _Unreadable
+    try:
+        return json.loads(loader_text(raw), object_pairs_hook=_no_duplicate_keys)
+    except (ValueError, RecursionError):  # not JSON as loaders read it (UnicodeDecodeError is a ValueError)
+        raise _Unreadable from None
+
+
+def _same_content(a: Path, b: Path) -> bool:
+    """Whether two files hold the same content: JSON files up to ``JSON_LIMIT`` token by token
+    when both parse as transformers reads them (``loader_text``: whitespace does not matter; key
+    order does, see ``_Object``), anything else byte for byte, streamed (so a byte-order mark,
+    which makes a loader refuse or ignore the file, is a difference)."""
+    try:
+        size_a, size_b = a.stat().st_size, b.stat().st_size
+        if a.suffix == ".json" and max(size_a, size_b) <= JSON_LIMIT:
+            try:
+                return same_json(_json_value(a), _json_value(b))
+            except _Unreadable:
+                pass
+        if size_a != size_b:
+            return False
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            while True:
+                x, y = fa.read(1 << 20), fb.read(1 << 20)
+                if x != y:
+                    return False
+                if not x:
+                    return True
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {exc.filename or b}: {exc.strerror or exc}") from None
+
+
+def file_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
+    """Every file of the candidate but its config and the weights it loads must be one a fold
+    of the reference holds (``copy_extras``), with the reference's content, whatever its name: a
+    loader may read any of them (PhoBERT's bpe.codes, a .spm, trusted remote code). Weights in
+    another format (a pytorch_model.bin beside the safetensors) must be the reference's own."""
+    expected = extra_files(ref)
+    actual, problems = loader_files(cand.path)
+    problems = [f"the candidate's {p}" for p in problems]
+    index = PT_INDEX if cand.pickled else SAFE_INDEX
+    # OWNER_FILE marks the temporary directory a fold checks before publishing it; no loader reads it
+    own = {"config.json", OWNER_FILE, *cand.shards} | ({index} if (cand.path / index).exists() else set())
+    theirs_gen, ours_gen = source_of(ref).generation(ref), source_of(cand).generation(cand)
+    for key in sorted(k for k in theirs_gen.keys() | ours_gen.keys()
+                      if not same_json(theirs_gen.get(k), ours_gen.get(k))):
+        problems.append(f"the candidate's generation config changes {key} from {theirs_gen.get(key)!r} "
+                        f"to {ours_gen.get(key)!r}")
+    for rel in sorted(actual.keys() - own):
+        source = expected.get(rel)
+        if source is None and "/" not in rel and is_weight_file(rel) and (ref.path / rel).is_file():
+            source = input_file(ref.path / rel)  # the reference's own copy, kept as it was
+        if source is None:
+            what = "weights a fold of the reference would not hold" if "/" not in rel and is_weight_file(rel) \
+                else "a file a fold of the reference would not hold"
+            problems.append(f"the candidate has {rel}, {what}")
+        elif not _same_content(source, actual[rel]):
+            problems.append(f"the candidate's {rel} differs from the reference's")
+    for rel in sorted(expected.keys() - actual.keys()):
+        problems.append(f"the candidate lacks the reference's {rel}")
+    return problems
+
+
+def code_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
+    """With remote code on either side: what makes the candidate's code other than the
+    reference's. Every ``.py`` file at any depth (what ``auto_map`` names, and what those import)
+    must be the reference's byte for byte, and config.json's ``auto_map`` (which class, from
+    which file or repository, ``from_pretrained`` imports) the reference's value.
+
+    The user trusted the reference's code. The candidate's is imported (to build its model, read
+    its config) only once this finds nothing: code that differs could rewrite the gate itself.
+    """
+    if not (ref.custom_code or cand.custom_code):
+        return []
+    ours = {rel: p for rel, p in loader_files(ref.path)[0].items() if rel.endswith(".py")}
+    theirs = {rel: p for rel, p in loader_files(cand.path)[0].items() if rel.endswith(".py")}
+    problems = [f"the candidate has {rel}, code the reference does not have" for rel in sorted(theirs.keys() - ours.keys())]
+    problems += [f"the candidate lacks the reference's {rel}" for rel in sorted(ours.keys() - theirs.keys())]
+    problems += [f"the candidate's {rel} differs from the reference's" for rel in sorted(ours.keys() & theirs.keys())
+                 if not _same_content(ours[rel], theirs[rel])]
+    a, b = ref.config.get("auto_map", _MISSING), cand.config.get("auto_map", _MISSING)
+    if not (a is b or a is not _MISSING and b is not _MISSING and same_json(a, b)):
+        problems.append(f"config.json's auto_map is {_short(b) if b is not _MISSING else 'missing'}, "
+                        f"not the reference's {_short(a) if a is not _MISSING else '(none)'}")
+    return problems
+
+
+def _essentials(plan: FoldPlan) -> dict[str, set]:
+    r = plan.rotation
+    return {"folded LayerNorms": {e.name for e in plan.foldable},
+            "norm forms": {(e.name, *e.form) for e in plan.foldable if not e.plain_form},
+            "centered tensors": {tuple(sorted(asdict(c).items())) for c in plan.centered},
+            "untied tensors": {(u.param, u.tied_to) for u in plan.untied},
+            "auxiliary centerings": {(a.module, a.where) for a in plan.auxiliary},
+            "fused affines": {(e.name, e.affine, tuple(tuple(asdict(f).items()) for f in e.fused))
+                              for e in plan.foldable if e.affine},
+            "rotations": {(r.kind, r.seed, r.keep_mean, tuple(tuple(asdict(x).items()) for x in r.rotated))}
+            if r else set()}
+
+
+
+def plan_problems(recorded: FoldPlan, analysed: FoldPlan) -> list[str]:
+    """Where a recorded plan is not what this enjoyln's analysis gives, one line per kind."""
+    problems = []
+    mine, theirs = _essentials(analysed), _essentials(recorded)
+    for what in mine:
+        extra, missing = theirs[what] - mine[what], mine[what] - theirs[what]
+        if extra or missing:
+            odd = sorted(map(str, extra or missing))[0]
+            problems.append(f"the recorded plan is not what this enjoyln's analysis gives: its {what} "
+                            f"{'include' if extra else 'lack'} {odd}; fold again with this version")
+    return problems
+

@@ -1,0 +1,47 @@
+"""The ``enjoyln`` block of a folded directory's config.json: writing it for a plan, and reading
+the plan recorded in it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .._version import __version__
+from ..errors import CheckpointError
+from ..plan import FoldPlan, block_lists
+from .model_dir import ModelDir
+
+
+def output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
+    """config.json as a fold of ``md`` by ``plan`` writes it: the input's, with an untied head
+    where the plan unties one, and the ``enjoyln`` block."""
+    config = json.loads(json.dumps(md.config))
+    if plan.untied:
+        config["tie_word_embeddings"] = False
+        for sub in ("text_config", "decoder"):
+            if isinstance(config.get(sub), dict) and "tie_word_embeddings" in config[sub]:
+                config[sub]["tie_word_embeddings"] = False
+    config["enjoyln"] = {
+        "format_version": plan.format_version,
+        "version": __version__,
+        **block_lists(plan),
+        "plan": plan.to_dict(),
+    }
+    if plan.rotation is not None:
+        config["enjoyln"]["rotation"] = {"kind": plan.rotation.kind, "seed": plan.rotation.seed,
+                                         "keep_mean": plan.rotation.keep_mean,
+                                         "plain_loading_exact": plan.rotation.keep_mean}
+    return config
+
+
+def recorded_plan(md: ModelDir) -> FoldPlan | None:
+    """The plan recorded in ``md``'s enjoyln block; None without a block. A malformed block is
+    refused with one line."""
+    block = md.config.get("enjoyln")
+    if block is None:
+        return None
+    try:
+        return FoldPlan.from_dict(block["plan"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"the enjoyln block in {md.path / 'config.json'} is malformed "
+                              f"({type(exc).__name__}: {exc})") from None

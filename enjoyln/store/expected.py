@@ -1,0 +1,270 @@
+"""What a fold plan makes of a model directory: the plan for it (with the gains it depends on,
+read from the checkpoint), the output tensors as entries the writer produces one at a time,
+and the whole folded checkpoint in memory, which the tests hold the streamed fold to."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..analysis import analyze
+from ..errors import CheckpointError, EnjoylnError, first_line
+from ..plan import AFFINE_GAIN, Centering, FoldPlan, RotationSpec
+from ..transform.steps import apply_plan
+from ..transform.tensors import merge_centerings, tie_groups, ties_lost_on_untie
+from .formats import CODES, DTYPES, SAFE_WEIGHTS, TensorInfo, load_pickled
+from .hf import checkpoint_key, saved_names
+from .model_dir import ModelDir
+from .plan_cache import cached_plan
+from .sources import source_of
+from .stream import StreamedTensors
+from .tensors import TensorReader
+
+
+def analyze_dir(md: ModelDir, model: nn.Module, auxiliary_centering: bool, fuse_affine: bool = False,
+                rotate: RotationSpec | None = None) -> FoldPlan:
+    """The plan for the meta model of ``md``. The gains a rule depends on (a LayerScale gain the
+    centering divides by, a norm's γ that a kept bias is divided by) are read from the
+    checkpoint, and where one has a zero entry the analysis runs again knowing it."""
+    options = {"auxiliary_centering": auxiliary_centering, "fuse_affine": fuse_affine, "rotate": rotate}
+    plan = cached_plan(md, options, lambda: analyze(model, **options))
+    names = sorted({c.scale for c in plan.centered if c.scale}
+                   | {f"{e.name}.weight" for e in plan.foldable if e.affine == AFFINE_GAIN})
+    if not names:
+        return plan
+    gains = dict(zip(names, _read_tensors(md, model, names)))
+    if all(bool(g.ne(0).all()) for g in gains.values()):
+        return plan
+    return analyze(model, weights=gains, **options)
+
+
+def _read_tensors(md: ModelDir, model: nn.Module, names: list[str],
+                  pickled: dict[str, tuple[str, torch.Tensor]] | None = None) -> list[torch.Tensor]:
+    """Small tensors (LayerScale gains) by parameter name, read from the checkpoint."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    saved = saved_names(model)
+    if md.pickled and pickled is None:
+        pickled = load_pickled(md)
+    keys = set(pickled) if pickled is not None else set(md.tensors)
+    out = []
+    reader = TensorReader(md)
+    try:
+        for name in names:
+            key = checkpoint_key(name, keys, prefix, saved)
+            if key is None:
+                raise CheckpointError(f"the checkpoint has no tensor for {name}, which the fold needs")
+            out.append(pickled[key][1] if pickled is not None else reader.read(key))
+    finally:
+        reader.close()
+    return out
+
+
+@dataclass
+class Entry:
+    """One output tensor and how to produce its bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    source: TensorInfo | None = None  # copy these bytes ...
+    axis: int | None = None  # ... after centering along this axis
+    groups: int = 1  # ... in this many blocks
+    tensor: torch.Tensor | None = None  # or write this (pickle input)
+    blocks: tuple[int, ...] | None = None  # ... only these of the blocks
+    scale: torch.Tensor | None = None  # ... for this LayerScale gain
+    compute: Callable[[], torch.Tensor] | None = None  # or write what this computes when its turn comes
+
+
+def plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, str],
+                  pickled: dict[str, tuple[str, torch.Tensor]] | None,
+                  model: nn.Module) -> list[tuple[str, list[Entry]]]:
+    """Output shards like the input's, each with its entries in input order."""
+    if pickled is not None:
+        shards: list[tuple[str, list[Entry]]] = [(s, []) for s in md.shards]
+        home = {s: es for s, es in shards}
+        for name, (shard, t) in pickled.items():
+            if t.dtype not in CODES:
+                raise CheckpointError(f"{name} has dtype {t.dtype}, which safetensors cannot store")
+            home[shard].append(Entry(name, CODES[t.dtype], tuple(t.shape),
+                                     t.numel() * t.element_size(), tensor=t))
+    else:
+        shards = [(s, [Entry(t.name, t.dtype, t.shape, t.nbytes, source=t)
+                       for t in sorted(md.tensors.values(), key=lambda t: t.start) if t.file == s])
+                  for s in md.shards]
+    by_key = {e.name: e for _, es in shards for e in es}
+    keys = set(by_key)
+    key = lambda name: checkpoint_key(name, keys, prefix, saved)  # noqa: E731
+    # Tied names are one tensor, stored once under any of them (BART's encoder and decoder
+    # embeddings are model.shared.weight); an untied head is a tensor of its own.
+    groups = tie_groups(model, {u.param for u in plan.untied})
+
+    def stored(name: str) -> list[str]:
+        """The keys holding ``name``'s tensor: its own, or another tied name's."""
+        return list(dict.fromkeys(k for n in groups.get(name, (name,)) if (k := key(n)) is not None))
+
+    extras: dict[str, tuple[str, int | None]] = {}  # new name -> (source key, centering axis)
+    gains = [c.scale for c in plan.centered if c.scale]
+    gains = dict(zip(gains, _read_tensors(md, model, gains, pickled))) if gains else {}
+    planned: dict[tuple[str, ...], list[Centering]] = {}  # each tensor once, with all its centerings
+    for c in plan.centered:
+        if c.saved:  # a non-persistent buffer is not in the checkpoint: enjoyln.load centers it
+            planned.setdefault(groups.get(c.param, (c.param,)), []).append(c)
+    for names, cs in planned.items():
+        merged = merge_centerings(cs)
+        if len(merged) > 1:
+            raise CheckpointError(f"the plan centers {names[0]} in {len(merged)} different ways, which a "
+                                  "stored tensor cannot take; analyze this model again")
+        c = merged[0]
+        found = stored(c.param)
+        for k in found:
+            e = by_key[k]
+            e.axis, e.groups, e.blocks, e.scale = c.axis, c.groups, c.blocks, gains.get(c.scale)
+        head = next((k for u in plan.untied if u.tied_to in names and (k := key(u.param)) is not None), None)
+        if not found and head is not None:
+            # Only the tied head was saved: it supplies the embedding too, centered.
+            extras[saved.get(c.param, c.param)] = (head, c.axis)
+        elif not found:
+            raise CheckpointError(f"the checkpoint has no tensor for {c.param}, which the fold centers")
+    for u in plan.untied:
+        if key(u.param) is None:
+            src = next(iter(stored(u.tied_to)), None)
+            if src is None:
+                raise CheckpointError(f"the checkpoint has neither {u.param} nor {u.tied_to}")
+            extras[saved.get(u.param, u.param)] = (src, None)  # the head keeps the original values
+    copies: dict[str, Entry] = {}  # new name -> the entry whose output it repeats
+    for target, source in ties_lost_on_untie(model, plan).items():
+        src = next(iter(stored(source)), None)
+        if key(target) is None and src is not None:
+            copies[saved.get(target, target)] = by_key[src]
+    for new, (src_key, axis) in extras.items():
+        src = by_key[src_key]
+        for _, entries in shards:
+            if src in entries:
+                entries.append(Entry(new, src.dtype, src.shape, src.nbytes, source=src.source,
+                                     axis=axis, tensor=src.tensor))
+                break
+    for new, src in copies.items():  # centered (or not) exactly as the tensor it is tied to
+        for _, entries in shards:
+            if src in entries:
+                entries.append(Entry(new, src.dtype, src.shape, src.nbytes, source=src.source, axis=src.axis,
+                                     groups=src.groups, tensor=src.tensor, blocks=src.blocks, scale=src.scale))
+                break
+    return shards
+
+
+def moves_values(plan: FoldPlan) -> bool:
+    """Whether a plan computes tensors from other tensors (a fused affine, a rotation), which
+    a centering of each tensor on its own cannot do: such folds are computed by
+    ``StreamedTensors``, each tensor from the reference tensors it depends on."""
+    return bool(plan.fused) or plan.rotation is not None
+
+
+def final_tensors(md: ModelDir, plan: FoldPlan, meta: nn.Module, *, trust_remote_code: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the folded checkpoint, by key: the model loaded from ``md`` with the plan
+    applied in memory (in float64 where it computes), in each key's own dtype.
+
+    A folded norm whose affine moved keeps γ = 1 and β = 0 (or β/γ) on disk, so
+    a plain ``from_pretrained`` still gives the original's outputs.
+
+    This holds the whole model; the fold and the static check use ``StreamedTensors``, which
+    computes the same tensors one at a time, and the tests hold it to this, bit for bit.
+    """
+    model = _load_plain(md, trust_remote_code)
+    apply_plan(model, plan)
+    prefix = getattr(meta, "base_model_prefix", "") or ""
+    saved = saved_names(meta)
+    keys = set(md.tensors) if not md.pickled else set(load_pickled(md))
+    named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    out: dict[str, torch.Tensor] = {}
+    for name, t in named.items():
+        key = checkpoint_key(name, keys, prefix, saved)
+        if key is not None:
+            out.setdefault(key, t.detach())
+    for u in plan.untied:
+        if checkpoint_key(u.param, keys, prefix, saved) is None:
+            out[saved.get(u.param, u.param)] = named[u.param].detach()
+    for target in ties_lost_on_untie(meta, plan):
+        if checkpoint_key(target, keys, prefix, saved) is None and target in named:
+            out.setdefault(saved.get(target, target), named[target].detach())
+    for e in plan.foldable:
+        for leaf, fill in (("weight", 1.0), ("bias", 0.0)):
+            key = checkpoint_key(f"{e.name}.{leaf}", keys, prefix, saved)
+            if key is not None and key not in out:  # dropped with the affine: 1 and 0 on disk
+                info = md.tensors.get(key)
+                shape = info.shape if info is not None else tuple(e.normalized_shape)
+                dtype = DTYPES[info.dtype] if info is not None else torch.float32
+                out[key] = torch.full(shape, fill, dtype=dtype)
+    # stored but not loaded by the model (GPT-2's attn.bias masks): kept as they are, as the
+    # tensor-by-tensor fold keeps them
+    pickled = load_pickled(md) if md.pickled and keys - out.keys() else None
+    reader = TensorReader(md)
+    try:
+        for key in sorted(keys - out.keys()):
+            out[key] = pickled[key][1] if pickled is not None else reader.read(key)
+    finally:
+        reader.close()
+    for key, t in out.items():
+        info = md.tensors.get(key)
+        if info is not None and t.dtype != DTYPES[info.dtype]:
+            out[key] = t.to(DTYPES[info.dtype])
+    return out
+
+
+def _load_plain(md: ModelDir, trust_remote_code: bool) -> nn.Module:
+    try:
+        return source_of(md).load(md, trust_remote_code=trust_remote_code, dtype="auto").eval()
+    except EnjoylnError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"cannot load {md.path}: {type(exc).__name__}: "
+                              f"{first_line(exc)}") from None
+
+
+def moved_entries(md: ModelDir, tensors: StreamedTensors) -> list[tuple[str, list[Entry]]]:
+    """Output shards like the input's, each tensor computed when the writer reaches it (or
+    copied, where the fold leaves its bytes as they are)."""
+    home: dict[str, str] = ({t.name: t.file for t in md.tensors.values()} if not md.pickled
+                            else {k: shard for k, (shard, _) in load_pickled(md).items()})
+    shards: list[tuple[str, list[Entry]]] = [(s, []) for s in md.shards]
+    by_shard = dict(shards)
+    order = sorted(tensors.keys(), key=lambda k: (md.tensors[k].start if k in md.tensors else math.inf, k))
+    for key in order:
+        out = tensors.outputs[key]
+        if out.dtype not in CODES:
+            raise CheckpointError(f"{key} has dtype {out.dtype}, which safetensors cannot store")
+        source = tensors.source(key)
+        by_shard[home.get(key, md.shards[-1])].append(
+            Entry(key, CODES[out.dtype], out.shape, out.nbytes, source=source,
+                  compute=None if source is not None else functools.partial(tensors.get, key)))
+    return shards
+
+
+def reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None,
+             single_name: str = SAFE_WEIGHTS) -> list[tuple[str, list[Entry]]]:
+    """Keep the input's shards (renamed to .safetensors), or pack up to ``max_bytes`` each."""
+    if max_bytes is None:
+        if len(shards) == 1:
+            return [(single_name, shards[0][1])]
+        n = len(shards)
+        return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors" if name.endswith(".bin") else name, es)
+                for i, (name, es) in enumerate(shards)]
+    packed: list[list[Entry]] = [[]]
+    size = 0
+    for _, entries in shards:
+        for e in entries:
+            if packed[-1] and size + e.nbytes > max_bytes:
+                packed.append([])
+                size = 0
+            packed[-1].append(e)
+            size += e.nbytes
+    if len(packed) == 1:
+        return [(single_name, packed[0])]
+    n = len(packed)
+    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", es) for i, es in enumerate(packed)]
+

@@ -1,0 +1,88 @@
+"""Loading a folded directory as a user does: ``load`` runs its recorded LayerNorms as RMSNorm,
+``load_plain`` gives what the library's own loader (``from_pretrained``, timm's
+``create_model``) gives."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, EnjoylnError, first_line
+from ..transform.rotation import apply_rotation
+from ..transform.steps import InsertCentering, SwapLayerNorms
+from ..transform.tensors import center_all, tensor_at
+from .block import recorded_plan
+from .model_dir import open_model_dir
+from .sources import source_of
+
+__all__ = ["load", "load_plain"]
+
+
+def load(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_code: bool = False,
+         max_memory: int | None = None, offload_dir: str | os.PathLike | None = None,
+         **from_pretrained_kwargs: Any) -> nn.Module:
+    """Load a folded directory and run its recorded LNs as ``enjoyln.RMSNorm``.
+
+    A Hugging Face directory loads with ``from_pretrained`` (``from_pretrained_kwargs`` go
+    there); a timm hub-format directory with ``timm.create_model`` (``dtype`` only).
+
+    Auxiliary centerings recorded in the directory are installed again. A
+    directory without an ``enjoyln`` block loads as it is. Custom code runs
+    only with ``trust_remote_code=True``. With ``max_memory`` (bytes), at
+    most that much of the weights stays in memory; accelerate reads the rest
+    from the safetensors files (or ``offload_dir``) as each layer runs.
+
+    >>> model = load("gpt2-folded", dtype="bfloat16")  # doctest: +SKIP
+    """
+    return _load(path, plain=False, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+                 max_memory=max_memory, offload_dir=offload_dir, **from_pretrained_kwargs)
+
+
+def load_plain(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_code: bool = False,
+               **from_pretrained_kwargs: Any) -> nn.Module:
+    """What transformers' own ``from_pretrained`` gives for a directory, with the class chosen as
+    ``load`` chooses it (custom code only with ``trust_remote_code``): a folded directory keeps
+    its LayerNorms, which see zero-mean inputs.
+
+    >>> model = load_plain("gpt2-folded")  # doctest: +SKIP
+    """
+    return _load(path, plain=True, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+                 **from_pretrained_kwargs)
+
+
+def _load(path: str | os.PathLike, *, plain: bool, allow_pickle: bool = False, trust_remote_code: bool = False,
+          max_memory: int | None = None, offload_dir: str | os.PathLike | None = None,
+          **from_pretrained_kwargs: Any) -> nn.Module:
+    """``load``, or with ``plain`` what the library's own loader gives (transformers'
+    ``from_pretrained``, timm's ``create_model``; the recorded LNs stay LayerNorms): the two ways
+    a user may load a folded directory."""
+    md = open_model_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    plan = recorded_plan(md)  # a malformed block is refused before the weights load
+    if plain:
+        plan = None
+    try:
+        model = source_of(md).load(md, trust_remote_code=trust_remote_code, max_memory=max_memory,
+                                   offload_dir=offload_dir, **from_pretrained_kwargs)
+    except EnjoylnError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"cannot load {md.path}: {type(exc).__name__}: "
+                              f"{first_line(exc)}") from None
+    if plan is not None:
+        plan.untied = []  # already untied and centered on disk: the centerings and the swap are left
+        for step in (InsertCentering(), SwapLayerNorms()):
+            step.check(model, plan)
+        # non-persistent buffers (sinusoidal tables) are built afresh by the model: center them
+        # (and rotate them) again
+        center_all(model, [c for c in plan.centered if not c.saved])
+        if plan.rotation is not None:
+            with torch.no_grad():
+                for rot in plan.rotation.rotated:
+                    if not rot.saved:
+                        apply_rotation(tensor_at(model, rot.param), rot, plan.rotation)
+        for step in (InsertCentering(), SwapLayerNorms()):
+            step(model, plan)
+    return model.eval()

@@ -1,0 +1,283 @@
+"""The streaming writer: safetensors shards written tensor by tensor, and the early copy that
+copies the input's weight files into the output while the analysis runs.
+
+Unchanged tensors are copied by the kernel (``copy_file_range``); centered ones are read one at
+a time through ``TensorReader`` into one reused buffer, centered and written at their offset;
+computed ones (a fused affine, a rotation) are written from their own memory and dropped.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..errors import CheckpointError
+from ..transform.tensors import center_
+from .expected import Entry, reshard
+from .formats import DTYPES
+from .model_dir import ModelDir
+from .tensors import Buffer, TensorReader
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _fd_path(fd: int) -> str:
+    """The file an open descriptor reads, for messages."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "a weight file"
+
+
+def _copy_range(src: int, dst: int, start: int, count: int, at: int, advance: Callable[[int], None],
+                stop: threading.Event | None = None) -> None:
+    """Copy ``count`` bytes from ``src`` at ``start`` to ``dst`` at ``at``, in the kernel if possible."""
+    while count and not (stop is not None and stop.is_set()):
+        step = min(count, 64 << 20)
+        try:
+            n = os.copy_file_range(src, dst, step, start, at)
+        except (AttributeError, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT):
+                raise
+            chunk = os.pread(src, step, start)
+            _pwrite_all(dst, memoryview(chunk), at)
+            n = len(chunk)
+        if n <= 0:
+            raise CheckpointError(f"{_fd_path(src)} ended early: it changed while it was being read")
+        start, at, count = start + n, at + n, count - n
+        advance(n)
+
+
+def _header_json(entries: list[Entry], metadata: dict[str, str]) -> bytes:
+    """A safetensors header for ``entries`` stored back to back, unpadded."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for e in entries:
+        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def write_shard(file: Path, entries: list[Entry], reader: TensorReader, metadata: dict[str, str],
+                advance: Callable[[int], None], buffer: Buffer) -> None:
+    """Write one safetensors file tensor by tensor.
+
+    safetensors' own writer needs every tensor of a file in memory at once;
+    the header is small JSON with known sizes, so it is written first, and
+    every tensor then goes to its own offset. Unchanged tensors are copied
+    by the kernel on a second thread while this one centers the others.
+    Callers re-read the result's header.
+    """
+    root = reader.md.path
+    blob = _header_json(entries, metadata)
+    blob += b" " * (-len(blob) % 8)
+    base = 8 + len(blob)
+    positions, pos = [], base
+    for e in entries:
+        positions.append(pos)
+        pos += e.nbytes
+    fds: dict[str, int] = {}
+    out = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        _pwrite_all(out, memoryview(struct.pack("<Q", len(blob)) + blob), 0)
+        for e in entries:
+            if e.source is not None and e.source.file not in fds:
+                fds[e.source.file] = os.open(root / e.source.file, os.O_RDONLY)
+        raw = [(e, at) for e, at in zip(entries, positions) if e.axis is None and e.tensor is None and e.compute is None]
+        cooked = [(e, at) for e, at in zip(entries, positions) if not (e.axis is None and e.tensor is None
+                                                                      and e.compute is None)]
+
+        stop = threading.Event()
+
+        def copy_raw() -> None:
+            for e, at in raw:
+                if stop.is_set():
+                    return
+                _copy_range(fds[e.source.file], out, e.source.start, e.nbytes, at, advance)
+
+        with ThreadPoolExecutor(1) as pool:
+            copying = pool.submit(copy_raw)
+            try:
+                for e, at in cooked:
+                    if e.compute is not None:  # computed now, written from its own memory, dropped
+                        t = e.compute().contiguous()
+                        if t.dtype != DTYPES[e.dtype] or t.numel() * t.element_size() != e.nbytes:
+                            raise AssertionError(f"{e.name} was computed as {t.dtype} {list(t.shape)}")
+                        _pwrite_all(out, memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes
+                                    else memoryview(b""), at)
+                        del t
+                        advance(e.nbytes)
+                        continue
+                    if e.tensor is not None:
+                        t = buffer.bytes(e.nbytes).view(e.tensor.dtype).view(e.shape)
+                        t.copy_(e.tensor)
+                    else:
+                        t = reader.read(e.source.name, buffer)
+                    view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
+                    if e.axis is not None:
+                        center_(t, e.axis, e.groups, e.scale, e.blocks)
+                    _pwrite_all(out, view, at)
+                    advance(e.nbytes)
+            except BaseException:
+                stop.set()  # the first error is the one to report; the copy just stops
+                copying.exception()
+                raise
+            copying.result()
+        os.ftruncate(out, pos)
+    finally:
+        os.close(out)
+        for fd in fds.values():
+            os.close(fd)
+
+
+
+_HEADER_ROOM = 4096
+"""Room the early copy leaves in front of a shard's data for its header to grow (the
+enjoyln tag, an untied head's entry). A whole page, so the data keeps its alignment."""
+
+
+def _packed_span(md: ModelDir, shard: str) -> tuple[int, int]:
+    """(start, length) of a shard's tensor data, which validation proved tiles the file."""
+    with open(md.path / shard, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+    base = 8 + header_len
+    return base, (md.path / shard).stat().st_size - base
+
+
+class EarlyCopy:
+    """Copies the input's weight files into the output directory while the analysis runs.
+
+    The analysis is seconds of CPU work and the copy is seconds of I/O, so
+    they overlap. Each copy keeps the input's bytes at the same offsets plus
+    ``_HEADER_ROOM``; once the plan is known, ``finish_shard`` centers the
+    planned tensors in place, appends any new ones and writes the header. A
+    shard whose layout changes is written afresh instead.
+    """
+
+    def __init__(self, md: ModelDir, tmp: Path, spans: dict[str, tuple[str, int, int]],
+                 advance: Callable[[int], None]) -> None:
+        self.md, self.tmp, self.spans, self.advance = md, tmp, spans, advance
+        self.done = {shard: threading.Event() for shard in spans}
+        self.copied: set[str] = set()
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.started, self.finished = time.perf_counter(), None
+        self.thread = threading.Thread(target=self._run, name="enjoyln-early-copy", daemon=True)
+        self.thread.start()
+
+    def seconds_before(self, moment: float) -> float:
+        """How long the copy ran before ``moment`` (its own time, not the analysis it overlapped)."""
+        end = self.finished if self.finished is not None else time.perf_counter()
+        return max(0.0, min(end, moment) - self.started)
+
+    def _run(self) -> None:
+        try:
+            for shard, (name, base, length) in self.spans.items():
+                src = os.open(self.md.path / shard, os.O_RDONLY)
+                try:
+                    dst = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+                    try:
+                        _copy_range(src, dst, base, length, base + _HEADER_ROOM, self.advance, self.stop)
+                    finally:
+                        os.close(dst)
+                finally:
+                    os.close(src)
+                if self.stop.is_set():
+                    return
+                self.copied.add(shard)
+                self.done[shard].set()
+        except BaseException as exc:  # reported by wait(), in the thread that can act on it
+            self.error = exc
+        finally:
+            self.finished = time.perf_counter()
+            self.stop.set()
+            for event in self.done.values():
+                event.set()
+
+    def wait(self, shard: str) -> None:
+        """Block until ``shard`` is copied; raise what the copy raised."""
+        self.done[shard].wait()
+        if self.error is not None:
+            raise self.error
+        if shard not in self.copied:
+            raise RuntimeError(f"the early copy of {shard} was stopped")
+
+    def cancel(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def finish_shard(file: Path, entries: list[Entry], reader: TensorReader, base: int, metadata: dict[str, str],
+                 advance: Callable[[int], None], buffer: Buffer) -> bool:
+    """Turn an early copy of a shard into the output shard; False if its header would not fit.
+
+    The first entries are the input's tensors, already in place; centered ones
+    are read, centered and written back where they are; entries added by the
+    plan (untied heads) are appended after them.
+    """
+    root = reader.md.path
+    blob = _header_json(entries, metadata)
+    start = base + _HEADER_ROOM
+    if len(blob) > start - 8:
+        return False
+    blob += b" " * (start - 8 - len(blob))  # JSON allows trailing spaces; safetensors pads this way too
+    fds: dict[str, int] = {}
+    out = os.open(file, os.O_RDWR)
+    try:
+        at = start
+        for e in entries:
+            if e.source is None:  # only pickle input lacks a source, and never comes here
+                raise AssertionError(e.name)
+            if e.source.file not in fds:
+                fds[e.source.file] = os.open(root / e.source.file, os.O_RDONLY)
+            appended = e.source.start + _HEADER_ROOM != at or e.source.file != file.name
+            if e.axis is not None:
+                t = reader.read(e.source.name, buffer)
+                view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
+                center_(t, e.axis, e.groups, e.scale, e.blocks)
+                _pwrite_all(out, view, at)
+                advance(e.nbytes)
+            elif appended:
+                _copy_range(fds[e.source.file], out, e.source.start, e.nbytes, at, advance)
+            at += e.nbytes
+        _pwrite_all(out, memoryview(struct.pack("<Q", len(blob)) + blob), 0)
+        os.ftruncate(out, at)
+    finally:
+        os.close(out)
+        for fd in fds.values():
+            os.close(fd)
+    return True
+
+
+def early_spans(md: ModelDir, max_shard_size: int | None) -> dict[str, tuple[str, int, int]]:
+    """Input shard -> (output file, data start, data length) for each shard that can be
+    copied before the plan is known: safetensors, packed, and not re-sharded."""
+    if md.pickled or max_shard_size is not None:
+        return {}
+    names = [name for name, _ in reshard([(shard, []) for shard in md.shards], None)]
+    return {shard: (name, *_packed_span(md, shard)) for shard, name in zip(md.shards, names)}
+
+
+def early_layout(md: ModelDir, shard: str | None, entries: list[Entry]) -> int | None:
+    """How many leading ``entries`` sit where the early copy of ``shard`` put them (all of
+    that shard's tensors, in order), or None if the output shard must be written afresh."""
+    if shard is None:
+        return None
+    inputs = sorted((t for t in md.tensors.values() if t.file == shard), key=lambda t: (t.start, t.end))
+    if len(entries) < len(inputs) or any(e.source is not t or e.name != t.name or e.tensor is not None
+                                         for e, t in zip(entries, inputs)):
+        return None
+    return len(inputs)
