@@ -599,7 +599,16 @@ def print_summary(s: dict[str, Any], meta: dict[str, Any] | None = None) -> None
                   + ", ".join(meta["torchvision_fakes_skipped"]) + " (its C++ ops did not load with this torch)")
 
 
-def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any] | None) -> str:
+def _fewer_line(base: dict[str, Any], results: dict[str, Any]) -> str:
+    """Which models fold fewer LNs now than in the baseline (each must be explained), and then a blank line."""
+    fewer = [f"`{k}` ({b.get('folded') or 0} -> {results[k].get('folded') or 0})" for k, b in base["results"].items()
+             if k in results and (results[k].get("folded") or 0) < (b.get("folded") or 0)]
+    return (f"Models folding fewer LNs than the baseline: {', '.join(fewer) if fewer else 'none'} "
+            f"(of {sum(k in results for k in base['results'])} in both).\n")
+
+
+def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any] | None,
+                   results: dict[str, Any] | None = None) -> str:
     """The block in docs/architectures.md: this sweep beside the baseline (the same sweep of enjoyln before issue 19)."""
     same = base is None or base["meta"].get("enjoyln_commit") == meta.get("enjoyln_commit")
     cols = [("now", s)] if same else [(f"before (`{base['meta'].get('enjoyln_commit', '?')}`)", base["summary"]),
@@ -641,6 +650,7 @@ def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any]
         "",
         "Skipped: " + ", ".join(f"{k} {v}" for k, v in s["skipped_reasons"].items()) + ".",
         "",
+        *([_fewer_line(base, results)] if not same and results is not None and "results" in base else []),
         "Refusal reasons, with module paths, names and numbers taken out:",
         "",
         "| refusal reason | models | LN entries | e.g. |",
@@ -655,11 +665,12 @@ def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any]
     return "\n".join(lines)
 
 
-def write_readme(summary: dict[str, Any], meta: dict[str, Any], out: Path) -> None:
+def write_readme(summary: dict[str, Any], meta: dict[str, Any], out: Path,
+                 results: dict[str, Any] | None = None) -> None:
     from _docs import replace_section
 
     base = json.loads(BASELINE.read_text()) if BASELINE.exists() and out.resolve() != BASELINE.resolve() else None
-    replace_section("sweep-timm", readme_section(summary, meta, base))
+    replace_section("sweep-timm", readme_section(summary, meta, base, results))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -687,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out.write_text(json.dumps(saved, indent=1) + "\n")
         print_summary(saved["summary"], saved["meta"])
         if args.write:
-            write_readme(saved["summary"], saved["meta"], args.out)
+            write_readme(saved["summary"], saved["meta"], args.out, saved.get("results"))
         return 0
     keys = args.only.split(",") if args.only else all_keys()
     unknown = [k for k in keys if not k.startswith(("timm/", "open_clip/"))]
@@ -720,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({"meta": meta, "summary": summary, "results": results}, indent=1) + "\n")
     print_summary(summary, meta)
     if args.write:
-        write_readme(summary, meta, args.out)
+        write_readme(summary, meta, args.out, results)
     return 0
 
 

@@ -65,6 +65,12 @@ def test_readme_block_has_both_columns_against_an_older_baseline():
     assert "| | before (`old`) | now |" in text
     assert "| **folded LNs** / LN entries | **1** / 10 (10.0%) | **4** / 10 (40.0%) |" in text
     assert "Shared." in text
+    base = {"meta": {"enjoyln_commit": "old"}, "summary": before,
+            "results": {"timm/a": _record("timm/a", "exact", 10, 6, {"r": 4})}}
+    assert "fewer LNs than the baseline: `timm/a` (6 -> 4) (of 1 in both)" in sweep_timm.readme_section(
+        now, meta, base, results)
+    base["results"]["timm/a"] = _record("timm/a", "exact", 10, 1, {"r": 9})
+    assert "fewer LNs than the baseline: none (of 1 in both)" in sweep_timm.readme_section(now, meta, base, results)
     alone = sweep_timm.readme_section(now, meta, None)
     assert "| | enjoyln `new` |" in alone
 
