@@ -135,9 +135,11 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
     plain_required, caveat, note = _plain_loading(cand_md, verified=mode == "full")
     kwargs = {"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code}
     if max_memory is None:
-        reference, candidate = load(reference_dir, **kwargs), load(candidate_dir, **kwargs)
-        ref_src, cand_src = ModelSource.of(reference), ModelSource.of(candidate)
-        # the truth and the plain load come from disk, each dropped after its run
+        # each model is freed after its runs: the reference becomes its own truth (widened in
+        # place), and the plain load comes from disk after the candidate's runs
+        ref_src = ModelSource.given(load(reference_dir, **kwargs))
+        cand_src = ModelSource.given(load(candidate_dir, **kwargs))
+        # a half-precision candidate of a float32 reference: the truth is the reference as stored
         truth = ModelSource(ref_src.dtype, lambda dtype: load(reference_dir, dtype=dtype, **kwargs))
         plain = ModelSource(cand_src.dtype, lambda dtype: load_plain(candidate_dir, dtype=dtype, **kwargs))
         report = check_sources(ref_src, cand_src, truth=truth, **_path_kwargs(plain, plain_required, cand_md),
