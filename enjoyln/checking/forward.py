@@ -180,6 +180,9 @@ class CandidatePath:
     source: ModelSource
     required: bool = True
     """False: reported, but not part of the verdict (the caller says why in the caveat)."""
+    batches: int | None = None
+    """Run on the first this many batches only (None: all): enough to confirm a load path that
+    differs from an already-compared one only in how it is loaded."""
 
 
 class _Outputs:
@@ -434,7 +437,7 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
             model = path.source.get(path.source.dtype)
             for problem in settings_problems(ref_settings, generation_settings(model)):
                 settings.setdefault(problem, []).append(path.name)
-            for i, inputs in enumerate(all_inputs):
+            for i, inputs in enumerate(all_inputs[:path.batches]):
                 cand = run_model(model, cast_inputs(inputs, path.source.dtype), seed + i)
                 for name in base.names(i):
                     st = _measure(name, base, truth_out, i, cand.get(name))
