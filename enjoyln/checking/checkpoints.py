@@ -28,12 +28,16 @@ from .report import CheckReport
 from .static import StaticReport, code_report, static_check
 
 MIN_BUDGET = 16 << 20
+"""Room, beyond the largest tensor and one forward's activations, that a check within a budget needs."""
 
 CONFIRM_BATCHES = 2
 """Short batches of the forward part after the static proof (without ``--thorough``): it confirms
 that the proven plan computes the same function; the forward-only check and ``--thorough`` run 3,
 the first covering every position."""
-"""Room, beyond the largest tensor and one forward's activations, that a check within a budget needs."""
+
+CONFIRM_TOKENS = 4
+"""New tokens of the greedy decode after the static proof (8 with ``--thorough`` or
+``--forward-only``): each one streams every weight of both models once."""
 
 
 def bounded_budget(md: ModelDir) -> int | None:
@@ -137,7 +141,7 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
         return report
     confirm = mode == "full" and not thorough  # every weight proven: the forward part only confirms
     if confirm:
-        check_kwargs = {**check_kwargs, "coverage": False}
+        check_kwargs = {"generate_tokens": CONFIRM_TOKENS, **check_kwargs, "coverage": False}
     if check_kwargs.get("batches") is None:
         check_kwargs = {**check_kwargs, "batches": CONFIRM_BATCHES if confirm else 3}
     plain_required, caveat, note = _plain_loading(cand_md, verified=mode == "full")
@@ -163,7 +167,7 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
         plain_too = " (plain loading on the first)" if plain_required is not None else ""
         report.notes.append(f"the static part proved every weight, so the forward part confirmed it on "
                             f"{report.batches} short batches{plain_too} and a greedy decode; --thorough also "
-                            "runs a batch over every position and many token ids")
+                            "runs a batch over every position and many token ids, and decodes 8 tokens")
     report.add_static(static)
     return report
 

@@ -555,7 +555,10 @@ def test_default_check_confirms_briefly_once_the_weights_are_proven(tmp_path):
         result = CliRunner().invoke(app, ["check", str(tmp_path / "ref"), str(tmp_path / "out"), "--json", *args])
         assert result.exit_code == 0, result.output
         runs[name] = json.loads(result.stdout)
-    assert runs["default"]["coverage"] is None and runs["default"]["batches"] == 3
+    assert runs["default"]["coverage"] is None and runs["default"]["batches"] == 2
+    assert runs["thorough"]["batches"] == 3 and runs["forward"]["batches"] == 3
+    assert any("2 short batches (plain loading on the first) and a greedy decode" in n for n in runs["default"]["notes"])
+    assert runs["default"]["generation"]["new_tokens"] == 4 and runs["thorough"]["generation"]["new_tokens"] == 8
     assert any("--thorough" in note for note in runs["default"]["notes"])
     assert runs["thorough"]["coverage"]["positions"] == 24 and runs["forward"]["coverage"]["positions"] == 24
     assert not any("--thorough" in note for note in runs["thorough"]["notes"])
