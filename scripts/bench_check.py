@@ -3,7 +3,8 @@
 Builds two GPT-2-shaped checkpoints with random fp32 weights (width 2048; by
 default 1 layer, ~0.6 GB, and 10 layers, ~2.4 GB; LayerNorm gains and biases
 moved away from their init), then for each, every command in its own process
-under ``/usr/bin/time -v`` (wall time, peak RSS), one after the other in one run:
+under ``/usr/bin/time -v`` (wall time, peak RSS), one after the other in one run, each
+``--repeat`` times (the median time and the largest peak RSS are reported):
 
 - ``cp -r`` of the reference, and ``cat`` of both checkpoints' files (the read floor);
 - ``enjoyln fold --no-check``, ``fold --fuse-affine --no-check``, ``rotate --no-check``;
@@ -15,18 +16,20 @@ the analysis); the difference between the two sizes gives the marginal throughpu
 without it: bytes of the reference for cp and the folds, bytes of both checkpoints
 for cat and the checks.
 
-    python scripts/bench_check.py [--workdir DIR] [--layers 1] [--more-layers 10] [--write]
+    python scripts/bench_check.py [--workdir DIR] [--layers 1] [--more-layers 10] [--repeat 3] [--write]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _docs import machine, replace_section  # noqa: E402
@@ -55,22 +58,36 @@ def enjoyln(*args: object) -> list[str]:
     return [sys.executable, "-m", "enjoyln", *map(str, args)]
 
 
-def measure(ref: Path, root: Path) -> dict[str, dict]:
+def repeated(n: int, cmd: Callable[[int], list[str]], label: str, after: Callable[[int], None] = lambda i: None) -> dict:
+    """``timed`` ``n`` times: the median wall time (one slow run on a shared machine does not set
+    the figure), the largest peak RSS, and every time."""
+    runs = []
+    for i in range(n):
+        runs.append(timed(cmd(i), label))
+        after(i)
+    times = sorted(r["seconds"] for r in runs)
+    return {"exit": max(r["exit"] for r in runs), "seconds": statistics.median(times),
+            "rss": max(r["rss"] for r in runs), "times": times}
+
+
+def measure(ref: Path, root: Path, repeat: int = 3) -> dict[str, dict]:
     root.mkdir(parents=True, exist_ok=True)
     folded = root / "folded"
     out: dict[str, dict] = {}
-    out["cp"] = timed(["cp", "-r", str(ref), str(root / "copy")], "cp -r")
-    shutil.rmtree(root / "copy")
-    out["fold"] = timed(enjoyln("fold", ref, folded, "--no-check"), "fold --no-check")
+    out["cp"] = repeated(repeat, lambda i: ["cp", "-r", str(ref), str(root / "copy")], "cp -r",
+                         lambda i: shutil.rmtree(root / "copy"))
+    # the first fold is the one checked below; the others go and come again
+    out["fold"] = repeated(repeat, lambda i: enjoyln("fold", ref, folded if i == 0 else root / "again", "--no-check"),
+                           "fold --no-check", lambda i: i and shutil.rmtree(root / "again"))
     files = [str(f) for d in (ref, folded) for f in sorted(d.glob("*.safetensors"))]
     subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)  # both in the page cache
-    out["cat"] = timed(["sh", "-c", 'cat "$@" > /dev/null', "cat", *files], "cat both")
+    out["cat"] = repeated(repeat, lambda i: ["sh", "-c", 'cat "$@" > /dev/null', "cat", *files], "cat both")
     for name, args in {"fuse": ("fold", "--fuse-affine"), "rotate": ("rotate",)}.items():
         target = root / name
-        out[name] = timed(enjoyln(*args, ref, target, "--no-check"), " ".join(args) + " --no-check")
-        shutil.rmtree(target, ignore_errors=True)
-    out["static"] = timed(enjoyln("check", ref, folded, "--static"), "check --static")
-    out["check"] = timed(enjoyln("check", ref, folded), "check")
+        out[name] = repeated(repeat, lambda i: enjoyln(*args, ref, target, "--no-check"), " ".join(args) + " --no-check",
+                             lambda i: shutil.rmtree(target, ignore_errors=True))
+    out["static"] = repeated(repeat, lambda i: enjoyln("check", ref, folded, "--static"), "check --static")
+    out["check"] = repeated(repeat, lambda i: enjoyln("check", ref, folded), "check")
     out["bytes_ref"], out["bytes_both"] = size(ref), size(ref) + size(folded)
     shutil.rmtree(folded)
     return out
@@ -81,6 +98,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--more-layers", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each command; the table has the median")
     parser.add_argument("--write", action="store_true", help="put the table into docs/performance.md")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="enjoyln-bench-check-", dir=args.workdir))
@@ -89,10 +107,10 @@ def main() -> None:
         for layers in (args.layers, args.more_layers):
             ref = work / f"ref{layers}"
             print(f"{layers} layers: {build_checkpoint(ref, layers, WIDTH) / 1e9:.2f} GB", flush=True)
-            runs.append(measure(ref, work / f"out{layers}"))
+            runs.append(measure(ref, work / f"out{layers}", args.repeat))
             shutil.rmtree(work / f"out{layers}", ignore_errors=True)
             shutil.rmtree(ref)
-        text = table(*runs, args.layers, args.more_layers)
+        text = table(*runs, args.layers, args.more_layers, args.repeat)
         print(text)
         if args.write:
             print(f"wrote {replace_section('bench-check', text)}")
@@ -100,10 +118,10 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def table(small: dict, large: dict, layers: int, more: int) -> str:
+def table(small: dict, large: dict, layers: int, more: int, repeat: int = 1) -> str:
     def marginal(key: str, by: str) -> float:
         dt = large[key]["seconds"] - small[key]["seconds"]
-        return (large[by] - small[by]) / dt / 1e9 if dt > 0 else float("inf")
+        return (large[by] - small[by]) / dt / 1e9 if dt > 0 else float("inf")  # inf: within the noise
 
     rows = [("`cp -r`", "cp", "bytes_ref"), ("`cat` of both checkpoints", "cat", "bytes_both"),
             ("`fold --no-check`", "fold", "bytes_ref"), ("`fold --fuse-affine --no-check`", "fuse", "bytes_ref"),
@@ -125,7 +143,8 @@ def table(small: dict, large: dict, layers: int, more: int) -> str:
               f"{large['fuse']['rss'] / 2**30:.2f} GiB on {g(large['bytes_ref'])}.")
     return "\n".join(lines + ["", ratios, "",
                               f"GPT-2-shaped fp32 checkpoints, width {WIDTH}, {layers} and {more} layers, read "
-                              f"from the page cache; {machine()}. Command: `python scripts/bench_check.py --write`."])
+                              f"from the page cache; each command run {repeat} times, the median time and the "
+                              f"largest peak RSS shown; {machine()}. Command: `python scripts/bench_check.py --write`."])
 
 
 if __name__ == "__main__":

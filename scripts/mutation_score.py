@@ -28,7 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _docs import machine, replace_section  # noqa: E402
 
-from enjoyln.testing import mutation as mu  # noqa: E402
+from enjoyln.testing.mutation.drawing import draw  # noqa: E402
+from enjoyln.testing.mutation.judging import Observe, judge_all, score, tree_digest  # noqa: E402
+from enjoyln.testing.mutation.sources import build_sources  # noqa: E402
 
 
 def table(rows: dict) -> str:
@@ -56,24 +58,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="enjoyln-mutation-sources-") as tmp:
         root = args.workdir or Path(tmp)
         start = time.perf_counter()
-        sources = mu.build_sources(root)
-        mutations = mu.draw(sources, args.n, seed=args.seed)
+        sources = build_sources(root)
+        mutations = draw(sources, args.n, seed=args.seed)
         print(f"built {len(sources)} sources and drew {len(mutations)} mutations in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
-        before = {s.name: (mu.tree_digest(s.reference), mu.tree_digest(s.candidate)) for s in sources}
+        before = {s.name: (tree_digest(s.reference), tree_digest(s.candidate)) for s in sources}
 
         def progress(done: int, total: int) -> None:
             if done % 100 == 0 or done == total:
                 print(f"  {done}/{total} judged ({time.perf_counter() - start:.0f} s)", flush=True)
 
-        observe = mu.Observe(wrong=not args.no_observe, inert=args.prove_inert)
-        results = mu.judge_all(sources, mutations, workers=args.workers, observe=observe, progress=progress)
+        observe = Observe(wrong=not args.no_observe, inert=args.prove_inert)
+        results = judge_all(sources, mutations, workers=args.workers, observe=observe, progress=progress)
         unproven = [r for r in results if r.mutation.expect == "pass" and r.effect]
-        changed = [s.name for s in sources if before[s.name] != (mu.tree_digest(s.reference),
-                                                                  mu.tree_digest(s.candidate))]
+        changed = [s.name for s in sources if before[s.name] != (tree_digest(s.reference),
+                                                                  tree_digest(s.candidate))]
         seconds = time.perf_counter() - start
 
-    rows = mu.score(results)
+    rows = score(results)
     print()
     print(table(rows))
     wrong = [r for r in results if not r.correct]

@@ -127,3 +127,18 @@ def test_no_private_name_crosses_modules():
     crossing = {(m, t, name) for m in MODULES for t, name, _ in imports(m)
                 if name and name.startswith("_") and not name.startswith("__") and t != m}
     assert not crossing, sorted(crossing)
+
+
+def test_no_module_re_exports_another_modules_names():
+    """Each public name is importable from one module (and the lazy top-level ``enjoyln``): an
+    ``__all__`` lists only what its module defines."""
+    found = []
+    for m, p in MODULES.items():
+        if m == "enjoyln":
+            continue
+        tree = ast.parse(p.read_text())
+        exported = next((ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                         and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)), [])
+        imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        found += [f"{m} re-exports {name}" for name in exported if name in imported]
+    assert not found, found

@@ -30,6 +30,15 @@ from .static import StaticReport, code_report, static_check
 MIN_BUDGET = 16 << 20
 """Room, beyond the largest tensor and one forward's activations, that a check within a budget needs."""
 
+CONFIRM_BATCHES = 2
+"""Short batches of the forward part after the static proof (without ``--thorough``): it confirms
+that the proven plan computes the same function; the forward-only check and ``--thorough`` run 3,
+the first covering every position."""
+
+CONFIRM_TOKENS = 4
+"""New tokens of the greedy decode after the static proof (8 with ``--thorough`` or
+``--forward-only``): each one streams every weight of both models once."""
+
 
 def bounded_budget(md: ModelDir) -> int | None:
     """None if the forward check fits with both models in memory; else the budget for a check that
@@ -130,37 +139,46 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
                                          forward_skipped=True)
         report.forward_skipped = "the candidate does not load as the reference does"
         return report
-    if mode == "full" and not thorough:
-        check_kwargs = {**check_kwargs, "coverage": False}
+    confirm = mode == "full" and not thorough  # every weight proven: the forward part only confirms
+    if confirm:
+        check_kwargs = {"generate_tokens": CONFIRM_TOKENS, **check_kwargs, "coverage": False}
+    if check_kwargs.get("batches") is None:
+        check_kwargs = {**check_kwargs, "batches": CONFIRM_BATCHES if confirm else 3}
     plain_required, caveat, note = _plain_loading(cand_md, verified=mode == "full")
     kwargs = {"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code}
     if max_memory is None:
-        reference, candidate = load(reference_dir, **kwargs), load(candidate_dir, **kwargs)
-        ref_src, cand_src = ModelSource.of(reference), ModelSource.of(candidate)
-        # the truth and the plain load come from disk, each dropped after its run
+        # each model is freed after its runs: the reference becomes its own truth (widened in
+        # place), and the plain load comes from disk after the candidate's runs
+        ref_src = ModelSource.given(load(reference_dir, **kwargs))
+        cand_src = ModelSource.given(load(candidate_dir, **kwargs))
+        # a half-precision candidate of a float32 reference: the truth is the reference as stored
         truth = ModelSource(ref_src.dtype, lambda dtype: load(reference_dir, dtype=dtype, **kwargs))
         plain = ModelSource(cand_src.dtype, lambda dtype: load_plain(candidate_dir, dtype=dtype, **kwargs))
-        report = check_sources(ref_src, cand_src, truth=truth, **_path_kwargs(plain, plain_required, cand_md),
+        report = check_sources(ref_src, cand_src, truth=truth, **_path_kwargs(plain, plain_required, cand_md, confirm),
                                **check_kwargs)
     else:
-        report = _bounded_check(ref_md, cand_md, max_memory, kwargs, check_kwargs, plain_required)
+        report = _bounded_check(ref_md, cand_md, max_memory, kwargs, check_kwargs, plain_required, confirm)
         report.memory = (f"{'the two models would not fit in memory side by side, so ' if auto else ''}"
                          f"the models ran one at a time within {format_bytes(max_memory)} "
                          "(weights beyond it read from disk as each layer ran)")
     report.caveat = caveat if plain_required is False else ""
     report.notes += [note] if note else []
-    if check_kwargs.get("coverage") is False:
-        report.notes.append("the static part proved every weight, so the forward part confirmed it on short "
-                            "batches; --thorough also runs a batch over every position and many token ids")
+    if confirm:
+        plain_too = " (plain loading on the first)" if plain_required is not None else ""
+        report.notes.append(f"the static part proved every weight, so the forward part confirmed it on "
+                            f"{report.batches} short batches{plain_too} and a greedy decode; --thorough also "
+                            "runs a batch over every position and many token ids, and decodes 8 tokens")
     report.add_static(static)
     return report
 
 
-def _path_kwargs(plain: Any, required: bool | None, md: ModelDir) -> dict[str, Any]:
+def _path_kwargs(plain: Any, required: bool | None, md: ModelDir, confirm: bool = False) -> dict[str, Any]:
     """The candidate's load paths for ``check_sources``: ``enjoyln.load``, and its library's plain
     loader (``from_pretrained``, ``timm.create_model``) unless the two are the same (no ``enjoyln``
-    block: ``required`` None)."""
-    others = [] if required is None else [CandidatePath(source_of(md).loader, plain, required)]
+    block: ``required`` None). When the forward part only ``confirm``s proven weights, the plain
+    loader, which differs from ``enjoyln.load`` only in keeping the LayerNorms, runs the first batch."""
+    others = [] if required is None else [CandidatePath(source_of(md).loader, plain, required,
+                                                        batches=1 if confirm else None)]
     return {"candidate_path": "enjoyln.load", "other_paths": others}
 
 
@@ -191,7 +209,8 @@ def _plain_loading(md: ModelDir, *, verified: bool) -> tuple[bool | None, str, s
 
 
 def _bounded_check(ref_md: ModelDir, cand_md: ModelDir, max_memory: int, load_kwargs: dict[str, Any],
-                   check_kwargs: dict[str, Any], plain_required: bool | None = True) -> "CheckReport":
+                   check_kwargs: dict[str, Any], plain_required: bool | None = True,
+                   confirm: bool = False) -> "CheckReport":
     """The forward check holding one model at a time, with at most ``max_memory`` for it.
 
     accelerate's big-model inference keeps part of the weights in memory and
@@ -223,6 +242,6 @@ def _bounded_check(ref_md: ModelDir, cand_md: ModelDir, max_memory: int, load_kw
 
     with tempfile.TemporaryDirectory(prefix="enjoyln-offload-") as off:
         ref_src = source(ref_md, Path(off) / "reference")
-        paths = _path_kwargs(source(cand_md, Path(off) / "plain", plain=True), plain_required, cand_md)
+        paths = _path_kwargs(source(cand_md, Path(off) / "plain", plain=True), plain_required, cand_md, confirm)
         return check_sources(ref_src, source(cand_md, Path(off) / "candidate"), truth=ref_src,
                              spill=True, max_rows=1, **paths, **check_kwargs)

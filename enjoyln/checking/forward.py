@@ -148,11 +148,21 @@ class ModelSource:
     get: Callable[[torch.dtype], nn.Module]
     held: bool = False
     """``get(dtype)`` returns a model the caller holds anyway: nothing to collect after it."""
+    owned: bool = False
+    """The model ``get`` returns is the check's own: after its runs in its own dtype, the
+    truth may be made by widening it in place, instead of a second copy or a second load."""
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelSource":
         own = _dtype(model)
         return cls(own, lambda dtype: model if dtype == own else copy.deepcopy(model).to(dtype), held=True)
+
+    @classmethod
+    def given(cls, model: nn.Module) -> "ModelSource":
+        """A model handed over to the check (the caller keeps no reference): ``get`` returns it
+        once, and it is freed after its runs."""
+        own, box = _dtype(model), [model]
+        return cls(own, lambda dtype: box.pop().to(dtype), owned=True)
 
     def drop(self, dtype: torch.dtype) -> None:
         """After the model from ``get(dtype)`` is deleted: free it now, before the next one loads
@@ -170,6 +180,9 @@ class CandidatePath:
     source: ModelSource
     required: bool = True
     """False: reported, but not part of the verdict (the caller says why in the caveat)."""
+    batches: int | None = None
+    """Run on the first this many batches only (None: all): enough to confirm a load path that
+    differs from an already-compared one only in how it is loaded."""
 
 
 class _Outputs:
@@ -392,14 +405,17 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
             base.put(i, run_model(model, cast_inputs(inputs, base_dtype), seed + i))
         ref_gen = generate_greedy(model, prompt, new_tokens, seed) if prompt is not None else None
         ref_settings = generation_settings(model)
-        del model
-        reference.drop(base_dtype)
+        # the original's own weights widened in place: its truth without a second load or copy
+        widen = crit.kind == "precision" and reference.owned and base_dtype == reference.dtype
+        if not widen:
+            del model
+            reference.drop(base_dtype)
 
         truth_out = None
         if crit.kind == "precision":
             truth_out = _Outputs(Path(spill_dir) / "truth" if spill else None)
             try:
-                model = truth.get(truth_dtype)
+                model = model.to(truth_dtype) if widen else truth.get(truth_dtype)
                 for i, inputs in enumerate(all_inputs):
                     truth_out.put(i, run_model(model, cast_inputs(inputs, truth_dtype), seed + i))
             except EnjoylnError as exc:
@@ -421,7 +437,7 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
             model = path.source.get(path.source.dtype)
             for problem in settings_problems(ref_settings, generation_settings(model)):
                 settings.setdefault(problem, []).append(path.name)
-            for i, inputs in enumerate(all_inputs):
+            for i, inputs in enumerate(all_inputs[:path.batches]):
                 cand = run_model(model, cast_inputs(inputs, path.source.dtype), seed + i)
                 for name in base.names(i):
                     st = _measure(name, base, truth_out, i, cand.get(name))

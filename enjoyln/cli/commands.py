@@ -33,7 +33,7 @@ def fold(
         "--auxiliary-centering", help="Insert explicit centerings where each frees more LNs than it costs.")] = False,
     fuse_affine: Annotated[bool, typer.Option(
         "--fuse-affine", help="Move each folded norm's gain and bias into the layers reading it.")] = False,
-    batches: Batches = 3, seq_len: SeqLen = 16, max_memory: CheckMemory = None, rtol: Rtol = None,
+    batches: Batches = None, seq_len: SeqLen = 16, max_memory: CheckMemory = None, rtol: Rtol = None,
 ) -> None:
     """Fold a model directory, check the result, and publish it to OUT_DIR only if it passes."""
     _publish(model_dir, out_dir, max_shard_size=max_shard_size, force=force, check=check, static=static,
@@ -53,7 +53,7 @@ def rotate(
     max_shard_size: MaxShardSize = None, force: Force = False, check: Check = True, static: StaticCheck = False,
     keep_failed: KeepFailed = False, dry_run: DryRun = False, as_json: JsonOnly = False,
     allow_pickle: ReadPickle = False, trust_remote_code: TrustCode = False,
-    batches: Batches = 3, seq_len: SeqLen = 16, max_memory: CheckMemory = None, rtol: Rtol = None,
+    batches: Batches = None, seq_len: SeqLen = 16, max_memory: CheckMemory = None, rtol: Rtol = None,
 ) -> None:
     """Fold with fused affines and rotate the residual stream by an orthogonal Q; same outputs, proved."""
     from ..transform.rotation import KINDS
@@ -70,7 +70,7 @@ def rotate(
 def _publish(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[str], force: bool, check: bool,
              static: bool, keep_failed: bool, dry_run: bool, as_json: bool, allow_pickle: bool,
              trust_remote_code: bool, auxiliary_centering: bool, fuse_affine: bool,
-             rotate: Optional[RotationSpec], batches: int, seq_len: int,
+             rotate: Optional[RotationSpec], batches: Optional[int], seq_len: int,
              max_memory: Optional[str], rtol: Optional[float] = None) -> None:
     """``fold_checkpoint`` with the options of ``fold`` and ``rotate``, and its result shown."""
     from .. import convert
@@ -156,9 +156,9 @@ def check(
         "--static", help="Check every weight only; no forward pass (any size).")] = False,
     forward_only: Annotated[bool, typer.Option(
         "--forward-only", help="Skip the weight check (for candidates made by other tools).")] = False,
-    batches: Annotated[int, typer.Option(
-        min=1, help="Seeded input batches (with --thorough or --forward-only, the first covers every "
-                    "position).")] = 3,
+    batches: Annotated[Optional[int], typer.Option(
+        min=1, help="Seeded input batches (default: 2 short ones after the weight check; 3 with --thorough "
+                    "or --forward-only, the first covering every position).")] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Rows of the short batches.")] = 2,
     seq_len: Annotated[int, typer.Option(min=1, help="Sequence length of the short batches.")] = 16,
     seed: Annotated[int, typer.Option(help="Seed of the first batch.")] = 0,

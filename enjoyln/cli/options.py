@@ -25,7 +25,8 @@ JsonOnly = Annotated[bool, typer.Option("--json", help="Print machine-readable J
 ReadPickle = Annotated[bool, typer.Option("--allow-pickle", help="Read .bin weights (weights_only=True).")]
 TrustCode = Annotated[bool, typer.Option("--trust-remote-code",
                                          help="Analyse, run and keep the directory's custom model code.")]
-Batches = Annotated[int, typer.Option(min=1, help="Input batches for the forward check.")]
+Batches = Annotated[Optional[int], typer.Option(
+    min=1, help="Input batches for the forward check (default: 2 short ones after the weight check).")]
 SeqLen = Annotated[int, typer.Option(min=1, help="Sequence length of the short check batches.")]
 CheckMemory = Annotated[Optional[str], typer.Option(help="Run the check's models one at a time within this much "
                                                          "memory, e.g. 1GB (default: automatic).")]

@@ -25,7 +25,7 @@ from torch import Tensor
 from . import cpu
 from .reference import rms_norm_reference
 
-__all__ = ["rms_norm", "add_rms_norm", "rms_norm_reference", "backend", "status"]
+__all__ = ["rms_norm", "add_rms_norm", "backend", "status"]
 
 
 def _triton_ok(x: Tensor) -> bool:

@@ -136,4 +136,4 @@ def _detach_tied_readers(model: nn.Module, original: nn.Parameter) -> None:
             setattr(model.get_submodule(owner), attr, nn.Parameter(p.detach().clone(), p.requires_grad))
 
 
-__all__ = ["cbwc", "cbwc_remove", "Centered", "centering"]
+__all__ = ["cbwc", "cbwc_remove", "Centered"]

@@ -98,3 +98,39 @@ def test_half_candidate_of_an_fp32_original():
     assert report.passed and report.dtype == "float16", report.summary()
     folded.transformer.ln_f.bias = None
     assert not enjoyln.check(model, folded).passed
+
+
+def test_a_given_reference_becomes_its_own_truth_in_place(gpt2):
+    """The checkpoint check hands its loaded reference over: after its own runs it is widened in
+    place into the float64 truth (no second load), with the same verdict and figures as a truth
+    made from a copy; a half-precision candidate still takes the truth from its own source."""
+    from enjoyln.checking.forward import ModelSource, check_sources
+
+    folded = enjoyln.fold(copy.deepcopy(gpt2))
+    by_copy = check_sources(ModelSource.of(gpt2), ModelSource.of(folded))
+    given = copy.deepcopy(gpt2)
+    never = ModelSource(torch.float32, lambda dtype: pytest.fail("the truth was loaded again"))
+    in_place = check_sources(ModelSource.given(given), ModelSource.of(folded), truth=never)
+    assert given.transformer.wte.weight.dtype == torch.float64  # widened, not copied
+    assert given.lm_head.weight is given.transformer.wte.weight  # ties stay tied
+    assert in_place.passed and in_place.criterion_kind == "precision"
+    assert (in_place.max_abs_diff, in_place.margin) == (by_copy.max_abs_diff, by_copy.margin)
+
+    loads = []
+    truth = ModelSource(torch.float32, lambda dtype: loads.append(dtype) or copy.deepcopy(gpt2).to(dtype))
+    half = check_sources(ModelSource.given(copy.deepcopy(gpt2)), ModelSource.of(copy.deepcopy(folded).half()),
+                         truth=truth)
+    assert loads == [torch.float32] and half.dtype == "float16"
+
+
+def test_a_second_load_path_may_run_only_the_first_batches(gpt2):
+    from enjoyln.checking.forward import CandidatePath, ModelSource, check_sources
+
+    folded = enjoyln.fold(copy.deepcopy(gpt2))
+    plain = enjoyln.fold(copy.deepcopy(gpt2))
+    calls = []
+    plain.register_forward_hook(lambda module, args, out: calls.append(1))
+    report = check_sources(ModelSource.of(gpt2), ModelSource.of(folded), batches=3, candidate_path="a",
+                           other_paths=[CandidatePath("b", ModelSource.of(plain), batches=1)])
+    assert report.passed and report.batches == 3 and len(calls) == 1
+    assert {o.path for o in report.outputs} == {"a", "b"}

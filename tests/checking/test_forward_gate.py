@@ -445,11 +445,14 @@ def test_short_context_folds_end_to_end(tmp_path):
     result = CliRunner().invoke(app, ["fold", str(tmp_path / "short"), str(tmp_path / "out"), "--json"])
     assert result.exit_code == 0, result.output
     check = json.loads(result.stdout)["check"]
-    assert check["passed"] and check["generation"]["new_tokens"] == 8 and check["generation"]["prompt_tokens"] == 4
-    assert check["coverage"] is None  # the weights are proven: the forward part is a short confirmation
+    # the weights are proven: the forward part is a short confirmation, with a 4-token decode
+    assert check["passed"] and check["generation"]["new_tokens"] == 4 and check["generation"]["prompt_tokens"] == 8
+    assert check["coverage"] is None
     result = CliRunner().invoke(app, ["check", str(tmp_path / "short"), str(tmp_path / "out"), "--thorough", "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["coverage"]["positions"] == 12
+    thorough = json.loads(result.stdout)
+    assert thorough["coverage"]["positions"] == 12
+    assert thorough["generation"]["new_tokens"] == 8 and thorough["generation"]["prompt_tokens"] == 4
     perturb(tiny_model("gpt2", n_positions=5), seed=55).save_pretrained(tmp_path / "shorter")
     report = fold_checkpoint(tmp_path / "shorter", tmp_path / "out5").report
     assert report.passed and report.generation.prompt_tokens == 1 and report.generation.new_tokens == 4
@@ -555,7 +558,10 @@ def test_default_check_confirms_briefly_once_the_weights_are_proven(tmp_path):
         result = CliRunner().invoke(app, ["check", str(tmp_path / "ref"), str(tmp_path / "out"), "--json", *args])
         assert result.exit_code == 0, result.output
         runs[name] = json.loads(result.stdout)
-    assert runs["default"]["coverage"] is None and runs["default"]["batches"] == 3
+    assert runs["default"]["coverage"] is None and runs["default"]["batches"] == 2
+    assert runs["thorough"]["batches"] == 3 and runs["forward"]["batches"] == 3
+    assert any("2 short batches (plain loading on the first) and a greedy decode" in n for n in runs["default"]["notes"])
+    assert runs["default"]["generation"]["new_tokens"] == 4 and runs["thorough"]["generation"]["new_tokens"] == 8
     assert any("--thorough" in note for note in runs["default"]["notes"])
     assert runs["thorough"]["coverage"]["positions"] == 24 and runs["forward"]["coverage"]["positions"] == 24
     assert not any("--thorough" in note for note in runs["thorough"]["notes"])

@@ -3,7 +3,8 @@ import torch
 from torch import nn
 
 from enjoyln import RMSNorm
-from enjoyln.ops import rms_norm, rms_norm_reference
+from enjoyln.ops import rms_norm
+from enjoyln.ops.reference import rms_norm_reference
 
 
 def test_constructor_mirrors_layer_norm():

@@ -8,7 +8,8 @@ import torch
 
 import enjoyln
 from enjoyln import ops
-from enjoyln.ops import cpu, rms_norm, rms_norm_reference
+from enjoyln.ops import cpu, rms_norm
+from enjoyln.ops.reference import rms_norm_reference
 
 SHAPES = [(1, 1), (3, 7), (5, 768), (2, 3, 1000), (64, 4096)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -10,7 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, so 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'enjoyln[triton]')")
 kernels = importlib.import_module("enjoyln.ops.triton_kernels")
 
-from enjoyln.ops import rms_norm_reference  # noqa: E402
+from enjoyln.ops.reference import rms_norm_reference  # noqa: E402
 
 # N = 1, non-powers of two, a power of two, and rows beyond one block (the looped kernel)
 NS = [1, 7, 96, 1000, 1024, 16_384, 16_385, 70_001]

@@ -14,7 +14,10 @@ import collections
 
 import pytest
 
-from enjoyln.testing import mutation as mu
+from enjoyln.testing.mutation.applying import Mutation, apply
+from enjoyln.testing.mutation.drawing import CATEGORIES, ELEMENT_KINDS, INERT_KINDS, draw
+from enjoyln.testing.mutation.judging import Observe, judge_all, score, tree_digest
+from enjoyln.testing.mutation.sources import build_sources, quiet
 from enjoyln.testing.mutation.json_edits import json_tokens, respace_json
 
 pytestmark = pytest.mark.slow
@@ -24,13 +27,13 @@ N, SEED = 500, 0
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    mu.quiet()
-    return mu.build_sources(tmp_path_factory.mktemp("mutation-sources"))
+    quiet()
+    return build_sources(tmp_path_factory.mktemp("mutation-sources"))
 
 
 @pytest.fixture(scope="module")
 def mutations(sources):
-    return mu.draw(sources, N, seed=SEED)
+    return draw(sources, N, seed=SEED)
 
 
 def _sample(mutations, pick, per_key):
@@ -57,12 +60,12 @@ def results(sources, mutations):
     """Every mutation judged once, in two worker processes, and each source's fold as it is
     (one more result per source). Mutations owed a pass, and a sample of those claimed
     to change what a loader reads, are also loaded and observed."""
-    before = {s.name: (mu.tree_digest(s.reference), mu.tree_digest(s.candidate)) for s in sources}
-    unmutated = [mu.Mutation(s.name, "none", "unmutated", "the checked fold itself", (), "pass", "inert",
+    before = {s.name: (tree_digest(s.reference), tree_digest(s.candidate)) for s in sources}
+    unmutated = [Mutation(s.name, "none", "unmutated", "the checked fold itself", (), "pass", "inert",
                              "a fold enjoyln wrote and checked", index=N + i) for i, s in enumerate(sources)]
-    observe = mu.Observe(wrong=False, inert=True, indices=frozenset(m.index for m in _claimed(mutations)))
-    out = mu.judge_all(sources, [*mutations, *unmutated], workers=2, observe=observe)
-    after = {s.name: (mu.tree_digest(s.reference), mu.tree_digest(s.candidate)) for s in sources}
+    observe = Observe(wrong=False, inert=True, indices=frozenset(m.index for m in _claimed(mutations)))
+    out = judge_all(sources, [*mutations, *unmutated], workers=2, observe=observe)
+    after = {s.name: (tree_digest(s.reference), tree_digest(s.candidate)) for s in sources}
     return out[:N], [name for name in before if before[name] != after[name]], out[N:]
 
 
@@ -70,7 +73,7 @@ def test_gate_gets_every_mutation_right(results):
     results = results[0]
     assert len(results) == N
     wrong = [r for r in results if not r.correct]
-    summary = ", ".join(f"{k} {100 * r['score']:.1f}%" for k, r in mu.score(results).items())
+    summary = ", ".join(f"{k} {100 * r['score']:.1f}%" for k, r in score(results).items())
     assert not wrong, (f"{len(wrong)} of {N} verdicts wrong ({summary}); the first:\n"
                        + "\n".join(r.describe() for r in wrong[:15]))
 
@@ -83,7 +86,7 @@ def test_mutations_owed_a_pass_are_inert(results):
     """Every inert mutation drawn: both loaders, the tokenizer or the image processor give
     what the unmutated fold gives, bit for bit."""
     inert = [r for r in results[0] if r.mutation.ground == "inert"]
-    assert {r.mutation.kind for r in inert} == set(mu.INERT_KINDS)
+    assert {r.mutation.kind for r in inert} == set(INERT_KINDS)
     assert len(inert) >= 30
     unproven = [r.describe() for r in inert if r.effect != []]
     assert not unproven, "\n".join(unproven)
@@ -110,15 +113,15 @@ def test_the_unmutated_folds_pass(results):
 
 
 def test_draws_are_seeded_and_cover_every_kind(sources, mutations):
-    again = mu.draw(sources, 40, seed=SEED)
+    again = draw(sources, 40, seed=SEED)
     assert [m.describe() for m in again] == [m.describe() for m in mutations[:40]]
     assert [m.ops for m in again] == [m.ops for m in mutations[:40]]
-    other = mu.draw(sources, 40, seed=SEED + 1)
+    other = draw(sources, 40, seed=SEED + 1)
     assert [m.describe() for m in other] != [m.describe() for m in again]
     categories = collections.Counter(m.category for m in mutations)
-    assert set(categories) == set(mu.CATEGORIES)
+    assert set(categories) == set(CATEGORIES)
     weights = {m.kind for m in mutations if m.category == "weights"}
-    assert weights == set(mu.ELEMENT_KINDS)
+    assert weights == set(ELEMENT_KINDS)
     assert {m.source for m in mutations} == {s.name for s in sources}
     # stored tensors that no loader loads are mutated too, and nested and enjoyln-block keys
     assert any(m.category == "weights" and m.ground == "policy" for m in mutations)
@@ -142,13 +145,13 @@ def test_an_element_mutation_changes_exactly_its_bytes(sources, tmp_path):
     """Applied to a copy, a weight mutation changes the bytes of one element and nothing else."""
     import shutil
 
-    weights = [m for m in mu.draw(sources, 60, seed=SEED + 2) if m.category == "weights"][:10]
+    weights = [m for m in draw(sources, 60, seed=SEED + 2) if m.category == "weights"][:10]
     assert weights
     for m in weights:
         source = next(s for s in sources if s.name == m.source)
         copy = tmp_path / f"c{m.index}"
         shutil.copytree(source.candidate, copy)
-        mu.apply(m, copy, tmp_path / f"o{m.index}")
+        apply(m, copy, tmp_path / f"o{m.index}")
         (_, file, offset, data), = m.ops
         a, b = (source.candidate + "/" + file), copy / file
         old, new = open(a, "rb").read(), b.read_bytes()

@@ -41,18 +41,11 @@ fingerprints what they compute, bit for bit: an inert mutation is one whose
 fingerprint is the unmutated fold's (``tests/testing/test_mutation.py`` proves each
 kind), and a claimed change is confirmed the same way.
 
+>>> from enjoyln.testing.mutation.sources import build_sources  # doctest: +SKIP
+>>> from enjoyln.testing.mutation.drawing import draw  # doctest: +SKIP
+>>> from enjoyln.testing.mutation.judging import judge_all, score  # doctest: +SKIP
 >>> sources = build_sources("/tmp/mutation-sources")  # doctest: +SKIP
 >>> results = judge_all(sources, draw(sources, n=500, seed=0), workers=2)  # doctest: +SKIP
 >>> score(results)["all"]["score"]  # doctest: +SKIP
 1.0
 """
-
-from .applying import Mutation, apply
-from .drawing import CATEGORIES, ELEMENT_KINDS, INERT_KINDS, draw
-from .judging import Observe, Result, effect, gate, judge, judge_all, score, tree_digest
-from .observing import differences, observe
-from .sources import Source, build_sources, quiet, survey
-
-__all__ = ["Source", "build_sources", "quiet", "survey", "Mutation", "apply", "CATEGORIES", "ELEMENT_KINDS",
-           "INERT_KINDS", "draw", "observe", "differences", "Result", "Observe", "gate", "judge", "effect",
-           "judge_all", "score", "tree_digest"]
