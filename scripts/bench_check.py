@@ -4,7 +4,7 @@ Builds two GPT-2-shaped checkpoints with random fp32 weights (width 2048; by
 default 1 layer, ~0.6 GB, and 10 layers, ~2.4 GB; LayerNorm gains and biases
 moved away from their init), then for each, every command in its own process
 under ``/usr/bin/time -v`` (wall time, peak RSS), one after the other in one run, each
-``--repeat`` times (the median time and the largest peak RSS are reported):
+``--repeat`` times after a ``sync`` (the median time and the largest peak RSS are reported):
 
 - ``cp -r`` of the reference, and ``cat`` of both checkpoints' files (the read floor);
 - ``enjoyln fold --no-check``, ``fold --fuse-affine --no-check``, ``rotate --no-check``;
@@ -63,6 +63,9 @@ def repeated(n: int, cmd: Callable[[int], list[str]], label: str, after: Callabl
     the figure), the largest peak RSS, and every time."""
     runs = []
     for i in range(n):
+        # the previous command's dirty pages written back first: each command is timed from
+        # the same clean state, not throttled by its predecessor's writeback
+        subprocess.run(["sync"], check=True)
         runs.append(timed(cmd(i), label))
         after(i)
     times = sorted(r["seconds"] for r in runs)
