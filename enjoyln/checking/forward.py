@@ -162,7 +162,13 @@ class ModelSource:
         """A model handed over to the check (the caller keeps no reference): ``get`` returns it
         once, and it is freed after its runs."""
         own, box = _dtype(model), [model]
-        return cls(own, lambda dtype: box.pop().to(dtype), owned=True)
+
+        def get(dtype: torch.dtype) -> nn.Module:
+            given = box.pop()
+            # as loaded when asked for its own dtype: .to() would also cast the modules a loader
+            # keeps in float32 (transformers' _keep_in_fp32_modules) in a half-precision model
+            return given if dtype == own else given.to(dtype)
+        return cls(own, get, owned=True)
 
     def drop(self, dtype: torch.dtype) -> None:
         """After the model from ``get(dtype)`` is deleted: free it now, before the next one loads

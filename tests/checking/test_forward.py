@@ -134,3 +134,13 @@ def test_a_second_load_path_may_run_only_the_first_batches(gpt2):
                            other_paths=[CandidatePath("b", ModelSource.of(plain), batches=1)])
     assert report.passed and report.batches == 3 and len(calls) == 1
     assert {o.path for o in report.outputs} == {"a", "b"}
+
+
+def test_a_given_model_in_its_own_dtype_is_run_as_loaded():
+    """A half-precision model whose loader keeps a module in float32 is run that way: asking a
+    given model for its own dtype must not cast the kept module down."""
+    from enjoyln.checking.forward import ModelSource
+
+    model = nn.Sequential(nn.Linear(4, 4).half(), nn.Linear(4, 4))  # the second kept in float32
+    got = ModelSource.given(model).get(torch.float16)
+    assert got is model and model[1].weight.dtype == torch.float32
