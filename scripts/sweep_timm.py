@@ -600,11 +600,11 @@ def print_summary(s: dict[str, Any], meta: dict[str, Any] | None = None) -> None
 
 
 def _fewer_line(base: dict[str, Any], results: dict[str, Any]) -> str:
-    """Which models fold fewer LNs now than in the baseline (each must be explained), and then a blank line."""
+    """Which models fold fewer LNs now than in the baseline (each must be explained)."""
     fewer = [f"`{k}` ({b.get('folded') or 0} -> {results[k].get('folded') or 0})" for k, b in base["results"].items()
              if k in results and (results[k].get("folded") or 0) < (b.get("folded") or 0)]
     return (f"Models folding fewer LNs than the baseline: {', '.join(fewer) if fewer else 'none'} "
-            f"(of {sum(k in results for k in base['results'])} in both).\n")
+            f"(of {sum(k in results for k in base['results'])} in both).")
 
 
 def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any] | None,
@@ -650,7 +650,7 @@ def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any]
         "",
         "Skipped: " + ", ".join(f"{k} {v}" for k, v in s["skipped_reasons"].items()) + ".",
         "",
-        *([_fewer_line(base, results)] if not same and results is not None and "results" in base else []),
+        *([_fewer_line(base, results), ""] if not same and results is not None and "results" in base else []),
         "Refusal reasons, with module paths, names and numbers taken out:",
         "",
         "| refusal reason | models | LN entries | e.g. |",

@@ -181,13 +181,17 @@ def test_model_without_layer_norm_writes_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_index_naming_a_file_outside_the_directory_is_refused(saved, tmp_path):
-    src = saved("gpt2", torch.float32, max_shard_size="120KB")
-    bad = tmp_path / "bad"
+def _copy_with_index(src, bad):
+    """A copy of the sharded directory ``src``, and its weight index to edit."""
     bad.mkdir()
     for p in src.iterdir():
         (bad / p.name).write_bytes(p.read_bytes())
-    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    return bad, json.loads((bad / "model.safetensors.index.json").read_text())
+
+
+def test_index_naming_a_file_outside_the_directory_is_refused(saved, tmp_path):
+    src = saved("gpt2", torch.float32, max_shard_size="120KB")
+    bad, index = _copy_with_index(src, tmp_path / "bad")
     key = next(iter(index["weight_map"]))
     index["weight_map"][key] = "../elsewhere.safetensors"
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -206,11 +210,7 @@ def test_a_shard_not_named_as_its_weights_is_refused(saved, tmp_path):
     from enjoyln.cli.app import app
 
     src = saved("gpt2", torch.float32, max_shard_size="120KB")
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    for p in src.iterdir():
-        (bad / p.name).write_bytes(p.read_bytes())
-    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    bad, index = _copy_with_index(src, tmp_path / "bad")
     shard = sorted(set(index["weight_map"].values()))[-1]
     (bad / shard).rename(bad / "chat_template.jinja")
     index["weight_map"] = {k: "chat_template.jinja" if v == shard else v for k, v in index["weight_map"].items()}

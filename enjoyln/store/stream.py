@@ -30,6 +30,7 @@ value is read from) and ``output_slots`` (which keys the fold writes, as ``final
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Union
 
@@ -102,10 +103,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass
@@ -228,10 +226,7 @@ class Output:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def load_model_meta(md: ModelDir) -> nn.Module:
