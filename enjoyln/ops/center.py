@@ -20,6 +20,7 @@ import math
 import os
 import subprocess
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -34,6 +35,8 @@ CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3
 
 _lock = threading.Lock()
 _kernel: Any = None
+_into: Any = None
+_same: Any = None
 _error: str | None = None
 _loaded = False
 _has_f16 = False
@@ -41,7 +44,7 @@ _has_f16 = False
 
 def kernel() -> Any:
     """The compiled ``enjoyln_center``, built once per process; None if it cannot be."""
-    global _kernel, _error, _loaded, _has_f16
+    global _kernel, _into, _same, _error, _loaded, _has_f16
     if _loaded:
         return _kernel
     with _lock:
@@ -51,12 +54,15 @@ def kernel() -> Any:
             else:
                 try:
                     lib = cpu.compile_library(SOURCE, FLAGS)
-                    fn = lib.enjoyln_center
-                    i64 = ctypes.c_int64
-                    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, i64, i64, i64, i64, ctypes.c_void_p, ctypes.c_int]
-                    fn.restype = ctypes.c_int
+                    fn, into, same = lib.enjoyln_center, lib.enjoyln_center_into, lib.enjoyln_same_bytes
+                    i64, p = ctypes.c_int64, ctypes.c_void_p
+                    fn.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, p, ctypes.c_int]
+                    into.argtypes = [p, p, p, ctypes.c_int, i64, i64, i64, i64, p, ctypes.c_int]
+                    same.argtypes = [p, p, i64, ctypes.c_int]
+                    for f in (fn, into, same):
+                        f.restype = ctypes.c_int
                     _has_f16 = bool(lib.enjoyln_center_has_f16())
-                    _kernel = fn
+                    _kernel, _into, _same = fn, into, same
                 except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
                     _error = str(exc)
             _loaded = True
@@ -84,6 +90,52 @@ def _gain(scale: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return gain
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """A centering of a tensor of ``shape`` seen as [outer, n, inner], ``n`` the centered axis
+    in ``groups`` blocks of ``size``, of which ``chosen`` are centered."""
+
+    outer: int
+    n: int
+    inner: int
+    size: int
+    chosen: Sequence[int]
+    gain: torch.Tensor | None
+
+    @classmethod
+    def of(cls, shape: Sequence[int], axis: int, groups: int, scale: torch.Tensor | None,
+           blocks: Sequence[int] | None) -> "_Layout":
+        axis = axis % len(shape)
+        n = shape[axis]
+        gain = _gain(scale, n)
+        if groups < 1 or n % groups:
+            raise CenteringError(f"cannot split an axis of {n} into {groups} groups")
+        chosen = range(groups) if blocks is None else blocks
+        for b in chosen:
+            if not 0 <= b < groups:
+                raise CenteringError(f"there is no block {b} of {groups}")
+        return cls(math.prod(shape[:axis]), n, math.prod(shape[axis + 1:]), n // groups, chosen, gain)
+
+    @property
+    def everything(self) -> bool:
+        return len(set(self.chosen)) * self.size == self.n
+
+    def run(self, fn: Any, src: int, dst: int | None, cand: int | None, dtype: torch.dtype) -> int:
+        """``center.c`` over every chosen block; the largest of its results (1: cand differs)."""
+        worst, item = 0, dtype.itemsize
+        for b in self.chosen:
+            part = None if self.gain is None else self.gain[b * self.size:(b + 1) * self.size]
+            at = b * self.size * self.inner * item
+            worst = max(worst, fn(src + at, None if dst is None else dst + at, None if cand is None else cand + at,
+                                  CODES[dtype], self.outer, self.n * self.inner, self.size, self.inner,
+                                  part.data_ptr() if part is not None else None, torch.get_num_threads()))
+        return worst
+
+
+def _usable(dtype: torch.dtype) -> bool:
+    return kernel() is not None and dtype in CODES and (dtype != torch.float16 or _has_f16)
+
+
 def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
             blocks: Sequence[int] | None = None) -> torch.Tensor:
     """Subtract ``t``'s mean along ``axis``, in place, in float64 arithmetic of a fixed order.
@@ -97,34 +149,67 @@ def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | N
         return t
     if not t.is_floating_point():
         raise CenteringError(f"cannot center a tensor of dtype {t.dtype}")
-    axis = axis % t.dim()
-    n = t.shape[axis]
-    gain = _gain(scale, n)
-    if groups < 1 or n % groups:
-        raise CenteringError(f"cannot split an axis of {n} into {groups} groups")
-    size = n // groups
-    chosen = range(groups) if blocks is None else blocks
-    for b in chosen:
-        if not 0 <= b < groups:
-            raise CenteringError(f"there is no block {b} of {groups}")
-    outer, inner = math.prod(t.shape[:axis]), math.prod(t.shape[axis + 1:])
+    layout = _Layout.of(t.shape, axis, groups, scale, blocks)
     # a view, a strided parameter or a GPU tensor is centered in a contiguous CPU copy
     work = t if t.device.type == "cpu" and t.is_contiguous() else t.detach().to("cpu").contiguous()
-    fn = kernel()
-    usable = fn is not None and work.dtype in CODES and (work.dtype != torch.float16 or _has_f16)
-    for b in chosen:
-        part = None if gain is None else gain[b * size:(b + 1) * size]
-        if usable:
-            ptr = work.data_ptr() + b * size * inner * work.element_size()
-            fn(ptr, CODES[work.dtype], outer, n * inner, size, inner,
-               part.data_ptr() if part is not None else None, torch.get_num_threads())
-        else:
-            block = work.view(outer, n, inner)[:, b * size:(b + 1) * size, :]
+    if _usable(work.dtype):
+        layout.run(_into, work.data_ptr(), work.data_ptr(), None, work.dtype)
+    else:
+        for b in layout.chosen:
+            part = None if layout.gain is None else layout.gain[b * layout.size:(b + 1) * layout.size]
+            block = work.view(layout.outer, layout.n, layout.inner)[:, b * layout.size:(b + 1) * layout.size, :]
             block.copy_(center_reference(block, part))
     if work is not t:
         with torch.no_grad():
             t.copy_(work)
     return t
+
+
+def center_into(src: int, dst: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
+                blocks: Sequence[int] | None = None) -> bool:
+    """``center_`` of the tensor at address ``src`` (``dst``'s dtype and shape, any alignment,
+    read only: a tensor mapped from its file) written into the contiguous CPU tensor ``dst``,
+    with the same bits, in one read of ``src`` and one write of ``dst``. False, with nothing
+    written, where the C kernel cannot do it (then copy and ``center_``)."""
+    if not (_usable(dst.dtype) and dst.device.type == "cpu" and dst.is_contiguous()):
+        return False
+    if dst.numel() == 0:
+        return True
+    layout = _Layout.of(dst.shape, axis, groups, scale, blocks)
+    if not layout.everything:  # the blocks left alone are copied as they are first
+        ctypes.memmove(dst.data_ptr(), src, dst.numel() * dst.element_size())
+        src = dst.data_ptr()
+    layout.run(_into, src, dst.data_ptr(), None, dst.dtype)
+    return True
+
+
+def centered_equal(src: int, cand: int, dtype: torch.dtype, shape: Sequence[int], axis: int, groups: int = 1,
+                   scale: torch.Tensor | None = None, blocks: Sequence[int] | None = None) -> bool | None:
+    """Whether the tensor at address ``cand`` holds, bit for bit, what ``center_`` makes of the
+    tensor at ``src`` (both ``dtype`` and ``shape``, any alignment, read only), computed and
+    compared in one pass that writes nothing. None where the C kernel cannot tell (no
+    compiler, a dtype it does not know, only some blocks centered): then compute and compare.
+
+    >>> t = torch.tensor([[1., 2.], [3., 6.]])
+    >>> centered_equal(t.data_ptr(), center_(t.clone(), 0).data_ptr(), t.dtype, t.shape, 0)
+    True
+    """
+    if not _usable(dtype):
+        return None
+    if math.prod(shape) == 0:
+        return True
+    layout = _Layout.of(shape, axis, groups, scale, blocks)
+    if not layout.everything:
+        return None
+    return layout.run(_into, src, None, cand, dtype) == 0
+
+
+def same_memory(a: int, b: int, nbytes: int) -> bool | None:
+    """Whether ``nbytes`` at addresses ``a`` and ``b`` are equal, compared by every thread torch
+    uses, each over a contiguous part; None without the C kernel."""
+    if kernel() is None:
+        return None
+    return bool(_same(a, b, nbytes, torch.get_num_threads())) if nbytes else True
 
 
 def center_reference(x: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:

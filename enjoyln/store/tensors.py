@@ -1,13 +1,19 @@
 """Reading a checkpoint's tensors one at a time, with the next one read while this one is used.
 
-``preadv`` releases the GIL, so a single reader thread overlaps the disk (or page cache) with
-the centering and comparison of the tensor before it. The read-ahead holds at most one job
-beyond the current one, and only a job of at most ``READ_AHEAD`` bytes, so peak memory stays
-a few of the largest tensors, as when nothing is read ahead.
+Two ways in. ``read`` copies a tensor into memory of its own, which the caller may change:
+``preadv`` releases the GIL, so a single reader thread (``read_ahead``) overlaps the disk (or
+page cache) with the work on the tensor before it; it holds at most one job beyond the current
+one, and only a job of at most ``READ_AHEAD`` bytes, so peak memory stays a few of the largest
+tensors. ``mapped`` maps a tensor read-only from its file instead, for code that only reads it
+(the C kernels that compare and center): no copy and no fresh memory, whose first touch costs
+more than the reading itself on a virtual machine; ``prefetch`` asks the kernel to read the
+next one from disk meanwhile.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import queue
 import threading
@@ -24,6 +30,58 @@ READ_AHEAD = 512 << 20
 
 J = TypeVar("J")
 R = TypeVar("R")
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):  # no mmap here (Windows): every tensor is read instead
+        return None
+
+
+_LIBC = _libc() if hasattr(mmap, "MAP_SHARED") else None
+_FAILED = ctypes.c_void_p(-1).value
+
+
+class Mapped:
+    """One tensor's bytes mapped read-only from its file: ``address`` (any alignment) holds
+    ``nbytes`` until ``close``. The pages are the page cache's own; nothing is copied.
+
+    A file truncated while it is mapped ends the process with SIGBUS when the missing part is
+    touched (a non-zero exit, never a verdict): the same as for every loader that maps
+    safetensors files, transformers' included.
+    """
+
+    def __init__(self, fd: int, start: int, nbytes: int) -> None:
+        page = mmap.ALLOCATIONGRANULARITY
+        self._base = start - start % page
+        self._length = start + nbytes - self._base
+        self.nbytes = nbytes
+        addr = _LIBC.mmap(None, self._length, mmap.PROT_READ, mmap.MAP_SHARED, fd, self._base)
+        if addr in (None, _FAILED):
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self._addr = addr
+        self.address = addr + start - self._base
+        if hasattr(mmap, "MADV_SEQUENTIAL"):  # read front to back, once: read ahead, drop behind
+            _LIBC.madvise(addr, self._length, mmap.MADV_SEQUENTIAL)
+
+    def close(self) -> None:
+        if self._addr is not None:
+            _LIBC.munmap(self._addr, self._length)
+            self._addr = None
+
+    def __enter__(self) -> "Mapped":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Buffer:
@@ -105,6 +163,32 @@ class TensorReader:
         with self._lock:
             self.bytes_read += info.nbytes
         return data.view(dtype).view(info.shape)
+
+    def mappable(self, key: str) -> bool:
+        """Whether ``mapped`` can give this tensor (a safetensors file, on a system with mmap)."""
+        return _LIBC is not None and self.pickled is None and self.md.tensors[key].nbytes > 0
+
+    def mapped(self, key: str) -> Mapped:
+        """The tensor's bytes mapped read-only from its file (check ``mappable`` first); the
+        caller closes it. Counted as read."""
+        info = self.md.tensors[key]
+        fd = self._fd(info)
+        if os.fstat(fd).st_size < info.start + info.nbytes:
+            raise CheckpointError(f"{self.md.path / info.file} ended early: it changed while it was being read")
+        m = Mapped(fd, info.start, info.nbytes)
+        with self._lock:
+            self.bytes_read += info.nbytes
+        return m
+
+    def prefetch(self, key: str) -> None:
+        """Ask the kernel to start reading the tensor from disk now, so that it is in the page
+        cache when it is wanted (does nothing where the system cannot)."""
+        if self.pickled is None and hasattr(os, "posix_fadvise"):
+            info = self.md.tensors[key]
+            try:
+                os.posix_fadvise(self._fd(info), info.start, info.nbytes, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
 
     def close(self) -> None:
         with self._lock:

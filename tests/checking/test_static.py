@@ -748,3 +748,21 @@ def test_the_candidates_code_is_compared_before_any_of_it_runs(pair, tmp_path, m
         assert result.exit_code == 1 and "none of it ran" in result.output and not marker.exists(), result.output
     assert "auto_map" in " ".join(check_checkpoints(source, other, trust_remote_code=True, mode="static").static.problems)
     assert check_checkpoints(source, tmp_path / "folded", trust_remote_code=True, mode="static").passed
+
+
+def test_a_fold_is_proven_from_the_mapped_files_and_only_a_difference_is_read(pair, tmp_path, monkeypatch):
+    """The fast path decides every tensor of a right fold in place; a tensor it finds different
+    goes through the reading path, which names it (the fast path never passes what it cannot see)."""
+    from enjoyln.store.tensors import TensorReader
+
+    ref, folded, _ = pair
+    reads = []
+    read = TensorReader.read
+    monkeypatch.setattr(TensorReader, "read", lambda self, key, into=None: reads.append(key) or read(self, key, into))
+    report = run(ref, folded)
+    assert report.passed and reads == [], (reads, report.summary())
+    key = "transformer.h.0.attn.c_proj.weight"
+    cand = edited(folded, tmp_path, lambda sd: sd[key].view(-1)[-1:].view(torch.int32).add_(1))  # one ulp, at the end
+    report = run(ref, cand)
+    assert not report.passed and reads == [key, key]
+    assert any(p.startswith(f"{key} is not {key} centered") for p in report.problems)

@@ -122,3 +122,65 @@ def test_without_a_compiler_the_torch_twin_gives_the_same_bits(tmp_path):
     a, b = torch.load(tmp_path / "out.pt")
     assert torch.equal(bits(a), bits(C.center_(t.clone(), 0)))
     assert torch.equal(bits(b), bits(C.center_(t.clone(), 1)))
+
+
+def _misaligned(t, shift):
+    """A copy of ``t`` whose data starts ``shift`` bytes past an aligned address, as a tensor in
+    a safetensors file may, and the storage that keeps it alive."""
+    raw = torch.zeros(t.numel() * t.element_size() + 16, dtype=torch.uint8)
+    n = t.numel() * t.element_size()
+    raw[shift:shift + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+    return raw.data_ptr() + shift, raw
+
+
+@needs_kernel
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(dtype=st.sampled_from(DTYPES), shape=st.lists(st.integers(1, 300), min_size=1, max_size=3).filter(
+    lambda s: math.prod(s) <= 40_000), shift=st.integers(0, 7), data=st.data())
+def test_centering_into_and_comparing_give_the_in_place_bits(dtype, shape, shift, data):
+    """What the fold writes from a mapped file (``center_into``) and what the static check accepts
+    (``centered_equal``) are ``center_``'s bits, at any alignment; one flipped bit anywhere is
+    seen."""
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    n = shape[axis]
+    groups = data.draw(st.sampled_from([g for g in (1, 2, 3, 4) if n % g == 0]))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    scale = (torch.rand(n, generator=gen) + 0.25) if data.draw(st.booleans()) else None
+    t = (torch.randn(shape, generator=gen) * 3 + torch.randn((), generator=gen)).to(dtype)
+    expect = C.center_(t.clone(), axis, groups, scale)
+    src, keep = _misaligned(t, shift)
+    out = torch.empty_like(t)
+    assert C.center_into(src, out, axis, groups, scale)
+    assert torch.equal(bits(out), bits(expect))
+    cand, keep2 = _misaligned(expect, 7 - shift)
+    assert C.centered_equal(src, cand, dtype, t.shape, axis, groups, scale) is True
+    flip = data.draw(st.integers(0, t.numel() * t.element_size() - 1))
+    keep2[7 - shift + flip] ^= 1 << data.draw(st.integers(0, 7))
+    assert C.centered_equal(src, cand, dtype, t.shape, axis, groups, scale) is False
+
+
+@needs_kernel
+def test_only_some_blocks_centered_are_copied_around_or_left_to_the_caller():
+    t = torch.randn(6, 40)
+    expect = C.center_(t.clone(), 1, groups=4, blocks=[1, 3])
+    out = torch.empty_like(t)
+    assert C.center_into(t.data_ptr(), out, 1, groups=4, blocks=[1, 3])
+    assert torch.equal(bits(out), bits(expect))
+    assert C.centered_equal(t.data_ptr(), expect.data_ptr(), t.dtype, t.shape, 1, groups=4, blocks=[1, 3]) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("at", [0, 1, (16 << 20) - 1, 16 << 20, (40 << 20) + 5, (48 << 20) - 1])
+def test_same_memory_sees_one_changed_byte_anywhere(threads, at):
+    a = torch.randint(0, 256, (48 << 20,), dtype=torch.uint8)
+    b = a.clone()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert C.same_memory(a.data_ptr(), b.data_ptr(), a.numel()) is True
+        b[at] ^= 0x80
+        assert C.same_memory(a.data_ptr(), b.data_ptr(), a.numel()) is False
+        assert C.same_memory(a.data_ptr(), b.data_ptr(), at) is True  # up to the change
+    finally:
+        torch.set_num_threads(before)
