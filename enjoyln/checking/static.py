@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, EnjoylnError
-from ..ops.center import centered_equal, same_memory
+from ..ops.center import same_memory
 from ..ops.compare import same_bytes
 from ..plan import Centering, FoldPlan, RotationSpec
 from ..store.block import recorded_plan
@@ -55,7 +55,7 @@ from ..store.hf import check_shapes, checkpoint_key, saved_names
 from ..store.model_dir import ModelDir, meta_model
 from ..store.stream import StreamedTensors
 from ..store.tensors import Buffer, TensorReader, read_ahead
-from ..transform.tensors import center_, merge_centerings, tie_groups
+from ..transform.tensors import center_, centered_equal, merge_centerings, tie_groups
 from .compare import (code_problems, config_problems, expected_config, file_problems, load_problems, parse_dtype,
                       plan_problems)
 
@@ -427,9 +427,8 @@ def _mapped_verdicts(order: list[tuple[str, tuple[str, list[Centering] | None, b
             if c is None:
                 same = folded = same_memory(r.address, t.address, r.nbytes)
             else:
-                x = c[0]
-                folded = centered_equal(r.address, t.address, ref.dtype(rk), ref.shape(rk), x.axis, x.groups,
-                                        read_param(x.scale) if x.scale else None, x.blocks)
+                folded = centered_equal(r.address, t.address, ref.dtype(rk), ref.shape(rk), c[0],
+                                        read_param(c[0].scale) if c[0].scale else None)
                 # is it the reference itself? Asked only without a recorded plan, to judge its form
                 same = unrecorded and folded and same_memory(r.address, t.address, r.nbytes)
         if folded:

@@ -47,6 +47,7 @@ def _libc() -> ctypes.CDLL | None:
 
 _LIBC = _libc() if hasattr(mmap, "MAP_SHARED") else None
 _FAILED = ctypes.c_void_p(-1).value
+_MADV_POPULATE_WRITE = 23
 
 
 class Mapped:
@@ -58,19 +59,33 @@ class Mapped:
     safetensors files, transformers' included.
     """
 
-    def __init__(self, fd: int, start: int, nbytes: int) -> None:
+    def __init__(self, fd: int, start: int, nbytes: int, *, writable: bool = False) -> None:
         page = mmap.ALLOCATIONGRANULARITY
         self._base = start - start % page
         self._length = start + nbytes - self._base
         self.nbytes = nbytes
-        addr = _LIBC.mmap(None, self._length, mmap.PROT_READ, mmap.MAP_SHARED, fd, self._base)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        addr = _LIBC.mmap(None, self._length, prot, mmap.MAP_SHARED, fd, self._base)
         if addr in (None, _FAILED):
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
         self._addr = addr
         self.address = addr + start - self._base
-        if hasattr(mmap, "MADV_SEQUENTIAL"):  # read front to back, once: read ahead, drop behind
+        if writable:  # every page made writable in one call, not one fault each (Linux 5.14+)
+            _LIBC.madvise(addr, self._length, _MADV_POPULATE_WRITE)
+        elif hasattr(mmap, "MADV_SEQUENTIAL"):  # read front to back, once: read ahead, drop behind
             _LIBC.madvise(addr, self._length, mmap.MADV_SEQUENTIAL)
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this system maps files (not on Windows)."""
+        return _LIBC is not None
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The bytes as a tensor, valid until ``close`` (and not to be written unless mapped
+        ``writable``): drop it first."""
+        raw = (ctypes.c_char * self.nbytes).from_address(self.address)
+        return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
 
     def close(self) -> None:
         if self._addr is not None:

