@@ -302,15 +302,24 @@ def test_a_fold_that_fails_its_check_is_not_published(dirs, tmp_path, monkeypatc
     from enjoyln.store import writer as checkpoint
 
     src, _ = dirs
-    real = checkpoint.center_
+    real, real_into = checkpoint.center_, checkpoint.center_into
+
+    def spoil(t):
+        if t.dim() == 2 and t.shape[0] == 256:  # the position table
+            t[100, 0] += 1e-3 * float(t.abs().max())
 
     def broken(t, axis, *args, **kwargs):
         real(t, axis, *args, **kwargs)
-        if t.dim() == 2 and t.shape[0] == 256:  # the position table
-            t[100, 0] += 1e-3 * float(t.abs().max())
+        spoil(t)
         return t
 
+    def broken_into(src, dst, axis, *args, **kwargs):  # the early copy's path: centered in the file
+        done = real_into(src, dst, axis, *args, **kwargs)
+        spoil(dst)
+        return done
+
     monkeypatch.setattr(checkpoint, "center_", broken)
+    monkeypatch.setattr(checkpoint, "center_into", broken_into)
     out = tmp_path / "out"
     result = runner.invoke(app, ["fold", str(src), str(out)])
     assert result.exit_code == 1, result.output

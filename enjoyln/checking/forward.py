@@ -50,6 +50,7 @@ from ..errors import CaptureError, EnjoylnError
 from .generation import generate_greedy, generation_lengths, generation_settings, judge_generation, settings_problems
 from .report import CheckReport, Coverage, GenerationCheck, OutputCheck, worse
 from .running import cast_inputs, run_model
+from .widening import NotWidened, widened
 
 HALF = (torch.float16, torch.bfloat16)
 WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
@@ -411,8 +412,8 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
             base.put(i, run_model(model, cast_inputs(inputs, base_dtype), seed + i))
         ref_gen = generate_greedy(model, prompt, new_tokens, seed) if prompt is not None else None
         ref_settings = generation_settings(model)
-        # the original's own weights widened in place: its truth without a second load or copy
-        widen = crit.kind == "precision" and reference.owned and base_dtype == reference.dtype
+        # the original's own weights widened: its truth without a second load or copy
+        widen = crit.kind == "precision" and (reference.owned or reference.held) and base_dtype == reference.dtype
         if not widen:
             del model
             reference.drop(base_dtype)
@@ -421,9 +422,10 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
         if crit.kind == "precision":
             truth_out = _Outputs(Path(spill_dir) / "truth" if spill else None)
             try:
-                model = model.to(truth_dtype) if widen else truth.get(truth_dtype)
-                for i, inputs in enumerate(all_inputs):
-                    truth_out.put(i, run_model(model, cast_inputs(inputs, truth_dtype), seed + i))
+                if widen:
+                    _widened_runs(model, reference, truth, truth_dtype, all_inputs, seed, truth_out)
+                else:
+                    _runs(truth.get(truth_dtype), truth_dtype, all_inputs, seed, truth_out)
             except EnjoylnError as exc:
                 if half:
                     raise
@@ -487,6 +489,25 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
         margin=min(margins) if margins else None,
         paths=[p.name for p in paths if p.name], notes=notes, generation_settings=settings_lines,
     )
+
+
+def _runs(model: nn.Module, dtype: torch.dtype, all_inputs: list[Inputs], seed: int, out: _Outputs) -> None:
+    for i, inputs in enumerate(all_inputs):
+        out.put(i, run_model(model, cast_inputs(inputs, dtype), seed + i))
+
+
+def _widened_runs(model: nn.Module, reference: ModelSource, truth: ModelSource, dtype: torch.dtype,
+                  all_inputs: list[Inputs], seed: int, out: _Outputs) -> None:
+    """The truth's runs on the original's own weights, widened one module at a time (no copy of
+    the model: see ``checking.widening``), or, where the model reads a weight outside its
+    owner's forward, widened whole: in place if the check owns the model, else as a copy."""
+    try:
+        with widened(model, dtype):
+            _runs(model, dtype, all_inputs, seed, out)
+        return
+    except (EnjoylnError, NotWidened):
+        pass
+    _runs(model.to(dtype) if reference.owned else truth.get(dtype), dtype, all_inputs, seed, out)
 
 
 class _nothing:

@@ -100,18 +100,24 @@ def test_half_candidate_of_an_fp32_original():
     assert not enjoyln.check(model, folded).passed
 
 
-def test_a_given_reference_becomes_its_own_truth_in_place(gpt2):
-    """The checkpoint check hands its loaded reference over: after its own runs it is widened in
-    place into the float64 truth (no second load), with the same verdict and figures as a truth
-    made from a copy; a half-precision candidate still takes the truth from its own source."""
+def test_a_given_reference_becomes_its_own_truth(gpt2, monkeypatch):
+    """The checkpoint check hands its loaded reference over: after its own runs it is its own
+    float64 truth, widened one module at a time (no second load, no copy of the model), with the
+    same verdict and figures as a truth made from a copy; a half-precision candidate still takes
+    the truth from its own source."""
+    from enjoyln.checking import forward
     from enjoyln.checking.forward import ModelSource, check_sources
 
     folded = enjoyln.fold(copy.deepcopy(gpt2))
     by_copy = check_sources(ModelSource.of(gpt2), ModelSource.of(folded))
     given = copy.deepcopy(gpt2)
     never = ModelSource(torch.float32, lambda dtype: pytest.fail("the truth was loaded again"))
+    to = torch.nn.Module.to
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: pytest.fail("converted whole")
+                        if torch.float64 in a else to(self, *a, **k))
     in_place = check_sources(ModelSource.given(given), ModelSource.of(folded), truth=never)
-    assert given.transformer.wte.weight.dtype == torch.float64  # widened, not copied
+    monkeypatch.undo()
+    assert given.transformer.wte.weight.dtype == torch.float32  # put back after each module
     assert given.lm_head.weight is given.transformer.wte.weight  # ties stay tied
     assert in_place.passed and in_place.criterion_kind == "precision"
     assert (in_place.max_abs_diff, in_place.margin) == (by_copy.max_abs_diff, by_copy.margin)

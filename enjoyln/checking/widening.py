@@ -1,0 +1,153 @@
+"""Running a model in a wider dtype without converting it whole: the truth of the precision-aware
+criterion, at the memory of one layer.
+
+``model.to(torch.float64)`` writes a float64 copy of every weight, twice the model in fresh
+memory (4.9 GB for a 2.4 GB float32 model, 56 GB for a 7B one), and on a virtual machine the
+first touch of fresh memory costs more than the conversion itself (3 to 8 s for those 4.9 GB,
+measured). ``widened`` converts each module's own parameters and floating buffers when its
+forward starts, into scratch memory that is reused by the modules after it, and puts the
+originals back when the forward ends. Widening is exact (every float32 is a float64), so a
+module computes what it would after ``.to``.
+
+It is a faithful stand-in only where every weight is read by the forward of the module that
+owns it. A weight a module reads from another module, outside that one's forward
+(``F.linear(x, self.embed.weight)``), meets float64 inputs as a narrower tensor and the call
+fails; a weight that no forward of its owner converted may have been read that way without
+failing, and then ``widened`` raises ``NotWidened``. Either way the caller converts the model
+whole instead. A forward that returns a view of a widened weight gets a copy of it, since the
+scratch memory is reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+CHUNK = 1 << 20
+"""Elements of the smallest scratch chunk."""
+
+
+class NotWidened(RuntimeError):
+    """The model reads a weight outside its owner's forward: convert it whole instead."""
+
+
+class _Scratch:
+    """Stack-ordered scratch memory in chunks: a module takes what its weights need when its
+    forward starts and gives it back when it ends, so chunks are allocated (and first touched)
+    once, by the largest module, and reused by every one after it."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.chunks: list[torch.Tensor] = []
+        self.top = (0, 0)  # (chunk, element offset)
+
+    def take(self, n: int) -> torch.Tensor:
+        i, at = self.top
+        while i < len(self.chunks) and at + n > self.chunks[i].numel():
+            i, at = i + 1, 0
+        if i == len(self.chunks):
+            if self.top == (0, 0):  # nothing in use: one chunk for the largest module so far
+                self.chunks.clear()
+                i = 0
+            self.chunks.append(torch.empty(max(n, CHUNK), dtype=self.dtype))
+        self.top = (i, at + -(-n // 8) * 8)  # 64-byte aligned for the next one
+        return self.chunks[i][at:at + n]
+
+    def storages(self) -> set[int]:
+        return {c.untyped_storage().data_ptr() for c in self.chunks}
+
+
+def _own_tensors(module: nn.Module) -> Iterator[tuple[dict[str, Any], str, torch.Tensor]]:
+    for table in (module._parameters, module._buffers):
+        for name, t in table.items():
+            if t is not None and t.is_floating_point():
+                yield table, name, t
+
+
+def _copies_of_views(out: Any, storages: set[int]) -> Any:
+    """``out`` with every tensor that lives in the scratch memory replaced by a copy."""
+    if isinstance(out, torch.Tensor):
+        try:
+            inside = out.untyped_storage().data_ptr() in storages
+        except (RuntimeError, NotImplementedError):  # no storage of its own (sparse, nested): not a view
+            inside = False
+        return out.clone() if inside else out
+    if isinstance(out, dict):  # transformers' ModelOutput included: changed in place
+        for key, value in list(out.items()):
+            new = _copies_of_views(value, storages)
+            if new is not value:
+                out[key] = new
+        return out
+    if isinstance(out, (tuple, list)):
+        items = [_copies_of_views(v, storages) for v in out]
+        if all(a is b for a, b in zip(items, out)):
+            return out
+        return type(out)(items) if not hasattr(out, "_fields") else type(out)(*items)
+    return out
+
+
+@contextlib.contextmanager
+def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
+    """Within the block, calling ``model`` computes in ``dtype`` as ``model.to(dtype)`` would,
+    with one module's weights converted at a time; afterwards the model is as it was. Yields the
+    scratch memory (its ``chunks``), for a look at how much it took.
+
+    Raises ``NotWidened`` (on leaving the block) when a weight was not converted by its owner's
+    forward; then, as after any error of the model within the block, convert it whole.
+
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    >>> with widened(net, torch.float64):
+    ...     y = net(torch.randn(2, 4, dtype=torch.float64))
+    >>> y.dtype, net[0].weight.dtype
+    (torch.float64, torch.float32)
+    """
+    scratch = _Scratch(dtype)
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []  # what to put back, in order
+    frames: list[tuple[int, tuple[int, int]]] = []
+    converted: set[int] = set()
+    owned = {id(t) for m in model.modules() for _, _, t in _own_tensors(m) if t.dtype != dtype}
+
+    def restore(depth: int) -> None:
+        while len(swapped) > depth:
+            table, name, original = swapped.pop()
+            if isinstance(table[name], nn.Parameter):
+                table[name].data = original
+            else:
+                table[name] = original
+
+    def pre(module: nn.Module, args: Any) -> None:
+        frames.append((len(swapped), scratch.top))
+        for table, name, t in list(_own_tensors(module)):
+            if t.dtype == dtype:  # already wide: widened by an enclosing forward that owns it too
+                continue
+            wide = scratch.take(t.numel()).view(t.shape)
+            wide.copy_(t.detach())
+            converted.add(id(t))
+            if isinstance(t, nn.Parameter):
+                swapped.append((table, name, t.data))
+                t.data = wide
+            else:
+                swapped.append((table, name, t))
+                table[name] = wide
+
+    def post(module: nn.Module, args: Any, output: Any) -> Any:
+        depth, top = frames.pop()
+        output = _copies_of_views(output, scratch.storages())
+        restore(depth)
+        scratch.top = top
+        return output
+
+    handles = [h for m in model.modules()
+               for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    try:
+        yield scratch
+    finally:
+        for h in handles:
+            h.remove()
+        restore(0)
+    if owned - converted:
+        raise NotWidened(f"{len(owned - converted)} weights of {type(model).__name__} were not read by their "
+                         "owner's forward")
