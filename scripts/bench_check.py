@@ -4,7 +4,8 @@ Builds two GPT-2-shaped checkpoints with random fp32 weights (width 2048; by
 default 1 layer, ~0.6 GB, and 10 layers, ~2.4 GB; LayerNorm gains and biases
 moved away from their init), then for each, every command in its own process
 under ``/usr/bin/time -v`` (wall time, peak RSS), one after the other in one run, each
-``--repeat`` times after a ``sync`` (the fastest time and the largest peak RSS are reported):
+``--repeat`` times after a ``sync``, the two sizes alternating (the fastest time and the largest
+peak RSS are reported):
 
 - ``cp -r`` of the reference, and ``cat`` of both checkpoints' files (the read floor);
 - ``enjoyln fold --no-check``, ``fold --fuse-affine --no-check``, ``rotate --no-check``;
@@ -62,55 +63,91 @@ def warm(*dirs: Path) -> None:
     """Read every weight file of ``dirs`` once, so that the command after it reads from the page
     cache: a machine that reclaims file pages left untouched for a minute (DAMON's reclaim on
     these virtual machines) would otherwise time the disk for some runs and memory for others."""
-    files = [str(f) for d in dirs if d.exists() for f in sorted(d.glob("*.safetensors"))]
-    if files:
-        subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+    found = [str(f) for f in files(*(d for d in dirs if d.exists()))]
+    if found:
+        subprocess.run(["cat", *found], stdout=subprocess.DEVNULL, check=True)
 
 
 IMPORTS = "import torch, transformers, enjoyln.cli.app, enjoyln.convert; transformers.GPT2LMHeadModel"
 
 
-def repeated(n: int, cmd: Callable[[int], list[str]], label: str, after: Callable[[int], None] = lambda i: None,
-             reads: tuple[Path, ...] = ()) -> dict:
-    """``timed`` ``n`` times: the fastest wall time (what the command costs; a shared virtual
-    machine only ever adds to it, by seconds at a time), the largest peak RSS, and every time."""
-    runs = []
-    for i in range(n):
-        # the previous command's dirty pages written back first: each command is timed from
-        # the same clean state, not throttled by its predecessor's writeback
-        subprocess.run(["sync"], check=True)
-        warm(*reads)
-        if cmd(i)[0] == sys.executable:  # the libraries' files too, which the same reclaim evicts
-            subprocess.run([sys.executable, "-c", IMPORTS], check=True)
-        runs.append(timed(cmd(i), label))
-        after(i)
+def run_once(cmd: list[str], label: str, reads: tuple[Path, ...]) -> dict:
+    """One timed run from the same state as every other: the previous command's dirty pages
+    written back (``sync``), and every file it reads in the page cache."""
+    subprocess.run(["sync"], check=True)
+    warm(*reads)
+    if cmd[0] == sys.executable:  # the libraries' files too, which the same reclaim evicts
+        subprocess.run([sys.executable, "-c", IMPORTS], check=True)
+    return timed(cmd, label)
+
+
+def fastest(runs: list[dict]) -> dict:
+    """The fastest wall time (what the command costs: a shared virtual machine only ever adds to
+    it, by seconds at a time), the largest peak RSS, and every time."""
     times = sorted(r["seconds"] for r in runs)
-    return {"exit": max(r["exit"] for r in runs), "seconds": times[0],
-            "rss": max(r["rss"] for r in runs), "times": times}
+    return {"exit": max(r["exit"] for r in runs), "seconds": times[0], "rss": max(r["rss"] for r in runs),
+            "times": times}
 
 
-def measure(ref: Path, root: Path, repeat: int = 3) -> dict[str, dict]:
-    root.mkdir(parents=True, exist_ok=True)
-    folded = root / "folded"
-    out: dict[str, dict] = {}
-    out["cp"] = repeated(repeat, lambda i: ["cp", "-r", str(ref), str(root / "copy")], "cp -r",
-                         lambda i: shutil.rmtree(root / "copy"), reads=(ref,))
-    # the first fold is the one checked below; the others go and come again
-    out["fold"] = repeated(repeat, lambda i: enjoyln("fold", ref, folded if i == 0 else root / "again", "--no-check"),
-                           "fold --no-check", lambda i: shutil.rmtree(root / "again", ignore_errors=True), reads=(ref,))
-    files = [str(f) for d in (ref, folded) for f in sorted(d.glob("*.safetensors"))]
-    out["cat"] = repeated(repeat, lambda i: ["sh", "-c", 'cat "$@" > /dev/null', "cat", *files], "cat both",
-                          reads=(ref, folded))
-    for name, args in {"fuse": ("fold", "--fuse-affine"), "rotate": ("rotate",)}.items():
-        target = root / name
-        out[name] = repeated(repeat, lambda i: enjoyln(*args, ref, target, "--no-check"), " ".join(args) + " --no-check",
-                             lambda i: shutil.rmtree(target, ignore_errors=True), reads=(ref,))
-    out["static"] = repeated(repeat, lambda i: enjoyln("check", ref, folded, "--static"), "check --static",
-                             reads=(ref, folded))
-    out["check"] = repeated(repeat, lambda i: enjoyln("check", ref, folded), "check", reads=(ref, folded))
-    out["bytes_ref"], out["bytes_both"] = size(ref), size(ref) + size(folded)
-    shutil.rmtree(folded)
-    return out
+def measure(refs: list[Path], roots: list[Path], repeat: int = 5) -> list[dict[str, dict]]:
+    """Every command on both checkpoints, the two sizes alternating run by run, so that both meet
+    the machine in the same states; each run writes to ``root/out``, removed after it."""
+    folded = [root / "folded" for root in roots]
+    for ref, root, f in zip(refs, roots, folded):  # the folds the checks read
+        root.mkdir(parents=True, exist_ok=True)
+        subprocess.run(enjoyln("fold", ref, f, "--no-check"), check=True, capture_output=True)
+    both = lambda ref, f: (ref, f)  # noqa: E731
+    commands: dict[str, tuple[str, Callable[[Path, Path, Path], list[str]], Callable[[Path, Path], tuple]]] = {
+        "cp": ("cp -r", lambda ref, out, f: ["cp", "-r", str(ref), str(out)], lambda ref, f: (ref,)),
+        "fold": ("fold --no-check", lambda ref, out, f: enjoyln("fold", ref, out, "--no-check"), lambda ref, f: (ref,)),
+        "cat": ("cat both", lambda ref, out, f: ["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, files(ref, f))],
+                both),
+        "fuse": ("fold --fuse-affine --no-check", lambda ref, out, f: enjoyln("fold", "--fuse-affine", ref, out,
+                                                                              "--no-check"), lambda ref, f: (ref,)),
+        "rotate": ("rotate --no-check", lambda ref, out, f: enjoyln("rotate", ref, out, "--no-check"),
+                   lambda ref, f: (ref,)),
+        "static": ("check --static", lambda ref, out, f: enjoyln("check", ref, f, "--static"), both),
+        "check": ("check", lambda ref, out, f: enjoyln("check", ref, f), both),
+    }
+    results: list[dict[str, dict]] = [{} for _ in refs]
+    for key, (label, cmd, reads) in commands.items():
+        runs: list[list[dict]] = [[] for _ in refs]
+        for _ in range(repeat):
+            for j, (ref, root, f) in enumerate(zip(refs, roots, folded)):
+                runs[j].append(run_once(cmd(ref, root / "out", f), f"{label} ({ref.name})", reads(ref, f)))
+                shutil.rmtree(root / "out", ignore_errors=True)
+        for j in range(len(refs)):
+            results[j][key] = fastest(runs[j])
+    for j, (ref, f) in enumerate(zip(refs, folded)):
+        results[j]["bytes_ref"], results[j]["bytes_both"] = size(ref), size(ref) + size(f)
+        results[j]["in_process"] = min(in_process(ref, f) for _ in range(repeat))
+    return results
+
+
+IN_PROCESS = """
+import sys, time
+from enjoyln.store.model_dir import open_model_dir
+from enjoyln.checking.static import static_check
+ref, cand = sys.argv[1:]
+static_check(open_model_dir(ref), open_model_dir(cand))  # the imports, the meta models, the kernels
+start = time.perf_counter()
+report = static_check(open_model_dir(ref), open_model_dir(cand))
+assert report.passed, report.summary()
+print(time.perf_counter() - start)
+"""
+
+
+def in_process(ref: Path, folded: Path) -> float:
+    """Seconds of ``static_check`` in a process that has run it once already: the weights'
+    part, without the start-up that the whole commands' marginal figures subtract out."""
+    warm(ref, folded)
+    out = subprocess.run([sys.executable, "-c", IN_PROCESS, str(ref), str(folded)], capture_output=True,
+                         text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def files(*dirs: Path) -> list[Path]:
+    return [f for d in dirs for f in sorted(d.glob("*.safetensors"))]
 
 
 def main() -> None:
@@ -123,13 +160,10 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="enjoyln-bench-check-", dir=args.workdir))
     try:
-        runs = []
-        for layers in (args.layers, args.more_layers):
-            ref = work / f"ref{layers}"
+        refs = [work / f"ref{layers}" for layers in (args.layers, args.more_layers)]
+        for layers, ref in zip((args.layers, args.more_layers), refs):
             print(f"{layers} layers: {build_checkpoint(ref, layers, WIDTH) / 1e9:.2f} GB", flush=True)
-            runs.append(measure(ref, work / f"out{layers}", args.repeat))
-            shutil.rmtree(work / f"out{layers}", ignore_errors=True)
-            shutil.rmtree(ref)
+        runs = measure(refs, [work / f"out{layers}" for layers in (args.layers, args.more_layers)], args.repeat)
         text = table(*runs, args.layers, args.more_layers, args.repeat)
         print(text)
         if args.write:
@@ -148,23 +182,35 @@ def table(small: dict, large: dict, layers: int, more: int, repeat: int = 1) -> 
             ("`rotate --no-check`", "rotate", "bytes_ref"), ("`check --static`", "static", "bytes_both"),
             ("`check`", "check", "bytes_both")]
     g = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    rate = lambda x: f"{x:.2f} GB/s" if x != float("inf") else "below the noise¹"  # noqa: E731
+    ratio = lambda a, b: f"{a / b:.2f}×" if a != float("inf") and b != float("inf") else "n/a¹"  # noqa: E731
     lines = [f"| command | marginal throughput | {g(small['bytes_ref'])}: time, peak RSS | "
              f"{g(large['bytes_ref'])}: time, peak RSS |", "|---|---|---|---|"]
     for label, key, by in rows:
-        lines.append(f"| {label} | {marginal(key, by):.2f} GB/s | {small[key]['seconds']:.2f} s, "
+        lines.append(f"| {label} | {rate(marginal(key, by))} | {small[key]['seconds']:.2f} s, "
                      f"{small[key]['rss'] / 2**30:.2f} GiB | {large[key]['seconds']:.2f} s, "
                      f"{large[key]['rss'] / 2**30:.2f} GiB |")
+    inside = [(r["bytes_both"], r["in_process"]) for r in (small, large)]
+    lines.append(f"| `static_check` in process, after a first run (no start-up) | "
+                 f"{(inside[1][0] - inside[0][0]) / max(inside[1][1] - inside[0][1], 1e-9) / 1e9:.2f} GB/s | "
+                 f"{inside[0][1]:.2f} s | {inside[1][1]:.2f} s |")
+    floor = large["bytes_both"] / large["cat"]["seconds"]
     ratios = (f"Ratios from this run: `check --static` marginal throughput = "
-              f"**{marginal('static', 'bytes_both') / marginal('cat', 'bytes_both'):.2f}×** `cat` of both; "
-              f"`fold` = **{marginal('fold', 'bytes_ref') / marginal('cp', 'bytes_ref'):.2f}×** `cp`; "
+              f"**{ratio(marginal('static', 'bytes_both'), marginal('cat', 'bytes_both'))}** `cat` of both "
+              f"(in process, {large['bytes_both'] / inside[1][1] / 1e9:.2f} GB/s on the larger pair = "
+              f"**{large['bytes_both'] / inside[1][1] / floor:.2f}×** `cat` of it); "
+              f"`fold` = **{ratio(marginal('fold', 'bytes_ref'), marginal('cp', 'bytes_ref'))}** `cp`; "
               f"default `check` = **{large['check']['seconds'] / large['static']['seconds']:.2f}×** "
               f"`check --static` on {g(large['bytes_ref'])}; peak RSS of `rotate` "
               f"{large['rotate']['rss'] / 2**30:.2f} GiB and `fold --fuse-affine` "
               f"{large['fuse']['rss'] / 2**30:.2f} GiB on {g(large['bytes_ref'])}.")
-    return "\n".join(lines + ["", ratios, "",
+    notes = ["", "¹ The larger checkpoint took no longer than the smaller: what each further gigabyte costs "
+             "is below what whole commands on this machine resolve."] if "¹" in "\n".join(lines + [ratios]) else []
+    return "\n".join(lines + notes + ["", ratios, "",
                               f"GPT-2-shaped fp32 checkpoints, width {WIDTH}, {layers} and {more} layers, read "
-                              f"from the page cache; each command run {repeat} times, the fastest time and the "
-                              f"largest peak RSS shown; {machine()}. Command: `python scripts/bench_check.py --write`."])
+                              f"from the page cache; each command run {repeat} times, the two sizes alternating, "
+                              f"the fastest time and the largest peak RSS shown; {machine()}. "
+                              "Command: `python scripts/bench_check.py --write`."])
 
 
 if __name__ == "__main__":

@@ -191,8 +191,9 @@ def centered_equal(src: int, cand: int, dtype: torch.dtype, shape: Sequence[int]
     compiler, a dtype it does not know, only some blocks centered): then compute and compare.
 
     >>> t = torch.tensor([[1., 2.], [3., 6.]])
-    >>> centered_equal(t.data_ptr(), center_(t.clone(), 0).data_ptr(), t.dtype, t.shape, 0)
-    True
+    >>> c = center_(t.clone(), 0)
+    >>> [centered_equal(t.data_ptr(), x.data_ptr(), t.dtype, t.shape, 0) for x in (c, t)]
+    [True, False]
     """
     if not _usable(dtype):
         return None

@@ -762,7 +762,8 @@ def test_a_fold_is_proven_from_the_mapped_files_and_only_a_difference_is_read(pa
     report = run(ref, folded)
     assert report.passed and reads == [], (reads, report.summary())
     key = "transformer.h.0.attn.c_proj.weight"
-    cand = edited(folded, tmp_path, lambda sd: sd[key].view(-1)[-1:].view(torch.int32).add_(1))  # one ulp, at the end
+    # one ulp, of the last element
+    cand = edited(folded, tmp_path, lambda sd: sd[key].view(-1)[-1:].view(torch.int32).add_(1))
     report = run(ref, cand)
     assert not report.passed and reads == [key, key]
     assert any(p.startswith(f"{key} is not {key} centered") for p in report.problems)
