@@ -120,30 +120,40 @@ def measure(refs: list[Path], roots: list[Path], repeat: int = 5) -> list[dict[s
             results[j][key] = fastest(runs[j])
     for j, (ref, f) in enumerate(zip(refs, folded)):
         results[j]["bytes_ref"], results[j]["bytes_both"] = size(ref), size(ref) + size(f)
-        results[j]["in_process"] = min(in_process(ref, f) for _ in range(repeat))
+        for what in ("static", "fold"):
+            results[j][f"in_{what}"] = min(in_process(what, ref, f, f.parent / "out") for _ in range(repeat))
     return results
 
 
 IN_PROCESS = """
-import sys, time
+import shutil, sys, time
 from enjoyln.store.model_dir import open_model_dir
 from enjoyln.checking.static import static_check
-ref, cand = sys.argv[1:]
-static_check(open_model_dir(ref), open_model_dir(cand))  # the imports, the meta models, the kernels
-start = time.perf_counter()
-report = static_check(open_model_dir(ref), open_model_dir(cand))
-assert report.passed, report.summary()
-print(time.perf_counter() - start)
+from enjoyln.convert import fold_checkpoint
+what, ref, cand, out = sys.argv[1:]
+def run():
+    start = time.perf_counter()
+    if what == "static":
+        assert static_check(open_model_dir(ref), open_model_dir(cand)).passed
+    else:
+        fold_checkpoint(ref, out, check="none")
+    seconds = time.perf_counter() - start
+    shutil.rmtree(out, ignore_errors=True)
+    return seconds
+run()  # the imports, the meta models, the analysis, the kernels
+print(run())
 """
 
 
-def in_process(ref: Path, folded: Path) -> float:
-    """Seconds of ``static_check`` in a process that has run it once already: the weights'
-    part, without the start-up that the whole commands' marginal figures subtract out."""
+def in_process(what: str, ref: Path, folded: Path, out: Path) -> float:
+    """Seconds of ``static_check`` (``what="static"``) or of ``fold_checkpoint`` into ``out``
+    (``"fold"``) in a process that has run it once already: the weights' part, without the
+    start-up that the whole commands' marginal figures subtract out, and without its noise."""
+    subprocess.run(["sync"], check=True)
     warm(ref, folded)
-    out = subprocess.run([sys.executable, "-c", IN_PROCESS, str(ref), str(folded)], capture_output=True,
-                         text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    done = subprocess.run([sys.executable, "-c", IN_PROCESS, what, str(ref), str(folded), str(out)],
+                          capture_output=True, text=True, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def files(*dirs: Path) -> list[Path]:
@@ -190,16 +200,22 @@ def table(small: dict, large: dict, layers: int, more: int, repeat: int = 1) -> 
         lines.append(f"| {label} | {rate(marginal(key, by))} | {small[key]['seconds']:.2f} s, "
                      f"{small[key]['rss'] / 2**30:.2f} GiB | {large[key]['seconds']:.2f} s, "
                      f"{large[key]['rss'] / 2**30:.2f} GiB |")
-    inside = [(r["bytes_both"], r["in_process"]) for r in (small, large)]
-    lines.append(f"| `static_check` in process, after a first run (no start-up) | "
-                 f"{(inside[1][0] - inside[0][0]) / max(inside[1][1] - inside[0][1], 1e-9) / 1e9:.2f} GB/s | "
-                 f"{inside[0][1]:.2f} s | {inside[1][1]:.2f} s |")
+    def inside(key: str, by: str) -> float:
+        return (large[by] - small[by]) / max(large[key] - small[key], 1e-9) / 1e9
+
+    lines += [f"| `fold_checkpoint` in process, after a first run (no start-up) | "
+              f"{inside('in_fold', 'bytes_ref'):.2f} GB/s | {small['in_fold']:.2f} s | {large['in_fold']:.2f} s |",
+              f"| `static_check` in process, after a first run (no start-up) | "
+              f"{inside('in_static', 'bytes_both'):.2f} GB/s | {small['in_static']:.2f} s | "
+              f"{large['in_static']:.2f} s |"]
     floor = large["bytes_both"] / large["cat"]["seconds"]
+    cp = marginal("cp", "bytes_ref")
     ratios = (f"Ratios from this run: `check --static` marginal throughput = "
               f"**{ratio(marginal('static', 'bytes_both'), marginal('cat', 'bytes_both'))}** `cat` of both "
-              f"(in process, {large['bytes_both'] / inside[1][1] / 1e9:.2f} GB/s on the larger pair = "
-              f"**{large['bytes_both'] / inside[1][1] / floor:.2f}×** `cat` of it); "
-              f"`fold` = **{ratio(marginal('fold', 'bytes_ref'), marginal('cp', 'bytes_ref'))}** `cp`; "
+              f"(in process, {large['bytes_both'] / large['in_static'] / 1e9:.2f} GB/s on the larger pair = "
+              f"**{large['bytes_both'] / large['in_static'] / floor:.2f}×** `cat` of it); "
+              f"`fold` = **{ratio(marginal('fold', 'bytes_ref'), cp)}** `cp` "
+              f"(in process, **{ratio(inside('in_fold', 'bytes_ref'), cp)}**); "
               f"default `check` = **{large['check']['seconds'] / large['static']['seconds']:.2f}×** "
               f"`check --static` on {g(large['bytes_ref'])}; peak RSS of `rotate` "
               f"{large['rotate']['rss'] / 2**30:.2f} GiB and `fold --fuse-affine` "

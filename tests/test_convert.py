@@ -299,6 +299,47 @@ def test_early_copy_gives_the_same_tensors_as_a_fresh_write(shard_size, saved, t
     assert fast.report.passed and enjoyln.check_checkpoints(src, tmp_path / "slow", mode="static").passed
 
 
+def test_centering_right_behind_a_copy_still_running(saved, tmp_path, monkeypatch):
+    """The copy held back halfway until the centering asks for what lies past it: the
+    centering waits for each tensor's bytes (never centers bytes the copy then overwrites),
+    and every output tensor is the plain writer's, bit for bit."""
+    import threading
+    import time
+
+    from enjoyln import convert
+    from enjoyln.store import writer
+
+    src = saved("gpt2", torch.float32)
+    asked, blocked = threading.Event(), []
+    real_copy, real_wait = writer._copy_range, writer.EarlyCopy.wait
+
+    def held_copy(src_fd, dst, start, count, at, advance, stop=None):
+        half = count // 2
+        real_copy(src_fd, dst, start, half, at, advance, stop)
+        assert asked.wait(60)  # the rest only once the centering waits for it
+        for k in range(half, count, 4096):  # in small, slow steps, so the centering follows them
+            time.sleep(0.001)
+            real_copy(src_fd, dst, start + k, min(4096, count - k), at + k, advance, stop)
+
+    def wait(self, shard, upto=None):
+        if upto is not None and self.reached.get(shard, -1) < upto:
+            blocked.append(upto)
+            asked.set()
+        return real_wait(self, shard, upto)
+
+    monkeypatch.setattr(writer, "_copy_range", held_copy)
+    monkeypatch.setattr(writer.EarlyCopy, "wait", wait)
+    fast = fold_checkpoint(src, tmp_path / "fast", check="none")
+    assert len(blocked) > 1  # centering waited on the copy, more than once
+    monkeypatch.setattr(convert, "early_spans", lambda md, size: {})
+    fold_checkpoint(src, tmp_path / "slow", check="none")
+    a, b = _tensors(tmp_path / "fast"), _tensors(tmp_path / "slow")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    assert enjoyln.check_checkpoints(src, tmp_path / "fast", mode="static").passed
+
+
 def test_header_without_room_falls_back_to_a_fresh_write(saved, tmp_path, monkeypatch):
     from enjoyln import convert
     from enjoyln.store import writer

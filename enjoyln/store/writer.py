@@ -163,15 +163,17 @@ class EarlyCopy:
     The analysis is seconds of CPU work and the copy is seconds of I/O, so
     they overlap. Each copy keeps the input's bytes at the same offsets plus
     ``_HEADER_ROOM``; once the plan is known, ``finish_shard`` centers the
-    planned tensors in place, appends any new ones and writes the header. A
-    shard whose layout changes is written afresh instead.
+    planned tensors in place, right behind the copy where it is still running
+    (``wait(shard, upto)``), appends any new ones and writes the header. A
+    shard whose layout changes is written afresh instead, once its copy is done.
     """
 
     def __init__(self, md: ModelDir, tmp: Path, spans: dict[str, tuple[str, int, int]],
                  advance: Callable[[int], None]) -> None:
         self.md, self.tmp, self.spans, self.advance = md, tmp, spans, advance
-        self.done = {shard: threading.Event() for shard in spans}
+        self.reached: dict[str, int] = {}  # shard -> output offset its copy has written up to
         self.copied: set[str] = set()
+        self.progress = threading.Condition()
         self.stop = threading.Event()
         self.error: BaseException | None = None
         self.started, self.finished = time.perf_counter(), None
@@ -183,6 +185,11 @@ class EarlyCopy:
         end = self.finished if self.finished is not None else time.perf_counter()
         return max(0.0, min(end, moment) - self.started)
 
+    def _reach(self, shard: str, offset: int) -> None:
+        with self.progress:
+            self.reached[shard] = offset
+            self.progress.notify_all()
+
     def _run(self) -> None:
         try:
             for shard, (name, base, length) in self.spans.items():
@@ -190,30 +197,43 @@ class EarlyCopy:
                 try:
                     dst = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
                     try:
-                        _copy_range(src, dst, base, length, base + _HEADER_ROOM, self.advance, self.stop)
+                        at = base + _HEADER_ROOM
+                        self._reach(shard, at)
+
+                        def step(n: int, shard: str = shard) -> None:
+                            self.advance(n)
+                            self._reach(shard, self.reached[shard] + n)
+
+                        _copy_range(src, dst, base, length, at, step, self.stop)
                     finally:
                         os.close(dst)
                 finally:
                     os.close(src)
                 if self.stop.is_set():
                     return
-                self.copied.add(shard)
-                self.done[shard].set()
+                with self.progress:
+                    self.copied.add(shard)
         except BaseException as exc:  # reported by wait(), in the thread that can act on it
             self.error = exc
         finally:
-            self.finished = time.perf_counter()
-            self.stop.set()
-            for event in self.done.values():
-                event.set()
+            with self.progress:
+                self.finished = time.perf_counter()
+                self.stop.set()
+                self.progress.notify_all()
 
-    def wait(self, shard: str) -> None:
-        """Block until ``shard`` is copied; raise what the copy raised."""
-        self.done[shard].wait()
+    def wait(self, shard: str, upto: int | None = None) -> None:
+        """Block until ``shard`` is copied, or (``upto``) copied up to that offset of its output
+        file; raise what the copy raised."""
+        def ready() -> bool:
+            return shard in self.copied or (upto is not None and self.reached.get(shard, -1) >= upto)
+
+        with self.progress:
+            self.progress.wait_for(lambda: ready() or self.finished is not None)
+            if ready():
+                return
         if self.error is not None:
             raise self.error
-        if shard not in self.copied:
-            raise RuntimeError(f"the early copy of {shard} was stopped")
+        raise RuntimeError(f"the early copy of {shard} was stopped")
 
     def cancel(self) -> None:
         self.stop.set()
@@ -221,12 +241,15 @@ class EarlyCopy:
 
 
 def finish_shard(file: Path, entries: list[Entry], reader: TensorReader, base: int, metadata: dict[str, str],
-                 advance: Callable[[int], None], buffer: Buffer) -> bool:
-    """Turn an early copy of a shard into the output shard; False if its header would not fit.
+                 advance: Callable[[int], None], buffer: Buffer,
+                 copied: Callable[[int], None] | None = None) -> bool:
+    """Turn an early copy of a shard into the output shard; False, with nothing touched, if its
+    header would not fit.
 
-    The first entries are the input's tensors, already in place; centered ones
-    are read, centered and written back where they are; entries added by the
-    plan (untied heads) are appended after them.
+    The first entries are the input's tensors, in place or (``copied``: blocks until the copy
+    has written up to an offset) on their way; centered ones are centered where they are as
+    soon as the copy is past them; entries added by the plan (untied heads) are appended after
+    them. The copy may still be writing the shard's tail when this returns.
     """
     root = reader.md.path
     blob = _header_json(entries, metadata)
@@ -234,6 +257,8 @@ def finish_shard(file: Path, entries: list[Entry], reader: TensorReader, base: i
     if len(blob) > start - 8:
         return False
     blob += b" " * (start - 8 - len(blob))  # JSON allows trailing spaces; safetensors pads this way too
+    if copied is not None:
+        copied(start)  # the copy has created the file: its truncation is behind us
     fds: dict[str, int] = {}
     out = os.open(file, os.O_RDWR)
     try:
@@ -260,6 +285,8 @@ def finish_shard(file: Path, entries: list[Entry], reader: TensorReader, base: i
                 for e, at, appended in positions:
                     if e.axis is None:
                         continue
+                    if copied is not None and not appended:
+                        copied(at + e.nbytes)
                     if appended or not _center_in_file(out, at, e):
                         t = reader.read(e.source.name, buffer)
                         view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
