@@ -213,8 +213,9 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         for name, entries in shards:
             shard = by_name.get(name) if early is not None else None
             copied = (lambda upto, s=shard: early.wait(s, upto)) if shard is not None else None
-            if layout[name] is not None and finish_shard(tmp / name, entries, reader, spans[by_name[name]][1],
-                                                         metadata, advance, buffer, copied):
+            if layout[name] is not None and finish_shard(tmp / name, entries, reader, by_name[name],
+                                                         spans[by_name[name]][1], metadata, advance, buffer,
+                                                         copied):
                 if shard is not None:
                     early.wait(shard)  # centered right behind the copy, which may still be on the tail
                 continue

@@ -1,6 +1,7 @@
 """Checkpoint round trips: directory -> fold -> directory, for every architecture."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -299,10 +300,12 @@ def test_early_copy_gives_the_same_tensors_as_a_fresh_write(shard_size, saved, t
     assert fast.report.passed and enjoyln.check_checkpoints(src, tmp_path / "slow", mode="static").passed
 
 
-def test_centering_right_behind_a_copy_still_running(saved, tmp_path, monkeypatch):
+@pytest.mark.parametrize("lone_shard", [False, True])
+def test_centering_right_behind_a_copy_still_running(saved, tmp_path, monkeypatch, lone_shard):
     """The copy held back halfway until the centering asks for what lies past it: the
     centering waits for each tensor's bytes (never centers bytes the copy then overwrites),
-    and every output tensor is the plain writer's, bit for bit."""
+    and every output tensor is the plain writer's, bit for bit. Also where the output shard
+    has another name than the input's (a lone indexed shard is written as model.safetensors)."""
     import threading
     import time
 
@@ -310,6 +313,14 @@ def test_centering_right_behind_a_copy_still_running(saved, tmp_path, monkeypatc
     from enjoyln.store import writer
 
     src = saved("gpt2", torch.float32)
+    if lone_shard:
+        src = shutil.copytree(src, tmp_path / "src")
+        shard = "model-00001-of-00001.safetensors"
+        (src / "model.safetensors").rename(src / shard)
+        with safe_open(src / shard, "pt") as f:
+            keys = list(f.keys())
+        (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+            k: shard for k in keys}}))
     asked, blocked = threading.Event(), []
     real_copy, real_wait = writer._copy_range, writer.EarlyCopy.wait
 
@@ -330,6 +341,7 @@ def test_centering_right_behind_a_copy_still_running(saved, tmp_path, monkeypatc
     monkeypatch.setattr(writer, "_copy_range", held_copy)
     monkeypatch.setattr(writer.EarlyCopy, "wait", wait)
     fast = fold_checkpoint(src, tmp_path / "fast", check="none")
+    assert fast.files == ["model.safetensors"]
     assert len(blocked) > 1  # centering waited on the copy, more than once
     monkeypatch.setattr(convert, "early_spans", lambda md, size: {})
     fold_checkpoint(src, tmp_path / "slow", check="none")

@@ -321,22 +321,22 @@ def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
     # the candidate's files front to back, each tensor's successor read while it is compared
     order = sorted(todo.items(), key=lambda item: reader_cand.offset(item[0]))
     done = 0
-    if expected is None:  # first, everything both files can prove without a copy; the rest is read
-        decided = _mapped_verdicts(order, reader_ref, reader_cand, read_param, recorded is None)
-        for ck, (identical, folded) in decided.items():
-            rk, c, is_untied = todo[ck]
-            report.tensors += 1
-            report.identical += identical and c is None
-            report.centered += bool(c)
-            report.untied += is_untied
-            if not identical:
-                not_identical.append(f"{ck} differs from the reference's {rk}")
-            done += reader_cand.nbytes(ck)
-            if progress is not None:
-                progress(done, total)
-        order = [item for item in order if item[0] not in decided]
     side = ThreadPoolExecutor(1, thread_name_prefix="enjoyln-read")
     try:
+        if expected is None:  # first, everything both files can prove without a copy; the rest is read
+            decided = _mapped_verdicts(order, reader_ref, reader_cand, read_param, recorded is None)
+            for ck, (identical, folded) in decided.items():
+                rk, c, is_untied = todo[ck]
+                report.tensors += 1
+                report.identical += identical and c is None
+                report.centered += bool(c)
+                report.untied += is_untied
+                if not identical:
+                    not_identical.append(f"{ck} differs from the reference's {rk}")
+                done += reader_cand.nbytes(ck)
+                if progress is not None:
+                    progress(done, total)
+            order = [item for item in order if item[0] not in decided]
         for (_, (ck, (rk, c, is_untied))), (r, t) in read_ahead(enumerate(order), load, size):
             ref_dtype, cand_dtype = reader_ref.dtype(rk), reader_cand.dtype(ck)
             same_dtype = ref_dtype == cand_dtype
@@ -423,7 +423,15 @@ def _mapped_verdicts(order: list[tuple[str, tuple[str, list[Centering] | None, b
         if i + 1 < len(eligible):
             ref.prefetch(eligible[i + 1][1])
             cand.prefetch(eligible[i + 1][0])
-        with ref.mapped(rk) as r, cand.mapped(ck) as t:
+        r = None
+        try:
+            r = ref.mapped(rk)
+            t = cand.mapped(ck)
+        except OSError:  # a file system that cannot map files (FUSE direct I/O): the reading path
+            if r is not None:
+                r.close()
+            continue
+        with r, t:
             if c is None:
                 same = folded = same_memory(r.address, t.address, r.nbytes)
             else:

@@ -56,7 +56,8 @@ class Mapped:
 
     A file truncated while it is mapped ends the process with SIGBUS when the missing part is
     touched (a non-zero exit, never a verdict): the same as for every loader that maps
-    safetensors files, transformers' included.
+    safetensors files, transformers' included. A ``writable`` mapping has every page made
+    writable up front, or raises ``OSError`` (a full disk, a kernel before 5.14).
     """
 
     def __init__(self, fd: int, start: int, nbytes: int, *, writable: bool = False) -> None:
@@ -72,7 +73,13 @@ class Mapped:
         self._addr = addr
         self.address = addr + start - self._base
         if writable:  # every page made writable in one call, not one fault each (Linux 5.14+)
-            _LIBC.madvise(addr, self._length, _MADV_POPULATE_WRITE)
+            # and any block it needs reserved now: a full disk is an error here, where a write
+            # through the mapping would be SIGBUS; an older kernel says EINVAL, and the caller
+            # writes the plain way
+            if _LIBC.madvise(addr, self._length, _MADV_POPULATE_WRITE) != 0:
+                err = ctypes.get_errno()
+                self.close()
+                raise OSError(err, os.strerror(err))
         elif hasattr(mmap, "MADV_SEQUENTIAL"):  # read front to back, once: read ahead, drop behind
             _LIBC.madvise(addr, self._length, mmap.MADV_SEQUENTIAL)
 

@@ -240,11 +240,12 @@ class EarlyCopy:
         self.thread.join()
 
 
-def finish_shard(file: Path, entries: list[Entry], reader: TensorReader, base: int, metadata: dict[str, str],
-                 advance: Callable[[int], None], buffer: Buffer,
+def finish_shard(file: Path, entries: list[Entry], reader: TensorReader, shard: str, base: int,
+                 metadata: dict[str, str], advance: Callable[[int], None], buffer: Buffer,
                  copied: Callable[[int], None] | None = None) -> bool:
-    """Turn an early copy of a shard into the output shard; False, with nothing touched, if its
-    header would not fit.
+    """Turn the early copy of the input's ``shard`` (its data at ``base``) into the output shard
+    ``file``, which may have another name; False, with nothing touched, if its header would not
+    fit.
 
     The first entries are the input's tensors, in place or (``copied``: blocks until the copy
     has written up to an offset) on their way; centered ones are centered where they are as
@@ -268,7 +269,9 @@ def finish_shard(file: Path, entries: list[Entry], reader: TensorReader, base: i
                 raise AssertionError(e.name)
             if e.source.file not in fds:
                 fds[e.source.file] = os.open(root / e.source.file, os.O_RDONLY)
-            positions.append((e, at, e.source.start + _HEADER_ROOM != at or e.source.file != file.name))
+            # where the copy put it, or to be appended; never by the output's name, which a lone
+            # shard changes (model-00001-of-00001.safetensors -> model.safetensors)
+            positions.append((e, at, e.source.start + _HEADER_ROOM != at or e.source.file != shard))
             at += e.nbytes
         os.ftruncate(out, at)  # the appended entries' room, so that the two threads below never race on the size
         # appended copies (an untied head) go on a second thread, in the kernel, while this one centers
@@ -314,7 +317,11 @@ def _center_in_file(out: int, at: int, e: Entry) -> bool:
     available, or the tensor is empty: then read, center and write it."""
     if not e.nbytes or not Mapped.available():
         return False
-    with Mapped(out, at, e.nbytes, writable=True) as m:
+    try:
+        m = Mapped(out, at, e.nbytes, writable=True)
+    except OSError:  # not mappable here, or no room for the blocks (which the plain write then reports)
+        return False
+    with m:
         t = m.tensor(DTYPES[e.dtype], e.shape)
         done = center_into(t.data_ptr(), t, e.axis, e.groups, e.scale, e.blocks)
         del t  # never used after the mapping goes

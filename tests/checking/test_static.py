@@ -767,3 +767,22 @@ def test_a_fold_is_proven_from_the_mapped_files_and_only_a_difference_is_read(pa
     report = run(ref, cand)
     assert not report.passed and reads == [key, key]
     assert any(p.startswith(f"{key} is not {key} centered") for p in report.problems)
+
+
+def test_files_that_cannot_be_mapped_are_read_instead(pair, tmp_path, monkeypatch):
+    """A file system that refuses to map files (FUSE with direct I/O: ENODEV) sends every tensor
+    to the reading path: the same verdicts, a right fold passes and one ulp still fails."""
+    import errno
+
+    from enjoyln.store.tensors import TensorReader
+
+    def refuse(self, key):
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(TensorReader, "mapped", refuse)
+    ref, folded, _ = pair
+    assert run(ref, folded).passed
+    key = "transformer.h.0.mlp.c_proj.weight"
+    cand = edited(folded, tmp_path, lambda sd: sd[key].view(-1)[7:8].view(torch.int32).add_(1))
+    report = run(ref, cand)
+    assert not report.passed and any(p.startswith(f"{key} is not {key} centered") for p in report.problems)

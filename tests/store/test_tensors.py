@@ -70,3 +70,22 @@ def test_a_pickled_checkpoint_is_not_mappable(model_dir):
     path, tensors = model_dir
     reader = TensorReader(open_model_dir(path), {k: t for k, t in tensors.items()})
     assert not reader.mappable("c")
+
+
+def test_a_writable_mapping_whose_pages_cannot_be_made_writable_raises(model_dir, monkeypatch):
+    """Made writable up front or refused with OSError (a full disk, an old kernel), never a
+    mapping whose first store might end the process with SIGBUS; the file is left as it was."""
+    import os
+
+    from enjoyln.store import tensors
+
+    path, _ = model_dir
+    before = (path / "model.safetensors").read_bytes()
+    monkeypatch.setattr(tensors, "_MADV_POPULATE_WRITE", 12345)  # an advice no kernel knows: EINVAL
+    fd = os.open(path / "model.safetensors", os.O_RDWR)
+    try:
+        with pytest.raises(OSError):
+            tensors.Mapped(fd, 100, 1000, writable=True)
+    finally:
+        os.close(fd)
+    assert (path / "model.safetensors").read_bytes() == before

@@ -36,3 +36,26 @@ def test_centering_in_the_file_gives_the_in_memory_bits(tmp_path, dtype, shape, 
     want = center_(t.clone(), axis, groups, scale, blocks).view(-1).view(torch.uint8).numpy().tobytes()
     assert want != raw  # something was centered
     assert data == b"\x01" * at + want + b"\x02" * 100  # and nothing beside it moved
+
+
+def test_a_tensor_that_cannot_be_mapped_is_left_to_the_plain_write(tmp_path, monkeypatch):
+    """Where the output cannot be mapped writable (ENODEV, or no room for its blocks), centering
+    in the file says so and changes nothing; the writer then reads, centers and writes it."""
+    import errno
+
+    from enjoyln.store import writer
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(writer, "Mapped", type("Refused", (), {"__init__": refuse, "available": staticmethod(
+        lambda: True)}))
+    raw = torch.randn(64, 8).view(-1).view(torch.uint8).numpy().tobytes()
+    path = tmp_path / "shard"
+    path.write_bytes(raw)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert not _center_in_file(fd, 0, Entry("w", "F32", (64, 8), len(raw), axis=0))
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == raw
