@@ -211,16 +211,14 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         metadata = {"format": "pt", "enjoyln": __version__}
         buffer, reader = Buffer(), TensorReader(md)
         for name, entries in shards:
-            shard = by_name.get(name) if early is not None else None
+            shard = by_name.get(name) if early is not None else None  # set wherever layout[name] is
             copied = (lambda upto, s=shard: early.wait(s, upto)) if shard is not None else None
-            if layout[name] is not None and finish_shard(tmp / name, entries, reader, by_name[name],
-                                                         spans[by_name[name]][1], metadata, advance, buffer,
-                                                         copied):
-                if shard is not None:
-                    early.wait(shard)  # centered right behind the copy, which may still be on the tail
+            finished = layout[name] is not None and finish_shard(tmp / name, entries, reader, shard,
+                                                                 spans[shard][1], metadata, advance, buffer, copied)
+            if shard is not None:  # the whole copy: the tail behind the centering, or before a rewrite of the file
+                early.wait(shard)
+            if finished:
                 continue
-            if shard is not None:
-                early.wait(shard)  # never rewrite a file the copy is still writing
             if layout[name] is not None:  # the header outgrew its room: write the shard afresh
                 with lock:
                     total[0] += sum(e.nbytes for e in entries)

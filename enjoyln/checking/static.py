@@ -35,6 +35,7 @@ does not rely on that arithmetic.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -423,15 +424,11 @@ def _mapped_verdicts(order: list[tuple[str, tuple[str, list[Centering] | None, b
         if i + 1 < len(eligible):
             ref.prefetch(eligible[i + 1][1])
             cand.prefetch(eligible[i + 1][0])
-        r = None
-        try:
-            r = ref.mapped(rk)
-            t = cand.mapped(ck)
-        except OSError:  # a file system that cannot map files (FUSE direct I/O): the reading path
-            if r is not None:
-                r.close()
-            continue
-        with r, t:
+        with contextlib.ExitStack() as mapped:
+            try:
+                r, t = mapped.enter_context(ref.mapped(rk)), mapped.enter_context(cand.mapped(ck))
+            except OSError:  # a file system that cannot map files (FUSE direct I/O): the reading path
+                continue
             if c is None:
                 same = folded = same_memory(r.address, t.address, r.nbytes)
             else:

@@ -8,6 +8,7 @@ computed ones (a fused affine, a rotation) are written from their own memory and
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -16,7 +17,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -96,46 +97,26 @@ def write_shard(file: Path, entries: list[Entry], reader: TensorReader, metadata
         for e in entries:
             if e.source is not None and e.source.file not in fds:
                 fds[e.source.file] = os.open(root / e.source.file, os.O_RDONLY)
-        raw = [(e, at) for e, at in zip(entries, positions) if e.axis is None and e.tensor is None and e.compute is None]
-        cooked = [(e, at) for e, at in zip(entries, positions) if not (e.axis is None and e.tensor is None
-                                                                      and e.compute is None)]
-
-        stop = threading.Event()
-
-        def copy_raw() -> None:
-            for e, at in raw:
-                if stop.is_set():
-                    return
-                _copy_range(fds[e.source.file], out, e.source.start, e.nbytes, at, advance)
-
-        with ThreadPoolExecutor(1) as pool:
-            copying = pool.submit(copy_raw)
-            try:
-                for e, at in cooked:
-                    if e.compute is not None:  # computed now, written from its own memory, dropped
-                        t = e.compute().contiguous()
-                        if t.dtype != DTYPES[e.dtype] or t.numel() * t.element_size() != e.nbytes:
-                            raise AssertionError(f"{e.name} was computed as {t.dtype} {list(t.shape)}")
-                        _pwrite_all(out, memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes
-                                    else memoryview(b""), at)
-                        del t
-                        advance(e.nbytes)
-                        continue
-                    if e.tensor is not None:
-                        t = buffer.bytes(e.nbytes).view(e.tensor.dtype).view(e.shape)
-                        t.copy_(e.tensor)
-                    else:
-                        t = reader.read(e.source.name, buffer)
-                    view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
-                    if e.axis is not None:
-                        center_(t, e.axis, e.groups, e.scale, e.blocks)
-                    _pwrite_all(out, view, at)
-                    advance(e.nbytes)
-            except BaseException:
-                stop.set()  # the first error is the one to report; the copy just stops
-                copying.exception()
-                raise
-            copying.result()
+        copied_as_is = [e.axis is None and e.tensor is None and e.compute is None for e in entries]
+        raw = [(fds[e.source.file], e.source.start, e.nbytes, at)
+               for e, at, as_is in zip(entries, positions, copied_as_is) if as_is]
+        cooked = [(e, at) for e, at, as_is in zip(entries, positions, copied_as_is) if not as_is]
+        with _copying_alongside(out, raw, advance):
+            for e, at in cooked:
+                if e.compute is not None:  # computed now, written from its own memory, dropped
+                    t = e.compute().contiguous()
+                    if t.dtype != DTYPES[e.dtype] or t.numel() * t.element_size() != e.nbytes:
+                        raise AssertionError(f"{e.name} was computed as {t.dtype} {list(t.shape)}")
+                    _pwrite_all(out, memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes
+                                else memoryview(b""), at)
+                    del t
+                elif e.tensor is not None:
+                    t = buffer.bytes(e.nbytes).view(e.tensor.dtype).view(e.shape)
+                    t.copy_(e.tensor)
+                    _center_and_write(out, at, t, e)
+                else:
+                    _center_and_write(out, at, reader.read(e.source.name, buffer), e)
+                advance(e.nbytes)
         os.ftruncate(out, pos)
     finally:
         os.close(out)
@@ -275,38 +256,53 @@ def finish_shard(file: Path, entries: list[Entry], reader: TensorReader, shard: 
             at += e.nbytes
         os.ftruncate(out, at)  # the appended entries' room, so that the two threads below never race on the size
         # appended copies (an untied head) go on a second thread, in the kernel, while this one centers
-        stop = threading.Event()
-        copies = [(e, at) for e, at, appended in positions if appended and e.axis is None]
-
-        def copy_appended() -> None:
-            for e, at in copies:
-                _copy_range(fds[e.source.file], out, e.source.start, e.nbytes, at, advance, stop)
-
-        with ThreadPoolExecutor(1) as pool:
-            copying = pool.submit(copy_appended)
-            try:
-                for e, at, appended in positions:
-                    if e.axis is None:
-                        continue
-                    if copied is not None and not appended:
-                        copied(at + e.nbytes)
-                    if appended or not _center_in_file(out, at, e):
-                        t = reader.read(e.source.name, buffer)
-                        view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
-                        center_(t, e.axis, e.groups, e.scale, e.blocks)
-                        _pwrite_all(out, view, at)
-                    advance(e.nbytes)
-            except BaseException:
-                stop.set()  # the first error is the one to report; the copy just stops
-                copying.exception()
-                raise
-            copying.result()
+        copies = [(fds[e.source.file], e.source.start, e.nbytes, at) for e, at, appended in positions
+                  if appended and e.axis is None]
+        with _copying_alongside(out, copies, advance):
+            for e, at, appended in positions:
+                if e.axis is None:
+                    continue
+                if copied is not None and not appended:
+                    copied(at + e.nbytes)
+                if appended or not _center_in_file(out, at, e):
+                    _center_and_write(out, at, reader.read(e.source.name, buffer), e)
+                advance(e.nbytes)
         _pwrite_all(out, memoryview(struct.pack("<Q", len(blob)) + blob), 0)
     finally:
         os.close(out)
         for fd in fds.values():
             os.close(fd)
     return True
+
+
+@contextlib.contextmanager
+def _copying_alongside(out: int, copies: list[tuple[int, int, int, int]],
+                       advance: Callable[[int], None]) -> Iterator[None]:
+    """Kernel copies (source fd, start, count, output offset) into ``out`` on a second thread
+    while the block runs; the block's error, if any, is the one raised, and stops the copies."""
+    stop = threading.Event()
+
+    def run() -> None:
+        for src, start, count, at in copies:
+            _copy_range(src, out, start, count, at, advance, stop)
+
+    with ThreadPoolExecutor(1) as pool:
+        copying = pool.submit(run)
+        try:
+            yield
+        except BaseException:
+            stop.set()
+            copying.exception()
+            raise
+        copying.result()
+
+
+def _center_and_write(out: int, at: int, t: torch.Tensor, e: Entry) -> None:
+    """Write ``t`` (the entry's tensor, in a buffer) at ``at``, centered first if the entry says so."""
+    view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
+    if e.axis is not None:
+        center_(t, e.axis, e.groups, e.scale, e.blocks)
+    _pwrite_all(out, view, at)
 
 
 def _center_in_file(out: int, at: int, e: Entry) -> bool:
