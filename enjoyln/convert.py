@@ -242,7 +242,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             read_safetensors_header(tmp / name)
         report = None
         if check != "none":
-            report = check_checkpoints(src, tmp, mode=check, plan=plan, allow_pickle=allow_pickle,
+            report = check_checkpoints(src, tmp, mode=check, allow_pickle=allow_pickle,
                                        trust_remote_code=trust_remote_code, **(check_options or {}))
             if not report.passed:
                 kept = _keep_failed(tmp, out) if keep_failed else None

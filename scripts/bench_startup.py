@@ -54,14 +54,8 @@ model_class(md)
 t["class"] = time.perf_counter()
 model = meta_model(md)
 t["meta"] = time.perf_counter()
-os.environ["ENJOYLN_PLAN_CACHE"] = "0"
 analyze_dir(md, model, False)
 t["traced"] = time.perf_counter()
-os.environ["ENJOYLN_PLAN_CACHE"] = "1"
-analyze_dir(md, model, False)  # cached by this call if it was not, then read back
-t["cached_write"] = time.perf_counter()
-analyze_dir(md, model, False)
-t["cached"] = time.perf_counter()
 print(json.dumps(t))
 """
 
@@ -70,8 +64,7 @@ ROWS = [("the interpreter", "process", "start"), ("`import enjoyln.cli.app`", "s
         ("`import transformers`", "torch", "transformers"), ("enjoyln's modules", "transformers", "enjoyln"),
         ("reading the directory (config, headers)", "enjoyln", "open"),
         ("importing the model's class", "open", "class"), ("building the meta model", "class", "meta"),
-        ("analysis, traced with `torch.export`", "meta", "traced"),
-        ("analysis, from the plan cache", "cached_write", "cached")]
+        ("analysis, traced with `torch.export`", "meta", "traced")]
 
 
 def warm(*dirs: Path) -> None:

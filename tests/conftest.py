@@ -4,8 +4,6 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# tests patch the analysis and build many configs: each analyses afresh (test_plan_cache turns it on)
-os.environ["ENJOYLN_PLAN_CACHE"] = "0"
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,7 @@ from safetensors import safe_open
 import enjoyln
 from enjoyln.analysis.inputs import hf_example_inputs, is_causal_lm
 from enjoyln.convert import fold_checkpoint
+from enjoyln.errors import CheckFailed
 from enjoyln.store.load import load
 from enjoyln.store.memory import parse_size
 from enjoyln.store.model_dir import open_model_dir
@@ -503,10 +504,16 @@ def test_a_tied_table_partly_untied_keeps_the_untied_name_as_it_was(tmp_path):
                            else e for e in full.layer_norms],
         untied=[Untie(name, "model.encoder.embed_tokens.weight", nbytes)
                 for name in ("lm_head.weight", "model.decoder.embed_tokens.weight")])
-    result = fold_checkpoint(src, out, plan=plan)
-    assert result.report.passed, result.report.summary()
+    # the gate holds a fold to this enjoyln's own analysis of the reference, never to the plan the
+    # fold was handed: this narrower plan is sound, but not what the analysis gives
+    with pytest.raises(CheckFailed) as failed:
+        fold_checkpoint(src, out, plan=plan)
+    assert any("the recorded plan is not what this enjoyln's analysis gives" in p
+               for p in failed.value.report.static.problems)
+    result = fold_checkpoint(src, out, plan=plan, check="none")
+    assert result.report is None and (out / "config.json").exists()
     apply_plan(copy.deepcopy(original), plan).save_pretrained(mem)
-    assert enjoyln.check_checkpoints(src, mem, plan=plan).passed
+    assert enjoyln.check_checkpoints(src, mem, mode="forward").passed
 
     a, b = _tensors(out), _tensors(mem)
     assert a.keys() == b.keys()

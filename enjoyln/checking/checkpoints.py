@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, EnjoylnError
-from ..plan import FoldPlan, format_bytes
+from ..plan import format_bytes
 from ..store.block import recorded_plan
 from ..store.load import load, load_plain
 from ..store.memory import (available_memory, built_bytes, config_value_dict, dominant_dtype, forward_check_bytes,
@@ -82,7 +82,7 @@ def _activation_bytes(md: ModelDir) -> int:
 
 def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike, *,
                       allow_pickle: bool = False, trust_remote_code: bool = False, mode: str = "full",
-                      plan: FoldPlan | None = None, progress: Callable[[int, int], None] | None = None,
+                      progress: Callable[[int, int], None] | None = None,
                       max_memory: int | None = None, dtype: Any = None, thorough: bool = False,
                       **check_kwargs: Any) -> "CheckReport":
     """Prove CANDIDATE computes what REFERENCE does: every weight, then the outputs.
@@ -131,9 +131,14 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
         require_memory(cand_md, max_memory)
     static = None
     if mode != "forward":
-        static = static_check(ref_md, cand_md, plan=plan, progress=progress, dtype=dtype)
+        static = static_check(ref_md, cand_md, progress=progress, dtype=dtype)
         if mode == "static" or not static.passed:
             return CheckReport.from_static(static, forward_skipped=mode != "static")
+        if static.byte_identical:
+            report = CheckReport.from_static(static, forward_skipped=True)
+            report.forward_skipped = ("the candidate is byte for byte the reference, so it loads and computes "
+                                      "the same: there is nothing to run")
+            return report
     elif problems := load_problems(ref_md, cand_md, dtype):  # no weight check, but the same dtype
         report = CheckReport.from_static(StaticReport(passed=False, problems=problems, scope="load settings"),
                                          forward_skipped=True)

@@ -224,17 +224,40 @@ def _same_content(a: Path, b: Path) -> bool:
                 return same_json(_json_value(a), _json_value(b))
             except _Unreadable:
                 pass
-        if size_a != size_b:
-            return False
-        with open(a, "rb") as fa, open(b, "rb") as fb:
-            while True:
-                x, y = fa.read(1 << 20), fb.read(1 << 20)
-                if x != y:
-                    return False
-                if not x:
-                    return True
+        return size_a == size_b and _same_bytes(a, b)
     except OSError as exc:
         raise CheckpointError(f"cannot read {exc.filename or b}: {exc.strerror or exc}") from None
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    """Whether two files of the same size hold the same bytes, streamed."""
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(1 << 20), fb.read(1 << 20)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def identical_directories(ref: ModelDir, cand: ModelDir) -> bool:
+    """Whether every file a loader reads in ``cand`` is the one of the same name in ``ref``, byte
+    for byte, and no file is extra or missing: then both load and compute the same, with no
+    analysis. config.json is compared first, where a fold always differs."""
+    ours, odd = loader_files(ref.path)
+    theirs, odd_too = loader_files(cand.path)
+    ours.pop(OWNER_FILE, None)  # marks the temporary directory a fold checks; no loader reads it
+    theirs.pop(OWNER_FILE, None)
+    if odd or odd_too or ours.keys() != theirs.keys():
+        return False
+    try:
+        sizes = {rel: (ours[rel].stat().st_size, theirs[rel].stat().st_size) for rel in ours}
+        if any(x != y for x, y in sizes.values()):
+            return False
+        order = sorted(ours, key=lambda rel: (rel != "config.json", sizes[rel][0], rel))
+        return all(_same_bytes(ours[rel], theirs[rel]) for rel in order)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {exc.filename}: {exc.strerror or exc}") from None
 
 
 def file_problems(ref: ModelDir, cand: ModelDir) -> list[str]:

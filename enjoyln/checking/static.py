@@ -35,31 +35,25 @@ does not rely on that arithmetic.
 
 from __future__ import annotations
 
-import contextlib
-import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
-from ..errors import CheckpointError, EnjoylnError
-from ..ops.center import same_memory
-from ..ops.compare import same_bytes
-from ..plan import Centering, FoldPlan, RotationSpec
+from ..errors import EnjoylnError
+from ..plan import FoldPlan, RotationSpec
 from ..store.block import recorded_plan
 from ..store.expected import analyze_dir, moves_values
 from ..store.formats import load_pickled
-from ..store.hf import check_shapes, checkpoint_key, saved_names
+from ..store.hf import check_shapes
 from ..store.model_dir import ModelDir, meta_model
 from ..store.stream import StreamedTensors
-from ..store.tensors import Buffer, TensorReader, read_ahead
-from ..transform.tensors import center_, centered_equal, merge_centerings, tie_groups
-from .compare import (code_problems, config_problems, expected_config, file_problems, load_problems, parse_dtype,
-                      plan_problems)
-
+from ..store.tensors import TensorReader
+from .compare import (code_problems, config_problems, expected_config, file_problems, identical_directories,
+                      load_problems, parse_dtype, plan_problems, same_json)
+from .pairing import KeyFinder, Pair, pair_tensors, still_tied
+from .verify import Verdicts, Verifier, read_param_of
 
 @dataclass
 class StaticReport:
@@ -81,6 +75,11 @@ class StaticReport:
     problems: list[str] = field(default_factory=list)
     scope: str = "static check"
     """What was checked: every weight and file, or (with ``--forward-only``) the load settings only."""
+    byte_identical: bool = False
+    """Every file a loader reads is the reference's, byte for byte: nothing else needed checking."""
+    missing: list[str] = field(default_factory=list)
+    """Parameters the model class builds that neither checkpoint holds (initialised at random on
+    every load)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,61 +92,25 @@ class StaticReport:
                  f"{self.identical} identical, {self.centered} centered, {self.untied} untied")
         what = f"{self.tensors} tensors verified ({kinds}), {self.bytes_read / 1e6:.1f} MB read in {self.seconds:.2f} s"
         lines = [f"{verdict}: static check, {what}"]
-        if self.form:
+        if self.byte_identical:
+            lines.append("  the candidate is byte for byte the reference: every file a loader reads is the same")
+        elif self.form:
             lines.append(f"  the candidate is {'the plan applied to the reference' if self.form == 'folded' else 'identical to the reference'}"
                          f" (plan: {self.plan})")
+        if self.missing:
+            lines.append(f"  note: {missing_note(self.missing)}")
         lines += [f"  [FAIL] {p}" for p in self.problems[:20]]
         if len(self.problems) > 20:
             lines.append(f"  ... and {len(self.problems) - 20} more problems")
         return "\n".join(lines)
 
 
-def center_as_planned(t: torch.Tensor, cs: list[Centering], read: Callable[[str], torch.Tensor]) -> torch.Tensor:
-    """``t`` centered in place as ``cs`` say (per-head centerings of one weight come as several),
-    by the very function the fold uses (float64 arithmetic, one block at a time, so no wide copy
-    of the whole tensor). ``read`` gives a LayerScale gain by parameter name."""
-    for c in cs:
-        center_(t, c.axis, c.groups, scale=read(c.scale) if c.scale else None, blocks=c.blocks)
-    return t
-
-
-_ELEMENTS = 1 << 21
-
-
-def _close(expected: torch.Tensor, cand: torch.Tensor, scale: Callable[[], float], *,
-           exact: bool = True) -> tuple[bool, float]:
-    """``expected`` rounded to the candidate's dtype against the candidate; (equal, max abs diff).
-
-    In the reference's own dtype the candidate must be bit for bit what the fold computes: the
-    fold and this check run the same float64 code, which gives the same bits on every x86
-    capability and thread count, and one ulp of a bfloat16 bias moves the logits by 1e-3. Only a
-    candidate in another dtype (``exact`` False, ``--dtype``) may sit one ulp of that dtype off,
-    plus float64 noise of the input's scale (``scale()``, the largest magnitude before
-    centering): it may have been centered after the cast, which rounds twice. That bound is per
-    element, since one relative to the whole tensor's maximum would let a small element move by
-    many of its own ulps.
-    """
-    if expected.shape != cand.shape:
-        return False, math.inf
-    rounded = expected.to(cand.dtype)
-    if same_bytes(rounded, cand):
-        return True, 0.0
-    if not cand.is_floating_point():
-        return False, math.inf
-    diff, bound_scale = 0.0, None
-    for e, c in zip(expected.reshape(-1).split(_ELEMENTS), cand.reshape(-1).split(_ELEMENTS)):
-        if same_bytes(e.to(c.dtype), c):
-            continue
-        d = c.to(torch.float64).sub_(e.to(torch.float64)).abs_()
-        diff = max(diff, float(d.nan_to_num(math.inf).max()))
-        if exact:
-            continue  # keep reading, to report the largest difference
-        bound_scale = scale() if bound_scale is None else bound_scale
-        info = torch.finfo(c.dtype)
-        bound = e.to(torch.float64).abs_().clamp_min_(info.tiny).mul_(info.eps).add_(1e-12 * bound_scale)
-        if not bool(d.le(bound).all()):
-            return False, diff
-    return not exact, diff
+def missing_note(names: list[str]) -> str:
+    """One line naming the parameters a model class builds but no checkpoint holds."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"{len(names)} parameter{'s' if len(names) > 1 else ''} of the model class ({shown}) "
+            f"{'are' if len(names) > 1 else 'is'} in neither checkpoint, so transformers initialises "
+            f"{'them' if len(names) > 1 else 'it'} at random on every load")
 
 
 def code_report(problems: list[str]) -> StaticReport:
@@ -166,295 +129,152 @@ def _options(recorded: FoldPlan | None) -> dict[str, Any]:
             "rotate": RotationSpec(r.kind, r.seed, r.keep_mean) if r else None}
 
 
-def _names(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    """Every parameter or persistent buffer name -> all names of the same tensor."""
-    by_id: dict[int, list[str]] = {}
-    persistent = set(model.state_dict(keep_vars=True))
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + [
-            (n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in persistent]:
-        by_id.setdefault(id(t), []).append(name)
-    return {n: tuple(names) for names in by_id.values() for n in names}
+@dataclass
+class _Resolved:
+    """The plan a candidate is held to, and what its config.json must be under each form."""
+
+    plan: FoldPlan
+    source: str
+    recorded: FoldPlan | None
+    problems: list[str] = field(default_factory=list)
+    as_reference: list[str] = field(default_factory=list)
+    as_folded: list[str] = field(default_factory=list)
 
 
-def static_check(ref: ModelDir, cand: ModelDir, *, plan: FoldPlan | None = None,
-                 progress: Callable[[int, int], None] | None = None, dtype: Any = None) -> StaticReport:
+def static_check(ref: ModelDir, cand: ModelDir, *, progress: Callable[[int, int], None] | None = None,
+                 dtype: Any = None) -> StaticReport:
     """Verify, without running either model, that ``cand`` is ``ref`` with its fold plan applied.
 
-    ``plan`` is the plan the fold used, when the caller knows it (the check
-    inside ``fold_checkpoint``); otherwise the reference is analysed, and a
-    plan recorded in the candidate must agree with that analysis. ``dtype``
+    The plan comes from the two directories alone: the reference is analysed
+    afresh (never a plan handed over or kept from an earlier run), and a plan
+    recorded in the candidate must agree with that analysis. Two byte-identical
+    directories pass with no analysis at all. ``dtype``
     (``"float16"``, ``torch.bfloat16``) accepts a candidate that loads in that
-    dtype instead of the reference's, its tensors stored as the reference's
-    cast to it.
+    dtype instead of the reference's, each tensor rounded to nearest from the
+    fold's own arithmetic (see ``enjoyln.checking.verify``).
 
     >>> static_check(open_model_dir("gpt2"), open_model_dir("gpt2-folded")).passed  # doctest: +SKIP
     True
     """
     start = time.perf_counter()
     dtype = parse_dtype(dtype)
+    if identical_directories(ref, cand):
+        return _identical_report(ref, start)
     if code := code_problems(ref, cand):  # before meta_model(cand) imports any of it
         return code_report(code)
-    report = StaticReport(passed=False)
-    problems = report.problems
-    recorded = recorded_plan(cand)
-    analysed = plan is not None
     ref_model, cand_model = meta_model(ref), meta_model(cand)
     check_shapes(ref, ref_model)
     check_shapes(cand, cand_model)
-    if plan is None:
-        try:
-            plan = analyze_dir(ref, ref_model, **_options(recorded))
-            if recorded is not None and not recorded.auxiliary and plan.to_dict() != recorded.to_dict():
-                # --auxiliary-centering that placed none leaves a trace only in the plan's notes
-                # and reasons, which the block must still match: the analysis with it may
-                other = analyze_dir(ref, ref_model, **{**_options(recorded), "auxiliary_centering": True})
-                plan = other if not other.auxiliary and other.to_dict() == recorded.to_dict() else plan
-            report.plan, analysed = "analysis", True
-        except EnjoylnError as exc:
-            if recorded is not None:
-                problems.append(f"cannot confirm the recorded plan: the analysis of the reference failed ({exc})")
-            plan = FoldPlan(type(ref_model).__name__)
-            report.plan = "none (the analysis failed)"
-    if recorded is not None:
-        problems += plan_problems(recorded, plan)
-        # the block must be what the fold writes for the plan this enjoyln confirms: every claim
-        # in it (rotation.plain_loading_exact, the lists beside the plan) follows from that plan
-        problems += config_problems(expected_config(ref, plan if analysed else recorded, block=True),
-                                     cand.config, dtype)
-        plan, report.plan = recorded, "recorded, confirmed by the analysis" if not problems else "recorded"
-    else:  # judged below against the form the candidate has: the reference, or the plan applied
-        as_reference = config_problems(ref.config, cand.config, dtype)
-        as_folded = (config_problems(expected_config(ref, plan, block=False), cand.config, dtype)
-                     if plan.foldable else as_reference)
+    resolved = _resolve_plan(ref, cand, ref_model, dtype)
     # read before any weight, so a bad file is refused first; reported after the weights
     files = load_problems(ref, cand, dtype) + file_problems(ref, cand)
-
-    ref_names, cand_names = _names(ref_model), _names(cand_model)
-    centerings: dict[str, list[Centering]] = {}
-    for c in plan.centered:
-        if c.saved:  # a non-persistent buffer is not in any checkpoint; load centers it
-            centerings.setdefault(c.param, []).append(c)
-    untied = {u.param for u in plan.untied}
-    ref_groups = tie_groups(ref_model, untied)
-    reader_ref, reader_cand = _reader(ref), _reader(cand)
-    ref_keys, cand_keys = reader_ref.keys(), reader_cand.keys()
-    prefix = getattr(ref_model, "base_model_prefix", "") or ""
-    saved_ref, saved_cand = saved_names(ref_model), saved_names(cand_model)
-
-    def ref_key(name: str) -> str | None:
-        for alias in (name, *ref_names.get(name, ())):
-            key = checkpoint_key(alias, ref_keys, prefix, saved_ref)
-            if key is not None:
-                return key
-        return None
-
-    def read_param(name: str) -> torch.Tensor:
-        key = ref_key(name)
-        if key is None:
-            raise CheckpointError(f"the reference has no tensor for {name}, which the plan's centering reads")
-        return reader_ref.read(key)
-
-    # one entry per tensor the candidate's model loads: (candidate key, reference key, centerings)
-    todo: dict[str, tuple[str, Centering | None, bool]] = {}
-    for name, aliases in cand_names.items():
-        if name != aliases[0]:
-            continue  # a tied alias: the same tensor, checked once
-        ck = next((k for a in aliases if (k := checkpoint_key(a, cand_keys, prefix, saved_cand))), None)
-        rk = ref_key(name)
-        if ck is None:
-            if rk is not None:
-                problems.append(f"the candidate has no tensor for {name}; loading it would initialise it at random")
-            continue
-        if rk is None:
-            problems.append(f"the candidate's {ck} has no counterpart in the reference")
-            continue
-        # the reference's tied names are one tensor, centered once for all of them, even where
-        # the candidate stores them apart (an untied config no longer ties BART's shared table)
-        names = dict.fromkeys((*aliases, *(a for n in aliases for a in ref_groups.get(n, (n,)))))
-        c = merge_centerings([x for a in names if a in centerings for x in centerings[a]]) or None
-        todo[ck] = (rk, c, any(a in untied for a in aliases))
-    for key in sorted(cand_keys - todo.keys()):  # stored but not loaded: must still be the reference's
-        if key in ref_keys:
-            todo[key] = (key, None, False)
-        else:
-            problems.append(f"the candidate holds {key}, which neither its model nor the reference has")
-    for key in sorted(ref_keys - cand_keys - {rk for rk, _, _ in todo.values()}):
-        problems.append(f"the candidate lacks the reference's tensor {key}")
-
-    # A fused affine or a rotation computes tensors from other tensors: each is recomputed from
-    # the reference tensors it depends on, by the code the fold used, when its turn comes.
-    expected = (StreamedTensors(ref, plan, ref_model, reader=reader_ref) if moves_values(plan) and not problems
-                else None)
-    if expected is not None:
-        report.form = "folded"
-    total = sum(reader_cand.nbytes(k) if cand.tensors else 0 for k in todo)
-    not_identical: list[str] = []
-    # whatever the plan says it was tied to: a tie to anything means the head follows a centering
-    not_folded = [f"the candidate still ties {u.param} to {others[0]}, so centering one changes the other"
-                  for u in plan.untied if (others := [a for a in cand_names.get(u.param, ()) if a != u.param])]
-
-    def plan_of(item: tuple[str, tuple[str, list[Centering] | None, bool]]) -> tuple[bool, bool]:
-        """(read the reference, read the candidate) for one tensor."""
-        ck, (rk, _, _) = item
-        comparable = (_cast_allowed(reader_ref.dtype(rk), reader_cand.dtype(ck), dtype)
-                      and reader_ref.shape(rk) == reader_cand.shape(ck))
-        return comparable and expected is None, comparable and (expected is None or ck in expected)
-
-    # two buffers a side: one holds the tensor being compared, the other the one read ahead
-    buffers = [(Buffer(), Buffer()), (Buffer(), Buffer())]
-
-    def load(job: tuple[int, tuple[str, tuple[str, list[Centering] | None, bool]]]):
-        i, item = job
-        ck, (rk, _, _) = item
-        want_ref, want_cand = plan_of(item)
-        into_ref, into_cand = buffers[i % 2]
-        if not (want_ref and want_cand):
-            return (reader_ref.read(rk, into_ref) if want_ref else None,
-                    reader_cand.read(ck, into_cand) if want_cand else None)
-        cand_read = side.submit(reader_cand.read, ck, into_cand)  # the two files read at once
-        return reader_ref.read(rk, into_ref), cand_read.result()
-
-    def size(job: tuple[int, tuple[str, tuple[str, list[Centering] | None, bool]]]) -> int:
-        ck, (rk, _, _) = item = job[1]
-        want_ref, want_cand = plan_of(item)
-        return want_ref * reader_ref.nbytes(rk) + want_cand * reader_cand.nbytes(ck)
-
-    # the candidate's files front to back, each tensor's successor read while it is compared
-    order = sorted(todo.items(), key=lambda item: reader_cand.offset(item[0]))
-    done = 0
-    side = ThreadPoolExecutor(1, thread_name_prefix="enjoyln-read")
+    readers = _reader(ref), _reader(cand)
     try:
-        if expected is None:  # first, everything both files can prove without a copy; the rest is read
-            decided = _mapped_verdicts(order, reader_ref, reader_cand, read_param, recorded is None)
-            for ck, (identical, folded) in decided.items():
-                rk, c, is_untied = todo[ck]
-                report.tensors += 1
-                report.identical += identical and c is None
-                report.centered += bool(c)
-                report.untied += is_untied
-                if not identical:
-                    not_identical.append(f"{ck} differs from the reference's {rk}")
-                done += reader_cand.nbytes(ck)
-                if progress is not None:
-                    progress(done, total)
-            order = [item for item in order if item[0] not in decided]
-        for (_, (ck, (rk, c, is_untied))), (r, t) in read_ahead(enumerate(order), load, size):
-            ref_dtype, cand_dtype = reader_ref.dtype(rk), reader_cand.dtype(ck)
-            same_dtype = ref_dtype == cand_dtype
-            shape_ok = reader_ref.shape(rk) == reader_cand.shape(ck)
-            diff, recast = None, None
-            if not _cast_allowed(ref_dtype, cand_dtype, dtype):
-                # the reference cast to int8 or float8 compares equal to a candidate that lost
-                # almost everything; loaded into the model's dtype, it would run
-                recast = f"{ck} is stored as {cand_dtype}, but the reference's {rk} is {ref_dtype}"
-                identical = folded = False
-            elif not shape_ok:
-                identical = folded = False
-            elif expected is not None:
-                identical = False
-                e = expected.get(ck) if t is not None else None
-                folded, diff = (_close(e, t, lambda: float(e.abs().max()) if e.numel() else 0.0, exact=same_dtype)
-                                if t is not None else (False, None))
-                report.computed += folded
-                del e
-            elif c is None and same_dtype:
-                identical = folded = same_bytes(r, t)
-            else:
-                identical = recorded is None and same_bytes(r.to(cand_dtype), t)
-                if c is None:
-                    folded = identical or same_bytes(r.to(cand_dtype), t)
-                else:
-                    largest = float(r.abs().max()) if r.numel() and not same_dtype else 0.0
-                    folded, diff = _close(center_as_planned(r, c, read_param), t, lambda: largest,
-                                          exact=same_dtype)
-            del r, t
-            report.tensors += 1
-            report.identical += identical and c is None
-            report.centered += bool(c) and folded
-            report.untied += is_untied and folded
-            if not identical:
-                not_identical.append(recast or f"{ck} differs from the reference's {rk}")
-            if not folded:
-                not_folded.append(recast or (
-                    f"{ck} has shape {list(reader_cand.shape(ck))}, not {list(reader_ref.shape(rk))}"
-                    if not shape_ok else
-                    f"{ck} is not what the plan makes of the reference (max abs diff "
-                    f"{diff if diff is not None else float('inf'):.3g})" if expected is not None else
-                    f"{ck} is not {rk} centered along axis {c[0].axis} (max abs diff {diff:.3g})"
-                    if c is not None else f"{ck} differs from the reference's {rk}"))
-            done += reader_cand.nbytes(ck) if cand.tensors else 0
-            if progress is not None:
-                progress(done, total)
+        ref_key, cand_key = KeyFinder(ref_model, readers[0].keys()), KeyFinder(cand_model, readers[1].keys())
+        pairing = pair_tensors(resolved.plan, ref_model, cand_model, ref_key, cand_key)
+        resolved.problems += pairing.problems
+        verdicts = _verify(ref, resolved, pairing.pairs, readers, (ref_model, cand_model), ref_key, dtype, progress)
     finally:
-        side.shutdown()
-        if expected is not None:
-            expected.close()
-        reader_ref.close()
-        reader_cand.close()
-    # Without a recorded plan the candidate may be the reference itself or the
-    # whole plan applied; anything in between is not proven, so it is judged
-    # against whichever form it is closer to.
-    if expected is None and recorded is None and (not not_identical or len(not_identical) < len(not_folded)):
-        report.form = "identical"
-        problems += not_identical + (as_reference if recorded is None else [])
-    else:
-        report.form = "folded"
-        problems += not_folded + (as_folded if recorded is None else [])
-    problems += files
-    report.bytes_read = reader_ref.bytes_read + reader_cand.bytes_read
+        for reader in readers:
+            reader.close()
+    report = _judge(resolved, verdicts, files, moved=moves_values(resolved.plan))
+    report.missing = pairing.missing
+    report.bytes_read = sum(r.bytes_read for r in readers)
     report.seconds = time.perf_counter() - start
-    report.passed = not problems
     return report
 
 
-def _mapped_verdicts(order: list[tuple[str, tuple[str, list[Centering] | None, bool]]], ref: TensorReader,
-                     cand: TensorReader, read_param: Callable[[str], torch.Tensor],
-                     unrecorded: bool) -> dict[str, tuple[bool, bool]]:
-    """(identical to the reference, what the plan makes of it) for every tensor that both files
-    prove right as they lie, mapped, with no copy: byte for byte, or centered and compared in one
-    pass of the C kernel (``centered_equal``), the same arithmetic as the fold's. Only a tensor
-    found right is decided here; one that differs, or that these kernels cannot judge (another
-    dtype, several centerings, a pickle), is left to the reading path, which says how it differs.
-    While one tensor is compared, the kernel reads the next one from disk."""
-    decided: dict[str, tuple[bool, bool]] = {}
-    eligible = [(ck, rk, c) for ck, (rk, c, _) in order
-                if cand.mappable(ck) and ref.mappable(rk) and ref.dtype(rk) == cand.dtype(ck)
-                and ref.shape(rk) == cand.shape(ck) and (c is None or len(c) == 1)]
-    for i, (ck, rk, c) in enumerate(eligible):
-        if i + 1 < len(eligible):
-            ref.prefetch(eligible[i + 1][1])
-            cand.prefetch(eligible[i + 1][0])
-        with contextlib.ExitStack() as mapped:
-            try:
-                r, t = mapped.enter_context(ref.mapped(rk)), mapped.enter_context(cand.mapped(ck))
-            except OSError:  # a file system that cannot map files (FUSE direct I/O): the reading path
-                continue
-            if c is None:
-                same = folded = same_memory(r.address, t.address, r.nbytes)
-            else:
-                folded = centered_equal(r.address, t.address, ref.dtype(rk), ref.shape(rk), c[0],
-                                        read_param(c[0].scale) if c[0].scale else None)
-                # is it the reference itself? Asked only without a recorded plan, to judge its form
-                same = unrecorded and folded and same_memory(r.address, t.address, r.nbytes)
-        if folded:
-            decided[ck] = (bool(same), True)
-    return decided
+def _identical_report(ref: ModelDir, start: float) -> StaticReport:
+    n = len(ref.tensors)
+    return StaticReport(passed=True, tensors=n, identical=n, form="identical", byte_identical=True,
+                        plan="none needed: every file is the reference's, byte for byte",
+                        bytes_read=2 * ref.nbytes, seconds=time.perf_counter() - start)
+
+
+def _resolve_plan(ref: ModelDir, cand: ModelDir, ref_model: nn.Module, dtype: str | None) -> _Resolved:
+    """The plan the candidate is held to: a recorded one confirmed by this enjoyln's analysis of
+    the reference, or, without one, that analysis (the candidate may then be the reference or
+    the plan applied). A candidate carrying the reference's own block is a copy of that fold."""
+    recorded = recorded_plan(cand)
+    if recorded is not None and "enjoyln" in ref.config and same_json(ref.config["enjoyln"], cand.config["enjoyln"]):
+        as_reference = config_problems(ref.config, cand.config, dtype)
+        return _Resolved(FoldPlan(type(ref_model).__name__), "none: the candidate carries the reference's own "
+                         "enjoyln block, so it must be a copy of it", None, [], as_reference, as_reference)
+    out = _Resolved(FoldPlan(type(ref_model).__name__), "none (the analysis failed)", recorded)
+    try:
+        out.plan, out.source = _analysis(ref, ref_model, recorded), "analysis"
+    except EnjoylnError as exc:
+        if recorded is not None:
+            out.problems.append(f"cannot confirm the recorded plan: the analysis of the reference failed ({exc})")
+    if recorded is not None:
+        out.problems += plan_problems(recorded, out.plan)
+        # the block must be what the fold writes for the plan this enjoyln confirms: every claim
+        # in it (rotation.plain_loading_exact, the lists beside the plan) follows from that plan
+        confirmed = out.plan if out.source == "analysis" else recorded
+        out.problems += config_problems(expected_config(ref, confirmed, block=True), cand.config, dtype)
+        out.source = "recorded, confirmed by the analysis" if not out.problems else "recorded"
+        out.plan = recorded
+    else:  # judged later against the form the candidate has: the reference, or the plan applied
+        out.as_reference = config_problems(ref.config, cand.config, dtype)
+        out.as_folded = (config_problems(expected_config(ref, out.plan, block=False), cand.config, dtype)
+                         if out.plan.foldable else out.as_reference)
+    return out
+
+
+def _analysis(ref: ModelDir, ref_model: nn.Module, recorded: FoldPlan | None) -> FoldPlan:
+    """This enjoyln's plan for the reference, with the options a recorded plan was made with."""
+    plan = analyze_dir(ref, ref_model, **_options(recorded))
+    if recorded is not None and not recorded.auxiliary and plan.to_dict() != recorded.to_dict():
+        # --auxiliary-centering that placed none leaves a trace only in the plan's notes and
+        # reasons, which the block must still match: the analysis with it may
+        other = analyze_dir(ref, ref_model, **{**_options(recorded), "auxiliary_centering": True})
+        plan = other if not other.auxiliary and other.to_dict() == recorded.to_dict() else plan
+    return plan
+
+
+def _verify(ref: ModelDir, resolved: _Resolved, pairs: list[Pair], readers: tuple[TensorReader, TensorReader],
+            models: tuple[nn.Module, nn.Module], ref_key: KeyFinder, dtype: str | None,
+            progress: Callable[[int, int], None] | None) -> Verdicts:
+    """Every paired tensor judged. A fused affine or a rotation computes tensors from other
+    tensors: each is recomputed from the reference tensors it depends on, by the code the fold
+    used, when its turn comes (and, for a candidate in another dtype, from the reference cast)."""
+    plan, (ref_model, cand_model) = resolved.plan, models
+    expected = cast = None
+    if moves_values(plan) and not resolved.problems:
+        expected = StreamedTensors(ref, plan, ref_model, reader=readers[0])
+        if dtype is not None:
+            cast = lambda: StreamedTensors(ref, plan, ref_model, reader=readers[0], dtype=dtype)  # noqa: E731
+    verifier = Verifier(*readers, read_param_of(readers[0], ref_key), dtype=dtype,
+                        unrecorded=resolved.recorded is None, expected=expected, cast_expected=cast)
+    try:
+        verdicts = verifier.run(pairs, progress)
+    finally:
+        if expected is not None:
+            expected.close()
+    verdicts.not_folded[:0] = still_tied(plan, cand_model)
+    return verdicts
+
+
+def _judge(resolved: _Resolved, v: Verdicts, files: list[str], *, moved: bool) -> StaticReport:
+    """The verdict. Without a recorded plan the candidate may be the reference itself or the
+    whole plan applied; anything in between is not proven, so it is judged against whichever
+    form it is closer to."""
+    report = StaticReport(passed=False, tensors=v.tensors, identical=v.identical, centered=v.centered,
+                          untied=v.untied, computed=v.computed, plan=resolved.source)
+    problems = list(resolved.problems)
+    unrecorded = resolved.recorded is None
+    if not moved and unrecorded and (not v.not_identical or len(v.not_identical) < len(v.not_folded)):
+        report.form = "identical"
+        problems += v.not_identical + resolved.as_reference
+    else:
+        report.form = "folded"
+        problems += v.not_folded + (resolved.as_folded if unrecorded else [])
+    report.problems = problems + files
+    report.passed = not report.problems
+    return report
 
 
 def _reader(md: ModelDir) -> TensorReader:
     if not md.pickled:
         return TensorReader(md)
     return TensorReader(md, {k: t for k, (_, t) in load_pickled(md).items()})
-
-
-def _cast_allowed(ref: torch.dtype, cand: torch.dtype, dtype: str | None = None) -> bool:
-    """The changes of dtype a candidate may make: a wider float, which is exact (the model still
-    loads in its own dtype, which ``load_problems`` checks), or, when the caller names the dtype
-    the candidate is meant to run in (``dtype``), a narrower float of that dtype, judged at that
-    precision by the forward check's own criterion."""
-    wider = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64),
-             torch.float32: (torch.float64,)}
-    narrower = (dtype is not None and cand == getattr(torch, dtype) and ref.is_floating_point
-                and ref.itemsize > cand.itemsize and ref in (torch.float32, torch.float64))
-    return ref == cand or cand in wider.get(ref, ()) or narrower
-

@@ -20,7 +20,6 @@ from ..transform.tensors import merge_centerings, tie_groups, ties_lost_on_untie
 from .formats import CODES, DTYPES, SAFE_WEIGHTS, TensorInfo, load_pickled
 from .hf import checkpoint_key, saved_names
 from .model_dir import ModelDir
-from .plan_cache import cached_plan
 from .sources import source_of
 from .stream import StreamedTensors
 from .tensors import TensorReader
@@ -32,7 +31,7 @@ def analyze_dir(md: ModelDir, model: nn.Module, auxiliary_centering: bool, fuse_
     centering divides by, a norm's γ that a kept bias is divided by) are read from the
     checkpoint, and where one has a zero entry the analysis runs again knowing it."""
     options = {"auxiliary_centering": auxiliary_centering, "fuse_affine": fuse_affine, "rotate": rotate}
-    plan = cached_plan(md, options, lambda: analyze(model, **options))
+    plan = analyze(model, **options)
     names = sorted({c.scale for c in plan.centered if c.scale}
                    | {f"{e.name}.weight" for e in plan.foldable if e.affine == AFFINE_GAIN})
     if not names:

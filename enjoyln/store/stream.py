@@ -229,13 +229,16 @@ class Output:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def load_model_meta(md: ModelDir) -> nn.Module:
-    """The model a plain ``from_pretrained`` builds for ``md``, on the meta device: its names,
-    its ties and the dtype each tensor loads in, without reading any weight."""
-    if md.source != "transformers":  # timm builds its model in the stored dtype: its meta model is that
-        return source_of(md).meta_model(md).eval()
+def load_model_meta(md: ModelDir, dtype: str = "auto") -> nn.Module:
+    """The model a plain ``from_pretrained`` builds for ``md`` (in ``dtype``: "auto" is the
+    dtype it loads in by default), on the meta device: its names, its ties and the dtype each
+    tensor loads in, without reading any weight."""
+    if md.source != "transformers":  # timm builds its model in float32: its meta model is that
+        model = source_of(md).meta_model(md).eval()
+        return model if dtype == "auto" else model.to(getattr(torch, dtype))
     cls = model_class(md)
-    kwargs = {"trust_remote_code": md.trust_remote_code, "dtype": "auto", "device_map": "meta"}
+    kwargs = {"trust_remote_code": md.trust_remote_code, "dtype": dtype if dtype == "auto" else getattr(torch, dtype),
+              "device_map": "meta"}
     if md.pickled:
         kwargs["use_safetensors"] = False
     try:
@@ -251,14 +254,17 @@ class StreamedTensors:
     The values are ``final_tensors``' bit for bit: that is the plan applied to the model loaded
     whole, and this the same operations on one tensor at a time. ``meta`` is the analysis's
     meta model (its base prefix and saved names resolve keys, as ``final_tensors`` does). A
-    tensor ``get`` returns is the caller's to read, not to change.
+    tensor ``get`` returns is the caller's to read, not to change. With ``dtype`` ("bfloat16")
+    the tensors are those of the model loaded in that dtype, then folded: the reference cast,
+    then folded by the same arithmetic.
 
     >>> tensors = StreamedTensors(md, plan, meta_model(md))  # doctest: +SKIP
     >>> tensors.get("lm_head.weight").shape  # doctest: +SKIP
     torch.Size([50257, 768])
     """
 
-    def __init__(self, md: ModelDir, plan: FoldPlan, meta: nn.Module, *, reader: TensorReader | None = None) -> None:
+    def __init__(self, md: ModelDir, plan: FoldPlan, meta: nn.Module, *, reader: TensorReader | None = None,
+                 dtype: str | None = None) -> None:
         self.md = md
         # the slabs and float64 copies are freed as fast as they come: without this, glibc keeps
         # them on a heap that small, lasting values (the biases' W β) pin, and it grows by layer
@@ -272,7 +278,7 @@ class StreamedTensors:
         def key(name: str) -> str | None:
             return checkpoint_key(name, keys, prefix, saved)
 
-        self.trace = t = trace(load_model_meta(md), plan, key)
+        self.trace = t = trace(load_model_meta(md, dtype or "auto"), plan, key)
         for s in t.slots:
             if isinstance(s.base, str) and tuple(self.reader.shape(s.base)) != s.shape:
                 raise CheckpointError(f"{s.base} has shape {list(self.reader.shape(s.base))} in the checkpoint, "
@@ -285,7 +291,9 @@ class StreamedTensors:
             if s.base is None and k in keys:  # a buffer the model builds itself: the stored bytes stay
                 self.outputs[k] = Output(self.reader.dtype(k), tuple(self.reader.shape(k)), raw=k)
             else:
-                self.outputs[k] = Output(DTYPES[stored[k].dtype] if k in stored else s.dtype, s.shape, slot=i)
+                # with ``dtype``: the model loaded in it, folded and saved, so each tensor as loaded
+                own = DTYPES[stored[k].dtype] if k in stored and dtype is None else s.dtype
+                self.outputs[k] = Output(own, s.shape, slot=i)
         for e in plan.foldable:
             for leaf, fill in (("weight", 1.0), ("bias", 0.0)):
                 k = key(f"{e.name}.{leaf}")

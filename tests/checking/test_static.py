@@ -786,3 +786,76 @@ def test_files_that_cannot_be_mapped_are_read_instead(pair, tmp_path, monkeypatc
     cand = edited(folded, tmp_path, lambda sd: sd[key].view(-1)[7:8].view(torch.int32).add_(1))
     report = run(ref, cand)
     assert not report.passed and any(p.startswith(f"{key} is not {key} centered") for p in report.problems)
+
+
+# --- the gate decides from the two directories alone ------------------------------------
+
+
+def _without_centering(plan, param):
+    """``plan`` with ``param``'s centering dropped from every LN, each LN left foldable."""
+    from enjoyln.plan import FoldPlan
+
+    data = plan.to_dict()
+    for entry in data["layer_norms"]:
+        entry["centered"] = [c for c in entry["centered"] if c["param"] != param]
+    return FoldPlan.from_dict(data)
+
+
+def _old_cache_key(md, options):
+    """The key under which enjoyln up to 0.1.0 looked up a cached plan: public data only."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(enjoyln.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    text = json.dumps({"config": md.config, "architecture": md.architecture, "options": options,
+                       "torch": torch.__version__, "transformers": transformers.__version__,
+                       "enjoyln": digest.hexdigest()}, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_a_planted_plan_cache_entry_decides_nothing(pair, tmp_path, monkeypatch):
+    """A fold that leaves one bias uncentered, its block recording that plan, and a plan cache
+    entry planted to agree with it: the check analyses the reference afresh and fails it."""
+    ref, _, model = pair
+    tampered = _without_centering(enjoyln.analyze(model), "transformer.h.0.attn.c_proj.bias")
+    fold_checkpoint(ref, tmp_path / "out", plan=tampered, check="none")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ENJOYLN_CACHE", str(cache))
+    monkeypatch.setenv("ENJOYLN_PLAN_CACHE", "1")
+    (cache / "plans").mkdir(parents=True)
+    options = {"auxiliary_centering": False, "fuse_affine": False, "rotate": None}
+    for opts in (options, {"auxiliary_centering": False}):
+        key = _old_cache_key(open_model_dir(ref), opts)
+        (cache / "plans" / f"{key}.json").write_text(json.dumps(tampered.to_dict()))
+    report = run(ref, tmp_path / "out")
+    assert not report.passed and report.plan == "recorded"
+    assert any("transformer.h.0.attn.c_proj.bias" in p for p in report.problems), report.summary()
+    # inside fold, the check re-derives its plan too: the plan the fold used is not trusted
+    with pytest.raises(enjoyln.CheckFailed):
+        fold_checkpoint(ref, tmp_path / "again", plan=tampered, check="static")
+    assert not (tmp_path / "again").exists()
+
+
+def test_a_copy_of_a_fold_passes_against_that_fold(pair, tmp_path):
+    """cp -r of a fold is the fold: byte for byte, or with config.json written another way, or
+    its mtimes changed. One changed weight byte still fails."""
+    import shutil
+
+    _, folded, _ = pair
+    copy_ = tmp_path / "copy"
+    shutil.copytree(folded, copy_)
+    report = enjoyln.check_checkpoints(folded, copy_)
+    assert report.passed and report.static.byte_identical, report.summary()
+    assert report.forward_skipped and report.static.form == "identical"
+    config = json.loads((copy_ / "config.json").read_text())
+    (copy_ / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+    report = enjoyln.check_checkpoints(folded, copy_)
+    assert report.passed and not report.static.byte_identical and report.static.form == "identical", report.summary()
+    assert report.outputs  # not byte for byte: the forward part ran
+    changed = edited(copy_, tmp_path / "c", lambda sd: sd["transformer.wte.weight"].view(-1)[3].add_(1e-3))
+    report = run(folded, changed)
+    assert not report.passed and report.problems == [
+        "transformer.wte.weight differs from the reference's transformer.wte.weight"]

@@ -1,0 +1,128 @@
+"""The static check's pairing: for every tensor a candidate stores, the reference tensor it must be
+made from, and what the plan does to it on the way (centerings, an untie)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..plan import Centering, FoldPlan
+from ..store.hf import checkpoint_key, saved_names
+from ..transform.tensors import merge_centerings, tie_groups
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One tensor of the candidate and where it comes from."""
+
+    cand: str
+    """The candidate's checkpoint key."""
+    ref: str
+    """The reference's checkpoint key it is made from."""
+    centerings: tuple[Centering, ...] = ()
+    """What the plan centers it by (merged: one per axis), none for a tensor the plan keeps."""
+    untied: bool = False
+    """An untied head: a copy of the tensor it was tied to."""
+
+
+@dataclass
+class Pairing:
+    """Every tensor the candidate stores, paired; what cannot be paired; what neither holds."""
+
+    pairs: list[Pair] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    """Parameters the candidate's model builds that neither checkpoint holds: every load
+    initialises them afresh, at random."""
+
+
+def tensor_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Every parameter or persistent buffer name -> all names of the same tensor."""
+    by_id: dict[int, list[str]] = {}
+    persistent = set(model.state_dict(keep_vars=True))
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + [
+            (n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in persistent]:
+        by_id.setdefault(id(t), []).append(name)
+    return {n: tuple(names) for names in by_id.values() for n in names}
+
+
+class KeyFinder:
+    """A model's names as one checkpoint's keys (its base prefix, transformers' renames on save)."""
+
+    def __init__(self, model: nn.Module, keys: set[str]) -> None:
+        self.keys, self.names = keys, tensor_names(model)
+        self.prefix = getattr(model, "base_model_prefix", "") or ""
+        self.saved = saved_names(model)
+
+    def __call__(self, name: str) -> str | None:
+        """The key holding ``name``'s tensor: its own, or one of its tied names'."""
+        for alias in (name, *self.names.get(name, ())):
+            key = checkpoint_key(alias, self.keys, self.prefix, self.saved)
+            if key is not None:
+                return key
+        return None
+
+
+def pair_tensors(plan: FoldPlan, ref_model: nn.Module, cand_model: nn.Module, ref_key: KeyFinder,
+                 cand_key: KeyFinder) -> Pairing:
+    """Pair every tensor the candidate's model loads, then every other tensor it stores, with
+    the reference's; a tensor the candidate's model loads that the candidate lacks, one that
+    has no counterpart in the reference, and one of the reference's the candidate lacks are
+    problems. The reference's tied names are one tensor, centered once for all of them, even
+    where the candidate stores them apart (an untied config no longer ties BART's shared table)."""
+    centerings: dict[str, list[Centering]] = {}
+    for c in plan.centered:
+        if c.saved:  # a non-persistent buffer is not in any checkpoint; load centers it
+            centerings.setdefault(c.param, []).append(c)
+    untied = {u.param for u in plan.untied}
+    groups = tie_groups(ref_model, untied)
+    random = _random_when_missing(cand_model)
+    out, paired = Pairing(), set()
+    for name, aliases in tensor_names(cand_model).items():
+        if name != aliases[0]:
+            continue  # a tied alias: the same tensor, checked once
+        ck = next((k for a in aliases if (k := checkpoint_key(a, cand_key.keys, cand_key.prefix,
+                                                                cand_key.saved))), None)
+        rk = ref_key(name)
+        if ck is None:
+            if rk is not None:
+                out.problems.append(f"the candidate has no tensor for {name}; loading it would initialise it at random")
+            elif name in random:
+                out.missing.append(name)
+            continue
+        if rk is None:
+            out.problems.append(f"the candidate's {ck} has no counterpart in the reference")
+            continue
+        names = dict.fromkeys((*aliases, *(a for n in aliases for a in groups.get(n, (n,)))))
+        cs = tuple(merge_centerings([x for a in names if a in centerings for x in centerings[a]]))
+        out.pairs.append(Pair(ck, rk, cs, any(a in untied for a in aliases)))
+        paired.add(ck)
+    for key in sorted(cand_key.keys - paired):  # stored but not loaded: must still be the reference's
+        if key in ref_key.keys:
+            out.pairs.append(Pair(key, key))
+            paired.add(key)
+        else:
+            out.problems.append(f"the candidate holds {key}, which neither its model nor the reference has")
+    used = {p.ref for p in out.pairs}
+    out.problems += [f"the candidate lacks the reference's tensor {key}"
+                     for key in sorted(ref_key.keys - cand_key.keys - used)]
+    return out
+
+
+def _random_when_missing(model: nn.Module) -> set[str]:
+    """The names a load initialises at random when no checkpoint holds them: floating parameters
+    (a buffer the model builds from its config is the same on every load), but for those
+    transformers expects a checkpoint to lack (``_keys_to_ignore_on_load_missing``)."""
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or ()]
+    return {name for name, p in model.named_parameters(remove_duplicate=False)
+            if p.is_floating_point() and not any(r.search(name) for r in ignored)}
+
+
+def still_tied(plan: FoldPlan, cand_model: nn.Module) -> list[str]:
+    """A head the plan unties that the candidate's model still ties (to anything: then it
+    follows a centering, whatever the plan says it was tied to)."""
+    names = tensor_names(cand_model)
+    return [f"the candidate still ties {u.param} to {others[0]}, so centering one changes the other"
+            for u in plan.untied if (others := [a for a in names.get(u.param, ()) if a != u.param])]
