@@ -859,3 +859,57 @@ def test_a_copy_of_a_fold_passes_against_that_fold(pair, tmp_path):
     report = run(folded, changed)
     assert not report.passed and report.problems == [
         "transformer.wte.weight differs from the reference's transformer.wte.weight"]
+
+
+def _rounded_up(x):
+    """``x`` (float32) rounded to bfloat16 toward +inf: where nearest rounding went down (about
+    half the elements), one ulp up."""
+    y = x.to(torch.bfloat16)
+    return torch.where(y.float() < x, torch.nextafter(y, torch.tensor(float("inf"), dtype=torch.bfloat16)), y)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_a_candidate_folded_after_the_cast_passes_under_dtype(pair, tmp_path, dtype):
+    """enjoyln's own in-memory fold of the model loaded in another dtype rounds once, from the
+    cast weights: one of the two results the rule accepts, on both parts of the check."""
+    ref, _, _ = pair
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(ref, dtype=getattr(torch, dtype)).eval()
+    enjoyln.fold(loaded).save_pretrained(tmp_path / "cand")
+    report = enjoyln.check_checkpoints(ref, tmp_path / "cand", dtype=dtype)
+    assert report.passed and report.static.form == "folded", report.summary()
+    assert report.dtype == ("bfloat16" if dtype == "bfloat16" else "float32")  # the narrower one sets the bar
+
+
+def test_directed_rounding_fails_under_dtype(pair, tmp_path):
+    """Every centered tensor rounded upward instead of to nearest: each element at most one
+    bfloat16 ulp from the fold, but not what either way of making it gives."""
+    ref, folded, _ = pair
+    config = json.loads((folded / "config.json").read_text())
+    centered = {c["param"] for e in config["enjoyln"]["plan"]["layer_norms"] for c in e["centered"]}
+
+    def cast(sd):
+        for k, v in sd.items():
+            sd[k] = _rounded_up(v) if k in centered else v.to(torch.bfloat16)
+
+    cand = set_config(edited(folded, tmp_path, cast), dtype="bfloat16")
+    report = static_check(open_model_dir(ref), open_model_dir(cand), dtype="bfloat16")
+    assert not report.passed
+    assert {p.split(" is not ")[0] for p in report.problems} == centered, report.summary()
+    nearest = set_config(edited(folded, tmp_path / "n", lambda sd: sd.update(
+        {k: v.to(torch.bfloat16) for k, v in sd.items()})), dtype="bfloat16")
+    assert static_check(open_model_dir(ref), open_model_dir(nearest), dtype="bfloat16").passed
+
+
+def test_a_fused_fold_of_the_cast_reference_passes_under_dtype(pair, tmp_path):
+    """Cast, then fold with fused affines: the reference saved in bfloat16 and folded from there.
+    Each recomputed tensor is the fold's arithmetic on the cast weights, rounded once."""
+    ref, _, _ = pair
+    transformers.GPT2LMHeadModel.from_pretrained(ref, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    fold_checkpoint(tmp_path / "bf16", tmp_path / "cand", fuse_affine=True, check="none")
+    report = static_check(open_model_dir(ref), open_model_dir(tmp_path / "cand"), dtype="bfloat16")
+    assert report.passed and report.computed == report.tensors, report.summary()
+    key = "transformer.h.0.attn.c_attn.bias"  # one ulp up on one recomputed element still fails
+    up = edited(tmp_path / "cand", tmp_path / "up", lambda sd: sd[key].view(-1)[0].copy_(
+        torch.nextafter(sd[key].view(-1)[0], torch.tensor(float("inf"), dtype=torch.bfloat16))))
+    report = static_check(open_model_dir(ref), open_model_dir(up), dtype="bfloat16")
+    assert not report.passed and report.problems[0].startswith(f"{key} is not what the plan makes")
