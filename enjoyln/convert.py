@@ -31,11 +31,11 @@ from .checking.checkpoints import check_checkpoints, require_memory
 from .errors import CheckFailed, CheckpointError, EnjoylnError
 from .plan import NOT_ROTATED, FoldPlan, RotationSpec
 from .store.block import output_config
-from .store.expected import analyze_dir, moved_entries, moves_values, plan_entries, reshard
+from .store.expected import analyze_dir, index_metadata, moved_entries, moves_values, plan_entries, reshard
 from .store.files import check_links, copy_extras
 from .store.formats import SAFE_INDEX, load_pickled, read_safetensors_header
 from .store.hf import check_shapes, saved_names
-from .store.model_dir import load_dtype, meta_model, open_model_dir
+from .store.model_dir import ModelDir, load_dtype, meta_model, open_model_dir
 from .store.sources import source_of
 from .store.stream import StreamedTensors
 from .store.tensors import Buffer, TensorReader
@@ -78,6 +78,15 @@ def _os_error(exc: OSError, out: Path, tmp: Path | None) -> CheckpointError:
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return CheckpointError(f"permission denied writing {where}; nothing was written")
     return CheckpointError(f"cannot write {where}: {exc.strerror or exc}; nothing was written")
+
+
+def _same_load_dtype(md: ModelDir, tmp: Path) -> None:
+    """The fold's postcondition on dtypes: the output loads in the dtype the original loads in."""
+    theirs, (ours, why) = load_dtype(md)[0], load_dtype(open_model_dir(tmp, allow_pickle=True,
+                                                                      trust_remote_code=md.trust_remote_code))
+    if ours != theirs:
+        raise CheckpointError(f"the fold would load in {ours} (from {why}) where the original loads in {theirs}; "
+                              "nothing was written; set dtype in the original's config.json and run again")
 
 
 @dataclass
@@ -194,7 +203,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         else:
             pickled = load_pickled(md) if md.pickled else None
             entries = plan_entries(md, plan, prefix, saved_names(model), pickled, model)
-        shards = reshard(entries, max_shard_size)
+        shards = reshard(entries, max_shard_size, indexed=md.index is not None)
         bytes_out = sum(e.nbytes for _, es in shards for e in es)
         by_name = {name: shard for shard, (name, _, _) in spans.items()}
         layout = {name: early_layout(md, by_name.get(name), entries) for name, entries in shards}
@@ -233,13 +242,13 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             early.cancel()
             stream_seconds += early.seconds_before(write_start)
         files = [name for name, _ in shards]
-        if len(shards) > 1:
-            # transformers takes the dtype from here when the config has none: the reference's
-            index = {"metadata": {"total_size": bytes_out, "enjoyln": __version__, "dtype": load_dtype(md)[0]},
+        if len(shards) > 1 or md.index is not None:
+            index = {"metadata": index_metadata(md, bytes_out),
                      "weight_map": {e.name: name for name, es in shards for e in es}}
             (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for name in files:  # the output must read back, or it is not published
             read_safetensors_header(tmp / name)
+        _same_load_dtype(md, tmp)  # even with check="none": it must load as the original does
         report = None
         if check != "none":
             report = check_checkpoints(src, tmp, mode=check, allow_pickle=allow_pickle,

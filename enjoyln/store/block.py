@@ -9,13 +9,21 @@ from typing import Any
 from .._version import __version__
 from ..errors import CheckpointError
 from ..plan import FoldPlan, block_lists
-from .model_dir import ModelDir
+from .model_dir import ModelDir, load_dtype
 
 
 def output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
     """config.json as a fold of ``md`` by ``plan`` writes it: the input's, with an untied head
-    where the plan unties one, and the ``enjoyln`` block."""
+    where the plan unties one, the dtype it loads in where it names none, and the ``enjoyln``
+    block.
+
+    Without a dtype in config.json, transformers takes the first floating tensor's (by name)
+    or an index's: an untied ``lm_head.weight`` sorts first, and a re-sharded or renamed file
+    moves the rest, so the fold says which dtype the original loads in."""
     config = json.loads(json.dumps(md.config))
+    if md.source == "transformers" and config.get("dtype") is None and config.get("torch_dtype") is None:
+        config.pop("torch_dtype", None)
+        config["dtype"] = load_dtype(md)[0]
     if plan.untied:
         config["tie_word_embeddings"] = False
         for sub in ("text_config", "decoder"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -17,9 +17,9 @@ from ..errors import CheckpointError, EnjoylnError, first_line
 from ..plan import AFFINE_GAIN, Centering, FoldPlan, RotationSpec
 from ..transform.steps import apply_plan
 from ..transform.tensors import merge_centerings, tie_groups, ties_lost_on_untie
-from .formats import CODES, DTYPES, SAFE_WEIGHTS, TensorInfo, load_pickled
+from .formats import CODES, DTYPES, SAFE_WEIGHTS, TensorInfo, load_pickled, parse_json_file, widened
 from .hf import checkpoint_key, saved_names
-from .model_dir import ModelDir
+from .model_dir import ModelDir, load_dtype
 from .sources import source_of
 from .stream import StreamedTensors
 from .tensors import TensorReader
@@ -154,6 +154,12 @@ def plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, str
                 entries.append(Entry(new, src.dtype, src.shape, src.nbytes, source=src.source, axis=src.axis,
                                      groups=src.groups, tensor=src.tensor, blocks=src.blocks, scale=src.scale))
                 break
+    loads = getattr(torch, load_dtype(md)[0], None)
+    for _, entries in shards:
+        for e in entries:
+            if e.axis is not None and isinstance(loads, torch.dtype):
+                e.dtype = CODES[widened(DTYPES[e.dtype], loads)]
+                e.nbytes = math.prod(e.shape) * DTYPES[e.dtype].itemsize
     return shards
 
 
@@ -244,11 +250,13 @@ def moved_entries(md: ModelDir, tensors: StreamedTensors) -> list[tuple[str, lis
     return shards
 
 
-def reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None,
-             single_name: str = SAFE_WEIGHTS) -> list[tuple[str, list[Entry]]]:
-    """Keep the input's shards (renamed to .safetensors), or pack up to ``max_bytes`` each."""
+def reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None, *, indexed: bool = False,
+            single_name: str = SAFE_WEIGHTS) -> list[tuple[str, list[Entry]]]:
+    """Keep the input's shards (renamed to .safetensors), or pack up to ``max_bytes`` each. A
+    lone shard named by an index (``indexed``) keeps its name and, in the caller, its index: the
+    index can carry the dtype the model loads in."""
     if max_bytes is None:
-        if len(shards) == 1:
+        if len(shards) == 1 and not indexed:
             return [(single_name, shards[0][1])]
         n = len(shards)
         return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors" if name.endswith(".bin") else name, es)
@@ -267,3 +275,13 @@ def reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None,
     n = len(packed)
     return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", es) for i, es in enumerate(packed)]
 
+
+def index_metadata(md: ModelDir, total_size: int) -> dict[str, Any]:
+    """The metadata of the index a fold of ``md`` writes: the input index's, as it was, with the
+    new total size; for an input without one, the dtype it loads in, which transformers reads
+    from there when config.json names none."""
+    if md.index is not None:
+        metadata = parse_json_file(md.index, "a weight index").get("metadata")
+        if isinstance(metadata, dict):
+            return {**metadata, "total_size": total_size}
+    return {"total_size": total_size, "dtype": load_dtype(md)[0]}

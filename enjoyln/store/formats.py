@@ -73,6 +73,14 @@ class TensorInfo:
         return self.end - self.start
 
 
+def widened(stored: torch.dtype, loads: torch.dtype) -> torch.dtype:
+    """The dtype a fold stores a changed tensor in: its own, or the dtype the model loads it in
+    where that is wider. A centered float16 table that loads as float32 is not zero-mean in
+    float32: rounded to float16 after the centering, it keeps a mean of an ulp or so."""
+    wider = stored.is_floating_point and loads.is_floating_point and loads.itemsize > stored.itemsize
+    return loads if wider else stored
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     for key, value in pairs:

@@ -55,6 +55,12 @@ class ModelDir:
     """The library that builds and loads the model (``sources.SOURCES``): transformers or timm."""
 
     @property
+    def index(self) -> Path | None:
+        """The weight index the loader reads (safetensors', or pickle's), if there is one."""
+        path = self.path / (PT_INDEX if self.pickled else SAFE_INDEX)
+        return path if path.exists() else None
+
+    @property
     def nbytes(self) -> int:
         if self.pickled:
             return sum((self.path / s).stat().st_size for s in self.shards)

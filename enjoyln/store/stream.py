@@ -42,7 +42,7 @@ from ..plan import AFFINE_FUSED, AFFINE_GAIN, Centering, FoldPlan, Fused, Rotate
 from ..transform.rotation import apply_rotation
 from ..transform.steps import PIPELINE, check_fits
 from ..transform.tensors import center_, fused_product, scale_inputs_, ties_lost_on_untie
-from .formats import DTYPES, TensorInfo, load_pickled
+from .formats import DTYPES, TensorInfo, load_pickled, widened
 from .hf import checkpoint_key, model_class, saved_names
 from .model_dir import ModelDir
 from .sources import source_of
@@ -291,8 +291,10 @@ class StreamedTensors:
             if s.base is None and k in keys:  # a buffer the model builds itself: the stored bytes stay
                 self.outputs[k] = Output(self.reader.dtype(k), tuple(self.reader.shape(k)), raw=k)
             else:
-                # with ``dtype``: the model loaded in it, folded and saved, so each tensor as loaded
-                own = DTYPES[stored[k].dtype] if k in stored and dtype is None else s.dtype
+                # with ``dtype``: the model loaded in it, folded and saved, so each tensor as loaded;
+                # else as stored, but a changed tensor no narrower than it loads
+                own = (s.dtype if k not in stored or dtype is not None else
+                       widened(DTYPES[stored[k].dtype], s.dtype) if s.ops else DTYPES[stored[k].dtype])
                 self.outputs[k] = Output(own, s.shape, slot=i)
         for e in plan.foldable:
             for leaf, fill in (("weight", 1.0), ("bias", 0.0)):

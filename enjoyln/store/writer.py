@@ -111,7 +111,7 @@ def write_shard(file: Path, entries: list[Entry], reader: TensorReader, metadata
                                 else memoryview(b""), at)
                     del t
                 elif e.tensor is not None:
-                    t = buffer.bytes(e.nbytes).view(e.tensor.dtype).view(e.shape)
+                    t = buffer.bytes(e.nbytes).view(DTYPES[e.dtype]).view(e.shape)
                     t.copy_(e.tensor)
                     _center_and_write(out, at, t, e)
                 else:
@@ -298,7 +298,10 @@ def _copying_alongside(out: int, copies: list[tuple[int, int, int, int]],
 
 
 def _center_and_write(out: int, at: int, t: torch.Tensor, e: Entry) -> None:
-    """Write ``t`` (the entry's tensor, in a buffer) at ``at``, centered first if the entry says so."""
+    """Write ``t`` (the entry's tensor, in a buffer) at ``at``, centered first if the entry says so,
+    in the entry's dtype (a tensor stored narrower than it loads is centered in the wider one)."""
+    if t.dtype != DTYPES[e.dtype]:
+        t = t.to(DTYPES[e.dtype])
     view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
     if e.axis is not None:
         center_(t, e.axis, e.groups, e.scale, e.blocks)
@@ -329,7 +332,7 @@ def early_spans(md: ModelDir, max_shard_size: int | None) -> dict[str, tuple[str
     copied before the plan is known: safetensors, packed, and not re-sharded."""
     if md.pickled or max_shard_size is not None:
         return {}
-    names = [name for name, _ in reshard([(shard, []) for shard in md.shards], None)]
+    names = [name for name, _ in reshard([(shard, []) for shard in md.shards], None, indexed=md.index is not None)]
     return {shard: (name, *_packed_span(md, shard)) for shard, name in zip(md.shards, names)}
 
 
@@ -340,6 +343,6 @@ def early_layout(md: ModelDir, shard: str | None, entries: list[Entry]) -> int |
         return None
     inputs = sorted((t for t in md.tensors.values() if t.file == shard), key=lambda t: (t.start, t.end))
     if len(entries) < len(inputs) or any(e.source is not t or e.name != t.name or e.tensor is not None
-                                         for e, t in zip(entries, inputs)):
+                                         or e.dtype != t.dtype for e, t in zip(entries, inputs)):
         return None
     return len(inputs)

@@ -397,28 +397,60 @@ def test_a_dtype_moved_into_the_index_metadata_fails(pair, tmp_path):
     assert any("has no metadata object" in p for p in run(ref, broken).problems)
 
 
-def test_a_fold_of_a_checkpoint_without_a_config_dtype_loads_in_the_same_dtype(tmp_path):
-    """The dtype then comes from the weights (the first floating tensor of the first file), so a
-    re-sharded fold writes it into its index."""
-    model = perturb(tiny_model("gpt2"), seed=41)
-    model.save_pretrained(tmp_path / "ref")
-    config = json.loads((tmp_path / "ref" / "config.json").read_text())
+def _without_config_dtype(model, path):
+    model.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
     del config["dtype"]
-    (tmp_path / "ref" / "config.json").write_text(json.dumps(config))
-    sharded = sharded_fold(tmp_path / "ref", tmp_path)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_a_fold_of_a_checkpoint_without_a_config_dtype_loads_in_the_same_dtype(tmp_path):
+    """The dtype then comes from the weights: the first floating tensor by name, which the untied
+    lm_head.weight (a copy of a float16 table here) would be. The fold writes the dtype the
+    original loads in into config.json, also with --no-check, and a re-sharded fold into its
+    index too; the centered float16 table is stored in float32, the dtype it loads in."""
+    model = perturb(tiny_model("gpt2"), seed=41)
+    model.transformer.wte.half()
+    ref = _without_config_dtype(model, tmp_path / "ref")
+    assert transformers.GPT2LMHeadModel.from_pretrained(ref).dtype == torch.float32
+    sharded = sharded_fold(ref, tmp_path)
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     assert index["metadata"]["dtype"] == "float32"
-    assert run(tmp_path / "ref", sharded).passed
-    fold_checkpoint(tmp_path / "ref", tmp_path / "single", check="none")
-    # a float64 copy is exact, but as the first floating tensor it sets the dtype of everything
-    def widened(key):
-        return lambda sd: sd.update({key: sd[key].double()})
+    assert run(ref, sharded).passed
+    result = fold_checkpoint(ref, tmp_path / "single")
+    assert result.report.passed, result.report.summary()
+    fold_checkpoint(ref, tmp_path / "unchecked", check="none")
+    for out in (tmp_path / "single", tmp_path / "unchecked"):
+        assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+        assert transformers.GPT2LMHeadModel.from_pretrained(out).dtype == torch.float32
+    stored = load_file(tmp_path / "single" / "model.safetensors")
+    assert stored["lm_head.weight"].dtype == torch.float16 and stored["transformer.wte.weight"].dtype == torch.float32
+    dropped = clone(tmp_path / "single", tmp_path / "dropped")
+    config = json.loads((dropped / "config.json").read_text())
+    del config["dtype"]
+    (dropped / "config.json").write_text(json.dumps(config))
+    assert any(p.startswith("the candidate loads in float16 (from its first floating tensor (in model.safetensors))")
+               for p in run(ref, dropped).problems)
 
-    first = edited(tmp_path / "single", tmp_path / "a", widened("lm_head.weight"))
-    assert any(p.startswith("the candidate loads in float64 (from its first floating tensor (in model.safetensors))")
-               for p in run(tmp_path / "ref", first).problems)
-    later = edited(tmp_path / "single", tmp_path / "b", widened("transformer.wpe.weight"))
-    assert run(tmp_path / "ref", later).passed
+
+def test_a_lone_indexed_shard_keeps_its_index(tmp_path):
+    """model-00001-of-00001.safetensors and an index whose metadata names the dtype: the fold
+    keeps both (renamed to model.safetensors without its index, it would load in float16)."""
+    import os
+
+    ref = _without_config_dtype(perturb(tiny_model("gpt2"), seed=41).half(), tmp_path / "ref")
+    lone = "model-00001-of-00001.safetensors"
+    os.rename(ref / "model.safetensors", ref / lone)
+    keys = list(load_file(ref / lone))
+    (ref / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 1, "dtype": "float32", "note": "kept"}, "weight_map": dict.fromkeys(keys, lone)}))
+    assert transformers.GPT2LMHeadModel.from_pretrained(ref).dtype == torch.float32
+    result = fold_checkpoint(ref, tmp_path / "out")
+    assert result.report.passed and result.files == [lone], result.report.summary()
+    metadata = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["metadata"]
+    assert metadata == {"total_size": result.bytes_written, "dtype": "float32", "note": "kept"}
+    assert transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").dtype == torch.float32
 
 
 def test_sampling_settings_in_config_json_are_compared_as_from_pretrained_applies_them(pair, tmp_path):
