@@ -57,13 +57,13 @@ CHECK_MODES = ("full", "static", "none")
 
 def analyze_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
                        auxiliary_centering: bool = False, trust_remote_code: bool = False,
-                       fuse_affine: bool = False,
-                       rotate: RotationSpec | tuple[str, int, bool] | None = None) -> FoldPlan:
+                       fuse_affine: bool = False, rotate: RotationSpec | tuple[str, int, bool] | None = None,
+                       model_class: str | None = None) -> FoldPlan:
     """The fold plan for a model directory, computed on the meta device.
 
     >>> analyze_checkpoint("path/to/gpt2").summary()  # doctest: +SKIP
     """
-    md = open_model_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    md = open_model_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
     model = meta_model(md)
     check_shapes(md, model)
     return analyze_dir(md, model, auxiliary_centering, fuse_affine, RotationSpec.of(rotate))
@@ -117,7 +117,8 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                     plan: FoldPlan | None = None, progress: Progress | None = None,
                     check: str = "full", keep_failed: bool = False, trust_remote_code: bool = False,
                     check_options: dict[str, Any] | None = None, fuse_affine: bool = False,
-                    rotate: RotationSpec | tuple[str, int, bool] | None = None) -> FoldResult:
+                    rotate: RotationSpec | tuple[str, int, bool] | None = None,
+                    model_class: str | None = None) -> FoldResult:
     """Fold a Hugging Face model directory into OUT_DIR, streaming tensor by tensor, and check it.
 
     OUT_DIR gets every file of MODEL_DIR (tokenizer and processor files
@@ -133,7 +134,8 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     ``CheckFailed`` and is removed, or kept beside OUT_DIR with
     ``keep_failed``.
 
-    With ``fuse_affine`` the folded norms' affines move into their readers;
+    With ``model_class`` the directory is folded as that transformers class (config.json of
+    OUT_DIR then names it). With ``fuse_affine`` the folded norms' affines move into their readers;
     with ``rotate`` (kind, seed, keep_mean) the residual stream is rotated too
     (see ``enjoyln.rotate``). Both compute tensors from other tensors: each is
     computed from the reference tensors it depends on as the writer reaches it
@@ -151,7 +153,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         out = out.resolve()
     if check not in CHECK_MODES:
         raise EnjoylnError(f"unknown check mode {check!r}; use one of {', '.join(CHECK_MODES)}")
-    md = open_model_dir(src, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    md = open_model_dir(src, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
     if max_shard_size is not None and not source_of(md).shards:
         raise CheckpointError(f"{source_of(md).name} loads one weight file, model.safetensors, so this directory "
                               "is not re-sharded; drop --max-shard-size")
@@ -251,7 +253,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         _same_load_dtype(md, tmp)  # even with check="none": it must load as the original does
         report = None
         if check != "none":
-            report = check_checkpoints(src, tmp, mode=check, allow_pickle=allow_pickle,
+            report = check_checkpoints(src, tmp, mode=check, allow_pickle=allow_pickle, model_class=model_class,
                                        trust_remote_code=trust_remote_code, **(check_options or {}))
             if not report.passed:
                 kept = _keep_failed(tmp, out) if keep_failed else None

@@ -180,10 +180,14 @@ class RotationSpec:
         return cls(str(kind), int(seed), bool(keep_mean))
 
 
-TRAINING_MODE, NOT_ROTATED = "training mode", "not rotated"
-"""Kinds of plan notes that code acts on: ``fold`` warns about the first, ``rotate`` raises the second."""
+TRAINING_MODE, NOT_ROTATED, MISSING = "training mode", "not rotated", "missing parameters"
+"""Kinds of plan notes that code acts on: ``fold`` warns about the first, ``rotate`` raises the
+second, and the third names the parameters a model class builds that its checkpoint lacks."""
 _NOTE_TEXTS = {TRAINING_MODE: "the model is in training mode, so its dropout blocks folding; call model.eval() first",
-               NOT_ROTATED: "the residual stream cannot be rotated: {}"}
+               NOT_ROTATED: "the residual stream cannot be rotated: {}",
+               MISSING: "the checkpoint lacks {} that {} builds ({}): transformers initialises {} at random on every "
+                        "load, so outputs that read {} differ from load to load; --model-class can name a class "
+                        "that matches the weights"}
 
 
 class Note(str):

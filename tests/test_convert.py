@@ -305,8 +305,8 @@ def test_early_copy_gives_the_same_tensors_as_a_fresh_write(shard_size, saved, t
 def test_centering_right_behind_a_copy_still_running(saved, tmp_path, monkeypatch, lone_shard):
     """The copy held back halfway until the centering asks for what lies past it: the
     centering waits for each tensor's bytes (never centers bytes the copy then overwrites),
-    and every output tensor is the plain writer's, bit for bit. Also where the output shard
-    has another name than the input's (a lone indexed shard is written as model.safetensors)."""
+    and every output tensor is the plain writer's, bit for bit. Also for a lone indexed shard,
+    which keeps its name and its index."""
     import threading
     import time
 
@@ -342,7 +342,8 @@ def test_centering_right_behind_a_copy_still_running(saved, tmp_path, monkeypatc
     monkeypatch.setattr(writer, "_copy_range", held_copy)
     monkeypatch.setattr(writer.EarlyCopy, "wait", wait)
     fast = fold_checkpoint(src, tmp_path / "fast", check="none")
-    assert fast.files == ["model.safetensors"]
+    assert fast.files == [shard if lone_shard else "model.safetensors"]
+    assert (tmp_path / "fast" / "model.safetensors.index.json").exists() == lone_shard
     assert len(blocked) > 1  # centering waited on the copy, more than once
     monkeypatch.setattr(convert, "early_spans", lambda md, size: {})
     fold_checkpoint(src, tmp_path / "slow", check="none")
@@ -530,3 +531,55 @@ def test_a_tied_table_partly_untied_keeps_the_untied_name_as_it_was(tmp_path):
     inputs = hf_example_inputs(original, seed=44)
     for cand in (reload_plain(out), load(out), reload_plain(mem)):
         assert_same_outputs(original, cand, inputs)
+
+
+# --- parameters a model class builds but no checkpoint holds ----------------------------
+
+
+def _bert_without_pooler(path):
+    from safetensors.torch import load_file, save_file
+
+    perturb(tiny_model("bert"), seed=5).save_pretrained(path)
+    weights = {k: v for k, v in load_file(path / "model.safetensors").items() if "pooler" not in k}
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_parameters_no_checkpoint_holds_are_named_and_seeded_alike(tmp_path):
+    """A BertModel saved without its pooler: every load draws the pooler at random, so the
+    original differs from itself. The analysis names the two parameters before anything runs,
+    and the check gives them the same seeded values in every model it loads."""
+    src = _bert_without_pooler(tmp_path / "src")
+    first, second = (transformers.BertModel.from_pretrained(src).pooler.dense.weight for _ in range(2))
+    assert not torch.equal(first, second)  # random on every load
+    plan = enjoyln.analyze_checkpoint(src)
+    note = plan.note("missing parameters")
+    assert note and "2 parameters that BertModel builds (pooler.dense.weight, pooler.dense.bias)" in note
+    result = fold_checkpoint(src, tmp_path / "out")
+    assert result.report.passed, result.report.summary()
+    assert result.report.static.missing == ["pooler.dense.weight", "pooler.dense.bias"]
+    assert any("got the same seeded values" in n for n in result.report.notes)
+    assert "pooler_output" in {o.name for o in result.report.outputs}
+    report = enjoyln.check_checkpoints(src, tmp_path / "out", mode="forward")
+    assert report.passed and any("got the same seeded values" in n for n in report.notes), report.summary()
+
+
+def test_model_class_folds_weights_as_the_class_they_match(tmp_path):
+    """MPNetForMaskedLM named in config.json over weights of the base model only (as a
+    sentence-transformers checkpoint ships): folded as MPNetModel, nothing is missing, and the
+    output's config names the class it was folded as."""
+    config = transformers.MPNetConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                      intermediate_size=128, vocab_size=128, max_position_embeddings=66)
+    torch.manual_seed(0)
+    perturb(transformers.MPNetModel(config).eval(), seed=6).save_pretrained(tmp_path / "src")
+    data = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**data, "architectures": ["MPNetForMaskedLM"]}))
+    assert enjoyln.analyze_checkpoint(tmp_path / "src").note("missing parameters")
+    result = fold_checkpoint(tmp_path / "src", tmp_path / "out", model_class="MPNetModel")
+    assert result.report.passed and not result.plan.note("missing parameters"), result.report.summary()
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["MPNetModel"]
+    assert enjoyln.check_checkpoints(tmp_path / "src", tmp_path / "out", model_class="MPNetModel").passed
+    with pytest.raises(enjoyln.CheckpointError, match="checked with the same --model-class"):
+        enjoyln.check_checkpoints(tmp_path / "src", tmp_path / "out")
+    with pytest.raises(enjoyln.CheckpointError, match="is not a transformers model class"):
+        enjoyln.analyze_checkpoint(tmp_path / "src", model_class="NoSuchModel")

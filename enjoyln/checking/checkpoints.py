@@ -19,13 +19,15 @@ from ..store.block import recorded_plan
 from ..store.load import load, load_plain
 from ..store.memory import (available_memory, built_bytes, config_value_dict, dominant_dtype, forward_check_bytes,
                             truth_ratio)
-from ..store.model_dir import ModelDir, load_dtype, open_model_dir
+from ..store.hf import missing_parameters
+from ..store.model_dir import ModelDir, load_dtype, meta_model, open_model_dir
 from ..store.sources import source_of
 from ..store.tensors import return_freed_memory
 from .compare import code_problems, load_problems, parse_dtype
 from .forward import MAX_COVER_POSITIONS, CandidatePath, ModelSource, check_sources
 from .report import CheckReport
-from .static import StaticReport, code_report, static_check
+from . import running
+from .static import StaticReport, code_report, missing_note, static_check
 
 MIN_BUDGET = 16 << 20
 """Room, beyond the largest tensor and one forward's activations, that a check within a budget needs."""
@@ -84,7 +86,7 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
                       allow_pickle: bool = False, trust_remote_code: bool = False, mode: str = "full",
                       progress: Callable[[int, int], None] | None = None,
                       max_memory: int | None = None, dtype: Any = None, thorough: bool = False,
-                      **check_kwargs: Any) -> "CheckReport":
+                      model_class: str | None = None, **check_kwargs: Any) -> "CheckReport":
     """Prove CANDIDATE computes what REFERENCE does: every weight, then the outputs.
 
     ``mode="full"`` (the default) first runs the static check (every tensor
@@ -106,17 +108,22 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
     names another one it is meant to run in, and it is then judged at that
     precision (the half-precision criterion of ``enjoyln.check``).
 
+    Parameters the model class builds that neither checkpoint holds are drawn at random by every
+    load: each model the check loads gets the same seeded values for exactly those, and the
+    report names them. ``model_class`` builds both directories as another transformers class.
+
     >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
     True
     """
     if mode not in ("full", "static", "forward"):
         raise EnjoylnError(f"unknown check mode {mode!r}; use full, static or forward")
     dtype = parse_dtype(dtype)
-    ref_md = open_model_dir(reference_dir, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-    cand_md = open_model_dir(candidate_dir, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    opened = {"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code, "model_class": model_class}
+    ref_md, cand_md = open_model_dir(reference_dir, **opened), open_model_dir(candidate_dir, **opened)
     if ref_md.architecture != cand_md.architecture:
+        hint = "" if model_class else " (one folded with --model-class is checked with the same --model-class)"
         raise CheckpointError(f"{reference_dir} is a {ref_md.architecture} but {candidate_dir} is a "
-                              f"{cand_md.architecture}")
+                              f"{cand_md.architecture}{hint}")
     if code := code_problems(ref_md, cand_md):  # before anything imports the candidate's code
         report = CheckReport.from_static(code_report(code), forward_skipped=True)
         report.forward_skipped = "the candidate's code is not the reference's, so none of it was run"
@@ -150,15 +157,16 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
     if check_kwargs.get("batches") is None:
         check_kwargs = {**check_kwargs, "batches": CONFIRM_BATCHES if confirm else 3}
     plain_required, caveat, note = _plain_loading(cand_md, verified=mode == "full")
-    kwargs = {"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code}
+    missing = static.missing if static is not None else _missing_in_both(ref_md, cand_md)
+    kwargs = {**opened, "seed_missing": missing}
     if max_memory is None:
         # each model is freed after its runs: the reference becomes its own truth (widened in
         # place), and the plain load comes from disk after the candidate's runs
-        ref_src = ModelSource.given(load(reference_dir, **kwargs))
-        cand_src = ModelSource.given(load(candidate_dir, **kwargs))
+        ref_src = ModelSource.given(_load(load, reference_dir, **kwargs))
+        cand_src = ModelSource.given(_load(load, candidate_dir, **kwargs))
         # a half-precision candidate of a float32 reference: the truth is the reference as stored
-        truth = ModelSource(ref_src.dtype, lambda dtype: load(reference_dir, dtype=dtype, **kwargs))
-        plain = ModelSource(cand_src.dtype, lambda dtype: load_plain(candidate_dir, dtype=dtype, **kwargs))
+        truth = ModelSource(ref_src.dtype, lambda dtype: _load(load, reference_dir, dtype=dtype, **kwargs))
+        plain = ModelSource(cand_src.dtype, lambda dtype: _load(load_plain, candidate_dir, dtype=dtype, **kwargs))
         report = check_sources(ref_src, cand_src, truth=truth, **_path_kwargs(plain, plain_required, cand_md, confirm),
                                **check_kwargs)
     else:
@@ -168,6 +176,9 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
                          "(weights beyond it read from disk as each layer ran)")
     report.caveat = caveat if plain_required is False else ""
     report.notes += [note] if note else []
+    if missing:
+        report.notes.append(f"{missing_note(missing)}; every model this check loaded got the same seeded "
+                            "values for exactly those, so they were compared like the rest")
     if confirm:
         plain_too = " (plain loading on the first)" if plain_required is not None else ""
         report.notes.append(f"the static part proved every weight, so the forward part confirmed it on "
@@ -175,6 +186,18 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
                             "runs a batch over every position and many token ids, and decodes 8 tokens")
     report.add_static(static)
     return report
+
+
+def _load(loader: Callable[..., nn.Module], path: str | os.PathLike, *, seed_missing: list[str],
+          **kwargs: Any) -> nn.Module:
+    """A model as ``loader`` gives it, with the parameters no checkpoint holds seeded alike."""
+    return running.seed_missing(loader(path, **kwargs), seed_missing)
+
+
+def _missing_in_both(ref: ModelDir, cand: ModelDir) -> list[str]:
+    """The parameters neither directory holds (without the static check, which pairs them)."""
+    ours = set(missing_parameters(ref, meta_model(ref)))
+    return [name for name in missing_parameters(cand, meta_model(cand)) if name in ours]
 
 
 def _path_kwargs(plain: Any, required: bool | None, md: ModelDir, confirm: bool = False) -> dict[str, Any]:
@@ -242,7 +265,7 @@ def _bounded_check(ref_md: ModelDir, cand_md: ModelDir, max_memory: int, load_kw
             wide = dtype.itemsize / own.itemsize  # the truth: wider tensors, less room
             weights = max(max_memory - int(max(wide, 1.0) * overhead), 0)
             kwargs = dict(dtype=dtype, max_memory=weights, offload_dir=offload / str(dtype), **load_kwargs)
-            return load_plain(md.path, **kwargs) if plain else load(md.path, **kwargs)
+            return _load(load_plain if plain else load, md.path, **kwargs)
         return ModelSource(own, get)
 
     with tempfile.TemporaryDirectory(prefix="enjoyln-offload-") as off:

@@ -3,13 +3,12 @@ made from, and what the plan does to it on the way (centerings, an untie)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from ..plan import Centering, FoldPlan
-from ..store.hf import checkpoint_key, saved_names
+from ..store.hf import checkpoint_key, random_when_missing, saved_names
 from ..transform.tensors import merge_centerings, tie_groups
 
 
@@ -78,7 +77,7 @@ def pair_tensors(plan: FoldPlan, ref_model: nn.Module, cand_model: nn.Module, re
             centerings.setdefault(c.param, []).append(c)
     untied = {u.param for u in plan.untied}
     groups = tie_groups(ref_model, untied)
-    random = _random_when_missing(cand_model)
+    random = random_when_missing(cand_model)
     out, paired = Pairing(), set()
     for name, aliases in tensor_names(cand_model).items():
         if name != aliases[0]:
@@ -109,15 +108,6 @@ def pair_tensors(plan: FoldPlan, ref_model: nn.Module, cand_model: nn.Module, re
     out.problems += [f"the candidate lacks the reference's tensor {key}"
                      for key in sorted(ref_key.keys - cand_key.keys - used)]
     return out
-
-
-def _random_when_missing(model: nn.Module) -> set[str]:
-    """The names a load initialises at random when no checkpoint holds them: floating parameters
-    (a buffer the model builds from its config is the same on every load), but for those
-    transformers expects a checkpoint to lack (``_keys_to_ignore_on_load_missing``)."""
-    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or ()]
-    return {name for name, p in model.named_parameters(remove_duplicate=False)
-            if p.is_floating_point() and not any(r.search(name) for r in ignored)}
 
 
 def still_tied(plan: FoldPlan, cand_model: nn.Module) -> list[str]:

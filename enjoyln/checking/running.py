@@ -55,3 +55,33 @@ def run_model(model: nn.Module, inputs: Inputs, seed: int) -> dict[str, torch.Te
         first = first_line(exc)
         raise CaptureError(f"running {type(model).__name__} on the check inputs failed: "
                            f"{type(exc).__name__}: {first}") from exc
+
+
+def seed_missing(model: nn.Module, names: list[str], seed: int = 0) -> nn.Module:
+    """Give the parameters ``names`` (which no checkpoint holds, so every load draws them at
+    random) the same values in every model the check loads: each from a generator seeded by
+    ``seed`` and the name, scaled like the model's own initialisation (a norm's gain around
+    1). In place; returns ``model``.
+
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> a = seed_missing(net, ["0.bias"])[0].bias.clone()
+    >>> torch.equal(a, seed_missing(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["0.bias"])[0].bias)
+    True
+    """
+    import zlib
+
+    std = float(getattr(getattr(model, "config", None), "initializer_range", 0.02) or 0.02)
+    norms = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
+    with torch.no_grad():
+        for name in names:
+            path, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(path)
+            t = getattr(owner, leaf)
+            if t.device.type == "meta":  # offloaded: it is read from disk, where it is not
+                continue
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            values = torch.randn(t.shape, generator=gen) * std  # float32: the same values in a wider truth
+            if isinstance(owner, norms) and leaf == "weight":
+                values += 1
+            t.copy_(values.to(t.dtype))
+    return model

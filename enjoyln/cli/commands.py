@@ -17,7 +17,7 @@ import typer
 
 from ..errors import CheckFailed, EnjoylnError
 from ..plan import RotationSpec
-from .options import (Batches, Check, CheckMemory, DryRun, Force, JsonOnly, KeepFailed, MaxShardSize,
+from .options import (Batches, Check, CheckMemory, DryRun, Force, JsonOnly, KeepFailed, MaxShardSize, ModelClass,
                       ReadPickle, Rtol, SeqLen, StaticCheck, TrustCode, parse_dtypes, parse_shapes)
 from .render import (ByteProgress, drop_stdout, out, print_compiled, print_end_to_end, print_export, print_json,
                      print_kernels, print_plan, print_report, show_fold)
@@ -34,13 +34,14 @@ def fold(
     fuse_affine: Annotated[bool, typer.Option(
         "--fuse-affine", help="Move each folded norm's gain and bias into the layers reading it.")] = False,
     batches: Batches = None, seq_len: SeqLen = 16, max_memory: CheckMemory = None, rtol: Rtol = None,
+    model_class: ModelClass = None,
 ) -> None:
     """Fold a model directory, check the result, and publish it to OUT_DIR only if it passes."""
     _publish(model_dir, out_dir, max_shard_size=max_shard_size, force=force, check=check, static=static,
              keep_failed=keep_failed, dry_run=dry_run, as_json=as_json, allow_pickle=allow_pickle,
              trust_remote_code=trust_remote_code, auxiliary_centering=auxiliary_centering,
              fuse_affine=fuse_affine, rotate=None, batches=batches, seq_len=seq_len, max_memory=max_memory,
-             rtol=rtol)
+             rtol=rtol, model_class=model_class)
 
 
 def rotate(
@@ -54,6 +55,7 @@ def rotate(
     keep_failed: KeepFailed = False, dry_run: DryRun = False, as_json: JsonOnly = False,
     allow_pickle: ReadPickle = False, trust_remote_code: TrustCode = False,
     batches: Batches = None, seq_len: SeqLen = 16, max_memory: CheckMemory = None, rtol: Rtol = None,
+    model_class: ModelClass = None,
 ) -> None:
     """Fold with fused affines and rotate the residual stream by an orthogonal Q; same outputs, proved."""
     from ..transform.rotation import KINDS
@@ -64,14 +66,14 @@ def rotate(
              keep_failed=keep_failed, dry_run=dry_run, as_json=as_json, allow_pickle=allow_pickle,
              trust_remote_code=trust_remote_code, auxiliary_centering=False, fuse_affine=True,
              rotate=RotationSpec(kind, seed, keep_mean), batches=batches, seq_len=seq_len, max_memory=max_memory,
-             rtol=rtol)
+             rtol=rtol, model_class=model_class)
 
 
 def _publish(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[str], force: bool, check: bool,
              static: bool, keep_failed: bool, dry_run: bool, as_json: bool, allow_pickle: bool,
              trust_remote_code: bool, auxiliary_centering: bool, fuse_affine: bool,
              rotate: Optional[RotationSpec], batches: Optional[int], seq_len: int,
-             max_memory: Optional[str], rtol: Optional[float] = None) -> None:
+             max_memory: Optional[str], rtol: Optional[float] = None, model_class: Optional[str] = None) -> None:
     """``fold_checkpoint`` with the options of ``fold`` and ``rotate``, and its result shown."""
     from .. import convert
     from ..store.memory import parse_size
@@ -84,7 +86,7 @@ def _publish(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[str], f
                 model_dir, out_dir, max_shard_size=parse_size(max_shard_size), force=force,
                 allow_pickle=allow_pickle, dry_run=dry_run, check=mode, keep_failed=keep_failed,
                 trust_remote_code=trust_remote_code, auxiliary_centering=auxiliary_centering,
-                fuse_affine=fuse_affine, rotate=rotate, progress=bar.phase("writing"),
+                fuse_affine=fuse_affine, rotate=rotate, progress=bar.phase("writing"), model_class=model_class,
                 check_options={"batches": batches, "seq_len": seq_len, "rtol": rtol,
                                "max_memory": parse_size(max_memory),
                                "progress": bar.phase("checking weights")})
@@ -125,6 +127,7 @@ def inspect(
         "--fuse-affine", help="Also say where each norm's affine can move.")] = False,
     rotate: Annotated[Optional[str], typer.Option(
         help="Also say whether the stream can be rotated (hadamard or random).")] = None,
+    model_class: ModelClass = None,
 ) -> None:
     """Analyse a model directory on the meta device: which LNs fold, and why not."""
     from ..convert import analyze_checkpoint
@@ -133,12 +136,13 @@ def inspect(
     if rotate is not None and rotate not in KINDS:
         raise EnjoylnError(f"unknown --rotate {rotate!r}; use {' or '.join(KINDS)}")
     plan = analyze_checkpoint(model_dir, allow_pickle=allow_pickle, auxiliary_centering=auxiliary_centering,
-                              fuse_affine=fuse_affine, rotate=RotationSpec(rotate) if rotate else None)
+                              fuse_affine=fuse_affine, rotate=RotationSpec(rotate) if rotate else None,
+                              model_class=model_class)
     if graph is not None:
         from ..analysis.explain import write_graph
         from ..store.model_dir import meta_model, open_model_dir
 
-        write_graph(meta_model(open_model_dir(model_dir, allow_pickle=allow_pickle)), graph)
+        write_graph(meta_model(open_model_dir(model_dir, allow_pickle=allow_pickle, model_class=model_class)), graph)
         if plan.auxiliary:
             out.print("Note: the picture shows the strict analysis, without the auxiliary centerings")
     if as_json:
@@ -175,6 +179,7 @@ def check(
         "--trust-remote-code", help="Run the directories' custom code.")] = False,
     max_memory: Annotated[Optional[str], typer.Option(
         help="Run the models one at a time within this much memory, e.g. 1GB (default: automatic).")] = None,
+    model_class: ModelClass = None,
 ) -> None:
     """CI gate: exit 0 if CANDIDATE computes what REFERENCE does, 1 if not, 2 on bad input."""
     from ..checking import checkpoints
@@ -191,7 +196,7 @@ def check(
                                                max_memory=parse_size(max_memory), dtype=dtype,
                                                progress=bar.phase("checking weights"), batches=batches,
                                                batch_size=batch_size, seq_len=seq_len, seed=seed, rtol=rtol,
-                                               thorough=thorough)
+                                               thorough=thorough, model_class=model_class)
     if as_json:
         print_json(report.to_dict())
     else:

@@ -31,6 +31,9 @@ SeqLen = Annotated[int, typer.Option(min=1, help="Sequence length of the short c
 CheckMemory = Annotated[Optional[str], typer.Option(help="Run the check's models one at a time within this much "
                                                          "memory, e.g. 1GB (default: automatic).")]
 Rtol = Annotated[Optional[float], typer.Option(min=0.0, help=RTOL_HELP)]
+ModelClass = Annotated[Optional[str], typer.Option(
+    help="Build the model as this transformers class instead of the one config.json names, e.g. MPNetModel "
+         "for weights saved without the head MPNetForMaskedLM would add at random.")]
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:

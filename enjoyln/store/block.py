@@ -14,13 +14,15 @@ from .model_dir import ModelDir, load_dtype
 
 def output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
     """config.json as a fold of ``md`` by ``plan`` writes it: the input's, with an untied head
-    where the plan unties one, the dtype it loads in where it names none, and the ``enjoyln``
-    block.
+    where the plan unties one, the dtype it loads in where it names none, the class it was
+    folded as (``--model-class``), and the ``enjoyln`` block.
 
     Without a dtype in config.json, transformers takes the first floating tensor's (by name)
     or an index's: an untied ``lm_head.weight`` sorts first, and a re-sharded or renamed file
     moves the rest, so the fold says which dtype the original loads in."""
     config = json.loads(json.dumps(md.config))
+    if md.source == "transformers" and md.architecture != config["architectures"][0]:
+        config["architectures"] = [md.architecture]  # --model-class: the fold is a checkpoint of that class
     if md.source == "transformers" and config.get("dtype") is None and config.get("torch_dtype") is None:
         config.pop("torch_dtype", None)
         config["dtype"] = load_dtype(md)[0]

@@ -14,11 +14,11 @@ from torch import nn
 
 from ..analysis import analyze
 from ..errors import CheckpointError, EnjoylnError, first_line
-from ..plan import AFFINE_GAIN, Centering, FoldPlan, RotationSpec
+from ..plan import AFFINE_GAIN, MISSING, Centering, FoldPlan, Note, RotationSpec
 from ..transform.steps import apply_plan
 from ..transform.tensors import merge_centerings, tie_groups, ties_lost_on_untie
 from .formats import CODES, DTYPES, SAFE_WEIGHTS, TensorInfo, load_pickled, parse_json_file, widened
-from .hf import checkpoint_key, saved_names
+from .hf import checkpoint_key, missing_parameters, saved_names
 from .model_dir import ModelDir, load_dtype
 from .sources import source_of
 from .stream import StreamedTensors
@@ -34,12 +34,21 @@ def analyze_dir(md: ModelDir, model: nn.Module, auxiliary_centering: bool, fuse_
     plan = analyze(model, **options)
     names = sorted({c.scale for c in plan.centered if c.scale}
                    | {f"{e.name}.weight" for e in plan.foldable if e.affine == AFFINE_GAIN})
-    if not names:
-        return plan
-    gains = dict(zip(names, _read_tensors(md, model, names)))
-    if all(bool(g.ne(0).all()) for g in gains.values()):
-        return plan
-    return analyze(model, weights=gains, **options)
+    if names:
+        gains = dict(zip(names, _read_tensors(md, model, names)))
+        if not all(bool(g.ne(0).all()) for g in gains.values()):
+            plan = analyze(model, weights=gains, **options)
+    if missing := missing_parameters(md, model):
+        plan.notes.append(missing_note(missing, md.architecture))
+    return plan
+
+
+def missing_note(names: list[str], architecture: str) -> Note:
+    """The plan's note on parameters the model class builds that the checkpoint lacks."""
+    many = len(names) > 1
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return Note.of(MISSING, f"{len(names)} parameter{'s' if many else ''}", architecture, shown,
+                   "them" if many else "it", "them" if many else "it")
 
 
 def _read_tensors(md: ModelDir, model: nn.Module, names: list[str],

@@ -4,8 +4,9 @@ the dtype it loads in, and the mapping between parameter names and checkpoint ke
 from __future__ import annotations
 
 import functools
-import weakref
 import json
+import re
+import weakref
 from typing import Any, TYPE_CHECKING
 
 import torch
@@ -166,3 +167,31 @@ def check_shapes(md: ModelDir, model: nn.Module) -> None:
         if key is not None and tuple(md.tensors[key].shape) != tuple(t.shape):
             raise CheckpointError(f"{key} has shape {list(md.tensors[key].shape)} in the checkpoint but "
                                   f"{list(t.shape)} in the model config.json describes")
+
+
+def random_when_missing(model: nn.Module) -> set[str]:
+    """The names a load initialises at random when no checkpoint holds them: floating parameters
+    (a buffer the model builds from its config is the same on every load), but for those
+    transformers expects a checkpoint to lack (``_keys_to_ignore_on_load_missing``)."""
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or ()]
+    return {name for name, p in model.named_parameters(remove_duplicate=False)
+            if p.is_floating_point() and not any(r.search(name) for r in ignored)}
+
+
+def missing_parameters(md: ModelDir, model: nn.Module) -> list[str]:
+    """The parameters ``model`` (the meta model of ``md``) builds that no weight file of ``md``
+    holds under any of their tied names, in the model's order: every load initialises them
+    afresh, at random.
+
+    >>> missing_parameters(open_model_dir("mpnet-dir"), meta_model(md))  # doctest: +SKIP
+    ['lm_head.dense.weight', 'lm_head.dense.bias', ...]
+    """
+    if md.source != "transformers" or md.pickled:
+        return []
+    saved, prefix, keys = saved_names(model), getattr(model, "base_model_prefix", "") or "", set(md.tensors)
+    by_id: dict[int, list[str]] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(t), []).append(name)
+    random = random_when_missing(model)
+    return [names[0] for names in by_id.values() if names[0] in random
+            and all(checkpoint_key(n, keys, prefix, saved) is None for n in names)]

@@ -22,7 +22,7 @@ __all__ = ["load", "load_plain"]
 
 
 def load(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_code: bool = False,
-         max_memory: int | None = None, offload_dir: str | os.PathLike | None = None,
+         max_memory: int | None = None, offload_dir: str | os.PathLike | None = None, model_class: str | None = None,
          **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a folded directory and run its recorded LNs as ``enjoyln.RMSNorm``.
 
@@ -38,11 +38,11 @@ def load(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_co
     >>> model = load("gpt2-folded", dtype="bfloat16")  # doctest: +SKIP
     """
     return _load(path, plain=False, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-                 max_memory=max_memory, offload_dir=offload_dir, **from_pretrained_kwargs)
+                 max_memory=max_memory, offload_dir=offload_dir, model_class=model_class, **from_pretrained_kwargs)
 
 
 def load_plain(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_code: bool = False,
-               **from_pretrained_kwargs: Any) -> nn.Module:
+               model_class: str | None = None, **from_pretrained_kwargs: Any) -> nn.Module:
     """What transformers' own ``from_pretrained`` gives for a directory, with the class chosen as
     ``load`` chooses it (custom code only with ``trust_remote_code``): a folded directory keeps
     its LayerNorms, which see zero-mean inputs.
@@ -50,16 +50,16 @@ def load_plain(path: str | os.PathLike, *, allow_pickle: bool = False, trust_rem
     >>> model = load_plain("gpt2-folded")  # doctest: +SKIP
     """
     return _load(path, plain=True, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-                 **from_pretrained_kwargs)
+                 model_class=model_class, **from_pretrained_kwargs)
 
 
 def _load(path: str | os.PathLike, *, plain: bool, allow_pickle: bool = False, trust_remote_code: bool = False,
           max_memory: int | None = None, offload_dir: str | os.PathLike | None = None,
-          **from_pretrained_kwargs: Any) -> nn.Module:
+          model_class: str | None = None, **from_pretrained_kwargs: Any) -> nn.Module:
     """``load``, or with ``plain`` what the library's own loader gives (transformers'
     ``from_pretrained``, timm's ``create_model``; the recorded LNs stay LayerNorms): the two ways
     a user may load a folded directory."""
-    md = open_model_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    md = open_model_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
     plan = recorded_plan(md)  # a malformed block is refused before the weights load
     if plain:
         plan = None

@@ -124,11 +124,13 @@ def custom_code(root: Path, config: dict[str, Any]) -> list[str]:
 
 
 def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False,
-                   trust_remote_code: bool = False) -> ModelDir:
+                   trust_remote_code: bool = False, model_class: str | None = None) -> ModelDir:
     """Validate a model directory: config, architecture, custom code and every weight header.
 
     Nothing is loaded; a corrupt or malformed shard is reported here, before
-    any output is written.
+    any output is written. ``model_class`` names the class to build instead of the one
+    config.json names (a transformers class for the same config, such as ``MPNetModel`` for
+    weights saved without the masked-LM head ``MPNetForMaskedLM`` would add at random).
 
     >>> open_model_dir("gpt2-dir").architecture  # doctest: +SKIP
     'GPT2LMHeadModel'
@@ -152,6 +154,8 @@ def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False,
                               f"{source.name}'s own model classes and never writes code it did not analyse; "
                               "pass --trust-remote-code to analyse, run and keep that code")
     arch = source.architecture(root, config, remote=bool(code) and bool(config.get("auto_map")))
+    if model_class is not None and model_class != arch:
+        arch = source.other_class(root, model_class)
     md = ModelDir(root, config, arch, [], custom_code=code, trust_remote_code=trust_remote_code, source=source.name)
     index: dict[str, str] | None = None
     present = {n for n in WEIGHT_FILES if (root / n).exists() or (root / n).is_symlink()}

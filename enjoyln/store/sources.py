@@ -45,6 +45,12 @@ class Source:
         """The model's name from config.json, refused unless the library knows it."""
         raise NotImplementedError
 
+    def other_class(self, root: Path, name: str) -> str:
+        """``name``, a class to build instead of the one config.json names, refused unless the
+        library has it (``--model-class``)."""
+        raise CheckpointError(f"--model-class applies to transformers model directories; {root} is a "
+                              f"{self.name} one")
+
     def check_weights(self, root: Path, present: set[str]) -> None:
         """Refuse weight files this library would not load as a fold writes them."""
 
@@ -80,6 +86,13 @@ class Transformers(Source):
         if not isinstance(arch, str) or (not remote and arch not in transformers_names()):
             raise unknown_architecture(arch)
         return arch
+
+    def other_class(self, root: Path, name: str) -> str:
+        from .hf import transformers_names
+
+        if name not in transformers_names() or not name[:1].isupper() or name.endswith("Config"):
+            raise CheckpointError(f"--model-class {name!r} is not a transformers model class (such as MPNetModel)")
+        return name
 
     def meta_model(self, md: "ModelDir") -> nn.Module:
         from .hf import transformers_meta_model

@@ -250,8 +250,8 @@ def finish_shard(file: Path, entries: list[Entry], reader: TensorReader, shard: 
                 raise AssertionError(e.name)
             if e.source.file not in fds:
                 fds[e.source.file] = os.open(root / e.source.file, os.O_RDONLY)
-            # where the copy put it, or to be appended; never by the output's name, which a lone
-            # shard changes (model-00001-of-00001.safetensors -> model.safetensors)
+            # where the copy put it, or to be appended; judged by the input shard, never by the
+            # output's name, which may differ from it
             positions.append((e, at, e.source.start + _HEADER_ROOM != at or e.source.file != shard))
             at += e.nbytes
         os.ftruncate(out, at)  # the appended entries' room, so that the two threads below never race on the size
