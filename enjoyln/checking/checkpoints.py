@@ -154,6 +154,8 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
     confirm = mode == "full" and not thorough  # every weight proven: the forward part only confirms
     if confirm:
         check_kwargs = {"generate_tokens": CONFIRM_TOKENS, **check_kwargs, "coverage": False}
+    if mode == "forward":  # no weight proven: every token id runs at least once
+        check_kwargs = {**check_kwargs, "sweep": True}
     if check_kwargs.get("batches") is None:
         check_kwargs = {**check_kwargs, "batches": CONFIRM_BATCHES if confirm else 3}
     plain_required, caveat, note = _plain_loading(cand_md, verified=mode == "full")

@@ -50,6 +50,7 @@ from ..errors import CaptureError, EnjoylnError
 from .generation import generate_greedy, generation_lengths, generation_settings, judge_generation, settings_problems
 from .report import CheckReport, Coverage, GenerationCheck, OutputCheck, worse
 from .running import cast_inputs, run_model
+from .sweep import drawn_ids, sketched, token_sweep
 from .widening import NotWidened, widened
 
 HALF = (torch.float16, torch.bfloat16)
@@ -368,7 +369,8 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
                   rtol: float | None = None, factor: float = FACTOR, generate_tokens: int = 8,
                   truth: ModelSource | None = None, spill: bool = False,
                   max_rows: int = 4, candidate_path: str = "",
-                  other_paths: Sequence[CandidatePath] = (), coverage: bool = True) -> CheckReport:
+                  other_paths: Sequence[CandidatePath] = (), coverage: bool = True,
+                  sweep: bool = False) -> CheckReport:
     """``check``, with models produced one at a time: the reference (in the dtype that sets
     the bar), its truth in the next wider dtype (from ``truth``, the reference loaded another
     way, or the reference itself), then the candidate and any other load path of it
@@ -379,7 +381,9 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
     check within a memory budget holds one model and one batch's outputs.
     Without ``coverage`` the first batch is a short one like the others: for a
     candidate whose every weight is already proven, the forward part only
-    confirms that the proven plan computes the same function.
+    confirms that the proven plan computes the same function. With ``sweep``
+    (and ``coverage``), further batches run every token id the others missed,
+    their outputs kept as sketches (``checking.sweep``), on the first load path.
     """
     half = reference.dtype in HALF or candidate.dtype in HALF
     base_dtype, truth = reference.dtype, truth or reference
@@ -404,12 +408,21 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
                           else _covering(model, base_dtype, seed, max_rows))
         if first is not None:
             all_inputs[0] = first
+        main = len(all_inputs)
+        if sweep and first is not None:
+            all_inputs += token_sweep(model, drawn_ids(all_inputs), seed=seed, max_rows=max_rows if spill else None)
+        if covered is not None:  # what every batch draws, not the coverage batch alone
+            covered.distinct_ids = len(drawn_ids(all_inputs))
+
+        def outputs(model: nn.Module, i: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+            out = run_model(model, cast_inputs(all_inputs[i], dtype), seed + i)
+            return sketched(out) if i >= main else out
         causal = generate_tokens > 0 and is_causal_lm(model)
         prompt_len, new_tokens = generation_lengths(model, generate_tokens) if causal else (0, 0)
         prompt = next((b.kwargs.get("input_ids") for b in all_inputs if "input_ids" in b.kwargs), None)
         prompt = prompt[:, :prompt_len] if new_tokens and prompt is not None else None
-        for i, inputs in enumerate(all_inputs):
-            base.put(i, run_model(model, cast_inputs(inputs, base_dtype), seed + i))
+        for i in range(len(all_inputs)):
+            base.put(i, outputs(model, i, base_dtype))
         ref_gen = generate_greedy(model, prompt, new_tokens, seed) if prompt is not None else None
         ref_settings = generation_settings(model)
         # the original's own weights widened: its truth without a second load or copy
@@ -423,9 +436,9 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
             truth_out = _Outputs(Path(spill_dir) / "truth" if spill else None)
             try:
                 if widen:
-                    _widened_runs(model, reference, truth, truth_dtype, all_inputs, seed, truth_out)
+                    _widened_runs(model, reference, truth, truth_dtype, len(all_inputs), outputs, truth_out)
                 else:
-                    _runs(truth.get(truth_dtype), truth_dtype, all_inputs, seed, truth_out)
+                    _runs(truth.get(truth_dtype), truth_dtype, len(all_inputs), outputs, truth_out)
             except EnjoylnError as exc:
                 if half:
                     raise
@@ -445,8 +458,9 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
             model = path.source.get(path.source.dtype)
             for problem in settings_problems(ref_settings, generation_settings(model)):
                 settings.setdefault(problem, []).append(path.name)
-            for i, inputs in enumerate(all_inputs[:path.batches]):
-                cand = run_model(model, cast_inputs(inputs, path.source.dtype), seed + i)
+            # the sweep runs on the first path: another loads the same embedding rows
+            for i in range(min(path.batches or len(all_inputs), len(all_inputs) if n == 0 else main)):
+                cand = outputs(model, i, path.source.dtype)
                 for name in base.names(i):
                     st = _measure(name, base, truth_out, i, cand.get(name))
                     stats[n, name] = stats[n, name].merge(st) if (n, name) in stats else st
@@ -491,23 +505,27 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
     )
 
 
-def _runs(model: nn.Module, dtype: torch.dtype, all_inputs: list[Inputs], seed: int, out: _Outputs) -> None:
-    for i, inputs in enumerate(all_inputs):
-        out.put(i, run_model(model, cast_inputs(inputs, dtype), seed + i))
+Run = Callable[[nn.Module, int, torch.dtype], dict[str, torch.Tensor]]
+"""A model's outputs on batch ``i`` in a dtype, as the check keeps them."""
+
+
+def _runs(model: nn.Module, dtype: torch.dtype, batches: int, run: Run, out: _Outputs) -> None:
+    for i in range(batches):
+        out.put(i, run(model, i, dtype))
 
 
 def _widened_runs(model: nn.Module, reference: ModelSource, truth: ModelSource, dtype: torch.dtype,
-                  all_inputs: list[Inputs], seed: int, out: _Outputs) -> None:
+                  batches: int, run: Run, out: _Outputs) -> None:
     """The truth's runs on the original's own weights, widened one module at a time (no copy of
     the model: see ``checking.widening``), or, where the model reads a weight outside its
     owner's forward, widened whole: in place if the check owns the model, else as a copy."""
     try:
         with widened(model, dtype):
-            _runs(model, dtype, all_inputs, seed, out)
+            _runs(model, dtype, batches, run, out)
         return
     except (EnjoylnError, NotWidened):
         pass
-    _runs(model.to(dtype) if reference.owned else truth.get(dtype), dtype, all_inputs, seed, out)
+    _runs(model.to(dtype) if reference.owned else truth.get(dtype), dtype, batches, run, out)
 
 
 class _nothing:
