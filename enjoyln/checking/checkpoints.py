@@ -268,7 +268,9 @@ def _bounded_check(ref_md: ModelDir, cand_md: ModelDir, max_memory: int, load_kw
             weights = max(max_memory - int(max(wide, 1.0) * overhead), 0)
             kwargs = dict(dtype=dtype, max_memory=weights, offload_dir=offload / str(dtype), **load_kwargs)
             return _load(load_plain if plain else load, md.path, **kwargs)
-        return ModelSource(own, get)
+        # the truth widens the reference as its layers run: a float64 load of it from disk would
+        # read the whole file through a mapping, and write it again, wider, to the offload folder
+        return ModelSource(own, get, widens=not plain)
 
     with tempfile.TemporaryDirectory(prefix="enjoyln-offload-") as off:
         ref_src = source(ref_md, Path(off) / "reference")

@@ -153,6 +153,10 @@ class ModelSource:
     owned: bool = False
     """The model ``get`` returns is the check's own: after its runs in its own dtype, the
     truth may be made by widening it in place, instead of a second copy or a second load."""
+    widens: bool = False
+    """The truth may be its model run widened one module at a time (``checking.widening``), but
+    where that cannot be vouched for, it comes from ``get`` in the wider dtype (a model whose
+    weights are read from disk as each layer runs, which a whole conversion would load)."""
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelSource":
@@ -426,7 +430,8 @@ def check_sources(reference: ModelSource, candidate: ModelSource, example_inputs
         ref_gen = generate_greedy(model, prompt, new_tokens, seed) if prompt is not None else None
         ref_settings = generation_settings(model)
         # the original's own weights widened: its truth without a second load or copy
-        widen = crit.kind == "precision" and (reference.owned or reference.held) and base_dtype == reference.dtype
+        widen = (crit.kind == "precision" and (reference.owned or reference.held or reference.widens)
+                 and base_dtype == reference.dtype)
         if not widen:
             del model
             reference.drop(base_dtype)

@@ -15,7 +15,8 @@ owns it. A weight a module reads from another module, outside that one's forward
 fails; a weight that no forward of its owner converted may have been read that way without
 failing, and then ``widened`` raises ``NotWidened``. Either way the caller converts the model
 whole instead. A forward that returns a view of a widened weight gets a copy of it, since the
-scratch memory is reused.
+scratch memory is reused. A weight offloaded by accelerate (on the meta device until its
+module runs) is left to accelerate's hook, which loads it cast to the dtype it finds: the wider one.
 """
 
 from __future__ import annotations
@@ -89,6 +90,18 @@ def _copies_of_views(out: Any, storages: set[int]) -> Any:
     return out
 
 
+def _swap(table: dict[str, Any], name: str, t: torch.Tensor, wide: torch.Tensor,
+          swapped: list[tuple[dict[str, Any], str, torch.Tensor]]) -> None:
+    """``t`` (the entry ``name`` of a module's parameters or buffers) replaced by ``wide``, and
+    what to put back recorded."""
+    if isinstance(t, nn.Parameter):
+        swapped.append((table, name, t.data))
+        t.data = wide
+    else:
+        swapped.append((table, name, t))
+        table[name] = wide
+
+
 @contextlib.contextmanager
 def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
     """Within the block, calling ``model`` computes in ``dtype`` as ``model.to(dtype)`` would,
@@ -123,15 +136,15 @@ def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
         for table, name, t in list(_own_tensors(module)):
             if t.dtype == dtype:  # already wide: widened by an enclosing forward that owns it too
                 continue
+            if t.device.type == "meta":
+                # offloaded: accelerate's hook loads it next, cast to the dtype it finds here
+                _swap(table, name, t, torch.empty(t.shape, dtype=dtype, device="meta"), swapped)
+                converted.add(id(t))
+                continue
             wide = scratch.take(t.numel()).view(t.shape)
             wide.copy_(t.detach())
             converted.add(id(t))
-            if isinstance(t, nn.Parameter):
-                swapped.append((table, name, t.data))
-                t.data = wide
-            else:
-                swapped.append((table, name, t))
-                table[name] = wide
+            _swap(table, name, t, wide, swapped)
 
     def post(module: nn.Module, args: Any, output: Any) -> Any:
         depth, top = frames.pop()

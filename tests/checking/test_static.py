@@ -199,8 +199,12 @@ def test_bounded_check_offloads_and_still_catches_a_change(pair, tmp_path, monke
     monkeypatch.setattr(checkpoint, "load", spy)
     report = enjoyln.check_checkpoints(ref, folded, max_memory=200_000)
     assert report.passed, report.summary()
-    # the reference, its float64 truth and the candidate (plain from_pretrained is loaded apart)
-    assert len(maps) == 3 and all("disk" in m for m in maps) and "within 195.3 KiB" in report.memory
+    # the reference and the candidate (plain from_pretrained is loaded apart): the float64 truth is
+    # the reference widened as each layer runs, not a third load, which read the whole file through
+    # one mapping and wrote it again in float64 (1.64 GiB peak RSS for a 1 GB checkpoint and a
+    # 512 MB budget, where the budget holds now)
+    assert len(maps) == 2 and all("disk" in m for m in maps) and "within 195.3 KiB" in report.memory
+    assert report.truth_dtype == "float64" and report.criterion_kind == "precision"
     assert report.max_rel_diff < 1e-6 and report.generation.passed
     key = "transformer.h.1.attn.c_proj.weight"  # (a change of 1e-3 of its scale moves the logits by 2e-6:
     cand = edited(folded, tmp_path, lambda sd: sd[key].view(-1)[3].add_(float(sd[key].abs().max())))  # static's job)

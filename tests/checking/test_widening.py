@@ -123,3 +123,25 @@ def test_the_check_gives_the_same_verdict_either_way(monkeypatch):
     assert [(o.name, o.max_abs_diff, o.reference_error, o.allowed) for o in lazy.outputs] == \
         [(o.name, o.max_abs_diff, o.reference_error, o.allowed) for o in whole.outputs]
     assert all(p.dtype == torch.float32 for p in ref.parameters())
+
+
+def test_a_model_offloaded_by_accelerate_is_widened_as_its_layers_load(tmp_path):
+    """Within a memory budget the weights stay on the meta device until accelerate's hook loads
+    them for their module's forward: widened, they load in float64, and the outputs are those of
+    the model loaded whole in float64, bit for bit; afterwards the model is as it was."""
+    from enjoyln.store.load import load
+
+    perturb(tiny_model("gpt2"), seed=3).save_pretrained(tmp_path / "ref")
+    model = load(tmp_path / "ref", max_memory=60_000, offload_dir=tmp_path / "offload")
+    assert "disk" in set(model.hf_device_map.values())
+    # remove_duplicate=False: accelerate's own forward unties the two meta names of a tied weight
+    meta = {n for n, p in model.named_parameters(remove_duplicate=False) if p.device.type == "meta"}
+    assert meta
+    inputs = cast_inputs(Inputs((), hf_example_inputs(model, batch=2, seq_len=12, seed=1)), W)
+    whole = run_model(load(tmp_path / "ref", dtype=W), inputs, 0)
+    with widened(model, W):
+        lazy = run_model(model, inputs, 0)
+    for key in whole:
+        assert lazy[key].dtype == W and torch.equal(whole[key], lazy[key]), key
+    assert {n for n, p in model.named_parameters(remove_duplicate=False) if p.device.type == "meta"} == meta
+    assert all(p.dtype == torch.float32 for p in model.parameters())
