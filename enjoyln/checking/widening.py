@@ -91,11 +91,11 @@ def _copies_of_views(out: Any, storages: set[int]) -> Any:
 
 
 def _swap(table: dict[str, Any], name: str, t: torch.Tensor, wide: torch.Tensor,
-          swapped: list[tuple[dict[str, Any], str, torch.Tensor]]) -> None:
+          swapped: list[tuple[dict[str, Any], str, Any]]) -> None:
     """``t`` (the entry ``name`` of a module's parameters or buffers) replaced by ``wide``, and
     what to put back recorded."""
     if isinstance(t, nn.Parameter):
-        swapped.append((table, name, t.data))
+        swapped.append((table, name, (t, t.data)))
         t.data = wide
     else:
         swapped.append((table, name, t))
@@ -118,7 +118,7 @@ def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
     (torch.float64, torch.float32)
     """
     scratch = _Scratch(dtype)
-    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []  # what to put back, in order
+    swapped: list[tuple[dict[str, Any], str, Any]] = []  # what to put back, in order
     frames: list[tuple[int, tuple[int, int]]] = []
     converted: set[int] = set()
     owned = {id(t) for m in model.modules() for _, _, t in _own_tensors(m) if t.dtype != dtype}
@@ -126,8 +126,10 @@ def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
     def restore(depth: int) -> None:
         while len(swapped) > depth:
             table, name, original = swapped.pop()
-            if isinstance(table[name], nn.Parameter):
-                table[name].data = original
+            if isinstance(original, tuple):  # a parameter: the object back in its place (accelerate's
+                param, data = original       # hook puts a new one there), holding its own data again
+                param.data = data
+                table[name] = param
             else:
                 table[name] = original
 
