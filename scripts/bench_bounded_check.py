@@ -1,8 +1,9 @@
 """Check a checkpoint larger than a memory budget, and measure the peak memory of each mode.
 
-Builds a GPT-2-shaped checkpoint of about 1 GB (width 1024, 16 layers, the
-GPT-2 vocabulary; random fp32 weights, LayerNorm gains and biases moved away
-from their init), folds it, then runs, each in its own process under
+Builds a GPT-2-shaped checkpoint of about 1 GB (width 1024, 20 layers, a vocabulary of
+8,192, so that 512 MB holds the largest tensor and one forward's activations; random fp32
+weights, LayerNorm gains and biases moved away from their init), folds it, then runs, each
+in its own process under
 ``/usr/bin/time -v`` (peak RSS, wall time):
 
 - ``enjoyln check REF FOLDED`` with both models in memory (the default where they fit);
@@ -35,11 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _docs import machine, replace_section  # noqa: E402
 
 
-def build(path: Path, layers: int = 16, width: int = 1024) -> int:
+def build(path: Path, layers: int = 20, width: int = 1024, vocab: int = 8192) -> int:
     import transformers
 
-    config = transformers.GPT2Config(n_embd=width, n_layer=layers, n_head=width // 64, vocab_size=50257,
-                                     n_positions=1024, architectures=["GPT2LMHeadModel"])
+    config = transformers.GPT2Config(n_embd=width, n_layer=layers, n_head=width // 64, vocab_size=vocab,
+                                     n_positions=1024, bos_token_id=0, eos_token_id=1,
+                                     architectures=["GPT2LMHeadModel"])
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in transformers.GPT2LMHeadModel(config).state_dict().items()
                   if k != "lm_head.weight"}
@@ -134,7 +136,7 @@ def main() -> None:
 
     forward = runs["bounded_wrong_forward"]["exit"]
     body = "\n".join([
-        f"Synthetic GPT-2-shaped checkpoint, width 1024, 16 layers, vocabulary 50,257, fp32: {size / 1e9:.2f} GB "
+        f"Synthetic GPT-2-shaped checkpoint, width 1024, 20 layers, vocabulary 8,192, fp32: {size / 1e9:.2f} GB "
         f"(its fold: {sum(p.stat().st_size for p in folded.glob('*.safetensors')) / 1e9:.2f} GB with the untied "
         f"head). Each command in its own process under `/usr/bin/time -v`; {machine()}.",
         "",
