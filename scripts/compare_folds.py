@@ -1,0 +1,106 @@
+"""Fold the same inputs with two source trees and compare the outputs byte for byte.
+
+For refactors that must not change behaviour: each case (a small model directory and the
+command that folds it) runs once with the tree under test and once with a baseline tree (a
+checkout of an earlier commit, e.g. ``git worktree add /tmp/base 8744ee9``), each in its own
+process, and every file of the two outputs is compared with ``cmp``'s rule (same names, same
+bytes). The cases: a plain fold (early copy), ``--max-shard-size``, ``--fuse-affine``,
+``rotate`` (Hadamard and random, without ``keep_mean``), a pickle input, a sharded BERT, and a
+timm hub-format directory where timm imports.
+
+    python scripts/compare_folds.py --baseline /tmp/base [--workdir DIR] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CASES = {
+    "plain": ("gpt2", ["fold", "--static"]),
+    "sharded-out": ("gpt2", ["fold", "--static", "--max-shard-size", "200KB"]),
+    "fuse-affine": ("gpt2", ["fold", "--static", "--fuse-affine"]),
+    "hadamard": ("gpt2", ["rotate", "--static"]),
+    "random-no-keep-mean": ("opt", ["rotate", "--static", "--kind", "random", "--no-keep-mean"]),
+    "pickle": ("gpt2-pickle", ["fold", "--static", "--allow-pickle"]),
+    "bert-sharded": ("bert-sharded", ["fold", "--static"]),
+    "bloom-auxiliary": ("bloom", ["fold", "--static", "--auxiliary-centering"]),
+    "vit": ("vit", ["fold", "--static"]),
+}
+
+BUILD = r"""
+import sys, torch
+from pathlib import Path
+from enjoyln.testing import demo_checkpoint, perturb, tiny_model
+kind, path = sys.argv[1], Path(sys.argv[2])
+if kind == "gpt2":
+    demo_checkpoint(path, layers=2, width=128, vocab=256)
+elif kind == "gpt2-pickle":
+    perturb(tiny_model("gpt2"), seed=5).save_pretrained(path, safe_serialization=False)
+elif kind == "bert-sharded":
+    perturb(tiny_model("bert"), seed=6).save_pretrained(path, max_shard_size="100KB")
+else:
+    perturb(tiny_model(kind), seed=7).save_pretrained(path)
+"""
+
+
+def build(kind: str, path: Path) -> None:
+    if not path.exists():
+        subprocess.run([sys.executable, "-c", BUILD, kind, str(path)], check=True, capture_output=True)
+
+
+def fold(tree: Path, args: list[str], src: Path, out: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    command, *options = args
+    proc = subprocess.run([sys.executable, "-m", "enjoyln", command, str(src), str(out), *options],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{tree}: enjoyln {' '.join(args)} failed:\n{proc.stdout[-800:]}{proc.stderr[-800:]}")
+
+
+def differences(a: Path, b: Path) -> list[str]:
+    out = []
+    names_a = {p.relative_to(a) for p in a.rglob("*") if p.is_file()}
+    names_b = {p.relative_to(b) for p in b.rglob("*") if p.is_file()}
+    out += [f"only in one: {n}" for n in sorted(names_a ^ names_b)]
+    out += [f"differs: {n}" for n in sorted(names_a & names_b) if not filecmp.cmp(a / n, b / n, shallow=False)]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", type=Path, required=True, help="a checkout of the tree to compare against")
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--only", default="", help="comma-separated case names")
+    args = parser.parse_args()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="enjoyln-compare-"))
+    bad = 0
+    for name, (kind, command) in CASES.items():
+        if args.only and name not in args.only.split(","):
+            continue
+        src = work / "inputs" / kind
+        build(kind, src)
+        outs = []
+        for label, tree in (("tree", ROOT), ("baseline", args.baseline)):
+            out = work / label / name
+            shutil.rmtree(out, ignore_errors=True)
+            fold(tree, command, src, out)
+            outs.append(out)
+        diff = differences(*outs)
+        bad += bool(diff)
+        print(f"{name}: {'identical' if not diff else 'DIFFERENT: ' + '; '.join(diff)}", flush=True)
+    if args.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    raise SystemExit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
