@@ -25,7 +25,7 @@ from .checking.running import flatten_outputs
 from .store.load import load, load_plain
 from .errors import EnjoylnError
 from .modules.norm import RMSNorm
-from .store.model_dir import open_model_dir
+from .store.checkpoint import open_checkpoint
 from .testing import max_relative_diff, perturb
 from .transform.steps import fold
 
@@ -441,7 +441,7 @@ def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = 
 
         original = perturb(transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval())
         folded = fold(copy.deepcopy(original))
-    elif open_model_dir(model_dir).config.get("enjoyln"):
+    elif open_checkpoint(model_dir).config.get("enjoyln"):
         original, folded = load_plain(model_dir), load(model_dir)
     else:
         original = load(model_dir)

@@ -26,17 +26,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ._version import __version__
-from .analysis.driver import norm_module_paths
+from .analysis.norms import norm_module_paths
 from .checking.checkpoints import check_checkpoints, require_memory
 from .errors import CheckFailed, CheckpointError, EnjoylnError
 from .plan import NOT_ROTATED, FoldPlan, RotationSpec
 from .store.block import output_config
 from .store.expected import analyze_dir, index_metadata, moved_entries, moves_values, plan_entries, reshard
 from .store.files import check_links, copy_extras
-from .store.formats import SAFE_INDEX, load_pickled, read_safetensors_header
-from .store.hf import check_shapes, saved_names
-from .store.model_dir import ModelDir, load_dtype, meta_model, open_model_dir
-from .store.sources import source_of
+from .store.formats import SAFE_INDEX, read_safetensors_header
+from .store.hf import check_shapes
+from .store.checkpoint import Checkpoint, open_checkpoint
 from .store.stream import StreamedTensors
 from .store.tensors import Buffer, TensorReader
 from .store.transaction import check_out_dir, clean_stale, keep_failed as _keep_failed, missing_dirs, publish, remove_dirs, signals_held, temp_dir
@@ -63,10 +62,9 @@ def analyze_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False,
 
     >>> analyze_checkpoint("path/to/gpt2").summary()  # doctest: +SKIP
     """
-    md = open_model_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
-    model = meta_model(md)
-    check_shapes(md, model)
-    return analyze_dir(md, model, auxiliary_centering, fuse_affine, RotationSpec.of(rotate))
+    ck = open_checkpoint(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
+    check_shapes(ck)
+    return analyze_dir(ck, auxiliary_centering, fuse_affine, RotationSpec.of(rotate))
 
 
 def _os_error(exc: OSError, out: Path, tmp: Path | None) -> CheckpointError:
@@ -80,10 +78,10 @@ def _os_error(exc: OSError, out: Path, tmp: Path | None) -> CheckpointError:
     return CheckpointError(f"cannot write {where}: {exc.strerror or exc}; nothing was written")
 
 
-def _same_load_dtype(md: ModelDir, tmp: Path) -> None:
+def _same_load_dtype(ck: Checkpoint, tmp: Path) -> None:
     """The fold's postcondition on dtypes: the output loads in the dtype the original loads in."""
-    theirs, (ours, why) = load_dtype(md)[0], load_dtype(open_model_dir(tmp, allow_pickle=True,
-                                                                      trust_remote_code=md.trust_remote_code))
+    out = open_checkpoint(tmp, allow_pickle=True, trust_remote_code=ck.trust_remote_code)
+    theirs, (ours, why) = ck.load_dtype[0], out.load_dtype
     if ours != theirs:
         raise CheckpointError(f"the fold would load in {ours} (from {why}) where the original loads in {theirs}; "
                               "nothing was written; set dtype in the original's config.json and run again")
@@ -153,14 +151,14 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         out = out.resolve()
     if check not in CHECK_MODES:
         raise EnjoylnError(f"unknown check mode {check!r}; use one of {', '.join(CHECK_MODES)}")
-    md = open_model_dir(src, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
-    if max_shard_size is not None and not source_of(md).shards:
-        raise CheckpointError(f"{source_of(md).name} loads one weight file, model.safetensors, so this directory "
+    ck = open_checkpoint(src, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
+    if max_shard_size is not None and not ck.library.shards:
+        raise CheckpointError(f"{ck.library.name} loads one weight file, model.safetensors, so this directory "
                               "is not re-sharded; drop --max-shard-size")
     check_out_dir(src, out, force, dry_run=dry_run)
-    check_links(md)  # a file a loader reads, outside MODEL_DIR: refused before anything is written
+    check_links(ck)  # a file a loader reads, outside MODEL_DIR: refused before anything is written
     if check == "full" and not dry_run:
-        require_memory(md, (check_options or {}).get("max_memory"))  # say so before anything is written
+        require_memory(ck, (check_options or {}).get("max_memory"))  # say so before anything is written
     cleaned = [] if dry_run else clean_stale(out)
     created = [] if dry_run else missing_dirs(out.parent)  # removed again unless OUT_DIR is published
     done, total, lock = [0], [0], threading.Lock()
@@ -178,37 +176,35 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     try:
         # a plan that moves values rewrites nearly every tensor: nothing to copy ahead
         moving = fuse_affine or rotate is not None or (plan is not None and moves_values(plan))
-        spans = early_spans(md, max_shard_size) if not dry_run and not moving else {}
+        spans = early_spans(ck, max_shard_size) if not dry_run and not moving else {}
         if spans:  # copy while the model's code loads and the analysis runs; see EarlyCopy
             total[0] = sum(length for _, _, length in spans.values())
             with signals_held():  # an interrupt must find tmp and early set, to clean them up
                 tmp = temp_dir(out)
-                early = EarlyCopy(md, tmp, spans, advance)
-        model = meta_model(md)
+                early = EarlyCopy(ck, tmp, spans, advance)
+        model = ck.meta
         if early is not None and not norm_module_paths(model):
             early.cancel()  # no norm module: almost surely nothing to fold, so stop copying now
             early, spans = None, {}
         if plan is not None:
             check_fits(model, plan)
-        check_shapes(md, model)
+        check_shapes(ck)
         if plan is None:
-            plan = analyze_dir(md, model, auxiliary_centering, fuse_affine, rotate)
+            plan = analyze_dir(ck, auxiliary_centering, fuse_affine, rotate)
         if rotate is not None and plan.rotation is None and not dry_run:
             why = plan.note(NOT_ROTATED) or "the plan has no rotation"
             raise EnjoylnError(f"{why}; nothing was written")
         if dry_run or not plan.foldable:
             return FoldResult(plan, None, [], 0, time.perf_counter() - start, cleaned=cleaned)
-        prefix = getattr(model, "base_model_prefix", "") or ""
         if moves_values(plan):
-            streamed = StreamedTensors(md, plan, model)
-            entries = moved_entries(md, streamed)
+            streamed = StreamedTensors(ck, plan)
+            entries = moved_entries(ck, streamed)
         else:
-            pickled = load_pickled(md) if md.pickled else None
-            entries = plan_entries(md, plan, prefix, saved_names(model), pickled, model)
-        shards = reshard(entries, max_shard_size, indexed=md.index is not None)
+            entries = plan_entries(ck, plan)
+        shards = reshard(entries, max_shard_size, indexed=ck.index is not None)
         bytes_out = sum(e.nbytes for _, es in shards for e in es)
         by_name = {name: shard for shard, (name, _, _) in spans.items()}
-        layout = {name: early_layout(md, by_name.get(name), entries) for name, entries in shards}
+        layout = {name: early_layout(ck, by_name.get(name), entries) for name, entries in shards}
         with lock:  # what is left: whole shards written afresh; centered and appended tensors
             total[0] += sum(e.nbytes for name, es in shards for i, e in enumerate(es)
                             if layout[name] is None or i >= layout[name] or e.axis is not None)
@@ -217,10 +213,10 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                 tmp = temp_dir(out)
         write_start = time.perf_counter()
         followed: list[str] = []
-        skipped = copy_extras(md, tmp, followed)
-        (tmp / "config.json").write_text(json.dumps(output_config(md, plan), indent=2) + "\n")
+        skipped = copy_extras(ck, tmp, followed)
+        (tmp / "config.json").write_text(json.dumps(output_config(ck, plan), indent=2) + "\n")
         metadata = {"format": "pt", "enjoyln": __version__}
-        buffer, reader = Buffer(), TensorReader(md)
+        buffer, reader = Buffer(), TensorReader(ck)
         for name, entries in shards:
             shard = by_name.get(name) if early is not None else None  # set wherever layout[name] is
             copied = (lambda upto, s=shard: early.wait(s, upto)) if shard is not None else None
@@ -244,16 +240,16 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             early.cancel()
             stream_seconds += early.seconds_before(write_start)
         files = [name for name, _ in shards]
-        if len(shards) > 1 or md.index is not None:
-            index = {"metadata": index_metadata(md, bytes_out),
+        if len(shards) > 1 or ck.index is not None:
+            index = {"metadata": index_metadata(ck, bytes_out),
                      "weight_map": {e.name: name for name, es in shards for e in es}}
             (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for name in files:  # the output must read back, or it is not published
             read_safetensors_header(tmp / name)
-        _same_load_dtype(md, tmp)  # even with check="none": it must load as the original does
+        _same_load_dtype(ck, tmp)  # even with check="none": it must load as the original does
         report = None
         if check != "none":
-            report = check_checkpoints(src, tmp, mode=check, allow_pickle=allow_pickle, model_class=model_class,
+            report = check_checkpoints(ck, tmp, mode=check, allow_pickle=allow_pickle, model_class=model_class,
                                        trust_remote_code=trust_remote_code, **(check_options or {}))
             if not report.passed:
                 kept = _keep_failed(tmp, out) if keep_failed else None

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import PlanError
+from .units import format_bytes
 
 FORMAT_VERSION = 2
 """The newest plan format this enjoyln reads. A plan is written with the oldest version
@@ -436,14 +437,3 @@ def block_lists(plan: FoldPlan) -> dict[str, list[Any]]:
             "center_on_load": [c.param for c in plan.centered if not c.saved],
             "untied": [u.param for u in plan.untied],
             "auxiliary_centering": [{"module": a.module, "where": a.where} for a in plan.auxiliary]}
-
-
-def format_bytes(n: float) -> str:
-    """512 B, 32.0 KiB, 3.0 GiB."""
-    if abs(n) < 1024:
-        return f"{int(n)} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        n /= 1024
-        if abs(n) < 1024 or unit == "GiB":
-            break
-    return f"{n:.1f} {unit}"

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 import enjoyln
-from enjoyln.plan import format_bytes
+from enjoyln.units import format_bytes
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _docs import replace_section  # noqa: E402

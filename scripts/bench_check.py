@@ -127,7 +127,7 @@ def measure(refs: list[Path], roots: list[Path], repeat: int = 5) -> list[dict[s
 
 IN_PROCESS = """
 import shutil, sys, time
-from enjoyln.store.model_dir import open_model_dir
+from enjoyln.store.checkpoint import open_model_dir
 from enjoyln.checking.static import static_check
 from enjoyln.convert import fold_checkpoint
 what, ref, cand, out = sys.argv[1:]

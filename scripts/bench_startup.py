@@ -44,7 +44,7 @@ import torch
 t["torch"] = time.perf_counter()
 import transformers
 t["transformers"] = time.perf_counter()
-from enjoyln.store.model_dir import open_model_dir, meta_model
+from enjoyln.store.checkpoint import open_model_dir, meta_model
 from enjoyln.store.hf import model_class
 from enjoyln.store.expected import analyze_dir
 t["enjoyln"] = time.perf_counter()
@@ -52,7 +52,7 @@ md = open_model_dir(sys.argv[1])
 t["open"] = time.perf_counter()
 model_class(md)
 t["class"] = time.perf_counter()
-model = meta_model(md)
+model = md.meta
 t["meta"] = time.perf_counter()
 analyze_dir(md, model, False)
 t["traced"] = time.perf_counter()

@@ -13,8 +13,8 @@ from enjoyln.analysis.inputs import hf_example_inputs, is_causal_lm
 from enjoyln.convert import fold_checkpoint
 from enjoyln.errors import CheckFailed
 from enjoyln.store.load import load
-from enjoyln.store.memory import parse_size
-from enjoyln.store.model_dir import open_model_dir
+from enjoyln.units import parse_size
+from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.testing import ARCHITECTURES, demo_checkpoint, perturb, tiny_model
 from conftest import assert_same_outputs
 
@@ -153,7 +153,7 @@ def test_pickle_weights_with_explicit_permission(saved, tmp_path):
     sd = reload_plain(src).state_dict()
     torch.save({k: v for k, v in sd.items() if k != "lm_head.weight"}, pkl / "pytorch_model.bin")
     with pytest.raises(enjoyln.CheckpointError, match="--allow-pickle"):
-        open_model_dir(pkl)
+        open_checkpoint(pkl)
     result = fold_checkpoint(pkl, tmp_path / "out", allow_pickle=True)
     out = result.out_dir
     assert (out / "model.safetensors").exists() and not (out / "pytorch_model.bin").exists()
@@ -232,12 +232,12 @@ def test_a_shard_not_named_as_its_weights_is_refused(saved, tmp_path):
         torch.save(sd, pkl / name)
         (pkl / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {k: name for k in sd}}))
         with pytest.raises(enjoyln.CheckpointError, match="not named as pickle weights"):
-            open_model_dir(pkl, allow_pickle=True)
+            open_checkpoint(pkl, allow_pickle=True)
         (pkl / name).unlink()
     torch.save(sd, pkl / "pytorch_model-00001-of-00001.bin")
     (pkl / "pytorch_model.bin.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": {k: "pytorch_model-00001-of-00001.bin" for k in sd}}))
-    assert open_model_dir(pkl, allow_pickle=True).shards == ["pytorch_model-00001-of-00001.bin"]
+    assert open_checkpoint(pkl, allow_pickle=True).shards == ["pytorch_model-00001-of-00001.bin"]
 
 
 def test_header_with_wrong_byte_counts_is_refused(saved, tmp_path):
@@ -285,9 +285,9 @@ def test_early_copy_gives_the_same_tensors_as_a_fresh_write(shard_size, saved, t
     from enjoyln.store import writer
 
     src = saved("gpt2", torch.float32, **({"max_shard_size": shard_size} if shard_size else {}))
-    assert writer.early_spans(open_model_dir(src), None)  # the fast path applies here
+    assert writer.early_spans(open_checkpoint(src), None)  # the fast path applies here
     fast = fold_checkpoint(src, tmp_path / "fast", check="static")
-    monkeypatch.setattr(convert, "early_spans", lambda md, size: {})
+    monkeypatch.setattr(convert, "early_spans", lambda ck, size: {})
     slow = fold_checkpoint(src, tmp_path / "slow", check="none")
     assert fast.files == slow.files and fast.bytes_written == slow.bytes_written
     a, b = _tensors(tmp_path / "fast"), _tensors(tmp_path / "slow")
@@ -345,7 +345,7 @@ def test_centering_right_behind_a_copy_still_running(saved, tmp_path, monkeypatc
     assert fast.files == [shard if lone_shard else "model.safetensors"]
     assert (tmp_path / "fast" / "model.safetensors.index.json").exists() == lone_shard
     assert len(blocked) > 1  # centering waited on the copy, more than once
-    monkeypatch.setattr(convert, "early_spans", lambda md, size: {})
+    monkeypatch.setattr(convert, "early_spans", lambda ck, size: {})
     fold_checkpoint(src, tmp_path / "slow", check="none")
     a, b = _tensors(tmp_path / "fast"), _tensors(tmp_path / "slow")
     assert a.keys() == b.keys()

@@ -3,8 +3,7 @@ import json
 import pytest
 
 import enjoyln
-from enjoyln.plan import (NOT_ROTATED, TRAINING_MODE, Centering, FoldPlan, LayerNormEntry, Note, RotationSpec, Untie,
-                          format_bytes)
+from enjoyln.plan import NOT_ROTATED, TRAINING_MODE, Centering, FoldPlan, LayerNormEntry, Note, RotationSpec, Untie
 from enjoyln.testing import perturb, tiny_model
 
 
@@ -40,12 +39,6 @@ def test_centered_is_deduplicated_and_only_from_foldable():
 def test_newer_format_is_refused():
     with pytest.raises(enjoyln.PlanError, match="format version 99"):
         FoldPlan.from_dict({"format_version": 99, "model": "M"})
-
-
-def test_format_bytes():
-    assert format_bytes(512) == "512 B"
-    assert format_bytes(32768) == "32.0 KiB"
-    assert format_bytes(3 * 1024**3) == "3.0 GiB"
 
 
 def test_notes_are_typed_and_keep_their_kind_through_json():

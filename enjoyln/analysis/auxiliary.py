@@ -16,7 +16,8 @@ from ..modules import centering
 from ..plan import AuxCentering, FoldPlan, Note, RotationSpec
 from .capture import Capture, capture
 from .dataflow import NotZero
-from .driver import Analysis, Weights, analyze_capture, within_scope
+from .driver import Analysis, Weights, analyze_capture
+from .norms import within_scope
 from .graph import shape
 from .inputs import ExampleInputs
 

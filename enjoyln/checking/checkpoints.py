@@ -14,14 +14,11 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, EnjoylnError
-from ..plan import format_bytes
-from ..store.block import recorded_plan
+from ..units import format_bytes
 from ..store.load import load, load_plain
-from ..store.memory import (available_memory, built_bytes, config_value_dict, dominant_dtype, forward_check_bytes,
+from ..store.memory import (available_memory, config_value_dict, dominant_dtype, forward_check_bytes,
                             truth_ratio)
-from ..store.hf import missing_parameters
-from ..store.model_dir import ModelDir, load_dtype, meta_model, open_model_dir
-from ..store.sources import source_of
+from ..store.checkpoint import Checkpoint, open_checkpoint
 from ..store.tensors import return_freed_memory
 from .compare import code_problems, load_problems, parse_dtype
 from .forward import MAX_COVER_POSITIONS, CandidatePath, ModelSource, check_sources
@@ -42,23 +39,23 @@ CONFIRM_TOKENS = 4
 ``--forward-only``): each one streams every weight of both models once."""
 
 
-def bounded_budget(md: ModelDir) -> int | None:
+def bounded_budget(ck: Checkpoint) -> int | None:
     """None if the forward check fits with both models in memory; else the budget for a check that
     runs them one at a time, offloading weights, within half of what is available."""
-    need, have = forward_check_bytes(md), available_memory()
+    need, have = forward_check_bytes(ck), available_memory()
     if have is None or need <= have:
         return None
     return have // 2
 
 
-def require_memory(md: ModelDir, max_memory: int | None = None) -> None:
+def require_memory(ck: Checkpoint, max_memory: int | None = None) -> None:
     """Refuse, before anything is written, a forward check that cannot run even one model at a time."""
     have = available_memory()
-    budget = max_memory if max_memory is not None else bounded_budget(md)
+    budget = max_memory if max_memory is not None else bounded_budget(ck)
     if budget is None:
         return
-    wide = truth_ratio(md)  # the truth runs too, one model at a time, in a wider dtype
-    floor = int(wide * (_largest_tensor(md) + _activation_bytes(md))) + MIN_BUDGET
+    wide = truth_ratio(ck)  # the truth runs too, one model at a time, in a wider dtype
+    floor = int(wide * (_largest_tensor(ck) + _activation_bytes(ck))) + MIN_BUDGET
     if budget < floor or (have is not None and floor > have):
         limit = (f"--max-memory allows {format_bytes(budget)}" if max_memory is not None and budget < floor
                  else f"{format_bytes(have)} is available" if have is None or floor > have
@@ -68,21 +65,21 @@ def require_memory(md: ModelDir, max_memory: int | None = None) -> None:
                               "running the model (or --no-check)")
 
 
-def _largest_tensor(md: ModelDir) -> int:
-    return max(max((t.nbytes for t in md.tensors.values()), default=0), built_bytes(md)[1])
+def _largest_tensor(ck: Checkpoint) -> int:
+    return max(max((t.nbytes for t in ck.tensors.values()), default=0), ck.built[1])
 
 
-def _activation_bytes(md: ModelDir) -> int:
+def _activation_bytes(ck: Checkpoint) -> int:
     """A generous bound on one forward's largest live tensors with one row of the coverage
     batch: the logits over the vocabulary, or a few hidden states."""
-    cfg = md.config
+    cfg = ck.config
     length = min(int(config_value_dict(cfg, "max_position_embeddings", "n_positions") or 512), MAX_COVER_POSITIONS)
     hidden = int(config_value_dict(cfg, "hidden_size", "n_embd", "d_model") or 1024)
     width = max(int(config_value_dict(cfg, "vocab_size") or 0), 4 * hidden)
     return length * width * 4 + (32 << 20)
 
 
-def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.PathLike, *,
+def check_checkpoints(reference_dir: str | os.PathLike | Checkpoint, candidate_dir: str | os.PathLike, *,
                       allow_pickle: bool = False, trust_remote_code: bool = False, mode: str = "full",
                       progress: Callable[[int, int], None] | None = None,
                       max_memory: int | None = None, dtype: Any = None, thorough: bool = False,
@@ -119,26 +116,28 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
         raise EnjoylnError(f"unknown check mode {mode!r}; use full, static or forward")
     dtype = parse_dtype(dtype)
     opened = {"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code, "model_class": model_class}
-    ref_md, cand_md = open_model_dir(reference_dir, **opened), open_model_dir(candidate_dir, **opened)
-    if ref_md.architecture != cand_md.architecture:
+    # the reference may come opened already (by fold): its files and meta model, never a plan
+    ref_ck = reference_dir if isinstance(reference_dir, Checkpoint) else open_checkpoint(reference_dir, **opened)
+    cand_ck = open_checkpoint(candidate_dir, **opened)
+    if ref_ck.architecture != cand_ck.architecture:
         hint = "" if model_class else " (one folded with --model-class is checked with the same --model-class)"
-        raise CheckpointError(f"{reference_dir} is a {ref_md.architecture} but {candidate_dir} is a "
-                              f"{cand_md.architecture}{hint}")
-    if code := code_problems(ref_md, cand_md):  # before anything imports the candidate's code
+        raise CheckpointError(f"{ref_ck.path} is a {ref_ck.architecture} but {candidate_dir} is a "
+                              f"{cand_ck.architecture}{hint}")
+    if code := code_problems(ref_ck, cand_ck):  # before anything imports the candidate's code
         report = CheckReport.from_static(code_report(code), forward_skipped=True)
         report.forward_skipped = "the candidate's code is not the reference's, so none of it was run"
         return report
     auto = max_memory is None
     if max_memory is None and mode != "static":
         # the candidate's own config decides what it builds (with --forward-only, whatever it says)
-        max_memory = bounded_budget(ref_md)
-        max_memory = max_memory if max_memory is not None else bounded_budget(cand_md)
+        max_memory = bounded_budget(ref_ck)
+        max_memory = max_memory if max_memory is not None else bounded_budget(cand_ck)
     if mode != "static":
-        require_memory(ref_md, max_memory)  # before the weights are read, not after
-        require_memory(cand_md, max_memory)
+        require_memory(ref_ck, max_memory)  # before the weights are read, not after
+        require_memory(cand_ck, max_memory)
     static = None
     if mode != "forward":
-        static = static_check(ref_md, cand_md, progress=progress, dtype=dtype)
+        static = static_check(ref_ck, cand_ck, progress=progress, dtype=dtype)
         if mode == "static" or not static.passed:
             return CheckReport.from_static(static, forward_skipped=mode != "static")
         if static.byte_identical:
@@ -146,7 +145,7 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
             report.forward_skipped = ("the candidate is byte for byte the reference, so it loads and computes "
                                       "the same: there is nothing to run")
             return report
-    elif problems := load_problems(ref_md, cand_md, dtype):  # no weight check, but the same dtype
+    elif problems := load_problems(ref_ck, cand_ck, dtype):  # no weight check, but the same dtype
         report = CheckReport.from_static(StaticReport(passed=False, problems=problems, scope="load settings"),
                                          forward_skipped=True)
         report.forward_skipped = "the candidate does not load as the reference does"
@@ -158,21 +157,21 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
         check_kwargs = {**check_kwargs, "sweep": True}
     if check_kwargs.get("batches") is None:
         check_kwargs = {**check_kwargs, "batches": CONFIRM_BATCHES if confirm else 3}
-    plain_required, caveat, note = _plain_loading(cand_md, verified=mode == "full")
-    missing = static.missing if static is not None else _missing_in_both(ref_md, cand_md)
-    kwargs = {**opened, "seed_missing": missing}
+    plain_required, caveat, note = _plain_loading(cand_ck, verified=mode == "full")
+    missing = static.missing if static is not None else [n for n in cand_ck.missing if n in set(ref_ck.missing)]
+    kwargs = {"seed_missing": missing}
     if max_memory is None:
         # each model is freed after its runs: the reference becomes its own truth (widened in
         # place), and the plain load comes from disk after the candidate's runs
-        ref_src = ModelSource.given(_load(load, reference_dir, **kwargs))
-        cand_src = ModelSource.given(_load(load, candidate_dir, **kwargs))
+        ref_src = ModelSource.given(_load(load, ref_ck, **kwargs))
+        cand_src = ModelSource.given(_load(load, cand_ck, **kwargs))
         # a half-precision candidate of a float32 reference: the truth is the reference as stored
-        truth = ModelSource(ref_src.dtype, lambda dtype: _load(load, reference_dir, dtype=dtype, **kwargs))
-        plain = ModelSource(cand_src.dtype, lambda dtype: _load(load_plain, candidate_dir, dtype=dtype, **kwargs))
-        report = check_sources(ref_src, cand_src, truth=truth, **_path_kwargs(plain, plain_required, cand_md, confirm),
+        truth = ModelSource(ref_src.dtype, lambda dtype: _load(load, ref_ck, dtype=dtype, **kwargs))
+        plain = ModelSource(cand_src.dtype, lambda dtype: _load(load_plain, cand_ck, dtype=dtype, **kwargs))
+        report = check_sources(ref_src, cand_src, truth=truth, **_path_kwargs(plain, plain_required, cand_ck, confirm),
                                **check_kwargs)
     else:
-        report = _bounded_check(ref_md, cand_md, max_memory, kwargs, check_kwargs, plain_required, confirm)
+        report = _bounded_check(ref_ck, cand_ck, max_memory, kwargs, check_kwargs, plain_required, confirm)
         report.memory = (f"{'the two models would not fit in memory side by side, so ' if auto else ''}"
                          f"the models ran one at a time within {format_bytes(max_memory)} "
                          "(weights beyond it read from disk as each layer ran)")
@@ -190,29 +189,23 @@ def check_checkpoints(reference_dir: str | os.PathLike, candidate_dir: str | os.
     return report
 
 
-def _load(loader: Callable[..., nn.Module], path: str | os.PathLike, *, seed_missing: list[str],
+def _load(loader: Callable[..., nn.Module], path: Checkpoint, *, seed_missing: list[str],
           **kwargs: Any) -> nn.Module:
     """A model as ``loader`` gives it, with the parameters no checkpoint holds seeded alike."""
     return running.seed_missing(loader(path, **kwargs), seed_missing)
 
 
-def _missing_in_both(ref: ModelDir, cand: ModelDir) -> list[str]:
-    """The parameters neither directory holds (without the static check, which pairs them)."""
-    ours = set(missing_parameters(ref, meta_model(ref)))
-    return [name for name in missing_parameters(cand, meta_model(cand)) if name in ours]
-
-
-def _path_kwargs(plain: Any, required: bool | None, md: ModelDir, confirm: bool = False) -> dict[str, Any]:
+def _path_kwargs(plain: Any, required: bool | None, ck: Checkpoint, confirm: bool = False) -> dict[str, Any]:
     """The candidate's load paths for ``check_sources``: ``enjoyln.load``, and its library's plain
     loader (``from_pretrained``, ``timm.create_model``) unless the two are the same (no ``enjoyln``
     block: ``required`` None). When the forward part only ``confirm``s proven weights, the plain
     loader, which differs from ``enjoyln.load`` only in keeping the LayerNorms, runs the first batch."""
-    others = [] if required is None else [CandidatePath(source_of(md).loader, plain, required,
+    others = [] if required is None else [CandidatePath(ck.library.loader, plain, required,
                                                         batches=1 if confirm else None)]
     return {"candidate_path": "enjoyln.load", "other_paths": others}
 
 
-def _plain_loading(md: ModelDir, *, verified: bool) -> tuple[bool | None, str, str]:
+def _plain_loading(ck: Checkpoint, *, verified: bool) -> tuple[bool | None, str, str]:
     """Whether plain ``from_pretrained`` of the candidate must match the reference: (required,
     the verdict's caveat, a note). None: no ``enjoyln`` block, so ``enjoyln.load`` is plain loading.
 
@@ -221,10 +214,10 @@ def _plain_loading(md: ModelDir, *, verified: bool) -> tuple[bool | None, str, s
     believed: a block claiming exactness anywhere gets the plain path held to it. Without the
     static check (``verified`` False) nothing proves the block, so the verdict says what it
     leaves out."""
-    plan = recorded_plan(md)
+    plan = ck.recorded_plan
     if plan is None:
         return None, "", "the candidate has no enjoyln block, so enjoyln.load is plain from_pretrained"
-    block = md.config["enjoyln"].get("rotation")
+    block = ck.config["enjoyln"].get("rotation")
     declared = (plan.rotation is not None and not plan.rotation.keep_mean and isinstance(block, dict)
                 and block.get("keep_mean") is False and block.get("plain_loading_exact") is False)
     if not declared:
@@ -238,7 +231,7 @@ def _plain_loading(md: ModelDir, *, verified: bool) -> tuple[bool | None, str, s
                    "verify that declaration; run the full check"), ""
 
 
-def _bounded_check(ref_md: ModelDir, cand_md: ModelDir, max_memory: int, load_kwargs: dict[str, Any],
+def _bounded_check(ref_ck: Checkpoint, cand_ck: Checkpoint, max_memory: int, load_kwargs: dict[str, Any],
                    check_kwargs: dict[str, Any], plain_required: bool | None = True,
                    confirm: bool = False) -> "CheckReport":
     """The forward check holding one model at a time, with at most ``max_memory`` for it.
@@ -249,31 +242,31 @@ def _bounded_check(ref_md: ModelDir, cand_md: ModelDir, max_memory: int, load_kw
     forward's activations, both twice as wide for the truth (the reference in
     the next wider dtype); the reference's outputs wait on disk.
     """
-    if ref_md.pickled or cand_md.pickled:
+    if ref_ck.pickled or cand_ck.pickled:
         raise CheckpointError("a check within a memory budget reads weights from safetensors files; convert "
                               "pickle weights first, or pass --static")
-    if not source_of(ref_md).bounded_loading:
-        raise CheckpointError(f"{source_of(ref_md).name} loads a model whole, so the check cannot run within a "
+    if not ref_ck.library.bounded_loading:
+        raise CheckpointError(f"{ref_ck.library.name} loads a model whole, so the check cannot run within a "
                               "memory budget; pass --static to prove every weight without running the model")
     return_freed_memory()
-    overhead = _largest_tensor(ref_md) + _activation_bytes(ref_md)
+    overhead = _largest_tensor(ref_ck) + _activation_bytes(ref_ck)
 
-    def source(md: ModelDir, offload: Path, plain: bool = False) -> ModelSource:
+    def source(ck: Checkpoint, offload: Path, plain: bool = False) -> ModelSource:
         # the dtype a plain from_pretrained loads it in, which the static check compared
-        own = getattr(torch, load_dtype(md)[0], None)
-        own = own if isinstance(own, torch.dtype) and own.is_floating_point else dominant_dtype(md)
+        own = getattr(torch, ck.load_dtype[0], None)
+        own = own if isinstance(own, torch.dtype) and own.is_floating_point else dominant_dtype(ck)
 
         def get(dtype: torch.dtype) -> nn.Module:
             wide = dtype.itemsize / own.itemsize  # the truth: wider tensors, less room
             weights = max(max_memory - int(max(wide, 1.0) * overhead), 0)
             kwargs = dict(dtype=dtype, max_memory=weights, offload_dir=offload / str(dtype), **load_kwargs)
-            return _load(load_plain if plain else load, md.path, **kwargs)
+            return _load(load_plain if plain else load, ck, **kwargs)
         # the truth widens the reference as its layers run: a float64 load of it from disk would
         # read the whole file through a mapping, and write it again, wider, to the offload folder
         return ModelSource(own, get, widens=not plain)
 
     with tempfile.TemporaryDirectory(prefix="enjoyln-offload-") as off:
-        ref_src = source(ref_md, Path(off) / "reference")
-        paths = _path_kwargs(source(cand_md, Path(off) / "plain", plain=True), plain_required, cand_md, confirm)
-        return check_sources(ref_src, source(cand_md, Path(off) / "candidate"), truth=ref_src,
+        ref_src = source(ref_ck, Path(off) / "reference")
+        paths = _path_kwargs(source(cand_ck, Path(off) / "plain", plain=True), plain_required, cand_ck, confirm)
+        return check_sources(ref_src, source(cand_ck, Path(off) / "candidate"), truth=ref_src,
                              spill=True, max_rows=1, **paths, **check_kwargs)

@@ -16,8 +16,7 @@ from ..plan import FoldPlan, block_lists
 from ..store.block import output_config
 from ..store.files import extra_files, is_weight_file, loader_files
 from ..store.formats import JSON_LIMIT, PT_INDEX, SAFE_INDEX, input_file, loader_text, parse_json_file
-from ..store.model_dir import ModelDir, load_dtype
-from ..store.sources import source_of
+from ..store.checkpoint import Checkpoint
 from ..store.transaction import OWNER_FILE
 
 LOAD_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -157,7 +156,7 @@ def config_problems(expected: dict[str, Any], actual: dict[str, Any], dtype: str
     return problems
 
 
-def expected_config(ref: ModelDir, plan: FoldPlan, *, block: bool) -> dict[str, Any]:
+def expected_config(ref: Checkpoint, plan: FoldPlan, *, block: bool) -> dict[str, Any]:
     """config.json as a fold of ``ref`` by ``plan`` writes it (without the enjoyln block, as a
     fold saved by transformers has it)."""
     config = output_config(ref, plan)
@@ -166,7 +165,7 @@ def expected_config(ref: ModelDir, plan: FoldPlan, *, block: bool) -> dict[str, 
     return config
 
 
-def load_problems(ref: ModelDir, cand: ModelDir, dtype: str | None = None) -> list[str]:
+def load_problems(ref: Checkpoint, cand: Checkpoint, dtype: str | None = None) -> list[str]:
     """What makes ``from_pretrained`` load the candidate otherwise than the reference, beyond its
     files: another dtype (unless ``dtype`` names the one it is meant to load in), or an index
     it cannot read."""
@@ -175,8 +174,8 @@ def load_problems(ref: ModelDir, cand: ModelDir, dtype: str | None = None) -> li
     if index.exists() and not isinstance(parse_json_file(index, "a weight index").get("metadata"), dict):
         # transformers reads index["metadata"] whatever the config says
         problems.append(f"the candidate's {index.name} has no metadata object, so from_pretrained fails on it")
-    theirs, _ = load_dtype(ref)
-    ours, source = load_dtype(cand)
+    theirs, _ = ref.load_dtype
+    ours, source = cand.load_dtype
     if dtype is None and ours != theirs:
         problems.append(f"the candidate loads in {ours} (from {source}), the reference in {theirs}; pass "
                         f"--dtype {ours} (dtype= in Python) to judge it at that precision")
@@ -240,7 +239,7 @@ def _same_bytes(a: Path, b: Path) -> bool:
                 return True
 
 
-def identical_directories(ref: ModelDir, cand: ModelDir) -> bool:
+def identical_directories(ref: Checkpoint, cand: Checkpoint) -> bool:
     """Whether every file a loader reads in ``cand`` is the one of the same name in ``ref``, byte
     for byte, and no file is extra or missing: then both load and compute the same, with no
     analysis. config.json is compared first, where a fold always differs."""
@@ -260,7 +259,7 @@ def identical_directories(ref: ModelDir, cand: ModelDir) -> bool:
         raise CheckpointError(f"cannot read {exc.filename}: {exc.strerror or exc}") from None
 
 
-def file_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
+def file_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
     """Every file of the candidate but its config and the weights it loads must be one a fold
     of the reference holds (``copy_extras``), with the reference's content, whatever its name: a
     loader may read any of them (PhoBERT's bpe.codes, a .spm, trusted remote code). Weights in
@@ -271,7 +270,7 @@ def file_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
     index = PT_INDEX if cand.pickled else SAFE_INDEX
     # OWNER_FILE marks the temporary directory a fold checks before publishing it; no loader reads it
     own = {"config.json", OWNER_FILE, *cand.shards} | ({index} if (cand.path / index).exists() else set())
-    theirs_gen, ours_gen = source_of(ref).generation(ref), source_of(cand).generation(cand)
+    theirs_gen, ours_gen = ref.library.generation(ref), cand.library.generation(cand)
     for key in sorted(k for k in theirs_gen.keys() | ours_gen.keys()
                       if not same_json(theirs_gen.get(k), ours_gen.get(k))):
         problems.append(f"the candidate's generation config changes {key} from {theirs_gen.get(key)!r} "
@@ -291,7 +290,7 @@ def file_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
     return problems
 
 
-def code_problems(ref: ModelDir, cand: ModelDir) -> list[str]:
+def code_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
     """With remote code on either side: what makes the candidate's code other than the
     reference's. Every ``.py`` file at any depth (what ``auto_map`` names, and what those import)
     must be the reference's byte for byte, and config.json's ``auto_map`` (which class, from

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..plan import Centering, FoldPlan
-from ..store.hf import checkpoint_key, random_when_missing, saved_names
+from ..store.checkpoint import Checkpoint
+from ..store.hf import random_when_missing
 from ..transform.tensors import merge_centerings, tie_groups
 
 
@@ -47,25 +48,12 @@ def tensor_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return {n: tuple(names) for names in by_id.values() for n in names}
 
 
-class KeyFinder:
-    """A model's names as one checkpoint's keys (its base prefix, transformers' renames on save)."""
-
-    def __init__(self, model: nn.Module, keys: set[str]) -> None:
-        self.keys, self.names = keys, tensor_names(model)
-        self.prefix = getattr(model, "base_model_prefix", "") or ""
-        self.saved = saved_names(model)
-
-    def __call__(self, name: str) -> str | None:
-        """The key holding ``name``'s tensor: its own, or one of its tied names'."""
-        for alias in (name, *self.names.get(name, ())):
-            key = checkpoint_key(alias, self.keys, self.prefix, self.saved)
-            if key is not None:
-                return key
-        return None
+def tied_key(ck: Checkpoint, names: dict[str, tuple[str, ...]], name: str) -> str | None:
+    """The key of ``ck`` holding ``name``'s tensor: its own, or one of its tied names' (``names``)."""
+    return next((key for alias in (name, *names.get(name, ())) if (key := ck.key(alias)) is not None), None)
 
 
-def pair_tensors(plan: FoldPlan, ref_model: nn.Module, cand_model: nn.Module, ref_key: KeyFinder,
-                 cand_key: KeyFinder) -> Pairing:
+def pair_tensors(plan: FoldPlan, ref: Checkpoint, cand: Checkpoint) -> Pairing:
     """Pair every tensor the candidate's model loads, then every other tensor it stores, with
     the reference's; a tensor the candidate's model loads that the candidate lacks, one that
     has no counterpart in the reference, and one of the reference's the candidate lacks are
@@ -76,37 +64,36 @@ def pair_tensors(plan: FoldPlan, ref_model: nn.Module, cand_model: nn.Module, re
         if c.saved:  # a non-persistent buffer is not in any checkpoint; load centers it
             centerings.setdefault(c.param, []).append(c)
     untied = {u.param for u in plan.untied}
-    groups = tie_groups(ref_model, untied)
-    random = random_when_missing(cand_model)
+    groups = tie_groups(ref.meta, untied)
+    random, ref_names = random_when_missing(cand.meta), tensor_names(ref.meta)
     out, paired = Pairing(), set()
-    for name, aliases in tensor_names(cand_model).items():
+    for name, aliases in tensor_names(cand.meta).items():
         if name != aliases[0]:
             continue  # a tied alias: the same tensor, checked once
-        ck = next((k for a in aliases if (k := checkpoint_key(a, cand_key.keys, cand_key.prefix,
-                                                                cand_key.saved))), None)
-        rk = ref_key(name)
-        if ck is None:
+        key = next((k for a in aliases if (k := cand.key(a))), None)
+        rk = tied_key(ref, ref_names, name)
+        if key is None:
             if rk is not None:
                 out.problems.append(f"the candidate has no tensor for {name}; loading it would initialise it at random")
             elif name in random:
                 out.missing.append(name)
             continue
         if rk is None:
-            out.problems.append(f"the candidate's {ck} has no counterpart in the reference")
+            out.problems.append(f"the candidate's {key} has no counterpart in the reference")
             continue
         names = dict.fromkeys((*aliases, *(a for n in aliases for a in groups.get(n, (n,)))))
         cs = tuple(merge_centerings([x for a in names if a in centerings for x in centerings[a]]))
-        out.pairs.append(Pair(ck, rk, cs, any(a in untied for a in aliases)))
-        paired.add(ck)
-    for key in sorted(cand_key.keys - paired):  # stored but not loaded: must still be the reference's
-        if key in ref_key.keys:
+        out.pairs.append(Pair(key, rk, cs, any(a in untied for a in aliases)))
+        paired.add(key)
+    for key in sorted(cand.keys - paired):  # stored but not loaded: must still be the reference's
+        if key in ref.keys:
             out.pairs.append(Pair(key, key))
             paired.add(key)
         else:
             out.problems.append(f"the candidate holds {key}, which neither its model nor the reference has")
     used = {p.ref for p in out.pairs}
     out.problems += [f"the candidate lacks the reference's tensor {key}"
-                     for key in sorted(ref_key.keys - cand_key.keys - used)]
+                     for key in sorted(ref.keys - cand.keys - used)]
     return out
 
 

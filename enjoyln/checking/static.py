@@ -39,20 +39,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from torch import nn
 
 from ..errors import EnjoylnError
 from ..plan import FoldPlan, RotationSpec
-from ..store.block import recorded_plan
 from ..store.expected import analyze_dir, moves_values
-from ..store.formats import load_pickled
 from ..store.hf import check_shapes
-from ..store.model_dir import ModelDir, meta_model
+from ..store.checkpoint import Checkpoint
 from ..store.stream import StreamedTensors
 from ..store.tensors import TensorReader
 from .compare import (code_problems, config_problems, expected_config, file_problems, identical_directories,
                       load_problems, parse_dtype, plan_problems, same_json)
-from .pairing import KeyFinder, Pair, pair_tensors, still_tied
+from .pairing import Pair, pair_tensors, still_tied, tensor_names, tied_key
 from .verify import Verdicts, Verifier, read_param_of
 
 @dataclass
@@ -141,7 +138,7 @@ class _Resolved:
     as_folded: list[str] = field(default_factory=list)
 
 
-def static_check(ref: ModelDir, cand: ModelDir, *, progress: Callable[[int, int], None] | None = None,
+def static_check(ref: Checkpoint, cand: Checkpoint, *, progress: Callable[[int, int], None] | None = None,
                  dtype: Any = None) -> StaticReport:
     """Verify, without running either model, that ``cand`` is ``ref`` with its fold plan applied.
 
@@ -153,27 +150,25 @@ def static_check(ref: ModelDir, cand: ModelDir, *, progress: Callable[[int, int]
     dtype instead of the reference's, each tensor rounded to nearest from the
     fold's own arithmetic (see ``enjoyln.checking.verify``).
 
-    >>> static_check(open_model_dir("gpt2"), open_model_dir("gpt2-folded")).passed  # doctest: +SKIP
+    >>> static_check(open_checkpoint("gpt2"), open_checkpoint("gpt2-folded")).passed  # doctest: +SKIP
     True
     """
     start = time.perf_counter()
     dtype = parse_dtype(dtype)
     if identical_directories(ref, cand):
         return _identical_report(ref, start)
-    if code := code_problems(ref, cand):  # before meta_model(cand) imports any of it
+    if code := code_problems(ref, cand):  # before cand.meta imports any of it
         return code_report(code)
-    ref_model, cand_model = meta_model(ref), meta_model(cand)
-    check_shapes(ref, ref_model)
-    check_shapes(cand, cand_model)
-    resolved = _resolve_plan(ref, cand, ref_model, dtype)
+    check_shapes(ref)
+    check_shapes(cand)
+    resolved = _resolve_plan(ref, cand, dtype)
     # read before any weight, so a bad file is refused first; reported after the weights
     files = load_problems(ref, cand, dtype) + file_problems(ref, cand)
-    readers = _reader(ref), _reader(cand)
+    pairing = pair_tensors(resolved.plan, ref, cand)
+    resolved.problems += pairing.problems
+    readers = TensorReader(ref), TensorReader(cand)
     try:
-        ref_key, cand_key = KeyFinder(ref_model, readers[0].keys()), KeyFinder(cand_model, readers[1].keys())
-        pairing = pair_tensors(resolved.plan, ref_model, cand_model, ref_key, cand_key)
-        resolved.problems += pairing.problems
-        verdicts = _verify(ref, resolved, pairing.pairs, readers, (ref_model, cand_model), ref_key, dtype, progress)
+        verdicts = _verify(resolved, pairing.pairs, (ref, cand), readers, dtype, progress)
     finally:
         for reader in readers:
             reader.close()
@@ -184,25 +179,25 @@ def static_check(ref: ModelDir, cand: ModelDir, *, progress: Callable[[int, int]
     return report
 
 
-def _identical_report(ref: ModelDir, start: float) -> StaticReport:
+def _identical_report(ref: Checkpoint, start: float) -> StaticReport:
     n = len(ref.tensors)
     return StaticReport(passed=True, tensors=n, identical=n, form="identical", byte_identical=True,
                         plan="none needed: every file is the reference's, byte for byte",
                         bytes_read=2 * ref.nbytes, seconds=time.perf_counter() - start)
 
 
-def _resolve_plan(ref: ModelDir, cand: ModelDir, ref_model: nn.Module, dtype: str | None) -> _Resolved:
+def _resolve_plan(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Resolved:
     """The plan the candidate is held to: a recorded one confirmed by this enjoyln's analysis of
     the reference, or, without one, that analysis (the candidate may then be the reference or
     the plan applied). A candidate carrying the reference's own block is a copy of that fold."""
-    recorded = recorded_plan(cand)
+    recorded = cand.recorded_plan
     if recorded is not None and "enjoyln" in ref.config and same_json(ref.config["enjoyln"], cand.config["enjoyln"]):
         as_reference = config_problems(ref.config, cand.config, dtype)
-        return _Resolved(FoldPlan(type(ref_model).__name__), "none: the candidate carries the reference's own "
+        return _Resolved(FoldPlan(type(ref.meta).__name__), "none: the candidate carries the reference's own "
                          "enjoyln block, so it must be a copy of it", None, [], as_reference, as_reference)
-    out = _Resolved(FoldPlan(type(ref_model).__name__), "none (the analysis failed)", recorded)
+    out = _Resolved(FoldPlan(type(ref.meta).__name__), "none (the analysis failed)", recorded)
     try:
-        out.plan, out.source = _analysis(ref, ref_model, recorded), "analysis"
+        out.plan, out.source = _analysis(ref, recorded), "analysis"
     except EnjoylnError as exc:
         if recorded is not None:
             out.problems.append(f"cannot confirm the recorded plan: the analysis of the reference failed ({exc})")
@@ -221,37 +216,38 @@ def _resolve_plan(ref: ModelDir, cand: ModelDir, ref_model: nn.Module, dtype: st
     return out
 
 
-def _analysis(ref: ModelDir, ref_model: nn.Module, recorded: FoldPlan | None) -> FoldPlan:
+def _analysis(ref: Checkpoint, recorded: FoldPlan | None) -> FoldPlan:
     """This enjoyln's plan for the reference, with the options a recorded plan was made with."""
-    plan = analyze_dir(ref, ref_model, **_options(recorded))
+    plan = analyze_dir(ref, **_options(recorded))
     if recorded is not None and not recorded.auxiliary and plan.to_dict() != recorded.to_dict():
         # --auxiliary-centering that placed none leaves a trace only in the plan's notes and
         # reasons, which the block must still match: the analysis with it may
-        other = analyze_dir(ref, ref_model, **{**_options(recorded), "auxiliary_centering": True})
+        other = analyze_dir(ref, **{**_options(recorded), "auxiliary_centering": True})
         plan = other if not other.auxiliary and other.to_dict() == recorded.to_dict() else plan
     return plan
 
 
-def _verify(ref: ModelDir, resolved: _Resolved, pairs: list[Pair], readers: tuple[TensorReader, TensorReader],
-            models: tuple[nn.Module, nn.Module], ref_key: KeyFinder, dtype: str | None,
+def _verify(resolved: _Resolved, pairs: list[Pair], checkpoints: tuple[Checkpoint, Checkpoint],
+            readers: tuple[TensorReader, TensorReader], dtype: str | None,
             progress: Callable[[int, int], None] | None) -> Verdicts:
     """Every paired tensor judged. A fused affine or a rotation computes tensors from other
     tensors: each is recomputed from the reference tensors it depends on, by the code the fold
     used, when its turn comes (and, for a candidate in another dtype, from the reference cast)."""
-    plan, (ref_model, cand_model) = resolved.plan, models
+    plan, (ref, cand) = resolved.plan, checkpoints
     expected = cast = None
     if moves_values(plan) and not resolved.problems:
-        expected = StreamedTensors(ref, plan, ref_model, reader=readers[0])
+        expected = StreamedTensors(ref, plan, reader=readers[0])
         if dtype is not None:
-            cast = lambda: StreamedTensors(ref, plan, ref_model, reader=readers[0], dtype=dtype)  # noqa: E731
-    verifier = Verifier(*readers, read_param_of(readers[0], ref_key), dtype=dtype,
+            cast = lambda: StreamedTensors(ref, plan, reader=readers[0], dtype=dtype)  # noqa: E731
+    names = tensor_names(ref.meta)
+    verifier = Verifier(*readers, read_param_of(readers[0], lambda name: tied_key(ref, names, name)), dtype=dtype,
                         unrecorded=resolved.recorded is None, expected=expected, cast_expected=cast)
     try:
         verdicts = verifier.run(pairs, progress)
     finally:
         if expected is not None:
             expected.close()
-    verdicts.not_folded[:0] = still_tied(plan, cand_model)
+    verdicts.not_folded[:0] = still_tied(plan, cand.meta)
     return verdicts
 
 
@@ -274,7 +270,3 @@ def _judge(resolved: _Resolved, v: Verdicts, files: list[str], *, moved: bool) -
     return report
 
 
-def _reader(md: ModelDir) -> TensorReader:
-    if not md.pickled:
-        return TensorReader(md)
-    return TensorReader(md, {k: t for k, (_, t) in load_pickled(md).items()})

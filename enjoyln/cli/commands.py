@@ -76,7 +76,7 @@ def _publish(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[str], f
              max_memory: Optional[str], rtol: Optional[float] = None, model_class: Optional[str] = None) -> None:
     """``fold_checkpoint`` with the options of ``fold`` and ``rotate``, and its result shown."""
     from .. import convert
-    from ..store.memory import parse_size
+    from ..units import parse_size
 
     start = time.perf_counter()
     mode = "none" if not check else "static" if static else "full"
@@ -140,9 +140,9 @@ def inspect(
                               model_class=model_class)
     if graph is not None:
         from ..analysis.explain import write_graph
-        from ..store.model_dir import meta_model, open_model_dir
+        from ..store.checkpoint import open_checkpoint
 
-        write_graph(meta_model(open_model_dir(model_dir, allow_pickle=allow_pickle, model_class=model_class)), graph)
+        write_graph(open_checkpoint(model_dir, allow_pickle=allow_pickle, model_class=model_class).meta, graph)
         if plan.auxiliary:
             out.print("Note: the picture shows the strict analysis, without the auxiliary centerings")
     if as_json:
@@ -183,7 +183,7 @@ def check(
 ) -> None:
     """CI gate: exit 0 if CANDIDATE computes what REFERENCE does, 1 if not, 2 on bad input."""
     from ..checking import checkpoints
-    from ..store.memory import parse_size
+    from ..units import parse_size
 
     if static and forward_only:
         raise EnjoylnError("--static and --forward-only exclude each other")

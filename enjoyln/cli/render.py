@@ -23,7 +23,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from rich.table import Table
 
 from ..errors import EnjoylnError, Interrupted, first_line
-from ..plan import FoldPlan, format_bytes
+from ..plan import FoldPlan
+from ..units import format_bytes
 
 # wide enough for the tables when piped, where rich would assume 80 columns
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)

@@ -44,10 +44,9 @@ from .. import ops  # noqa: F401  (registers enjoyln::rms_norm, which export_onn
 from ..analysis.inputs import (ExampleInputs, Inputs, config_value, hf_example_inputs, inputs_like, is_causal_lm,
                                is_hf_model, resolve_inputs)
 from ..checking.running import flatten_outputs
-from ..store.block import recorded_plan
 from ..store.load import load
 from ..errors import EnjoylnError, first_line
-from ..store.model_dir import open_model_dir
+from ..store.checkpoint import open_checkpoint
 from ..transform.steps import fold
 
 DEFAULT_OPSET = 23
@@ -254,7 +253,7 @@ def export_checkpoint(model_dir: str | os.PathLike, path: str | os.PathLike, *, 
     >>> export_checkpoint("gpt2-folded", "gpt2.onnx").passed  # doctest: +SKIP
     True
     """
-    recorded = recorded_plan(open_model_dir(model_dir, allow_pickle=allow_pickle))
+    recorded = open_checkpoint(model_dir, allow_pickle=allow_pickle).recorded_plan
     if recorded is not None and fuse_affine and not any(e.affine for e in recorded.foldable):
         raise EnjoylnError(f"{model_dir} was folded without --fuse-affine; export it without --fuse-affine, "
                            "or fold the original with `enjoyln fold --fuse-affine`")

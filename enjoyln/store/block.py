@@ -7,12 +7,11 @@ import json
 from typing import Any
 
 from .._version import __version__
-from ..errors import CheckpointError
 from ..plan import FoldPlan, block_lists
-from .model_dir import ModelDir, load_dtype
+from .checkpoint import Checkpoint
 
 
-def output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
+def output_config(ck: Checkpoint, plan: FoldPlan) -> dict[str, Any]:
     """config.json as a fold of ``md`` by ``plan`` writes it: the input's, with an untied head
     where the plan unties one, the dtype it loads in where it names none, the class it was
     folded as (``--model-class``), and the ``enjoyln`` block.
@@ -20,12 +19,12 @@ def output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
     Without a dtype in config.json, transformers takes the first floating tensor's (by name)
     or an index's: an untied ``lm_head.weight`` sorts first, and a re-sharded or renamed file
     moves the rest, so the fold says which dtype the original loads in."""
-    config = json.loads(json.dumps(md.config))
-    if md.source == "transformers" and md.architecture != config["architectures"][0]:
-        config["architectures"] = [md.architecture]  # --model-class: the fold is a checkpoint of that class
-    if md.source == "transformers" and config.get("dtype") is None and config.get("torch_dtype") is None:
+    config = json.loads(json.dumps(ck.config))
+    if ck.source == "transformers" and ck.architecture != config["architectures"][0]:
+        config["architectures"] = [ck.architecture]  # --model-class: the fold is a checkpoint of that class
+    if ck.source == "transformers" and config.get("dtype") is None and config.get("torch_dtype") is None:
         config.pop("torch_dtype", None)
-        config["dtype"] = load_dtype(md)[0]
+        config["dtype"] = ck.load_dtype[0]
     if plan.untied:
         config["tie_word_embeddings"] = False
         for sub in ("text_config", "decoder"):
@@ -42,16 +41,3 @@ def output_config(md: ModelDir, plan: FoldPlan) -> dict[str, Any]:
                                          "keep_mean": plan.rotation.keep_mean,
                                          "plain_loading_exact": plan.rotation.keep_mean}
     return config
-
-
-def recorded_plan(md: ModelDir) -> FoldPlan | None:
-    """The plan recorded in ``md``'s enjoyln block; None without a block. A malformed block is
-    refused with one line."""
-    block = md.config.get("enjoyln")
-    if block is None:
-        return None
-    try:
-        return FoldPlan.from_dict(block["plan"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"the enjoyln block in {md.path / 'config.json'} is malformed "
-                              f"({type(exc).__name__}: {exc})") from None

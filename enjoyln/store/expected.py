@@ -17,29 +17,27 @@ from ..errors import CheckpointError, EnjoylnError, first_line
 from ..plan import AFFINE_GAIN, MISSING, Centering, FoldPlan, Note, RotationSpec
 from ..transform.steps import apply_plan
 from ..transform.tensors import merge_centerings, tie_groups, ties_lost_on_untie
-from .formats import CODES, DTYPES, SAFE_WEIGHTS, TensorInfo, load_pickled, parse_json_file, widened
-from .hf import checkpoint_key, missing_parameters, saved_names
-from .model_dir import ModelDir, load_dtype
-from .sources import source_of
+from .formats import CODES, DTYPES, SAFE_WEIGHTS, TensorInfo, parse_json_file, widened
+from .checkpoint import Checkpoint
 from .stream import StreamedTensors
 from .tensors import TensorReader
 
 
-def analyze_dir(md: ModelDir, model: nn.Module, auxiliary_centering: bool, fuse_affine: bool = False,
+def analyze_dir(ck: Checkpoint, auxiliary_centering: bool, fuse_affine: bool = False,
                 rotate: RotationSpec | None = None) -> FoldPlan:
-    """The plan for the meta model of ``md``. The gains a rule depends on (a LayerScale gain the
+    """The plan for the meta model of ``ck``. The gains a rule depends on (a LayerScale gain the
     centering divides by, a norm's γ that a kept bias is divided by) are read from the
     checkpoint, and where one has a zero entry the analysis runs again knowing it."""
     options = {"auxiliary_centering": auxiliary_centering, "fuse_affine": fuse_affine, "rotate": rotate}
-    plan = analyze(model, **options)
+    plan = analyze(ck.meta, **options)
     names = sorted({c.scale for c in plan.centered if c.scale}
                    | {f"{e.name}.weight" for e in plan.foldable if e.affine == AFFINE_GAIN})
     if names:
-        gains = dict(zip(names, _read_tensors(md, model, names)))
+        gains = dict(zip(names, _read_tensors(ck, names)))
         if not all(bool(g.ne(0).all()) for g in gains.values()):
-            plan = analyze(model, weights=gains, **options)
-    if missing := missing_parameters(md, model):
-        plan.notes.append(missing_note(missing, md.architecture))
+            plan = analyze(ck.meta, weights=gains, **options)
+    if ck.missing:
+        plan.notes.append(missing_note(ck.missing, ck.architecture))
     return plan
 
 
@@ -51,22 +49,16 @@ def missing_note(names: list[str], architecture: str) -> Note:
                    "them" if many else "it", "them" if many else "it")
 
 
-def _read_tensors(md: ModelDir, model: nn.Module, names: list[str],
-                  pickled: dict[str, tuple[str, torch.Tensor]] | None = None) -> list[torch.Tensor]:
+def _read_tensors(ck: Checkpoint, names: list[str]) -> list[torch.Tensor]:
     """Small tensors (LayerScale gains) by parameter name, read from the checkpoint."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    saved = saved_names(model)
-    if md.pickled and pickled is None:
-        pickled = load_pickled(md)
-    keys = set(pickled) if pickled is not None else set(md.tensors)
     out = []
-    reader = TensorReader(md)
+    reader = TensorReader(ck)
     try:
         for name in names:
-            key = checkpoint_key(name, keys, prefix, saved)
+            key = ck.key(name)
             if key is None:
                 raise CheckpointError(f"the checkpoint has no tensor for {name}, which the fold needs")
-            out.append(pickled[key][1] if pickled is not None else reader.read(key))
+            out.append(ck.pickled_tensors[key][1] if ck.pickled else reader.read(key))
     finally:
         reader.close()
     return out
@@ -89,12 +81,12 @@ class Entry:
     compute: Callable[[], torch.Tensor] | None = None  # or write what this computes when its turn comes
 
 
-def plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, str],
-                  pickled: dict[str, tuple[str, torch.Tensor]] | None,
-                  model: nn.Module) -> list[tuple[str, list[Entry]]]:
+def plan_entries(ck: Checkpoint, plan: FoldPlan) -> list[tuple[str, list[Entry]]]:
     """Output shards like the input's, each with its entries in input order."""
+    saved, model = ck.saved, ck.meta
+    pickled = ck.pickled_tensors if ck.pickled else None
     if pickled is not None:
-        shards: list[tuple[str, list[Entry]]] = [(s, []) for s in md.shards]
+        shards: list[tuple[str, list[Entry]]] = [(s, []) for s in ck.shards]
         home = {s: es for s, es in shards}
         for name, (shard, t) in pickled.items():
             if t.dtype not in CODES:
@@ -103,11 +95,10 @@ def plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, str
                                      t.numel() * t.element_size(), tensor=t))
     else:
         shards = [(s, [Entry(t.name, t.dtype, t.shape, t.nbytes, source=t)
-                       for t in sorted(md.tensors.values(), key=lambda t: t.start) if t.file == s])
-                  for s in md.shards]
+                       for t in sorted(ck.tensors.values(), key=lambda t: t.start) if t.file == s])
+                  for s in ck.shards]
     by_key = {e.name: e for _, es in shards for e in es}
-    keys = set(by_key)
-    key = lambda name: checkpoint_key(name, keys, prefix, saved)  # noqa: E731
+    key = ck.key
     # Tied names are one tensor, stored once under any of them (BART's encoder and decoder
     # embeddings are model.shared.weight); an untied head is a tensor of its own.
     groups = tie_groups(model, {u.param for u in plan.untied})
@@ -118,7 +109,7 @@ def plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, str
 
     extras: dict[str, tuple[str, int | None]] = {}  # new name -> (source key, centering axis)
     gains = [c.scale for c in plan.centered if c.scale]
-    gains = dict(zip(gains, _read_tensors(md, model, gains, pickled))) if gains else {}
+    gains = dict(zip(gains, _read_tensors(ck, gains))) if gains else {}
     planned: dict[tuple[str, ...], list[Centering]] = {}  # each tensor once, with all its centerings
     for c in plan.centered:
         if c.saved:  # a non-persistent buffer is not in the checkpoint: enjoyln.load centers it
@@ -163,7 +154,7 @@ def plan_entries(md: ModelDir, plan: FoldPlan, prefix: str, saved: dict[str, str
                 entries.append(Entry(new, src.dtype, src.shape, src.nbytes, source=src.source, axis=src.axis,
                                      groups=src.groups, tensor=src.tensor, blocks=src.blocks, scale=src.scale))
                 break
-    loads = getattr(torch, load_dtype(md)[0], None)
+    loads = getattr(torch, ck.load_dtype[0], None)
     for _, entries in shards:
         for e in entries:
             if e.axis is not None and isinstance(loads, torch.dtype):
@@ -179,7 +170,7 @@ def moves_values(plan: FoldPlan) -> bool:
     return bool(plan.fused) or plan.rotation is not None
 
 
-def final_tensors(md: ModelDir, plan: FoldPlan, meta: nn.Module, *, trust_remote_code: bool = False) -> dict[str, torch.Tensor]:
+def final_tensors(ck: Checkpoint, plan: FoldPlan) -> dict[str, torch.Tensor]:
     """Every tensor of the folded checkpoint, by key: the model loaded from ``md`` with the plan
     applied in memory (in float64 where it computes), in each key's own dtype.
 
@@ -189,71 +180,69 @@ def final_tensors(md: ModelDir, plan: FoldPlan, meta: nn.Module, *, trust_remote
     This holds the whole model; the fold and the static check use ``StreamedTensors``, which
     computes the same tensors one at a time, and the tests hold it to this, bit for bit.
     """
-    model = _load_plain(md, trust_remote_code)
+    model = _load_plain(ck)
     apply_plan(model, plan)
-    prefix = getattr(meta, "base_model_prefix", "") or ""
-    saved = saved_names(meta)
-    keys = set(md.tensors) if not md.pickled else set(load_pickled(md))
+    meta, saved, keys = ck.meta, ck.saved, ck.keys
     named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     out: dict[str, torch.Tensor] = {}
     for name, t in named.items():
-        key = checkpoint_key(name, keys, prefix, saved)
+        key = ck.key(name)
         if key is not None:
             out.setdefault(key, t.detach())
     for u in plan.untied:
-        if checkpoint_key(u.param, keys, prefix, saved) is None:
+        if ck.key(u.param) is None:
             out[saved.get(u.param, u.param)] = named[u.param].detach()
     for target in ties_lost_on_untie(meta, plan):
-        if checkpoint_key(target, keys, prefix, saved) is None and target in named:
+        if ck.key(target) is None and target in named:
             out.setdefault(saved.get(target, target), named[target].detach())
     for e in plan.foldable:
         for leaf, fill in (("weight", 1.0), ("bias", 0.0)):
-            key = checkpoint_key(f"{e.name}.{leaf}", keys, prefix, saved)
+            key = ck.key(f"{e.name}.{leaf}")
             if key is not None and key not in out:  # dropped with the affine: 1 and 0 on disk
-                info = md.tensors.get(key)
+                info = ck.tensors.get(key)
                 shape = info.shape if info is not None else tuple(e.normalized_shape)
                 dtype = DTYPES[info.dtype] if info is not None else torch.float32
                 out[key] = torch.full(shape, fill, dtype=dtype)
     # stored but not loaded by the model (GPT-2's attn.bias masks): kept as they are, as the
     # tensor-by-tensor fold keeps them
-    pickled = load_pickled(md) if md.pickled and keys - out.keys() else None
-    reader = TensorReader(md)
+    pickled = ck.pickled_tensors if ck.pickled and keys - out.keys() else None
+    reader = TensorReader(ck)
     try:
         for key in sorted(keys - out.keys()):
             out[key] = pickled[key][1] if pickled is not None else reader.read(key)
     finally:
         reader.close()
     for key, t in out.items():
-        info = md.tensors.get(key)
+        info = ck.tensors.get(key)
         if info is not None and t.dtype != DTYPES[info.dtype]:
             out[key] = t.to(DTYPES[info.dtype])
     return out
 
 
-def _load_plain(md: ModelDir, trust_remote_code: bool) -> nn.Module:
+def _load_plain(ck: Checkpoint) -> nn.Module:
     try:
-        return source_of(md).load(md, trust_remote_code=trust_remote_code, dtype="auto").eval()
+        return ck.library.load(ck, trust_remote_code=ck.trust_remote_code, dtype="auto").eval()
     except EnjoylnError:
         raise
     except Exception as exc:
-        raise CheckpointError(f"cannot load {md.path}: {type(exc).__name__}: "
+        raise CheckpointError(f"cannot load {ck.path}: {type(exc).__name__}: "
                               f"{first_line(exc)}") from None
 
 
-def moved_entries(md: ModelDir, tensors: StreamedTensors) -> list[tuple[str, list[Entry]]]:
+def moved_entries(ck: Checkpoint, tensors: StreamedTensors) -> list[tuple[str, list[Entry]]]:
     """Output shards like the input's, each tensor computed when the writer reaches it (or
     copied, where the fold leaves its bytes as they are)."""
-    home: dict[str, str] = ({t.name: t.file for t in md.tensors.values()} if not md.pickled
-                            else {k: shard for k, (shard, _) in load_pickled(md).items()})
-    shards: list[tuple[str, list[Entry]]] = [(s, []) for s in md.shards]
+    home: dict[str, str] = ({t.name: t.file for t in ck.tensors.values()} if not ck.pickled
+                            else {k: shard for k, (shard, _) in ck.pickled_tensors.items()})
+    shards: list[tuple[str, list[Entry]]] = [(s, []) for s in ck.shards]
     by_shard = dict(shards)
-    order = sorted(tensors.keys(), key=lambda k: (md.tensors[k].start if k in md.tensors else math.inf, k))
+    order = sorted(tensors.keys(), key=lambda k: (ck.tensors[k].start if k in ck.tensors else math.inf, k))
     for key in order:
         out = tensors.outputs[key]
         if out.dtype not in CODES:
             raise CheckpointError(f"{key} has dtype {out.dtype}, which safetensors cannot store")
         source = tensors.source(key)
-        by_shard[home.get(key, md.shards[-1])].append(
+        by_shard[home.get(key, ck.shards[-1])].append(
             Entry(key, CODES[out.dtype], out.shape, out.nbytes, source=source,
                   compute=None if source is not None else functools.partial(tensors.get, key)))
     return shards
@@ -285,12 +274,12 @@ def reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None, *, ind
     return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", es) for i, es in enumerate(packed)]
 
 
-def index_metadata(md: ModelDir, total_size: int) -> dict[str, Any]:
+def index_metadata(ck: Checkpoint, total_size: int) -> dict[str, Any]:
     """The metadata of the index a fold of ``md`` writes: the input index's, as it was, with the
     new total size; for an input without one, the dtype it loads in, which transformers reads
     from there when config.json names none."""
-    if md.index is not None:
-        metadata = parse_json_file(md.index, "a weight index").get("metadata")
+    if ck.index is not None:
+        metadata = parse_json_file(ck.index, "a weight index").get("metadata")
         if isinstance(metadata, dict):
             return {**metadata, "total_size": total_size}
-    return {"total_size": total_size, "dtype": load_dtype(md)[0]}
+    return {"total_size": total_size, "dtype": ck.load_dtype[0]}

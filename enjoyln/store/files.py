@@ -5,19 +5,17 @@ and copying them into an output."""
 from __future__ import annotations
 
 import fnmatch
-import json
 import shutil
 import stat
 from pathlib import Path
-from typing import Any, Iterator, TYPE_CHECKING
+from typing import Iterator, TYPE_CHECKING
 
 
 from ..errors import CheckpointError
 from .formats import WEIGHT_FILES, input_file
-from .transaction import umask
 
 if TYPE_CHECKING:
-    from .model_dir import ModelDir
+    from .checkpoint import Checkpoint
 
 
 # The files a model directory needs: only these are followed through a symlink
@@ -41,7 +39,7 @@ def needed_file(name: str) -> bool:
     return any(fnmatch.fnmatch(name, p) for p in NEEDED)
 
 
-def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None,
+def _extras(ck: Checkpoint, skipped: list[str], followed: list[str] | None,
             foreign: list[str] | None = None) -> Iterator[tuple[Path, Path, bool]]:
     """(source, path relative to MODEL_DIR, is a directory) for everything a fold copies: every
     entry of ``md`` but the weights and config.json, by the rules ``copy_extras`` states;
@@ -52,8 +50,8 @@ def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None,
     copies nothing from outside MODEL_DIR, and without it the copy could load otherwise. With
     ``foreign`` (the gate's view of what a loader reads from the reference, which the user
     handed over) such links are followed instead, and listed there."""
-    root = md.path.resolve()
-    skip = WEIGHT_FILES | set(md.shards) | {"config.json"}
+    root = ck.path.resolve()
+    skip = WEIGHT_FILES | set(ck.shards) | {"config.json"}
     linked: set[Path] = set()  # directories already entered through a link
 
     def inside(p: Path) -> bool:
@@ -90,10 +88,10 @@ def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None,
             if not inside(target) and ((top and needed_file(src.name) and target.is_file()) or cached(target)):
                 if followed is not None:
                     followed.append(f"{name} -> {target}")
-            elif not inside(target) and _readable(src, target, md.trust_remote_code):
+            elif not inside(target) and _readable(src, target, ck.trust_remote_code):
                 if foreign is None:
                     raise CheckpointError(
-                        f"{md.path / name} links to {target}, outside MODEL_DIR: a loader may read it, but a fold "
+                        f"{ck.path / name} links to {target}, outside MODEL_DIR: a loader may read it, but a fold "
                         "copies nothing from outside MODEL_DIR; replace the link with a copy of what it points "
                         "to (or remove it) and run again")
                 foreign.append(f"{name} -> {target}")
@@ -111,7 +109,7 @@ def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None,
             yield src, rel, True
             for child in sorted(src.iterdir()):
                 yield from visit(child, rel / child.name, False, (*chain, src.resolve()))
-        elif stat.S_ISREG(mode) and name.endswith(".py") and not md.trust_remote_code:
+        elif stat.S_ISREG(mode) and name.endswith(".py") and not ck.trust_remote_code:
             # custom_code() walked the real tree; one reached only through a link was never accepted
             skipped.append(f"{name} (code, reached through a link)")
         elif stat.S_ISREG(mode):
@@ -119,7 +117,7 @@ def _extras(md: ModelDir, skipped: list[str], followed: list[str] | None,
         else:
             skipped.append(f"{name} (not a regular file)")
 
-    for item in sorted(md.path.iterdir()):
+    for item in sorted(ck.path.iterdir()):
         if item.name in skip or is_weight_file(item.name):
             continue  # weights in any other format would be stale, uncentered copies
         yield from visit(item, Path(item.name), True, (root,))
@@ -133,14 +131,14 @@ def _readable(link: Path, target: Path, trusted: bool) -> bool:
     return target.is_file() and (trusted or not link.name.endswith(".py"))
 
 
-def check_links(md: ModelDir) -> None:
+def check_links(ck: Checkpoint) -> None:
     """Refuse, before anything is written, a model directory whose links leave it for a file or
     folder a loader may read (see ``_extras``): a fold would have to drop it."""
-    for _ in _extras(md, [], None):
+    for _ in _extras(ck, [], None):
         pass
 
 
-def copy_extras(md: ModelDir, dest: Path, followed: list[str] | None = None) -> list[str]:
+def copy_extras(ck: Checkpoint, dest: Path, followed: list[str] | None = None) -> list[str]:
     """Copy every file of ``md`` but the weights and config into ``dest``; return what was skipped.
 
     ``followed`` collects the needed files copied through a link that leaves the
@@ -155,7 +153,7 @@ def copy_extras(md: ModelDir, dest: Path, followed: list[str] | None = None) -> 
     links are skipped; modes follow the umask, not the source.
     """
     skipped: list[str] = []
-    for src, rel, is_dir in _extras(md, skipped, followed):
+    for src, rel, is_dir in _extras(ck, skipped, followed):
         if is_dir:
             (dest / rel).mkdir(exist_ok=True)
             continue
@@ -168,11 +166,11 @@ def copy_extras(md: ModelDir, dest: Path, followed: list[str] | None = None) -> 
     return skipped
 
 
-def extra_files(md: ModelDir) -> dict[str, Path]:
+def extra_files(ck: Checkpoint) -> dict[str, Path]:
     """The files (not directories) ``copy_extras`` would copy from ``md``, and those reached
     through links out of it, which a fold refuses to drop: relative path -> source. With
     config.json and the weights, this is what a copy of ``md`` that loads the same holds."""
-    return {rel.as_posix(): src for src, rel, is_dir in _extras(md, [], None, []) if not is_dir}
+    return {rel.as_posix(): src for src, rel, is_dir in _extras(ck, [], None, []) if not is_dir}
 
 
 def loader_files(root: Path) -> tuple[dict[str, Path], list[str]]:

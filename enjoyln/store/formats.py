@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import math
-import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from ..errors import CheckpointError, first_line
 
 if TYPE_CHECKING:
-    from .model_dir import ModelDir
+    from .checkpoint import Checkpoint
 
 
 def input_file(path: Path) -> Path:
@@ -223,14 +222,14 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
-def load_pickled(md: ModelDir) -> dict[str, tuple[str, torch.Tensor]]:
+def load_pickled(ck: Checkpoint) -> dict[str, tuple[str, torch.Tensor]]:
     """Pickle weights, loaded only because the user asked, and only as plain tensors."""
     tensors: dict[str, tuple[str, torch.Tensor]] = {}
-    for shard in md.shards:
+    for shard in ck.shards:
         try:
-            part = torch.load(md.path / shard, map_location="cpu", weights_only=True)
+            part = torch.load(ck.path / shard, map_location="cpu", weights_only=True)
         except Exception as exc:
-            raise CheckpointError(f"cannot load {md.path / shard} with weights_only=True: "
+            raise CheckpointError(f"cannot load {ck.path / shard} with weights_only=True: "
                                   f"{first_line(exc)}") from None
         tensors.update({k: (shard, v) for k, v in part.items() if isinstance(v, torch.Tensor)})
     return tensors

@@ -4,19 +4,17 @@ the dtype it loads in, and the mapping between parameter names and checkpoint ke
 from __future__ import annotations
 
 import functools
-import json
 import re
-import weakref
 from typing import Any, TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..errors import CheckpointError, first_line
-from .formats import load_pickled, DTYPES, PT_INDEX, SAFE_INDEX, parse_json_file
+from .formats import DTYPES, PT_INDEX, SAFE_INDEX, parse_json_file
 
 if TYPE_CHECKING:
-    from .model_dir import ModelDir
+    from .checkpoint import Checkpoint
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,52 +34,52 @@ def unknown_architecture(arch: Any) -> CheckpointError:
                            "has no such model class (remote code is not run)")
 
 
-def model_class(md: ModelDir) -> type:
+def model_class(ck: Checkpoint) -> type:
     """The class ``from_pretrained`` would build for ``md``: transformers' own, or,
     only when the user trusts it, the directory's custom code."""
     import transformers
 
-    if md.custom_code and md.trust_remote_code and md.config.get("auto_map"):
-        refs = [v for v in md.config["auto_map"].values() if isinstance(v, str)
-                and v.rpartition(".")[2] == md.architecture]
+    if ck.custom_code and ck.trust_remote_code and ck.config.get("auto_map"):
+        refs = [v for v in ck.config["auto_map"].values() if isinstance(v, str)
+                and v.rpartition(".")[2] == ck.architecture]
         if not refs:
-            raise CheckpointError(f"{md.path / 'config.json'}'s auto_map has no entry for {md.architecture}")
+            raise CheckpointError(f"{ck.path / 'config.json'}'s auto_map has no entry for {ck.architecture}")
         if "--" in refs[0]:
-            raise CheckpointError(f"{md.architecture} lives in another repository ({refs[0]}); "
+            raise CheckpointError(f"{ck.architecture} lives in another repository ({refs[0]}); "
                                   "enjoyln does not download code")
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
         try:
-            return get_class_from_dynamic_module(refs[0], md.path, local_files_only=True)
+            return get_class_from_dynamic_module(refs[0], ck.path, local_files_only=True)
         except Exception as exc:  # the user's own code, failing to import
-            raise CheckpointError(f"cannot import {refs[0]} from {md.path}: {type(exc).__name__}: "
+            raise CheckpointError(f"cannot import {refs[0]} from {ck.path}: {type(exc).__name__}: "
                                   f"{first_line(exc)}") from None
-    cls = getattr(transformers, md.architecture, None)
+    cls = getattr(transformers, ck.architecture, None)
     if not isinstance(cls, type):
-        raise unknown_architecture(md.architecture)
+        raise unknown_architecture(ck.architecture)
     return cls
 
 
-def auto_config(md: ModelDir) -> Any:
+def auto_config(ck: Checkpoint) -> Any:
     """The config ``from_pretrained`` builds for ``md``."""
     import transformers
 
     try:
-        return transformers.AutoConfig.from_pretrained(md.path, trust_remote_code=md.trust_remote_code)
+        return transformers.AutoConfig.from_pretrained(ck.path, trust_remote_code=ck.trust_remote_code)
     except Exception as exc:  # transformers raises many kinds for a bad config
-        raise CheckpointError(f"cannot read {md.path / 'config.json'}: "
+        raise CheckpointError(f"cannot read {ck.path / 'config.json'}: "
                               f"{first_line(exc)}") from None
 
 
-def transformers_meta_model(md: ModelDir) -> nn.Module:
+def transformers_meta_model(ck: Checkpoint) -> nn.Module:
     """The transformers model class of ``md`` built on the meta device."""
-    cls = model_class(md)
-    config = auto_config(md)
+    cls = model_class(ck)
+    config = auto_config(ck)
     try:
         with torch.device("meta"):
             model = cls(config)
     except Exception as exc:
-        raise CheckpointError(f"cannot build {md.architecture} from its config: "
+        raise CheckpointError(f"cannot build {ck.architecture} from its config: "
                               f"{first_line(exc)}") from None
     return model.eval()
 
@@ -90,7 +88,7 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def transformers_load_dtype(md: ModelDir) -> tuple[str, str]:
+def transformers_load_dtype(ck: Checkpoint) -> tuple[str, str]:
     """The dtype a plain ``from_pretrained`` loads ``md`` in (its name), and where it comes from.
 
     transformers 5 loads with ``dtype="auto"`` by default (``modeling_utils._get_dtype``): the
@@ -98,21 +96,21 @@ def transformers_load_dtype(md: ModelDir) -> tuple[str, str]:
     the index metadata's ``dtype``; else the first floating tensor of the first weight file, in
     the order its loader lists the keys. Every sub-config then gets that dtype.
     """
-    value = getattr(auto_config(md), "dtype", None)
+    value = getattr(auto_config(ck), "dtype", None)
     if value is not None:
         return dtype_name(value), "config.json"
-    index = md.path / (PT_INDEX if md.pickled else SAFE_INDEX)
-    if len(md.shards) > 1 or index.exists():
+    index = ck.path / (PT_INDEX if ck.pickled else SAFE_INDEX)
+    if len(ck.shards) > 1 or index.exists():
         metadata = parse_json_file(index, "a weight index").get("metadata")
         if isinstance(metadata, dict) and "dtype" in metadata:
             return dtype_name(metadata["dtype"]), f"the metadata of {index.name}"
-    if md.pickled:
-        found = [t.dtype for shard, t in load_pickled(md).values() if shard == md.shards[0]]
+    if ck.pickled:
+        found = [t.dtype for shard, t in ck.pickled_tensors.values() if shard == ck.shards[0]]
     else:  # safetensors lists the keys sorted
-        found = [DTYPES[t.dtype] for _, t in sorted(md.tensors.items()) if t.file == md.shards[0]]
+        found = [DTYPES[t.dtype] for _, t in sorted(ck.tensors.items()) if t.file == ck.shards[0]]
     floating = [d for d in found if d.is_floating_point and "float8_" not in str(d)]
     first = floating[0] if floating else found[0] if found else torch.float32
-    return dtype_name(first), f"its first floating tensor (in {md.shards[0]})"
+    return dtype_name(first), f"its first floating tensor (in {ck.shards[0]})"
 
 
 def saved_names(model: nn.Module) -> dict[str, str]:
@@ -124,11 +122,6 @@ def saved_names(model: nn.Module) -> dict[str, str]:
     tensor, matched by identity.
     """
     named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
-    # a tenth of a second a call, and a check asks four times of the same two meta models
-    key = tuple((name, id(t)) for name, t in named.items())
-    known = _saved.get(model)
-    if known is not None and known[0] == key:
-        return dict(known[1])
     try:
         from transformers.modeling_utils import revert_weight_conversion
 
@@ -136,12 +129,7 @@ def saved_names(model: nn.Module) -> dict[str, str]:
     except Exception:  # an older transformers, or a converter that needs real data
         return {}
     by_id = {id(v): k for k, v in reverted.items()}
-    result = {name: name if name in reverted else by_id.get(id(t), name) for name, t in named.items()}
-    _saved[model] = (key, result)
-    return dict(result)
-
-
-_saved: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, dict[str, str]]]" = weakref.WeakKeyDictionary()
+    return {name: name if name in reverted else by_id.get(id(t), name) for name, t in named.items()}
 
 
 def checkpoint_key(name: str, keys: set[str], prefix: str, saved: dict[str, str]) -> str | None:
@@ -154,18 +142,15 @@ def checkpoint_key(name: str, keys: set[str], prefix: str, saved: dict[str, str]
     return None
 
 
-def check_shapes(md: ModelDir, model: nn.Module) -> None:
-    """Every saved tensor the model knows has the shape its config implies, so a
+def check_shapes(ck: Checkpoint) -> None:
+    """Every saved tensor the meta model knows has the shape its config implies, so a
     mismatched checkpoint is refused before anything is written."""
-    if md.pickled:
+    if ck.pickled:
         return
-    saved = saved_names(model)
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    keys = set(md.tensors)
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        key = checkpoint_key(name, keys, prefix, saved)
-        if key is not None and tuple(md.tensors[key].shape) != tuple(t.shape):
-            raise CheckpointError(f"{key} has shape {list(md.tensors[key].shape)} in the checkpoint but "
+    for name, t in list(ck.meta.named_parameters()) + list(ck.meta.named_buffers()):
+        key = ck.key(name)
+        if key is not None and tuple(ck.tensors[key].shape) != tuple(t.shape):
+            raise CheckpointError(f"{key} has shape {list(ck.tensors[key].shape)} in the checkpoint but "
                                   f"{list(t.shape)} in the model config.json describes")
 
 
@@ -178,20 +163,17 @@ def random_when_missing(model: nn.Module) -> set[str]:
             if p.is_floating_point() and not any(r.search(name) for r in ignored)}
 
 
-def missing_parameters(md: ModelDir, model: nn.Module) -> list[str]:
-    """The parameters ``model`` (the meta model of ``md``) builds that no weight file of ``md``
-    holds under any of their tied names, in the model's order: every load initialises them
-    afresh, at random.
+def missing_parameters(ck: Checkpoint) -> list[str]:
+    """The parameters the meta model of ``ck`` builds that no weight file of it holds under any
+    of their tied names, in the model's order: every load initialises them afresh, at random.
 
-    >>> missing_parameters(open_model_dir("mpnet-dir"), meta_model(md))  # doctest: +SKIP
+    >>> missing_parameters(open_checkpoint("mpnet-dir"))  # doctest: +SKIP
     ['lm_head.dense.weight', 'lm_head.dense.bias', ...]
     """
-    if md.source != "transformers" or md.pickled:
+    if ck.source != "transformers" or ck.pickled:
         return []
-    saved, prefix, keys = saved_names(model), getattr(model, "base_model_prefix", "") or "", set(md.tensors)
     by_id: dict[int, list[str]] = {}
-    for name, t in model.named_parameters(remove_duplicate=False):
+    for name, t in ck.meta.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(t), []).append(name)
-    random = random_when_missing(model)
-    return [names[0] for names in by_id.values() if names[0] in random
-            and all(checkpoint_key(n, keys, prefix, saved) is None for n in names)]
+    random = random_when_missing(ck.meta)
+    return [names[0] for names in by_id.values() if names[0] in random and all(ck.key(n) is None for n in names)]

@@ -14,14 +14,12 @@ from ..errors import CheckpointError, EnjoylnError, first_line
 from ..transform.rotation import apply_rotation
 from ..transform.steps import InsertCentering, SwapLayerNorms
 from ..transform.tensors import center_all, tensor_at
-from .block import recorded_plan
-from .model_dir import open_model_dir
-from .sources import source_of
+from .checkpoint import Checkpoint, open_checkpoint
 
 __all__ = ["load", "load_plain"]
 
 
-def load(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_code: bool = False,
+def load(path: str | os.PathLike | Checkpoint, *, allow_pickle: bool = False, trust_remote_code: bool = False,
          max_memory: int | None = None, offload_dir: str | os.PathLike | None = None, model_class: str | None = None,
          **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a folded directory and run its recorded LNs as ``enjoyln.RMSNorm``.
@@ -41,7 +39,7 @@ def load(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_co
                  max_memory=max_memory, offload_dir=offload_dir, model_class=model_class, **from_pretrained_kwargs)
 
 
-def load_plain(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_code: bool = False,
+def load_plain(path: str | os.PathLike | Checkpoint, *, allow_pickle: bool = False, trust_remote_code: bool = False,
                model_class: str | None = None, **from_pretrained_kwargs: Any) -> nn.Module:
     """What transformers' own ``from_pretrained`` gives for a directory, with the class chosen as
     ``load`` chooses it (custom code only with ``trust_remote_code``): a folded directory keeps
@@ -53,23 +51,24 @@ def load_plain(path: str | os.PathLike, *, allow_pickle: bool = False, trust_rem
                  model_class=model_class, **from_pretrained_kwargs)
 
 
-def _load(path: str | os.PathLike, *, plain: bool, allow_pickle: bool = False, trust_remote_code: bool = False,
+def _load(path: str | os.PathLike | Checkpoint, *, plain: bool, allow_pickle: bool = False, trust_remote_code: bool = False,
           max_memory: int | None = None, offload_dir: str | os.PathLike | None = None,
           model_class: str | None = None, **from_pretrained_kwargs: Any) -> nn.Module:
     """``load``, or with ``plain`` what the library's own loader gives (transformers'
     ``from_pretrained``, timm's ``create_model``; the recorded LNs stay LayerNorms): the two ways
-    a user may load a folded directory."""
-    md = open_model_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
-    plan = recorded_plan(md)  # a malformed block is refused before the weights load
+    a user may load a folded directory. ``path`` may be the directory already opened."""
+    ck = path if isinstance(path, Checkpoint) else open_checkpoint(
+        path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
+    plan = ck.recorded_plan  # a malformed block is refused before the weights load
     if plain:
         plan = None
     try:
-        model = source_of(md).load(md, trust_remote_code=trust_remote_code, max_memory=max_memory,
+        model = ck.library.load(ck, trust_remote_code=ck.trust_remote_code, max_memory=max_memory,
                                    offload_dir=offload_dir, **from_pretrained_kwargs)
     except EnjoylnError:
         raise
     except Exception as exc:
-        raise CheckpointError(f"cannot load {md.path}: {type(exc).__name__}: "
+        raise CheckpointError(f"cannot load {ck.path}: {type(exc).__name__}: "
                               f"{first_line(exc)}") from None
     if plan is not None:
         plan.untied = []  # already untied and centered on disk: the centerings and the swap are left

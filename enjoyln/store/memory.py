@@ -5,40 +5,15 @@ the forward check side by side)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
 from .formats import CODES, DTYPES
-from .model_dir import ModelDir, load_dtype, meta_model
 
-
-def parse_size(text: str | int | None) -> int | None:
-    """'500MB', '2GB', '1.5GiB' or a byte count, as bytes."""
-    if text is None:
-        return None
-    if isinstance(text, int):
-        if text <= 0:
-            raise CheckpointError(f"cannot use the size {text}; it must be positive")
-        return text
-    s = text.strip().upper().replace(" ", "")
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6,
-             "GB": 10**9, "B": 1}
-    size = None
-    for unit, mult in units.items():
-        if s.endswith(unit):
-            try:
-                size = int(float(s[: -len(unit)]) * mult)
-            except (ValueError, OverflowError):
-                pass
-            break
-    else:
-        size = int(s) if s.isdigit() else None
-    if size is None or size <= 0:
-        raise CheckpointError(f"cannot use the size {text!r}; write a positive size such as 500MB or 2GB")
-    return size
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
 
 
 def available_memory() -> int | None:
@@ -61,17 +36,13 @@ def available_memory() -> int | None:
     return avail
 
 
-def built_bytes(md: ModelDir) -> tuple[int, int]:
-    """(total, largest) bytes of what loading ``md`` builds: every parameter and buffer of the
-    meta model, which knows them all without allocating any. That includes what the model makes
+def built_bytes(model: nn.Module, dtype_name: str) -> tuple[int, int]:
+    """(total, largest) bytes of what loading builds: every parameter and buffer of the meta
+    ``model``, which knows them all without allocating any. That includes what the model makes
     from its config alone, stored nowhere (GPT-J's sinusoid table grows with n_positions).
-    Floating parameters count in the dtype the model loads in; buffers in their own."""
-    cached = getattr(md, "_built_bytes", None)
-    if cached is not None:
-        return cached
-    model = meta_model(md)
-    name = load_dtype(md)[0]
-    dtype = getattr(torch, name, None)
+    Floating parameters count in the dtype the model loads in (``dtype_name``); buffers in their
+    own. ``Checkpoint.built`` keeps it: the meta model takes a while to build."""
+    dtype = getattr(torch, dtype_name, None)
     size = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
     seen: set[int] = set()
     total = largest = 0
@@ -82,7 +53,6 @@ def built_bytes(md: ModelDir) -> tuple[int, int]:
         is_param = isinstance(t, nn.Parameter)
         n = t.numel() * (size if is_param and t.is_floating_point() else t.element_size())
         total, largest = total + n, max(largest, n)
-    md._built_bytes = (total, largest)  # type: ignore[attr-defined]  # the meta model takes a while to build
     return total, largest
 
 
@@ -90,33 +60,33 @@ _WIDER = {"F16": 4, "BF16": 4, "F32": 8}
 """Bytes per element of the truth (the reference in the next wider dtype) for each stored dtype."""
 
 
-def truth_bytes(md: ModelDir) -> int:
+def truth_bytes(ck: Checkpoint) -> int:
     """The reference's weights in the next wider dtype, which the precision-aware criterion runs
     (float64 for float32, float32 for half precision; nothing for float64)."""
-    if md.pickled:  # no header to read dtypes from: take float32, the usual
-        return 2 * md.nbytes
+    if ck.pickled:  # no header to read dtypes from: take float32, the usual
+        return 2 * ck.nbytes
     return sum(t.nbytes // DTYPES[t.dtype].itemsize * _WIDER[t.dtype]
-               for t in md.tensors.values() if t.dtype in _WIDER)
+               for t in ck.tensors.values() if t.dtype in _WIDER)
 
 
-def truth_ratio(md: ModelDir) -> float:
+def truth_ratio(ck: Checkpoint) -> float:
     """How much wider the truth's tensors are than the reference's: 2, or 1 without a truth."""
-    dtype = CODES.get(dominant_dtype(md))
+    dtype = CODES.get(dominant_dtype(ck))
     return _WIDER[dtype] / DTYPES[dtype].itemsize if dtype in _WIDER else 1.0
 
 
-def forward_check_bytes(md: ModelDir) -> int:
+def forward_check_bytes(ck: Checkpoint) -> int:
     """What the forward comparison needs with both models in memory: both models as loading builds
     them, the reference's truth in the next wider dtype (held with them), and room for activations."""
-    n = max(md.nbytes, built_bytes(md)[0])
-    truth = truth_bytes(md) * n / max(md.nbytes, 1)  # what the model builds is widened too
+    n = max(ck.nbytes, ck.built[0])
+    truth = truth_bytes(ck) * n / max(ck.nbytes, 1)  # what the model builds is widened too
     return int(2.1 * n + truth) + (256 << 20)
 
 
-def dominant_dtype(md: ModelDir) -> torch.dtype:
+def dominant_dtype(ck: Checkpoint) -> torch.dtype:
     """The floating dtype that holds most of ``md``'s stored bytes (float32 if none)."""
     by_bytes: dict[str, int] = {}
-    for t in md.tensors.values():
+    for t in ck.tensors.values():
         if DTYPES[t.dtype].is_floating_point:
             by_bytes[t.dtype] = by_bytes.get(t.dtype, 0) + t.nbytes
     return DTYPES[max(by_bytes, key=by_bytes.get)] if by_bytes else torch.float32

@@ -26,7 +26,7 @@ from torch import nn
 from ..errors import CheckpointError, first_line
 
 if TYPE_CHECKING:
-    from .model_dir import ModelDir
+    from .checkpoint import Checkpoint
 
 
 class Source:
@@ -54,20 +54,20 @@ class Source:
     def check_weights(self, root: Path, present: set[str]) -> None:
         """Refuse weight files this library would not load as a fold writes them."""
 
-    def meta_model(self, md: "ModelDir") -> nn.Module:
+    def meta_model(self, ck: "Checkpoint") -> nn.Module:
         """The model built on the meta device, in eval mode: graph and names, no weights."""
         raise NotImplementedError
 
-    def load(self, md: "ModelDir", *, trust_remote_code: bool = False, max_memory: int | None = None,
+    def load(self, ck: "Checkpoint", *, trust_remote_code: bool = False, max_memory: int | None = None,
              offload_dir: Any = None, **kwargs: Any) -> nn.Module:
         """The model as the library's own loader gives it (LayerNorms unchanged)."""
         raise NotImplementedError
 
-    def load_dtype(self, md: "ModelDir") -> tuple[str, str]:
+    def load_dtype(self, ck: "Checkpoint") -> tuple[str, str]:
         """The dtype that loader gives the model (its name), and where that comes from."""
         raise NotImplementedError
 
-    def generation(self, md: "ModelDir") -> dict[str, Any]:
+    def generation(self, ck: "Checkpoint") -> dict[str, Any]:
         """The generation settings the loaded model carries (compared by the static check)."""
         return {}
 
@@ -94,36 +94,36 @@ class Transformers(Source):
             raise CheckpointError(f"--model-class {name!r} is not a transformers model class (such as MPNetModel)")
         return name
 
-    def meta_model(self, md: "ModelDir") -> nn.Module:
+    def meta_model(self, ck: "Checkpoint") -> nn.Module:
         from .hf import transformers_meta_model
 
-        return transformers_meta_model(md)
+        return transformers_meta_model(ck)
 
-    def load(self, md: "ModelDir", *, trust_remote_code: bool = False, max_memory: int | None = None,
+    def load(self, ck: "Checkpoint", *, trust_remote_code: bool = False, max_memory: int | None = None,
              offload_dir: Any = None, **kwargs: Any) -> nn.Module:
         from .hf import model_class
 
-        cls = model_class(md)
+        cls = model_class(ck)
         kwargs["trust_remote_code"] = trust_remote_code
-        if md.pickled:
+        if ck.pickled:
             kwargs.setdefault("use_safetensors", False)
         if max_memory is not None:
             if offload_dir is None:
                 raise CheckpointError("loading within a memory budget needs a directory for offloaded weights")
             kwargs.update(device_map="auto", max_memory={"cpu": max(int(max_memory), 1)},
                           offload_folder=str(offload_dir))
-        return cls.from_pretrained(md.path, **kwargs)
+        return cls.from_pretrained(ck.path, **kwargs)
 
-    def load_dtype(self, md: "ModelDir") -> tuple[str, str]:
+    def load_dtype(self, ck: "Checkpoint") -> tuple[str, str]:
         from .hf import transformers_load_dtype
 
-        return transformers_load_dtype(md)
+        return transformers_load_dtype(ck)
 
-    def generation(self, md: "ModelDir") -> dict[str, Any]:
-        return transformers_generation(md)
+    def generation(self, ck: "Checkpoint") -> dict[str, Any]:
+        return transformers_generation(ck)
 
 
-def transformers_generation(md: "ModelDir") -> dict[str, Any]:
+def transformers_generation(ck: "Checkpoint") -> dict[str, Any]:
     """The generation settings ``from_pretrained`` gives the model, built as transformers 5 builds
     them (``GenerationMixin.adjust_generation_fn``): from generation_config.json, or, when it is
     missing or not JSON, ``GenerationConfig.from_model_config`` of config.json's raw values,
@@ -134,7 +134,7 @@ def transformers_generation(md: "ModelDir") -> dict[str, Any]:
 
     from .formats import JSON_LIMIT, parse_json_file
 
-    file = md.path / "generation_config.json"
+    file = ck.path / "generation_config.json"
     data = None
     if file.is_file():
         try:
@@ -146,9 +146,9 @@ def transformers_generation(md: "ModelDir") -> dict[str, Any]:
         if isinstance(data, dict):
             settings = transformers.GenerationConfig.from_dict(copy.deepcopy(data)).to_dict()
         else:
-            settings = transformers.GenerationConfig.from_model_config(copy.deepcopy(md.config)).to_dict()
+            settings = transformers.GenerationConfig.from_model_config(copy.deepcopy(ck.config)).to_dict()
     except Exception as exc:  # transformers raises many kinds for a bad file
-        raise CheckpointError(f"cannot read the generation config of {md.path}: "
+        raise CheckpointError(f"cannot read the generation config of {ck.path}: "
                               f"{first_line(exc)}") from None
     settings.pop("transformers_version", None)  # the running transformers' version, on both sides
     return settings
@@ -204,47 +204,47 @@ class Timm(Source):
             raise CheckpointError(f"{root} has no {SAFE_WEIGHTS}; enjoyln reads a timm model directory's weights "
                                   "from that one file, which is what timm loads first")
 
-    def _build(self, md: "ModelDir", pretrained: bool) -> nn.Module:
+    def _build(self, ck: "Checkpoint", pretrained: bool) -> nn.Module:
         from .formats import SAFE_WEIGHTS
 
         timm = import_timm()
-        cfg = md.config
+        cfg = ck.config
         overlay = dict(cfg.get("pretrained_cfg") or {})
         # the directory's own file and nothing else: no hub, no URL, no custom loader
-        overlay.update(file=str(md.path / SAFE_WEIGHTS), source="", state_dict=None, custom_load=False)
+        overlay.update(file=str(ck.path / SAFE_WEIGHTS), source="", state_dict=None, custom_load=False)
         kwargs = dict(cfg.get("model_args") or {})
         if "num_classes" in cfg:
             kwargs["num_classes"] = cfg["num_classes"]
         if "num_classes" in kwargs:  # as the model's head: else timm drops the stored head and loads the rest
             overlay["num_classes"] = kwargs["num_classes"]
-        return timm.create_model(md.architecture, pretrained=pretrained, pretrained_cfg_overlay=overlay, **kwargs)
+        return timm.create_model(ck.architecture, pretrained=pretrained, pretrained_cfg_overlay=overlay, **kwargs)
 
-    def meta_model(self, md: "ModelDir") -> nn.Module:
+    def meta_model(self, ck: "Checkpoint") -> nn.Module:
         try:
             with torch.device("meta"):
-                model = self._build(md, pretrained=False)
+                model = self._build(ck, pretrained=False)
         except CheckpointError:
             raise
         except Exception as exc:
-            raise CheckpointError(f"cannot build {md.architecture} from {md.path / 'config.json'}: "
+            raise CheckpointError(f"cannot build {ck.architecture} from {ck.path / 'config.json'}: "
                                   f"{(str(exc).splitlines() or [''])[0]}") from None
         return model.eval()
 
-    def load(self, md: "ModelDir", *, trust_remote_code: bool = False, max_memory: int | None = None,
+    def load(self, ck: "Checkpoint", *, trust_remote_code: bool = False, max_memory: int | None = None,
              offload_dir: Any = None, dtype: Any = None, **kwargs: Any) -> nn.Module:
         if max_memory is not None:
             raise CheckpointError("timm loads a model whole, so it cannot run within a memory budget; pass --static "
                                   "to prove every weight without running the model")
         if kwargs:
             raise CheckpointError(f"a timm model directory loads without {', '.join(sorted(kwargs))}")
-        model = self._build(md, pretrained=True)
+        model = self._build(ck, pretrained=True)
         if isinstance(dtype, str) and dtype != "auto":
             dtype = getattr(torch, dtype, None)
         if isinstance(dtype, torch.dtype):
             model = model.to(dtype)
         return model
 
-    def load_dtype(self, md: "ModelDir") -> tuple[str, str]:
+    def load_dtype(self, ck: "Checkpoint") -> tuple[str, str]:
         return "float32", "timm, which builds its models in float32"
 
 
@@ -259,7 +259,3 @@ def source_for(config: dict[str, Any]) -> Source | None:
     if "architecture" in config and "architectures" not in config:
         return TIMM
     return None
-
-
-def source_of(md: "ModelDir") -> Source:
-    return SOURCES[md.source]

@@ -42,10 +42,9 @@ from ..plan import AFFINE_FUSED, AFFINE_GAIN, Centering, FoldPlan, Fused, Rotate
 from ..transform.rotation import apply_rotation
 from ..transform.steps import PIPELINE, check_fits
 from ..transform.tensors import center_, fused_product, scale_inputs_, ties_lost_on_untie
-from .formats import DTYPES, TensorInfo, load_pickled, widened
-from .hf import checkpoint_key, model_class, saved_names
-from .model_dir import ModelDir
-from .sources import source_of
+from .formats import DTYPES, TensorInfo, widened
+from .hf import model_class
+from .checkpoint import Checkpoint
 from .tensors import TensorReader, return_freed_memory
 
 STASH_BYTES = 512 << 20
@@ -229,22 +228,22 @@ class Output:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def load_model_meta(md: ModelDir, dtype: str = "auto") -> nn.Module:
+def load_model_meta(ck: Checkpoint, dtype: str = "auto") -> nn.Module:
     """The model a plain ``from_pretrained`` builds for ``md`` (in ``dtype``: "auto" is the
     dtype it loads in by default), on the meta device: its names, its ties and the dtype each
     tensor loads in, without reading any weight."""
-    if md.source != "transformers":  # timm builds its model in float32: its meta model is that
-        model = source_of(md).meta_model(md).eval()
+    if ck.source != "transformers":  # timm builds its model in float32: its meta model is that
+        model = ck.library.meta_model(ck).eval()
         return model if dtype == "auto" else model.to(getattr(torch, dtype))
-    cls = model_class(md)
-    kwargs = {"trust_remote_code": md.trust_remote_code, "dtype": dtype if dtype == "auto" else getattr(torch, dtype),
+    cls = model_class(ck)
+    kwargs = {"trust_remote_code": ck.trust_remote_code, "dtype": dtype if dtype == "auto" else getattr(torch, dtype),
               "device_map": "meta"}
-    if md.pickled:
+    if ck.pickled:
         kwargs["use_safetensors"] = False
     try:
-        return cls.from_pretrained(md.path, **kwargs).eval()
+        return cls.from_pretrained(ck.path, **kwargs).eval()
     except Exception as exc:
-        raise CheckpointError(f"cannot load {md.path}: {type(exc).__name__}: "
+        raise CheckpointError(f"cannot load {ck.path}: {type(exc).__name__}: "
                               f"{(str(exc).splitlines() or [''])[0]}") from None
 
 
@@ -258,33 +257,27 @@ class StreamedTensors:
     the tensors are those of the model loaded in that dtype, then folded: the reference cast,
     then folded by the same arithmetic.
 
-    >>> tensors = StreamedTensors(md, plan, meta_model(md))  # doctest: +SKIP
+    >>> tensors = StreamedTensors(md, plan, ck.meta)  # doctest: +SKIP
     >>> tensors.get("lm_head.weight").shape  # doctest: +SKIP
     torch.Size([50257, 768])
     """
 
-    def __init__(self, md: ModelDir, plan: FoldPlan, meta: nn.Module, *, reader: TensorReader | None = None,
+    def __init__(self, ck: Checkpoint, plan: FoldPlan, *, reader: TensorReader | None = None,
                  dtype: str | None = None) -> None:
-        self.md = md
+        self.ck = ck
         # the slabs and float64 copies are freed as fast as they come: without this, glibc keeps
         # them on a heap that small, lasting values (the biases' W β) pin, and it grows by layer
         return_freed_memory()
-        self.reader = reader if reader is not None else _reader(md)
+        self.reader = reader if reader is not None else TensorReader(ck)
         self._own_reader = reader is None
-        keys = self.reader.keys()
-        prefix = getattr(meta, "base_model_prefix", "") or ""
-        saved = saved_names(meta)
-
-        def key(name: str) -> str | None:
-            return checkpoint_key(name, keys, prefix, saved)
-
-        self.trace = t = trace(load_model_meta(md, dtype or "auto"), plan, key)
+        keys, meta, saved, key = self.reader.keys(), ck.meta, ck.saved, ck.key
+        self.trace = t = trace(load_model_meta(ck, dtype or "auto"), plan, key)
         for s in t.slots:
             if isinstance(s.base, str) and tuple(self.reader.shape(s.base)) != s.shape:
                 raise CheckpointError(f"{s.base} has shape {list(self.reader.shape(s.base))} in the checkpoint, "
                                       f"but {s.names[0]} loads as {list(s.shape)}")
         slot_of = output_slots(t, plan, meta, key, saved)
-        stored = self.md.tensors  # final_tensors casts to the stored dtype only what a header lists
+        stored = self.ck.tensors  # final_tensors casts to the stored dtype only what a header lists
         self.outputs: dict[str, Output] = {}
         for k, i in slot_of.items():
             s = t.slots[i]
@@ -332,7 +325,7 @@ class StreamedTensors:
     def source(self, key: str) -> TensorInfo | None:
         """Where the output's bytes already are, unchanged (a safetensors input), or None."""
         out = self.outputs[key]
-        return self.md.tensors.get(out.raw) if out.raw is not None else None
+        return self.ck.tensors.get(out.raw) if out.raw is not None else None
 
     def get(self, key: str) -> torch.Tensor:
         """The folded tensor for ``key``, in the key's dtype."""
@@ -426,9 +419,3 @@ class StreamedTensors:
         self._stash.clear()
         if self._own_reader:
             self.reader.close()
-
-
-def _reader(md: ModelDir) -> TensorReader:
-    if not md.pickled:
-        return TensorReader(md)
-    return TensorReader(md, {k: t for k, (_, t) in load_pickled(md).items()})

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import torch
 
 from ..errors import CheckpointError
-from .model_dir import ModelDir
+from .checkpoint import Checkpoint
 from .formats import DTYPES, TensorInfo
 
 READ_AHEAD = 512 << 20
@@ -123,47 +123,47 @@ class Buffer:
 class TensorReader:
     """The tensors of one model directory by checkpoint key, each read into a fresh buffer.
 
-    ``pickled`` holds the tensors of a pickled checkpoint the caller already loaded (with
-    ``weights_only=True``); otherwise the safetensors files are read with ``preadv``.
+    A pickled checkpoint's tensors are the ones it loaded (with ``weights_only=True``); otherwise
+    the safetensors files are read with ``preadv``.
 
-    >>> reader = TensorReader(open_model_dir("gpt2"))  # doctest: +SKIP
+    >>> reader = TensorReader(open_checkpoint("gpt2"))  # doctest: +SKIP
     >>> reader.read("wte.weight").shape  # doctest: +SKIP
     torch.Size([50257, 768])
     """
 
-    def __init__(self, md: ModelDir, pickled: dict[str, torch.Tensor] | None = None) -> None:
-        self.md = md
-        self.pickled = pickled
+    def __init__(self, ck: Checkpoint) -> None:
+        self.ck = ck
+        self.pickled = {k: t for k, (_, t) in ck.pickled_tensors.items()} if ck.pickled else None
         self.bytes_read = 0
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def keys(self) -> set[str]:
-        return set(self.pickled) if self.pickled is not None else set(self.md.tensors)
+        return set(self.pickled) if self.pickled is not None else set(self.ck.tensors)
 
     def dtype(self, key: str) -> torch.dtype:
-        return self.pickled[key].dtype if self.pickled is not None else DTYPES[self.md.tensors[key].dtype]
+        return self.pickled[key].dtype if self.pickled is not None else DTYPES[self.ck.tensors[key].dtype]
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.pickled[key].shape) if self.pickled is not None else self.md.tensors[key].shape
+        return tuple(self.pickled[key].shape) if self.pickled is not None else self.ck.tensors[key].shape
 
     def nbytes(self, key: str) -> int:
         if self.pickled is not None:
             t = self.pickled[key]
             return t.numel() * t.element_size()
-        return self.md.tensors[key].nbytes
+        return self.ck.tensors[key].nbytes
 
     def offset(self, key: str) -> tuple[str, int]:
         """Where the tensor sits (file, byte): reading in this order reads each file front to back."""
         if self.pickled is not None:
             return "", 0
-        info = self.md.tensors[key]
+        info = self.ck.tensors[key]
         return info.file, info.start
 
     def _fd(self, info: TensorInfo) -> int:
         with self._lock:  # the read-ahead thread and the caller may open a file at once
             if info.file not in self._fds:
-                self._fds[info.file] = os.open(self.md.path / info.file, os.O_RDONLY)
+                self._fds[info.file] = os.open(self.ck.path / info.file, os.O_RDONLY)
             return self._fds[info.file]
 
     def read(self, key: str, into: Buffer | None = None) -> torch.Tensor:
@@ -171,7 +171,7 @@ class TensorReader:
         callers may change it in place."""
         if self.pickled is not None:
             return self.pickled[key].clone()
-        info = self.md.tensors[key]
+        info = self.ck.tensors[key]
         dtype = DTYPES[info.dtype]
         if not info.nbytes:
             return torch.empty(info.shape, dtype=dtype)
@@ -180,7 +180,7 @@ class TensorReader:
         while got < info.nbytes:
             n = os.preadv(fd, [view[got:]], info.start + got)
             if not n:
-                raise CheckpointError(f"{self.md.path / info.file} ended early")
+                raise CheckpointError(f"{self.ck.path / info.file} ended early")
             got += n
         with self._lock:
             self.bytes_read += info.nbytes
@@ -188,15 +188,15 @@ class TensorReader:
 
     def mappable(self, key: str) -> bool:
         """Whether ``mapped`` can give this tensor (a safetensors file, on a system with mmap)."""
-        return _LIBC is not None and self.pickled is None and self.md.tensors[key].nbytes > 0
+        return _LIBC is not None and self.pickled is None and self.ck.tensors[key].nbytes > 0
 
     def mapped(self, key: str) -> Mapped:
         """The tensor's bytes mapped read-only from its file (check ``mappable`` first); the
         caller closes it. Counted as read."""
-        info = self.md.tensors[key]
+        info = self.ck.tensors[key]
         fd = self._fd(info)
         if os.fstat(fd).st_size < info.start + info.nbytes:
-            raise CheckpointError(f"{self.md.path / info.file} ended early: it changed while it was being read")
+            raise CheckpointError(f"{self.ck.path / info.file} ended early: it changed while it was being read")
         m = Mapped(fd, info.start, info.nbytes)
         with self._lock:
             self.bytes_read += info.nbytes
@@ -206,7 +206,7 @@ class TensorReader:
         """Ask the kernel to start reading the tensor from disk now, so that it is in the page
         cache when it is wanted (does nothing where the system cannot)."""
         if self.pickled is None and hasattr(os, "posix_fadvise"):
-            info = self.md.tensors[key]
+            info = self.ck.tensors[key]
             try:
                 os.posix_fadvise(self._fd(info), info.start, info.nbytes, os.POSIX_FADV_WILLNEED)
             except OSError:

@@ -5,12 +5,10 @@ removes what a killed run left behind."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
 import signal
-import stat
 import tempfile
 import threading
 from pathlib import Path

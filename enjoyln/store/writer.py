@@ -25,7 +25,7 @@ from ..errors import CheckpointError
 from ..transform.tensors import center_, center_into
 from .expected import Entry, reshard
 from .formats import DTYPES
-from .model_dir import ModelDir
+from .checkpoint import Checkpoint
 from .tensors import Buffer, Mapped, TensorReader
 
 
@@ -82,7 +82,7 @@ def write_shard(file: Path, entries: list[Entry], reader: TensorReader, metadata
     by the kernel on a second thread while this one centers the others.
     Callers re-read the result's header.
     """
-    root = reader.md.path
+    root = reader.ck.path
     blob = _header_json(entries, metadata)
     blob += b" " * (-len(blob) % 8)
     base = 8 + len(blob)
@@ -130,12 +130,12 @@ _HEADER_ROOM = 4096
 enjoyln tag, an untied head's entry). A whole page, so the data keeps its alignment."""
 
 
-def _packed_span(md: ModelDir, shard: str) -> tuple[int, int]:
+def _packed_span(ck: Checkpoint, shard: str) -> tuple[int, int]:
     """(start, length) of a shard's tensor data, which validation proved tiles the file."""
-    with open(md.path / shard, "rb") as f:
+    with open(ck.path / shard, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
     base = 8 + header_len
-    return base, (md.path / shard).stat().st_size - base
+    return base, (ck.path / shard).stat().st_size - base
 
 
 class EarlyCopy:
@@ -149,9 +149,9 @@ class EarlyCopy:
     shard whose layout changes is written afresh instead, once its copy is done.
     """
 
-    def __init__(self, md: ModelDir, tmp: Path, spans: dict[str, tuple[str, int, int]],
+    def __init__(self, ck: Checkpoint, tmp: Path, spans: dict[str, tuple[str, int, int]],
                  advance: Callable[[int], None]) -> None:
-        self.md, self.tmp, self.spans, self.advance = md, tmp, spans, advance
+        self.ck, self.tmp, self.spans, self.advance = ck, tmp, spans, advance
         self.reached: dict[str, int] = {}  # shard -> output offset its copy has written up to
         self.copied: set[str] = set()
         self.progress = threading.Condition()
@@ -174,7 +174,7 @@ class EarlyCopy:
     def _run(self) -> None:
         try:
             for shard, (name, base, length) in self.spans.items():
-                src = os.open(self.md.path / shard, os.O_RDONLY)
+                src = os.open(self.ck.path / shard, os.O_RDONLY)
                 try:
                     dst = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
                     try:
@@ -233,7 +233,7 @@ def finish_shard(file: Path, entries: list[Entry], reader: TensorReader, shard: 
     soon as the copy is past them; entries added by the plan (untied heads) are appended after
     them. The copy may still be writing the shard's tail when this returns.
     """
-    root = reader.md.path
+    root = reader.ck.path
     blob = _header_json(entries, metadata)
     start = base + _HEADER_ROOM
     if len(blob) > start - 8:
@@ -327,21 +327,21 @@ def _center_in_file(out: int, at: int, e: Entry) -> bool:
     return done
 
 
-def early_spans(md: ModelDir, max_shard_size: int | None) -> dict[str, tuple[str, int, int]]:
+def early_spans(ck: Checkpoint, max_shard_size: int | None) -> dict[str, tuple[str, int, int]]:
     """Input shard -> (output file, data start, data length) for each shard that can be
     copied before the plan is known: safetensors, packed, and not re-sharded."""
-    if md.pickled or max_shard_size is not None:
+    if ck.pickled or max_shard_size is not None:
         return {}
-    names = [name for name, _ in reshard([(shard, []) for shard in md.shards], None, indexed=md.index is not None)]
-    return {shard: (name, *_packed_span(md, shard)) for shard, name in zip(md.shards, names)}
+    names = [name for name, _ in reshard([(shard, []) for shard in ck.shards], None, indexed=ck.index is not None)]
+    return {shard: (name, *_packed_span(ck, shard)) for shard, name in zip(ck.shards, names)}
 
 
-def early_layout(md: ModelDir, shard: str | None, entries: list[Entry]) -> int | None:
+def early_layout(ck: Checkpoint, shard: str | None, entries: list[Entry]) -> int | None:
     """How many leading ``entries`` sit where the early copy of ``shard`` put them (all of
     that shard's tensors, in order), or None if the output shard must be written afresh."""
     if shard is None:
         return None
-    inputs = sorted((t for t in md.tensors.values() if t.file == shard), key=lambda t: (t.start, t.end))
+    inputs = sorted((t for t in ck.tensors.values() if t.file == shard), key=lambda t: (t.start, t.end))
     if len(entries) < len(inputs) or any(e.source is not t or e.name != t.name or e.tensor is not None
                                          or e.dtype != t.dtype for e, t in zip(entries, inputs)):
         return None

@@ -15,7 +15,7 @@ from torch import fx, nn
 
 from ..modules import centering
 from ..analysis import analyze
-from ..analysis.driver import norm_module_paths
+from ..analysis.norms import norm_module_paths
 from ..analysis.graph import FUNCTIONAL_LN
 from ..analysis.inputs import ExampleInputs
 from ..errors import PlanError

@@ -353,7 +353,7 @@ def set_(key, index, value):
 def test_non_finite_checkpoints_fail_in_every_mode(dirs, tmp_path, monkeypatch, case, mode):
     from enjoyln.checking import checkpoints as checkpoint
 
-    monkeypatch.setattr(checkpoint, "_activation_bytes", lambda md: 0)
+    monkeypatch.setattr(checkpoint, "_activation_bytes", lambda ck: 0)
     monkeypatch.setattr(checkpoint, "MIN_BUDGET", 0)
     name = case.split()[0]
 
@@ -487,17 +487,17 @@ def test_the_memory_pre_check_counts_the_truth(dirs, monkeypatch):
     from enjoyln.checking import checkpoints as checkpoint
     from enjoyln.checking.checkpoints import require_memory
     from enjoyln.store.memory import forward_check_bytes
-    from enjoyln.store.model_dir import open_model_dir
+    from enjoyln.store.checkpoint import open_checkpoint
 
-    md, half = open_model_dir(dirs / "gpt2"), open_model_dir(dirs / "gpt2-bf16")
-    assert forward_check_bytes(md) == int(2.1 * md.nbytes) + 2 * md.nbytes + (256 << 20)
+    ck, half = open_checkpoint(dirs / "gpt2"), open_checkpoint(dirs / "gpt2-bf16")
+    assert forward_check_bytes(ck) == int(2.1 * ck.nbytes) + 2 * ck.nbytes + (256 << 20)
     assert forward_check_bytes(half) == int(2.1 * half.nbytes) + 2 * half.nbytes + (256 << 20)
-    monkeypatch.setattr(checkpoint, "_activation_bytes", lambda md: 0)
+    monkeypatch.setattr(checkpoint, "_activation_bytes", lambda ck: 0)
     monkeypatch.setattr(checkpoint, "MIN_BUDGET", 0)
-    largest = checkpoint._largest_tensor(md)
-    require_memory(md, 2 * largest)
+    largest = checkpoint._largest_tensor(ck)
+    require_memory(ck, 2 * largest)
     with pytest.raises(enjoyln.CheckpointError, match="--static"):
-        require_memory(md, int(1.5 * largest))
+        require_memory(ck, int(1.5 * largest))
 
 
 def test_a_correct_fold_of_an_imprecise_original_passes_by_default(tmp_path):
@@ -559,7 +559,9 @@ def test_default_check_confirms_briefly_once_the_weights_are_proven(tmp_path):
         assert result.exit_code == 0, result.output
         runs[name] = json.loads(result.stdout)
     assert runs["default"]["coverage"] is None and runs["default"]["batches"] == 2
-    assert runs["thorough"]["batches"] == 3 and runs["forward"]["batches"] == 3
+    # --forward-only then sweeps the token ids the 3 batches missed: 1 more batch for 128 ids
+    assert runs["thorough"]["batches"] == 3 and runs["forward"]["batches"] == 4
+    assert runs["forward"]["coverage"]["distinct_ids"] == 128 > runs["thorough"]["coverage"]["distinct_ids"]
     assert any("2 short batches (plain loading on the first) and a greedy decode" in n for n in runs["default"]["notes"])
     assert runs["default"]["generation"]["new_tokens"] == 4 and runs["thorough"]["generation"]["new_tokens"] == 8
     assert any("--thorough" in note for note in runs["default"]["notes"])

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import enjoyln
 from enjoyln.convert import fold_checkpoint
-from enjoyln.store.model_dir import open_model_dir
+from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.checking.static import static_check
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir as clone
@@ -28,7 +28,7 @@ def pair(tmp_path_factory):
 
 
 def run(ref, cand):
-    return static_check(open_model_dir(ref), open_model_dir(cand))
+    return static_check(open_checkpoint(ref), open_checkpoint(cand))
 
 
 def test_fold_passes_with_every_tensor_accounted_for(pair):
@@ -132,15 +132,15 @@ def test_half_precision_candidate_of_a_float32_reference(pair, tmp_path):
     cand = edited(folded, tmp_path, lambda sd: sd.update({k: v.to(torch.bfloat16) for k, v in sd.items()}))
     report = run(ref, cand)
     assert not report.passed and any("is stored as torch.bfloat16, but the reference's" in p for p in report.problems)
-    report = static_check(open_model_dir(ref), open_model_dir(cand), dtype="bfloat16")
+    report = static_check(open_checkpoint(ref), open_checkpoint(cand), dtype="bfloat16")
     assert not report.passed
     assert any(p.startswith("the candidate loads in float32 (from config.json), not in bfloat16")
                for p in report.problems)
     set_config(cand, dtype="bfloat16")
-    report = static_check(open_model_dir(ref), open_model_dir(cand), dtype=torch.bfloat16)
+    report = static_check(open_checkpoint(ref), open_checkpoint(cand), dtype=torch.bfloat16)
     assert report.passed, report.summary()
     wrong = edited(cand, tmp_path / "w", lambda sd: sd["transformer.wpe.weight"].view(-1)[5].add_(0.05))
-    assert not static_check(open_model_dir(ref), open_model_dir(wrong), dtype="bfloat16").passed
+    assert not static_check(open_checkpoint(ref), open_checkpoint(wrong), dtype="bfloat16").passed
 
 
 def test_pickle_reference(pair, tmp_path):
@@ -150,7 +150,7 @@ def test_pickle_reference(pair, tmp_path):
     for name in ("config.json", "generation_config.json"):
         (pkl / name).write_text((ref / name).read_text())
     torch.save({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, pkl / "pytorch_model.bin")
-    report = static_check(open_model_dir(pkl, allow_pickle=True), open_model_dir(folded))
+    report = static_check(open_checkpoint(pkl, allow_pickle=True), open_checkpoint(folded))
     assert report.passed, report.summary()
 
 
@@ -187,7 +187,7 @@ def test_bounded_check_offloads_and_still_catches_a_change(pair, tmp_path, monke
     from enjoyln.checking import checkpoints as checkpoint
 
     ref, folded, _ = pair
-    monkeypatch.setattr(checkpoint, "_activation_bytes", lambda md: 0)
+    monkeypatch.setattr(checkpoint, "_activation_bytes", lambda ck: 0)
     monkeypatch.setattr(checkpoint, "MIN_BUDGET", 0)
     maps, real = [], checkpoint.load
 
@@ -216,7 +216,7 @@ def test_fold_runs_the_check_one_model_at_a_time_when_two_do_not_fit(pair, tmp_p
     from enjoyln.checking import checkpoints as checkpoint
 
     ref, _, _ = pair
-    monkeypatch.setattr(checkpoint, "forward_check_bytes", lambda md: 1 << 40)  # "does not fit twice"
+    monkeypatch.setattr(checkpoint, "forward_check_bytes", lambda ck: 1 << 40)  # "does not fit twice"
     result = fold_checkpoint(ref, tmp_path / "out")
     assert result.report.passed and "would not fit in memory side by side" in result.report.memory
 
@@ -330,7 +330,7 @@ def test_a_pickled_tensor_stored_as_a_strided_view(pair, tmp_path):
     key = "transformer.h.0.attn.c_attn.weight"
     sd[key] = sd[key].t().contiguous().t()
     torch.save(sd, pkl / "pytorch_model.bin")
-    report = static_check(open_model_dir(pkl, allow_pickle=True), open_model_dir(folded))
+    report = static_check(open_checkpoint(pkl, allow_pickle=True), open_checkpoint(folded))
     assert report.passed, report.summary()
 
 
@@ -352,10 +352,10 @@ def test_a_config_dtype_change_fails_unless_asked_for(pair, tmp_path, dtype):
     assert f"config.json changes dtype from 'float32' to '{dtype}'" in report.problems
     assert any(p.startswith(f"the candidate loads in {dtype} (from config.json), the reference in float32")
                for p in report.problems), report.problems
-    asked = static_check(open_model_dir(ref), open_model_dir(cand), dtype=dtype)
+    asked = static_check(open_checkpoint(ref), open_checkpoint(cand), dtype=dtype)
     assert asked.passed, asked.summary()
     other = "bfloat16" if dtype == "float16" else "float16"
-    assert not static_check(open_model_dir(ref), open_model_dir(cand), dtype=other).passed
+    assert not static_check(open_checkpoint(ref), open_checkpoint(cand), dtype=other).passed
     torch_dtype = cand_of(folded, tmp_path, "old_name")  # the old key, read the same way
     config = json.loads((torch_dtype / "config.json").read_text())
     config["torch_dtype"] = config.pop("dtype")
@@ -585,8 +585,8 @@ def test_trusted_remote_code_is_compared(pair, tmp_path, monkeypatch):
     cand = tmp_path / "folded"
 
     def check():
-        return static_check(open_model_dir(source, trust_remote_code=True),
-                            open_model_dir(cand, trust_remote_code=True))
+        return static_check(open_checkpoint(source, trust_remote_code=True),
+                            open_checkpoint(cand, trust_remote_code=True))
 
     assert check().passed, check().summary()
     with open(cand / "modeling_custom.py", "a") as f:
@@ -695,7 +695,7 @@ def test_a_candidate_meant_for_another_dtype_is_judged_in_it_on_both_paths(pair,
     cand = set_config(cand_of(folded, tmp_path), dtype="bfloat16")
     report = enjoyln.check_checkpoints(ref, cand, dtype="bfloat16")
     assert report.passed and report.dtype == "bfloat16", report.summary()
-    monkeypatch.setattr(checkpoint, "_activation_bytes", lambda md: 0)
+    monkeypatch.setattr(checkpoint, "_activation_bytes", lambda ck: 0)
     monkeypatch.setattr(checkpoint, "MIN_BUDGET", 0)
     report = enjoyln.check_checkpoints(ref, cand, dtype="bfloat16", max_memory=200_000)
     assert report.passed and report.dtype == "bfloat16" and report.memory, report.summary()
@@ -745,7 +745,7 @@ def test_json_files_are_read_as_the_loaders_read_them(pair, tmp_path):
     assert run(source, cand).passed, run(source, cand).problems
     (cand / "config.json").write_bytes(b"\xef\xbb\xbf" + (cand / "config.json").read_bytes())
     with pytest.raises(enjoyln.CheckpointError, match="config.json is not valid JSON"):
-        open_model_dir(cand)  # transformers cannot read it either
+        open_checkpoint(cand)  # transformers cannot read it either
 
 
 def test_the_candidates_code_is_compared_before_any_of_it_runs(pair, tmp_path, monkeypatch):
@@ -777,8 +777,8 @@ def test_the_candidates_code_is_compared_before_any_of_it_runs(pair, tmp_path, m
             report = check_checkpoints(source, cand, trust_remote_code=True, mode=mode)
             assert not report.passed and problem in report.static.problems, report.summary()
             assert not marker.exists(), f"the candidate's code ran ({mode})"
-        report = static_check(open_model_dir(source, trust_remote_code=True),
-                              open_model_dir(cand, trust_remote_code=True))
+        report = static_check(open_checkpoint(source, trust_remote_code=True),
+                              open_checkpoint(cand, trust_remote_code=True))
         assert not report.passed and problem in report.problems and not marker.exists()
         result = CliRunner().invoke(app, ["check", str(source), str(cand), "--trust-remote-code"])
         assert result.exit_code == 1 and "none of it ran" in result.output and not marker.exists(), result.output
@@ -837,7 +837,7 @@ def _without_centering(plan, param):
     return FoldPlan.from_dict(data)
 
 
-def _old_cache_key(md, options):
+def _old_cache_key(ck, options):
     """The key under which enjoyln up to 0.1.0 looked up a cached plan: public data only."""
     import hashlib
     from pathlib import Path
@@ -846,7 +846,7 @@ def _old_cache_key(md, options):
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    text = json.dumps({"config": md.config, "architecture": md.architecture, "options": options,
+    text = json.dumps({"config": ck.config, "architecture": ck.architecture, "options": options,
                        "torch": torch.__version__, "transformers": transformers.__version__,
                        "enjoyln": digest.hexdigest()}, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -864,7 +864,7 @@ def test_a_planted_plan_cache_entry_decides_nothing(pair, tmp_path, monkeypatch)
     (cache / "plans").mkdir(parents=True)
     options = {"auxiliary_centering": False, "fuse_affine": False, "rotate": None}
     for opts in (options, {"auxiliary_centering": False}):
-        key = _old_cache_key(open_model_dir(ref), opts)
+        key = _old_cache_key(open_checkpoint(ref), opts)
         (cache / "plans" / f"{key}.json").write_text(json.dumps(tampered.to_dict()))
     report = run(ref, tmp_path / "out")
     assert not report.passed and report.plan == "recorded"
@@ -928,12 +928,12 @@ def test_directed_rounding_fails_under_dtype(pair, tmp_path):
             sd[k] = _rounded_up(v) if k in centered else v.to(torch.bfloat16)
 
     cand = set_config(edited(folded, tmp_path, cast), dtype="bfloat16")
-    report = static_check(open_model_dir(ref), open_model_dir(cand), dtype="bfloat16")
+    report = static_check(open_checkpoint(ref), open_checkpoint(cand), dtype="bfloat16")
     assert not report.passed
     assert {p.split(" is not ")[0] for p in report.problems} == centered, report.summary()
     nearest = set_config(edited(folded, tmp_path / "n", lambda sd: sd.update(
         {k: v.to(torch.bfloat16) for k, v in sd.items()})), dtype="bfloat16")
-    assert static_check(open_model_dir(ref), open_model_dir(nearest), dtype="bfloat16").passed
+    assert static_check(open_checkpoint(ref), open_checkpoint(nearest), dtype="bfloat16").passed
 
 
 def test_a_fused_fold_of_the_cast_reference_passes_under_dtype(pair, tmp_path):
@@ -942,10 +942,10 @@ def test_a_fused_fold_of_the_cast_reference_passes_under_dtype(pair, tmp_path):
     ref, _, _ = pair
     transformers.GPT2LMHeadModel.from_pretrained(ref, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
     fold_checkpoint(tmp_path / "bf16", tmp_path / "cand", fuse_affine=True, check="none")
-    report = static_check(open_model_dir(ref), open_model_dir(tmp_path / "cand"), dtype="bfloat16")
+    report = static_check(open_checkpoint(ref), open_checkpoint(tmp_path / "cand"), dtype="bfloat16")
     assert report.passed and report.computed == report.tensors, report.summary()
     key = "transformer.h.0.attn.c_attn.bias"  # one ulp up on one recomputed element still fails
     up = edited(tmp_path / "cand", tmp_path / "up", lambda sd: sd[key].view(-1)[0].copy_(
         torch.nextafter(sd[key].view(-1)[0], torch.tensor(float("inf"), dtype=torch.bfloat16))))
-    report = static_check(open_model_dir(ref), open_model_dir(up), dtype="bfloat16")
+    report = static_check(open_checkpoint(ref), open_checkpoint(up), dtype="bfloat16")
     assert not report.passed and report.problems[0].startswith(f"{key} is not what the plan makes")

@@ -237,7 +237,7 @@ def test_disk_full_or_permission_denied(code, message, where, gpt2_dir, tmp_path
 
     monkeypatch.setattr(checkpoint if where == "write_shard" else writer, where, failing_write)
     if where == "write_shard":  # only used when the early copy cannot be
-        monkeypatch.setattr(checkpoint, "early_spans", lambda md, size: {})
+        monkeypatch.setattr(checkpoint, "early_spans", lambda ck, size: {})
     before = digest(gpt2_dir)
     out = tmp_path / "out"
     result = runner.invoke(app, ["fold", str(gpt2_dir), str(out)])

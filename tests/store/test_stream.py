@@ -88,8 +88,7 @@ from enjoyln import convert
 from enjoyln.convert import fold_checkpoint
 from enjoyln.store import writer
 from enjoyln.store.expected import analyze_dir, final_tensors
-from enjoyln.store.model_dir import open_model_dir
-from enjoyln.store.model_dir import meta_model
+from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.testing import perturb, tiny_model
 from enjoyln.store import stream
 from enjoyln.store.stream import Output, StreamedTensors
@@ -138,15 +137,14 @@ def saved(tmp_path_factory):
 
 
 def _streamed_and_final(path, order=None, allow_pickle=False, **options):
-    md = open_model_dir(path, allow_pickle=allow_pickle)
-    meta = meta_model(md)
-    plan = analyze_dir(md, meta, options.get("auxiliary_centering", False), options.get("fuse_affine", False),
+    ck = open_checkpoint(path, allow_pickle=allow_pickle)
+    plan = analyze_dir(ck, options.get("auxiliary_centering", False), options.get("fuse_affine", False),
                        options.get("rotate"))
-    streamed = StreamedTensors(md, plan, meta)
+    streamed = StreamedTensors(ck, plan)
     keys = streamed.keys()
     got = {k: streamed.get(k) for k in (order(keys) if order else keys)}
     streamed.close()
-    return plan, got, final_tensors(md, plan, meta)
+    return plan, got, final_tensors(ck, plan)
 
 
 def _assert_bit_identical(got, expected):
@@ -187,10 +185,9 @@ def test_every_kind_of_operation_is_exercised(saved):
     kinds = set()
     for name, options in [("opt", {"rotate": ("hadamard", 0, True)}), ("dinov2", {"fuse_affine": True}),
                           ("gpt2", {"rotate": ("hadamard", 0, True)})]:
-        md = open_model_dir(saved(name))
-        meta = meta_model(md)
-        plan = analyze_dir(md, meta, False, options.get("fuse_affine", False), options.get("rotate"))
-        t = stream.trace(stream.load_model_meta(md), plan, lambda n: n)
+        ck = open_checkpoint(saved(name))
+        plan = analyze_dir(ck, False, options.get("fuse_affine", False), options.get("rotate"))
+        t = stream.trace(stream.load_model_meta(ck), plan, lambda n: n)
         kinds |= {op.kind for s in t.slots for op in s.ops}
         kinds |= {"gain" for s in t.slots for op in s.ops if op.kind == "set_bias" and op.gain}
         kinds |= {"scaled centering" for s in t.slots for op in s.ops if op.kind == "center" and op.reads}
@@ -250,8 +247,8 @@ def test_pickled_and_unloaded_keys(tmp_path):
 class _InMemory:
     """The fold's tensors as the old path gave them (``final_tensors``), behind the streamed API."""
 
-    def __init__(self, md, plan, meta, reader=None):
-        self.tensors = final_tensors(md, plan, meta)
+    def __init__(self, ck, plan, reader=None):
+        self.tensors = final_tensors(ck, plan)
         self.outputs = {k: Output(t.dtype, tuple(t.shape)) for k, t in self.tensors.items()}
 
     def keys(self):
@@ -328,8 +325,8 @@ def test_the_stream_never_holds_the_whole_model(options, tmp_path, monkeypatch):
 
     src = tmp_path / "src"
     perturb(tiny_model("gpt2", n_layer=12), seed=29).save_pretrained(src)
-    md = open_model_dir(src)
-    largest, total = max(t.nbytes for t in md.tensors.values()), md.nbytes
+    ck = open_checkpoint(src)
+    largest, total = max(t.nbytes for t in ck.tensors.values()), ck.nbytes
     assert 30 * largest < total
     peaks = {"write": [], "compare": []}
 

@@ -1,4 +1,6 @@
-"""Model directories: read and validate one, contain it, and publish a new one.
+"""A model directory, opened once: read and validated, then what its library makes of it (the
+meta model, the names weights are saved under, the dtype it loads in), each built when first
+needed and kept for the rest of the command or API call.
 
 A model directory comes from somewhere else, so it is treated as untrusted:
 
@@ -11,36 +13,41 @@ A model directory comes from somewhere else, so it is treated as untrusted:
   loader may read is refused (a fold without it could load differently);
 - custom code (``auto_map``, ``*.py``) is refused unless the user trusts it,
   so an output never carries code that the analysis did not see.
-
-Output goes to a temporary directory beside OUT_DIR, named after the process
-that owns it, and is renamed into place only when complete and checked. A
-later run for the same OUT_DIR removes what a killed run left behind.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 from .files import VCS_DIRS, is_weight_file
 from .formats import (JSON_LIMIT, PT_INDEX, PT_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, WEIGHT_FILES, TensorInfo,
-                      input_file, parse_json_file, read_json, read_safetensors_header)
+                      input_file, load_pickled, parse_json_file, read_json, read_safetensors_header)
+from .hf import checkpoint_key, missing_parameters, saved_names
+from .memory import built_bytes
+from .sources import SOURCES, Source, source_for
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from ..plan import FoldPlan
 
 
-# --- reading ----------------------------------------------------------------------------
+@dataclass(eq=False)
+class Checkpoint:
+    """A validated model directory (Hugging Face's format, or timm's hub format), and what its
+    library makes of it, each built on first use and kept: open it once per command and hand
+    it on.
 
-
-@dataclass
-class ModelDir:
-    """A validated model directory: Hugging Face's format, or timm's hub format."""
+    >>> ck = open_checkpoint("gpt2-dir")  # doctest: +SKIP
+    >>> ck.architecture, ck.load_dtype[0], ck.key("lm_head.weight")  # doctest: +SKIP
+    ('GPT2LMHeadModel', 'float32', 'transformer.wte.weight')
+    """
 
     path: Path
     config: dict[str, Any]
@@ -55,6 +62,10 @@ class ModelDir:
     """The library that builds and loads the model (``sources.SOURCES``): transformers or timm."""
 
     @property
+    def library(self) -> Source:
+        return SOURCES[self.source]
+
+    @property
     def index(self) -> Path | None:
         """The weight index the loader reads (safetensors', or pickle's), if there is one."""
         path = self.path / (PT_INDEX if self.pickled else SAFE_INDEX)
@@ -65,6 +76,64 @@ class ModelDir:
         if self.pickled:
             return sum((self.path / s).stat().st_size for s in self.shards)
         return sum(t.nbytes for t in self.tensors.values())
+
+    @functools.cached_property
+    def meta(self) -> nn.Module:
+        """The model its library builds, on the meta device: graph and names, no weights."""
+        return self.library.meta_model(self)
+
+    @functools.cached_property
+    def saved(self) -> dict[str, str]:
+        """Parameter name -> the key the library saves it under (``hf.saved_names``)."""
+        return saved_names(self.meta)
+
+    @property
+    def prefix(self) -> str:
+        return getattr(self.meta, "base_model_prefix", "") or ""
+
+    @functools.cached_property
+    def load_dtype(self) -> tuple[str, str]:
+        """The dtype the library's own loader gives the model (its name), and where it comes from."""
+        return self.library.load_dtype(self)
+
+    @functools.cached_property
+    def pickled_tensors(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """A pickled checkpoint's tensors (key -> (shard, tensor)), loaded with ``weights_only``."""
+        return load_pickled(self)
+
+    @functools.cached_property
+    def keys(self) -> set[str]:
+        """The checkpoint's tensor keys."""
+        return set(self.pickled_tensors) if self.pickled else set(self.tensors)
+
+    def key(self, name: str) -> str | None:
+        """The checkpoint key that holds the parameter or buffer ``name``, or None."""
+        return checkpoint_key(name, self.keys, self.prefix, self.saved)
+
+    @functools.cached_property
+    def built(self) -> tuple[int, int]:
+        """(total, largest) bytes of what loading it builds (``memory.built_bytes``)."""
+        return built_bytes(self.meta, self.load_dtype[0])
+
+    @functools.cached_property
+    def missing(self) -> list[str]:
+        """The parameters its model builds that no weight file holds (``hf.missing_parameters``)."""
+        return missing_parameters(self)
+
+    @functools.cached_property
+    def recorded_plan(self) -> FoldPlan | None:
+        """The plan recorded in its ``enjoyln`` block; None without a block. A malformed block is
+        refused with one line."""
+        from ..plan import FoldPlan
+
+        block = self.config.get("enjoyln")
+        if block is None:
+            return None
+        try:
+            return FoldPlan.from_dict(block["plan"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"the enjoyln block in {self.path / 'config.json'} is malformed "
+                                  f"({type(exc).__name__}: {exc})") from None
 
 
 def _index(index_file: Path) -> dict[str, str]:
@@ -123,8 +192,8 @@ def custom_code(root: Path, config: dict[str, Any]) -> list[str]:
     return found
 
 
-def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False,
-                   trust_remote_code: bool = False, model_class: str | None = None) -> ModelDir:
+def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_code: bool = False,
+                    model_class: str | None = None) -> Checkpoint:
     """Validate a model directory: config, architecture, custom code and every weight header.
 
     Nothing is loaded; a corrupt or malformed shard is reported here, before
@@ -132,19 +201,11 @@ def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False,
     config.json names (a transformers class for the same config, such as ``MPNetModel`` for
     weights saved without the masked-LM head ``MPNetForMaskedLM`` would add at random).
 
-    >>> open_model_dir("gpt2-dir").architecture  # doctest: +SKIP
+    >>> open_checkpoint("gpt2-dir").architecture  # doctest: +SKIP
     'GPT2LMHeadModel'
     """
-    root = Path(path)
-    if not root.exists():
-        raise CheckpointError(f"{root} does not exist")
-    if not root.is_dir():
-        raise CheckpointError(f"{root} is not a directory")
-    if not any(root.iterdir()):
-        raise CheckpointError(f"{root} is empty")
+    root = _directory(Path(path))
     config = read_json(root / "config.json", "a model config")
-    from .sources import source_for
-
     source = source_for(config)
     if source is None or (source.name == "transformers" and not isinstance(config["architectures"], list)):
         raise CheckpointError(f"{root / 'config.json'} names no architecture (\"architectures\" is missing)")
@@ -156,8 +217,26 @@ def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False,
     arch = source.architecture(root, config, remote=bool(code) and bool(config.get("auto_map")))
     if model_class is not None and model_class != arch:
         arch = source.other_class(root, model_class)
-    md = ModelDir(root, config, arch, [], custom_code=code, trust_remote_code=trust_remote_code, source=source.name)
-    index: dict[str, str] | None = None
+    ck = Checkpoint(root, config, arch, [], custom_code=code, trust_remote_code=trust_remote_code, source=source.name)
+    index = _weight_files(ck, source, allow_pickle)
+    _read_headers(ck, index)
+    return ck
+
+
+def _directory(root: Path) -> Path:
+    if not root.exists():
+        raise CheckpointError(f"{root} does not exist")
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory")
+    if not any(root.iterdir()):
+        raise CheckpointError(f"{root} is empty")
+    return root
+
+
+def _weight_files(ck: Checkpoint, source: Source, allow_pickle: bool) -> dict[str, str] | None:
+    """Set ``ck.shards`` (and ``pickled``) from the weight files the loader reads; the index's
+    map, if there is one."""
+    root = ck.path
     present = {n for n in WEIGHT_FILES if (root / n).exists() or (root / n).is_symlink()}
     source.check_weights(root, present)
     for single, index_name in ((SAFE_WEIGHTS, SAFE_INDEX), (PT_WEIGHTS, PT_INDEX)):
@@ -168,56 +247,41 @@ def open_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False,
                                   f"(transformers would load {single}); remove the other")
     if SAFE_INDEX in present:
         index = _index(root / SAFE_INDEX)
-        md.shards = sorted(set(index.values()))
-    elif SAFE_WEIGHTS in present:
-        md.shards = [SAFE_WEIGHTS]
-    elif present & {PT_INDEX, PT_WEIGHTS}:
+        ck.shards = sorted(set(index.values()))
+        return index
+    if SAFE_WEIGHTS in present:
+        ck.shards = [SAFE_WEIGHTS]
+        return None
+    if present & {PT_INDEX, PT_WEIGHTS}:
         if not allow_pickle:
             raise CheckpointError(f"{root} has only pickle (.bin) weights, which can run code when "
                                   "loaded; pass --allow-pickle to load them with weights_only=True")
-        md.pickled = True
-        md.shards = sorted(set(_index(root / PT_INDEX).values())) if PT_INDEX in present else [PT_WEIGHTS]
-    else:
-        raise CheckpointError(f"{root} has no weights (model.safetensors or {SAFE_INDEX})")
-    for shard in md.shards:
+        ck.pickled = True
+        ck.shards = sorted(set(_index(root / PT_INDEX).values())) if PT_INDEX in present else [PT_WEIGHTS]
+        return None
+    raise CheckpointError(f"{root} has no weights (model.safetensors or {SAFE_INDEX})")
+
+
+def _read_headers(ck: Checkpoint, index: dict[str, str] | None) -> None:
+    """Every shard present and readable, every safetensors header valid; an index that names
+    exactly the tensors its shards hold."""
+    root = ck.path
+    for shard in ck.shards:
         file = root / shard
         if not (file.exists() or file.is_symlink()):
             raise CheckpointError(f"{root} lacks the weight shard {shard} named by its index")
         input_file(file)
-        if md.pickled:
+        if ck.pickled:
             continue
         tensors, _ = read_safetensors_header(file)
-        for name in tensors.keys() & md.tensors.keys():
-            raise CheckpointError(f"{name} is stored twice, in {md.tensors[name].file} and in {shard}")
-        md.tensors.update(tensors)
-    if index is not None and not md.pickled:
-        for name, shard in index.items():
-            if name not in md.tensors or md.tensors[name].file != shard:
-                raise CheckpointError(f"{root / SAFE_INDEX} puts {name} in {shard}, which does not hold it")
-        extra = sorted(md.tensors.keys() - index.keys())
-        if extra:
-            raise CheckpointError(f"{md.tensors[extra[0]].file} holds {extra[0]}, which "
-                                  f"{root / SAFE_INDEX} does not list")
-    return md
-
-
-def meta_model(md: ModelDir) -> nn.Module:
-    """The model of ``md`` built on the meta device by its library: graph and names, no weights."""
-    from .sources import source_of
-
-    return source_of(md).meta_model(md)
-
-
-def load_dtype(md: ModelDir) -> tuple[str, str]:
-    """The dtype the library's own loader gives ``md`` (its name), and where it comes from."""
-    from .sources import source_of
-
-    return source_of(md).load_dtype(md)
-
-
-# --- copying the other files ------------------------------------------------------------
-
-
-# --- the output directory ------------------------------------------------------------------
-
-
+        for name in tensors.keys() & ck.tensors.keys():
+            raise CheckpointError(f"{name} is stored twice, in {ck.tensors[name].file} and in {shard}")
+        ck.tensors.update(tensors)
+    if index is None:
+        return
+    for name, shard in index.items():
+        if name not in ck.tensors or ck.tensors[name].file != shard:
+            raise CheckpointError(f"{root / SAFE_INDEX} puts {name} in {shard}, which does not hold it")
+    extra = sorted(ck.tensors.keys() - index.keys())
+    if extra:
+        raise CheckpointError(f"{ck.tensors[extra[0]].file} holds {extra[0]}, which {root / SAFE_INDEX} does not list")

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from enjoyln import CheckpointError
 from enjoyln.convert import fold_checkpoint
-from enjoyln.store.model_dir import open_model_dir
+from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.cli.app import app
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir as clone
@@ -33,7 +33,7 @@ def test_duplicate_header_keys_and_trailing_bytes_are_refused(src, tmp_path):
     bad = clone(src, tmp_path / "trailing")
     (bad / "model.safetensors").write_bytes(data + b"junk")
     with pytest.raises(CheckpointError, match="4 bytes after the last tensor"):
-        open_model_dir(bad)
+        open_checkpoint(bad)
     blob = data[8:8 + n].decode().rstrip()
     key = json.loads(blob)
     name = next(k for k in key if k != "__metadata__")
@@ -42,7 +42,7 @@ def test_duplicate_header_keys_and_trailing_bytes_are_refused(src, tmp_path):
     dup = clone(src, tmp_path / "dup")
     (dup / "model.safetensors").write_bytes(struct.pack("<Q", len(twice)) + twice + data[8 + n:])
     with pytest.raises(CheckpointError, match=f"names {name} twice"):
-        open_model_dir(dup)
+        open_checkpoint(dup)
 
 
 def test_index_that_disagrees_with_its_shards_is_refused(src, tmp_path):
@@ -54,7 +54,7 @@ def test_index_that_disagrees_with_its_shards_is_refused(src, tmp_path):
     index["weight_map"][key] = shards[1]
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=f"puts {key} in {shards[1]}, which does not hold it"):
-        open_model_dir(sharded)
+        open_checkpoint(sharded)
 
 
 def test_errors_name_the_path_at_fault(src, tmp_path):
@@ -195,7 +195,7 @@ def test_directory_links_that_loop_or_fan_out_are_copied_once(src, tmp_path):
     (model / "d20" / "leaf.txt").write_text("leaf")
     out = tmp_path / "out"
     out.mkdir()
-    skipped = copy_extras(open_model_dir(model), out)
+    skipped = copy_extras(open_checkpoint(model), out)
     assert "a/tob/toa (a symlink to a directory that contains it)" in skipped
     assert len(list(out.rglob("leaf.txt"))) <= 21 and (out / "d20" / "leaf.txt").read_text() == "leaf"
 
@@ -235,7 +235,7 @@ def test_a_huge_json_file_is_never_read_whole(src, tmp_path):
     def traced_peak():
         tracemalloc.start()
         try:
-            report = static_check(open_model_dir(ref), open_model_dir(cand))
+            report = static_check(open_checkpoint(ref), open_checkpoint(cand))
             return report, tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -248,7 +248,7 @@ def test_a_huge_json_file_is_never_read_whole(src, tmp_path):
     assert report.passed, report.summary()
     assert peak < baseline + (8 << 20), f"{(peak - baseline) / 2**20:.0f} MiB more than without the file"
     (ref / "junk.json").unlink()
-    report = static_check(open_model_dir(ref), open_model_dir(cand))
+    report = static_check(open_checkpoint(ref), open_checkpoint(cand))
     assert "the candidate has junk.json, a file a fold of the reference would not hold" in report.problems
 
 
@@ -282,10 +282,10 @@ def test_deeply_nested_json_names_the_file(src, tmp_path):
     header = b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     (shard / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
     with pytest.raises(CheckpointError, match=r"model.safetensors is not a valid safetensors file \(its header"):
-        open_model_dir(shard)
+        open_checkpoint(shard)
     tokenizer = clone(src, tmp_path / "tok")  # a file nothing parses as a config: compared as bytes
     (tokenizer / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
-    open_model_dir(tokenizer)
+    open_checkpoint(tokenizer)
 
 
 def test_a_link_out_to_a_file_a_loader_reads_is_refused_and_compared(src, tmp_path):
@@ -309,7 +309,7 @@ def test_a_link_out_to_a_file_a_loader_reads_is_refused_and_compared(src, tmp_pa
     # the gate compares what a loader reads from the reference, through its links
     plain = clone(src, tmp_path / "plain")
     fold_checkpoint(plain, tmp_path / "fold", check="none")
-    report = static_check(open_model_dir(ref), open_model_dir(tmp_path / "fold"))
+    report = static_check(open_checkpoint(ref), open_checkpoint(tmp_path / "fold"))
     assert report.problems == ["the candidate lacks the reference's additional_chat_templates/tool_use.jinja"]
     (ref / "additional_chat_templates").unlink()  # what the message says: a copy in its place
     (ref / "additional_chat_templates").mkdir()

@@ -1,0 +1,42 @@
+"""Sizes as the command line writes them and as reports print them."""
+
+from __future__ import annotations
+
+from .errors import CheckpointError
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """'500MB', '2GB', '1.5GiB' or a byte count, as bytes."""
+    if text is None:
+        return None
+    if isinstance(text, int):
+        if text <= 0:
+            raise CheckpointError(f"cannot use the size {text}; it must be positive")
+        return text
+    s = text.strip().upper().replace(" ", "")
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6,
+             "GB": 10**9, "B": 1}
+    size = None
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            try:
+                size = int(float(s[: -len(unit)]) * mult)
+            except (ValueError, OverflowError):
+                pass
+            break
+    else:
+        size = int(s) if s.isdigit() else None
+    if size is None or size <= 0:
+        raise CheckpointError(f"cannot use the size {text!r}; write a positive size such as 500MB or 2GB")
+    return size
+
+
+def format_bytes(n: float) -> str:
+    """512 B, 32.0 KiB, 3.0 GiB."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if abs(n) < 1024 or unit == "GiB":
+            break
+    return f"{n:.1f} {unit}"
