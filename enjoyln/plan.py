@@ -20,6 +20,68 @@ that holds it (``FoldPlan.format_version``), so older readers refuse only the pl
 would misread."""
 
 
+_REQUIRED = object()
+
+
+class Fields:
+    """A plan's JSON object read field by field: each value of the type it must have, or a
+    ``ValueError`` naming where it is (``plan.layer_norms[0].centered[1].groups``), so a block
+    written by hand or by another tool is refused with the field at fault, never a Python error.
+
+    >>> Fields({"axis": "1"}, "c").integer("axis")
+    Traceback (most recent call last):
+    ValueError: c.axis is '1', not an integer
+    """
+
+    _KINDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list"}
+
+    def __init__(self, data: Any, where: str) -> None:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where} is {_short(data)}, not an object")
+        self.data, self.where = data, where
+
+    def _get(self, key: str, kind: type, default: Any) -> Any:
+        if key not in self.data or (self.data[key] is None and default is not _REQUIRED):
+            if default is _REQUIRED:
+                raise ValueError(f"{self.where} has no {key}")
+            return default
+        value = self.data[key]
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
+              isinstance(value, int) and not isinstance(value, bool) if kind is int else isinstance(value, kind))
+        if not ok:
+            raise ValueError(f"{self.where}.{key} is {_short(value)}, not {self._KINDS[kind]}")
+        return value
+
+    def string(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self._get(key, str, default)
+
+    def integer(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self._get(key, int, default)
+
+    def number(self, key: str, default: Any = _REQUIRED) -> Any:
+        return float(self._get(key, float, default))
+
+    def flag(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self._get(key, bool, default)
+
+    def items(self, key: str) -> list["Fields"]:
+        """The objects of the list under ``key`` (none if it is missing)."""
+        return [Fields(v, f"{self.where}.{key}[{i}]") for i, v in enumerate(self._get(key, list, []))]
+
+    def values(self, key: str, kind: type, default: Any = ()) -> Any:
+        """The list under ``key``, each of its values of ``kind`` (``default`` if it is missing)."""
+        values = self._get(key, list, None)
+        if values is None:
+            return default
+        one = Fields({str(i): v for i, v in enumerate(values)}, f"{self.where}.{key}")
+        return [one._get(str(i), kind, _REQUIRED) for i in range(len(values))]
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 @dataclass(frozen=True)
 class Centering:
     """A parameter to center: ``p -= p.mean(axis, keepdim=True)``.
@@ -54,11 +116,11 @@ class Centering:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Centering":
-        blocks = d.get("blocks")
-        return cls(d["param"], int(d["axis"]), int(d.get("groups", 1)),
-                   tuple(int(b) for b in blocks) if blocks is not None else None,
-                   d.get("scale"), bool(d.get("saved", True)))
+    def from_dict(cls, d: dict[str, Any] | Fields) -> "Centering":
+        f = d if isinstance(d, Fields) else Fields(d, "centering")
+        blocks = f.values("blocks", int, None)
+        return cls(f.string("param"), f.integer("axis"), f.integer("groups", 1),
+                   tuple(blocks) if blocks is not None else None, f.string("scale", None), f.flag("saved", True))
 
     def describe(self) -> str:
         """``lin.weight (axis 0, in 4 groups)``."""
@@ -153,10 +215,11 @@ class Rotation:
                 "rotated": [asdict(r) for r in self.rotated]}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Rotation":
-        return cls(str(d["kind"]), int(d["seed"]), bool(d["keep_mean"]),
-                   [Rotated(r["param"], int(r["axis"]), bool(r.get("saved", True)), int(r.get("start", 0)),
-                            int(r.get("length", 0))) for r in d.get("rotated", [])])
+    def from_dict(cls, d: dict[str, Any] | Fields) -> "Rotation":
+        f = d if isinstance(d, Fields) else Fields(d, "rotation")
+        return cls(f.string("kind"), f.integer("seed"), f.flag("keep_mean"),
+                   [Rotated(r.string("param"), r.integer("axis"), r.flag("saved", True), r.integer("start", 0),
+                            r.integer("length", 0)) for r in f.items("rotated")])
 
 
 @dataclass(frozen=True)
@@ -278,23 +341,17 @@ class LayerNormEntry:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LayerNormEntry":
+    def from_dict(cls, d: dict[str, Any] | Fields) -> "LayerNormEntry":
+        f = d if isinstance(d, Fields) else Fields(d, "layer_norm")
         return cls(
-            name=d["name"],
-            kind=d["kind"],
-            foldable=bool(d["foldable"]),
-            reason=d.get("reason", ""),
-            centered=[Centering.from_dict(c) for c in d.get("centered", [])],
-            normalized_shape=tuple(d.get("normalized_shape", ())),
-            eps=float(d.get("eps", 1e-5)),
-            norm=d.get("norm", "layer_norm"),
-            groups=int(d.get("groups", 1)),
-            affine=d.get("affine", ""),
-            affine_reason=d.get("affine_reason", ""),
-            fused=[Fused(**f) for f in d.get("fused", [])],
-            dim=int(d.get("dim", -1)),
-            upcast=bool(d.get("upcast", False)),
-            then=tuple(str(t) for t in d.get("then", ())),
+            name=f.string("name"), kind=f.string("kind"), foldable=f.flag("foldable"), reason=f.string("reason", ""),
+            centered=[Centering.from_dict(c) for c in f.items("centered")],
+            normalized_shape=tuple(f.values("normalized_shape", int)), eps=f.number("eps", 1e-5),
+            norm=f.string("norm", "layer_norm"), groups=f.integer("groups", 1), affine=f.string("affine", ""),
+            affine_reason=f.string("affine_reason", ""),
+            fused=[Fused(x.string("weight"), x.integer("axis"), x.integer("start"), x.integer("length"),
+                         x.integer("offset", 0), x.string("bias", None)) for x in f.items("fused")],
+            dim=f.integer("dim", -1), upcast=f.flag("upcast", False), then=tuple(f.values("then", str)),
         )
 
 
@@ -372,20 +429,24 @@ class FoldPlan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FoldPlan":
-        version = d.get("format_version", FORMAT_VERSION)
+        """A plan from its JSON form; ``ValueError`` naming the field at fault if it is not one,
+        ``PlanError`` if a newer enjoyln wrote it."""
+        f = Fields(d, "plan")
+        version = f.integer("format_version", FORMAT_VERSION)
         if version > FORMAT_VERSION:
             raise PlanError(
                 f"this plan has format version {version}; this enjoyln reads up to "
                 f"{FORMAT_VERSION}, so upgrade enjoyln"
             )
+        rotation = f.data.get("rotation")
         return cls(
-            model=d["model"],
-            layer_norms=[LayerNormEntry.from_dict(e) for e in d.get("layer_norms", [])],
-            untied=[Untie(**u) for u in d.get("untied", [])],
-            notes=[Note.read(n) if isinstance(n, str) else n for n in d.get("notes", [])],
-            auxiliary=[AuxCentering(**a) for a in d.get("auxiliary", [])],
-            norm_modules=list(d.get("norm_modules", [])),
-            rotation=Rotation.from_dict(d["rotation"]) if d.get("rotation") else None,
+            model=f.string("model"),
+            layer_norms=[LayerNormEntry.from_dict(e) for e in f.items("layer_norms")],
+            untied=[Untie(u.string("param"), u.string("tied_to"), u.integer("nbytes")) for u in f.items("untied")],
+            notes=[Note.read(n) for n in f.values("notes", str)],
+            auxiliary=[AuxCentering(a.string("module"), a.string("where")) for a in f.items("auxiliary")],
+            norm_modules=list(f.values("norm_modules", str)),
+            rotation=Rotation.from_dict(Fields(rotation, "plan.rotation")) if rotation else None,
         )
 
     def to_json(self, **kwargs: Any) -> str:

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 
-from ..errors import EnjoylnError
+from ..errors import CheckpointError, EnjoylnError
 from ..plan import FoldPlan, RotationSpec
 from ..store.expected import analyze_dir, moves_values
 from ..store.hf import check_shapes
@@ -190,29 +190,52 @@ def _resolve_plan(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Reso
     """The plan the candidate is held to: a recorded one confirmed by this enjoyln's analysis of
     the reference, or, without one, that analysis (the candidate may then be the reference or
     the plan applied). A candidate carrying the reference's own block is a copy of that fold."""
-    recorded = cand.recorded_plan
-    if recorded is not None and "enjoyln" in ref.config and same_json(ref.config["enjoyln"], cand.config["enjoyln"]):
+    try:
+        recorded = cand.recorded_plan
+    except CheckpointError as exc:  # a block no fold writes: a wrong candidate, judged without it
+        out = _unrecorded(ref, cand, dtype)
+        out.problems.insert(0, str(exc))
+        return out
+    if recorded is None:
+        return _unrecorded(ref, cand, dtype)
+    if "enjoyln" in ref.config and same_json(ref.config["enjoyln"], cand.config["enjoyln"]):
         as_reference = config_problems(ref.config, cand.config, dtype)
         return _Resolved(FoldPlan(type(ref.meta).__name__), "none: the candidate carries the reference's own "
                          "enjoyln block, so it must be a copy of it", None, [], as_reference, as_reference)
-    out = _Resolved(FoldPlan(type(ref.meta).__name__), "none (the analysis failed)", recorded)
+    return _recorded(ref, cand, recorded, dtype)
+
+
+def _unrecorded(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Resolved:
+    """Without a recorded plan the candidate is judged later against the form it has: the
+    reference, or this enjoyln's plan applied."""
+    out = _Resolved(FoldPlan(type(ref.meta).__name__), "none (the analysis failed)", None)
     try:
-        out.plan, out.source = _analysis(ref, recorded), "analysis"
+        out.plan, out.source = _analysis(ref, None), "analysis"
+    except EnjoylnError:
+        pass
+    out.as_reference = config_problems(ref.config, cand.config, dtype)
+    out.as_folded = (config_problems(expected_config(ref, out.plan, block=False), cand.config, dtype)
+                     if out.plan.foldable else out.as_reference)
+    return out
+
+
+def _recorded(ref: Checkpoint, cand: Checkpoint, recorded: FoldPlan, dtype: str | None) -> _Resolved:
+    """A recorded plan, confirmed by the analysis, and the block it must be written as: every
+    claim in it (rotation.plain_loading_exact, the lists beside the plan) follows from the plan
+    this enjoyln confirms. The tensors are judged by that plan, never by a recorded one it does
+    not confirm, whose centerings (0 groups, an axis out of range) may not even apply."""
+    out = _Resolved(FoldPlan(type(ref.meta).__name__), "recorded", recorded)
+    try:
+        analysed: FoldPlan | None = _analysis(ref, recorded)
     except EnjoylnError as exc:
-        if recorded is not None:
-            out.problems.append(f"cannot confirm the recorded plan: the analysis of the reference failed ({exc})")
-    if recorded is not None:
-        out.problems += plan_problems(recorded, out.plan)
-        # the block must be what the fold writes for the plan this enjoyln confirms: every claim
-        # in it (rotation.plain_loading_exact, the lists beside the plan) follows from that plan
-        confirmed = out.plan if out.source == "analysis" else recorded
-        out.problems += config_problems(expected_config(ref, confirmed, block=True), cand.config, dtype)
-        out.source = "recorded, confirmed by the analysis" if not out.problems else "recorded"
-        out.plan = recorded
-    else:  # judged later against the form the candidate has: the reference, or the plan applied
-        out.as_reference = config_problems(ref.config, cand.config, dtype)
-        out.as_folded = (config_problems(expected_config(ref, out.plan, block=False), cand.config, dtype)
-                         if out.plan.foldable else out.as_reference)
+        analysed = None
+        out.problems.append(f"cannot confirm the recorded plan: the analysis of the reference failed ({exc})")
+    out.problems += plan_problems(recorded, analysed or out.plan)
+    out.problems += config_problems(expected_config(ref, analysed or recorded, block=True), cand.config, dtype)
+    if out.problems:
+        out.plan = analysed or out.plan
+    else:
+        out.plan, out.source = recorded, "recorded, confirmed by the analysis"
     return out
 
 

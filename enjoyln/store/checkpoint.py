@@ -129,11 +129,12 @@ class Checkpoint:
         block = self.config.get("enjoyln")
         if block is None:
             return None
+        if not isinstance(block, dict) or "plan" not in block:
+            raise CheckpointError(f"the enjoyln block in {self.path / 'config.json'} is malformed: it holds no plan")
         try:
             return FoldPlan.from_dict(block["plan"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"the enjoyln block in {self.path / 'config.json'} is malformed "
-                                  f"({type(exc).__name__}: {exc})") from None
+        except ValueError as exc:
+            raise CheckpointError(f"the enjoyln block in {self.path / 'config.json'} is malformed: {exc}") from None
 
 
 def _index(index_file: Path) -> dict[str, str]:
