@@ -73,17 +73,21 @@ def _native_fused() -> str:
     return f"torch {torch.__version__}'s F.rms_norm has no fused CUDA kernel"
 
 
+def _import_kernels() -> tuple[Any, str]:
+    """(the Triton kernels module, '') or (None, why not)."""
+    try:
+        from . import triton_kernels
+    except ImportError as exc:  # triton missing, or a build that cannot load
+        return None, f"no Triton ({exc}; pip install 'enjoyln[triton]')"
+    return triton_kernels, ""
+
+
 def _setup(forced: str | None = None) -> _State:
     """Find what this process has: Triton, torch's fused kernel, a pinned path."""
     global _state
     st = _State(native_reason=_native_fused())
     st.native = not st.native_reason
-    try:
-        from . import triton_kernels
-
-        st.triton = triton_kernels
-    except ImportError as exc:  # triton missing, or a build that cannot load
-        st.triton_reason = f"no Triton ({exc}; pip install 'enjoyln[triton]')"
+    st.triton, st.triton_reason = _import_kernels()
     wanted = forced if forced is not None else os.environ.get("ENJOYLN_CUDA_PATH", "auto")
     if wanted not in ("auto", "") and wanted not in PATHS:
         st.notes.append(f"ENJOYLN_CUDA_PATH={wanted} is not one of auto, {', '.join(PATHS)}: ignored")

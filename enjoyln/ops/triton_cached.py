@@ -88,9 +88,12 @@ class CachedLauncher:
 
     def jit(self, grid: int, args: Sequence[Any], num_warps: int, device: int) -> Any:
         """Launch through Triton's own launcher, on ``device``; returns what it returns."""
-        if device < 0 or device == torch.cuda.current_device():
+        if device < 0:  # CPU tensors: Triton's interpreter
             return self.kernel[(grid,)](*args, num_warps=num_warps)
-        with torch.cuda.device(device):
+        self._bind()
+        if device == self._current_device():
+            return self.kernel[(grid,)](*args, num_warps=num_warps)
+        with torch.cuda.device(device):  # Triton launches on the current device
             return self.kernel[(grid,)](*args, num_warps=num_warps)
 
     def _first_use(self, key: Hashable, grid: int, args: Sequence[Any], num_warps: int, device: int,

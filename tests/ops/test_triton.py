@@ -127,3 +127,17 @@ def test_cpu_tensors_never_reach_the_cached_launcher():
     kernels.rms_norm_triton(torch.randn(3, 96))
     assert kernels.launcher_disabled() is None
     assert all(launcher.verified == 0 for launcher in kernels.LAUNCHERS.values())
+
+
+def test_the_kernels_share_the_signature_the_launcher_and_the_aot_build_assume():
+    import inspect
+
+    from enjoyln.ops import triton_aot
+
+    for name, kernel in kernels.KERNELS.items():
+        params = inspect.signature(kernel.fn).parameters
+        runtime = [n for n, p in params.items() if "constexpr" not in str(p.annotation)]
+        assert len(runtime) == kernels.RUNTIME_ARGS == triton_aot.KERNEL_ARGS, name
+        signature, _, _ = triton_aot._signature(triton_aot.Variant(name, "fp32", True, True, True, 64, 4, True))
+        assert list(params) == list(signature), name
+        assert kernels.LAUNCHERS[name].runtime_args == kernels.RUNTIME_ARGS
