@@ -183,7 +183,13 @@ def _plain_cuda(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
     if type(x) is not Tensor or not x.is_cuda or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
     grad = torch.is_grad_enabled()
-    return _plain(x, grad) and _plain(weight, grad) and _plain(bias, grad) and cuda.supports(x, weight, bias)
+    if grad and x.requires_grad:
+        return False
+    for t in (weight, bias):  # inline, as in _plain_cpu: a call costs more than the check
+        if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter)
+                              or (grad and t.requires_grad)):
+            return False
+    return cuda.supports(x, weight, bias)
 
 
 def _needs_op(*tensors: Tensor | None) -> bool:

@@ -111,6 +111,8 @@ class CachedLauncher:
                 return
             compiled = self.jit(grid, args, num_warps, device)  # compiles if need be; the result
             expected = [o.clone() for o in outputs]              # every other launch must match
+            if any(bool(torch.isnan(e).any()) for e in expected):
+                return  # a direct launch that wrote nothing would leave NaN too: verify on a later call
             try:
                 fast = self._learn(compiled, grid, args, num_warps, device)
                 if fast is not None:
@@ -187,8 +189,9 @@ class CachedLauncher:
         """Bind torch's CUDA stream and device getters (absent from CPU-only builds)."""
         if self._stream is None:
             self._stream = torch._C._cuda_getCurrentRawStream
-        if self._current_device is None:
-            self._current_device = torch.cuda.current_device
+        if self._current_device is None:  # torch.cuda.current_device less its lazy-init check:
+            torch.cuda.init()                # a CUDA tensor exists, so CUDA is initialised
+            self._current_device = torch._C._cuda_getDevice
 
 
 def _same_args(got: Sequence[Any], want: Sequence[Any]) -> bool:

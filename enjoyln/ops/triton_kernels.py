@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_cached import CachedLauncher, spec_class
+from .triton_cached import CachedLauncher
 from .triton_launch import LaunchConfig, launch_config
 
 RUNTIME_ARGS = 13
@@ -150,34 +150,39 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     """Normalise the last axis of ``x`` (plus ``residual``); ``(y, sum or None)`` shaped as ``x``.
 
     ``weight`` and ``bias`` must be contiguous, of ``x``'s last-axis length. ``config`` forces
-    a kernel and its launch (tests); ``cached=False`` launches through Triton's own launcher."""
+    a kernel and its launch (tests); ``cached=False`` launches through Triton's own launcher.
+    This is every CUDA call's path: contiguous tensors (the common case) take no reshape."""
     n = x.shape[-1]
-    x2, sx = _rows_of(x, n)
-    y = torch.empty_like(x2, memory_format=torch.contiguous_format)
+    if x.is_contiguous():
+        x2, sx, y = x, n, torch.empty_like(x)
+    else:
+        x2, sx = _rows_of(x, n)
+        y = torch.empty_like(x2, memory_format=torch.contiguous_format)
     r2, sr, s = x2, sx, y  # without a residual, R and S are never read: any valid pointer
     if residual is not None:
-        r2, sr = _rows_of(residual, n)
+        r2, sr = (residual, n) if residual.is_contiguous() else _rows_of(residual, n)
         s = torch.empty_like(y)
     rows = x2.numel() // n if n else 0
     if rows:
         cfg = config or launch_config(n)
-        grid = -(-rows // cfg.rows)
+        grid, device = -(-rows // cfg.rows), x2.get_device()
         args = (x2, r2, s, weight, bias, y, sx, sr, n, n, rows, n, eps,
                 residual is not None, weight is not None, bias is not None, cfg.block, cfg.rows)
-        launcher = LAUNCHERS[cfg.kernel]
         ptrs = x2.data_ptr() | r2.data_ptr() | y.data_ptr() | s.data_ptr()
         ptrs |= (weight.data_ptr() if weight is not None else 0) | (bias.data_ptr() if bias is not None else 0)
-        # the launcher's key must tell apart every specialisation Triton's launcher would:
-        # the dtype, the flags, 16-byte alignment of pointers, and each integer's class
-        if cached and not ptrs & 15 and rows < 2 ** 31 and max(sx, sr) < 2 ** 31:
-            key = (cfg, x2.dtype, r2.dtype, weight.dtype if weight is not None else None,
-                   bias.dtype if bias is not None else None, residual is not None, x2.get_device(),
-                   spec_class(sx), spec_class(sr), spec_class(n))
-            launcher(key, grid, args, cfg.warps, x2.get_device(), (y, s) if residual is not None else (y,))
+        # The key must tell apart every specialisation Triton's launcher makes: each pointer's
+        # dtype and 16-byte alignment (only aligned ones are cached), each integer's class (the
+        # values themselves: n, the strides; M is never specialised, only 32- or 64-bit)
+        if cached and config is None and not ptrs & 15 and rows < 2 ** 31 and sx < 2 ** 31 and sr < 2 ** 31:
+            key = (n, sx, sr, x2.dtype, r2.dtype, weight.dtype if weight is not None else None,
+                   bias.dtype if bias is not None else None, residual is not None, device)
+            LAUNCHERS[cfg.kernel](key, grid, args, cfg.warps, device, (y, s) if residual is not None else (y,))
         else:
-            launcher.jit(grid, args, cfg.warps, x2.get_device())
-    y = y.view(x.shape)
-    return y, (s.view(x.shape) if residual is not None else None)
+            LAUNCHERS[cfg.kernel].jit(grid, args, cfg.warps, device)
+    if y.shape != x.shape:
+        y = y.view(x.shape)
+        s = s.view(x.shape)
+    return y, (s if residual is not None else None)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,

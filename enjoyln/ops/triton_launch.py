@@ -15,6 +15,7 @@ Three kernels share one signature (``triton_kernels.py``):
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 MAX_SHORT = 1024
@@ -51,6 +52,7 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+@lru_cache(maxsize=None)  # on every call's path: a lookup, not a computation
 def launch_config(n: int) -> LaunchConfig:
     """The kernel and its launch parameters for rows of ``n`` elements.
 

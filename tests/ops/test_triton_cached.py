@@ -178,3 +178,15 @@ def test_a_tensor_on_another_device_goes_through_triton_on_that_device(monkeypat
 
 def test_spec_class_separates_what_triton_specialises():
     assert [spec_class(v) for v in (1, 16, 32, 768, 0, 50, 17)] == [1, 16, 16, 16, 16, 0, 0]
+
+
+def test_an_output_with_nan_proves_nothing_and_waits_for_another_call():
+    """The direct launch writes into outputs cleared to NaN: were Triton's result NaN, a launch
+    that wrote nothing would pass. Such a call is not used to verify."""
+    kernel = FakeKernel(direct_scale=3.0)  # a direct launch that would be wrong: it is never used here
+    launcher = make(kernel)
+    x, y = torch.full((8,), float("nan")), torch.zeros(8)
+    launcher(("k",), 3, (x, y, 8, 2.0), 4, 0, (y,))
+    assert launcher.verified == 0 and launcher.disabled is None and not kernel.direct_calls
+    call(launcher)  # finite values: verified now, and the wrong direct launch is caught
+    assert "other bits" in launcher.disabled
