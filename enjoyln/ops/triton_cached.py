@@ -20,8 +20,10 @@ verified or cached while a CUDA graph is being captured (a comparison would
 synchronise); those first calls take Triton's launcher.
 
 The caller's key must tell apart whatever Triton specialises on: each pointer's
-dtype and 16-byte alignment, and each integer's class (``spec_class``). Keys are
-per device: the compiled function belongs to one.
+dtype and 16-byte alignment, and each integer's class (equal to 1, a multiple of
+16, 32- or 64-bit), which the integers' own values do. Keys are per device: the
+compiled function belongs to one. Triton settings changed after a key's first use
+(its debug mode, say) do not reach its direct launches.
 """
 
 from __future__ import annotations
@@ -37,16 +39,6 @@ from .compare import same_bytes
 PREFIX = 9
 """Arguments of a compiled kernel's launcher before the kernel's own: grid x, y, z, stream,
 function, packed metadata, launch metadata, launch-enter hook, launch-exit hook."""
-
-
-def spec_class(v: int) -> int:
-    """How Triton specialises an integer argument: 1 (a constant), a multiple of 16, or neither.
-    Values of 2**31 and more (64-bit) the caller must send to Triton's own launcher.
-
-    >>> spec_class(768), spec_class(1), spec_class(50)
-    (16, 1, 0)
-    """
-    return 1 if v == 1 else 16 if v % 16 == 0 else 0
 
 
 class CachedLauncher:

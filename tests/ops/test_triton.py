@@ -141,3 +141,30 @@ def test_the_kernels_share_the_signature_the_launcher_and_the_aot_build_assume()
         signature, _, _ = triton_aot._signature(triton_aot.Variant(name, "fp32", True, True, True, 64, 4, True))
         assert list(params) == list(signature), name
         assert kernels.LAUNCHERS[name].runtime_args == kernels.RUNTIME_ARGS
+
+
+def test_the_launch_key_separates_what_triton_specialises(monkeypatch):
+    """Aligned tensors go to the cached launcher under a key holding every dtype, the integers
+    Triton specialises on and the device; an unaligned pointer, a forced launch or cached=False
+    go through Triton's own launcher."""
+    calls = []
+
+    class Recorder:
+        def __call__(self, key, grid, args, warps, device, outputs):
+            calls.append(("cached", key, grid, warps, len(outputs)))
+
+        def jit(self, grid, args, warps, device):
+            calls.append(("jit", grid))
+
+    monkeypatch.setitem(kernels.LAUNCHERS, "rows", Recorder())
+    w, b = torch.rand(768), torch.randn(768)
+    kernels.rms_norm_triton(torch.randn(10, 768), w, b)
+    kernels.rms_norm_triton(torch.randn(20, 768)[::2], w.to(torch.float16), None)  # row stride 1536
+    kernels.add_rms_norm_triton(torch.randn(2, 5, 768), torch.randn(2, 5, 768))
+    kernels.rms_norm_triton(torch.randn(10 * 768 + 1)[1:].view(10, 768), w, b)  # 4 bytes off alignment
+    kernels.rms_norm_triton(torch.randn(10, 768), w, b, cached=False)
+    f32, f16 = torch.float32, torch.float16
+    assert calls == [("cached", (768, 768, 768, f32, f32, f32, f32, False, -1), 3, 8, 1),
+                     ("cached", (768, 1536, 1536, f32, f32, f16, None, False, -1), 3, 8, 1),
+                     ("cached", (768, 768, 768, f32, f32, None, None, True, -1), 3, 8, 2),
+                     ("jit", 3), ("jit", 3)]

@@ -10,7 +10,7 @@ The real kernels run through the launcher under the interpreter in test_triton.p
 import pytest
 import torch
 
-from enjoyln.ops.triton_cached import CachedLauncher, spec_class
+from enjoyln.ops.triton_cached import CachedLauncher
 
 STREAM = 1234
 
@@ -174,10 +174,6 @@ def test_a_tensor_on_another_device_goes_through_triton_on_that_device(monkeypat
     launcher(("k",), 3, (x, y, 6, 2.0), 4, 1, (y,))  # device 1, the current one is 0
     assert entered == [1] and kernel.jit_launches == 1 and launcher.verified == 0
     assert torch.equal(y, x * 2)
-
-
-def test_spec_class_separates_what_triton_specialises():
-    assert [spec_class(v) for v in (1, 16, 32, 768, 0, 50, 17)] == [1, 16, 16, 16, 16, 0, 0]
 
 
 def test_an_output_with_nan_proves_nothing_and_waits_for_another_call():
