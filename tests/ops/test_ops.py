@@ -182,3 +182,17 @@ def test_the_op_runs_the_kernel_on_plain_tensors_and_the_math_on_subclasses(monk
     with FakeTensorMode() as mode:  # a tracer's tensors: the math, whose shape and dtype come out
         y = torch.ops.enjoyln.rms_norm(mode.from_tensor(x), [8], mode.from_tensor(w), None, 1e-5)
     assert y.shape == (3, 8) and y.dtype == torch.float32 and ran == [(3, 8)]
+
+
+def test_gpt2_with_rms_norms_exports_one_node_per_norm():
+    from enjoyln.testing import perturb, tiny_model
+
+    model = perturb(tiny_model("gpt2"), seed=4).eval()
+    for name, ln in [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)]:
+        parent, _, attr = name.rpartition(".")  # the swap a fold makes, without its analysis
+        setattr(model.get_submodule(parent), attr, enjoyln.RMSNorm.from_layer_norm(ln))
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    ep = torch.export.export(model, (), {"input_ids": ids, "use_cache": False}, strict=False)
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.enjoyln.rms_norm.default) == 5  # ln_1, ln_2 of two blocks, ln_f
+    assert not any("rsqrt" in str(t) or "rms_norm_kernel" in str(t) for t in targets)
