@@ -347,6 +347,17 @@ def _graph_replay(bench: Bench, model: torch.nn.Module, inp: dict, want: torch.T
     return "ok" if torch.equal(out, want) else f"replay differs by {_rel(out, want.double()):.1e}"
 
 
+def _try(fn: Callable[[], str]) -> str:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: the timings stand
+        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+
+
+def _key(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
 def _one_dtype(bench: Bench, name: str, ref: torch.nn.Module, folded: torch.nn.Module, inp_cpu: dict,
                dtype: torch.dtype, truth: torch.Tensor | None,
                args: argparse.Namespace) -> tuple[dict, torch.Tensor]:
@@ -361,9 +372,11 @@ def _one_dtype(bench: Bench, name: str, ref: torch.nn.Module, folded: torch.nn.M
         row["rel_folded"] = _rel(yb, truth if truth is not None else ya.double())
         rounds, per = (2, 1) if bench.dry else (9, 8)
         row["eager"] = alternate(bench, lambda: a(**inp), lambda: b(**inp), rounds, per)
-        if bench.cuda and args.graphs:
-            row["cuda_graph"] = _graph_replay(bench, b, inp, yb)
-        for mode in args.compile_modes if name in args.compile_models else []:
+        if bench.cuda and args.graphs:  # the original too: a failure there is the model's own code
+            row["cuda_graph"] = {label: _try(lambda m=m, y=y: _graph_replay(bench, m, inp, y))
+                                 for label, m, y in (("original", a, ya), ("folded", b, yb))}
+        compiling = name in args.compile_models and _key(dtype) in args.compile_dtypes
+        for mode in args.compile_modes if compiling else []:
             torch._dynamo.reset()
             ca, cb = torch.compile(a, mode=mode), torch.compile(b, mode=mode)
             row[f"compiled_{mode}"] = alternate(bench, lambda: ca(**inp), lambda: cb(**inp), rounds, per)
@@ -375,7 +388,8 @@ def e2e_model(bench: Bench, name: str, dtypes: list[str], args: argparse.Namespa
     ref = perturb(build(name, bench.dry)).eval()
     folded = copy.deepcopy(ref)
     start = time.time()
-    enjoyln.fold(folded, auxiliary_centering=name == "bloom")  # BLOOM folds its norms only with it
+    # BLOOM folds its norms only with auxiliary centering
+    enjoyln.fold(folded, auxiliary_centering=name == "bloom", fuse_affine=args.fuse_affine)
     out: dict[str, Any] = {"model": name, "fold_s": time.time() - start,
                            "layer_norms": sum(isinstance(m, torch.nn.LayerNorm) for m in ref.modules()),
                            "folded": sum(isinstance(m, enjoyln.RMSNorm) for m in folded.modules())}
@@ -454,7 +468,7 @@ def _timing(t: dict | None) -> str:
 def e2e_table(e2e: list[dict], dtypes: list[str]) -> list[str]:
     rows = ["| model | LNs folded | dtype | eager original ms | eager folded ms | **eager speedup** "
             "| compiled original ms | compiled folded ms | **compiled speedup** | from the fp32 original: original, "
-            "folded | CUDA graph of the folded model |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "folded | captured in a CUDA graph and replayed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in e2e:
         if "error" in m:
             rows.append(f"| {m['model']} | failed: {m['error'][:120]} |" + " |" * 9)
@@ -462,8 +476,10 @@ def e2e_table(e2e: list[dict], dtypes: list[str]) -> list[str]:
         for key in dtypes:
             r = m.get(key, {})
             rel = (f"{r['rel_original']:.1e}, {r['rel_folded']:.1e}" if "rel_original" in r else "-")
+            graph = r.get("cuda_graph", {})
+            graphs = f"original {graph['original']}, folded {graph['folded']}" if graph else "-"
             rows.append(f"| {m['model']} | {m['folded']}/{m['layer_norms']} | {key} | {_timing(r.get('eager'))} "
-                        f"| {_timing(r.get('compiled_default'))} | {rel} | {r.get('cuda_graph', '-')} |")
+                        f"| {_timing(r.get('compiled_default'))} | {rel} | {graphs} |")
     return rows
 
 
@@ -508,13 +524,15 @@ def report(res: dict, args: argparse.Namespace) -> str:
         parts += ["", "**Kernels** (`triton.testing.do_bench` medians, L2 cleared; inputs zero-mean, as a "
                   "folded model's are):", "", *kernel_table(res["kernels"], copy_gbps)]
     if res.get("e2e"):
-        parts += ["", "**End to end** (random perturbed weights, folded on the CPU in float32; medians ± half the "
+        how = "with `fuse_affine=True`, " if args.fuse_affine else ""
+        parts += ["", f"**End to end** (random perturbed weights, folded {how}on the CPU in float32; medians ± half the "
                   "interquartile range of alternating blocks of forwards; compiled: `torch.compile`, default mode):",
                   "", *e2e_table(res["e2e"], args.dtypes)]
     lines = targets(res) if env.get("gpu") else []  # a dry run's figures judge nothing
     if lines:
         parts += ["", "Against the targets:", "", *lines]
-    parts += ["", "Command: `python scripts/bench_gpu.py --write`."]
+    flags = " --fuse-affine" if args.fuse_affine else ""
+    parts += ["", f"Command: `python scripts/bench_gpu.py{flags} --write`."]
     return "\n".join(parts)
 
 
@@ -528,7 +546,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtypes", default="fp32,bf16,fp16")
     p.add_argument("--compile-models", default=None, help="models also compiled (default gpt2,opt; dry run: none)")
     p.add_argument("--compile-modes", default="default", help="torch.compile modes, e.g. default,reduce-overhead")
+    p.add_argument("--compile-dtypes", default="bf16", help="dtypes the compiled models run in")
     p.add_argument("--no-graphs", dest="graphs", action="store_false", help="skip the CUDA graph capture")
+    p.add_argument("--fuse-affine", action="store_true", help="fold with fuse_affine=True (weightless norms)")
     p.add_argument("--dry-run", action="store_true", help="on the CPU at tiny sizes: checks the script, measures nothing")
     p.add_argument("--json", type=Path, help="write every figure here")
     p.add_argument("--write", action="store_true", help="replace the gpu block of docs/performance.md")
@@ -537,6 +557,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.models = (args.models or ("gpt2,bloom" if args.dry_run else ",".join(MODELS))).split(",")
     compiled = args.compile_models if args.compile_models is not None else ("" if args.dry_run else "gpt2,opt")
     args.compile_models, args.compile_modes = [m for m in compiled.split(",") if m], args.compile_modes.split(",")
+    args.compile_dtypes = args.compile_dtypes.split(",")
     if args.write and args.dry_run:
         p.error("--write needs a GPU run, not a dry run")
     if not args.dry_run and not torch.cuda.is_available():

@@ -197,8 +197,8 @@ def status() -> str:
         off = _launcher_off(st)
         launcher = "enjoyln's cached launcher" if off is None else "Triton's own launcher"
         if st.native:
-            text = (f"torch's fused F.rms_norm without a bias; Triton {version} kernel through {launcher} "
-                    + ("with a bias or a residual add, and" if off is None else "") + " from 32 MiB of input")
+            when = "with a bias or a residual add, and from 32 MiB of input" if off is None else "from 32 MiB of input"
+            text = f"torch's fused F.rms_norm without a bias; Triton {version} kernel through {launcher} {when}"
             if off is not None:
                 text += "; below that, F.rms_norm then the bias add"
         else:
