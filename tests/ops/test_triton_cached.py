@@ -186,3 +186,18 @@ def test_an_output_with_nan_proves_nothing_and_waits_for_another_call():
     assert launcher.verified == 0 and launcher.disabled is None and not kernel.direct_calls
     call(launcher)  # finite values: verified now, and the wrong direct launch is caught
     assert "other bits" in launcher.disabled
+
+
+def test_the_installed_triton_reads_the_launcher_where_the_spy_goes():
+    """On this Triton, ``CompiledKernel.run`` is a property that returns ``_run`` once set: the
+    slot the launcher puts its spy in (earlier Triton 3.x set ``run`` itself, the other slot)."""
+    import inspect
+
+    pytest.importorskip("triton")
+    from triton.compiler import CompiledKernel
+
+    assert isinstance(inspect.getattr_static(CompiledKernel, "run"), property)
+    kernel = CompiledKernel.__new__(CompiledKernel)
+    kernel.module = None  # nothing loaded: what its __del__ checks
+    kernel._run = marker = object()
+    assert kernel.run is marker
