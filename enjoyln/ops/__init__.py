@@ -64,8 +64,11 @@ def status() -> dict[str, str]:
 
 def _forward(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
              eps: float) -> Tensor:
-    """Any tensors the hot paths turned away: strided, mixed dtypes, meta, float64."""
+    """Any tensors the hot paths turned away (strided, mixed dtypes, meta, float64), and the
+    kernel op's forward (gradients: the CUDA policy applies there too)."""
     n = math.prod(normalized_shape)
+    if x.is_cuda and n and cuda.supports(x, weight, bias):
+        return cuda.rms_norm_cuda(x, normalized_shape, weight, bias, eps)
     if x.is_cuda and n and (kernels := cuda.kernels()) is not None:
         flat = lambda t: t.reshape(-1) if t is not None else None  # noqa: E731
         return kernels.rms_norm_triton(x.reshape(-1, n), flat(weight), flat(bias), eps).view(x.shape)

@@ -58,6 +58,7 @@ class CachedLauncher:
         self._stream = stream
         self._current_device = current_device
         self._fast: dict[Hashable, tuple[Any, Any, Any, int | None]] = {}
+        self._keep: list[Any] = []
         self._lock = threading.Lock()
         self.disabled: str | None = None
         """Why the launcher is off for this process (Triton's launcher is used), or None."""
@@ -105,6 +106,7 @@ class CachedLauncher:
             expected = [o.clone() for o in outputs]              # every other launch must match
             if any(bool(torch.isnan(e).any()) for e in expected):
                 return  # a direct launch that wrote nothing would leave NaN too: verify on a later call
+            fast = None
             try:
                 fast = self._learn(compiled, grid, args, num_warps, device)
                 if fast is not None:
@@ -113,6 +115,7 @@ class CachedLauncher:
                 self.disabled = f"the direct launch raised {type(exc).__name__}: {exc}"
             if self.disabled is None and fast is not None:
                 self._fast[key] = fast
+                self._keep.append(compiled)  # its module must stay loaded while its function is used
             for out, want in zip(outputs, expected):
                 out.copy_(want)  # the call returns Triton's result, whatever happened above
 
