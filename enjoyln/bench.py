@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import os
 import re
 import statistics
@@ -38,6 +39,9 @@ class LatencyComparison:
     b_ms: float
     repeats: int
     tokens: int = 0
+    a_iqr_ms: float = 0.0
+    """Interquartile range of A's runs: their spread."""
+    b_iqr_ms: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -56,9 +60,31 @@ class LatencyComparison:
                 "a_tokens_per_s": self.tokens_per_s("a"), "b_tokens_per_s": self.tokens_per_s("b")}
 
 
+def _iqr(times: list[float]) -> float:
+    if len(times) < 2:
+        return 0.0
+    q = statistics.quantiles(times, n=4)
+    return q[2] - q[0]
+
+
+def synchronizer(*models: Any) -> Any:
+    """What waits for the models' queued work: ``torch.cuda.synchronize`` where any holds a CUDA
+    tensor (a CUDA call returns before its kernels finish), else nothing.
+
+    >>> synchronizer(torch.nn.Linear(2, 2))()
+    """
+    for model in models:
+        params = getattr(model, "parameters", None)
+        tensors = itertools.chain(params(), model.buffers()) if callable(params) else ()
+        if any(t.is_cuda for t in tensors):
+            return torch.cuda.synchronize
+    return lambda: None
+
+
 def compare_latency(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
                     repeats: int = 20, warmup: int = 3) -> LatencyComparison:
-    """Forward latency of ``a`` and ``b`` on the same inputs, alternating A, B, A, B.
+    """Forward latency of ``a`` and ``b`` on the same inputs, alternating A, B, A, B; on CUDA
+    each forward is timed to the end of its kernels.
 
     >>> import torch
     >>> net = torch.nn.Linear(8, 8)
@@ -66,21 +92,24 @@ def compare_latency(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *
     3
     """
     inputs = as_inputs(example_inputs)
+    sync = synchronizer(a, b)
     times: dict[str, list[float]] = {"a": [], "b": []}
     with torch.inference_mode():
         for _ in range(warmup):
             inputs.call(a)
             inputs.call(b)
+        sync()
         for i in range(repeats):
             order = (("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))
             for key, model in order:
                 start = time.perf_counter()
                 inputs.call(model)
+                sync()
                 times[key].append(time.perf_counter() - start)
     ids = inputs.kwargs.get("input_ids")
     tokens = int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
     return LatencyComparison(statistics.median(times["a"]) * 1e3, statistics.median(times["b"]) * 1e3,
-                             repeats, tokens)
+                             repeats, tokens, _iqr(times["a"]) * 1e3, _iqr(times["b"]) * 1e3)
 
 
 # --- kernels ------------------------------------------------------------------------------------
@@ -119,16 +148,20 @@ class KernelResult:
                 "layer_norm_gbps": self.gbps(self.layer_norm_us), "rms_norm_gbps": self.gbps(self.rms_norm_us)}
 
 
-def _median_time(fn: Any, repeats: int, sync: Any) -> float:
+def _median_time(fn: Any, repeats: int, sync: Any, batch: int = 1) -> float:
+    """Median µs per call. ``batch`` calls run back to back per sample and are waited for once:
+    on CUDA the steady cost of a call in a stream of them, the larger of its host time and its
+    kernel's (what a model sees), not the latency of one call waited for alone."""
     for _ in range(max(3, repeats // 10)):
         fn()
     sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        for _ in range(batch):
+            fn()
         sync()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / batch)
     return statistics.median(times) * 1e6
 
 
@@ -161,7 +194,8 @@ def kernel_benchmark(shapes: list[tuple[int, int]], dtypes: list[torch.dtype], *
                 rounds = {k: [] for k in calls}
                 for _ in range(5):
                     for key, fn in calls.items():
-                        rounds[key].append(_median_time(fn, max(1, repeats // 5), sync))
+                        rounds[key].append(_median_time(fn, max(1, repeats // 5), sync,
+                                                        batch=20 if device == "cuda" else 1))
                 t = {k: statistics.median(v) for k, v in rounds.items()}
                 size = x.element_size()
                 results.append(KernelResult(rows, cols, str(dtype).replace("torch.", ""), device,
@@ -184,7 +218,7 @@ class EndToEndResult:
     threads: int
     norm_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """Wall time inside the norm modules per forward: (original LNs, folded norms,
-    a plain copy of the input in place of each folded norm)."""
+    a plain copy of the input in place of each folded norm); zeros on CUDA, not measured."""
 
     @property
     def share_captured(self) -> float:
@@ -226,18 +260,25 @@ def _quiet_fds() -> Any:
 
 
 def layer_norm_share(model: nn.Module, example_inputs: ExampleInputs, *, runs: int = 3) -> float:
-    """Fraction of the model's CPU self time spent in LayerNorm, from the PyTorch profiler."""
+    """Fraction of the model's self time spent in LayerNorm, from the PyTorch profiler: CPU time,
+    or on CUDA the kernels' device time."""
     from torch.profiler import ProfilerActivity, profile
 
     inputs = as_inputs(example_inputs)
+    sync = synchronizer(model)
+    cuda = sync is torch.cuda.synchronize
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
     with torch.inference_mode():
         inputs.call(model)
-        with _quiet_fds(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        sync()
+        with _quiet_fds(), profile(activities=[activity]) as prof:
             for _ in range(runs):
                 inputs.call(model)
+            sync()
     events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events)
-    ln = sum(e.self_cpu_time_total for e in events if "layer_norm" in e.key)
+    own = (lambda e: getattr(e, "self_device_time_total", 0)) if cuda else (lambda e: e.self_cpu_time_total)
+    total = sum(own(e) for e in events)
+    ln = sum(own(e) for e in events if "layer_norm" in e.key)
     return ln / total if total else 0.0
 
 
@@ -294,8 +335,9 @@ def end_to_end(original: nn.Module, folded: nn.Module, example_inputs: ExampleIn
     share = layer_norm_share(original, inputs)
     ids = inputs.kwargs.get("input_ids")
     batch, seq = (tuple(ids.shape) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else (0, 0))
+    cuda = synchronizer(original) is torch.cuda.synchronize  # hooks cannot time queued kernels
     return EndToEndResult(latency, share, batch, seq, torch.get_num_threads(),
-                          norm_time_ms(original, folded, inputs))
+                          (0.0, 0.0, 0.0) if cuda else norm_time_ms(original, folded, inputs))
 
 
 # --- torch.compile -------------------------------------------------------------------------------
@@ -429,10 +471,12 @@ def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: 
     plt.close(fig)
 
 
-def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = "cpu") -> tuple[nn.Module, nn.Module]:
+def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = "cpu",
+                      dtype: torch.dtype | None = None) -> tuple[nn.Module, nn.Module]:
     """(original, folded) to time against each other: from a folded directory (the original is
     what plain ``from_pretrained`` gives, LayerNorms kept), from an original one (folded in
-    memory), or, without a directory, a random GPT-2 small with perturbed weights.
+    memory), or, without a directory, a random GPT-2 small with perturbed weights. Folded in the
+    dtype they load in, then moved to ``device`` and cast to ``dtype`` where given.
 
     >>> original, folded = models_to_compare()  # doctest: +SKIP
     """
@@ -446,4 +490,4 @@ def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = 
     else:
         original = load(model_dir)
         folded = fold(copy.deepcopy(original))
-    return original.to(device), folded.to(device)
+    return original.to(device, dtype), folded.to(device, dtype)

@@ -62,3 +62,15 @@ def test_cli_bench_json_on_a_model_dir(tmp_path):
     payload = json.loads(result.stdout)
     assert [k["cols"] for k in payload["kernels"]] == [64]
     assert payload["e2e"]["latency"]["repeats"] == 2 and "copy_floor" in payload["e2e"]["norm_ms"]
+
+
+def test_models_to_compare_folds_then_casts(tmp_path):
+    from enjoyln.bench import compare_latency, models_to_compare
+
+    path = tmp_path / "m"
+    perturb(tiny_model("gpt2"), seed=8).save_pretrained(path)
+    original, folded = models_to_compare(path, "cpu", torch.bfloat16)
+    assert {p.dtype for p in (*original.parameters(), *folded.parameters())} == {torch.bfloat16}
+    assert any(isinstance(m, enjoyln.RMSNorm) for m in folded.modules())
+    lat = compare_latency(original, folded, hf_example_inputs(original, batch=1, seq_len=8), repeats=4)
+    assert lat.a_iqr_ms >= 0 and lat.b_iqr_ms >= 0 and lat.to_dict()["a_iqr_ms"] == lat.a_iqr_ms

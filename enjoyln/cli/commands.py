@@ -264,6 +264,9 @@ def bench(
     threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads (default: torch's default).")] = None,
     repeats: Annotated[int, typer.Option(min=1, help="End-to-end forwards per model.")] = 20,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[Optional[str], typer.Option(
+        help="dtype of both models end to end and compiled: float32, bfloat16 or float16 (default: as loaded; "
+             "the folded model is folded first, then cast).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
     plot: Annotated[Optional[Path], typer.Option(help="Save a PNG of the ratios (needs matplotlib).")] = None,
     compile_: Annotated[bool, typer.Option(
@@ -292,7 +295,8 @@ def bench(
             print_kernels(results)
     e2e_result = None
     if e2e or compile_:
-        original, folded = timing.models_to_compare(model_dir, device)
+        original, folded = timing.models_to_compare(model_dir, device,
+                                                    parse_dtypes(dtype)[0] if dtype is not None else None)
         inputs = hf_example_inputs(original, batch=batch, seq_len=seq_len)
     if e2e:
         e2e_result = timing.end_to_end(original, folded, inputs, repeats=repeats)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import ops  # noqa: F401  (registers enjoyln::rms_norm, which export_onnx translates)
+from ..ops import opaque  # importing ops registers enjoyln::rms_norm, which export_onnx translates
 from ..analysis.inputs import (ExampleInputs, Inputs, config_value, hf_example_inputs, inputs_like, is_causal_lm,
                                is_hf_model, resolve_inputs)
 from ..checking.running import flatten_outputs
@@ -176,7 +176,11 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
     path = Path(path)
     inputs = deployment_inputs(model, example_inputs)
     axes = _dynamic_axes(model, inputs) if dynamic else {}
-    table = {torch.ops.enjoyln.rms_norm.default: translation(opset)}  # registered by importing ``ops``
+    # registered by importing ``ops``. enjoyln::rms_norm is a composite op: where the exporter's
+    # registry spares only ATen ops from decomposition (older torch), ``opaque()`` below makes
+    # its decomposition the opaque enjoyln::rms_norm_kernel, translated the same way
+    table = {torch.ops.enjoyln.rms_norm.default: translation(opset),
+             torch.ops.enjoyln.rms_norm_kernel.default: translation(opset)}
     # Written into a temporary directory beside the target, under the final name
     # (external data files refer to it), and moved at the end: a failed export
     # leaves nothing behind.
@@ -192,7 +196,8 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
         names = _output_names(traced_outputs)
         shapes = {k: v for k, v in axes.items() if v is not None}
         # the exporter narrates its steps on stdout and its optimiser on stderr
-        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+                opaque():
             program = torch.onnx.export(model, inputs.args, kwargs=inputs.kwargs, dynamo=True, opset_version=opset,
                                         custom_translation_table=table, dynamic_shapes=axes or None,
                                         output_names=names, verbose=False)

@@ -1,47 +1,51 @@
 """Raw RMSNorm kernels, kept apart from the ``nn.Module`` that uses them.
 
-``rms_norm`` is the single entry point. It picks an implementation by device:
+``rms_norm`` is the single entry point. Plain tensors in inference take a hot
+path that checks almost nothing, then a kernel:
 
-- CUDA with Triton installed: the Triton kernel (``triton_kernels.py``);
 - CPU, float32/bfloat16/float16, contiguous: the fused C kernel (``cpu.py``);
+- CUDA: torch's fused ``F.rms_norm`` or the Triton kernel, by the policy in
+  ``cuda.py`` (decided once per process, from what was measured);
 - anything else: the reference implementation (``reference.py``).
 
-``backend(x)`` names the one a tensor would use. Under torch.export, the ONNX
-export, ``torch.jit`` tracing or when a gradient is needed, the call goes
-through the custom op ``torch.ops.enjoyln.rms_norm``, so graphs show one
-RMSNorm node and autograd uses the backward below. Under ``torch.compile`` it
-is the reference math instead, which inductor fuses with the residual add and
-the casts around it; an opaque op would be a separate kernel call there.
+``backend(x)`` names the one a tensor would use. Where autograd or a tracer
+must see the call (gradients, ``torch.compile``, ``torch.export``, the ONNX
+export, tensor subclasses), it is the op ``torch.ops.enjoyln.rms_norm``. That
+op is *CompositeImplicitAutograd*: on plain tensors it runs
+``enjoyln::rms_norm_kernel`` (the kernels above, with an exact backward); when
+it is traced through, as ``torch.compile`` does, it is the reference math,
+which inductor fuses with the residual add and the casts around it. Export
+keeps such an op as one node (pre-dispatch tracing does not decompose it), so
+exported graphs show one ``enjoyln.rms_norm`` per norm. None of this depends on
+``torch.compiler.is_exporting()``, whose meaning changed between torch versions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from . import cpu
+from . import cpu, cuda
 from .reference import rms_norm_reference
 
-__all__ = ["rms_norm", "add_rms_norm", "backend", "status"]
-
-
-def _triton_ok(x: Tensor) -> bool:
-    if x.device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+__all__ = ["rms_norm", "add_rms_norm", "backend", "status", "opaque"]
 
 
 def backend(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> str:
-    """Which implementation ``rms_norm`` uses for these tensors: 'triton', 'cpu' or 'reference'."""
-    if _triton_ok(x):
-        return "triton"
+    """Which implementation ``rms_norm`` uses for these tensors: 'cpu' or 'reference'; on CUDA,
+    the path ``cuda.choose`` names ('native', 'native+bias', 'triton', 'triton-jit', 'reference').
+
+    >>> backend(torch.randn(2, 8, dtype=torch.float64))
+    'reference'
+    """
+    if x.is_cuda:
+        if cuda.supports(x, weight, bias):
+            return cuda.choose(x, weight, bias)
+        return "triton" if cuda.kernels() is not None else "reference"  # as _forward does
     if x.device.type == "cpu" and not x.is_contiguous():
         x = x.contiguous()  # as rms_norm does before choosing
     if cpu.supports(x, weight, bias):
@@ -50,26 +54,24 @@ def backend(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None)
 
 
 def status() -> dict[str, str]:
-    """What each device would run, and why, for ``enjoyln bench`` and bug reports."""
-    cuda = "not available"
-    if torch.cuda.is_available():
-        try:
-            import triton
+    """What each device runs, and why, for ``enjoyln bench`` and bug reports.
 
-            cuda = f"Triton {triton.__version__} kernel"
-        except ImportError:
-            cuda = "reference PyTorch (install triton for the fused kernel)"
-    return {"cpu": cpu.status(), "cuda": cuda}
+    >>> sorted(status())
+    ['cpu', 'cuda']
+    """
+    return {"cpu": cpu.status(), "cuda": cuda.status()}
 
 
 def _forward(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
              eps: float) -> Tensor:
+    """Any tensors the hot paths turned away (strided, mixed dtypes, meta, float64), and the
+    kernel op's forward (gradients: the CUDA policy applies there too)."""
     n = math.prod(normalized_shape)
-    if _triton_ok(x):
-        from .triton_kernels import rms_norm_triton
-
+    if x.is_cuda and n and cuda.supports(x, weight, bias):
+        return cuda.rms_norm_cuda(x, normalized_shape, weight, bias, eps)
+    if x.is_cuda and n and (kernels := cuda.kernels()) is not None:
         flat = lambda t: t.reshape(-1) if t is not None else None  # noqa: E731
-        return rms_norm_triton(x.reshape(-1, n), flat(weight), flat(bias), eps).view(x.shape)
+        return kernels.rms_norm_triton(x.reshape(-1, n), flat(weight), flat(bias), eps).view(x.shape)
     if x.device.type == "cpu" and not x.is_contiguous():
         x = x.contiguous()
     if cpu.supports(x, weight, bias):
@@ -77,13 +79,16 @@ def _forward(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, 
     return rms_norm_reference(x, normalized_shape, weight, bias, eps)
 
 
-@torch.library.custom_op("enjoyln::rms_norm", mutates_args=())
-def _rms_norm_op(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
-                 bias: Optional[Tensor], eps: float) -> Tensor:
+# --- the ops: enjoyln::rms_norm (what graphs show) and enjoyln::rms_norm_kernel (what runs) ---------
+
+
+@torch.library.custom_op("enjoyln::rms_norm_kernel", mutates_args=())
+def _rms_norm_kernel(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
+                     bias: Optional[Tensor], eps: float) -> Tensor:
     return _forward(x, normalized_shape, weight, bias, eps)
 
 
-@_rms_norm_op.register_fake
+@_rms_norm_kernel.register_fake
 def _(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor],
       eps: float) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -111,22 +116,95 @@ def _backward(ctx, grad: Tensor):  # noqa: ANN001, ANN201
     return dx.to(x.dtype), None, dw, db, None
 
 
-_rms_norm_op.register_autograd(_backward, setup_context=_setup)
+_rms_norm_kernel.register_autograd(_backward, setup_context=_setup)
+
+_library = torch.library.Library("enjoyln", "FRAGMENT")  # kept alive: the op lives as long as it
+_library.define("rms_norm(Tensor x, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps) -> Tensor")
+_opaque = False
+
+
+def _composite(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
+               eps: float) -> Tensor:
+    """``enjoyln::rms_norm``: the kernel op on plain tensors, the math when traced through.
+
+    Plain tensors are what eager calls carry (an exported program run eagerly, a gradient);
+    a tracer's are subclasses (FakeTensor, FunctionalTensor), as are DTensors, which the
+    math serves too. Inside ``opaque()`` a trace keeps the kernel op instead."""
+    if _opaque or all(t is None or type(t) is Tensor or type(t) is torch.nn.Parameter for t in (x, weight, bias)):
+        return torch.ops.enjoyln.rms_norm_kernel(x, normalized_shape, weight, bias, eps)
+    return rms_norm_reference(x, normalized_shape, weight, bias, eps)
+
+
+_library.impl("rms_norm", _composite, "CompositeImplicitAutograd")
+
+
+@contextlib.contextmanager
+def opaque() -> Iterator[None]:
+    """Decompositions of ``enjoyln::rms_norm`` inside this block yield one opaque
+    ``enjoyln::rms_norm_kernel`` node instead of the math: for exporters that decompose every
+    composite op they do not know (``ExportedProgram.run_decompositions()``, the ONNX export on
+    torch versions whose registry only spares ATen ops), where one node per norm is wanted.
+
+    >>> ep = torch.export.export(enjoyln.fold(model), inputs)   # doctest: +SKIP
+    >>> with opaque():                                           # doctest: +SKIP
+    ...     ep = ep.run_decompositions()  # one enjoyln.rms_norm_kernel per norm
+    """
+    global _opaque
+    before, _opaque = _opaque, True
+    try:
+        yield
+    finally:
+        _opaque = before
+
+
+# --- the entry points --------------------------------------------------------------------------
+
+
+def _plain(t: Tensor | None, grad: bool) -> bool:
+    """A plain tensor (not a subclass) that autograd need not see."""
+    return t is None or ((type(t) is Tensor or type(t) is torch.nn.Parameter) and not (grad and t.requires_grad))
+
+
+def _plain_cpu(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
+    """True for plain contiguous CPU tensors that need no autograd or tracer and fit the C
+    kernel; the same answer as ``not _needs_op(...) and cpu.supports(...)``, only cheaper,
+    because a call costs LayerNorm-sized time at small shapes otherwise."""
+    if type(x) is not Tensor or not x.is_cpu or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    grad = torch.is_grad_enabled()
+    if grad and x.requires_grad:
+        return False
+    for t in (weight, bias):
+        if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter)
+                              or (grad and t.requires_grad)):
+            return False
+    return cpu.supports(x, weight, bias)
+
+
+def _plain_cuda(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
+    """``_plain_cpu`` for CUDA: plain tensors, no autograd, no tracer, and ``cuda.supports``."""
+    if type(x) is not Tensor or not x.is_cuda or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    grad = torch.is_grad_enabled()
+    if grad and x.requires_grad:
+        return False
+    for t in (weight, bias):  # inline, as in _plain_cpu: a call costs more than the check
+        if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter)
+                              or (grad and t.requires_grad)):
+            return False
+    return cuda.supports(x, weight, bias)
 
 
 def _needs_op(*tensors: Tensor | None) -> bool:
     """True when the call must be visible to autograd or to a tracer."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return True
+    grad = torch.is_grad_enabled()
     for t in tensors:
         if t is None:
             continue
-        if t.requires_grad and torch.is_grad_enabled():
-            return True
-        if isinstance(t, torch._subclasses.FakeTensor) or t.device.type == "meta":
-            return True
-        if type(t) is not Tensor and not isinstance(t, torch.nn.Parameter):
-            return True  # a tensor subclass (functional tensors under export, DTensor, ...)
+        if not _plain(t, grad) or isinstance(t, torch._subclasses.FakeTensor) or t.device.type == "meta":
+            return True  # a gradient, or a tensor subclass (functional tensors under export, DTensor, ...)
     return False
 
 
@@ -148,48 +226,25 @@ def rms_norm(
     if _plain_cpu(x, weight, bias):  # the inference hot path: a few attribute reads, then C
         return cpu.rms_norm_cpu(x, normalized_shape[-1] if len(normalized_shape) == 1 else
                                 math.prod(normalized_shape), weight, bias, float(eps))
+    if _plain_cuda(x, weight, bias):  # the same on CUDA, then one kernel launch
+        return cuda.rms_norm_cuda(x, normalized_shape, weight, bias, float(eps))
     shape = [int(s) for s in normalized_shape]
-    if _compiling_not_exporting():
-        return rms_norm_reference(x, shape, weight, bias, float(eps))
     if _needs_op(x, weight, bias):
         return torch.ops.enjoyln.rms_norm(x, shape, weight, bias, float(eps))
     return _forward(x, shape, weight, bias, float(eps))
 
 
-def _compiling_not_exporting() -> bool:
-    """True while dynamo traces for ``torch.compile``, false under ``torch.export``.
-
-    In torch 2.13, ``torch.compile`` sets ``is_dynamo_compiling``; strict export sets
-    it as well, but also ``is_exporting``, which non-strict export (and the ONNX
-    export, which uses it) sets alone. So exported graphs keep one
-    ``enjoyln::rms_norm`` node, and compiled ones see plain math that inductor fuses.
-    """
-    return torch.compiler.is_dynamo_compiling() and not torch.compiler.is_exporting()
-
-
-def _plain_cpu(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
-    """True for plain contiguous CPU tensors that need no autograd or tracer and fit the C
-    kernel; the same answer as ``not _needs_op(...) and cpu.supports(...)``, only cheaper,
-    because a call costs LayerNorm-sized time at small shapes otherwise."""
-    if type(x) is not Tensor or not x.is_cpu or torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False
-    grad = torch.is_grad_enabled()
-    if grad and x.requires_grad:
-        return False
-    for t in (weight, bias):
-        if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter)
-                              or (grad and t.requires_grad)):
-            return False
-    return cpu.supports(x, weight, bias)
-
-
 def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None,
                  bias: Tensor | None = None, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
-    """``s = x + residual`` and ``rms_norm(s)``; fused on CUDA. Returns ``(s, normed)``."""
-    if (_triton_ok(x) and len(normalized_shape) == 1 and residual.shape == x.shape
-            and not _needs_op(x, residual, weight, bias)):
-        from .triton_kernels import add_rms_norm_triton
+    """``s = x + residual`` and ``rms_norm(s)``; one fused kernel on CUDA. Returns ``(s, normed)``.
 
-        return add_rms_norm_triton(x, residual, weight, bias, eps)
+    >>> s, y = add_rms_norm(torch.ones(2, 4), torch.ones(2, 4), (4,), eps=0.0)
+    >>> s[0, 0].item(), y[0, 0].item()
+    (2.0, 1.0)
+    """
+    if (_plain_cuda(x, weight, bias) and type(residual) is Tensor and residual.shape == x.shape
+            and residual.dtype == x.dtype and residual.is_contiguous() and _plain(residual, torch.is_grad_enabled())
+            and residual.get_device() == x.get_device()):
+        return cuda.add_rms_norm_cuda(x, residual, normalized_shape, weight, bias, float(eps))
     s = x + residual
     return s, rms_norm(s, normalized_shape, weight, bias, eps)

@@ -11,9 +11,9 @@ Compilation runs in fresh processes: Triton builds its standard library for
 the interpreter when it is first imported with ``TRITON_INTERPRET=1`` (as the
 interpreter tests do), and ``triton.compile`` cannot use that build.
 
->>> from enjoyln.ops.triton_aot import ARCHS, compile_all, variants
->>> results = compile_all([(v, arch) for v in variants() for arch in ARCHS])  # doctest: +SKIP
->>> sum(r.spills for r in results)                                            # doctest: +SKIP
+>>> from enjoyln.ops.triton_aot import builds, compile_all
+>>> results = compile_all(builds())              # doctest: +SKIP
+>>> sum(r.spills for r in results)               # doctest: +SKIP
 0
 """
 
@@ -32,14 +32,14 @@ from types import ModuleType
 ARCHS = (80, 90)
 DTYPES = ("fp32", "fp16", "bf16")
 AFFINE = ((True, True), (True, False), (False, True), (False, False))  # (weight, bias) present
-KERNEL_ARGS = 12  # X, R, S, W, B, Y, four strides, N, eps; the constexpr flags follow
+KERNEL_ARGS = 13  # X, R, S, W, B, Y, four strides, M, N, eps; the constexpr flags follow
 
 
 @dataclass(frozen=True)
 class Variant:
     """One specialisation the launcher can produce."""
 
-    kernel: str  # "row" (the whole row in registers) or "looped" (two passes, N > MAX_FUSED)
+    kernel: str  # "rows" (several short rows a program), "row" (one in registers), "looped" (two passes)
     dtype: str  # Triton's name: fp32, fp16, bf16
     residual: bool
     weight: bool
@@ -47,12 +47,14 @@ class Variant:
     block: int
     warps: int
     aligned: bool  # pointers, strides and N divisible by 16, as Triton's JIT specialises them
+    rows: int = 1  # rows per program
 
     @property
     def name(self) -> str:
+        shape = f"{self.rows}x{self.block}" if self.rows > 1 else str(self.block)
         parts = [self.kernel, self.dtype, "res" if self.residual else "plain",
                  "w" if self.weight else "-", "b" if self.bias else "-",
-                 f"{self.block}/{self.warps}w", "aligned" if self.aligned else "unaligned"]
+                 f"{shape}/{self.warps}w", "aligned" if self.aligned else "unaligned"]
         return " ".join(parts)
 
 
@@ -74,27 +76,43 @@ class Compiled:
         return self.spill_stores + self.spill_loads
 
 
-def variants() -> list[Variant]:
-    """Every kernel variant: each dtype, with and without the residual, each (weight, bias)
-    combination, aligned or not, for the one-block kernel at its largest block (the most
-    registers per thread) and for the looped kernel; then every other block size the
-    launcher picks, in the heaviest form (fp32, residual, weight, bias, unaligned)."""
+def _variant(config, dtype: str, residual: bool, weight: bool, bias: bool, aligned: bool) -> Variant:  # noqa: ANN001
+    return Variant(config.kernel, dtype, residual, weight, bias, config.block, config.warps, aligned, config.rows)
+
+
+def builds(full: bool = False) -> list[tuple[Variant, int]]:
+    """The (variant, architecture) pairs to compile.
+
+    By default a covering set, cheap enough for the test suite: each kernel at its largest
+    launch (the most registers a thread) in every dtype and every (residual, weight, bias)
+    combination, so each constexpr branch compiles, on sm_90; the heaviest form (residual,
+    weight and bias) in every dtype, aligned and not, on both architectures, where spills
+    would start; and every other launch the launcher picks in the heaviest form (fp32,
+    unaligned) on both. ``full``: every combination at the largest launches, aligned and not,
+    on both architectures, and the other launches as above.
+    """
     from . import triton_launch as launch
 
-    largest = launch.launch_config(launch.MAX_FUSED)
-    looped = launch.LOOPED_CONFIG
-    out = []
-    for kernel, (block, warps) in (("row", largest), ("looped", looped)):
-        for dtype in DTYPES:
-            for residual in (False, True):
-                for weight, bias in AFFINE:
-                    for aligned in (True, False):
-                        out.append(Variant(kernel, dtype, residual, weight, bias, block, warps, aligned))
-    block = 1
-    while block < launch.MAX_FUSED:
-        out.append(Variant("row", "fp32", True, True, True, *launch.launch_config(block), aligned=False))
-        block *= 2
+    configs = launch.all_configs()
+    largest = {c.kernel: c for c in configs}  # all_configs is sorted by block: the last wins
+    out: list[tuple[Variant, int]] = []
+    combos = [(d, res, w, b) for d in DTYPES for res in (False, True) for w, b in AFFINE]
+    for config in largest.values():
+        for dtype, residual, weight, bias in combos:
+            for aligned in (True, False):
+                for arch in ARCHS:
+                    heaviest = residual and weight and bias
+                    if full or (arch == 90 and not aligned) or heaviest:
+                        out.append((_variant(config, dtype, residual, weight, bias, aligned), arch))
+    for config in configs:
+        if config not in largest.values():
+            out += [(_variant(config, "fp32", True, True, True, False), arch) for arch in ARCHS]
     return out
+
+
+def variants() -> list[Variant]:
+    """Every distinct variant ``builds(full=True)`` compiles."""
+    return list(dict.fromkeys(v for v, _ in builds(full=True)))
 
 
 @lru_cache(maxsize=1)
@@ -120,18 +138,21 @@ def _signature(v: Variant) -> tuple[dict[str, str], dict[str, object], dict]:
     ptr = "*" + v.dtype
     signature = {"X": ptr, "R": ptr, "S": ptr, "W": ptr if v.weight else "constexpr",
                  "B": ptr if v.bias else "constexpr", "Y": ptr, "stride_x": "i64", "stride_r": "i64",
-                 "stride_s": "i64", "stride_y": "i64", "N": "i32", "eps": "fp32", "HAS_RES": "constexpr",
-                 "HAS_W": "constexpr", "HAS_B": "constexpr", "BLOCK": "constexpr"}
-    constexprs: dict[str, object] = {"HAS_RES": v.residual, "HAS_W": v.weight, "HAS_B": v.bias, "BLOCK": v.block}
+                 "stride_s": "i64", "stride_y": "i64", "M": "i32", "N": "i32", "eps": "fp32",
+                 "HAS_RES": "constexpr", "HAS_W": "constexpr", "HAS_B": "constexpr", "BLOCK": "constexpr",
+                 "ROWS": "constexpr"}
+    constexprs: dict[str, object] = {"HAS_RES": v.residual, "HAS_W": v.weight, "HAS_B": v.bias, "BLOCK": v.block,
+                                     "ROWS": v.rows}
     if not v.weight:
         constexprs["W"] = None
     if not v.bias:
         constexprs["B"] = None
     names = list(signature)
     attrs = {}
-    if v.aligned:  # what the JIT does when a pointer or integer is a multiple of 16 (eps is not)
+    if v.aligned:  # what the JIT does when a pointer or integer is a multiple of 16 (not M: never
+        # specialised; nor eps)
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names[:KERNEL_ARGS - 1])
-                 if signature[name] != "constexpr"}
+                 if signature[name] != "constexpr" and name != "M"}
     return signature, constexprs, attrs
 
 
@@ -153,7 +174,7 @@ def compile_variant(v: Variant, arch: int, cache_dir: str | None = None) -> Comp
     from triton.compiler import ASTSource
 
     kernels = _kernels()
-    fn = kernels._rms_norm_row if v.kernel == "row" else kernels._rms_norm_looped
+    fn = kernels.KERNELS[v.kernel]
     signature, constexprs, attrs = _signature(v)
     log = io.StringIO()
     with contextlib.ExitStack() as stack:

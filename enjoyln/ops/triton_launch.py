@@ -1,29 +1,81 @@
-"""How the Triton RMSNorm kernels are launched: block sizes and warps by row length.
+"""How the Triton RMSNorm kernels are launched: which kernel, block size, rows and warps by row length.
 
 Kept apart from ``triton_kernels.py`` so it imports without Triton: the
 ahead-of-time compile test lists the variants at collection time, and must not
 import Triton there (the interpreter tests need it imported with
 ``TRITON_INTERPRET=1`` first).
+
+Three kernels share one signature (``triton_kernels.py``):
+
+- ``rows``: short rows (N <= ``MAX_SHORT``), several rows per program in a
+  ``[ROWS, BLOCK]`` block, so that 2048 rows of 768 take 512 programs, not 2048;
+- ``row``: one row per program, held in registers (``MAX_SHORT`` < N <= ``MAX_FUSED``);
+- ``looped``: two passes over longer rows (N > ``MAX_FUSED``).
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+MAX_SHORT = 1024
+"""Longest row the multi-row kernel takes; longer rows get a program each."""
+
+SHORT_ELEMENTS = 4096
+"""Elements per program of the multi-row kernel (ROWS x BLOCK), as many as the one-row kernel
+holds at N = 4096 with 8 warps, which compiles with no spill."""
+
+MAX_ROWS = 16
+"""At most this many rows per program: below N = 256 more rows would leave too few programs to
+spread over the GPU's multiprocessors for the batch sizes models are served at."""
 
 MAX_FUSED = 16384
 """Longest row kept in registers by the one-block kernel; longer rows take the looped one.
 Held in registers, a row of 32768 spills to local memory on sm_80 and sm_90 with 16 or
 32 warps (tests/ops/test_triton_aot.py)."""
 
-LOOPED_CONFIG = (2048, 8)
-"""(block, warps) of the two-pass kernel. 4096 with 8 or 16 warps spilled 4-12 bytes in fp16
+LOOPED_BLOCK, LOOPED_WARPS = 2048, 8
+"""Block and warps of the two-pass kernel. 4096 with 8 or 16 warps spilled 4-12 bytes in fp16
 under the --regAllocOptLevel=2 that Triton 3.9 passes to ptxas, at 40-64 registers."""
 
 
-def launch_config(n: int) -> tuple[int, int]:
-    """(block size, warps) of the one-block kernel for rows of ``n`` elements.
+class LaunchConfig(NamedTuple):
+    """One launch: the kernel, its block (columns per row), rows per program and warps."""
+
+    kernel: str  # "rows", "row" or "looped"
+    block: int
+    rows: int
+    warps: int
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@lru_cache(maxsize=None)  # on every call's path: a lookup, not a computation
+def launch_config(n: int) -> LaunchConfig:
+    """The kernel and its launch parameters for rows of ``n`` elements.
 
     >>> launch_config(768)
-    (1024, 4)
+    LaunchConfig(kernel='rows', block=1024, rows=4, warps=8)
+    >>> launch_config(4096)
+    LaunchConfig(kernel='row', block=4096, rows=1, warps=8)
     """
-    block = min(1 << max(n - 1, 0).bit_length(), MAX_FUSED)  # next power of two
-    warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
-    return block, warps
+    if n > MAX_FUSED:
+        return LaunchConfig("looped", LOOPED_BLOCK, 1, LOOPED_WARPS)
+    block = _next_power_of_two(n)
+    if n <= MAX_SHORT:
+        rows = max(1, min(MAX_ROWS, SHORT_ELEMENTS // block))
+        return LaunchConfig("rows", block, rows, 8 if rows * block >= SHORT_ELEMENTS else 4)
+    return LaunchConfig("row", block, 1, 16 if block >= 8192 else 8 if block >= 2048 else 4)
+
+
+def all_configs() -> list[LaunchConfig]:
+    """Every configuration ``launch_config`` picks, for some row length.
+
+    >>> len(all_configs())
+    16
+    """
+    found = {launch_config(1 << k) for k in range(MAX_FUSED.bit_length())}
+    found.add(launch_config(MAX_FUSED + 1))
+    return sorted(found, key=lambda c: (("rows", "row", "looped").index(c.kernel), c.block))

@@ -269,3 +269,21 @@ def test_a_nan_or_inf_where_pytorch_is_finite_is_a_difference(tmp_path):
         assert compare_with_onnxruntime(tmp_path / "net.onnx", [Inputs((x,), {})], [[wrong]]) == float("inf")
     shifted = want + 100  # a real difference still measures as one
     assert compare_with_onnxruntime(tmp_path / "net.onnx", [Inputs((x,), {})], [[shifted]]) > 0.5
+
+
+def test_an_exporter_that_decomposes_the_op_still_writes_one_norm_each(tmp_path):
+    """Older torch's ONNX exporter decomposes every composite op outside ATen, enjoyln::rms_norm
+    too; inside ``ops.opaque()`` that decomposition is the opaque enjoyln::rms_norm_kernel, which
+    the translation table also maps. Emulated here by leaving enjoyln::rms_norm out of the table."""
+    from enjoyln.export.onnx import translation
+    from enjoyln.ops import opaque
+
+    model = torch.nn.Sequential(enjoyln.RMSNorm(16), torch.nn.Linear(16, 16), enjoyln.RMSNorm(16)).eval()
+    with torch.no_grad(), opaque():  # optimize=False: onnxscript's optimizer would fuse the math back
+        program = torch.onnx.export(model, (torch.randn(2, 16),), dynamo=True, opset_version=23, optimize=False,
+                                    custom_translation_table={torch.ops.enjoyln.rms_norm_kernel.default:
+                                                              translation(23)})
+    nodes = [str(n.target) for n in program.exported_program.graph.nodes if n.op == "call_function"]
+    assert nodes.count("enjoyln.rms_norm_kernel.default") == 2 and "aten.rsqrt.default" not in nodes
+    ops = [n.op_type for n in program.model_proto.graph.node]
+    assert ops.count("RMSNormalization") == 2 and "ReduceMean" not in ops and "Sqrt" not in ops

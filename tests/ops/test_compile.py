@@ -93,6 +93,30 @@ def test_residual_add_casts_and_norm_are_one_kernel(dtype):
     torch.testing.assert_close(y, y_ref, **({} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}))
 
 
+def test_dynamo_sees_one_op_and_inductor_gets_its_math():
+    """The mechanism, with no flag to read: dynamo's graph holds ``enjoyln.rms_norm``, a
+    CompositeImplicitAutograd op, which AOTAutograd decomposes before inductor sees it. The same
+    holds for a compiled exported program, whose graph holds the op."""
+    from torch._inductor.compile_fx import compile_fx
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return compile_fx(gm, example_inputs)
+
+    block = AddNorm(96, torch.float32).eval()
+    x, r = torch.randn(4, 7, 96), torch.randn(4, 7, 96)
+    with torch.no_grad():
+        _, code = run_and_get_code(torch.compile(block, backend=backend, fullgraph=True), x, r)
+        program = torch.export.export(block, (x, r), strict=False).module()
+        (s, y), exported_code = run_and_get_code(torch.compile(program, fullgraph=True), x, r)
+    assert graphs[0].count("enjoyln.rms_norm") == 1
+    for generated in ("\n".join(code), "\n".join(exported_code)):
+        assert "enjoyln" not in generated and len(kernels(generated)) == 1, kernels(generated)
+    torch.testing.assert_close(y, block(x, r)[1], rtol=1e-5, atol=1e-6)
+
+
 def test_compiled_norm_trains():
     """Under compile the norm is plain math, so autograd differentiates it directly."""
     block = AddNorm(32, torch.float32)

@@ -138,3 +138,61 @@ def test_status_names_every_device():
     status = ops.status()
     assert set(status) == {"cpu", "cuda"}
     assert status["cuda"] == "not available" or "Triton" in status["cuda"] or "reference" in status["cuda"]
+
+
+def test_export_keeps_one_node_per_norm_and_decomposes_on_request():
+    """torch.export keeps the CompositeImplicitAutograd op as one node per norm; decomposing
+    the program turns each into math, or, inside ``ops.opaque()``, into one opaque kernel op
+    (what an exporter that decomposes every composite op it does not know gets)."""
+    model = torch.nn.Sequential(enjoyln.RMSNorm(16), torch.nn.Linear(16, 16), enjoyln.RMSNorm(16, bias=False),
+                                torch.nn.GELU(), enjoyln.RMSNorm(16, elementwise_affine=False)).eval()
+    with torch.no_grad():
+        model[0].bias.normal_()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        want = model(x)
+    ep = torch.export.export(model, (x,), strict=False)
+
+    def count(program, op):
+        return sum(n.op == "call_function" and n.target == op for n in program.graph.nodes)
+
+    assert count(ep, torch.ops.enjoyln.rms_norm.default) == 3
+    with ops.opaque():
+        kept = ep.run_decompositions()
+    assert count(kept, torch.ops.enjoyln.rms_norm_kernel.default) == 3
+    assert count(kept, torch.ops.enjoyln.rms_norm.default) == 0
+    math_only = ep.run_decompositions()
+    assert not any("enjoyln" in str(n.target) for n in math_only.graph.nodes)
+    assert any(n.target == torch.ops.aten.rsqrt.default for n in math_only.graph.nodes)
+    with torch.no_grad():
+        for program in (ep, kept, math_only):
+            torch.testing.assert_close(program.module()(x), want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_op_runs_the_kernel_on_plain_tensors_and_the_math_on_subclasses(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ran = []
+    real = ops._forward
+    monkeypatch.setattr(ops, "_forward", lambda *a: ran.append(a[0].shape) or real(*a))
+    x, w, b = torch.randn(3, 8), torch.rand(8), torch.randn(8)
+    y = torch.ops.enjoyln.rms_norm(x, [8], w, b, 1e-5)
+    assert ran == [(3, 8)]  # the kernel op
+    close(y, rms_norm_reference(x, (8,), w, b), torch.float32)
+    with FakeTensorMode() as mode:  # a tracer's tensors: the math, whose shape and dtype come out
+        y = torch.ops.enjoyln.rms_norm(mode.from_tensor(x), [8], mode.from_tensor(w), None, 1e-5)
+    assert y.shape == (3, 8) and y.dtype == torch.float32 and ran == [(3, 8)]
+
+
+def test_gpt2_with_rms_norms_exports_one_node_per_norm():
+    from enjoyln.testing import perturb, tiny_model
+
+    model = perturb(tiny_model("gpt2"), seed=4).eval()
+    for name, ln in [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)]:
+        parent, _, attr = name.rpartition(".")  # the swap a fold makes, without its analysis
+        setattr(model.get_submodule(parent), attr, enjoyln.RMSNorm.from_layer_norm(ln))
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    ep = torch.export.export(model, (), {"input_ids": ids, "use_cache": False}, strict=False)
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.enjoyln.rms_norm.default) == 5  # ln_1, ln_2 of two blocks, ln_f
+    assert not any("rsqrt" in str(t) or "rms_norm_kernel" in str(t) for t in targets)

@@ -11,6 +11,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 kernels = importlib.import_module("enjoyln.ops.triton_kernels")
 
 from enjoyln.ops.reference import rms_norm_reference  # noqa: E402
+from enjoyln.ops.triton_launch import LaunchConfig  # noqa: E402
 
 # N = 1, non-powers of two, a power of two, and rows beyond one block (the looped kernel)
 NS = [1, 7, 96, 1000, 1024, 16_384, 16_385, 70_001]
@@ -53,8 +54,117 @@ def test_no_weight_and_strided_rows():
 
 
 def test_launch_config_follows_n():
-    assert kernels.launch_config(768) == (1024, 4)
-    assert kernels.launch_config(4096) == (4096, 8)
-    assert kernels.launch_config(16384) == (16384, 16)
-    assert kernels.launch_config(65536) == (16384, 16)  # beyond MAX_FUSED the looped kernel runs
-    assert kernels.launch_config(1) == (1, 4)
+    from enjoyln.ops.triton_launch import LaunchConfig, all_configs
+
+    assert kernels.launch_config(768) == LaunchConfig("rows", 1024, 4, 8)  # 2048 rows: 512 programs
+    assert kernels.launch_config(64) == LaunchConfig("rows", 64, 16, 4)
+    assert kernels.launch_config(1) == LaunchConfig("rows", 1, 16, 4)
+    assert kernels.launch_config(1025) == LaunchConfig("row", 2048, 1, 8)
+    assert kernels.launch_config(4096) == LaunchConfig("row", 4096, 1, 8)
+    assert kernels.launch_config(16384) == LaunchConfig("row", 16384, 1, 16)
+    assert kernels.launch_config(16385) == LaunchConfig("looped", 2048, 1, 8)
+    assert {c.kernel for c in all_configs()} == {"rows", "row", "looped"} and len(all_configs()) == 16
+
+
+# each kernel forced at a small size: the rows kernel over 7 rows, 4 to a program (the last
+# program half empty), the looped one in blocks of 32 over rows of 100 (four passes each)
+FORCED = [LaunchConfig("rows", 128, 4, 4), LaunchConfig("row", 128, 1, 4), LaunchConfig("looped", 32, 1, 4)]
+
+
+@pytest.mark.parametrize("config", FORCED, ids=[c.kernel for c in FORCED])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
+def test_every_variant_matches_reference(config, dtype, residual, affine):
+    """Every kernel, dtype, residual and (weight, bias) combination the AOT build compiles."""
+    gen = torch.Generator().manual_seed(hash((config, str(dtype), residual, affine)) % 2**31)
+    x, r = (torch.randn(7, 100, generator=gen) * 2 + 0.3).to(dtype), torch.randn(7, 100, generator=gen).to(dtype)
+    w = (torch.rand(100, generator=gen) + 0.5).to(dtype) if affine in ("both", "weight") else None
+    b = torch.randn(100, generator=gen).to(dtype) if affine in ("both", "bias") else None
+    y, s = kernels._launch(x, r if residual else None, w, b, 1e-5, config=config)
+    normed = (x + r) if residual else x  # the sum rounded to the dtype, as the unfused norm sees it
+    assert y.dtype == dtype and y.shape == x.shape
+    assert ulps(y, rms_norm_reference(normed, (100,), w, b, 1e-5), dtype) <= 4
+    if residual:
+        assert_sum(s, x, r)
+    else:
+        assert s is None
+
+
+def assert_sum(s, x, r):
+    """``s`` is ``x + r`` rounded to the dtype, as torch rounds it: to nearest. Triton's
+    interpreter casts fp32 to bf16 by truncation (the GPU rounds to nearest), so in bf16 an
+    element may also be the truncated sum, never anything else."""
+    if s.dtype != torch.bfloat16:
+        assert torch.equal(s, x + r)
+        return
+    exact = x.float() + r.float()
+    truncated = (exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    assert bool(((s == x + r) | (s == truncated)).all())
+
+
+def test_multi_row_kernel_on_strided_rows_and_n_of_one():
+    x = torch.randn(14, 64)[::2]  # 7 rows, a stride of 128: the kernel reads them in place
+    assert kernels.launch_config(64).kernel == "rows"
+    assert ulps(kernels.rms_norm_triton(x), rms_norm_reference(x, (64,)), torch.float32) <= 4
+    ones = torch.randn(37, 1) * 3  # N = 1: each row normalises to its sign (times the gain)
+    w, b = torch.full((1,), 2.0), torch.full((1,), 0.5)
+    torch.testing.assert_close(kernels.rms_norm_triton(ones, w, b, 1e-12), torch.sign(ones) * 2 + 0.5)
+
+
+def test_leading_dims_keep_their_shape():
+    x = torch.randn(2, 3, 5, 96)
+    y = kernels.rms_norm_triton(x)
+    assert y.shape == x.shape
+    assert ulps(y, rms_norm_reference(x, (96,)), torch.float32) <= 4
+    s, y = kernels.add_rms_norm_triton(x, x)
+    assert_sum(s, x, x)
+    assert y.shape == x.shape
+
+
+def test_cpu_tensors_never_reach_the_cached_launcher():
+    """The interpreter runs on CPU tensors (device -1): Triton's own launch, nothing verified."""
+    kernels.rms_norm_triton(torch.randn(3, 96))
+    assert kernels.launcher_disabled() is None
+    assert all(launcher.verified == 0 for launcher in kernels.LAUNCHERS.values())
+
+
+def test_the_kernels_share_the_signature_the_launcher_and_the_aot_build_assume():
+    import inspect
+
+    from enjoyln.ops import triton_aot
+
+    for name, kernel in kernels.KERNELS.items():
+        params = inspect.signature(kernel.fn).parameters
+        runtime = [n for n, p in params.items() if "constexpr" not in str(p.annotation)]
+        assert len(runtime) == kernels.RUNTIME_ARGS == triton_aot.KERNEL_ARGS, name
+        signature, _, _ = triton_aot._signature(triton_aot.Variant(name, "fp32", True, True, True, 64, 4, True))
+        assert list(params) == list(signature), name
+        assert kernels.LAUNCHERS[name].runtime_args == kernels.RUNTIME_ARGS
+
+
+def test_the_launch_key_separates_what_triton_specialises(monkeypatch):
+    """Aligned tensors go to the cached launcher under a key holding every dtype, the integers
+    Triton specialises on and the device; an unaligned pointer, a forced launch or cached=False
+    go through Triton's own launcher."""
+    calls = []
+
+    class Recorder:
+        def __call__(self, key, grid, args, warps, device, outputs):
+            calls.append(("cached", key, grid, warps, len(outputs)))
+
+        def jit(self, grid, args, warps, device):
+            calls.append(("jit", grid))
+
+    monkeypatch.setitem(kernels.LAUNCHERS, "rows", Recorder())
+    w, b = torch.rand(768), torch.randn(768)
+    kernels.rms_norm_triton(torch.randn(10, 768), w, b)
+    kernels.rms_norm_triton(torch.randn(20, 768)[::2], w.to(torch.float16), None)  # row stride 1536
+    kernels.add_rms_norm_triton(torch.randn(2, 5, 768), torch.randn(2, 5, 768))
+    kernels.rms_norm_triton(torch.randn(10 * 768 + 1)[1:].view(10, 768), w, b)  # 4 bytes off alignment
+    kernels.rms_norm_triton(torch.randn(10, 768), w, b, cached=False)
+    f32, f16 = torch.float32, torch.float16
+    assert calls == [("cached", (768, 768, 768, f32, f32, f32, f32, False, -1), 3, 8, 1),
+                     ("cached", (768, 1536, 1536, f32, f32, f16, None, False, -1), 3, 8, 1),
+                     ("cached", (768, 768, 768, f32, f32, None, None, True, -1), 3, 8, 2),
+                     ("jit", 3), ("jit", 3)]

@@ -1,0 +1,212 @@
+"""RMSNorm on CUDA: which implementation runs, decided once per process, and the call's hot path.
+
+What was measured on an H200 (torch 2.11, Triton 3.6) decides the policy. A
+norm at the sizes models are served at (2048 x 768, bf16) takes LayerNorm about
+10 µs on the GPU, and its call about 13 µs of host time; the same for torch's
+fused ``F.rms_norm``. Triton's Python launcher alone cost 35 µs a call, so a
+norm launched through it was slower than LayerNorm however fast its kernel. Hence:
+
+- **no bias** (weightless or weight-only norms, as ``fold(fuse_affine=True)``
+  leaves them): torch's ``F.rms_norm``, where torch has its fused CUDA kernel
+  (``aten::_fused_rms_norm``): LayerNorm's host cost, and no slower than
+  LayerNorm's kernel at any measured shape;
+- **a bias, or a residual to add**: the Triton kernel, which fuses them, through
+  the cached launcher (``triton_cached.py``), which calls the compiled kernel
+  directly once it has verified that this gives Triton's own result bit for bit;
+- **32 MiB of input or more**: the Triton kernel whatever the affine, since a
+  call's host cost is hidden behind its kernel there, and Triton's kernel was
+  0.53-0.79x LayerNorm's time against ``F.rms_norm``'s 0.65-0.92x.
+
+Where a piece is missing the next best runs: without the cached launcher (turned
+off by its own check), a norm with a bias below 32 MiB is ``F.rms_norm`` then
+the bias add (two kernels, measured faster end to end than Triton's launcher);
+without the fused ``F.rms_norm`` (torch before it), the Triton kernel; without
+Triton, ``F.rms_norm`` or the reference math. ``status()`` says which, and why.
+``ENJOYLN_CUDA_PATH`` (or ``force``) pins one path: ``triton``, ``triton-jit``
+(Triton's own launcher), ``native`` or ``reference``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .reference import rms_norm_reference
+
+LARGE = 32 << 20
+"""Bytes of input from which the Triton kernel runs whatever the affine."""
+
+PATHS = ("triton", "triton-jit", "native", "reference")
+"""What ``force`` and ``ENJOYLN_CUDA_PATH`` accept (``auto``, or nothing, for the policy)."""
+
+
+@dataclass
+class _State:
+    """What this process has, found once on the first CUDA call."""
+
+    triton: Any = None  # the triton_kernels module, or None
+    triton_reason: str = ""
+    native: bool = False
+    native_reason: str = ""
+    forced: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+_state: _State | None = None
+
+
+def _native_fused() -> str:
+    """'' where ``F.rms_norm`` runs torch's fused CUDA kernel, else why not."""
+    if not hasattr(F, "rms_norm"):
+        return f"torch {torch.__version__} has no F.rms_norm"
+    try:
+        if torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CUDA"):
+            return ""
+    except RuntimeError:  # no such op in this torch
+        pass
+    return f"torch {torch.__version__}'s F.rms_norm has no fused CUDA kernel"
+
+
+def _import_kernels() -> tuple[Any, str]:
+    """(the Triton kernels module, '') or (None, why not)."""
+    try:
+        from . import triton_kernels
+    except ImportError as exc:  # triton missing, or a build that cannot load
+        return None, f"no Triton ({exc}; pip install 'enjoyln[triton]')"
+    return triton_kernels, ""
+
+
+def _setup(forced: str | None = None) -> _State:
+    """Find what this process has: Triton, torch's fused kernel, a pinned path."""
+    global _state
+    st = _State(native_reason=_native_fused())
+    st.native = not st.native_reason
+    st.triton, st.triton_reason = _import_kernels()
+    wanted = forced if forced is not None else os.environ.get("ENJOYLN_CUDA_PATH", "auto")
+    if wanted not in ("auto", "") and wanted not in PATHS:
+        st.notes.append(f"ENJOYLN_CUDA_PATH={wanted} is not one of auto, {', '.join(PATHS)}: ignored")
+    elif wanted.startswith("triton") and st.triton is None:
+        st.notes.append(f"{wanted} was asked for, but there is {st.triton_reason}: ignored")
+    elif wanted in PATHS:
+        st.forced = wanted
+    _state = st
+    return st
+
+
+def kernels() -> Any:
+    """The Triton kernels module where Triton imports, else None (found once per process)."""
+    return (_state if _state is not None else _setup()).triton
+
+
+def force(path: str | None) -> None:
+    """Pin the path every CUDA call takes (``None`` or ``"auto"``: the policy again); for
+    benchmarks and bug reports.
+
+    >>> force("triton-jit")  # doctest: +SKIP
+    """
+    if path not in (None, "auto", *PATHS):
+        raise ValueError(f"unknown CUDA path {path!r}; one of auto, {', '.join(PATHS)}")
+    st = _setup(path or "auto")
+    if path not in (None, "auto") and st.forced != path:
+        raise RuntimeError("; ".join(st.notes))
+
+
+def supports(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
+    """Whether the hot path takes these tensors: ``x`` on CUDA, contiguous and not empty;
+    weight and bias, where given, contiguous and of ``x``'s dtype and device."""
+    if not x.is_cuda or not x.is_contiguous() or x.numel() == 0:
+        return False
+    for t in (weight, bias):
+        if t is not None and (t.dtype != x.dtype or not t.is_contiguous() or t.get_device() != x.get_device()):
+            return False
+    return True
+
+
+def _launcher_off(st: _State) -> str | None:
+    return st.triton.launcher_disabled() if st.triton is not None else "no Triton"
+
+
+def choose(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: bool = False) -> str:
+    """The path a call takes: 'native' (F.rms_norm), 'native+bias' (then the bias add), 'triton'
+    (the cached launcher), 'triton-jit' (Triton's own) or 'reference'.
+
+    >>> choose(torch.randn(2048, 768, device="cuda"), None, None)  # doctest: +SKIP
+    'native'
+    """
+    st = _state if _state is not None else _setup()
+    if st.forced is not None:
+        if st.forced == "native":
+            return "native+bias" if bias is not None else "native"
+        return st.forced
+    large = x.numel() * x.element_size() >= LARGE
+    if st.native and bias is None and not residual and not large:
+        return "native"
+    if st.triton is not None:
+        if st.triton.launcher_disabled() is None:
+            return "triton"
+        if large or not st.native:
+            return "triton-jit"
+    if st.native:
+        return "native+bias" if bias is not None else "native"
+    return "reference"
+
+
+def rms_norm_cuda(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
+                  eps: float) -> Tensor:
+    """RMSNorm of a CUDA tensor ``supports`` accepts, by the path ``choose`` names."""
+    path = choose(x, weight, bias)
+    if path == "native":
+        return F.rms_norm(x, normalized_shape, weight, eps)
+    if path == "native+bias":
+        return F.rms_norm(x, normalized_shape, weight, eps).add_(bias)  # in place: a fresh tensor
+    if path == "reference":
+        return rms_norm_reference(x, normalized_shape, weight, bias, eps)
+    if len(normalized_shape) == 1:
+        return _state.triton.rms_norm_triton(x, weight, bias, eps, cached=path == "triton")
+    n = math.prod(normalized_shape)
+    y = _state.triton.rms_norm_triton(x.view(-1, n), weight, bias, eps, cached=path == "triton")
+    return y.view(x.shape)
+
+
+def add_rms_norm_cuda(x: Tensor, residual: Tensor, normalized_shape: Sequence[int], weight: Tensor | None,
+                      bias: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """``(x + residual, RMSNorm of it)``: one Triton kernel where the policy picks Triton."""
+    path = choose(x, weight, bias, residual=True)
+    if path in ("triton", "triton-jit") and len(normalized_shape) == 1:
+        return _state.triton.add_rms_norm_triton(x, residual, weight, bias, eps, cached=path == "triton")
+    s = x + residual
+    return s, rms_norm_cuda(s, normalized_shape, weight, bias, eps)
+
+
+def status() -> str:
+    """Which path CUDA calls take in this process, and why; 'not available' without CUDA."""
+    if not torch.cuda.is_available():
+        return "not available"
+    st = _state if _state is not None else _setup()
+    notes = [*st.notes]
+    if st.forced is not None:
+        text = f"{st.forced} for every call (pinned)"
+    elif st.triton is not None:
+        version = st.triton.triton.__version__
+        off = _launcher_off(st)
+        launcher = "enjoyln's cached launcher" if off is None else "Triton's own launcher"
+        if st.native:
+            when = "with a bias or a residual add, and from 32 MiB of input" if off is None else "from 32 MiB of input"
+            text = f"torch's fused F.rms_norm without a bias; Triton {version} kernel through {launcher} {when}"
+            if off is not None:
+                text += "; below that, F.rms_norm then the bias add"
+        else:
+            text = f"Triton {version} kernel through {launcher} ({st.native_reason})"
+        if off is not None:
+            notes.append(f"the cached launcher is off: {off}")
+    elif st.native:
+        text = f"torch's fused F.rms_norm, then the bias add where there is one ({st.triton_reason})"
+    else:
+        text = f"reference PyTorch ({st.triton_reason}; {st.native_reason})"
+    return "; ".join([text, *notes])

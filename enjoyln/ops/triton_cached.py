@@ -1,0 +1,201 @@
+"""A launcher for a Triton kernel that skips Triton's Python dispatch on every call but the first.
+
+Triton's ``kernel[grid](...)`` binds the arguments, computes their
+specialisation, builds a cache key, looks the compiled kernel up and only then
+launches it: about 35 µs of host time a call on an H200 (torch 2.11, Triton 3.6),
+more than LayerNorm's whole kernel at the sizes models are served at. This
+launcher does that work once per *key* (the caller's summary of everything
+Triton specialises on), watches the launch Triton makes, and from then on calls
+the compiled kernel's own launcher directly.
+
+The launcher's calling convention is not a public API and differs between Triton
+versions (before 3.3 it takes the non-constexpr arguments, later all of them), so
+nothing is assumed: on first use of a key the launcher records the call Triton's
+dispatcher makes, recognises its layout, then launches the same way itself into
+fresh outputs and compares them bit for bit with Triton's. Anything unexpected (a
+layout it does not recognise, launch hooks such as a profiler's, a different
+result, an exception) turns it off for the process, with the reason in
+``disabled``, and every later call goes through Triton's own launcher. Nothing is
+verified or cached while a CUDA graph is being captured (a comparison would
+synchronise); those first calls take Triton's launcher.
+
+The caller's key must tell apart whatever Triton specialises on: each pointer's
+dtype and 16-byte alignment, and each integer's class (equal to 1, a multiple of
+16, 32- or 64-bit), which the integers' own values do. Keys are per device: the
+compiled function belongs to one. Triton settings changed after a key's first use
+(its debug mode, say) do not reach its direct launches.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+
+from .compare import same_bytes
+
+PREFIX = 9
+"""Arguments of a compiled kernel's launcher before the kernel's own: grid x, y, z, stream,
+function, packed metadata, launch metadata, launch-enter hook, launch-exit hook."""
+
+
+class CachedLauncher:
+    """Launches ``kernel`` (a ``triton.jit`` function) through its compiled launcher once verified.
+
+    ``runtime_args``: how many of the kernel's parameters come before its constexpr ones.
+    ``stream`` and ``current_device`` default to torch's CUDA ones (tests pass fakes).
+
+    >>> launcher = CachedLauncher(kernel, runtime_args=13)                    # doctest: +SKIP
+    >>> launcher(key, grid, args, num_warps=4, device=0, outputs=(y,))       # doctest: +SKIP
+    """
+
+    def __init__(self, kernel: Any, runtime_args: int, *, stream: Callable[[int], int] | None = None,
+                 current_device: Callable[[], int] | None = None) -> None:
+        self.kernel = kernel
+        self.runtime_args = runtime_args
+        self._stream = stream
+        self._current_device = current_device
+        self._fast: dict[Hashable, tuple[Any, Any, Any, int | None]] = {}
+        self._keep: list[Any] = []
+        self._lock = threading.Lock()
+        self.disabled: str | None = None
+        """Why the launcher is off for this process (Triton's launcher is used), or None."""
+
+    @property
+    def verified(self) -> int:
+        """How many keys launch directly."""
+        return len(self._fast)
+
+    def __call__(self, key: Hashable, grid: int, args: Sequence[Any], num_warps: int, device: int,
+                 outputs: Sequence[torch.Tensor]) -> None:
+        """Launch ``grid`` programs with ``args``; ``outputs`` are the tensors the kernel writes."""
+        fast = self._fast.get(key)
+        if fast is not None and device == self._current_device():
+            run, function, packed, cut = fast
+            run(grid, 1, 1, self._stream(device), function, packed, None, None, None,
+                *(args if cut is None else args[:cut]))
+            return
+        self._first_use(key, grid, args, num_warps, device, outputs)
+
+    def jit(self, grid: int, args: Sequence[Any], num_warps: int, device: int) -> Any:
+        """Launch through Triton's own launcher, on ``device``; returns what it returns."""
+        if device < 0:  # CPU tensors: Triton's interpreter
+            return self.kernel[(grid,)](*args, num_warps=num_warps)
+        self._bind()
+        if device == self._current_device():
+            return self.kernel[(grid,)](*args, num_warps=num_warps)
+        with torch.cuda.device(device):  # Triton launches on the current device
+            return self.kernel[(grid,)](*args, num_warps=num_warps)
+
+    def _first_use(self, key: Hashable, grid: int, args: Sequence[Any], num_warps: int, device: int,
+                   outputs: Sequence[torch.Tensor]) -> None:
+        if self.disabled is not None or device < 0:
+            self.jit(grid, args, num_warps, device)
+            return
+        self._bind()
+        if device != self._current_device() or torch.cuda.is_current_stream_capturing():
+            self.jit(grid, args, num_warps, device)
+            return
+        with self._lock:
+            if key in self._fast or self.disabled is not None:
+                self.jit(grid, args, num_warps, device)
+                return
+            compiled = self.jit(grid, args, num_warps, device)  # compiles if need be; the result
+            expected = [o.clone() for o in outputs]              # every other launch must match
+            if any(bool(torch.isnan(e).any()) for e in expected):
+                return  # a direct launch that wrote nothing would leave NaN too: verify on a later call
+            fast = None
+            try:
+                fast = self._learn(compiled, grid, args, num_warps, device)
+                if fast is not None:
+                    self._verify(fast, grid, args, device, outputs, expected)
+            except Exception as exc:  # noqa: BLE001 - whatever went wrong, Triton's launcher is right
+                self.disabled = f"the direct launch raised {type(exc).__name__}: {exc}"
+            if self.disabled is None and fast is not None:
+                self._fast[key] = fast
+                self._keep.append(compiled)  # its module must stay loaded while its function is used
+            for out, want in zip(outputs, expected):
+                out.copy_(want)  # the call returns Triton's result, whatever happened above
+
+    def _learn(self, compiled: Any, grid: int, args: Sequence[Any], num_warps: int,
+               device: int) -> tuple[Any, Any, Any, int | None] | None:
+        """Watch Triton launch ``compiled`` once more and recognise how it calls the launcher."""
+        if compiled is None or not hasattr(compiled, "run"):
+            self.disabled = "Triton's launch returned no compiled kernel (the interpreter?)"
+            return None
+        run = compiled.run
+        calls: list[tuple[tuple, dict]] = []
+
+        def spy(*a: Any, **kw: Any) -> Any:
+            calls.append((a, kw))
+            return run(*a, **kw)
+
+        # Triton 3.3+ reads the launcher through a property backed by ``_run``; earlier 3.x
+        # set an instance attribute ``run``.
+        slot = "_run" if isinstance(inspect.getattr_static(type(compiled), "run", None), property) else "run"
+        setattr(compiled, slot, spy)
+        try:
+            self.jit(grid, args, num_warps, device)
+        finally:
+            setattr(compiled, slot, run)
+        if len(calls) != 1:
+            self.disabled = f"Triton's launch called the compiled launcher {len(calls)} times, not once"
+            return None
+        return self._layout(run, calls[0], grid, args, device)
+
+    def _layout(self, run: Any, call: tuple[tuple, dict], grid: int, args: Sequence[Any],
+                device: int) -> tuple[Any, Any, Any, int | None] | None:
+        """The fast call's pieces from a recorded one, or None (and ``disabled`` says why)."""
+        a, kw = call
+        tail = a[PREFIX:]
+        if kw:
+            self.disabled = f"Triton's launcher takes keyword arguments here ({sorted(kw)})"
+        elif len(a) < PREFIX or tuple(a[:3]) != (grid, 1, 1):
+            self.disabled = "Triton's launcher takes its arguments in an unknown order"
+        elif a[3] != self._stream(device):
+            self.disabled = "Triton launches on another stream than torch's current one"
+        elif any(h is not None for h in a[6:PREFIX]):
+            self.disabled = "Triton launch hooks are set (a profiler?); they would not see direct launches"
+        elif _same_args(tail, args):
+            return run, a[4], a[5], None  # Triton 3.3+: every argument, constexprs included
+        elif _same_args(tail, args[:self.runtime_args]):
+            return run, a[4], a[5], self.runtime_args  # before 3.3: the runtime arguments alone
+        else:
+            self.disabled = f"Triton's launcher takes {len(tail)} kernel arguments, not {len(args)} " \
+                            f"or {self.runtime_args}"
+        return None
+
+    def _verify(self, fast: tuple[Any, Any, Any, int | None], grid: int, args: Sequence[Any], device: int,
+                outputs: Sequence[torch.Tensor], expected: list[torch.Tensor]) -> None:
+        """Launch directly into the outputs, cleared to NaN, and compare with Triton's launch."""
+        for out in outputs:
+            out.fill_(float("nan"))
+        run, function, packed, cut = fast
+        run(grid, 1, 1, self._stream(device), function, packed, None, None, None,
+            *(args if cut is None else args[:cut]))
+        for out, want in zip(outputs, expected):
+            if not same_bytes(out, want):
+                self.disabled = "a direct launch gave other bits than Triton's launcher"
+                return
+
+    def _bind(self) -> None:
+        """Bind torch's CUDA stream and device getters (absent from CPU-only builds)."""
+        if self._stream is None:
+            self._stream = torch._C._cuda_getCurrentRawStream
+        if self._current_device is None:  # torch.cuda.current_device less its lazy-init check:
+            torch.cuda.init()                # a CUDA tensor exists, so CUDA is initialised
+            self._current_device = torch._C._cuda_getDevice
+
+
+def _same_args(got: Sequence[Any], want: Sequence[Any]) -> bool:
+    """The same objects (tensors, None) or equal plain values of the same type, position by position."""
+    if len(got) != len(want):
+        return False
+    for g, w in zip(got, want):
+        if g is w:
+            continue
+        if isinstance(g, torch.Tensor) or isinstance(w, torch.Tensor) or type(g) is not type(w) or g != w:
+            return False
+    return True
