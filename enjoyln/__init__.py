@@ -19,7 +19,7 @@ from ._version import __version__
 _EXPORTS = {
     "analyze": "analysis", "fold": "transform.steps", "rotate": "transform.steps",
     "check": "checking.forward", "CheckReport": "checking.report",
-    "load": "store.load", "fold_checkpoint": "convert", "analyze_checkpoint": "convert",
+    "load": "store.load", "fold_checkpoint": "rewrite.convert", "analyze_checkpoint": "rewrite.convert",
     "check_checkpoints": "checking.checkpoints", "cbwc": "transform.training", "cbwc_remove": "transform.training",
     "RMSNorm": "modules.norm", "GroupRMSNorm": "modules.norm", "FoldPlan": "plan", "LayerNormEntry": "plan",
     "Centering": "plan", "Untie": "plan", "EnjoylnError": "errors", "CaptureError": "errors",

@@ -68,7 +68,7 @@ def warm(*dirs: Path) -> None:
         subprocess.run(["cat", *found], stdout=subprocess.DEVNULL, check=True)
 
 
-IMPORTS = "import torch, transformers, enjoyln.cli.app, enjoyln.convert; transformers.GPT2LMHeadModel"
+IMPORTS = "import torch, transformers, enjoyln.cli.app, enjoyln.rewrite.convert; transformers.GPT2LMHeadModel"
 
 
 def run_once(cmd: list[str], label: str, reads: tuple[Path, ...]) -> dict:
@@ -129,7 +129,7 @@ IN_PROCESS = """
 import shutil, sys, time
 from enjoyln.store.checkpoint import open_model_dir
 from enjoyln.checking.static import static_check
-from enjoyln.convert import fold_checkpoint
+from enjoyln.rewrite.convert import fold_checkpoint
 what, ref, cand, out = sys.argv[1:]
 def run():
     start = time.perf_counter()

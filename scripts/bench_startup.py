@@ -46,7 +46,7 @@ import transformers
 t["transformers"] = time.perf_counter()
 from enjoyln.store.checkpoint import open_model_dir, meta_model
 from enjoyln.store.hf import model_class
-from enjoyln.store.expected import analyze_dir
+from enjoyln.rewrite.planning import analyze_dir
 t["enjoyln"] = time.perf_counter()
 md = open_model_dir(sys.argv[1])
 t["open"] = time.perf_counter()

@@ -88,7 +88,7 @@ def build_opt(path: Path, layers: int, width: int, vocab: int, positions: int, s
 
 def run(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Fold each model three ways with the default check; one row per fold."""
-    from enjoyln.convert import fold_checkpoint
+    from enjoyln.rewrite.convert import fold_checkpoint
     from enjoyln.errors import CheckFailed
 
     models = {"GPT-2": (build_gpt2, args.vocab, args.positions),

@@ -299,7 +299,7 @@ def test_force_spares_a_directory_that_is_not_an_enjoyln_output(dirs, tmp_path):
 
 def test_a_fold_that_fails_its_check_is_not_published(dirs, tmp_path, monkeypatch):
     """A deliberately broken fold: the writer centers one tensor wrongly."""
-    from enjoyln.store import writer as checkpoint
+    from enjoyln.rewrite import writer as checkpoint
 
     src, _ = dirs
     real, real_into = checkpoint.center_, checkpoint.center_into

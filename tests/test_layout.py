@@ -16,19 +16,20 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "enjoyln"
 
 LAYERS = {
-    "enjoyln._version": 0, "enjoyln.errors": 0, "enjoyln.units": 0, "enjoyln.plan": 0,
+    "enjoyln._version": 0, "enjoyln.errors": 0, "enjoyln.units": 0, "enjoyln.plan": 0, "enjoyln.options": 0,
     "enjoyln.ops": 1,
     "enjoyln.modules": 2,
     "enjoyln.analysis": 3,
     "enjoyln.transform": 4,
     "enjoyln.store": 5,
-    "enjoyln.checking": 6,
-    "enjoyln.convert": 7,
-    "enjoyln.export": 8,
-    "enjoyln.bench": 9, "enjoyln.testing": 9,
-    "enjoyln.cli": 10,
-    "enjoyln.testing.mutation": 11,  # the mutation harness drives the command line
-    "enjoyln.__main__": 12, "enjoyln": 12,  # the entry point, and the lazy top-level API
+    "enjoyln.rewrite": 6,  # the checkpoint rewrite: the plan for a directory, its entries, the writer
+    "enjoyln.checking": 7,
+    "enjoyln.rewrite.convert": 8,  # the fold itself, which checks its output before publishing it
+    "enjoyln.export": 9,
+    "enjoyln.bench": 10, "enjoyln.testing": 10,
+    "enjoyln.cli": 11,
+    "enjoyln.testing.mutation": 12,  # the mutation harness drives the command line
+    "enjoyln.__main__": 13, "enjoyln": 13,  # the entry point, and the lazy top-level API
 }
 """Lowest first; a module may import from its own layer or lower ones. The longest prefix names
 a module's layer."""

@@ -5,6 +5,7 @@ check that cannot fit."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, EnjoylnError
+from ..options import Access, CheckOptions
 from ..units import format_bytes
 from ..store.load import load, load_plain
 from ..store.memory import (available_memory, config_value_dict, dominant_dtype, forward_check_bytes,
@@ -21,7 +23,8 @@ from ..store.memory import (available_memory, config_value_dict, dominant_dtype,
 from ..store.checkpoint import Checkpoint, open_checkpoint
 from ..store.tensors import return_freed_memory
 from .compare import code_problems, load_problems, parse_dtype
-from .forward import MAX_COVER_POSITIONS, CandidatePath, ModelSource, check_sources
+from .batches import MAX_COVER_POSITIONS
+from .forward import CandidatePath, ForwardOptions, ModelSource, check_sources
 from .report import CheckReport
 from . import running
 from .static import StaticReport, code_report, missing_note, static_check
@@ -79,99 +82,157 @@ def _activation_bytes(ck: Checkpoint) -> int:
     return length * width * 4 + (32 << 20)
 
 
-def check_checkpoints(reference_dir: str | os.PathLike | Checkpoint, candidate_dir: str | os.PathLike, *,
-                      allow_pickle: bool = False, trust_remote_code: bool = False, mode: str = "full",
-                      progress: Callable[[int, int], None] | None = None,
-                      max_memory: int | None = None, dtype: Any = None, thorough: bool = False,
-                      model_class: str | None = None, **check_kwargs: Any) -> "CheckReport":
+def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str | os.PathLike,
+                      options: CheckOptions | None = None, *, progress: Callable[[int, int], None] | None = None,
+                      **values: Any) -> "CheckReport":
     """Prove CANDIDATE computes what REFERENCE does: every weight, then the outputs.
 
-    ``mode="full"`` (the default) first runs the static check (every tensor
-    of the candidate is the fold plan applied to the reference; see
-    ``enjoyln.checking.static``), then loads both and confirms that their
-    outputs agree with ``enjoyln.check``: a few short batches and a greedy
-    decode, since the weights are already proven. ``thorough`` adds a batch
-    that covers every position and thousands of token ids, as ``"forward"``
-    always does (its weights unproven, the outputs are all the proof). ``"static"``
-    stops after the weights; ``"forward"`` skips them (for candidates made
-    by other tools). The candidate runs both ways a user may load it: through
-    ``enjoyln.load`` (its RMSNorms) and through plain ``from_pretrained``
-    (transformers' own class); the reference also runs in the next wider dtype,
-    the truth of the precision-aware criterion. With ``max_memory`` (bytes), or
-    automatically when the models would not fit in memory together, they run
-    one at a time with offloaded weights (see ``_bounded_check``).
+    ``options`` (a ``CheckOptions``) or its fields as keywords. ``mode="full"``
+    (the default) first runs the static check (every tensor of the candidate is
+    the fold plan applied to the reference; see ``enjoyln.checking.static``),
+    then loads both and confirms that their outputs agree with
+    ``enjoyln.check``: a few short batches and a greedy decode, since the
+    weights are already proven. ``thorough`` adds a batch that covers every
+    position and thousands of token ids, as ``"forward"`` always does (its
+    weights unproven, the outputs are all the proof; it also runs every token
+    id). ``"static"`` stops after the weights; ``"forward"`` skips them (for
+    candidates made by other tools). The candidate runs both ways a user may
+    load it: through ``enjoyln.load`` (its RMSNorms) and through plain
+    ``from_pretrained`` (transformers' own class); the reference also runs in
+    the next wider dtype, the truth of the precision-aware criterion. With
+    ``max_memory`` (bytes), or automatically when the models would not fit in
+    memory together, they run one at a time with offloaded weights (see
+    ``_bounded_check``).
 
     The candidate must load in the reference's dtype; ``dtype`` (``"float16"``)
     names another one it is meant to run in, and it is then judged at that
-    precision (the half-precision criterion of ``enjoyln.check``).
-
-    Parameters the model class builds that neither checkpoint holds are drawn at random by every
-    load: each model the check loads gets the same seeded values for exactly those, and the
-    report names them. ``model_class`` builds both directories as another transformers class.
+    precision (the half-precision criterion of ``enjoyln.check``). Parameters the
+    model class builds that neither checkpoint holds are drawn at random by
+    every load: each model the check loads gets the same seeded values for
+    exactly those, and the report names them. ``model_class`` builds both
+    directories as another transformers class. ``reference`` may be a directory
+    already opened (``Checkpoint``): its files and meta model, never a plan.
 
     >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
     True
     """
-    if mode not in ("full", "static", "forward"):
-        raise EnjoylnError(f"unknown check mode {mode!r}; use full, static or forward")
-    dtype = parse_dtype(dtype)
-    opened = {"allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code, "model_class": model_class}
-    # the reference may come opened already (by fold): its files and meta model, never a plan
-    ref_ck = reference_dir if isinstance(reference_dir, Checkpoint) else open_checkpoint(reference_dir, **opened)
-    cand_ck = open_checkpoint(candidate_dir, **opened)
-    if ref_ck.architecture != cand_ck.architecture:
-        hint = "" if model_class else " (one folded with --model-class is checked with the same --model-class)"
-        raise CheckpointError(f"{ref_ck.path} is a {ref_ck.architecture} but {candidate_dir} is a "
-                              f"{cand_ck.architecture}{hint}")
+    opts = CheckOptions.of(options, **values)
+    if opts.mode not in ("full", "static", "forward"):
+        raise EnjoylnError(f"unknown check mode {opts.mode!r}; use full, static or forward")
+    opts = dataclasses.replace(opts, dtype=parse_dtype(opts.dtype))
+    ref_ck, cand_ck = _open_pair(reference, candidate, opts.access)
     if code := code_problems(ref_ck, cand_ck):  # before anything imports the candidate's code
         report = CheckReport.from_static(code_report(code), forward_skipped=True)
         report.forward_skipped = "the candidate's code is not the reference's, so none of it was run"
         return report
-    auto = max_memory is None
-    if max_memory is None and mode != "static":
-        # the candidate's own config decides what it builds (with --forward-only, whatever it says)
-        max_memory = bounded_budget(ref_ck)
-        max_memory = max_memory if max_memory is not None else bounded_budget(cand_ck)
-    if mode != "static":
-        require_memory(ref_ck, max_memory)  # before the weights are read, not after
-        require_memory(cand_ck, max_memory)
-    static = None
-    if mode != "forward":
-        static = static_check(ref_ck, cand_ck, progress=progress, dtype=dtype)
-        if mode == "static" or not static.passed:
-            return CheckReport.from_static(static, forward_skipped=mode != "static")
-        if static.byte_identical:
-            report = CheckReport.from_static(static, forward_skipped=True)
-            report.forward_skipped = ("the candidate is byte for byte the reference, so it loads and computes "
-                                      "the same: there is nothing to run")
-            return report
-    elif problems := load_problems(ref_ck, cand_ck, dtype):  # no weight check, but the same dtype
-        report = CheckReport.from_static(StaticReport(passed=False, problems=problems, scope="load settings"),
-                                         forward_skipped=True)
-        report.forward_skipped = "the candidate does not load as the reference does"
-        return report
-    confirm = mode == "full" and not thorough  # every weight proven: the forward part only confirms
-    if confirm:
-        check_kwargs = {"generate_tokens": CONFIRM_TOKENS, **check_kwargs, "coverage": False}
-    if mode == "forward":  # no weight proven: every token id runs at least once
-        check_kwargs = {**check_kwargs, "sweep": True}
-    if check_kwargs.get("batches") is None:
-        check_kwargs = {**check_kwargs, "batches": CONFIRM_BATCHES if confirm else 3}
-    plain_required, caveat, note = _plain_loading(cand_ck, verified=mode == "full")
-    missing = static.missing if static is not None else [n for n in cand_ck.missing if n in set(ref_ck.missing)]
-    kwargs = {"seed_missing": missing}
+    budget = _budget(ref_ck, cand_ck, opts)
+    static, early = _static_part(ref_ck, cand_ck, opts, progress)
+    if early is not None:
+        return early
+    try:
+        report = _forward_part(ref_ck, cand_ck, opts, budget, missing=_missing(ref_ck, cand_ck, static))
+    except _CandidateUnloadable as exc:
+        report = _failed("loading the candidate", [str(exc)], "enjoyln.load cannot load the candidate")
+    report.add_static(static)
+    return report
+
+
+def _open_pair(reference: str | os.PathLike | Checkpoint, candidate: str | os.PathLike,
+               access: Access) -> tuple[Checkpoint, Checkpoint]:
+    opened = dataclasses.asdict(access)
+    ref_ck = reference if isinstance(reference, Checkpoint) else open_checkpoint(reference, **opened)
+    cand_ck = open_checkpoint(candidate, **opened)
+    if ref_ck.architecture != cand_ck.architecture:
+        hint = "" if access.model_class else " (one folded with --model-class is checked with the same --model-class)"
+        raise CheckpointError(f"{ref_ck.path} is a {ref_ck.architecture} but {cand_ck.path} is a "
+                              f"{cand_ck.architecture}{hint}")
+    return ref_ck, cand_ck
+
+
+def _budget(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions) -> tuple[int | None, bool]:
+    """(the memory the forward part may use, or None for both models in memory; whether that was
+    decided here, not asked for). The candidate's own config decides what it builds (with
+    --forward-only, whatever it says); a part that cannot fit is refused before any weight is read."""
+    if opts.mode == "static":
+        return None, False
+    budget = opts.max_memory
+    if budget is None:
+        budget = bounded_budget(ref_ck)
+        budget = budget if budget is not None else bounded_budget(cand_ck)
+    require_memory(ref_ck, budget)
+    require_memory(cand_ck, budget)
+    return budget, opts.max_memory is None
+
+
+def _failed(scope: str, problems: list[str], why: str) -> CheckReport:
+    report = CheckReport.from_static(StaticReport(passed=False, problems=problems, scope=scope), forward_skipped=True)
+    report.forward_skipped = why
+    return report
+
+
+def _static_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions,
+                 progress: Callable[[int, int], None] | None) -> tuple[StaticReport | None, CheckReport | None]:
+    """(the static report, or None with --forward-only; the final report if the check ends here:
+    static only, failed weights, byte-identical directories, or a candidate that does not load as
+    the reference does)."""
+    if opts.mode == "forward":  # no weight check, but the same dtype, and a block enjoyln.load reads
+        try:
+            cand_ck.recorded_plan
+        except CheckpointError as exc:
+            return None, _failed("load settings", [str(exc)], "enjoyln.load cannot read the candidate's block")
+        problems = load_problems(ref_ck, cand_ck, opts.dtype)
+        return None, (_failed("load settings", problems, "the candidate does not load as the reference does")
+                      if problems else None)
+    static = static_check(ref_ck, cand_ck, progress=progress, dtype=opts.dtype)
+    if opts.mode == "static" or not static.passed:
+        return static, CheckReport.from_static(static, forward_skipped=opts.mode != "static")
+    if static.byte_identical:
+        report = CheckReport.from_static(static, forward_skipped=True)
+        report.forward_skipped = ("the candidate is byte for byte the reference, so it loads and computes "
+                                  "the same: there is nothing to run")
+        return static, report
+    return static, None
+
+
+def _missing(ref_ck: Checkpoint, cand_ck: Checkpoint, static: StaticReport | None) -> list[str]:
+    """The parameters neither directory holds: the static check's pairing found them, else the
+    names each model builds against each directory's keys."""
+    if static is not None:
+        return static.missing
+    theirs = set(ref_ck.missing)
+    return [name for name in cand_ck.missing if name in theirs]
+
+
+def _forward_options(opts: CheckOptions) -> ForwardOptions:
+    """What the forward part runs. Once every weight is proven (full mode, not thorough) it only
+    confirms: short batches and a short decode. With --forward-only every token id runs."""
+    confirm = opts.mode == "full" and not opts.thorough
+    batches = opts.batches if opts.batches is not None else CONFIRM_BATCHES if confirm else 3
+    return ForwardOptions(batches=batches, seed=opts.seed, batch_size=opts.batch_size, seq_len=opts.seq_len,
+                          rtol=opts.rtol, generate_tokens=CONFIRM_TOKENS if confirm else 8, coverage=not confirm,
+                          sweep=opts.mode == "forward")
+
+
+def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, budget: tuple[int | None, bool],
+                  missing: list[str]) -> CheckReport:
+    """The outputs compared, with both models in memory or one at a time within ``budget``."""
+    confirm = opts.mode == "full" and not opts.thorough
+    forward = _forward_options(opts)
+    plain_required, caveat, note = _plain_loading(cand_ck, verified=opts.mode == "full")
+    max_memory, auto = budget
     if max_memory is None:
         # each model is freed after its runs: the reference becomes its own truth (widened in
         # place), and the plain load comes from disk after the candidate's runs
-        ref_src = ModelSource.given(_load(load, ref_ck, **kwargs))
-        cand_src = ModelSource.given(_load(load, cand_ck, **kwargs))
+        ref_src = ModelSource.given(_load(load, ref_ck, missing))
+        cand_src = ModelSource.given(_load(load, cand_ck, missing, candidate=True))
         # a half-precision candidate of a float32 reference: the truth is the reference as stored
-        truth = ModelSource(ref_src.dtype, lambda dtype: _load(load, ref_ck, dtype=dtype, **kwargs))
-        plain = ModelSource(cand_src.dtype, lambda dtype: _load(load_plain, cand_ck, dtype=dtype, **kwargs))
-        report = check_sources(ref_src, cand_src, truth=truth, **_path_kwargs(plain, plain_required, cand_ck, confirm),
-                               **check_kwargs)
+        truth = ModelSource(ref_src.dtype, lambda dtype: _load(load, ref_ck, missing, dtype=dtype))
+        plain = ModelSource(cand_src.dtype, lambda dtype: _load(load_plain, cand_ck, missing, candidate=True,
+                                                                dtype=dtype))
+        report = check_sources(ref_src, _paths(cand_src, plain, plain_required, cand_ck, confirm), None, forward,
+                               truth=truth)
     else:
-        report = _bounded_check(ref_ck, cand_ck, max_memory, kwargs, check_kwargs, plain_required, confirm)
+        report = _bounded_check(ref_ck, cand_ck, max_memory, missing, forward, (plain_required, confirm))
         report.memory = (f"{'the two models would not fit in memory side by side, so ' if auto else ''}"
                          f"the models ran one at a time within {format_bytes(max_memory)} "
                          "(weights beyond it read from disk as each layer ran)")
@@ -185,24 +246,36 @@ def check_checkpoints(reference_dir: str | os.PathLike | Checkpoint, candidate_d
         report.notes.append(f"the static part proved every weight, so the forward part confirmed it on "
                             f"{report.batches} short batches{plain_too} and a greedy decode; --thorough also "
                             "runs a batch over every position and many token ids, and decodes 8 tokens")
-    report.add_static(static)
     return report
 
 
-def _load(loader: Callable[..., nn.Module], path: Checkpoint, *, seed_missing: list[str],
+class _CandidateUnloadable(EnjoylnError):
+    """The candidate's own files keep it from loading (its enjoyln block cannot be applied): a
+    wrong candidate, not bad input."""
+
+    exit_code = 1
+
+
+def _load(loader: Callable[..., nn.Module], ck: Checkpoint, missing: list[str], *, candidate: bool = False,
           **kwargs: Any) -> nn.Module:
     """A model as ``loader`` gives it, with the parameters no checkpoint holds seeded alike."""
-    return running.seed_missing(loader(path, **kwargs), seed_missing)
+    try:
+        return running.seed_missing(loader(ck, **kwargs), missing)
+    except EnjoylnError as exc:
+        if candidate and not isinstance(exc, _CandidateUnloadable):
+            raise _CandidateUnloadable(str(exc)) from None
+        raise
 
 
-def _path_kwargs(plain: Any, required: bool | None, ck: Checkpoint, confirm: bool = False) -> dict[str, Any]:
+def _paths(cand: ModelSource, plain: ModelSource, required: bool | None, ck: Checkpoint,
+           confirm: bool = False) -> list[CandidatePath]:
     """The candidate's load paths for ``check_sources``: ``enjoyln.load``, and its library's plain
     loader (``from_pretrained``, ``timm.create_model``) unless the two are the same (no ``enjoyln``
     block: ``required`` None). When the forward part only ``confirm``s proven weights, the plain
     loader, which differs from ``enjoyln.load`` only in keeping the LayerNorms, runs the first batch."""
     others = [] if required is None else [CandidatePath(ck.library.loader, plain, required,
                                                         batches=1 if confirm else None)]
-    return {"candidate_path": "enjoyln.load", "other_paths": others}
+    return [CandidatePath("enjoyln.load", cand), *others]
 
 
 def _plain_loading(ck: Checkpoint, *, verified: bool) -> tuple[bool | None, str, str]:
@@ -231,16 +304,16 @@ def _plain_loading(ck: Checkpoint, *, verified: bool) -> tuple[bool | None, str,
                    "verify that declaration; run the full check"), ""
 
 
-def _bounded_check(ref_ck: Checkpoint, cand_ck: Checkpoint, max_memory: int, load_kwargs: dict[str, Any],
-                   check_kwargs: dict[str, Any], plain_required: bool | None = True,
-                   confirm: bool = False) -> "CheckReport":
+def _bounded_check(ref_ck: Checkpoint, cand_ck: Checkpoint, max_memory: int, missing: list[str],
+                   forward: ForwardOptions, plain: tuple[bool | None, bool]) -> CheckReport:
     """The forward check holding one model at a time, with at most ``max_memory`` for it.
 
     accelerate's big-model inference keeps part of the weights in memory and
     reads the rest from the safetensors files as each layer runs. Out of the
     budget come the largest tensor (loaded whole when its layer runs) and one
     forward's activations, both twice as wide for the truth (the reference in
-    the next wider dtype); the reference's outputs wait on disk.
+    the next wider dtype); the reference's outputs wait on disk. ``plain``:
+    (whether plain loading is required, whether the forward part only confirms).
     """
     if ref_ck.pickled or cand_ck.pickled:
         raise CheckpointError("a check within a memory budget reads weights from safetensors files; convert "
@@ -251,7 +324,7 @@ def _bounded_check(ref_ck: Checkpoint, cand_ck: Checkpoint, max_memory: int, loa
     return_freed_memory()
     overhead = _largest_tensor(ref_ck) + _activation_bytes(ref_ck)
 
-    def source(ck: Checkpoint, offload: Path, plain: bool = False) -> ModelSource:
+    def source(ck: Checkpoint, offload: Path, plain: bool = False, candidate: bool = False) -> ModelSource:
         # the dtype a plain from_pretrained loads it in, which the static check compared
         own = getattr(torch, ck.load_dtype[0], None)
         own = own if isinstance(own, torch.dtype) and own.is_floating_point else dominant_dtype(ck)
@@ -259,14 +332,15 @@ def _bounded_check(ref_ck: Checkpoint, cand_ck: Checkpoint, max_memory: int, loa
         def get(dtype: torch.dtype) -> nn.Module:
             wide = dtype.itemsize / own.itemsize  # the truth: wider tensors, less room
             weights = max(max_memory - int(max(wide, 1.0) * overhead), 0)
-            kwargs = dict(dtype=dtype, max_memory=weights, offload_dir=offload / str(dtype), **load_kwargs)
-            return _load(load_plain if plain else load, ck, **kwargs)
+            return _load(load_plain if plain else load, ck, missing, candidate=candidate, dtype=dtype,
+                         max_memory=weights, offload_dir=offload / str(dtype))
         # the truth widens the reference as its layers run: a float64 load of it from disk would
         # read the whole file through a mapping, and write it again, wider, to the offload folder
-        return ModelSource(own, get, widens=not plain)
+        return ModelSource(own, get, widens=not plain and not candidate)
 
+    required, confirm = plain
     with tempfile.TemporaryDirectory(prefix="enjoyln-offload-") as off:
         ref_src = source(ref_ck, Path(off) / "reference")
-        paths = _path_kwargs(source(cand_ck, Path(off) / "plain", plain=True), plain_required, cand_ck, confirm)
-        return check_sources(ref_src, source(cand_ck, Path(off) / "candidate"), truth=ref_src,
-                             spill=True, max_rows=1, **paths, **check_kwargs)
+        paths = _paths(source(cand_ck, Path(off) / "candidate", candidate=True),
+                       source(cand_ck, Path(off) / "plain", plain=True, candidate=True), required, cand_ck, confirm)
+        return check_sources(ref_src, paths, None, dataclasses.replace(forward, spill=True, max_rows=1), truth=ref_src)

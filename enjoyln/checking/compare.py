@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import CheckpointError, EnjoylnError
 from ..plan import FoldPlan, block_lists
-from ..store.block import output_config
+from ..rewrite.config import output_config
 from ..store.files import extra_files, is_weight_file, loader_files
 from ..store.formats import JSON_LIMIT, PT_INDEX, SAFE_INDEX, input_file, loader_text, parse_json_file
 from ..store.checkpoint import Checkpoint

@@ -42,10 +42,10 @@ from typing import Any, Callable
 
 from ..errors import CheckpointError, EnjoylnError
 from ..plan import FoldPlan, RotationSpec
-from ..store.expected import analyze_dir, moves_values
+from ..rewrite.planning import analyze_dir, moves_values
 from ..store.hf import check_shapes
 from ..store.checkpoint import Checkpoint
-from ..store.stream import StreamedTensors
+from ..rewrite.stream import StreamedTensors
 from ..store.tensors import TensorReader
 from .compare import (code_problems, config_problems, expected_config, file_problems, identical_directories,
                       load_problems, parse_dtype, plan_problems, same_json)

@@ -27,7 +27,7 @@ from ..errors import CheckpointError
 from ..ops.center import same_memory
 from ..ops.compare import same_bytes
 from ..plan import Centering
-from ..store.stream import StreamedTensors
+from ..rewrite.stream import StreamedTensors
 from ..store.tensors import Buffer, TensorReader, read_ahead
 from ..transform.tensors import center_, centered_equal
 from .pairing import Pair

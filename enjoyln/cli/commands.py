@@ -37,11 +37,12 @@ def fold(
     model_class: ModelClass = None,
 ) -> None:
     """Fold a model directory, check the result, and publish it to OUT_DIR only if it passes."""
-    _publish(model_dir, out_dir, max_shard_size=max_shard_size, force=force, check=check, static=static,
-             keep_failed=keep_failed, dry_run=dry_run, as_json=as_json, allow_pickle=allow_pickle,
-             trust_remote_code=trust_remote_code, auxiliary_centering=auxiliary_centering,
-             fuse_affine=fuse_affine, rotate=None, batches=batches, seq_len=seq_len, max_memory=max_memory,
-             rtol=rtol, model_class=model_class)
+    options = _fold_options(max_shard_size=max_shard_size, force=force, keep_failed=keep_failed, dry_run=dry_run,
+                            auxiliary_centering=auxiliary_centering, fuse_affine=fuse_affine,
+                            allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class,
+                            check=_check_options(check, static, batches=batches, seq_len=seq_len, rtol=rtol,
+                                                 max_memory=max_memory))
+    _publish(model_dir, out_dir, options, as_json)
 
 
 def rotate(
@@ -62,34 +63,39 @@ def rotate(
 
     if kind not in KINDS:
         raise EnjoylnError(f"unknown --kind {kind!r}; use {' or '.join(KINDS)}")
-    _publish(model_dir, out_dir, max_shard_size=max_shard_size, force=force, check=check, static=static,
-             keep_failed=keep_failed, dry_run=dry_run, as_json=as_json, allow_pickle=allow_pickle,
-             trust_remote_code=trust_remote_code, auxiliary_centering=False, fuse_affine=True,
-             rotate=RotationSpec(kind, seed, keep_mean), batches=batches, seq_len=seq_len, max_memory=max_memory,
-             rtol=rtol, model_class=model_class)
+    options = _fold_options(max_shard_size=max_shard_size, force=force, keep_failed=keep_failed, dry_run=dry_run,
+                            fuse_affine=True, rotate=RotationSpec(kind, seed, keep_mean), allow_pickle=allow_pickle,
+                            trust_remote_code=trust_remote_code, model_class=model_class,
+                            check=_check_options(check, static, batches=batches, seq_len=seq_len, rtol=rtol,
+                                                 max_memory=max_memory))
+    _publish(model_dir, out_dir, options, as_json)
 
 
-def _publish(model_dir: Path, out_dir: Path, *, max_shard_size: Optional[str], force: bool, check: bool,
-             static: bool, keep_failed: bool, dry_run: bool, as_json: bool, allow_pickle: bool,
-             trust_remote_code: bool, auxiliary_centering: bool, fuse_affine: bool,
-             rotate: Optional[RotationSpec], batches: Optional[int], seq_len: int,
-             max_memory: Optional[str], rtol: Optional[float] = None, model_class: Optional[str] = None) -> None:
-    """``fold_checkpoint`` with the options of ``fold`` and ``rotate``, and its result shown."""
-    from .. import convert
+def _check_options(check: bool, static: bool, *, max_memory: Optional[str], **values: Any) -> Any:
+    from ..options import CheckOptions
     from ..units import parse_size
 
-    start = time.perf_counter()
     mode = "none" if not check else "static" if static else "full"
+    return CheckOptions.of(mode=mode, max_memory=parse_size(max_memory), **values)
+
+
+def _fold_options(*, max_shard_size: Optional[str], **values: Any) -> Any:
+    from ..options import FoldOptions
+    from ..units import parse_size
+
+    return FoldOptions.of(max_shard_size=parse_size(max_shard_size), **values)
+
+
+def _publish(model_dir: Path, out_dir: Path, options: Any, as_json: bool) -> None:
+    """``fold_checkpoint`` with the options of ``fold`` or ``rotate``, and its result shown."""
+    from ..rewrite import convert
+
+    start = time.perf_counter()
+    mode, dry_run = options.check.mode, options.dry_run
     with ByteProgress(enabled=not as_json) as bar:
         try:
-            result = convert.fold_checkpoint(
-                model_dir, out_dir, max_shard_size=parse_size(max_shard_size), force=force,
-                allow_pickle=allow_pickle, dry_run=dry_run, check=mode, keep_failed=keep_failed,
-                trust_remote_code=trust_remote_code, auxiliary_centering=auxiliary_centering,
-                fuse_affine=fuse_affine, rotate=rotate, progress=bar.phase("writing"), model_class=model_class,
-                check_options={"batches": batches, "seq_len": seq_len, "rtol": rtol,
-                               "max_memory": parse_size(max_memory),
-                               "progress": bar.phase("checking weights")})
+            result = convert.fold_checkpoint(model_dir, out_dir, options, progress=bar.phase("writing"),
+                                             check_progress=bar.phase("checking weights"))
         except CheckFailed as exc:
             bar.stop()
             if as_json:
@@ -130,7 +136,7 @@ def inspect(
     model_class: ModelClass = None,
 ) -> None:
     """Analyse a model directory on the meta device: which LNs fold, and why not."""
-    from ..convert import analyze_checkpoint
+    from ..rewrite.convert import analyze_checkpoint
     from ..transform.rotation import KINDS
 
     if rotate is not None and rotate not in KINDS:
@@ -215,7 +221,7 @@ def demo(
     from ..analysis.inputs import hf_example_inputs
     from ..bench import compare_latency
     from ..checking.checkpoints import check_checkpoints
-    from ..convert import analyze_checkpoint, fold_checkpoint
+    from ..rewrite.convert import analyze_checkpoint, fold_checkpoint
     from ..store.load import load
     from ..testing import demo_checkpoint
 
@@ -233,7 +239,7 @@ def demo(
         out.rule("3. fold, check and publish")
         with ByteProgress() as bar:
             result = fold_checkpoint(src, dst, force=True, progress=bar.phase("writing"),
-                                     check_options={"progress": bar.phase("checking weights")})
+                                     check_progress=bar.phase("checking weights"))
         report = result.report
         print_report(report)
         out.print(f"Wrote {dst} in {result.seconds:.2f} s: {', '.join(sorted(os.listdir(dst)))}")

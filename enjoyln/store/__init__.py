@@ -1,1 +1,1 @@
-"""One model directory on disk: validate and read it, plan and write a folded copy, publish it, load it."""
+"""One model directory on disk: open and validate it (``Checkpoint``), read its tensors, copy its other files, publish an output directory, and load a folded one."""

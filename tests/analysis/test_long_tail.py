@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 import enjoyln
 from enjoyln.analysis.inputs import hf_example_inputs
-from enjoyln.convert import fold_checkpoint
+from enjoyln.rewrite.convert import fold_checkpoint
 from enjoyln.store.load import load
 from enjoyln.testing import perturb
 from conftest import assert_same_outputs

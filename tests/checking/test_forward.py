@@ -106,16 +106,19 @@ def test_a_given_reference_becomes_its_own_truth(gpt2, monkeypatch):
     same verdict and figures as a truth made from a copy; a half-precision candidate still takes
     the truth from its own source."""
     from enjoyln.checking import forward
-    from enjoyln.checking.forward import ModelSource, check_sources
+    from enjoyln.checking.forward import CandidatePath, ModelSource, check_sources
+
+    def paths(model):
+        return [CandidatePath("", ModelSource.of(model))]
 
     folded = enjoyln.fold(copy.deepcopy(gpt2))
-    by_copy = check_sources(ModelSource.of(gpt2), ModelSource.of(folded))
+    by_copy = check_sources(ModelSource.of(gpt2), paths(folded))
     given = copy.deepcopy(gpt2)
     never = ModelSource(torch.float32, lambda dtype: pytest.fail("the truth was loaded again"))
     to = torch.nn.Module.to
     monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: pytest.fail("converted whole")
                         if torch.float64 in a else to(self, *a, **k))
-    in_place = check_sources(ModelSource.given(given), ModelSource.of(folded), truth=never)
+    in_place = check_sources(ModelSource.given(given), paths(folded), truth=never)
     monkeypatch.undo()
     assert given.transformer.wte.weight.dtype == torch.float32  # put back after each module
     assert given.lm_head.weight is given.transformer.wte.weight  # ties stay tied
@@ -124,8 +127,7 @@ def test_a_given_reference_becomes_its_own_truth(gpt2, monkeypatch):
 
     loads = []
     truth = ModelSource(torch.float32, lambda dtype: loads.append(dtype) or copy.deepcopy(gpt2).to(dtype))
-    half = check_sources(ModelSource.given(copy.deepcopy(gpt2)), ModelSource.of(copy.deepcopy(folded).half()),
-                         truth=truth)
+    half = check_sources(ModelSource.given(copy.deepcopy(gpt2)), paths(copy.deepcopy(folded).half()), truth=truth)
     assert loads == [torch.float32] and half.dtype == "float16"
 
 
@@ -136,8 +138,8 @@ def test_a_second_load_path_may_run_only_the_first_batches(gpt2):
     plain = enjoyln.fold(copy.deepcopy(gpt2))
     calls = []
     plain.register_forward_hook(lambda module, args, out: calls.append(1))
-    report = check_sources(ModelSource.of(gpt2), ModelSource.of(folded), batches=3, candidate_path="a",
-                           other_paths=[CandidatePath("b", ModelSource.of(plain), batches=1)])
+    report = check_sources(ModelSource.of(gpt2), [CandidatePath("a", ModelSource.of(folded)),
+                                                  CandidatePath("b", ModelSource.of(plain), batches=1)])
     assert report.passed and report.batches == 3 and len(calls) == 1
     assert {o.path for o in report.outputs} == {"a", "b"}
 

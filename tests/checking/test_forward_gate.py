@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import enjoyln
-from enjoyln.convert import fold_checkpoint
+from enjoyln.rewrite.convert import fold_checkpoint
 from enjoyln.cli.app import app
-from enjoyln.checking.forward import FACTOR, ModelSource, check_sources
+from enjoyln.checking.forward import FACTOR, CandidatePath, ForwardOptions, ModelSource, check_sources
 from enjoyln.checking.generation import judge_generation
 from enjoyln.checking.report import NearTie
 from enjoyln.testing import perturb, tiny_model
@@ -69,7 +69,8 @@ def run_mode(reference, candidate, mode):
     if mode == "rtol":
         return enjoyln.check(reference, candidate, rtol=1e-3, **quick)
     if mode == "spill":  # the path of a check within a memory budget
-        return check_sources(ModelSource.of(reference), ModelSource.of(candidate), spill=True, max_rows=1, **quick)
+        return check_sources(ModelSource.of(reference), [CandidatePath("", ModelSource.of(candidate))], None,
+                             ForwardOptions(spill=True, max_rows=1, **quick))
     raise AssertionError(mode)
 
 

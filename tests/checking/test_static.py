@@ -10,7 +10,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import enjoyln
-from enjoyln.convert import fold_checkpoint
+from enjoyln.rewrite.convert import fold_checkpoint
 from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.checking.static import static_check
 from enjoyln.testing import perturb, tiny_model
@@ -597,7 +597,7 @@ def test_trusted_remote_code_is_compared(pair, tmp_path, monkeypatch):
 def test_every_claim_of_the_enjoyln_block_is_verified(pair, tmp_path):
     """A rotation that does not keep the mean is exact only through enjoyln.load: a block claiming
     plain loading is exact too is a false promise."""
-    from enjoyln.store import block
+    from enjoyln.rewrite import config as block
 
     ref, folded, _ = pair
     rotated = tmp_path / "rotated"

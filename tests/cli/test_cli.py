@@ -11,9 +11,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from enjoyln import convert as checkpoint
+from enjoyln.rewrite import convert as checkpoint
 from enjoyln.checking import checkpoints
-from enjoyln.store import writer
+from enjoyln.rewrite import writer
 from enjoyln.cli.app import app
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir

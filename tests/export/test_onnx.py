@@ -241,7 +241,7 @@ def test_cli_export_fuse_affine_optimize(tmp_path):
 def test_cli_export_refuses_fuse_affine_on_a_plainly_folded_directory(tmp_path):
     from typer.testing import CliRunner
 
-    from enjoyln.convert import fold_checkpoint
+    from enjoyln.rewrite.convert import fold_checkpoint
     from enjoyln.cli.app import app
 
     src = tmp_path / "gpt2"

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from enjoyln import CheckpointError
-from enjoyln.convert import fold_checkpoint
+from enjoyln.rewrite.convert import fold_checkpoint
 from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.cli.app import app
 from enjoyln.testing import perturb, tiny_model
@@ -94,10 +94,10 @@ def test_output_modes_follow_the_umask(src, tmp_path):
 
 
 def test_throughput_counts_the_copy_not_the_analysis(src, tmp_path, monkeypatch):
-    from enjoyln.store import expected as checkpoint
+    from enjoyln.rewrite import planning
 
-    real = checkpoint.analyze
-    monkeypatch.setattr(checkpoint, "analyze", lambda *a, **k: time.sleep(1.0) or real(*a, **k))
+    real = planning.analyze
+    monkeypatch.setattr(planning, "analyze", lambda *a, **k: time.sleep(1.0) or real(*a, **k))
     result = fold_checkpoint(src, tmp_path / "out", check="none")
     assert result.seconds > 1.0 and result.stream_seconds < 0.5
 

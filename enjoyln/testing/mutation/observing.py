@@ -145,7 +145,7 @@ def _config_as_loaded_dir(root: Path) -> Any:
 def _plan_as_loaded(root: Path) -> str:
     """The fold plan ``enjoyln.load`` reads from the ``enjoyln`` block (None without one)."""
     from ...store.model_dir import open_model_dir
-    from ...store.block import recorded_plan
+    from ...rewrite.config import recorded_plan
 
     plan = recorded_plan(open_model_dir(root))
     return json.dumps(plan.to_dict() if plan is not None else None, sort_keys=True)

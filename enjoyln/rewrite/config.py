@@ -8,7 +8,7 @@ from typing import Any
 
 from .._version import __version__
 from ..plan import FoldPlan, block_lists
-from .checkpoint import Checkpoint
+from ..store.checkpoint import Checkpoint
 
 
 def output_config(ck: Checkpoint, plan: FoldPlan) -> dict[str, Any]:

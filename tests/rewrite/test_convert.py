@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 import enjoyln
 from enjoyln.analysis.inputs import hf_example_inputs, is_causal_lm
-from enjoyln.convert import fold_checkpoint
+from enjoyln.rewrite.convert import fold_checkpoint
 from enjoyln.errors import CheckFailed
 from enjoyln.store.load import load
 from enjoyln.units import parse_size
@@ -281,8 +281,8 @@ def _tensors(path):
 def test_early_copy_gives_the_same_tensors_as_a_fresh_write(shard_size, saved, tmp_path, monkeypatch):
     """The fast path (copy during analysis, then center in place) and the plain
     writer produce the same bytes for every tensor, and the same files."""
-    from enjoyln import convert
-    from enjoyln.store import writer
+    from enjoyln.rewrite import convert
+    from enjoyln.rewrite import writer
 
     src = saved("gpt2", torch.float32, **({"max_shard_size": shard_size} if shard_size else {}))
     assert writer.early_spans(open_checkpoint(src), None)  # the fast path applies here
@@ -310,8 +310,8 @@ def test_centering_right_behind_a_copy_still_running(saved, tmp_path, monkeypatc
     import threading
     import time
 
-    from enjoyln import convert
-    from enjoyln.store import writer
+    from enjoyln.rewrite import convert
+    from enjoyln.rewrite import writer
 
     src = saved("gpt2", torch.float32)
     if lone_shard:
@@ -355,8 +355,8 @@ def test_centering_right_behind_a_copy_still_running(saved, tmp_path, monkeypatc
 
 
 def test_header_without_room_falls_back_to_a_fresh_write(saved, tmp_path, monkeypatch):
-    from enjoyln import convert
-    from enjoyln.store import writer
+    from enjoyln.rewrite import convert
+    from enjoyln.rewrite import writer
 
     src = saved("gpt2")
     monkeypatch.setattr(writer, "_HEADER_ROOM", 8)  # the untied head's entry cannot fit

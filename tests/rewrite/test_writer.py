@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from enjoyln.store.expected import Entry
+from enjoyln.rewrite.entries import Entry
 from enjoyln.store.formats import DTYPES
-from enjoyln.store.writer import _center_in_file
+from enjoyln.rewrite.writer import _center_in_file
 from enjoyln.transform.tensors import center_
 
 NAMES = {v: k for k, v in DTYPES.items()}
@@ -43,7 +43,7 @@ def test_a_tensor_that_cannot_be_mapped_is_left_to_the_plain_write(tmp_path, mon
     in the file says so and changes nothing; the writer then reads, centers and writes it."""
     import errno
 
-    from enjoyln.store import writer
+    from enjoyln.rewrite import writer
 
     def refuse(*args, **kwargs):
         raise OSError(errno.ENODEV, "No such device")

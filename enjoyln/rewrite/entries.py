@@ -12,56 +12,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..analysis import analyze
 from ..errors import CheckpointError, EnjoylnError, first_line
-from ..plan import AFFINE_GAIN, MISSING, Centering, FoldPlan, Note, RotationSpec
+from ..plan import Centering, FoldPlan
 from ..transform.steps import apply_plan
 from ..transform.tensors import merge_centerings, tie_groups, ties_lost_on_untie
-from .formats import CODES, DTYPES, SAFE_WEIGHTS, TensorInfo, parse_json_file, widened
-from .checkpoint import Checkpoint
+from ..store.formats import CODES, DTYPES, SAFE_WEIGHTS, TensorInfo, parse_json_file, widened
+from ..store.checkpoint import Checkpoint
+from .planning import read_tensors
 from .stream import StreamedTensors
-from .tensors import TensorReader
-
-
-def analyze_dir(ck: Checkpoint, auxiliary_centering: bool, fuse_affine: bool = False,
-                rotate: RotationSpec | None = None) -> FoldPlan:
-    """The plan for the meta model of ``ck``. The gains a rule depends on (a LayerScale gain the
-    centering divides by, a norm's γ that a kept bias is divided by) are read from the
-    checkpoint, and where one has a zero entry the analysis runs again knowing it."""
-    options = {"auxiliary_centering": auxiliary_centering, "fuse_affine": fuse_affine, "rotate": rotate}
-    plan = analyze(ck.meta, **options)
-    names = sorted({c.scale for c in plan.centered if c.scale}
-                   | {f"{e.name}.weight" for e in plan.foldable if e.affine == AFFINE_GAIN})
-    if names:
-        gains = dict(zip(names, _read_tensors(ck, names)))
-        if not all(bool(g.ne(0).all()) for g in gains.values()):
-            plan = analyze(ck.meta, weights=gains, **options)
-    if ck.missing:
-        plan.notes.append(missing_note(ck.missing, ck.architecture))
-    return plan
-
-
-def missing_note(names: list[str], architecture: str) -> Note:
-    """The plan's note on parameters the model class builds that the checkpoint lacks."""
-    many = len(names) > 1
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return Note.of(MISSING, f"{len(names)} parameter{'s' if many else ''}", architecture, shown,
-                   "them" if many else "it", "them" if many else "it")
-
-
-def _read_tensors(ck: Checkpoint, names: list[str]) -> list[torch.Tensor]:
-    """Small tensors (LayerScale gains) by parameter name, read from the checkpoint."""
-    out = []
-    reader = TensorReader(ck)
-    try:
-        for name in names:
-            key = ck.key(name)
-            if key is None:
-                raise CheckpointError(f"the checkpoint has no tensor for {name}, which the fold needs")
-            out.append(ck.pickled_tensors[key][1] if ck.pickled else reader.read(key))
-    finally:
-        reader.close()
-    return out
+from ..store.tensors import TensorReader
 
 
 @dataclass
@@ -109,7 +68,7 @@ def plan_entries(ck: Checkpoint, plan: FoldPlan) -> list[tuple[str, list[Entry]]
 
     extras: dict[str, tuple[str, int | None]] = {}  # new name -> (source key, centering axis)
     gains = [c.scale for c in plan.centered if c.scale]
-    gains = dict(zip(gains, _read_tensors(ck, gains))) if gains else {}
+    gains = dict(zip(gains, read_tensors(ck, gains))) if gains else {}
     planned: dict[tuple[str, ...], list[Centering]] = {}  # each tensor once, with all its centerings
     for c in plan.centered:
         if c.saved:  # a non-persistent buffer is not in the checkpoint: enjoyln.load centers it
@@ -161,13 +120,6 @@ def plan_entries(ck: Checkpoint, plan: FoldPlan) -> list[tuple[str, list[Entry]]
                 e.dtype = CODES[widened(DTYPES[e.dtype], loads)]
                 e.nbytes = math.prod(e.shape) * DTYPES[e.dtype].itemsize
     return shards
-
-
-def moves_values(plan: FoldPlan) -> bool:
-    """Whether a plan computes tensors from other tensors (a fused affine, a rotation), which
-    a centering of each tensor on its own cannot do: such folds are computed by
-    ``StreamedTensors``, each tensor from the reference tensors it depends on."""
-    return bool(plan.fused) or plan.rotation is not None
 
 
 def final_tensors(ck: Checkpoint, plan: FoldPlan) -> dict[str, torch.Tensor]:

@@ -42,10 +42,10 @@ from ..plan import AFFINE_FUSED, AFFINE_GAIN, Centering, FoldPlan, Fused, Rotate
 from ..transform.rotation import apply_rotation
 from ..transform.steps import PIPELINE, check_fits
 from ..transform.tensors import center_, fused_product, scale_inputs_, ties_lost_on_untie
-from .formats import DTYPES, TensorInfo, widened
-from .hf import model_class
-from .checkpoint import Checkpoint
-from .tensors import TensorReader, return_freed_memory
+from ..store.formats import DTYPES, TensorInfo, widened
+from ..store.hf import model_class
+from ..store.checkpoint import Checkpoint
+from ..store.tensors import TensorReader, return_freed_memory
 
 STASH_BYTES = 512 << 20
 """At most this much of weights computed ahead of their request (for a fused bias's ``W β``)."""

@@ -84,14 +84,15 @@ import json
 
 import transformers
 
-from enjoyln import convert
-from enjoyln.convert import fold_checkpoint
-from enjoyln.store import writer
-from enjoyln.store.expected import analyze_dir, final_tensors
+from enjoyln.rewrite import convert
+from enjoyln.rewrite.convert import fold_checkpoint
+from enjoyln.rewrite import writer
+from enjoyln.rewrite.entries import final_tensors
+from enjoyln.rewrite.planning import analyze_dir
 from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.testing import perturb, tiny_model
-from enjoyln.store import stream
-from enjoyln.store.stream import Output, StreamedTensors
+from enjoyln.rewrite import stream
+from enjoyln.rewrite.stream import Output, StreamedTensors
 
 
 def _bert_mlm():

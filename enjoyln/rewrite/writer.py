@@ -16,17 +16,18 @@ import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
 from ..errors import CheckpointError
+from ..store.checkpoint import Checkpoint
+from ..store.formats import DTYPES
+from ..store.tensors import Buffer, Mapped, TensorReader
 from ..transform.tensors import center_, center_into
-from .expected import Entry, reshard
-from .formats import DTYPES
-from .checkpoint import Checkpoint
-from .tensors import Buffer, Mapped, TensorReader
+from .entries import Entry, reshard
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -72,8 +73,18 @@ def _header_json(entries: list[Entry], metadata: dict[str, str]) -> bytes:
     return json.dumps(header, separators=(",", ":")).encode()
 
 
-def write_shard(file: Path, entries: list[Entry], reader: TensorReader, metadata: dict[str, str],
-                advance: Callable[[int], None], buffer: Buffer) -> None:
+@dataclass
+class Writing:
+    """What every shard the fold writes shares: the reader of the input's tensors, one reused
+    buffer, the header's metadata, and the progress callback (bytes written)."""
+
+    reader: TensorReader
+    metadata: dict[str, str]
+    advance: Callable[[int], None]
+    buffer: Buffer = field(default_factory=Buffer)
+
+
+def write_shard(file: Path, entries: list[Entry], w: Writing) -> None:
     """Write one safetensors file tensor by tensor.
 
     safetensors' own writer needs every tensor of a file in memory at once;
@@ -82,8 +93,8 @@ def write_shard(file: Path, entries: list[Entry], reader: TensorReader, metadata
     by the kernel on a second thread while this one centers the others.
     Callers re-read the result's header.
     """
-    root = reader.ck.path
-    blob = _header_json(entries, metadata)
+    root, advance = w.reader.ck.path, w.advance
+    blob = _header_json(entries, w.metadata)
     blob += b" " * (-len(blob) % 8)
     base = 8 + len(blob)
     positions, pos = [], base
@@ -111,11 +122,11 @@ def write_shard(file: Path, entries: list[Entry], reader: TensorReader, metadata
                                 else memoryview(b""), at)
                     del t
                 elif e.tensor is not None:
-                    t = buffer.bytes(e.nbytes).view(DTYPES[e.dtype]).view(e.shape)
+                    t = w.buffer.bytes(e.nbytes).view(DTYPES[e.dtype]).view(e.shape)
                     t.copy_(e.tensor)
                     _center_and_write(out, at, t, e)
                 else:
-                    _center_and_write(out, at, reader.read(e.source.name, buffer), e)
+                    _center_and_write(out, at, w.reader.read(e.source.name, w.buffer), e)
                 advance(e.nbytes)
         os.ftruncate(out, pos)
     finally:
@@ -221,8 +232,7 @@ class EarlyCopy:
         self.thread.join()
 
 
-def finish_shard(file: Path, entries: list[Entry], reader: TensorReader, shard: str, base: int,
-                 metadata: dict[str, str], advance: Callable[[int], None], buffer: Buffer,
+def finish_shard(file: Path, entries: list[Entry], w: Writing, shard: str, base: int,
                  copied: Callable[[int], None] | None = None) -> bool:
     """Turn the early copy of the input's ``shard`` (its data at ``base``) into the output shard
     ``file``, which may have another name; False, with nothing touched, if its header would not
@@ -233,8 +243,8 @@ def finish_shard(file: Path, entries: list[Entry], reader: TensorReader, shard: 
     soon as the copy is past them; entries added by the plan (untied heads) are appended after
     them. The copy may still be writing the shard's tail when this returns.
     """
-    root = reader.ck.path
-    blob = _header_json(entries, metadata)
+    root, advance = w.reader.ck.path, w.advance
+    blob = _header_json(entries, w.metadata)
     start = base + _HEADER_ROOM
     if len(blob) > start - 8:
         return False
@@ -265,7 +275,7 @@ def finish_shard(file: Path, entries: list[Entry], reader: TensorReader, shard: 
                 if copied is not None and not appended:
                     copied(at + e.nbytes)
                 if appended or not _center_in_file(out, at, e):
-                    _center_and_write(out, at, reader.read(e.source.name, buffer), e)
+                    _center_and_write(out, at, w.reader.read(e.source.name, w.buffer), e)
                 advance(e.nbytes)
         _pwrite_all(out, memoryview(struct.pack("<Q", len(blob)) + blob), 0)
     finally:

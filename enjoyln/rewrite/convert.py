@@ -1,0 +1,338 @@
+"""Fold a model directory into a new one: analyse it on the meta device, write the fold into a
+temporary directory beside OUT_DIR, check it there, and publish it by rename.
+
+The analysis runs on the meta device (no weights in memory). The fold then
+streams tensor by tensor (``store.writer``): tensors that do not change are
+copied byte for byte, centered ones are loaded one at a time, centered in
+float64 and written back in their own dtype. Peak memory is a few of the
+largest tensors (pickle weights, read only with ``--allow-pickle``, are loaded
+whole).
+
+OUT_DIR never holds a partial or unchecked fold; the input directory is only
+ever read. Reading, containing and publishing directories is ``store``'s job;
+the check is ``checking.checkpoints``'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from .._version import __version__
+from ..analysis.norms import norm_module_paths
+from ..checking.checkpoints import check_checkpoints, require_memory
+from ..errors import CheckFailed, CheckpointError, EnjoylnError
+from ..options import FoldOptions
+from ..plan import NOT_ROTATED, FoldPlan, RotationSpec
+from ..store.checkpoint import Checkpoint, open_checkpoint
+from ..store.files import check_links, copy_extras
+from ..store.formats import SAFE_INDEX, read_safetensors_header
+from ..store.hf import check_shapes
+from ..store.tensors import TensorReader
+from ..store.transaction import (check_out_dir, clean_stale, keep_failed, missing_dirs, publish, remove_dirs,
+                                 signals_held, temp_dir)
+from ..transform.steps import check_fits
+from .config import output_config
+from .entries import Entry, index_metadata, moved_entries, plan_entries, reshard
+from .planning import analyze_dir, moves_values
+from .stream import StreamedTensors
+from .writer import EarlyCopy, Writing, early_layout, early_spans, finish_shard, write_shard
+
+if TYPE_CHECKING:
+    from ..checking.report import CheckReport
+
+__all__ = ["fold_checkpoint", "analyze_checkpoint", "FoldResult"]
+
+Progress = Callable[[int, int], None]
+"""Called with (bytes done, bytes total) as the output is written."""
+
+
+def analyze_checkpoint(path: str | os.PathLike, *, auxiliary_centering: bool = False, fuse_affine: bool = False,
+                       rotate: RotationSpec | tuple[str, int, bool] | None = None, allow_pickle: bool = False,
+                       trust_remote_code: bool = False, model_class: str | None = None) -> FoldPlan:
+    """The fold plan for a model directory, computed on the meta device.
+
+    >>> analyze_checkpoint("path/to/gpt2").summary()  # doctest: +SKIP
+    """
+    ck = open_checkpoint(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
+    check_shapes(ck)
+    return analyze_dir(ck, auxiliary_centering, fuse_affine, RotationSpec.of(rotate))
+
+
+def _os_error(exc: OSError, out: Path, tmp: Path | None) -> CheckpointError:
+    """One line naming the path at fault: OUT_DIR for anything written there, else the file itself."""
+    name = Path(exc.filename) if exc.filename else None
+    where = out if name is None or (tmp is not None and (name == tmp or tmp in name.parents)) else name
+    if exc.errno == errno.ENOSPC:
+        return CheckpointError(f"disk full while writing {where}; nothing was written")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return CheckpointError(f"permission denied writing {where}; nothing was written")
+    return CheckpointError(f"cannot write {where}: {exc.strerror or exc}; nothing was written")
+
+
+def _same_load_dtype(ck: Checkpoint, tmp: Path) -> None:
+    """The fold's postcondition on dtypes: the output loads in the dtype the original loads in."""
+    out = open_checkpoint(tmp, allow_pickle=True, trust_remote_code=ck.trust_remote_code)
+    theirs, (ours, why) = ck.load_dtype[0], out.load_dtype
+    if ours != theirs:
+        raise CheckpointError(f"the fold would load in {ours} (from {why}) where the original loads in {theirs}; "
+                              "nothing was written; set dtype in the original's config.json and run again")
+
+
+@dataclass
+class FoldResult:
+    """What ``fold_checkpoint`` did."""
+
+    plan: FoldPlan
+    out_dir: Path | None
+    files: list[str]
+    bytes_written: int
+    seconds: float
+    """Wall time of the whole fold, analysis and check included."""
+    stream_seconds: float = 0.0
+    """Time spent moving the weights: the copy itself, not the wait for imports or the analysis."""
+    report: "CheckReport | None" = None
+    """The check that ran before OUT_DIR was published (None with ``check="none"``)."""
+    skipped: list[str] = field(default_factory=list)
+    """Entries of MODEL_DIR not copied, with the reason (outside it, special files)."""
+    cleaned: list[Path] = field(default_factory=list)
+    """Temporary directories of killed runs for the same OUT_DIR, removed first."""
+    followed: list[str] = field(default_factory=list)
+    """Files a model directory needs, copied through links that leave MODEL_DIR (``name -> target``)."""
+
+
+def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: FoldOptions | None = None, *,
+                    progress: Progress | None = None, check_progress: Progress | None = None,
+                    **values: Any) -> FoldResult:
+    """Fold a Hugging Face model directory into OUT_DIR, streaming tensor by tensor, and check it.
+
+    OUT_DIR gets every file of MODEL_DIR (tokenizer and processor files
+    included), the centered weights in their own dtypes, an explicit untied
+    head, and an ``enjoyln`` block in config.json. It loads with plain
+    ``from_pretrained`` (the LNs are still there and see zero-mean inputs), or
+    with ``enjoyln.load`` (the LNs run as RMSNorm).
+
+    ``options`` (a ``FoldOptions``), or the same as keywords (``check="static"``,
+    ``fuse_affine=True``, ``allow_pickle=True``, ...): the fold is written to a
+    temporary directory and checked there (``check``: ``"full"`` proves every
+    weight and then compares outputs, ``"static"`` proves the weights only,
+    ``"none"`` skips it); only a candidate that passes is renamed to OUT_DIR.
+    A failing one raises ``CheckFailed`` and is removed, or kept beside OUT_DIR
+    with ``keep_failed``. With ``model_class`` the directory is folded as that
+    transformers class (config.json of OUT_DIR then names it). With
+    ``fuse_affine`` the folded norms' affines move into their readers; with
+    ``rotate`` (kind, seed, keep_mean) the residual stream is rotated too (see
+    ``enjoyln.rotate``). Both compute tensors from other tensors: each is
+    computed from the reference tensors it depends on as the writer reaches it
+    (``StreamedTensors``), so memory stays a few of the largest tensors.
+    ``progress`` hears of the bytes written, ``check_progress`` of the check's.
+
+    >>> fold_checkpoint("gpt2-dir", "gpt2-folded").report.passed  # doctest: +SKIP
+    True
+    """
+    opts = FoldOptions.of(options, **values)
+    start = time.perf_counter()
+    ck = open_checkpoint(model_dir, **dataclasses.asdict(opts.access))
+    out = _out_dir(Path(out_dir))
+    _refuse_early(ck, out, opts)
+    fold = _Fold(ck, out, opts, progress)
+    try:
+        with fold:
+            plan = fold.plan()
+            if opts.dry_run or not plan.foldable:
+                return FoldResult(plan, None, [], 0, time.perf_counter() - start, cleaned=fold.cleaned)
+            written = fold.write(plan)
+            report = fold.check(check_progress)
+            fold.publish()
+    except OSError as exc:
+        raise _os_error(exc, out, fold.tmp) from None
+    return FoldResult(plan, out, written.files, written.nbytes, time.perf_counter() - start, written.seconds,
+                      report=report, skipped=written.skipped, cleaned=fold.cleaned, followed=written.followed)
+
+
+def _out_dir(out: Path) -> Path:
+    """OUT_DIR as it is renamed into place: publishing renames OUT_DIR itself, so a link would
+    be replaced by a directory (its target left stale), and '.' or '..' have no name to put a
+    temporary directory beside."""
+    if out.is_symlink() or out.name in ("", ".."):
+        try:
+            return out.resolve(strict=False)
+        except RuntimeError:  # a loop of links
+            raise CheckpointError(f"OUT_DIR {out} is a symbolic link that leads back to itself") from None
+    return out
+
+
+def _refuse_early(ck: Checkpoint, out: Path, opts: FoldOptions) -> None:
+    """Everything that refuses the fold before anything is written."""
+    if opts.max_shard_size is not None and not ck.library.shards:
+        raise CheckpointError(f"{ck.library.name} loads one weight file, model.safetensors, so this directory "
+                              "is not re-sharded; drop --max-shard-size")
+    check_out_dir(ck.path, out, opts.force, dry_run=opts.dry_run)
+    check_links(ck)  # a file a loader reads, outside MODEL_DIR: refused before anything is written
+    if opts.check.mode == "full" and not opts.dry_run:
+        require_memory(ck, opts.check.max_memory)
+
+
+@dataclass
+class _Written:
+    files: list[str]
+    nbytes: int
+    seconds: float
+    skipped: list[str] = field(default_factory=list)
+    followed: list[str] = field(default_factory=list)
+
+
+class _Fold:
+    """One fold in progress. It owns, in one ``ExitStack``, everything a fold holds until it
+    publishes: the temporary directory beside OUT_DIR (removed unless published or kept), the
+    directories made for it, and, released first, the early copy, the reader of the input and
+    the streamed tensors; and it counts the bytes written for ``progress``."""
+
+    def __init__(self, ck: Checkpoint, out: Path, opts: FoldOptions, progress: Progress | None) -> None:
+        self.ck, self.out, self.opts, self.progress = ck, out, opts, progress
+        self.tmp: Path | None = None
+        self.early: EarlyCopy | None = None
+        self.spans: dict[str, tuple[str, int, int]] = {}
+        self.cleaned: list[Path] = []
+        self.published = False
+        self._done, self._total, self._lock = 0, 0, threading.Lock()
+
+    def __enter__(self) -> "_Fold":
+        self.stack = contextlib.ExitStack().__enter__()
+        if not self.opts.dry_run:
+            self.cleaned = clean_stale(self.out)
+            created = missing_dirs(self.out.parent)  # removed again unless OUT_DIR is published
+            self.stack.callback(lambda: None if self.published else remove_dirs(created))
+        self.stack.callback(self._remove_tmp)
+        self.resources = self.stack.enter_context(contextlib.ExitStack())  # released first
+        self._start_early_copy()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.__exit__(*exc)
+
+    def _remove_tmp(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _temp_dir(self) -> Path:
+        if self.tmp is None:
+            with signals_held():  # an interrupt must find tmp set, to clean it up
+                self.tmp = temp_dir(self.out)
+        return self.tmp
+
+    def advance(self, n: int, more_total: int = 0) -> None:
+        with self._lock:
+            self._done, self._total = self._done + n, self._total + more_total
+            if self.progress is not None and n:
+                self.progress(self._done, max(self._total, self._done))
+
+    def _start_early_copy(self) -> None:
+        """Copy the input's weight files while the model's code loads and the analysis runs (see
+        ``EarlyCopy``): not for a plan that moves values, which rewrites nearly every tensor."""
+        o = self.opts
+        moving = o.fuse_affine or o.rotate is not None or (o.plan is not None and moves_values(o.plan))
+        self.spans = early_spans(self.ck, o.max_shard_size) if not o.dry_run and not moving else {}
+        if self.spans:
+            self.advance(0, sum(length for _, _, length in self.spans.values()))
+            tmp = self._temp_dir()
+            with signals_held():
+                self.early = EarlyCopy(self.ck, tmp, self.spans, self.advance)
+            self.resources.callback(self.early.cancel)
+
+    def plan(self) -> FoldPlan:
+        """The plan given, fitted to the model, or the analysis's."""
+        ck, o = self.ck, self.opts
+        if self.early is not None and not norm_module_paths(ck.meta):
+            self.early.cancel()  # no norm module: almost surely nothing to fold, so stop copying now
+            self.early, self.spans = None, {}
+        if o.plan is not None:
+            check_fits(ck.meta, o.plan)
+        check_shapes(ck)
+        plan = o.plan or analyze_dir(ck, o.auxiliary_centering, o.fuse_affine, o.rotate)
+        if o.rotate is not None and plan.rotation is None and not o.dry_run:
+            why = plan.note(NOT_ROTATED) or "the plan has no rotation"
+            raise EnjoylnError(f"{why}; nothing was written")
+        return plan
+
+    def _entries(self, plan: FoldPlan) -> list[tuple[str, list[Entry]]]:
+        if not moves_values(plan):
+            return plan_entries(self.ck, plan)
+        streamed = StreamedTensors(self.ck, plan)
+        self.resources.callback(streamed.close)
+        return moved_entries(self.ck, streamed)
+
+    def write(self, plan: FoldPlan) -> _Written:
+        """Every file of the fold, in the temporary directory: the other files, config.json, the
+        weight shards (the early copies finished where they lie, the rest written afresh), the
+        index; then its postconditions: every shard reads back, and it loads in the original's dtype."""
+        ck = self.ck
+        shards = reshard(self._entries(plan), self.opts.max_shard_size, indexed=ck.index is not None)
+        tmp, write_start = self._temp_dir(), time.perf_counter()
+        followed: list[str] = []
+        skipped = copy_extras(ck, tmp, followed)
+        (tmp / "config.json").write_text(json.dumps(output_config(ck, plan), indent=2) + "\n")
+        self._write_shards(shards)
+        seconds = time.perf_counter() - write_start
+        if self.early is not None:
+            self.early.cancel()
+            seconds += self.early.seconds_before(write_start)
+        nbytes = sum(e.nbytes for _, es in shards for e in es)
+        if len(shards) > 1 or ck.index is not None:
+            index = {"metadata": index_metadata(ck, nbytes), "weight_map": {e.name: name for name, es in shards for e in es}}
+            (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        for name, _ in shards:  # the output must read back, or it is not published
+            read_safetensors_header(tmp / name)
+        _same_load_dtype(ck, tmp)  # even with check="none": it must load as the original does
+        return _Written([name for name, _ in shards], nbytes, seconds, skipped, followed)
+
+    def _write_shards(self, shards: list[tuple[str, list[Entry]]]) -> None:
+        """Each shard finished from its early copy where its layout allows (``finish_shard``),
+        else written afresh; what is left to write is added to the progress total first."""
+        by_name = {name: shard for shard, (name, _, _) in self.spans.items()} if self.early is not None else {}
+        layout = {name: early_layout(self.ck, by_name.get(name), entries) for name, entries in shards}
+        self.advance(0, sum(e.nbytes for name, es in shards for i, e in enumerate(es)
+                            if layout[name] is None or i >= layout[name] or e.axis is not None))
+        reader = self.resources.enter_context(contextlib.closing(TensorReader(self.ck)))
+        w = Writing(reader, {"format": "pt", "enjoyln": __version__}, self.advance)
+        for name, entries in shards:
+            shard = by_name.get(name)  # set wherever layout[name] is
+            copied = (lambda upto, s=shard: self.early.wait(s, upto)) if shard is not None else None
+            finished = layout[name] is not None and finish_shard(self.tmp / name, entries, w, shard,
+                                                                 self.spans[shard][1], copied)
+            if shard is not None:  # the whole copy: the tail behind the centering, or before a rewrite of the file
+                self.early.wait(shard)
+            if finished:
+                continue
+            if layout[name] is not None:  # the header outgrew its room: write the shard afresh
+                self.advance(0, sum(e.nbytes for e in entries))
+            write_shard(self.tmp / name, entries, w)
+
+    def check(self, progress: Progress | None) -> CheckReport | None:
+        """The check of the written fold, its plan derived afresh from the reference; raises
+        ``CheckFailed`` (the candidate removed, or kept with ``keep_failed``) if it fails."""
+        if self.opts.check.mode == "none":
+            return None
+        report = check_checkpoints(self.ck, self.tmp, self.opts.checking, progress=progress)
+        if not report.passed:
+            kept = keep_failed(self.tmp, self.out) if self.opts.keep_failed else None
+            self.tmp = None if kept else self.tmp
+            where = (f"the candidate is kept in {kept}" if kept
+                     else "pass --keep-failed (keep_failed=True) to keep the candidate for inspection")
+            raise CheckFailed(f"the folded model failed its check, so {self.out} was not written; {where}",
+                              report, kept)
+        return report
+
+    def publish(self) -> None:
+        self.resources.close()  # the early copy and the readers first: nothing may still write into it
+        publish(self.tmp, self.out)
+        self.tmp, self.published = None, True

@@ -1,0 +1,60 @@
+"""The plan for a model directory: the analysis of its meta model, with the gains a rule
+depends on read from its weights, and a note on the parameters no weight file holds."""
+
+from __future__ import annotations
+
+import torch
+
+from ..analysis import analyze
+from ..errors import CheckpointError
+from ..plan import AFFINE_GAIN, MISSING, FoldPlan, Note, RotationSpec
+from ..store.checkpoint import Checkpoint
+from ..store.tensors import TensorReader
+
+
+def analyze_dir(ck: Checkpoint, auxiliary_centering: bool, fuse_affine: bool = False,
+                rotate: RotationSpec | None = None) -> FoldPlan:
+    """The plan for the meta model of ``ck``. The gains a rule depends on (a LayerScale gain the
+    centering divides by, a norm's γ that a kept bias is divided by) are read from the
+    checkpoint, and where one has a zero entry the analysis runs again knowing it."""
+    options = {"auxiliary_centering": auxiliary_centering, "fuse_affine": fuse_affine, "rotate": rotate}
+    plan = analyze(ck.meta, **options)
+    names = sorted({c.scale for c in plan.centered if c.scale}
+                   | {f"{e.name}.weight" for e in plan.foldable if e.affine == AFFINE_GAIN})
+    if names:
+        gains = dict(zip(names, read_tensors(ck, names)))
+        if not all(bool(g.ne(0).all()) for g in gains.values()):
+            plan = analyze(ck.meta, weights=gains, **options)
+    if ck.missing:
+        plan.notes.append(missing_note(ck.missing, ck.architecture))
+    return plan
+
+
+def missing_note(names: list[str], architecture: str) -> Note:
+    """The plan's note on parameters the model class builds that the checkpoint lacks."""
+    many = len(names) > 1
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return Note.of(MISSING, f"{len(names)} parameter{'s' if many else ''}", architecture, shown,
+                   "them" if many else "it", "them" if many else "it")
+
+
+def read_tensors(ck: Checkpoint, names: list[str]) -> list[torch.Tensor]:
+    """Small tensors (LayerScale gains, norm gains) by parameter name, read from the checkpoint."""
+    out = []
+    reader = TensorReader(ck)
+    try:
+        for name in names:
+            key = ck.key(name)
+            if key is None:
+                raise CheckpointError(f"the checkpoint has no tensor for {name}, which the fold needs")
+            out.append(ck.pickled_tensors[key][1] if ck.pickled else reader.read(key))
+    finally:
+        reader.close()
+    return out
+
+
+def moves_values(plan: FoldPlan) -> bool:
+    """Whether a plan computes tensors from other tensors (a fused affine, a rotation), which
+    a centering of each tensor on its own cannot do: such folds are computed by
+    ``StreamedTensors``, each tensor from the reference tensors it depends on."""
+    return bool(plan.fused) or plan.rotation is not None
