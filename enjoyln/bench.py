@@ -24,6 +24,7 @@ from . import ops
 from .analysis.inputs import ExampleInputs, as_inputs
 from .checking.running import flatten_outputs
 from .store.load import load, load_plain
+from .options import Access
 from .errors import EnjoylnError
 from .modules.norm import RMSNorm
 from .store.checkpoint import open_checkpoint
@@ -472,7 +473,7 @@ def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: 
 
 
 def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = "cpu",
-                      dtype: torch.dtype | None = None) -> tuple[nn.Module, nn.Module]:
+                      dtype: torch.dtype | None = None, access: Access = Access()) -> tuple[nn.Module, nn.Module]:
     """(original, folded) to time against each other: from a folded directory (the original is
     what plain ``from_pretrained`` gives, LayerNorms kept), from an original one (folded in
     memory), or, without a directory, a random GPT-2 small with perturbed weights. Folded in the
@@ -485,9 +486,9 @@ def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = 
 
         original = perturb(transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval())
         folded = fold(copy.deepcopy(original))
-    elif open_checkpoint(model_dir).config.get("enjoyln"):
-        original, folded = load_plain(model_dir), load(model_dir)
+    elif (ck := open_checkpoint(model_dir, **asdict(access))).config.get("enjoyln"):
+        original, folded = load_plain(ck), load(ck)
     else:
-        original = load(model_dir)
+        original = load(ck)
         folded = fold(copy.deepcopy(original))
     return original.to(device, dtype), folded.to(device, dtype)

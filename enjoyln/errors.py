@@ -48,13 +48,19 @@ class CheckFailed(EnjoylnError):
 
 def first_line(exc: BaseException, default: str | None = None) -> str:
     """The first line of ``exc``'s message, for a one-line error; ``default`` (the
-    exception's type name unless given) when the message is empty.
+    exception's type name unless given) when the message is empty. A first line that ends
+    in a colon announces the next (pydantic's "Validation error for field 'n_embd':"), so the
+    next line comes with it.
 
     >>> first_line(ValueError("bad shape\\nin layer 3")), first_line(KeyError())
     ('bad shape', 'KeyError')
+    >>> first_line(ValueError("Validation error for field 'n_embd':\\n  '64' is not an int"))
+    "Validation error for field 'n_embd': '64' is not an int"
     """
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else (type(exc).__name__ if default is None else default)
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__ if default is None else default
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 class Interrupted(BaseException):

@@ -25,7 +25,7 @@ def parse_size(text: str | int | None) -> int | None:
                 pass
             break
     else:
-        size = int(s) if s.isdigit() else None
+        size = int(s) if s.isascii() and s.isdigit() else None
     if size is None or size <= 0:
         raise CheckpointError(f"cannot use the size {text!r}; write a positive size such as 500MB or 2GB")
     return size

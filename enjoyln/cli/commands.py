@@ -15,10 +15,12 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..errors import CheckFailed, EnjoylnError
+from ..errors import CheckFailed, EnjoylnError, first_line
+from ..options import Access
 from ..plan import RotationSpec
 from .options import (Batches, Check, CheckMemory, DryRun, Force, JsonOnly, KeepFailed, MaxShardSize, ModelClass,
-                      ReadPickle, Rtol, SeqLen, StaticCheck, TrustCode, parse_dtypes, parse_shapes)
+                      ReadPickle, Rtol, SeqLen, StaticCheck, TrustCode, parse_device, parse_dtypes, parse_plot,
+                      parse_shapes)
 from .render import (ByteProgress, drop_stdout, out, print_compiled, print_end_to_end, print_export, print_json,
                      print_kernels, print_plan, print_report, show_fold)
 
@@ -171,7 +173,7 @@ def check(
                     "or --forward-only, the first covering every position).")] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Rows of the short batches.")] = 2,
     seq_len: Annotated[int, typer.Option(min=1, help="Sequence length of the short batches.")] = 16,
-    seed: Annotated[int, typer.Option(help="Seed of the first batch.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=2**62, help="Seed of the first batch.")] = 0,
     thorough: Annotated[bool, typer.Option(
         "--thorough", help="After the weight check, also run a batch that covers every position and "
                            "thousands of token ids (slower).")] = False,
@@ -267,9 +269,9 @@ def bench(
     dtypes: Annotated[str, typer.Option(help="Kernel dtypes, comma-separated.")] = "float32,bfloat16",
     batch: Annotated[int, typer.Option(min=1, help="End-to-end batch size.")] = 1,
     seq_len: Annotated[int, typer.Option(min=1, help="End-to-end sequence length.")] = 512,
-    threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads (default: torch's default).")] = None,
+    threads: Annotated[Optional[int], typer.Option(min=1, max=1024, help="torch threads (default: torch's default).")] = None,
     repeats: Annotated[int, typer.Option(min=1, help="End-to-end forwards per model.")] = 20,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
     dtype: Annotated[Optional[str], typer.Option(
         help="dtype of both models end to end and compiled: float32, bfloat16 or float16 (default: as loaded; "
              "the folded model is folded first, then cast).")] = None,
@@ -278,6 +280,7 @@ def bench(
     compile_: Annotated[bool, typer.Option(
         "--compile", help="Also time both models under torch.compile (inductor, fullgraph=True), and check the "
                           "compiled folded model.")] = False,
+    allow_pickle: ReadPickle = False, trust_remote_code: TrustCode = False,
 ) -> None:
     """Measure enjoyln RMSNorm against native LayerNorm, alone and in a model."""
     import torch
@@ -286,8 +289,9 @@ def bench(
     from .. import ops
     from ..analysis.inputs import hf_example_inputs
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise EnjoylnError("--device cuda, but CUDA is not available")
+    device, plot = parse_device(device), parse_plot(plot)
+    shape_list, dtype_list = parse_shapes(shapes), parse_dtypes(dtypes)
+    model_dtype = parse_dtypes(dtype, "--dtype")[0] if dtype is not None else None
     if threads is not None:
         torch.set_num_threads(threads)
     payload: dict[str, Any] = {"threads": torch.get_num_threads(), "backends": ops.status()}
@@ -295,14 +299,19 @@ def bench(
         out.print(f"backends: {ops.status()}; {torch.get_num_threads()} threads")
     results = []
     if kernels:
-        results = timing.kernel_benchmark(parse_shapes(shapes), parse_dtypes(dtypes), device=device)
+        try:
+            results = timing.kernel_benchmark(shape_list, dtype_list, device=device)
+        except (RuntimeError, MemoryError) as exc:  # torch's allocator says "can't allocate memory"
+            if "alloc" not in str(exc).lower() and not isinstance(exc, MemoryError):
+                raise
+            raise EnjoylnError(f"not enough memory to time --shapes {shapes}: {first_line(exc)}") from None
         payload["kernels"] = [r.to_dict() for r in results]
         if not as_json:
             print_kernels(results)
     e2e_result = None
     if e2e or compile_:
-        original, folded = timing.models_to_compare(model_dir, device,
-                                                    parse_dtypes(dtype)[0] if dtype is not None else None)
+        access = Access(allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+        original, folded = timing.models_to_compare(model_dir, device, model_dtype, access)
         inputs = hf_example_inputs(original, batch=batch, seq_len=seq_len)
     if e2e:
         e2e_result = timing.end_to_end(original, folded, inputs, repeats=repeats)
@@ -339,7 +348,7 @@ def export(
     seq_len: Annotated[int, typer.Option(min=1, help="Sequence length of the traced inputs.")] = 16,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept .bin weights.")] = False,
+    allow_pickle: ReadPickle = False, trust_remote_code: TrustCode = False, model_class: ModelClass = None,
 ) -> None:
     """Export to ONNX with RMSNorm as one op and dynamic batch and sequence axes; check the
     file and run it in onnxruntime at the traced shape and a second one."""
@@ -350,10 +359,13 @@ def export(
     from ..export.onnx import export_checkpoint
 
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    if out_file.suffix != ".onnx" or out_file.is_dir():
+        raise EnjoylnError(f"cannot write the ONNX model to {out_file}; name a file ending in .onnx")
     if out_file.exists() and not force:
         raise EnjoylnError(f"{out_file} exists; pass --force to replace it")
     report = export_checkpoint(model_dir, out_file, fuse_affine=fuse_affine, batch=batch, seq_len=seq_len,
-                               allow_pickle=allow_pickle, opset=opset, optimize=optimize, dynamic=not static)
+                               opset=opset, optimize=optimize, dynamic=not static, allow_pickle=allow_pickle,
+                               trust_remote_code=trust_remote_code, model_class=model_class)
     if as_json:
         print_json(report.to_dict())
     else:

@@ -36,6 +36,10 @@ ModelClass = Annotated[Optional[str], typer.Option(
          "for weights saved without the head MPNetForMaskedLM would add at random.")]
 
 
+MAX_SHAPE = 1 << 30
+"""The most elements a benchmarked tensor may hold (4 GiB in float32; several are alive at once)."""
+
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     """``--shapes 2048x768,4096x1024``."""
     try:
@@ -44,17 +48,48 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
         shapes = []
     if not shapes or any(len(s) != 2 or min(s) <= 0 for s in shapes):
         raise EnjoylnError(f"cannot use --shapes {text!r}; write positive sizes such as 2048x768,4096x1024")
+    if any(rows * cols > MAX_SHAPE for rows, cols in shapes):
+        raise EnjoylnError(f"cannot use --shapes {text!r}; a shape may hold at most {MAX_SHAPE:,} elements")
     return shapes  # type: ignore[return-value]
 
 
-def parse_dtypes(text: str) -> list[Any]:
-    """``--dtypes float32,bfloat16``: torch dtypes, floating ones only."""
+BENCH_DTYPES = ("float32", "bfloat16", "float16", "float64")
+"""The dtypes the norms run in (float8 and float4 have no LayerNorm kernel to compare with)."""
+
+
+def parse_dtypes(text: str, option: str = "--dtypes") -> list[Any]:
+    """``--dtypes float32,bfloat16``: torch dtypes a LayerNorm runs in."""
     import torch
 
-    dtypes = []
-    for name in text.split(","):
-        dtype = getattr(torch, name.strip(), None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise EnjoylnError(f"unknown floating dtype {name!r} in --dtypes")
-        dtypes.append(dtype)
-    return dtypes
+    names = [name.strip() for name in text.split(",")]
+    for name in names:
+        if name not in BENCH_DTYPES:
+            raise EnjoylnError(f"cannot use {name!r} in {option}; use {', '.join(BENCH_DTYPES)}")
+    return [getattr(torch, name) for name in names]
+
+
+def parse_device(text: str) -> str:
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N`` where CUDA is there."""
+    import torch
+
+    if text == "cpu":
+        return text
+    if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise EnjoylnError(f"--device {text}, but CUDA is not available here")
+        if ":" in text and int(text[5:]) >= torch.cuda.device_count():
+            raise EnjoylnError(f"--device {text}, but there are {torch.cuda.device_count()} CUDA devices")
+        return text
+    raise EnjoylnError(f"unknown --device {text!r}; use cpu, cuda or cuda:N")
+
+
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def parse_plot(path: Any) -> Any:
+    """``--plot``: a file named .png, .svg or .pdf (checked before the benchmark runs)."""
+    if path is None:
+        return None
+    if path.suffix.lower() not in PLOT_SUFFIXES or path.is_dir():
+        raise EnjoylnError(f"cannot write the plot to {path}; name a file ending in {', '.join(PLOT_SUFFIXES)}")
+    return path

@@ -44,8 +44,9 @@ from ..ops import opaque  # importing ops registers enjoyln::rms_norm, which exp
 from ..analysis.inputs import (ExampleInputs, Inputs, config_value, hf_example_inputs, inputs_like, is_causal_lm,
                                is_hf_model, resolve_inputs)
 from ..checking.running import flatten_outputs
-from ..store.load import load
 from ..errors import EnjoylnError, first_line
+from ..options import Access
+from ..store.load import load
 from ..store.checkpoint import open_checkpoint
 from ..transform.steps import fold
 
@@ -249,20 +250,22 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
 
 
 def export_checkpoint(model_dir: str | os.PathLike, path: str | os.PathLike, *, fuse_affine: bool = False,
-                      batch: int = 2, seq_len: int = 16, allow_pickle: bool = False, opset: int | None = None,
-                      optimize: bool = False, dynamic: bool = True) -> ExportReport:
+                      batch: int = 2, seq_len: int = 16, opset: int | None = None, optimize: bool = False,
+                      dynamic: bool = True, **access: Any) -> ExportReport:
     """``export_onnx`` for a model directory: a folded one as its recorded plan folded it, any
     other folded first, in memory (with its affines moved into their readers under
-    ``fuse_affine``); traced at ``batch`` x ``seq_len``.
+    ``fuse_affine``); traced at ``batch`` x ``seq_len``. ``access``: ``allow_pickle``,
+    ``trust_remote_code``, ``model_class``, as ``fold_checkpoint`` takes them.
 
     >>> export_checkpoint("gpt2-folded", "gpt2.onnx").passed  # doctest: +SKIP
     True
     """
-    recorded = open_checkpoint(model_dir, allow_pickle=allow_pickle).recorded_plan
+    ck = open_checkpoint(model_dir, **asdict(Access(**access)))
+    recorded = ck.recorded_plan
     if recorded is not None and fuse_affine and not any(e.affine for e in recorded.foldable):
         raise EnjoylnError(f"{model_dir} was folded without --fuse-affine; export it without --fuse-affine, "
                            "or fold the original with `enjoyln fold --fuse-affine`")
-    model = load(model_dir, allow_pickle=allow_pickle)
+    model = load(ck)
     if recorded is None:
         model = fold(model, fuse_affine=fuse_affine)
     return export_onnx(model, path, hf_example_inputs(model, batch=batch, seq_len=seq_len), opset=opset,

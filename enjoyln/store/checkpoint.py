@@ -151,8 +151,8 @@ def _index(index_file: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index_file} has no weight_map")
     safe = index_file.name == SAFE_INDEX
-    for shard in sorted(set(weight_map.values()), key=repr):
-        if not isinstance(shard, str) or Path(shard).name != shard or shard.startswith("."):
+    for shard in sorted({v if isinstance(v, str) else repr(v) for v in weight_map.values()}):
+        if shard not in weight_map.values() or Path(shard).name != shard or shard.startswith("."):
             raise CheckpointError(f"{index_file} names the shard {shard!r}, which is not a file in its directory")
         if safe and not shard.endswith(".safetensors"):
             raise CheckpointError(f"{index_file} names the shard {shard!r}, whose name does not end in .safetensors "

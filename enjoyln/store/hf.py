@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -98,12 +99,12 @@ def transformers_load_dtype(ck: Checkpoint) -> tuple[str, str]:
     """
     value = getattr(auto_config(ck), "dtype", None)
     if value is not None:
-        return dtype_name(value), "config.json"
+        return _floating(value, ck.path / "config.json"), "config.json"
     index = ck.path / (PT_INDEX if ck.pickled else SAFE_INDEX)
     if len(ck.shards) > 1 or index.exists():
         metadata = parse_json_file(index, "a weight index").get("metadata")
         if isinstance(metadata, dict) and "dtype" in metadata:
-            return dtype_name(metadata["dtype"]), f"the metadata of {index.name}"
+            return _floating(metadata["dtype"], index), f"the metadata of {index.name}"
     if ck.pickled:
         found = [t.dtype for shard, t in ck.pickled_tensors.values() if shard == ck.shards[0]]
     else:  # safetensors lists the keys sorted
@@ -111,6 +112,17 @@ def transformers_load_dtype(ck: Checkpoint) -> tuple[str, str]:
     floating = [d for d in found if d.is_floating_point and "float8_" not in str(d)]
     first = floating[0] if floating else found[0] if found else torch.float32
     return dtype_name(first), f"its first floating tensor (in {ck.shards[0]})"
+
+
+def _floating(value: Any, where: Path) -> str:
+    """The name of the floating dtype ``value`` names (a torch dtype, or its name), or one line
+    saying that ``where`` names none a model loads in."""
+    name = dtype_name(value) if isinstance(value, (str, torch.dtype)) else None
+    dtype = getattr(torch, name, None) if name else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CheckpointError(f"{where} names the dtype {value!r}, which is not a floating torch dtype a model "
+                              "loads in (such as float32 or bfloat16)")
+    return name
 
 
 def saved_names(model: nn.Module) -> dict[str, str]:

@@ -66,7 +66,8 @@ def rotation_matrix(n: int, kind: str = "hadamard", seed: int = 0, keep_mean: bo
 def _rotation_matrix(n: int, kind: str, seed: int, keep_mean: bool) -> torch.Tensor:
     if kind not in KINDS:
         raise ValueError(f"unknown rotation kind {kind!r}; use one of {', '.join(KINDS)}")
-    gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + n)
+    # a generator seed is 64 bits: any seed works, and those below 2**43 keep their old matrices
+    gen = torch.Generator().manual_seed((int(seed) * 1_000_003 + n) % 2**64)
     if kind == "random":
         q = _random_orthogonal(n, gen)
     else:
