@@ -1,214 +1,61 @@
 """The plan applied to a checkpoint tensor by tensor: each final tensor computed from the
 reference tensors it depends on, without the model in memory.
 
-``apply_plan`` changes a loaded model in place, which on a checkpoint means the whole model in
-memory. But every change the ``PIPELINE`` makes is an in-place operation on one tensor that
-reads a few others as they are at that moment:
-
-- ``UntieParameters``: the untied name starts as a copy of its tie source;
-- ``FuseAffine``: ``fuse_`` adds ``W β`` to a reader's bias (W as it is just before) and scales
-  W's block by γ (the norm's γ and β as they are when its entry is reached); the norm's γ
-  becomes 1 and its β 0 or β/γ;
-- ``CenterParameters``: ``center_`` in plan order, LayerScale gains read when the step starts;
-- ``RotateStream``: ``apply_rotation`` in plan order;
-- ``SwapLayerNorms`` drops the fused norms' γ (and β), ``SeparateTies`` only copies.
-
-``trace`` replays those steps on names alone and records, for each tensor (a *slot*: every name
-that shares it), the operations it undergoes, each with what it reads: another slot as it was
-after so many of its operations (a ``Ref``), or the ``Product`` ``W β``. ``StreamedTensors``
-then computes one output at a time: it reads the slot's reference tensor, converts it to the
-dtype a plain ``from_pretrained`` gives it, applies its operations with the same functions, in
-the same order and dtypes, and casts the result to the key's stored dtype, as ``final_tensors``
-does with the loaded model. So the bits are the same, and memory is the tensor being computed,
-the small values others read (norm gains, biases' products, kept once computed), and weights
-computed ahead of their request (a fused bias comes before its weight in the file), at most
-``STASH_BYTES`` of them.
+Each rewrite step says what it does to a checkpoint's tensors (``Transformation.trace``):
+``trace_plan`` records, for each tensor (a *slot*: every name that shares it), the operations
+it undergoes, each with what it reads (see ``transform.trace``). ``StreamedTensors`` then
+computes one output at a time: it reads the slot's reference tensor, converts it to the dtype a
+plain ``from_pretrained`` gives it, applies its operations with the same functions the steps
+run, in the same order and dtypes, and casts the result to the key's stored dtype (or the wider
+one it loads in), as the plan applied to the loaded model would. So the bits are the same, and
+memory is the tensor being computed, the small values others read (norm gains, biases'
+products, kept once computed), and weights computed ahead of their request (a fused bias comes
+before its weight in the file), at most ``STASH_BYTES`` of them.
 
 Names resolve to checkpoint keys in two places only: ``checkpoint_source`` (where a tensor's
-value is read from) and ``output_slots`` (which keys the fold writes, as ``final_tensors``).
+value is read from) and ``output_slots`` (which keys the fold writes).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Union
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from ..errors import CheckpointError, PlanError
-from ..plan import AFFINE_FUSED, AFFINE_GAIN, Centering, FoldPlan, Fused, Rotated, Rotation
-from ..transform.rotation import apply_rotation
-from ..transform.steps import PIPELINE, check_fits
-from ..transform.tensors import center_, fused_product, scale_inputs_, ties_lost_on_untie
+from ..plan import FoldPlan
+from ..store.checkpoint import Checkpoint
 from ..store.formats import DTYPES, TensorInfo, widened
 from ..store.hf import model_class
-from ..store.checkpoint import Checkpoint
 from ..store.tensors import TensorReader, return_freed_memory
+from ..transform.rotation import apply_rotation
+from ..transform.steps import trace_plan
+from ..transform.tensors import center_, fused_product, scale_inputs_, ties_lost_on_untie
+from ..transform.trace import Op, Product, Read, Ref, Tracer
 
 STASH_BYTES = 512 << 20
 """At most this much of weights computed ahead of their request (for a fused bias's ``W β``)."""
 
 
-@dataclass(frozen=True)
-class Ref:
-    """Slot ``slot`` as it is after the first ``version`` of its operations."""
-
-    slot: int
-    version: int
-
-
-@dataclass(frozen=True, eq=False)
-class Product:
-    """``W β`` over the block of W that reads a norm, as ``fuse_`` adds it to W's bias: W as
-    ``weight`` says, β the norm's bias read by ``beta``. One per fusion (compared by identity)."""
-
-    weight: Ref
-    fused: Fused
-    beta: Ref
-
-
-Read = Union[Ref, Product]
-
-
-@dataclass
-class Op:
-    """One in-place change to a slot, as a step of the ``PIPELINE`` makes it."""
-
-    kind: str
-    """fill, set_bias, add_product, scale, center or rotate."""
-    reads: tuple[Read, ...] = ()
-    fill: float = 0.0
-    gain: bool = False  # set_bias: β/γ (AFFINE_GAIN) rather than 0
-    fused: Fused | None = None
-    centering: Centering | None = None
-    rotated: Rotated | None = None
-    rotation: Rotation | None = None
-
-
-@dataclass
-class Slot:
-    """One tensor of the loaded model: its names, its dtype and shape as loaded, where its first
-    value comes from (a checkpoint key, or another slot's value for an untied copy) and the
-    operations the pipeline applies to it."""
-
-    index: int
-    names: list[str]
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    base: str | Ref | None = None
-    ops: list[Op] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass
-class Trace:
-    """What the pipeline does to every tensor, and which names it leaves on the model."""
-
-    slots: list[Slot]
-    binding: dict[str, int]
-    """Name -> slot after the pipeline (an untied name has its own slot)."""
-    names: list[str]
-    """The model's parameter and buffer names after the pipeline, in ``named_parameters``
-    (with duplicates) then ``named_buffers`` order; the fused norms' dropped γ and β are gone."""
-
-
-def checkpoint_source(names: Iterable[str], key: Callable[[str], str | None]) -> str | None:
-    """The checkpoint key a tensor known by ``names`` (in ``named_parameters`` order: a tie's
-    source first) loads from: the first name the checkpoint has."""
-    return next((k for name in names if (k := key(name)) is not None), None)
-
-
-def output_slots(t: Trace, plan: FoldPlan, meta: nn.Module, key: Callable[[str], str | None],
+def output_slots(t: Tracer, plan: FoldPlan, meta: nn.Module, key: Callable[[str], str | None],
                  saved: dict[str, str]) -> dict[str, int]:
     """The keys of the folded checkpoint that hold a tensor of the model, each with its slot,
     by ``final_tensors``' rules in its order: every name's key (the first name of a key wins),
     then an untied head the checkpoint did not store, then a tie the untying dropped."""
     slots: dict[str, int] = {}
-    for name in t.names:
+    for name in t.names():
         if (k := key(name)) is not None:
             slots.setdefault(k, t.binding[name])
     for u in plan.untied:
         if key(u.param) is None:
             slots[saved.get(u.param, u.param)] = t.binding[u.param]
     for target in ties_lost_on_untie(meta, plan):
-        if key(target) is None and target in t.names:
+        if key(target) is None and target in t.names():
             slots.setdefault(saved.get(target, target), t.binding[target])
     return slots
-
-
-def trace(model: nn.Module, plan: FoldPlan, key: Callable[[str], str | None]) -> Trace:
-    """Replay the ``PIPELINE`` on ``model``'s names (a meta model as ``from_pretrained`` builds
-    it: its ties and dtypes), recording each tensor's operations; ``key`` maps a name to its
-    checkpoint key. The steps' own checks run first, as ``apply_plan`` runs them."""
-    check_fits(model, plan)
-    for step in PIPELINE:
-        step.check(model, plan)
-    persistent = set(model.state_dict(keep_vars=True))
-    slots: list[Slot] = []
-    by_id: dict[int, int] = {}
-    binding: dict[str, int] = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        if id(t) not in by_id:
-            by_id[id(t)] = len(slots)
-            slots.append(Slot(len(slots), [], t.dtype, tuple(t.shape)))
-        binding[name] = by_id[id(t)]
-        slots[by_id[id(t)]].names.append(name)
-    for s in slots:  # a non-persistent buffer is built by the model, not loaded: no source
-        s.base = checkpoint_source([n for n in s.names if n in persistent], key)
-
-    def slot(name: str) -> Slot:
-        if name not in binding:
-            raise PlanError(f"the plan names {name}, which this model does not have")
-        return slots[binding[name]]
-
-    def now(s: Slot) -> Ref:
-        return Ref(s.index, len(s.ops))
-
-    # UntieParameters: a copy of the tied tensor as it is (nothing has changed it yet)
-    for u in plan.untied:
-        src = slot(u.tied_to)
-        if slot(u.param) is not src:
-            continue
-        copy = Slot(len(slots), [u.param], src.dtype, src.shape, base=now(src))
-        slots.append(copy)
-        binding[u.param] = copy.index
-    # FuseAffine
-    fusing = [e for e in plan.foldable if e.affine in (AFFINE_FUSED, AFFINE_GAIN)]
-    for e in fusing:
-        w, b = binding.get(f"{e.name}.weight"), binding.get(f"{e.name}.bias")
-        gamma = now(slots[w]) if w is not None else None
-        beta = now(slots[b]) if b is not None else None
-        for f in e.fused:
-            weight = slot(f.weight)
-            if f.bias and e.affine == AFFINE_FUSED and beta is not None:
-                slot(f.bias).ops.append(Op("add_product", (Product(now(weight), f, beta),)))
-            if gamma is not None:
-                weight.ops.append(Op("scale", (gamma,), fused=f))
-        if w is not None:
-            slots[w].ops.append(Op("fill", fill=1.0))
-        if b is not None:
-            gain = e.affine == AFFINE_GAIN
-            slots[b].ops.append(Op("set_bias", (beta, gamma) if gain and gamma is not None else (beta,), gain=gain))
-    # CenterParameters: the gains as they are when the step starts
-    scales = {c.scale: now(slot(c.scale)) for c in plan.centered if c.scale}
-    for c in plan.centered:
-        slot(c.param).ops.append(Op("center", (scales[c.scale],) if c.scale else (), centering=c))
-    # SwapLayerNorms: the fused norms lose their γ (and β)
-    dropped = {f"{e.name}.{leaf}" for e in fusing if e.kind == "module"
-               for leaf in (("weight", "bias") if e.affine == AFFINE_FUSED else ("weight",))}
-    # RotateStream
-    if plan.rotation is not None:
-        for rot in plan.rotation.rotated:
-            slot(rot.param).ops.append(Op("rotate", rotated=rot, rotation=plan.rotation))
-    # SeparateTies copies final values: nothing to compute
-    names = [n for n in dict.fromkeys([*(n for n, _ in model.named_parameters(remove_duplicate=False)),
-                                       *(n for n, _ in model.named_buffers())]) if n not in dropped]
-    return Trace(slots, binding, names)
 
 
 @dataclass
@@ -271,7 +118,7 @@ class StreamedTensors:
         self.reader = reader if reader is not None else TensorReader(ck)
         self._own_reader = reader is None
         keys, meta, saved, key = self.reader.keys(), ck.meta, ck.saved, ck.key
-        self.trace = t = trace(load_model_meta(ck, dtype or "auto"), plan, key)
+        self.trace = t = trace_plan(load_model_meta(ck, dtype or "auto"), plan, key)
         for s in t.slots:
             if isinstance(s.base, str) and tuple(self.reader.shape(s.base)) != s.shape:
                 raise CheckpointError(f"{s.base} has shape {list(self.reader.shape(s.base))} in the checkpoint, "

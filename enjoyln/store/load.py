@@ -7,13 +7,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..errors import CheckpointError, EnjoylnError, first_line
-from ..transform.rotation import apply_rotation
-from ..transform.steps import InsertCentering, SwapLayerNorms
-from ..transform.tensors import center_all, tensor_at
+from ..transform.steps import reapply_on_load
 from .checkpoint import Checkpoint, open_checkpoint
 
 __all__ = ["load", "load_plain"]
@@ -70,18 +67,6 @@ def _load(path: str | os.PathLike | Checkpoint, *, plain: bool, allow_pickle: bo
     except Exception as exc:
         raise CheckpointError(f"cannot load {ck.path}: {type(exc).__name__}: "
                               f"{first_line(exc)}") from None
-    if plan is not None:
-        plan.untied = []  # already untied and centered on disk: the centerings and the swap are left
-        for step in (InsertCentering(), SwapLayerNorms()):
-            step.check(model, plan)
-        # non-persistent buffers (sinusoidal tables) are built afresh by the model: center them
-        # (and rotate them) again
-        center_all(model, [c for c in plan.centered if not c.saved])
-        if plan.rotation is not None:
-            with torch.no_grad():
-                for rot in plan.rotation.rotated:
-                    if not rot.saved:
-                        apply_rotation(tensor_at(model, rot.param), rot, plan.rotation)
-        for step in (InsertCentering(), SwapLayerNorms()):
-            step(model, plan)
+    if plan is not None:  # the centerings, fusions and rotations are on disk: what they cannot hold
+        reapply_on_load(model, plan)
     return model.eval()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Callable
 
 import torch
 from torch import fx, nn
@@ -24,19 +25,34 @@ from ..ops import rms_norm
 from ..plan import AFFINE_FUSED, AFFINE_GAIN, NOT_ROTATED, TRAINING_MODE, FoldPlan, LayerNormEntry, RotationSpec
 from .rotation import KINDS, apply_rotation
 from .tensors import center_all, declared_ties, fuse_, owner_of, tensor_at, untie_config
+from .trace import Op, Product, Tracer
 
 
 class Transformation:
-    """One step of the rewrite."""
+    """One step of the rewrite, with its three meanings side by side: what it does to a model in
+    memory (``__call__``), what it does to a checkpoint's tensors (``trace``: each in-place
+    change, with what it reads, which ``rewrite.stream`` replays tensor by tensor for the fold and
+    the static check), and what loading a folded checkpoint must do again (``on_load``: what a
+    checkpoint cannot hold, such as hooks, module classes and tensors the model builds itself).
+    A step lacking one of them fails ``tests/transform/test_steps.py``."""
 
     preserves_computation: bool = True
     """Applied after the steps before it, the model's outputs do not change."""
+    acts_on_load: bool = False
+    """Whether ``on_load`` does anything (its ``check`` then runs on the loaded model first)."""
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         """Raise PlanError if the plan does not fit the model; changes nothing."""
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         raise NotImplementedError
+
+    def trace(self, t: Tracer, plan: FoldPlan) -> None:
+        """Record on ``t`` the operations this step makes on each tensor, in the order it makes them."""
+        raise NotImplementedError
+
+    def on_load(self, model: nn.Module, plan: FoldPlan) -> None:
+        """Do again, on a model loaded from a folded checkpoint, what the checkpoint cannot hold."""
 
 
 class InsertCentering(Transformation):
@@ -58,10 +74,18 @@ class InsertCentering(Transformation):
                 raise PlanError(f"the plan centers the {a.where} of {a.module}, which this model "
                                 "does not have") from None
 
+    acts_on_load = True
+
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         for a in plan.auxiliary:
             centering.install(model, a.module, a.where)
         return model
+
+    def trace(self, t: Tracer, plan: FoldPlan) -> None:
+        """Hooks change no tensor."""
+
+    def on_load(self, model: nn.Module, plan: FoldPlan) -> None:
+        self(model, plan)  # a hook is not in any checkpoint
 
 
 class UntieParameters(Transformation):
@@ -89,6 +113,13 @@ class UntieParameters(Transformation):
         if plan.untied:
             untie_config(model)
         return model
+
+    def trace(self, t: Tracer, plan: FoldPlan) -> None:
+        """The untied name starts as a copy of its tie source as it is (nothing has changed it yet)."""
+        for u in plan.untied:
+            src = t.slot(u.tied_to)
+            if t.slot(u.param) is src:
+                t.copy(u.param, src)
 
 
 class CenterParameters(Transformation):
@@ -119,10 +150,23 @@ class CenterParameters(Transformation):
                     raise PlanError(f"the plan centers {c.param} for the LayerScale gain {c.scale}, "
                                     "which has a zero entry; analyze this model again")
 
+    acts_on_load = True
+
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         with torch.no_grad():
             center_all(model, plan.centered)
         return model
+
+    def trace(self, t: Tracer, plan: FoldPlan) -> None:
+        """``center_`` of each planned tensor, in plan order; LayerScale gains as the step starts."""
+        scales = {c.scale: t.now(t.slot(c.scale)) for c in plan.centered if c.scale}
+        for c in plan.centered:
+            t.slot(c.param).ops.append(Op("center", (scales[c.scale],) if c.scale else (), centering=c))
+
+    def on_load(self, model: nn.Module, plan: FoldPlan) -> None:
+        # non-persistent buffers (sinusoidal tables) are built afresh by the model: center them again
+        with torch.no_grad():
+            center_all(model, [c for c in plan.centered if not c.saved])
 
 
 class FuseAffine(Transformation):
@@ -177,6 +221,29 @@ class FuseAffine(Transformation):
                     kept = beta / gamma if e.affine == AFFINE_GAIN and gamma is not None else beta
                     bias.copy_(kept.reshape(bias.shape) if e.affine == AFFINE_GAIN else torch.zeros_like(bias))
         return model
+
+    def trace(self, t: Tracer, plan: FoldPlan) -> None:
+        """``fuse_`` adds ``W β`` to a reader's bias (W as it is just before) and scales W's block
+        by γ (the norm's γ and β as they are when its entry is reached); then γ becomes 1 and β 0,
+        or β/γ."""
+        for e in plan.foldable:
+            if e.affine not in (AFFINE_FUSED, AFFINE_GAIN):
+                continue
+            w, b = t.binding.get(f"{e.name}.weight"), t.binding.get(f"{e.name}.bias")
+            gamma = t.now(t.slots[w]) if w is not None else None
+            beta = t.now(t.slots[b]) if b is not None else None
+            for f in e.fused:
+                weight = t.slot(f.weight)
+                if f.bias and e.affine == AFFINE_FUSED and beta is not None:
+                    t.slot(f.bias).ops.append(Op("add_product", (Product(t.now(weight), f, beta),)))
+                if gamma is not None:
+                    weight.ops.append(Op("scale", (gamma,), fused=f))
+            if w is not None:
+                t.slots[w].ops.append(Op("fill", fill=1.0))
+            if b is not None:
+                gain = e.affine == AFFINE_GAIN
+                reads = (beta, gamma) if gain and gamma is not None else (beta,)
+                t.slots[b].ops.append(Op("set_bias", reads, gain=gain))
 
 
 class SwapLayerNorms(Transformation):
@@ -241,6 +308,18 @@ class SwapLayerNorms(Transformation):
         if functional:
             model.recompile()
         return model
+
+    acts_on_load = True
+
+    def trace(self, t: Tracer, plan: FoldPlan) -> None:
+        """A fused norm loses its γ (and β): those names leave the model."""
+        for e in plan.foldable:
+            if e.kind == "module" and e.affine in (AFFINE_FUSED, AFFINE_GAIN):
+                t.dropped.update(f"{e.name}.{leaf}" for leaf in (("weight", "bias") if e.affine == AFFINE_FUSED
+                                                                 else ("weight",)))
+
+    def on_load(self, model: nn.Module, plan: FoldPlan) -> None:
+        self(model, plan)  # the checkpoint holds the LayerNorms' tensors, not their new class
 
 
 def _norm_misfit(module: nn.Module, e: LayerNormEntry) -> str:
@@ -312,12 +391,28 @@ class RotateStream(Transformation):
             if not 0 <= rot.axis < t.dim() or rot.start + (rot.length or 1) > t.shape[rot.axis]:
                 raise PlanError(f"the plan rotates {rot.param} along axis {rot.axis}, which it does not have")
 
+    acts_on_load = True
+
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
+        self._rotate(model, plan, saved=None)
+        return model
+
+    def trace(self, t: Tracer, plan: FoldPlan) -> None:
+        """``apply_rotation`` of each rotated tensor, in plan order."""
+        if plan.rotation is not None:
+            for rot in plan.rotation.rotated:
+                t.slot(rot.param).ops.append(Op("rotate", rotated=rot, rotation=plan.rotation))
+
+    def on_load(self, model: nn.Module, plan: FoldPlan) -> None:
+        self._rotate(model, plan, saved=False)  # the non-persistent buffers the model built afresh
+
+    @staticmethod
+    def _rotate(model: nn.Module, plan: FoldPlan, saved: bool | None) -> None:
         if plan.rotation is not None:
             with torch.no_grad():
                 for rot in plan.rotation.rotated:
-                    apply_rotation(tensor_at(model, rot.param), rot, plan.rotation)
-        return model
+                    if saved is None or rot.saved == saved:
+                        apply_rotation(tensor_at(model, rot.param), rot, plan.rotation)
 
 
 def _has(model: nn.Module, fqn: str) -> bool:
@@ -354,6 +449,9 @@ class SeparateTies(Transformation):
                         if isinstance(old, nn.Parameter) else copy)
         return model
 
+    def trace(self, t: Tracer, plan: FoldPlan) -> None:
+        """It copies final values: nothing to compute (each name's key is written from its slot)."""
+
 
 PIPELINE: tuple[Transformation, ...] = (InsertCentering(), UntieParameters(), FuseAffine(), CenterParameters(),
                                         SwapLayerNorms(), RotateStream(), SeparateTies())
@@ -387,6 +485,30 @@ def apply_plan(model: nn.Module, plan: FoldPlan) -> nn.Module:
         step.check(model, plan)
     for step in PIPELINE:
         step(model, plan)
+    return model
+
+
+def trace_plan(model: nn.Module, plan: FoldPlan, key: Callable[[str], str | None]) -> Tracer:
+    """What the plan does to each tensor of ``model`` (a meta model as ``from_pretrained`` builds
+    it: its ties and dtypes), on names alone: every step's ``trace``, after every step's check, as
+    ``apply_plan`` runs them. ``key`` maps a name to its checkpoint key."""
+    check_fits(model, plan)
+    for step in PIPELINE:
+        step.check(model, plan)
+    t = Tracer.of(model, key)
+    for step in PIPELINE:
+        step.trace(t, plan)
+    return t
+
+
+def reapply_on_load(model: nn.Module, plan: FoldPlan) -> nn.Module:
+    """On a model loaded from a folded checkpoint, what the checkpoint cannot hold: each step's
+    ``on_load``, after its check, in pipeline order."""
+    steps = [step for step in PIPELINE if step.acts_on_load]
+    for step in steps:
+        step.check(model, plan)
+    for step in steps:
+        step.on_load(model, plan)
     return model
 
 

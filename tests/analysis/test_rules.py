@@ -13,8 +13,7 @@ from torch import nn
 
 import enjoyln
 from enjoyln.testing import max_relative_diff, perturb
-
-D = 16
+from models import D, Heads, LayerScale
 
 
 def fold_exact(model, *inputs, tol=1e-9):
@@ -75,26 +74,6 @@ def test_near_miss_a_value_that_is_read():
 
 
 # --- LayerScale ---------------------------------------------------------------------------------
-
-
-class LayerScale(nn.Module):
-    """A pre-LN block whose branch is ``γ ⊙ (W x + b)`` (DINOv2, BEiT)."""
-
-    def __init__(self, gamma=None, computed=False, leak=False, left=False):
-        super().__init__()
-        self.emb = nn.Embedding(32, D)
-        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.fc, self.head = nn.Linear(D, D), nn.Linear(D, 5)
-        self.gamma = nn.Parameter(torch.rand(D) * 2 - 1 if gamma is None else gamma)
-        self.computed, self.leak, self.left = computed, leak, left
-
-    def forward(self, ids):
-        h = self.emb(ids)
-        y = self.fc(F.gelu(self.ln1(h)))
-        g = self.gamma.exp() if self.computed else self.gamma
-        h = h + (g * y if self.left else F.dropout(y, 0.1, training=False) * g)
-        out = self.head(self.ln2(h))
-        return (out, y) if self.leak else out
 
 
 @pytest.mark.parametrize("left", [False, True])
@@ -201,38 +180,6 @@ def test_the_same_ops_along_the_feature_axis_do_not(op, why):
 
 
 # --- per-head norms after a fused projection ------------------------------------------------------
-
-
-class Heads(nn.Module):
-    """Persimmon's attention: a fused qkv projection viewed as (H, 3, D), q/k LayerNorms
-    over each head's D features; v goes to the attention unnormalized."""
-
-    def __init__(self, mix=False, fused=True, heads=2):
-        super().__init__()
-        self.h, self.d = heads, D // heads
-        self.emb = nn.Embedding(32, D)
-        self.ln_in, self.ln_f = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.qkv = nn.Linear(D, 3 * D) if fused else None
-        self.q, self.k, self.v = (nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)) if not fused else (None,) * 3
-        self.q_ln, self.k_ln = nn.LayerNorm(self.d), nn.LayerNorm(self.d)
-        self.out, self.head = nn.Linear(D, D), nn.Linear(D, 5)
-        self.mix = mix
-
-    def forward(self, ids):
-        h = self.emb(ids)
-        B, T, _ = h.shape
-        x = self.ln_in(h)
-        if self.qkv is not None:
-            qkv = self.qkv(x).view(B, T, self.h, 3, self.d)
-            q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-        else:
-            q, k, v = (lin(x).view(B, T, self.h, self.d) for lin in (self.q, self.k, self.v))
-        if self.mix:  # each row of D now holds features of both heads
-            q = q.transpose(2, 3).reshape(B, T, self.h, self.d)
-        q, k = self.q_ln(q), self.k_ln(k)
-        att = torch.softmax(torch.einsum("bthd,bshd->bhts", q, k), -1)
-        o = torch.einsum("bhts,bshd->bthd", att, v).reshape(B, T, D)
-        return self.head(self.ln_f(h + self.out(o)))
 
 
 @pytest.mark.parametrize("fused", [True, False])

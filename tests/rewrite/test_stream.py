@@ -93,6 +93,8 @@ from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.testing import perturb, tiny_model
 from enjoyln.rewrite import stream
 from enjoyln.rewrite.stream import Output, StreamedTensors
+from enjoyln.transform.steps import trace_plan
+from enjoyln.transform.trace import Ref
 
 
 def _bert_mlm():
@@ -188,11 +190,11 @@ def test_every_kind_of_operation_is_exercised(saved):
                           ("gpt2", {"rotate": ("hadamard", 0, True)})]:
         ck = open_checkpoint(saved(name))
         plan = analyze_dir(ck, False, options.get("fuse_affine", False), options.get("rotate"))
-        t = stream.trace(stream.load_model_meta(ck), plan, lambda n: n)
+        t = trace_plan(stream.load_model_meta(ck), plan, lambda n: n)
         kinds |= {op.kind for s in t.slots for op in s.ops}
         kinds |= {"gain" for s in t.slots for op in s.ops if op.kind == "set_bias" and op.gain}
         kinds |= {"scaled centering" for s in t.slots for op in s.ops if op.kind == "center" and op.reads}
-        kinds |= {"untied" for s in t.slots if isinstance(s.base, stream.Ref)}
+        kinds |= {"untied" for s in t.slots if isinstance(s.base, Ref)}
     assert kinds == {"fill", "set_bias", "add_product", "scale", "center", "rotate", "gain", "scaled centering",
                      "untied"}
 

@@ -104,3 +104,16 @@ def test_a_tensor_tied_under_two_centered_names_is_centered_once():
     assert torch.equal(folded.shared.weight, expected)
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
     assert_same_outputs(reference, folded, {"input_ids": ids, "decoder_input_ids": ids})
+
+
+def test_every_step_says_what_it_means_in_memory_on_disk_and_on_load():
+    """A step is written in one place: its in-memory change, its trace (which the fold and the
+    static check replay tensor by tensor) and what a load must do again. One that inherits the
+    base class's trace would be silently wrong on disk."""
+    from enjoyln.transform.steps import PIPELINE, Transformation
+
+    for step in PIPELINE:
+        cls = type(step)
+        assert cls.__call__ is not Transformation.__call__, cls.__name__
+        assert cls.trace is not Transformation.trace, cls.__name__
+        assert (cls.on_load is not Transformation.on_load) == step.acts_on_load, cls.__name__

@@ -125,10 +125,10 @@ def test_cbwc_centers_in_groups_for_a_group_norm():
 @pytest.mark.parametrize("arch", ["LayerScale", "Heads"])
 def test_cbwc_with_a_trained_layer_scale_gain_and_per_head_blocks(arch):
     """The centering for a gain reads the gain as it trains; block centering leaves v alone."""
-    import test_rules
+    import models
 
     torch.manual_seed(0)
-    base = perturb(getattr(test_rules, arch)().eval(), seed=55).double()
+    base = perturb(getattr(models, arch)().eval(), seed=55).double()
     ids = torch.randint(0, 32, (2, 6))
     cb = enjoyln.cbwc(copy.deepcopy(base), ids)
     assert any(parametrize.is_parametrized(m) for m in cb.modules())
@@ -142,7 +142,7 @@ def test_cbwc_with_a_trained_layer_scale_gain_and_per_head_blocks(arch):
     with torch.no_grad():
         torch.testing.assert_close(cb(ids), base(ids), rtol=1e-9, atol=1e-9)
         if arch == "LayerScale":  # the gain trained, so the comparison means something
-            assert not torch.equal(cb.gamma, perturb(getattr(test_rules, arch)().eval(), seed=55).double().gamma)
+            assert not torch.equal(cb.gamma, perturb(getattr(models, arch)().eval(), seed=55).double().gamma)
     enjoyln.cbwc_remove(cb)
     with torch.no_grad():
         torch.testing.assert_close(cb(ids), base(ids), rtol=1e-9, atol=1e-9)
