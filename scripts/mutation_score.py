@@ -1,10 +1,11 @@
 """Mutation score of the gate: seeded mutations of checked folds, and what `enjoyln check` said.
 
 Builds the tiny folded sources of ``enjoyln.testing.mutation`` (GPT-2 plain, ``--fuse-affine``
-and ``rotate``, BERT, ViT, ViT in bfloat16; tokenizers with unusually named files), draws N seeded
+and ``rotate``, BERT, ViT, ViT in bfloat16, BERT without its pooler; tokenizers with unusually
+named files), draws N seeded
 mutations of them, each with the verdict a sound gate gives it (non-zero for a
 change, 0 for a proven-inert one), runs ``enjoyln check REFERENCE MUTANT`` on each
-(in process, as the command line would) and prints the score per category and
+(in process, as the command line would, with the options and environment a mutation names) and prints the score per category and
 every wrong verdict, with what the mutation changes for a user (observed by
 loading the mutant with ``from_pretrained``, ``enjoyln.load``, its tokenizer
 or image processor).
@@ -100,9 +101,10 @@ def main() -> None:
                                          for r in results], indent=1))
     if args.write:
         a = rows["all"]
-        body = (f"{a['n']} seeded mutations (seed {args.seed}) of six tiny checked folds (GPT-2 plain, "
-                f"`--fuse-affine` and `rotate`, BERT, ViT, ViT in bfloat16), each judged by "
-                f"`enjoyln check REFERENCE MUTANT`: "
+        body = (f"{a['n']} seeded mutations (seed {args.seed}) of seven tiny checked folds (GPT-2 plain, "
+                f"`--fuse-affine` and `rotate`, BERT, ViT, ViT in bfloat16, BERT without its pooler), each "
+                f"judged by `enjoyln check REFERENCE MUTANT` (with `--dtype bfloat16`, or a planted cache's "
+                f"environment, where the mutation says): "
                 f"**{100 * a['score']:.1f}%** right ({a['false_pass']} false passes, {a['false_fail']} false "
                 f"failures); {machine()}, {args.workers} worker processes of one thread.\n\n{table(rows)}\n\n"
                 f"Command: `python scripts/mutation_score.py --n {args.n} --seed {args.seed} --write`; "

@@ -34,7 +34,7 @@ class Mutation:
     """'fail' (the gate must exit non-zero) or 'pass' (exit 0)."""
     ground: str
     """Why: weights-loaded, config-read, plan-read (the plan enjoyln.load reads), file-read,
-    layout, policy, or inert."""
+    layout, policy; or, for a pass, inert or equivalent (another form of the same fold)."""
     reason: str
     index: int = -1
     seed: int = 0
