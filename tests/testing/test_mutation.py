@@ -179,10 +179,12 @@ def test_draws_are_seeded_and_cover_every_kind(sources, mutations):
     drawn = collections.Counter((m.category, m.kind) for m in mutations if m.category in GATE_INPUT_CATEGORIES)
     assert set(drawn) == {(c, k) for c, kinds in KINDS.items() for k in kinds}
     assert min(drawn.values()) >= 2, drawn
-    # only a planted cache sets the gate's environment, only --dtype rounding adds options
+    # only a planted cache sets the gate's environment (and is judged statically, or in full);
+    # --dtype rounding is checked with --dtype
     assert {m.category for m in mutations if m.env} == {"plan-cache"}
-    assert {m.args for m in mutations if m.args} == {("--dtype", "bfloat16")}
-    assert {m.category for m in mutations if m.args} == {"cast-rounding"}
+    assert {(m.category, m.args) for m in mutations if m.category in ("plan-cache", "cast-rounding")} == {
+        ("plan-cache", ()), ("plan-cache", ("--static",)), ("cast-rounding", ("--dtype", "bfloat16"))}
+    assert all(not m.args for m in mutations if m.category not in ("plan-cache", "cast-rounding"))
     assert all("env" not in m.to_dict() and "args" not in m.to_dict() for m in mutations
                if m.category not in GATE_INPUT_CATEGORIES)
     weights = {m.kind for m in mutations if m.category == "weights"}

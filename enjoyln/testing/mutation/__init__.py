@@ -20,7 +20,8 @@ mutations of checked folds:
   (the Hugging Face cache layout);
 - what else decides a verdict (``gate_inputs``): a plan cache entry planted where
   enjoyln up to 0.1.0 read one (``$ENJOYLN_CACHE/plans/<key>.json``, the key computed
-  as it did, the gate run with that environment), agreeing with a candidate whose
+  as it did, the gate run with that environment, half of the time with ``--static``),
+  agreeing with a candidate whose
   block drops a centering or moves its axis (fail); the dtype a model loads in, which
   transformers 5 takes from config.json's ``dtype``, else the index metadata's, else
   the first floating tensor by sorted name: that tensor widened with the config's
