@@ -17,7 +17,25 @@ mutations of checked folds:
   ``enjoyln`` block's ``version`` string, VCS data, a FIFO, a link out of the
   directory, a file's mtime, the weights written in another tensor order or
   in two shards, and needed files served through links out of the directory
-  (the Hugging Face cache layout).
+  (the Hugging Face cache layout);
+- what else decides a verdict (``gate_inputs``): a plan cache entry planted where
+  enjoyln up to 0.1.0 read one (``$ENJOYLN_CACHE/plans/<key>.json``, the key computed
+  as it did, the gate run with that environment, half of the time with ``--static``),
+  agreeing with a candidate whose
+  block drops a centering or moves its axis (fail); the dtype a model loads in, which
+  transformers 5 takes from config.json's ``dtype``, else the index metadata's, else
+  the first floating tensor by sorted name: that tensor widened with the config's
+  ``dtype`` deleted (fail: it loads in float64), any tensor widened with it kept
+  (pass), the ``dtype`` deleted alone (fail: a deleted key); the weights in two
+  shards with the index's metadata dropped (fail: from_pretrained cannot load),
+  its ``dtype`` changed beside the config's (pass) or without it (fail), its
+  ``total_size`` changed (pass); the fold cast to bfloat16 and checked with
+  ``--dtype bfloat16``: rounded to nearest (pass), folded tensors rounded toward
+  +inf, -inf or zero, or one element one ulp off (fail); a loaded tensor removed
+  from the file (fail: transformers initialises it).
+
+The sources include a BertModel saved without its pooler, which every load
+initialises at random: its unmutated fold and inert changes must pass.
 
 Every mutation carries the verdict it must get (``"fail"``: exit non-zero;
 ``"pass"``: exit 0) and the reason. The policy: the gate fails every mutation
@@ -32,7 +50,9 @@ changes a loaded tensor (``weights-loaded``), a config value transformers reads
 of this directory reads (``file-read``: the change may still fall where the reader
 looks past it, such as a count PhoBERT drops or two keys of a JSON object), the
 directory's layout a loader needs (``layout``), or nothing shown to be read: only
-the policy (``policy``).
+the policy (``policy``). A pass is owed to a change proven inert (``inert``) or to
+another form of the same fold (``equivalent``: the plain form without a block, or
+the fold cast to another dtype under ``--dtype``).
 
 The expectations are derived from the files (safetensors headers, JSON), never
 from the gate's code. :func:`observe` loads a directory as a user would

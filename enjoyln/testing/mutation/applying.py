@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import random
 import shutil
@@ -13,8 +14,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .json_edits import respace_json
-from .sources import read_header
+from .sources import SAFETENSORS_DTYPES, read_header
 
 
 @dataclass(frozen=True)
@@ -31,17 +34,26 @@ class Mutation:
     """'fail' (the gate must exit non-zero) or 'pass' (exit 0)."""
     ground: str
     """Why: weights-loaded, config-read, plan-read (the plan enjoyln.load reads), file-read,
-    layout, policy, or inert."""
+    layout, policy; or, for a pass, inert or equivalent (another form of the same fold)."""
     reason: str
     index: int = -1
     seed: int = 0
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment variables set for the gate's run alone (``{outside}`` in a value: the
+    directory beside the mutant that :func:`apply` writes planted files into)."""
+    args: tuple[str, ...] = ()
+    """Options added to ``enjoyln check REFERENCE CANDIDATE`` (``--dtype bfloat16``)."""
 
     def describe(self) -> str:
-        return f"#{self.index} {self.source}: {self.category}/{self.kind} {self.target}"
+        extra = f" [check {' '.join(self.args)}]" if self.args else ""
+        return f"#{self.index} {self.source}: {self.category}/{self.kind} {self.target}{extra}"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("ops")
+        for key in ("env", "args"):  # absent where unused: the other categories' records stay as they were
+            if not d[key]:
+                d.pop(key)
         return d
 
 
@@ -98,6 +110,12 @@ def apply(mutation: Mutation, directory: str | os.PathLike, outside: str | os.Pa
         elif op == "reformat":  # (file, seed)
             path = root / args[0]
             path.write_bytes(respace_json(path.read_bytes().decode("utf-8"), random.Random(args[1])).encode("utf-8"))
+        elif op == "plant":  # (path under outside, base64): a file beside the directory, not in it
+            _write(outside / args[0], base64.b64decode(args[1]))
+        elif op == "retype":  # (file, spec JSON): tensors cast, rounded, nudged or dropped
+            _retype(root / args[0], json.loads(args[1]))
+        elif op in ("json-set", "json-delete"):  # (file, key path[, value]): one value of a JSON file
+            _edit_json_file(root / args[0], args[1], args[2] if op == "json-set" else _DELETE)
         else:
             raise ValueError(f"unknown mutation op {op!r}")
 
@@ -158,3 +176,85 @@ def _reshard(root: Path, rng: random.Random) -> None:
     file.unlink()
     (root / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+
+_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_NAMES = {v: k for k, v in _FLOATS.items()}
+
+
+def rounded(x: torch.Tensor, dtype: torch.dtype, mode: str) -> torch.Tensor:
+    """``x`` in ``dtype``, rounded to nearest (``"nearest"``, what ``Tensor.to`` does) or in one
+    direction (``"up"``, ``"down"``, ``"zero"``): where nearest went the other way, one ulp of
+    ``dtype`` further along. Exact where ``dtype`` holds ``x``.
+
+    >>> rounded(torch.tensor([1.00390625]), torch.bfloat16, "up")  # doctest: +SKIP
+    tensor([1.0078], dtype=torch.bfloat16)
+    """
+    y = x.to(dtype)
+    if mode == "nearest":
+        return y
+    wide = y.to(torch.float64)
+    exact = x.to(torch.float64)
+    if mode == "up":
+        wrong, toward = wide < exact, math.inf
+    elif mode == "down":
+        wrong, toward = wide > exact, -math.inf
+    else:
+        wrong, toward = wide.abs() > exact.abs(), 0.0
+    return torch.where(wrong, torch.nextafter(y, torch.full_like(y, toward)), y)
+
+
+def _retype(file: Path, spec: dict[str, Any]) -> None:
+    """``file``'s tensors rewritten: ``spec["cast"]`` maps a name (or ``"*"``: every other floating
+    tensor) to [safetensors dtype, rounding mode]; ``spec["ulp"]`` is [name, flat index, +1 or -1]:
+    that element moved one ulp of its (new) dtype; ``spec["drop"]`` names tensors removed, header
+    and bytes. The metadata and the header's key order are kept; the data is laid out widest
+    dtype first, so every tensor stays aligned to its element size."""
+    base, header = read_header(file)
+    data = file.read_bytes()
+    casts, drop, ulp = spec.get("cast", {}), set(spec.get("drop", ())), spec.get("ulp")
+    tensors: dict[str, tuple[str, list[int], bytes]] = {}
+    for name, info in header.items():
+        if name == "__metadata__" or name in drop:
+            continue
+        begin, end = info["data_offsets"]
+        raw = data[base + begin:base + end]
+        dtype = _FLOATS.get(info["dtype"])
+        cast = casts.get(name, casts.get("*"))
+        if dtype is None or (cast is None and not (ulp and ulp[0] == name)):
+            tensors[name] = (info["dtype"], info["shape"], raw)
+            continue
+        t = torch.frombuffer(bytearray(raw) or bytearray(dtype.itemsize), dtype=dtype)[:len(raw) // dtype.itemsize]
+        if cast is not None:
+            t = rounded(t, _FLOATS[cast[0]], cast[1])
+        if ulp and ulp[0] == name:
+            t = t.clone()
+            t[ulp[1]] = torch.nextafter(t[ulp[1]], torch.tensor(math.inf * ulp[2], dtype=t.dtype))
+        tensors[name] = (_NAMES[t.dtype], info["shape"], t.contiguous().view(torch.uint8).numpy().tobytes())
+    width = {n: SAFETENSORS_DTYPES[d].itemsize for n, (d, _, _) in tensors.items()}
+    out, chunks, at = {}, [], 0
+    for name in sorted(tensors, key=lambda n: -width[n]):  # stable: the file's own order within a width
+        d, shape, raw = tensors[name]
+        out[name] = {"dtype": d, "shape": shape, "data_offsets": [at, at + len(raw)]}
+        chunks.append(raw)
+        at += len(raw)
+    keys = [k for k in header if k == "__metadata__" or k in out]
+    file.write_bytes(header_bytes({k: header[k] if k == "__metadata__" else out[k] for k in keys})
+                     + b"".join(chunks))
+
+
+_DELETE = object()
+
+
+def _edit_json_file(file: Path, path: list[Any], value: Any) -> None:
+    """One value of a JSON file set (or, with ``_DELETE``, removed), written as ``_reshard``
+    writes the index."""
+    obj = json.loads(file.read_text())
+    parent = obj
+    for key in path[:-1]:
+        parent = parent[key]
+    if value is _DELETE:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    file.write_text(json.dumps(obj, indent=2) + "\n")

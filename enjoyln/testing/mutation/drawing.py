@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from .applying import Mutation, b64, header_bytes
+from .gate_inputs import GATE_INPUT_CATEGORIES, draw_gate_input
 from .json_edits import edit_json, json_style, same_tokens
 from .sources import (SAFETENSORS_DTYPES, Source, Survey, config_as_loaded, quiet, read_header, sentencepiece_model,
                       survey, weight_files)
@@ -408,9 +409,12 @@ def _mutation(s: Survey, category: str, kind: str, target: str, ops: tuple, expe
     return Mutation(s.source.name, category, kind, target, ops, expect, ground, reason)
 
 
-CATEGORIES = {"weights": 34, "weight-file": 5, "config": 16, "enjoyln-block": 9, "files": 16, "extra-missing": 10,
-              "inert": 10}
-"""How often each category is drawn (relative weights)."""
+_VALUE_CATEGORIES = {"weights": 34, "weight-file": 5, "config": 16, "enjoyln-block": 9, "files": 16,
+                     "extra-missing": 10, "inert": 10}
+
+CATEGORIES = {**_VALUE_CATEGORIES, **GATE_INPUT_CATEGORIES}
+"""How often each category is drawn (relative weights): the values of the files (weights, config,
+other files, inert changes), then what else decides a verdict (see ``gate_inputs``)."""
 
 
 def draw(sources: Sequence[Source], n: int, seed: int = 0) -> list[Mutation]:
@@ -426,19 +430,28 @@ def draw(sources: Sequence[Source], n: int, seed: int = 0) -> list[Mutation]:
     spm = sentencepiece_model()
     contents = {s.source.name: {f: (Path(s.source.candidate) / f).read_bytes() for f in _other_files(s)}
                 for s in surveys}
-    names, weights = list(CATEGORIES), list(CATEGORIES.values())
+    names, weights = list(_VALUE_CATEGORIES), list(_VALUE_CATEGORIES.values())
+    others, other_weights = list(GATE_INPUT_CATEGORIES), list(GATE_INPUT_CATEGORIES.values())
+    share = sum(other_weights) / sum(CATEGORIES.values())
     out = []
     for i in range(n):
         s = surveys[i % len(surveys)]
         rng = random.Random(f"{seed}:{i}")
-        while True:
+        # the gate-input categories draw from a generator of their own: where they are not drawn,
+        # mutation i of a source is the one it was before they existed
+        side = random.Random(f"{seed}:{i}:gate-inputs")
+        m = None
+        if side.random() < share:
+            for _ in range(16):  # a source may offer none of a kind (no rotation to drop, no float32)
+                m = draw_gate_input(side, s, side.choices(others, other_weights)[0])
+                if m is not None:
+                    break
+        while m is None:
             category = rng.choices(names, weights)[0]
             m = (_draw_weight(rng, s) if category == "weights" else
                  _draw_weight_file(rng, s) if category == "weight-file" else
                  _draw_config(rng, s, block=category == "enjoyln-block") if category in ("config", "enjoyln-block")
                  else _draw_file(rng, s, contents) if category == "files" else
                  _draw_extra_missing(rng, s, spm) if category == "extra-missing" else _draw_inert(rng, s))
-            if m is not None:
-                break
         out.append(Mutation(**{**m.__dict__, "index": i, "seed": seed}))
     return out

@@ -77,14 +77,18 @@ def _deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def gate(reference: str | os.PathLike, candidate: str | os.PathLike) -> tuple[int, str]:
-    """``enjoyln check REFERENCE CANDIDATE``, the command line itself run in process: its exit
-    code, and the first line of its output that says why (empty for a pass)."""
+def gate(reference: str | os.PathLike, candidate: str | os.PathLike, args: Sequence[str] = (),
+         env: dict[str, str] | None = None) -> tuple[int, str]:
+    """``enjoyln check REFERENCE CANDIDATE [ARGS]``, the command line itself run in process: its
+    exit code, and the first line of its output that says why (empty for a pass). ``env`` is set
+    for this run alone: click's runner puts it into ``os.environ`` and restores every variable
+    afterwards (the gate reads the environment as the command line would, so a planted cache
+    must be named there, not passed in)."""
     from typer.testing import CliRunner
 
     from ...cli.app import app
 
-    result = CliRunner().invoke(app, ["check", str(reference), str(candidate)])
+    result = CliRunner().invoke(app, ["check", str(reference), str(candidate), *args], env=env)
     lines = [line.strip() for line in result.output.splitlines() if line.strip()]
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         # only with ENJOYLN_DEBUG set does an exception get past the command line's handler
@@ -136,8 +140,9 @@ def judge(source: Source, mutation: Mutation, *, observe: Observe = Observe(), t
         apply(mutation, candidate, work / "outside")
         start = time.perf_counter()
         try:
+            env = {k: v.replace("{outside}", str(work / "outside")) for k, v in mutation.env} or None
             with _deadline(timeout):
-                code, message = gate(source.reference, candidate)
+                code, message = gate(source.reference, candidate, mutation.args, env)
         except _Timeout:
             code, message = None, f"no verdict within {timeout:.0f} s"
         result = Result(mutation, code, message, time.perf_counter() - start)

@@ -55,6 +55,20 @@ def _gpt2_reference(path: Path, seed: int) -> None:
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
 
 
+def _bert_without_pooler(path: Path, seed: int) -> None:
+    """A BertModel whose checkpoint lacks ``pooler.dense.*`` (as all-mpnet-base-v2's lacks the
+    masked-LM head its config names): every load of it initialises those at random."""
+    from safetensors.torch import load_file, save_file
+
+    from .. import perturb, tiny_model
+
+    model = perturb(tiny_model("bert", seed=seed, num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                               intermediate_size=64, max_position_embeddings=16), seed=seed)
+    model.save_pretrained(path)
+    weights = {k: v for k, v in load_file(path / "model.safetensors").items() if not k.startswith("pooler.")}
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+
+
 def _bpe_tokenizer(path: Path) -> None:
     """A real BPE tokenizer trained on a few sentences: tokenizer.json, and vocab.json and
     merges.txt beside it, as GPT-2 repositories have."""
@@ -132,10 +146,12 @@ def build_sources(root: str | os.PathLike) -> list[Source]:
     - ``bert``: a plain fold of a BertModel with PhoBERT's tokenizer (vocab.txt, bpe.codes) and
       sentence-transformers' files (modules.json, 1_Pooling/config.json);
     - ``vit``: a plain fold of a ViT classifier with its image processor config;
-    - ``vit-bf16``: the same in bfloat16, which the gate judges by its half-precision criterion.
+    - ``vit-bf16``: the same in bfloat16, which the gate judges by its half-precision criterion;
+    - ``bert-nopooler``: a plain fold of a BertModel saved without ``pooler.dense.*``, which its
+      class builds and transformers then initialises at random on every load.
 
     >>> [s.name for s in build_sources(tmp)]  # doctest: +SKIP
-    ['gpt2', 'gpt2-fused', 'gpt2-rotated', 'bert', 'vit', 'vit-bf16']
+    ['gpt2', 'gpt2-fused', 'gpt2-rotated', 'bert', 'vit', 'vit-bf16', 'bert-nopooler']
     """
     from transformers import ViTImageProcessor
 
@@ -143,8 +159,8 @@ def build_sources(root: str | os.PathLike) -> list[Source]:
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    gpt2, gpt2_ja, bert, vit, vit16 = (root / n for n in ("ref-gpt2", "ref-gpt2-ja", "ref-bert", "ref-vit",
-                                                          "ref-vit-bf16"))
+    gpt2, gpt2_ja, bert, vit, vit16, bert_np = (root / n for n in ("ref-gpt2", "ref-gpt2-ja", "ref-bert", "ref-vit",
+                                                                   "ref-vit-bf16", "ref-bert-nopooler"))
 
     _gpt2_reference(gpt2, seed=1)
     _bpe_tokenizer(gpt2)
@@ -176,12 +192,16 @@ def build_sources(root: str | os.PathLike) -> list[Source]:
     model.to(torch.bfloat16).save_pretrained(vit16)
     ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(vit16)
 
+    _bert_without_pooler(bert_np, seed=6)
+    _phobert_tokenizer(bert_np)
+
     _run_cli("fold", str(gpt2), str(root / "gpt2"))
     _run_cli("fold", str(gpt2), str(root / "gpt2-fused"), "--fuse-affine")
     _run_cli("rotate", str(gpt2_ja), str(root / "gpt2-rotated"))
     _run_cli("fold", str(bert), str(root / "bert"))
     _run_cli("fold", str(vit), str(root / "vit"))
     _run_cli("fold", str(vit16), str(root / "vit-bf16"))
+    _run_cli("fold", str(bert_np), str(root / "bert-nopooler"))
     return [
         Source("gpt2", str(gpt2), str(root / "gpt2"), "GPT2LMHeadModel", "lm",
                ("tokenizer.json", "tokenizer_config.json", "generation_config.json")),
@@ -195,6 +215,8 @@ def build_sources(root: str | os.PathLike) -> list[Source]:
                ("preprocessor_config.json",)),
         Source("vit-bf16", str(vit16), str(root / "vit-bf16"), "ViTForImageClassification", "image",
                ("preprocessor_config.json",)),
+        Source("bert-nopooler", str(bert_np), str(root / "bert-nopooler"), "BertModel", "encoder",
+               ("vocab.txt", "bpe.codes", "tokenizer_config.json")),
     ]
 
 
