@@ -609,7 +609,8 @@ def _fewer_line(base: dict[str, Any], results: dict[str, Any]) -> str:
 
 def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any] | None,
                    results: dict[str, Any] | None = None) -> str:
-    """The block in docs/architectures.md: this sweep beside the baseline (the same sweep of enjoyln before issue 19)."""
+    """The block in docs/architectures.md: this sweep beside the baseline (the same sweep of enjoyln
+    before norms were recognised by what they compute, `scripts/sweep_timm_baseline.json`)."""
     same = base is None or base["meta"].get("enjoyln_commit") == meta.get("enjoyln_commit")
     cols = [("now", s)] if same else [(f"before (`{base['meta'].get('enjoyln_commit', '?')}`)", base["summary"]),
                                       ("now", s)]

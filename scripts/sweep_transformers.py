@@ -802,7 +802,8 @@ def print_summary(s: dict[str, Any], wall: float | None = None) -> None:
 
 
 def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any] | None) -> str:
-    """The coverage block in docs/architectures.md: this sweep beside the same sweep of enjoyln before issue 10."""
+    """The coverage block in docs/architectures.md: this sweep beside the baseline (the same sweep of
+    enjoyln before the long-tail rules, `scripts/sweep_baseline.json`)."""
     b = base["summary"] if base else None
 
     def row(label: str, fmt: Any) -> str:

@@ -11,7 +11,7 @@ from enjoyln.testing import ARCHITECTURES, perturb, tiny_model
 from conftest import assert_same_outputs, steps_keep_their_promise
 
 L = 2  # layers in every tiny model
-# (foldable, total, untied): the provable maximum under strict folding, FOLDING.md §6.
+# (foldable, total, untied): the provable maximum under strict folding (docs/how-it-works.md).
 EXPECTED = {
     "gpt2": (2 * L + 1, 2 * L + 1, ["lm_head.weight"]),
     "opt": (2 * L + 1, 2 * L + 1, ["lm_head.weight"]),

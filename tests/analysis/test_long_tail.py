@@ -1,5 +1,5 @@
-"""The architectures behind FOLDING.md §8, tiny and perturbed: what folds, exactly,
-in memory and through a checkpoint (``fold_checkpoint``, ``enjoyln.load`` and a
+"""The architectures behind the long-tail rules (docs/how-it-works.md), tiny and perturbed: what
+folds, exactly, in memory and through a checkpoint (``fold_checkpoint``, ``enjoyln.load`` and a
 plain ``from_pretrained``)."""
 
 import copy
@@ -46,7 +46,7 @@ CASES = {
                                  max_position_embeddings=64)), "XGLMModel", "all"),
     "ctrl": (("CTRLConfig", dict(n_layer=2, n_embd=32, n_head=4, dff=64, vocab_size=128, n_positions=64)),
              "CTRLModel", "all"),  # ... which the forward also writes back to itself
-    # norms that are not nn.LayerNorm modules (FOLDING.md §11): a non-parametric LN that upcasts
+    # norms that are not nn.LayerNorm modules: a non-parametric LN that upcasts
     # (an nn.Module), and a channels-first one after the patchifying convolution
     "olmo": (("OlmoConfig", dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
                                  vocab_size=128, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,

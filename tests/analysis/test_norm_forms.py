@@ -1,4 +1,4 @@
-"""Norms however they are written (issue 19; FOLDING.md §11).
+"""Norms however they are written: a norm is what its captured body computes, not its class.
 
 Plain-PyTorch mirrors of timm's, open_clip's and transformers' norm modules, so
 that neither library is needed: each is recognised by what its captured body

@@ -1,4 +1,4 @@
-"""The rules that fold the long tail (FOLDING.md §8), each on a minimal module.
+"""The rules that fold the long tail (docs/how-it-works.md), each on a minimal module.
 
 Every positive case folds exactly in float64 against the unmodified model, with
 perturbed weights; every near miss is refused (and the fold stays exact).

@@ -1,5 +1,5 @@
 """The forward half of the gate: non-finite outputs, the precision-aware criterion, greedy
-near-ties, both load paths of a checkpoint, and short contexts (issue 17)."""
+near-ties, both load paths of a checkpoint, and short contexts."""
 
 import copy
 import json

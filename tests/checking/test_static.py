@@ -334,7 +334,7 @@ def test_a_pickled_tensor_stored_as_a_strided_view(pair, tmp_path):
     assert report.passed, report.summary()
 
 
-# --- what a loader uses is what the gate compares (issue 17) ----------------------------------
+# --- what a loader uses is what the gate compares (each was once a false pass) ---------------
 
 
 def cand_of(folded, tmp_path, name="cand"):

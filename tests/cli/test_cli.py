@@ -301,7 +301,7 @@ def test_python_dash_m_subprocess(gpt2_dir, tmp_path):
     assert proc.returncode == 0 and "PASS" in proc.stdout
 
 
-# --- output defects (issue 17) ---------------------------------------------------------------
+# --- output defects ----------------------------------------------------------------------------
 
 
 def strict_json(text):

@@ -1,6 +1,6 @@
 """A sample of the transformers zoo through the sweep (scripts/sweep_transformers.py).
 
-The sample covers the patterns of issue 10: post-LN encoder-decoders (BART,
+The sample covers the patterns the long-tail rules handle: post-LN encoder-decoders (BART,
 mBART, FSMT), a shape-only read (BART's ``embed_positions``), LayerScale
 (DINOv2, BEiT), an interpolated position table (YOLOS), masking by gather
 (ViT-MAE), per-head norms (Persimmon), sinusoidal buffers (M2M-100, XGLM),

@@ -218,7 +218,7 @@ def test_a_link_to_version_control_data_copies_none_of_it(src, tmp_path):
     assert "notes/hooks/evil.py (code, reached through a link)" in result.output
 
 
-# --- bounded reads (issue 17) ---------------------------------------------------------------
+# --- bounded reads ---------------------------------------------------------------------------
 
 
 def test_a_huge_json_file_is_never_read_whole(src, tmp_path):
