@@ -5,7 +5,8 @@ command that folds it) runs once with the tree under test and once with a baseli
 checkout of an earlier commit, e.g. ``git worktree add /tmp/base 8744ee9``), each in its own
 process, and every file of the two outputs is compared with ``cmp``'s rule (same names, same
 bytes). The cases: a plain fold (early copy), ``--max-shard-size``, ``--fuse-affine``,
-``rotate`` (Hadamard and random, without ``keep_mean``), a pickle input, a sharded BERT, and a
+``rotate`` (Hadamard and random, without ``keep_mean``), a pickle input, a sharded BERT, a
+sharded GPT-2 (its head untied into a shard), and a
 timm hub-format directory where timm imports.
 
     python scripts/compare_folds.py --baseline /tmp/base [--workdir DIR] [--keep]
@@ -34,6 +35,8 @@ CASES = {
     "bert-sharded": ("bert-sharded", ["fold", "--static"]),
     "bloom-auxiliary": ("bloom", ["fold", "--static", "--auxiliary-centering"]),
     "vit": ("vit", ["fold", "--static"]),
+    "gpt2-sharded-in": ("gpt2-sharded", ["fold", "--static"]),
+    "gpt2-sharded-in-fused": ("gpt2-sharded", ["fold", "--static", "--fuse-affine"]),
 }
 
 BUILD = r"""
@@ -45,6 +48,8 @@ if kind == "gpt2":
     demo_checkpoint(path, layers=2, width=128, vocab=256)
 elif kind == "gpt2-pickle":
     perturb(tiny_model("gpt2"), seed=5).save_pretrained(path, safe_serialization=False)
+elif kind == "gpt2-sharded":  # the tied head untied into a sharded input
+    perturb(tiny_model("gpt2"), seed=8).save_pretrained(path, max_shard_size="100KB")
 elif kind == "bert-sharded":
     perturb(tiny_model("bert"), seed=6).save_pretrained(path, max_shard_size="100KB")
 else:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import triton
 
-from enjoyln.ops import triton_aot
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/ is a folder of the repository
 from _docs import replace_section  # noqa: E402
+from tools import triton_aot  # noqa: E402
 
 
 def main() -> None:
@@ -100,7 +100,7 @@ def _tail(results: list, full: bool) -> str:
     return (f"The other {len(small)} launches (heaviest form): {min(c.registers for c in small)}-"
             f"{max(c.registers for c in small)} registers, {sum(c.spills for c in small)} spill bytes. "
             f"Total spill bytes over all {len(results)}: **{sum(c.spills for c in results)}**. Command: "
-            f"`{command}`; `tests/ops/test_triton_aot.py` compiles the covering set and fails on any spill.")
+            f"`{command}`; `tests/tools/test_triton_aot.py` compiles the covering set and fails on any spill.")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Mutation score of the gate: seeded mutations of checked folds, and what `enjoyln check` said.
 
-Builds the tiny folded sources of ``enjoyln.testing.mutation`` (GPT-2 plain, ``--fuse-affine``
+Builds the tiny folded sources of ``tools.mutation`` (GPT-2 plain, ``--fuse-affine``
 and ``rotate``, BERT, ViT, ViT in bfloat16, BERT without its pooler; tokenizers with unusually
 named files), draws N seeded
 mutations of them, each with the verdict a sound gate gives it (non-zero for a
@@ -27,11 +27,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the harness lives in tools/, not the package
 from _docs import machine, replace_section  # noqa: E402
 
-from enjoyln.testing.mutation.drawing import draw  # noqa: E402
-from enjoyln.testing.mutation.judging import Observe, judge_all, score, tree_digest  # noqa: E402
-from enjoyln.testing.mutation.sources import build_sources  # noqa: E402
+from tools.mutation.drawing import draw  # noqa: E402
+from tools.mutation.judging import Observe, judge_all, score, tree_digest  # noqa: E402
+from tools.mutation.sources import build_sources  # noqa: E402
 
 
 def table(rows: dict) -> str:

@@ -28,7 +28,6 @@ LAYERS = {
     "enjoyln.export": 9,
     "enjoyln.bench": 10, "enjoyln.testing": 10,
     "enjoyln.cli": 11,
-    "enjoyln.testing.mutation": 12,  # the mutation harness drives the command line
     "enjoyln.__main__": 13, "enjoyln": 13,  # the entry point, and the lazy top-level API
 }
 """Lowest first; a module may import from its own layer or lower ones. The longest prefix names

@@ -8,7 +8,7 @@ Three kernels with one signature, chosen by row length (``triton_launch.py``):
 - ``_rms_norm_row`` (N <= 16384): one row per program, loaded once, kept in
   registers, reduced and written: one read, one write;
 - ``_rms_norm_looped`` (larger N): two passes. Held in registers, a row of 32768
-  spills to local memory on sm_80 and sm_90 (tests/ops/test_triton_aot.py
+  spills to local memory on sm_80 and sm_90 (tests/tools/test_triton_aot.py
   compiles every variant for both and fails on any spill). The first pass asks
   the cache to keep what it reads (``evict_last``) for the second, which reads it
   once more and lets it go (``evict_first``).

@@ -32,7 +32,7 @@ spread over the GPU's multiprocessors for the batch sizes models are served at."
 MAX_FUSED = 16384
 """Longest row kept in registers by the one-block kernel; longer rows take the looped one.
 Held in registers, a row of 32768 spills to local memory on sm_80 and sm_90 with 16 or
-32 warps (tests/ops/test_triton_aot.py)."""
+32 warps (tests/tools/test_triton_aot.py)."""
 
 LOOPED_BLOCK, LOOPED_WARPS = 2048, 8
 """Block and warps of the two-pass kernel. 4096 with 8 or 16 warps spilled 4-12 bytes in fp16

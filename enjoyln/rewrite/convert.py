@@ -42,7 +42,7 @@ from ..store.transaction import (check_out_dir, clean_stale, keep_failed, missin
                                  signals_held, temp_dir)
 from ..transform.steps import check_fits
 from .config import output_config
-from .entries import Entry, index_metadata, moved_entries, plan_entries, reshard
+from .entries import Entry, fold_entries, index_metadata, reshard
 from .planning import analyze_dir, moves_values
 from .stream import StreamedTensors
 from .writer import EarlyCopy, Writing, early_layout, early_spans, finish_shard, write_shard
@@ -265,11 +265,9 @@ class _Fold:
         return plan
 
     def _entries(self, plan: FoldPlan) -> list[tuple[str, list[Entry]]]:
-        if not moves_values(plan):
-            return plan_entries(self.ck, plan)
         streamed = StreamedTensors(self.ck, plan)
         self.resources.callback(streamed.close)
-        return moved_entries(self.ck, streamed)
+        return fold_entries(self.ck, plan, streamed)
 
     def write(self, plan: FoldPlan) -> _Written:
         """Every file of the fold, in the temporary directory: the other files, config.json, the

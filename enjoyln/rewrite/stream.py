@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, PlanError
-from ..plan import FoldPlan
+from ..plan import Centering, FoldPlan
 from ..store.checkpoint import Checkpoint
 from ..store.formats import DTYPES, TensorInfo, widened
 from ..store.hf import model_class
@@ -42,19 +42,28 @@ STASH_BYTES = 512 << 20
 
 def output_slots(t: Tracer, plan: FoldPlan, meta: nn.Module, key: Callable[[str], str | None],
                  saved: dict[str, str]) -> dict[str, int]:
-    """The keys of the folded checkpoint that hold a tensor of the model, each with its slot,
-    by ``final_tensors``' rules in its order: every name's key (the first name of a key wins),
-    then an untied head the checkpoint did not store, then a tie the untying dropped."""
+    """The keys of the folded checkpoint that hold a tensor of the model, each with its slot, in
+    this order: every name's key (the first name of a key wins), then an untied head the
+    checkpoint did not store, then a tie the untying dropped, then a tensor the plan changes that
+    was stored only under a name it no longer shares (a checkpoint that saved only the tied
+    head: the embedding, centered, gets its own key)."""
     slots: dict[str, int] = {}
-    for name in t.names():
+    names = t.names()
+    for name in names:
         if (k := key(name)) is not None:
             slots.setdefault(k, t.binding[name])
     for u in plan.untied:
         if key(u.param) is None:
             slots[saved.get(u.param, u.param)] = t.binding[u.param]
     for target in ties_lost_on_untie(meta, plan):
-        if key(target) is None and target in t.names():
+        if key(target) is None and target in names:
             slots.setdefault(saved.get(target, target), t.binding[target])
+    held = set(slots.values())
+    for name in names:
+        s = t.slots[t.binding[name]]
+        if s.index not in held and s.ops and isinstance(s.base, str):
+            slots[saved.get(name, name)] = s.index
+            held.add(s.index)
     return slots
 
 
@@ -97,14 +106,14 @@ def load_model_meta(ck: Checkpoint, dtype: str = "auto") -> nn.Module:
 class StreamedTensors:
     """Every tensor of ``md`` folded by ``plan``, by key, each computed when asked for.
 
-    The values are ``final_tensors``' bit for bit: that is the plan applied to the model loaded
-    whole, and this the same operations on one tensor at a time. ``meta`` is the analysis's
-    meta model (its base prefix and saved names resolve keys, as ``final_tensors`` does). A
+    The values are bit for bit those of the plan applied to the model loaded whole (the tests
+    hold them to it): this is the same operations on one tensor at a time, keys resolved by the
+    checkpoint's base prefix and saved names. A
     tensor ``get`` returns is the caller's to read, not to change. With ``dtype`` ("bfloat16")
     the tensors are those of the model loaded in that dtype, then folded: the reference cast,
     then folded by the same arithmetic.
 
-    >>> tensors = StreamedTensors(md, plan, ck.meta)  # doctest: +SKIP
+    >>> tensors = StreamedTensors(open_checkpoint(path), plan)  # doctest: +SKIP
     >>> tensors.get("lm_head.weight").shape  # doctest: +SKIP
     torch.Size([50257, 768])
     """
@@ -124,7 +133,7 @@ class StreamedTensors:
                 raise CheckpointError(f"{s.base} has shape {list(self.reader.shape(s.base))} in the checkpoint, "
                                       f"but {s.names[0]} loads as {list(s.shape)}")
         slot_of = output_slots(t, plan, meta, key, saved)
-        stored = self.ck.tensors  # final_tensors casts to the stored dtype only what a header lists
+        stored = self.ck.tensors  # cast to the stored dtype only what a header lists, as a save of the loaded model
         self.outputs: dict[str, Output] = {}
         for k, i in slot_of.items():
             s = t.slots[i]
@@ -173,6 +182,35 @@ class StreamedTensors:
         """Where the output's bytes already are, unchanged (a safetensors input), or None."""
         out = self.outputs[key]
         return self.ck.tensors.get(out.raw) if out.raw is not None else None
+
+    def base_key(self, key: str) -> str | None:
+        """The checkpoint key the output's value is made from (through an untied copy's
+        source), or None for a constant or a tensor no checkpoint holds."""
+        out = self.outputs[key]
+        if out.slot is None:
+            return out.raw
+        base = self.trace.slots[out.slot].base
+        while isinstance(base, Ref):
+            base = self.trace.slots[base.slot].base
+        return base
+
+    def centerings(self, key: str) -> tuple[str | None, list[Centering]]:
+        """The output as a stored tensor centered: the key its bytes come from and the
+        centerings applied on the way, in order. Only for a plan that centers and nothing else."""
+        out = self.outputs[key]
+        if out.slot is None:
+            return out.raw, []
+        found: list[Centering] = []
+        index, version = out.slot, len(self.trace.slots[out.slot].ops)
+        while True:
+            s = self.trace.slots[index]
+            for op in reversed(s.ops[:version]):
+                if op.kind != "center":
+                    raise PlanError(f"the plan does more to {key} than center it ({op.kind})")
+                found.insert(0, op.centering)
+            if not isinstance(s.base, Ref):
+                return s.base, found
+            index, version = s.base.slot, s.base.version
 
     def get(self, key: str) -> torch.Tensor:
         """The folded tensor for ``key``, in the key's dtype."""

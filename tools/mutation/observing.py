@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from ...errors import first_line
+from enjoyln.errors import first_line
 from .sources import Source, tensor_bits
 
 
@@ -65,7 +65,7 @@ def observe(directory: str | os.PathLike, source: Source) -> dict[str, Any]:
     processor's pixels. A loader that fails is recorded with its error."""
     import transformers
 
-    from ...store.load import load
+    from enjoyln.store.load import load
 
     root = Path(directory)
     obs: dict[str, Any] = {}
@@ -147,10 +147,9 @@ def _config_as_loaded_dir(root: Path) -> Any:
 
 def _plan_as_loaded(root: Path) -> str:
     """The fold plan ``enjoyln.load`` reads from the ``enjoyln`` block (None without one)."""
-    from ...store.model_dir import open_model_dir
-    from ...rewrite.config import recorded_plan
+    from enjoyln.store.checkpoint import open_checkpoint
 
-    plan = recorded_plan(open_model_dir(root))
+    plan = open_checkpoint(root).recorded_plan
     return json.dumps(plan.to_dict() if plan is not None else None, sort_keys=True)
 
 

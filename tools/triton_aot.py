@@ -11,7 +11,7 @@ Compilation runs in fresh processes: Triton builds its standard library for
 the interpreter when it is first imported with ``TRITON_INTERPRET=1`` (as the
 interpreter tests do), and ``triton.compile`` cannot use that build.
 
->>> from enjoyln.ops.triton_aot import builds, compile_all
+>>> from tools.triton_aot import builds, compile_all
 >>> results = compile_all(builds())              # doctest: +SKIP
 >>> sum(r.spills for r in results)               # doctest: +SKIP
 0
@@ -91,7 +91,7 @@ def builds(full: bool = False) -> list[tuple[Variant, int]]:
     unaligned) on both. ``full``: every combination at the largest launches, aligned and not,
     on both architectures, and the other launches as above.
     """
-    from . import triton_launch as launch
+    from enjoyln.ops import triton_launch as launch
 
     configs = launch.all_configs()
     largest = {c.kernel: c for c in configs}  # all_configs is sorted by block: the last wins
@@ -125,7 +125,9 @@ def _kernels() -> ModuleType:
     """
     from triton import knobs
 
-    path = Path(__file__).with_name("triton_kernels.py")
+    import enjoyln.ops
+
+    path = Path(enjoyln.ops.__file__).with_name("triton_kernels.py")
     spec = importlib.util.spec_from_file_location("enjoyln.ops._triton_kernels_aot", path)
     module = importlib.util.module_from_spec(spec)
     with knobs.runtime.scope():

@@ -19,12 +19,12 @@ import shutil
 import pytest
 import torch
 
-from enjoyln.testing.mutation.applying import Mutation, apply, rounded
-from enjoyln.testing.mutation.drawing import CATEGORIES, ELEMENT_KINDS, INERT_KINDS, draw
-from enjoyln.testing.mutation.gate_inputs import GATE_INPUT_CATEGORIES, KINDS, old_cache_key
-from enjoyln.testing.mutation.judging import Observe, gate, judge_all, score, tree_digest
-from enjoyln.testing.mutation.sources import build_sources, quiet
-from enjoyln.testing.mutation.json_edits import json_tokens, respace_json
+from tools.mutation.applying import Mutation, apply, rounded
+from tools.mutation.drawing import CATEGORIES, ELEMENT_KINDS, INERT_KINDS, draw
+from tools.mutation.gate_inputs import GATE_INPUT_CATEGORIES, KINDS, old_cache_key
+from tools.mutation.judging import Observe, gate, judge_all, score, tree_digest
+from tools.mutation.sources import build_sources, quiet
+from tools.mutation.json_edits import json_tokens, respace_json
 
 pytestmark = pytest.mark.slow
 

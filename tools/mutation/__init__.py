@@ -61,9 +61,9 @@ fingerprints what they compute, bit for bit: an inert mutation is one whose
 fingerprint is the unmutated fold's (``tests/testing/test_mutation.py`` proves each
 kind), and a claimed change is confirmed the same way.
 
->>> from enjoyln.testing.mutation.sources import build_sources  # doctest: +SKIP
->>> from enjoyln.testing.mutation.drawing import draw  # doctest: +SKIP
->>> from enjoyln.testing.mutation.judging import judge_all, score  # doctest: +SKIP
+>>> from tools.mutation.sources import build_sources  # doctest: +SKIP
+>>> from tools.mutation.drawing import draw  # doctest: +SKIP
+>>> from tools.mutation.judging import judge_all, score  # doctest: +SKIP
 >>> sources = build_sources("/tmp/mutation-sources")  # doctest: +SKIP
 >>> results = judge_all(sources, draw(sources, n=500, seed=0), workers=2)  # doctest: +SKIP
 >>> score(results)["all"]["score"]  # doctest: +SKIP

@@ -9,7 +9,7 @@ interpreter tests need Triton imported with TRITON_INTERPRET=1 first.
 
 import pytest
 
-from enjoyln.ops import triton_aot
+from tools import triton_aot
 
 pytestmark = pytest.mark.slow
 

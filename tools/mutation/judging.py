@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ...errors import first_line
+from enjoyln.errors import first_line
 from .applying import Mutation, apply
 from .drawing import CATEGORIES
 from .observing import differences, observe
@@ -86,7 +86,7 @@ def gate(reference: str | os.PathLike, candidate: str | os.PathLike, args: Seque
     must be named there, not passed in)."""
     from typer.testing import CliRunner
 
-    from ...cli.app import app
+    from enjoyln.cli.app import app
 
     result = CliRunner().invoke(app, ["check", str(reference), str(candidate), *args], env=env)
     lines = [line.strip() for line in result.output.splitlines() if line.strip()]

@@ -41,7 +41,7 @@ _CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world", "a mode
 def _gpt2_reference(path: Path, seed: int) -> None:
     from safetensors.torch import load_file, save_file
 
-    from .. import perturb, tiny_model
+    from enjoyln.testing import perturb, tiny_model
 
     model = perturb(tiny_model("gpt2", seed=seed, n_layer=1, n_embd=32, n_head=2, n_positions=16), seed=seed)
     # as in the hub's gpt2: a nested dict that no model reads
@@ -60,7 +60,7 @@ def _bert_without_pooler(path: Path, seed: int) -> None:
     masked-LM head its config names): every load of it initialises those at random."""
     from safetensors.torch import load_file, save_file
 
-    from .. import perturb, tiny_model
+    from enjoyln.testing import perturb, tiny_model
 
     model = perturb(tiny_model("bert", seed=seed, num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
                                intermediate_size=64, max_position_embeddings=16), seed=seed)
@@ -127,7 +127,7 @@ def sentencepiece_model() -> bytes:
 def _run_cli(*args: str) -> None:
     from typer.testing import CliRunner
 
-    from ...cli.app import app
+    from enjoyln.cli.app import app
 
     result = CliRunner().invoke(app, list(args))
     if result.exit_code != 0:
@@ -155,7 +155,7 @@ def build_sources(root: str | os.PathLike) -> list[Source]:
     """
     from transformers import ViTImageProcessor
 
-    from .. import perturb, tiny_model
+    from enjoyln.testing import perturb, tiny_model
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

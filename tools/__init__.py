@@ -1,0 +1,1 @@
+"""What the project uses to test itself, outside the installed package: the mutation harness of the gate."""
