@@ -12,6 +12,9 @@ from importlib import import_module
 from typing import Any
 
 from ._version import __version__
+from .compat import guard_torchvision
+
+guard_torchvision()  # before transformers or timm can import a mismatched torchvision
 
 # Names are imported on first use, so that `import enjoyln` (and the command
 # line's entry point) does not import torch: an interrupt or a bad argument in
@@ -24,7 +27,7 @@ _EXPORTS = {
     "RMSNorm": "modules.norm", "GroupRMSNorm": "modules.norm", "FoldPlan": "plan", "LayerNormEntry": "plan",
     "Centering": "plan", "Untie": "plan", "EnjoylnError": "errors", "CaptureError": "errors",
     "CheckpointError": "errors", "PlanError": "errors", "CheckFailed": "errors",
-    "AnalysisError": "errors",
+    "AnalysisError": "errors", "load_sentence_transformer": "sentence",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

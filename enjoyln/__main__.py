@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import warnings
 
 from .errors import Interrupted
 
@@ -20,8 +21,14 @@ def _interrupt(signum: int, frame: object) -> None:
     raise Interrupted(signum)
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: object = None, line: str | None = None) -> None:
+    print(f"warning: {message}", file=sys.stderr)  # one line, not the source line that raised it
+
+
 def main() -> None:
     """Run the command line."""
+    warnings.showwarning = _show_warning
     signal.signal(signal.SIGTERM, _interrupt)
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # background jobs ignore it: keep that
         signal.signal(signal.SIGINT, _interrupt)

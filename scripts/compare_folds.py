@@ -62,11 +62,23 @@ def build(kind: str, path: Path) -> None:
         subprocess.run([sys.executable, "-c", BUILD, kind, str(path)], check=True, capture_output=True)
 
 
+def check_tree(tree: Path) -> None:
+    """That a process given ``tree`` imports enjoyln from it: an editable install (or a missing
+    tree) would silently compare the installed code with itself."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run([sys.executable, "-c", "import enjoyln; print(enjoyln.__file__)"], env=env,
+                          capture_output=True, text=True, cwd=tree)
+    found = Path(proc.stdout.strip()).resolve() if proc.returncode == 0 else None
+    if found is None or not found.is_relative_to(tree.resolve()):
+        raise SystemExit(f"{tree}: enjoyln imports from {found or proc.stderr.strip()}, not from this tree")
+
+
 def fold(tree: Path, args: list[str], src: Path, out: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     command, *options = args
+    # run in the tree: ``python -m`` puts the working directory first on the path
     proc = subprocess.run([sys.executable, "-m", "enjoyln", command, str(src), str(out), *options],
-                          env=env, capture_output=True, text=True)
+                          env=env, capture_output=True, text=True, cwd=tree)
     if proc.returncode != 0:
         raise SystemExit(f"{tree}: enjoyln {' '.join(args)} failed:\n{proc.stdout[-800:]}{proc.stderr[-800:]}")
 
@@ -86,7 +98,10 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--only", default="", help="comma-separated case names")
     args = parser.parse_args()
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="enjoyln-compare-"))
+    args.baseline = args.baseline.resolve()
+    for tree in (ROOT, args.baseline):
+        check_tree(tree)
+    work = (args.workdir or Path(tempfile.mkdtemp(prefix="enjoyln-compare-"))).resolve()
     bad = 0
     for name, (kind, command) in CASES.items():
         if args.only and name not in args.only.split(","):

@@ -16,7 +16,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "enjoyln"
 
 LAYERS = {
-    "enjoyln._version": 0, "enjoyln.errors": 0, "enjoyln.units": 0, "enjoyln.plan": 0, "enjoyln.options": 0,
+    "enjoyln._version": 0, "enjoyln.compat": 0, "enjoyln.errors": 0, "enjoyln.units": 0, "enjoyln.plan": 0, "enjoyln.options": 0,
     "enjoyln.ops": 1,
     "enjoyln.modules": 2,
     "enjoyln.analysis": 3,
@@ -26,7 +26,7 @@ LAYERS = {
     "enjoyln.checking": 7,
     "enjoyln.rewrite.convert": 8,  # the fold itself, which checks its output before publishing it
     "enjoyln.export": 9,
-    "enjoyln.bench": 10, "enjoyln.testing": 10,
+    "enjoyln.bench": 10, "enjoyln.testing": 10, "enjoyln.sentence": 10,
     "enjoyln.cli": 11,
     "enjoyln.__main__": 13, "enjoyln": 13,  # the entry point, and the lazy top-level API
 }

@@ -286,7 +286,7 @@ class _Fold:
             seconds += self.early.seconds_before(write_start)
         nbytes = sum(e.nbytes for _, es in shards for e in es)
         if len(shards) > 1 or ck.index is not None:
-            index = {"metadata": index_metadata(ck, nbytes), "weight_map": {e.name: name for name, es in shards for e in es}}
+            index = {"metadata": index_metadata(ck, shards), "weight_map": {e.name: name for name, es in shards for e in es}}
             (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for name, _ in shards:  # the output must read back, or it is not published
             read_safetensors_header(tmp / name)

@@ -5,11 +5,13 @@ lie, or computed when the writer reaches them), read off the trace of the plan."
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from .._version import __version__
 from ..errors import CheckpointError
 from ..plan import FoldPlan
 from ..store.checkpoint import Checkpoint
@@ -119,12 +121,17 @@ def reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None, *, ind
     return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", es) for i, es in enumerate(packed)]
 
 
-def index_metadata(ck: Checkpoint, total_size: int) -> dict[str, Any]:
-    """The metadata of the index a fold of ``md`` writes: the input index's, as it was, with the
-    new total size; for an input without one, the dtype it loads in, which transformers reads
-    from there when config.json names none."""
+def index_metadata(ck: Checkpoint, shards: list[tuple[str, list[Entry]]]) -> dict[str, Any]:
+    """The metadata of the index a fold writes: the input index's, its sizes those of the
+    output (an untied head adds parameters), with the version that wrote it and the dtype the
+    model loads in, which transformers reads from here when config.json names none."""
+    metadata: dict[str, Any] = {}
     if ck.index is not None:
-        metadata = parse_json_file(ck.index, "a weight index").get("metadata")
-        if isinstance(metadata, dict):
-            return {**metadata, "total_size": total_size}
-    return {"total_size": total_size, "dtype": ck.load_dtype[0]}
+        found = parse_json_file(ck.index, "a weight index").get("metadata")
+        metadata = dict(found) if isinstance(found, dict) else {}
+    metadata["total_size"] = sum(e.nbytes for _, es in shards for e in es)
+    if "total_parameters" in metadata:
+        metadata["total_parameters"] = sum(math.prod(e.shape) for _, es in shards for e in es)
+    metadata["enjoyln"] = __version__
+    metadata.setdefault("dtype", ck.load_dtype[0])
+    return metadata

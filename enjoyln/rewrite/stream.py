@@ -56,7 +56,8 @@ def output_slots(t: Tracer, plan: FoldPlan, meta: nn.Module, key: Callable[[str]
         if key(u.param) is None:
             slots[saved.get(u.param, u.param)] = t.binding[u.param]
     for target in ties_lost_on_untie(meta, plan):
-        if key(target) is None and target in names:
+        # not one the checkpoint lacks altogether (a head's bias the model initializes): it stays missing
+        if key(target) is None and target in names and t.slots[t.binding[target]].base is not None:
             slots.setdefault(saved.get(target, target), t.binding[target])
     held = set(slots.values())
     for name in names:
@@ -97,7 +98,10 @@ def load_model_meta(ck: Checkpoint, dtype: str = "auto") -> nn.Module:
     if ck.pickled:
         kwargs["use_safetensors"] = False
     try:
-        return cls.from_pretrained(ck.path, **kwargs).eval()
+        # device_map="meta" leaves the buffers __init__ computes (GPT-J's sinusoid table) on
+        # the CPU: a table from an absurd config would be allocated in full
+        with torch.device("meta"):
+            return cls.from_pretrained(ck.path, **kwargs).eval()
     except Exception as exc:
         raise CheckpointError(f"cannot load {ck.path}: {type(exc).__name__}: "
                               f"{(str(exc).splitlines() or [''])[0]}") from None

@@ -453,7 +453,7 @@ def test_a_lone_indexed_shard_keeps_its_index(tmp_path):
     result = fold_checkpoint(ref, tmp_path / "out")
     assert result.report.passed and result.files == [lone], result.report.summary()
     metadata = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["metadata"]
-    assert metadata == {"total_size": result.bytes_written, "dtype": "float32", "note": "kept"}
+    assert metadata == {"total_size": result.bytes_written, "dtype": "float32", "note": "kept", "enjoyln": enjoyln.__version__}
     assert transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").dtype == torch.float32
 
 

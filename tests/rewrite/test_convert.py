@@ -98,12 +98,16 @@ def test_sharded_input_keeps_its_shards_and_index(saved, tmp_path):
     new_index = json.loads((out / "model.safetensors.index.json").read_text())
     assert sorted(set(new_index["weight_map"].values())) == shards
     assert set(new_index["weight_map"]) == set(index["weight_map"]) | {"lm_head.weight"}
-    total = 0
+    total = parameters = 0
     for key, shard in new_index["weight_map"].items():
         with safe_open(out / shard, "pt") as f:
             assert key in f.keys()
+            parameters += f.get_tensor(key).numel()
             total += f.get_tensor(key).numel() * 4
-    assert new_index["metadata"]["total_size"] == total
+    # the input's metadata kept, its sizes the output's (the untied head adds parameters)
+    assert new_index["metadata"] == {**index["metadata"], "total_size": total, "total_parameters": parameters,
+                                     "enjoyln": enjoyln.__version__, "dtype": "float32"}
+    assert parameters > index["metadata"]["total_parameters"]
     assert result.report.passed and result.report.static.tensors == len(new_index["weight_map"])
 
 
@@ -583,3 +587,18 @@ def test_model_class_folds_weights_as_the_class_they_match(tmp_path):
         enjoyln.check_checkpoints(tmp_path / "src", tmp_path / "out")
     with pytest.raises(enjoyln.CheckpointError, match="is not a transformers model class"):
         enjoyln.analyze_checkpoint(tmp_path / "src", model_class="NoSuchModel")
+
+
+@pytest.mark.parametrize("fuse_affine", [False, True])
+def test_a_head_the_checkpoint_lacks_stays_missing_when_its_tie_is_undone(fuse_affine, tmp_path):
+    """A BertModel folded as BertForMaskedLM: the head's decoder is tied to the embedding, which
+    the fold centers, so it is untied; its decoder bias (tied to cls.predictions.bias) is in no
+    file, so the output leaves it missing too, and the check seeds it alike on both sides."""
+    perturb(tiny_model("bert"), seed=9).save_pretrained(tmp_path / "src")
+    result = fold_checkpoint(tmp_path / "src", tmp_path / "out", model_class="BertForMaskedLM",
+                             fuse_affine=fuse_affine)
+    assert result.report.passed, result.report.summary()
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "cls.predictions.decoder.weight" in keys  # the untied head, written
+    assert not {"cls.predictions.bias", "cls.predictions.decoder.bias"} & keys
