@@ -7,7 +7,14 @@ process, and every file of the two outputs is compared with ``cmp``'s rule (same
 bytes). The cases: a plain fold (early copy), ``--max-shard-size``, ``--fuse-affine``,
 ``rotate`` (Hadamard and random, without ``keep_mean``), a pickle input, a sharded BERT, a
 sharded GPT-2 (its head untied into a shard), and a
-timm hub-format directory where timm imports.
+timm hub-format directory (fold and fuse-affine) where timm imports. Each process runs inside
+its tree, which is checked to be the one imported (an editable install would otherwise win), and
+imports a torchvision built for another torch the way ``enjoyln.compat`` does, which a baseline
+from before it cannot. For the timm cases, an environment beside the main one::
+
+    python -m venv --system-site-packages /work/venv-timm
+    /work/venv-timm/bin/pip install --no-deps torchvision==0.28.0 timm==1.0.29
+    /work/venv-timm/bin/python scripts/compare_folds.py --baseline /tmp/base
 
     python scripts/compare_folds.py --baseline /tmp/base [--workdir DIR] [--keep]
 """
@@ -38,6 +45,10 @@ CASES = {
     "gpt2-sharded-in": ("gpt2-sharded", ["fold", "--static"]),
     "gpt2-sharded-in-fused": ("gpt2-sharded", ["fold", "--static", "--fuse-affine"]),
 }
+TIMM_CASES = {  # where timm imports
+    "timm-vit": ("timm-vit", ["fold", "--static"]),
+    "timm-vit-fused": ("timm-vit", ["fold", "--static", "--fuse-affine"]),
+}
 
 BUILD = r"""
 import sys, torch
@@ -50,6 +61,12 @@ elif kind == "gpt2-pickle":
     perturb(tiny_model("gpt2"), seed=5).save_pretrained(path, safe_serialization=False)
 elif kind == "gpt2-sharded":  # the tied head untied into a sharded input
     perturb(tiny_model("gpt2"), seed=8).save_pretrained(path, max_shard_size="100KB")
+elif kind == "timm-vit":  # timm's hub format, with the depth it was built at
+    import json, timm
+    from timm.models._hub import save_for_hf
+    save_for_hf(perturb(timm.create_model("vit_tiny_patch16_224", depth=2), seed=9), path, safe_serialization=True)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_args": {"depth": 2}}))
 elif kind == "bert-sharded":
     perturb(tiny_model("bert"), seed=6).save_pretrained(path, max_shard_size="100KB")
 else:
@@ -73,11 +90,41 @@ def check_tree(tree: Path) -> None:
         raise SystemExit(f"{tree}: enjoyln imports from {found or proc.stderr.strip()}, not from this tree")
 
 
+# A baseline from before enjoyln.compat cannot import a torchvision built for another torch:
+# import it first with the same skip (fake kernels of operators that do not exist), then run.
+RUN = r"""
+import runpy, sys, torch, torch.library
+try:
+    import torchvision
+except ImportError:
+    pass
+except RuntimeError:
+    sys.modules.pop("torchvision", None)
+    original = torch.library.register_fake
+    def register_fake(op, *args, **kwargs):
+        if isinstance(op, str) and op.startswith("torchvision::"):
+            try:
+                getattr(torch.ops.torchvision, op.split("::")[1].split(".")[0])
+            except (AttributeError, RuntimeError):
+                return None if args else (lambda fn: fn)
+        return original(op, *args, **kwargs)
+    torch.library.register_fake = register_fake
+    import torchvision
+    torch.library.register_fake = original
+sys.argv = ["enjoyln", *sys.argv[1:]]
+runpy.run_module("enjoyln", run_name="__main__")
+"""
+
+
+def timm_imports() -> bool:
+    return subprocess.run([sys.executable, "-c", "import enjoyln, timm"], capture_output=True).returncode == 0
+
+
 def fold(tree: Path, args: list[str], src: Path, out: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     command, *options = args
-    # run in the tree: ``python -m`` puts the working directory first on the path
-    proc = subprocess.run([sys.executable, "-m", "enjoyln", command, str(src), str(out), *options],
+    # run in the tree: ``python -c`` puts the working directory first on the path
+    proc = subprocess.run([sys.executable, "-c", RUN, command, str(src), str(out), *options],
                           env=env, capture_output=True, text=True, cwd=tree)
     if proc.returncode != 0:
         raise SystemExit(f"{tree}: enjoyln {' '.join(args)} failed:\n{proc.stdout[-800:]}{proc.stderr[-800:]}")
@@ -103,7 +150,8 @@ def main() -> None:
         check_tree(tree)
     work = (args.workdir or Path(tempfile.mkdtemp(prefix="enjoyln-compare-"))).resolve()
     bad = 0
-    for name, (kind, command) in CASES.items():
+    cases = {**CASES, **(TIMM_CASES if timm_imports() else {})}
+    for name, (kind, command) in cases.items():
         if args.only and name not in args.only.split(","):
             continue
         src = work / "inputs" / kind
