@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the harness l
 from _docs import machine, replace_section  # noqa: E402
 
 from tools.mutation.drawing import draw  # noqa: E402
-from tools.mutation.judging import Observe, judge_all, score, tree_digest  # noqa: E402
+from tools.mutation.judging import GATE_TREE, Observe, judge_all, score, tree_digest  # noqa: E402
 from tools.mutation.sources import build_sources  # noqa: E402
 
 
@@ -55,7 +56,13 @@ def main() -> None:
     parser.add_argument("--no-observe", action="store_true", help="Do not load wrong verdicts' mutants to say why.")
     parser.add_argument("--json", type=Path, help="Write every result here.")
     parser.add_argument("--write", action="store_true", help="Write the score into docs/checking.md.")
+    parser.add_argument("--gate-tree", type=Path, help="Judge with the gate of this source tree (a checkout of "
+                        "another commit), each check in a process of its own: the same mutants, another gate.")
     args = parser.parse_args()
+    if args.gate_tree is not None:
+        if args.write:
+            parser.error("--gate-tree judges another tree's gate: its score does not go into the docs")
+        os.environ[GATE_TREE] = str(args.gate_tree.resolve())
 
     with tempfile.TemporaryDirectory(prefix="enjoyln-mutation-sources-") as tmp:
         root = args.workdir or Path(tmp)

@@ -8,6 +8,8 @@ import hashlib
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -84,6 +86,9 @@ def gate(reference: str | os.PathLike, candidate: str | os.PathLike, args: Seque
     for this run alone: click's runner puts it into ``os.environ`` and restores every variable
     afterwards (the gate reads the environment as the command line would, so a planted cache
     must be named there, not passed in)."""
+    tree = os.environ.get(GATE_TREE)
+    if tree:
+        return _gate_in(Path(tree), reference, candidate, args, env)
     from typer.testing import CliRunner
 
     from enjoyln.cli.app import app
@@ -101,6 +106,25 @@ def gate(reference: str | os.PathLike, candidate: str | os.PathLike, args: Seque
     if "ENJOYLN_DEBUG" in why:
         why = why.replace("error: ", "", 1).replace(":", " (unforeseen):", 1)
     return result.exit_code, why
+
+
+GATE_TREE = "ENJOYLN_MUTATION_GATE_TREE"
+"""Set to a source tree (a checkout of another commit) to judge with that tree's gate instead."""
+
+
+def _gate_in(tree: Path, reference: str | os.PathLike, candidate: str | os.PathLike, args: Sequence[str],
+             env: dict[str, str] | None) -> tuple[int, str]:
+    """The gate of another tree, in a process of its own run inside it (``python -m`` puts the
+    working directory first on the path, ahead of an installed enjoyln)."""
+    full = {**os.environ, **(env or {}), "PYTHONPATH": str(tree)}
+    full.pop(GATE_TREE, None)
+    proc = subprocess.run([sys.executable, "-m", "enjoyln", "check", str(reference), str(candidate), *args],
+                          env=full, cwd=tree, capture_output=True, text=True)
+    lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    if proc.returncode == 0:
+        return 0, ""
+    return proc.returncode, next((line for line in lines if line.startswith("error:") or "[FAIL]" in line
+                                  or "DIFFERENT" in line), lines[0] if lines else "")
 
 
 _state: dict[str, Any] = {}
