@@ -127,14 +127,14 @@ def measure(refs: list[Path], roots: list[Path], repeat: int = 5) -> list[dict[s
 
 IN_PROCESS = """
 import shutil, sys, time
-from enjoyln.store.checkpoint import open_model_dir
+from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.checking.static import static_check
 from enjoyln.rewrite.convert import fold_checkpoint
 what, ref, cand, out = sys.argv[1:]
 def run():
     start = time.perf_counter()
     if what == "static":
-        assert static_check(open_model_dir(ref), open_model_dir(cand)).passed
+        assert static_check(open_checkpoint(ref), open_checkpoint(cand)).passed
     else:
         fold_checkpoint(ref, out, check="none")
     seconds = time.perf_counter() - start

@@ -5,15 +5,15 @@ timed there (the median of ``--repeat`` processes):
 
 - the interpreter, and ``import enjoyln.cli.app`` (the command line, before torch);
 - ``import torch``, then ``import transformers``;
-- reading the directory (``open_model_dir``: config and safetensors headers);
+- reading the directory (``open_checkpoint``: config and safetensors headers);
 - importing the model's class (transformers imports its modeling module on first use);
 - building the meta model;
-- the analysis: traced with ``torch.export`` (the plan cache off), and from the plan cache,
-  which is what ``check`` after ``fold`` (and any second command on the same config) gets.
+- the analysis, traced with ``torch.export`` (every command analyses afresh: there is no plan
+  cache, so that the gate decides from the two directories alone).
 
 Then the whole commands on the same small checkpoint, where the weights take a small part of the
-time: ``inspect``, ``fold --no-check`` and ``check --static``, with an empty plan cache and with
-the plan cached. Every file is read right before each run, so nothing waits on the disk.
+time: ``inspect``, ``fold --no-check`` and ``check --static``. Every file is read right before
+each run, so nothing waits on the disk.
 
     python scripts/bench_startup.py [--layers 1] [--width 2048] [--repeat 3] [--write]
 """
@@ -44,17 +44,17 @@ import torch
 t["torch"] = time.perf_counter()
 import transformers
 t["transformers"] = time.perf_counter()
-from enjoyln.store.checkpoint import open_model_dir, meta_model
+from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.store.hf import model_class
 from enjoyln.rewrite.planning import analyze_dir
 t["enjoyln"] = time.perf_counter()
-md = open_model_dir(sys.argv[1])
+ck = open_checkpoint(sys.argv[1])
 t["open"] = time.perf_counter()
-model_class(md)
+model_class(ck)
 t["class"] = time.perf_counter()
-model = md.meta
+ck.meta
 t["meta"] = time.perf_counter()
-analyze_dir(md, model, False)
+analyze_dir(ck, False, False, None)
 t["traced"] = time.perf_counter()
 print(json.dumps(t))
 """
@@ -87,29 +87,23 @@ def phases(ckpt: Path, repeat: int) -> dict[str, float]:
     return {label: statistics.median(r[b] - r[a] for r in runs) for label, a, b in ROWS}
 
 
-def commands(ckpt: Path, work: Path, repeat: int) -> dict[str, dict[str, float]]:
+def commands(ckpt: Path, work: Path, repeat: int) -> dict[str, float]:
     folded = work / "folded"
     subprocess.run([sys.executable, "-m", "enjoyln", "fold", str(ckpt), str(folded), "--no-check"],
                    check=True, capture_output=True)
     cmds = {"`inspect`": ["inspect", ckpt], "`fold --no-check`": ["fold", ckpt, work / "out", "--no-check"],
             "`check --static`": ["check", ckpt, folded, "--static"]}
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, float] = {}
     for label, args in cmds.items():
-        out[label] = {}
-        for cache in ("empty", "cached"):
-            times = []
-            for _ in range(repeat):
-                cache_dir = work / "cache"
-                if cache == "empty":
-                    shutil.rmtree(cache_dir / "plans", ignore_errors=True)
-                warm(ckpt, folded)
-                env = {**os.environ, "ENJOYLN_CACHE": str(cache_dir)}
-                start = time.perf_counter()
-                subprocess.run([sys.executable, "-m", "enjoyln", *map(str, args)], check=True, env=env,
-                               capture_output=True)
-                times.append(time.perf_counter() - start)
-                shutil.rmtree(work / "out", ignore_errors=True)
-            out[label][cache] = statistics.median(times)
+        times = []
+        for _ in range(repeat):
+            warm(ckpt, folded)
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "enjoyln", *map(str, args)], check=True,
+                           env={**os.environ, "ENJOYLN_CACHE": str(work / "cache")}, capture_output=True)
+            times.append(time.perf_counter() - start)
+            shutil.rmtree(work / "out", ignore_errors=True)
+        out[label] = statistics.median(times)
     return out
 
 
@@ -134,8 +128,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     lines = ["| before the first weight byte | seconds |", "|---|---|"]
     lines += [f"| {label} | {seconds:.2f} |" for label, seconds in p.items()]
-    lines += ["", "| whole command | plan cache empty | plan cached |", "|---|---|---|"]
-    lines += [f"| {label} | {t['empty']:.2f} s | {t['cached']:.2f} s |" for label, t in c.items()]
+    lines += ["", "| whole command | seconds |", "|---|---|"]
+    lines += [f"| {label} | {t:.2f} |" for label, t in c.items()]
     lines += ["", f"GPT-2-shaped fp32 checkpoint, {args.layers} layer(s), width {args.width} "
               f"({size / 1e9:.2f} GB); each figure the median of {args.repeat} fresh processes, every file "
               f"read right before each; {machine()}. Command: `python scripts/bench_startup.py --write`."]
