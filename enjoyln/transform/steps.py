@@ -138,7 +138,7 @@ class CenterParameters(Transformation):
                 raise PlanError(f"the plan centers {c.param} along axis {c.axis}, "
                                 f"but it has {t.dim()} dimensions")
             n = t.shape[c.axis] if t.dim() else 1
-            if n % c.groups or any(not 0 <= b < c.groups for b in c.blocks or ()):
+            if c.groups < 1 or n % c.groups or any(not 0 <= b < c.groups for b in c.blocks or ()):
                 raise PlanError(f"the plan centers {c.param} in {c.groups} groups, which its "
                                 f"{n} entries along axis {c.axis} do not fit")
             if c.scale:

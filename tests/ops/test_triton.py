@@ -132,7 +132,7 @@ def test_cpu_tensors_never_reach_the_cached_launcher():
 def test_the_kernels_share_the_signature_the_launcher_and_the_aot_build_assume():
     import inspect
 
-    from enjoyln.ops import triton_aot
+    from tools import triton_aot
 
     for name, kernel in kernels.KERNELS.items():
         params = inspect.signature(kernel.fn).parameters
