@@ -12,6 +12,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 from .._version import __version__
 from . import commands, tools
 from .failures import NoArgsIsHelpError, UsageError, friendly, usage_error
+from .render import state
 
 
 class Command(TyperCommand):
@@ -51,8 +52,9 @@ class Group(TyperGroup):
 
         args = list(sys.argv[1:] if args is None else args)
         extra.pop("standalone_mode", None)
+        state.begin()  # a fresh command: nothing printed yet (a test may run several in one process)
         try:
-            code = super().main(args=args, prog_name=prog_name or "enjoyln", standalone_mode=False, **extra)
+            code = super().main(args=args, prog_name="enjoyln", standalone_mode=False, **extra)
         except NoArgsIsHelpError as exc:
             typer.echo(exc.ctx.get_help() if exc.ctx is not None else "")
             code = 2

@@ -47,7 +47,7 @@ def model_dir_of(spec: str, revision: Optional[str], access: Access, display: Di
     path = Path(spec)
     if not (path.exists() or path.is_symlink()):
         display.stage(f"fetching {spec} from the Hugging Face hub (or its cache)")
-    with quiet_libraries():
+    with quiet_libraries(transformers=False):  # transformers would take seconds to import
         found = resolve_model_dir(spec, revision=revision, allow_pickle=access.allow_pickle, role=role)
     return precheck_model_dir(found)
 
@@ -292,9 +292,11 @@ def export(
     with Display(err, enabled=not as_json and not state.quiet) as display:
         src = model_dir_of(model_dir, revision, access, display)
         display.stage(IMPORTING)
+        import importlib
         import logging
 
-        import torch.onnx  # noqa: F401  its import resets the level quiet_libraries gives it; the registry warns of a missing torchvision
+        # torch.onnx's import resets the level quiet_libraries gives it; its registry warns of a missing torchvision
+        importlib.import_module("torch.onnx")
 
         from ..export.onnx import export_checkpoint
 

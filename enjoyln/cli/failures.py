@@ -17,9 +17,11 @@ from typing import Any, Callable
 import typer
 
 try:  # typer vendors click since 0.2x: its usage errors are these
-    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+    from typer._click import exceptions as click_errors
 except ImportError:  # an older typer, on click itself
-    from click.exceptions import NoArgsIsHelpError, UsageError  # type: ignore[no-redef]
+    from click import exceptions as click_errors  # type: ignore[no-redef]
+
+UsageError, NoArgsIsHelpError = click_errors.UsageError, click_errors.NoArgsIsHelpError
 
 from ..errors import EnjoylnError, Interrupted, first_line
 from . import render

@@ -123,9 +123,12 @@ def bench(
     batch: Annotated[int, typer.Option(min=1, help="End-to-end batch size.")] = 1,
     seq_len: Annotated[int, typer.Option(min=1, help="End-to-end sequence length.")] = 512,
     threads: Annotated[Optional[int], typer.Option(min=1, max=1024, help="torch threads (default: torch's default).")] = None,
-    repeats: Annotated[int, typer.Option(min=1, help="End-to-end forwards per model.")] = 20,
-    seconds: Annotated[float, typer.Option(
-        min=0.0, help="Past --repeats, keep timing end to end until about this many seconds have passed.")] = 5.0,
+    repeats: Annotated[Optional[int], typer.Option(
+        min=1, show_default="20", help="End-to-end forwards per model.")] = None,
+    seconds: Annotated[Optional[float], typer.Option(
+        min=0.0, show_default="5, or 0 with --repeats",
+        help="Past --repeats, keep timing end to end until about this many seconds have passed, so that the "
+             "spread of the runs means something.")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
     dtype: Annotated[Optional[str], typer.Option(
         help="dtype of both models end to end and compiled: float32, bfloat16 or float16 (default: as loaded; "
@@ -142,6 +145,9 @@ def bench(
 
     Example: enjoyln bench --no-kernels --threads 2
     """
+    if seconds is None:  # --repeats alone asks for that many runs, as it always did
+        seconds = 0.0 if repeats is not None else 5.0
+    repeats = repeats if repeats is not None else 20
     device, plot = parse_device(device), parse_plot(plot)
     shape_list, dtype_names = parse_shapes(shapes), parse_dtypes(dtypes)
     model_dtype = parse_dtypes(dtype, "--dtype")[0] if dtype is not None else None

@@ -28,10 +28,11 @@ def show_library_output(show: bool) -> None:
 
 
 @contextlib.contextmanager
-def quiet_libraries() -> Iterator[None]:
+def quiet_libraries(transformers: bool = True) -> Iterator[None]:
     """Within it, transformers and huggingface_hub log errors only and draw no progress bars,
     and their FutureWarnings and DeprecationWarnings are not shown; after it, everything is as the
-    caller had it (nested calls restore in turn).
+    caller had it (nested calls restore in turn). ``transformers=False`` leaves transformers
+    alone (and unimported), for a call that only reaches huggingface_hub.
 
     >>> with quiet_libraries():
     ...     pass
@@ -47,7 +48,8 @@ def quiet_libraries() -> Iterator[None]:
         stack.callback(onnx.setLevel, onnx.level)
         onnx.setLevel(logging.ERROR)
         _silence_hub(stack)
-        _silence_transformers(stack)
+        if transformers:
+            _silence_transformers(stack)
         yield
 
 
