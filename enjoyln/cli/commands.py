@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 
 from ..errors import CheckFailed, EnjoylnError
 from ..options import Access, CheckOptions, FoldOptions
@@ -26,8 +27,8 @@ from .options import (Batches, Check, CheckDevice, CheckMemory, DryRun, Force, J
                       ModelClass, Quiet, ReadPickle, Revision, Rtol, SeqLen, StaticCheck, TrustCode, Verbose,
                       check_cuda, parse_check_dtype, parse_device, parse_rotation)
 from .progress import Display
-from .render import (drop_stdout, err, out, plan_counts, print_export, print_json, print_plan, print_report,
-                     show_fold, state)
+from .render import (drop_stdout, err, out, plan_counts, plan_sentence, print_export, print_json, print_plan,
+                     print_report, show_fold, state)
 
 ModelDir = Annotated[str, typer.Argument(
     metavar="MODEL_DIR", help="Hugging Face model directory (config.json + safetensors), or a hub id such as "
@@ -189,7 +190,10 @@ def inspect(
     if as_json:
         print_json({**plan_counts(plan), **plan.to_dict()})
         return
-    print_plan(plan)
+    if state.quiet:  # the plan in one sentence is inspect's verdict
+        out.print(escape(plan_sentence(plan)))
+    else:
+        print_plan(plan)
     if graph is not None:
         if plan.auxiliary:
             out.print("Note: the picture shows the strict analysis, without the auxiliary centerings")

@@ -323,3 +323,33 @@ def test_a_local_path_wins_over_a_hub_id(hub, tmp_path):
     tiny_model("bert").save_pretrained(tmp_path / "tiny-org" / "tiny-gpt2")
     code, stdout, lines, _ = probe("inspect", "tiny-org/tiny-gpt2", "--json", env=hub, cwd=tmp_path)
     assert code == 0 and json.loads(stdout)["model"] == "BertModel", lines
+
+
+def test_the_values_checked_before_torch_are_the_apis():
+    """The command line names rotation kinds and check dtypes itself, to refuse a wrong one before
+    torch loads: they must be the ones the API takes."""
+    from enjoyln.checking.compare import LOAD_DTYPES
+    from enjoyln.cli.options import CHECK_DTYPES, ROTATIONS
+    from enjoyln.transform.rotation import KINDS
+
+    assert ROTATIONS == KINDS and tuple(CHECK_DTYPES) == tuple(LOAD_DTYPES)
+
+
+def test_quiet_inspect_prints_the_plan_in_one_sentence(gpt2_dir):
+    result = runner.invoke(app, ["inspect", str(gpt2_dir), "-q"])
+    assert result.exit_code == 0 and result.stdout == ("GPT2LMHeadModel: all 5 LayerNorms fold, by centering 16 "
+                                                       "tensors and untying 1.\n")
+
+
+def test_a_fold_whose_check_fails_is_one_json_document(gpt2_dir, tmp_path, monkeypatch):
+    from enjoyln.checking.report import CheckReport
+    from enjoyln.rewrite import convert
+
+    monkeypatch.setattr(convert, "check_checkpoints", lambda *a, **k: CheckReport(
+        passed=False, max_abs_diff=1.0, max_rel_diff=1.0, outputs=[], batches=1, dtype="float32", criterion=""))
+    result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out"), "--json"])
+    doc = json.loads(result.stdout)
+    assert result.exit_code == 1 and doc["exit_code"] == 1 and doc["out_dir"] is None
+    assert doc["error"].startswith("the folded model failed its check") and doc["check"]["passed"] is False
+    assert doc["verdict"] == "FAIL: the folded model does not compute the same outputs"
+    assert not (tmp_path / "out").exists()
