@@ -73,7 +73,11 @@ class LatencyComparison:
 
     def difference(self, a: str = "original", b: str = "folded") -> str:
         """The comparison in words: a measurable difference only where the middle half of the
-        run-by-run ratios lies on one side of 1."""
+        run-by-run ratios lies on one side of 1.
+
+        >>> LatencyComparison.of([10.0, 10.1, 9.9], [10.0, 9.9, 10.1]).difference()
+        'folded/original 1.000 (IQR 0.980-1.020 over 3 pairs): no measurable difference'
+        """
         r = self.pair_ratios
         if r is None:
             return f"{b}/{a} {self.ratio:.3f} (one median each; no spread measured)"

@@ -47,7 +47,10 @@ def seeded(seed: int) -> Iterator[None]:
 
 
 def check_device(device: str) -> None:
-    """Refuse, in one line, a device this machine does not have (``"cuda"`` without a GPU)."""
+    """Refuse, in one line, a device this machine does not have (``"cuda"`` without a GPU).
+
+    >>> check_device("cpu")
+    """
     try:
         where = torch.device(device)
     except (RuntimeError, TypeError):

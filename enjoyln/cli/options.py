@@ -126,6 +126,11 @@ before torch loads; a test holds the two together)."""
 
 
 def parse_rotation(text: Optional[str], option: str) -> Optional[str]:
+    """``--kind`` or ``--rotate``: a kind of rotation, or None.
+
+    >>> parse_rotation("hadamard", "--kind")
+    'hadamard'
+    """
     if text is not None and text not in ROTATIONS:
         raise EnjoylnError(f"unknown {option} {text!r}; use {' or '.join(ROTATIONS)}")
     return text
@@ -135,7 +140,11 @@ CHECK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def parse_check_dtype(text: Optional[str]) -> Optional[str]:
-    """``check --dtype``, refused in one line before anything loads."""
+    """``check --dtype``, refused in one line before anything loads.
+
+    >>> parse_check_dtype("bfloat16")
+    'bfloat16'
+    """
     if text is not None and text not in CHECK_DTYPES:
         raise EnjoylnError(f"cannot judge a candidate in dtype {text!r}; use one of {', '.join(CHECK_DTYPES)}")
     return text

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -278,4 +277,4 @@ def _caches(enjoyln_cache: Path) -> dict[str, str]:
     triton = os.environ.get("TRITON_CACHE_DIR", str(Path(os.environ.get("TRITON_HOME", Path.home())) / ".triton"
                                                     / "cache"))
     return {"huggingface hub": str(hub), "huggingface home": str(home), "triton": triton,
-            "enjoyln kernels": str(enjoyln_cache), "python": sys.prefix}
+            "enjoyln kernels": str(enjoyln_cache)}

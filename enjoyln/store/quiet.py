@@ -22,7 +22,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def show_library_output(show: bool) -> None:
-    """Let the libraries' bars and logs through (``enjoyln --verbose``), or not (the default)."""
+    """Let the libraries' bars and logs through (``enjoyln --verbose``), or not (the default).
+
+    >>> show_library_output(False)
+    """
     global _show
     _show = show
 
@@ -80,7 +83,11 @@ def _silence_transformers(stack: contextlib.ExitStack) -> None:
 
 
 def quiet(fn: F) -> F:
-    """``fn`` run within ``quiet_libraries``."""
+    """``fn`` run within ``quiet_libraries``.
+
+    >>> quiet(lambda: 3)()
+    3
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
