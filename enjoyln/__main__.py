@@ -36,8 +36,10 @@ def main() -> None:
         from .cli.app import app
 
         app()
-    except Interrupted as exc:
+    except Interrupted as exc:  # before a command's own handler is in place (while typer loads)
         print(exc.message, file=sys.stderr)
+        if "--json" in sys.argv[1:]:  # one JSON document on every path
+            print(f'{{"error": "{exc.message}", "exit_code": {exc.exit_code}}}')
         sys.exit(exc.exit_code)
 
 

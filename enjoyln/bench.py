@@ -14,7 +14,7 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -28,13 +28,18 @@ from .options import Access
 from .errors import EnjoylnError
 from .modules.norm import RMSNorm
 from .store.checkpoint import open_checkpoint
+from .store.quiet import quiet
 from .testing import max_relative_diff, perturb
+from .timings import Spread
 from .transform.steps import fold
 
 
 @dataclass
 class LatencyComparison:
-    """Medians of alternating runs; ``speedup`` > 0 means B is faster."""
+    """Medians of alternating runs; ``speedup`` > 0 means B is faster. ``a_runs_ms`` and
+    ``b_runs_ms`` hold every run, and ``pair_ratios`` each B run over the A run beside it: their
+    spread says whether a difference is measurable (``difference``), and ``warnings`` whether
+    the timings can be trusted at all."""
 
     a_ms: float
     b_ms: float
@@ -43,6 +48,14 @@ class LatencyComparison:
     a_iqr_ms: float = 0.0
     """Interquartile range of A's runs: their spread."""
     b_iqr_ms: float = 0.0
+    a_runs_ms: list[float] = field(default_factory=list)
+    b_runs_ms: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, a_runs_ms: list[float], b_runs_ms: list[float], tokens: int = 0) -> "LatencyComparison":
+        """From the runs themselves (ms), A's and B's alternating."""
+        a, b = Spread.of(a_runs_ms), Spread.of(b_runs_ms)
+        return cls(a.median, b.median, len(a_runs_ms), tokens, a.iqr, b.iqr, list(a_runs_ms), list(b_runs_ms))
 
     @property
     def ratio(self) -> float:
@@ -52,20 +65,42 @@ class LatencyComparison:
     def speedup(self) -> float:
         return 1.0 - self.ratio
 
+    @property
+    def pair_ratios(self) -> Spread | None:
+        """B over A, run by run (each pair ran back to back, so drift cancels); None without runs."""
+        pairs = [b / a for a, b in zip(self.a_runs_ms, self.b_runs_ms) if a > 0]
+        return Spread.of(pairs) if pairs else None
+
+    def difference(self, a: str = "original", b: str = "folded") -> str:
+        """The comparison in words: a measurable difference only where the middle half of the
+        run-by-run ratios lies on one side of 1.
+
+        >>> LatencyComparison.of([10.0, 10.1, 9.9], [10.0, 9.9, 10.1]).difference()
+        'folded/original 1.000 (IQR 0.980-1.020 over 3 pairs): no measurable difference'
+        """
+        r = self.pair_ratios
+        if r is None:
+            return f"{b}/{a} {self.ratio:.3f} (one median each; no spread measured)"
+        spread = f"{b}/{a} {r.median:.3f} (IQR {r.q1:.3f}-{r.q3:.3f} over {r.runs} pairs)"
+        if r.q1 <= 1.0 <= r.q3:
+            return f"{spread}: no measurable difference"
+        return f"{spread}: {b} {'faster' if r.q3 < 1.0 else 'slower'} by {abs(1 - r.median):.1%}"
+
+    def warnings(self, a: str = "original", b: str = "folded") -> list[str]:
+        if not self.a_runs_ms:
+            return []
+        return Spread.of(self.a_runs_ms).warnings(a) + Spread.of(self.b_runs_ms).warnings(b)
+
     def tokens_per_s(self, which: str = "b") -> float:
         ms = self.b_ms if which == "b" else self.a_ms
         return self.tokens / (ms / 1e3) if self.tokens else 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        r = self.pair_ratios
         return {**asdict(self), "ratio": self.ratio, "speedup": self.speedup,
+                "pair_ratio_median": r.median if r else None, "pair_ratio_q1": r.q1 if r else None,
+                "pair_ratio_q3": r.q3 if r else None, "difference": self.difference(), "warnings": self.warnings(),
                 "a_tokens_per_s": self.tokens_per_s("a"), "b_tokens_per_s": self.tokens_per_s("b")}
-
-
-def _iqr(times: list[float]) -> float:
-    if len(times) < 2:
-        return 0.0
-    q = statistics.quantiles(times, n=4)
-    return q[2] - q[0]
 
 
 def synchronizer(*models: Any) -> Any:
@@ -83,9 +118,12 @@ def synchronizer(*models: Any) -> Any:
 
 
 def compare_latency(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
-                    repeats: int = 20, warmup: int = 3) -> LatencyComparison:
+                    repeats: int = 20, warmup: int = 3, seconds: float | None = None,
+                    max_repeats: int = 2000) -> LatencyComparison:
     """Forward latency of ``a`` and ``b`` on the same inputs, alternating A, B, A, B; on CUDA
-    each forward is timed to the end of its kernels.
+    each forward is timed to the end of its kernels. At least ``repeats`` pairs; with
+    ``seconds``, more until that much time has passed (at most ``max_repeats``), for a spread
+    that means something.
 
     >>> import torch
     >>> net = torch.nn.Linear(8, 8)
@@ -100,17 +138,19 @@ def compare_latency(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *
             inputs.call(a)
             inputs.call(b)
         sync()
-        for i in range(repeats):
+        start_all, i = time.perf_counter(), 0
+        while i < repeats or (seconds is not None and time.perf_counter() - start_all < seconds
+                              and i < max_repeats):
             order = (("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))
             for key, model in order:
                 start = time.perf_counter()
                 inputs.call(model)
                 sync()
-                times[key].append(time.perf_counter() - start)
+                times[key].append((time.perf_counter() - start) * 1e3)
+            i += 1
     ids = inputs.kwargs.get("input_ids")
     tokens = int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
-    return LatencyComparison(statistics.median(times["a"]) * 1e3, statistics.median(times["b"]) * 1e3,
-                             repeats, tokens, _iqr(times["a"]) * 1e3, _iqr(times["b"]) * 1e3)
+    return LatencyComparison.of(times["a"], times["b"], tokens)
 
 
 # --- kernels ------------------------------------------------------------------------------------
@@ -131,6 +171,8 @@ class KernelResult:
     torch_rms_norm_us: float
     copy_us: float
     bytes_moved: int
+    warnings: list[str] = field(default_factory=list)
+    """Why these timings should not be trusted, if they should not (``timings.Spread.warnings``)."""
 
     @property
     def ratio(self) -> float:
@@ -149,8 +191,8 @@ class KernelResult:
                 "layer_norm_gbps": self.gbps(self.layer_norm_us), "rms_norm_gbps": self.gbps(self.rms_norm_us)}
 
 
-def _median_time(fn: Any, repeats: int, sync: Any, batch: int = 1) -> float:
-    """Median µs per call. ``batch`` calls run back to back per sample and are waited for once:
+def _median_time(fn: Any, repeats: int, sync: Any, batch: int = 1) -> list[float]:
+    """µs per call, each run's. ``batch`` calls run back to back per sample and are waited for once:
     on CUDA the steady cost of a call in a stream of them, the larger of its host time and its
     kernel's (what a model sees), not the latency of one call waited for alone."""
     for _ in range(max(3, repeats // 10)):
@@ -162,8 +204,8 @@ def _median_time(fn: Any, repeats: int, sync: Any, batch: int = 1) -> float:
         for _ in range(batch):
             fn()
         sync()
-        times.append((time.perf_counter() - start) / batch)
-    return statistics.median(times) * 1e6
+        times.append((time.perf_counter() - start) / batch * 1e6)
+    return times
 
 
 def kernel_benchmark(shapes: list[tuple[int, int]], dtypes: list[torch.dtype], *, device: str = "cpu",
@@ -192,16 +234,22 @@ def kernel_benchmark(shapes: list[tuple[int, int]], dtypes: list[torch.dtype], *
                     "copy": lambda: x.clone(),
                 }
                 # interleave rounds so drift hits every candidate alike
-                rounds = {k: [] for k in calls}
+                rounds: dict[str, list[float]] = {k: [] for k in calls}
+                runs: dict[str, list[float]] = {k: [] for k in calls}
                 for _ in range(5):
                     for key, fn in calls.items():
-                        rounds[key].append(_median_time(fn, max(1, repeats // 5), sync,
-                                                        batch=20 if device == "cuda" else 1))
+                        times = _median_time(fn, max(1, repeats // 5), sync, batch=20 if device == "cuda" else 1)
+                        rounds[key].append(statistics.median(times))
+                        runs[key] += times
                 t = {k: statistics.median(v) for k, v in rounds.items()}
+                name = f"{rows}x{cols} {str(dtype).replace('torch.', '')}"
+                noise = (Spread.of(runs["ln"]).warnings(f"{name} LayerNorm", "µs")
+                         + Spread.of(runs["rms"]).warnings(f"{name} RMSNorm", "µs"))
                 size = x.element_size()
                 results.append(KernelResult(rows, cols, str(dtype).replace("torch.", ""), device,
                                             torch.get_num_threads(), ops.backend(x, w, b), t["ln"], t["rms"],
-                                            t["torch"], t["copy"], rows * cols * 2 * size + cols * 2 * size))
+                                            t["torch"], t["copy"], rows * cols * 2 * size + cols * 2 * size,
+                                            noise))
     return results
 
 
@@ -328,11 +376,11 @@ def norm_time_ms(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
 
 
 def end_to_end(original: nn.Module, folded: nn.Module, example_inputs: ExampleInputs, *,
-               repeats: int = 20) -> EndToEndResult:
-    """Forward latency of the original and the folded model, the original's LN share,
-    and the time inside the norms of each."""
+               repeats: int = 20, seconds: float | None = None) -> EndToEndResult:
+    """Forward latency of the original and the folded model (at least ``repeats`` pairs, more
+    within ``seconds``), the original's LN share, and the time inside the norms of each."""
     inputs = as_inputs(example_inputs)
-    latency = compare_latency(original, folded, inputs, repeats=repeats)
+    latency = compare_latency(original, folded, inputs, repeats=repeats, seconds=seconds)
     share = layer_norm_share(original, inputs)
     ids = inputs.kwargs.get("input_ids")
     batch, seq = (tuple(ids.shape) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else (0, 0))
@@ -389,7 +437,8 @@ def _is_norm_kernel(name: str) -> bool:
 
 
 def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: ExampleInputs, *,
-                        repeats: int = 20, profile_kernels: bool = False) -> CompiledResult:
+                        repeats: int = 20, profile_kernels: bool = False,
+                        seconds: float | None = None) -> CompiledResult:
     """Compile both models with inductor and time them side by side, alternating.
 
     ``fullgraph=True`` makes any graph break an error. The folded model's compiled
@@ -420,7 +469,7 @@ def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: 
             outputs.append(flatten_outputs(out))
     diff = max(max_relative_diff(reference[k], outputs[1][k]) for k in reference)
     norms = [[n for n in kernels if _is_norm_kernel(n)] for kernels in names]
-    latency = compare_latency(compiled[0], compiled[1], inputs, repeats=repeats)
+    latency = compare_latency(compiled[0], compiled[1], inputs, repeats=repeats, seconds=seconds)
     norm_ms = tuple(_norm_kernel_ms(fn, inputs) for fn in compiled) if profile_kernels else (0.0, 0.0)
     return CompiledResult(latency, (len(names[0]), len(names[1])), (len(norms[0]), len(norms[1])),
                           sum("add" in n for n in norms[1]), diff, (seconds[0], seconds[1]), norm_ms)
@@ -466,12 +515,17 @@ def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: 
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("time / native LayerNorm")
     ax.set_yscale("log")
+    noise = [w for r in kernels for w in r.warnings] + (e2e.latency.warnings() if e2e is not None else [])
+    if noise:  # a plot outlives the terminal that printed the warnings
+        ax.set_title(f"{len(noise)} timing warning{'s' if len(noise) > 1 else ''}: the machine was noisy, "
+                     "see the report", color="red", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+@quiet
 def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = "cpu",
                       dtype: torch.dtype | None = None, access: Access = Access()) -> tuple[nn.Module, nn.Module]:
     """(original, folded) to time against each other: from a folded directory (the original is

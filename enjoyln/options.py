@@ -6,7 +6,7 @@ one line, not deep inside.
 'static'
 >>> CheckOptions.of(batchs=3)
 Traceback (most recent call last):
-enjoyln.errors.EnjoylnError: unknown option batchs; the options are batches, batch_size, seq_len, seed, rtol, dtype, thorough, max_memory, mode, allow_pickle, trust_remote_code, model_class
+enjoyln.errors.EnjoylnError: unknown option batchs; the options are batches, batch_size, seq_len, seed, rtol, dtype, thorough, max_memory, device, mode, allow_pickle, trust_remote_code, model_class
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class CheckOptions:
     ones after the weight check, 3 with ``thorough`` or ``"forward"``), their ``batch_size``,
     ``seq_len`` and first ``seed``; ``rtol`` a fixed tolerance instead of the precision-aware one;
     ``dtype`` the dtype the candidate is meant to load in; ``thorough`` adds a batch over every
-    position; ``max_memory`` (bytes) runs the models one at a time within that much."""
+    position; ``max_memory`` (bytes) runs the models one at a time within that much; ``device``
+    (``"cpu"``, ``"cuda"``, ``"cuda:1"``) is where the forward part runs."""
 
     batches: int | None = None
     batch_size: int = 2
@@ -63,6 +64,7 @@ class CheckOptions:
     dtype: str | None = None
     thorough: bool = False
     max_memory: int | None = None
+    device: str = "cpu"
     mode: str = "full"
     access: Access = field(default_factory=Access)
 

@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "enjoyln"
 
 LAYERS = {
     "enjoyln._version": 0, "enjoyln.compat": 0, "enjoyln.errors": 0, "enjoyln.units": 0, "enjoyln.plan": 0, "enjoyln.options": 0,
+    "enjoyln.timings": 0,
     "enjoyln.ops": 1,
     "enjoyln.modules": 2,
     "enjoyln.analysis": 3,

@@ -6,6 +6,7 @@ check that cannot fit."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -21,6 +22,7 @@ from ..store.load import load, load_plain
 from ..store.memory import (available_memory, config_value_dict, dominant_dtype, forward_check_bytes,
                             truth_ratio)
 from ..store.checkpoint import Checkpoint, open_checkpoint
+from ..store.quiet import quiet
 from ..store.tensors import return_freed_memory
 from .compare import code_problems, load_problems, parse_dtype
 from .batches import MAX_COVER_POSITIONS
@@ -82,9 +84,10 @@ def _activation_bytes(ck: Checkpoint) -> int:
     return length * width * 4 + (32 << 20)
 
 
+@quiet
 def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str | os.PathLike,
                       options: CheckOptions | None = None, *, progress: Callable[[int, int], None] | None = None,
-                      **values: Any) -> "CheckReport":
+                      stage: Callable[[str], None] | None = None, **values: Any) -> "CheckReport":
     """Prove CANDIDATE computes what REFERENCE does: every weight, then the outputs.
 
     ``options`` (a ``CheckOptions``) or its fields as keywords. ``mode="full"``
@@ -111,7 +114,9 @@ def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str 
     every load: each model the check loads gets the same seeded values for
     exactly those, and the report names them. ``model_class`` builds both
     directories as another transformers class. ``reference`` may be a directory
-    already opened (``Checkpoint``): its files and meta model, never a plan.
+    already opened (``Checkpoint``): its files and meta model, never a plan. ``device``
+    (``"cuda"``) runs the forward part there (the models both in memory). ``progress`` hears
+    of the bytes the static part has read, ``stage`` of each load and batch of the forward part.
 
     >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
     True
@@ -120,17 +125,20 @@ def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str 
     if opts.mode not in ("full", "static", "forward"):
         raise EnjoylnError(f"unknown check mode {opts.mode!r}; use full, static or forward")
     opts = dataclasses.replace(opts, dtype=parse_dtype(opts.dtype))
+    running.check_device(opts.device)
     ref_ck, cand_ck = _open_pair(reference, candidate, opts.access)
     if code := code_problems(ref_ck, cand_ck):  # before anything imports the candidate's code
         report = CheckReport.from_static(code_report(code), forward_skipped=True)
         report.forward_skipped = "the candidate's code is not the reference's, so none of it was run"
         return report
     budget = _budget(ref_ck, cand_ck, opts)
+    if stage is not None and opts.mode != "forward":
+        stage("checking every weight")
     static, early = _static_part(ref_ck, cand_ck, opts, progress)
     if early is not None:
         return early
     try:
-        report = _forward_part(ref_ck, cand_ck, opts, budget, missing=_missing(ref_ck, cand_ck, static))
+        report = _forward_part(ref_ck, cand_ck, opts, budget, missing=_missing(ref_ck, cand_ck, static), stage=stage)
     except _CandidateUnloadable as exc:
         report = _failed("loading the candidate", [str(exc)], "enjoyln.load cannot load the candidate")
     report.add_static(static)
@@ -161,6 +169,10 @@ def _budget(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions) -> tupl
         budget = budget if budget is not None else bounded_budget(cand_ck)
     require_memory(ref_ck, budget)
     require_memory(cand_ck, budget)
+    if budget is not None and opts.device != "cpu":
+        raise CheckpointError(f"the forward check would run the models one at a time within "
+                              f"{format_bytes(budget)}, which runs on the CPU only; drop --device {opts.device}, "
+                              "or pass --static")
     return budget, opts.max_memory is None
 
 
@@ -214,25 +226,28 @@ def _forward_options(opts: CheckOptions) -> ForwardOptions:
 
 
 def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, budget: tuple[int | None, bool],
-                  missing: list[str]) -> CheckReport:
+                  missing: list[str], stage: Callable[[str], None] | None = None) -> CheckReport:
     """The outputs compared, with both models in memory or one at a time within ``budget``."""
     confirm = opts.mode == "full" and not opts.thorough
     forward = _forward_options(opts)
     plain_required, caveat, note = _plain_loading(cand_ck, verified=opts.mode == "full")
     max_memory, auto = budget
+    if stage is not None:
+        stage("loading the original and the candidate")
     if max_memory is None:
         # each model is freed after its runs: the reference becomes its own truth (widened in
         # place), and the plain load comes from disk after the candidate's runs
-        ref_src = ModelSource.given(_load(load, ref_ck, missing))
-        cand_src = ModelSource.given(_load(load, cand_ck, missing, candidate=True))
+        on = functools.partial(_on_device, opts.device, stage)
+        ref_src = ModelSource.given(on("the original", _load(load, ref_ck, missing)))
+        cand_src = ModelSource.given(on("the candidate", _load(load, cand_ck, missing, candidate=True)))
         # a half-precision candidate of a float32 reference: the truth is the reference as stored
-        truth = ModelSource(ref_src.dtype, lambda dtype: _load(load, ref_ck, missing, dtype=dtype))
-        plain = ModelSource(cand_src.dtype, lambda dtype: _load(load_plain, cand_ck, missing, candidate=True,
-                                                                dtype=dtype))
+        truth = ModelSource(ref_src.dtype, lambda dtype: on("the original", _load(load, ref_ck, missing, dtype=dtype)))
+        plain = ModelSource(cand_src.dtype, lambda dtype: on("the candidate", _load(load_plain, cand_ck, missing,
+                                                                                     candidate=True, dtype=dtype)))
         report = check_sources(ref_src, _paths(cand_src, plain, plain_required, cand_ck, confirm), None, forward,
-                               truth=truth)
+                               truth=truth, stage=stage)
     else:
-        report = _bounded_check(ref_ck, cand_ck, max_memory, missing, forward, (plain_required, confirm))
+        report = _bounded_check(ref_ck, cand_ck, max_memory, missing, forward, (plain_required, confirm), stage)
         report.memory = (f"{'the two models would not fit in memory side by side, so ' if auto else ''}"
                          f"the models ran one at a time within {format_bytes(max_memory)} "
                          "(weights beyond it read from disk as each layer ran)")
@@ -243,10 +258,21 @@ def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, b
                             "values for exactly those, so they were compared like the rest")
     if confirm:
         plain_too = " (plain loading on the first)" if plain_required is not None else ""
+        decoded = report.generation is not None  # the model generates: decided by the model, not its name
         report.notes.append(f"the static part proved every weight, so the forward part confirmed it on "
-                            f"{report.batches} short batches{plain_too} and a greedy decode; --thorough also "
-                            "runs a batch over every position and many token ids, and decodes 8 tokens")
+                            f"{report.batches} short batches{plain_too}{' and a greedy decode' if decoded else ''}; "
+                            "--thorough also runs a batch over every position and many token ids"
+                            f"{', and decodes 8 tokens' if decoded else ''}")
     return report
+
+
+def _on_device(device: str, stage: Callable[[str], None] | None, what: str, model: nn.Module) -> nn.Module:
+    """A loaded model moved to ``device`` (where it is not the CPU it loads on)."""
+    if device == "cpu":
+        return model
+    if stage is not None:
+        stage(f"moving {what} to {device}")
+    return model.to(device)
 
 
 class _CandidateUnloadable(EnjoylnError):
@@ -305,7 +331,8 @@ def _plain_loading(ck: Checkpoint, *, verified: bool) -> tuple[bool | None, str,
 
 
 def _bounded_check(ref_ck: Checkpoint, cand_ck: Checkpoint, max_memory: int, missing: list[str],
-                   forward: ForwardOptions, plain: tuple[bool | None, bool]) -> CheckReport:
+                   forward: ForwardOptions, plain: tuple[bool | None, bool],
+                   stage: Callable[[str], None] | None = None) -> CheckReport:
     """The forward check holding one model at a time, with at most ``max_memory`` for it.
 
     accelerate's big-model inference keeps part of the weights in memory and
@@ -343,4 +370,5 @@ def _bounded_check(ref_ck: Checkpoint, cand_ck: Checkpoint, max_memory: int, mis
         ref_src = source(ref_ck, Path(off) / "reference")
         paths = _paths(source(cand_ck, Path(off) / "candidate", candidate=True),
                        source(cand_ck, Path(off) / "plain", plain=True, candidate=True), required, cand_ck, confirm)
-        return check_sources(ref_src, paths, None, dataclasses.replace(forward, spill=True, max_rows=1), truth=ref_src)
+        return check_sources(ref_src, paths, None, dataclasses.replace(forward, spill=True, max_rows=1), truth=ref_src,
+                             stage=stage)

@@ -175,7 +175,8 @@ def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInp
 
 
 def check_sources(reference: ModelSource, candidates: Sequence[CandidatePath], example_inputs: ExampleInputs = None,
-                  options: ForwardOptions = ForwardOptions(), *, truth: ModelSource | None = None) -> CheckReport:
+                  options: ForwardOptions = ForwardOptions(), *, truth: ModelSource | None = None,
+                  stage: Callable[[str], None] | None = None) -> CheckReport:
     """``check``, with models produced one at a time: the reference (in the dtype that sets
     the bar), its truth in the next wider dtype (from ``truth``, the reference loaded another
     way, or the reference itself), then each load path of the candidate in ``candidates`` (the
@@ -189,9 +190,11 @@ def check_sources(reference: ModelSource, candidates: Sequence[CandidatePath], e
     candidate whose every weight is already proven, the forward part only
     confirms that the proven plan computes the same function. With ``sweep``
     (and ``coverage``), further batches run every token id the others missed,
-    their outputs kept as sketches (``checking.sweep``), on the first load path.
+    their outputs kept as sketches (``checking.sweep``), on the first load path. ``stage``
+    hears of each model's runs, batch by batch.
     """
     comparison = _Comparison(reference, truth or reference, candidates[0].source, options)
+    comparison.say = stage or (lambda what: None)
     with (tempfile.TemporaryDirectory(prefix="enjoyln-check-") if options.spill else _nothing()) as spill_dir:
         comparison.spill_dir = Path(spill_dir) if spill_dir else None
         comparison.reference_runs(example_inputs)
@@ -227,6 +230,7 @@ class _Comparison:
         self.ref_gen = self.cand_gen = None
         self.paths: list[CandidatePath] = []
         self.widen: nn.Module | None = None
+        self.say: Callable[[str], None] = lambda what: None
 
     def _store(self, name: str) -> Outputs:
         return Outputs(self.spill_dir / name if self.spill_dir is not None else None)
@@ -262,8 +266,10 @@ class _Comparison:
         prompt = next((b.kwargs.get("input_ids") for b in self.inputs if "input_ids" in b.kwargs), None)
         self.prompt = prompt[:, :self.prompt_len] if self.new_tokens and prompt is not None else None
         for i in range(len(self.inputs)):
+            self.say(f"running the original: batch {i + 1} of {len(self.inputs)}")
             self.base.put(i, self.outputs(model, i, self.base_dtype))
         if self.prompt is not None:
+            self.say(f"decoding {self.new_tokens} tokens greedily with the original")
             self.ref_gen = generate_greedy(model, self.prompt, self.new_tokens, self.opts.seed)
         self.ref_settings = generation_settings(model)
         r = self.reference
@@ -281,13 +287,16 @@ class _Comparison:
         if self.crit.kind != "precision":
             return
         self.truth_out = self._store("truth")
+        wide, n = str(self.truth_dtype).replace("torch.", ""), len(self.inputs)
+
+        def run(model: nn.Module, i: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+            self.say(f"running the original in {wide} (its exact result): batch {i + 1} of {n}")
+            return self.outputs(model, i, dtype)
         try:
             if self.widen is not None:
-                _widened_runs(self.widen, self.reference, self.truth, self.truth_dtype, len(self.inputs),
-                              self.outputs, self.truth_out)
+                _widened_runs(self.widen, self.reference, self.truth, self.truth_dtype, n, run, self.truth_out)
             else:
-                _runs(self.truth.get(self.truth_dtype), self.truth_dtype, len(self.inputs), self.outputs,
-                      self.truth_out)
+                _runs(self.truth.get(self.truth_dtype), self.truth_dtype, n, run, self.truth_out)
         except EnjoylnError as exc:
             if self.half:
                 raise
@@ -306,13 +315,17 @@ class _Comparison:
             model = path.source.get(path.source.dtype)
             for problem in settings_problems(self.ref_settings, generation_settings(model)):
                 self.settings.setdefault(problem, []).append(path.name)
-            for i in range(min(path.batches or len(self.inputs), len(self.inputs) if n == 0 else self.main)):
+            count = min(path.batches or len(self.inputs), len(self.inputs) if n == 0 else self.main)
+            for i in range(count):
+                self.say(f"running the candidate{' (' + path.name + ')' if path.name else ''}: batch {i + 1} "
+                         f"of {count}")
                 cand = self.outputs(model, i, path.source.dtype)
                 for name in self.base.names(i):
                     st = measure(name, self.base, self.truth_out, i, cand.get(name))
                     self.stats[n, name] = self.stats[n, name].merge(st) if (n, name) in self.stats else st
                 del cand
             if n == 0 and self.prompt is not None:
+                self.say(f"decoding {self.new_tokens} tokens greedily with the candidate")
                 self.cand_gen = generate_greedy(model, self.prompt, self.new_tokens, self.opts.seed)
             del model
             path.source.drop(path.source.dtype)
@@ -351,6 +364,7 @@ class _Comparison:
             generation=generation, coverage=self.covered, criterion_kind=self.crit.kind,
             truth_dtype=name(self.truth_dtype) if self.crit.kind == "precision" else "",
             margin=min(margins) if margins else None, paths=[p.name for p in self.paths if p.name], notes=self.notes,
+            factor=self.opts.factor if self.crit.kind == "precision" else None,
             generation_settings=[f"generation settings{' (' + ' and '.join(w) + ')' if any(w) else ''}: {problem}"
                                  for problem, w in self.settings.items()])
 

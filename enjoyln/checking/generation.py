@@ -13,7 +13,7 @@ from torch import nn
 from ..analysis.inputs import config_value
 from ..errors import CaptureError, first_line
 from .report import NearTie, worse
-from .running import seeded
+from .running import model_device, seeded
 
 
 PROMPT_TOKENS = 8
@@ -44,6 +44,7 @@ def generate_greedy(model: nn.Module, prompt: torch.Tensor, n: int, seed: int) -
     pad = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_id or 0)
     if isinstance(pad, list):
         pad = pad[0]
+    prompt = prompt.to(model_device(model))
     try:
         with torch.no_grad(), seeded(seed):
             out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
@@ -54,8 +55,8 @@ def generate_greedy(model: nn.Module, prompt: torch.Tensor, n: int, seed: int) -
         first = first_line(exc)
         raise CaptureError(f"greedy generation with {type(model).__name__} failed: "
                            f"{type(exc).__name__}: {first}") from exc
-    return (out.sequences[:, prompt.shape[1]:].tolist(), [t.detach().clone() for t in out.logits],
-            [t.detach().clone() for t in (out.scores or ())])
+    return (out.sequences[:, prompt.shape[1]:].tolist(), [t.detach().cpu().clone() for t in out.logits],
+            [t.detach().cpu().clone() for t in (out.scores or ())])
 
 
 def _margin(scores: list[torch.Tensor], step: int, row: int, mine: int, other: int) -> float:

@@ -147,6 +147,9 @@ class CheckReport:
     generation_settings: list[str] = field(default_factory=list)
     """How the generation settings a loader gave the candidate differ from the reference's (each
     one fails the check: generate() applies them)."""
+    factor: float | None = None
+    """The precision-aware criterion's factor: how many times the original's own rounding the
+    candidate may be from the exact result."""
 
     @classmethod
     def from_static(cls, static: Any, *, forward_skipped: bool) -> "CheckReport":
@@ -161,6 +164,61 @@ class CheckReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def verdict(self, subject: str = "the candidate") -> str:
+        """The report in one plain sentence, PASS or FAIL first, naming what was proven or what differs.
+
+        >>> CheckReport.from_static(type("S", (), {"passed": True, "byte_identical": True, "problems": [],
+        ...     "scope": "static check"})(), forward_skipped=True).verdict()
+        'PASS: the candidate is byte for byte the original, so it computes the same outputs'
+        """
+        static = self.static
+        caveat = f"; {self.caveat}" if self.caveat else ""
+        if not self.passed:
+            return f"FAIL: {self._what_differs(subject)}"
+        if static is not None and getattr(static, "byte_identical", False):
+            return f"PASS: {subject} is byte for byte the original, so it computes the same outputs"
+        if self.forward_skipped:
+            return (f"PASS: every weight of {subject} is what the fold makes of the original's, proven tensor by "
+                    f"tensor (no forward pass was run){caveat}")
+        within = (f"within {self.factor:g}\u00d7 the original's own rounding" if self.criterion_kind == "precision"
+                  and self.factor is not None else "within the fixed tolerance")
+        parts = ["every weight proven"] if static is not None else []
+        parts.append(f"{self.batches} batch{'es' if self.batches != 1 else ''} {within}")
+        if self.generation is not None and self.generation.passed:
+            parts.append("the same greedy tokens" if self.generation.identical else "the same greedy tokens up to "
+                         "near-ties")
+        if static is None:
+            parts.append("weights not compared")
+        return f"PASS: {subject} computes the same outputs ({'; '.join(parts)}){caveat}"
+
+    def _what_differs(self, subject: str) -> str:
+        static = self.static
+        if static is not None and not static.passed:
+            problems = list(static.problems)
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            first = problems[0] if problems else "see the report"
+            if static.scope != "static check":
+                return f"{subject} fails the check of its {static.scope}: {first}{more}"
+            return f"the weights of {subject} are not what the fold makes of the original's: {first}{more}"
+        wrong = [o for o in self.outputs if o.required and not o.passed]
+        if wrong:
+            o = wrong[0]
+            if o.nonfinite:
+                how = f"has {o.nonfinite} NaN or Inf values where the original has none"
+            elif o.allowed is not None:
+                how = f"is off by {o.candidate_error if o.candidate_error is not None else o.max_abs_diff:.3g} " \
+                      f"where {o.allowed:.3g} is allowed"
+            else:
+                how = "differs"
+            more = f" (and {len(wrong) - 1} more outputs)" if len(wrong) > 1 else ""
+            return f"{subject} computes different outputs: {o.label} {how}{more}"
+        if self.generation_settings:
+            return f"{subject} generates differently: {self.generation_settings[0]}"
+        g = self.generation
+        if g is not None and not g.passed:
+            return f"{subject} decodes other greedy tokens than the original" + (f": {g.problem}" if g.problem else "")
+        return f"{subject} does not compute the same outputs"
 
     def summary(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"

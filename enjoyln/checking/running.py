@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..analysis.inputs import Inputs
-from ..errors import CaptureError, first_line
+from ..errors import CaptureError, EnjoylnError, first_line
 
 
 def flatten_outputs(out: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -46,11 +46,44 @@ def seeded(seed: int) -> Iterator[None]:
         yield
 
 
+def check_device(device: str) -> None:
+    """Refuse, in one line, a device this machine does not have (``"cuda"`` without a GPU).
+
+    >>> check_device("cpu")
+    """
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise EnjoylnError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise EnjoylnError(f"device {device}, but CUDA is not available here")
+    if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
+        raise EnjoylnError(f"device {device}, but there are {torch.cuda.device_count()} CUDA devices")
+    if where.type not in ("cpu", "cuda"):
+        raise EnjoylnError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model's weights are (the CPU for weights offloaded to disk, on the meta device)."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
+def to_device(inputs: Inputs, device: torch.device) -> Inputs:
+    """``inputs`` on ``device`` (unchanged on the CPU, where the check makes them)."""
+    if device.type == "cpu":
+        return inputs
+    move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    return Inputs(tuple(move(a) for a in inputs.args), {k: move(v) for k, v in inputs.kwargs.items()})
+
+
 def run_model(model: nn.Module, inputs: Inputs, seed: int) -> dict[str, torch.Tensor]:
-    """The model's outputs on ``inputs``, under torch's RNG seeded with ``seed``."""
+    """The model's outputs on ``inputs``, under torch's RNG seeded with ``seed``; a model on a GPU
+    gets its inputs there, and its outputs come back to the CPU, where they are compared."""
+    device = model_device(model)
     try:
         with torch.no_grad(), seeded(seed):
-            return flatten_outputs(inputs.call(model))
+            out = flatten_outputs(to_device(inputs, device).call(model))
+        return out if device.type == "cpu" else {k: v.cpu() for k, v in out.items()}
     except Exception as exc:  # the model's own error, on inputs enjoyln made or was given
         first = first_line(exc)
         raise CaptureError(f"running {type(model).__name__} on the check inputs failed: "

@@ -1,17 +1,95 @@
-"""The ``enjoyln`` typer app: the commands of ``commands``, each wrapped by ``render.friendly`` so
-that any failure is one line and an exit code (0 ok, 1 check failed, 2 bad input)."""
+"""The ``enjoyln`` typer app: the commands of ``commands`` and ``tools``, each wrapped by
+``failures.friendly`` so that any failure is one line and an exit code (0 ok, 1 check failed,
+2 bad input); ``-h`` beside ``--help``, ``--version``; click's own usage errors in one line too."""
 
 from __future__ import annotations
 
+from typing import Annotated, Any, Optional
+
 import typer
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from . import commands
-from .render import friendly
+from .._version import __version__
+from . import commands, tools
+from .failures import NoArgsIsHelpError, UsageError, friendly, usage_error
+from .render import state
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+
+class Command(TyperCommand):
+    """A command whose usage line reads ``[OPTIONS] MODEL_DIR OUT_DIR`` (typer writes
+    ``{model_dir} {out_dir}``) and whose help shows no type after a flag (typer writes ``<bool>``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if isinstance(param, TyperArgument) and param.metavar is None:
+                param.metavar = (param.name or "").upper()
+            elif isinstance(param, TyperOption) and param.is_flag:
+                param.metavar = ""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, TyperArgument):
+                name = param.metavar or (param.name or "").upper()
+                pieces.append(name if param.required or name.startswith("[") else f"[{name}]")
+        return pieces
+
+    def get_help_option(self, ctx: Any) -> Optional[TyperOption]:
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+class Group(TyperGroup):
+    """The app's group: click's usage errors (an unknown option, a missing argument, a value out
+    of range) are one line naming the command's help, exit 2, with a JSON document under
+    ``--json``; the program is called ``enjoyln`` however it was started."""
+
+    def main(self, args: Any = None, prog_name: Optional[str] = None, **extra: Any) -> Any:
+        import sys
+
+        args = list(sys.argv[1:] if args is None else args)
+        extra.pop("standalone_mode", None)
+        state.begin()  # a fresh command: nothing printed yet (a test may run several in one process)
+        try:
+            code = super().main(args=args, prog_name="enjoyln", standalone_mode=False, **extra)
+        except NoArgsIsHelpError as exc:
+            typer.echo(exc.ctx.get_help() if exc.ctx is not None else "")
+            code = 2
+        except UsageError as exc:
+            code = usage_error(exc, args)
+        except typer.Abort:
+            typer.echo("aborted", err=True)
+            code = 1
+        sys.exit(code if isinstance(code, int) else 0)
+
+    def get_help_option(self, ctx: Any) -> Optional[TyperOption]:
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Fold LayerNorm into RMSNorm with exactly the same outputs.")
 
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"enjoyln {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="Print the version and exit.")] = False) -> None:
+    """Fold LayerNorm into RMSNorm with exactly the same outputs."""
+
+
 for name, command in (("fold", commands.fold), ("rotate", commands.rotate), ("inspect", commands.inspect),
-                      ("check", commands.check), ("demo", commands.demo), ("bench", commands.bench),
-                      ("export", commands.export)):
-    app.command(name)(friendly(command))
+                      ("check", commands.check), ("demo", tools.demo), ("bench", tools.bench),
+                      ("export", commands.export), ("env", tools.env)):
+    app.command(name, cls=Command)(friendly(command))

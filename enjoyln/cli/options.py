@@ -1,11 +1,15 @@
-"""Options the commands share, declared once.
+"""Options the commands share, declared once, and the parsers of option values.
 
 ``fold`` and ``rotate`` take the same output, check and input options; a
 command uses one with ``name: Force = False``, the default in the signature.
+Every parser here runs before torch is imported (``parse_dtypes`` names only;
+``check_cuda`` is the one that needs torch), so a bad value is refused at once.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
@@ -22,6 +26,12 @@ StaticCheck = Annotated[bool, typer.Option("--static", help="Check every weight,
 KeepFailed = Annotated[bool, typer.Option("--keep-failed", help="Keep a candidate that fails its check.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Analyse and report; write nothing.")]
 JsonOnly = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON only.")]
+Quiet = Annotated[bool, typer.Option("-q", "--quiet", help="Print only the verdict and errors; no progress.")]
+Verbose = Annotated[bool, typer.Option(
+    "--verbose", help="Also show the libraries' own logs and warnings, and the traceback of an unexpected error.")]
+Revision = Annotated[Optional[str], typer.Option(
+    help="The revision (branch, tag or commit) of a MODEL_DIR given as a Hugging Face hub id.")]
+CheckDevice = Annotated[str, typer.Option(help="Where the forward check runs: cpu, cuda or cuda:N.")]
 ReadPickle = Annotated[bool, typer.Option("--allow-pickle", help="Read .bin weights (weights_only=True).")]
 TrustCode = Annotated[bool, typer.Option("--trust-remote-code",
                                          help="Analyse, run and keep the directory's custom model code.")]
@@ -57,30 +67,87 @@ BENCH_DTYPES = ("float32", "bfloat16", "float16", "float64")
 """The dtypes the norms run in (float8 and float4 have no LayerNorm kernel to compare with)."""
 
 
-def parse_dtypes(text: str, option: str = "--dtypes") -> list[Any]:
-    """``--dtypes float32,bfloat16``: torch dtypes a LayerNorm runs in."""
-    import torch
-
+def parse_dtypes(text: str, option: str = "--dtypes") -> list[str]:
+    """``--dtypes float32,bfloat16``: the names of dtypes a LayerNorm runs in (``torch_dtypes``
+    turns them into torch's)."""
     names = [name.strip() for name in text.split(",")]
     for name in names:
         if name not in BENCH_DTYPES:
             raise EnjoylnError(f"cannot use {name!r} in {option}; use {', '.join(BENCH_DTYPES)}")
+    return names
+
+
+def torch_dtypes(names: list[str]) -> list[Any]:
+    """torch's dtypes of names ``parse_dtypes`` accepted."""
+    import torch
+
     return [getattr(torch, name) for name in names]
 
 
-def parse_device(text: str) -> str:
-    """``--device``: ``cpu``, ``cuda`` or ``cuda:N`` where CUDA is there."""
-    import torch
+def parse_device(text: str, option: str = "--device") -> str:
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N``; CUDA refused at once where no NVIDIA driver
+    is loaded (``check_cuda`` asks torch, once it is imported).
 
+    >>> parse_device("cpu")
+    'cpu'
+    """
     if text == "cpu":
         return text
     if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
-        if not torch.cuda.is_available():
-            raise EnjoylnError(f"--device {text}, but CUDA is not available here")
-        if ":" in text and int(text[5:]) >= torch.cuda.device_count():
-            raise EnjoylnError(f"--device {text}, but there are {torch.cuda.device_count()} CUDA devices")
+        if not _nvidia_driver():
+            raise EnjoylnError(f"{option} {text}, but CUDA is not available here (no GPU driver is loaded)")
         return text
-    raise EnjoylnError(f"unknown --device {text!r}; use cpu, cuda or cuda:N")
+    raise EnjoylnError(f"unknown {option} {text!r}; use cpu, cuda or cuda:N")
+
+
+def _nvidia_driver() -> bool:
+    """Whether a GPU driver torch.cuda could use is loaded (NVIDIA's; WSL's; ROCm's): without one
+    no CUDA device can exist, and saying so needs no torch."""
+    return os.name == "nt" or any(Path(p).exists() for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg",
+                                                               "/dev/kfd"))
+
+
+def check_cuda(device: str, option: str = "--device") -> str:
+    """``device`` where torch can use it: a CPU build of torch, or a missing GPU, is one line."""
+    if device == "cpu":
+        return device
+    import torch
+
+    if not torch.cuda.is_available():
+        raise EnjoylnError(f"{option} {device}, but CUDA is not available to torch {torch.__version__}")
+    if ":" in device and int(device[5:]) >= torch.cuda.device_count():
+        raise EnjoylnError(f"{option} {device}, but there are {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+ROTATIONS = ("hadamard", "random")
+"""The kinds of rotation (``transform.rotation.KINDS``, named here so that a wrong one is refused
+before torch loads; a test holds the two together)."""
+
+
+def parse_rotation(text: Optional[str], option: str) -> Optional[str]:
+    """``--kind`` or ``--rotate``: a kind of rotation, or None.
+
+    >>> parse_rotation("hadamard", "--kind")
+    'hadamard'
+    """
+    if text is not None and text not in ROTATIONS:
+        raise EnjoylnError(f"unknown {option} {text!r}; use {' or '.join(ROTATIONS)}")
+    return text
+
+
+CHECK_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def parse_check_dtype(text: Optional[str]) -> Optional[str]:
+    """``check --dtype``, refused in one line before anything loads.
+
+    >>> parse_check_dtype("bfloat16")
+    'bfloat16'
+    """
+    if text is not None and text not in CHECK_DTYPES:
+        raise EnjoylnError(f"cannot judge a candidate in dtype {text!r}; use one of {', '.join(CHECK_DTYPES)}")
+    return text
 
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")

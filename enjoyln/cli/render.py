@@ -1,12 +1,12 @@
-"""What the command line prints: tables, reports, progress, strict JSON, and one-line errors.
+"""What the command line prints: verdicts, tables, reports and strict JSON.
 
-Errors go to stderr as one line with exit code 2 for bad input (1 for a check that
-failed), never a traceback; JSON goes to stdout, strict and ASCII only.
+Reports go to stdout; with ``-q`` only their verdict. JSON goes to stdout, strict and ASCII
+only, one document per command (``state`` records that it is printed). Errors are
+``failures``' job, progress ``progress``'.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -14,38 +14,45 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from ..errors import EnjoylnError, Interrupted, first_line
+from ..errors import EnjoylnError
 from ..plan import FoldPlan
+from ..store.quiet import show_library_output
 from ..units import format_bytes
+from .progress import honest_rate
 
 # wide enough for the tables when piped, where rich would assume 80 columns
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-# --- one-line errors -------------------------------------------------------------------------
+class State:
+    """What the running command asked for: ``--json`` (whether its document is printed yet),
+    ``-q`` and ``--verbose``."""
+
+    def __init__(self) -> None:
+        self.begin()
+
+    def begin(self, *, as_json: bool = False, quiet: bool = False, verbose: bool = False) -> None:
+        self.as_json, self.quiet, self.verbose, self.printed_json = as_json, quiet, verbose, False
+        show_library_output(verbose)
+
+    def end(self) -> None:
+        show_library_output(False)
 
 
-def _quiet() -> None:
-    """Library chatter (progress bars, deprecation notes) would bury the one line that matters."""
-    import logging
-    import warnings
+state = State()
 
-    import transformers
 
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+def say(text: str, **kwargs: Any) -> None:
+    """A line of the report that ``-q`` leaves out (the verdict and errors always print)."""
+    if not state.quiet:
+        out.print(text, **kwargs)
 
 
 _BREAKS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
@@ -54,7 +61,11 @@ _BREAKS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 def one_line(text: str) -> str:
     """``text`` with every character that could break the line or the terminal escaped: control
     characters (a newline in a path), line separators, and the undecodable bytes of a file name
-    (surrogates), which no encoding can print."""
+    (surrogates), which no encoding can print.
+
+    >>> one_line("a\\nb")
+    'a\\\\nb'
+    """
 
     def escape_char(m: re.Match[str]) -> str:
         c = ord(m.group())
@@ -64,52 +75,6 @@ def one_line(text: str) -> str:
             f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}")
 
     return _BREAKS.sub(escape_char, text)
-
-
-def _tolerant_streams() -> None:
-    """Text no stream can encode (a non-ASCII path on an ASCII stdout) is written escaped, not
-    raised: a print after OUT_DIR is published must not turn a success into a failure."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
-        except (AttributeError, ValueError, OSError):
-            pass
-
-
-def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Any failure becomes one line on stderr and exit code 2, never a traceback
-    (unless ENJOYLN_DEBUG is set)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            _tolerant_streams()
-            _quiet()
-            return fn(*args, **kwargs)
-        except EnjoylnError as exc:
-            err.print(one_line(f"error: {exc}"), markup=False, emoji=False)
-            raise typer.Exit(exc.exit_code) from None
-        except OSError as exc:
-            err.print(one_line(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")), markup=False,
-                      emoji=False)
-            raise typer.Exit(2) from None
-        except Interrupted as exc:
-            err.print(exc.message)
-            raise typer.Exit(exc.exit_code) from None
-        except KeyboardInterrupt:  # Ctrl-C where the command line's own handlers are not installed
-            err.print("interrupted")
-            raise typer.Exit(130) from None
-        except (typer.Exit, typer.Abort, SystemExit):
-            raise
-        except Exception as exc:  # a bug or an unforeseen input: still one line, and how to see more
-            if os.environ.get("ENJOYLN_DEBUG"):
-                raise
-            first = first_line(exc, "")
-            err.print(one_line(f"error: {type(exc).__name__}: {first} (set ENJOYLN_DEBUG=1 for the traceback)"),
-                      markup=False)
-            raise typer.Exit(2) from None
-
-    return wrapper
 
 
 # --- plans and reports ------------------------------------------------------------------------
@@ -136,9 +101,52 @@ def plan_table(plan: FoldPlan) -> Table:
     return table
 
 
-def print_plan(plan: FoldPlan) -> None:
+_FEEDS = re.compile(r"its input includes the output of (\S+), which is not zero-mean")
+
+
+def post_ln_note(plan: FoldPlan) -> str | None:
+    """Why a post-LN model (BERT and its family) folds only the LNs fed by weights alone: said
+    once, where the plan refuses an LN because its input sums in another norm's output."""
+    norms = {e.name for e in plan.layer_norms}
+    fed = [e for e in plan.layer_norms if not e.foldable and (m := _FEEDS.search(e.reason)) and m.group(1) in norms]
+    if not fed:
+        return None
+    folded = ", ".join(e.name for e in plan.foldable[:3]) or "none"
+    return (f"{plan.model} is a post-LN model: in each block the LayerNorm's input is the residual sum, whose skip "
+            "branch is the output of the LayerNorm before it. That output is not zero-mean, so centering the layers "
+            f"that feed the sum cannot make the sum zero-mean, and those {len(fed)} LayerNorms stay. An LN whose "
+            "inputs are all weights (the embedding LN) can be centered, so it folds "
+            f"(here: {folded}).")
+
+
+def plan_counts(plan: FoldPlan) -> dict[str, Any]:
+    """What ``inspect --json`` leads with: the counts, and the plan in one sentence."""
+    return {"foldable": len(plan.foldable), "total": len(plan.layer_norms),
+            "not_foldable": len(plan.layer_norms) - len(plan.foldable), "centered": len(plan.centered),
+            "untied": len(plan.untied), "untie_bytes": plan.untie_bytes, "auxiliary": len(plan.auxiliary),
+            "summary": plan_sentence(plan), "post_ln": post_ln_note(plan)}
+
+
+def plan_sentence(plan: FoldPlan) -> str:
+    """The plan in one sentence, the first line of ``inspect``."""
     if not plan.layer_norms:
-        out.print(f"{plan.model} has no LayerNorm: nothing to fold.")
+        return f"{plan.model} has no LayerNorm: nothing to fold."
+    n, total = len(plan.foldable), len(plan.layer_norms)
+    what = (f"all {total} LayerNorms fold" if n == total else f"{n} of {total} LayerNorms fold"
+            if n else f"none of its {total} LayerNorms can fold")
+    changes = f", by centering {len(plan.centered)} tensors" if plan.centered and n else ""
+    untie = f" and untying {len(plan.untied)}" if plan.untied and n else ""
+    return f"{plan.model}: {what}{changes}{untie}."
+
+
+def print_plan(plan: FoldPlan) -> None:
+    say(escape(plan_sentence(plan)))
+    if not plan.layer_norms:
+        return
+    note = post_ln_note(plan)
+    if note:
+        say(f"[yellow]Note:[/] {escape(note)}")
+    if state.quiet:
         return
     out.print(plan_table(plan))
     if plan.centered or plan.untied:
@@ -196,52 +204,20 @@ _SURROGATES = re.compile(r"[\ud800-\udfff]")
 
 
 def print_json(value: Any) -> None:
-    """Strict JSON on stdout, ASCII only, so it reads back whatever the terminal's encoding."""
+    """Strict JSON on stdout, ASCII only, so it reads back whatever the terminal's encoding; one
+    document per command."""
     out.file.write(json.dumps(_strict(value), indent=2, ensure_ascii=True, allow_nan=False) + "\n")
     out.file.flush()
+    state.printed_json = True
 
 
-def print_report(report: Any) -> None:
+def print_report(report: Any, subject: str = "the candidate") -> None:
+    """The verdict in one sentence, then (without ``-q``) what was checked, line by line."""
     colour = "green" if report.passed else "red"
-    out.print(f"[{colour}]{escape(report.summary())}[/]")
-
-
-class ByteProgress:
-    """A byte progress bar on stderr that appears only once bytes move, so an
-    early error is not preceded by the traces of an empty bar; ``phase(name)``
-    gives the callback for one phase (writing, checking)."""
-
-    def __init__(self, enabled: bool = True) -> None:
-        # Off a terminal a bar shows nothing useful, and rich still ends it with a newline
-        # that would land in front of an error message.
-        self.enabled, self.bar, self.tasks = enabled and err.is_terminal, None, {}
-
-    def phase(self, name: str) -> Callable[[int, int], None]:
-        def update(done: int, total: int) -> None:
-            if not self.enabled:
-                return
-            if self.bar is None:
-                self.bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                                    TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True)
-                self.bar.start()
-            if name not in self.tasks:
-                self.tasks[name] = self.bar.add_task(name, total=total)
-            self.bar.update(self.tasks[name], completed=done, total=total)
-        return update
-
-    def __call__(self, done: int, total: int) -> None:
-        self.phase("writing")(done, total)
-
-    def stop(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None
-
-    def __enter__(self) -> "ByteProgress":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    out.print(f"[{colour}]{escape(report.verdict(subject))}[/]")
+    details = report.summary().splitlines()[1:]  # its first line is the bare verdict
+    if details and not state.quiet:
+        out.print(escape("\n".join(details)))
 
 
 def drop_stdout() -> None:
@@ -254,39 +230,41 @@ def drop_stdout() -> None:
 
 
 def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool, dry_run: bool,
-               start: float) -> None:
+              start: float) -> None:
+    """What ``fold`` and ``rotate`` print: the plan, the check's verdict and report, and where the
+    output went; the JSON document instead with ``--json``. Nothing to fold is an error (exit 2)."""
     plan = result.plan
     if not as_json:
         if result.cleaned:
-            out.print(f"Removed {len(result.cleaned)} temporary "
-                      f"director{'y' if len(result.cleaned) == 1 else 'ies'} left by an interrupted run: "
-                      + ", ".join(escape(str(p)) for p in result.cleaned))
+            say(f"Removed {len(result.cleaned)} temporary "
+                f"director{'y' if len(result.cleaned) == 1 else 'ies'} left by an interrupted run: "
+                + ", ".join(escape(str(p)) for p in result.cleaned))
         print_plan(plan)
         if result.skipped:
-            out.print(f"[yellow]Not copied:[/] {escape('; '.join(result.skipped))}")
+            say(f"[yellow]Not copied:[/] {escape('; '.join(result.skipped))}")
         if result.followed:
-            out.print(f"Copied through links out of MODEL_DIR (files a model needs): "
-                      f"{escape(', '.join(result.followed))}")
+            say(f"Copied through links out of MODEL_DIR (files a model needs): {escape(', '.join(result.followed))}")
         if result.report is not None:
-            print_report(result.report)
+            print_report(result.report, "the folded model")
         if result.out_dir:
-            speed = result.bytes_written / max(result.stream_seconds, 1e-9) / 1e6
+            rate = honest_rate(result.bytes_written, result.stream_seconds)
+            speed = f" ({rate / 1e6:.0f} MB/s)" if rate is not None else ""
             checked = {"none": "unchecked", "static": "weights checked", "full": "checked"}[mode]
             out.print(f"Wrote {escape(str(result.out_dir))} ({checked}; {len(result.files)} weight files, "
                       f"{format_bytes(result.bytes_written)}) in {result.seconds:.2f} s; moving the weights took "
-                      f"{result.stream_seconds:.2f} s ({speed:.0f} MB/s)")
+                      f"{result.stream_seconds:.2f} s{speed}")
             if plan.rotation is not None and not plan.rotation.keep_mean:
                 out.print("[yellow]Note:[/] this rotation does not keep the stream zero-mean: load it with "
                           "enjoyln.load; a plain from_pretrained runs LayerNorms and gives different outputs")
         elif dry_run:
             out.print("Dry run: nothing written.")
+    payload["seconds"] = time.perf_counter() - start
     if not dry_run and not plan.foldable:
-        if as_json:
-            print_json(payload)
         what = ("has no LayerNorm" if not plan.layer_norms
                 else f"has {len(plan.layer_norms)} LayerNorms and none can fold")
-        raise EnjoylnError(f"nothing to fold: {plan.model} {what}; nothing was written")
-    payload["seconds"] = time.perf_counter() - start
+        error = EnjoylnError(f"nothing to fold: {plan.model} {what}; nothing was written")
+        error.payload = payload  # type: ignore[attr-defined]  # the --json document says what was found
+        raise error
     if as_json:
         print_json(payload)
 
@@ -335,12 +313,10 @@ def print_kernels(results: list[Any]) -> None:
 
 def print_end_to_end(result: Any, model: str, batch: int, seq_len: int) -> None:
     lat = result.latency
-    out.print(f"End to end ({model}, batch {batch}, seq {seq_len}): original "
-              f"{lat.a_ms:.2f} ms (IQR {lat.a_iqr_ms:.2f}), folded {lat.b_ms:.2f} ms (IQR {lat.b_iqr_ms:.2f}); "
-              f"folded/original {lat.ratio:.4f} ({lat.speedup:+.2%}); {lat.tokens_per_s('a'):.0f} -> "
-              f"{lat.tokens_per_s('b'):.0f} tokens/s")
-    out.print(f"LayerNorm share of the original (profiler): {result.layer_norm_share:.2%}; "
-              f"the fold captured {result.share_captured:.0%} of it")
+    out.print(f"End to end ({model}, batch {batch}, seq {seq_len}): original {lat.a_ms:.2f} ms (IQR "
+              f"{lat.a_iqr_ms:.2f}), folded {lat.b_ms:.2f} ms (IQR {lat.b_iqr_ms:.2f}), medians of {lat.repeats} runs "
+              f"each; {lat.difference()}; {lat.tokens_per_s('a'):.0f} -> {lat.tokens_per_s('b'):.0f} tokens/s")
+    out.print(f"LayerNorm share of the original (profiler): {result.layer_norm_share:.2%}")
     ln_ms, rms_ms, copy_ms = result.norm_ms
     if not ln_ms:  # CUDA: hooks around a module cannot time the kernels it queues
         out.print("Time inside the norms: not measured on CUDA")
@@ -353,8 +329,10 @@ def print_end_to_end(result: Any, model: str, batch: int, seq_len: int) -> None:
 def print_compiled(comp: Any) -> None:
     lat = comp.latency
     out.print(f"Compiled (inductor, fullgraph, no graph breaks): original {lat.a_ms:.1f} ms, folded "
-              f"{lat.b_ms:.1f} ms; folded/original {lat.ratio:.4f}; compiled folded against the eager "
+              f"{lat.b_ms:.1f} ms; {lat.difference()}; compiled folded against the eager "
               f"original: max relative difference {comp.max_rel_diff:.1e}")
+    for warning in lat.warnings():
+        err.print(f"[yellow]warning:[/] {escape(warning)}")
     out.print(f"Generated kernels: original {comp.kernels[0]}, folded {comp.kernels[1]}; norm kernels "
               f"{comp.norm_kernels[0]} and {comp.norm_kernels[1]}, {comp.fused_add_norms} of the folded "
               f"ones with the residual add fused in; compile {comp.compile_s[0]:.0f} s and "

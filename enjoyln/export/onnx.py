@@ -48,6 +48,7 @@ from ..errors import EnjoylnError, first_line
 from ..options import Access
 from ..store.load import load
 from ..store.checkpoint import open_checkpoint
+from ..store.quiet import quiet
 from ..transform.steps import fold
 
 DEFAULT_OPSET = 23
@@ -249,6 +250,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
 # --- inputs and their axes --------------------------------------------------------------------------
 
 
+@quiet
 def export_checkpoint(model_dir: str | os.PathLike, path: str | os.PathLike, *, fuse_affine: bool = False,
                       batch: int = 2, seq_len: int = 16, opset: int | None = None, optimize: bool = False,
                       dynamic: bool = True, **access: Any) -> ExportReport:

@@ -37,6 +37,7 @@ from ..store.checkpoint import Checkpoint, open_checkpoint
 from ..store.files import check_links, copy_extras
 from ..store.formats import SAFE_INDEX, read_safetensors_header
 from ..store.hf import check_shapes
+from ..store.quiet import quiet
 from ..store.tensors import TensorReader
 from ..store.transaction import (check_out_dir, clean_stale, keep_failed, missing_dirs, publish, remove_dirs,
                                  signals_held, temp_dir)
@@ -53,9 +54,15 @@ if TYPE_CHECKING:
 __all__ = ["fold_checkpoint", "analyze_checkpoint", "FoldResult"]
 
 Progress = Callable[[int, int], None]
-"""Called with (bytes done, bytes total) as the output is written."""
+"""Called with (bytes done, bytes total) as the output is written; total is 0 while it is not
+known yet (the weights copied while the analysis runs), then final (it grows only where a shard's
+header outgrows the room its early copy left, and the shard is written afresh)."""
+
+Stage = Callable[[str], None]
+"""Called with a few words naming what a long call does now ("analysing GPT2LMHeadModel")."""
 
 
+@quiet
 def analyze_checkpoint(path: str | os.PathLike, *, auxiliary_centering: bool = False, fuse_affine: bool = False,
                        rotate: RotationSpec | tuple[str, int, bool] | None = None, allow_pickle: bool = False,
                        trust_remote_code: bool = False, model_class: str | None = None) -> FoldPlan:
@@ -110,9 +117,10 @@ class FoldResult:
     """Files a model directory needs, copied through links that leave MODEL_DIR (``name -> target``)."""
 
 
+@quiet
 def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: FoldOptions | None = None, *,
                     progress: Progress | None = None, check_progress: Progress | None = None,
-                    **values: Any) -> FoldResult:
+                    stage: Stage | None = None, **values: Any) -> FoldResult:
     """Fold a Hugging Face model directory into OUT_DIR, streaming tensor by tensor, and check it.
 
     OUT_DIR gets every file of MODEL_DIR (tokenizer and processor files
@@ -134,7 +142,9 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, op
     ``enjoyln.rotate``). Both compute tensors from other tensors: each is
     computed from the reference tensors it depends on as the writer reaches it
     (``StreamedTensors``), so memory stays a few of the largest tensors.
-    ``progress`` hears of the bytes written, ``check_progress`` of the check's.
+    ``progress`` hears of the bytes written, ``check_progress`` of the check's, ``stage`` of each
+    phase (the analysis, the check's loads and batches). transformers' and huggingface_hub's own
+    bars and logs are off during the call (``store.quiet``).
 
     >>> fold_checkpoint("gpt2-dir", "gpt2-folded").report.passed  # doctest: +SKIP
     True
@@ -145,13 +155,16 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, op
     out = _out_dir(Path(out_dir))
     _refuse_early(ck, out, opts)
     fold = _Fold(ck, out, opts, progress)
+    say = stage or (lambda what: None)
     try:
         with fold:
+            say(f"analysing {ck.architecture}")
             plan = fold.plan()
             if opts.dry_run or not plan.foldable:
                 return FoldResult(plan, None, [], 0, time.perf_counter() - start, cleaned=fold.cleaned)
+            say("writing the folded model")
             written = fold.write(plan)
-            report = fold.check(check_progress)
+            report = fold.check(check_progress, stage)
             fold.publish()
     except OSError as exc:
         raise _os_error(exc, out, fold.tmp) from None
@@ -205,6 +218,7 @@ class _Fold:
         self.cleaned: list[Path] = []
         self.published = False
         self._done, self._total, self._lock = 0, 0, threading.Lock()
+        self._total_known = False
 
     def __enter__(self) -> "_Fold":
         self.stack = contextlib.ExitStack().__enter__()
@@ -234,6 +248,13 @@ class _Fold:
         with self._lock:
             self._done, self._total = self._done + n, self._total + more_total
             if self.progress is not None and n:
+                self.progress(self._done, max(self._total, self._done) if self._total_known else 0)
+
+    def total_known(self) -> None:
+        """From here on the total is what will be written: the early copy's bytes and the rest."""
+        with self._lock:
+            self._total_known = True
+            if self.progress is not None:
                 self.progress(self._done, max(self._total, self._done))
 
     def _start_early_copy(self) -> None:
@@ -300,6 +321,7 @@ class _Fold:
         layout = {name: early_layout(self.ck, by_name.get(name), entries) for name, entries in shards}
         self.advance(0, sum(e.nbytes for name, es in shards for i, e in enumerate(es)
                             if layout[name] is None or i >= layout[name] or e.axis is not None))
+        self.total_known()
         reader = self.resources.enter_context(contextlib.closing(TensorReader(self.ck)))
         w = Writing(reader, {"format": "pt", "enjoyln": __version__}, self.advance)
         for name, entries in shards:
@@ -315,12 +337,12 @@ class _Fold:
                 self.advance(0, sum(e.nbytes for e in entries))
             write_shard(self.tmp / name, entries, w)
 
-    def check(self, progress: Progress | None) -> CheckReport | None:
+    def check(self, progress: Progress | None, stage: Stage | None = None) -> CheckReport | None:
         """The check of the written fold, its plan derived afresh from the reference; raises
         ``CheckFailed`` (the candidate removed, or kept with ``keep_failed``) if it fails."""
         if self.opts.check.mode == "none":
             return None
-        report = check_checkpoints(self.ck, self.tmp, self.opts.checking, progress=progress)
+        report = check_checkpoints(self.ck, self.tmp, self.opts.checking, progress=progress, stage=stage)
         if not report.passed:
             kept = keep_failed(self.tmp, self.out) if self.opts.keep_failed else None
             self.tmp = None if kept else self.tmp

@@ -28,6 +28,7 @@ from .files import VCS_DIRS, is_weight_file
 from .formats import (JSON_LIMIT, PT_INDEX, PT_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, WEIGHT_FILES, TensorInfo,
                       input_file, load_pickled, parse_json_file, read_json, read_safetensors_header)
 from .hf import checkpoint_key, missing_parameters, saved_names
+from .locate import model_directory
 from .memory import built_bytes
 from .sources import SOURCES, Source, source_for
 
@@ -205,7 +206,7 @@ def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False, trus
     >>> open_checkpoint("gpt2-dir").architecture  # doctest: +SKIP
     'GPT2LMHeadModel'
     """
-    root = _directory(Path(path))
+    root = model_directory(Path(path))
     config = read_json(root / "config.json", "a model config")
     source = source_for(config)
     if source is None or (source.name == "transformers" and not isinstance(config["architectures"], list)):
@@ -222,16 +223,6 @@ def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False, trus
     index = _weight_files(ck, source, allow_pickle)
     _read_headers(ck, index)
     return ck
-
-
-def _directory(root: Path) -> Path:
-    if not root.exists():
-        raise CheckpointError(f"{root} does not exist")
-    if not root.is_dir():
-        raise CheckpointError(f"{root} is not a directory")
-    if not any(root.iterdir()):
-        raise CheckpointError(f"{root} is empty")
-    return root
 
 
 def _weight_files(ck: Checkpoint, source: Source, allow_pickle: bool) -> dict[str, str] | None:

@@ -16,7 +16,6 @@ from typing import Iterator
 
 
 from ..errors import CheckpointError
-from .formats import parse_json_file
 
 
 def umask() -> int:
@@ -33,6 +32,8 @@ def umask() -> int:
 
 
 def is_enjoyln_output(path: Path) -> bool:
+    from .formats import parse_json_file  # torch: imported only here, so OUT_DIR is checked before it loads
+
     try:
         config = parse_json_file(path / "config.json", "a model config")
     except CheckpointError:

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..store.quiet import quiet
+
 # Small configs: 2 layers, width 64, and nothing the tracer cannot see.
 _VOCAB = 128
 _ZOO: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -154,6 +156,7 @@ def model_outputs(model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
         return flatten_outputs(as_inputs(inputs).call(model))
 
 
+@quiet
 def demo_checkpoint(path: Any, *, layers: int = 4, width: int = 256, vocab: int = 512,
                     seed: int = 0) -> Any:
     """Write a small GPT-2-style checkpoint with a word-level tokenizer to ``path``.

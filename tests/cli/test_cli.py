@@ -290,7 +290,8 @@ def test_entry_point_subprocess(gpt2_dir, tmp_path):
     assert json.loads(proc.stdout)["check"]["passed"] is True
     proc = run("enjoyln", "fold", str(tmp_path / "missing"), str(tmp_path / "out2"))
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'missing'} does not exist"]
+    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'missing'} does not exist, and is not a Hugging "
+                                                "Face hub id (NAME or ORG/NAME)"]
 
 
 def test_python_dash_m_subprocess(gpt2_dir, tmp_path):
@@ -367,7 +368,8 @@ def test_an_error_stays_one_line_whatever_the_path(tmp_path, name):
     proc = run(sys.executable, "-m", "enjoyln", "check", str(missing), str(tmp_path))
     assert proc.returncode == 2
     assert len(proc.stderr.splitlines()) == 1, repr(proc.stderr)
-    assert proc.stderr.startswith(f"error: {tmp_path}/a\\") and proc.stderr.rstrip().endswith("b does not exist")
+    assert proc.stderr.startswith(f"error: {tmp_path}/a\\") and proc.stderr.rstrip().endswith(
+        "b does not exist, and is not a Hugging Face hub id (NAME or ORG/NAME)")
 
 
 def test_check_dtype_option(gpt2_dir, tmp_path):

@@ -1,0 +1,124 @@
+"""Progress on stderr, on a terminal only: a spinner naming the phase (imports, analysis, each
+load and batch of the forward check) with its elapsed time, and byte bars for writing and the
+static check.
+
+Totals never jump: bytes whose total is not known yet (the weights copied while the model is
+analysed) show as a count with no bar, and a bar appears once the total is final. Rates are
+honest: the bytes moved since the bar first moved over the time since, shown only once a
+second has passed (a burst of bytes over a few milliseconds gives no rate).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+MIN_RATE_SECONDS = 1.0
+"""No rate is shown over a shorter interval than this."""
+
+
+def honest_rate(moved: float, seconds: float) -> float | None:
+    """Bytes per second over ``seconds``, or None where the interval is too short to mean anything.
+
+    >>> honest_rate(480e9, 0.001) is None, honest_rate(100e6, 2.0)
+    (True, 50000000.0)
+    """
+    if seconds < MIN_RATE_SECONDS or moved <= 0:
+        return None
+    return moved / seconds
+
+
+class _Bytes(ProgressColumn):
+    """'12.3 MB of 45.6 MB', or '12.3 MB' while the total is not known; nothing for a phase."""
+
+    def render(self, task: Task) -> Text:
+        if task.fields.get("phase"):
+            return Text("")
+        done = f"{task.completed / 1e6:.1f} MB"
+        return Text(done if not task.total else f"{done} of {task.total / 1e6:.1f} MB", style="progress.download")
+
+
+class _Rate(ProgressColumn):
+    """The bytes moved from the bar's first move to its latest, over the time between; nothing
+    before a second has passed between them (and it stays put once the bar stops moving)."""
+
+    def render(self, task: Task) -> Text:
+        first, last = task.fields.get("moved_at"), task.fields.get("last")
+        if task.fields.get("phase") or first is None or last is None:
+            return Text("")
+        rate = honest_rate(last[0] - first[0], last[1] - first[1])
+        return Text(f"{rate / 1e6:.0f} MB/s" if rate is not None else "", style="progress.data.speed")
+
+
+class _Bar(BarColumn):
+    """A bar for bytes with a known total; none for a phase or an unknown total."""
+
+    def render(self, task: Task) -> Any:
+        if task.fields.get("phase") or not task.total:
+            return Text("")
+        return super().render(task)
+
+
+class Display:
+    """What a long command shows while it runs: ``stage(words)`` names the phase (a spinner and its
+    elapsed time), ``phase(name)`` gives the (done, total) callback of a byte bar. Off the
+    terminal, or ``enabled=False``, every call does nothing."""
+
+    def __init__(self, console: Console, enabled: bool = True) -> None:
+        self.console = console
+        self.enabled = enabled and console.is_terminal
+        self.bar: Progress | None = None
+        self.tasks: dict[str, Any] = {}
+        self.phase_task: Any = None
+
+    def _progress(self) -> Progress:
+        if self.bar is None:
+            self.bar = Progress(SpinnerColumn(), TextColumn("[progress.description]{task.description}"), _Bar(),
+                                _Bytes(), _Rate(), TimeElapsedColumn(), console=self.console, transient=True)
+            self.bar.start()
+        return self.bar
+
+    def stage(self, words: str) -> None:
+        """The phase now running, in a few words ("analysing GPT2LMHeadModel")."""
+        if not self.enabled:
+            return
+        bar = self._progress()
+        if self.phase_task is None:
+            self.phase_task = bar.add_task(words, total=None, phase=True)
+        else:  # a new phase: its own elapsed time
+            bar.remove_task(self.phase_task)
+            self.phase_task = bar.add_task(words, total=None, phase=True)
+
+    def phase(self, name: str) -> Callable[[int, int], None]:
+        """The callback of the byte bar ``name``: (bytes done, bytes total, 0 while not known)."""
+
+        def update(done: int, total: int) -> None:
+            if not self.enabled:
+                return
+            bar = self._progress()
+            if name not in self.tasks:
+                self.tasks[name] = bar.add_task(name, total=None, moved_at=None)
+            task_id, now = self.tasks[name], time.monotonic()
+            task = next(t for t in bar.tasks if t.id == task_id)
+            if task.fields.get("moved_at") is None and done > 0:  # the rate counts from here
+                bar.update(task_id, moved_at=(done, now))
+            # a finished bar is taken away: the phase after it has its own line
+            bar.update(task_id, completed=done, total=total or None, last=(done, now),
+                       visible=not (total and done >= total))
+        return update
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+            self.tasks, self.phase_task = {}, None
+
+    def __enter__(self) -> "Display":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

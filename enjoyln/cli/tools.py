@@ -1,0 +1,280 @@
+"""The commands around the fold: ``demo`` (the whole flow on a model enjoyln builds), ``bench``
+(timings, reported with their spread and what makes them untrustworthy) and ``env`` (versions,
+backends, GPU and caches, for bug reports)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.markup import escape
+
+from .._version import __version__
+from ..errors import EnjoylnError, first_line
+from ..options import Access
+from .commands import IMPORTING, model_dir_of
+from .options import (JsonOnly, Quiet, ReadPickle, Revision, TrustCode, Verbose, check_cuda, parse_device,
+                      parse_dtypes, parse_plot, parse_shapes, torch_dtypes)
+from .progress import Display
+from .render import (err, out, print_compiled, print_end_to_end, print_json, print_kernels, print_plan, print_report,
+                     say, state)
+
+
+def demo(
+    workdir: Annotated[Optional[Path], typer.Option(
+        help="Keep the demo checkpoints here (default: a temporary directory, removed at the end).")] = None,
+    layers: Annotated[int, typer.Option(min=1, help="Layers of the demo GPT-2.")] = 4,
+    width: Annotated[int, typer.Option(min=1, help="Hidden size of the demo GPT-2.")] = 256,
+    seconds: Annotated[float, typer.Option(
+        min=0.0, help="Time the speed comparison for about this long (at least 10 pairs of runs).")] = 3.0,
+    quiet: Quiet = False, verbose: Verbose = False,
+) -> None:
+    """The whole flow on a small GPT-2 that enjoyln builds itself: build, inspect, fold, check, time.
+
+    Example: enjoyln demo --workdir demo
+    """
+    if workdir is not None and workdir.exists() and any(workdir.iterdir()) and \
+            not (workdir / "gpt2-demo").is_dir():
+        raise EnjoylnError(f"--workdir {workdir} is not empty and holds no earlier demo; choose another directory")
+    temp = None
+    if workdir is None:
+        temp = tempfile.TemporaryDirectory(prefix="enjoyln-demo-")
+        workdir = Path(temp.name)
+        say(f"Working in the temporary directory {escape(str(workdir))}, removed when the demo ends "
+            "(pass --workdir DIR to keep the checkpoints).")
+    try:
+        with Display(err, enabled=not state.quiet) as display:
+            display.stage(IMPORTING)
+            from ..analysis.inputs import hf_example_inputs
+            from ..bench import compare_latency
+            from ..checking.checkpoints import check_checkpoints
+            from ..rewrite.convert import analyze_checkpoint, fold_checkpoint
+            from ..store.load import load
+            from ..testing import demo_checkpoint
+
+            src, dst = workdir / "gpt2-demo", workdir / "gpt2-demo-folded"
+            display.stage("building the demo GPT-2")
+            demo_checkpoint(src, layers=layers, width=width)
+            display.stop()
+            _rule("1. build")
+            say(f"A random GPT-2 ({layers} layers, width {width}, perturbed weights) in {escape(str(src))}")
+            _rule("2. inspect: enjoyln inspect ORIGINAL")
+            display.stage("analysing")
+            plan = analyze_checkpoint(src)
+            display.stop()
+            print_plan(plan)
+            _rule("3. fold, check and publish: enjoyln fold ORIGINAL FOLDED")
+            result = fold_checkpoint(src, dst, force=True, progress=display.phase("writing"),
+                                     check_progress=display.phase("checking weights"), stage=display.stage)
+            display.stop()
+            report = result.report
+            print_report(report, "the folded model")
+            kept = " (temporary: removed when the demo ends)" if temp is not None else ""
+            say(f"Wrote {escape(str(dst))}{kept} in {result.seconds:.2f} s: {', '.join(sorted(os.listdir(dst)))}")
+            _rule("4. check again, as a CI gate would: enjoyln check ORIGINAL FOLDED")
+            again = check_checkpoints(src, dst, stage=display.stage, progress=display.phase("checking weights"))
+            display.stop()
+            print_report(again)
+            _rule("5. speed: forward, batch 1, 512 tokens, alternating runs")
+            display.stage(f"timing the original against the folded model for about {seconds:g} s")
+            original, folded = load(src), load(dst)
+            timing = compare_latency(original, folded, hf_example_inputs(original, batch=1, seq_len=512),
+                                     repeats=10, seconds=seconds)
+            display.stop()
+        print_latency(timing)
+        if temp is None:
+            say(f"The checkpoints stay in {escape(str(workdir))}: gpt2-demo (the original) and gpt2-demo-folded.")
+        if not (report.passed and again.passed):
+            raise typer.Exit(1)
+    finally:
+        if temp is not None:
+            temp.cleanup()
+            say(f"Removed the temporary directory {escape(str(workdir))}.")
+
+
+def _rule(title: str) -> None:
+    if not state.quiet:
+        out.rule(title)
+
+
+def print_latency(timing: Any, a: str = "original", b: str = "folded") -> None:
+    """Two models' timings as medians with their spread, the difference only where measurable,
+    and every reason not to trust them."""
+    out.print(f"{a} {timing.a_ms:.2f} ms (IQR {timing.a_iqr_ms:.2f}), {b} {timing.b_ms:.2f} ms (IQR "
+              f"{timing.b_iqr_ms:.2f}), medians of {timing.repeats} runs each; {timing.difference(a, b)}")
+    for warning in timing.warnings(a, b):
+        err.print(f"[yellow]warning:[/] {escape(warning)}")
+
+
+def bench(
+    model_dir: Annotated[Optional[str], typer.Argument(
+        metavar="[MODEL_DIR]", help="Model directory (or hub id), original or folded (default: a random GPT-2 "
+                                    "small).")] = None,
+    kernels: Annotated[bool, typer.Option("--kernels/--no-kernels", help="Time the norm kernels alone.")] = True,
+    e2e: Annotated[bool, typer.Option("--e2e/--no-e2e", help="Time the original against the folded model.")] = True,
+    shapes: Annotated[str, typer.Option(help="Kernel shapes, ROWSxCOLS, comma-separated.")] = "2048x768,4096x1024",
+    dtypes: Annotated[str, typer.Option(help="Kernel dtypes, comma-separated.")] = "float32,bfloat16",
+    batch: Annotated[int, typer.Option(min=1, help="End-to-end batch size.")] = 1,
+    seq_len: Annotated[int, typer.Option(min=1, help="End-to-end sequence length.")] = 512,
+    threads: Annotated[Optional[int], typer.Option(min=1, max=1024, help="torch threads (default: torch's default).")] = None,
+    repeats: Annotated[Optional[int], typer.Option(
+        min=1, show_default="20", help="End-to-end forwards per model.")] = None,
+    seconds: Annotated[Optional[float], typer.Option(
+        min=0.0, show_default="5, or 0 with --repeats",
+        help="Past --repeats, keep timing end to end until about this many seconds have passed, so that the "
+             "spread of the runs means something.")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
+    dtype: Annotated[Optional[str], typer.Option(
+        help="dtype of both models end to end and compiled: float32, bfloat16 or float16 (default: as loaded; "
+             "the folded model is folded first, then cast).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    plot: Annotated[Optional[Path], typer.Option(help="Save a PNG of the ratios (needs matplotlib).")] = None,
+    compile_: Annotated[bool, typer.Option(
+        "--compile", help="Also time both models under torch.compile (inductor, fullgraph=True), and check the "
+                          "compiled folded model.")] = False,
+    allow_pickle: ReadPickle = False, trust_remote_code: TrustCode = False, revision: Revision = None,
+    quiet: Quiet = False, verbose: Verbose = False,
+) -> None:
+    """Measure enjoyln RMSNorm against native LayerNorm, alone and in a model.
+
+    Example: enjoyln bench --no-kernels --threads 2
+    """
+    if seconds is None:  # --repeats alone asks for that many runs, as it always did
+        seconds = 0.0 if repeats is not None else 5.0
+    repeats = repeats if repeats is not None else 20
+    device, plot = parse_device(device), parse_plot(plot)
+    shape_list, dtype_names = parse_shapes(shapes), parse_dtypes(dtypes)
+    model_dtype = parse_dtypes(dtype, "--dtype")[0] if dtype is not None else None
+    access = Access(allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    with Display(err, enabled=not as_json and not state.quiet) as display:
+        src = model_dir_of(model_dir, revision, access, display) if model_dir is not None and (e2e or compile_) \
+            else None
+        display.stage(IMPORTING)
+        import torch
+
+        from .. import bench as timing
+        from .. import ops
+        from ..analysis.inputs import hf_example_inputs
+
+        check_cuda(device)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        payload: dict[str, Any] = {"threads": torch.get_num_threads(), "backends": ops.status()}
+        display.stop()
+        if not as_json:
+            say(f"backends: {ops.status()}; {torch.get_num_threads()} threads")
+        results = []
+        if kernels:
+            display.stage("timing the norm kernels")
+            try:
+                results = timing.kernel_benchmark(shape_list, torch_dtypes(dtype_names), device=device)
+            except (RuntimeError, MemoryError) as exc:  # torch's allocator says "can't allocate memory"
+                if "alloc" not in str(exc).lower() and not isinstance(exc, MemoryError):
+                    raise
+                raise EnjoylnError(f"not enough memory to time --shapes {shapes}: {first_line(exc)}") from None
+            display.stop()
+            payload["kernels"] = [r.to_dict() for r in results]
+            if not as_json:
+                print_kernels(results)
+                for warning in (w for r in results for w in r.warnings):
+                    err.print(f"[yellow]warning:[/] {escape(warning)}")
+        e2e_result = None
+        if e2e or compile_:
+            display.stage("loading and folding the model")
+            original, folded = timing.models_to_compare(src, device, torch_dtypes([model_dtype])[0]
+                                                        if model_dtype else None, access)
+            inputs = hf_example_inputs(original, batch=batch, seq_len=seq_len)
+        if e2e:
+            display.stage(f"timing end to end for at least {repeats} pairs of runs")
+            e2e_result = timing.end_to_end(original, folded, inputs, repeats=repeats, seconds=seconds)
+            display.stop()
+            payload["e2e"] = e2e_result.to_dict()
+            if not as_json:
+                print_end_to_end(e2e_result, type(original).__name__, batch, seq_len)
+                for warning in e2e_result.latency.warnings():
+                    err.print(f"[yellow]warning:[/] {escape(warning)}")
+        if compile_:
+            display.stage("compiling both models and timing them")
+            comp = timing.compiled_comparison(original, folded, inputs, repeats=repeats, seconds=seconds)
+            display.stop()
+            payload["compiled"] = comp.to_dict()
+            if not as_json:
+                print_compiled(comp)
+    if plot is not None:
+        timing.plot_results(results, e2e_result, plot)
+        if not as_json:
+            noisy = any(r.warnings for r in results) or (e2e_result is not None and e2e_result.latency.warnings())
+            out.print(f"Saved {plot}" + (" (titled with a warning: the timings were noisy)" if noisy else ""))
+    if as_json:
+        print_json(payload)
+
+
+PACKAGES = ("torch", "transformers", "safetensors", "huggingface_hub", "accelerate", "tokenizers", "triton", "onnx",
+            "onnxruntime", "onnxscript", "timm", "open_clip_torch", "numpy", "typer", "rich", "click")
+
+
+def env(as_json: JsonOnly = False, quiet: Quiet = False, verbose: Verbose = False) -> None:
+    """Print what a bug report needs: versions, the RMSNorm kernels each device would run, the GPU,
+    and the cache directories.
+
+    Example: enjoyln env --json
+    """
+    versions = {"enjoyln": __version__, "python": platform.python_version(), "platform": platform.platform()}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    with Display(err, enabled=not as_json and not state.quiet) as display:
+        display.stage(IMPORTING)
+        import torch
+
+        from .. import ops
+        from ..ops.cpu import cache_dir
+
+        display.stage("asking torch about the GPU and the kernels")
+        backends = ops.status()
+        gpus = [{"name": torch.cuda.get_device_name(i), "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
+                 "memory_gb": round(torch.cuda.get_device_properties(i).total_memory / 1e9, 1)}
+                for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    info = {"versions": versions, "torch_cuda": torch.version.cuda, "threads": torch.get_num_threads(),
+            "backends": backends, "gpus": gpus, "caches": _caches(cache_dir())}
+    if as_json:
+        print_json(info)
+        return
+    out.print("[bold]versions[/]")
+    for name, version in versions.items():
+        out.print(f"  {name}: {version or 'not installed'}")
+    out.print(f"  torch built for CUDA: {torch.version.cuda or 'no (a CPU build)'}; {info['threads']} CPU threads")
+    out.print("[bold]RMSNorm kernels[/] (what a folded model runs on each device)")
+    for device, what in backends.items():
+        out.print(f"  {device}: {escape(what)}")
+    out.print("[bold]GPU[/]")
+    for g in gpus:
+        out.print(f"  {g['name']} (compute capability {g['capability']}, {g['memory_gb']} GB)")
+    if not gpus:
+        out.print("  none")
+    out.print("[bold]caches[/]")
+    for name, path in info["caches"].items():
+        out.print(f"  {name}: {escape(str(path))}")
+
+
+def _caches(enjoyln_cache: Path) -> dict[str, str]:
+    """Where each library keeps what it downloads or compiles, as it would resolve it now."""
+    home = Path(os.environ.get("HF_HOME", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                               / "huggingface"))
+    try:
+        from huggingface_hub import constants
+
+        hub = constants.HF_HUB_CACHE
+    except ImportError:
+        hub = os.environ.get("HF_HUB_CACHE", str(home / "hub"))
+    triton = os.environ.get("TRITON_CACHE_DIR", str(Path(os.environ.get("TRITON_HOME", Path.home())) / ".triton"
+                                                    / "cache"))
+    return {"huggingface hub": str(hub), "huggingface home": str(home), "triton": triton,
+            "enjoyln kernels": str(enjoyln_cache)}

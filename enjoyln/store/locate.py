@@ -1,0 +1,145 @@
+"""Where a model directory is, found before anything heavy loads: a local path, or a Hugging
+Face hub id resolved through huggingface_hub's cache; and the checks a path can get without
+torch (it exists, is a directory, holds a config.json that is a JSON object).
+
+No torch or transformers here: the command line calls these first, so that a mistyped path
+is refused in a fraction of a second. A directory found here is validated in full, as any
+model directory is, when it is opened (``checkpoint.open_checkpoint``); one downloaded from
+the hub is no more trusted than one on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from ..errors import CheckpointError
+
+__all__ = ["resolve_model_dir", "model_directory", "precheck_model_dir", "is_hub_id", "SKIPPED_ON_DOWNLOAD"]
+
+_HUB_ID = re.compile(r"^(?:[\w.-]{1,96}/)?[\w.-]{1,96}$")
+
+SKIPPED_ON_DOWNLOAD = ("*.h5", "*.msgpack", "*.ot", "*.tflite", "*.onnx", "*.onnx_data", "onnx/*", "*.gguf",
+                       "*.mlmodel", "coreml/*", "openvino/*", "*.ckpt")
+"""Files of a hub repository no fold reads (other frameworks' weights): not downloaded."""
+
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
+"""Pickle weights: downloaded only when the user allows reading them."""
+
+
+def is_hub_id(text: str) -> bool:
+    """Whether ``text`` can name a repository on the Hugging Face hub (``NAME`` or ``ORG/NAME``),
+    by huggingface_hub's own rules.
+
+    >>> is_hub_id("gpt2"), is_hub_id("openai-community/gpt2"), is_hub_id("./gpt2"), is_hub_id("a/b/c")
+    (True, True, False, False)
+    """
+    if not _HUB_ID.match(text) or "--" in text or ".." in text or text.endswith(".git"):
+        return False
+    return not any(part.startswith((".", "-")) or part.endswith((".", "-")) for part in text.split("/"))
+
+
+def model_directory(root: Path) -> Path:
+    """``root`` if it is an existing, non-empty directory; else one line saying what it is."""
+    if not root.exists():
+        raise CheckpointError(f"{root} does not exist")
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory")
+    if not any(root.iterdir()):
+        raise CheckpointError(f"{root} is empty")
+    return root
+
+
+CONFIG_LIMIT = 16 << 20
+"""The largest config.json read here (``formats.JSON_LIMIT``, whose full check follows later)."""
+
+
+def precheck_model_dir(path: str | os.PathLike) -> Path:
+    """The checks a model directory gets before torch loads: it exists, is a non-empty directory,
+    and has a ``config.json`` holding a JSON object. What this passes is validated in full when it
+    is opened.
+
+    >>> precheck_model_dir("/no/such/dir")
+    Traceback (most recent call last):
+    enjoyln.errors.CheckpointError: /no/such/dir does not exist
+    """
+    root = model_directory(Path(path))
+    config = root / "config.json"
+    if not config.exists():
+        if config.is_symlink():
+            raise CheckpointError(f"{config} is a dangling symlink (it points to {os.readlink(config)})")
+        raise CheckpointError(f"{root} has no config.json")
+    if not config.is_file():
+        raise CheckpointError(f"{config} is not a regular file")
+    try:
+        if config.stat().st_size > CONFIG_LIMIT:
+            return root  # refused, with its size, by the full check
+        data = json.loads(config.read_bytes().decode("utf-8-sig"))
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {config}: {exc.strerror or exc}") from None
+    except RecursionError:
+        return root  # named by the full check
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{config} is not valid JSON ({exc.__class__.__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{config} does not hold a JSON object (a model config)")
+    return root
+
+
+def resolve_model_dir(spec: str | os.PathLike, *, revision: str | None = None, allow_pickle: bool = False,
+                      role: str = "MODEL_DIR") -> Path:
+    """The local directory ``spec`` names: the path itself where it exists (a local path always
+    wins), else the snapshot of the hub repository ``spec`` (``NAME`` or ``ORG/NAME``) at
+    ``revision``, from huggingface_hub's cache or downloaded into it (``HF_HUB_OFFLINE``,
+    ``HF_HUB_CACHE`` and ``HF_HOME`` are respected). Other frameworks' weights are not
+    downloaded, nor pickle weights unless ``allow_pickle``. A string that is neither gets one
+    line saying so.
+
+    >>> resolve_model_dir("/no/such/dir")
+    Traceback (most recent call last):
+    enjoyln.errors.CheckpointError: /no/such/dir does not exist, and is not a Hugging Face hub id (NAME or ORG/NAME)
+    """
+    path = Path(spec)
+    text = os.fspath(spec)
+    if path.exists() or path.is_symlink():
+        if revision is not None:
+            raise CheckpointError(f"--revision applies to a hub id, but {role} {path} is a local path")
+        return path
+    if not isinstance(spec, str) or not is_hub_id(text):
+        raise CheckpointError(f"{text} does not exist, and is not a Hugging Face hub id (NAME or ORG/NAME)")
+    return _snapshot(text, revision, allow_pickle)
+
+
+def _snapshot(repo_id: str, revision: str | None, allow_pickle: bool) -> Path:
+    """The hub repository's snapshot directory, from the cache or downloaded."""
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                            RevisionNotFoundError)
+    except ImportError:  # pragma: no cover - transformers requires huggingface_hub
+        raise CheckpointError(f"{repo_id} does not exist here, and huggingface_hub is not installed to fetch it "
+                              "from the hub") from None
+    at = f" at revision {revision}" if revision else ""
+    ignore = list(SKIPPED_ON_DOWNLOAD) + ([] if allow_pickle else list(PICKLE_PATTERNS))
+    try:
+        found = snapshot_download(repo_id, revision=revision, repo_type="model", ignore_patterns=ignore)
+    except RevisionNotFoundError:
+        raise CheckpointError(f"{repo_id} is not a local path, and the hub repository has no revision "
+                              f"{revision}") from None
+    except GatedRepoError:
+        raise CheckpointError(f"{repo_id} is not a local path, and the hub repository is gated: accept its "
+                              "terms on the hub and log in (hf auth login)") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"{repo_id} is not a local path, nor a model on the Hugging Face hub (or it is "
+                              "private: log in with hf auth login)") from None
+    except LocalEntryNotFoundError:
+        why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached")
+        raise CheckpointError(f"{repo_id} is not a local path, and the hub model {repo_id}{at} is not in the "
+                              f"Hugging Face cache ({constants.HF_HUB_CACHE}) while {why}") from None
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{repo_id} is not a local path, and fetching it from the Hugging Face hub "
+                              f"failed: {first}") from None
+    return Path(found)

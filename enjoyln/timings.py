@@ -1,0 +1,93 @@
+"""Repeated timings, and what their spread says: the median and quartiles of a set of runs, and
+the warnings a reader needs before trusting them (runs at the clock's resolution, runs that fall
+into groups a scheduler's time slice apart, runs spread by a busy machine).
+
+Plain Python (no torch): ``bench`` times, this judges the times, and tests judge it with
+made-up timings.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["Spread", "NOISY"]
+
+
+@dataclass
+class Spread:
+    """Repeated timings of one thing (ms or µs, as given): median, quartiles and extremes, and
+    what they warn of (``warnings``)."""
+
+    median: float
+    q1: float
+    q3: float
+    low: float
+    high: float
+    runs: int
+    groups: list[float] = field(default_factory=list)
+    """Centres of the separate groups the runs fall into, when they do (time-slicing)."""
+
+    @classmethod
+    def of(cls, samples: list[float]) -> "Spread":
+        """The spread of ``samples``.
+
+        >>> Spread.of([1.0, 2.0, 3.0, 4.0]).median
+        2.5
+        """
+        xs = sorted(samples)
+        q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
+        return cls(statistics.median(xs), q[0], q[2], xs[0], xs[-1], len(xs), _groups(xs))
+
+    @property
+    def iqr(self) -> float:
+        return self.q3 - self.q1
+
+    def warnings(self, label: str, unit: str = "ms") -> list[str]:
+        """Why these timings should not be trusted, if they should not: they sit at the clock's
+        resolution, fall into separate groups a scheduler step apart, or spread widely.
+
+        >>> Spread.of([10.0, 10.1, 9.9, 10.0, 10.05, 9.95]).warnings("original")
+        []
+        """
+        found = []
+        tick = time.get_clock_info("perf_counter").resolution * (1e3 if unit == "ms" else 1e6)
+        if self.median < 100 * tick:
+            found.append(f"{label}: {self.median:.3g} {unit} is within 100x the clock's resolution ({tick:.3g} "
+                         f"{unit}); these timings mean little")
+        if len(self.groups) >= 2:
+            step = statistics.median(b - a for a, b in zip(self.groups, self.groups[1:]))
+            found.append(f"{label}: the {self.runs} runs fall into {len(self.groups)} groups about {step:.3g} {unit} "
+                         "apart: the scheduler is slicing the time (more threads than free cores?), so the "
+                         "timings sit at its resolution")
+        elif self.median > 0 and self.iqr / self.median > NOISY:
+            found.append(f"{label}: the runs spread by {self.iqr / self.median:.0%} of their median (IQR "
+                         f"{self.q1:.3g}-{self.q3:.3g} {unit}); the machine looks busy")
+        return found
+
+
+NOISY = 0.10
+"""An interquartile range above this fraction of the median: the machine was busy."""
+
+
+def _groups(xs: list[float]) -> list[float]:
+    """The centres of the tight clusters sorted timings fall into, split at gaps far wider than
+    their typical spacing and than 15% of the median; [] for one cluster, for clusters of one run
+    (outliers, not groups), or for clusters as wide as the gaps between them (plain noise)."""
+    if len(xs) < 8:
+        return []
+    gaps = [b - a for a, b in zip(xs, xs[1:])]
+    cut = max(0.15 * statistics.median(xs), 10 * statistics.median(gaps))
+    clusters, between, current = [], [], [xs[0]]
+    for gap, x in zip(gaps, xs[1:]):
+        if gap > cut:
+            clusters.append(current)
+            between.append(gap)
+            current = []
+        current.append(x)
+    clusters.append(current)
+    real = [c for c in clusters if len(c) >= 2]
+    if len(real) < 2 or max(c[-1] - c[0] for c in real) > 0.5 * min(between):
+        return []
+    return [statistics.median(c) for c in real]
