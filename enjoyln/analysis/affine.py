@@ -259,8 +259,7 @@ def _mismatched(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]]) ->
 
 def _shared(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]],
             untie: dict[str, Untie]) -> dict[str, str]:
-    """Norms whose readers' weights are read elsewhere (and cannot be untied), or by two
-    norms on the same block."""
+    """Norms whose readers' weights are read elsewhere (and cannot be untied), or by two norms on the same block."""
     blocked: dict[str, str] = {}
     owners: dict[str, set[str]] = {}  # placeholder -> norms fusing into it
     for name, (fused, _) in found.items():

@@ -38,7 +38,7 @@ State = Zero | NotZero
 
 def ln_label(g: GraphIndex, node: fx.Node) -> str:
     """An LN call as a user would name it: its module's path, or the functional call."""
-    path = g.module_path(node)
+    path = g.cap.module_path(node)
     if path:
         return path
     return f"the functional layer_norm `{node.name}` {g.where(node)}"

@@ -42,15 +42,6 @@ class Analysis:
         self.last_bad: dict[str, str] = {}  # source -> what its centering would change, last pass
         self.why_not_replaced: dict[str, str] = {}  # entry -> why its module is not a norm enjoyln replaces
 
-    def where(self, node: fx.Node) -> str:
-        return self.index.where(node)
-
-    def describe(self, node: fx.Node) -> str:
-        return self.index.describe(node)
-
-    def affected(self, active: set[str]) -> tuple[dict[str, str], dict[str, Untie]]:
-        return self.soundness.affected(active)
-
     # -- explaining ------------------------------------------------------------------------
     def zero_mean_graph(self, ln: fx.Node, limit: int = 400) -> tuple[dict[str, dict], list[tuple[str, str]]]:
         """The LN's zero-mean graph (Def. 4.2): nodes (name -> {label, kind, detail}) and edges
@@ -82,11 +73,11 @@ class Analysis:
                 info = {"label": source.label, "kind": "source",
                         "detail": ", ".join(f"{c.param} (axis {c.axis})" for c in source.params)}
             elif node in self.index.centers:
-                info = {"label": f"x - mean(x) {self.where(node)}", "kind": "zero", "detail": ""}
+                info = {"label": f"x - mean(x) {self.index.where(node)}", "kind": "zero", "detail": ""}
             elif isinstance(state, Zero | NotZero) and kind_of(node):
                 refused = isinstance(state, NotZero) and not any(
                     isinstance(self.states.get(i), NotZero) for i in node.all_input_nodes)
-                info = {"label": f"{op_name(node)} {self.where(node)}", "kind": "blocked" if refused else "op",
+                info = {"label": f"{op_name(node)} {self.index.where(node)}", "kind": "blocked" if refused else "op",
                         "detail": state.why if refused else ""}
                 if not refused:
                     for i in node.all_input_nodes:
@@ -94,7 +85,7 @@ class Analysis:
                             stack.append((i, node.name))
             else:
                 why = state.why if isinstance(state, NotZero) else ""
-                info = {"label": self.describe(node), "kind": "blocked", "detail": why}
+                info = {"label": self.index.describe(node), "kind": "blocked", "detail": why}
             nodes[node.name] = info
         return nodes, edges
 
@@ -134,7 +125,7 @@ class Analysis:
         untie: dict[str, Untie] = {}
         while True:
             keys = set().union(*(needs[n] for n in active)) if active else set()
-            bad, untie = self.affected(keys)
+            bad, untie = self.soundness.affected(keys)
             self.last_bad.update(bad)
             dropped = {n for n in active if needs[n] & bad.keys()}
             for n in dropped:

@@ -154,9 +154,6 @@ class GraphIndex:
     def where(self, node: fx.Node) -> str:
         return self.cap.where(node)
 
-    def module_path(self, node: fx.Node) -> str:
-        return self.cap.module_path(node)
-
     def label(self, node: fx.Node) -> str:
         """The module path of a node, or its name at the top level."""
         return self.cap.module_path(node) or node.name
