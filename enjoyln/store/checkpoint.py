@@ -204,8 +204,7 @@ def _directory(root: Path) -> Path:
 
 
 def _weight_files(ck: Checkpoint, source: Source, allow_pickle: bool) -> dict[str, str] | None:
-    """Set ``ck.shards`` (and ``pickled``) from the weight files the loader reads; the index's
-    map, if there is one."""
+    """Set ``ck.shards`` (and ``pickled``) from the weight files the loader reads; the index's map, if there is one."""
     root = ck.path
     present = {n for n in WEIGHT_FILES if (root / n).exists() or (root / n).is_symlink()}
     source.check_weights(root, present)
