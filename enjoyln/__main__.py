@@ -1,10 +1,5 @@
-"""Entry point of the ``enjoyln`` command and of ``python -m enjoyln``.
-
-Kept free of heavy imports, so the signal handlers are in place before torch
-and transformers load: SIGTERM (what ``timeout``, ``kill`` and CI cancellation
-send) cleans up like Ctrl-C, and an interrupt at any moment gives one line
-and exit code 130 (143 for SIGTERM). A second Ctrl-C stops at once.
-"""
+"""Entry point of the ``enjoyln`` command: signal handlers first, before torch loads, so SIGTERM cleans
+up like Ctrl-C and an interrupt gives one line and exit code 130 (143 for SIGTERM)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Errors that enjoyln raises for bad input.
-
-Every one carries a single-line message meant for the user; the CLI prints it
-as is and exits non-zero, so messages must name the cause and, where there is
-one, the fix.
-"""
+"""Errors that enjoyln raises for bad input, each with a single-line message naming the cause and the
+fix, which the CLI prints as is."""
 
 from __future__ import annotations
 
@@ -33,11 +29,8 @@ class CheckpointError(EnjoylnError):
 
 
 class CheckFailed(EnjoylnError):
-    """A folded checkpoint did not pass its check, so it was not published.
-
-    ``report`` is the failing ``CheckReport``; ``kept`` the directory the
-    candidate was kept in (``keep_failed=True``), else None.
-    """
+    """A folded checkpoint did not pass its check, so it was not published; ``report`` is the failing
+    ``CheckReport``, ``kept`` the directory it was kept in (``keep_failed=True``) or None."""
 
     exit_code = 1
 
@@ -47,10 +40,8 @@ class CheckFailed(EnjoylnError):
 
 
 def first_line(exc: BaseException, default: str | None = None) -> str:
-    """The first line of ``exc``'s message, for a one-line error; ``default`` (the
-    exception's type name unless given) when the message is empty. A first line that ends
-    in a colon announces the next (pydantic's "Validation error for field 'n_embd':"), so the
-    next line comes with it.
+    """The first line of ``exc``'s message, or ``default`` (its type name) when empty; a first line
+    ending in a colon announces the next (pydantic's), which comes with it.
 
     >>> first_line(ValueError("bad shape\\nin layer 3")), first_line(KeyError())
     ('bad shape', 'KeyError')

@@ -1,12 +1,11 @@
-"""The options of a fold and of a check, typed, built once where a call enters enjoyln (the
-command line, or a Python entry point) and handed on whole: a misspelt option fails there, in
-one line, not deep inside.
+"""The options of a fold and of a check, typed, built once where a call enters enjoyln, so a misspelt
+option fails there in one line.
 
 >>> FoldOptions.of(check="static", fuse_affine=True).check.mode
 'static'
 >>> CheckOptions.of(batchs=3)
 Traceback (most recent call last):
-enjoyln.errors.EnjoylnError: unknown option batchs; the options are batches, batch_size, seq_len, seed, rtol, dtype, thorough, max_memory, device, mode, allow_pickle, trust_remote_code, model_class
+enjoyln.errors.EnjoylnError: unknown option batchs; the options are batches, batch_size, seq_len, ...
 """
 
 from __future__ import annotations
@@ -46,15 +45,11 @@ class Access:
 
 @dataclass(frozen=True)
 class CheckOptions:
-    """What ``enjoyln check`` (and the check inside ``fold``) runs.
-
-    ``mode`` is ``"full"`` (every weight, then a forward comparison), ``"static"`` (weights only)
-    or ``"forward"`` (outputs only, for candidates other tools made); ``batches`` (None: 2 short
-    ones after the weight check, 3 with ``thorough`` or ``"forward"``), their ``batch_size``,
-    ``seq_len`` and first ``seed``; ``rtol`` a fixed tolerance instead of the precision-aware one;
-    ``dtype`` the dtype the candidate is meant to load in; ``thorough`` adds a batch over every
-    position; ``max_memory`` (bytes) runs the models one at a time within that much; ``device``
-    (``"cpu"``, ``"cuda"``, ``"cuda:1"``) is where the forward part runs."""
+    """What ``enjoyln check`` (and the check inside ``fold``) runs: ``mode`` ``"full"`` (every
+    weight, then the outputs), ``"static"`` or ``"forward"``; the batches (None: 2 short ones after
+    the weight check, else 3); ``rtol`` a fixed tolerance; ``dtype`` the one the candidate is meant to
+    load in; ``thorough`` a batch over every position; ``max_memory`` (bytes) one model at a time;
+    ``device`` (``"cuda"``) where the forward part runs."""
 
     batches: int | None = None
     batch_size: int = 2
@@ -76,11 +71,8 @@ class CheckOptions:
 
 @dataclass(frozen=True)
 class FoldOptions:
-    """What ``enjoyln fold`` (``fold_checkpoint``) does: the plan (computed with
-    ``auxiliary_centering``, ``fuse_affine`` and ``rotate``, or given as ``plan``), the output
-    (``max_shard_size`` in bytes, ``force`` to replace an earlier output, ``dry_run`` to write
-    nothing, ``keep_failed`` to keep a candidate that fails), and its check (``check``; mode
-    ``"none"`` publishes unchecked)."""
+    """What ``enjoyln fold`` (``fold_checkpoint``) does: the plan (its analysis options, or ``plan``),
+    the output (``max_shard_size``, ``force``, ``dry_run``, ``keep_failed``) and its check."""
 
     auxiliary_centering: bool = False
     fuse_affine: bool = False

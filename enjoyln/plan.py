@@ -1,9 +1,5 @@
-"""The fold plan: what the analysis decided, as plain serialisable data.
-
-A plan is the only thing that flows from analysis to rewrite, so it can be
-saved, reviewed, edited and applied later (``fold(model, plan=plan)``), and it
-is what a converted checkpoint records in its ``config.json``.
-"""
+"""The fold plan: what the analysis decided, as plain serialisable data, the only hand-off from analysis
+to rewrite; a folded checkpoint records it in its ``config.json``."""
 
 from __future__ import annotations
 
@@ -15,9 +11,8 @@ from .errors import PlanError
 from .units import format_bytes
 
 FORMAT_VERSION = 2
-"""The newest plan format this enjoyln reads. A plan is written with the oldest version
-that holds it (``FoldPlan.format_version``), so older readers refuse only the plans they
-would misread."""
+"""The newest plan format this enjoyln reads; a plan is written with the oldest version that holds it,
+so older readers refuse only the plans they would misread."""
 
 
 _REQUIRED = object()
@@ -25,8 +20,7 @@ _REQUIRED = object()
 
 class Fields:
     """A plan's JSON object read field by field: each value of the type it must have, or a
-    ``ValueError`` naming where it is (``plan.layer_norms[0].centered[1].groups``), so a block
-    written by hand or by another tool is refused with the field at fault, never a Python error.
+    ``ValueError`` naming the field at fault (``plan.layer_norms[0].centered[1].groups``).
 
     >>> Fields({"axis": "1"}, "c").integer("axis")
     Traceback (most recent call last):
@@ -84,14 +78,9 @@ def _short(value: Any) -> str:
 
 @dataclass(frozen=True)
 class Centering:
-    """A parameter to center: ``p -= p.mean(axis, keepdim=True)``.
-
-    With ``groups > 1`` (for a GroupNorm, or a per-head norm), the axis is
-    split into that many equal blocks and each block is centered on its own;
-    ``blocks`` limits that to some of them. With ``scale`` (LayerScale, a
-    per-feature gain γ applied after this layer), ``γ·p`` is centered instead:
-    ``p -= mean(γ·p) / γ``.
-    """
+    """A parameter to center: ``p -= p.mean(axis, keepdim=True)``; with ``groups > 1`` each of that
+    many blocks of the axis on its own (``blocks``: only those), with ``scale`` (a LayerScale gain γ)
+    ``p -= mean(γ·p) / γ``."""
 
     param: str
     axis: int
@@ -157,12 +146,9 @@ class AuxCentering:
 
 @dataclass(frozen=True)
 class Fused:
-    """Part of a folded norm's affine, moved into a linear layer that reads its output.
-
-    Entries ``start .. start + length`` of ``weight``'s input axis ``axis`` read
-    the norm's features ``offset .. offset + length``: they are multiplied by
-    γ there, and ``bias`` (when the norm's β is fused too) gains ``W β``.
-    """
+    """Part of a folded norm's affine moved into a linear layer that reads it: entries ``start ..
+    start + length`` of ``weight``'s input axis read the norm's features from ``offset``; they are
+    multiplied by γ, and ``bias`` gains ``W β``."""
 
     weight: str
     axis: int
@@ -177,9 +163,8 @@ class Fused:
 
 
 AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT = "fused", "gain fused", "kept"
-"""What became of a folded norm's γ and β with ``fuse_affine``: both moved into the layers
-reading it (the norm is weightless); γ moved and β kept as β/γ (the norm keeps a bias, as
-its readers have none for it); or both kept, with the reason in ``affine_reason``."""
+"""What became of a folded norm's γ and β with ``fuse_affine``: both moved (the norm is weightless),
+γ moved and β kept as β/γ, or both kept (``affine_reason`` says why)."""
 
 
 @dataclass(frozen=True)
@@ -198,12 +183,8 @@ class Rotated:
 
 @dataclass
 class Rotation:
-    """An orthogonal ``Q`` applied to the residual stream (see ``enjoyln.analysis.rotation``).
-
-    ``Q`` is rebuilt from ``kind``, ``seed`` and the stream's width, so the plan
-    stays small; with ``keep_mean`` it fixes the all-ones vector, so a zero-mean
-    stream stays zero-mean and plain LayerNorms still agree with RMSNorm.
-    """
+    """An orthogonal ``Q`` applied to the residual stream, rebuilt from ``kind``, ``seed`` and the
+    stream's width; with ``keep_mean`` it fixes the all-ones vector."""
 
     kind: str
     seed: int
@@ -224,8 +205,8 @@ class Rotation:
 
 @dataclass(frozen=True)
 class RotationSpec:
-    """What a rotation of the residual stream is asked to be (``enjoyln.rotate``):
-    the kind of ``Q`` (``"hadamard"`` or ``"random"``), its seed, and whether it keeps the mean.
+    """What a rotation of the residual stream is asked to be: the kind of ``Q`` (``"hadamard"`` or
+    ``"random"``), its seed, and whether it keeps the mean.
 
     >>> RotationSpec.of(("random", 3, False))
     RotationSpec(kind='random', seed=3, keep_mean=False)
@@ -396,9 +377,7 @@ class FoldPlan:
 
     @property
     def format_version(self) -> int:
-        """The oldest plan format that holds this plan: 2 once a norm is not a plain
-        LayerNorm (channels-first, upcasting, or with child modules after it), which a
-        reader of version 1 would replace wrongly."""
+        """The oldest plan format that holds this plan: 2 once a norm is not a plain LayerNorm."""
         return 2 if any(not e.plain_form for e in self.layer_norms) else 1
 
     @property

@@ -1,5 +1,5 @@
 """The guard of the package layout (docs/contributing.md): imports point one way, no cycles,
-modules of a readable size, and no private name used across modules.
+modules and functions of a readable size, and no private name used across modules.
 
 Read with ``ast`` from the source, function-level imports included, so an import moved into
 a function to dodge a cycle is still seen.
@@ -35,7 +35,8 @@ LAYERS = {
 a module's layer."""
 
 MAX_LINES = 600
-
+MAX_FUNCTION_LINES = 80
+MAX_PARAMETERS = 8
 
 
 def _module_name(path: Path) -> str:
@@ -122,6 +123,45 @@ def test_no_import_cycle():
 def test_modules_are_short():
     long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long
+
+
+def _typer_options() -> set[str]:
+    """The names ``enjoyln/cli/options.py`` gives shared typer options (``ReadPickle = Annotated[...]``)."""
+    tree = ast.parse(MODULES["enjoyln.cli.options"].read_text())
+    return {t.id for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.value).startswith("Annotated[")
+            for t in n.targets if isinstance(t, ast.Name)}
+
+
+def _exempt(module: str, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A ``@triton.jit`` kernel is one GPU program whose parameters are its launch signature, shared by
+    the three kernels and the AOT builder; a typer command of the CLI takes a parameter per option
+    (``Annotated[..., typer.Option(...)]``), as typer reads the options from its signature."""
+    names = {ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in fn.decorator_list}
+    annotations = [ast.unparse(a.annotation) for a in fn.args.args + fn.args.kwonlyargs if a.annotation]
+    return "triton.jit" in names or (module.startswith("enjoyln.cli") and any(
+        a.startswith("Annotated[") or a in _typer_options() for a in annotations))
+
+
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    args = fn.args
+    named = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs if a.arg not in ("self", "cls")]
+    return len(named) + (args.vararg is not None) + (args.kwarg is not None)
+
+
+def test_functions_are_short():
+    """No function over ``MAX_FUNCTION_LINES`` lines (its decorators to its last line) nor with more
+    than ``MAX_PARAMETERS`` parameters (``*args`` and ``**kwargs`` one each; not self or cls)."""
+    found = []
+    for m, p in MODULES.items():
+        for fn in ast.walk(ast.parse(p.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or _exempt(m, fn):
+                continue
+            first = min([fn.lineno, *(d.lineno for d in fn.decorator_list)])
+            if fn.end_lineno - first + 1 > MAX_FUNCTION_LINES:
+                found.append(f"{m}.{fn.name}:{fn.lineno} has {fn.end_lineno - first + 1} lines")
+            if _parameters(fn) > MAX_PARAMETERS:
+                found.append(f"{m}.{fn.name}:{fn.lineno} takes {_parameters(fn)} parameters")
+    assert not found, "\n".join(found)
 
 
 def test_no_private_name_crosses_modules():

@@ -1,12 +1,5 @@
-"""Analysis: trace a model, decide which LayerNorms fold and what folding them needs (a ``FoldPlan``).
-
-The modules, in the order they build on each other: ``inputs`` (example inputs),
-``capture`` (the ``torch.export`` trace), ``graph`` (the indexed graph), ``rules``
-(what each op does to a zero mean), ``dataflow`` and ``soundness`` (the proof),
-``affine`` (fusing a norm's affine into its readers), ``rotation`` (the proof that
-the residual stream can be rotated), ``driver`` (runs them into a plan),
-``auxiliary`` (auxiliary centerings) and ``explain`` (pictures of the proof).
-"""
+"""Analysis: trace a model, decide which LayerNorms fold and what folding them needs (a ``FoldPlan``);
+the modules are listed in docs/contributing.md."""
 
 from __future__ import annotations
 
@@ -22,18 +15,11 @@ from .inputs import ExampleInputs
 def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
             auxiliary_centering: bool = False, weights: Weights = None, fuse_affine: bool = False,
             rotate: RotationSpec | tuple[str, int, bool] | None = None) -> FoldPlan:
-    """Find the foldable LayerNorms of ``model`` and what folding them needs.
-
-    A dry run: the model is traced, never modified. With
-    ``auxiliary_centering``, explicit centerings are also placed where each
-    makes more LNs foldable than it costs (``plan.auxiliary``). ``weights``
-    gives values for parameters the model holds on the meta device, where a
-    rule depends on them (a LayerScale gain with a zero entry does not fold).
-    With ``fuse_affine``, each folded norm's γ and β are also moved into the
-    linear layers that read its output, where that is sound (``analysis.affine``).
-    With ``rotate`` (a ``RotationSpec``, or the tuple (kind, seed, keep_mean)), the
-    plan also rotates the residual stream where that is proved exact
-    (``analysis.rotation``), or says why not.
+    """Find the foldable LayerNorms of ``model`` and what folding them needs; a dry run, the model
+    is never modified. ``auxiliary_centering`` also places explicit centerings where they pay off,
+    ``weights`` gives values for parameters held on the meta device, ``fuse_affine`` moves each folded
+    norm's γ and β into its readers, and ``rotate`` (a ``RotationSpec`` or (kind, seed, keep_mean))
+    plans a rotation of the residual stream.
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))

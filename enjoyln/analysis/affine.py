@@ -1,18 +1,5 @@
-"""Fusing the affine: move a folded norm's γ and β into the linear layers that read it.
-
-With ``y = γ ⊙ r + β`` the output of a folded norm (``r`` its plain RMS-normalised
-input), a linear layer ``z = W y + c`` that reads it is ``z = (W diag γ) r + (W β + c)``.
-So when every reader of ``y`` is such a layer, reached through ops that only move
-values around (views, permutes, selections of rows, a ``cat`` that places it in
-a block of a wider input), γ and β move into those layers and the norm becomes
-weightless: an RMSNorm with no affine, which commutes with any rotation of its
-input (``enjoyln.analysis.rotation``).
-
-Where a reader has no bias to take ``W β``, β stays on the norm as ``β / γ``
-(``γ (r + β/γ)`` is what the scaled layer then sees); where the output reaches
-anything else (a model output, a nonlinearity, the residual stream itself),
-the affine stays, with the reason.
-"""
+"""Fusing the affine: move a folded norm's γ and β into the linear layers that read it
+(``W (γ ⊙ r + β) + c = (W diag γ) r + (W β + c)``), leaving a weightless RMSNorm; docs/how-it-works.md."""
 
 from __future__ import annotations
 
@@ -24,9 +11,7 @@ from .graph import GraphIndex, arg, norm_dim, op_name, reads_value, shape
 from ..plan import AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT, Fused, LayerNormEntry, Untie
 from .rules import CAST_OPS, DROPOUT_OPS, RESHAPE_OPS, SPLIT_OPS, Refusal, carry
 
-# Ops that only move values around: through them, every element still carries its own
-# feature's γ and β. (Scaling, summing, padding or interpolating would change what β
-# contributes, so they are not here.)
+# ops that only move values around, so every element still carries its own feature's γ and β
 MOVES = ({"getitem", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "permute", "transpose", "t",
           "numpy_T", "swapaxes", "movedim", "select", "slice", "narrow", "index", "index_select", "gather",
           "expand", "expand_as", "repeat", "flip", "roll"}
@@ -169,13 +154,9 @@ def trace_readers(g: GraphIndex, ln: fx.Node) -> Readers | str:
 
 
 def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, list[fx.Node]]) -> list[Untie]:
-    """Decide, for every folded norm, where its γ and β go (``entry.affine`` and
-    ``entry.fused``); return the weights that must be untied for it.
-
-    A weight takes a norm's affine only if every value read of it is one of that
-    norm's readers (or another norm's, on other blocks of its input); a tied
-    alias owned by another module gets its own copy instead.
-    """
+    """Decide, for every folded norm, where its γ and β go (``entry.affine`` and ``entry.fused``);
+    return the weights that must be untied for it. A weight takes a norm's affine only if every
+    value read of it is one of that norm's readers (a tied alias of another module gets a copy)."""
     found: dict[str, tuple[list[Fused], Readers]] = {}
     for e in entries:
         if not e.foldable or e.norm != "layer_norm":
@@ -242,13 +223,8 @@ def _affine_read_elsewhere(g: GraphIndex, name: str, calls: list[fx.Node]) -> st
 
 
 def _mismatched(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]]) -> dict[str, str]:
-    """Norms whose readers share a weight or a bias but read different things with it.
-
-    Fusing scales each block of a weight once and adds ``W β`` to each bias once, so
-    every layer that reads a fused weight must read the same norms on the same
-    blocks (a layer reading another value where a norm's γ went would see it
-    scaled), and a bias may take ``W β`` from one weight only.
-    """
+    """Norms whose readers share a weight or a bias but read different things with it: fusing
+    scales each block of a weight once and adds ``W β`` to each bias once."""
     reads: dict[fx.Node, set[tuple[str, Fused]]] = {}
     for name, (_, readers) in found.items():
         for node, parts in readers.items():
@@ -283,8 +259,7 @@ def _mismatched(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]]) ->
 
 def _shared(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]],
             untie: dict[str, Untie]) -> dict[str, str]:
-    """Norms whose readers' weights are read elsewhere (and cannot be untied), or by two
-    norms on the same block."""
+    """Norms whose readers' weights are read elsewhere (and cannot be untied), or by two norms on the same block."""
     blocked: dict[str, str] = {}
     owners: dict[str, set[str]] = {}  # placeholder -> norms fusing into it
     for name, (fused, _) in found.items():

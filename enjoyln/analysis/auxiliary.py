@@ -1,11 +1,5 @@
-"""Auxiliary centering: explicit ``x - x.mean(-1)`` inserted where each makes more LNs foldable.
-
-A candidate is a module output or input on the zero-mean graph of an LN that
-does not fold. Each is judged by the full analysis, soundness included, with
-the inserted centering as one more source whose shift may reach only LN
-inputs; the model is then analysed again with the centering hooks in place
-(``modules.centering``) to confirm every predicted fold.
-"""
+"""Auxiliary centering: explicit ``x - x.mean(-1)`` inserted where each makes more LNs foldable, each
+judged by the full analysis and confirmed by analysing again with the hooks in place."""
 
 from __future__ import annotations
 
@@ -23,8 +17,8 @@ from .inputs import ExampleInputs
 
 
 def _candidate_points(analysis: Analysis, plan: FoldPlan) -> dict[fx.Node, tuple[AuxCentering, set[str]]]:
-    """Module outputs and inputs on the zero-mean graphs of LNs that do not fold,
-    with the names of those LNs each one lies upstream of."""
+    """Module outputs and inputs on the zero-mean graphs of LNs that do not fold, with the names
+    of those LNs each one lies upstream of."""
     cap = analysis.cap
     by_name = {n.name: n for n in analysis.graph.nodes}
     widths = {e.normalized_shape[-1] for e in plan.layer_norms if e.normalized_shape}
@@ -62,12 +56,8 @@ def _candidate_points(analysis: Analysis, plan: FoldPlan) -> dict[fx.Node, tuple
 
 def auxiliary_plan(cap: Capture, *, max_candidates: int = 6,
                    weights: Weights = None) -> tuple[FoldPlan, dict[fx.Node, AuxCentering]]:
-    """Greedily insert centerings that each make more LNs foldable than they cost.
-
-    Each candidate is judged by the full analysis, soundness included, with
-    the inserted centering as one more source whose shift must only reach LN
-    inputs. Returns the plan with the chosen points, and the points by node.
-    """
+    """Greedily insert centerings that each make more LNs foldable than they cost: the plan with
+    the chosen points, and the points by node."""
     base = Analysis(cap, weights=weights)
     plan = base.run()
     strict_count = len(plan.foldable)
@@ -111,13 +101,8 @@ def auxiliary_plan(cap: Capture, *, max_candidates: int = 6,
 
 def analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs, weights: Weights,
                             fuse_affine: bool = False, rotate: RotationSpec | None = None) -> FoldPlan:
-    """Choose centerings, then prove the folds again on the model with them in place.
-
-    The first pass proves each inserted centering changes only LN inputs; the
-    second, a strict analysis of the model with the centering hooks installed,
-    gives the parameters to center and confirms every predicted fold. The
-    hooks are removed again before returning.
-    """
+    """Choose centerings, then prove the folds again on the model with the centering hooks in place
+    (removed again before returning): the second, strict analysis gives the parameters to center."""
     unhooked = capture(model, example_inputs)
     predicted, _ = auxiliary_plan(unhooked, weights=weights)
     if not predicted.auxiliary:

@@ -1,11 +1,5 @@
-"""Capture: trace a model into a ``torch.export`` graph and index it.
-
-The analysis never looks at module boundaries, only at the traced ATen graph
-: in-place adds, functional ``layer_norm`` calls and parameters
-used as data are all visible there. This module owns everything that ties the
-graph back to the model: parameter names, tied parameters, module paths and the
-names of the model's outputs.
-"""
+"""Capture: trace a model into a ``torch.export`` graph (the ATen ops, not module boundaries) and
+tie it back to the model: parameter names, tied parameters, module paths, output names."""
 
 from __future__ import annotations
 
@@ -28,7 +22,6 @@ from .inputs import ExampleInputs, Inputs, resolve_inputs
 
 
 # --- the captured graph -----------------------------------------------------------
-
 
 @dataclass
 class Capture:
@@ -78,11 +71,8 @@ class Capture:
         return f"in {path}" if path else "at the top level of the model"
 
     def use_alias(self, user: torch.fx.Node, fqn: str) -> str | None:
-        """The name under which ``user`` reads the parameter ``fqn``.
-
-        Tied parameters share one placeholder in the graph; the module that
-        performs the read tells which of the tied names it went through.
-        """
+        """The name under which ``user`` reads the parameter ``fqn``: tied parameters share one
+        placeholder, so the module that performs the read tells which name it went through."""
         names = self.aliases.get(fqn, (fqn,))
         if len(names) == 1:
             return names[0]
@@ -132,17 +122,11 @@ def _is_view(node: torch.fx.Node) -> bool:
 
 
 def _functionalize(graph: torch.fx.Graph) -> bool:
-    """Rewrite ``x.add_(y)`` on graph intermediates as ``add(x, y)``.
-
-    torch.export's training IR keeps in-place ops (Falcon's ``mlp += attn``);
-    the dataflow needs one value per node. Later readers of the mutated tensor
-    are pointed at the new node. Returns False, changing nothing, when an
-    in-place op writes to a view or an input, which this cannot follow.
-    """
+    """Rewrite ``x.add_(y)`` on graph intermediates as ``add(x, y)``, as the dataflow needs one value
+    per node (Falcon's ``mlp += attn``). False, changing nothing, for a write to a view or an input."""
     inplace = [(n, _functional_twin(n.target)) for n in graph.nodes if n.op == "call_function"]
     inplace = [(n, twin) for n, twin in inplace if twin is not None]
-    # A write through a view, or to a tensor some view aliases, reaches values
-    # this renaming cannot follow; the caller functionalises properly instead.
+    # the renaming cannot follow a write through a view, or to a tensor a view aliases
     if any(not isinstance(n.args[0], torch.fx.Node) or _is_view(n.args[0])
            or any(_is_view(u) for u in n.args[0].users if u is not n) for n, _ in inplace):
         return False
@@ -157,7 +141,6 @@ def _functionalize(graph: torch.fx.Graph) -> bool:
 
 
 # --- tracing --------------------------------------------------------------------------
-
 
 def _origin(exc: BaseException) -> str:
     """Where in the model's own code tracing stopped, as `` (at file:line: `code`)``, or ''."""
@@ -218,21 +201,18 @@ def _specializations(program: torch.export.ExportedProgram) -> list[str]:
             continue
         stack = data.get("user_stack") or [{}]
         frame = stack[-1]
-        where = files.get(frame.get("filename"), "?")
-        where = where.split("site-packages/")[-1]
+        where = files.get(frame.get("filename"), "?").split("site-packages/")[-1]
         code = frame.get("loc") or data.get("expr", "?")
-        phrase = f"`{code}` ({where}:{frame.get('line', '?')}) as on the example ({data.get('expr')} = {data.get('result')})"
+        phrase = (f"`{code}` ({where}:{frame.get('line', '?')}) as on the example "
+                  f"({data.get('expr')} = {data.get('result')})")
         if phrase not in out:
             out.append(phrase)
     return out
 
 
 def export(model: nn.Module, inputs: Inputs) -> tuple[torch.export.ExportedProgram, list[str]]:
-    """``torch.export`` (non-strict), or ``draft_export`` where control flow depends on data.
-
-    Returns the program and the branches ``draft_export`` fixed to the example's
-    values (empty for a plain export). Either failure is a one-line CaptureError.
-    """
+    """``torch.export`` (non-strict), or ``draft_export`` where control flow depends on data; also the
+    branches ``draft_export`` fixed to the example's values. Either failure is a one-line CaptureError."""
     name = type(model).__name__
     try:
         with torch.no_grad():
@@ -254,13 +234,8 @@ def export(model: nn.Module, inputs: Inputs) -> tuple[torch.export.ExportedProgr
 
 
 def capture(model: nn.Module, example_inputs: ExampleInputs = None) -> Capture:
-    """Trace ``model`` with ``torch.export`` (non-strict) and index the graph.
-
-    The model is traced in the mode it is in: a model left in training mode
-    keeps its dropout, and the analysis refuses to fold through it. Where
-    Python control flow depends on tensor values, ``torch.export.draft_export``
-    traces the branches the example takes instead (``Capture.specialized``).
-
+    """Trace ``model`` as it is (in training mode its dropout blocks folding) and index the graph;
+    where control flow depends on tensor values, ``draft_export`` takes the example's branches.
     >>> import torch
     >>> cap = capture(torch.nn.Linear(4, 4), torch.randn(2, 4))
     >>> sorted(cap.placeholder_fqn.values())
@@ -280,13 +255,6 @@ def capture(model: nn.Module, example_inputs: ExampleInputs = None) -> Capture:
         (placeholder_fqn if fqn in persistent else constants)[node_name] = fqn
     out_spec = program.call_spec.out_spec
     output_names = _leaf_names(out_spec) if out_spec is not None else []
-    return Capture(
-        model=model,
-        program=program,
-        inputs=inputs,
-        placeholder_fqn=placeholder_fqn,
-        constants=constants,
-        aliases=_aliases(model),
-        output_names=output_names,
-        specialized=specialized,
-    )
+    return Capture(model=model, program=program, inputs=inputs, placeholder_fqn=placeholder_fqn,
+                   constants=constants, aliases=_aliases(model), output_names=output_names,
+                   specialized=specialized)

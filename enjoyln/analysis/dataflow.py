@@ -1,11 +1,5 @@
-"""Pass 1: the forward zero-mean dataflow (the paper's Algorithm 1).
-
-Each tensor of the graph is either "zero-mean along axis ``a`` once these
-sources are centered" (``Zero``) or "not zero-mean, because ..." (``NotZero``).
-Sources are general linear layers and parameters used as data (``rules.
-source_of``); the ops that carry the property are the ``rules``. An LN output
-is not zero-mean.
-"""
+"""Pass 1: the forward zero-mean dataflow (the paper's Algorithm 1): each tensor is zero-mean along an
+axis once some sources are centered (``Zero``), or not, and why (``NotZero``)."""
 
 from __future__ import annotations
 
@@ -27,8 +21,7 @@ class Zero:
     axis: int
     sources: frozenset[str]
     whole: bool = False
-    """Part of the zero mean comes from an explicit centering of the whole axis,
-    which does not make each group of a GroupNorm zero-mean."""
+    """Part of the zero mean comes from an explicit centering of the whole axis (not per group)."""
     layout: Layout | None = None
     """Where the blocks went, if the feature axis was split (per-head norms)."""
 
@@ -45,7 +38,7 @@ State = Zero | NotZero
 
 def ln_label(g: GraphIndex, node: fx.Node) -> str:
     """An LN call as a user would name it: its module's path, or the functional call."""
-    path = g.module_path(node)
+    path = g.cap.module_path(node)
     if path:
         return path
     return f"the functional layer_norm `{node.name}` {g.where(node)}"
@@ -146,14 +139,9 @@ class Dataflow:
         return NotZero(f"includes the model input `{node.name}`, which is not zero-mean")
 
     def _feature_axes(self) -> dict[fx.Node, int]:
-        """The feature axis of each parameter used as data, where it is not its last.
-
-        A table added to the stream (``conv(x) + pos`` with ``pos`` of shape
-        (1, C, H, W), maybe resampled, tiled or permuted first) has the stream's
-        feature axis at that add. Each such add is followed back through the table's
-        own ops to the parameters; one that would need two different axes keeps its
-        last. A guess only: the next pass proves whatever it chooses.
-        """
+        """The feature axis of each parameter used as data where it is not its last: a table added to
+        the stream (``conv(x) + pos``, ``pos`` of shape (1, C, H, W)) takes the stream's axis at that
+        add. A guess only: the next pass proves whatever it chooses."""
         g = self.g
         tables: set[fx.Node] = set()  # values computed from parameters only
         for node in g.graph.nodes:
@@ -168,7 +156,7 @@ class Dataflow:
         clash: set[fx.Node] = set()
 
         def want(user: fx.Node, value: fx.Node, axis: int) -> None:
-            """``value``, read by ``user``, must hold its feature axis where ``user``'s output has it at ``axis``."""
+            """``value``, read by ``user``, must hold its feature axis where ``user``'s output has it."""
             dims = shape(value)
             if dims is None:
                 return
@@ -291,10 +279,9 @@ class Dataflow:
 
 
     def _layer_scale(self, node: fx.Node, stream: fx.Node, factor: Any, state: Zero, axis: int) -> State | None:
-        """``γ ⊙ y`` with ``γ`` a per-feature parameter (LayerScale) and ``y`` a linear
-        combination of layers' outputs (one layer, or a sum of several, as timm's
-        ParallelScalingBlock): zero-mean once each layer is centered for ``γ``, as each
-        ``γ ⊙ yᵢ`` is then zero-mean. None if it is not that pattern."""
+        """``γ ⊙ y`` with ``γ`` a per-feature parameter (LayerScale) and ``y`` a linear combination
+        of layers' outputs (timm's ParallelScalingBlock): zero-mean once each layer is centered for
+        ``γ``. None if it is not that pattern."""
         g = self.g
         fqn = per_feature_param(g, factor, node, axis)
         if fqn is None or not state.sources or state.whole:

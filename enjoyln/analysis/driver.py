@@ -1,25 +1,6 @@
-"""The analysis driver: which LayerNorms fold, and what must be centered for them.
-
-It runs three steps over the traced graph to a fixed point and builds the plan:
-
-1. ``rules``: every op is a *source* (a general linear layer or a parameter
-   whose output CBWC can make zero-mean), an op that carries a property
-   shared by all features along a tracked feature axis, a LayerNorm, an
-   explicit centering, or *other*.
-2. ``dataflow``: the forward zero-mean dataflow (the paper's Algorithm 1):
-   each tensor is either "zero-mean along axis a once these sources are
-   centered" or "not zero-mean, because ...". An LN whose input is the former
-   is a candidate.
-3. ``soundness``: centering a source shifts every value computed from it by
-   a per-row constant. That shift must reach nothing but LN inputs, which
-   ignore it. Sources whose shift escapes anywhere else are dropped with the
-   LNs that need them, until nothing changes.
-
-With ``fuse_affine`` it also plans where each folded norm's affine moves
-(``affine``), and on request the rotation of the residual stream
-(``rotation``). It can also give each LN's zero-mean graph, which the
-auxiliary placement (``auxiliary``) and the pictures (``explain``) use.
-"""
+"""The analysis driver: runs the dataflow and the soundness pass to a fixed point into a plan (which
+LayerNorms fold, what to center and untie), then the affine fusion and rotation when asked; it also
+gives each LN's zero-mean graph, for the auxiliary placement and the pictures."""
 
 from __future__ import annotations
 
@@ -61,24 +42,10 @@ class Analysis:
         self.last_bad: dict[str, str] = {}  # source -> what its centering would change, last pass
         self.why_not_replaced: dict[str, str] = {}  # entry -> why its module is not a norm enjoyln replaces
 
-    def where(self, node: fx.Node) -> str:
-        return self.index.where(node)
-
-    def describe(self, node: fx.Node) -> str:
-        return self.index.describe(node)
-
-    def affected(self, active: set[str]) -> tuple[dict[str, str], dict[str, Untie]]:
-        return self.soundness.affected(active)
-
     # -- explaining ------------------------------------------------------------------------
-
     def zero_mean_graph(self, ln: fx.Node, limit: int = 400) -> tuple[dict[str, dict], list[tuple[str, str]]]:
-        """The LN's zero-mean graph (Def. 4.2): carrying ops back to the leaves.
-
-        Returns nodes (name -> {label, kind, detail}) and edges (input, user).
-        Kinds: ``ln``, ``op`` (carries the zero mean), ``source`` (centered),
-        ``zero`` (zero-mean already) and ``blocked`` (where folding fails).
-        """
+        """The LN's zero-mean graph (Def. 4.2): nodes (name -> {label, kind, detail}) and edges
+        (input, user); kinds: ``ln``, ``op``, ``source``, ``zero`` and ``blocked``."""
         with self.index.reporting():
             return self._zero_mean_graph(ln, limit)
 
@@ -106,11 +73,11 @@ class Analysis:
                 info = {"label": source.label, "kind": "source",
                         "detail": ", ".join(f"{c.param} (axis {c.axis})" for c in source.params)}
             elif node in self.index.centers:
-                info = {"label": f"x - mean(x) {self.where(node)}", "kind": "zero", "detail": ""}
+                info = {"label": f"x - mean(x) {self.index.where(node)}", "kind": "zero", "detail": ""}
             elif isinstance(state, Zero | NotZero) and kind_of(node):
                 refused = isinstance(state, NotZero) and not any(
                     isinstance(self.states.get(i), NotZero) for i in node.all_input_nodes)
-                info = {"label": f"{op_name(node)} {self.where(node)}", "kind": "blocked" if refused else "op",
+                info = {"label": f"{op_name(node)} {self.index.where(node)}", "kind": "blocked" if refused else "op",
                         "detail": state.why if refused else ""}
                 if not refused:
                     for i in node.all_input_nodes:
@@ -118,7 +85,7 @@ class Analysis:
                             stack.append((i, node.name))
             else:
                 why = state.why if isinstance(state, NotZero) else ""
-                info = {"label": self.describe(node), "kind": "blocked", "detail": why}
+                info = {"label": self.index.describe(node), "kind": "blocked", "detail": why}
             nodes[node.name] = info
         return nodes, edges
 
@@ -142,7 +109,6 @@ class Analysis:
         return out
 
     # -- driver -------------------------------------------------------------------------
-
     def run(self) -> FoldPlan:
         """The plan: which LNs fold, what to center and untie. Any failure is an AnalysisError."""
         with self.index.reporting():
@@ -151,8 +117,7 @@ class Analysis:
     def _run(self) -> FoldPlan:
         self.flow.run()
         entries, needs, rewritable = self._layer_norms()
-        # an LN that cannot be replaced needs no centering: drop it before the
-        # soundness pass, so its sources do not count against the others
+        # an LN that cannot be replaced needs no centering: drop it before the soundness pass
         for name, e in entries.items():
             if e.foldable and name not in rewritable:
                 e.foldable, e.reason = False, rewritable_reason(e, self.why_not_replaced.get(name))
@@ -160,7 +125,7 @@ class Analysis:
         untie: dict[str, Untie] = {}
         while True:
             keys = set().union(*(needs[n] for n in active)) if active else set()
-            bad, untie = self.affected(keys)
+            bad, untie = self.soundness.affected(keys)
             self.last_bad.update(bad)
             dropped = {n for n in active if needs[n] & bad.keys()}
             for n in dropped:
@@ -288,11 +253,8 @@ class Analysis:
             needs[name] |= {self.flow.grouped(k, groups) for k in state.sources}
 
     def _functional_names(self) -> dict[fx.Node, str]:
-        """Functional LN calls in the graph, mapped to the user's GraphModule nodes.
-
-        torch.export keeps the order of calls, so the k-th functional LN in the
-        exported graph is the k-th in the user's graph.
-        """
+        """Functional LN calls in the graph, mapped to the user's GraphModule nodes (the k-th
+        functional LN exported is the k-th in the user's graph)."""
         model = self.cap.model
         if not isinstance(model, fx.GraphModule):
             return {}

@@ -1,8 +1,5 @@
-"""Pictures of each LN's zero-mean graph: what gets centered, where folding fails.
-
-Self-contained output, no graphviz needed: an HTML page with one inline SVG
-per LN, or a single SVG with all of them stacked.
-"""
+"""Pictures of each LN's zero-mean graph, what gets centered and where folding fails: an HTML page
+with one inline SVG per LN, or one SVG with all of them stacked."""
 
 from __future__ import annotations
 
@@ -71,8 +68,9 @@ def _svg(title: str, reason: str, foldable: bool, nodes: dict[str, dict], edges:
 
 _DEFS = ('<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6" '
          'markerHeight="6" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#888"/></marker></defs>')
-_LEGEND = ("green: centered by CBWC &middot; yellow: centerable, but this LN does not fold &middot; red: where folding fails &middot; "
-           "white: carries the zero mean &middot; grey: zero-mean already &middot; blue: the LN")
+_LEGEND = ("green: centered by CBWC &middot; yellow: centerable, but this LN does not fold &middot; red: where "
+           "folding fails &middot; white: carries the zero mean &middot; grey: zero-mean already &middot; "
+           "blue: the LN")
 
 
 def write_graph(model: nn.Module, path: str | Path, example_inputs: ExampleInputs = None) -> Path:

@@ -1,11 +1,5 @@
-"""The captured graph, indexed for the analysis passes.
-
-Reading nodes (op names, shapes, arguments) and tying them back to the
-model: which placeholder holds which parameter under which names, where a
-node sits, what the model's outputs are called, and where the model centers
-explicitly. Nothing here decides what folds; ``rules``, ``dataflow`` and
-``soundness`` do.
-"""
+"""The captured graph, indexed for the analysis passes: op names, shapes and arguments, and the maps
+from nodes back to the model (parameters, module paths, output names, explicit centerings)."""
 
 from __future__ import annotations
 
@@ -103,12 +97,8 @@ def _mutates(node: fx.Node) -> bool:
 
 
 def live_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes whose values reach an output or a mutation through value reads.
-
-    The rest are dead, or read only for their shape (``x.size()``,
-    ``expand_as``'s template, BART's ``embed_positions(inputs_embeds[:, :, -1])``):
-    whatever their values, the model computes the same.
-    """
+    """Nodes whose values reach an output or a mutation through value reads; the rest are dead,
+    or read only for their shape (``x.size()``, ``expand_as``'s template)."""
     live: set[fx.Node] = set()
     for node in reversed(graph.nodes):
         if node.op == "output" or _mutates(node) or any(
@@ -163,9 +153,6 @@ class GraphIndex:
 
     def where(self, node: fx.Node) -> str:
         return self.cap.where(node)
-
-    def module_path(self, node: fx.Node) -> str:
-        return self.cap.module_path(node)
 
     def label(self, node: fx.Node) -> str:
         """The module path of a node, or its name at the top level."""

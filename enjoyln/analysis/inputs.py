@@ -1,23 +1,13 @@
-"""Example inputs: what a user passes, and what enjoyln synthesizes from a model's configuration.
-
-A model's config says what its inputs look like (vocabulary, image size,
-channels, frames, mel bins, the audio front end's strides), and ``forward``'s
-signature and ``main_input_name`` say which of them it takes. Where the layout
-is still ambiguous (a 4-D image or a 5-D stack of images, features as
-``(mels, frames)`` or ``(frames, mels)``), the candidates are tried in order on
-a forward pass and the first that runs is used, for every later seed too.
-
-timm and open_clip models have no such config, but record their input sizes on
-the model (``pretrained_cfg["input_size"]``, ``image_size``, ``context_length``);
-``described_inputs`` reads those without importing either library.
-"""
+"""Example inputs: what a user passes, or what enjoyln synthesizes from a model's configuration (a
+Hugging Face config, or the sizes timm and open_clip record on the model); docs/how-it-works.md."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -95,11 +85,8 @@ def is_causal_lm(model: nn.Module) -> bool:
 
 
 def wants_no_cache(model: nn.Module) -> bool:
-    """Does ``forward`` accept ``use_cache``, by name or through ``**kwargs`` of a caching config?
-
-    Without ``use_cache=False`` such a model returns a cache object, which
-    ``torch.export`` cannot return (LLaVA, InternVL, Qwen3-VL take it as a kwarg).
-    """
+    """Does ``forward`` take ``use_cache``, by name or through ``**kwargs`` of a caching config? Such a
+    model returns a cache object without ``use_cache=False``, which ``torch.export`` cannot return."""
     params = inspect.signature(model.forward).parameters
     if "use_cache" in params:
         return True
@@ -235,16 +222,11 @@ def _with_image_tokens(model: nn.Module, pixels: dict[str, Any], text: torch.Ten
     params = inspect.signature(get).parameters
     extra = {n: getattr(model.config, n) for n in params
              if n.startswith("vision_feature") and getattr(model.config, n, None) is not None}
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
     try:
-        with torch.no_grad():
+        with _evaluating(model):
             out = get(**pixels, **extra)
     except Exception:  # noqa: BLE001 - this model needs more than pixels: no image then
         return None
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
     feats = getattr(out, "pooler_output", None) if not isinstance(out, (torch.Tensor, list, tuple)) else out
     if isinstance(feats, (list, tuple)) and feats and isinstance(feats[0], torch.Tensor):
         per_image = feats[0].shape[0] if feats[0].dim() == 2 else feats[0].shape[-2]
@@ -300,33 +282,44 @@ def _series_options(config: Any, params: Any, randn: Any, batch: int) -> list[di
 _CHOICE: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
-def _runs(model: nn.Module, inputs: "dict[str, Any] | Inputs") -> bool:
-    """Does the model run on ``inputs``? Eval mode, no grad, and its modes restored after."""
+@contextlib.contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """Eval mode and no grad, the modes restored after."""
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
         with torch.no_grad():
-            inputs.call(model) if isinstance(inputs, Inputs) else model(**inputs)
-        return True
-    except Exception as exc:  # noqa: BLE001 - any failure rules the candidate out
-        # on the meta device data-dependent code cannot run; the shapes got that far
-        return "meta" in str(exc) and any(p.is_meta for p in model.parameters())
+            yield
     finally:
         for m, mode in modes.items():
             m.training = mode
 
 
+def _runs(model: nn.Module, inputs: "dict[str, Any] | Inputs") -> bool:
+    try:
+        with _evaluating(model):
+            inputs.call(model) if isinstance(inputs, Inputs) else model(**inputs)
+        return True
+    except Exception as exc:  # noqa: BLE001 - any failure rules the candidate out
+        # on the meta device data-dependent code cannot run; the shapes got that far
+        return "meta" in str(exc) and any(p.is_meta for p in model.parameters())
+
+
+def _first_that_runs(model: nn.Module, cands: list[Any], default: int | None = None) -> int | None:
+    """The index of the first candidate the model runs on, remembered for later seeds."""
+    choice = _CHOICE.get(model)
+    if choice is None or choice >= len(cands):
+        choice = next((i for i, c in enumerate(cands) if _runs(model, c)), default)
+        if choice is not None:
+            _CHOICE[model] = choice
+    return choice
+
+
 def hf_example_inputs(
     model: nn.Module, *, batch: int = 2, seq_len: int = 16, seed: int = 0
 ) -> dict[str, Any]:
-    """Synthesize keyword inputs for a Hugging Face model from its config.
-
-    Token ids, images, video, waveforms, audio features or time series are
-    chosen by ``forward``'s signature and the model's ``main_input_name``;
-    encoder-decoders also get ``decoder_input_ids``; models that take
-    ``use_cache`` (by name or through ``**kwargs``) get ``use_cache=False`` so
-    the traced graph has no cache outputs. Where several layouts are possible,
-    the first the model runs on is used, and remembered for later seeds.
+    """Synthesize keyword inputs for a Hugging Face model from its config, chosen by ``forward``'s
+    signature and ``main_input_name``; of several possible layouts, the first the model runs on.
 
     >>> from transformers import GPT2Config, GPT2LMHeadModel
     >>> sorted(hf_example_inputs(GPT2LMHeadModel(GPT2Config(n_layer=1))))
@@ -335,16 +328,11 @@ def hf_example_inputs(
     cands = _candidates(model, batch, seq_len, seed)
     if not cands:
         raise CaptureError(_cannot_synthesize(model, "enjoyln does not know how to make its inputs"))
-    if len(cands) == 1:
-        return cands[0]
-    choice = _CHOICE.get(model)
-    if choice is None or choice >= len(cands):
-        choice = next((i for i, c in enumerate(cands) if _runs(model, c)), None)
-        if choice is None:
-            raise CaptureError(_cannot_synthesize(
-                model, f"it runs on none of the {len(cands)} input layouts enjoyln tried "
-                       f"({', '.join(_describe(c) for c in cands)})"))
-        _CHOICE[model] = choice
+    choice = 0 if len(cands) == 1 else _first_that_runs(model, cands)
+    if choice is None:
+        raise CaptureError(_cannot_synthesize(
+            model, f"it runs on none of the {len(cands)} input layouts enjoyln tried "
+                   f"({', '.join(_describe(c) for c in cands)})"))
     return cands[choice]
 
 
@@ -359,11 +347,8 @@ def _cannot_synthesize(model: nn.Module, why: str) -> str:
             f"example_inputs, a dict with at least {', '.join(needs) or 'its inputs'}")
 
 
-# --- models that describe their own inputs: timm and open_clip ---------------------------
-#
-# Neither library is imported: what they record on the model is read as plain attributes, so
-# any module that records the same is treated alike.
-
+# --- models that describe their own inputs: timm and open_clip (neither imported: what they
+# record on the model is read as plain attributes, so any module that records the same is alike)
 
 def _int_pair(size: Any) -> tuple[int, int] | None:
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
@@ -395,8 +380,8 @@ def _channels(model: nn.Module) -> int:
 def _text_shape(model: nn.Module) -> tuple[int, int] | None:
     """(context length, vocabulary size) of an open_clip text tower or CLIP model."""
     owners = (model, getattr(model, "text", None))
-    length = next((getattr(o, "context_length") for o in owners if isinstance(getattr(o, "context_length", None), int)), None)
-    vocab = next((getattr(o, "vocab_size") for o in owners if isinstance(getattr(o, "vocab_size", None), int)), None)
+    length, vocab = (next((getattr(o, n) for o in owners if isinstance(getattr(o, n, None), int)), None)
+                     for n in ("context_length", "vocab_size"))
     return (length, vocab) if length and length > 0 and vocab and vocab > 1 else None
 
 
@@ -418,18 +403,8 @@ def _image_sizes(model: nn.Module) -> list[tuple[int, int, int]]:
 
 
 def described_inputs(model: nn.Module, *, batch: int = 2, seed: int = 0) -> Inputs | None:
-    """Inputs from what a timm or open_clip model records about itself; None if it records nothing.
-
-    - an image model: timm's ``pretrained_cfg["input_size"]`` (C, H, W), or open_clip's
-      ``image_size`` (an int or a pair) with the first convolution's channels, gives a
-      ``(batch, C, H, W)`` tensor;
-    - a text tower: ``context_length`` and ``vocab_size`` give ``(batch, context_length)``
-      token ids in ``[1, vocab_size)`` (0 is SigLIP's padding);
-    - a CLIP model (``visual`` with an ``image_size``, and the text's length and vocabulary)
-      gets both, as ``image=`` and ``text=``.
-
-    Where the stated size and the one the patch embedding was built for differ, the first the
-    model runs on is used.
+    """Inputs from what a timm or open_clip model records about itself (an image size, a text
+    tower's context length and vocabulary, or both for a CLIP model); None if it records nothing.
 
     >>> class Tower(torch.nn.Module):
     ...     pretrained_cfg = {"input_size": (3, 32, 32)}
@@ -459,13 +434,7 @@ def described_inputs(model: nn.Module, *, batch: int = 2, seed: int = 0) -> Inpu
     sizes = _image_sizes(model)
     if sizes:
         cands = [Inputs((image(size),), {}) for size in sizes]
-        if len(cands) == 1:
-            return cands[0]
-        choice = _CHOICE.get(model)
-        if choice is None or choice >= len(cands):
-            choice = next((i for i, c in enumerate(cands) if _runs(model, c)), 0)
-            _CHOICE[model] = choice
-        return cands[choice]
+        return cands[0 if len(cands) == 1 else _first_that_runs(model, cands, 0)]
     if text is not None:
         return Inputs((ids(),), {})
     return None

@@ -44,15 +44,10 @@ def _dtype(node: Any) -> torch.dtype | None:
 
 
 class NormModules:
-    """Decides, from the captured graph, which modules are layer norms enjoyln can replace.
-
-    A module is one when its body, as captured, is exactly one layer norm of its
-    input over its own ``weight`` and ``bias`` (either may be None) on every call:
-    optionally with the input cast to float32 and the output cast back (an
-    upcasting norm), with the normalized axis moved last and back again (a
-    channels-first norm), and with child modules applied to the output in turn
-    (``LayerNormAct2d``'s activation). The class does not matter; anything else in
-    the body is refused with what it is.
+    """Decides, from the captured graph, which modules are layer norms enjoyln can replace: whatever
+    the class, a body that is exactly one layer norm of the input over the module's own ``weight`` and
+    ``bias``, maybe upcast to float32 and back, moved channels-last and back, or followed by child
+    modules (``LayerNormAct2d``'s activation). Anything else is refused with what it is.
     """
 
     def __init__(self, g: GraphIndex):
@@ -125,28 +120,64 @@ class NormModules:
     def _readers(self, node: fx.Node, hooked: set[fx.Node]) -> list[fx.Node]:
         return [u for u in node.users if u in self.g.live and u not in hooked and reads_value(u, node)]
 
+    def _own(self, n: Any, path: str) -> bool:
+        return isinstance(n, fx.Node) and n.op == "call_function" and self.cap.module_path(n) == path
+
+    def _inside(self, n: Any, path: str, hooked: set[fx.Node]) -> bool:
+        return (isinstance(n, fx.Node) and n.op == "call_function" and n not in hooked
+                and within_scope(self.cap.module_path(n), path))
+
     def _call(self, path: str, module: nn.Module, ln: fx.Node, body: list[fx.Node], hooked: set[fx.Node],
               done: set[fx.Node]) -> tuple[NormForm, set[fx.Node]] | str:
-        """One call of the module: its layer norm ``ln``, what wraps it, and the nodes
-        others may read: the one the call returns, and copies of its input that change
-        nothing (``x.to(torch.float32)`` of a float32 ``x`` is ``x`` itself, so code
-        after the module that holds ``x`` reads the copy in the graph)."""
-        cap = self.cap
-        own = lambda n: isinstance(n, fx.Node) and n.op == "call_function" and cap.module_path(n) == path  # noqa: E731
-        inside = lambda n: (isinstance(n, fx.Node) and n.op == "call_function" and n not in hooked  # noqa: E731
-                            and within_scope(cap.module_path(n), path))
+        """One call of the module: its form, and the nodes others may read: the one the call returns, and
+        copies of its input that change nothing (``x.to(torch.float32)`` of a float32 ``x`` is ``x``)."""
         done.add(ln)
-        # the input, through casts and moves
+        entry = self._input(path, ln, hooked, done)
+        if isinstance(entry, str):
+            return entry
+        pre, in_dtype, perm, upcast = entry
+        rank, axis = len(perm), perm[-1]
+        if len(tuple(arg(ln, 1, "normalized_shape", ()))) > 1 and perm != list(range(rank)):
+            return "normalizes over several axes of a permuted input"
+        for index, leaf in ((2, "weight"), (3, "bias")):
+            why = self._own_param(path, module, arg(ln, index, leaf), leaf, done)
+            if why:
+                return why
+        out = self._output(path, ln, hooked, perm, done)
+        if isinstance(out, str):
+            return out
+        y, out_dtype, perm = out
+        # an upcasting norm must cast back; any other cast must change nothing
+        if out_dtype != in_dtype and (upcast or out_dtype != _dtype(ln)):
+            return (f"returns {str(out_dtype).replace('torch.', '')} for an input of "
+                    f"{str(in_dtype).replace('torch.', '')}")
+        if perm != list(range(rank)):
+            return "permutes its input and does not permute it back"
+        children = self._children(path, y, body, hooked, done)
+        if isinstance(children, str):
+            return children
+        then, y = children
+        same = set()
+        for n in reversed(pre):  # ``to`` and ``contiguous`` return their input itself when they change nothing
+            if op_name(n) not in _CASTS | {"contiguous"} or _dtype(n) != in_dtype:
+                break
+            same.add(n)
+        return NormForm(-1 if axis == rank - 1 else axis, upcast, tuple(then)), {y} | same
+
+    def _input(self, path: str, ln: fx.Node, hooked: set[fx.Node],
+               done: set[fx.Node]) -> tuple[list[fx.Node], torch.dtype, list[int], bool] | str:
+        """The casts and moves between the module's input and ``ln``, the input's dtype, the
+        permutation (``perm[i]``: the input axis that axis i of the layer norm's input holds), and
+        whether the input is upcast to float32."""
         pre, x = [], ln.args[0]
-        while own(x) and op_name(x) in _CASTS | _MOVES | _COPIES and x not in hooked:
+        while self._own(x, path) and op_name(x) in _CASTS | _MOVES | _COPIES and x not in hooked:
             pre.append(x)
             x = x.args[0]
-        if inside(x):
-            return f"computes {op_name(x)} {cap.where(x)} before its layer norm"
+        if self._inside(x, path, hooked):
+            return f"computes {op_name(x)} {self.cap.where(x)} before its layer norm"
         dims, in_dtype = shape(x), _dtype(x)
         if dims is None or in_dtype is None:
             return "has an input whose shape enjoyln cannot see"
-        # perm[i]: the axis of the module's input that axis i of the current value holds
         rank, perm, upcast = len(dims), list(range(len(dims))), False
         for n in reversed(pre):
             done.add(n)
@@ -157,15 +188,12 @@ class NormModules:
                     upcast = True
                 elif _dtype(n) != _dtype(n.args[0]):
                     return f"casts its input to {str(_dtype(n)).replace('torch.', '')}"
-        norm_shape = tuple(arg(ln, 1, "normalized_shape", ()))
-        axis = perm[-1]
-        if len(norm_shape) > 1 and perm != list(range(rank)):
-            return "normalizes over several axes of a permuted input"
-        for index, leaf in ((2, "weight"), (3, "bias")):
-            why = self._own_param(path, module, arg(ln, index, leaf), leaf, own, done)
-            if why:
-                return why
-        # the output, through the same
+        return pre, in_dtype, perm, upcast
+
+    def _output(self, path: str, ln: fx.Node, hooked: set[fx.Node], perm: list[int],
+                done: set[fx.Node]) -> tuple[fx.Node, torch.dtype | None, list[int]] | str:
+        """The layer norm's output through the casts and moves after it: (the last of them, its
+        dtype, the permutation then)."""
         y = ln
         if op_name(ln) == "native_layer_norm":
             outs = self._readers(ln, hooked)
@@ -176,27 +204,25 @@ class NormModules:
         out_dtype = _dtype(y)
         while True:
             users = self._readers(y, hooked)
-            if len(users) != 1 or not own(users[0]) or op_name(users[0]) not in _CASTS | _MOVES | _COPIES:
-                break
+            if (len(users) != 1 or not self._own(users[0], path)
+                    or op_name(users[0]) not in _CASTS | _MOVES | _COPIES):
+                return y, out_dtype, perm
             y = users[0]
             done.add(y)
             if op_name(y) in _MOVES:
-                perm = [perm[i] for i in _perm(y, rank)]
+                perm = [perm[i] for i in _perm(y, len(perm))]
             elif op_name(y) in _CASTS:
                 out_dtype = _dtype(y)
-        # an upcasting norm must cast back; any other cast must change nothing
-        if out_dtype != in_dtype and (upcast or out_dtype != _dtype(ln)):
-            return (f"returns {str(out_dtype).replace('torch.', '')} for an input of "
-                    f"{str(in_dtype).replace('torch.', '')}")
-        if perm != list(range(rank)):
-            return "permutes its input and does not permute it back"
-        # child modules the output goes through, in order
-        then: list[str] = []
+
+    def _children(self, path: str, y: fx.Node, body: list[fx.Node], hooked: set[fx.Node],
+                  done: set[fx.Node]) -> tuple[list[str], fx.Node] | str:
+        """The child modules the output goes through, in order, and what the last one returns."""
+        cap, then = self.cap, []
         while True:
             users = self._readers(y, hooked)
-            kids = [u for u in users if inside(u)]
+            kids = [u for u in users if self._inside(u, path, hooked)]
             if not kids:
-                break
+                return then, y
             if len(kids) != len(users):
                 return f"passes its layer norm's output to {cap.module_path(kids[0])} and returns it too"
             if any(cap.module_path(u) == path for u in kids):
@@ -217,36 +243,26 @@ class NormModules:
             then.append(child)
             done.update(nodes)
             y = outs[0]
-        same = set()
-        for n in reversed(pre):  # ``to`` and ``contiguous`` return their input itself when they change nothing
-            if op_name(n) not in _CASTS | {"contiguous"} or _dtype(n) != in_dtype:
-                break
-            same.add(n)
-        dim = -1 if axis == rank - 1 else axis
-        return NormForm(dim, upcast, tuple(then)), {y} | same
 
-    def _own_param(self, path: str, module: nn.Module, value: Any, leaf: str, own: Any,
-                   done: set[fx.Node]) -> str:
+    def _own_param(self, path: str, module: nn.Module, value: Any, leaf: str, done: set[fx.Node]) -> str:
         """'' if the layer norm's ``leaf`` argument is the module's own (both None, or its
         parameter, maybe cast to float32); else why not."""
         mine = getattr(module, leaf, None)
         if value is None:
             return f"leaves its {leaf} {path}.{leaf} unused" if isinstance(mine, torch.Tensor) else ""
         chain = []
-        while own(value) and op_name(value) in _CASTS | _COPIES:
+        while self._own(value, path) and op_name(value) in _CASTS | _COPIES:
             if op_name(value) in _CASTS and _dtype(value) not in (torch.float32, _dtype(value.args[0])):
                 return f"casts its {leaf} to {str(_dtype(value)).replace('torch.', '')}"
             chain.append(value)
             value = value.args[0]
         fqn = self.cap.placeholder_fqn.get(value.name) if isinstance(value, fx.Node) else None
-        if fqn is None or f"{path}.{leaf}" not in self.cap.aliases.get(fqn, (fqn,)) or not isinstance(mine, torch.Tensor):
+        own = fqn is not None and f"{path}.{leaf}" in self.cap.aliases.get(fqn, (fqn,))
+        if not own or not isinstance(mine, torch.Tensor):
             what = self.g.describe(value) if isinstance(value, fx.Node) else repr(value)
             return f"normalizes with {what} as its {leaf}, not its own {leaf}"
         done.update(chain)
         return ""
-
-
-
 
 def norm_module_paths(model: nn.Module, also: set[type] | frozenset[type] = frozenset()) -> list[str]:
     """Paths of the model's LayerNorm and GroupNorm modules, folded or not, and of every

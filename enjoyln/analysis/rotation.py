@@ -1,36 +1,18 @@
-"""Rotating the residual stream: computational invariance, proved on the graph.
-
-A weightless RMSNorm commutes with any orthogonal ``Q``: ``RMSNorm(x Q) =
-RMSNorm(x) Q``, because ``‖x Q‖ = ‖x‖``. So once every norm on the residual
-stream is folded and its affine fused into its readers (``enjoyln.analysis.affine``),
-the whole stream can be expressed in a rotated basis without changing what
-the model computes:
-
-- every source that writes the stream (embedding rows, positional tables,
-  output projections and their biases) gets ``Q`` on its output axis;
-- every linear layer that reads a norm's output gets ``Q`` on its input axis
-  (``W x`` = ``(W Q)(Qᵀ x)``), and a bias the norm kept (β/γ) is rotated too.
-
-The proof is the soundness pass of the centering (``soundness.Spread``) with
-stricter sinks: a rotated value may reach only residual sums (all of whose
-terms are rotated), ops that move or scale whole rows, and the inputs of
-those weightless norms; anything else (an unfolded LayerNorm, a model output,
-a nonlinearity) refuses the rotation, with the reason.
-
-``Q`` keeps the all-ones vector fixed by default (``keep_mean``), so a
-zero-mean stream stays zero-mean: the rotated checkpoint then still gives
-the original's outputs when loaded with plain LayerNorms. The matrices and
-their application to tensors are in ``transform.rotation``.
-"""
+"""Rotating the residual stream, proved on the graph: a weightless RMSNorm commutes with any
+orthogonal ``Q``, so once the stream's norms are folded and their affine fused, the stream can be
+rotated wherever the rotation reaches nothing else (docs/how-it-works.md). The matrices are in
+``transform.rotation``."""
 
 from __future__ import annotations
 
 from torch import fx
 
+from .dataflow import operands
 from .graph import LN_OPS, GraphIndex, op_name, shape
 from ..plan import AFFINE_FUSED, AFFINE_GAIN, FoldPlan, LayerNormEntry, Rotated, Rotation, RotationSpec
-from .rules import MAP, SCALE, SUM, Refusal, Source, carry, kind_of, source_of
+from .rules import MAP, SCALE, SUM, Refusal, Source, carry, kind_of, per_row, source_of
 from .soundness import Flags, Hits, Shift, Spread
+
 
 class RotationSpread(Spread):
     """Follows a rotation of the stream sources forward; flags whatever it would change."""
@@ -70,13 +52,11 @@ class RotationSpread(Spread):
         where = g.where(node)
         if kind == SUM:
             changed = {i for i, _ in hits}
-            operands = list(node.args[0]) if op_name(node) in ("cat", "concat", "concatenate", "stack") \
-                else list(node.args[:2])
             axis = hits[0][1].axis
-            for operand in operands:
+            for operand in operands(node):
                 if isinstance(operand, fx.Node) and operand not in changed:
                     out_axis = carry(node, hits[0][0], axis, where)
-                    if self.keep_mean and not isinstance(out_axis, Refusal) and _constant_along(operand, node, out_axis):
+                    if self.keep_mean and not isinstance(out_axis, Refusal) and per_row(operand, node, out_axis):
                         continue  # a per-row constant c·1 is rotated onto itself
                     return [(keys, f"{g.describe(node)}, which adds {g.describe(operand)}, not rotated")]
                 if not isinstance(operand, fx.Node) and operand and not self.keep_mean:
@@ -93,14 +73,6 @@ class RotationSpread(Spread):
         return [(keys, f"{g.describe(node)}")]
 
 
-def _constant_along(operand: fx.Node, out: fx.Node, axis: int) -> bool:
-    dims, out_dims = shape(operand), shape(out)
-    if dims is None or out_dims is None:
-        return False
-    pos = axis - (len(out_dims) - len(dims))
-    return pos < 0 or dims[pos] == 1
-
-
 def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], needs: dict[str, set[str]],
                   calls: dict[str, list[fx.Node]], spec: RotationSpec) -> Rotation | str:
     """The tensors to rotate, or why the stream cannot be rotated."""
@@ -110,7 +82,6 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
     keys = set().union(*(needs.get(e.name, set()) for e in folded))
     entries = {ln: e for e in plan.layer_norms for ln in calls.get(e.name, [])}
     rotated: dict[tuple, Rotated] = {}
-
     untied = {u.param for u in plan.untied}
 
     def add(r: Rotated) -> None:
@@ -126,7 +97,8 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
         if not src.params:
             return f"the stream starts at {src.label}, which has no weights to rotate"
         if src.groups != 1 or src.chain or any(c.scale or c.blocks or c.groups != 1 for c in src.params):
-            return f"the stream is written by {src.label} through a LayerScale gain or in blocks, which a rotation does not commute with"
+            return (f"the stream is written by {src.label} through a LayerScale gain or in blocks, which a "
+                    "rotation does not commute with")
         changed[src.node] = Shift(src.axis, frozenset({key}))
         seeds.add(src.node)
         for c in src.params:
@@ -172,4 +144,5 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
             add(Rotated(f"{e.name}.bias", 0))
     if not spread.absorbed:
         return "no folded norm reads the stream"
-    return Rotation(spec.kind, spec.seed, spec.keep_mean, sorted(rotated.values(), key=lambda r: (r.param, r.axis, r.start)))
+    return Rotation(spec.kind, spec.seed, spec.keep_mean,
+                    sorted(rotated.values(), key=lambda r: (r.param, r.axis, r.start)))

@@ -1,26 +1,6 @@
-"""Op rules: which ops keep a property that is the same for every feature, and where
-the feature axis goes.
-
-Both passes ask the same question of an op: if its input is zero-mean along
-``axis`` (the dataflow), or changed by a per-row constant along ``axis`` (the
-soundness pass), is its output too, and along which axis? Every op that treats
-all features alike and linearly answers yes, so one rule serves both passes
-(and any later pass whose property such ops keep, such as a rotation of the
-feature axis).
-
-Each op family is one short function registered with ``@rule``; its ``kind``
-says which of its inputs carry the property:
-
-- ``MAP``: the first argument (views, reshapes, slicing, reductions over
-  other axes, scalar scales);
-- ``SUM``: every tensor operand (residual adds, ``cat``, ``stack``);
-- ``SCALE``: one operand, multiplied by a factor that must be per-row
-  (``per_row``).
-
-A rule returns the output's feature axis, or a ``Refusal`` saying why the op
-does not keep the property. Ops without a rule keep nothing. ``source_of``
-says which ops' outputs weight centering can make zero-mean.
-"""
+"""Op rules: which ops keep a property shared by every feature (a zero mean, a per-row shift), and
+where the feature axis goes. One rule serves the dataflow, the soundness pass and the rotation proof;
+docs/contributing.md ("Adding an op rule") says how to write one."""
 
 from __future__ import annotations
 
@@ -131,7 +111,6 @@ def per_row(factor: Any, out: fx.Node, axis: int) -> bool:
 
 # --- the rules ---------------------------------------------------------------------------
 
-
 @rule("getitem", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "positive", "neg",
       "mul.Scalar", "div.Scalar")
 def _identity(op: Op) -> int | Refusal:
@@ -201,12 +180,8 @@ def _cast(op: Op) -> int | Refusal:
 
 
 def reshape_axis(in_shape: tuple[int, ...], axis: int, out_shape: tuple[int, ...]) -> int | None:
-    """Where a contiguous reshape moves ``axis``, if it keeps it whole.
-
-    The feature coordinate of element ``i`` is ``(i // inner) % d``; a reshape
-    keeps it iff some output axis has the same size ``d`` and the same product
-    of sizes to its right.
-    """
+    """Where a contiguous reshape moves ``axis``, if it keeps it whole: some output axis with the
+    same size and the same product of sizes to its right."""
     d, inner = in_shape[axis], math.prod(in_shape[axis + 1:])
     for j, size in enumerate(out_shape):
         if size == d and math.prod(out_shape[j + 1:]) == inner:
@@ -335,10 +310,10 @@ def _split(op: Op) -> int | Refusal:
 
 @rule("sum", "mean")
 def _reduce(op: Op) -> int | Refusal:
-    name, dims = op_name(op.node), arg(op.node, 1, "dim")
-    if not dims:
+    name = op_name(op.node)
+    if not arg(op.node, 1, "dim"):
         return Refusal(f"is reduced over every axis by {name} {op.where}")
-    dims = [norm_dim(d, op.ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    dims = _dims(op, 1, "dim")
     if op.axis in dims:
         return Refusal(f"is reduced over the feature axis by {name} {op.where}")
     return op.axis if arg(op.node, 2, "keepdim", False) else op.axis - sum(d < op.axis for d in dims)
@@ -378,16 +353,11 @@ rule("mul", "div", kind=SCALE)(_broadcast)
 
 # --- splitting the feature axis into blocks (per-head norms) ------------------------------------
 
-
 @dataclass(frozen=True)
 class Layout:
-    """Where the blocks of a split feature axis went.
-
-    A reshape that splits an axis of ``size`` features into ``(..., H, D)``
-    leaves ``groups = size / D`` blocks of ``D`` features, indexed by the
-    other new axes: ``axes`` holds (tensor axis, length, stride in blocks), and
-    ``offset`` the first block still in view after selections.
-    """
+    """Where the blocks of a split feature axis went: a reshape of ``size`` features into
+    ``(..., H, D)`` leaves ``groups = size / D`` blocks; ``axes`` holds (tensor axis, length,
+    stride in blocks), ``offset`` the first block still in view after selections."""
 
     groups: int
     size: int
@@ -456,7 +426,6 @@ def carry_layout(node: fx.Node, src: fx.Node, layout: Layout | None, where: str)
 
 
 # --- sources: what weight centering makes zero-mean ------------------------------------------
-
 
 @dataclass(frozen=True)
 class Source:

@@ -1,16 +1,6 @@
-"""Pass 2: soundness. Centering a source changes every value computed from it.
-
-Centering shifts a source's output by a per-row constant along its feature
-axis (``Shift``). ``Spread`` follows such changes forward through the ops
-that keep them per-row (the same ``rules`` as the dataflow) and asks a sink
-policy what every other reader makes of them. For weight centering
-(``ShiftSoundness``) the only harmless readers are LN inputs, which ignore a
-per-row shift, and explicit centerings along the same axis; anything else (a
-model output, an attention or MLP input, a nonlinearity, another read of the
-same weight) is where the change escapes, and the sources it came from are
-refused. A later pass with other seeds or stricter sinks (a rotation of the
-stream) subclasses ``Spread``.
-"""
+"""Pass 2: soundness. Centering a source shifts every value computed from it by a per-row constant
+(``Shift``); ``Spread`` follows the shifts forward and refuses the sources whose shift escapes into
+anything but an LN input or an explicit centering (docs/how-it-works.md)."""
 
 from __future__ import annotations
 
@@ -60,11 +50,8 @@ def gn_groups(node: fx.Node) -> int:
 
 
 class Spread:
-    """Follows changed values forward from ``seeds`` and collects where they escape.
-
-    Subclasses say what a reader does with a change (``sink``): ``None`` to carry
-    it on through the op's rule, or the flags it raises (none: it absorbs it).
-    """
+    """Follows changed values forward from ``seeds`` and collects where they escape; ``sink`` says
+    what a reader does with a change: None to carry it on, or the flags it raises (none: absorbed)."""
 
     def __init__(self, g: GraphIndex):
         self.g = g
@@ -111,8 +98,8 @@ class Spread:
 
 
 def carry_shift(g: GraphIndex, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Shift | str:
-    """The change of ``node``'s output, if its inputs' per-row changes stay per-row
-    there; else what the change would alter."""
+    """The change of ``node``'s output, if its inputs' per-row changes stay per-row there; else
+    what the change would alter."""
     what = f"the input of {g.describe(node)}"
     kind, where = kind_of(node), g.where(node)
     if kind == SUM:
@@ -214,9 +201,8 @@ class ShiftSoundness(Spread):
                     self.flag({src.key}, f"{c.scale}, which it is centered for, and which is centered too")
         self.seeds = set(changed)
         inner = {src.chain[0] for src in active.values() if src.chain}
-        # Other reads of a centered weight: another call of the same module
-        # shifts its output the same way, a tied alias gets its own copy, and
-        # anything else changes.
+        # other reads of a centered weight: another call of the same module shifts its output the
+        # same way, a tied alias gets its own copy, anything else changes
         for ph_name, aliases in centered.items():
             ph, keys = g.placeholders[ph_name], centered_by[ph_name]
             if ph in self.seeds:
@@ -233,8 +219,7 @@ class ShiftSoundness(Spread):
                     self.seeds.add(user)
                     continue
                 alias = g.cap.use_alias(user, g.cap.placeholder_fqn[ph_name])
-                # untying clones the tensor for another module; one module reachable
-                # under two names is still one module
+                # untying clones the tensor for another module; one module under two names is one module
                 if alias is not None and alias not in aliases and id(g.owner_module(alias)) not in owners:
                     val = ph.meta.get("val")
                     nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
@@ -280,8 +265,7 @@ class ShiftSoundness(Spread):
     def sink(self, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Flags | None:
         g, name = self.g, op_name(node)
         if node in self.aux:
-            # A shift arriving at an inserted centering is removed by it if it
-            # passes the op unchanged (an LN ignores it anyway).
+            # a shift reaching an inserted centering is removed if it passes the op unchanged
             if name in LN_OPS and all(ln_sink_ok(node, i, s.axis) for i, s in hits):
                 return []
             if isinstance(carry_shift(g, node, hits, keys, groups), Shift):

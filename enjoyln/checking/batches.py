@@ -44,11 +44,7 @@ COVER_TOKENS = 4096
 def coverage_batch(model: nn.Module, *, seed: int = 0, length: int | None = None,
                    max_rows: int = 4) -> tuple[Inputs, Coverage] | None:
     """One batch that reaches every position the config allows, with as many distinct token ids
-    as fit, or None for a model without token inputs.
-
-    A few random tokens reach a few percent of a position table and a fraction
-    of a percent of the embedding rows; a gate must see the rest.
-    """
+    as fit (a few random tokens reach a few percent of a table), or None without token inputs."""
     if not is_hf_model(model):
         return None
     config, params = model.config, inspect.signature(model.forward).parameters
@@ -75,12 +71,8 @@ def coverage_batch(model: nn.Module, *, seed: int = 0, length: int | None = None
 
 def covering(model: nn.Module, dtype: torch.dtype, seed: int,
               max_rows: int = 4) -> tuple[Inputs | None, Coverage | None]:
-    """The coverage batch at the longest length the model accepts.
-
-    Some models cannot take their nominal maximum (RoBERTa's positions start
-    after the padding index, so 512 allows 510 tokens), so shorter lengths
-    are tried before giving up on full coverage.
-    """
+    """The coverage batch at the longest length the model accepts (RoBERTa's 512 positions allow 510
+    tokens), shorter lengths tried before giving up on full coverage."""
     found = coverage_batch(model, seed=seed, max_rows=max_rows)
     if found is None:
         return None, None

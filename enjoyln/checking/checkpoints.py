@@ -1,7 +1,5 @@
-"""Checking one directory against another, as ``enjoyln check`` does: the static check, then the
-forward comparison through both ways a user may load the candidate, with both models in memory
-or one at a time within a memory budget; and refusing, before anything is written, a forward
-check that cannot fit."""
+"""``check_checkpoints``: the static check of one directory against another, then the forward
+comparison through both ways a user may load the candidate, within a memory budget when needed."""
 
 from __future__ import annotations
 
@@ -35,9 +33,8 @@ MIN_BUDGET = 16 << 20
 """Room, beyond the largest tensor and one forward's activations, that a check within a budget needs."""
 
 CONFIRM_BATCHES = 2
-"""Short batches of the forward part after the static proof (without ``--thorough``): it confirms
-that the proven plan computes the same function; the forward-only check and ``--thorough`` run 3,
-the first covering every position."""
+"""Short batches of the forward part after the static proof (without ``--thorough``), which only
+confirms that the proven plan computes the same function."""
 
 CONFIRM_TOKENS = 4
 """New tokens of the greedy decode after the static proof (8 with ``--thorough`` or
@@ -88,36 +85,12 @@ def _activation_bytes(ck: Checkpoint) -> int:
 def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str | os.PathLike,
                       options: CheckOptions | None = None, *, progress: Callable[[int, int], None] | None = None,
                       stage: Callable[[str], None] | None = None, **values: Any) -> "CheckReport":
-    """Prove CANDIDATE computes what REFERENCE does: every weight, then the outputs.
-
-    ``options`` (a ``CheckOptions``) or its fields as keywords. ``mode="full"``
-    (the default) first runs the static check (every tensor of the candidate is
-    the fold plan applied to the reference; see ``enjoyln.checking.static``),
-    then loads both and confirms that their outputs agree with
-    ``enjoyln.check``: a few short batches and a greedy decode, since the
-    weights are already proven. ``thorough`` adds a batch that covers every
-    position and thousands of token ids, as ``"forward"`` always does (its
-    weights unproven, the outputs are all the proof; it also runs every token
-    id). ``"static"`` stops after the weights; ``"forward"`` skips them (for
-    candidates made by other tools). The candidate runs both ways a user may
-    load it: through ``enjoyln.load`` (its RMSNorms) and through plain
-    ``from_pretrained`` (transformers' own class); the reference also runs in
-    the next wider dtype, the truth of the precision-aware criterion. With
-    ``max_memory`` (bytes), or automatically when the models would not fit in
-    memory together, they run one at a time with offloaded weights (see
-    ``_bounded_check``).
-
-    The candidate must load in the reference's dtype; ``dtype`` (``"float16"``)
-    names another one it is meant to run in, and it is then judged at that
-    precision (the half-precision criterion of ``enjoyln.check``). Parameters the
-    model class builds that neither checkpoint holds are drawn at random by
-    every load: each model the check loads gets the same seeded values for
-    exactly those, and the report names them. ``model_class`` builds both
-    directories as another transformers class. ``reference`` may be a directory
-    already opened (``Checkpoint``): its files and meta model, never a plan. ``device``
-    (``"cuda"``) runs the forward part there (the models both in memory). ``progress`` hears
-    of the bytes the static part has read, ``stage`` of each load and batch of the forward part.
-
+    """Prove CANDIDATE computes what REFERENCE does: every weight (``mode="static"``), then the
+    outputs through ``enjoyln.load`` and plain ``from_pretrained`` (``mode="forward"`` skips the
+    weights), within ``max_memory`` when the models would not fit together; docs/checking.md.
+    ``options`` (a ``CheckOptions``) or its fields as keywords; ``reference`` may be an opened
+    ``Checkpoint``. ``progress`` hears of the bytes the static part has read, ``stage`` of each
+    load and batch of the forward part.
     >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
     True
     """
@@ -159,8 +132,7 @@ def _open_pair(reference: str | os.PathLike | Checkpoint, candidate: str | os.Pa
 
 def _budget(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions) -> tuple[int | None, bool]:
     """(the memory the forward part may use, or None for both models in memory; whether that was
-    decided here, not asked for). The candidate's own config decides what it builds (with
-    --forward-only, whatever it says); a part that cannot fit is refused before any weight is read."""
+    decided here); a part that cannot fit is refused before any weight is read."""
     if opts.mode == "static":
         return None, False
     budget = opts.max_memory
@@ -295,24 +267,19 @@ def _load(loader: Callable[..., nn.Module], ck: Checkpoint, missing: list[str], 
 
 def _paths(cand: ModelSource, plain: ModelSource, required: bool | None, ck: Checkpoint,
            confirm: bool = False) -> list[CandidatePath]:
-    """The candidate's load paths for ``check_sources``: ``enjoyln.load``, and its library's plain
-    loader (``from_pretrained``, ``timm.create_model``) unless the two are the same (no ``enjoyln``
-    block: ``required`` None). When the forward part only ``confirm``s proven weights, the plain
-    loader, which differs from ``enjoyln.load`` only in keeping the LayerNorms, runs the first batch."""
+    """The candidate's load paths: ``enjoyln.load``, and its library's plain loader unless the two
+    are the same (no ``enjoyln`` block: ``required`` None); when only confirming, the plain one runs
+    the first batch."""
     others = [] if required is None else [CandidatePath(ck.library.loader, plain, required,
                                                         batches=1 if confirm else None)]
     return [CandidatePath("enjoyln.load", cand), *others]
 
 
 def _plain_loading(ck: Checkpoint, *, verified: bool) -> tuple[bool | None, str, str]:
-    """Whether plain ``from_pretrained`` of the candidate must match the reference: (required,
-    the verdict's caveat, a note). None: no ``enjoyln`` block, so ``enjoyln.load`` is plain loading.
-
-    Only a rotation without ``keep_mean`` is inexact under plain loading, and only a block that
-    says so twice (the rotation's ``keep_mean`` and ``plain_loading_exact`` both false) is
-    believed: a block claiming exactness anywhere gets the plain path held to it. Without the
-    static check (``verified`` False) nothing proves the block, so the verdict says what it
-    leaves out."""
+    """Whether plain ``from_pretrained`` of the candidate must match the reference: (required, the
+    verdict's caveat, a note). Only a rotation without ``keep_mean`` is inexact under plain loading,
+    and only a block that says so twice is believed; unverified (``verified`` False), the verdict
+    says what it leaves out."""
     plan = ck.recorded_plan
     if plan is None:
         return None, "", "the candidate has no enjoyln block, so enjoyln.load is plain from_pretrained"
@@ -333,15 +300,10 @@ def _plain_loading(ck: Checkpoint, *, verified: bool) -> tuple[bool | None, str,
 def _bounded_check(ref_ck: Checkpoint, cand_ck: Checkpoint, max_memory: int, missing: list[str],
                    forward: ForwardOptions, plain: tuple[bool | None, bool],
                    stage: Callable[[str], None] | None = None) -> CheckReport:
-    """The forward check holding one model at a time, with at most ``max_memory`` for it.
-
-    accelerate's big-model inference keeps part of the weights in memory and
-    reads the rest from the safetensors files as each layer runs. Out of the
-    budget come the largest tensor (loaded whole when its layer runs) and one
-    forward's activations, both twice as wide for the truth (the reference in
-    the next wider dtype); the reference's outputs wait on disk. ``plain``:
-    (whether plain loading is required, whether the forward part only confirms).
-    """
+    """The forward check holding one model at a time within ``max_memory``, the rest of the weights
+    read from the safetensors files as each layer runs (accelerate); the largest tensor and one
+    forward's activations, twice as wide for the truth, come out of the budget. ``plain``: (plain
+    loading required, only confirming)."""
     if ref_ck.pickled or cand_ck.pickled:
         raise CheckpointError("a check within a memory budget reads weights from safetensors files; convert "
                               "pickle weights first, or pass --static")

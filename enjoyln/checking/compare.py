@@ -35,8 +35,7 @@ def parse_dtype(dtype: Any) -> str | None:
 
 def same_json(a: Any, b: Any) -> bool:
     """Equal as JSON values: objects in any key order, but ``1``, ``1.0`` and ``true`` differ (a
-    loader may test them apart), NaN equals NaN, and ``-0.0`` is not ``0.0``. No recursion, so
-    a deeply nested file cannot exhaust the stack."""
+    loader may test them apart), NaN equals NaN, ``-0.0`` is not ``0.0``. No recursion."""
     stack = [(a, b)]
     while stack:
         x, y = stack.pop()
@@ -116,10 +115,8 @@ def _without_dtypes(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_problems(expected: dict[str, Any], actual: dict[str, Any], dtype: str | None) -> list[str]:
-    """config.json against what it must be: every key as a JSON value. The enjoyln block must be
-    what the confirmed plan writes, but for the writing tool's version, which nothing can check.
-    With ``dtype`` the dtype entries may differ (``load_problems`` judges the dtype the model
-    loads in)."""
+    """config.json against what it must be, every key as a JSON value: the enjoyln block as the
+    confirmed plan writes it (but for the tool's version); with ``dtype`` the dtype entries may differ."""
     if dtype is not None:
         expected, actual = _without_dtypes(expected), _without_dtypes(actual)
     expected, actual = dict(expected), dict(actual)
@@ -189,9 +186,8 @@ class _Unreadable(Exception):
 
 
 class _Object(list):
-    """A JSON object as its (key, value) pairs, in the file's order: a loader may iterate one
-    (the added tokens of a tokenizer, BPE merges kept as an object), so two files whose objects
-    hold the same pairs in another order are not proven to load the same."""
+    """A JSON object as its (key, value) pairs, in the file's order: a loader may iterate one (a
+    tokenizer's added tokens), so the same pairs in another order are not proven to load the same."""
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> _Object:
@@ -212,10 +208,9 @@ def _json_value(path: Path) -> Any:
 
 
 def _same_content(a: Path, b: Path) -> bool:
-    """Whether two files hold the same content: JSON files up to ``JSON_LIMIT`` token by token
-    when both parse as transformers reads them (``loader_text``: whitespace does not matter; key
-    order does, see ``_Object``), anything else byte for byte, streamed (so a byte-order mark,
-    which makes a loader refuse or ignore the file, is a difference)."""
+    """Whether two files hold the same content: JSON files up to ``JSON_LIMIT`` token by token when
+    both parse as transformers reads them, anything else byte for byte, streamed (so a byte-order
+    mark, which makes a loader refuse or ignore the file, is a difference)."""
     try:
         size_a, size_b = a.stat().st_size, b.stat().st_size
         if a.suffix == ".json" and max(size_a, size_b) <= JSON_LIMIT:
@@ -240,9 +235,8 @@ def _same_bytes(a: Path, b: Path) -> bool:
 
 
 def identical_directories(ref: Checkpoint, cand: Checkpoint) -> bool:
-    """Whether every file a loader reads in ``cand`` is the one of the same name in ``ref``, byte
-    for byte, and no file is extra or missing: then both load and compute the same, with no
-    analysis. config.json is compared first, where a fold always differs."""
+    """Whether every file a loader reads in ``cand`` is the same-named one in ``ref``, byte for byte,
+    none extra or missing: then both compute the same, with no analysis."""
     ours, odd = loader_files(ref.path)
     theirs, odd_too = loader_files(cand.path)
     ours.pop(OWNER_FILE, None)  # marks the temporary directory a fold checks; no loader reads it
@@ -260,10 +254,9 @@ def identical_directories(ref: Checkpoint, cand: Checkpoint) -> bool:
 
 
 def file_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
-    """Every file of the candidate but its config and the weights it loads must be one a fold
-    of the reference holds (``copy_extras``), with the reference's content, whatever its name: a
-    loader may read any of them (PhoBERT's bpe.codes, a .spm, trusted remote code). Weights in
-    another format (a pytorch_model.bin beside the safetensors) must be the reference's own."""
+    """Every file of the candidate but its config and weights must be one a fold of the reference
+    holds, with the reference's content, whatever its name (a loader may read any: PhoBERT's
+    bpe.codes, remote code); weights in another format must be the reference's own."""
     expected = extra_files(ref)
     actual, problems = loader_files(cand.path)
     problems = [f"the candidate's {p}" for p in problems]
@@ -291,19 +284,15 @@ def file_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
 
 
 def code_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
-    """With remote code on either side: what makes the candidate's code other than the
-    reference's. Every ``.py`` file at any depth (what ``auto_map`` names, and what those import)
-    must be the reference's byte for byte, and config.json's ``auto_map`` (which class, from
-    which file or repository, ``from_pretrained`` imports) the reference's value.
-
-    The user trusted the reference's code. The candidate's is imported (to build its model, read
-    its config) only once this finds nothing: code that differs could rewrite the gate itself.
-    """
+    """With remote code on either side: what makes the candidate's code other than the reference's
+    (every ``.py`` file byte for byte, and ``auto_map``). The candidate's code is imported only once
+    this finds nothing: code that differs could rewrite the gate itself."""
     if not (ref.custom_code or cand.custom_code):
         return []
     ours = {rel: p for rel, p in loader_files(ref.path)[0].items() if rel.endswith(".py")}
     theirs = {rel: p for rel, p in loader_files(cand.path)[0].items() if rel.endswith(".py")}
-    problems = [f"the candidate has {rel}, code the reference does not have" for rel in sorted(theirs.keys() - ours.keys())]
+    problems = [f"the candidate has {rel}, code the reference does not have"
+                for rel in sorted(theirs.keys() - ours.keys())]
     problems += [f"the candidate lacks the reference's {rel}" for rel in sorted(ours.keys() - theirs.keys())]
     problems += [f"the candidate's {rel} differs from the reference's" for rel in sorted(ours.keys() & theirs.keys())
                  if not _same_content(ours[rel], theirs[rel])]

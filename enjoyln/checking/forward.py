@@ -1,36 +1,10 @@
-"""Equivalence check: does a converted model compute what the original did?
-
-The default criterion is precision-aware: the tolerance comes from the
-reference's own rounding on the same inputs. The reference also runs in the
-next wider dtype (float32 -> float64, float16/bfloat16 -> float32), the
-"truth"; an output passes if ``max|cand - truth| <= factor * max(max|ref -
-truth|, eps * max|truth|)``, each over every batch: the candidate may be at
-most ``factor`` (4, see ``FACTOR``) times as far from the exact result as the
-reference itself is. A float64 reference
-has no wider dtype, so it is judged with a fixed ``max|ref - cand| <= 1e-10
-* max|ref|``. An explicit ``rtol`` replaces all of this with the fixed
-criterion ``max|ref - cand| <= rtol * max|ref|``.
-
-Non-finite values are judged before any tolerance: where the reference is
-finite the candidate must be finite, and where the reference is NaN or ±Inf
-the candidate must hold the same value (NaN for NaN, the same infinity).
-
-Every model call (the reference, its truth, each load path of the candidate,
-greedy generation) runs under the same seeded RNG state, forked so that the
-caller's is untouched: a model whose eval forward draws random numbers
-(ViTMAE's patch masking) then draws the same ones in each run.
-
-The models run one after another: the reference's outputs are stored (in
-memory, or on disk for a check within a memory budget), the reference is
-dropped, and the candidate is compared against them chunk by chunk. So only
-one model needs to be in memory at a time.
-
-The report is in ``checking.report``, greedy generation in ``checking.generation``, and a
-model is called (seeded, its outputs named) by ``checking.running``.
-"""
+"""The forward check: does a converted model compute what the original did? The criterion (precision-aware
+by default, the reference's own rounding against a wider-dtype truth) and the models' runs one after
+another, only one in memory at a time, are described in docs/checking.md."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -67,11 +41,8 @@ def _dtype(model: nn.Module) -> torch.dtype:
 
 @dataclass
 class ModelSource:
-    """A model for the check, produced on demand so that it need not stay in memory.
-
-    ``get(dtype)`` returns the model in ``dtype`` (loading it, or converting a
-    copy); the check drops it before asking for the next one.
-    """
+    """A model for the check, produced on demand (``get(dtype)``: loaded, or a converted copy) so
+    that it need not stay in memory; the check drops it before asking for the next one."""
 
     dtype: torch.dtype
     get: Callable[[torch.dtype], nn.Module]
@@ -81,9 +52,8 @@ class ModelSource:
     """The model ``get`` returns is the check's own: after its runs in its own dtype, the
     truth may be made by widening it in place, instead of a second copy or a second load."""
     widens: bool = False
-    """The truth may be its model run widened one module at a time (``checking.widening``), but
-    where that cannot be vouched for, it comes from ``get`` in the wider dtype (a model whose
-    weights are read from disk as each layer runs, which a whole conversion would load)."""
+    """The truth may be its model run widened one module at a time (``checking.widening``), where that
+    can be vouched for; else it comes from ``get`` in the wider dtype."""
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelSource":
@@ -126,12 +96,9 @@ class CandidatePath:
 
 @dataclass(frozen=True)
 class ForwardOptions:
-    """How the forward comparison runs: ``batches`` seeded batches of ``batch_size`` rows and
-    ``seq_len`` positions from ``seed``; ``rtol`` a fixed tolerance instead of the precision-aware
-    one (``factor`` times the reference's own rounding); ``generate_tokens`` of greedy decoding;
-    with ``coverage`` the first batch covers every position (``max_rows`` rows at most), and with
-    ``sweep`` further batches run every token id (``checking.sweep``); with ``spill`` the stored
-    outputs wait on disk, for a check within a memory budget."""
+    """How the forward comparison runs (seeded batches, a fixed ``rtol`` or ``factor`` times the
+    reference's rounding, greedy decoding, a coverage batch, the token ``sweep``, outputs ``spill``ed
+    to disk within a memory budget); docs/checking.md."""
 
     batches: int = 3
     seed: int = 0
@@ -149,16 +116,9 @@ class ForwardOptions:
 def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInputs = None,
           options: ForwardOptions | None = None, *, fp32_reference: nn.Module | None = None,
           **values: Any) -> CheckReport:
-    """Compare ``candidate`` with ``reference`` on seeded input batches.
-
-    Hugging Face models get synthesized inputs, the first batch covering
-    every position the config allows; other models need ``example_inputs``
-    (the first batch; later ones are random alike). Causal LMs are also
-    decoded greedily for ``generate_tokens`` tokens. Without ``rtol`` the
-    tolerance is the reference's own rounding (a copy of it runs in the next
-    wider dtype); with it, the fixed ``max|ref - cand| <= rtol * max|ref|``.
+    """Compare ``candidate`` with ``reference`` on seeded input batches (synthesized for Hugging Face
+    models, else ``example_inputs`` and random batches alike), and greedy decoding for causal LMs.
     ``options`` (a ``ForwardOptions``) or its fields as keywords (``batches=4``).
-
     >>> import copy, torch, enjoyln
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     >>> folded = enjoyln.fold(copy.deepcopy(net), torch.randn(2, 8))
@@ -177,25 +137,13 @@ def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInp
 def check_sources(reference: ModelSource, candidates: Sequence[CandidatePath], example_inputs: ExampleInputs = None,
                   options: ForwardOptions = ForwardOptions(), *, truth: ModelSource | None = None,
                   stage: Callable[[str], None] | None = None) -> CheckReport:
-    """``check``, with models produced one at a time: the reference (in the dtype that sets
-    the bar), its truth in the next wider dtype (from ``truth``, the reference loaded another
-    way, or the reference itself), then each load path of the candidate in ``candidates`` (the
-    first is the candidate as the verdict judges it: greedy generation runs on it; the others
-    are compared output by output).
-
-    With ``spill``, the stored outputs go to a temporary directory instead of
-    memory, and ``max_rows`` bounds the rows of the coverage batch, so that a
-    check within a memory budget holds one model and one batch's outputs.
-    Without ``coverage`` the first batch is a short one like the others: for a
-    candidate whose every weight is already proven, the forward part only
-    confirms that the proven plan computes the same function. With ``sweep``
-    (and ``coverage``), further batches run every token id the others missed,
-    their outputs kept as sketches (``checking.sweep``), on the first load path. ``stage``
-    hears of each model's runs, batch by batch.
-    """
+    """``check``, with models produced one at a time: the reference (in the dtype that sets the bar),
+    its truth in the next wider dtype (from ``truth``, or the reference itself), then each load path
+    of the candidate (the first is the one the verdict judges; greedy generation runs on it);
+    ``stage`` hears of each model's runs, batch by batch."""
     comparison = _Comparison(reference, truth or reference, candidates[0].source, options)
     comparison.say = stage or (lambda what: None)
-    with (tempfile.TemporaryDirectory(prefix="enjoyln-check-") if options.spill else _nothing()) as spill_dir:
+    with (tempfile.TemporaryDirectory(prefix="enjoyln-check-") if options.spill else contextlib.nullcontext()) as spill_dir:
         comparison.spill_dir = Path(spill_dir) if spill_dir else None
         comparison.reference_runs(example_inputs)
         comparison.truth_runs()
@@ -204,9 +152,8 @@ def check_sources(reference: ModelSource, candidates: Sequence[CandidatePath], e
 
 
 class _Comparison:
-    """One forward comparison, in the order its models are needed and dropped: the
-    reference's runs (the inputs drawn on the way), its truth's, each candidate path's; then
-    the verdict."""
+    """One forward comparison, in the order its models are needed and dropped: the reference's runs,
+    its truth's, each candidate path's; then the verdict."""
 
     def __init__(self, reference: ModelSource, truth: ModelSource, candidate: ModelSource,
                  options: ForwardOptions) -> None:
@@ -390,13 +337,5 @@ def _widened_runs(model: nn.Module, reference: ModelSource, truth: ModelSource, 
     except (EnjoylnError, NotWidened):
         pass
     _runs(model.to(dtype) if reference.owned else truth.get(dtype), dtype, batches, run, out)
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 

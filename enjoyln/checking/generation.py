@@ -69,13 +69,9 @@ def _margin(scores: list[torch.Tensor], step: int, row: int, mine: int, other: i
 
 def judge_generation(ref: Generated, cand: Generated,
                       tolerance: float | None) -> tuple[bool, list[NearTie], str]:
-    """Identical tokens pass; a row whose tokens first differ at a step passes only if the
-    candidate's raw step logits up to there, on the same prefix, are within ``tolerance`` of the
-    reference's, and at that step each model's margin between the two tokens, in the scores
-    generate() chose by, is at most twice ``tolerance``: a genuine near-tie. The raw logits
-    alone do not do: generate() chooses by the scores after the generation config's logits
-    processors (suppressed tokens, a repetition penalty), so equal logits can give tokens that
-    differ by a wide margin. The rest of a row that flipped (a different prefix) is not compared."""
+    """Identical tokens pass; a row whose tokens first differ passes only at a genuine near-tie: the
+    raw step logits up to there within ``tolerance``, and each model's margin between the two tokens,
+    in the scores generate() chose by (after its logits processors), at most twice ``tolerance``."""
     (ref_tokens, ref_logits, ref_scores), (cand_tokens, cand_logits, cand_scores) = ref, cand
     ties: list[NearTie] = []
     if len(ref_tokens) != len(cand_tokens):

@@ -14,15 +14,9 @@ import torch
 from .report import OutputCheck, worse
 
 FACTOR = 4.0
-"""How many times the reference's own rounding error the candidate may be from the truth.
-
-A correct conversion computes the same function in another order, and its
-float32 error is of the same size as the original's, but the maximum of an
-error field is one sample of its tail: measured on random GPT-2- and
-OPT-shaped models (2-12 layers), a correct fold, fused affine or rotation was
-0.6 to 1.75 times as far from float64 as the original, and up to 3.2 times on
-small OPTs with planted outlier features, whose errors are heavy-tailed.
-Any real change of the outputs is orders of magnitude beyond this."""
+"""How many times the reference's own rounding error the candidate may be from the truth: a correct
+fold was 0.6 to 3.2 times as far from float64 as the original on random and outlier-heavy models, and
+any real change is orders of magnitude beyond this (docs/checking.md)."""
 FLOOR_EPS = 1.0
 """The reference's own error is taken to be at least this many epsilons of the output's scale, so
 that an output the reference computes exactly (a copy, a sum of integers) still allows the
@@ -116,13 +110,9 @@ class Stats:
 
 def measure(name: str, base: Outputs, truth: Outputs | None, batch: int,
              cand: torch.Tensor | None) -> Stats:
-    """One output of one batch, compared chunk by chunk (so a vocabulary-wide logit tensor is
-    never held three times over in float64).
-
-    Non-finite values are counted apart: where the reference is finite the candidate must be,
-    and where it is not, the candidate must hold the same value. Differences are measured over
-    the finite elements. A truth that is not finite where the reference is (a float64 overflow)
-    is replaced there by the reference, which only tightens the bound."""
+    """One output of one batch, compared chunk by chunk (never three float64 copies of the logits).
+    Non-finite values are counted apart; a truth not finite where the reference is (a float64
+    overflow) is replaced there by the reference, which only tightens the bound."""
     if cand is None or cand.shape != base.shape(batch, name):
         return Stats(mismatch=True)
     flat = cand.detach().contiguous().view(-1).split(CHUNK)

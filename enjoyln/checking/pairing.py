@@ -54,11 +54,9 @@ def tied_key(ck: Checkpoint, names: dict[str, tuple[str, ...]], name: str) -> st
 
 
 def pair_tensors(plan: FoldPlan, ref: Checkpoint, cand: Checkpoint) -> Pairing:
-    """Pair every tensor the candidate's model loads, then every other tensor it stores, with
-    the reference's; a tensor the candidate's model loads that the candidate lacks, one that
-    has no counterpart in the reference, and one of the reference's the candidate lacks are
-    problems. The reference's tied names are one tensor, centered once for all of them, even
-    where the candidate stores them apart (an untied config no longer ties BART's shared table)."""
+    """Pair every tensor the candidate's model loads, then every other it stores, with the
+    reference's; a missing or unmatched tensor is a problem. The reference's tied names are one
+    tensor, centered once, even where the candidate stores them apart."""
     centerings: dict[str, list[Centering]] = {}
     for c in plan.centered:
         if c.saved:  # a non-persistent buffer is not in any checkpoint; load centers it

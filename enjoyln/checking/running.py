@@ -37,10 +37,8 @@ def cast_inputs(inputs: Inputs, dtype: torch.dtype) -> Inputs:
 
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
-    """torch's RNG seeded for one model call and restored after it: a model whose eval forward
-    draws random numbers (ViTMAE's and PatchTST's random masking) must draw the same ones in
-    the reference, its truth and every candidate run, or a correct candidate (even an exact
-    copy) differs from it; the caller's RNG is left as it was."""
+    """torch's RNG seeded for one model call and restored after it: a model whose eval forward draws
+    random numbers (ViTMAE's masking) must draw the same ones in every run."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         yield
@@ -91,10 +89,8 @@ def run_model(model: nn.Module, inputs: Inputs, seed: int) -> dict[str, torch.Te
 
 
 def seed_missing(model: nn.Module, names: list[str], seed: int = 0) -> nn.Module:
-    """Give the parameters ``names`` (which no checkpoint holds, so every load draws them at
-    random) the same values in every model the check loads: each from a generator seeded by
-    ``seed`` and the name, scaled like the model's own initialisation (a norm's gain around
-    1). In place; returns ``model``.
+    """Give the parameters ``names`` (which no checkpoint holds, so every load draws them at random)
+    the same seeded values in every model the check loads, scaled like the model's initialisation.
 
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
     >>> a = seed_missing(net, ["0.bias"])[0].bias.clone()

@@ -1,37 +1,6 @@
-"""The static check: prove a checkpoint is the fold plan applied to another, weight by weight.
-
-No forward pass and no model in memory: both directories are streamed tensor
-by tensor, so it runs at disk speed and fits any size. Every tensor the
-candidate's model loads is accounted for:
-
-- an unchanged tensor is byte-identical to the reference's (or equal to it
-  cast exactly, for a half-precision candidate of a float32 reference or a
-  wider float; no other change of dtype is accepted);
-- a centered tensor equals the reference's, centered in float64 and cast to
-  its dtype, to within that dtype's rounding;
-- an untied head equals the tensor it was tied to;
-- the candidate loads in the reference's dtype (config, index metadata or
-  first weight), unless the caller names another one (``dtype``), and then
-  in that one;
-- the candidate's config.json, as parsed JSON values, is the reference's
-  with exactly what the confirmed plan writes (the ``enjoyln`` block, an
-  untied head); only the writing tool's version in the block is taken on
-  trust;
-- every other file is what a fold of the reference holds: the same set of
-  files, each the reference's by content (JSON by value), whatever its name;
-- the recorded plan is what this enjoyln's analysis gives for the config.
-
-Config, files, dtype, code and plan are compared in ``checking.compare``; this
-module reads and compares the tensors.
-
-It is not independent of the fold: it reads both directories through ``store/``
-(``TensorReader``), plans with the fold's own analysis (``store.expected``), and
-computes the tensors it expects with the fold's own tensor math (centering, and
-fused and rotated tensors through ``StreamedTensors``, in float64). What it proves
-is that the candidate on disk is exactly what this enjoyln's plan and arithmetic
-make of the reference; the forward check, which runs both models, is the part that
-does not rely on that arithmetic.
-"""
+"""The static check: prove a checkpoint is the fold plan applied to another, weight by weight, both
+directories streamed tensor by tensor with no model in memory (docs/checking.md); config, files, dtype,
+code and plan are compared in ``checking.compare``, this module compares the tensors."""
 
 from __future__ import annotations
 
@@ -92,8 +61,8 @@ class StaticReport:
         if self.byte_identical:
             lines.append("  the candidate is byte for byte the reference: every file a loader reads is the same")
         elif self.form:
-            lines.append(f"  the candidate is {'the plan applied to the reference' if self.form == 'folded' else 'identical to the reference'}"
-                         f" (plan: {self.plan})")
+            what = "the plan applied to the reference" if self.form == "folded" else "identical to the reference"
+            lines.append(f"  the candidate is {what} (plan: {self.plan})")
         if self.missing:
             lines.append(f"  note: {missing_note(self.missing)}")
         lines += [f"  [FAIL] {p}" for p in self.problems[:20]]
@@ -140,15 +109,9 @@ class _Resolved:
 
 def static_check(ref: Checkpoint, cand: Checkpoint, *, progress: Callable[[int, int], None] | None = None,
                  dtype: Any = None) -> StaticReport:
-    """Verify, without running either model, that ``cand`` is ``ref`` with its fold plan applied.
-
-    The plan comes from the two directories alone: the reference is analysed
-    afresh (never a plan handed over or kept from an earlier run), and a plan
-    recorded in the candidate must agree with that analysis. Two byte-identical
-    directories pass with no analysis at all. ``dtype``
-    (``"float16"``, ``torch.bfloat16``) accepts a candidate that loads in that
-    dtype instead of the reference's, each tensor rounded to nearest from the
-    fold's own arithmetic (see ``enjoyln.checking.verify``).
+    """Verify, without running either model, that ``cand`` is ``ref`` with its fold plan applied: the
+    reference analysed afresh, a recorded plan held to that analysis. ``dtype`` (``"float16"``)
+    accepts a candidate that loads in that dtype instead, each tensor rounded to nearest.
 
     >>> static_check(open_checkpoint("gpt2"), open_checkpoint("gpt2-folded")).passed  # doctest: +SKIP
     True

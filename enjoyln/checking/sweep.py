@@ -1,15 +1,6 @@
-"""The token sweep of a forward-only check: every token id of the vocabulary run at least once,
-in as many batches as that takes, with each output kept as a small random sketch.
-
-A check that does not prove the weights (``--forward-only``, for candidates made by other tools)
-sees an embedding row only if a batch draws its token id, and a few batches draw a few percent of
-a vocabulary. The sweep draws the ids the other batches missed. Storing every output of every
-sweep batch would hold vocabulary x tokens logits (10 GB for GPT-2), so each floating output is
-multiplied, along its last axis, by a fixed random matrix with ``SKETCH`` columns, in float64.
-The sketch is linear, so the candidate's distance from the truth is sketched as well, and the
-precision-aware criterion judges it as it judges whole outputs; any row that moves by more than
-rounding moves its sketch with it.
-"""
+"""The token sweep of a forward-only check: every token id of the vocabulary run at least once, each
+output kept as a linear random sketch (``SKETCH`` columns), which the precision-aware criterion judges
+as it judges whole outputs (docs/checking.md)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""The static check's verdict on each tensor: is it the reference's, and is it what the plan makes
-of the reference?
-
-In the reference's own dtype a tensor must be bit for bit what the fold computes: the fold and
-this check run the same float64 code, which gives the same bits on every x86 capability and
-thread count. A candidate meant to run in another dtype (``--dtype``) may have been made two ways,
-and each tensor must be exactly one of their results:
-
-- *fold, then cast*: the fold's result in the reference's dtype, rounded to nearest;
-- *cast, then fold*: the reference rounded to nearest, then folded by the fold's own float64
-  arithmetic and rounded to nearest (enjoyln's in-memory fold of a model loaded in that dtype).
-
-Both round to nearest, so a candidate rounded in one direction, or off by an ulp anywhere, fails.
-"""
+"""The static check's verdict on each tensor: bit for bit what the fold computes in the reference's
+dtype, or for another ``--dtype`` exactly one of *fold, then cast* and *cast, then fold*, each rounded
+to nearest (docs/checking.md)."""
 
 from __future__ import annotations
 
@@ -92,10 +81,8 @@ def nearest(cand: torch.Tensor, makes: Sequence[Make]) -> tuple[bool, float]:
 
 
 class Verifier:
-    """Each paired tensor judged, from the mapped files where that proves it, else read.
-
-    ``expected`` computes a fused or rotated fold's tensors (None for a fold that only
-    centers); ``cast_expected`` the same fold of the reference cast to the candidate's dtype."""
+    """Each paired tensor judged, from the mapped files where that proves it, else read; ``expected``
+    computes a fused or rotated fold's tensors, ``cast_expected`` those of the reference cast."""
 
     def __init__(self, ref: TensorReader, cand: TensorReader, read_param: Callable[[str], torch.Tensor], *,
                  dtype: str | None, unrecorded: bool, expected: StreamedTensors | None = None,
@@ -141,12 +128,9 @@ class Verifier:
             out.not_folded.append(why or f"{p.cand} differs from the reference's {p.ref}")
 
     def _mapped(self, order: list[Pair]) -> dict[str, tuple[bool, bool]]:
-        """(identical, folded) for every tensor both files prove right as they lie, mapped, with
-        no copy: byte for byte, or centered and compared in one pass of the C kernel
-        (``centered_equal``), the same arithmetic as the fold's. Only a tensor found right is
-        decided here; one that differs, or that these kernels cannot judge (another dtype,
-        several centerings, a pickle), is left to the reading path, which says how it differs.
-        While one tensor is compared, the kernel reads the next one from disk."""
+        """(identical, folded) for every tensor both files prove right as they lie, mapped: byte for
+        byte, or centered and compared in one pass of the C kernel (the fold's arithmetic), the next
+        read meanwhile. Anything else is left to the reading path, which says how it differs."""
         ref, cand = self.ref, self.cand
         decided: dict[str, tuple[bool, bool]] = {}
         eligible = [p for p in order if cand.mappable(p.cand) and ref.mappable(p.ref)
@@ -234,8 +218,7 @@ class Verifier:
             f"{p.cand} is not {p.ref} centered along axis {p.centerings[0].axis} (max abs diff {diff:.3g})")
 
     def _centered(self, r: torch.Tensor, cs: Sequence[Centering], dtype: torch.dtype) -> Iterator[Make]:
-        """What the fold makes of ``r``: folded then cast (the only one in ``r``'s own dtype),
-        then cast and folded."""
+        """What the fold makes of ``r``: folded then cast (the only one in ``r``'s own dtype), then cast and folded."""
         yield lambda: center_as_planned(r.clone() if r.dtype != dtype else r, cs, self.read_param)
         if dtype != r.dtype:
             yield lambda: center_as_planned(r.to(dtype), cs, lambda name: self.read_param(name).to(dtype))

@@ -1,23 +1,7 @@
-"""Running a model in a wider dtype without converting it whole: the truth of the precision-aware
-criterion, at the memory of one layer.
-
-``model.to(torch.float64)`` writes a float64 copy of every weight, twice the model in fresh
-memory (4.9 GB for a 2.4 GB float32 model, 56 GB for a 7B one), and on a virtual machine the
-first touch of fresh memory costs more than the conversion itself (3 to 8 s for those 4.9 GB,
-measured). ``widened`` converts each module's own parameters and floating buffers when its
-forward starts, into scratch memory that is reused by the modules after it, and puts the
-originals back when the forward ends. Widening is exact (every float32 is a float64), so a
-module computes what it would after ``.to``.
-
-It is a faithful stand-in only where every weight is read by the forward of the module that
-owns it. A weight a module reads from another module, outside that one's forward
-(``F.linear(x, self.embed.weight)``), meets float64 inputs as a narrower tensor and the call
-fails; a weight that no forward of its owner converted may have been read that way without
-failing, and then ``widened`` raises ``NotWidened``. Either way the caller converts the model
-whole instead. A forward that returns a view of a widened weight gets a copy of it, since the
-scratch memory is reused. A weight offloaded by accelerate (on the meta device until its
-module runs) is left to accelerate's hook, which loads it cast to the dtype it finds: the wider one.
-"""
+"""Running a model in a wider dtype without converting it whole (the truth of the precision-aware
+criterion, at the memory of one layer): each module's weights are widened into reused scratch memory
+when its forward starts and put back when it ends. Exact, but only where every weight is read by its
+owner's forward; otherwise ``NotWidened`` and the caller converts the model whole (docs/checking.md)."""
 
 from __future__ import annotations
 
@@ -104,12 +88,9 @@ def _swap(table: dict[str, Any], name: str, t: torch.Tensor, wide: torch.Tensor,
 
 @contextlib.contextmanager
 def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
-    """Within the block, calling ``model`` computes in ``dtype`` as ``model.to(dtype)`` would,
-    with one module's weights converted at a time; afterwards the model is as it was. Yields the
-    scratch memory (its ``chunks``), for a look at how much it took.
-
-    Raises ``NotWidened`` (on leaving the block) when a weight was not converted by its owner's
-    forward; then, as after any error of the model within the block, convert it whole.
+    """Within the block, calling ``model`` computes in ``dtype`` as ``model.to(dtype)`` would, one
+    module's weights converted at a time; afterwards the model is as it was. Yields the scratch
+    memory. Raises ``NotWidened`` (on leaving) when a weight was not converted by its owner's forward.
 
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     >>> with widened(net, torch.float64):

@@ -1,29 +1,12 @@
-"""ONNX export of folded models: RMSNorm as one op, dynamic shapes, onnxruntime's optimizer.
-
-``enjoyln.RMSNorm`` traces as the custom op ``enjoyln::rms_norm``; this module
-translates it for ``torch.onnx.export`` (the dynamo exporter) into:
-
-- opset 23 and later: ONNX's ``RMSNormalization``;
-- earlier opsets: onnxruntime's ``SimplifiedLayerNormalization`` (default
-  domain), which only onnxruntime runs.
-
-Neither takes a bias after the norm, so a norm that keeps β has a following
-``Add``; a weightless norm (``fold(..., fuse_affine=True)``) is the op alone.
-(``SkipSimplifiedLayerNormalization``'s bias is added before the norm, so it
-cannot carry β.)
-
-Batch and sequence axes are dynamic, under the names optimum gives them, and
-the file is checked in onnxruntime at the traced shape and at a second one.
-With ``optimize=True`` onnxruntime's transformer optimizer fuses the residual
-``Add`` into ``SkipLayerNormalization`` / ``SkipSimplifiedLayerNormalization``;
-it has no pattern for ``RMSNormalization``, and its symbolic shape inference
-(which the Skip fusions need) fails on opset 23's ``Attention`` op, so the
-optimized path exports at opset 22. Needs ``pip install 'enjoyln[onnx]'``.
-"""
+"""ONNX export of folded models: ``enjoyln::rms_norm`` as ONNX's ``RMSNormalization`` (opset 23+) or
+onnxruntime's ``SimplifiedLayerNormalization`` (earlier), with a following ``Add`` for a kept β; dynamic
+batch and sequence axes; onnxruntime's optimizer at opset 22 (docs/performance.md). Needs
+``pip install 'enjoyln[onnx]'``."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import io
 import logging
@@ -53,7 +36,8 @@ from ..transform.steps import fold
 
 DEFAULT_OPSET = 23
 OPTIMIZE_OPSET = 22
-"""The newest opset whose graphs onnxruntime's optimizer can fuse RMS forms in (see the module note)."""
+"""The newest opset whose graphs onnxruntime's optimizer can fuse RMS forms in (its symbolic shape
+inference fails on opset 23's ``Attention``)."""
 RMS_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
 LN_OPS = ("LayerNormalization", "SkipLayerNormalization", "EmbedLayerNormalization")
 SKIP_OPS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
@@ -72,9 +56,8 @@ OPTIMIZER_TYPES = {"gpt2": "gpt2", "bert": "bert", "roberta": "bert", "distilber
 
 def _require() -> None:
     try:
-        import onnx  # noqa: F401
-        import onnxruntime  # noqa: F401
-        import onnxscript  # noqa: F401
+        for name in ("onnx", "onnxruntime", "onnxscript"):
+            importlib.import_module(name)
     except ImportError as exc:
         raise EnjoylnError(f"ONNX export needs onnx, onnxscript and onnxruntime ({exc.name} is missing): "
                            "pip install 'enjoyln[onnx]'") from None
@@ -158,31 +141,18 @@ class ExportReport:
 def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: ExampleInputs = None, *,
                 opset: int | None = None, verify: bool = True, rtol: float = 1e-4, dynamic: bool = True,
                 optimize: bool = False) -> ExportReport:
-    """Export ``model`` (folded or not) to ONNX with dynamic batch and sequence axes; check it
-    and run it in onnxruntime at the traced shape and a second one. With ``optimize``, run
-    onnxruntime's transformer optimizer, check the optimized file the same way, and write it.
-
-    ``opset`` defaults to 23 (22 with ``optimize``, see the module note).
+    """Export ``model`` (folded or not) to ONNX with dynamic batch and sequence axes; check it and run
+    it in onnxruntime at the traced shape and a second one. With ``optimize``, run onnxruntime's
+    transformer optimizer, check the optimized file the same way, and write it. ``opset`` defaults to
+    23 (22 with ``optimize``).
 
     >>> export_onnx(enjoyln.fold(model, fuse_affine=True), "model.onnx", optimize=True)  # doctest: +SKIP
     """
     _require()
-    import onnx
-
-    opset = opset if opset is not None else (OPTIMIZE_OPSET if optimize else DEFAULT_OPSET)
-    newest = onnx.defs.onnx_opset_version()
-    if opset < 18:
-        raise EnjoylnError(f"opset {opset} is too old; use 18 or later (23+ for ONNX's RMSNormalization)")
-    if opset > newest:
-        raise EnjoylnError(f"opset {opset} is newer than this onnx ({onnx.__version__}) knows; use at most {newest}")
+    opset = _opset(opset, optimize)
     path = Path(path)
     inputs = deployment_inputs(model, example_inputs)
     axes = _dynamic_axes(model, inputs) if dynamic else {}
-    # registered by importing ``ops``. enjoyln::rms_norm is a composite op: where the exporter's
-    # registry spares only ATen ops from decomposition (older torch), ``opaque()`` below makes
-    # its decomposition the opaque enjoyln::rms_norm_kernel, translated the same way
-    table = {torch.ops.enjoyln.rms_norm.default: translation(opset),
-             torch.ops.enjoyln.rms_norm_kernel.default: translation(opset)}
     # Written into a temporary directory beside the target, under the final name
     # (external data files refer to it), and moved at the end: a failed export
     # leaves nothing behind.
@@ -193,26 +163,8 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
     was_training = model.training
     try:
         model.eval()
-        with torch.no_grad():
-            traced_outputs = inputs.call(model)
-        names = _output_names(traced_outputs)
-        shapes = {k: v for k, v in axes.items() if v is not None}
-        # the exporter narrates its steps on stdout and its optimiser on stderr
-        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-                opaque():
-            program = torch.onnx.export(model, inputs.args, kwargs=inputs.kwargs, dynamo=True, opset_version=opset,
-                                        custom_translation_table=table, dynamic_shapes=axes or None,
-                                        output_names=names, verbose=False)
-            program.save(str(plain))
-        proto = onnx.load(str(plain), load_external_data=False)
-        _name_axes(proto, shapes)
-        onnx.save(proto, str(plain))  # only the graph: external data, if any, stays where it is
-        ops = Counter(n.op_type for n in proto.graph.node)
-        report = ExportReport(str(path), opset, dict(sorted(ops.items())), sum(ops[o] for o in RMS_OPS),
-                              ops["LayerNormalization"], _rms_bias_adds(proto),
-                              _value_shapes(proto.graph.input), _value_shapes(proto.graph.output))
-        onnx.checker.check_model(str(plain))
-        report.checked = True
+        traced_outputs, proto = _export(model, inputs, axes, opset, plain)
+        report = _checked_report(path, opset, proto, plain)
         runs = [inputs, second_shape(inputs, report.inputs)] if verify else []
         report.shapes = [_shape_of(r) for r in runs]
         with torch.no_grad():  # the traced shape's outputs are already at hand
@@ -234,17 +186,73 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
     except EnjoylnError:
         raise
     except Exception as exc:
-        lines = str(exc).strip().splitlines() or [type(exc).__name__]
-        # a dynamic axis the model fixes: torch.export says which, deep in its message
-        fixed = [line.strip("- ") for line in lines if "inferred a static shape" in line]
-        if fixed:
-            raise EnjoylnError(f"ONNX export of {type(model).__name__} failed: {fixed[0]}; export with "
-                               "dynamic=False (--static) for fixed shapes") from exc
-        raise EnjoylnError(f"ONNX export of {type(model).__name__} failed: {lines[0]}") from exc
+        raise _export_error(model, exc) from exc
     finally:
         model.train(was_training)
         shutil.rmtree(tmpdir, ignore_errors=True)
     return report
+
+
+def _opset(opset: int | None, optimize: bool) -> int:
+    import onnx
+
+    opset = opset if opset is not None else (OPTIMIZE_OPSET if optimize else DEFAULT_OPSET)
+    newest = onnx.defs.onnx_opset_version()
+    if opset < 18:
+        raise EnjoylnError(f"opset {opset} is too old; use 18 or later (23+ for ONNX's RMSNormalization)")
+    if opset > newest:
+        raise EnjoylnError(f"opset {opset} is newer than this onnx ({onnx.__version__}) knows; use at most {newest}")
+    return opset
+
+
+def _export(model: nn.Module, inputs: Inputs, axes: dict[str, Any], opset: int, plain: Path) -> tuple[Any, Any]:
+    """``model`` (in eval mode) exported to ``plain``, its dynamic axes named: (its outputs on
+    ``inputs``, the ONNX graph)."""
+    import onnx
+
+    # registered by importing ``ops``. enjoyln::rms_norm is a composite op: where the exporter's
+    # registry spares only ATen ops from decomposition (older torch), ``opaque()`` below makes
+    # its decomposition the opaque enjoyln::rms_norm_kernel, translated the same way
+    table = {torch.ops.enjoyln.rms_norm.default: translation(opset),
+             torch.ops.enjoyln.rms_norm_kernel.default: translation(opset)}
+    with torch.no_grad():
+        traced_outputs = inputs.call(model)
+    names = _output_names(traced_outputs)
+    shapes = {k: v for k, v in axes.items() if v is not None}
+    # the exporter narrates its steps on stdout and its optimiser on stderr
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+            opaque():
+        program = torch.onnx.export(model, inputs.args, kwargs=inputs.kwargs, dynamo=True, opset_version=opset,
+                                    custom_translation_table=table, dynamic_shapes=axes or None,
+                                    output_names=names, verbose=False)
+        program.save(str(plain))
+    proto = onnx.load(str(plain), load_external_data=False)
+    _name_axes(proto, shapes)
+    onnx.save(proto, str(plain))  # only the graph: external data, if any, stays where it is
+    return traced_outputs, proto
+
+
+def _checked_report(path: Path, opset: int, proto: Any, plain: Path) -> ExportReport:
+    """The report of the exported graph, once ``onnx.checker`` accepts the file."""
+    import onnx
+
+    ops = Counter(n.op_type for n in proto.graph.node)
+    report = ExportReport(str(path), opset, dict(sorted(ops.items())), sum(ops[o] for o in RMS_OPS),
+                          ops["LayerNormalization"], _rms_bias_adds(proto),
+                          _value_shapes(proto.graph.input), _value_shapes(proto.graph.output))
+    onnx.checker.check_model(str(plain))
+    report.checked = True
+    return report
+
+
+def _export_error(model: nn.Module, exc: Exception) -> EnjoylnError:
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    # a dynamic axis the model fixes: torch.export says which, deep in its message
+    fixed = [line.strip("- ") for line in lines if "inferred a static shape" in line]
+    if fixed:
+        return EnjoylnError(f"ONNX export of {type(model).__name__} failed: {fixed[0]}; export with "
+                            "dynamic=False (--static) for fixed shapes")
+    return EnjoylnError(f"ONNX export of {type(model).__name__} failed: {lines[0]}")
 
 
 # --- inputs and their axes --------------------------------------------------------------------------
@@ -252,17 +260,17 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
 
 @quiet
 def export_checkpoint(model_dir: str | os.PathLike, path: str | os.PathLike, *, fuse_affine: bool = False,
-                      batch: int = 2, seq_len: int = 16, opset: int | None = None, optimize: bool = False,
-                      dynamic: bool = True, **access: Any) -> ExportReport:
-    """``export_onnx`` for a model directory: a folded one as its recorded plan folded it, any
-    other folded first, in memory (with its affines moved into their readers under
-    ``fuse_affine``); traced at ``batch`` x ``seq_len``. ``access``: ``allow_pickle``,
-    ``trust_remote_code``, ``model_class``, as ``fold_checkpoint`` takes them.
+                      batch: int = 2, seq_len: int = 16, **options: Any) -> ExportReport:
+    """``export_onnx`` for a model directory: a folded one as its recorded plan folded it, any other
+    folded first, in memory; traced at ``batch`` x ``seq_len``. ``options``: ``export_onnx``'s
+    ``opset``, ``optimize`` and ``dynamic``, and ``allow_pickle``, ``trust_remote_code`` and
+    ``model_class`` as ``fold_checkpoint`` takes them.
 
     >>> export_checkpoint("gpt2-folded", "gpt2.onnx").passed  # doctest: +SKIP
     True
     """
-    ck = open_checkpoint(model_dir, **asdict(Access(**access)))
+    export = {k: options.pop(k) for k in ("opset", "optimize", "dynamic") if k in options}
+    ck = open_checkpoint(model_dir, **asdict(Access(**options)))
     recorded = ck.recorded_plan
     if recorded is not None and fuse_affine and not any(e.affine for e in recorded.foldable):
         raise EnjoylnError(f"{model_dir} was folded without --fuse-affine; export it without --fuse-affine, "
@@ -270,8 +278,7 @@ def export_checkpoint(model_dir: str | os.PathLike, path: str | os.PathLike, *, 
     model = load(ck)
     if recorded is None:
         model = fold(model, fuse_affine=fuse_affine)
-    return export_onnx(model, path, hf_example_inputs(model, batch=batch, seq_len=seq_len), opset=opset,
-                       optimize=optimize, dynamic=dynamic)
+    return export_onnx(model, path, hf_example_inputs(model, batch=batch, seq_len=seq_len), **export)
 
 
 def deployment_inputs(model: nn.Module, example_inputs: ExampleInputs = None) -> Inputs:
@@ -325,11 +332,9 @@ def _replace_input(model: nn.Module, inputs: Inputs, name: str, value: torch.Ten
 
 
 def second_shape(inputs: Inputs, shapes: dict[str, list[Any]]) -> Inputs:
-    """Fresh inputs with every dynamic axis of the exported file resized: ``batch_size`` one larger,
-    every other axis a quarter shorter; an ``attention_mask`` pads the end of its last row.
-
-    ``shapes`` are the file's inputs (name -> dims, dynamic ones by name), in order.
-    """
+    """Fresh inputs with every dynamic axis of the exported file (``shapes``: name -> dims, dynamic
+    ones by name) resized: ``batch_size`` one larger, every other axis a quarter shorter; an
+    ``attention_mask`` pads the end of its last row."""
     positional = [n for n in shapes if n not in inputs.kwargs]
     named = dict(zip(positional, inputs.args)) | inputs.kwargs
     sizes: dict[str, int] = {}
@@ -484,14 +489,9 @@ def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: Export
 
 
 def _fuse_bias_skip_simplified(model: Any) -> int:
-    """Move a linear layer's bias ``Add`` into the ``SkipSimplifiedLayerNormalization`` it feeds.
-
-    onnxruntime's optimizer does this for ``SkipLayerNormalization`` only
-    (``FusionBiasSkipLayerNormalization``), though the simplified op takes the same
-    optional bias input; without it the folded graph keeps one more pass over the
-    activations per residual sum than the original. ``model`` is the optimizer's
-    ``OnnxModel``; returns the number of Adds removed.
-    """
+    """Move a linear layer's bias ``Add`` into the ``SkipSimplifiedLayerNormalization`` it feeds, as
+    onnxruntime's optimizer does for ``SkipLayerNormalization`` only (one pass over the activations
+    less per residual sum). ``model`` is the optimizer's ``OnnxModel``; returns the Adds removed."""
     produced = model.output_name_to_node()
     consumers = model.input_name_to_nodes()
     outputs = {o.name for o in model.model.graph.output}
@@ -560,7 +560,8 @@ def compare_with_onnxruntime(path: str | os.PathLike, runs: list[Inputs], wants:
             finite = a.isfinite()
             # a NaN or Inf where PyTorch is finite (or another non-finite value where it is not) is a
             # difference; max(worst, nan) would be worst, so these are counted apart
-            if not torch.equal(finite, b.isfinite()) or not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()):
+            if (not torch.equal(finite, b.isfinite())
+                    or not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num())):
                 return math.inf
             if finite.any():
                 scale = float(a[finite].abs().max()) or 1.0

@@ -1,12 +1,6 @@
-"""Auxiliary centering: an explicit ``x - x.mean(-1)`` at a module's output or input.
-
-Installed as forward hooks, so the model's code and its state dict stay as
-they are. The analysis proves an inserted centering safe only when the shift
-it removes reaches nothing but LN inputs, which ignore it; that is also why a
-checkpoint folded this way still gives the original outputs when loaded
-without the hooks (plain ``from_pretrained``): every LN after the point is
-still a LayerNorm there.
-"""
+"""Auxiliary centering: an explicit ``x - x.mean(-1)`` at a module's output or input, installed as
+forward hooks so the model's code and state dict stay as they are (a checkpoint folded this way still
+gives the original outputs without them: every LN after the point is still a LayerNorm there)."""
 
 from __future__ import annotations
 

@@ -27,22 +27,10 @@ def _is_unit(t: torch.Tensor | None) -> bool:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with LayerNorm's gain, bias and epsilon.
-
-    The constructor mirrors ``nn.LayerNorm``, and the parameters keep the names
-    ``weight`` and ``bias``, so a state dict moves between the two unchanged.
-    Three options keep what other norm modules do around the normalization:
-    ``dim`` normalizes another axis (1: channels-first, as timm's ``LayerNorm2d``),
-    ``upcast`` computes in float32 and casts back to the input's dtype (timm's
-    ``LayerNormFp32``, OLMo), and ``then`` names child modules the output passes
-    through, in order (the activation of timm's ``LayerNormAct2d``).
-
-    A weightless norm (``elementwise_affine=False``, or γ fused into its readers)
-    still has a ``weight``: a buffer of ones, not in the state dict, so that
-    tools which read a norm's gain and fold it into the next linear layer
-    (llmcompressor's ``fuse_norm_linears``, AWQ- and SmoothQuant-style scaling)
-    work on it. While it holds the ones it was made with, ``forward`` runs the
-    weightless kernel, bit for bit what it ran before; once a tool writes to it,
+    """RMSNorm with LayerNorm's gain, bias and epsilon, the constructor and parameter names of
+    ``nn.LayerNorm``; ``dim`` (channels-first), ``upcast`` (float32 inside) and ``then`` (child modules
+    after it) keep what other norm modules do. A weightless norm still has a ``weight`` buffer of ones
+    for tools that fold a norm's gain into the next layer (llmcompressor); once one writes to it,
     ``forward`` multiplies by it.
 
     >>> ln = torch.nn.LayerNorm(8, eps=1e-12)
@@ -127,9 +115,8 @@ class RMSNorm(nn.Module):
     @classmethod
     def from_module(cls, module: nn.Module, normalized_shape: Sequence[int], eps: float, *, dim: int = -1,
                     upcast: bool = False, then: Sequence[str] = ()) -> "RMSNorm":
-        """An RMSNorm for any module that computes a layer norm over its own ``weight`` and
-        ``bias`` (either may be None): it shares them, and keeps the module's children,
-        calling those named in ``then`` on its output.
+        """An RMSNorm for any module that computes a layer norm over its own ``weight`` and ``bias``
+        (either may be None), sharing them and calling the children named in ``then`` on its output.
 
         >>> class Fp32LN(torch.nn.LayerNorm):
         ...     def forward(self, x):
@@ -180,11 +167,8 @@ class RMSNorm(nn.Module):
 
 
 class GroupRMSNorm(nn.Module):
-    """GroupNorm without the centering: each group of channels is divided by its RMS.
-
-    Mirrors ``nn.GroupNorm`` (same ``weight`` and ``bias`` names, per-channel
-    affine). Equal to GroupNorm where grouped CBWC has made every group
-    zero-mean, which enjoyln only does when GroupNorm sees no spatial extent.
+    """GroupNorm without the centering, mirroring ``nn.GroupNorm``: each group of channels is divided by
+    its RMS, equal to GroupNorm once grouped CBWC has made every group zero-mean.
 
     >>> gn = torch.nn.GroupNorm(2, 8)
     >>> GroupRMSNorm.from_group_norm(gn).weight is gn.weight

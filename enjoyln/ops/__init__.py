@@ -1,24 +1,6 @@
-"""Raw RMSNorm kernels, kept apart from the ``nn.Module`` that uses them.
-
-``rms_norm`` is the single entry point. Plain tensors in inference take a hot
-path that checks almost nothing, then a kernel:
-
-- CPU, float32/bfloat16/float16, contiguous: the fused C kernel (``cpu.py``);
-- CUDA: torch's fused ``F.rms_norm`` or the Triton kernel, by the policy in
-  ``cuda.py`` (decided once per process, from what was measured);
-- anything else: the reference implementation (``reference.py``).
-
-``backend(x)`` names the one a tensor would use. Where autograd or a tracer
-must see the call (gradients, ``torch.compile``, ``torch.export``, the ONNX
-export, tensor subclasses), it is the op ``torch.ops.enjoyln.rms_norm``. That
-op is *CompositeImplicitAutograd*: on plain tensors it runs
-``enjoyln::rms_norm_kernel`` (the kernels above, with an exact backward); when
-it is traced through, as ``torch.compile`` does, it is the reference math,
-which inductor fuses with the residual add and the casts around it. Export
-keeps such an op as one node (pre-dispatch tracing does not decompose it), so
-exported graphs show one ``enjoyln.rms_norm`` per norm. None of this depends on
-``torch.compiler.is_exporting()``, whose meaning changed between torch versions.
-"""
+"""Raw RMSNorm kernels, kept apart from the ``nn.Module`` that uses them: ``rms_norm`` picks the fused C
+kernel on CPU, ``F.rms_norm`` or the Triton kernel on CUDA, else the reference; where autograd or a tracer
+must see the call it is the CompositeImplicitAutograd op ``torch.ops.enjoyln.rms_norm`` (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -125,11 +107,8 @@ _opaque = False
 
 def _composite(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
                eps: float) -> Tensor:
-    """``enjoyln::rms_norm``: the kernel op on plain tensors, the math when traced through.
-
-    Plain tensors are what eager calls carry (an exported program run eagerly, a gradient);
-    a tracer's are subclasses (FakeTensor, FunctionalTensor), as are DTensors, which the
-    math serves too. Inside ``opaque()`` a trace keeps the kernel op instead."""
+    """``enjoyln::rms_norm``: the kernel op on plain tensors (eager calls), the math when traced
+    through (FakeTensor, FunctionalTensor, DTensor); inside ``opaque()`` a trace keeps the kernel op."""
     if _opaque or all(t is None or type(t) is Tensor or type(t) is torch.nn.Parameter for t in (x, weight, bias)):
         return torch.ops.enjoyln.rms_norm_kernel(x, normalized_shape, weight, bias, eps)
     return rms_norm_reference(x, normalized_shape, weight, bias, eps)
@@ -141,9 +120,8 @@ _library.impl("rms_norm", _composite, "CompositeImplicitAutograd")
 @contextlib.contextmanager
 def opaque() -> Iterator[None]:
     """Decompositions of ``enjoyln::rms_norm`` inside this block yield one opaque
-    ``enjoyln::rms_norm_kernel`` node instead of the math: for exporters that decompose every
-    composite op they do not know (``ExportedProgram.run_decompositions()``, the ONNX export on
-    torch versions whose registry only spares ATen ops), where one node per norm is wanted.
+    ``enjoyln::rms_norm_kernel`` node instead of the math, for exporters that decompose every
+    composite op they do not know (``run_decompositions()``, some ONNX exporters).
 
     >>> ep = torch.export.export(enjoyln.fold(model), inputs)   # doctest: +SKIP
     >>> with opaque():                                           # doctest: +SKIP

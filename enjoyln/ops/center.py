@@ -1,11 +1,6 @@
-"""Column-based weight centering at memory speed: the C kernel of ``center.c`` and the same
-arithmetic in torch, for machines without a C compiler.
-
-The fold writes what ``center_`` computes and the static check recomputes it bit for bit, so
-the order of every float64 operation is fixed here, not left to a library (see ``center.c``):
-along the last axis eight partial sums, element ``i`` to partial ``i % 8``, combined as
-``((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7))``; along any other axis one sum per column in order of
-the rows. Both implementations follow it, and the tests hold them to the same bits.
+"""Column-based weight centering at memory speed: the C kernel of ``center.c`` and the same arithmetic
+in torch, both in the fixed float64 order ``center.c`` states, so the fold and the static check agree
+bit for bit.
 
 >>> t = torch.tensor([[1., 2.], [3., 6.]])
 >>> center_(t, 0)
@@ -138,13 +133,8 @@ def _usable(dtype: torch.dtype) -> bool:
 
 def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
             blocks: Sequence[int] | None = None) -> torch.Tensor:
-    """Subtract ``t``'s mean along ``axis``, in place, in float64 arithmetic of a fixed order.
-
-    With ``groups``, each of that many equal blocks of ``axis`` is centered on its own
-    (grouped CBWC); ``blocks`` limits that to the listed blocks. With ``scale`` (a
-    LayerScale γ, one entry per index of ``axis``), ``γ·t`` becomes zero-mean instead:
-    ``t -= mean(γ·t) / γ``; γ must have no zero entry. Returns ``t``.
-    """
+    """Subtract ``t``'s mean along ``axis``, in place, in float64 arithmetic of a fixed order (see
+    ``transform.tensors.center_`` for ``groups``, ``blocks`` and ``scale``). Returns ``t``."""
     if t.device.type == "meta" or t.numel() == 0:
         return t
     if not t.is_floating_point():

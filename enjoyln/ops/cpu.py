@@ -1,12 +1,5 @@
-"""The fused CPU RMSNorm: a small C kernel compiled on first use.
-
-PyTorch's CPU ``F.rms_norm`` is an unfused composite, slower than the
-``F.layer_norm`` it would replace. This kernel does one read of the input
-and one write of the output. It is compiled with the system C compiler
-(``$CC``, else ``cc``) into ``$ENJOYLN_CACHE`` (default ``~/.cache/enjoyln``)
-and loaded with ctypes; when no compiler works the caller falls back to the
-reference implementation, and ``status()`` says why.
-"""
+"""The fused CPU RMSNorm: a small C kernel (one read, one write) compiled on first use with the system
+compiler into ``$ENJOYLN_CACHE``; without a working compiler, the reference runs (docs/performance.md)."""
 
 from __future__ import annotations
 

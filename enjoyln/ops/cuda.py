@@ -1,30 +1,6 @@
-"""RMSNorm on CUDA: which implementation runs, decided once per process, and the call's hot path.
-
-What was measured on an H200 (torch 2.11, Triton 3.6) decides the policy. A
-norm at the sizes models are served at (2048 x 768, bf16) takes LayerNorm about
-10 µs on the GPU, and its call about 13 µs of host time; the same for torch's
-fused ``F.rms_norm``. Triton's Python launcher alone cost 35 µs a call, so a
-norm launched through it was slower than LayerNorm however fast its kernel. Hence:
-
-- **no bias** (weightless or weight-only norms, as ``fold(fuse_affine=True)``
-  leaves them): torch's ``F.rms_norm``, where torch has its fused CUDA kernel
-  (``aten::_fused_rms_norm``): LayerNorm's host cost, and no slower than
-  LayerNorm's kernel at any measured shape;
-- **a bias, or a residual to add**: the Triton kernel, which fuses them, through
-  the cached launcher (``triton_cached.py``), which calls the compiled kernel
-  directly once it has verified that this gives Triton's own result bit for bit;
-- **32 MiB of input or more**: the Triton kernel whatever the affine, since a
-  call's host cost is hidden behind its kernel there, and Triton's kernel was
-  0.53-0.79x LayerNorm's time against ``F.rms_norm``'s 0.65-0.92x.
-
-Where a piece is missing the next best runs: without the cached launcher (turned
-off by its own check), a norm with a bias below 32 MiB is ``F.rms_norm`` then
-the bias add (two kernels, measured faster end to end than Triton's launcher);
-without the fused ``F.rms_norm`` (torch before it), the Triton kernel; without
-Triton, ``F.rms_norm`` or the reference math. ``status()`` says which, and why.
-``ENJOYLN_CUDA_PATH`` (or ``force``) pins one path: ``triton``, ``triton-jit``
-(Triton's own launcher), ``native`` or ``reference``.
-"""
+"""RMSNorm on CUDA: which implementation runs, decided once per process from what was measured
+(docs/performance.md: ``F.rms_norm`` without a bias, the Triton kernel through the cached launcher with a
+bias or residual or from 32 MiB), and the call's hot path. ``ENJOYLN_CUDA_PATH`` (or ``force``) pins one."""
 
 from __future__ import annotations
 
@@ -105,8 +81,7 @@ def kernels() -> Any:
 
 
 def force(path: str | None) -> None:
-    """Pin the path every CUDA call takes (``None`` or ``"auto"``: the policy again); for
-    benchmarks and bug reports.
+    """Pin the path every CUDA call takes (``None`` or ``"auto"``: the policy again).
 
     >>> force("triton-jit")  # doctest: +SKIP
     """

@@ -1,7 +1,4 @@
-"""The reference RMSNorm: plain PyTorch, at least fp32 accumulation, any input dtype.
-
-Every fast kernel is tested against this function.
-"""
+"""The reference RMSNorm (plain PyTorch, at least fp32 accumulation), which every fast kernel is tested against."""
 
 from __future__ import annotations
 

@@ -1,30 +1,7 @@
-"""A launcher for a Triton kernel that skips Triton's Python dispatch on every call but the first.
-
-Triton's ``kernel[grid](...)`` binds the arguments, computes their
-specialisation, builds a cache key, looks the compiled kernel up and only then
-launches it: about 35 µs of host time a call on an H200 (torch 2.11, Triton 3.6),
-more than LayerNorm's whole kernel at the sizes models are served at. This
-launcher does that work once per *key* (the caller's summary of everything
-Triton specialises on), watches the launch Triton makes, and from then on calls
-the compiled kernel's own launcher directly.
-
-The launcher's calling convention is not a public API and differs between Triton
-versions (before 3.3 it takes the non-constexpr arguments, later all of them), so
-nothing is assumed: on first use of a key the launcher records the call Triton's
-dispatcher makes, recognises its layout, then launches the same way itself into
-fresh outputs and compares them bit for bit with Triton's. Anything unexpected (a
-layout it does not recognise, launch hooks such as a profiler's, a different
-result, an exception) turns it off for the process, with the reason in
-``disabled``, and every later call goes through Triton's own launcher. Nothing is
-verified or cached while a CUDA graph is being captured (a comparison would
-synchronise); those first calls take Triton's launcher.
-
-The caller's key must tell apart whatever Triton specialises on: each pointer's
-dtype and 16-byte alignment, and each integer's class (equal to 1, a multiple of
-16, 32- or 64-bit), which the integers' own values do. Keys are per device: the
-compiled function belongs to one. Triton settings changed after a key's first use
-(its debug mode, say) do not reach its direct launches.
-"""
+"""A launcher for a Triton kernel that skips Triton's Python dispatch (35 µs a call) on every call but the
+first: on a key's first use it records the launch Triton makes, repeats it into fresh outputs and compares
+them bit for bit, and anything unexpected turns it off for the process (docs/performance.md). The caller's
+key must tell apart whatever Triton specialises on (dtypes, 16-byte alignment, integer classes, device)."""
 
 from __future__ import annotations
 
@@ -42,10 +19,8 @@ function, packed metadata, launch metadata, launch-enter hook, launch-exit hook.
 
 
 class CachedLauncher:
-    """Launches ``kernel`` (a ``triton.jit`` function) through its compiled launcher once verified.
-
-    ``runtime_args``: how many of the kernel's parameters come before its constexpr ones.
-    ``stream`` and ``current_device`` default to torch's CUDA ones (tests pass fakes).
+    """Launches ``kernel`` (a ``triton.jit`` function) through its compiled launcher once verified;
+    ``runtime_args`` of its parameters come before its constexpr ones.
 
     >>> launcher = CachedLauncher(kernel, runtime_args=13)                    # doctest: +SKIP
     >>> launcher(key, grid, args, num_warps=4, device=0, outputs=(y,))       # doctest: +SKIP

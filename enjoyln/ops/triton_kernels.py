@@ -1,22 +1,6 @@
-"""Triton RMSNorm kernels for CUDA: forward, and forward fused with a residual add.
-
-Three kernels with one signature, chosen by row length (``triton_launch.py``):
-
-- ``_rms_norm_rows`` (N <= 1024): ``ROWS`` rows per program in a ``[ROWS, BLOCK]``
-  block, so short rows, which are most of a model served at small batch, take a
-  fraction of the programs (and of the per-program reduction) one row each would;
-- ``_rms_norm_row`` (N <= 16384): one row per program, loaded once, kept in
-  registers, reduced and written: one read, one write;
-- ``_rms_norm_looped`` (larger N): two passes. Held in registers, a row of 32768
-  spills to local memory on sm_80 and sm_90 (tests/tools/test_triton_aot.py
-  compiles every variant for both and fails on any spill). The first pass asks
-  the cache to keep what it reads (``evict_last``) for the second, which reads it
-  once more and lets it go (``evict_first``).
-
-Accumulation is fp32; the output has the input's dtype. Tested on CPU tensors
-with TRITON_INTERPRET=1. ``rms_norm_triton`` and ``add_rms_norm_triton`` launch
-through the cached launcher (``triton_cached.py``) unless told to use Triton's.
-"""
+"""Triton RMSNorm kernels for CUDA, forward and fused with a residual add: three kernels with one
+signature, chosen by row length in ``triton_launch.py`` (docs/performance.md); fp32 accumulation, tested on
+CPU with TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -148,10 +132,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             bias: torch.Tensor | None, eps: float, *, cached: bool = True,
             config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Normalise the last axis of ``x`` (plus ``residual``); ``(y, sum or None)`` shaped as ``x``.
-
-    ``weight`` and ``bias`` must be contiguous, of ``x``'s last-axis length. ``config`` forces
-    a kernel and its launch (tests); ``cached=False`` launches through Triton's own launcher.
-    This is every CUDA call's path: contiguous tensors (the common case) take no reshape."""
+    ``config`` forces a kernel and its launch (tests); ``cached=False`` takes Triton's own launcher."""
     n = x.shape[-1]
     if x.is_contiguous():
         x2, sx, y = x, n, torch.empty_like(x)
@@ -197,10 +178,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None = None, bias: t
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,
                         bias: torch.Tensor | None = None, eps: float = 1e-5, *,
                         cached: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s = x + residual`` and ``RMSNorm(s)`` in one pass; returns ``(s, normed)``.
-
-    The sum is rounded to the input dtype before it is normalised, exactly as
-    the unfused ``norm(x + residual)`` would see it.
+    """``s = x + residual`` (rounded to the input dtype) and ``RMSNorm(s)`` in one pass; ``(s, normed)``.
 
     >>> s, y = add_rms_norm_triton(x, residual, weight, bias)  # doctest: +SKIP
     """

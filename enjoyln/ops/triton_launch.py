@@ -1,17 +1,5 @@
-"""How the Triton RMSNorm kernels are launched: which kernel, block size, rows and warps by row length.
-
-Kept apart from ``triton_kernels.py`` so it imports without Triton: the
-ahead-of-time compile test lists the variants at collection time, and must not
-import Triton there (the interpreter tests need it imported with
-``TRITON_INTERPRET=1`` first).
-
-Three kernels share one signature (``triton_kernels.py``):
-
-- ``rows``: short rows (N <= ``MAX_SHORT``), several rows per program in a
-  ``[ROWS, BLOCK]`` block, so that 2048 rows of 768 take 512 programs, not 2048;
-- ``row``: one row per program, held in registers (``MAX_SHORT`` < N <= ``MAX_FUSED``);
-- ``looped``: two passes over longer rows (N > ``MAX_FUSED``).
-"""
+"""How the Triton RMSNorm kernels are launched (kernel, block, rows and warps by row length), apart from
+``triton_kernels.py`` so that it imports without Triton (the AOT compile test lists the variants)."""
 
 from __future__ import annotations
 
@@ -30,9 +18,7 @@ MAX_ROWS = 16
 spread over the GPU's multiprocessors for the batch sizes models are served at."""
 
 MAX_FUSED = 16384
-"""Longest row kept in registers by the one-block kernel; longer rows take the looped one.
-Held in registers, a row of 32768 spills to local memory on sm_80 and sm_90 with 16 or
-32 warps (tests/tools/test_triton_aot.py)."""
+"""Longest row kept in registers by the one-block kernel (a row of 32768 spills on sm_80 and sm_90)."""
 
 LOOPED_BLOCK, LOOPED_WARPS = 2048, 8
 """Block and warps of the two-pass kernel. 4096 with 8 or 16 warps spilled 4-12 bytes in fp16

@@ -12,13 +12,10 @@ from ..store.checkpoint import Checkpoint
 
 
 def output_config(ck: Checkpoint, plan: FoldPlan) -> dict[str, Any]:
-    """config.json as a fold of ``md`` by ``plan`` writes it: the input's, with an untied head
-    where the plan unties one, the dtype it loads in where it names none, the class it was
-    folded as (``--model-class``), and the ``enjoyln`` block.
-
-    Without a dtype in config.json, transformers takes the first floating tensor's (by name)
-    or an index's: an untied ``lm_head.weight`` sorts first, and a re-sharded or renamed file
-    moves the rest, so the fold says which dtype the original loads in."""
+    """config.json as a fold of ``md`` by ``plan`` writes it: the input's, with an untied head where
+    the plan unties one, the class it was folded as, the ``enjoyln`` block, and the dtype it loads in
+    where it names none (transformers would otherwise take the first tensor's, which an untied head
+    or a re-sharding changes)."""
     config = json.loads(json.dumps(ck.config))
     if ck.source == "transformers" and ck.architecture != config["architectures"][0]:
         config["architectures"] = [ck.architecture]  # --model-class: the fold is a checkpoint of that class

@@ -1,17 +1,6 @@
-"""Fold a model directory into a new one: analyse it on the meta device, write the fold into a
-temporary directory beside OUT_DIR, check it there, and publish it by rename.
-
-The analysis runs on the meta device (no weights in memory). The fold then
-streams tensor by tensor (``store.writer``): tensors that do not change are
-copied byte for byte, centered ones are loaded one at a time, centered in
-float64 and written back in their own dtype. Peak memory is a few of the
-largest tensors (pickle weights, read only with ``--allow-pickle``, are loaded
-whole).
-
-OUT_DIR never holds a partial or unchecked fold; the input directory is only
-ever read. Reading, containing and publishing directories is ``store``'s job;
-the check is ``checking.checkpoints``'.
-"""
+"""Fold a model directory into a new one: analyse it on the meta device, stream the fold tensor by
+tensor into a temporary directory beside OUT_DIR, check it there, and publish it by rename; OUT_DIR never
+holds a partial or unchecked fold, and the input is only read (docs/how-it-works.md)."""
 
 from __future__ import annotations
 
@@ -121,31 +110,13 @@ class FoldResult:
 def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: FoldOptions | None = None, *,
                     progress: Progress | None = None, check_progress: Progress | None = None,
                     stage: Stage | None = None, **values: Any) -> FoldResult:
-    """Fold a Hugging Face model directory into OUT_DIR, streaming tensor by tensor, and check it.
-
-    OUT_DIR gets every file of MODEL_DIR (tokenizer and processor files
-    included), the centered weights in their own dtypes, an explicit untied
-    head, and an ``enjoyln`` block in config.json. It loads with plain
-    ``from_pretrained`` (the LNs are still there and see zero-mean inputs), or
-    with ``enjoyln.load`` (the LNs run as RMSNorm).
-
-    ``options`` (a ``FoldOptions``), or the same as keywords (``check="static"``,
-    ``fuse_affine=True``, ``allow_pickle=True``, ...): the fold is written to a
-    temporary directory and checked there (``check``: ``"full"`` proves every
-    weight and then compares outputs, ``"static"`` proves the weights only,
-    ``"none"`` skips it); only a candidate that passes is renamed to OUT_DIR.
-    A failing one raises ``CheckFailed`` and is removed, or kept beside OUT_DIR
-    with ``keep_failed``. With ``model_class`` the directory is folded as that
-    transformers class (config.json of OUT_DIR then names it). With
-    ``fuse_affine`` the folded norms' affines move into their readers; with
-    ``rotate`` (kind, seed, keep_mean) the residual stream is rotated too (see
-    ``enjoyln.rotate``). Both compute tensors from other tensors: each is
-    computed from the reference tensors it depends on as the writer reaches it
-    (``StreamedTensors``), so memory stays a few of the largest tensors.
-    ``progress`` hears of the bytes written, ``check_progress`` of the check's, ``stage`` of each
-    phase (the analysis, the check's loads and batches). transformers' and huggingface_hub's own
-    bars and logs are off during the call (``store.quiet``).
-
+    """Fold a Hugging Face (or timm) model directory into OUT_DIR, streaming tensor by tensor, check
+    it in a temporary directory (``check``: ``"full"``, ``"static"`` or ``"none"``) and publish it
+    only if it passes, else raise ``CheckFailed``. OUT_DIR loads with plain ``from_pretrained`` (the
+    LNs see zero-mean inputs) or ``enjoyln.load`` (RMSNorm). ``options`` (a ``FoldOptions``) or its
+    fields as keywords (``fuse_affine=True``, ``rotate=("hadamard", 0, True)``, ...); ``progress``
+    hears of the bytes written, ``check_progress`` of the check's, ``stage`` of each phase.
+    transformers' and huggingface_hub's own bars and logs are off during the call (``store.quiet``).
     >>> fold_checkpoint("gpt2-dir", "gpt2-folded").report.passed  # doctest: +SKIP
     True
     """
@@ -205,10 +176,9 @@ class _Written:
 
 
 class _Fold:
-    """One fold in progress. It owns, in one ``ExitStack``, everything a fold holds until it
-    publishes: the temporary directory beside OUT_DIR (removed unless published or kept), the
-    directories made for it, and, released first, the early copy, the reader of the input and
-    the streamed tensors; and it counts the bytes written for ``progress``."""
+    """One fold in progress, owning in one ``ExitStack`` everything it holds until it publishes (the
+    temporary directory, the early copy, the input's reader, the streamed tensors), and counting the
+    bytes written for ``progress``."""
 
     def __init__(self, ck: Checkpoint, out: Path, opts: FoldOptions, progress: Progress | None) -> None:
         self.ck, self.out, self.opts, self.progress = ck, out, opts, progress
@@ -307,7 +277,8 @@ class _Fold:
             seconds += self.early.seconds_before(write_start)
         nbytes = sum(e.nbytes for _, es in shards for e in es)
         if len(shards) > 1 or ck.index is not None:
-            index = {"metadata": index_metadata(ck, shards), "weight_map": {e.name: name for name, es in shards for e in es}}
+            index = {"metadata": index_metadata(ck, shards),
+                     "weight_map": {e.name: name for name, es in shards for e in es}}
             (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for name, _ in shards:  # the output must read back, or it is not published
             read_safetensors_header(tmp / name)

@@ -39,12 +39,10 @@ class Entry:
 
 
 def fold_entries(ck: Checkpoint, plan: FoldPlan, tensors: StreamedTensors) -> list[tuple[str, list[Entry]]]:
-    """Output shards like the input's: each stored tensor in its place, in input order, then what
-    the fold adds (an untied head, a tie the untying dropped) after the tensors of the shard its
-    value comes from. How each is made is read off the trace of the plan (``tensors``): a plan
-    that moves values (fused affines, rotations) computes every tensor it changes; one that only
-    centers copies each tensor's bytes and centers it where it lies, in its own dtype (or the
-    wider one it loads in), which the early copy's fast path relies on."""
+    """Output shards like the input's: each stored tensor in its place, in input order, then what the
+    fold adds (an untied head, a dropped tie) after its source's shard. A plan that moves values
+    computes every tensor it changes; one that only centers copies each tensor's bytes and centers it
+    where it lies, which the early copy's fast path relies on."""
     home = ({k: shard for k, (shard, _) in ck.pickled_tensors.items()} if ck.pickled
             else {t.name: t.file for t in ck.tensors.values()})
     shards: list[tuple[str, list[Entry]]] = [(s, []) for s in ck.shards]

@@ -1,20 +1,7 @@
-"""The plan applied to a checkpoint tensor by tensor: each final tensor computed from the
-reference tensors it depends on, without the model in memory.
-
-Each rewrite step says what it does to a checkpoint's tensors (``Transformation.trace``):
-``trace_plan`` records, for each tensor (a *slot*: every name that shares it), the operations
-it undergoes, each with what it reads (see ``transform.trace``). ``StreamedTensors`` then
-computes one output at a time: it reads the slot's reference tensor, converts it to the dtype a
-plain ``from_pretrained`` gives it, applies its operations with the same functions the steps
-run, in the same order and dtypes, and casts the result to the key's stored dtype (or the wider
-one it loads in), as the plan applied to the loaded model would. So the bits are the same, and
-memory is the tensor being computed, the small values others read (norm gains, biases'
-products, kept once computed), and weights computed ahead of their request (a fused bias comes
-before its weight in the file), at most ``STASH_BYTES`` of them.
-
-Names resolve to checkpoint keys in two places only: ``checkpoint_source`` (where a tensor's
-value is read from) and ``output_slots`` (which keys the fold writes).
-"""
+"""The plan applied to a checkpoint tensor by tensor, without the model in memory: ``StreamedTensors``
+replays the trace of each slot (``transform.trace``) on its reference tensor with the functions the steps
+run, in the same order and dtypes, so the bits are those of the plan applied to the loaded model. Names
+resolve to keys only in ``checkpoint_source`` and ``output_slots``."""
 
 from __future__ import annotations
 
@@ -42,11 +29,10 @@ STASH_BYTES = 512 << 20
 
 def output_slots(t: Tracer, plan: FoldPlan, meta: nn.Module, key: Callable[[str], str | None],
                  saved: dict[str, str]) -> dict[str, int]:
-    """The keys of the folded checkpoint that hold a tensor of the model, each with its slot, in
-    this order: every name's key (the first name of a key wins), then an untied head the
-    checkpoint did not store, then a tie the untying dropped, then a tensor the plan changes that
-    was stored only under a name it no longer shares (a checkpoint that saved only the tied
-    head: the embedding, centered, gets its own key)."""
+    """The keys of the folded checkpoint that hold a tensor of the model, each with its slot: every
+    name's key, then an untied head the checkpoint did not store, then a dropped tie, then a changed
+    tensor stored only under a name it no longer shares (the embedding of a checkpoint that saved only
+    the tied head)."""
     slots: dict[str, int] = {}
     names = t.names()
     for name in names:
@@ -108,14 +94,10 @@ def load_model_meta(ck: Checkpoint, dtype: str = "auto") -> nn.Module:
 
 
 class StreamedTensors:
-    """Every tensor of ``md`` folded by ``plan``, by key, each computed when asked for.
-
-    The values are bit for bit those of the plan applied to the model loaded whole (the tests
-    hold them to it): this is the same operations on one tensor at a time, keys resolved by the
-    checkpoint's base prefix and saved names. A
-    tensor ``get`` returns is the caller's to read, not to change. With ``dtype`` ("bfloat16")
-    the tensors are those of the model loaded in that dtype, then folded: the reference cast,
-    then folded by the same arithmetic.
+    """Every tensor of ``md`` folded by ``plan``, by key, each computed when asked for (the caller's to
+    read, not to change); with ``dtype`` ("bfloat16") those of the model loaded in that dtype, then
+    folded. Memory: the tensor computed, the small values others read, and at most ``STASH_BYTES`` of
+    weights computed ahead of their request.
 
     >>> tensors = StreamedTensors(open_checkpoint(path), plan)  # doctest: +SKIP
     >>> tensors.get("lm_head.weight").shape  # doctest: +SKIP

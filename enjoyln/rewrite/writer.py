@@ -1,10 +1,6 @@
-"""The streaming writer: safetensors shards written tensor by tensor, and the early copy that
-copies the input's weight files into the output while the analysis runs.
-
-Unchanged tensors are copied by the kernel (``copy_file_range``); centered ones are read one at
-a time through ``TensorReader`` into one reused buffer, centered and written at their offset;
-computed ones (a fused affine, a rotation) are written from their own memory and dropped.
-"""
+"""The streaming writer: safetensors shards written tensor by tensor (unchanged ones copied by the
+kernel, centered ones through one reused buffer, computed ones from their own memory), and the early copy
+of the input's weight files while the analysis runs."""
 
 from __future__ import annotations
 
@@ -85,14 +81,9 @@ class Writing:
 
 
 def write_shard(file: Path, entries: list[Entry], w: Writing) -> None:
-    """Write one safetensors file tensor by tensor.
-
-    safetensors' own writer needs every tensor of a file in memory at once;
-    the header is small JSON with known sizes, so it is written first, and
-    every tensor then goes to its own offset. Unchanged tensors are copied
-    by the kernel on a second thread while this one centers the others.
-    Callers re-read the result's header.
-    """
+    """Write one safetensors file tensor by tensor: the header first (its sizes are known), then each
+    tensor at its offset, unchanged ones copied by the kernel on a second thread while this one
+    centers the others (safetensors' own writer needs them all in memory). Callers re-read the header."""
     root, advance = w.reader.ck.path, w.advance
     blob = _header_json(entries, w.metadata)
     blob += b" " * (-len(blob) % 8)
@@ -150,15 +141,10 @@ def _packed_span(ck: Checkpoint, shard: str) -> tuple[int, int]:
 
 
 class EarlyCopy:
-    """Copies the input's weight files into the output directory while the analysis runs.
-
-    The analysis is seconds of CPU work and the copy is seconds of I/O, so
-    they overlap. Each copy keeps the input's bytes at the same offsets plus
-    ``_HEADER_ROOM``; once the plan is known, ``finish_shard`` centers the
-    planned tensors in place, right behind the copy where it is still running
-    (``wait(shard, upto)``), appends any new ones and writes the header. A
-    shard whose layout changes is written afresh instead, once its copy is done.
-    """
+    """Copies the input's weight files into the output directory while the analysis runs (seconds of
+    CPU and seconds of I/O overlap), each at the input's offsets plus ``_HEADER_ROOM``; ``finish_shard``
+    then centers the planned tensors in place right behind the copy, appends new ones and writes the
+    header. A shard whose layout changes is written afresh once its copy is done."""
 
     def __init__(self, ck: Checkpoint, tmp: Path, spans: dict[str, tuple[str, int, int]],
                  advance: Callable[[int], None]) -> None:
@@ -235,14 +221,9 @@ class EarlyCopy:
 def finish_shard(file: Path, entries: list[Entry], w: Writing, shard: str, base: int,
                  copied: Callable[[int], None] | None = None) -> bool:
     """Turn the early copy of the input's ``shard`` (its data at ``base``) into the output shard
-    ``file``, which may have another name; False, with nothing touched, if its header would not
-    fit.
-
-    The first entries are the input's tensors, in place or (``copied``: blocks until the copy
-    has written up to an offset) on their way; centered ones are centered where they are as
-    soon as the copy is past them; entries added by the plan (untied heads) are appended after
-    them. The copy may still be writing the shard's tail when this returns.
-    """
+    ``file``; False, with nothing touched, if its header would not fit. Centered tensors are centered
+    where they lie as soon as the copy is past them (``copied`` blocks until then); added entries are
+    appended. The copy may still be writing the shard's tail when this returns."""
     root, advance = w.reader.ck.path, w.advance
     blob = _header_json(entries, w.metadata)
     start = base + _HEADER_ROOM
@@ -319,11 +300,9 @@ def _center_and_write(out: int, at: int, t: torch.Tensor, e: Entry) -> None:
 
 
 def _center_in_file(out: int, at: int, e: Entry) -> bool:
-    """Center the copied tensor at ``at`` of the output file where it lies, through a writable
-    mapping of it: no read into a buffer and no write back, only the page cache's own pages
-    changed (about 4 GB/s against 1.5 measured on a GPT-2's 1.25 GB of centered weights). The
-    same C kernel as ``center_``, so the same bits. False where the kernel or the mapping is not
-    available, or the tensor is empty: then read, center and write it."""
+    """Center the copied tensor at ``at`` of the output file where it lies, through a writable mapping
+    (only the page cache's pages change: 4 GB/s against 1.5 through a buffer), by the C kernel of
+    ``center_``. False where the kernel or the mapping is not available, or the tensor is empty."""
     if not e.nbytes or not Mapped.available():
         return False
     try:

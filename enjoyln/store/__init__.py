@@ -1,1 +1,2 @@
-"""One model directory on disk: open and validate it (``Checkpoint``), read its tensors, copy its other files, publish an output directory, and load a folded one."""
+"""One model directory on disk: open and validate it (``Checkpoint``), read its tensors, copy its other
+files, publish an output directory, and load a folded one."""

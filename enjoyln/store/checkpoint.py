@@ -1,19 +1,6 @@
-"""A model directory, opened once: read and validated, then what its library makes of it (the
-meta model, the names weights are saved under, the dtype it loads in), each built when first
-needed and kept for the rest of the command or API call.
-
-A model directory comes from somewhere else, so it is treated as untrusted:
-
-- every safetensors header is validated as strictly as the format requires
-  before anything is written;
-- symlinks are followed only for the files a model directory needs (weights,
-  index, config, tokenizer, processor, generation config), wherever they
-  resolve, as in the Hugging Face cache; nothing else that resolves outside
-  the directory is copied, and a directory with such a link to a file a
-  loader may read is refused (a fold without it could load differently);
-- custom code (``auto_map``, ``*.py``) is refused unless the user trusts it,
-  so an output never carries code that the analysis did not see.
-"""
+"""A model directory, opened once: read and validated as untrusted (every safetensors header, links
+followed only to files a model needs, custom code refused unless trusted), then what its library makes
+of it, each built when first needed and kept."""
 
 from __future__ import annotations
 
@@ -24,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
+from ..plan import FoldPlan
 from .files import VCS_DIRS, is_weight_file
 from .formats import (JSON_LIMIT, PT_INDEX, PT_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, WEIGHT_FILES, TensorInfo,
                       input_file, load_pickled, parse_json_file, read_json, read_safetensors_header)
@@ -36,14 +24,11 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from ..plan import FoldPlan
-
 
 @dataclass(eq=False)
 class Checkpoint:
     """A validated model directory (Hugging Face's format, or timm's hub format), and what its
-    library makes of it, each built on first use and kept: open it once per command and hand
-    it on.
+    library makes of it, each built on first use and kept: open it once per command and hand it on.
 
     >>> ck = open_checkpoint("gpt2-dir")  # doctest: +SKIP
     >>> ck.architecture, ck.load_dtype[0], ck.key("lm_head.weight")  # doctest: +SKIP
@@ -125,8 +110,6 @@ class Checkpoint:
     def recorded_plan(self) -> FoldPlan | None:
         """The plan recorded in its ``enjoyln`` block; None without a block. A malformed block is
         refused with one line."""
-        from ..plan import FoldPlan
-
         block = self.config.get("enjoyln")
         if block is None:
             return None
@@ -139,15 +122,9 @@ class Checkpoint:
 
 
 def _index(index_file: Path) -> dict[str, str]:
-    """A weight index's map, naming only plain files inside the directory, each named as the
-    weights its loader reads it as.
-
-    transformers opens a shard with safetensors only if its name ends in ``.safetensors``, and
-    anything else with ``torch.load``: a safetensors index naming ``chat_template.jinja`` would
-    be read here as safetensors (and the file exempted from the comparison of the other files)
-    while the model fails to load and the tokenizer reads the same bytes as its template. A
-    pickle index's shards likewise carry a weight file's name, never a safetensors one.
-    """
+    """A weight index's map, naming only plain files inside the directory, each named as the weights
+    its loader reads it as (transformers opens a shard as safetensors only by its name, anything else
+    with ``torch.load``)."""
     weight_map = read_json(index_file, "a weight index").get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index_file} has no weight_map")
@@ -166,13 +143,8 @@ def _index(index_file: Path) -> dict[str, str]:
 
 
 def custom_code(root: Path, config: dict[str, Any]) -> list[str]:
-    """What in ``root`` would run code that is not part of transformers.
-
-    transformers reads ``auto_map`` from config files only (config.json,
-    tokenizer_config.json, the processor configs), so a top-level JSON file too
-    large to parse is refused if its name says it is a config, and otherwise
-    skipped: nothing reads code references from it.
-    """
+    """What in ``root`` would run code that is not part of transformers; a top-level JSON file too
+    large to parse is refused if its name says it is a config (only those carry ``auto_map``)."""
     found = []
     if config.get("auto_map"):
         found.append("auto_map in config.json")
@@ -196,12 +168,9 @@ def custom_code(root: Path, config: dict[str, Any]) -> list[str]:
 
 def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_code: bool = False,
                     model_class: str | None = None) -> Checkpoint:
-    """Validate a model directory: config, architecture, custom code and every weight header.
-
-    Nothing is loaded; a corrupt or malformed shard is reported here, before
-    any output is written. ``model_class`` names the class to build instead of the one
-    config.json names (a transformers class for the same config, such as ``MPNetModel`` for
-    weights saved without the masked-LM head ``MPNetForMaskedLM`` would add at random).
+    """Validate a model directory (config, architecture, custom code, every weight header) before any
+    output is written; nothing is loaded. ``model_class`` names a class to build instead of the one
+    config.json names (``MPNetModel`` for weights saved without ``MPNetForMaskedLM``'s head).
 
     >>> open_checkpoint("gpt2-dir").architecture  # doctest: +SKIP
     'GPT2LMHeadModel'
@@ -226,8 +195,7 @@ def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False, trus
 
 
 def _weight_files(ck: Checkpoint, source: Source, allow_pickle: bool) -> dict[str, str] | None:
-    """Set ``ck.shards`` (and ``pickled``) from the weight files the loader reads; the index's
-    map, if there is one."""
+    """Set ``ck.shards`` (and ``pickled``) from the weight files the loader reads; the index's map, if there is one."""
     root = ck.path
     present = {n for n in WEIGHT_FILES if (root / n).exists() or (root / n).is_symlink()}
     source.check_weights(root, present)

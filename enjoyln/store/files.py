@@ -10,7 +10,6 @@ import stat
 from pathlib import Path
 from typing import Iterator, TYPE_CHECKING
 
-
 from ..errors import CheckpointError
 from .formats import WEIGHT_FILES, input_file
 
@@ -41,63 +40,44 @@ def needed_file(name: str) -> bool:
 
 def _extras(ck: Checkpoint, skipped: list[str], followed: list[str] | None,
             foreign: list[str] | None = None) -> Iterator[tuple[Path, Path, bool]]:
-    """(source, path relative to MODEL_DIR, is a directory) for everything a fold copies: every
-    entry of ``md`` but the weights and config.json, by the rules ``copy_extras`` states;
-    what is left out goes to ``skipped`` with the reason.
-
-    A link that leaves the directory to a file or folder a loader may read (any but a needed
-    file, a cache blob, version-control data, or code nobody trusted) raises, naming it: a fold
-    copies nothing from outside MODEL_DIR, and without it the copy could load otherwise. With
-    ``foreign`` (the gate's view of what a loader reads from the reference, which the user
-    handed over) such links are followed instead, and listed there."""
-    root = ck.path.resolve()
+    """(source, path relative to MODEL_DIR, is a directory) for everything a fold copies, by the rules
+    ``copy_extras`` states; what is left out goes to ``skipped`` with the reason. A link out of the
+    directory to a file a loader may read raises, naming it, unless ``foreign`` (the gate's view of a
+    reference the user handed over) collects it."""
+    walk = _Walk(ck, skipped, followed, foreign)
     skip = WEIGHT_FILES | set(ck.shards) | {"config.json"}
-    linked: set[Path] = set()  # directories already entered through a link
+    for item in sorted(ck.path.iterdir()):
+        if item.name in skip or is_weight_file(item.name):
+            continue  # weights in any other format would be stale, uncentered copies
+        yield from walk.visit(item, Path(item.name), True, (walk.root,))
 
-    def inside(p: Path) -> bool:
-        return p == root or root in p.parents
 
-    # A Hugging Face cache snapshot (<repo>/snapshots/<revision>) links every file, whatever its
-    # name (a PhoBERT bpe.codes, an emoji.json), to <repo>/blobs: those are the snapshot's own.
-    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
-    blobs = blobs if blobs is not None and blobs.is_dir() and not blobs.is_symlink() else None
+class _Walk:
+    """The walk of a model directory behind ``_extras``."""
 
-    def cached(target: Path) -> bool:
-        return blobs is not None and target.parent == blobs and target.is_file()
+    def __init__(self, ck: Checkpoint, skipped: list[str], followed: list[str] | None,
+                 foreign: list[str] | None) -> None:
+        self.ck, self.skipped, self.followed, self.foreign = ck, skipped, followed, foreign
+        self.root = ck.path.resolve()
+        self.linked: set[Path] = set()  # directories already entered through a link
+        # A Hugging Face cache snapshot (<repo>/snapshots/<revision>) links every file, whatever its
+        # name (a PhoBERT bpe.codes, an emoji.json), to <repo>/blobs: those are the snapshot's own.
+        blobs = self.root.parent.parent / "blobs" if self.root.parent.name == "snapshots" else None
+        self.blobs = blobs if blobs is not None and blobs.is_dir() and not blobs.is_symlink() else None
 
-    def visit(src: Path, rel: Path, top: bool, chain: tuple[Path, ...]) -> Iterator[tuple[Path, Path, bool]]:
+    def inside(self, p: Path) -> bool:
+        return p == self.root or self.root in p.parents
+
+    def cached(self, target: Path) -> bool:
+        return self.blobs is not None and target.parent == self.blobs and target.is_file()
+
+    def visit(self, src: Path, rel: Path, top: bool, chain: tuple[Path, ...]) -> Iterator[tuple[Path, Path, bool]]:
         # chain: the real directories being copied, outermost first. Links that lead back into
         # one of them would recurse until the path is too long; links entered twice could
         # copy a tree exponentially many times.
-        name = str(rel)
-        if src.is_symlink():
-            try:
-                target = src.resolve(strict=True)
-            except (OSError, RuntimeError):
-                if top and needed_file(src.name):
-                    input_file(src)  # raises, naming the link
-                skipped.append(f"{name} (a dangling symlink)")
-                return
-            if target.is_dir() and (target in chain or target in src.parent.resolve().parents
-                                    or target == src.parent.resolve()):
-                skipped.append(f"{name} (a symlink to a directory that contains it)")
-                return
-            if target.is_dir() and target in linked:
-                skipped.append(f"{name} (a second symlink to a directory already copied)")
-                return
-            if not inside(target) and ((top and needed_file(src.name) and target.is_file()) or cached(target)):
-                if followed is not None:
-                    followed.append(f"{name} -> {target}")
-            elif not inside(target) and _readable(src, target, ck.trust_remote_code):
-                if foreign is None:
-                    raise CheckpointError(
-                        f"{ck.path / name} links to {target}, outside MODEL_DIR: a loader may read it, but a fold "
-                        "copies nothing from outside MODEL_DIR; replace the link with a copy of what it points "
-                        "to (or remove it) and run again")
-                foreign.append(f"{name} -> {target}")
-            # else inside, or outside but read by no loader: skipped below like its kind anywhere
-            if target.is_dir():
-                linked.add(target)
+        name, skipped = str(rel), self.skipped
+        if src.is_symlink() and not self.follow(src, name, top, chain):
+            return
         try:
             mode = src.stat().st_mode
         except OSError as exc:
@@ -108,8 +88,8 @@ def _extras(ck: Checkpoint, skipped: list[str], followed: list[str] | None,
                 return
             yield src, rel, True
             for child in sorted(src.iterdir()):
-                yield from visit(child, rel / child.name, False, (*chain, src.resolve()))
-        elif stat.S_ISREG(mode) and name.endswith(".py") and not ck.trust_remote_code:
+                yield from self.visit(child, rel / child.name, False, (*chain, src.resolve()))
+        elif stat.S_ISREG(mode) and name.endswith(".py") and not self.ck.trust_remote_code:
             # custom_code() walked the real tree; one reached only through a link was never accepted
             skipped.append(f"{name} (code, reached through a link)")
         elif stat.S_ISREG(mode):
@@ -117,10 +97,36 @@ def _extras(ck: Checkpoint, skipped: list[str], followed: list[str] | None,
         else:
             skipped.append(f"{name} (not a regular file)")
 
-    for item in sorted(ck.path.iterdir()):
-        if item.name in skip or is_weight_file(item.name):
-            continue  # weights in any other format would be stale, uncentered copies
-        yield from visit(item, Path(item.name), True, (root,))
+    def follow(self, src: Path, name: str, top: bool, chain: tuple[Path, ...]) -> bool:
+        """Whether the walk goes on through the link ``src``, which it records."""
+        try:
+            target = src.resolve(strict=True)
+        except (OSError, RuntimeError):
+            if top and needed_file(src.name):
+                input_file(src)  # raises, naming the link
+            self.skipped.append(f"{name} (a dangling symlink)")
+            return False
+        if target.is_dir() and (target in chain or target in src.parent.resolve().parents
+                                or target == src.parent.resolve()):
+            self.skipped.append(f"{name} (a symlink to a directory that contains it)")
+            return False
+        if target.is_dir() and target in self.linked:
+            self.skipped.append(f"{name} (a second symlink to a directory already copied)")
+            return False
+        if not self.inside(target) and ((top and needed_file(src.name) and target.is_file()) or self.cached(target)):
+            if self.followed is not None:
+                self.followed.append(f"{name} -> {target}")
+        elif not self.inside(target) and _readable(src, target, self.ck.trust_remote_code):
+            if self.foreign is None:
+                raise CheckpointError(
+                    f"{self.ck.path / name} links to {target}, outside MODEL_DIR: a loader may read it, but a fold "
+                    "copies nothing from outside MODEL_DIR; replace the link with a copy of what it points "
+                    "to (or remove it) and run again")
+            self.foreign.append(f"{name} -> {target}")
+        # else inside, or outside but read by no loader: skipped below like its kind anywhere
+        if target.is_dir():
+            self.linked.add(target)
+        return True
 
 
 def _readable(link: Path, target: Path, trusted: bool) -> bool:
@@ -140,18 +146,9 @@ def check_links(ck: Checkpoint) -> None:
 
 def copy_extras(ck: Checkpoint, dest: Path, followed: list[str] | None = None) -> list[str]:
     """Copy every file of ``md`` but the weights and config into ``dest``; return what was skipped.
-
-    ``followed`` collects the needed files copied through a link that leaves the
-    directory (``name -> target``), so that the caller can say so.
-
-    A symlink is followed when it resolves inside the directory, when it is a
-    file a model directory needs (top level only), or when the directory is a
-    Hugging Face cache snapshot and it resolves to one of that repository's
-    blobs (any file, at any depth). Any other link that resolves outside the
-    directory to a file or folder is refused (``check_links`` says so before
-    anything is written); special files, version-control data and dangling
-    links are skipped; modes follow the umask, not the source.
-    """
+    A link is followed when it resolves inside the directory, to a file a model directory needs (top
+    level), or to a blob of the Hugging Face cache snapshot; any other link out of it is refused, and
+    ``followed`` collects the needed files copied through one. Modes follow the umask."""
     skipped: list[str] = []
     for src, rel, is_dir in _extras(ck, skipped, followed):
         if is_dir:

@@ -73,9 +73,8 @@ class TensorInfo:
 
 
 def widened(stored: torch.dtype, loads: torch.dtype) -> torch.dtype:
-    """The dtype a fold stores a changed tensor in: its own, or the dtype the model loads it in
-    where that is wider. A centered float16 table that loads as float32 is not zero-mean in
-    float32: rounded to float16 after the centering, it keeps a mean of an ulp or so."""
+    """The dtype a fold stores a changed tensor in: its own, or the wider dtype the model loads it in
+    (a centered float16 table rounded after centering keeps a mean of an ulp in float32)."""
     wider = stored.is_floating_point and loads.is_floating_point and loads.itemsize > stored.itemsize
     return loads if wider else stored
 
@@ -90,15 +89,9 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and validate a safetensors header, as strictly as the format requires.
-
-    Every tensor's byte count matches its dtype and shape, and the tensors
-    tile the data section exactly: sorted by offset they start at 0, each
-    begins where the one before ends (no overlap, no gap) and the last ends
-    at the end of the file. A file that breaks this is refused, naming the
-    tensors, because an overlap would otherwise come out of a fold as two
-    independent copies of the same bytes.
-    """
+    """Parse and validate a safetensors header: every tensor's byte count matches its dtype and
+    shape, and the tensors tile the data section exactly (an overlap would come out of a fold as two
+    independent copies of the same bytes)."""
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:
@@ -185,10 +178,8 @@ def _depth_exceeds(data: Any, limit: int) -> bool:
 
 
 def loader_text(raw: bytes) -> str:
-    """A JSON file's bytes as transformers reads them (``open(..., encoding="utf-8")``): strict
-    UTF-8, a byte-order mark kept as a character, which ``json.loads`` then refuses. Python's
-    ``json.loads`` of the bytes would skip the mark and also take UTF-16 or UTF-32, so a file
-    transformers cannot read (for generation_config.json: silently ignores) would parse."""
+    """A JSON file's bytes as transformers reads them: strict UTF-8, a byte-order mark kept as a
+    character, which ``json.loads`` then refuses (as transformers does)."""
     return raw.decode("utf-8")
 
 

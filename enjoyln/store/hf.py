@@ -3,6 +3,7 @@ the dtype it loads in, and the mapping between parameter names and checkpoint ke
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, first_line
-from .formats import DTYPES, PT_INDEX, SAFE_INDEX, parse_json_file
+from .formats import DTYPES, JSON_LIMIT, PT_INDEX, SAFE_INDEX, parse_json_file
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -20,9 +21,8 @@ if TYPE_CHECKING:
 
 @functools.lru_cache(maxsize=1)
 def transformers_names() -> frozenset[str]:
-    """transformers' public names, lazy ones included, without importing the model's module,
-    which alone can take seconds (meta_model imports it and checks it is a class). What dir()
-    lists, read directly: its lazy module's dir() is quadratic in its 6,500 names (0.3-0.4 s)."""
+    """transformers' public names, lazy ones included, without importing the model's module (which
+    can take seconds), read directly as its lazy module's dir() is quadratic in its 6,500 names."""
     import transformers
 
     return frozenset(vars(transformers)) | frozenset(getattr(transformers, "__all__", ()))
@@ -90,13 +90,9 @@ def dtype_name(dtype: Any) -> str:
 
 
 def transformers_load_dtype(ck: Checkpoint) -> tuple[str, str]:
-    """The dtype a plain ``from_pretrained`` loads ``md`` in (its name), and where it comes from.
-
-    transformers 5 loads with ``dtype="auto"`` by default (``modeling_utils._get_dtype``): the
-    config's ``dtype`` (``torch_dtype`` is its old name); without one, for a sharded checkpoint,
-    the index metadata's ``dtype``; else the first floating tensor of the first weight file, in
-    the order its loader lists the keys. Every sub-config then gets that dtype.
-    """
+    """The dtype a plain ``from_pretrained`` loads ``md`` in (its name), and where it comes from, as
+    transformers 5's ``dtype="auto"`` decides: the config's ``dtype``, else the index metadata's, else
+    the first floating tensor of the first weight file."""
     value = getattr(auto_config(ck), "dtype", None)
     if value is not None:
         return _floating(value, ck.path / "config.json"), "config.json"
@@ -126,13 +122,8 @@ def _floating(value: Any, where: Path) -> str:
 
 
 def saved_names(model: nn.Module) -> dict[str, str]:
-    """Parameter name -> the key ``save_pretrained`` writes for it.
-
-    transformers 5 renames some weights on save (ViT's ``layers.0.attention.
-    k_proj`` is saved as ``encoder.layer.0.attention.attention.key``). Its own
-    reverse conversion, run on meta tensors, tells which key holds which
-    tensor, matched by identity.
-    """
+    """Parameter name -> the key ``save_pretrained`` writes for it (transformers 5 renames some
+    weights on save), from its own reverse conversion run on meta tensors."""
     named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     try:
         from transformers.modeling_utils import revert_weight_conversion
@@ -189,3 +180,28 @@ def missing_parameters(ck: Checkpoint) -> list[str]:
         by_id.setdefault(id(t), []).append(name)
     random = random_when_missing(ck.meta)
     return [names[0] for names in by_id.values() if names[0] in random and all(ck.key(n) is None for n in names)]
+
+
+def transformers_generation(ck: Checkpoint) -> dict[str, Any]:
+    """The generation settings ``from_pretrained`` gives the model, built as transformers 5 builds
+    them: from generation_config.json, else from config.json's raw values (which may sample)."""
+    import transformers
+
+    file = ck.path / "generation_config.json"
+    data = None
+    if file.is_file():
+        try:
+            data = parse_json_file(file, "a generation config")
+        except CheckpointError:
+            if file.stat().st_size > JSON_LIMIT:
+                raise
+    try:
+        if isinstance(data, dict):
+            settings = transformers.GenerationConfig.from_dict(copy.deepcopy(data)).to_dict()
+        else:
+            settings = transformers.GenerationConfig.from_model_config(copy.deepcopy(ck.config)).to_dict()
+    except Exception as exc:  # transformers raises many kinds for a bad file
+        raise CheckpointError(f"cannot read the generation config of {ck.path}: "
+                              f"{first_line(exc)}") from None
+    settings.pop("transformers_version", None)  # the running transformers' version, on both sides
+    return settings

@@ -1,6 +1,5 @@
-"""Loading a folded directory as a user does: ``load`` runs its recorded LayerNorms as RMSNorm,
-``load_plain`` gives what the library's own loader (``from_pretrained``, timm's
-``create_model``) gives."""
+"""Loading a folded directory as a user does: ``load`` with RMSNorm, ``load_plain`` as the library's
+own loader gives it."""
 
 from __future__ import annotations
 
@@ -19,16 +18,10 @@ __all__ = ["load", "load_plain"]
 def load(path: str | os.PathLike | Checkpoint, *, allow_pickle: bool = False, trust_remote_code: bool = False,
          max_memory: int | None = None, offload_dir: str | os.PathLike | None = None, model_class: str | None = None,
          **from_pretrained_kwargs: Any) -> nn.Module:
-    """Load a folded directory and run its recorded LNs as ``enjoyln.RMSNorm``.
-
-    A Hugging Face directory loads with ``from_pretrained`` (``from_pretrained_kwargs`` go
-    there); a timm hub-format directory with ``timm.create_model`` (``dtype`` only).
-
-    Auxiliary centerings recorded in the directory are installed again. A
-    directory without an ``enjoyln`` block loads as it is. Custom code runs
-    only with ``trust_remote_code=True``. With ``max_memory`` (bytes), at
-    most that much of the weights stays in memory; accelerate reads the rest
-    from the safetensors files (or ``offload_dir``) as each layer runs.
+    """Load a folded directory and run its recorded LNs as ``enjoyln.RMSNorm``, with transformers'
+    ``from_pretrained`` (``from_pretrained_kwargs`` go there) or timm's ``create_model``; recorded
+    auxiliary centerings are installed again. With ``max_memory`` (bytes), the rest of the weights are
+    read from disk as each layer runs. Custom code runs only with ``trust_remote_code=True``.
 
     >>> model = load("gpt2-folded", dtype="bfloat16")  # doctest: +SKIP
     """
@@ -48,8 +41,8 @@ def load_plain(path: str | os.PathLike | Checkpoint, *, allow_pickle: bool = Fal
                  model_class=model_class, **from_pretrained_kwargs)
 
 
-def _load(path: str | os.PathLike | Checkpoint, *, plain: bool, allow_pickle: bool = False, trust_remote_code: bool = False,
-          max_memory: int | None = None, offload_dir: str | os.PathLike | None = None,
+def _load(path: str | os.PathLike | Checkpoint, *, plain: bool, allow_pickle: bool = False,
+          trust_remote_code: bool = False, max_memory: int | None = None, offload_dir: str | os.PathLike | None = None,
           model_class: str | None = None, **from_pretrained_kwargs: Any) -> nn.Module:
     """``load``, or with ``plain`` what the library's own loader gives (transformers'
     ``from_pretrained``, timm's ``create_model``; the recorded LNs stay LayerNorms): the two ways

@@ -37,11 +37,9 @@ def available_memory() -> int | None:
 
 
 def built_bytes(model: nn.Module, dtype_name: str) -> tuple[int, int]:
-    """(total, largest) bytes of what loading builds: every parameter and buffer of the meta
-    ``model``, which knows them all without allocating any. That includes what the model makes
-    from its config alone, stored nowhere (GPT-J's sinusoid table grows with n_positions).
-    Floating parameters count in the dtype the model loads in (``dtype_name``); buffers in their
-    own. ``Checkpoint.built`` keeps it: the meta model takes a while to build."""
+    """(total, largest) bytes of what loading builds, from the meta ``model``: every parameter and
+    buffer, those it makes from its config included (GPT-J's sinusoid table); floating parameters in
+    the dtype it loads in (``dtype_name``), buffers in their own."""
     dtype = getattr(torch, dtype_name, None)
     size = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
     seen: set[int] = set()

@@ -1,18 +1,6 @@
-"""Where a model directory's model comes from: transformers, or timm.
-
-config.json says which library builds the model: transformers names its
-classes in ``"architectures"`` (a list); timm's hub format, as
-``timm.models.push_to_hf_hub`` writes it, names a registered model in
-``"architecture"`` (a string) beside ``num_classes``, ``model_args`` and
-``pretrained_cfg``. Everything that differs between the two (validating the
-name, building the model on the meta device, loading it, the dtype it loads
-in, the generation settings it carries) goes through a ``Source``; the rest
-of the file path (streaming, centering, the static check) is the same.
-
-timm is imported only for a timm directory. It is never asked to download
-anything: the weights always come from the directory's own
-``model.safetensors``.
-"""
+"""Where a model directory's model comes from, transformers or timm (as config.json says): a ``Source``
+validates the name, builds the meta model, loads it, and gives its load dtype and generation settings.
+timm is imported only for a timm directory and never downloads anything."""
 
 from __future__ import annotations
 
@@ -23,7 +11,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, first_line
+from ..errors import CheckpointError
+from .formats import SAFE_WEIGHTS
+from .hf import (model_class, transformers_generation, transformers_load_dtype, transformers_meta_model,
+                 transformers_names, unknown_architecture)
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -80,29 +71,21 @@ class Transformers(Source):
     loader = "from_pretrained"
 
     def architecture(self, root: Path, config: dict[str, Any], remote: bool) -> str:
-        from .hf import transformers_names, unknown_architecture
-
         arch = config["architectures"][0]
         if not isinstance(arch, str) or (not remote and arch not in transformers_names()):
             raise unknown_architecture(arch)
         return arch
 
     def other_class(self, root: Path, name: str) -> str:
-        from .hf import transformers_names
-
         if name not in transformers_names() or not name[:1].isupper() or name.endswith("Config"):
             raise CheckpointError(f"--model-class {name!r} is not a transformers model class (such as MPNetModel)")
         return name
 
     def meta_model(self, ck: "Checkpoint") -> nn.Module:
-        from .hf import transformers_meta_model
-
         return transformers_meta_model(ck)
 
     def load(self, ck: "Checkpoint", *, trust_remote_code: bool = False, max_memory: int | None = None,
              offload_dir: Any = None, **kwargs: Any) -> nn.Module:
-        from .hf import model_class
-
         cls = model_class(ck)
         kwargs["trust_remote_code"] = trust_remote_code
         if ck.pickled:
@@ -115,43 +98,10 @@ class Transformers(Source):
         return cls.from_pretrained(ck.path, **kwargs)
 
     def load_dtype(self, ck: "Checkpoint") -> tuple[str, str]:
-        from .hf import transformers_load_dtype
-
         return transformers_load_dtype(ck)
 
     def generation(self, ck: "Checkpoint") -> dict[str, Any]:
         return transformers_generation(ck)
-
-
-def transformers_generation(ck: "Checkpoint") -> dict[str, Any]:
-    """The generation settings ``from_pretrained`` gives the model, built as transformers 5 builds
-    them (``GenerationMixin.adjust_generation_fn``): from generation_config.json, or, when it is
-    missing or not JSON, ``GenerationConfig.from_model_config`` of config.json's raw values,
-    which keeps the sampling settings a config may carry (``do_sample``, ``temperature``)."""
-    import copy
-
-    import transformers
-
-    from .formats import JSON_LIMIT, parse_json_file
-
-    file = ck.path / "generation_config.json"
-    data = None
-    if file.is_file():
-        try:
-            data = parse_json_file(file, "a generation config")
-        except CheckpointError:
-            if file.stat().st_size > JSON_LIMIT:
-                raise
-    try:
-        if isinstance(data, dict):
-            settings = transformers.GenerationConfig.from_dict(copy.deepcopy(data)).to_dict()
-        else:
-            settings = transformers.GenerationConfig.from_model_config(copy.deepcopy(ck.config)).to_dict()
-    except Exception as exc:  # transformers raises many kinds for a bad file
-        raise CheckpointError(f"cannot read the generation config of {ck.path}: "
-                              f"{first_line(exc)}") from None
-    settings.pop("transformers_version", None)  # the running transformers' version, on both sides
-    return settings
 
 
 def import_timm() -> Any:
@@ -185,7 +135,8 @@ class Timm(Source):
             raise CheckpointError(f"{root / 'config.json'} names the architecture {arch!r}, which is not a model name")
         for key, kind in (("model_args", dict), ("pretrained_cfg", dict), ("num_classes", int)):
             if key in config and not isinstance(config[key], kind):
-                raise CheckpointError(f"{root / 'config.json'}'s {key} is not {'an object' if kind is dict else 'an integer'}")
+                what = "an object" if kind is dict else "an integer"
+                raise CheckpointError(f"{root / 'config.json'}'s {key} is not {what}")
         loading = sorted(set(config.get("model_args") or {}) & _LOADING_ARGS)
         if loading:
             # create_model would load (or fetch) weights from elsewhere than the directory's file
@@ -198,15 +149,11 @@ class Timm(Source):
         return arch
 
     def check_weights(self, root: Path, present: set[str]) -> None:
-        from .formats import SAFE_WEIGHTS
-
         if SAFE_WEIGHTS not in present:
             raise CheckpointError(f"{root} has no {SAFE_WEIGHTS}; enjoyln reads a timm model directory's weights "
                                   "from that one file, which is what timm loads first")
 
     def _build(self, ck: "Checkpoint", pretrained: bool) -> nn.Module:
-        from .formats import SAFE_WEIGHTS
-
         timm = import_timm()
         cfg = ck.config
         overlay = dict(cfg.get("pretrained_cfg") or {})

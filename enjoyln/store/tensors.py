@@ -1,14 +1,6 @@
-"""Reading a checkpoint's tensors one at a time, with the next one read while this one is used.
-
-Two ways in. ``read`` copies a tensor into memory of its own, which the caller may change:
-``preadv`` releases the GIL, so a single reader thread (``read_ahead``) overlaps the disk (or
-page cache) with the work on the tensor before it; it holds at most one job beyond the current
-one, and only a job of at most ``READ_AHEAD`` bytes, so peak memory stays a few of the largest
-tensors. ``mapped`` maps a tensor read-only from its file instead, for code that only reads it
-(the C kernels that compare and center): no copy and no fresh memory, whose first touch costs
-more than the reading itself on a virtual machine; ``prefetch`` asks the kernel to read the
-next one from disk meanwhile.
-"""
+"""Reading a checkpoint's tensors one at a time: ``read`` into memory of its own, the next one read
+meanwhile by one thread (``preadv`` releases the GIL); ``mapped`` read-only from the file, no copy, for
+the C kernels that compare and center (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -51,14 +43,9 @@ _MADV_POPULATE_WRITE = 23
 
 
 class Mapped:
-    """One tensor's bytes mapped read-only from its file: ``address`` (any alignment) holds
-    ``nbytes`` until ``close``. The pages are the page cache's own; nothing is copied.
-
-    A file truncated while it is mapped ends the process with SIGBUS when the missing part is
-    touched (a non-zero exit, never a verdict): the same as for every loader that maps
-    safetensors files, transformers' included. A ``writable`` mapping has every page made
-    writable up front, or raises ``OSError`` (a full disk, a kernel before 5.14).
-    """
+    """One tensor's bytes mapped read-only from its file (the page cache's own pages) until ``close``;
+    a file truncated meanwhile ends the process with SIGBUS, as for every loader that maps safetensors.
+    A ``writable`` mapping has every page made writable up front, or raises ``OSError``."""
 
     def __init__(self, fd: int, start: int, nbytes: int, *, writable: bool = False) -> None:
         page = mmap.ALLOCATIONGRANULARITY
@@ -121,10 +108,8 @@ class Buffer:
 
 
 class TensorReader:
-    """The tensors of one model directory by checkpoint key, each read into a fresh buffer.
-
-    A pickled checkpoint's tensors are the ones it loaded (with ``weights_only=True``); otherwise
-    the safetensors files are read with ``preadv``.
+    """The tensors of one model directory by checkpoint key, each read into a fresh buffer (a
+    pickled checkpoint's as it loaded them, with ``weights_only=True``).
 
     >>> reader = TensorReader(open_checkpoint("gpt2"))  # doctest: +SKIP
     >>> reader.read("wte.weight").shape  # doctest: +SKIP
@@ -260,14 +245,9 @@ def read_ahead(jobs: Iterable[J], load: Callable[[J], R], size: Callable[[J], in
 
 
 def return_freed_memory() -> None:
-    """Make glibc hand large freed blocks back to the system at once.
-
-    Offloaded layers load and free the same large tensors over and over; with
-    glibc's adaptive threshold those land on the heap, fragment it and keep
-    the process's memory near twice the budget (1.9 GB against 0.9 GB for a
-    1 GB GPT-2 within 512 MB, measured). A fixed 128 KiB threshold puts them
-    in their own mappings, returned when freed. Elsewhere this does nothing.
-    """
+    """Make glibc hand large freed blocks back to the system at once: offloaded layers load and free
+    the same large tensors over and over, which with glibc's adaptive threshold fragment the heap and
+    keep memory near twice the budget. Elsewhere this does nothing."""
     import ctypes
     import ctypes.util
 

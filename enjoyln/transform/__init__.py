@@ -1,1 +1,1 @@
-"""Transformations: apply a ``FoldPlan`` to a model in memory (center, untie, fuse, swap, rotate), and training with CBWC."""
+"""Transformations: apply a ``FoldPlan`` to a model in memory, and training with CBWC."""

@@ -1,9 +1,5 @@
-"""Rewrite: apply a FoldPlan to a model, in place, and the public ``fold`` and ``rotate``.
-
-The Transformation steps, applied in this order (see ``PIPELINE``). Each declares whether it
-preserves the model's computation when applied after the ones before it; the
-tests check every promise on perturbed-weight models. Their tensor math is in ``tensors``.
-"""
+"""The Transformation steps that apply a FoldPlan to a model in place (``PIPELINE``), and the public
+``fold`` and ``rotate``; the tensor math is in ``tensors``."""
 
 from __future__ import annotations
 
@@ -30,11 +26,9 @@ from .trace import Op, Product, Tracer
 
 class Transformation:
     """One step of the rewrite, with its three meanings side by side: what it does to a model in
-    memory (``__call__``), what it does to a checkpoint's tensors (``trace``: each in-place
-    change, with what it reads, which ``rewrite.stream`` replays tensor by tensor for the fold and
-    the static check), and what loading a folded checkpoint must do again (``on_load``: what a
-    checkpoint cannot hold, such as hooks, module classes and tensors the model builds itself).
-    A step lacking one of them fails ``tests/transform/test_steps.py``."""
+    memory (``__call__``), to a checkpoint's tensors (``trace``, which ``rewrite.stream`` replays),
+    and what loading a folded checkpoint must do again (``on_load``: hooks, module classes, tensors
+    the model builds itself). ``tests/transform/test_steps.py`` fails a step lacking one."""
 
     preserves_computation: bool = True
     """Applied after the steps before it, the model's outputs do not change."""
@@ -56,13 +50,9 @@ class Transformation:
 
 
 class InsertCentering(Transformation):
-    """Install the plan's auxiliary centerings as forward hooks.
+    """Install the plan's auxiliary centerings as forward hooks (each placed where the shift it
+    removes reaches only LN inputs)."""
 
-    The analysis placed each one only where the shift it removes reaches
-    nothing but LN inputs, so the outputs do not change.
-    """
-
-    preserves_computation = True
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         for a in plan.auxiliary:
@@ -89,13 +79,9 @@ class InsertCentering(Transformation):
 
 
 class UntieParameters(Transformation):
-    """Give each tied name in ``plan.untied`` its own copy of the tensor.
+    """Give each tied name in ``plan.untied`` its own copy of the tensor, so that centering the
+    embedding leaves the tied output head alone."""
 
-    Both names still hold equal values, so nothing changes yet; it lets the
-    centering of the embedding leave the tied output head alone.
-    """
-
-    preserves_computation = True
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         for u in plan.untied:
@@ -103,13 +89,8 @@ class UntieParameters(Transformation):
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         for u in plan.untied:
-            module, attr = owner_of(model, u.param)
-            old = getattr(module, attr)
-            if old is not tensor_at(model, u.tied_to):
-                continue  # already untied
-            copy = old.detach().clone()
-            setattr(module, attr, nn.Parameter(copy, old.requires_grad)
-                    if isinstance(old, nn.Parameter) else copy)
+            if tensor_at(model, u.param) is tensor_at(model, u.tied_to):  # else already untied
+                _own_copy(model, u.param)
         if plan.untied:
             untie_config(model)
         return model
@@ -123,13 +104,9 @@ class UntieParameters(Transformation):
 
 
 class CenterParameters(Transformation):
-    """Column-based weight centering in float64, cast back to each dtype.
+    """Column-based weight centering in float64, cast back to each dtype: only LN inputs see the
+    change (the analysis proved it), and an LN ignores its input's mean."""
 
-    Only LN inputs see the change (the analysis proved it), and an LN ignores
-    its input's mean, so the outputs stay the same.
-    """
-
-    preserves_computation = True
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         for c in plan.centered:
@@ -170,16 +147,10 @@ class CenterParameters(Transformation):
 
 
 class FuseAffine(Transformation):
-    """Move each folded norm's γ and β into the linear layers that read its output.
+    """Move each folded norm's γ and β into the linear layers that read its output; the norm keeps
+    γ = 1 and β = 0 (or β/γ where a reader has no bias). Runs before the centering, which commutes
+    with it."""
 
-    Each reader ``z = W y + c`` of ``y = γ ⊙ r + β`` becomes ``(W diag γ) r +
-    (W β + c)``; the norm keeps γ = 1 and β = 0 (or β/γ where a reader has no
-    bias), so as a LayerNorm it still computes what its readers now expect,
-    and the outputs do not change. Runs before the centering, which commutes
-    with it.
-    """
-
-    preserves_computation = True
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         for e in plan.foldable:
@@ -196,10 +167,12 @@ class FuseAffine(Transformation):
                         width is not None and f.offset + f.length > width):
                     raise PlanError(f"the plan fuses {e.name} into entries {f.start}-{f.start + f.length - 1} of "
                                     f"{f.weight}'s axis {f.axis}, which it does not have")
-                if f.bias and e.affine == AFFINE_FUSED and tensor_at(model, f.bias).numel() * w.shape[f.axis] != w.numel():
+                if (f.bias and e.affine == AFFINE_FUSED
+                        and tensor_at(model, f.bias).numel() * w.shape[f.axis] != w.numel()):
                     raise PlanError(f"the plan adds to {f.bias}, whose shape does not fit {f.weight}")
             gamma = getattr(norm, "weight", None)
-            if e.affine == AFFINE_GAIN and gamma is not None and gamma.device.type != "meta" and not bool(gamma.ne(0).all()):
+            if (e.affine == AFFINE_GAIN and gamma is not None and gamma.device.type != "meta"
+                    and not bool(gamma.ne(0).all())):
                 raise PlanError(f"the plan keeps {e.name}'s bias as β/γ, but its gain has a zero entry; "
                                 "analyze this model again")
 
@@ -223,9 +196,8 @@ class FuseAffine(Transformation):
         return model
 
     def trace(self, t: Tracer, plan: FoldPlan) -> None:
-        """``fuse_`` adds ``W β`` to a reader's bias (W as it is just before) and scales W's block
-        by γ (the norm's γ and β as they are when its entry is reached); then γ becomes 1 and β 0,
-        or β/γ."""
+        """``fuse_`` adds ``W β`` to a reader's bias and scales W's block by γ (each as it is then);
+        then γ becomes 1 and β 0, or β/γ."""
         for e in plan.foldable:
             if e.affine not in (AFFINE_FUSED, AFFINE_GAIN):
                 continue
@@ -247,13 +219,9 @@ class FuseAffine(Transformation):
 
 
 class SwapLayerNorms(Transformation):
-    """Replace every foldable LN with ``enjoyln.RMSNorm`` (a GroupNorm with ``GroupRMSNorm``).
+    """Replace every foldable LN with ``enjoyln.RMSNorm`` (a GroupNorm with ``GroupRMSNorm``): exact
+    once CenterParameters has run, as each then sees a zero-mean input."""
 
-    Exact once CenterParameters has run: each swapped LN then sees a
-    zero-mean input, where LN and RMSNorm agree.
-    """
-
-    preserves_computation = True
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         for e in plan.foldable:
@@ -342,14 +310,9 @@ def _norm_misfit(module: nn.Module, e: LayerNormEntry) -> str:
 
 
 def _become(module: nn.Module, cls: type, e: LayerNormEntry | None = None) -> None:
-    """Turn a norm module into ``cls`` in place.
-
-    A model loaded with offloading (accelerate's ``device_map``) keeps each
-    module's weights behind a hook that wraps that module's ``forward``; a new
-    module would have none, so the module stays and changes class instead.
-    GroupRMSNorm reads only attributes GroupNorm already has; an RMSNorm gets
-    the plan entry's shape, epsilon and form.
-    """
+    """Turn a norm module into ``cls`` in place: a model loaded with offloading (accelerate's
+    ``device_map``) keeps each module's weights behind a hook that wraps its ``forward``, which a
+    new module would not have. An RMSNorm gets the plan entry's shape, epsilon and form."""
     if cls is RMSNorm and e is not None:
         for leaf in ("weight", "bias"):
             if not hasattr(module, leaf):  # OLMo's norm has neither
@@ -371,14 +334,9 @@ def _rms_args(node: fx.Node) -> tuple:
 
 
 class RotateStream(Transformation):
-    """Rotate the residual stream by the plan's ``Q`` (``enjoyln.analysis.rotation``), in float64.
+    """Rotate the residual stream by the plan's ``Q``, in float64; after SwapLayerNorms, as the
+    weightless RMSNorms then commute with ``Q``."""
 
-    Runs after SwapLayerNorms: the weightless RMSNorms then commute with ``Q``,
-    and the analysis proved every other reader of the stream is a residual sum
-    or a linear layer rotated alike, so the outputs do not change.
-    """
-
-    preserves_computation = True
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         r = plan.rotation
@@ -423,30 +381,25 @@ def _has(model: nn.Module, fqn: str) -> bool:
     return True
 
 
+def _own_copy(model: nn.Module, fqn: str) -> None:
+    module, attr = owner_of(model, fqn)
+    old = getattr(module, attr)
+    copy = old.detach().clone()
+    setattr(module, attr, nn.Parameter(copy, old.requires_grad) if isinstance(old, nn.Parameter) else copy)
+
 class SeparateTies(Transformation):
-    """Give each tie that untying the head dropped its own copy of the (final) tensor.
+    """Give each tie that untying the head dropped its own copy of the (final) tensor: the untied
+    config no longer re-ties them on load, and ``save_pretrained`` writes a shared tensor once, so a
+    reloaded model would get the other name at random (BERT's MLM decoder bias). Last, so that every
+    centering, fusion and rotation reached both names."""
 
-    In memory the two names still share one tensor, which is right, but the
-    untied config no longer re-ties them on load, and ``save_pretrained``
-    writes a shared tensor once: a reloaded model would get the other name at
-    random (BERT's MLM decoder bias). Separate, equal copies compute the same.
-    Last, so that every centering, fusion and rotation reached both names.
-    """
-
-    preserves_computation = True
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         if not plan.untied:
             return model  # the config still ties: the loader re-ties them
         for target, source in declared_ties(model).items():
-            if not (_has(model, target) and _has(model, source)):
-                continue
-            module, attr = owner_of(model, target)
-            old = getattr(module, attr)
-            if old is tensor_at(model, source):
-                copy = old.detach().clone()
-                setattr(module, attr, nn.Parameter(copy, old.requires_grad)
-                        if isinstance(old, nn.Parameter) else copy)
+            if _has(model, target) and _has(model, source) and tensor_at(model, target) is tensor_at(model, source):
+                _own_copy(model, target)
         return model
 
     def trace(self, t: Tracer, plan: FoldPlan) -> None:
@@ -458,9 +411,8 @@ PIPELINE: tuple[Transformation, ...] = (InsertCentering(), UntieParameters(), Fu
 
 
 def check_fits(model: nn.Module, plan: FoldPlan) -> None:
-    """Refuse a plan made for another model: another class, or other norm modules
-    (a plan for 2 layers applied to 3 would leave the third layer's sources
-    uncentered under a swapped final norm)."""
+    """Refuse a plan made for another model: another class, or other norm modules (a plan for 2
+    layers applied to 3 would leave the third layer's sources uncentered)."""
     if plan.model and plan.model != type(model).__name__:
         raise PlanError(f"the plan was made for a {plan.model}, not a {type(model).__name__}")
     if plan.norm_modules:
@@ -480,21 +432,23 @@ def check_fits(model: nn.Module, plan: FoldPlan) -> None:
 
 def apply_plan(model: nn.Module, plan: FoldPlan) -> nn.Module:
     """Apply a plan in place; check it fits the model before changing anything."""
-    check_fits(model, plan)
-    for step in PIPELINE:
-        step.check(model, plan)
+    _check(model, plan)
     for step in PIPELINE:
         step(model, plan)
     return model
 
 
-def trace_plan(model: nn.Module, plan: FoldPlan, key: Callable[[str], str | None]) -> Tracer:
-    """What the plan does to each tensor of ``model`` (a meta model as ``from_pretrained`` builds
-    it: its ties and dtypes), on names alone: every step's ``trace``, after every step's check, as
-    ``apply_plan`` runs them. ``key`` maps a name to its checkpoint key."""
+def _check(model: nn.Module, plan: FoldPlan) -> None:
     check_fits(model, plan)
     for step in PIPELINE:
         step.check(model, plan)
+
+
+def trace_plan(model: nn.Module, plan: FoldPlan, key: Callable[[str], str | None]) -> Tracer:
+    """What the plan does to each tensor of ``model`` (a meta model as ``from_pretrained`` builds
+    it), on names alone: every step's ``trace``, after every step's check. ``key`` maps a name to its
+    checkpoint key."""
+    _check(model, plan)
     t = Tracer.of(model, key)
     for step in PIPELINE:
         step.trace(t, plan)
@@ -515,16 +469,9 @@ def reapply_on_load(model: nn.Module, plan: FoldPlan) -> nn.Module:
 def fold(model: nn.Module, example_inputs: ExampleInputs = None, *,
          plan: FoldPlan | None = None, auxiliary_centering: bool = False,
          fuse_affine: bool = False) -> nn.Module:
-    """Fold every foldable LayerNorm of ``model`` into RMSNorm, in place.
-
-    Centers the upstream weights in float64, unties tied weights where needed
-    and swaps the LNs; the outputs stay the same. With
-    ``auxiliary_centering``, explicit centerings are inserted where each makes
-    more LNs foldable than it costs (BLOOM, the Whisper encoder). With
-    ``fuse_affine``, each folded norm's γ and β also move into the linear
-    layers that read it, where that is sound, leaving a weightless RMSNorm
-    (see ``enjoyln.analysis.affine``). Returns ``model``.
-
+    """Fold every foldable LayerNorm of ``model`` into RMSNorm, in place, with the same outputs;
+    ``auxiliary_centering`` inserts explicit centerings where they pay off (BLOOM, the Whisper
+    encoder), ``fuse_affine`` moves each folded norm's γ and β into its readers. Returns ``model``.
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     >>> type(fold(net, torch.randn(2, 8))[1]).__name__
@@ -540,16 +487,10 @@ def fold(model: nn.Module, example_inputs: ExampleInputs = None, *,
 
 def rotate(model: nn.Module, example_inputs: ExampleInputs = None, *, kind: str = "hadamard", seed: int = 0,
            keep_mean: bool = True, plan: FoldPlan | None = None) -> nn.Module:
-    """Fold ``model`` with fused affines and rotate its residual stream by an orthogonal ``Q``, in place.
-
-    The outputs stay the same, provably (see ``enjoyln.analysis.rotation``); the stream,
-    and every linear layer that reads it, are now in the rotated basis, which
-    spreads outlier features across all of them (as QuaRot and SpinQuant rely
-    on). ``kind`` is ``"hadamard"`` (randomized Hadamard) or ``"random"``;
-    with ``keep_mean`` (the default) ``Q`` fixes the all-ones vector, so the
-    stream stays zero-mean and plain LayerNorms still give the same outputs.
-    Raises ``PlanError`` with the reason where the stream cannot be rotated.
-
+    """Fold ``model`` with fused affines and rotate its residual stream by an orthogonal ``Q``, in
+    place, with the same outputs; the rotation spreads outlier features (as QuaRot and SpinQuant rely
+    on). ``kind`` is ``"hadamard"`` or ``"random"``; with ``keep_mean`` ``Q`` fixes the all-ones
+    vector, so plain LayerNorms still agree. Raises ``PlanError`` where the stream cannot be rotated.
     >>> import enjoyln
     >>> from enjoyln.testing import perturb, tiny_model
     >>> model = enjoyln.rotate(perturb(tiny_model("gpt2")))

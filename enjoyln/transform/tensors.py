@@ -1,8 +1,6 @@
-"""The tensor math of a fold and the lookups it works through: a parameter or buffer by its
-dotted name, tied names, centering (``center_``), and moving a norm's affine into a linear
-layer (``fuse_``); in float64, in place. The steps, the streamed writer and the static check
-share it, so all three give the same bits.
-"""
+"""The tensor math of a fold (``center_``, ``fuse_``, in float64, in place) and the lookups it works
+through (a tensor by its dotted name, tied names); the steps, the streamed writer and the static check
+share it, so all three give the same bits."""
 
 from __future__ import annotations
 
@@ -73,12 +71,8 @@ def declared_ties(model: nn.Module) -> dict[str, str]:
 
 
 def tie_groups(model: nn.Module, separate: Collection[str] = ()) -> dict[str, tuple[str, ...]]:
-    """Every parameter and buffer name -> all the names of its tensor, in the model's order.
-
-    Tied names are one tensor: BART's ``model.shared``, ``model.encoder.embed_tokens``
-    and ``model.decoder.embed_tokens`` (and its head, ``lm_head``). Names in
-    ``separate`` (the plan's untied heads, which get their own copy before any
-    centering) stand alone.
+    """Every parameter and buffer name -> all the names of its tensor, in the model's order; names
+    in ``separate`` (the plan's untied heads) stand alone.
 
     >>> emb = nn.Embedding(4, 2); net = nn.ModuleDict({"a": emb, "b": emb})
     >>> tie_groups(net)["b.weight"]
@@ -93,11 +87,9 @@ def tie_groups(model: nn.Module, separate: Collection[str] = ()) -> dict[str, tu
 
 
 def merge_centerings(centerings: Sequence[Centering], ndim: int | None = None) -> list[Centering]:
-    """The centerings of one tensor, each applied once: several names of a tied tensor (BART's
-    encoder and decoder embeddings) ask for the same centering, and doing it twice rounds twice.
-    Those that differ only in their blocks (q and k of one fused projection) become one with the
-    blocks joined: each block is centered on its own, so that computes the same. ``ndim`` (the
-    tensor's) makes axis -1 and axis ndim-1 one axis."""
+    """The centerings of one tensor, each applied once (tied names ask for the same one, and doing it
+    twice rounds twice); those differing only in their blocks become one with the blocks joined.
+    ``ndim`` (the tensor's) makes axis -1 and axis ndim-1 one axis."""
     merged: dict[tuple, Centering] = {}
     for c in centerings:
         axis = c.axis % ndim if ndim else c.axis
@@ -112,15 +104,9 @@ def merge_centerings(centerings: Sequence[Centering], ndim: int | None = None) -
 
 
 def ties_lost_on_untie(model: nn.Module, plan: FoldPlan) -> dict[str, str]:
-    """The ties (target -> source) that untying the plan's heads also drops.
-
-    transformers 5 applies every tie in ``_tied_weights_keys`` only while
-    ``tie_word_embeddings`` is on, and a checkpoint stores one tensor per tie.
-    Untying the head turns it off for all of them, so BERT's MLM decoder bias,
-    tied to ``cls.predictions.bias``, would load at random. Each such target
-    must be written out with its source's values. ``model`` is as the analysis
-    saw it: its config still ties.
-    """
+    """The ties (target -> source) that untying the plan's heads also drops: transformers 5 applies
+    every tie only while ``tie_word_embeddings`` is on, so BERT's MLM decoder bias would load at
+    random; each target must be written with its source's values. ``model`` is as the analysis saw it."""
     if not plan.untied:
         return {}
     planned = {(u.param, u.tied_to) for u in plan.untied} | {(u.tied_to, u.param) for u in plan.untied}
@@ -130,15 +116,9 @@ def ties_lost_on_untie(model: nn.Module, plan: FoldPlan) -> dict[str, str]:
 
 def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
             blocks: Sequence[int] | None = None) -> torch.Tensor:
-    """Subtract ``t``'s mean along ``axis``, in place, computed in float64.
-
-    With ``groups``, each of that many equal blocks of ``axis`` is centered on
-    its own (grouped CBWC); ``blocks`` limits that to the listed blocks. With
-    ``scale`` (a LayerScale γ, one entry per index of ``axis``), ``γ·t`` becomes
-    zero-mean instead: ``t -= mean(γ·t) / γ``; γ must have no zero entry. The
-    arithmetic is ``enjoyln.ops.center``'s, whose order is fixed, so the fold and
-    the static check give the same bits on every machine, at memory speed.
-
+    """Subtract ``t``'s mean along ``axis``, in place, in float64: with ``groups``, each block on its
+    own (``blocks``: only those); with ``scale`` (a LayerScale γ), ``γ·t`` becomes zero-mean. The
+    arithmetic is ``enjoyln.ops.center``'s, in a fixed order, so every machine gives the same bits.
     >>> w = torch.tensor([[1., 2.], [3., 6.]])
     >>> center_(w, 0, scale=torch.tensor([1., 2.])) * torch.tensor([[1.], [2.]])
     tensor([[-2.5000, -5.0000],

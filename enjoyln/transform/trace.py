@@ -1,13 +1,6 @@
-"""What the rewrite steps mean for a checkpoint: each step's in-place changes, recorded on tensor
-names alone, as operations on *slots* (a tensor of the loaded model, with every name that
-shares it), each with what it reads.
-
-``apply_plan`` changes a loaded model in place, which on a checkpoint means the whole model in
-memory. But every change a ``Transformation`` makes is an in-place operation on one tensor that
-reads a few others as they are at that moment, so each step also says, in ``trace``, what it does
-to which slot and what it reads: another slot as it was after so many of its operations (a
-``Ref``), or the product ``W β`` (a ``Product``). ``rewrite.stream`` computes a checkpoint's
-tensors one at a time from that record, with the same functions the steps run.
+"""What the rewrite steps mean for a checkpoint: each step's in-place changes recorded on tensor names
+alone, as operations on *slots* (a tensor with every name that shares it), each with what it reads (a
+``Ref`` to another slot's version, or a ``Product`` ``W β``); ``rewrite.stream`` replays the record.
 
 >>> t = Tracer.of(torch.nn.Linear(2, 2).to("meta"), lambda name: name)
 >>> t.slot("weight").ops.append(Op("fill", fill=1.0)); [s.names for s in t.slots]
@@ -99,14 +92,14 @@ class Tracer:
 
     @classmethod
     def of(cls, model: nn.Module, key: Callable[[str], str | None]) -> "Tracer":
-        """A slot for each tensor of ``model`` (a meta model as ``from_pretrained`` builds it: its
-        ties and dtypes), its base the checkpoint key ``key`` finds for it (none for a
-        non-persistent buffer, which the model builds and no checkpoint holds)."""
+        """A slot for each tensor of ``model`` (a meta model as ``from_pretrained`` builds it), its base
+        the checkpoint key ``key`` finds for it (none for a non-persistent buffer)."""
         persistent = set(model.state_dict(keep_vars=True))
         slots: list[Slot] = []
         by_id: dict[int, int] = {}
         binding: dict[str, int] = {}
-        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        for name, t in [*model.named_parameters(remove_duplicate=False),
+                        *model.named_buffers(remove_duplicate=False)]:
             if id(t) not in by_id:
                 by_id[id(t)] = len(slots)
                 slots.append(Slot(len(slots), [], t.dtype, tuple(t.shape)))

@@ -1,19 +1,6 @@
-"""Training with CBWC + RMSNorm: the same optimisation as the LayerNorm model.
-
-``cbwc(model)`` keeps each centered parameter as a free tensor ``V`` and
-makes the layer use ``V - mean(V, output axis)`` at every step, through
-``torch.nn.utils.parametrize``; the foldable LNs become RMSNorm. By the
-paper's Prop. 3.2 the trajectory equals the LayerNorm model's under any
-optimizer that works element-wise (SGD, Adam, AdamW with decoupled weight
-decay), as long as nothing random sits between a centered layer and its LN:
-dropout in training mode breaks that exactness.
-
-Tied weights stay tied while training (the embedding reads the centered
-tensor, the tied head the raw one), so a tied LM trains as its LayerNorm
-original does. ``cbwc_remove(model)`` bakes the centering into plain weights,
-which unties them, leaving a folded model ready for inference (and for
-``save_pretrained``).
-"""
+"""Training with CBWC + RMSNorm, the same optimisation as the LayerNorm model (the paper's Prop. 3.2,
+under any element-wise optimizer and without dropout between a centered layer and its LN): ``cbwc``
+parametrizes each centered weight, ``cbwc_remove`` bakes the centering in; docs/how-it-works.md."""
 
 from __future__ import annotations
 
@@ -23,20 +10,17 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..modules import centering
 from ..analysis import analyze
 from ..analysis.inputs import ExampleInputs
 from ..plan import FoldPlan
 from .steps import InsertCentering, SeparateTies, SwapLayerNorms, UntieParameters
-from .tensors import center_, owner_of, untie_config
+from .tensors import center_, owner_of, tensor_at, untie_config
 
 
 class Centered(nn.Module):
-    """The CBWC parametrisation: ``V - V.mean(axis, keepdim=True)``, or within
-    each of ``groups`` equal blocks of the axis (grouped CBWC, for GroupNorm and
-    per-head norms; ``blocks``: only those), or ``V - mean(γV) / γ`` for a
-    LayerScale gain ``γ`` (read live, so it may train too: the centered layer
-    times γ is then exactly the LN model's, projected)."""
+    """The CBWC parametrisation: ``V - V.mean(axis, keepdim=True)``, within each of ``groups`` blocks
+    (``blocks``: only those), or ``V - mean(γV) / γ`` for a LayerScale gain ``γ`` (read live, so it may
+    train too)."""
 
     def __init__(self, axis: int, groups: int = 1, blocks: tuple[int, ...] | None = None,
                  scale: torch.Tensor | None = None) -> None:
@@ -70,10 +54,8 @@ def _active_dropout(model: nn.Module) -> list[str]:
 
 def cbwc(model: nn.Module, example_inputs: ExampleInputs = None, *, plan: FoldPlan | None = None,
          auxiliary_centering: bool = False) -> nn.Module:
-    """Prepare ``model`` for training or fine-tuning with CBWC + RMSNorm, in place.
-
-    The plan is computed in eval mode (the structure, not the dropout, decides
-    what folds); the model's mode is restored afterwards.
+    """Prepare ``model`` for training or fine-tuning with CBWC + RMSNorm, in place; the plan is
+    computed in eval mode (the structure, not the dropout, decides what folds).
 
     >>> model = cbwc(model)            # doctest: +SKIP
     >>> train(model); cbwc_remove(model)  # doctest: +SKIP
@@ -94,12 +76,11 @@ def cbwc(model: nn.Module, example_inputs: ExampleInputs = None, *, plan: FoldPl
     for step in (InsertCentering(), UntieParameters(), SwapLayerNorms()):
         step.check(model, plan)
     InsertCentering()(model, plan)
-    # Tied weights stay tied: the parametrisation goes on the module that needs
-    # the centering (the embedding), while the tied head keeps reading the raw
-    # tensor, so both still train one tensor, as in the LayerNorm model.
+    # tied weights stay tied: the parametrisation goes on the module that needs the centering (the
+    # embedding), while the tied head reads the raw tensor, so both train one tensor as in the LN model
     for c in plan.centered:
         module, attr = owner_of(model, c.param)
-        scale = getattr(*owner_of(model, c.scale)) if c.scale else None
+        scale = tensor_at(model, c.scale) if c.scale else None
         # a tensor centered for two norms (q and k blocks of one projection) stacks two
         if isinstance(getattr(module, attr), nn.Parameter) or parametrize.is_parametrized(module, attr):
             parametrize.register_parametrization(module, attr, Centered(c.axis, c.groups, c.blocks, scale))

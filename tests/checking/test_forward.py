@@ -105,7 +105,6 @@ def test_a_given_reference_becomes_its_own_truth(gpt2, monkeypatch):
     float64 truth, widened one module at a time (no second load, no copy of the model), with the
     same verdict and figures as a truth made from a copy; a half-precision candidate still takes
     the truth from its own source."""
-    from enjoyln.checking import forward
     from enjoyln.checking.forward import CandidatePath, ModelSource, check_sources
 
     def paths(model):
