@@ -122,6 +122,7 @@ def main() -> None:
             "static_wrong": timed("check", str(ref), str(wrong), "--static"),
             "static_no_beta": timed("check", str(ref), str(no_beta), "--static"),
         }
+        folded_size = sum(p.stat().st_size for p in folded.glob("*.safetensors"))
     finally:
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -137,7 +138,7 @@ def main() -> None:
     forward = runs["bounded_wrong_forward"]["exit"]
     body = "\n".join([
         f"Synthetic GPT-2-shaped checkpoint, width 1024, 20 layers, vocabulary 8,192, fp32: {size / 1e9:.2f} GB "
-        f"(its fold: {sum(p.stat().st_size for p in folded.glob('*.safetensors')) / 1e9:.2f} GB with the untied "
+        f"(its fold: {folded_size / 1e9:.2f} GB with the untied "
         f"head). Each command in its own process under `/usr/bin/time -v`; {machine()}.",
         "",
         "| `enjoyln check REF CANDIDATE` | exit | peak RSS | wall | what |",

@@ -118,7 +118,7 @@ def main() -> None:
                 f"**{100 * a['score']:.1f}%** right ({a['false_pass']} false passes, {a['false_fail']} false "
                 f"failures); {machine()}, {args.workers} worker processes of one thread.\n\n{table(rows)}\n\n"
                 f"Command: `python scripts/mutation_score.py --n {args.n} --seed {args.seed} --write`; "
-                f"CI runs 500 (`tests/testing/test_mutation.py`).")
+                f"CI runs 500 (`tests/tools/test_mutation.py`).")
         replace_section("mutation-score", body)
     sys.exit(1 if unproven or changed else 0)
 

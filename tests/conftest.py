@@ -5,6 +5,25 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+MAX_WORKERS = 4
+"""More workers than this mostly multiply the imports of torch and transformers (seconds and
+about a GB each) for tests that are small."""
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # each worker its share of the cores, so that the workers' torch threads do not outnumber them
+    torch.set_num_threads(max(1, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core up to MAX_WORKERS; none on one core."""
+    cores = _cores()
+    return 0 if cores < 2 else min(cores, MAX_WORKERS)
+
 
 @pytest.fixture(autouse=True)
 def _seed():
