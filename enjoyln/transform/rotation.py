@@ -1,5 +1,5 @@
-"""Rotation matrices, and rotating tensors by them: the arithmetic of ``enjoyln.rotate``. ``Q`` is
-rebuilt from a plan's ``Rotation`` and the stream's width, the same on any machine."""
+"""Rotation matrices and rotating tensors by them: ``Q`` is rebuilt from a plan's ``Rotation`` and the
+stream's width, the same on any machine."""
 
 from __future__ import annotations
 
@@ -87,9 +87,8 @@ sums, so slabs that start on a tile boundary give every row the bits one whole p
 
 def rotate_(t: torch.Tensor, axis: int, q: torch.Tensor, start: int = 0, *,
             slab: int = SLAB_ELEMENTS) -> torch.Tensor:
-    """``t ×_axis Q`` in place, in float64, on entries ``start .. start + n`` of ``axis``, in slabs of
-    about ``slab`` elements along another axis: never a float64 copy of the whole tensor, and the
-    bits of one product over the whole tensor."""
+    """``t ×_axis Q`` in place on entries ``start .. start + n`` of ``axis``, in float64 slabs along another
+    axis: never a float64 copy of the whole tensor, yet the bits of one product."""
     if t.device.type == "meta":
         return t
     axis = axis % t.dim()
