@@ -1,7 +1,6 @@
 """The plan applied to a checkpoint tensor by tensor, without the model in memory: ``StreamedTensors``
-replays the trace of each slot (``transform.trace``) on its reference tensor with the functions the steps
-run, in the same order and dtypes, so the bits are those of the plan applied to the loaded model. Names
-resolve to keys only in ``checkpoint_source`` and ``output_slots``."""
+replays each slot's trace with the functions the steps run, in the same order and dtypes, so the bits are
+those of the plan applied to the loaded model."""
 
 from __future__ import annotations
 
@@ -29,9 +28,8 @@ STASH_BYTES = 512 << 20
 
 def output_slots(t: Tracer, plan: FoldPlan, meta: nn.Module, key: Callable[[str], str | None],
                  saved: dict[str, str]) -> dict[str, int]:
-    """The keys of the folded checkpoint that hold a tensor of the model, each with its slot: every
-    name's key, then an untied head the checkpoint did not store, then a dropped tie, then a changed
-    tensor stored only under a name it no longer shares (the embedding of a checkpoint that saved only
+    """The keys of the folded checkpoint, each with its slot: every name's key, an untied head, a dropped
+    tie, then a changed tensor stored only under a name it no longer shares (an embedding saved only as
     the tied head)."""
     slots: dict[str, int] = {}
     names = t.names()
@@ -56,15 +54,13 @@ def output_slots(t: Tracer, plan: FoldPlan, meta: nn.Module, key: Callable[[str]
 
 @dataclass
 class Output:
-    """How one key of the folded checkpoint is made: a slot's final value, a constant, or the
-    stored bytes; in ``dtype``."""
+    """How one key of the folded checkpoint is made: a slot's final value, a constant, or the stored bytes."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
     slot: int | None = None
     fill: float | None = None
     raw: str | None = None
-    """The checkpoint key whose stored bytes are the output, unchanged."""
 
     @property
     def nbytes(self) -> int:
@@ -72,9 +68,8 @@ class Output:
 
 
 def load_model_meta(ck: Checkpoint, dtype: str = "auto") -> nn.Module:
-    """The model a plain ``from_pretrained`` builds for ``md`` (in ``dtype``: "auto" is the
-    dtype it loads in by default), on the meta device: its names, its ties and the dtype each
-    tensor loads in, without reading any weight."""
+    """The model a plain ``from_pretrained`` builds for ``md`` in ``dtype``, on the meta device: its names,
+    ties and the dtype each tensor loads in."""
     if ck.source != "transformers":  # timm builds its model in float32: its meta model is that
         model = ck.library.meta_model(ck).eval()
         return model if dtype == "auto" else model.to(getattr(torch, dtype))
@@ -165,13 +160,11 @@ class StreamedTensors:
         return key in self.outputs
 
     def source(self, key: str) -> TensorInfo | None:
-        """Where the output's bytes already are, unchanged (a safetensors input), or None."""
         out = self.outputs[key]
         return self.ck.tensors.get(out.raw) if out.raw is not None else None
 
     def base_key(self, key: str) -> str | None:
-        """The checkpoint key the output's value is made from (through an untied copy's
-        source), or None for a constant or a tensor no checkpoint holds."""
+        """The checkpoint key the output's value is made from (through an untied copy), or None."""
         out = self.outputs[key]
         if out.slot is None:
             return out.raw
@@ -181,8 +174,7 @@ class StreamedTensors:
         return base
 
     def centerings(self, key: str) -> tuple[str | None, list[Centering]]:
-        """The output as a stored tensor centered: the key its bytes come from and the
-        centerings applied on the way, in order. Only for a plan that centers and nothing else."""
+        """The key the output's bytes come from and the centerings applied on the way, in order."""
         out = self.outputs[key]
         if out.slot is None:
             return out.raw, []
@@ -199,7 +191,6 @@ class StreamedTensors:
             index, version = s.base.slot, s.base.version
 
     def get(self, key: str) -> torch.Tensor:
-        """The folded tensor for ``key``, in the key's dtype."""
         out = self.outputs[key]
         if out.raw is not None:
             return self.reader.read(out.raw)
@@ -221,7 +212,6 @@ class StreamedTensors:
         return sum(t.numel() * t.element_size() for t in self._stash.values())
 
     def _value(self, index: int, version: int) -> torch.Tensor:
-        """Slot ``index`` after ``version`` of its operations, in memory of its own."""
         s = self.trace.slots[index]
         if isinstance(s.base, Ref):
             t = self._value(s.base.slot, s.base.version)
@@ -238,8 +228,7 @@ class StreamedTensors:
         return t
 
     def _tap(self, index: int, version: int, t: torch.Tensor) -> None:
-        """Keep what other slots read of this one at this version: small values (a norm's γ or
-        β, a LayerScale gain, a bias's ``W β``), so that a large one is never held for them."""
+        """Keep what other slots read of this one at this version: small values, so a large one is never held."""
         for r in self._taps.get((index, version), ()):
             if r not in self._memo:
                 self._memo[r] = (fused_product(t, r.fused, self._read(r.beta).to(torch.float64).reshape(-1))

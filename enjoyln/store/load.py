@@ -25,8 +25,8 @@ def load(path: str | os.PathLike | Checkpoint, *, allow_pickle: bool = False, tr
 
     >>> model = load("gpt2-folded", dtype="bfloat16")  # doctest: +SKIP
     """
-    return _load(path, plain=False, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-                 max_memory=max_memory, offload_dir=offload_dir, model_class=model_class, **from_pretrained_kwargs)
+    return _load(path, False, allow_pickle, trust_remote_code, model_class, max_memory=max_memory,
+                 offload_dir=offload_dir, **from_pretrained_kwargs)
 
 
 def load_plain(path: str | os.PathLike | Checkpoint, *, allow_pickle: bool = False, trust_remote_code: bool = False,
@@ -37,24 +37,19 @@ def load_plain(path: str | os.PathLike | Checkpoint, *, allow_pickle: bool = Fal
 
     >>> model = load_plain("gpt2-folded")  # doctest: +SKIP
     """
-    return _load(path, plain=True, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-                 model_class=model_class, **from_pretrained_kwargs)
+    return _load(path, True, allow_pickle, trust_remote_code, model_class, **from_pretrained_kwargs)
 
 
-def _load(path: str | os.PathLike | Checkpoint, *, plain: bool, allow_pickle: bool = False,
-          trust_remote_code: bool = False, max_memory: int | None = None, offload_dir: str | os.PathLike | None = None,
-          model_class: str | None = None, **from_pretrained_kwargs: Any) -> nn.Module:
-    """``load``, or with ``plain`` what the library's own loader gives (transformers'
-    ``from_pretrained``, timm's ``create_model``; the recorded LNs stay LayerNorms): the two ways
-    a user may load a folded directory. ``path`` may be the directory already opened."""
+def _load(path: str | os.PathLike | Checkpoint, plain: bool, allow_pickle: bool, trust_remote_code: bool,
+          model_class: str | None, **kwargs: Any) -> nn.Module:
+    """``load``, or with ``plain`` what the library's own loader gives (the recorded LNs stay LayerNorms)."""
     ck = path if isinstance(path, Checkpoint) else open_checkpoint(
         path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
     plan = ck.recorded_plan  # a malformed block is refused before the weights load
     if plain:
         plan = None
     try:
-        model = ck.library.load(ck, trust_remote_code=ck.trust_remote_code, max_memory=max_memory,
-                                   offload_dir=offload_dir, **from_pretrained_kwargs)
+        model = ck.library.load(ck, trust_remote_code=ck.trust_remote_code, **kwargs)
     except EnjoylnError:
         raise
     except Exception as exc:

@@ -1,10 +1,6 @@
-"""transformers' and huggingface_hub's progress bars and log messages, off while enjoyln works.
-
-Folding and checking load and save models many times over; each load would draw transformers'
-"Loading weights" bar and may log a load report about weights the check seeds itself, burying
-what enjoyln reports. ``quiet_libraries`` turns them off for the duration of one call and puts
-the caller's settings back after it, so a user's own ``from_pretrained`` keeps its bars.
-"""
+"""transformers' and huggingface_hub's progress bars and log messages, off while enjoyln works: each of
+the many loads would draw a bar or log a load report, burying what enjoyln reports. The caller's settings
+come back after, so a user's own ``from_pretrained`` keeps its bars."""
 
 from __future__ import annotations
 
@@ -32,10 +28,8 @@ def show_library_output(show: bool) -> None:
 
 @contextlib.contextmanager
 def quiet_libraries(transformers: bool = True) -> Iterator[None]:
-    """Within it, transformers and huggingface_hub log errors only and draw no progress bars,
-    and their FutureWarnings and DeprecationWarnings are not shown; after it, everything is as the
-    caller had it (nested calls restore in turn). ``transformers=False`` leaves transformers
-    alone (and unimported), for a call that only reaches huggingface_hub.
+    """Within it, the libraries log errors only, draw no bars and show no Future- or DeprecationWarnings;
+    ``transformers=False`` leaves transformers alone (and unimported).
 
     >>> with quiet_libraries():
     ...     pass

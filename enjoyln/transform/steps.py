@@ -30,8 +30,11 @@ class Transformation:
 
     preserves_computation: bool = True
     """Applied after the steps before it, the model's outputs do not change."""
-    acts_on_load: bool = False
-    """Whether ``on_load`` does anything (its ``check`` then runs on the loaded model first)."""
+
+    @property
+    def acts_on_load(self) -> bool:
+        """Whether ``on_load`` does anything (its ``check`` then runs on the loaded model first)."""
+        return type(self).on_load is not Transformation.on_load
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         """Raise PlanError if the plan does not fit the model; changes nothing."""
@@ -59,8 +62,6 @@ class InsertCentering(Transformation):
             except AttributeError:
                 raise PlanError(f"the plan centers the {a.where} of {a.module}, which this model "
                                 "does not have") from None
-
-    acts_on_load = True
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         for a in plan.auxiliary:
@@ -117,8 +118,6 @@ class CenterParameters(Transformation):
                 if s.device.type != "meta" and not bool(s.ne(0).all()):
                     raise PlanError(f"the plan centers {c.param} for the LayerScale gain {c.scale}, "
                                     "which has a zero entry; analyze this model again")
-
-    acts_on_load = True
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         with torch.no_grad():
@@ -262,8 +261,6 @@ class SwapLayerNorms(Transformation):
             model.recompile()
         return model
 
-    acts_on_load = True
-
     def trace(self, t: Tracer, plan: FoldPlan) -> None:
         for e in plan.foldable:
             if e.kind == "module" and e.affine in (AFFINE_FUSED, AFFINE_GAIN):
@@ -292,10 +289,10 @@ def _norm_misfit(module: nn.Module, e: LayerNormEntry) -> str:
     return ""
 
 
-def _become(module: nn.Module, cls: type, e: LayerNormEntry | None = None) -> None:
+def _become(module: nn.Module, cls: type, e: LayerNormEntry) -> None:
     """Turn a norm module into ``cls`` in place: with offloading (accelerate's ``device_map``) a hook
     wraps its ``forward`` and holds its weights, which a new module would not have."""
-    if cls is RMSNorm and e is not None:
+    if cls is RMSNorm:
         for leaf in ("weight", "bias"):
             if not hasattr(module, leaf):  # OLMo's norm has neither
                 module.register_parameter(leaf, None)
@@ -328,8 +325,6 @@ class RotateStream(Transformation):
             t = tensor_at(model, rot.param)
             if not 0 <= rot.axis < t.dim() or rot.start + (rot.length or 1) > t.shape[rot.axis]:
                 raise PlanError(f"the plan rotates {rot.param} along axis {rot.axis}, which it does not have")
-
-    acts_on_load = True
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         self._rotate(model, plan, saved=None)

@@ -179,10 +179,9 @@ _SCALE_ELEMENTS = 1 << 22
 """Elements widened to float64 at a time when a weight's block is scaled by γ (32 MiB)."""
 
 
-def scale_inputs_(weight: torch.Tensor, f: Fused, gamma: torch.Tensor, *, chunk: int | None = None) -> None:
+def scale_inputs_(weight: torch.Tensor, f: Fused, gamma: torch.Tensor) -> None:
     """W's block that reads the norm ``*= γ``, in place, each element rounded once from float64; in slabs
     of the other axis, never widening the whole weight (an embedding-sized head would need twice its size)."""
-    chunk = chunk or _SCALE_ELEMENTS
     seg = gamma[f.offset:f.offset + f.length].to(torch.float64)
     block = weight.detach().narrow(f.axis, f.start, f.length)
     g = seg.reshape([f.length if d == f.axis else 1 for d in range(block.dim())])
@@ -191,6 +190,6 @@ def scale_inputs_(weight: torch.Tensor, f: Fused, gamma: torch.Tensor, *, chunk:
         pieces = [block]
     else:
         per = max(block.numel() // max(block.shape[other], 1), 1)
-        pieces = block.split(max(1, chunk // per), other)
+        pieces = block.split(max(1, _SCALE_ELEMENTS // per), other)
     for piece in pieces:
         piece.copy_(piece.to(torch.float64).mul_(g))
