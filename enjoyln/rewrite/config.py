@@ -1,5 +1,4 @@
-"""The ``enjoyln`` block of a folded directory's config.json: writing it for a plan, and reading
-the plan recorded in it."""
+"""config.json as a fold writes it, with its ``enjoyln`` block."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Fold a model directory into a new one: analyse it on the meta device, stream the fold tensor by
-tensor into a temporary directory beside OUT_DIR, check it there, and publish it by rename; OUT_DIR never
-holds a partial or unchecked fold, and the input is only read (docs/how-it-works.md)."""
+"""Fold a model directory into a new one, streamed into a temporary directory beside OUT_DIR, checked there
+and published by rename: OUT_DIR never holds a partial or unchecked fold (docs/how-it-works.md)."""
 
 from __future__ import annotations
 
@@ -106,12 +105,9 @@ class FoldResult:
 def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: FoldOptions | None = None, *,
                     progress: Progress | None = None, check_progress: Progress | None = None,
                     stage: Stage | None = None, **values: Any) -> FoldResult:
-    """Fold a Hugging Face (or timm) model directory into OUT_DIR, streaming tensor by tensor, check
-    it in a temporary directory (``check``: ``"full"``, ``"static"`` or ``"none"``) and publish it
-    only if it passes, else raise ``CheckFailed``. OUT_DIR loads with plain ``from_pretrained`` (the
-    LNs see zero-mean inputs) or ``enjoyln.load`` (RMSNorm). ``options`` (a ``FoldOptions``) or its
-    fields as keywords (``fuse_affine=True``, ``rotate=("hadamard", 0, True)``, ...); ``progress``
-    hears of the bytes written, ``check_progress`` of the check's, ``stage`` of each phase.
+    """Fold a Hugging Face (or timm) model directory into OUT_DIR, checked (``check``: ``"full"``,
+    ``"static"`` or ``"none"``) before it is published, else ``CheckFailed``. ``options`` (a ``FoldOptions``)
+    or its fields as keywords; ``progress`` hears of the bytes written, ``check_progress`` of the check's.
     >>> fold_checkpoint("gpt2-dir", "gpt2-folded").report.passed  # doctest: +SKIP
     True
     """

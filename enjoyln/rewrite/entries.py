@@ -44,8 +44,7 @@ def fold_entries(ck: Checkpoint, plan: FoldPlan, tensors: StreamedTensors) -> li
             else {t.name: t.file for t in ck.tensors.values()})
     shards: list[tuple[str, list[Entry]]] = [(s, []) for s in ck.shards]
     by_shard = dict(shards)
-    stored = [k for k in (home if ck.pickled else sorted(home, key=lambda k: ck.tensors[k].start))
-              if k in tensors]
+    stored = [k for k in (home if ck.pickled else sorted(home, key=lambda k: ck.tensors[k].start)) if k in tensors]
     moves = moves_values(plan)
     make = _computed if moves else functools.partial(_centered, ck)
     for key in stored:
@@ -113,8 +112,7 @@ def reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None, *,
 
 
 def index_metadata(ck: Checkpoint, shards: list[tuple[str, list[Entry]]]) -> dict[str, Any]:
-    """The input index's metadata with the output's sizes, and the dtype the model loads in, which
-    transformers reads from here when config.json names none."""
+    """The input index's metadata with the output's sizes and the load dtype (transformers may read it here)."""
     metadata: dict[str, Any] = {}
     if ck.index is not None:
         found = parse_json_file(ck.index, "a weight index").get("metadata")

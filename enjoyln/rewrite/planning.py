@@ -1,5 +1,4 @@
-"""The plan for a model directory: the analysis of its meta model, with the gains a rule
-depends on read from its weights, and a note on the parameters no weight file holds."""
+"""The plan for a model directory: the analysis of its meta model, with gains read from its weights."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from ..store.tensors import TensorReader
 
 def analyze_dir(ck: Checkpoint, auxiliary_centering: bool, fuse_affine: bool = False,
                 rotate: RotationSpec | None = None) -> FoldPlan:
-    """The plan for the meta model of ``ck``; where a gain the plan divides by has a zero entry in the
-    checkpoint, the analysis runs again knowing it."""
+    """The plan for ``ck``'s meta model, analysed again where a gain it divides by has a zero entry."""
     options = {"auxiliary_centering": auxiliary_centering, "fuse_affine": fuse_affine, "rotate": rotate}
     plan = analyze(ck.meta, **options)
     names = sorted({c.scale for c in plan.centered if c.scale}

@@ -68,8 +68,7 @@ class Output:
 
 
 def load_model_meta(ck: Checkpoint, dtype: str = "auto") -> nn.Module:
-    """The model a plain ``from_pretrained`` builds for ``md`` in ``dtype``, on the meta device: its names,
-    ties and the dtype each tensor loads in."""
+    """The model a plain ``from_pretrained`` builds for ``md`` in ``dtype``, on the meta device."""
     if ck.source != "transformers":  # timm builds its model in float32: its meta model is that
         model = ck.library.meta_model(ck).eval()
         return model if dtype == "auto" else model.to(getattr(torch, dtype))
@@ -79,8 +78,7 @@ def load_model_meta(ck: Checkpoint, dtype: str = "auto") -> nn.Module:
     if ck.pickled:
         kwargs["use_safetensors"] = False
     try:
-        # device_map="meta" leaves the buffers __init__ computes (GPT-J's sinusoid table) on
-        # the CPU: a table from an absurd config would be allocated in full
+        # device_map="meta" alone leaves __init__'s buffers (GPT-J's sinusoid table) on the CPU, in full
         with torch.device("meta"):
             return cls.from_pretrained(ck.path, **kwargs).eval()
     except Exception as exc:
@@ -89,10 +87,8 @@ def load_model_meta(ck: Checkpoint, dtype: str = "auto") -> nn.Module:
 
 
 class StreamedTensors:
-    """Every tensor of ``md`` folded by ``plan``, by key, each computed when asked for (the caller's to
-    read, not to change); with ``dtype`` ("bfloat16") those of the model loaded in that dtype, then
-    folded. Memory: the tensor computed, the small values others read, and at most ``STASH_BYTES`` of
-    weights computed ahead of their request.
+    """Every tensor of ``md`` folded by ``plan``, by key, each computed when asked for (to read, not to
+    change); with ``dtype``, those of the model loaded in that dtype, then folded.
 
     >>> tensors = StreamedTensors(open_checkpoint(path), plan)  # doctest: +SKIP
     >>> tensors.get("lm_head.weight").shape  # doctest: +SKIP
@@ -102,21 +98,19 @@ class StreamedTensors:
     def __init__(self, ck: Checkpoint, plan: FoldPlan, *, reader: TensorReader | None = None,
                  dtype: str | None = None) -> None:
         self.ck = ck
-        # the slabs and float64 copies are freed as fast as they come: without this, glibc keeps
-        # them on a heap that small, lasting values (the biases' W β) pin, and it grows by layer
+        # else glibc keeps the freed slabs on a heap that small lasting values (W β) pin: it grows by layer
         return_freed_memory()
         self.reader = reader if reader is not None else TensorReader(ck)
         self._own_reader = reader is None
-        keys, meta, saved, key = self.reader.keys(), ck.meta, ck.saved, ck.key
+        keys, key = self.reader.keys(), ck.key
         self.trace = t = trace_plan(load_model_meta(ck, dtype or "auto"), plan, key)
         for s in t.slots:
             if isinstance(s.base, str) and tuple(self.reader.shape(s.base)) != s.shape:
                 raise CheckpointError(f"{s.base} has shape {list(self.reader.shape(s.base))} in the checkpoint, "
                                       f"but {s.names[0]} loads as {list(s.shape)}")
-        slot_of = output_slots(t, plan, meta, key, saved)
         stored = self.ck.tensors  # cast to the stored dtype only what a header lists, as a save of the loaded model
         self.outputs: dict[str, Output] = {}
-        for k, i in slot_of.items():
+        for k, i in output_slots(t, plan, ck.meta, key, ck.saved).items():
             s = t.slots[i]
             if s.base is None and k in keys:  # a buffer the model builds itself: the stored bytes stay
                 self.outputs[k] = Output(self.reader.dtype(k), tuple(self.reader.shape(k)), raw=k)

@@ -80,7 +80,6 @@ class Writing:
 def write_shard(file: Path, entries: list[Entry], w: Writing) -> None:
     """Write one safetensors file tensor by tensor, unchanged ones copied by the kernel on a second thread
     while this one centers the others (safetensors' own writer needs them all in memory)."""
-    root, advance = w.reader.ck.path, w.advance
     blob = _header_json(entries, w.metadata)
     blob += b" " * (-len(blob) % 8)
     base = 8 + len(blob)
@@ -88,18 +87,13 @@ def write_shard(file: Path, entries: list[Entry], w: Writing) -> None:
     for e in entries:
         positions.append(pos)
         pos += e.nbytes
-    fds: dict[str, int] = {}
-    out = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    try:
+    with _opened(file, "wb", w.reader.ck.path, entries) as (out, fds):
         _pwrite_all(out, memoryview(struct.pack("<Q", len(blob)) + blob), 0)
-        for e in entries:
-            if e.source is not None and e.source.file not in fds:
-                fds[e.source.file] = os.open(root / e.source.file, os.O_RDONLY)
         copied_as_is = [e.axis is None and e.tensor is None and e.compute is None for e in entries]
         raw = [(fds[e.source.file], e.source.start, e.nbytes, at)
                for e, at, as_is in zip(entries, positions, copied_as_is) if as_is]
         cooked = [(e, at) for e, at, as_is in zip(entries, positions, copied_as_is) if not as_is]
-        with _copying_alongside(out, raw, advance):
+        with _copying_alongside(out, raw, w.advance):
             for e, at in cooked:
                 if e.compute is not None:  # computed now, written from its own memory, dropped
                     t = e.compute().contiguous()
@@ -113,12 +107,20 @@ def write_shard(file: Path, entries: list[Entry], w: Writing) -> None:
                     _center_and_write(out, at, t, e)
                 else:
                     _center_and_write(out, at, w.reader.read(e.source.name, w.buffer), e)
-                advance(e.nbytes)
+                w.advance(e.nbytes)
         os.ftruncate(out, pos)
-    finally:
-        os.close(out)
-        for fd in fds.values():
-            os.close(fd)
+
+
+@contextlib.contextmanager
+def _opened(file: Path, mode: str, root: Path, entries: list[Entry]) -> Iterator[tuple[int, dict[str, int]]]:
+    """The descriptors of ``file`` opened in ``mode`` and of the input files ``entries`` copy from."""
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(open(file, mode, buffering=0)).fileno()
+        fds: dict[str, int] = {}
+        for e in entries:
+            if e.source is not None and e.source.file not in fds:
+                fds[e.source.file] = stack.enter_context(open(root / e.source.file, "rb", buffering=0)).fileno()
+        yield out, fds
 
 
 _HEADER_ROOM = 4096
@@ -161,22 +163,16 @@ class EarlyCopy:
     def _run(self) -> None:
         try:
             for shard, (name, base, length) in self.spans.items():
-                src = os.open(self.ck.path / shard, os.O_RDONLY)
-                try:
-                    dst = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-                    try:
-                        at = base + _HEADER_ROOM
-                        self._reach(shard, at)
+                with (open(self.ck.path / shard, "rb", buffering=0) as src,
+                      open(self.tmp / name, "wb", buffering=0) as dst):
+                    at = base + _HEADER_ROOM
+                    self._reach(shard, at)
 
-                        def step(n: int, shard: str = shard) -> None:
-                            self.advance(n)
-                            self._reach(shard, self.reached[shard] + n)
+                    def step(n: int, shard: str = shard) -> None:
+                        self.advance(n)
+                        self._reach(shard, self.reached[shard] + n)
 
-                        _copy_range(src, dst, base, length, at, step, self.stop)
-                    finally:
-                        os.close(dst)
-                finally:
-                    os.close(src)
+                    _copy_range(src.fileno(), dst.fileno(), base, length, at, step, self.stop)
                 if self.stop.is_set():
                     return
                 with self.progress:
@@ -212,31 +208,25 @@ def finish_shard(file: Path, entries: list[Entry], w: Writing, shard: str, base:
     """Turn the early copy of the input's ``shard`` (data at ``base``) into ``file``; False, untouched, if
     its header would not fit. Tensors are centered as soon as the copy is past them (``copied`` blocks
     until then). The copy may still be writing the shard's tail when this returns."""
-    root, advance = w.reader.ck.path, w.advance
     blob = _header_json(entries, w.metadata)
     start = base + _HEADER_ROOM
     if len(blob) > start - 8:
         return False
     blob += b" " * (start - 8 - len(blob))  # JSON allows trailing spaces; safetensors pads this way too
     copied(start)  # the copy has created the file: its truncation is behind us
-    fds: dict[str, int] = {}
-    out = os.open(file, os.O_RDWR)
-    try:
+    with _opened(file, "r+b", w.reader.ck.path, entries) as (out, fds):
         positions, at = [], start
         for e in entries:
             if e.source is None:  # only pickle input lacks a source, and never comes here
                 raise AssertionError(e.name)
-            if e.source.file not in fds:
-                fds[e.source.file] = os.open(root / e.source.file, os.O_RDONLY)
-            # where the copy put it, or to be appended; judged by the input shard, never by the
-            # output's name, which may differ from it
+            # where the copy put it, else appended: judged by the input shard, not the output's (other) name
             positions.append((e, at, e.source.start + _HEADER_ROOM != at or e.source.file != shard))
             at += e.nbytes
         os.ftruncate(out, at)  # the appended entries' room, so that the two threads below never race on the size
         # appended copies (an untied head) go on a second thread, in the kernel, while this one centers
         copies = [(fds[e.source.file], e.source.start, e.nbytes, at) for e, at, appended in positions
                   if appended and e.axis is None]
-        with _copying_alongside(out, copies, advance):
+        with _copying_alongside(out, copies, w.advance):
             for e, at, appended in positions:
                 if e.axis is None:
                     continue
@@ -244,20 +234,15 @@ def finish_shard(file: Path, entries: list[Entry], w: Writing, shard: str, base:
                     copied(at + e.nbytes)
                 if appended or not _center_in_file(out, at, e):
                     _center_and_write(out, at, w.reader.read(e.source.name, w.buffer), e)
-                advance(e.nbytes)
+                w.advance(e.nbytes)
         _pwrite_all(out, memoryview(struct.pack("<Q", len(blob)) + blob), 0)
-    finally:
-        os.close(out)
-        for fd in fds.values():
-            os.close(fd)
     return True
 
 
 @contextlib.contextmanager
 def _copying_alongside(out: int, copies: list[tuple[int, int, int, int]],
                        advance: Callable[[int], None]) -> Iterator[None]:
-    """Kernel copies (source fd, start, count, output offset) into ``out`` on a second thread while the
-    block runs; the block's error, if any, is the one raised."""
+    """Kernel copies (source fd, start, count, output offset) into ``out`` on a second thread while the block runs."""
     stop = threading.Event()
 
     def run() -> None:
@@ -303,8 +288,7 @@ def _center_in_file(out: int, at: int, e: Entry) -> bool:
 
 
 def early_spans(ck: Checkpoint, max_shard_size: int | None) -> dict[str, tuple[str, int, int]]:
-    """Input shard -> (output file, data start, data length) for each shard that can be copied before the
-    plan is known: safetensors, and not re-sharded."""
+    """Input shard -> (output file, data start, data length) for each shard copied before the plan is known."""
     if ck.pickled or max_shard_size is not None:
         return {}
     names = [name for name, _ in reshard([(shard, []) for shard in ck.shards], None, indexed=ck.index is not None)]

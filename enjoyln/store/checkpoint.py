@@ -13,7 +13,7 @@ from ..errors import CheckpointError
 from ..plan import FoldPlan
 from .files import VCS_DIRS, is_weight_file
 from .formats import (JSON_LIMIT, PT_INDEX, PT_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, WEIGHT_FILES, TensorInfo,
-                      input_file, load_pickled, parse_json_file, read_json, read_safetensors_header)
+                      input_file, json_or_none, load_pickled, read_json, read_safetensors_header)
 from .hf import checkpoint_key, missing_parameters, saved_names
 from .locate import model_directory
 from .memory import built_bytes
@@ -140,12 +140,7 @@ def custom_code(root: Path, config: dict[str, Any]) -> list[str]:
         if item.suffix == ".json" and item.name != "config.json" and item.is_file():
             if item.stat().st_size > JSON_LIMIT and not item.name.endswith("config.json"):
                 continue
-            try:
-                data = parse_json_file(item, "a config file")
-            except CheckpointError:
-                if item.stat().st_size > JSON_LIMIT:
-                    raise
-                continue  # not JSON: nothing reads an auto_map from it
+            data = json_or_none(item, "a config file")  # not JSON: nothing reads an auto_map from it
             if isinstance(data, dict) and "auto_map" in data:
                 found.append(f"auto_map in {item.name}")
     for folder, dirs, files in os.walk(root):
@@ -176,8 +171,7 @@ def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False, trus
     if model_class is not None and model_class != arch:
         arch = source.other_class(root, model_class)
     ck = Checkpoint(root, config, arch, [], custom_code=code, trust_remote_code=trust_remote_code, source=source.name)
-    index = _weight_files(ck, source, allow_pickle)
-    _read_headers(ck, index)
+    _read_headers(ck, _weight_files(ck, source, allow_pickle))
     return ck
 
 

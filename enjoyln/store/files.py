@@ -16,8 +16,7 @@ if TYPE_CHECKING:
     from .checkpoint import Checkpoint
 
 
-# The files a model directory needs: only these are followed through a symlink
-# that leaves the directory (the Hugging Face cache links every file to a blob).
+# The files a model directory needs: only these are followed through a symlink out of the directory.
 NEEDED = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
           "pytorch_model*.bin", "*.bin.index.json", "tokenizer*", "vocab*", "merges.txt", "*.model",
           "*.tiktoken", "special_tokens_map.json", "added_tokens.json", "preprocessor_config.json",
@@ -50,14 +49,12 @@ def _extras(ck: Checkpoint, skipped: list[str], followed: list[str] | None,
 
 
 class _Walk:
-
     def __init__(self, ck: Checkpoint, skipped: list[str], followed: list[str] | None,
                  foreign: list[str] | None) -> None:
         self.ck, self.skipped, self.followed, self.foreign = ck, skipped, followed, foreign
         self.root = ck.path.resolve()
         self.linked: set[Path] = set()  # directories already entered through a link
-        # A Hugging Face cache snapshot (<repo>/snapshots/<revision>) links every file, whatever its
-        # name (a PhoBERT bpe.codes, an emoji.json), to <repo>/blobs: those are the snapshot's own.
+        # a Hugging Face cache snapshot (<repo>/snapshots/<rev>) links every file, whatever its name, to <repo>/blobs
         blobs = self.root.parent.parent / "blobs" if self.root.parent.name == "snapshots" else None
         self.blobs = blobs if blobs is not None and blobs.is_dir() and not blobs.is_symlink() else None
 
@@ -124,8 +121,7 @@ class _Walk:
 
 
 def _readable(link: Path, target: Path, trusted: bool) -> bool:
-    """Whether a loader may read what a link resolves to: not special files, version-control data, or
-    code without --trust-remote-code."""
+    """Whether a loader may read what a link resolves to (not special files, VCS data, or untrusted code)."""
     if target.is_dir():
         return link.name not in VCS_DIRS and target.name not in VCS_DIRS
     return target.is_file() and (trusted or not link.name.endswith(".py"))

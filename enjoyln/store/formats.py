@@ -189,6 +189,16 @@ def parse_json_file(path: Path, what: str) -> Any:
     return data
 
 
+def json_or_none(path: Path, what: str) -> Any:
+    """A JSON file's value, or None where it is not JSON; a file too large to read is still refused."""
+    try:
+        return parse_json_file(path, what)
+    except CheckpointError:
+        if path.stat().st_size > JSON_LIMIT:
+            raise
+        return None
+
+
 def read_json(path: Path, what: str) -> dict[str, Any]:
     data = parse_json_file(path, what)
     if not isinstance(data, dict):
@@ -203,7 +213,6 @@ def load_pickled(ck: Checkpoint) -> dict[str, tuple[str, torch.Tensor]]:
         try:
             part = torch.load(ck.path / shard, map_location="cpu", weights_only=True)
         except Exception as exc:
-            raise CheckpointError(f"cannot load {ck.path / shard} with weights_only=True: "
-                                  f"{first_line(exc)}") from None
+            raise CheckpointError(f"cannot load {ck.path / shard} with weights_only=True: {first_line(exc)}") from None
         tensors.update({k: (shard, v) for k, v in part.items() if isinstance(v, torch.Tensor)})
     return tensors

@@ -1,5 +1,4 @@
-"""transformers' side of a model directory: the model class a config names, the meta model,
-the dtype it loads in, and the mapping between parameter names and checkpoint keys."""
+"""transformers' side of a model directory: its model class, meta model, load dtype and checkpoint keys."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, first_line
-from .formats import DTYPES, JSON_LIMIT, PT_INDEX, SAFE_INDEX, parse_json_file
+from .formats import DTYPES, PT_INDEX, SAFE_INDEX, json_or_none, parse_json_file
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -66,8 +65,7 @@ def auto_config(ck: Checkpoint) -> Any:
     try:
         return transformers.AutoConfig.from_pretrained(ck.path, trust_remote_code=ck.trust_remote_code)
     except Exception as exc:  # transformers raises many kinds for a bad config
-        raise CheckpointError(f"cannot read {ck.path / 'config.json'}: "
-                              f"{first_line(exc)}") from None
+        raise CheckpointError(f"cannot read {ck.path / 'config.json'}: {first_line(exc)}") from None
 
 
 def transformers_meta_model(ck: Checkpoint) -> nn.Module:
@@ -77,8 +75,7 @@ def transformers_meta_model(ck: Checkpoint) -> nn.Module:
         with torch.device("meta"):
             model = cls(config)
     except Exception as exc:
-        raise CheckpointError(f"cannot build {ck.architecture} from its config: "
-                              f"{first_line(exc)}") from None
+        raise CheckpointError(f"cannot build {ck.architecture} from its config: {first_line(exc)}") from None
     return model.eval()
 
 
@@ -180,20 +177,13 @@ def transformers_generation(ck: Checkpoint) -> dict[str, Any]:
     import transformers
 
     file = ck.path / "generation_config.json"
-    data = None
-    if file.is_file():
-        try:
-            data = parse_json_file(file, "a generation config")
-        except CheckpointError:
-            if file.stat().st_size > JSON_LIMIT:
-                raise
+    data = json_or_none(file, "a generation config") if file.is_file() else None
     try:
         if isinstance(data, dict):
             settings = transformers.GenerationConfig.from_dict(copy.deepcopy(data)).to_dict()
         else:
             settings = transformers.GenerationConfig.from_model_config(copy.deepcopy(ck.config)).to_dict()
     except Exception as exc:  # transformers raises many kinds for a bad file
-        raise CheckpointError(f"cannot read the generation config of {ck.path}: "
-                              f"{first_line(exc)}") from None
+        raise CheckpointError(f"cannot read the generation config of {ck.path}: {first_line(exc)}") from None
     settings.pop("transformers_version", None)  # the running transformers' version, on both sides
     return settings

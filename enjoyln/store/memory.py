@@ -45,8 +45,7 @@ def built_bytes(model: nn.Module, dtype_name: str) -> tuple[int, int]:
         if id(t) in seen:
             continue
         seen.add(id(t))
-        is_param = isinstance(t, nn.Parameter)
-        n = t.numel() * (size if is_param and t.is_floating_point() else t.element_size())
+        n = t.numel() * (size if isinstance(t, nn.Parameter) and t.is_floating_point() else t.element_size())
         total, largest = total + n, max(largest, n)
     return total, largest
 
@@ -62,8 +61,7 @@ def truth_ratio(ck: Checkpoint) -> float:
 
 
 def forward_check_bytes(ck: Checkpoint) -> int:
-    """What the forward comparison needs: both models, the reference's truth (its weights in the next wider
-    dtype, for the precision-aware criterion), and room for activations."""
+    """What the forward comparison needs: both models, the reference's truth in the next wider dtype, activations."""
     n = max(ck.nbytes, ck.built[0])
     if ck.pickled:  # no header to read dtypes from: take float32, the usual
         truth = 2 * ck.nbytes

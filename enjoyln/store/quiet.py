@@ -44,36 +44,30 @@ def quiet_libraries(transformers: bool = True) -> Iterator[None]:
         onnx = logging.getLogger("torch.onnx")
         stack.callback(onnx.setLevel, onnx.level)
         onnx.setLevel(logging.ERROR)
-        _silence_hub(stack)
+        try:
+            from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+            from huggingface_hub.utils import logging as hub_logging
+        except ImportError:
+            pass
+        else:
+            _silence(stack, not are_progress_bars_disabled(), enable_progress_bars, disable_progress_bars, hub_logging)
         if transformers:
-            _silence_transformers(stack)
+            try:
+                from transformers.utils import logging as tf
+            except ImportError:
+                pass
+            else:  # its switch turns huggingface_hub's bars on too: restored before the hub's own state
+                _silence(stack, tf.is_progress_bar_enabled(), tf.enable_progress_bar, tf.disable_progress_bar, tf)
         yield
 
 
-def _silence_hub(stack: contextlib.ExitStack) -> None:
-    try:
-        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-        from huggingface_hub.utils import logging as hub_logging
-    except ImportError:
-        return
-    bars_off, level = are_progress_bars_disabled(), hub_logging.get_verbosity()
-    stack.callback(lambda: disable_progress_bars() if bars_off else enable_progress_bars())
-    stack.callback(hub_logging.set_verbosity, level)
-    disable_progress_bars()
-    hub_logging.set_verbosity(logging.ERROR)
-
-
-def _silence_transformers(stack: contextlib.ExitStack) -> None:
-    try:
-        from transformers.utils import logging as tf_logging
-    except ImportError:
-        return
-    bars_on, level = tf_logging.is_progress_bar_enabled(), tf_logging.get_verbosity()
-    # transformers' switch turns huggingface_hub's bars on too: restored before the hub's own state
-    stack.callback(lambda: tf_logging.enable_progress_bar() if bars_on else tf_logging.disable_progress_bar())
-    stack.callback(tf_logging.set_verbosity, level)
-    tf_logging.disable_progress_bar()
-    tf_logging.set_verbosity(logging.ERROR)
+def _silence(stack: contextlib.ExitStack, bars_on: bool, enable: Callable[[], None], disable: Callable[[], None],
+             logs: Any) -> None:
+    """A library's bars off and its logs errors only, until ``stack`` puts them back as they were."""
+    stack.callback(lambda: enable() if bars_on else disable())
+    stack.callback(logs.set_verbosity, logs.get_verbosity())
+    disable()
+    logs.set_verbosity(logging.ERROR)
 
 
 def quiet(fn: F) -> F:

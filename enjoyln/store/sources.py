@@ -1,5 +1,4 @@
-"""Where a model directory's model comes from, transformers or timm (as config.json says). timm is
-imported only for a timm directory and never downloads anything."""
+"""Where a model directory's model comes from: transformers or timm (imported only for a timm directory)."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ class Source:
 
     def other_class(self, root: Path, name: str) -> str:
         """``name``, a class to build instead of config.json's (``--model-class``), if the library has it."""
-        raise CheckpointError(f"--model-class applies to transformers model directories; {root} is a "
-                              f"{self.name} one")
+        raise CheckpointError(f"--model-class applies to transformers model directories; {root} is a {self.name} one")
 
     def check_weights(self, root: Path, present: set[str]) -> None:
         """Refuse weight files this library would not load as a fold writes them."""

@@ -28,8 +28,7 @@ def _libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         return libc
@@ -89,8 +88,7 @@ class Mapped:
 
 
 class Buffer:
-    """A reusable buffer: fresh memory costs a page fault per page on first touch (most of the time of
-    reading from the page cache)."""
+    """A reusable buffer: fresh memory costs a page fault per page on first touch."""
 
     def __init__(self) -> None:
         self.data = torch.empty(0, dtype=torch.uint8)

@@ -164,8 +164,7 @@ def publish(tmp: Path, out: Path) -> None:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Delay SIGINT and SIGTERM until the block is done, so a step and the bookkeeping that lets cleanup
-    undo it happen together or not at all."""
+    """Delay SIGINT and SIGTERM until the block is done, so a step and its cleanup's bookkeeping go together."""
     held = {signal.SIGINT, signal.SIGTERM}
     mask = getattr(signal, "pthread_sigmask", None)
     if mask is None or threading.current_thread() is not threading.main_thread():
@@ -181,8 +180,7 @@ def signals_held() -> Iterator[None]:
 def keep_failed(tmp: Path, out: Path) -> Path:
     (tmp / OWNER_FILE).unlink(missing_ok=True)
     os.chmod(tmp, 0o777 & ~umask())
-    kept = out.with_name(f"{out.name}.enjoyln-failed")
-    n = 1
+    kept, n = out.with_name(f"{out.name}.enjoyln-failed"), 1
     while kept.exists():
         n += 1
         kept = out.with_name(f"{out.name}.enjoyln-failed-{n}")

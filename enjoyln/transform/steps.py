@@ -1,5 +1,4 @@
-"""The Transformation steps that apply a FoldPlan to a model in place (``PIPELINE``), and the public
-``fold`` and ``rotate``; the tensor math is in ``tensors``."""
+"""The steps that apply a FoldPlan to a model in place (``PIPELINE``), and the public ``fold`` and ``rotate``."""
 
 from __future__ import annotations
 
@@ -104,8 +103,7 @@ class CenterParameters(Transformation):
         for c in plan.centered:
             t = tensor_at(model, c.param)
             if not -t.dim() <= c.axis < max(t.dim(), 1):
-                raise PlanError(f"the plan centers {c.param} along axis {c.axis}, "
-                                f"but it has {t.dim()} dimensions")
+                raise PlanError(f"the plan centers {c.param} along axis {c.axis}, but it has {t.dim()} dimensions")
             n = t.shape[c.axis] if t.dim() else 1
             if c.groups < 1 or n % c.groups or any(not 0 <= b < c.groups for b in c.blocks or ()):
                 raise PlanError(f"the plan centers {c.param} in {c.groups} groups, which its "
@@ -113,8 +111,7 @@ class CenterParameters(Transformation):
             if c.scale:
                 s = tensor_at(model, c.scale)
                 if s.numel() != n:
-                    raise PlanError(f"the plan scales {c.param} by {c.scale}, which has {s.numel()} "
-                                    f"entries, not {n}")
+                    raise PlanError(f"the plan scales {c.param} by {c.scale}, which has {s.numel()} entries, not {n}")
                 if s.device.type != "meta" and not bool(s.ne(0).all()):
                     raise PlanError(f"the plan centers {c.param} for the LayerScale gain {c.scale}, "
                                     "which has a zero entry; analyze this model again")
@@ -137,8 +134,7 @@ class CenterParameters(Transformation):
 
 
 class FuseAffine(Transformation):
-    """Move each folded norm's γ and β into the linear layers that read it; the norm keeps γ = 1 and
-    β = 0 (or β/γ where a reader has no bias)."""
+    """Move each folded norm's γ and β into the linear layers that read it (the norm keeps 1 and 0, or β/γ)."""
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         for e in plan.foldable:
@@ -221,8 +217,7 @@ class SwapLayerNorms(Transformation):
                 why = _norm_misfit(module, e) if module is not None else "which this model does not have"
                 if why:
                     raise PlanError(f"the plan folds {e.name}, {why}")
-            elif not isinstance(model, fx.GraphModule) or not any(
-                    n.name == e.name for n in model.graph.nodes):
+            elif not isinstance(model, fx.GraphModule) or not any(n.name == e.name for n in model.graph.nodes):
                 raise PlanError(f"the plan folds the functional layer_norm {e.name}, "
                                 "which this model's graph does not have")
 
@@ -282,11 +277,8 @@ def _norm_misfit(module: nn.Module, e: LayerNormEntry) -> str:
         t = getattr(module, leaf, None)
         if t is not None and (not isinstance(t, torch.Tensor) or (width is not None and t.numel() != width)):
             return f"whose {leaf} does not fit a norm over {tuple(e.normalized_shape)}, so it is not that norm here"
-    children = dict(module.named_children())
-    for child in e.then:
-        if child not in children:
-            return f"which has no child module {child} to call after it here"
-    return ""
+    missing = [child for child in e.then if child not in dict(module.named_children())]
+    return f"which has no child module {missing[0]} to call after it here" if missing else ""
 
 
 def _become(module: nn.Module, cls: type, e: LayerNormEntry) -> None:
@@ -435,8 +427,7 @@ def reapply_on_load(model: nn.Module, plan: FoldPlan) -> nn.Module:
 
 
 def fold(model: nn.Module, example_inputs: ExampleInputs = None, *,
-         plan: FoldPlan | None = None, auxiliary_centering: bool = False,
-         fuse_affine: bool = False) -> nn.Module:
+         plan: FoldPlan | None = None, auxiliary_centering: bool = False, fuse_affine: bool = False) -> nn.Module:
     """Fold every foldable LayerNorm of ``model`` into RMSNorm, in place, with the same outputs;
     ``auxiliary_centering`` inserts explicit centerings where they pay off (BLOOM, the Whisper
     encoder), ``fuse_affine`` moves each folded norm's γ and β into its readers. Returns ``model``.
@@ -455,10 +446,9 @@ def fold(model: nn.Module, example_inputs: ExampleInputs = None, *,
 
 def rotate(model: nn.Module, example_inputs: ExampleInputs = None, *, kind: str = "hadamard", seed: int = 0,
            keep_mean: bool = True, plan: FoldPlan | None = None) -> nn.Module:
-    """Fold ``model`` with fused affines and rotate its residual stream by an orthogonal ``Q``, in
-    place, with the same outputs; the rotation spreads outlier features (as QuaRot and SpinQuant rely
-    on). ``kind`` is ``"hadamard"`` or ``"random"``; with ``keep_mean`` ``Q`` fixes the all-ones
-    vector, so plain LayerNorms still agree. Raises ``PlanError`` where the stream cannot be rotated.
+    """Fold ``model`` with fused affines and rotate its residual stream by an orthogonal ``Q`` (``kind``:
+    ``"hadamard"`` or ``"random"``), in place, with the same outputs; the rotation spreads outlier features.
+    With ``keep_mean`` ``Q`` fixes the all-ones vector, so plain LayerNorms still agree.
     >>> import enjoyln
     >>> from enjoyln.testing import perturb, tiny_model
     >>> model = enjoyln.rotate(perturb(tiny_model("gpt2")))

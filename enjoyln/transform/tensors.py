@@ -35,14 +35,8 @@ def tensor_at(model: nn.Module, fqn: str) -> torch.Tensor:
 def untie_config(model: nn.Module) -> None:
     """Turn ``tie_word_embeddings`` off in ``model``'s config (and its text config), so a reload does not re-tie."""
     config = getattr(model, "config", None)
-    if config is None:
-        return
-    configs = {id(config): config}
     get_text = getattr(config, "get_text_config", None)
-    if callable(get_text):
-        text = get_text()
-        configs[id(text)] = text
-    for cfg in configs.values():
+    for cfg in (config, get_text() if callable(get_text) else None):
         if hasattr(cfg, "tie_word_embeddings"):
             cfg.tie_word_embeddings = False
 
@@ -146,8 +140,7 @@ def _as_plan_error() -> Iterator[None]:
 
 
 def center_all(model: nn.Module, centerings: Sequence[Centering]) -> None:
-    """Apply ``centerings`` in place, each tensor once however many of its tied names the plan lists;
-    every LayerScale gain is read before any tensor changes."""
+    """Apply ``centerings`` in place, each tensor once however many of its tied names the plan lists."""
     scales = {c.scale: tensor_at(model, c.scale).detach().clone() for c in centerings if c.scale}
     by_tensor: dict[int, tuple[torch.Tensor, list[Centering]]] = {}
     for c in centerings:

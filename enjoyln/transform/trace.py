@@ -91,8 +91,7 @@ class Tracer:
         slots: list[Slot] = []
         by_id: dict[int, int] = {}
         binding: dict[str, int] = {}
-        for name, t in [*model.named_parameters(remove_duplicate=False),
-                        *model.named_buffers(remove_duplicate=False)]:
+        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
             if id(t) not in by_id:
                 by_id[id(t)] = len(slots)
                 slots.append(Slot(len(slots), [], t.dtype, tuple(t.shape)))

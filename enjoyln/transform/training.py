@@ -70,8 +70,7 @@ def cbwc(model: nn.Module, example_inputs: ExampleInputs = None, *, plan: FoldPl
         warnings.warn(f"enjoyln: {len(dropout)} dropout layers (e.g. {dropout[0]}) are active in training "
                       "mode; between a centered layer and its LN they break the exact equivalence with the "
                       "LayerNorm model (dropping entries shifts the mean the centering removed). Set their p to 0 "
-                      "for an exact trajectory.",
-                      stacklevel=2)
+                      "for an exact trajectory.", stacklevel=2)
     for step in (InsertCentering(), UntieParameters(), SwapLayerNorms()):
         step.check(model, plan)
     InsertCentering()(model, plan)
