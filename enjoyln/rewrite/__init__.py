@@ -1,2 +1,1 @@
-"""The checkpoint rewrite: the plan for a directory, what the fold writes for it tensor by tensor, the
-writer, and the fold itself (``convert``): a directory in, a checked directory out."""
+"""The checkpoint rewrite (``convert``): a model directory in, a checked folded directory out."""

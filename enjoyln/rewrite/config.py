@@ -1,5 +1,4 @@
-"""The ``enjoyln`` block of a folded directory's config.json: writing it for a plan, and reading
-the plan recorded in it."""
+"""config.json as a fold writes it, with its ``enjoyln`` block."""
 
 from __future__ import annotations
 
@@ -12,10 +11,8 @@ from ..store.checkpoint import Checkpoint
 
 
 def output_config(ck: Checkpoint, plan: FoldPlan) -> dict[str, Any]:
-    """config.json as a fold of ``md`` by ``plan`` writes it: the input's, with an untied head where
-    the plan unties one, the class it was folded as, the ``enjoyln`` block, and the dtype it loads in
-    where it names none (transformers would otherwise take the first tensor's, which an untied head
-    or a re-sharding changes)."""
+    """The input's config.json with the ``enjoyln`` block, and the dtype it loads in where it names none
+    (transformers would otherwise take the first tensor's, which an untied head or re-sharding changes)."""
     config = json.loads(json.dumps(ck.config))
     if ck.source == "transformers" and ck.architecture != config["architectures"][0]:
         config["architectures"] = [ck.architecture]  # --model-class: the fold is a checkpoint of that class

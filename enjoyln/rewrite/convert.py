@@ -1,6 +1,5 @@
-"""Fold a model directory into a new one: analyse it on the meta device, stream the fold tensor by
-tensor into a temporary directory beside OUT_DIR, check it there, and publish it by rename; OUT_DIR never
-holds a partial or unchecked fold, and the input is only read (docs/how-it-works.md)."""
+"""Fold a model directory into a new one, streamed into a temporary directory beside OUT_DIR, checked there
+and published by rename: OUT_DIR never holds a partial or unchecked fold (docs/how-it-works.md)."""
 
 from __future__ import annotations
 
@@ -43,9 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["fold_checkpoint", "analyze_checkpoint", "FoldResult"]
 
 Progress = Callable[[int, int], None]
-"""Called with (bytes done, bytes total) as the output is written; total is 0 while it is not
-known yet (the weights copied while the analysis runs), then final (it grows only where a shard's
-header outgrows the room its early copy left, and the shard is written afresh)."""
+"""Called with (bytes done, bytes total); total is 0 while the early copy runs ahead of the analysis."""
 
 Stage = Callable[[str], None]
 """Called with a few words naming what a long call does now ("analysing GPT2LMHeadModel")."""
@@ -65,7 +62,7 @@ def analyze_checkpoint(path: str | os.PathLike, *, auxiliary_centering: bool = F
 
 
 def _os_error(exc: OSError, out: Path, tmp: Path | None) -> CheckpointError:
-    """One line naming the path at fault: OUT_DIR for anything written there, else the file itself."""
+    """One line naming OUT_DIR for anything written there, else the file itself."""
     name = Path(exc.filename) if exc.filename else None
     where = out if name is None or (tmp is not None and (name == tmp or tmp in name.parents)) else name
     if exc.errno == errno.ENOSPC:
@@ -76,7 +73,7 @@ def _os_error(exc: OSError, out: Path, tmp: Path | None) -> CheckpointError:
 
 
 def _same_load_dtype(ck: Checkpoint, tmp: Path) -> None:
-    """The fold's postcondition on dtypes: the output loads in the dtype the original loads in."""
+    """The fold's postcondition: the output loads in the original's dtype."""
     out = open_checkpoint(tmp, allow_pickle=True, trust_remote_code=ck.trust_remote_code)
     theirs, (ours, why) = ck.load_dtype[0], out.load_dtype
     if ours != theirs:
@@ -93,30 +90,24 @@ class FoldResult:
     files: list[str]
     bytes_written: int
     seconds: float
-    """Wall time of the whole fold, analysis and check included."""
     stream_seconds: float = 0.0
-    """Time spent moving the weights: the copy itself, not the wait for imports or the analysis."""
+    """Time spent moving the weights, not the imports or the analysis."""
     report: "CheckReport | None" = None
-    """The check that ran before OUT_DIR was published (None with ``check="none"``)."""
     skipped: list[str] = field(default_factory=list)
-    """Entries of MODEL_DIR not copied, with the reason (outside it, special files)."""
+    """Entries of MODEL_DIR not copied, with the reason."""
     cleaned: list[Path] = field(default_factory=list)
     """Temporary directories of killed runs for the same OUT_DIR, removed first."""
     followed: list[str] = field(default_factory=list)
-    """Files a model directory needs, copied through links that leave MODEL_DIR (``name -> target``)."""
+    """Files copied through links that leave MODEL_DIR (``name -> target``)."""
 
 
 @quiet
 def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: FoldOptions | None = None, *,
                     progress: Progress | None = None, check_progress: Progress | None = None,
                     stage: Stage | None = None, **values: Any) -> FoldResult:
-    """Fold a Hugging Face (or timm) model directory into OUT_DIR, streaming tensor by tensor, check
-    it in a temporary directory (``check``: ``"full"``, ``"static"`` or ``"none"``) and publish it
-    only if it passes, else raise ``CheckFailed``. OUT_DIR loads with plain ``from_pretrained`` (the
-    LNs see zero-mean inputs) or ``enjoyln.load`` (RMSNorm). ``options`` (a ``FoldOptions``) or its
-    fields as keywords (``fuse_affine=True``, ``rotate=("hadamard", 0, True)``, ...); ``progress``
-    hears of the bytes written, ``check_progress`` of the check's, ``stage`` of each phase.
-    transformers' and huggingface_hub's own bars and logs are off during the call (``store.quiet``).
+    """Fold a Hugging Face (or timm) model directory into OUT_DIR, checked (``check``: ``"full"``,
+    ``"static"`` or ``"none"``) before it is published, else ``CheckFailed``. ``options`` (a ``FoldOptions``)
+    or its fields as keywords; ``progress`` hears of the bytes written, ``check_progress`` of the check's.
     >>> fold_checkpoint("gpt2-dir", "gpt2-folded").report.passed  # doctest: +SKIP
     True
     """
@@ -139,14 +130,12 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, op
             fold.publish()
     except OSError as exc:
         raise _os_error(exc, out, fold.tmp) from None
-    return FoldResult(plan, out, written.files, written.nbytes, time.perf_counter() - start, written.seconds,
-                      report=report, skipped=written.skipped, cleaned=fold.cleaned, followed=written.followed)
+    return dataclasses.replace(written, seconds=time.perf_counter() - start, report=report, cleaned=fold.cleaned)
 
 
 def _out_dir(out: Path) -> Path:
-    """OUT_DIR as it is renamed into place: publishing renames OUT_DIR itself, so a link would
-    be replaced by a directory (its target left stale), and '.' or '..' have no name to put a
-    temporary directory beside."""
+    """OUT_DIR resolved where a publish by rename would replace a link (its target left stale) or '.'/'..'
+    has no name to put a temporary directory beside."""
     if out.is_symlink() or out.name in ("", ".."):
         try:
             return out.resolve(strict=False)
@@ -156,7 +145,6 @@ def _out_dir(out: Path) -> Path:
 
 
 def _refuse_early(ck: Checkpoint, out: Path, opts: FoldOptions) -> None:
-    """Everything that refuses the fold before anything is written."""
     if opts.max_shard_size is not None and not ck.library.shards:
         raise CheckpointError(f"{ck.library.name} loads one weight file, model.safetensors, so this directory "
                               "is not re-sharded; drop --max-shard-size")
@@ -166,19 +154,8 @@ def _refuse_early(ck: Checkpoint, out: Path, opts: FoldOptions) -> None:
         require_memory(ck, opts.check.max_memory)
 
 
-@dataclass
-class _Written:
-    files: list[str]
-    nbytes: int
-    seconds: float
-    skipped: list[str] = field(default_factory=list)
-    followed: list[str] = field(default_factory=list)
-
-
 class _Fold:
-    """One fold in progress, owning in one ``ExitStack`` everything it holds until it publishes (the
-    temporary directory, the early copy, the input's reader, the streamed tensors), and counting the
-    bytes written for ``progress``."""
+    """One fold in progress, owning in one ``ExitStack`` everything it holds until it publishes."""
 
     def __init__(self, ck: Checkpoint, out: Path, opts: FoldOptions, progress: Progress | None) -> None:
         self.ck, self.out, self.opts, self.progress = ck, out, opts, progress
@@ -221,15 +198,13 @@ class _Fold:
                 self.progress(self._done, max(self._total, self._done) if self._total_known else 0)
 
     def total_known(self) -> None:
-        """From here on the total is what will be written: the early copy's bytes and the rest."""
         with self._lock:
             self._total_known = True
             if self.progress is not None:
                 self.progress(self._done, max(self._total, self._done))
 
     def _start_early_copy(self) -> None:
-        """Copy the input's weight files while the model's code loads and the analysis runs (see
-        ``EarlyCopy``): not for a plan that moves values, which rewrites nearly every tensor."""
+        """Not for a plan that moves values, which rewrites nearly every tensor."""
         o = self.opts
         moving = o.fuse_affine or o.rotate is not None or (o.plan is not None and moves_values(o.plan))
         self.spans = early_spans(self.ck, o.max_shard_size) if not o.dry_run and not moving else {}
@@ -241,7 +216,6 @@ class _Fold:
             self.resources.callback(self.early.cancel)
 
     def plan(self) -> FoldPlan:
-        """The plan given, fitted to the model, or the analysis's."""
         ck, o = self.ck, self.opts
         if self.early is not None and not norm_module_paths(ck.meta):
             self.early.cancel()  # no norm module: almost surely nothing to fold, so stop copying now
@@ -255,17 +229,12 @@ class _Fold:
             raise EnjoylnError(f"{why}; nothing was written")
         return plan
 
-    def _entries(self, plan: FoldPlan) -> list[tuple[str, list[Entry]]]:
-        streamed = StreamedTensors(self.ck, plan)
-        self.resources.callback(streamed.close)
-        return fold_entries(self.ck, plan, streamed)
-
-    def write(self, plan: FoldPlan) -> _Written:
-        """Every file of the fold, in the temporary directory: the other files, config.json, the
-        weight shards (the early copies finished where they lie, the rest written afresh), the
-        index; then its postconditions: every shard reads back, and it loads in the original's dtype."""
+    def write(self, plan: FoldPlan) -> FoldResult:
+        """Every file of the fold, in the temporary directory; then its postconditions."""
         ck = self.ck
-        shards = reshard(self._entries(plan), self.opts.max_shard_size, indexed=ck.index is not None)
+        streamed = StreamedTensors(ck, plan)
+        self.resources.callback(streamed.close)
+        shards = reshard(fold_entries(ck, plan, streamed), self.opts.max_shard_size, indexed=ck.index is not None)
         tmp, write_start = self._temp_dir(), time.perf_counter()
         followed: list[str] = []
         skipped = copy_extras(ck, tmp, followed)
@@ -283,11 +252,11 @@ class _Fold:
         for name, _ in shards:  # the output must read back, or it is not published
             read_safetensors_header(tmp / name)
         _same_load_dtype(ck, tmp)  # even with check="none": it must load as the original does
-        return _Written([name for name, _ in shards], nbytes, seconds, skipped, followed)
+        return FoldResult(plan, self.out, [name for name, _ in shards], nbytes, 0.0, seconds, skipped=skipped,
+                          followed=followed)
 
     def _write_shards(self, shards: list[tuple[str, list[Entry]]]) -> None:
-        """Each shard finished from its early copy where its layout allows (``finish_shard``),
-        else written afresh; what is left to write is added to the progress total first."""
+        """Each shard finished from its early copy where its layout allows, else written afresh."""
         by_name = {name: shard for shard, (name, _, _) in self.spans.items()} if self.early is not None else {}
         layout = {name: early_layout(self.ck, by_name.get(name), entries) for name, entries in shards}
         self.advance(0, sum(e.nbytes for name, es in shards for i, e in enumerate(es)
@@ -309,8 +278,7 @@ class _Fold:
             write_shard(self.tmp / name, entries, w)
 
     def check(self, progress: Progress | None, stage: Stage | None = None) -> CheckReport | None:
-        """The check of the written fold, its plan derived afresh from the reference; raises
-        ``CheckFailed`` (the candidate removed, or kept with ``keep_failed``) if it fails."""
+        """The check of the written fold; ``CheckFailed`` if it fails."""
         if self.opts.check.mode == "none":
             return None
         report = check_checkpoints(self.ck, self.tmp, self.opts.checking, progress=progress, stage=stage)

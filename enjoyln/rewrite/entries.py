@@ -1,6 +1,5 @@
-"""What a fold writes for a model directory, tensor by tensor: its entries, in output shards
-like the input's, each saying how its bytes are made (copied, copied and centered where they
-lie, or computed when the writer reaches them), read off the trace of the plan."""
+"""What a fold writes for a model directory: its entries, in output shards like the input's, each saying
+how its bytes are made (copied, centered where they lie, or computed when the writer reaches them)."""
 
 from __future__ import annotations
 
@@ -39,16 +38,13 @@ class Entry:
 
 
 def fold_entries(ck: Checkpoint, plan: FoldPlan, tensors: StreamedTensors) -> list[tuple[str, list[Entry]]]:
-    """Output shards like the input's: each stored tensor in its place, in input order, then what the
-    fold adds (an untied head, a dropped tie) after its source's shard. A plan that moves values
-    computes every tensor it changes; one that only centers copies each tensor's bytes and centers it
-    where it lies, which the early copy's fast path relies on."""
+    """Output shards like the input's: each stored tensor in input order, then what the fold adds. A plan
+    that only centers copies each tensor's bytes and centers it where it lies (the early copy relies on it)."""
     home = ({k: shard for k, (shard, _) in ck.pickled_tensors.items()} if ck.pickled
             else {t.name: t.file for t in ck.tensors.values()})
     shards: list[tuple[str, list[Entry]]] = [(s, []) for s in ck.shards]
     by_shard = dict(shards)
-    stored = [k for k in (home if ck.pickled else sorted(home, key=lambda k: ck.tensors[k].start))
-              if k in tensors]
+    stored = [k for k in (home if ck.pickled else sorted(home, key=lambda k: ck.tensors[k].start)) if k in tensors]
     moves = moves_values(plan)
     make = _computed if moves else functools.partial(_centered, ck)
     for key in stored:
@@ -62,7 +58,6 @@ def fold_entries(ck: Checkpoint, plan: FoldPlan, tensors: StreamedTensors) -> li
 
 
 def _computed(tensors: StreamedTensors, key: str) -> Entry:
-    """The stored bytes where the plan leaves them as they are, else computed when their turn comes."""
     out = tensors.outputs[key]
     if out.dtype not in CODES:
         raise CheckpointError(f"{key} has dtype {out.dtype}, which safetensors cannot store")
@@ -72,7 +67,6 @@ def _computed(tensors: StreamedTensors, key: str) -> Entry:
 
 
 def _centered(ck: Checkpoint, tensors: StreamedTensors, key: str) -> Entry:
-    """The bytes of the tensor the output is made of, centered as the trace says (or as they are)."""
     base, cs = tensors.centerings(key)
     merged = merge_centerings(cs)
     if len(merged) > 1:
@@ -83,8 +77,7 @@ def _centered(ck: Checkpoint, tensors: StreamedTensors, key: str) -> Entry:
     if dtype not in CODES:
         raise CheckpointError(f"{key} has dtype {dtype}, which safetensors cannot store")
     shape = tuple(info.shape) if info else tuple(tensor.shape)
-    nbytes = (info.nbytes if info else tensor.numel() * tensor.element_size()) * dtype.itemsize // (
-        DTYPES[info.dtype].itemsize if info else tensor.element_size())
+    nbytes = math.prod(shape) * dtype.itemsize
     if not merged:
         return Entry(key, CODES[dtype], shape, nbytes, source=info, tensor=tensor)
     c = merged[0]
@@ -93,14 +86,13 @@ def _centered(ck: Checkpoint, tensors: StreamedTensors, key: str) -> Entry:
                  blocks=c.blocks, scale=scale)
 
 
-def reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None, *, indexed: bool = False,
-            single_name: str = SAFE_WEIGHTS) -> list[tuple[str, list[Entry]]]:
-    """Keep the input's shards (renamed to .safetensors), or pack up to ``max_bytes`` each. A
-    lone shard named by an index (``indexed``) keeps its name and, in the caller, its index: the
-    index can carry the dtype the model loads in."""
+def reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None, *,
+            indexed: bool = False) -> list[tuple[str, list[Entry]]]:
+    """Keep the input's shards (renamed to .safetensors), or pack up to ``max_bytes`` each. A lone shard
+    named by an index (``indexed``) keeps it: the index can carry the dtype the model loads in."""
     if max_bytes is None:
         if len(shards) == 1 and not indexed:
-            return [(single_name, shards[0][1])]
+            return [(SAFE_WEIGHTS, shards[0][1])]
         n = len(shards)
         return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors" if name.endswith(".bin") else name, es)
                 for i, (name, es) in enumerate(shards)]
@@ -114,15 +106,13 @@ def reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None, *, ind
             packed[-1].append(e)
             size += e.nbytes
     if len(packed) == 1:
-        return [(single_name, packed[0])]
+        return [(SAFE_WEIGHTS, packed[0])]
     n = len(packed)
     return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", es) for i, es in enumerate(packed)]
 
 
 def index_metadata(ck: Checkpoint, shards: list[tuple[str, list[Entry]]]) -> dict[str, Any]:
-    """The metadata of the index a fold writes: the input index's, its sizes those of the
-    output (an untied head adds parameters), with the version that wrote it and the dtype the
-    model loads in, which transformers reads from here when config.json names none."""
+    """The input index's metadata with the output's sizes and the load dtype (transformers may read it here)."""
     metadata: dict[str, Any] = {}
     if ck.index is not None:
         found = parse_json_file(ck.index, "a weight index").get("metadata")

@@ -1,5 +1,4 @@
-"""The plan for a model directory: the analysis of its meta model, with the gains a rule
-depends on read from its weights, and a note on the parameters no weight file holds."""
+"""The plan for a model directory: the analysis of its meta model, with gains read from its weights."""
 
 from __future__ import annotations
 
@@ -14,9 +13,7 @@ from ..store.tensors import TensorReader
 
 def analyze_dir(ck: Checkpoint, auxiliary_centering: bool, fuse_affine: bool = False,
                 rotate: RotationSpec | None = None) -> FoldPlan:
-    """The plan for the meta model of ``ck``. The gains a rule depends on (a LayerScale gain the
-    centering divides by, a norm's γ that a kept bias is divided by) are read from the
-    checkpoint, and where one has a zero entry the analysis runs again knowing it."""
+    """The plan for ``ck``'s meta model, analysed again where a gain it divides by has a zero entry."""
     options = {"auxiliary_centering": auxiliary_centering, "fuse_affine": fuse_affine, "rotate": rotate}
     plan = analyze(ck.meta, **options)
     names = sorted({c.scale for c in plan.centered if c.scale}
@@ -31,7 +28,6 @@ def analyze_dir(ck: Checkpoint, auxiliary_centering: bool, fuse_affine: bool = F
 
 
 def missing_note(names: list[str], architecture: str) -> Note:
-    """The plan's note on parameters the model class builds that the checkpoint lacks."""
     many = len(names) > 1
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return Note.of(MISSING, f"{len(names)} parameter{'s' if many else ''}", architecture, shown,
@@ -39,7 +35,7 @@ def missing_note(names: list[str], architecture: str) -> Note:
 
 
 def read_tensors(ck: Checkpoint, names: list[str]) -> list[torch.Tensor]:
-    """Small tensors (LayerScale gains, norm gains) by parameter name, read from the checkpoint."""
+    """Small tensors (gains) by parameter name."""
     out = []
     reader = TensorReader(ck)
     try:
@@ -54,7 +50,5 @@ def read_tensors(ck: Checkpoint, names: list[str]) -> list[torch.Tensor]:
 
 
 def moves_values(plan: FoldPlan) -> bool:
-    """Whether a plan computes tensors from other tensors (a fused affine, a rotation), which
-    a centering of each tensor on its own cannot do: such folds are computed by
-    ``StreamedTensors``, each tensor from the reference tensors it depends on."""
+    """Whether a plan computes tensors from other tensors (a fused affine, a rotation)."""
     return bool(plan.fused) or plan.rotation is not None

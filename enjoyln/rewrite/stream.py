@@ -1,7 +1,6 @@
 """The plan applied to a checkpoint tensor by tensor, without the model in memory: ``StreamedTensors``
-replays the trace of each slot (``transform.trace``) on its reference tensor with the functions the steps
-run, in the same order and dtypes, so the bits are those of the plan applied to the loaded model. Names
-resolve to keys only in ``checkpoint_source`` and ``output_slots``."""
+replays each slot's trace with the functions the steps run, in the same order and dtypes, so the bits are
+those of the plan applied to the loaded model."""
 
 from __future__ import annotations
 
@@ -29,9 +28,8 @@ STASH_BYTES = 512 << 20
 
 def output_slots(t: Tracer, plan: FoldPlan, meta: nn.Module, key: Callable[[str], str | None],
                  saved: dict[str, str]) -> dict[str, int]:
-    """The keys of the folded checkpoint that hold a tensor of the model, each with its slot: every
-    name's key, then an untied head the checkpoint did not store, then a dropped tie, then a changed
-    tensor stored only under a name it no longer shares (the embedding of a checkpoint that saved only
+    """The keys of the folded checkpoint, each with its slot: every name's key, an untied head, a dropped
+    tie, then a changed tensor stored only under a name it no longer shares (an embedding saved only as
     the tied head)."""
     slots: dict[str, int] = {}
     names = t.names()
@@ -56,15 +54,13 @@ def output_slots(t: Tracer, plan: FoldPlan, meta: nn.Module, key: Callable[[str]
 
 @dataclass
 class Output:
-    """How one key of the folded checkpoint is made: a slot's final value, a constant, or the
-    stored bytes; in ``dtype``."""
+    """How one key of the folded checkpoint is made: a slot's final value, a constant, or the stored bytes."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
     slot: int | None = None
     fill: float | None = None
     raw: str | None = None
-    """The checkpoint key whose stored bytes are the output, unchanged."""
 
     @property
     def nbytes(self) -> int:
@@ -72,9 +68,7 @@ class Output:
 
 
 def load_model_meta(ck: Checkpoint, dtype: str = "auto") -> nn.Module:
-    """The model a plain ``from_pretrained`` builds for ``md`` (in ``dtype``: "auto" is the
-    dtype it loads in by default), on the meta device: its names, its ties and the dtype each
-    tensor loads in, without reading any weight."""
+    """The model a plain ``from_pretrained`` builds for ``md`` in ``dtype``, on the meta device."""
     if ck.source != "transformers":  # timm builds its model in float32: its meta model is that
         model = ck.library.meta_model(ck).eval()
         return model if dtype == "auto" else model.to(getattr(torch, dtype))
@@ -84,8 +78,7 @@ def load_model_meta(ck: Checkpoint, dtype: str = "auto") -> nn.Module:
     if ck.pickled:
         kwargs["use_safetensors"] = False
     try:
-        # device_map="meta" leaves the buffers __init__ computes (GPT-J's sinusoid table) on
-        # the CPU: a table from an absurd config would be allocated in full
+        # device_map="meta" alone leaves __init__'s buffers (GPT-J's sinusoid table) on the CPU, in full
         with torch.device("meta"):
             return cls.from_pretrained(ck.path, **kwargs).eval()
     except Exception as exc:
@@ -94,10 +87,8 @@ def load_model_meta(ck: Checkpoint, dtype: str = "auto") -> nn.Module:
 
 
 class StreamedTensors:
-    """Every tensor of ``md`` folded by ``plan``, by key, each computed when asked for (the caller's to
-    read, not to change); with ``dtype`` ("bfloat16") those of the model loaded in that dtype, then
-    folded. Memory: the tensor computed, the small values others read, and at most ``STASH_BYTES`` of
-    weights computed ahead of their request.
+    """Every tensor of ``md`` folded by ``plan``, by key, each computed when asked for (to read, not to
+    change); with ``dtype``, those of the model loaded in that dtype, then folded.
 
     >>> tensors = StreamedTensors(open_checkpoint(path), plan)  # doctest: +SKIP
     >>> tensors.get("lm_head.weight").shape  # doctest: +SKIP
@@ -107,21 +98,19 @@ class StreamedTensors:
     def __init__(self, ck: Checkpoint, plan: FoldPlan, *, reader: TensorReader | None = None,
                  dtype: str | None = None) -> None:
         self.ck = ck
-        # the slabs and float64 copies are freed as fast as they come: without this, glibc keeps
-        # them on a heap that small, lasting values (the biases' W β) pin, and it grows by layer
+        # else glibc keeps the freed slabs on a heap that small lasting values (W β) pin: it grows by layer
         return_freed_memory()
         self.reader = reader if reader is not None else TensorReader(ck)
         self._own_reader = reader is None
-        keys, meta, saved, key = self.reader.keys(), ck.meta, ck.saved, ck.key
+        keys, key = self.reader.keys(), ck.key
         self.trace = t = trace_plan(load_model_meta(ck, dtype or "auto"), plan, key)
         for s in t.slots:
             if isinstance(s.base, str) and tuple(self.reader.shape(s.base)) != s.shape:
                 raise CheckpointError(f"{s.base} has shape {list(self.reader.shape(s.base))} in the checkpoint, "
                                       f"but {s.names[0]} loads as {list(s.shape)}")
-        slot_of = output_slots(t, plan, meta, key, saved)
         stored = self.ck.tensors  # cast to the stored dtype only what a header lists, as a save of the loaded model
         self.outputs: dict[str, Output] = {}
-        for k, i in slot_of.items():
+        for k, i in output_slots(t, plan, ck.meta, key, ck.saved).items():
             s = t.slots[i]
             if s.base is None and k in keys:  # a buffer the model builds itself: the stored bytes stay
                 self.outputs[k] = Output(self.reader.dtype(k), tuple(self.reader.shape(k)), raw=k)
@@ -165,13 +154,11 @@ class StreamedTensors:
         return key in self.outputs
 
     def source(self, key: str) -> TensorInfo | None:
-        """Where the output's bytes already are, unchanged (a safetensors input), or None."""
         out = self.outputs[key]
         return self.ck.tensors.get(out.raw) if out.raw is not None else None
 
     def base_key(self, key: str) -> str | None:
-        """The checkpoint key the output's value is made from (through an untied copy's
-        source), or None for a constant or a tensor no checkpoint holds."""
+        """The checkpoint key the output's value is made from (through an untied copy), or None."""
         out = self.outputs[key]
         if out.slot is None:
             return out.raw
@@ -181,8 +168,7 @@ class StreamedTensors:
         return base
 
     def centerings(self, key: str) -> tuple[str | None, list[Centering]]:
-        """The output as a stored tensor centered: the key its bytes come from and the
-        centerings applied on the way, in order. Only for a plan that centers and nothing else."""
+        """The key the output's bytes come from and the centerings applied on the way, in order."""
         out = self.outputs[key]
         if out.slot is None:
             return out.raw, []
@@ -199,7 +185,6 @@ class StreamedTensors:
             index, version = s.base.slot, s.base.version
 
     def get(self, key: str) -> torch.Tensor:
-        """The folded tensor for ``key``, in the key's dtype."""
         out = self.outputs[key]
         if out.raw is not None:
             return self.reader.read(out.raw)
@@ -221,7 +206,6 @@ class StreamedTensors:
         return sum(t.numel() * t.element_size() for t in self._stash.values())
 
     def _value(self, index: int, version: int) -> torch.Tensor:
-        """Slot ``index`` after ``version`` of its operations, in memory of its own."""
         s = self.trace.slots[index]
         if isinstance(s.base, Ref):
             t = self._value(s.base.slot, s.base.version)
@@ -238,8 +222,7 @@ class StreamedTensors:
         return t
 
     def _tap(self, index: int, version: int, t: torch.Tensor) -> None:
-        """Keep what other slots read of this one at this version: small values (a norm's γ or
-        β, a LayerScale gain, a bias's ``W β``), so that a large one is never held for them."""
+        """Keep what other slots read of this one at this version: small values, so a large one is never held."""
         for r in self._taps.get((index, version), ()):
             if r not in self._memo:
                 self._memo[r] = (fused_product(t, r.fused, self._read(r.beta).to(torch.float64).reshape(-1))

@@ -33,7 +33,6 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 
 def _fd_path(fd: int) -> str:
-    """The file an open descriptor reads, for messages."""
     try:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
@@ -41,9 +40,9 @@ def _fd_path(fd: int) -> str:
 
 
 def _copy_range(src: int, dst: int, start: int, count: int, at: int, advance: Callable[[int], None],
-                stop: threading.Event | None = None) -> None:
-    """Copy ``count`` bytes from ``src`` at ``start`` to ``dst`` at ``at``, in the kernel if possible."""
-    while count and not (stop is not None and stop.is_set()):
+                stop: threading.Event) -> None:
+    """``count`` bytes from ``src`` at ``start`` to ``dst`` at ``at``, in the kernel if possible."""
+    while count and not stop.is_set():
         step = min(count, 64 << 20)
         try:
             n = os.copy_file_range(src, dst, step, start, at)
@@ -60,7 +59,6 @@ def _copy_range(src: int, dst: int, start: int, count: int, at: int, advance: Ca
 
 
 def _header_json(entries: list[Entry], metadata: dict[str, str]) -> bytes:
-    """A safetensors header for ``entries`` stored back to back, unpadded."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for e in entries:
@@ -71,8 +69,7 @@ def _header_json(entries: list[Entry], metadata: dict[str, str]) -> bytes:
 
 @dataclass
 class Writing:
-    """What every shard the fold writes shares: the reader of the input's tensors, one reused
-    buffer, the header's metadata, and the progress callback (bytes written)."""
+    """What every shard the fold writes shares."""
 
     reader: TensorReader
     metadata: dict[str, str]
@@ -81,10 +78,8 @@ class Writing:
 
 
 def write_shard(file: Path, entries: list[Entry], w: Writing) -> None:
-    """Write one safetensors file tensor by tensor: the header first (its sizes are known), then each
-    tensor at its offset, unchanged ones copied by the kernel on a second thread while this one
-    centers the others (safetensors' own writer needs them all in memory). Callers re-read the header."""
-    root, advance = w.reader.ck.path, w.advance
+    """Write one safetensors file tensor by tensor, unchanged ones copied by the kernel on a second thread
+    while this one centers the others (safetensors' own writer needs them all in memory)."""
     blob = _header_json(entries, w.metadata)
     blob += b" " * (-len(blob) % 8)
     base = 8 + len(blob)
@@ -92,25 +87,19 @@ def write_shard(file: Path, entries: list[Entry], w: Writing) -> None:
     for e in entries:
         positions.append(pos)
         pos += e.nbytes
-    fds: dict[str, int] = {}
-    out = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    try:
+    with _opened(file, "wb", w.reader.ck.path, entries) as (out, fds):
         _pwrite_all(out, memoryview(struct.pack("<Q", len(blob)) + blob), 0)
-        for e in entries:
-            if e.source is not None and e.source.file not in fds:
-                fds[e.source.file] = os.open(root / e.source.file, os.O_RDONLY)
         copied_as_is = [e.axis is None and e.tensor is None and e.compute is None for e in entries]
         raw = [(fds[e.source.file], e.source.start, e.nbytes, at)
                for e, at, as_is in zip(entries, positions, copied_as_is) if as_is]
         cooked = [(e, at) for e, at, as_is in zip(entries, positions, copied_as_is) if not as_is]
-        with _copying_alongside(out, raw, advance):
+        with _copying_alongside(out, raw, w.advance):
             for e, at in cooked:
                 if e.compute is not None:  # computed now, written from its own memory, dropped
                     t = e.compute().contiguous()
                     if t.dtype != DTYPES[e.dtype] or t.numel() * t.element_size() != e.nbytes:
                         raise AssertionError(f"{e.name} was computed as {t.dtype} {list(t.shape)}")
-                    _pwrite_all(out, memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes
-                                else memoryview(b""), at)
+                    _center_and_write(out, at, t, e)
                     del t
                 elif e.tensor is not None:
                     t = w.buffer.bytes(e.nbytes).view(DTYPES[e.dtype]).view(e.shape)
@@ -118,22 +107,28 @@ def write_shard(file: Path, entries: list[Entry], w: Writing) -> None:
                     _center_and_write(out, at, t, e)
                 else:
                     _center_and_write(out, at, w.reader.read(e.source.name, w.buffer), e)
-                advance(e.nbytes)
+                w.advance(e.nbytes)
         os.ftruncate(out, pos)
-    finally:
-        os.close(out)
-        for fd in fds.values():
-            os.close(fd)
 
+
+@contextlib.contextmanager
+def _opened(file: Path, mode: str, root: Path, entries: list[Entry]) -> Iterator[tuple[int, dict[str, int]]]:
+    """The descriptors of ``file`` opened in ``mode`` and of the input files ``entries`` copy from."""
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(open(file, mode, buffering=0)).fileno()
+        fds: dict[str, int] = {}
+        for e in entries:
+            if e.source is not None and e.source.file not in fds:
+                fds[e.source.file] = stack.enter_context(open(root / e.source.file, "rb", buffering=0)).fileno()
+        yield out, fds
 
 
 _HEADER_ROOM = 4096
-"""Room the early copy leaves in front of a shard's data for its header to grow (the
-enjoyln tag, an untied head's entry). A whole page, so the data keeps its alignment."""
+"""Room the early copy leaves for a shard's header to grow; a whole page, so the data keeps its alignment."""
 
 
 def _packed_span(ck: Checkpoint, shard: str) -> tuple[int, int]:
-    """(start, length) of a shard's tensor data, which validation proved tiles the file."""
+    """(start, length) of a shard's tensor data (validation proved it tiles the file)."""
     with open(ck.path / shard, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
     base = 8 + header_len
@@ -141,10 +136,8 @@ def _packed_span(ck: Checkpoint, shard: str) -> tuple[int, int]:
 
 
 class EarlyCopy:
-    """Copies the input's weight files into the output directory while the analysis runs (seconds of
-    CPU and seconds of I/O overlap), each at the input's offsets plus ``_HEADER_ROOM``; ``finish_shard``
-    then centers the planned tensors in place right behind the copy, appends new ones and writes the
-    header. A shard whose layout changes is written afresh once its copy is done."""
+    """Copies the input's weight files into the output while the analysis runs (CPU and I/O overlap), at
+    the input's offsets plus ``_HEADER_ROOM``; ``finish_shard`` then centers in place behind the copy."""
 
     def __init__(self, ck: Checkpoint, tmp: Path, spans: dict[str, tuple[str, int, int]],
                  advance: Callable[[int], None]) -> None:
@@ -159,7 +152,6 @@ class EarlyCopy:
         self.thread.start()
 
     def seconds_before(self, moment: float) -> float:
-        """How long the copy ran before ``moment`` (its own time, not the analysis it overlapped)."""
         end = self.finished if self.finished is not None else time.perf_counter()
         return max(0.0, min(end, moment) - self.started)
 
@@ -171,22 +163,16 @@ class EarlyCopy:
     def _run(self) -> None:
         try:
             for shard, (name, base, length) in self.spans.items():
-                src = os.open(self.ck.path / shard, os.O_RDONLY)
-                try:
-                    dst = os.open(self.tmp / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-                    try:
-                        at = base + _HEADER_ROOM
-                        self._reach(shard, at)
+                with (open(self.ck.path / shard, "rb", buffering=0) as src,
+                      open(self.tmp / name, "wb", buffering=0) as dst):
+                    at = base + _HEADER_ROOM
+                    self._reach(shard, at)
 
-                        def step(n: int, shard: str = shard) -> None:
-                            self.advance(n)
-                            self._reach(shard, self.reached[shard] + n)
+                    def step(n: int, shard: str = shard) -> None:
+                        self.advance(n)
+                        self._reach(shard, self.reached[shard] + n)
 
-                        _copy_range(src, dst, base, length, at, step, self.stop)
-                    finally:
-                        os.close(dst)
-                finally:
-                    os.close(src)
+                    _copy_range(src.fileno(), dst.fileno(), base, length, at, step, self.stop)
                 if self.stop.is_set():
                     return
                 with self.progress:
@@ -200,8 +186,7 @@ class EarlyCopy:
                 self.progress.notify_all()
 
     def wait(self, shard: str, upto: int | None = None) -> None:
-        """Block until ``shard`` is copied, or (``upto``) copied up to that offset of its output
-        file; raise what the copy raised."""
+        """Block until ``shard`` is copied (or up to output offset ``upto``); raise what the copy raised."""
         def ready() -> bool:
             return shard in self.copied or (upto is not None and self.reached.get(shard, -1) >= upto)
 
@@ -219,58 +204,45 @@ class EarlyCopy:
 
 
 def finish_shard(file: Path, entries: list[Entry], w: Writing, shard: str, base: int,
-                 copied: Callable[[int], None] | None = None) -> bool:
-    """Turn the early copy of the input's ``shard`` (its data at ``base``) into the output shard
-    ``file``; False, with nothing touched, if its header would not fit. Centered tensors are centered
-    where they lie as soon as the copy is past them (``copied`` blocks until then); added entries are
-    appended. The copy may still be writing the shard's tail when this returns."""
-    root, advance = w.reader.ck.path, w.advance
+                 copied: Callable[[int], None]) -> bool:
+    """Turn the early copy of the input's ``shard`` (data at ``base``) into ``file``; False, untouched, if
+    its header would not fit. Tensors are centered as soon as the copy is past them (``copied`` blocks
+    until then). The copy may still be writing the shard's tail when this returns."""
     blob = _header_json(entries, w.metadata)
     start = base + _HEADER_ROOM
     if len(blob) > start - 8:
         return False
     blob += b" " * (start - 8 - len(blob))  # JSON allows trailing spaces; safetensors pads this way too
-    if copied is not None:
-        copied(start)  # the copy has created the file: its truncation is behind us
-    fds: dict[str, int] = {}
-    out = os.open(file, os.O_RDWR)
-    try:
+    copied(start)  # the copy has created the file: its truncation is behind us
+    with _opened(file, "r+b", w.reader.ck.path, entries) as (out, fds):
         positions, at = [], start
         for e in entries:
             if e.source is None:  # only pickle input lacks a source, and never comes here
                 raise AssertionError(e.name)
-            if e.source.file not in fds:
-                fds[e.source.file] = os.open(root / e.source.file, os.O_RDONLY)
-            # where the copy put it, or to be appended; judged by the input shard, never by the
-            # output's name, which may differ from it
+            # where the copy put it, else appended: judged by the input shard, not the output's (other) name
             positions.append((e, at, e.source.start + _HEADER_ROOM != at or e.source.file != shard))
             at += e.nbytes
         os.ftruncate(out, at)  # the appended entries' room, so that the two threads below never race on the size
         # appended copies (an untied head) go on a second thread, in the kernel, while this one centers
         copies = [(fds[e.source.file], e.source.start, e.nbytes, at) for e, at, appended in positions
                   if appended and e.axis is None]
-        with _copying_alongside(out, copies, advance):
+        with _copying_alongside(out, copies, w.advance):
             for e, at, appended in positions:
                 if e.axis is None:
                     continue
-                if copied is not None and not appended:
+                if not appended:
                     copied(at + e.nbytes)
                 if appended or not _center_in_file(out, at, e):
                     _center_and_write(out, at, w.reader.read(e.source.name, w.buffer), e)
-                advance(e.nbytes)
+                w.advance(e.nbytes)
         _pwrite_all(out, memoryview(struct.pack("<Q", len(blob)) + blob), 0)
-    finally:
-        os.close(out)
-        for fd in fds.values():
-            os.close(fd)
     return True
 
 
 @contextlib.contextmanager
 def _copying_alongside(out: int, copies: list[tuple[int, int, int, int]],
                        advance: Callable[[int], None]) -> Iterator[None]:
-    """Kernel copies (source fd, start, count, output offset) into ``out`` on a second thread
-    while the block runs; the block's error, if any, is the one raised, and stops the copies."""
+    """Kernel copies (source fd, start, count, output offset) into ``out`` on a second thread while the block runs."""
     stop = threading.Event()
 
     def run() -> None:
@@ -289,8 +261,8 @@ def _copying_alongside(out: int, copies: list[tuple[int, int, int, int]],
 
 
 def _center_and_write(out: int, at: int, t: torch.Tensor, e: Entry) -> None:
-    """Write ``t`` (the entry's tensor, in a buffer) at ``at``, centered first if the entry says so,
-    in the entry's dtype (a tensor stored narrower than it loads is centered in the wider one)."""
+    """Write ``t`` at ``at`` in the entry's dtype (a tensor stored narrower than it loads is centered in
+    the wider one), centered first if the entry says so."""
     if t.dtype != DTYPES[e.dtype]:
         t = t.to(DTYPES[e.dtype])
     view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
@@ -300,9 +272,8 @@ def _center_and_write(out: int, at: int, t: torch.Tensor, e: Entry) -> None:
 
 
 def _center_in_file(out: int, at: int, e: Entry) -> bool:
-    """Center the copied tensor at ``at`` of the output file where it lies, through a writable mapping
-    (only the page cache's pages change: 4 GB/s against 1.5 through a buffer), by the C kernel of
-    ``center_``. False where the kernel or the mapping is not available, or the tensor is empty."""
+    """Center the copied tensor where it lies, through a writable mapping (only the page cache's pages
+    change: 4 GB/s against 1.5 through a buffer); False where that cannot be done."""
     if not e.nbytes or not Mapped.available():
         return False
     try:
@@ -317,8 +288,7 @@ def _center_in_file(out: int, at: int, e: Entry) -> bool:
 
 
 def early_spans(ck: Checkpoint, max_shard_size: int | None) -> dict[str, tuple[str, int, int]]:
-    """Input shard -> (output file, data start, data length) for each shard that can be
-    copied before the plan is known: safetensors, packed, and not re-sharded."""
+    """Input shard -> (output file, data start, data length) for each shard copied before the plan is known."""
     if ck.pickled or max_shard_size is not None:
         return {}
     names = [name for name, _ in reshard([(shard, []) for shard in ck.shards], None, indexed=ck.index is not None)]
@@ -326,8 +296,7 @@ def early_spans(ck: Checkpoint, max_shard_size: int | None) -> dict[str, tuple[s
 
 
 def early_layout(ck: Checkpoint, shard: str | None, entries: list[Entry]) -> int | None:
-    """How many leading ``entries`` sit where the early copy of ``shard`` put them (all of
-    that shard's tensors, in order), or None if the output shard must be written afresh."""
+    """How many leading ``entries`` sit where the early copy of ``shard`` put them (all its tensors), or None."""
     if shard is None:
         return None
     inputs = sorted((t for t in ck.tensors.values() if t.file == shard), key=lambda t: (t.start, t.end))

@@ -1,2 +1,1 @@
-"""One model directory on disk: open and validate it (``Checkpoint``), read its tensors, copy its other
-files, publish an output directory, and load a folded one."""
+"""One model directory on disk: open, validate and read it, publish an output, and load a folded one."""

@@ -1,6 +1,5 @@
-"""A model directory, opened once: read and validated as untrusted (every safetensors header, links
-followed only to files a model needs, custom code refused unless trusted), then what its library makes
-of it, each built when first needed and kept."""
+"""A model directory, opened once and validated as untrusted (every safetensors header, custom code
+refused unless trusted), then what its library makes of it, each built when first needed and kept."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from ..errors import CheckpointError
 from ..plan import FoldPlan
 from .files import VCS_DIRS, is_weight_file
 from .formats import (JSON_LIMIT, PT_INDEX, PT_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, WEIGHT_FILES, TensorInfo,
-                      input_file, load_pickled, parse_json_file, read_json, read_safetensors_header)
+                      input_file, json_or_none, load_pickled, read_json, read_safetensors_header)
 from .hf import checkpoint_key, missing_parameters, saved_names
 from .locate import model_directory
 from .memory import built_bytes
@@ -27,8 +26,7 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False)
 class Checkpoint:
-    """A validated model directory (Hugging Face's format, or timm's hub format), and what its
-    library makes of it, each built on first use and kept: open it once per command and hand it on.
+    """A validated model directory (Hugging Face's or timm's hub format): open it once per command and hand it on.
 
     >>> ck = open_checkpoint("gpt2-dir")  # doctest: +SKIP
     >>> ck.architecture, ck.load_dtype[0], ck.key("lm_head.weight")  # doctest: +SKIP
@@ -53,7 +51,6 @@ class Checkpoint:
 
     @property
     def index(self) -> Path | None:
-        """The weight index the loader reads (safetensors', or pickle's), if there is one."""
         path = self.path / (PT_INDEX if self.pickled else SAFE_INDEX)
         return path if path.exists() else None
 
@@ -65,12 +62,10 @@ class Checkpoint:
 
     @functools.cached_property
     def meta(self) -> nn.Module:
-        """The model its library builds, on the meta device: graph and names, no weights."""
         return self.library.meta_model(self)
 
     @functools.cached_property
     def saved(self) -> dict[str, str]:
-        """Parameter name -> the key the library saves it under (``hf.saved_names``)."""
         return saved_names(self.meta)
 
     @property
@@ -79,37 +74,31 @@ class Checkpoint:
 
     @functools.cached_property
     def load_dtype(self) -> tuple[str, str]:
-        """The dtype the library's own loader gives the model (its name), and where it comes from."""
         return self.library.load_dtype(self)
 
     @functools.cached_property
     def pickled_tensors(self) -> dict[str, tuple[str, torch.Tensor]]:
-        """A pickled checkpoint's tensors (key -> (shard, tensor)), loaded with ``weights_only``."""
+        """Key -> (shard, tensor), loaded with ``weights_only``."""
         return load_pickled(self)
 
     @functools.cached_property
     def keys(self) -> set[str]:
-        """The checkpoint's tensor keys."""
         return set(self.pickled_tensors) if self.pickled else set(self.tensors)
 
     def key(self, name: str) -> str | None:
-        """The checkpoint key that holds the parameter or buffer ``name``, or None."""
         return checkpoint_key(name, self.keys, self.prefix, self.saved)
 
     @functools.cached_property
     def built(self) -> tuple[int, int]:
-        """(total, largest) bytes of what loading it builds (``memory.built_bytes``)."""
         return built_bytes(self.meta, self.load_dtype[0])
 
     @functools.cached_property
     def missing(self) -> list[str]:
-        """The parameters its model builds that no weight file holds (``hf.missing_parameters``)."""
         return missing_parameters(self)
 
     @functools.cached_property
     def recorded_plan(self) -> FoldPlan | None:
-        """The plan recorded in its ``enjoyln`` block; None without a block. A malformed block is
-        refused with one line."""
+        """The plan recorded in its ``enjoyln`` block, or None."""
         block = self.config.get("enjoyln")
         if block is None:
             return None
@@ -122,9 +111,8 @@ class Checkpoint:
 
 
 def _index(index_file: Path) -> dict[str, str]:
-    """A weight index's map, naming only plain files inside the directory, each named as the weights
-    its loader reads it as (transformers opens a shard as safetensors only by its name, anything else
-    with ``torch.load``)."""
+    """A weight index's map, naming only files inside the directory, each named as the weights its loader
+    reads it as (transformers opens a shard as safetensors only by its name, else with ``torch.load``)."""
     weight_map = read_json(index_file, "a weight index").get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index_file} has no weight_map")
@@ -152,12 +140,7 @@ def custom_code(root: Path, config: dict[str, Any]) -> list[str]:
         if item.suffix == ".json" and item.name != "config.json" and item.is_file():
             if item.stat().st_size > JSON_LIMIT and not item.name.endswith("config.json"):
                 continue
-            try:
-                data = parse_json_file(item, "a config file")
-            except CheckpointError:
-                if item.stat().st_size > JSON_LIMIT:
-                    raise
-                continue  # not JSON: nothing reads an auto_map from it
+            data = json_or_none(item, "a config file")  # not JSON: nothing reads an auto_map from it
             if isinstance(data, dict) and "auto_map" in data:
                 found.append(f"auto_map in {item.name}")
     for folder, dirs, files in os.walk(root):
@@ -168,9 +151,8 @@ def custom_code(root: Path, config: dict[str, Any]) -> list[str]:
 
 def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False, trust_remote_code: bool = False,
                     model_class: str | None = None) -> Checkpoint:
-    """Validate a model directory (config, architecture, custom code, every weight header) before any
-    output is written; nothing is loaded. ``model_class`` names a class to build instead of the one
-    config.json names (``MPNetModel`` for weights saved without ``MPNetForMaskedLM``'s head).
+    """Validate a model directory (config, architecture, custom code, every weight header); nothing is
+    loaded. ``model_class`` names a class to build instead of config.json's (``MPNetModel``).
 
     >>> open_checkpoint("gpt2-dir").architecture  # doctest: +SKIP
     'GPT2LMHeadModel'
@@ -189,13 +171,12 @@ def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False, trus
     if model_class is not None and model_class != arch:
         arch = source.other_class(root, model_class)
     ck = Checkpoint(root, config, arch, [], custom_code=code, trust_remote_code=trust_remote_code, source=source.name)
-    index = _weight_files(ck, source, allow_pickle)
-    _read_headers(ck, index)
+    _read_headers(ck, _weight_files(ck, source, allow_pickle))
     return ck
 
 
 def _weight_files(ck: Checkpoint, source: Source, allow_pickle: bool) -> dict[str, str] | None:
-    """Set ``ck.shards`` (and ``pickled``) from the weight files the loader reads; the index's map, if there is one."""
+    """Set ``ck.shards`` (and ``pickled``) from the weight files the loader reads; return the index's map."""
     root = ck.path
     present = {n for n in WEIGHT_FILES if (root / n).exists() or (root / n).is_symlink()}
     source.check_weights(root, present)
@@ -223,8 +204,7 @@ def _weight_files(ck: Checkpoint, source: Source, allow_pickle: bool) -> dict[st
 
 
 def _read_headers(ck: Checkpoint, index: dict[str, str] | None) -> None:
-    """Every shard present and readable, every safetensors header valid; an index that names
-    exactly the tensors its shards hold."""
+    """Every shard readable, every header valid, and an index naming exactly what its shards hold."""
     root = ck.path
     for shard in ck.shards:
         file = root / shard

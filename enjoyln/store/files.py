@@ -1,6 +1,5 @@
-"""The files of a model directory besides the weights: which a loader may read, which links
-are followed (only to files a model needs, wherever they resolve, as in the Hugging Face cache),
-and copying them into an output."""
+"""The files of a model directory besides the weights: which a loader may read, which links are followed
+(only to files a model needs, as in the Hugging Face cache), and copying them into an output."""
 
 from __future__ import annotations
 
@@ -17,13 +16,11 @@ if TYPE_CHECKING:
     from .checkpoint import Checkpoint
 
 
-# The files a model directory needs: only these are followed through a symlink
-# that leaves the directory (the Hugging Face cache links every file to a blob).
+# The files a model directory needs: only these are followed through a symlink out of the directory.
 NEEDED = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
           "pytorch_model*.bin", "*.bin.index.json", "tokenizer*", "vocab*", "merges.txt", "*.model",
           "*.tiktoken", "special_tokens_map.json", "added_tokens.json", "preprocessor_config.json",
           "*processor_config.json", "chat_template*", "feature_extractor_config.json")
-
 
 VCS_DIRS = {".git", ".hg", ".svn"}
 
@@ -40,10 +37,9 @@ def needed_file(name: str) -> bool:
 
 def _extras(ck: Checkpoint, skipped: list[str], followed: list[str] | None,
             foreign: list[str] | None = None) -> Iterator[tuple[Path, Path, bool]]:
-    """(source, path relative to MODEL_DIR, is a directory) for everything a fold copies, by the rules
-    ``copy_extras`` states; what is left out goes to ``skipped`` with the reason. A link out of the
-    directory to a file a loader may read raises, naming it, unless ``foreign`` (the gate's view of a
-    reference the user handed over) collects it."""
+    """(source, path relative to MODEL_DIR, is a directory) for everything a fold copies (``copy_extras``);
+    what is left out goes to ``skipped``. A link out to a file a loader may read raises, unless
+    ``foreign`` (the gate's view of a reference the user handed over) collects it."""
     walk = _Walk(ck, skipped, followed, foreign)
     skip = WEIGHT_FILES | set(ck.shards) | {"config.json"}
     for item in sorted(ck.path.iterdir()):
@@ -53,15 +49,12 @@ def _extras(ck: Checkpoint, skipped: list[str], followed: list[str] | None,
 
 
 class _Walk:
-    """The walk of a model directory behind ``_extras``."""
-
     def __init__(self, ck: Checkpoint, skipped: list[str], followed: list[str] | None,
                  foreign: list[str] | None) -> None:
         self.ck, self.skipped, self.followed, self.foreign = ck, skipped, followed, foreign
         self.root = ck.path.resolve()
         self.linked: set[Path] = set()  # directories already entered through a link
-        # A Hugging Face cache snapshot (<repo>/snapshots/<revision>) links every file, whatever its
-        # name (a PhoBERT bpe.codes, an emoji.json), to <repo>/blobs: those are the snapshot's own.
+        # a Hugging Face cache snapshot (<repo>/snapshots/<rev>) links every file, whatever its name, to <repo>/blobs
         blobs = self.root.parent.parent / "blobs" if self.root.parent.name == "snapshots" else None
         self.blobs = blobs if blobs is not None and blobs.is_dir() and not blobs.is_symlink() else None
 
@@ -72,9 +65,8 @@ class _Walk:
         return self.blobs is not None and target.parent == self.blobs and target.is_file()
 
     def visit(self, src: Path, rel: Path, top: bool, chain: tuple[Path, ...]) -> Iterator[tuple[Path, Path, bool]]:
-        # chain: the real directories being copied, outermost first. Links that lead back into
-        # one of them would recurse until the path is too long; links entered twice could
-        # copy a tree exponentially many times.
+        # chain: the real directories being copied. Links back into one would recurse until the path is
+        # too long; links entered twice could copy a tree exponentially many times.
         name, skipped = str(rel), self.skipped
         if src.is_symlink() and not self.follow(src, name, top, chain):
             return
@@ -98,7 +90,6 @@ class _Walk:
             skipped.append(f"{name} (not a regular file)")
 
     def follow(self, src: Path, name: str, top: bool, chain: tuple[Path, ...]) -> bool:
-        """Whether the walk goes on through the link ``src``, which it records."""
         try:
             target = src.resolve(strict=True)
         except (OSError, RuntimeError):
@@ -130,25 +121,22 @@ class _Walk:
 
 
 def _readable(link: Path, target: Path, trusted: bool) -> bool:
-    """Whether a loader may read what a link resolves to. What a fold skips wherever it lies is
-    not: special files, version-control data, code without --trust-remote-code."""
+    """Whether a loader may read what a link resolves to (not special files, VCS data, or untrusted code)."""
     if target.is_dir():
         return link.name not in VCS_DIRS and target.name not in VCS_DIRS
     return target.is_file() and (trusted or not link.name.endswith(".py"))
 
 
 def check_links(ck: Checkpoint) -> None:
-    """Refuse, before anything is written, a model directory whose links leave it for a file or
-    folder a loader may read (see ``_extras``): a fold would have to drop it."""
+    """Refuse a model directory whose links leave it for what a loader may read: a fold would drop it."""
     for _ in _extras(ck, [], None):
         pass
 
 
 def copy_extras(ck: Checkpoint, dest: Path, followed: list[str] | None = None) -> list[str]:
-    """Copy every file of ``md`` but the weights and config into ``dest``; return what was skipped.
-    A link is followed when it resolves inside the directory, to a file a model directory needs (top
-    level), or to a blob of the Hugging Face cache snapshot; any other link out of it is refused, and
-    ``followed`` collects the needed files copied through one. Modes follow the umask."""
+    """Copy every file of ``md`` but the weights and config into ``dest``; return what was skipped. A link
+    out is followed only to a file a model directory needs (top level) or a blob of the Hugging Face cache,
+    collected in ``followed``; any other is refused. Modes follow the umask."""
     skipped: list[str] = []
     for src, rel, is_dir in _extras(ck, skipped, followed):
         if is_dir:
@@ -164,16 +152,14 @@ def copy_extras(ck: Checkpoint, dest: Path, followed: list[str] | None = None) -
 
 
 def extra_files(ck: Checkpoint) -> dict[str, Path]:
-    """The files (not directories) ``copy_extras`` would copy from ``md``, and those reached
-    through links out of it, which a fold refuses to drop: relative path -> source. With
-    config.json and the weights, this is what a copy of ``md`` that loads the same holds."""
+    """Relative path -> source of the files ``copy_extras`` would copy, and those reached through links out
+    of ``md``: with config.json and the weights, what a copy that loads the same holds."""
     return {rel.as_posix(): src for src, rel, is_dir in _extras(ck, [], None, []) if not is_dir}
 
 
 def loader_files(root: Path) -> tuple[dict[str, Path], list[str]]:
-    """Every file under ``root`` as a loader sees it (relative path -> path), through links
-    wherever they lead, and what no loader could read there (a dangling link, a special file,
-    a link into a directory it is in). Version-control data is left out: no loader reads it."""
+    """Every file under ``root`` as a loader sees it (relative path -> path), through links, and what no
+    loader could read there. Version-control data is left out: no loader reads it."""
     files: dict[str, Path] = {}
     problems: list[str] = []
     entered: set[Path] = set()

@@ -1,6 +1,5 @@
-"""The formats of a model directory's files as their loaders read them: safetensors headers
-(validated as strictly as the format requires) and JSON files (strict UTF-8, bounded in size
-and depth)."""
+"""A model directory's files as their loaders read them: safetensors headers (validated as strictly as
+the format requires) and JSON files (strict UTF-8, bounded in size and depth)."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ if TYPE_CHECKING:
 
 
 def input_file(path: Path) -> Path:
-    """``path`` if it is a readable regular file (through symlinks); else a clear error naming it."""
+    """``path`` if it is a regular file (through symlinks); else a clear error naming it."""
     if path.is_symlink():
         try:
             path.resolve(strict=True)
@@ -37,13 +36,8 @@ def input_file(path: Path) -> Path:
 
 
 SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
-
-
 PT_WEIGHTS, PT_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
-
-
 WEIGHT_FILES = {SAFE_WEIGHTS, SAFE_INDEX, PT_WEIGHTS, PT_INDEX}
-
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -51,8 +45,6 @@ DTYPES = {
     "U8": torch.uint8, "BOOL": torch.bool,
     "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
 }
-
-
 CODES = {v: k for k, v in DTYPES.items() if v is not None}
 
 
@@ -89,9 +81,8 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and validate a safetensors header: every tensor's byte count matches its dtype and
-    shape, and the tensors tile the data section exactly (an overlap would come out of a fold as two
-    independent copies of the same bytes)."""
+    """Parse and validate a safetensors header: byte counts match dtypes and shapes, and the tensors tile
+    the data exactly (an overlap would come out of a fold as two independent copies of the same bytes)."""
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:
@@ -153,17 +144,10 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str
 
 
 JSON_LIMIT = 16 << 20
-
-
-"""The largest JSON file enjoyln parses (configs, indexes, and the JSON files it compares by
-value); a larger config is refused, and larger files are compared byte for byte, streaming."""
-
+"""The largest JSON file enjoyln parses; larger files are compared byte for byte, streaming."""
 
 JSON_DEPTH = 64
-
-
-"""The deepest nesting accepted in a config or index (real ones stay under 10): deeper
-structures would exhaust Python's recursion in transformers' own config code."""
+"""Real configs stay under 10; deeper ones would exhaust Python's recursion in transformers' config code."""
 
 
 def _depth_exceeds(data: Any, limit: int) -> bool:
@@ -178,13 +162,12 @@ def _depth_exceeds(data: Any, limit: int) -> bool:
 
 
 def loader_text(raw: bytes) -> str:
-    """A JSON file's bytes as transformers reads them: strict UTF-8, a byte-order mark kept as a
-    character, which ``json.loads`` then refuses (as transformers does)."""
+    """A JSON file's bytes as transformers reads them: strict UTF-8, a byte-order mark kept (and refused)."""
     return raw.decode("utf-8")
 
 
 def parse_json_file(path: Path, what: str) -> Any:
-    """A JSON file's value, read only if it is at most ``JSON_LIMIT`` bytes; else one clear error."""
+    """A JSON file's value, read only if it is at most ``JSON_LIMIT`` bytes."""
     try:
         size = input_file(path).stat().st_size
         if size > JSON_LIMIT:
@@ -206,6 +189,16 @@ def parse_json_file(path: Path, what: str) -> Any:
     return data
 
 
+def json_or_none(path: Path, what: str) -> Any:
+    """A JSON file's value, or None where it is not JSON; a file too large to read is still refused."""
+    try:
+        return parse_json_file(path, what)
+    except CheckpointError:
+        if path.stat().st_size > JSON_LIMIT:
+            raise
+        return None
+
+
 def read_json(path: Path, what: str) -> dict[str, Any]:
     data = parse_json_file(path, what)
     if not isinstance(data, dict):
@@ -214,13 +207,12 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def load_pickled(ck: Checkpoint) -> dict[str, tuple[str, torch.Tensor]]:
-    """Pickle weights, loaded only because the user asked, and only as plain tensors."""
+    """Pickle weights, loaded only as plain tensors."""
     tensors: dict[str, tuple[str, torch.Tensor]] = {}
     for shard in ck.shards:
         try:
             part = torch.load(ck.path / shard, map_location="cpu", weights_only=True)
         except Exception as exc:
-            raise CheckpointError(f"cannot load {ck.path / shard} with weights_only=True: "
-                                  f"{first_line(exc)}") from None
+            raise CheckpointError(f"cannot load {ck.path / shard} with weights_only=True: {first_line(exc)}") from None
         tensors.update({k: (shard, v) for k, v in part.items() if isinstance(v, torch.Tensor)})
     return tensors

@@ -1,5 +1,4 @@
-"""transformers' side of a model directory: the model class a config names, the meta model,
-the dtype it loads in, and the mapping between parameter names and checkpoint keys."""
+"""transformers' side of a model directory: its model class, meta model, load dtype and checkpoint keys."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, first_line
-from .formats import DTYPES, JSON_LIMIT, PT_INDEX, SAFE_INDEX, parse_json_file
+from .formats import DTYPES, PT_INDEX, SAFE_INDEX, json_or_none, parse_json_file
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -21,8 +20,8 @@ if TYPE_CHECKING:
 
 @functools.lru_cache(maxsize=1)
 def transformers_names() -> frozenset[str]:
-    """transformers' public names, lazy ones included, without importing the model's module (which
-    can take seconds), read directly as its lazy module's dir() is quadratic in its 6,500 names."""
+    """transformers' public names, lazy ones included, without importing the model's module (seconds);
+    read directly as its lazy module's dir() is quadratic in its 6,500 names."""
     import transformers
 
     return frozenset(vars(transformers)) | frozenset(getattr(transformers, "__all__", ()))
@@ -36,8 +35,7 @@ def unknown_architecture(arch: Any) -> CheckpointError:
 
 
 def model_class(ck: Checkpoint) -> type:
-    """The class ``from_pretrained`` would build for ``md``: transformers' own, or,
-    only when the user trusts it, the directory's custom code."""
+    """The class ``from_pretrained`` would build: transformers' own, or the trusted directory's code."""
     import transformers
 
     if ck.custom_code and ck.trust_remote_code and ck.config.get("auto_map"):
@@ -62,26 +60,22 @@ def model_class(ck: Checkpoint) -> type:
 
 
 def auto_config(ck: Checkpoint) -> Any:
-    """The config ``from_pretrained`` builds for ``md``."""
     import transformers
 
     try:
         return transformers.AutoConfig.from_pretrained(ck.path, trust_remote_code=ck.trust_remote_code)
     except Exception as exc:  # transformers raises many kinds for a bad config
-        raise CheckpointError(f"cannot read {ck.path / 'config.json'}: "
-                              f"{first_line(exc)}") from None
+        raise CheckpointError(f"cannot read {ck.path / 'config.json'}: {first_line(exc)}") from None
 
 
 def transformers_meta_model(ck: Checkpoint) -> nn.Module:
-    """The transformers model class of ``md`` built on the meta device."""
     cls = model_class(ck)
     config = auto_config(ck)
     try:
         with torch.device("meta"):
             model = cls(config)
     except Exception as exc:
-        raise CheckpointError(f"cannot build {ck.architecture} from its config: "
-                              f"{first_line(exc)}") from None
+        raise CheckpointError(f"cannot build {ck.architecture} from its config: {first_line(exc)}") from None
     return model.eval()
 
 
@@ -90,9 +84,8 @@ def dtype_name(dtype: Any) -> str:
 
 
 def transformers_load_dtype(ck: Checkpoint) -> tuple[str, str]:
-    """The dtype a plain ``from_pretrained`` loads ``md`` in (its name), and where it comes from, as
-    transformers 5's ``dtype="auto"`` decides: the config's ``dtype``, else the index metadata's, else
-    the first floating tensor of the first weight file."""
+    """The dtype (its name) a plain ``from_pretrained`` loads ``md`` in, and where from, as transformers 5's
+    ``dtype="auto"`` decides: config, else index metadata, else the first weight file's first floating tensor."""
     value = getattr(auto_config(ck), "dtype", None)
     if value is not None:
         return _floating(value, ck.path / "config.json"), "config.json"
@@ -111,8 +104,7 @@ def transformers_load_dtype(ck: Checkpoint) -> tuple[str, str]:
 
 
 def _floating(value: Any, where: Path) -> str:
-    """The name of the floating dtype ``value`` names (a torch dtype, or its name), or one line
-    saying that ``where`` names none a model loads in."""
+    """The name of the floating dtype ``value`` names (a torch dtype, or its name)."""
     name = dtype_name(value) if isinstance(value, (str, torch.dtype)) else None
     dtype = getattr(torch, name, None) if name else None
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -122,8 +114,7 @@ def _floating(value: Any, where: Path) -> str:
 
 
 def saved_names(model: nn.Module) -> dict[str, str]:
-    """Parameter name -> the key ``save_pretrained`` writes for it (transformers 5 renames some
-    weights on save), from its own reverse conversion run on meta tensors."""
+    """Parameter name -> the key ``save_pretrained`` writes (transformers 5 renames some weights on save)."""
     named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     try:
         from transformers.modeling_utils import revert_weight_conversion
@@ -146,8 +137,7 @@ def checkpoint_key(name: str, keys: set[str], prefix: str, saved: dict[str, str]
 
 
 def check_shapes(ck: Checkpoint) -> None:
-    """Every saved tensor the meta model knows has the shape its config implies, so a
-    mismatched checkpoint is refused before anything is written."""
+    """Every saved tensor the meta model knows has the shape its config implies."""
     if ck.pickled:
         return
     for name, t in list(ck.meta.named_parameters()) + list(ck.meta.named_buffers()):
@@ -158,17 +148,16 @@ def check_shapes(ck: Checkpoint) -> None:
 
 
 def random_when_missing(model: nn.Module) -> set[str]:
-    """The names a load initialises at random when no checkpoint holds them: floating parameters
-    (a buffer the model builds from its config is the same on every load), but for those
-    transformers expects a checkpoint to lack (``_keys_to_ignore_on_load_missing``)."""
+    """The names a load initialises at random when no checkpoint holds them: floating parameters (a buffer
+    is built the same on every load), but those transformers expects a checkpoint to lack."""
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or ()]
     return {name for name, p in model.named_parameters(remove_duplicate=False)
             if p.is_floating_point() and not any(r.search(name) for r in ignored)}
 
 
 def missing_parameters(ck: Checkpoint) -> list[str]:
-    """The parameters the meta model of ``ck`` builds that no weight file of it holds under any
-    of their tied names, in the model's order: every load initialises them afresh, at random.
+    """The parameters the meta model builds that no weight file holds under any tied name: every load
+    initialises them at random.
 
     >>> missing_parameters(open_checkpoint("mpnet-dir"))  # doctest: +SKIP
     ['lm_head.dense.weight', 'lm_head.dense.bias', ...]
@@ -183,25 +172,18 @@ def missing_parameters(ck: Checkpoint) -> list[str]:
 
 
 def transformers_generation(ck: Checkpoint) -> dict[str, Any]:
-    """The generation settings ``from_pretrained`` gives the model, built as transformers 5 builds
-    them: from generation_config.json, else from config.json's raw values (which may sample)."""
+    """The generation settings ``from_pretrained`` gives the model, as transformers 5 builds them: from
+    generation_config.json, else config.json's raw values (which may sample)."""
     import transformers
 
     file = ck.path / "generation_config.json"
-    data = None
-    if file.is_file():
-        try:
-            data = parse_json_file(file, "a generation config")
-        except CheckpointError:
-            if file.stat().st_size > JSON_LIMIT:
-                raise
+    data = json_or_none(file, "a generation config") if file.is_file() else None
     try:
         if isinstance(data, dict):
             settings = transformers.GenerationConfig.from_dict(copy.deepcopy(data)).to_dict()
         else:
             settings = transformers.GenerationConfig.from_model_config(copy.deepcopy(ck.config)).to_dict()
     except Exception as exc:  # transformers raises many kinds for a bad file
-        raise CheckpointError(f"cannot read the generation config of {ck.path}: "
-                              f"{first_line(exc)}") from None
+        raise CheckpointError(f"cannot read the generation config of {ck.path}: {first_line(exc)}") from None
     settings.pop("transformers_version", None)  # the running transformers' version, on both sides
     return settings

@@ -1,11 +1,6 @@
-"""Where a model directory is, found before anything heavy loads: a local path, or a Hugging
-Face hub id resolved through huggingface_hub's cache; and the checks a path can get without
-torch (it exists, is a directory, holds a config.json that is a JSON object).
-
-No torch or transformers here: the command line calls these first, so that a mistyped path
-is refused in a fraction of a second. A directory found here is validated in full, as any
-model directory is, when it is opened (``checkpoint.open_checkpoint``); one downloaded from
-the hub is no more trusted than one on disk.
+"""Where a model directory is (a local path, or a Hugging Face hub id through huggingface_hub's cache),
+and the checks a path can get without torch. No torch or transformers here: the command line calls these
+first, so a mistyped path is refused in a fraction of a second; what is found is validated in full later.
 """
 
 from __future__ import annotations
@@ -30,8 +25,7 @@ PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
 
 
 def is_hub_id(text: str) -> bool:
-    """Whether ``text`` can name a repository on the Hugging Face hub (``NAME`` or ``ORG/NAME``),
-    by huggingface_hub's own rules.
+    """Whether ``text`` can name a hub repository (``NAME`` or ``ORG/NAME``), by huggingface_hub's rules.
 
     >>> is_hub_id("gpt2"), is_hub_id("openai-community/gpt2"), is_hub_id("./gpt2"), is_hub_id("a/b/c")
     (True, True, False, False)
@@ -57,9 +51,8 @@ CONFIG_LIMIT = 16 << 20
 
 
 def precheck_model_dir(path: str | os.PathLike) -> Path:
-    """The checks a model directory gets before torch loads: it exists, is a non-empty directory,
-    and has a ``config.json`` holding a JSON object. What this passes is validated in full when it
-    is opened.
+    """The checks a model directory gets before torch loads: a non-empty directory with a ``config.json``
+    holding a JSON object.
 
     >>> precheck_model_dir("/no/such/dir")
     Traceback (most recent call last):
@@ -90,12 +83,9 @@ def precheck_model_dir(path: str | os.PathLike) -> Path:
 
 def resolve_model_dir(spec: str | os.PathLike, *, revision: str | None = None, allow_pickle: bool = False,
                       role: str = "MODEL_DIR") -> Path:
-    """The local directory ``spec`` names: the path itself where it exists (a local path always
-    wins), else the snapshot of the hub repository ``spec`` (``NAME`` or ``ORG/NAME``) at
-    ``revision``, from huggingface_hub's cache or downloaded into it (``HF_HUB_OFFLINE``,
-    ``HF_HUB_CACHE`` and ``HF_HOME`` are respected). Other frameworks' weights are not
-    downloaded, nor pickle weights unless ``allow_pickle``. A string that is neither gets one
-    line saying so.
+    """The local directory ``spec`` names: the path itself where it exists, else the snapshot of the hub
+    repository ``spec`` at ``revision``, from huggingface_hub's cache or downloaded into it (pickle weights
+    only with ``allow_pickle``, other frameworks' never).
 
     >>> resolve_model_dir("/no/such/dir")
     Traceback (most recent call last):
@@ -113,7 +103,6 @@ def resolve_model_dir(spec: str | os.PathLike, *, revision: str | None = None, a
 
 
 def _snapshot(repo_id: str, revision: str | None, allow_pickle: bool) -> Path:
-    """The hub repository's snapshot directory, from the cache or downloaded."""
     try:
         from huggingface_hub import constants, snapshot_download
         from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,

@@ -1,6 +1,4 @@
-"""Memory: sizes as the command line writes them, what this process may still allocate, and what
-loading a model directory builds (its tensors, the next wider dtype of the truth, both models of
-the forward check side by side)."""
+"""Memory: what this process may still allocate, and what loading a model directory builds."""
 
 from __future__ import annotations
 
@@ -37,9 +35,8 @@ def available_memory() -> int | None:
 
 
 def built_bytes(model: nn.Module, dtype_name: str) -> tuple[int, int]:
-    """(total, largest) bytes of what loading builds, from the meta ``model``: every parameter and
-    buffer, those it makes from its config included (GPT-J's sinusoid table); floating parameters in
-    the dtype it loads in (``dtype_name``), buffers in their own."""
+    """(total, largest) bytes of what loading builds, buffers made from its config included (GPT-J's
+    sinusoid table); floating parameters in the dtype it loads in, buffers in their own."""
     dtype = getattr(torch, dtype_name, None)
     size = dtype.itemsize if isinstance(dtype, torch.dtype) else 4
     seen: set[int] = set()
@@ -48,23 +45,13 @@ def built_bytes(model: nn.Module, dtype_name: str) -> tuple[int, int]:
         if id(t) in seen:
             continue
         seen.add(id(t))
-        is_param = isinstance(t, nn.Parameter)
-        n = t.numel() * (size if is_param and t.is_floating_point() else t.element_size())
+        n = t.numel() * (size if isinstance(t, nn.Parameter) and t.is_floating_point() else t.element_size())
         total, largest = total + n, max(largest, n)
     return total, largest
 
 
 _WIDER = {"F16": 4, "BF16": 4, "F32": 8}
 """Bytes per element of the truth (the reference in the next wider dtype) for each stored dtype."""
-
-
-def truth_bytes(ck: Checkpoint) -> int:
-    """The reference's weights in the next wider dtype, which the precision-aware criterion runs
-    (float64 for float32, float32 for half precision; nothing for float64)."""
-    if ck.pickled:  # no header to read dtypes from: take float32, the usual
-        return 2 * ck.nbytes
-    return sum(t.nbytes // DTYPES[t.dtype].itemsize * _WIDER[t.dtype]
-               for t in ck.tensors.values() if t.dtype in _WIDER)
 
 
 def truth_ratio(ck: Checkpoint) -> float:
@@ -74,15 +61,18 @@ def truth_ratio(ck: Checkpoint) -> float:
 
 
 def forward_check_bytes(ck: Checkpoint) -> int:
-    """What the forward comparison needs with both models in memory: both models as loading builds
-    them, the reference's truth in the next wider dtype (held with them), and room for activations."""
+    """What the forward comparison needs: both models, the reference's truth in the next wider dtype, activations."""
     n = max(ck.nbytes, ck.built[0])
-    truth = truth_bytes(ck) * n / max(ck.nbytes, 1)  # what the model builds is widened too
+    if ck.pickled:  # no header to read dtypes from: take float32, the usual
+        truth = 2 * ck.nbytes
+    else:
+        truth = sum(t.nbytes // DTYPES[t.dtype].itemsize * _WIDER[t.dtype] for t in ck.tensors.values()
+                    if t.dtype in _WIDER)
+    truth = truth * n / max(ck.nbytes, 1)  # what the model builds is widened too
     return int(2.1 * n + truth) + (256 << 20)
 
 
 def dominant_dtype(ck: Checkpoint) -> torch.dtype:
-    """The floating dtype that holds most of ``md``'s stored bytes (float32 if none)."""
     by_bytes: dict[str, int] = {}
     for t in ck.tensors.values():
         if DTYPES[t.dtype].is_floating_point:

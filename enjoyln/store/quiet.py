@@ -1,10 +1,6 @@
-"""transformers' and huggingface_hub's progress bars and log messages, off while enjoyln works.
-
-Folding and checking load and save models many times over; each load would draw transformers'
-"Loading weights" bar and may log a load report about weights the check seeds itself, burying
-what enjoyln reports. ``quiet_libraries`` turns them off for the duration of one call and puts
-the caller's settings back after it, so a user's own ``from_pretrained`` keeps its bars.
-"""
+"""transformers' and huggingface_hub's progress bars and log messages, off while enjoyln works: each of
+the many loads would draw a bar or log a load report, burying what enjoyln reports. The caller's settings
+come back after, so a user's own ``from_pretrained`` keeps its bars."""
 
 from __future__ import annotations
 
@@ -32,10 +28,8 @@ def show_library_output(show: bool) -> None:
 
 @contextlib.contextmanager
 def quiet_libraries(transformers: bool = True) -> Iterator[None]:
-    """Within it, transformers and huggingface_hub log errors only and draw no progress bars,
-    and their FutureWarnings and DeprecationWarnings are not shown; after it, everything is as the
-    caller had it (nested calls restore in turn). ``transformers=False`` leaves transformers
-    alone (and unimported), for a call that only reaches huggingface_hub.
+    """Within it, the libraries log errors only, draw no bars and show no Future- or DeprecationWarnings;
+    ``transformers=False`` leaves transformers alone (and unimported).
 
     >>> with quiet_libraries():
     ...     pass
@@ -50,36 +44,30 @@ def quiet_libraries(transformers: bool = True) -> Iterator[None]:
         onnx = logging.getLogger("torch.onnx")
         stack.callback(onnx.setLevel, onnx.level)
         onnx.setLevel(logging.ERROR)
-        _silence_hub(stack)
+        try:
+            from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+            from huggingface_hub.utils import logging as hub_logging
+        except ImportError:
+            pass
+        else:
+            _silence(stack, not are_progress_bars_disabled(), enable_progress_bars, disable_progress_bars, hub_logging)
         if transformers:
-            _silence_transformers(stack)
+            try:
+                from transformers.utils import logging as tf
+            except ImportError:
+                pass
+            else:  # its switch turns huggingface_hub's bars on too: restored before the hub's own state
+                _silence(stack, tf.is_progress_bar_enabled(), tf.enable_progress_bar, tf.disable_progress_bar, tf)
         yield
 
 
-def _silence_hub(stack: contextlib.ExitStack) -> None:
-    try:
-        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-        from huggingface_hub.utils import logging as hub_logging
-    except ImportError:
-        return
-    bars_off, level = are_progress_bars_disabled(), hub_logging.get_verbosity()
-    stack.callback(lambda: disable_progress_bars() if bars_off else enable_progress_bars())
-    stack.callback(hub_logging.set_verbosity, level)
-    disable_progress_bars()
-    hub_logging.set_verbosity(logging.ERROR)
-
-
-def _silence_transformers(stack: contextlib.ExitStack) -> None:
-    try:
-        from transformers.utils import logging as tf_logging
-    except ImportError:
-        return
-    bars_on, level = tf_logging.is_progress_bar_enabled(), tf_logging.get_verbosity()
-    # transformers' switch turns huggingface_hub's bars on too: restored before the hub's own state
-    stack.callback(lambda: tf_logging.enable_progress_bar() if bars_on else tf_logging.disable_progress_bar())
-    stack.callback(tf_logging.set_verbosity, level)
-    tf_logging.disable_progress_bar()
-    tf_logging.set_verbosity(logging.ERROR)
+def _silence(stack: contextlib.ExitStack, bars_on: bool, enable: Callable[[], None], disable: Callable[[], None],
+             logs: Any) -> None:
+    """A library's bars off and its logs errors only, until ``stack`` puts them back as they were."""
+    stack.callback(lambda: enable() if bars_on else disable())
+    stack.callback(logs.set_verbosity, logs.get_verbosity())
+    disable()
+    logs.set_verbosity(logging.ERROR)
 
 
 def quiet(fn: F) -> F:

@@ -1,6 +1,4 @@
-"""Where a model directory's model comes from, transformers or timm (as config.json says): a ``Source``
-validates the name, builds the meta model, loads it, and gives its load dtype and generation settings.
-timm is imported only for a timm directory and never downloads anything."""
+"""Where a model directory's model comes from: transformers or timm (imported only for a timm directory)."""
 
 from __future__ import annotations
 
@@ -25,28 +23,25 @@ class Source:
 
     name = ""
     bounded_loading = False
-    """Whether it can load within a memory budget, offloading weights (accelerate's big-model
-    inference, which only transformers' loader offers)."""
+    """Whether it can load within a memory budget, offloading weights (only transformers' loader can)."""
     shards = True
-    """Whether its loader reads sharded weights (an index and several safetensors files)."""
+    """Whether its loader reads sharded weights."""
     loader = ""
-    """The plain loader's name, as the check reports the path it loaded the candidate by."""
+    """The plain loader's name, for the check's report."""
 
     def architecture(self, root: Path, config: dict[str, Any], remote: bool) -> str:
         """The model's name from config.json, refused unless the library knows it."""
         raise NotImplementedError
 
     def other_class(self, root: Path, name: str) -> str:
-        """``name``, a class to build instead of the one config.json names, refused unless the
-        library has it (``--model-class``)."""
-        raise CheckpointError(f"--model-class applies to transformers model directories; {root} is a "
-                              f"{self.name} one")
+        """``name``, a class to build instead of config.json's (``--model-class``), if the library has it."""
+        raise CheckpointError(f"--model-class applies to transformers model directories; {root} is a {self.name} one")
 
     def check_weights(self, root: Path, present: set[str]) -> None:
         """Refuse weight files this library would not load as a fold writes them."""
 
     def meta_model(self, ck: "Checkpoint") -> nn.Module:
-        """The model built on the meta device, in eval mode: graph and names, no weights."""
+        """The model built on the meta device, in eval mode."""
         raise NotImplementedError
 
     def load(self, ck: "Checkpoint", *, trust_remote_code: bool = False, max_memory: int | None = None,
@@ -55,7 +50,7 @@ class Source:
         raise NotImplementedError
 
     def load_dtype(self, ck: "Checkpoint") -> tuple[str, str]:
-        """The dtype that loader gives the model (its name), and where that comes from."""
+        """The dtype that loader gives the model (its name), and where from."""
         raise NotImplementedError
 
     def generation(self, ck: "Checkpoint") -> dict[str, Any]:
@@ -81,8 +76,9 @@ class Transformers(Source):
             raise CheckpointError(f"--model-class {name!r} is not a transformers model class (such as MPNetModel)")
         return name
 
-    def meta_model(self, ck: "Checkpoint") -> nn.Module:
-        return transformers_meta_model(ck)
+    meta_model = staticmethod(transformers_meta_model)
+    load_dtype = staticmethod(transformers_load_dtype)
+    generation = staticmethod(transformers_generation)
 
     def load(self, ck: "Checkpoint", *, trust_remote_code: bool = False, max_memory: int | None = None,
              offload_dir: Any = None, **kwargs: Any) -> nn.Module:
@@ -97,15 +93,9 @@ class Transformers(Source):
                           offload_folder=str(offload_dir))
         return cls.from_pretrained(ck.path, **kwargs)
 
-    def load_dtype(self, ck: "Checkpoint") -> tuple[str, str]:
-        return transformers_load_dtype(ck)
-
-    def generation(self, ck: "Checkpoint") -> dict[str, Any]:
-        return transformers_generation(ck)
-
 
 def import_timm() -> Any:
-    """timm, or one clear error: it is needed only for a timm directory, and is not a dependency."""
+    """timm, or one clear error: it is not a dependency."""
     try:
         return importlib.import_module("timm")
     except Exception as exc:  # ImportError, or what a broken install raises (a CUDA torchvision on a CPU torch)
@@ -116,14 +106,12 @@ def import_timm() -> Any:
 
 
 _LOADING_ARGS = frozenset({"pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path", "cache_dir"})
-"""``create_model``'s arguments that say where weights come from, which a directory's ``model_args``
-may not set."""
+"""``create_model``'s arguments that say where weights come from, which ``model_args`` may not set."""
 
 
 class Timm(Source):
-    """timm's hub format: ``create_model(architecture, pretrained=True, pretrained_cfg_overlay=
-    dict(file=.../model.safetensors))`` with the directory's ``num_classes``, ``model_args`` and
-    ``pretrained_cfg``. timm builds its models in float32 and copies the weights into them."""
+    """timm's hub format, loaded by ``create_model(architecture, pretrained=True, pretrained_cfg_overlay=
+    dict(file=.../model.safetensors))``; timm builds its models in float32 and copies the weights in."""
 
     name = "timm"
     shards = False

@@ -1,10 +1,10 @@
-"""Reading a checkpoint's tensors one at a time: ``read`` into memory of its own, the next one read
-meanwhile by one thread (``preadv`` releases the GIL); ``mapped`` read-only from the file, no copy, for
-the C kernels that compare and center (docs/performance.md)."""
+"""Reading a checkpoint's tensors one at a time: ``read`` into memory of its own, ``mapped`` read-only from
+the file, no copy, for the C kernels that compare and center (docs/performance.md)."""
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import mmap
 import os
 import queue
@@ -28,8 +28,7 @@ def _libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         return libc
@@ -43,9 +42,8 @@ _MADV_POPULATE_WRITE = 23
 
 
 class Mapped:
-    """One tensor's bytes mapped read-only from its file (the page cache's own pages) until ``close``;
-    a file truncated meanwhile ends the process with SIGBUS, as for every loader that maps safetensors.
-    A ``writable`` mapping has every page made writable up front, or raises ``OSError``."""
+    """One tensor's bytes mapped from its file (the page cache's own pages) until ``close``; a file truncated
+    meanwhile ends the process with SIGBUS, as for every loader that maps safetensors."""
 
     def __init__(self, fd: int, start: int, nbytes: int, *, writable: bool = False) -> None:
         page = mmap.ALLOCATIONGRANULARITY
@@ -59,10 +57,8 @@ class Mapped:
             raise OSError(err, os.strerror(err))
         self._addr = addr
         self.address = addr + start - self._base
-        if writable:  # every page made writable in one call, not one fault each (Linux 5.14+)
-            # and any block it needs reserved now: a full disk is an error here, where a write
-            # through the mapping would be SIGBUS; an older kernel says EINVAL, and the caller
-            # writes the plain way
+        if writable:  # every page made writable in one call, not one fault each (Linux 5.14+), and its
+            # blocks reserved: a full disk is an error here, not a SIGBUS later; an older kernel says EINVAL
             if _LIBC.madvise(addr, self._length, _MADV_POPULATE_WRITE) != 0:
                 err = ctypes.get_errno()
                 self.close()
@@ -72,12 +68,10 @@ class Mapped:
 
     @classmethod
     def available(cls) -> bool:
-        """Whether this system maps files (not on Windows)."""
         return _LIBC is not None
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """The bytes as a tensor, valid until ``close`` (and not to be written unless mapped
-        ``writable``): drop it first."""
+        """The bytes as a tensor, valid until ``close``: drop it first."""
         raw = (ctypes.c_char * self.nbytes).from_address(self.address)
         return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
 
@@ -94,8 +88,7 @@ class Mapped:
 
 
 class Buffer:
-    """A reusable buffer: fresh memory costs a page fault per page on first touch (most of the
-    time of reading from the page cache), so a loop reads each tensor into the same memory."""
+    """A reusable buffer: fresh memory costs a page fault per page on first touch."""
 
     def __init__(self) -> None:
         self.data = torch.empty(0, dtype=torch.uint8)
@@ -108,8 +101,7 @@ class Buffer:
 
 
 class TensorReader:
-    """The tensors of one model directory by checkpoint key, each read into a fresh buffer (a
-    pickled checkpoint's as it loaded them, with ``weights_only=True``).
+    """The tensors of one model directory by checkpoint key.
 
     >>> reader = TensorReader(open_checkpoint("gpt2"))  # doctest: +SKIP
     >>> reader.read("wte.weight").shape  # doctest: +SKIP
@@ -152,8 +144,7 @@ class TensorReader:
             return self._fds[info.file]
 
     def read(self, key: str, into: Buffer | None = None) -> torch.Tensor:
-        """The tensor as stored, in memory of its own (``into``'s, valid until its next use):
-        callers may change it in place."""
+        """The tensor as stored, in memory of its own (``into``'s, until its next use) the caller may change."""
         if self.pickled is not None:
             return self.pickled[key].clone()
         info = self.ck.tensors[key]
@@ -172,12 +163,10 @@ class TensorReader:
         return data.view(dtype).view(info.shape)
 
     def mappable(self, key: str) -> bool:
-        """Whether ``mapped`` can give this tensor (a safetensors file, on a system with mmap)."""
         return _LIBC is not None and self.pickled is None and self.ck.tensors[key].nbytes > 0
 
     def mapped(self, key: str) -> Mapped:
-        """The tensor's bytes mapped read-only from its file (check ``mappable`` first); the
-        caller closes it. Counted as read."""
+        """The tensor's bytes mapped read-only (check ``mappable`` first); the caller closes it."""
         info = self.ck.tensors[key]
         fd = self._fd(info)
         if os.fstat(fd).st_size < info.start + info.nbytes:
@@ -188,8 +177,7 @@ class TensorReader:
         return m
 
     def prefetch(self, key: str) -> None:
-        """Ask the kernel to start reading the tensor from disk now, so that it is in the page
-        cache when it is wanted (does nothing where the system cannot)."""
+        """Ask the kernel to start reading the tensor into the page cache now."""
         if self.pickled is None and hasattr(os, "posix_fadvise"):
             info = self.ck.tensors[key]
             try:
@@ -204,11 +192,9 @@ class TensorReader:
             self._fds.clear()
 
 
-def read_ahead(jobs: Iterable[J], load: Callable[[J], R], size: Callable[[J], int],
-               limit: int = READ_AHEAD) -> Iterator[tuple[J, R]]:
-    """``(job, load(job))`` in order; the next job's ``load`` runs in a thread while the caller
-    works on this one, when that job is at most ``limit`` bytes (``size``). An exception in a
-    load is raised where its job is yielded."""
+def read_ahead(jobs: Iterable[J], load: Callable[[J], R], size: Callable[[J], int]) -> Iterator[tuple[J, R]]:
+    """``(job, load(job))`` in order; the next job's ``load`` (if at most ``READ_AHEAD``) runs in a thread
+    while the caller works on this one (``preadv`` releases the GIL). A load's exception is raised in order."""
     jobs = list(jobs)
     if not jobs:
         return
@@ -231,7 +217,7 @@ def read_ahead(jobs: Iterable[J], load: Callable[[J], R], size: Callable[[J], in
         else:
             value = load(job)
         nxt = jobs[i + 1] if i + 1 < len(jobs) else None
-        ahead = nxt is not None and size(nxt) <= limit
+        ahead = nxt is not None and size(nxt) <= READ_AHEAD
         if ahead:
             thread = threading.Thread(target=run, args=(nxt,), daemon=True, name="enjoyln-read-ahead")
             thread.start()
@@ -245,12 +231,8 @@ def read_ahead(jobs: Iterable[J], load: Callable[[J], R], size: Callable[[J], in
 
 
 def return_freed_memory() -> None:
-    """Make glibc hand large freed blocks back to the system at once: offloaded layers load and free
-    the same large tensors over and over, which with glibc's adaptive threshold fragment the heap and
-    keep memory near twice the budget. Elsewhere this does nothing."""
-    import ctypes
-    import ctypes.util
-
+    """Make glibc hand large freed blocks back at once: offloaded layers load and free the same large tensors
+    over and over, which with glibc's adaptive threshold fragment the heap (near twice the budget)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD

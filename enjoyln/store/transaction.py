@@ -14,7 +14,6 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-
 from ..errors import CheckpointError
 
 
@@ -42,7 +41,6 @@ def is_enjoyln_output(path: Path) -> bool:
 
 
 def check_out_dir(src: Path, out: Path, force: bool, *, dry_run: bool = False) -> None:
-    """Refuse an OUT_DIR that would overlap MODEL_DIR, or that ``--force`` must not delete."""
     src, out = src.resolve(), out.resolve()
     if out == src or src in out.parents:
         raise CheckpointError(f"OUT_DIR {out} is inside MODEL_DIR {src}; choose a directory elsewhere")
@@ -65,7 +63,7 @@ OWNER_FILE = ".enjoyln-owner"
 
 
 def _start_time(pid: int) -> str:
-    """The kernel's start time of ``pid`` (to tell a reused pid apart), or '' where unknown."""
+    """The kernel's start time of ``pid`` (to tell a reused pid apart), or ''."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
@@ -83,7 +81,6 @@ def _alive(pid: int, started: str) -> bool:
 
 
 def _owner(tmp: Path, pid: int) -> tuple[int, str]:
-    """(pid, start time) of the process that made a temporary directory."""
     try:
         with open(tmp / OWNER_FILE, "rb") as f:  # a few bytes, whatever the file holds
             recorded, _, started = f.read(64).decode().partition(" ")
@@ -93,15 +90,13 @@ def _owner(tmp: Path, pid: int) -> tuple[int, str]:
 
 
 def _ours(out: Path, name: str) -> int | None:
-    """The pid in ``name`` if it is one of the names enjoyln gives OUT_DIR's temporary
-    directories (``.OUT.enjoyln-PID-XXXXXXXX`` from mkdtemp, ``.OUT.enjoyln-PID-old``), else None:
+    """The pid in ``name`` if enjoyln names OUT_DIR's temporary directories so (mkdtemp's, ``-PID-old``):
     a user's ``.OUT.enjoyln-backup-2024`` is not ours to remove."""
     match = re.fullmatch(re.escape(f".{out.name}.enjoyln-") + r"(\d+)-(?:old|[a-z0-9_]{8})", name)
     return int(match.group(1)) if match else None
 
 
 def stale_temp_dirs(out: Path) -> tuple[list[Path], list[tuple[Path, int]]]:
-    """Temporary directories for ``out`` left by runs that died, and those a live run owns."""
     dead, live = [], []
     parent = out.parent if out.parent.is_dir() else None
     for tmp in sorted(parent.iterdir()) if parent else []:
@@ -129,7 +124,7 @@ def clean_stale(out: Path) -> list[Path]:
 
 
 def missing_dirs(path: Path) -> list[Path]:
-    """``path`` and its ancestors that do not exist yet, outermost first: what making it creates."""
+    """``path`` and its ancestors that do not exist yet, outermost first."""
     missing = []
     for p in (path, *path.parents):
         if p.exists() or p.is_symlink():
@@ -139,7 +134,7 @@ def missing_dirs(path: Path) -> list[Path]:
 
 
 def remove_dirs(dirs: list[Path]) -> None:
-    """Remove directories a run created (``missing_dirs``), innermost first, if still empty."""
+    """Remove directories a run created, innermost first, if still empty."""
     for d in reversed(dirs):
         try:
             d.rmdir()
@@ -148,7 +143,6 @@ def remove_dirs(dirs: list[Path]) -> None:
 
 
 def temp_dir(out: Path) -> Path:
-    """A fresh directory beside OUT_DIR, owned by this process, renamed into place when done."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.enjoyln-{os.getpid()}-", dir=out.parent))
     (tmp / OWNER_FILE).write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
@@ -156,7 +150,6 @@ def temp_dir(out: Path) -> Path:
 
 
 def publish(tmp: Path, out: Path) -> None:
-    """Move the finished temporary directory to ``out``, replacing an earlier output."""
     (tmp / OWNER_FILE).unlink(missing_ok=True)
     os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it 0700, whatever the umask
     if not out.exists():
@@ -171,8 +164,7 @@ def publish(tmp: Path, out: Path) -> None:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Delay SIGINT and SIGTERM until the block is done (where the platform allows), so that
-    a step and the bookkeeping that lets cleanup undo it happen together or not at all."""
+    """Delay SIGINT and SIGTERM until the block is done, so a step and its cleanup's bookkeeping go together."""
     held = {signal.SIGINT, signal.SIGTERM}
     mask = getattr(signal, "pthread_sigmask", None)
     if mask is None or threading.current_thread() is not threading.main_thread():
@@ -186,11 +178,9 @@ def signals_held() -> Iterator[None]:
 
 
 def keep_failed(tmp: Path, out: Path) -> Path:
-    """Move a candidate that failed its check beside OUT_DIR, for inspection."""
     (tmp / OWNER_FILE).unlink(missing_ok=True)
     os.chmod(tmp, 0o777 & ~umask())
-    kept = out.with_name(f"{out.name}.enjoyln-failed")
-    n = 1
+    kept, n = out.with_name(f"{out.name}.enjoyln-failed"), 1
     while kept.exists():
         n += 1
         kept = out.with_name(f"{out.name}.enjoyln-failed-{n}")

@@ -1,5 +1,4 @@
-"""Rotation matrices, and rotating tensors by them: the arithmetic of ``enjoyln.rotate``. ``Q`` is
-rebuilt from a plan's ``Rotation`` and the stream's width, the same on any machine."""
+"""Rotation matrices, the same on any machine, and rotating tensors by them."""
 
 from __future__ import annotations
 
@@ -44,10 +43,8 @@ def _fix_ones(q: torch.Tensor) -> torch.Tensor:
 
 
 def rotation_matrix(n: int, kind: str = "hadamard", seed: int = 0, keep_mean: bool = True) -> torch.Tensor:
-    """An orthogonal ``n x n`` matrix in float64, the same for the same arguments on any machine:
-    ``hadamard``, a randomized Hadamard transform as in QuaRot (for a width ``2^k m``, its Kronecker
-    product with a random orthogonal ``m x m`` block, or for ``m > 64`` a random orthogonal matrix);
-    ``random``, a Haar-random orthogonal matrix. With ``keep_mean``, ``Q 1 = 1``.
+    """An orthogonal ``n x n`` matrix in float64, the same on any machine: ``hadamard`` (randomized, as in
+    QuaRot; see ``MAX_BLOCK``) or ``random`` (Haar-random). With ``keep_mean``, ``Q 1 = 1``.
 
     >>> q = rotation_matrix(8)
     >>> bool(torch.allclose(q @ q.T, torch.eye(8, dtype=torch.float64)))
@@ -85,11 +82,9 @@ of 2 to 24 rows, and a row outside a full tile goes through another kernel with 
 sums, so slabs that start on a tile boundary give every row the bits one whole product gives it."""
 
 
-def rotate_(t: torch.Tensor, axis: int, q: torch.Tensor, start: int = 0, *,
-            slab: int = SLAB_ELEMENTS) -> torch.Tensor:
-    """``t ×_axis Q`` in place, in float64, on entries ``start .. start + n`` of ``axis``, in slabs of
-    about ``slab`` elements along another axis: never a float64 copy of the whole tensor, and the
-    bits of one product over the whole tensor."""
+def rotate_(t: torch.Tensor, axis: int, q: torch.Tensor, start: int = 0, *, slab: int = SLAB_ELEMENTS) -> torch.Tensor:
+    """``t ×_axis Q`` in place on entries ``start .. start + n`` of ``axis``, in float64 slabs along another
+    axis: never a float64 copy of the whole tensor, yet the bits of one product."""
     if t.device.type == "meta":
         return t
     axis = axis % t.dim()

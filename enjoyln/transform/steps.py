@@ -1,5 +1,4 @@
-"""The Transformation steps that apply a FoldPlan to a model in place (``PIPELINE``), and the public
-``fold`` and ``rotate``; the tensor math is in ``tensors``."""
+"""The steps that apply a FoldPlan to a model in place (``PIPELINE``), and the public ``fold`` and ``rotate``."""
 
 from __future__ import annotations
 
@@ -25,15 +24,16 @@ from .trace import Op, Product, Tracer
 
 
 class Transformation:
-    """One step of the rewrite, with its three meanings side by side: what it does to a model in
-    memory (``__call__``), to a checkpoint's tensors (``trace``, which ``rewrite.stream`` replays),
-    and what loading a folded checkpoint must do again (``on_load``: hooks, module classes, tensors
-    the model builds itself). ``tests/transform/test_steps.py`` fails a step lacking one."""
+    """One step of the rewrite, its three meanings side by side: in memory (``__call__``), on a
+    checkpoint's tensors (``trace``, replayed by ``rewrite.stream``), and on load (``on_load``)."""
 
     preserves_computation: bool = True
     """Applied after the steps before it, the model's outputs do not change."""
-    acts_on_load: bool = False
-    """Whether ``on_load`` does anything (its ``check`` then runs on the loaded model first)."""
+
+    @property
+    def acts_on_load(self) -> bool:
+        """Whether ``on_load`` does anything (its ``check`` then runs on the loaded model first)."""
+        return type(self).on_load is not Transformation.on_load
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         """Raise PlanError if the plan does not fit the model; changes nothing."""
@@ -50,9 +50,7 @@ class Transformation:
 
 
 class InsertCentering(Transformation):
-    """Install the plan's auxiliary centerings as forward hooks (each placed where the shift it
-    removes reaches only LN inputs)."""
-
+    """Install the plan's auxiliary centerings as forward hooks."""
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         for a in plan.auxiliary:
@@ -63,8 +61,6 @@ class InsertCentering(Transformation):
             except AttributeError:
                 raise PlanError(f"the plan centers the {a.where} of {a.module}, which this model "
                                 "does not have") from None
-
-    acts_on_load = True
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         for a in plan.auxiliary:
@@ -79,9 +75,7 @@ class InsertCentering(Transformation):
 
 
 class UntieParameters(Transformation):
-    """Give each tied name in ``plan.untied`` its own copy of the tensor, so that centering the
-    embedding leaves the tied output head alone."""
-
+    """Give each name in ``plan.untied`` its own copy, so centering the embedding leaves the tied head alone."""
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         for u in plan.untied:
@@ -96,7 +90,6 @@ class UntieParameters(Transformation):
         return model
 
     def trace(self, t: Tracer, plan: FoldPlan) -> None:
-        """The untied name starts as a copy of its tie source as it is (nothing has changed it yet)."""
         for u in plan.untied:
             src = t.slot(u.tied_to)
             if t.slot(u.param) is src:
@@ -104,16 +97,13 @@ class UntieParameters(Transformation):
 
 
 class CenterParameters(Transformation):
-    """Column-based weight centering in float64, cast back to each dtype: only LN inputs see the
-    change (the analysis proved it), and an LN ignores its input's mean."""
-
+    """Column-based weight centering in float64, cast back to each dtype (only LN inputs see it)."""
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         for c in plan.centered:
             t = tensor_at(model, c.param)
             if not -t.dim() <= c.axis < max(t.dim(), 1):
-                raise PlanError(f"the plan centers {c.param} along axis {c.axis}, "
-                                f"but it has {t.dim()} dimensions")
+                raise PlanError(f"the plan centers {c.param} along axis {c.axis}, but it has {t.dim()} dimensions")
             n = t.shape[c.axis] if t.dim() else 1
             if c.groups < 1 or n % c.groups or any(not 0 <= b < c.groups for b in c.blocks or ()):
                 raise PlanError(f"the plan centers {c.param} in {c.groups} groups, which its "
@@ -121,13 +111,10 @@ class CenterParameters(Transformation):
             if c.scale:
                 s = tensor_at(model, c.scale)
                 if s.numel() != n:
-                    raise PlanError(f"the plan scales {c.param} by {c.scale}, which has {s.numel()} "
-                                    f"entries, not {n}")
+                    raise PlanError(f"the plan scales {c.param} by {c.scale}, which has {s.numel()} entries, not {n}")
                 if s.device.type != "meta" and not bool(s.ne(0).all()):
                     raise PlanError(f"the plan centers {c.param} for the LayerScale gain {c.scale}, "
                                     "which has a zero entry; analyze this model again")
-
-    acts_on_load = True
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         with torch.no_grad():
@@ -135,7 +122,7 @@ class CenterParameters(Transformation):
         return model
 
     def trace(self, t: Tracer, plan: FoldPlan) -> None:
-        """``center_`` of each planned tensor, in plan order; LayerScale gains as the step starts."""
+        """LayerScale gains are read as the step starts."""
         scales = {c.scale: t.now(t.slot(c.scale)) for c in plan.centered if c.scale}
         for c in plan.centered:
             t.slot(c.param).ops.append(Op("center", (scales[c.scale],) if c.scale else (), centering=c))
@@ -147,10 +134,7 @@ class CenterParameters(Transformation):
 
 
 class FuseAffine(Transformation):
-    """Move each folded norm's γ and β into the linear layers that read its output; the norm keeps
-    γ = 1 and β = 0 (or β/γ where a reader has no bias). Runs before the centering, which commutes
-    with it."""
-
+    """Move each folded norm's γ and β into the linear layers that read it (the norm keeps 1 and 0, or β/γ)."""
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         for e in plan.foldable:
@@ -196,8 +180,6 @@ class FuseAffine(Transformation):
         return model
 
     def trace(self, t: Tracer, plan: FoldPlan) -> None:
-        """``fuse_`` adds ``W β`` to a reader's bias and scales W's block by γ (each as it is then);
-        then γ becomes 1 and β 0, or β/γ."""
         for e in plan.foldable:
             if e.affine not in (AFFINE_FUSED, AFFINE_GAIN):
                 continue
@@ -219,9 +201,7 @@ class FuseAffine(Transformation):
 
 
 class SwapLayerNorms(Transformation):
-    """Replace every foldable LN with ``enjoyln.RMSNorm`` (a GroupNorm with ``GroupRMSNorm``): exact
-    once CenterParameters has run, as each then sees a zero-mean input."""
-
+    """Replace every foldable LN with ``enjoyln.RMSNorm`` (a GroupNorm with ``GroupRMSNorm``)."""
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         for e in plan.foldable:
@@ -237,8 +217,7 @@ class SwapLayerNorms(Transformation):
                 why = _norm_misfit(module, e) if module is not None else "which this model does not have"
                 if why:
                     raise PlanError(f"the plan folds {e.name}, {why}")
-            elif not isinstance(model, fx.GraphModule) or not any(
-                    n.name == e.name for n in model.graph.nodes):
+            elif not isinstance(model, fx.GraphModule) or not any(n.name == e.name for n in model.graph.nodes):
                 raise PlanError(f"the plan folds the functional layer_norm {e.name}, "
                                 "which this model's graph does not have")
 
@@ -277,10 +256,7 @@ class SwapLayerNorms(Transformation):
             model.recompile()
         return model
 
-    acts_on_load = True
-
     def trace(self, t: Tracer, plan: FoldPlan) -> None:
-        """A fused norm loses its γ (and β): those names leave the model."""
         for e in plan.foldable:
             if e.kind == "module" and e.affine in (AFFINE_FUSED, AFFINE_GAIN):
                 t.dropped.update(f"{e.name}.{leaf}" for leaf in (("weight", "bias") if e.affine == AFFINE_FUSED
@@ -291,8 +267,7 @@ class SwapLayerNorms(Transformation):
 
 
 def _norm_misfit(module: nn.Module, e: LayerNormEntry) -> str:
-    """'' if ``module`` can be replaced as the plan's entry says; else why not. The analysis
-    proved what the module computes; this only catches a plan applied to another model."""
+    """'' if ``module`` can be replaced as the plan's entry says, else why not (a plan for another model)."""
     if isinstance(module, RMSNorm):
         return ""
     if isinstance(module, (nn.GroupNorm, GroupRMSNorm)):
@@ -302,18 +277,14 @@ def _norm_misfit(module: nn.Module, e: LayerNormEntry) -> str:
         t = getattr(module, leaf, None)
         if t is not None and (not isinstance(t, torch.Tensor) or (width is not None and t.numel() != width)):
             return f"whose {leaf} does not fit a norm over {tuple(e.normalized_shape)}, so it is not that norm here"
-    children = dict(module.named_children())
-    for child in e.then:
-        if child not in children:
-            return f"which has no child module {child} to call after it here"
-    return ""
+    missing = [child for child in e.then if child not in dict(module.named_children())]
+    return f"which has no child module {missing[0]} to call after it here" if missing else ""
 
 
-def _become(module: nn.Module, cls: type, e: LayerNormEntry | None = None) -> None:
-    """Turn a norm module into ``cls`` in place: a model loaded with offloading (accelerate's
-    ``device_map``) keeps each module's weights behind a hook that wraps its ``forward``, which a
-    new module would not have. An RMSNorm gets the plan entry's shape, epsilon and form."""
-    if cls is RMSNorm and e is not None:
+def _become(module: nn.Module, cls: type, e: LayerNormEntry) -> None:
+    """Turn a norm module into ``cls`` in place: with offloading (accelerate's ``device_map``) a hook
+    wraps its ``forward`` and holds its weights, which a new module would not have."""
+    if cls is RMSNorm:
         for leaf in ("weight", "bias"):
             if not hasattr(module, leaf):  # OLMo's norm has neither
                 module.register_parameter(leaf, None)
@@ -334,9 +305,7 @@ def _rms_args(node: fx.Node) -> tuple:
 
 
 class RotateStream(Transformation):
-    """Rotate the residual stream by the plan's ``Q``, in float64; after SwapLayerNorms, as the
-    weightless RMSNorms then commute with ``Q``."""
-
+    """Rotate the residual stream by ``Q`` in float64; after SwapLayerNorms, as weightless RMSNorms commute with it."""
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         r = plan.rotation
@@ -349,14 +318,11 @@ class RotateStream(Transformation):
             if not 0 <= rot.axis < t.dim() or rot.start + (rot.length or 1) > t.shape[rot.axis]:
                 raise PlanError(f"the plan rotates {rot.param} along axis {rot.axis}, which it does not have")
 
-    acts_on_load = True
-
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         self._rotate(model, plan, saved=None)
         return model
 
     def trace(self, t: Tracer, plan: FoldPlan) -> None:
-        """``apply_rotation`` of each rotated tensor, in plan order."""
         if plan.rotation is not None:
             for rot in plan.rotation.rotated:
                 t.slot(rot.param).ops.append(Op("rotate", rotated=rot, rotation=plan.rotation))
@@ -388,11 +354,8 @@ def _own_copy(model: nn.Module, fqn: str) -> None:
     setattr(module, attr, nn.Parameter(copy, old.requires_grad) if isinstance(old, nn.Parameter) else copy)
 
 class SeparateTies(Transformation):
-    """Give each tie that untying the head dropped its own copy of the (final) tensor: the untied
-    config no longer re-ties them on load, and ``save_pretrained`` writes a shared tensor once, so a
-    reloaded model would get the other name at random (BERT's MLM decoder bias). Last, so that every
-    centering, fusion and rotation reached both names."""
-
+    """Give each tie that untying the head dropped its own copy: the untied config no longer re-ties it
+    on load, so a reload would get it at random (BERT's MLM decoder bias). Last, after every change."""
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         if not plan.untied:
@@ -403,7 +366,7 @@ class SeparateTies(Transformation):
         return model
 
     def trace(self, t: Tracer, plan: FoldPlan) -> None:
-        """It copies final values: nothing to compute (each name's key is written from its slot)."""
+        """Final values: each name's key is written from its slot."""
 
 
 PIPELINE: tuple[Transformation, ...] = (InsertCentering(), UntieParameters(), FuseAffine(), CenterParameters(),
@@ -412,7 +375,7 @@ PIPELINE: tuple[Transformation, ...] = (InsertCentering(), UntieParameters(), Fu
 
 def check_fits(model: nn.Module, plan: FoldPlan) -> None:
     """Refuse a plan made for another model: another class, or other norm modules (a plan for 2
-    layers applied to 3 would leave the third layer's sources uncentered)."""
+    layers applied to 3 would leave the third uncentered)."""
     if plan.model and plan.model != type(model).__name__:
         raise PlanError(f"the plan was made for a {plan.model}, not a {type(model).__name__}")
     if plan.norm_modules:
@@ -445,9 +408,7 @@ def _check(model: nn.Module, plan: FoldPlan) -> None:
 
 
 def trace_plan(model: nn.Module, plan: FoldPlan, key: Callable[[str], str | None]) -> Tracer:
-    """What the plan does to each tensor of ``model`` (a meta model as ``from_pretrained`` builds
-    it), on names alone: every step's ``trace``, after every step's check. ``key`` maps a name to its
-    checkpoint key."""
+    """What the plan does to each tensor of the meta ``model``, on names alone (``key``: name -> checkpoint key)."""
     _check(model, plan)
     t = Tracer.of(model, key)
     for step in PIPELINE:
@@ -456,8 +417,7 @@ def trace_plan(model: nn.Module, plan: FoldPlan, key: Callable[[str], str | None
 
 
 def reapply_on_load(model: nn.Module, plan: FoldPlan) -> nn.Module:
-    """On a model loaded from a folded checkpoint, what the checkpoint cannot hold: each step's
-    ``on_load``, after its check, in pipeline order."""
+    """On a model loaded from a folded checkpoint, what the checkpoint cannot hold."""
     steps = [step for step in PIPELINE if step.acts_on_load]
     for step in steps:
         step.check(model, plan)
@@ -467,8 +427,7 @@ def reapply_on_load(model: nn.Module, plan: FoldPlan) -> nn.Module:
 
 
 def fold(model: nn.Module, example_inputs: ExampleInputs = None, *,
-         plan: FoldPlan | None = None, auxiliary_centering: bool = False,
-         fuse_affine: bool = False) -> nn.Module:
+         plan: FoldPlan | None = None, auxiliary_centering: bool = False, fuse_affine: bool = False) -> nn.Module:
     """Fold every foldable LayerNorm of ``model`` into RMSNorm, in place, with the same outputs;
     ``auxiliary_centering`` inserts explicit centerings where they pay off (BLOOM, the Whisper
     encoder), ``fuse_affine`` moves each folded norm's γ and β into its readers. Returns ``model``.
@@ -487,10 +446,9 @@ def fold(model: nn.Module, example_inputs: ExampleInputs = None, *,
 
 def rotate(model: nn.Module, example_inputs: ExampleInputs = None, *, kind: str = "hadamard", seed: int = 0,
            keep_mean: bool = True, plan: FoldPlan | None = None) -> nn.Module:
-    """Fold ``model`` with fused affines and rotate its residual stream by an orthogonal ``Q``, in
-    place, with the same outputs; the rotation spreads outlier features (as QuaRot and SpinQuant rely
-    on). ``kind`` is ``"hadamard"`` or ``"random"``; with ``keep_mean`` ``Q`` fixes the all-ones
-    vector, so plain LayerNorms still agree. Raises ``PlanError`` where the stream cannot be rotated.
+    """Fold ``model`` with fused affines and rotate its residual stream by an orthogonal ``Q`` (``kind``:
+    ``"hadamard"`` or ``"random"``), in place, with the same outputs; the rotation spreads outlier features.
+    With ``keep_mean`` ``Q`` fixes the all-ones vector, so plain LayerNorms still agree.
     >>> import enjoyln
     >>> from enjoyln.testing import perturb, tiny_model
     >>> model = enjoyln.rotate(perturb(tiny_model("gpt2")))

@@ -1,6 +1,5 @@
-"""The tensor math of a fold (``center_``, ``fuse_``, in float64, in place) and the lookups it works
-through (a tensor by its dotted name, tied names); the steps, the streamed writer and the static check
-share it, so all three give the same bits."""
+"""The tensor math of a fold (``center_``, ``fuse_``, in float64, in place) and its lookups; the steps, the
+streamed writer and the static check share it, so all three give the same bits."""
 
 from __future__ import annotations
 
@@ -29,30 +28,21 @@ def owner_of(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
 
 
 def tensor_at(model: nn.Module, fqn: str) -> torch.Tensor:
-    """The parameter or buffer ``fqn`` names in ``model``; PlanError if it has none."""
     module, attr = owner_of(model, fqn)
     return getattr(module, attr)
 
 
 def untie_config(model: nn.Module) -> None:
-    """Turn ``tie_word_embeddings`` off in ``model``'s config (and its text config), so that a
-    reload does not tie the untied head to the embedding again."""
+    """Turn ``tie_word_embeddings`` off in ``model``'s config (and its text config), so a reload does not re-tie."""
     config = getattr(model, "config", None)
-    if config is None:
-        return
-    configs = {id(config): config}
     get_text = getattr(config, "get_text_config", None)
-    if callable(get_text):
-        text = get_text()
-        configs[id(text)] = text
-    for cfg in configs.values():
+    for cfg in (config, get_text() if callable(get_text) else None):
         if hasattr(cfg, "tie_word_embeddings"):
             cfg.tie_word_embeddings = False
 
 
 def declared_ties(model: nn.Module) -> dict[str, str]:
-    """Every tie (target name -> source name) the model's classes declare in
-    ``_tied_weights_keys``, whether or not its config applies them now."""
+    """Every tie (target -> source) the model's classes declare, whether or not its config applies them now."""
     expand = getattr(model, "get_expanded_tied_weights_keys", None)
     if not callable(expand):
         return {}
@@ -87,9 +77,8 @@ def tie_groups(model: nn.Module, separate: Collection[str] = ()) -> dict[str, tu
 
 
 def merge_centerings(centerings: Sequence[Centering], ndim: int | None = None) -> list[Centering]:
-    """The centerings of one tensor, each applied once (tied names ask for the same one, and doing it
-    twice rounds twice); those differing only in their blocks become one with the blocks joined.
-    ``ndim`` (the tensor's) makes axis -1 and axis ndim-1 one axis."""
+    """The centerings of one tensor, each applied once (twice would round twice); those differing only
+    in their blocks joined. ``ndim`` (the tensor's) makes axis -1 and axis ndim-1 one axis."""
     merged: dict[tuple, Centering] = {}
     for c in centerings:
         axis = c.axis % ndim if ndim else c.axis
@@ -104,9 +93,8 @@ def merge_centerings(centerings: Sequence[Centering], ndim: int | None = None) -
 
 
 def ties_lost_on_untie(model: nn.Module, plan: FoldPlan) -> dict[str, str]:
-    """The ties (target -> source) that untying the plan's heads also drops: transformers 5 applies
-    every tie only while ``tie_word_embeddings`` is on, so BERT's MLM decoder bias would load at
-    random; each target must be written with its source's values. ``model`` is as the analysis saw it."""
+    """The ties (target -> source) that untying the plan's heads also drops: transformers 5 applies every
+    tie only while ``tie_word_embeddings`` is on, so BERT's MLM decoder bias would load at random."""
     if not plan.untied:
         return {}
     planned = {(u.param, u.tied_to) for u in plan.untied} | {(u.tied_to, u.param) for u in plan.untied}
@@ -130,18 +118,14 @@ def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | N
 
 def center_into(src: int, dst: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
                 blocks: Sequence[int] | None = None) -> bool:
-    """``center_`` of the tensor at address ``src`` written into ``dst`` (which may be the same
-    memory), with the same bits; False, with nothing written, where only ``center_`` can do it
-    (see ``enjoyln.ops.center.center_into``)."""
+    """``center_`` of the tensor at address ``src`` written into ``dst``; see ``enjoyln.ops.center``."""
     with _as_plan_error():
         return centering_kernel.center_into(src, dst, axis, groups, scale, blocks)
 
 
 def centered_equal(src: int, cand: int, dtype: torch.dtype, shape: Sequence[int], c: Centering,
                    scale: torch.Tensor | None = None) -> bool | None:
-    """Whether the tensor at ``cand`` is bit for bit what ``center_`` makes of the one at ``src``
-    under the centering ``c`` (``scale``: its LayerScale gain), or None where only computing it
-    tells (see ``enjoyln.ops.center.centered_equal``)."""
+    """Whether the tensor at ``cand`` is bit for bit ``center_`` of the one at ``src``; see ``enjoyln.ops.center``."""
     with _as_plan_error():
         return centering_kernel.centered_equal(src, cand, dtype, shape, c.axis, c.groups, scale, c.blocks)
 
@@ -156,9 +140,7 @@ def _as_plan_error() -> Iterator[None]:
 
 
 def center_all(model: nn.Module, centerings: Sequence[Centering]) -> None:
-    """Apply ``centerings`` to ``model``'s tensors, in place, each tensor once however many
-    of its tied names the plan lists. Every LayerScale gain is read before any tensor
-    changes (the analysis never centers a gain)."""
+    """Apply ``centerings`` in place, each tensor once however many of its tied names the plan lists."""
     scales = {c.scale: tensor_at(model, c.scale).detach().clone() for c in centerings if c.scale}
     by_tensor: dict[int, tuple[torch.Tensor, list[Centering]]] = {}
     for c in centerings:
@@ -172,8 +154,7 @@ def center_all(model: nn.Module, centerings: Sequence[Centering]) -> None:
 
 def fuse_(weight: torch.Tensor, bias: torch.Tensor | None, f: Fused, gamma: torch.Tensor | None,
           beta: torch.Tensor | None) -> None:
-    """Move a norm's affine into one linear layer that reads it, in place, in float64:
-    ``bias += W β`` (W as it was), then the block of W's input axis ``*= γ``."""
+    """Move a norm's affine into a linear layer that reads it, in place: ``bias += W β``, then W's block ``*= γ``."""
     if bias is not None and beta is not None:
         bias.copy_(bias.detach().to(torch.float64) + fused_product(weight, f, beta).reshape(bias.shape))
     if gamma is not None:
@@ -181,9 +162,8 @@ def fuse_(weight: torch.Tensor, bias: torch.Tensor | None, f: Fused, gamma: torc
 
 
 def fused_product(weight: torch.Tensor, f: Fused, beta: torch.Tensor) -> torch.Tensor:
-    """``W β`` over the block of ``weight`` that reads the norm, in float64: what ``fuse_`` adds
-    to the bias. The whole weight is widened first, as it always was, so the product's bits
-    (a BLAS reduction) stay what earlier folds wrote."""
+    """``W β`` over the block of ``weight`` that reads the norm, in float64. The whole weight is widened
+    first, as it always was, so the product's bits (a BLAS reduction) stay what earlier folds wrote."""
     block = weight.detach().to(torch.float64).narrow(f.axis, f.start, f.length)
     return torch.tensordot(block, beta[f.offset:f.offset + f.length].to(torch.float64), dims=([f.axis], [0]))
 
@@ -192,11 +172,9 @@ _SCALE_ELEMENTS = 1 << 22
 """Elements widened to float64 at a time when a weight's block is scaled by γ (32 MiB)."""
 
 
-def scale_inputs_(weight: torch.Tensor, f: Fused, gamma: torch.Tensor, *, chunk: int | None = None) -> None:
-    """The block of ``weight``'s input axis that reads the norm ``*= γ``, in place: each element
-    rounded once from its float64 product. Element by element, so it runs in slabs of the other
-    axis and never widens the whole weight (an embedding-sized head would need twice its size)."""
-    chunk = chunk or _SCALE_ELEMENTS
+def scale_inputs_(weight: torch.Tensor, f: Fused, gamma: torch.Tensor) -> None:
+    """W's block that reads the norm ``*= γ``, in place, each element rounded once from float64; in slabs
+    of the other axis, never widening the whole weight (an embedding-sized head would need twice its size)."""
     seg = gamma[f.offset:f.offset + f.length].to(torch.float64)
     block = weight.detach().narrow(f.axis, f.start, f.length)
     g = seg.reshape([f.length if d == f.axis else 1 for d in range(block.dim())])
@@ -205,6 +183,6 @@ def scale_inputs_(weight: torch.Tensor, f: Fused, gamma: torch.Tensor, *, chunk:
         pieces = [block]
     else:
         per = max(block.numel() // max(block.shape[other], 1), 1)
-        pieces = block.split(max(1, chunk // per), other)
+        pieces = block.split(max(1, _SCALE_ELEMENTS // per), other)
     for piece in pieces:
         piece.copy_(piece.to(torch.float64).mul_(g))

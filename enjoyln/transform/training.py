@@ -1,6 +1,5 @@
-"""Training with CBWC + RMSNorm, the same optimisation as the LayerNorm model (the paper's Prop. 3.2,
-under any element-wise optimizer and without dropout between a centered layer and its LN): ``cbwc``
-parametrizes each centered weight, ``cbwc_remove`` bakes the centering in; docs/how-it-works.md."""
+"""Training with CBWC + RMSNorm, the same optimisation as the LayerNorm model (docs/how-it-works.md):
+``cbwc`` parametrizes each centered weight, ``cbwc_remove`` bakes the centering in."""
 
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ from .tensors import center_, owner_of, tensor_at, untie_config
 
 
 class Centered(nn.Module):
-    """The CBWC parametrisation: ``V - V.mean(axis, keepdim=True)``, within each of ``groups`` blocks
-    (``blocks``: only those), or ``V - mean(γV) / γ`` for a LayerScale gain ``γ`` (read live, so it may
-    train too)."""
+    """The CBWC parametrisation: ``V - V.mean(axis)`` per group (``blocks``: only those), or ``V - mean(γV) / γ``
+    for a LayerScale gain ``γ`` (read live, so it may train too)."""
 
     def __init__(self, axis: int, groups: int = 1, blocks: tuple[int, ...] | None = None,
                  scale: torch.Tensor | None = None) -> None:
@@ -71,8 +69,8 @@ def cbwc(model: nn.Module, example_inputs: ExampleInputs = None, *, plan: FoldPl
     if dropout:
         warnings.warn(f"enjoyln: {len(dropout)} dropout layers (e.g. {dropout[0]}) are active in training "
                       "mode; between a centered layer and its LN they break the exact equivalence with the "
-                      "LayerNorm model (the paper's §5.3). Set their p to 0 for an exact trajectory.",
-                      stacklevel=2)
+                      "LayerNorm model (dropping entries shifts the mean the centering removed). Set their p to 0 "
+                      "for an exact trajectory.", stacklevel=2)
     for step in (InsertCentering(), UntieParameters(), SwapLayerNorms()):
         step.check(model, plan)
     InsertCentering()(model, plan)
@@ -109,8 +107,7 @@ def cbwc_remove(model: nn.Module) -> nn.Module:
 
 
 def _detach_tied_readers(model: nn.Module, original: nn.Parameter) -> None:
-    """Give modules that read the raw tensor (a tied head) their own copy, since
-    baking writes the centered values into ``original`` in place."""
+    """Give modules that read the raw tensor (a tied head) their own copy: baking writes into ``original``."""
     for name, p in list(model.named_parameters(remove_duplicate=False)):
         if p is original and ".parametrizations." not in name:
             owner, _, attr = name.rpartition(".")
