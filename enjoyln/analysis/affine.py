@@ -196,9 +196,8 @@ def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, l
         else:
             values = g.value(f"{e.name}.weight") if gain is not None else None
             if values is not None and not bool(values.ne(0).all()):
-                e.affine, e.affine_reason, e.fused = AFFINE_KEPT, (
-                    f"its gain has a zero entry, so β cannot stay as β/γ, and {no_bias[0]} has no bias to "
-                    "take it"), []
+                why = f"its gain has a zero entry, so β cannot stay as β/γ, and {no_bias[0]} has no bias to take it"
+                e.affine, e.affine_reason, e.fused = AFFINE_KEPT, why, []
             else:
                 e.affine, e.affine_reason = AFFINE_GAIN, f"{no_bias[0]} has no bias to take it"
     return sorted(untie.values(), key=lambda u: u.param)
@@ -249,8 +248,7 @@ def _mismatched(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]]) ->
     return blocked
 
 
-def _shared(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]],
-            untie: dict[str, Untie]) -> dict[str, str]:
+def _shared(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]], untie: dict[str, Untie]) -> dict[str, str]:
     """Norms whose readers' weights are read elsewhere (and cannot be untied), or by two norms on the same block."""
     blocked: dict[str, str] = {}
     owners: dict[str, set[str]] = {}  # placeholder -> norms fusing into it

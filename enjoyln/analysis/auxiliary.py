@@ -112,8 +112,7 @@ def analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs, weig
     for a in predicted.auxiliary:
         centering.install(model, a.module, a.where)
     try:
-        plan = analyze_capture(capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine,
-                               rotate=rotate)
+        plan = analyze_capture(capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine, rotate=rotate)
     except CaptureError as exc:  # a hook met an output it cannot center
         plan = FoldPlan(predicted.model)
         plan.notes.append(Note(f"auxiliary centering was not applied: {exc}"))

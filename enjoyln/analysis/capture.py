@@ -28,7 +28,6 @@ class Capture:
 
     model: nn.Module
     program: torch.export.ExportedProgram
-    inputs: Inputs
     placeholder_fqn: dict[str, str]  # placeholder node name -> the parameter or saved buffer it holds
     constants: dict[str, str]  # placeholder node name -> a lifted constant or non-persistent buffer
     aliases: dict[str, tuple[str, ...]]  # parameter name -> every name reaching the same tensor object
@@ -239,6 +238,5 @@ def capture(model: nn.Module, example_inputs: ExampleInputs = None) -> Capture:
         (placeholder_fqn if fqn in persistent else constants)[node_name] = fqn
     out_spec = program.call_spec.out_spec
     output_names = _leaf_names(out_spec) if out_spec is not None else []
-    return Capture(model=model, program=program, inputs=inputs, placeholder_fqn=placeholder_fqn,
-                   constants=constants, aliases=_aliases(model), output_names=output_names,
-                   specialized=specialized)
+    return Capture(model=model, program=program, placeholder_fqn=placeholder_fqn, constants=constants,
+                   aliases=_aliases(model), output_names=output_names, specialized=specialized)

@@ -165,11 +165,8 @@ class Dataflow:
                 continue
             parts = [o for o in operands(node) if isinstance(o, fx.Node)]
             mine = [o for o in parts if o in tables]
-            axes = set()
-            for o in parts:
-                state = self.states.get(o)
-                if o not in mine and isinstance(state, Zero):
-                    axes.add(carry(node, o, state.axis, g.where(node)))
+            axes = {carry(node, o, self.states[o].axis, g.where(node)) for o in parts
+                    if o not in mine and isinstance(self.states.get(o), Zero)}
             if mine and len(axes) == 1 and isinstance(axis := axes.pop(), int):  # a Refusal is a str
                 for o in mine:
                     want(node, o, axis)

@@ -76,9 +76,8 @@ class Analysis:
                     info = {"label": f"{op_name(node)} {self.index.where(node)}",
                             "kind": "blocked" if refused else "op", "detail": state.why if refused else ""}
                     if not refused:
-                        for i in node.all_input_nodes:
-                            if isinstance(self.states.get(i), Zero | NotZero) and shape(i):
-                                stack.append((i, node.name))
+                        stack += [(i, node.name) for i in node.all_input_nodes
+                                  if isinstance(self.states.get(i), Zero | NotZero) and shape(i)]
                 else:
                     why = state.why if isinstance(state, NotZero) else ""
                     info = {"label": self.index.describe(node), "kind": "blocked", "detail": why}
@@ -243,8 +242,7 @@ class Analysis:
         if not isinstance(model, fx.GraphModule):
             return {}
         theirs = [n for n in model.graph.nodes if n.op == "call_function" and n.target in FUNCTIONAL_LN]
-        ours = [n for n in self.graph.nodes if op_name(n) in LN_OPS
-                and not isinstance(self.norms.form(n), NormForm)]
+        ours = [n for n in self.graph.nodes if op_name(n) in LN_OPS and not isinstance(self.norms.form(n), NormForm)]
         if len(theirs) != len(ours):
             return {}
         return {o: t.name for o, t in zip(ours, theirs)}

@@ -43,8 +43,7 @@ def _svg(title: str, reason: str, foldable: bool, nodes: dict[str, dict], edges:
     pos = _layout(nodes, edges, root)
     w = max((x for x, _ in pos.values()), default=0) + _W + 20
     h = max((y for _, y in pos.values()), default=0) + _H + 50
-    parts = ['<g transform="translate(10,0)">',
-             f'<text x="0" y="16" font-weight="bold">{html.escape(title)}</text>']
+    parts = ['<g transform="translate(10,0)">', f'<text x="0" y="16" font-weight="bold">{html.escape(title)}</text>']
     if reason:
         parts.append(f'<text x="0" y="32" fill="#a00">{html.escape(reason)}</text>')
     for src, dst in edges:

@@ -39,10 +39,8 @@ def as_inputs(example_inputs: ExampleInputs) -> Inputs:
         return Inputs((), dict(example_inputs))
     if isinstance(example_inputs, (tuple, list)):
         return Inputs(tuple(example_inputs), {})
-    raise CaptureError(
-        f"example_inputs must be a tensor, a tuple of tensors or a dict of keyword "
-        f"arguments, not {type(example_inputs).__name__}"
-    )
+    raise CaptureError(f"example_inputs must be a tensor, a tuple of tensors or a dict of keyword arguments, "
+                       f"not {type(example_inputs).__name__}")
 
 
 # --- reading a Hugging Face config ----------------------------------------------------
@@ -63,10 +61,8 @@ def config_value(config: Any, *names: str) -> Any:
 
 
 def is_hf_model(model: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
+    from transformers import PreTrainedModel
+
     return isinstance(model, PreTrainedModel)
 
 

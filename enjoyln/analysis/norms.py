@@ -251,8 +251,7 @@ def norm_module_paths(model: nn.Module, also: set[type] | frozenset[type] = froz
     """Paths of the model's LayerNorm and GroupNorm modules, folded or not, and of every module whose class is
     in ``also`` (norm modules of other classes, which only the analysis recognises)."""
     kinds = (nn.LayerNorm, nn.GroupNorm, RMSNorm, GroupRMSNorm)
-    return sorted(name for name, m in model.named_modules()
-                  if name and (isinstance(m, kinds) or type(m) in also))
+    return sorted(name for name, m in model.named_modules() if name and (isinstance(m, kinds) or type(m) in also))
 
 
 def within_scope(path: str, scope: str) -> bool:

@@ -132,9 +132,8 @@ def _reorder(op: Op) -> int | Refusal:
 _SPATIAL = {  # op -> how many trailing axes it works over, the same way for every channel
     **{f"upsample_nearest{k}d": k for k in (1, 2, 3)}, **{f"_upsample_nearest_exact{k}d": k for k in (1, 2, 3)},
     "upsample_linear1d": 1, "upsample_bilinear2d": 2, "_upsample_bilinear2d_aa": 2, "upsample_bicubic2d": 2,
-    "_upsample_bicubic2d_aa": 2, "upsample_trilinear3d": 3,
+    "_upsample_bicubic2d_aa": 2, "upsample_trilinear3d": 3, "_adaptive_avg_pool2d": 2, "_adaptive_avg_pool3d": 3,
     **{f"avg_pool{k}d": k for k in (1, 2, 3)}, **{f"adaptive_avg_pool{k}d": k for k in (1, 2, 3)},
-    "_adaptive_avg_pool2d": 2, "_adaptive_avg_pool3d": 3,
     **{f"reflection_pad{k}d": k for k in (1, 2, 3)}, **{f"replication_pad{k}d": k for k in (1, 2, 3)},
 }
 
@@ -415,8 +414,7 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
     where = g.where(node)
     weight_idx, bias_idx, w_axis, b_axis, out_axis = _LAYOUTS.get(name, (1, 2, 0, 0, None))
     if name.startswith("conv"):
-        transposed = (bool(arg(node, 6, "transposed", False)) if name == "convolution"
-                      else "transpose" in name)
+        transposed = bool(arg(node, 6, "transposed", False)) if name == "convolution" else "transpose" in name
         groups = arg(node, 8 if name == "convolution" else 6, "groups", 1)
         if groups != 1:
             return Refusal(f"includes the output of a grouped or depthwise convolution "
@@ -424,8 +422,7 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
         w_axis = 1 if transposed else 0
     weight = g.param(node.args[weight_idx])
     if weight is None or out_shape is None:
-        return Refusal(f"includes the output of {name} {where}, whose weight is not a "
-                       "parameter enjoyln can center")
+        return Refusal(f"includes the output of {name} {where}, whose weight is not a parameter enjoyln can center")
     fqn, perm = weight
     if name in ("mm", "matmul") and len(perm) < 2:
         return Refusal(f"includes the output of {name} {where}, which is not a linear layer")
@@ -436,10 +433,9 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
     if bias_node is not None:
         bias = g.param(bias_node)
         if bias is None:
-            return Refusal(f"includes the output of {name} {where}, whose bias is not a "
-                           "parameter enjoyln can center")
+            return Refusal(f"includes the output of {name} {where}, whose bias is not a parameter enjoyln can center")
         bfqn, bperm = bias
-        params.append(g.centering(node, bfqn, bperm[-1] if name == "addmm" else bperm[0]))
+        params.append(g.centering(node, bfqn, bperm[b_axis]))
     return Source(node.name, g.label(node), node, norm_dim(out_axis, len(out_shape)), tuple(params))
 
 

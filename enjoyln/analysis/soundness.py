@@ -300,9 +300,8 @@ def ln_sink_ok(node: fx.Node, changed_input: fx.Node, axis: int) -> bool:
     if op_name(node) == "native_layer_norm" and any(
             u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
         return False
-    return (node.args[0] is changed_input and dims is not None
-            and axis == len(dims) - 1 and math.prod(norm_shape[:-1]) == 1
-            and all(a is not changed_input for a in node.args[1:]))
+    return (node.args[0] is changed_input and dims is not None and axis == len(dims) - 1
+            and math.prod(norm_shape[:-1]) == 1 and all(a is not changed_input for a in node.args[1:]))
 
 
 def gn_sink_refusal(g: GraphIndex, node: fx.Node, hits: Hits, groups: int) -> str:
