@@ -28,6 +28,5 @@ def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
     """
     rotate = RotationSpec.of(rotate)
     if not auxiliary_centering:
-        return analyze_capture(capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine,
-                               rotate=rotate)
+        return analyze_capture(capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine, rotate=rotate)
     return analyze_with_auxiliary(model, example_inputs, weights, fuse_affine, rotate)

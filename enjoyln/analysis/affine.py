@@ -31,8 +31,7 @@ class Trace:
 
 
 def _reader(g: GraphIndex, node: fx.Node, value: fx.Node, trace: Trace) -> list[Fused] | str | None:
-    """The Fused entries if ``node`` is a linear layer reading ``value`` as its input,
-    a refusal if it reads it some other way, None if it is not a linear layer."""
+    """The Fused entries if ``node`` is a linear layer reading ``value`` as input, why not if it reads it otherwise."""
     name = op_name(node)
     if name == "linear":
         x, w, b, in_pos = node.args[0], node.args[1], arg(node, 2, "bias"), 1
@@ -82,8 +81,7 @@ def _move(node: fx.Node, src: fx.Node, trace: Trace, where: str) -> Trace | Refu
 
 
 def _cat(node: fx.Node, traces: dict[fx.Node, Trace], where: str) -> Trace | Refusal:
-    """A cat of the norm's output with other values: along the features it just moves the
-    blocks; along another axis only the norm's output may be in it."""
+    """A cat along the features moves the norm's blocks; along another axis only the norm's output may be in it."""
     parts = list(node.args[0])
     dims = shape(node)
     if dims is None:
@@ -110,19 +108,14 @@ Readers = dict[fx.Node, list[Fused]]
 
 
 def trace_readers(g: GraphIndex, ln: fx.Node) -> Readers | str:
-    """Where one call of a norm puts its output: the linear layers that read it (with the
-    blocks of their input), or why its affine cannot move."""
+    """The linear layers that read one norm call's output (with the blocks of their input), or why its affine stays."""
     dims = shape(ln.args[0])
     if dims is None:
         return "its input's shape is not known"
     width = dims[-1]
-    traces: dict[fx.Node, Trace] = {}
-    if op_name(ln) == "native_layer_norm":
-        for u in ln.users:
-            if op_name(u) == "getitem" and u.args[1] == 0:
-                traces[u] = Trace(len(dims) - 1, ((0, width, 0),))
-    else:
-        traces[ln] = Trace(len(dims) - 1, ((0, width, 0),))
+    outs = ([u for u in ln.users if op_name(u) == "getitem" and u.args[1] == 0]
+            if op_name(ln) == "native_layer_norm" else [ln])
+    traces = {out: Trace(len(dims) - 1, ((0, width, 0),)) for out in outs}
     readers: Readers = {}
     for node in g.graph.nodes:
         g.at = node
@@ -203,17 +196,15 @@ def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, l
         else:
             values = g.value(f"{e.name}.weight") if gain is not None else None
             if values is not None and not bool(values.ne(0).all()):
-                e.affine, e.affine_reason, e.fused = AFFINE_KEPT, (
-                    f"its gain has a zero entry, so β cannot stay as β/γ, and {no_bias[0]} has no bias to "
-                    "take it"), []
+                why = f"its gain has a zero entry, so β cannot stay as β/γ, and {no_bias[0]} has no bias to take it"
+                e.affine, e.affine_reason, e.fused = AFFINE_KEPT, why, []
             else:
                 e.affine, e.affine_reason = AFFINE_GAIN, f"{no_bias[0]} has no bias to take it"
     return sorted(untie.values(), key=lambda u: u.param)
 
 
 def _affine_read_elsewhere(g: GraphIndex, name: str, calls: list[fx.Node]) -> str | None:
-    """Why a norm's γ or β cannot become 1 and 0: something other than the norm reads it
-    (another norm sharing it, or the model itself)."""
+    """Why a norm's γ or β cannot become 1 and 0: something else reads it (another norm sharing it, the model)."""
     for leaf, what in (("weight", "gain"), ("bias", "bias")):
         ph = g.placeholder_of.get(f"{name}.{leaf}")
         for user in g.readers(ph) if ph is not None else []:
@@ -257,8 +248,7 @@ def _mismatched(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]]) ->
     return blocked
 
 
-def _shared(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]],
-            untie: dict[str, Untie]) -> dict[str, str]:
+def _shared(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]], untie: dict[str, Untie]) -> dict[str, str]:
     """Norms whose readers' weights are read elsewhere (and cannot be untied), or by two norms on the same block."""
     blocked: dict[str, str] = {}
     owners: dict[str, set[str]] = {}  # placeholder -> norms fusing into it

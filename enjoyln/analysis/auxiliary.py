@@ -17,8 +17,7 @@ from .inputs import ExampleInputs
 
 
 def _candidate_points(analysis: Analysis, plan: FoldPlan) -> dict[fx.Node, tuple[AuxCentering, set[str]]]:
-    """Module outputs and inputs on the zero-mean graphs of LNs that do not fold, with the names
-    of those LNs each one lies upstream of."""
+    """Module outputs and inputs on the zero-mean graphs of LNs that do not fold, each with those LNs' names."""
     cap = analysis.cap
     by_name = {n.name: n for n in analysis.graph.nodes}
     widths = {e.normalized_shape[-1] for e in plan.layer_norms if e.normalized_shape}
@@ -56,8 +55,7 @@ def _candidate_points(analysis: Analysis, plan: FoldPlan) -> dict[fx.Node, tuple
 
 def auxiliary_plan(cap: Capture, *, max_candidates: int = 6,
                    weights: Weights = None) -> tuple[FoldPlan, dict[fx.Node, AuxCentering]]:
-    """Greedily insert centerings that each make more LNs foldable than they cost: the plan with
-    the chosen points, and the points by node."""
+    """Greedily insert centerings that each make more LNs foldable than they cost: the plan, the points by node."""
     base = Analysis(cap, weights=weights)
     plan = base.run()
     strict_count = len(plan.foldable)
@@ -114,8 +112,7 @@ def analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs, weig
     for a in predicted.auxiliary:
         centering.install(model, a.module, a.where)
     try:
-        plan = analyze_capture(capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine,
-                               rotate=rotate)
+        plan = analyze_capture(capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine, rotate=rotate)
     except CaptureError as exc:  # a hook met an output it cannot center
         plan = FoldPlan(predicted.model)
         plan.notes.append(Note(f"auxiliary centering was not applied: {exc}"))

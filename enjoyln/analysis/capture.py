@@ -17,7 +17,6 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError, first_line
-from ..plan import FoldPlan, Note
 from .inputs import ExampleInputs, Inputs, resolve_inputs
 
 
@@ -29,29 +28,16 @@ class Capture:
 
     model: nn.Module
     program: torch.export.ExportedProgram
-    inputs: Inputs
-    placeholder_fqn: dict[str, str]
-    """Placeholder node name -> name of the parameter or saved buffer it holds."""
-    constants: dict[str, str]
-    """Placeholder node name -> name of a lifted constant or non-persistent buffer."""
-    aliases: dict[str, tuple[str, ...]]
-    """Parameter name -> every name under which the same tensor object is reachable."""
+    placeholder_fqn: dict[str, str]  # placeholder node name -> the parameter or saved buffer it holds
+    constants: dict[str, str]  # placeholder node name -> a lifted constant or non-persistent buffer
+    aliases: dict[str, tuple[str, ...]]  # parameter name -> every name reaching the same tensor object
     output_names: list[str]
     specialized: list[str] = field(default_factory=list)
-    """Branches ``torch.export.draft_export`` took as the example's values dictated,
-    one phrase each; empty when plain ``torch.export`` traced the model."""
+    """Branches ``draft_export`` took as the example's values dictated; empty when ``torch.export`` traced it."""
 
     @property
     def graph(self) -> torch.fx.Graph:
         return self.program.graph
-
-    def annotate(self, plan: FoldPlan) -> FoldPlan:
-        """Add to ``plan.notes`` what the proof's graph assumed about the inputs; returns ``plan``."""
-        if self.specialized:
-            plan.notes.append(Note(
-                "the proof covers inputs that take the same data-dependent branches as the example: "
-                + "; ".join(self.specialized)))
-        return plan
 
     def module_path(self, node: torch.fx.Node) -> str:
         stack = node.meta.get("nn_module_stack")
@@ -71,8 +57,7 @@ class Capture:
         return f"in {path}" if path else "at the top level of the model"
 
     def use_alias(self, user: torch.fx.Node, fqn: str) -> str | None:
-        """The name under which ``user`` reads the parameter ``fqn``: tied parameters share one
-        placeholder, so the module that performs the read tells which name it went through."""
+        """The name ``user`` reads ``fqn`` by: tied parameters share one placeholder, the reading module tells which."""
         names = self.aliases.get(fqn, (fqn,))
         if len(names) == 1:
             return names[0]
@@ -94,10 +79,8 @@ def _leaf_names(spec: pytree.TreeSpec, prefix: str = "") -> list[str]:
 
 def _aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
     by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    for name, b in model.named_buffers(remove_duplicate=False):
-        by_id.setdefault(id(b), []).append(name)
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        by_id.setdefault(id(t), []).append(name)
     return {n: tuple(names) for names in by_id.values() for n in names}
 
 
@@ -255,6 +238,5 @@ def capture(model: nn.Module, example_inputs: ExampleInputs = None) -> Capture:
         (placeholder_fqn if fqn in persistent else constants)[node_name] = fqn
     out_spec = program.call_spec.out_spec
     output_names = _leaf_names(out_spec) if out_spec is not None else []
-    return Capture(model=model, program=program, inputs=inputs, placeholder_fqn=placeholder_fqn,
-                   constants=constants, aliases=_aliases(model), output_names=output_names,
-                   specialized=specialized)
+    return Capture(model=model, program=program, placeholder_fqn=placeholder_fqn, constants=constants,
+                   aliases=_aliases(model), output_names=output_names, specialized=specialized)

@@ -20,10 +20,8 @@ class Zero:
 
     axis: int
     sources: frozenset[str]
-    whole: bool = False
-    """Part of the zero mean comes from an explicit centering of the whole axis (not per group)."""
-    layout: Layout | None = None
-    """Where the blocks went, if the feature axis was split (per-head norms)."""
+    whole: bool = False  # part of the zero mean comes from an explicit centering of the whole axis (not per group)
+    layout: Layout | None = None  # where the blocks went, if the feature axis was split (per-head norms)
 
 
 @dataclass(frozen=True)
@@ -36,14 +34,6 @@ class NotZero:
 State = Zero | NotZero
 
 
-def ln_label(g: GraphIndex, node: fx.Node) -> str:
-    """An LN call as a user would name it: its module's path, or the functional call."""
-    path = g.cap.module_path(node)
-    if path:
-        return path
-    return f"the functional layer_norm `{node.name}` {g.where(node)}"
-
-
 class Dataflow:
     """The zero-mean state of every node, and the sources they need centered."""
 
@@ -52,8 +42,7 @@ class Dataflow:
         self.aux = aux or {}
         self.sources: dict[str, Source] = {}
         self.states: dict[fx.Node, Any] = {}
-        self.param_axes: dict[fx.Node, int] = {}
-        """Parameters used as data whose feature axis is not their last (channels-first tables)."""
+        self.param_axes: dict[fx.Node, int] = {}  # parameters used as data whose feature axis is not their last
 
     def run(self) -> None:
         self._pass()
@@ -73,8 +62,7 @@ class Dataflow:
             self.states[node] = state
 
     def grouped(self, key: str, groups: int, blocks: tuple[int, ...] | None = None) -> str:
-        """The key of ``key``'s source centered in ``groups`` blocks (for a GroupNorm or
-        a per-head norm), or only in the listed ``blocks`` of them."""
+        """The key of ``key``'s source centered in ``groups`` blocks (GroupNorm, per-head norm), or only ``blocks``."""
         if groups == 1:
             return key
         src = self.sources[key]
@@ -106,7 +94,8 @@ class Dataflow:
         if node in g.centers:
             return Zero(g.center_axis(node), frozenset(), whole=True)
         if name in LN_OPS:
-            return NotZero(f"includes the output of {ln_label(g, node)}, which is not zero-mean")
+            label = g.cap.module_path(node) or f"the functional layer_norm `{node.name}` {g.where(node)}"
+            return NotZero(f"includes the output of {label}, which is not zero-mean")
         if name in GN_OPS:
             return NotZero(f"includes the output of the {name.replace('_', ' ')} {g.label(node)}, "
                            "which is not zero-mean")
@@ -117,13 +106,9 @@ class Dataflow:
             return self._add(src)
         if isinstance(src, Refusal):
             return NotZero(str(src))
-        kind = kind_of(node)
-        if kind == MAP:
-            return self._transfer_map(node)
-        if kind == SUM:
-            return self._transfer_sum(node)
-        if kind == SCALE:
-            return self._transfer_scale(node)
+        by_kind = {MAP: self._transfer_map, SUM: self._transfer_sum, SCALE: self._transfer_scale}
+        if kind_of(node) in by_kind:
+            return by_kind[kind_of(node)](node)
         return NotZero(f"includes the output of {name} {g.where(node)}, which is not zero-mean")
 
     def _placeholder(self, node: fx.Node) -> State:
@@ -139,9 +124,8 @@ class Dataflow:
         return NotZero(f"includes the model input `{node.name}`, which is not zero-mean")
 
     def _feature_axes(self) -> dict[fx.Node, int]:
-        """The feature axis of each parameter used as data where it is not its last: a table added to
-        the stream (``conv(x) + pos``, ``pos`` of shape (1, C, H, W)) takes the stream's axis at that
-        add. A guess only: the next pass proves whatever it chooses."""
+        """The feature axis of each parameter used as data where it is not its last: a table added to the stream
+        (``conv(x) + pos``, ``pos`` (1, C, H, W)) takes the stream's; a guess, which the next pass proves."""
         g = self.g
         tables: set[fx.Node] = set()  # values computed from parameters only
         for node in g.graph.nodes:
@@ -181,11 +165,8 @@ class Dataflow:
                 continue
             parts = [o for o in operands(node) if isinstance(o, fx.Node)]
             mine = [o for o in parts if o in tables]
-            axes = set()
-            for o in parts:
-                state = self.states.get(o)
-                if o not in mine and isinstance(state, Zero):
-                    axes.add(carry(node, o, state.axis, g.where(node)))
+            axes = {carry(node, o, self.states[o].axis, g.where(node)) for o in parts
+                    if o not in mine and isinstance(self.states.get(o), Zero)}
             if mine and len(axes) == 1 and isinstance(axis := axes.pop(), int):  # a Refusal is a str
                 for o in mine:
                     want(node, o, axis)
@@ -214,16 +195,13 @@ class Dataflow:
         return Zero(new, keys, state.whole, layout)
 
     def _split(self, node: fx.Node, x: fx.Node, state: Zero) -> State | None:
-        """A reshape that splits the feature axis into blocks (``(..., H, D)``): the blocks
-        are zero-mean once each is centered on its own (per-head norms)."""
+        """A reshape splitting the feature axis into blocks (``(..., H, D)``), zero-mean once each is centered."""
         found = split_axis(shape(x), state.axis, shape(node)) if op_name(node) in RESHAPE_OPS else None
         if found is None or state.whole or state.layout is not None:
             return None
         axis, layout = found
-        for k in state.sources:
-            src = self.sources[k]
-            if src.groups != 1 or src.chain or not src.params or any(c.scale or c.blocks for c in src.params):
-                return None
+        if not all(self.sources[k].plain for k in state.sources):
+            return None
         return Zero(axis, frozenset(self.grouped(k, layout.groups) for k in state.sources), False, layout)
 
     def _transfer_sum(self, node: fx.Node) -> State:
@@ -277,11 +255,9 @@ class Dataflow:
         return NotZero(f"is multiplied by a per-feature tensor {self.g.where(node)}; a per-feature scale "
                        "keeps a zero mean only as a LayerScale: a parameter right after one layer")
 
-
     def _layer_scale(self, node: fx.Node, stream: fx.Node, factor: Any, state: Zero, axis: int) -> State | None:
-        """``γ ⊙ y`` with ``γ`` a per-feature parameter (LayerScale) and ``y`` a linear combination
-        of layers' outputs (timm's ParallelScalingBlock): zero-mean once each layer is centered for
-        ``γ``. None if it is not that pattern."""
+        """``γ ⊙ y``, ``γ`` a per-feature parameter (LayerScale), ``y`` a linear combination of layers' outputs
+        (timm's ParallelScalingBlock): zero-mean once each layer is centered for ``γ``; else None."""
         g = self.g
         fqn = per_feature_param(g, factor, node, axis)
         if fqn is None or not state.sources or state.whole:
@@ -293,11 +269,8 @@ class Dataflow:
         if found is None or len(found[0]) != len(by_node):
             return None
         leaves, inner = found
-        for key in by_node.values():
-            src = self.sources[key]
-            if (src.groups != 1 or src.chain or not src.params
-                    or any(c.scale or c.blocks is not None for c in src.params)):
-                return None
+        if not all(self.sources[k].plain for k in by_node.values()):
+            return None
         gain = g.value(fqn)
         if gain is not None and not bool(gain.ne(0).all()):
             labels = " and ".join(self.sources[by_node[leaf]].label for leaf in leaves)

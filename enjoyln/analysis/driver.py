@@ -1,6 +1,5 @@
-"""The analysis driver: runs the dataflow and the soundness pass to a fixed point into a plan (which
-LayerNorms fold, what to center and untie), then the affine fusion and rotation when asked; it also
-gives each LN's zero-mean graph, for the auxiliary placement and the pictures."""
+"""The analysis driver: the dataflow and soundness passes to a fixed point into a plan (which LayerNorms fold, what
+to center and untie), then affine fusion and rotation when asked; and each LN's zero-mean graph."""
 
 from __future__ import annotations
 
@@ -47,51 +46,46 @@ class Analysis:
         """The LN's zero-mean graph (Def. 4.2): nodes (name -> {label, kind, detail}) and edges
         (input, user); kinds: ``ln``, ``op``, ``source``, ``zero`` and ``blocked``."""
         with self.index.reporting():
-            return self._zero_mean_graph(ln, limit)
-
-    def _zero_mean_graph(self, ln: fx.Node, limit: int) -> tuple[dict[str, dict], list[tuple[str, str]]]:
-        nodes: dict[str, dict] = {}
-        edges: list[tuple[str, str]] = []
-        by_node = {}  # the plain source of a node, or its LayerScale one
-        for s in self.sources.values():
-            if "#" not in s.key and (s.node not in by_node or s.chain):
-                by_node[s.node] = s
-        stack = [(ln, None)]
-        while stack and len(nodes) < limit:
-            node, user = stack.pop()
-            self.index.at = node
-            if user is not None:
-                edges.append((node.name, user))
-            if node.name in nodes:
-                continue
-            state = self.states.get(node)
-            source = by_node.get(node)
-            if node is ln:
-                info = {"label": self.cap.module_path(node) or node.name, "kind": "ln", "detail": ""}
-                stack.append((node.args[0], node.name))
-            elif isinstance(source, Source) and source.node is node:
-                info = {"label": source.label, "kind": "source",
-                        "detail": ", ".join(f"{c.param} (axis {c.axis})" for c in source.params)}
-            elif node in self.index.centers:
-                info = {"label": f"x - mean(x) {self.index.where(node)}", "kind": "zero", "detail": ""}
-            elif isinstance(state, Zero | NotZero) and kind_of(node):
-                refused = isinstance(state, NotZero) and not any(
-                    isinstance(self.states.get(i), NotZero) for i in node.all_input_nodes)
-                info = {"label": f"{op_name(node)} {self.index.where(node)}", "kind": "blocked" if refused else "op",
-                        "detail": state.why if refused else ""}
-                if not refused:
-                    for i in node.all_input_nodes:
-                        if isinstance(self.states.get(i), Zero | NotZero) and shape(i):
-                            stack.append((i, node.name))
-            else:
-                why = state.why if isinstance(state, NotZero) else ""
-                info = {"label": self.index.describe(node), "kind": "blocked", "detail": why}
-            nodes[node.name] = info
-        return nodes, edges
+            nodes: dict[str, dict] = {}
+            edges: list[tuple[str, str]] = []
+            by_node = {}  # the plain source of a node, or its LayerScale one
+            for s in self.sources.values():
+                if "#" not in s.key and (s.node not in by_node or s.chain):
+                    by_node[s.node] = s
+            stack = [(ln, None)]
+            while stack and len(nodes) < limit:
+                node, user = stack.pop()
+                self.index.at = node
+                if user is not None:
+                    edges.append((node.name, user))
+                if node.name in nodes:
+                    continue
+                state = self.states.get(node)
+                source = by_node.get(node)
+                if node is ln:
+                    info = {"label": self.cap.module_path(node) or node.name, "kind": "ln", "detail": ""}
+                    stack.append((node.args[0], node.name))
+                elif isinstance(source, Source) and source.node is node:
+                    info = {"label": source.label, "kind": "source",
+                            "detail": ", ".join(f"{c.param} (axis {c.axis})" for c in source.params)}
+                elif node in self.index.centers:
+                    info = {"label": f"x - mean(x) {self.index.where(node)}", "kind": "zero", "detail": ""}
+                elif isinstance(state, Zero | NotZero) and kind_of(node):
+                    refused = isinstance(state, NotZero) and not any(
+                        isinstance(self.states.get(i), NotZero) for i in node.all_input_nodes)
+                    info = {"label": f"{op_name(node)} {self.index.where(node)}",
+                            "kind": "blocked" if refused else "op", "detail": state.why if refused else ""}
+                    if not refused:
+                        stack += [(i, node.name) for i in node.all_input_nodes
+                                  if isinstance(self.states.get(i), Zero | NotZero) and shape(i)]
+                else:
+                    why = state.why if isinstance(state, NotZero) else ""
+                    info = {"label": self.index.describe(node), "kind": "blocked", "detail": why}
+                nodes[node.name] = info
+            return nodes, edges
 
     def entry_name(self, node: fx.Node, functional: dict[fx.Node, str]) -> tuple[str, str]:
-        """(plan entry name, kind) of a norm call: its module's path, or the node's
-        name in the user's GraphModule; calls of one module share an entry."""
+        """(plan entry name, kind) of a norm call: its module's path, or the node's name in the user's GraphModule."""
         path = self.cap.module_path(node)
         if op_name(node) in GN_OPS:
             return path or node.name, "module"
@@ -112,57 +106,51 @@ class Analysis:
     def run(self) -> FoldPlan:
         """The plan: which LNs fold, what to center and untie. Any failure is an AnalysisError."""
         with self.index.reporting():
-            return self._run()
-
-    def _run(self) -> FoldPlan:
-        self.flow.run()
-        entries, needs, rewritable = self._layer_norms()
-        # an LN that cannot be replaced needs no centering: drop it before the soundness pass
-        for name, e in entries.items():
-            if e.foldable and name not in rewritable:
-                e.foldable, e.reason = False, rewritable_reason(e, self.why_not_replaced.get(name))
-        active = {name for name, e in entries.items() if e.foldable}
-        untie: dict[str, Untie] = {}
-        while True:
-            keys = set().union(*(needs[n] for n in active)) if active else set()
-            bad, untie = self.soundness.affected(keys)
-            self.last_bad.update(bad)
-            dropped = {n for n in active if needs[n] & bad.keys()}
-            for n in dropped:
-                key = sorted(needs[n] & bad.keys())[0]
-                entries[n].foldable = False
-                entries[n].reason = (f"folding it needs {self.sources[key].label} centered, "
-                                     f"but that would also change {bad[key]}")
-            if not dropped:
-                break
-            active -= dropped
-        for name, e in entries.items():
-            if e.foldable:
-                cs = {c for k in needs[name] for c in self.sources[k].params}
-                e.centered = sorted(cs, key=lambda c: (c.param, c.axis, c.groups, c.blocks or (), c.scale or ""))
-        self.needs = needs
-        model = self.cap.model
-        kinds = {type(self.cap.module_of(calls[0])) for name, calls in self.ln_nodes().items()
-                 if entries[name].kind == "module" and entries[name].norm == "layer_norm"}
-        plan = FoldPlan(type(model).__name__, list(entries.values()), norm_modules=norm_module_paths(model, kinds))
-        if self.fuse_affine and plan.foldable:
-            for u in plan_fusion(self.index, plan.layer_norms, self.ln_nodes()):
-                untie.setdefault(u.param, u)
-        plan.untied = sorted(untie.values(), key=lambda u: u.param) if plan.foldable else []
-        if self.cap.model.training and any(op_name(n) in DROPOUT_OPS for n in self.graph.nodes):
-            plan.notes.append(Note.of(TRAINING_MODE))
-        return plan
+            self.flow.run()
+            entries, needs, rewritable = self._layer_norms()
+            # an LN that cannot be replaced needs no centering: drop it before the soundness pass
+            for name, e in entries.items():
+                if e.foldable and name not in rewritable:
+                    e.foldable, e.reason = False, rewritable_reason(e, self.why_not_replaced.get(name))
+            active = {name for name, e in entries.items() if e.foldable}
+            untie: dict[str, Untie] = {}
+            while True:
+                keys = set().union(*(needs[n] for n in active)) if active else set()
+                bad, untie = self.soundness.affected(keys)
+                self.last_bad.update(bad)
+                dropped = {n for n in active if needs[n] & bad.keys()}
+                for n in dropped:
+                    key = sorted(needs[n] & bad.keys())[0]
+                    entries[n].foldable = False
+                    entries[n].reason = (f"folding it needs {self.sources[key].label} centered, "
+                                         f"but that would also change {bad[key]}")
+                if not dropped:
+                    break
+                active -= dropped
+            for name, e in entries.items():
+                if e.foldable:
+                    cs = {c for k in needs[name] for c in self.sources[k].params}
+                    e.centered = sorted(cs, key=lambda c: (c.param, c.axis, c.groups, c.blocks or (), c.scale or ""))
+            self.needs = needs
+            model = self.cap.model
+            kinds = {type(self.cap.module_of(calls[0])) for name, calls in self.ln_nodes().items()
+                     if entries[name].kind == "module" and entries[name].norm == "layer_norm"}
+            plan = FoldPlan(type(model).__name__, list(entries.values()), norm_modules=norm_module_paths(model, kinds))
+            if self.fuse_affine and plan.foldable:
+                for u in plan_fusion(self.index, plan.layer_norms, self.ln_nodes()):
+                    untie.setdefault(u.param, u)
+            plan.untied = sorted(untie.values(), key=lambda u: u.param) if plan.foldable else []
+            if self.cap.model.training and any(op_name(n) in DROPOUT_OPS for n in self.graph.nodes):
+                plan.notes.append(Note.of(TRAINING_MODE))
+            return plan
 
     def rotation(self, plan: FoldPlan, spec: RotationSpec) -> None:
-        """Add a rotation of the residual stream to ``plan`` (made by ``run`` with
-        ``fuse_affine``), or a note saying why the stream cannot be rotated."""
+        """Add a rotation of the stream to ``plan`` (made with ``fuse_affine``), or a note saying why it cannot be."""
         with self.index.reporting():
             found = plan_rotation(self.index, plan, self.sources, self.needs, self.ln_nodes(), spec)
+        plan.rotation = None if isinstance(found, str) else found
         if isinstance(found, str):
-            plan.rotation = None
             plan.notes.append(Note.of(NOT_ROTATED, found))
-        else:
-            plan.rotation = found
 
     def _layer_norms(self) -> tuple[dict[str, LayerNormEntry], dict[str, set[str]], set[str]]:
         """One entry per LN module (all its calls) or per functional call."""
@@ -193,22 +181,19 @@ class Analysis:
                 needs[name] = set()
             if not entry.foldable:
                 continue
-            x = node.args[0]
-            state = self.states.get(x)
-            dims = shape(x)
+            state, dims = self.states.get(node.args[0]), shape(node.args[0])
             if isinstance(state, NotZero):
-                entry.foldable, entry.reason = False, f"its input {state.why}"
+                why = f"its input {state.why}"
             elif not isinstance(state, Zero) or dims is None:
-                entry.foldable, entry.reason = False, "its input cannot be followed through the graph"
+                why = "its input cannot be followed through the graph"
             elif math.prod(norm_shape[:-1]) != 1:
-                entry.foldable, entry.reason = False, (
-                    f"it normalizes over {len(norm_shape)} axes, and weight centering removes "
-                    "the mean along one")
+                why = f"it normalizes over {len(norm_shape)} axes, and weight centering removes the mean along one"
             elif state.axis != len(dims) - 1:
-                entry.foldable, entry.reason = False, (
-                    f"its input is zero-mean along axis {state.axis}, not along the axis it normalizes")
+                why = f"its input is zero-mean along axis {state.axis}, not along the axis it normalizes"
             else:
                 needs[name] |= state.sources
+                continue
+            entry.foldable, entry.reason = False, why
         return entries, needs, rewritable
 
     def _group_norm_entry(self, node: fx.Node, entries: dict[str, LayerNormEntry],
@@ -231,36 +216,33 @@ class Analysis:
         state = self.states.get(x)
         spatial = math.prod(dims[2:]) if dims else 0
         if op_name(node) == "instance_norm" or (dims and dims[1] // groups < 2):
-            entry.foldable, entry.reason = False, (
-                "each of its groups holds one channel, and centering a single channel would zero it")
+            why = "each of its groups holds one channel, and centering a single channel would zero it"
         elif not isinstance(module, nn.GroupNorm):
-            entry.foldable, entry.reason = False, "it is not an nn.GroupNorm module enjoyln can replace"
+            why = "it is not an nn.GroupNorm module enjoyln can replace"
         elif spatial != 1:
-            entry.foldable, entry.reason = False, (
-                f"GroupNorm also averages over the {spatial} positions of each channel; weight centering "
-                "can only remove the group mean at each position, which changes GroupNorm's output, so no "
-                "change of weights folds it exactly")
+            why = (f"GroupNorm also averages over the {spatial} positions of each channel; weight centering "
+                   "can only remove the group mean at each position, which changes GroupNorm's output, so no "
+                   "change of weights folds it exactly")
         elif isinstance(state, NotZero):
-            entry.foldable, entry.reason = False, f"its input {state.why}"
+            why = f"its input {state.why}"
         elif not isinstance(state, Zero) or state.axis != 1:
-            entry.foldable, entry.reason = False, "its input is not zero-mean along its channels"
+            why = "its input is not zero-mean along its channels"
         elif state.whole:
-            entry.foldable, entry.reason = False, (
-                "its input passes an explicit centering of all channels, which leaves each group's mean")
+            why = "its input passes an explicit centering of all channels, which leaves each group's mean"
         elif any(self.sources[k].groups != 1 for k in state.sources):
-            entry.foldable, entry.reason = False, "its input is split into blocks of another size before it"
+            why = "its input is split into blocks of another size before it"
         else:
             needs[name] |= {self.flow.grouped(k, groups) for k in state.sources}
+            return
+        entry.foldable, entry.reason = False, why
 
     def _functional_names(self) -> dict[fx.Node, str]:
-        """Functional LN calls in the graph, mapped to the user's GraphModule nodes (the k-th
-        functional LN exported is the k-th in the user's graph)."""
+        """Functional LN calls -> the user's GraphModule nodes (the k-th exported is the k-th in the user's graph)."""
         model = self.cap.model
         if not isinstance(model, fx.GraphModule):
             return {}
         theirs = [n for n in model.graph.nodes if n.op == "call_function" and n.target in FUNCTIONAL_LN]
-        ours = [n for n in self.graph.nodes if op_name(n) in LN_OPS
-                and not isinstance(self.norms.form(n), NormForm)]
+        ours = [n for n in self.graph.nodes if op_name(n) in LN_OPS and not isinstance(self.norms.form(n), NormForm)]
         if len(theirs) != len(ours):
             return {}
         return {o: t.name for o, t in zip(ours, theirs)}
@@ -283,4 +265,7 @@ def analyze_capture(cap: Capture, *, weights: Weights = None, fuse_affine: bool 
     plan = analysis.run()
     if rotate is not None:
         analysis.rotation(plan, rotate)
-    return cap.annotate(plan)
+    if cap.specialized:
+        plan.notes.append(Note("the proof covers inputs that take the same data-dependent branches as the "
+                               "example: " + "; ".join(cap.specialized)))
+    return plan

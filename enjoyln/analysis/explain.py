@@ -41,14 +41,9 @@ def _layout(nodes: dict[str, dict], edges: list[tuple[str, str]], root: str) -> 
 def _svg(title: str, reason: str, foldable: bool, nodes: dict[str, dict], edges: list[tuple[str, str]],
          root: str) -> tuple[str, int, int]:
     pos = _layout(nodes, edges, root)
-
-    def kind(info: dict) -> str:
-        return "centerable" if info["kind"] == "source" and not foldable else info["kind"]
-
     w = max((x for x, _ in pos.values()), default=0) + _W + 20
     h = max((y for _, y in pos.values()), default=0) + _H + 50
-    parts = ['<g transform="translate(10,0)">',
-             f'<text x="0" y="16" font-weight="bold">{html.escape(title)}</text>']
+    parts = ['<g transform="translate(10,0)">', f'<text x="0" y="16" font-weight="bold">{html.escape(title)}</text>']
     if reason:
         parts.append(f'<text x="0" y="32" fill="#a00">{html.escape(reason)}</text>')
     for src, dst in edges:
@@ -59,8 +54,9 @@ def _svg(title: str, reason: str, foldable: bool, nodes: dict[str, dict], edges:
         x, y = pos[name]
         label = info["label"] if len(info["label"]) <= 40 else "…" + info["label"][-39:]
         tip = html.escape(f"{info['label']}\n{info['detail']}".strip())
+        kind = "centerable" if info["kind"] == "source" and not foldable else info["kind"]
         parts.append(f'<g><title>{tip}</title><rect x="{x}" y="{y + 40}" width="{_W}" height="{_H}" rx="6" '
-                     f'fill="{_COLOURS[kind(info)]}" stroke="#555"/>'
+                     f'fill="{_COLOURS[kind]}" stroke="#555"/>'
                      f'<text x="{x + 8}" y="{y + 40 + 21}" font-size="12">{html.escape(label)}</text></g>')
     parts.append("</g>")
     return "\n".join(parts), w + 20, h

@@ -20,17 +20,15 @@ GN_OPS = {"group_norm", "native_group_norm", "instance_norm"}
 FUNCTIONAL_LN = {torch.nn.functional.layer_norm, torch.layer_norm,
                  torch.ops.aten.layer_norm.default, torch.ops.aten.layer_norm}
 # Ops that read only the shape, dtype or device of a tensor, never its values.
-META_OPS = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride",
-            "_assert_tensor_metadata", "_assert_scalar", "empty_like", "zeros_like",
-            "ones_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full",
-            "rand_like", "randn_like", "randint_like", "_local_scalar_dense"}
+META_OPS = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride", "_assert_tensor_metadata",
+            "_assert_scalar", "empty_like", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones",
+            "new_empty", "new_full", "rand_like", "randn_like", "randint_like", "_local_scalar_dense"}
 # Ops that read their first argument's values and only the shape or dtype of the second.
 TEMPLATE_OPS = {"expand_as", "view_as", "reshape_as", "type_as"}
 # Ops that return their input's values unchanged (a cast keeping the dtype).
 _COPY_OPS = {"_to_copy", "to", "alias", "clone", "detach", "contiguous", "lift_fresh_copy"}
 # Ops through which a weight is still "the parameter", only transposed or cast.
-PARAM_VIEW_OPS = {"_to_copy", "to", "detach", "alias", "contiguous", "t", "transpose",
-                  "permute", "numpy_T"}
+PARAM_VIEW_OPS = {"_to_copy", "to", "detach", "alias", "contiguous", "t", "transpose", "permute", "numpy_T"}
 
 
 def op_name(node: fx.Node) -> str:
@@ -53,8 +51,7 @@ def op_key(node: fx.Node) -> str:
 
 
 def _static(size: Any) -> int | None:
-    """A size as an int, or None if it is symbolic. Never guards: ``int()`` on a
-    data-dependent size (``x[mask]``) raises instead of answering."""
+    """A size as an int, or None if symbolic; never ``int()``, which raises on a data-dependent size (``x[mask]``)."""
     if isinstance(size, int):
         return size
     node = getattr(size, "node", None)
@@ -91,9 +88,22 @@ def reads_value(user: fx.Node, node: fx.Node) -> bool:
     return True
 
 
-def _mutates(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
+def permutation(node: fx.Node, ndim: int) -> list[int]:
+    """The axes a permute, transpose, t, numpy_T, swapaxes or movedim takes: output axis i is input axis p[i]."""
+    name, perm = op_name(node), list(range(ndim))
+    if name == "numpy_T":
+        return perm[::-1]
+    if name == "permute":
+        return [norm_dim(d, ndim) for d in node.args[1]]
+    if name == "movedim":
+        src, dst = ([norm_dim(x, ndim) for x in (d if isinstance(d, (list, tuple)) else [d])] for d in node.args[1:3])
+        perm = [p for p in perm if p not in src]
+        for s, d in sorted(zip(src, dst), key=lambda x: x[1]):
+            perm.insert(d, s)
+    elif ndim >= 2:
+        a, b = (0, 1) if name == "t" else (norm_dim(node.args[1], ndim), norm_dim(node.args[2], ndim))
+        perm[a], perm[b] = perm[b], perm[a]
+    return perm
 
 
 def live_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -101,7 +111,8 @@ def live_nodes(graph: fx.Graph) -> set[fx.Node]:
     or read only for their shape (``x.size()``, ``expand_as``'s template)."""
     live: set[fx.Node] = set()
     for node in reversed(graph.nodes):
-        if node.op == "output" or _mutates(node) or any(
+        schema = getattr(node.target, "_schema", None)
+        if node.op == "output" or (schema is not None and schema.is_mutable) or any(
                 u in live and reads_value(u, node) for u in node.users):
             live.add(node)
     return live
@@ -112,29 +123,22 @@ class GraphIndex:
 
     def __init__(self, cap: Capture, weights: Mapping[str, torch.Tensor] | None = None):
         self.cap = cap
-        self.weights = dict(weights or {})
-        """Values of parameters the model holds on the meta device, where known."""
+        self.weights = dict(weights or {})  # values of parameters the model holds on the meta device
         self.graph = cap.graph
         self.placeholders = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
-        self.placeholder_of: dict[str, fx.Node] = {}
-        """Every name of a parameter (tied aliases too) -> its placeholder."""
+        self.placeholder_of: dict[str, fx.Node] = {}  # every name of a parameter (tied aliases too) -> its placeholder
         for name, fqn in cap.placeholder_fqn.items():
             node = self.placeholders[name]
             for alias in cap.aliases.get(fqn, (fqn,)):
                 if node.users or alias not in self.placeholder_of:
                     self.placeholder_of[alias] = node
         self.buffers = {name: fqn for name, fqn in cap.program.graph_signature.inputs_to_buffers.items()
-                        if name in cap.constants}
-        """Placeholder name -> a non-persistent buffer it holds (not in a checkpoint)."""
+                        if name in cap.constants}  # placeholder name -> a non-persistent buffer (not saved)
         self.live = live_nodes(self.graph)
         self.order = {n: i for i, n in enumerate(self.graph.nodes)}
-        """Each node's position in the graph."""
-        self.centers = self._find_centerings()
-        """Explicit ``x - x.mean(axis, keepdim=True)``: sub node -> its mean node."""
-        self.output_names = self._output_names()
-        """Position in the output node's arguments -> the user-facing output name."""
-        self.at: fx.Node | None = None
-        """The node a pass is looking at, to name it if the analysis fails."""
+        self.centers = self._find_centerings()  # explicit ``x - x.mean(axis, keepdim=True)``: sub -> mean
+        self.output_names = self._output_names()  # position in the output node's arguments -> its name
+        self.at: fx.Node | None = None  # the node a pass is looking at, to name it if the analysis fails
 
     @contextmanager
     def reporting(self) -> Iterator[None]:
@@ -179,8 +183,7 @@ class GraphIndex:
         return names
 
     def writes_back(self, index: int, out: fx.Node) -> bool:
-        """Whether output ``index`` stores a buffer's own value back into it, unchanged
-        (CTRL's ``self.pos_encoding = self.pos_encoding.to(dtype)``)."""
+        """Whether output ``index`` stores a buffer's own value back, unchanged (CTRL's ``pos_encoding.to(dtype)``)."""
         target = self.output_names.get(index, "").removeprefix("buffer:")
         node = out
         while node.op == "call_function" and op_name(node) in _COPY_OPS and node.args:
@@ -209,16 +212,7 @@ class GraphIndex:
         if inner is None or name in ("_to_copy", "to", "detach", "alias", "contiguous"):
             return inner
         fqn, perm = inner
-        if name == "numpy_T":
-            return fqn, perm[::-1]
-        if name == "permute":
-            return fqn, tuple(perm[norm_dim(d, len(perm))] for d in node.args[1])
-        if name == "t" and len(perm) < 2:
-            return inner
-        a, b = (0, 1) if name == "t" else (norm_dim(node.args[1], len(perm)), norm_dim(node.args[2], len(perm)))
-        perm = list(perm)
-        perm[a], perm[b] = perm[b], perm[a]
-        return fqn, tuple(perm)
+        return fqn, tuple(perm[p] for p in permutation(node, len(perm)))
 
     def value(self, fqn: str) -> torch.Tensor | None:
         """The values of a parameter or buffer, or None where they are not known (meta)."""

@@ -11,7 +11,6 @@ from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
 
@@ -29,10 +28,6 @@ class Inputs:
     def call(self, model: nn.Module) -> Any:
         return model(*self.args, **self.kwargs)
 
-    def tensors(self) -> list[torch.Tensor]:
-        leaves = pytree.tree_leaves((self.args, self.kwargs))
-        return [t for t in leaves if isinstance(t, torch.Tensor)]
-
 
 def as_inputs(example_inputs: ExampleInputs) -> Inputs:
     """Normalise what a user passes as example inputs."""
@@ -44,10 +39,8 @@ def as_inputs(example_inputs: ExampleInputs) -> Inputs:
         return Inputs((), dict(example_inputs))
     if isinstance(example_inputs, (tuple, list)):
         return Inputs(tuple(example_inputs), {})
-    raise CaptureError(
-        f"example_inputs must be a tensor, a tuple of tensors or a dict of keyword "
-        f"arguments, not {type(example_inputs).__name__}"
-    )
+    raise CaptureError(f"example_inputs must be a tensor, a tuple of tensors or a dict of keyword arguments, "
+                       f"not {type(example_inputs).__name__}")
 
 
 # --- reading a Hugging Face config ----------------------------------------------------
@@ -68,10 +61,8 @@ def config_value(config: Any, *names: str) -> Any:
 
 
 def is_hf_model(model: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
+    from transformers import PreTrainedModel
+
     return isinstance(model, PreTrainedModel)
 
 
@@ -92,14 +83,6 @@ def wants_no_cache(model: nn.Module) -> bool:
         return True
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
     return var_kw and config_value(getattr(model, "config", None), "use_cache") is not None
-
-
-def forward_inputs(model: nn.Module) -> tuple[list[str], list[str]]:
-    """(every named input of ``forward``, the ones without a default)."""
-    params = inspect.signature(model.forward).parameters
-    named = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    required = [n for n in named if params[n].default is inspect.Parameter.empty]
-    return named, required
 
 
 # --- synthesis ------------------------------------------------------------------------
@@ -133,12 +116,8 @@ def _audio_length(config: Any, frames: int) -> int:
 
 
 def _image_size(config: Any) -> tuple[int, int]:
-    size = config_value(config, "image_size", "img_size", "input_size")
-    if isinstance(size, (list, tuple)) and len(size) >= 2:
-        return int(size[-2]), int(size[-1])
-    if isinstance(size, int) and size > 0:
-        return size, size
-    return 224, 224  # what image processors produce when the config does not say (CvT, GLPN)
+    # 224: what image processors produce when the config does not say (CvT, GLPN)
+    return _int_pair(config_value(config, "image_size", "img_size", "input_size")) or (224, 224)
 
 
 def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[dict[str, Any]]:
@@ -315,9 +294,7 @@ def _first_that_runs(model: nn.Module, cands: list[Any], default: int | None = N
     return choice
 
 
-def hf_example_inputs(
-    model: nn.Module, *, batch: int = 2, seq_len: int = 16, seed: int = 0
-) -> dict[str, Any]:
+def hf_example_inputs(model: nn.Module, *, batch: int = 2, seq_len: int = 16, seed: int = 0) -> dict[str, Any]:
     """Synthesize keyword inputs for a Hugging Face model from its config, chosen by ``forward``'s
     signature and ``main_input_name``; of several possible layouts, the first the model runs on.
 
@@ -341,7 +318,9 @@ def _describe(inputs: dict[str, Any]) -> str:
 
 
 def _cannot_synthesize(model: nn.Module, why: str) -> str:
-    named, required = forward_inputs(model)
+    params = inspect.signature(model.forward).parameters
+    named = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    required = [n for n in named if params[n].default is inspect.Parameter.empty]
     needs = required or ([getattr(model, "main_input_name", None) or named[0]] if named else [])
     return (f"cannot build example inputs for {type(model).__name__} from its config: {why}; pass "
             f"example_inputs, a dict with at least {', '.join(needs) or 'its inputs'}")
@@ -386,9 +365,8 @@ def _text_shape(model: nn.Module) -> tuple[int, int] | None:
 
 
 def _image_sizes(model: nn.Module) -> list[tuple[int, int, int]]:
-    """(C, H, W) candidates for an image model, the one its configuration states first; then the
-    size its patch embedding was built for, which ``create_model(..., img_size=...)`` sets
-    without updating ``pretrained_cfg``."""
+    """(C, H, W) candidates for an image model: the configured one first, then the size its patch embedding was
+    built for, which ``create_model(..., img_size=...)`` sets without updating ``pretrained_cfg``."""
     sizes = []
     timm_size = _timm_input_size(model)
     if timm_size is not None:
@@ -428,21 +406,16 @@ def described_inputs(model: nn.Module, *, batch: int = 2, seed: int = 0) -> Inpu
 
     if isinstance(visual, nn.Module) and text is not None and {"image", "text"} <= params.keys():
         sizes = _image_sizes(visual)
-        if not sizes:
-            return None
-        return Inputs((), {"image": image(sizes[0]), "text": ids()})
+        return Inputs((), {"image": image(sizes[0]), "text": ids()}) if sizes else None
     sizes = _image_sizes(model)
     if sizes:
         cands = [Inputs((image(size),), {}) for size in sizes]
         return cands[0 if len(cands) == 1 else _first_that_runs(model, cands, 0)]
-    if text is not None:
-        return Inputs((ids(),), {})
-    return None
+    return Inputs((ids(),), {}) if text is not None else None
 
 
 def resolve_inputs(model: nn.Module, example_inputs: ExampleInputs = None, *, seed: int = 0) -> Inputs:
-    """The user's example inputs, or inputs synthesized from the model's own configuration:
-    a Hugging Face config, or what a timm or open_clip model records (``described_inputs``)."""
+    """The user's example inputs, or inputs synthesized from a Hugging Face config or ``described_inputs``."""
     if example_inputs is not None:
         inputs = as_inputs(example_inputs)
         if is_hf_model(model) and wants_no_cache(model):
@@ -453,14 +426,10 @@ def resolve_inputs(model: nn.Module, example_inputs: ExampleInputs = None, *, se
     described = described_inputs(model, seed=seed)
     if described is not None:
         return described
-    raise CaptureError(_undescribed(model))
-
-
-def _undescribed(model: nn.Module) -> str:
-    return (f"{type(model).__name__} is not a Hugging Face model and records no input size enjoyln can read "
-            "(timm's pretrained_cfg['input_size'], or open_clip's image_size, or context_length and "
-            "vocab_size), so enjoyln cannot invent its inputs; pass example_inputs (a tensor, a tuple or "
-            "a dict of keyword arguments)")
+    raise CaptureError(f"{type(model).__name__} is not a Hugging Face model and records no input size enjoyln can "
+                       "read (timm's pretrained_cfg['input_size'], or open_clip's image_size, or context_length and "
+                       "vocab_size), so enjoyln cannot invent its inputs; pass example_inputs (a tensor, a tuple or "
+                       "a dict of keyword arguments)")
 
 
 def inputs_like(inputs: Inputs, seed: int) -> Inputs:

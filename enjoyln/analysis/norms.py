@@ -10,7 +10,7 @@ import torch
 from torch import fx, nn
 
 from ..modules.norm import GroupRMSNorm, RMSNorm
-from .graph import LN_OPS, META_OPS, GraphIndex, arg, op_name, reads_value, shape
+from .graph import LN_OPS, META_OPS, GraphIndex, arg, op_name, permutation, reads_value, shape
 
 
 # Ops a norm module may wrap its layer norm in: casts and layout moves, undone again
@@ -28,27 +28,15 @@ class NormForm:
     then: tuple[str, ...] = ()
 
 
-def _perm(node: fx.Node, rank: int) -> list[int]:
-    """The permutation a permute or transpose applies: output axis i is input axis p[i]."""
-    if op_name(node) == "permute":
-        return [d % rank for d in node.args[1]]
-    p = list(range(rank))
-    a, b = node.args[1] % rank, node.args[2] % rank
-    p[a], p[b] = p[b], p[a]
-    return p
-
-
 def _dtype(node: Any) -> torch.dtype | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 class NormModules:
-    """Decides, from the captured graph, which modules are layer norms enjoyln can replace: whatever
-    the class, a body that is exactly one layer norm of the input over the module's own ``weight`` and
-    ``bias``, maybe upcast to float32 and back, moved channels-last and back, or followed by child
-    modules (``LayerNormAct2d``'s activation). Anything else is refused with what it is.
-    """
+    """Which modules are layer norms enjoyln can replace, whatever the class: a body that is one layer norm of the
+    input over the module's own ``weight`` and ``bias``, maybe upcast and back, moved channels-last and back, or
+    followed by child modules (``LayerNormAct2d``'s activation). Anything else is refused with what it is."""
 
     def __init__(self, g: GraphIndex):
         self.g = g
@@ -64,12 +52,10 @@ class NormModules:
                 if n.op == "call_function" and n in self.g.live and op_name(n) not in META_OPS:
                     self._by_path.setdefault(self.cap.module_path(n), []).append(n)
         found = [n for p, nodes in self._by_path.items() if within_scope(p, path) for n in nodes]
-        order = self.g.order
-        return sorted(found, key=order.__getitem__)
+        return sorted(found, key=self.g.order.__getitem__)
 
     def form(self, node: fx.Node) -> NormForm | str | None:
-        """The form of the module whose layer norm ``node`` is, or why it cannot be
-        replaced; None at the top level of the model (no module to replace)."""
+        """The form of the module whose layer norm ``node`` is, or why it cannot be replaced; None at the top level."""
         path = self.cap.module_path(node)
         if not path:
             return None
@@ -166,9 +152,8 @@ class NormModules:
 
     def _input(self, path: str, ln: fx.Node, hooked: set[fx.Node],
                done: set[fx.Node]) -> tuple[list[fx.Node], torch.dtype, list[int], bool] | str:
-        """The casts and moves between the module's input and ``ln``, the input's dtype, the
-        permutation (``perm[i]``: the input axis that axis i of the layer norm's input holds), and
-        whether the input is upcast to float32."""
+        """The casts and moves between the module's input and ``ln``, the input's dtype, the permutation (``perm[i]``:
+        the input axis that axis i of the layer norm's input holds), and whether the input is upcast to float32."""
         pre, x = [], ln.args[0]
         while self._own(x, path) and op_name(x) in _CASTS | _MOVES | _COPIES and x not in hooked:
             pre.append(x)
@@ -182,7 +167,7 @@ class NormModules:
         for n in reversed(pre):
             done.add(n)
             if op_name(n) in _MOVES:
-                perm = [perm[i] for i in _perm(n, rank)]
+                perm = [perm[i] for i in permutation(n, rank)]
             elif op_name(n) in _CASTS:
                 if _dtype(n) == torch.float32:
                     upcast = True
@@ -192,8 +177,7 @@ class NormModules:
 
     def _output(self, path: str, ln: fx.Node, hooked: set[fx.Node], perm: list[int],
                 done: set[fx.Node]) -> tuple[fx.Node, torch.dtype | None, list[int]] | str:
-        """The layer norm's output through the casts and moves after it: (the last of them, its
-        dtype, the permutation then)."""
+        """The layer norm's output through the casts and moves after it: (the last, its dtype, the permutation)."""
         y = ln
         if op_name(ln) == "native_layer_norm":
             outs = self._readers(ln, hooked)
@@ -210,7 +194,7 @@ class NormModules:
             y = users[0]
             done.add(y)
             if op_name(y) in _MOVES:
-                perm = [perm[i] for i in _perm(y, len(perm))]
+                perm = [perm[i] for i in permutation(y, len(perm))]
             elif op_name(y) in _CASTS:
                 out_dtype = _dtype(y)
 
@@ -245,8 +229,7 @@ class NormModules:
             y = outs[0]
 
     def _own_param(self, path: str, module: nn.Module, value: Any, leaf: str, done: set[fx.Node]) -> str:
-        """'' if the layer norm's ``leaf`` argument is the module's own (both None, or its
-        parameter, maybe cast to float32); else why not."""
+        """'' if the ``leaf`` argument is the module's own (both None, or its parameter, maybe upcast); else why not."""
         mine = getattr(module, leaf, None)
         if value is None:
             return f"leaves its {leaf} {path}.{leaf} unused" if isinstance(mine, torch.Tensor) else ""
@@ -265,12 +248,10 @@ class NormModules:
         return ""
 
 def norm_module_paths(model: nn.Module, also: set[type] | frozenset[type] = frozenset()) -> list[str]:
-    """Paths of the model's LayerNorm and GroupNorm modules, folded or not, and of every
-    module whose class is in ``also`` (norm modules of other classes, which only the
-    analysis recognises)."""
+    """Paths of the model's LayerNorm and GroupNorm modules, folded or not, and of every module whose class is
+    in ``also`` (norm modules of other classes, which only the analysis recognises)."""
     kinds = (nn.LayerNorm, nn.GroupNorm, RMSNorm, GroupRMSNorm)
-    return sorted(name for name, m in model.named_modules()
-                  if name and (isinstance(m, kinds) or type(m) in also))
+    return sorted(name for name, m in model.named_modules() if name and (isinstance(m, kinds) or type(m) in also))
 
 
 def within_scope(path: str, scope: str) -> bool:

@@ -1,7 +1,6 @@
-"""Rotating the residual stream, proved on the graph: a weightless RMSNorm commutes with any
-orthogonal ``Q``, so once the stream's norms are folded and their affine fused, the stream can be
-rotated wherever the rotation reaches nothing else (docs/how-it-works.md). The matrices are in
-``transform.rotation``."""
+"""Rotating the residual stream, proved on the graph: a weightless RMSNorm commutes with an orthogonal ``Q``, so
+with the stream's norms folded and their affine fused, it rotates wherever the rotation reaches nothing else
+(docs/how-it-works.md; the matrices are in ``transform.rotation``)."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ class RotationSpread(Spread):
         self.entries = entries  # LN call -> its plan entry
         self.keep_mean = keep_mean
         self.absorbed: set[fx.Node] = set()
-        self.means = {m for m in g.centers.values()}
+        self.means = set(g.centers.values())
 
     def sink(self, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Flags | None:
         g, name = self.g, op_name(node)
@@ -96,7 +95,7 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
         src = sources[key]
         if not src.params:
             return f"the stream starts at {src.label}, which has no weights to rotate"
-        if src.groups != 1 or src.chain or any(c.scale or c.blocks or c.groups != 1 for c in src.params):
+        if not src.plain or any(c.groups != 1 for c in src.params):
             return (f"the stream is written by {src.label} through a LayerScale gain or in blocks, which a "
                     "rotation does not commute with")
         changed[src.node] = Shift(src.axis, frozenset({key}))
@@ -107,10 +106,8 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
     # other reads of a rotated weight: another call of the same layer, or a norm's reader
     # rotated the same way, are fine; anything else sees the rotation
     readers = {}
-    for e in folded:
-        for ln in calls.get(e.name, []):
-            for f in e.fused:
-                readers.setdefault(f.weight, set()).add((f.axis, f.start))
+    for f in (f for e in folded for f in e.fused):
+        readers.setdefault(f.weight, set()).add((f.axis, f.start))
     seed_roles = {g.role(sources[k].params) for k in keys}
     for r in list(rotated.values()):
         param, axis = r.param, r.axis
@@ -131,11 +128,9 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
     spread.spread(changed)
     if spread.bad:
         return next(iter(spread.bad.values()))
-    widths: set[int] = set()
     for ln in spread.absorbed:
         e = entries[ln]
         width = shape(ln.args[0])[-1]
-        widths.add(width)
         for f in e.fused:
             if f.offset != 0 or f.length != width:
                 return f"{f.weight} reads only part of {e.name}'s output, which a rotation mixes"

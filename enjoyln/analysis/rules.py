@@ -11,18 +11,16 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from .graph import GraphIndex, arg, norm_dim, op_key, op_name, shape
+from .graph import GraphIndex, arg, norm_dim, op_key, op_name, permutation, shape
 from ..plan import Centering
 
 MAP, SUM, SCALE = "map", "sum", "scale"
 
 SOURCE_OPS = {"linear", "addmm", "mm", "matmul", "embedding", "convolution", "conv1d",
               "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
-DROPOUT_OPS = {"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
-               "native_dropout"}
+DROPOUT_OPS = {"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "native_dropout"}
 CAST_OPS = {"_to_copy", "to", "type_as"}
-SPLIT_OPS = {"split", "split_with_sizes", "chunk", "tensor_split", "unbind",
-             "unsafe_split", "unsafe_split_with_sizes"}
+SPLIT_OPS = {"split", "split_with_sizes", "chunk", "tensor_split", "unbind", "unsafe_split", "unsafe_split_with_sizes"}
 
 
 class Refusal(str):
@@ -58,8 +56,7 @@ class Rule:
     carry: CarryFn
 
 
-RULES: dict[str, Rule] = {}
-"""Op key (``op_key``) -> its rule."""
+RULES: dict[str, Rule] = {}  # op key (``op_key``) -> its rule
 
 
 def rule(*keys: str, kind: str = MAP) -> Callable[[CarryFn], CarryFn]:
@@ -84,8 +81,7 @@ def kind_of(node: fx.Node) -> str | None:
 
 
 def carry(node: fx.Node, src: fx.Node, axis: int, where: str) -> int | Refusal:
-    """Where ``src``'s feature axis ``axis`` lands in ``node``'s output, if ``node``
-    keeps the property; else why not."""
+    """Where ``src``'s feature axis ``axis`` lands in ``node``'s output if ``node`` keeps the property; else why."""
     name = op_name(node)
     if name == "getitem":
         return axis
@@ -136,17 +132,15 @@ def _reorder(op: Op) -> int | Refusal:
 _SPATIAL = {  # op -> how many trailing axes it works over, the same way for every channel
     **{f"upsample_nearest{k}d": k for k in (1, 2, 3)}, **{f"_upsample_nearest_exact{k}d": k for k in (1, 2, 3)},
     "upsample_linear1d": 1, "upsample_bilinear2d": 2, "_upsample_bilinear2d_aa": 2, "upsample_bicubic2d": 2,
-    "_upsample_bicubic2d_aa": 2, "upsample_trilinear3d": 3,
+    "_upsample_bicubic2d_aa": 2, "upsample_trilinear3d": 3, "_adaptive_avg_pool2d": 2, "_adaptive_avg_pool3d": 3,
     **{f"avg_pool{k}d": k for k in (1, 2, 3)}, **{f"adaptive_avg_pool{k}d": k for k in (1, 2, 3)},
-    "_adaptive_avg_pool2d": 2, "_adaptive_avg_pool3d": 3,
     **{f"reflection_pad{k}d": k for k in (1, 2, 3)}, **{f"replication_pad{k}d": k for k in (1, 2, 3)},
 }
 
 
 @rule(*_SPATIAL)
 def _spatial(op: Op) -> int | Refusal:
-    """Resampling, average pooling and padding over the trailing (spatial) axes: a
-    linear map of the positions, the same for every feature."""
+    """Resampling, average pooling, padding: a linear map of the trailing axes, alike for every feature."""
     name = op_name(op.node)
     if op.axis >= op.ndim - _SPATIAL[name]:
         what = "pooled" if "pool" in name else "padded" if "pad" in name else "resampled"
@@ -179,25 +173,18 @@ def _cast(op: Op) -> int | Refusal:
     return Refusal(f"is {why} {op.where}, which does not commute with centering") if why else op.axis
 
 
-def reshape_axis(in_shape: tuple[int, ...], axis: int, out_shape: tuple[int, ...]) -> int | None:
-    """Where a contiguous reshape moves ``axis``, if it keeps it whole: some output axis with the
-    same size and the same product of sizes to its right."""
-    d, inner = in_shape[axis], math.prod(in_shape[axis + 1:])
-    for j, size in enumerate(out_shape):
-        if size == d and math.prod(out_shape[j + 1:]) == inner:
-            return j
-    return None
-
-
 RESHAPE_OPS = {"view", "reshape", "_unsafe_view", "view_as", "reshape_as", "flatten", "unflatten", "squeeze",
                "unsqueeze"}
 
 
 @rule(*RESHAPE_OPS)
 def _reshape(op: Op) -> int | Refusal:
-    new = reshape_axis(op.in_shape, op.axis, op.out_shape)
-    return new if new is not None else Refusal(
-        f"is reshaped {op.where} in a way that splits or merges the feature axis")
+    """A reshape keeps the feature axis whole if some output axis has its size and the same size to its right."""
+    d, inner = op.in_shape[op.axis], math.prod(op.in_shape[op.axis + 1:])
+    for j, size in enumerate(op.out_shape):
+        if size == d and math.prod(op.out_shape[j + 1:]) == inner:
+            return j
+    return Refusal(f"is reshaped {op.where} in a way that splits or merges the feature axis")
 
 
 @rule("tile")
@@ -210,31 +197,9 @@ def _tile(op: Op) -> int | Refusal:
     return new if full[new] == 1 else Refusal(f"is repeated along the feature axis {op.where}")
 
 
-@rule("expand", "expand_as", "repeat")
-def _expand(op: Op) -> int | Refusal:
-    new = op.axis + len(op.out_shape) - op.ndim
-    ok = op.out_shape[new] == op.in_shape[op.axis]
-    return new if ok else Refusal(f"is repeated along the feature axis {op.where}")
-
-
 @rule("permute", "transpose", "t", "numpy_T", "swapaxes", "movedim")
 def _permute(op: Op) -> int | Refusal:
-    node, ndim, name = op.node, op.ndim, op_name(op.node)
-    perm = list(range(ndim))
-    if name == "numpy_T":
-        perm = perm[::-1]
-    elif name == "permute":
-        perm = [norm_dim(d, ndim) for d in node.args[1]]
-    elif name == "movedim":
-        as_list = lambda d: [norm_dim(x, ndim) for x in (d if isinstance(d, (list, tuple)) else [d])]  # noqa: E731
-        src_d, dst_d = as_list(node.args[1]), as_list(node.args[2])
-        perm = [p for p in range(ndim) if p not in src_d]
-        for s, d in sorted(zip(src_d, dst_d), key=lambda x: x[1]):
-            perm.insert(d, s)
-    elif ndim >= 2:
-        a, b = (0, 1) if name == "t" else (norm_dim(node.args[1], ndim), norm_dim(node.args[2], ndim))
-        perm[a], perm[b] = perm[b], perm[a]
-    return perm.index(op.axis)
+    return permutation(op.node, op.ndim).index(op.axis)
 
 
 @rule("slice", "narrow")
@@ -243,14 +208,6 @@ def _slice(op: Op) -> int | Refusal:
     if dim != op.axis or op.out_shape[op.axis] == op.in_shape[op.axis]:
         return op.axis
     return Refusal(f"is cut along the feature axis by {op_name(op.node)} {op.where}")
-
-
-@rule("select")
-def _select(op: Op) -> int | Refusal:
-    dim = op.dim(1, "dim")
-    if dim == op.axis:
-        return Refusal(f"has its feature axis indexed by select {op.where}")
-    return op.axis - (dim < op.axis)
 
 
 def constant_along(node: Any, axis: int) -> bool:
@@ -273,21 +230,16 @@ def constant_along(node: Any, axis: int) -> bool:
     return False
 
 
-@rule("gather")
-def _gather(op: Op) -> int | Refusal:
+@rule("select", "index_select", "gather")
+def _select(op: Op) -> int | Refusal:
     """Picking positions along another axis, the same ones for every feature."""
-    dim = op.dim(1, "dim")
+    name, dim = op_name(op.node), op.dim(1, "dim")
     if dim == op.axis:
-        return Refusal(f"has its feature axis indexed by gather {op.where}")
-    if op.out_shape[op.axis] != op.in_shape[op.axis] or not constant_along(op.node.args[2], op.axis):
+        return Refusal(f"has its feature axis indexed by {name} {op.where}")
+    if name == "gather" and (op.out_shape[op.axis] != op.in_shape[op.axis]
+                             or not constant_along(op.node.args[2], op.axis)):
         return Refusal(f"is gathered {op.where} with indices that differ between features")
-    return op.axis
-
-
-@rule("index_select")
-def _index_select(op: Op) -> int | Refusal:
-    dim = op.dim(1, "dim")
-    return op.axis if dim != op.axis else Refusal(f"has its feature axis indexed by index_select {op.where}")
+    return op.axis - (name == "select" and dim < op.axis)
 
 
 @rule("index")
@@ -340,11 +292,14 @@ def _stack(op: Op) -> int | Refusal:
     return op.axis + (op.axis >= dim)
 
 
+@rule("expand", "expand_as", "repeat")
 def _broadcast(op: Op) -> int | Refusal:
-    new = op.axis + len(op.out_shape) - op.ndim
-    if op.out_shape[new] != op.in_shape[op.axis]:
-        return Refusal(f"is broadcast along the feature axis by {op_name(op.node)} {op.where}")
-    return new
+    new, name = op.axis + len(op.out_shape) - op.ndim, op_name(op.node)
+    if op.out_shape[new] == op.in_shape[op.axis]:
+        return new
+    if name in ("expand", "expand_as", "repeat"):
+        return Refusal(f"is repeated along the feature axis {op.where}")
+    return Refusal(f"is broadcast along the feature axis by {name} {op.where}")
 
 
 rule("add", "sub", "rsub", kind=SUM)(_broadcast)
@@ -355,9 +310,8 @@ rule("mul", "div", kind=SCALE)(_broadcast)
 
 @dataclass(frozen=True)
 class Layout:
-    """Where the blocks of a split feature axis went: a reshape of ``size`` features into
-    ``(..., H, D)`` leaves ``groups = size / D`` blocks; ``axes`` holds (tensor axis, length,
-    stride in blocks), ``offset`` the first block still in view after selections."""
+    """Where the blocks of a split feature axis went: ``(..., H, D)`` from ``size`` features leaves ``size / D``
+    ``groups``; ``axes``: (tensor axis, length, stride in blocks); ``offset``: the first block still in view."""
 
     groups: int
     size: int
@@ -373,8 +327,7 @@ class Layout:
 
 
 def split_axis(in_shape: tuple[int, ...], axis: int, out_shape: tuple[int, ...]) -> tuple[int, Layout] | None:
-    """(new feature axis, layout) if a reshape splits ``axis`` into several axes, the
-    last of them (the block) becoming the feature axis."""
+    """(new feature axis, layout) if a reshape splits ``axis`` into several, the last (the block) the feature axis."""
     n, inner, outer = in_shape[axis], math.prod(in_shape[axis + 1:]), math.prod(in_shape[:axis])
     for q in reversed(range(len(out_shape))):
         if out_shape[q] == 1 or math.prod(out_shape[q + 1:]) != inner:
@@ -395,8 +348,7 @@ def split_axis(in_shape: tuple[int, ...], axis: int, out_shape: tuple[int, ...])
 
 
 def carry_layout(node: fx.Node, src: fx.Node, layout: Layout | None, where: str) -> Layout | None:
-    """The layout after ``node``: selections along a block axis narrow the blocks in
-    view; other ops move the block axes (None once an op mixes them)."""
+    """The layout after ``node``: selecting along a block axis narrows the blocks in view; None once mixed."""
     if layout is None:
         return None
     name = op_name(node)
@@ -436,21 +388,21 @@ class Source:
     node: fx.Node
     axis: int
     params: tuple[Centering, ...]
-    groups: int = 1
-    """The shift its centering causes is constant within each of this many blocks."""
+    groups: int = 1  # the shift its centering causes is constant within each of this many blocks
     chain: tuple[fx.Node, ...] = ()
-    """For a LayerScale source (``node`` is the product ``γ ⊙ y``): the nodes from the
-    layer to ``y``, whose values centering changes by more than a per-row constant."""
+    """For a LayerScale source (``node`` is ``γ ⊙ y``): the nodes from the layer to ``y``, whose values
+    centering changes by more than a per-row constant."""
+
+    @property
+    def plain(self) -> bool:
+        """Weights centered whole, for the value itself: not in blocks, not for a LayerScale."""
+        return self.groups == 1 and not self.chain and bool(self.params) and not any(
+            c.scale or c.blocks for c in self.params)
 
 
 # op -> (weight arg, bias arg, weight's output-feature axis, bias's, output's feature axis)
-_LAYOUTS = {
-    "linear": (1, 2, 0, 0, -1),
-    "addmm": (2, 0, -1, -1, -1),
-    "mm": (1, None, -1, None, -1),
-    "matmul": (1, None, -1, None, -1),
-    "embedding": (0, None, 1, None, -1),
-}
+_LAYOUTS = {"linear": (1, 2, 0, 0, -1), "addmm": (2, 0, -1, -1, -1), "mm": (1, None, -1, None, -1),
+            "matmul": (1, None, -1, None, -1), "embedding": (0, None, 1, None, -1)}
 
 
 def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
@@ -462,8 +414,7 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
     where = g.where(node)
     weight_idx, bias_idx, w_axis, b_axis, out_axis = _LAYOUTS.get(name, (1, 2, 0, 0, None))
     if name.startswith("conv"):
-        transposed = (bool(arg(node, 6, "transposed", False)) if name == "convolution"
-                      else "transpose" in name)
+        transposed = bool(arg(node, 6, "transposed", False)) if name == "convolution" else "transpose" in name
         groups = arg(node, 8 if name == "convolution" else 6, "groups", 1)
         if groups != 1:
             return Refusal(f"includes the output of a grouped or depthwise convolution "
@@ -471,8 +422,7 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
         w_axis = 1 if transposed else 0
     weight = g.param(node.args[weight_idx])
     if weight is None or out_shape is None:
-        return Refusal(f"includes the output of {name} {where}, whose weight is not a "
-                       "parameter enjoyln can center")
+        return Refusal(f"includes the output of {name} {where}, whose weight is not a parameter enjoyln can center")
     fqn, perm = weight
     if name in ("mm", "matmul") and len(perm) < 2:
         return Refusal(f"includes the output of {name} {where}, which is not a linear layer")
@@ -480,26 +430,22 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
         out_axis = len(out_shape) - (len(perm) - 1)
     params = [g.centering(node, fqn, perm[w_axis])]
     bias_node = arg(node, bias_idx, "bias") if bias_idx is not None else None
-    if name == "addmm":
-        bias_node = node.args[0]
     if bias_node is not None:
         bias = g.param(bias_node)
         if bias is None:
-            return Refusal(f"includes the output of {name} {where}, whose bias is not a "
-                           "parameter enjoyln can center")
+            return Refusal(f"includes the output of {name} {where}, whose bias is not a parameter enjoyln can center")
         bfqn, bperm = bias
-        params.append(g.centering(node, bfqn, bperm[-1] if name == "addmm" else bperm[0]))
+        params.append(g.centering(node, bfqn, bperm[b_axis]))
     return Source(node.name, g.label(node), node, norm_dim(out_axis, len(out_shape)), tuple(params))
 
 
+# reshapes through which a gain is still its parameter: they keep the entries' order
 GAIN_VIEWS = {"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "flatten", "unflatten"}
-"""Reshapes through which a gain is still its parameter: they keep the entries' order."""
 
 
 def per_feature_param(g: GraphIndex, factor: Any, out: fx.Node, axis: int) -> str | None:
-    """The parameter ``factor`` is if it is a gain along ``axis`` of ``out`` (one entry
-    per feature, broadcast over every other axis), else None. The parameter may be
-    reshaped to broadcast (``gamma.view(1, -1, 1, 1)``, metaformer's ``scale.view(C, 1, 1)``)."""
+    """The parameter ``factor`` is if it is a gain along ``axis`` of ``out``, maybe reshaped to broadcast
+    (``gamma.view(1, -1, 1, 1)``, metaformer's ``scale.view(C, 1, 1)``); else None."""
     dims, out_dims = shape(factor), shape(out)
     base = factor
     while isinstance(base, fx.Node) and op_name(base) in GAIN_VIEWS and base.args:
@@ -512,13 +458,11 @@ def per_feature_param(g: GraphIndex, factor: Any, out: fx.Node, axis: int) -> st
     return param[0] if ok else None
 
 
-LINEAR_SUMS = {"add", "sub"}
-"""SUM ops whose output is a linear combination of their operands (a LayerScale may scale it)."""
+LINEAR_SUMS = {"add", "sub"}  # SUM ops whose output a LayerScale may scale: linear in their operands
 
 
 def linear_reads(user: fx.Node) -> list[fx.Node]:
-    """The inputs ``user`` is linear in, feature by feature: a MAP op's first argument, the
-    operands of an add or sub; none for anything else."""
+    """The inputs ``user`` is linear in, feature by feature: a MAP op's first argument, an add's operands."""
     kind = kind_of(user)
     if kind == MAP:
         return [user.args[0]] if user.args and isinstance(user.args[0], fx.Node) else []
@@ -528,9 +472,8 @@ def linear_reads(user: fx.Node) -> list[fx.Node]:
 
 
 def linear_terms(stream: fx.Node, leaves: set[fx.Node]) -> tuple[list[fx.Node], tuple[fx.Node, ...]] | None:
-    """How ``stream`` is a linear combination of the ``leaves`` (sources), through MAP ops
-    and adds or subs of them only: (the leaves it reaches, the nodes in between, ``stream``
-    included, in graph order); None if anything else enters it (a constant, another value)."""
+    """(the leaves reached, the nodes between, in graph order) if ``stream`` is a linear combination of
+    ``leaves`` through MAP ops, adds and subs only; None if anything else enters it."""
     order = {n: i for i, n in enumerate(stream.graph.nodes)}
     reached, inner, stack = [], set(), [stream]
     while stack:
@@ -551,10 +494,8 @@ def linear_terms(stream: fx.Node, leaves: set[fx.Node]) -> tuple[list[fx.Node], 
 
 
 def param_source(g: GraphIndex, node: fx.Node, axis: int | None = None) -> Source | None:
-    """A parameter used as data (a positional table, a cls token), centered along its
-    last axis, or along ``axis`` where the graph says that is its feature axis (a
-    channels-first table); a non-persistent buffer (a sinusoidal table) too, marked
-    as not saved."""
+    """A parameter used as data (a positional table, a cls token), centered along its last axis or
+    ``axis``; a non-persistent buffer (a sinusoidal table) too, marked as not saved."""
     fqn = g.cap.placeholder_fqn.get(node.name) or g.buffers.get(node.name)
     dims = shape(node)
     if not fqn or not dims or not node.meta["val"].is_floating_point():

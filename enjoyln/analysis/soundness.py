@@ -1,6 +1,5 @@
-"""Pass 2: soundness. Centering a source shifts every value computed from it by a per-row constant
-(``Shift``); ``Spread`` follows the shifts forward and refuses the sources whose shift escapes into
-anything but an LN input or an explicit centering (docs/how-it-works.md)."""
+"""Pass 2: soundness. Centering a source shifts every value computed from it by a per-row constant (``Shift``);
+``Spread`` refuses sources whose shift reaches anything but an LN input or a centering (docs/how-it-works.md)."""
 
 from __future__ import annotations
 
@@ -20,14 +19,12 @@ from .rules import (MAP, RESHAPE_OPS, SCALE, SUM, Layout, Refusal, Source, carry
 
 @dataclass(frozen=True)
 class Shift:
-    """A value changed by a constant along ``axis`` (within each of ``groups`` blocks),
-    because the sources ``keys`` are centered."""
+    """A value changed by a constant along ``axis`` (within each of ``groups`` blocks) by centering ``keys``."""
 
     axis: int
     keys: frozenset[str]
     groups: int = 1
-    layout: Layout | None = None
-    """Where the blocks went, if the feature axis was split."""
+    layout: Layout | None = None  # where the blocks went, if the feature axis was split
 
 
 Hits = list[tuple[fx.Node, Shift]]
@@ -35,8 +32,7 @@ Flags = list[tuple[Iterable[str], str]]
 
 
 def merge_groups(a: int | None, b: int | None) -> int | None:
-    """Shifts constant in ``a`` and in ``b`` blocks sum to one constant in the finer,
-    if one grouping refines the other."""
+    """Shifts constant in ``a`` and in ``b`` blocks sum to one constant in the finer, if one refines the other."""
     if a is None or b is None:
         return None
     hi, lo = max(a, b), min(a, b)
@@ -98,8 +94,7 @@ class Spread:
 
 
 def carry_shift(g: GraphIndex, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Shift | str:
-    """The change of ``node``'s output, if its inputs' per-row changes stay per-row there; else
-    what the change would alter."""
+    """The change of ``node``'s output if its inputs' per-row changes stay per-row there; else what it alters."""
     what = f"the input of {g.describe(node)}"
     kind, where = kind_of(node), g.where(node)
     if kind == SUM:
@@ -130,8 +125,7 @@ def carry_shift(g: GraphIndex, node: fx.Node, hits: Hits, keys: frozenset[str], 
 
 
 def _split_shift(node: fx.Node, stream: fx.Node, s: Shift) -> Shift | None:
-    """A change constant within blocks of the feature axis, after a reshape splits the
-    axis into pieces no larger than a block: constant along each piece."""
+    """A change constant within blocks, after a reshape splits the feature axis into pieces no larger than a block."""
     found = split_axis(shape(stream), s.axis, shape(node)) if op_name(node) in RESHAPE_OPS else None
     if found is None:
         return None
@@ -154,8 +148,7 @@ class ShiftSoundness(Spread):
         self.absorbing = {m: sub for sub, m in g.centers.items() if len(m.users) == 1}
 
     def affected(self, active: Iterable[str]) -> tuple[dict[str, str], dict[str, Untie]]:
-        """(bad source -> what its centering would change, untie alias -> Untie)
-        for the set of ``active`` sources centered together."""
+        """(bad source -> what its centering would change, alias -> Untie) for ``active`` centered together."""
         # in a fixed order: a set's order changes with PYTHONHASHSEED, and with it the name an
         # untied head is recorded as tied to, which a check in another process must confirm
         self.active = {k: self.sources[k] for k in sorted(active)}
@@ -229,9 +222,8 @@ class ShiftSoundness(Spread):
         return changed, untie
 
     def _check_chain(self, src: Source) -> None:
-        """Centering a layer for its LayerScale changes the layer's own output, and the
-        sum it enters, by more than a per-row constant: only the product may read them,
-        and only linearly, on the way the analysis followed."""
+        """Centering a layer for its LayerScale changes its output, and the sum it enters, by more than a
+        per-row constant: only the product may read them, linearly, on the way the analysis followed."""
         g = self.g
         inside = set(src.chain)
         for node in src.chain:
@@ -302,16 +294,14 @@ def _output_label(name: str) -> str:
 
 
 def ln_sink_ok(node: fx.Node, changed_input: fx.Node, axis: int) -> bool:
-    """An LN ignores a per-row shift along the one axis it normalizes (its
-    output does; the mean a ``native_layer_norm`` also returns does not)."""
+    """An LN's output ignores a per-row shift along the one axis it normalizes (the mean it returns does not)."""
     dims = shape(changed_input)
     norm_shape = list(arg(node, 1, "normalized_shape", []))
     if op_name(node) == "native_layer_norm" and any(
             u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
         return False
-    return (node.args[0] is changed_input and dims is not None
-            and axis == len(dims) - 1 and math.prod(norm_shape[:-1]) == 1
-            and all(a is not changed_input for a in node.args[1:]))
+    return (node.args[0] is changed_input and dims is not None and axis == len(dims) - 1
+            and math.prod(norm_shape[:-1]) == 1 and all(a is not changed_input for a in node.args[1:]))
 
 
 def gn_sink_refusal(g: GraphIndex, node: fx.Node, hits: Hits, groups: int) -> str:
