@@ -9,8 +9,7 @@ from typing import Any
 
 
 def worse(a: float, b: float) -> float:
-    """The worse of two measured differences: ``max`` that a NaN cannot lower (Python's
-    ``max(0.0, nan)`` is 0.0)."""
+    """``max`` that a NaN cannot lower (Python's ``max(0.0, nan)`` is 0.0)."""
     if math.isnan(a) or math.isnan(b):
         return math.inf
     return max(a, b)
@@ -34,10 +33,9 @@ class OutputCheck:
     margin: float | None = None
     """allowed / the judged quantity (above 1 passes); None where the two agree exactly."""
     nonfinite: int = 0
-    """Elements where the candidate is NaN or ±Inf and the reference is not, or holds another
-    non-finite value than the reference's."""
+    """Elements where the candidate is NaN or ±Inf and the reference is not (or another non-finite value)."""
     path: str = ""
-    """How the candidate was loaded ("enjoyln.load", "from_pretrained"); empty for models given in memory."""
+    """How the candidate was loaded ("enjoyln.load", "from_pretrained"); empty for models in memory."""
     required: bool = True
     """False where this path is reported but not part of the verdict (see CheckReport.caveat)."""
     tolerance: float | None = None
@@ -59,25 +57,17 @@ class NearTie:
     reference_token: int
     candidate_token: int
     reference_margin: float
-    """the reference's score of its token minus that of the candidate's token, in the scores
-    generate() chose by (after the generation config's logits processors)"""
+    """the reference's score of its token minus the candidate's token's, in the scores generate() chose by"""
     deviation: float
     """max|candidate - reference| over the raw step logits up to this step"""
     candidate_margin: float = 0.0
-    """the candidate's score of its token minus that of the reference's token, likewise"""
+    """the candidate's score of its token minus the reference's token's, likewise"""
 
 
 @dataclass
 class GenerationCheck:
-    """Greedy decoding from the same prompts.
-
-    Tokens must be identical, except that a row may flip at a genuine near-tie:
-    up to and including the first differing step the candidate's raw step
-    logits (computed on the same prefix) are within the criterion's tolerance
-    of the reference's, and at that step, in the scores generate() chose by
-    (after the logits processors of each model's generation config), each
-    model's margin between the two tokens is at most twice that tolerance. The
-    tokens after a flip are not compared."""
+    """Greedy decoding from the same prompts: identical tokens, but for a row that flips at a genuine
+    near-tie (``generation.judge_generation``); the tokens after a flip are not compared."""
 
     passed: bool
     new_tokens: int
@@ -145,31 +135,22 @@ class CheckReport:
     """What the verdict does not cover, shown with it (a load path the candidate declares inexact)."""
     notes: list[str] = field(default_factory=list)
     generation_settings: list[str] = field(default_factory=list)
-    """How the generation settings a loader gave the candidate differ from the reference's (each
-    one fails the check: generate() applies them)."""
+    """How the candidate's generation settings differ from the reference's (each fails: generate() applies them)."""
     factor: float | None = None
-    """The precision-aware criterion's factor: how many times the original's own rounding the
-    candidate may be from the exact result."""
+    """How many times the original's own rounding the candidate may be from the exact result."""
 
     @classmethod
-    def from_static(cls, static: Any, *, forward_skipped: bool) -> "CheckReport":
-        why = "the weights already differ" if forward_skipped else "static check only"
+    def from_static(cls, static: Any, why: str) -> "CheckReport":
         return cls(passed=static.passed, max_abs_diff=0.0, max_rel_diff=0.0, outputs=[], batches=0,
                    dtype="", criterion="", static=static, forward_skipped=why)
-
-    def add_static(self, static: Any) -> None:
-        if static is not None:
-            self.static = static
-            self.passed = self.passed and static.passed
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def verdict(self, subject: str = "the candidate") -> str:
         """The report in one plain sentence, PASS or FAIL first, naming what was proven or what differs.
-
         >>> CheckReport.from_static(type("S", (), {"passed": True, "byte_identical": True, "problems": [],
-        ...     "scope": "static check"})(), forward_skipped=True).verdict()
+        ...     "scope": "static check"})(), "identical").verdict()
         'PASS: the candidate is byte for byte the original, so it computes the same outputs'
         """
         static = self.static
