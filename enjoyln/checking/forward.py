@@ -1,6 +1,5 @@
-"""The forward check: does a converted model compute what the original did? The criterion (precision-aware
-by default, the reference's own rounding against a wider-dtype truth) and the models' runs one after
-another, only one in memory at a time, are described in docs/checking.md."""
+"""The forward check: does a converted model compute what the original did? The criterion and the runs
+one model at a time are described in docs/checking.md."""
 
 from __future__ import annotations
 
@@ -71,8 +70,7 @@ class ModelSource:
         return cls(own, get, owned=True)
 
     def drop(self, dtype: torch.dtype) -> None:
-        """After the model from ``get(dtype)`` is deleted: free it now, before the next one loads
-        (a loaded model holds reference cycles; a full collection is slow, so only then)."""
+        """Free the deleted model from ``get(dtype)`` before the next one loads (it holds reference cycles)."""
         if not (self.held and dtype == self.dtype):
             gc.collect()
 
@@ -110,8 +108,7 @@ class ForwardOptions:
 def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInputs = None,
           options: ForwardOptions | None = None, *, fp32_reference: nn.Module | None = None,
           **values: Any) -> CheckReport:
-    """Compare ``candidate`` with ``reference`` on seeded input batches (synthesized for Hugging Face
-    models, else ``example_inputs`` and random batches alike), and greedy decoding for causal LMs.
+    """Compare ``candidate`` with ``reference`` on seeded input batches, and greedy decoding for causal LMs;
     ``options`` (a ``ForwardOptions``) or its fields as keywords (``batches=4``).
     >>> import copy, torch, enjoyln
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
@@ -144,8 +141,7 @@ def check_sources(reference: ModelSource, candidates: Sequence[CandidatePath], e
 
 
 class _Comparison:
-    """One forward comparison, in the order its models are needed and dropped: the reference's runs,
-    its truth's, each candidate path's; then the verdict."""
+    """One forward comparison, in the order its models are needed and dropped; then the verdict."""
 
     def __init__(self, reference: ModelSource, truth: ModelSource, candidate: ModelSource,
                  options: ForwardOptions) -> None:
@@ -219,8 +215,8 @@ class _Comparison:
         r.drop(self.base_dtype)
 
     def truth_runs(self) -> None:
-        """The truth's outputs in the next wider dtype, or, where the original cannot run in it
-        (a hard-coded float32 cast meeting float64 weights), the fixed criterion instead."""
+        """The truth's outputs in the next wider dtype, or, where the original cannot run in it (a hard-coded
+        float32 cast meeting float64 weights), the fixed criterion instead."""
         self.truth_out = None
         if self.crit.kind != "precision":
             return
@@ -284,8 +280,7 @@ class _Comparison:
                                tolerance=tol, near_ties=ties, problem=problem)
 
     def report(self) -> CheckReport:
-        """The verdict: every required output within the criterion, greedy tokens the same (but
-        for near-ties, in full precision), and the same generation settings."""
+        """Every required output within the criterion, the same greedy tokens and generation settings."""
         outputs = []
         for (n, name), st in self.stats.items():
             out = judge_output(name, st, self.crit)
