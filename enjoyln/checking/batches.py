@@ -17,8 +17,7 @@ from .running import cast_inputs, run_model
 
 def input_batches(model: nn.Module, example_inputs: ExampleInputs = None, *, batches: int = 3,
                   seed: int = 0, batch_size: int = 2, seq_len: int = 16) -> list[Inputs]:
-    """Seeded input batches: synthesized from the model's configuration (Hugging Face, timm, open_clip),
-    else like the examples."""
+    """Seeded input batches: synthesized from the model's configuration, else like the examples."""
     if example_inputs is None:
         if is_hf_model(model):
             return [Inputs((), hf_example_inputs(model, batch=batch_size, seq_len=seq_len, seed=seed + i))
@@ -43,8 +42,8 @@ COVER_TOKENS = 4096
 
 def coverage_batch(model: nn.Module, *, seed: int = 0, length: int | None = None,
                    max_rows: int = 4) -> tuple[Inputs, Coverage] | None:
-    """One batch that reaches every position the config allows, with as many distinct token ids
-    as fit (a few random tokens reach a few percent of a table), or None without token inputs."""
+    """One batch that reaches every position the config allows, with as many distinct token ids as fit
+    (a few random tokens reach a few percent of a table), or None without token inputs."""
     if not is_hf_model(model):
         return None
     config, params = model.config, inspect.signature(model.forward).parameters

@@ -33,17 +33,14 @@ MIN_BUDGET = 16 << 20
 """Room, beyond the largest tensor and one forward's activations, that a check within a budget needs."""
 
 CONFIRM_BATCHES = 2
-"""Short batches of the forward part after the static proof (without ``--thorough``), which only
-confirms that the proven plan computes the same function."""
+"""Short batches of the forward part after the static proof (without ``--thorough``): it only confirms."""
 
 CONFIRM_TOKENS = 4
-"""New tokens of the greedy decode after the static proof (8 with ``--thorough`` or
-``--forward-only``): each one streams every weight of both models once."""
+"""New tokens of the greedy decode after the static proof (8 otherwise): each streams every weight once."""
 
 
 def bounded_budget(ck: Checkpoint) -> int | None:
-    """None if the forward check fits with both models in memory; else the budget for a check that
-    runs them one at a time, offloading weights, within half of what is available."""
+    """None if both models fit in memory; else half of what is available, for one at a time."""
     need, have = forward_check_bytes(ck), available_memory()
     if have is None or need <= have:
         return None
@@ -85,12 +82,9 @@ def _activation_bytes(ck: Checkpoint) -> int:
 def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str | os.PathLike,
                       options: CheckOptions | None = None, *, progress: Callable[[int, int], None] | None = None,
                       stage: Callable[[str], None] | None = None, **values: Any) -> "CheckReport":
-    """Prove CANDIDATE computes what REFERENCE does: every weight (``mode="static"``), then the
-    outputs through ``enjoyln.load`` and plain ``from_pretrained`` (``mode="forward"`` skips the
-    weights), within ``max_memory`` when the models would not fit together; docs/checking.md.
-    ``options`` (a ``CheckOptions``) or its fields as keywords; ``reference`` may be an opened
-    ``Checkpoint``. ``progress`` hears of the bytes the static part has read, ``stage`` of each
-    load and batch of the forward part.
+    """Prove CANDIDATE computes what REFERENCE does: every weight, then the outputs through both load
+    paths (docs/checking.md). ``options`` or its fields as keywords; ``progress`` hears of the bytes
+    the static part read, ``stage`` of each step of the forward part.
     >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
     True
     """
@@ -101,20 +95,23 @@ def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str 
     running.check_device(opts.device)
     ref_ck, cand_ck = _open_pair(reference, candidate, opts.access)
     if code := code_problems(ref_ck, cand_ck):  # before anything imports the candidate's code
-        report = CheckReport.from_static(code_report(code), forward_skipped=True)
-        report.forward_skipped = "the candidate's code is not the reference's, so none of it was run"
-        return report
+        return CheckReport.from_static(code_report(code), "the candidate's code is not the reference's, so none of "
+                                       "it was run")
     budget = _budget(ref_ck, cand_ck, opts)
     if stage is not None and opts.mode != "forward":
         stage("checking every weight")
     static, early = _static_part(ref_ck, cand_ck, opts, progress)
     if early is not None:
         return early
+    # the parameters neither directory holds: found by the static pairing, else missing on both sides
+    theirs = set(ref_ck.missing) if static is None else set()
+    missing = static.missing if static is not None else [n for n in cand_ck.missing if n in theirs]
     try:
-        report = _forward_part(ref_ck, cand_ck, opts, budget, missing=_missing(ref_ck, cand_ck, static), stage=stage)
+        report = _forward_part(ref_ck, cand_ck, opts, budget, missing=missing, stage=stage)
     except _CandidateUnloadable as exc:
         report = _failed("loading the candidate", [str(exc)], "enjoyln.load cannot load the candidate")
-    report.add_static(static)
+    if static is not None:
+        report.static, report.passed = static, report.passed and static.passed
     return report
 
 
@@ -149,16 +146,12 @@ def _budget(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions) -> tupl
 
 
 def _failed(scope: str, problems: list[str], why: str) -> CheckReport:
-    report = CheckReport.from_static(StaticReport(passed=False, problems=problems, scope=scope), forward_skipped=True)
-    report.forward_skipped = why
-    return report
+    return CheckReport.from_static(StaticReport(passed=False, problems=problems, scope=scope), why)
 
 
 def _static_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions,
                  progress: Callable[[int, int], None] | None) -> tuple[StaticReport | None, CheckReport | None]:
-    """(the static report, or None with --forward-only; the final report if the check ends here:
-    static only, failed weights, byte-identical directories, or a candidate that does not load as
-    the reference does)."""
+    """(the static report, or None with --forward-only; the final report if the check ends here)."""
     if opts.mode == "forward":  # no weight check, but the same dtype, and a block enjoyln.load reads
         try:
             cand_ck.recorded_plan
@@ -168,40 +161,25 @@ def _static_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions,
         return None, (_failed("load settings", problems, "the candidate does not load as the reference does")
                       if problems else None)
     static = static_check(ref_ck, cand_ck, progress=progress, dtype=opts.dtype)
-    if opts.mode == "static" or not static.passed:
-        return static, CheckReport.from_static(static, forward_skipped=opts.mode != "static")
+    if opts.mode == "static":
+        return static, CheckReport.from_static(static, "static check only")
+    if not static.passed:
+        return static, CheckReport.from_static(static, "the weights already differ")
     if static.byte_identical:
-        report = CheckReport.from_static(static, forward_skipped=True)
-        report.forward_skipped = ("the candidate is byte for byte the reference, so it loads and computes "
-                                  "the same: there is nothing to run")
-        return static, report
+        return static, CheckReport.from_static(static, "the candidate is byte for byte the reference, so it loads "
+                                               "and computes the same: there is nothing to run")
     return static, None
-
-
-def _missing(ref_ck: Checkpoint, cand_ck: Checkpoint, static: StaticReport | None) -> list[str]:
-    """The parameters neither directory holds: the static check's pairing found them, else the
-    names each model builds against each directory's keys."""
-    if static is not None:
-        return static.missing
-    theirs = set(ref_ck.missing)
-    return [name for name in cand_ck.missing if name in theirs]
-
-
-def _forward_options(opts: CheckOptions) -> ForwardOptions:
-    """What the forward part runs. Once every weight is proven (full mode, not thorough) it only
-    confirms: short batches and a short decode. With --forward-only every token id runs."""
-    confirm = opts.mode == "full" and not opts.thorough
-    batches = opts.batches if opts.batches is not None else CONFIRM_BATCHES if confirm else 3
-    return ForwardOptions(batches=batches, seed=opts.seed, batch_size=opts.batch_size, seq_len=opts.seq_len,
-                          rtol=opts.rtol, generate_tokens=CONFIRM_TOKENS if confirm else 8, coverage=not confirm,
-                          sweep=opts.mode == "forward")
 
 
 def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, budget: tuple[int | None, bool],
                   missing: list[str], stage: Callable[[str], None] | None = None) -> CheckReport:
-    """The outputs compared, with both models in memory or one at a time within ``budget``."""
+    """The outputs compared, with both models in memory or one at a time within ``budget``. Once every
+    weight is proven (full mode, not thorough) it only confirms: short batches and a short decode."""
     confirm = opts.mode == "full" and not opts.thorough
-    forward = _forward_options(opts)
+    batches = opts.batches if opts.batches is not None else CONFIRM_BATCHES if confirm else 3
+    forward = ForwardOptions(batches=batches, seed=opts.seed, batch_size=opts.batch_size, seq_len=opts.seq_len,
+                             rtol=opts.rtol, generate_tokens=CONFIRM_TOKENS if confirm else 8, coverage=not confirm,
+                             sweep=opts.mode == "forward")
     plain_required, caveat, note = _plain_loading(cand_ck, verified=opts.mode == "full")
     max_memory, auto = budget
     if stage is not None:
@@ -223,7 +201,7 @@ def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, b
         report.memory = (f"{'the two models would not fit in memory side by side, so ' if auto else ''}"
                          f"the models ran one at a time within {format_bytes(max_memory)} "
                          "(weights beyond it read from disk as each layer ran)")
-    report.caveat = caveat if plain_required is False else ""
+    report.caveat = caveat
     report.notes += [note] if note else []
     if missing:
         report.notes.append(f"{missing_note(missing)}; every model this check loaded got the same seeded "
@@ -239,7 +217,6 @@ def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, b
 
 
 def _on_device(device: str, stage: Callable[[str], None] | None, what: str, model: nn.Module) -> nn.Module:
-    """A loaded model moved to ``device`` (where it is not the CPU it loads on)."""
     if device == "cpu":
         return model
     if stage is not None:
@@ -248,8 +225,7 @@ def _on_device(device: str, stage: Callable[[str], None] | None, what: str, mode
 
 
 class _CandidateUnloadable(EnjoylnError):
-    """The candidate's own files keep it from loading (its enjoyln block cannot be applied): a
-    wrong candidate, not bad input."""
+    """The candidate's own files keep it from loading: a wrong candidate, not bad input."""
 
     exit_code = 1
 
@@ -267,19 +243,15 @@ def _load(loader: Callable[..., nn.Module], ck: Checkpoint, missing: list[str], 
 
 def _paths(cand: ModelSource, plain: ModelSource, required: bool | None, ck: Checkpoint,
            confirm: bool = False) -> list[CandidatePath]:
-    """The candidate's load paths: ``enjoyln.load``, and its library's plain loader unless the two
-    are the same (no ``enjoyln`` block: ``required`` None); when only confirming, the plain one runs
-    the first batch."""
+    """``enjoyln.load``, and the plain loader unless the two are the same (``required`` None)."""
     others = [] if required is None else [CandidatePath(ck.library.loader, plain, required,
                                                         batches=1 if confirm else None)]
     return [CandidatePath("enjoyln.load", cand), *others]
 
 
 def _plain_loading(ck: Checkpoint, *, verified: bool) -> tuple[bool | None, str, str]:
-    """Whether plain ``from_pretrained`` of the candidate must match the reference: (required, the
-    verdict's caveat, a note). Only a rotation without ``keep_mean`` is inexact under plain loading,
-    and only a block that says so twice is believed; unverified (``verified`` False), the verdict
-    says what it leaves out."""
+    """(whether plain ``from_pretrained`` must match, the verdict's caveat, a note). Only a rotation
+    without ``keep_mean`` is inexact under plain loading, and only a block that says so twice is believed."""
     plan = ck.recorded_plan
     if plan is None:
         return None, "", "the candidate has no enjoyln block, so enjoyln.load is plain from_pretrained"
@@ -300,10 +272,8 @@ def _plain_loading(ck: Checkpoint, *, verified: bool) -> tuple[bool | None, str,
 def _bounded_check(ref_ck: Checkpoint, cand_ck: Checkpoint, max_memory: int, missing: list[str],
                    forward: ForwardOptions, plain: tuple[bool | None, bool],
                    stage: Callable[[str], None] | None = None) -> CheckReport:
-    """The forward check holding one model at a time within ``max_memory``, the rest of the weights
-    read from the safetensors files as each layer runs (accelerate); the largest tensor and one
-    forward's activations, twice as wide for the truth, come out of the budget. ``plain``: (plain
-    loading required, only confirming)."""
+    """The forward check holding one model at a time within ``max_memory``, weights read from disk as
+    each layer runs (accelerate). ``plain``: (plain loading required, only confirming)."""
     if ref_ck.pickled or cand_ck.pickled:
         raise CheckpointError("a check within a memory budget reads weights from safetensors files; convert "
                               "pickle weights first, or pass --static")

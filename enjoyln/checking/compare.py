@@ -20,11 +20,11 @@ from ..store.checkpoint import Checkpoint
 from ..store.transaction import OWNER_FILE
 
 LOAD_DTYPES = ("float16", "bfloat16", "float32", "float64")
-"""The dtypes ``check --dtype`` accepts for a candidate meant to run at another precision."""
+"""The dtypes ``check --dtype`` accepts."""
 
 
 def parse_dtype(dtype: Any) -> str | None:
-    """A ``dtype`` option as a name (``torch.float16`` or ``"float16"`` -> ``"float16"``), or None."""
+    """``torch.float16`` or ``"float16"`` -> ``"float16"``."""
     if dtype is None:
         return None
     name = str(dtype).removeprefix("torch.")
@@ -67,8 +67,7 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def _json_differences(ref: dict[str, Any], cand: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(dotted key, reference's value, candidate's value) for every key that differs, descending
-    into objects present on both sides; a missing side is ``_MISSING``."""
+    """(dotted key, reference's value, candidate's value) for every key that differs; a missing side is ``_MISSING``."""
     out, stack = [], [("", ref, cand)]
     while stack:
         path, a, b = stack.pop()
@@ -101,8 +100,8 @@ def _first_difference(path: str, a: Any, b: Any) -> tuple[str, Any, Any]:
 
 
 def _without_dtypes(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` without its ``dtype`` and ``torch_dtype`` entries, at every level (sub-configs
-    carry them too); a non-string value under that name (a token id in a vocabulary) stays."""
+    """``config`` without its ``dtype`` and ``torch_dtype`` entries, at every level; a non-string value
+    under that name (a token id in a vocabulary) stays."""
     config = copy.deepcopy(config)
     stack = [config]
     while stack:
@@ -115,8 +114,7 @@ def _without_dtypes(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_problems(expected: dict[str, Any], actual: dict[str, Any], dtype: str | None) -> list[str]:
-    """config.json against what it must be, every key as a JSON value: the enjoyln block as the
-    confirmed plan writes it (but for the tool's version); with ``dtype`` the dtype entries may differ."""
+    """config.json against what it must be, every key as a JSON value (the enjoyln block but for its version)."""
     if dtype is not None:
         expected, actual = _without_dtypes(expected), _without_dtypes(actual)
     expected, actual = dict(expected), dict(actual)
@@ -154,8 +152,7 @@ def config_problems(expected: dict[str, Any], actual: dict[str, Any], dtype: str
 
 
 def expected_config(ref: Checkpoint, plan: FoldPlan, *, block: bool) -> dict[str, Any]:
-    """config.json as a fold of ``ref`` by ``plan`` writes it (without the enjoyln block, as a
-    fold saved by transformers has it)."""
+    """config.json as a fold of ``ref`` by ``plan`` writes it (``block`` False: as transformers saves it)."""
     config = output_config(ref, plan)
     if not block:
         del config["enjoyln"]
@@ -163,9 +160,8 @@ def expected_config(ref: Checkpoint, plan: FoldPlan, *, block: bool) -> dict[str
 
 
 def load_problems(ref: Checkpoint, cand: Checkpoint, dtype: str | None = None) -> list[str]:
-    """What makes ``from_pretrained`` load the candidate otherwise than the reference, beyond its
-    files: another dtype (unless ``dtype`` names the one it is meant to load in), or an index
-    it cannot read."""
+    """What makes ``from_pretrained`` load the candidate otherwise than the reference, beyond its files:
+    another dtype (unless ``dtype`` names it), or an index it cannot read."""
     problems = []
     index = cand.path / (PT_INDEX if cand.pickled else SAFE_INDEX)
     if index.exists() and not isinstance(parse_json_file(index, "a weight index").get("metadata"), dict):
@@ -208,9 +204,8 @@ def _json_value(path: Path) -> Any:
 
 
 def _same_content(a: Path, b: Path) -> bool:
-    """Whether two files hold the same content: JSON files up to ``JSON_LIMIT`` token by token when
-    both parse as transformers reads them, anything else byte for byte, streamed (so a byte-order
-    mark, which makes a loader refuse or ignore the file, is a difference)."""
+    """JSON files token by token when both parse as transformers reads them, anything else byte for
+    byte (so a byte-order mark, which makes a loader refuse or ignore the file, is a difference)."""
     try:
         size_a, size_b = a.stat().st_size, b.stat().st_size
         if a.suffix == ".json" and max(size_a, size_b) <= JSON_LIMIT:
@@ -224,7 +219,6 @@ def _same_content(a: Path, b: Path) -> bool:
 
 
 def _same_bytes(a: Path, b: Path) -> bool:
-    """Whether two files of the same size hold the same bytes, streamed."""
     with open(a, "rb") as fa, open(b, "rb") as fb:
         while True:
             x, y = fa.read(1 << 20), fb.read(1 << 20)
@@ -235,8 +229,7 @@ def _same_bytes(a: Path, b: Path) -> bool:
 
 
 def identical_directories(ref: Checkpoint, cand: Checkpoint) -> bool:
-    """Whether every file a loader reads in ``cand`` is the same-named one in ``ref``, byte for byte,
-    none extra or missing: then both compute the same, with no analysis."""
+    """Whether every file a loader reads in ``cand`` is the same-named one in ``ref``, byte for byte."""
     ours, odd = loader_files(ref.path)
     theirs, odd_too = loader_files(cand.path)
     ours.pop(OWNER_FILE, None)  # marks the temporary directory a fold checks; no loader reads it
@@ -254,9 +247,8 @@ def identical_directories(ref: Checkpoint, cand: Checkpoint) -> bool:
 
 
 def file_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
-    """Every file of the candidate but its config and weights must be one a fold of the reference
-    holds, with the reference's content, whatever its name (a loader may read any: PhoBERT's
-    bpe.codes, remote code); weights in another format must be the reference's own."""
+    """Every file of the candidate but its config and weights must be one a fold of the reference holds,
+    with its content, whatever its name (a loader may read any: PhoBERT's bpe.codes)."""
     expected = extra_files(ref)
     actual, problems = loader_files(cand.path)
     problems = [f"the candidate's {p}" for p in problems]
@@ -284,8 +276,7 @@ def file_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
 
 
 def code_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
-    """With remote code on either side: what makes the candidate's code other than the reference's
-    (every ``.py`` file byte for byte, and ``auto_map``). The candidate's code is imported only once
+    """What makes the candidate's remote code other than the reference's. Its code is imported only once
     this finds nothing: code that differs could rewrite the gate itself."""
     if not (ref.custom_code or cand.custom_code):
         return []
@@ -314,7 +305,6 @@ def _essentials(plan: FoldPlan) -> dict[str, set]:
                               for e in plan.foldable if e.affine},
             "rotations": {(r.kind, r.seed, r.keep_mean, tuple(tuple(asdict(x).items()) for x in r.rotated))}
             if r else set()}
-
 
 
 def plan_problems(recorded: FoldPlan, analysed: FoldPlan) -> list[str]:

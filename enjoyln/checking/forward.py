@@ -1,6 +1,5 @@
-"""The forward check: does a converted model compute what the original did? The criterion (precision-aware
-by default, the reference's own rounding against a wider-dtype truth) and the models' runs one after
-another, only one in memory at a time, are described in docs/checking.md."""
+"""The forward check: does a converted model compute what the original did? The criterion and the runs
+one model at a time are described in docs/checking.md."""
 
 from __future__ import annotations
 
@@ -49,11 +48,9 @@ class ModelSource:
     held: bool = False
     """``get(dtype)`` returns a model the caller holds anyway: nothing to collect after it."""
     owned: bool = False
-    """The model ``get`` returns is the check's own: after its runs in its own dtype, the
-    truth may be made by widening it in place, instead of a second copy or a second load."""
+    """The model ``get`` returns is the check's own: its truth may widen it in place, not load a copy."""
     widens: bool = False
-    """The truth may be its model run widened one module at a time (``checking.widening``), where that
-    can be vouched for; else it comes from ``get`` in the wider dtype."""
+    """The truth may be its model run widened one module at a time (``checking.widening``)."""
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelSource":
@@ -62,8 +59,7 @@ class ModelSource:
 
     @classmethod
     def given(cls, model: nn.Module) -> "ModelSource":
-        """A model handed over to the check (the caller keeps no reference): ``get`` returns it
-        once, and it is freed after its runs."""
+        """A model handed over to the check: ``get`` returns it once, and it is freed after its runs."""
         own, box = _dtype(model), [model]
 
         def get(dtype: torch.dtype) -> nn.Module:
@@ -74,31 +70,27 @@ class ModelSource:
         return cls(own, get, owned=True)
 
     def drop(self, dtype: torch.dtype) -> None:
-        """After the model from ``get(dtype)`` is deleted: free it now, before the next one loads
-        (a loaded model holds reference cycles; a full collection is slow, so only then)."""
+        """Free the deleted model from ``get(dtype)`` before the next one loads (it holds reference cycles)."""
         if not (self.held and dtype == self.dtype):
             gc.collect()
 
 
 @dataclass
 class CandidatePath:
-    """Another way of loading the candidate, compared like the first (a checkpoint's plain
-    ``from_pretrained`` beside ``enjoyln.load``)."""
+    """A way of loading the candidate (a checkpoint's plain ``from_pretrained`` beside ``enjoyln.load``)."""
 
     name: str
     source: ModelSource
     required: bool = True
     """False: reported, but not part of the verdict (the caller says why in the caveat)."""
     batches: int | None = None
-    """Run on the first this many batches only (None: all): enough to confirm a load path that
-    differs from an already-compared one only in how it is loaded."""
+    """Run on the first this many batches only (None: all), to confirm a path that differs only in loading."""
 
 
 @dataclass(frozen=True)
 class ForwardOptions:
-    """How the forward comparison runs (seeded batches, a fixed ``rtol`` or ``factor`` times the
-    reference's rounding, greedy decoding, a coverage batch, the token ``sweep``, outputs ``spill``ed
-    to disk within a memory budget); docs/checking.md."""
+    """How the forward comparison runs (docs/checking.md): a fixed ``rtol`` or ``factor`` times the
+    reference's rounding, the token ``sweep``, outputs ``spill``ed to disk within a memory budget."""
 
     batches: int = 3
     seed: int = 0
@@ -116,8 +108,7 @@ class ForwardOptions:
 def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInputs = None,
           options: ForwardOptions | None = None, *, fp32_reference: nn.Module | None = None,
           **values: Any) -> CheckReport:
-    """Compare ``candidate`` with ``reference`` on seeded input batches (synthesized for Hugging Face
-    models, else ``example_inputs`` and random batches alike), and greedy decoding for causal LMs.
+    """Compare ``candidate`` with ``reference`` on seeded input batches, and greedy decoding for causal LMs;
     ``options`` (a ``ForwardOptions``) or its fields as keywords (``batches=4``).
     >>> import copy, torch, enjoyln
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
@@ -137,10 +128,8 @@ def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInp
 def check_sources(reference: ModelSource, candidates: Sequence[CandidatePath], example_inputs: ExampleInputs = None,
                   options: ForwardOptions = ForwardOptions(), *, truth: ModelSource | None = None,
                   stage: Callable[[str], None] | None = None) -> CheckReport:
-    """``check``, with models produced one at a time: the reference (in the dtype that sets the bar),
-    its truth in the next wider dtype (from ``truth``, or the reference itself), then each load path
-    of the candidate (the first is the one the verdict judges; greedy generation runs on it);
-    ``stage`` hears of each model's runs, batch by batch."""
+    """``check``, with models produced one at a time: the reference, its truth in the next wider dtype
+    (``truth``, or the reference itself), then each load path of the candidate (the first is judged)."""
     comparison = _Comparison(reference, truth or reference, candidates[0].source, options)
     comparison.say = stage or (lambda what: None)
     with (tempfile.TemporaryDirectory(prefix="enjoyln-check-") if options.spill else contextlib.nullcontext()) as spill_dir:
@@ -152,8 +141,7 @@ def check_sources(reference: ModelSource, candidates: Sequence[CandidatePath], e
 
 
 class _Comparison:
-    """One forward comparison, in the order its models are needed and dropped: the reference's runs,
-    its truth's, each candidate path's; then the verdict."""
+    """One forward comparison, in the order its models are needed and dropped; then the verdict."""
 
     def __init__(self, reference: ModelSource, truth: ModelSource, candidate: ModelSource,
                  options: ForwardOptions) -> None:
@@ -203,8 +191,7 @@ class _Comparison:
             self.covered.distinct_ids = len(drawn_ids(self.inputs))
 
     def reference_runs(self, example_inputs: ExampleInputs) -> None:
-        """The reference's outputs (and greedy tokens); the reference is kept (``widen``) if its
-        truth is to be made by widening it, else dropped."""
+        """The reference's outputs (and greedy tokens); kept (``widen``) if its truth widens it, else dropped."""
         self.base = self._store("base")
         model = self.reference.get(self.base_dtype)
         self._draw_inputs(model, example_inputs)
@@ -228,26 +215,32 @@ class _Comparison:
         r.drop(self.base_dtype)
 
     def truth_runs(self) -> None:
-        """The truth's outputs in the next wider dtype, or, where the original cannot run in it
-        (a hard-coded float32 cast meeting float64 weights), the fixed criterion instead."""
+        """The truth's outputs in the next wider dtype, or, where the original cannot run in it (a hard-coded
+        float32 cast meeting float64 weights), the fixed criterion instead."""
         self.truth_out = None
         if self.crit.kind != "precision":
             return
         self.truth_out = self._store("truth")
         wide, n = str(self.truth_dtype).replace("torch.", ""), len(self.inputs)
 
-        def run(model: nn.Module, i: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-            self.say(f"running the original in {wide} (its exact result): batch {i + 1} of {n}")
-            return self.outputs(model, i, dtype)
+        def runs(model: nn.Module) -> None:
+            for i in range(n):
+                self.say(f"running the original in {wide} (its exact result): batch {i + 1} of {n}")
+                self.truth_out.put(i, self.outputs(model, i, self.truth_dtype))
         try:
-            if self.widen is not None:
-                _widened_runs(self.widen, self.reference, self.truth, self.truth_dtype, n, run, self.truth_out)
+            if self.widen is None:
+                runs(self.truth.get(self.truth_dtype))
             else:
-                _runs(self.truth.get(self.truth_dtype), self.truth_dtype, n, run, self.truth_out)
+                # the original's own weights widened one module at a time (no copy), or, where it reads a
+                # weight outside its owner's forward, widened whole: in place if the check owns it
+                try:
+                    with widened(self.widen, self.truth_dtype):
+                        runs(self.widen)
+                except (EnjoylnError, NotWidened):
+                    runs(self.widen.to(self.truth_dtype) if self.reference.owned else self.truth.get(self.truth_dtype))
         except EnjoylnError as exc:
             if self.half:
                 raise
-            wide = str(self.truth_dtype).replace("torch.", "")
             self.crit, self.truth_out = Criterion("rtol", rtol=FALLBACK_RTOL), None
             self.why = f" (the original cannot run in {wide}, see the note)"
             self.notes.append(f"the precision-aware criterion runs the original in {wide}, which failed: {exc}")
@@ -255,8 +248,7 @@ class _Comparison:
         self.truth.drop(self.truth_dtype)
 
     def candidate_runs(self, paths: list[CandidatePath]) -> None:
-        """Each load path of the candidate, measured output by output against the reference;
-        the sweep runs on the first path only (another loads the same embedding rows)."""
+        """Each load path of the candidate, measured output by output; the sweep runs on the first only."""
         self.paths = paths
         for n, path in enumerate(paths):
             model = path.source.get(path.source.dtype)
@@ -288,8 +280,7 @@ class _Comparison:
                                tolerance=tol, near_ties=ties, problem=problem)
 
     def report(self) -> CheckReport:
-        """The verdict: every required output within the criterion, greedy tokens the same (but
-        for near-ties, in full precision), and the same generation settings."""
+        """Every required output within the criterion, the same greedy tokens and generation settings."""
         outputs = []
         for (n, name), st in self.stats.items():
             out = judge_output(name, st, self.crit)
@@ -314,28 +305,4 @@ class _Comparison:
             factor=self.opts.factor if self.crit.kind == "precision" else None,
             generation_settings=[f"generation settings{' (' + ' and '.join(w) + ')' if any(w) else ''}: {problem}"
                                  for problem, w in self.settings.items()])
-
-
-Run = Callable[[nn.Module, int, torch.dtype], dict[str, torch.Tensor]]
-"""A model's outputs on batch ``i`` in a dtype, as the check keeps them."""
-
-
-def _runs(model: nn.Module, dtype: torch.dtype, batches: int, run: Run, out: Outputs) -> None:
-    for i in range(batches):
-        out.put(i, run(model, i, dtype))
-
-
-def _widened_runs(model: nn.Module, reference: ModelSource, truth: ModelSource, dtype: torch.dtype,
-                  batches: int, run: Run, out: Outputs) -> None:
-    """The truth's runs on the original's own weights, widened one module at a time (no copy of
-    the model: see ``checking.widening``), or, where the model reads a weight outside its
-    owner's forward, widened whole: in place if the check owns the model, else as a copy."""
-    try:
-        with widened(model, dtype):
-            _runs(model, dtype, batches, run, out)
-        return
-    except (EnjoylnError, NotWidened):
-        pass
-    _runs(model.to(dtype) if reference.owned else truth.get(dtype), dtype, batches, run, out)
-
 

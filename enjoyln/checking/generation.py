@@ -1,6 +1,5 @@
-"""Greedy generation for the forward check: the prompt and tokens that fit a model's context,
-decoding with every step's logits and scores, judging flips as near-ties, and comparing the
-generation settings a loader gave the candidate with the reference's."""
+"""Greedy generation for the forward check: decoding with every step's logits and scores, judging flips
+as near-ties, and comparing the generation settings a loader gave the candidate with the reference's."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ PROMPT_TOKENS = 8
 
 
 def generation_lengths(model: nn.Module, new_tokens: int) -> tuple[int, int]:
-    """(prompt tokens, new tokens) that fit the model's context: a model with 12 positions
-    cannot take an 8-token prompt and 8 more. (0, 0): no room to generate."""
+    """(prompt tokens, new tokens) that fit the model's context; (0, 0): no room to generate."""
     limit = config_value(getattr(model, "config", None), "max_position_embeddings", "n_positions",
                          "max_target_positions")
     if not isinstance(limit, int) or limit <= 0:
@@ -33,13 +31,11 @@ def generation_lengths(model: nn.Module, new_tokens: int) -> tuple[int, int]:
 
 
 Generated = tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]
-"""Greedy generation: the new tokens of each row, then per step (batch x vocab each) the raw
-logits and the scores generate() chose by, after the generation config's logits processors."""
+"""The new tokens of each row, then per step the raw logits and the scores generate() chose by."""
 
 
 def generate_greedy(model: nn.Module, prompt: torch.Tensor, n: int, seed: int) -> Generated:
-    """Greedy tokens, with the raw logits and the processed scores of every step (torch's RNG
-    seeded with ``seed``, as in ``run_model``)."""
+    """Greedy tokens, with every step's raw logits and processed scores (seeded as in ``run_model``)."""
     config = model.generation_config
     pad = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_id or 0)
     if isinstance(pad, list):
@@ -52,15 +48,13 @@ def generate_greedy(model: nn.Module, prompt: torch.Tensor, n: int, seed: int) -
                                  pad_token_id=pad, output_logits=True, output_scores=True,
                                  return_dict_in_generate=True)
     except Exception as exc:  # the model's own error, on a prompt enjoyln made
-        first = first_line(exc)
         raise CaptureError(f"greedy generation with {type(model).__name__} failed: "
-                           f"{type(exc).__name__}: {first}") from exc
+                           f"{type(exc).__name__}: {first_line(exc)}") from exc
     return (out.sequences[:, prompt.shape[1]:].tolist(), [t.detach().cpu().clone() for t in out.logits],
             [t.detach().cpu().clone() for t in (out.scores or ())])
 
 
 def _margin(scores: list[torch.Tensor], step: int, row: int, mine: int, other: int) -> float:
-    """A model's score of its own token minus that of the other model's token (inf: no such score)."""
     if step >= len(scores) or max(mine, other) >= scores[step].shape[-1]:
         return math.inf
     r = scores[step][row].double()
@@ -69,9 +63,7 @@ def _margin(scores: list[torch.Tensor], step: int, row: int, mine: int, other: i
 
 def judge_generation(ref: Generated, cand: Generated,
                       tolerance: float | None) -> tuple[bool, list[NearTie], str]:
-    """Identical tokens pass; a row whose tokens first differ passes only at a genuine near-tie: the
-    raw step logits up to there within ``tolerance``, and each model's margin between the two tokens,
-    in the scores generate() chose by (after its logits processors), at most twice ``tolerance``."""
+    """Identical tokens pass; a row whose tokens differ passes only at a genuine near-tie (docs/checking.md)."""
     (ref_tokens, ref_logits, ref_scores), (cand_tokens, cand_logits, cand_scores) = ref, cand
     ties: list[NearTie] = []
     if len(ref_tokens) != len(cand_tokens):
@@ -106,8 +98,7 @@ def judge_generation(ref: Generated, cand: Generated,
 
 
 def generation_settings(model: nn.Module) -> dict[str, Any] | None:
-    """The generation settings generate() starts from, as the loader gave them to the model
-    (generation_config.json, or what transformers builds from config.json without one)."""
+    """The generation settings generate() starts from, as the loader gave them to the model."""
     config = getattr(model, "generation_config", None)
     if config is None or not callable(getattr(config, "to_dict", None)):
         return None

@@ -1,6 +1,5 @@
-"""How the forward check judges one output: the outputs of every batch kept (in memory, or on
-disk for a check within a memory budget), each compared chunk by chunk with the reference and
-its truth in the next wider dtype, and judged by the precision-aware criterion (or a fixed one)."""
+"""How the forward check judges one output: every batch's outputs kept (in memory, or on disk within a
+memory budget), compared chunk by chunk with the reference and its truth, judged by the criterion."""
 
 from __future__ import annotations
 
@@ -14,13 +13,10 @@ import torch
 from .report import OutputCheck, worse
 
 FACTOR = 4.0
-"""How many times the reference's own rounding error the candidate may be from the truth: a correct
-fold was 0.6 to 3.2 times as far from float64 as the original on random and outlier-heavy models, and
-any real change is orders of magnitude beyond this (docs/checking.md)."""
+"""How many times the reference's own rounding error the candidate may be from the truth (docs/checking.md)."""
 FLOOR_EPS = 1.0
-"""The reference's own error is taken to be at least this many epsilons of the output's scale, so
-that an output the reference computes exactly (a copy, a sum of integers) still allows the
-candidate a rounding."""
+"""The reference's own error is at least this many epsilons of the output's scale, so that an output it
+computes exactly (a copy, a sum of integers) still allows the candidate a rounding."""
 
 
 class Outputs:
@@ -29,29 +25,29 @@ class Outputs:
     def __init__(self, directory: Path | None) -> None:
         self.directory = directory
         self.tensors: dict[tuple[int, str], torch.Tensor] = {}
-        self.meta: dict[tuple[int, str], tuple[torch.dtype, torch.Size, Path]] = {}
+        self.meta: dict[tuple[int, str], tuple[torch.dtype, torch.Size, Path | None]] = {}
         if directory is not None:
             directory.mkdir()
 
     def put(self, batch: int, outputs: dict[str, torch.Tensor]) -> None:
         for name, t in outputs.items():
             t = t.detach().contiguous()
-            if self.directory is None:
+            file = None if self.directory is None else self.directory / f"{len(self.meta)}.bin"
+            if file is None:
                 self.tensors[batch, name] = t
-                continue
-            file = self.directory / f"{len(self.meta)}.bin"
-            with open(file, "wb") as f:
-                f.write(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+            else:
+                with open(file, "wb") as f:
+                    f.write(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
             self.meta[batch, name] = (t.dtype, t.shape, file)
 
     def has(self, batch: int, name: str) -> bool:
-        return (batch, name) in (self.tensors if self.directory is None else self.meta)
+        return (batch, name) in self.meta
 
     def names(self, batch: int) -> list[str]:
-        return [n for b, n in (self.tensors.keys() if self.directory is None else self.meta.keys()) if b == batch]
+        return [n for b, n in self.meta if b == batch]
 
     def shape(self, batch: int, name: str) -> torch.Size:
-        return self.tensors[batch, name].shape if self.directory is None else self.meta[batch, name][1]
+        return self.meta[batch, name][1]
 
     def chunks(self, batch: int, name: str, size: int) -> Iterator[torch.Tensor]:
         """The output flattened, ``size`` elements at a time."""
@@ -110,9 +106,9 @@ class Stats:
 
 def measure(name: str, base: Outputs, truth: Outputs | None, batch: int,
              cand: torch.Tensor | None) -> Stats:
-    """One output of one batch, compared chunk by chunk (never three float64 copies of the logits).
-    Non-finite values are counted apart; a truth not finite where the reference is (a float64
-    overflow) is replaced there by the reference, which only tightens the bound."""
+    """One output of one batch, compared chunk by chunk (never three float64 copies of the logits). A truth
+    not finite where the reference is (a float64 overflow) is replaced there by the reference, which only
+    tightens the bound."""
     if cand is None or cand.shape != base.shape(batch, name):
         return Stats(mismatch=True)
     flat = cand.detach().contiguous().view(-1).split(CHUNK)

@@ -15,12 +15,10 @@ from ..transform.tensors import merge_centerings, tie_groups
 
 @dataclass(frozen=True)
 class Pair:
-    """One tensor of the candidate and where it comes from."""
+    """One tensor of the candidate (``cand``, its checkpoint key) and the reference's key it is made from."""
 
     cand: str
-    """The candidate's checkpoint key."""
     ref: str
-    """The reference's checkpoint key it is made from."""
     centerings: tuple[Centering, ...] = ()
     """What the plan centers it by (merged: one per axis), none for a tensor the plan keeps."""
     untied: bool = False
@@ -34,8 +32,7 @@ class Pairing:
     pairs: list[Pair] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
-    """Parameters the candidate's model builds that neither checkpoint holds: every load
-    initialises them afresh, at random."""
+    """Parameters the candidate's model builds that neither checkpoint holds (random on every load)."""
 
 
 def tensor_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
@@ -54,9 +51,8 @@ def tied_key(ck: Checkpoint, names: dict[str, tuple[str, ...]], name: str) -> st
 
 
 def pair_tensors(plan: FoldPlan, ref: Checkpoint, cand: Checkpoint) -> Pairing:
-    """Pair every tensor the candidate's model loads, then every other it stores, with the
-    reference's; a missing or unmatched tensor is a problem. The reference's tied names are one
-    tensor, centered once, even where the candidate stores them apart."""
+    """Pair every tensor the candidate's model loads, then every other it stores, with the reference's.
+    The reference's tied names are one tensor, centered once, even where the candidate stores them apart."""
     centerings: dict[str, list[Centering]] = {}
     for c in plan.centered:
         if c.saved:  # a non-persistent buffer is not in any checkpoint; load centers it
@@ -96,8 +92,7 @@ def pair_tensors(plan: FoldPlan, ref: Checkpoint, cand: Checkpoint) -> Pairing:
 
 
 def still_tied(plan: FoldPlan, cand_model: nn.Module) -> list[str]:
-    """A head the plan unties that the candidate's model still ties (to anything: then it
-    follows a centering, whatever the plan says it was tied to)."""
+    """A head the plan unties that the candidate's model still ties (to anything: then it follows a centering)."""
     names = tensor_names(cand_model)
     return [f"the candidate still ties {u.param} to {others[0]}, so centering one changes the other"
             for u in plan.untied if (others := [a for a in names.get(u.param, ()) if a != u.param])]

@@ -9,8 +9,7 @@ from typing import Any
 
 
 def worse(a: float, b: float) -> float:
-    """The worse of two measured differences: ``max`` that a NaN cannot lower (Python's
-    ``max(0.0, nan)`` is 0.0)."""
+    """``max`` that a NaN cannot lower (Python's ``max(0.0, nan)`` is 0.0)."""
     if math.isnan(a) or math.isnan(b):
         return math.inf
     return max(a, b)
@@ -21,29 +20,20 @@ class OutputCheck:
     """One named output, worst case over all batches."""
 
     name: str
-    max_abs_diff: float
-    """max|candidate - reference|; infinite where a non-finite value differs."""
+    max_abs_diff: float  # infinite where a non-finite value differs
     max_rel_diff: float
     passed: bool
-    reference_error: float | None = None
-    """Precision-aware criterion: max|reference - truth|, the reference's own rounding."""
-    candidate_error: float | None = None
-    """Precision-aware criterion: max|candidate - truth|."""
+    reference_error: float | None = None  # precision-aware: max|reference - truth|, its own rounding
+    candidate_error: float | None = None  # precision-aware: max|candidate - truth|
     allowed: float | None = None
     """The bound the judged quantity had to meet (candidate_error, or max_abs_diff with rtol)."""
-    margin: float | None = None
-    """allowed / the judged quantity (above 1 passes); None where the two agree exactly."""
-    nonfinite: int = 0
-    """Elements where the candidate is NaN or ±Inf and the reference is not, or holds another
-    non-finite value than the reference's."""
-    path: str = ""
-    """How the candidate was loaded ("enjoyln.load", "from_pretrained"); empty for models given in memory."""
-    required: bool = True
-    """False where this path is reported but not part of the verdict (see CheckReport.caveat)."""
+    margin: float | None = None  # allowed / the judged quantity (above 1 passes); None where they agree exactly
+    nonfinite: int = 0  # elements where the candidate is NaN or ±Inf and the reference is not (or another)
+    path: str = ""  # how the candidate was loaded ("enjoyln.load", "from_pretrained"); empty for models in memory
+    required: bool = True  # False where this path is reported but not part of the verdict
     tolerance: float | None = None
     """The largest max|candidate - reference| the criterion allows; bounds a greedy flip's near-tie."""
-    scale: float = 0.0
-    """max|reference| over the finite elements (what max_rel_diff divides by)."""
+    scale: float = 0.0  # max|reference| over the finite elements (what max_rel_diff divides by)
 
     @property
     def label(self) -> str:
@@ -58,33 +48,21 @@ class NearTie:
     step: int
     reference_token: int
     candidate_token: int
-    reference_margin: float
-    """the reference's score of its token minus that of the candidate's token, in the scores
-    generate() chose by (after the generation config's logits processors)"""
-    deviation: float
-    """max|candidate - reference| over the raw step logits up to this step"""
-    candidate_margin: float = 0.0
-    """the candidate's score of its token minus that of the reference's token, likewise"""
+    reference_margin: float  # its score of its token minus the candidate's token's, in the scores generate() used
+    deviation: float  # max|candidate - reference| over the raw step logits up to this step
+    candidate_margin: float = 0.0  # the candidate's score of its token minus the reference's token's
 
 
 @dataclass
 class GenerationCheck:
-    """Greedy decoding from the same prompts.
-
-    Tokens must be identical, except that a row may flip at a genuine near-tie:
-    up to and including the first differing step the candidate's raw step
-    logits (computed on the same prefix) are within the criterion's tolerance
-    of the reference's, and at that step, in the scores generate() chose by
-    (after the logits processors of each model's generation config), each
-    model's margin between the two tokens is at most twice that tolerance. The
-    tokens after a flip are not compared."""
+    """Greedy decoding from the same prompts: identical tokens, but for a row that flips at a genuine
+    near-tie (``generation.judge_generation``); the tokens after a flip are not compared."""
 
     passed: bool
     new_tokens: int
     reference: list[list[int]] = field(default_factory=list)
     candidate: list[list[int]] = field(default_factory=list)
-    required: bool = True
-    """False in half precision, where a near-tie may flip a token legitimately."""
+    required: bool = True  # False in half precision, where a near-tie may flip a token legitimately
     prompt_tokens: int = 0
     identical: bool = True
     tolerance: float | None = None
@@ -96,10 +74,8 @@ class GenerationCheck:
 class Coverage:
     """What the forward comparison's inputs reached."""
 
-    positions: int = 0
-    """Positions 0 .. positions-1 of the longest sequence fed."""
-    max_positions: int | None = None
-    """What the config allows (None: not a sequence model, or no limit)."""
+    positions: int = 0  # positions 0 .. positions-1 of the longest sequence fed
+    max_positions: int | None = None  # what the config allows (None: not a sequence model, or no limit)
     distinct_ids: int = 0
     vocab_size: int | None = None
 
@@ -127,49 +103,30 @@ class CheckReport:
     criterion: str
     generation: GenerationCheck | None = None
     coverage: Coverage | None = None
-    static: Any = None
-    """The static weight check (``enjoyln.checking.static.StaticReport``), when it ran."""
-    forward_skipped: str = ""
-    """Why the forward comparison did not run, if it did not."""
-    memory: str = ""
-    """How the models were held, when not both in memory (a check within a budget)."""
-    criterion_kind: str = ""
-    """"precision" (tolerance from the reference's own rounding) or "rtol" (a fixed relative one)."""
+    static: Any = None  # the ``StaticReport``, when the static check ran
+    forward_skipped: str = ""  # why the forward comparison did not run, if it did not
+    memory: str = ""  # how the models were held, when not both in memory (a check within a budget)
+    criterion_kind: str = ""  # "precision" (from the reference's own rounding) or "rtol" (a fixed one)
     truth_dtype: str = ""
-    """The dtype the reference's truth ran in, for the precision-aware criterion."""
-    margin: float | None = None
-    """The smallest margin of the outputs in the verdict (allowed / measured; above 1 passes)."""
-    paths: list[str] = field(default_factory=list)
-    """How the candidate was loaded and run (both load paths of a checkpoint)."""
-    caveat: str = ""
-    """What the verdict does not cover, shown with it (a load path the candidate declares inexact)."""
+    margin: float | None = None  # the smallest margin of the outputs in the verdict
+    paths: list[str] = field(default_factory=list)  # the candidate's load paths that ran
+    caveat: str = ""  # what the verdict does not cover, shown with it
     notes: list[str] = field(default_factory=list)
-    generation_settings: list[str] = field(default_factory=list)
-    """How the generation settings a loader gave the candidate differ from the reference's (each
-    one fails the check: generate() applies them)."""
-    factor: float | None = None
-    """The precision-aware criterion's factor: how many times the original's own rounding the
-    candidate may be from the exact result."""
+    generation_settings: list[str] = field(default_factory=list)  # each fails: generate() applies them
+    factor: float | None = None  # the precision-aware criterion's factor
 
     @classmethod
-    def from_static(cls, static: Any, *, forward_skipped: bool) -> "CheckReport":
-        why = "the weights already differ" if forward_skipped else "static check only"
+    def from_static(cls, static: Any, why: str) -> "CheckReport":
         return cls(passed=static.passed, max_abs_diff=0.0, max_rel_diff=0.0, outputs=[], batches=0,
                    dtype="", criterion="", static=static, forward_skipped=why)
-
-    def add_static(self, static: Any) -> None:
-        if static is not None:
-            self.static = static
-            self.passed = self.passed and static.passed
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def verdict(self, subject: str = "the candidate") -> str:
         """The report in one plain sentence, PASS or FAIL first, naming what was proven or what differs.
-
         >>> CheckReport.from_static(type("S", (), {"passed": True, "byte_identical": True, "problems": [],
-        ...     "scope": "static check"})(), forward_skipped=True).verdict()
+        ...     "scope": "static check"})(), "identical").verdict()
         'PASS: the candidate is byte for byte the original, so it computes the same outputs'
         """
         static = self.static

@@ -1,10 +1,9 @@
-"""Running a model as the checks do: floating inputs cast to its dtype, one call under a seeded
-RNG, and every tensor of its output named."""
+"""Running a model as the checks do: inputs cast to its dtype, one call under a seeded RNG, outputs named."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -29,10 +28,13 @@ def flatten_outputs(out: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return flat
 
 
+def _map(inputs: Inputs, f: Callable[[Any], Any]) -> Inputs:
+    return Inputs(tuple(f(a) for a in inputs.args), {k: f(v) for k, v in inputs.kwargs.items()})
+
+
 def cast_inputs(inputs: Inputs, dtype: torch.dtype) -> Inputs:
     """Floating inputs in ``dtype`` (pixel values, audio features); token ids stay."""
-    cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
-    return Inputs(tuple(cast(a) for a in inputs.args), {k: cast(v) for k, v in inputs.kwargs.items()})
+    return _map(inputs, lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
 
 
 @contextlib.contextmanager
@@ -52,13 +54,13 @@ def check_device(device: str) -> None:
     try:
         where = torch.device(device)
     except (RuntimeError, TypeError):
-        raise EnjoylnError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+        where = None
+    if where is None or where.type not in ("cpu", "cuda"):
+        raise EnjoylnError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
     if where.type == "cuda" and not torch.cuda.is_available():
         raise EnjoylnError(f"device {device}, but CUDA is not available here")
     if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
         raise EnjoylnError(f"device {device}, but there are {torch.cuda.device_count()} CUDA devices")
-    if where.type not in ("cpu", "cuda"):
-        raise EnjoylnError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -66,31 +68,24 @@ def model_device(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
 
 
-def to_device(inputs: Inputs, device: torch.device) -> Inputs:
-    """``inputs`` on ``device`` (unchanged on the CPU, where the check makes them)."""
-    if device.type == "cpu":
-        return inputs
-    move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
-    return Inputs(tuple(move(a) for a in inputs.args), {k: move(v) for k, v in inputs.kwargs.items()})
-
-
 def run_model(model: nn.Module, inputs: Inputs, seed: int) -> dict[str, torch.Tensor]:
     """The model's outputs on ``inputs``, under torch's RNG seeded with ``seed``; a model on a GPU
     gets its inputs there, and its outputs come back to the CPU, where they are compared."""
     device = model_device(model)
     try:
+        if device.type != "cpu":  # the check makes its inputs on the CPU
+            inputs = _map(inputs, lambda x: x.to(device) if isinstance(x, torch.Tensor) else x)
         with torch.no_grad(), seeded(seed):
-            out = flatten_outputs(to_device(inputs, device).call(model))
+            out = flatten_outputs(inputs.call(model))
         return out if device.type == "cpu" else {k: v.cpu() for k, v in out.items()}
     except Exception as exc:  # the model's own error, on inputs enjoyln made or was given
-        first = first_line(exc)
         raise CaptureError(f"running {type(model).__name__} on the check inputs failed: "
-                           f"{type(exc).__name__}: {first}") from exc
+                           f"{type(exc).__name__}: {first_line(exc)}") from exc
 
 
 def seed_missing(model: nn.Module, names: list[str], seed: int = 0) -> nn.Module:
-    """Give the parameters ``names`` (which no checkpoint holds, so every load draws them at random)
-    the same seeded values in every model the check loads, scaled like the model's initialisation.
+    """Give the parameters ``names`` (which no checkpoint holds, so every load draws them at random) the
+    same seeded values in every model the check loads.
 
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
     >>> a = seed_missing(net, ["0.bias"])[0].bias.clone()

@@ -1,13 +1,11 @@
-"""The static check: prove a checkpoint is the fold plan applied to another, weight by weight, both
-directories streamed tensor by tensor with no model in memory (docs/checking.md); config, files, dtype,
-code and plan are compared in ``checking.compare``, this module compares the tensors."""
+"""The static check: prove a checkpoint is the fold plan applied to another, tensor by tensor, with no
+model in memory (docs/checking.md); config, files, dtype, code and plan are compared in ``checking.compare``."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
-
 
 from ..errors import CheckpointError, EnjoylnError
 from ..plan import FoldPlan, RotationSpec
@@ -42,10 +40,8 @@ class StaticReport:
     scope: str = "static check"
     """What was checked: every weight and file, or (with ``--forward-only``) the load settings only."""
     byte_identical: bool = False
-    """Every file a loader reads is the reference's, byte for byte: nothing else needed checking."""
     missing: list[str] = field(default_factory=list)
-    """Parameters the model class builds that neither checkpoint holds (initialised at random on
-    every load)."""
+    """Parameters the model class builds that neither checkpoint holds (random on every load)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,7 +68,6 @@ class StaticReport:
 
 
 def missing_note(names: list[str]) -> str:
-    """One line naming the parameters a model class builds but no checkpoint holds."""
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return (f"{len(names)} parameter{'s' if len(names) > 1 else ''} of the model class ({shown}) "
             f"{'are' if len(names) > 1 else 'is'} in neither checkpoint, so transformers initialises "
@@ -80,13 +75,11 @@ def missing_note(names: list[str]) -> str:
 
 
 def code_report(problems: list[str]) -> StaticReport:
-    """The verdict on a candidate whose remote code is not the reference's: none of it was run."""
     return StaticReport(passed=False, problems=problems,
                         scope="remote code, compared before any of the candidate's code runs (none of it ran)")
 
 
 def _options(recorded: FoldPlan | None) -> dict[str, Any]:
-    """The analysis options a recorded plan was made with."""
     if recorded is None:
         return {"auxiliary_centering": False}
     r = recorded.rotation
@@ -109,17 +102,17 @@ class _Resolved:
 
 def static_check(ref: Checkpoint, cand: Checkpoint, *, progress: Callable[[int, int], None] | None = None,
                  dtype: Any = None) -> StaticReport:
-    """Verify, without running either model, that ``cand`` is ``ref`` with its fold plan applied: the
-    reference analysed afresh, a recorded plan held to that analysis. ``dtype`` (``"float16"``)
-    accepts a candidate that loads in that dtype instead, each tensor rounded to nearest.
-
+    """Verify, without running either model, that ``cand`` is ``ref`` with its fold plan applied (a
+    recorded plan held to a fresh analysis); ``dtype`` accepts a candidate that loads in that dtype instead.
     >>> static_check(open_checkpoint("gpt2"), open_checkpoint("gpt2-folded")).passed  # doctest: +SKIP
     True
     """
     start = time.perf_counter()
     dtype = parse_dtype(dtype)
     if identical_directories(ref, cand):
-        return _identical_report(ref, start)
+        return StaticReport(passed=True, tensors=len(ref.tensors), identical=len(ref.tensors), form="identical",
+                            byte_identical=True, plan="none needed: every file is the reference's, byte for byte",
+                            bytes_read=2 * ref.nbytes, seconds=time.perf_counter() - start)
     if code := code_problems(ref, cand):  # before cand.meta imports any of it
         return code_report(code)
     check_shapes(ref)
@@ -142,17 +135,8 @@ def static_check(ref: Checkpoint, cand: Checkpoint, *, progress: Callable[[int, 
     return report
 
 
-def _identical_report(ref: Checkpoint, start: float) -> StaticReport:
-    n = len(ref.tensors)
-    return StaticReport(passed=True, tensors=n, identical=n, form="identical", byte_identical=True,
-                        plan="none needed: every file is the reference's, byte for byte",
-                        bytes_read=2 * ref.nbytes, seconds=time.perf_counter() - start)
-
-
 def _resolve_plan(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Resolved:
-    """The plan the candidate is held to: a recorded one confirmed by this enjoyln's analysis of
-    the reference, or, without one, that analysis (the candidate may then be the reference or
-    the plan applied). A candidate carrying the reference's own block is a copy of that fold."""
+    """The plan the candidate is held to: a recorded one confirmed by this enjoyln's analysis, or that analysis."""
     try:
         recorded = cand.recorded_plan
     except CheckpointError as exc:  # a block no fold writes: a wrong candidate, judged without it
@@ -169,8 +153,7 @@ def _resolve_plan(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Reso
 
 
 def _unrecorded(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Resolved:
-    """Without a recorded plan the candidate is judged later against the form it has: the
-    reference, or this enjoyln's plan applied."""
+    """Without a recorded plan the candidate is judged later against the form it has: the reference, or the fold."""
     out = _Resolved(FoldPlan(type(ref.meta).__name__), "none (the analysis failed)", None)
     try:
         out.plan, out.source = _analysis(ref, None), "analysis"
@@ -183,10 +166,8 @@ def _unrecorded(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Resolv
 
 
 def _recorded(ref: Checkpoint, cand: Checkpoint, recorded: FoldPlan, dtype: str | None) -> _Resolved:
-    """A recorded plan, confirmed by the analysis, and the block it must be written as: every
-    claim in it (rotation.plain_loading_exact, the lists beside the plan) follows from the plan
-    this enjoyln confirms. The tensors are judged by that plan, never by a recorded one it does
-    not confirm, whose centerings (0 groups, an axis out of range) may not even apply."""
+    """A recorded plan, confirmed by the analysis, and the block it must be written as. The tensors are
+    never judged by a recorded plan it does not confirm, whose centerings may not even apply."""
     out = _Resolved(FoldPlan(type(ref.meta).__name__), "recorded", recorded)
     try:
         analysed: FoldPlan | None = _analysis(ref, recorded)
@@ -203,7 +184,6 @@ def _recorded(ref: Checkpoint, cand: Checkpoint, recorded: FoldPlan, dtype: str 
 
 
 def _analysis(ref: Checkpoint, recorded: FoldPlan | None) -> FoldPlan:
-    """This enjoyln's plan for the reference, with the options a recorded plan was made with."""
     plan = analyze_dir(ref, **_options(recorded))
     if recorded is not None and not recorded.auxiliary and plan.to_dict() != recorded.to_dict():
         # --auxiliary-centering that placed none leaves a trace only in the plan's notes and
@@ -216,9 +196,8 @@ def _analysis(ref: Checkpoint, recorded: FoldPlan | None) -> FoldPlan:
 def _verify(resolved: _Resolved, pairs: list[Pair], checkpoints: tuple[Checkpoint, Checkpoint],
             readers: tuple[TensorReader, TensorReader], dtype: str | None,
             progress: Callable[[int, int], None] | None) -> Verdicts:
-    """Every paired tensor judged. A fused affine or a rotation computes tensors from other
-    tensors: each is recomputed from the reference tensors it depends on, by the code the fold
-    used, when its turn comes (and, for a candidate in another dtype, from the reference cast)."""
+    """Every paired tensor judged; a fused affine's or a rotation's recomputed from the reference by the
+    fold's own code (and, for a candidate in another dtype, from the reference cast)."""
     plan, (ref, cand) = resolved.plan, checkpoints
     expected = cast = None
     if moves_values(plan) and not resolved.problems:
@@ -238,9 +217,8 @@ def _verify(resolved: _Resolved, pairs: list[Pair], checkpoints: tuple[Checkpoin
 
 
 def _judge(resolved: _Resolved, v: Verdicts, files: list[str], *, moved: bool) -> StaticReport:
-    """The verdict. Without a recorded plan the candidate may be the reference itself or the
-    whole plan applied; anything in between is not proven, so it is judged against whichever
-    form it is closer to."""
+    """The verdict. Without a recorded plan the candidate may be the reference itself or the whole plan
+    applied; anything in between is judged against whichever form it is closer to."""
     report = StaticReport(passed=False, tensors=v.tensors, identical=v.identical, centered=v.centered,
                           untied=v.untied, computed=v.computed, plan=resolved.source)
     problems = list(resolved.problems)

@@ -23,8 +23,7 @@ SUFFIX = " (token sweep, sketched)"
 
 
 def token_sweep(model: nn.Module, drawn: set[int], *, seed: int = 0, max_rows: int | None = None) -> list[Inputs]:
-    """Batches that together run every token id of ``model``'s vocabulary not in ``drawn``, or
-    none for a model without token ids or with a vocabulary over ``MAX_VOCAB``."""
+    """Batches that together run every token id of ``model``'s vocabulary not in ``drawn`` (none over ``MAX_VOCAB``)."""
     if not is_hf_model(model):
         return []
     config = model.config
@@ -54,7 +53,6 @@ def token_sweep(model: nn.Module, drawn: set[int], *, seed: int = 0, max_rows: i
 
 
 def drawn_ids(batches: list[Inputs]) -> set[int]:
-    """Every token id the batches feed."""
     ids: set[int] = set()
     for b in batches:
         if isinstance(b.kwargs.get("input_ids"), torch.Tensor):
@@ -63,8 +61,8 @@ def drawn_ids(batches: list[Inputs]) -> set[int]:
 
 
 def sketched(outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each output's sketch, under its name with ``SUFFIX``: floating outputs wider than
-    ``SKETCH`` times their fixed random matrix along the last axis, in float64; others as they are."""
+    """Each output's sketch, under its name with ``SUFFIX``: floating outputs wider than ``SKETCH`` times a
+    fixed random matrix along the last axis, in float64; others as they are."""
     out = {}
     for name, t in outputs.items():
         if t.is_floating_point() and t.dim() and t.shape[-1] > SKETCH:

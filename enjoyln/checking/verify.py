@@ -41,18 +41,16 @@ class Verdicts:
 
 
 def center_as_planned(t: torch.Tensor, cs: Sequence[Centering], read: Callable[[str], torch.Tensor]) -> torch.Tensor:
-    """``t`` centered in place as ``cs`` say (per-head centerings of one weight come as several),
-    by the very function the fold uses (float64 arithmetic, one block at a time, so no wide copy
-    of the whole tensor). ``read`` gives a LayerScale gain by parameter name."""
+    """``t`` centered in place as ``cs`` say, by the very function the fold uses; ``read`` gives a
+    LayerScale gain by parameter name."""
     for c in cs:
         center_(t, c.axis, c.groups, scale=read(c.scale) if c.scale else None, blocks=c.blocks)
     return t
 
 
 def cast_allowed(ref: torch.dtype, cand: torch.dtype, dtype: str | None = None) -> bool:
-    """The changes of dtype a candidate may make: a wider float, which is exact (the model still
-    loads in its own dtype, which ``load_problems`` checks), or, when the caller names the dtype
-    the candidate is meant to run in (``dtype``), a narrower float of that dtype."""
+    """The changes of dtype a candidate may make: a wider float, which is exact (``load_problems`` checks
+    the dtype it loads in), or a narrower float of the ``dtype`` the caller names."""
     wider = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64),
              torch.float32: (torch.float64,)}
     narrower = (dtype is not None and cand == getattr(torch, dtype) and ref.is_floating_point
@@ -61,9 +59,8 @@ def cast_allowed(ref: torch.dtype, cand: torch.dtype, dtype: str | None = None) 
 
 
 def nearest(cand: torch.Tensor, makes: Sequence[Make]) -> tuple[bool, float]:
-    """Whether ``cand`` is bit for bit one of the tensors ``makes`` compute (each rounded to
-    nearest into ``cand``'s dtype), computed one at a time until one is; (found, max abs diff
-    from the first)."""
+    """(whether ``cand`` is bit for bit one of the tensors ``makes`` compute, rounded to nearest, each made
+    only if the one before is not; max abs diff from the first)."""
     first = None
     for make in makes:
         expected = make()
@@ -128,9 +125,8 @@ class Verifier:
             out.not_folded.append(why or f"{p.cand} differs from the reference's {p.ref}")
 
     def _mapped(self, order: list[Pair]) -> dict[str, tuple[bool, bool]]:
-        """(identical, folded) for every tensor both files prove right as they lie, mapped: byte for
-        byte, or centered and compared in one pass of the C kernel (the fold's arithmetic), the next
-        read meanwhile. Anything else is left to the reading path, which says how it differs."""
+        """(identical, folded) for every tensor both mapped files prove right: byte for byte, or centered and
+        compared in one pass of the C kernel. Anything else is left to the reading path, which says why."""
         ref, cand = self.ref, self.cand
         decided: dict[str, tuple[bool, bool]] = {}
         eligible = [p for p in order if cand.mappable(p.cand) and ref.mappable(p.ref)
@@ -158,8 +154,7 @@ class Verifier:
         return decided
 
     def _read(self, order: list[Pair], advance: Callable[[Pair], None]) -> None:
-        """Every other tensor read (the reference's and the candidate's at once, each pair's
-        successor read while it is judged) and judged by ``_judge``."""
+        """Every other tensor read (both files at once, the next pair read while one is judged) and judged."""
         buffers = [(Buffer(), Buffer()), (Buffer(), Buffer())]  # one pair in use, one read ahead
         side = ThreadPoolExecutor(1, thread_name_prefix="enjoyln-read")
 
@@ -226,12 +221,9 @@ class Verifier:
     def _moved(self, key: str, cast: bool) -> Iterator[Make]:
         yield lambda: self.expected.get(key)
         if cast and self.cast_expected is not None:
-            yield lambda: self._cast_tensors().get(key)
-
-    def _cast_tensors(self) -> StreamedTensors:
-        if self._cast is None:
-            self._cast = self.cast_expected()
-        return self._cast
+            if self._cast is None:  # made only when asked for: after the first is not it
+                self._cast = self.cast_expected()
+            yield lambda: self._cast.get(key)
 
 
 def read_param_of(reader: TensorReader, key_of: Callable[[str], str | None]) -> Callable[[str], torch.Tensor]:

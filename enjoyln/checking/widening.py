@@ -20,9 +20,8 @@ class NotWidened(RuntimeError):
 
 
 class _Scratch:
-    """Stack-ordered scratch memory in chunks: a module takes what its weights need when its
-    forward starts and gives it back when it ends, so chunks are allocated (and first touched)
-    once, by the largest module, and reused by every one after it."""
+    """Stack-ordered scratch memory in chunks, taken by a module's forward and given back when it ends: chunks
+    are allocated (and first touched) once, by the largest module, and reused by every one after it."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -76,8 +75,7 @@ def _copies_of_views(out: Any, storages: set[int]) -> Any:
 
 def _swap(table: dict[str, Any], name: str, t: torch.Tensor, wide: torch.Tensor,
           swapped: list[tuple[dict[str, Any], str, Any]]) -> None:
-    """``t`` (the entry ``name`` of a module's parameters or buffers) replaced by ``wide``, and
-    what to put back recorded."""
+    """``t`` (entry ``name`` of a module's parameters or buffers) replaced by ``wide``; what to put back recorded."""
     if isinstance(t, nn.Parameter):
         swapped.append((table, name, (t, t.data)))
         t.data = wide
@@ -88,9 +86,8 @@ def _swap(table: dict[str, Any], name: str, t: torch.Tensor, wide: torch.Tensor,
 
 @contextlib.contextmanager
 def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
-    """Within the block, calling ``model`` computes in ``dtype`` as ``model.to(dtype)`` would, one
-    module's weights converted at a time; afterwards the model is as it was. Yields the scratch
-    memory. Raises ``NotWidened`` (on leaving) when a weight was not converted by its owner's forward.
+    """Within the block, calling ``model`` computes in ``dtype`` as ``model.to(dtype)`` would, one module's
+    weights converted at a time; ``NotWidened`` (on leaving) if a weight was not read by its owner's forward.
 
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     >>> with widened(net, torch.float64):
