@@ -36,24 +36,20 @@ from .transform.steps import fold
 
 @dataclass
 class LatencyComparison:
-    """Medians of alternating runs; ``speedup`` > 0 means B is faster. ``a_runs_ms`` and
-    ``b_runs_ms`` hold every run, and ``pair_ratios`` each B run over the A run beside it: their
-    spread says whether a difference is measurable (``difference``), and ``warnings`` whether
-    the timings can be trusted at all."""
+    """Medians of alternating runs (``speedup`` > 0: B is faster), with every run kept: their spread
+    says whether a difference is measurable (``difference``) and can be trusted (``warnings``)."""
 
     a_ms: float
     b_ms: float
     repeats: int
     tokens: int = 0
     a_iqr_ms: float = 0.0
-    """Interquartile range of A's runs: their spread."""
     b_iqr_ms: float = 0.0
     a_runs_ms: list[float] = field(default_factory=list)
     b_runs_ms: list[float] = field(default_factory=list)
 
     @classmethod
     def of(cls, a_runs_ms: list[float], b_runs_ms: list[float], tokens: int = 0) -> "LatencyComparison":
-        """From the runs themselves (ms), A's and B's alternating."""
         a, b = Spread.of(a_runs_ms), Spread.of(b_runs_ms)
         return cls(a.median, b.median, len(a_runs_ms), tokens, a.iqr, b.iqr, list(a_runs_ms), list(b_runs_ms))
 
@@ -72,8 +68,7 @@ class LatencyComparison:
         return Spread.of(pairs) if pairs else None
 
     def difference(self, a: str = "original", b: str = "folded") -> str:
-        """The comparison in words: a measurable difference only where the middle half of the
-        run-by-run ratios lies on one side of 1.
+        """In words: a measurable difference only where the middle half of the pair ratios lies on one side of 1.
 
         >>> LatencyComparison.of([10.0, 10.1, 9.9], [10.0, 9.9, 10.1]).difference()
         'folded/original 1.000 (IQR 0.980-1.020 over 3 pairs): no measurable difference'
@@ -104,8 +99,8 @@ class LatencyComparison:
 
 
 def synchronizer(*models: Any) -> Any:
-    """What waits for the models' queued work: ``torch.cuda.synchronize`` where any holds a CUDA
-    tensor (a CUDA call returns before its kernels finish), else nothing.
+    """``torch.cuda.synchronize`` where any model holds a CUDA tensor (a CUDA call returns before its
+    kernels finish), else nothing.
 
     >>> synchronizer(torch.nn.Linear(2, 2))()
     """
@@ -120,12 +115,9 @@ def synchronizer(*models: Any) -> Any:
 def compare_latency(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
                     repeats: int = 20, warmup: int = 3, seconds: float | None = None,
                     max_repeats: int = 2000) -> LatencyComparison:
-    """Forward latency of ``a`` and ``b`` on the same inputs, alternating A, B, A, B; on CUDA
-    each forward is timed to the end of its kernels. At least ``repeats`` pairs; with
-    ``seconds``, more until that much time has passed (at most ``max_repeats``), for a spread
-    that means something.
+    """Forward latency of ``a`` and ``b``, alternating A, B, B, A; at least ``repeats`` pairs, and with
+    ``seconds`` more until that much time has passed (at most ``max_repeats``), for a spread that means something.
 
-    >>> import torch
     >>> net = torch.nn.Linear(8, 8)
     >>> compare_latency(net, net, torch.randn(4, 8), repeats=3).repeats
     3
@@ -171,8 +163,7 @@ class KernelResult:
     torch_rms_norm_us: float
     copy_us: float
     bytes_moved: int
-    warnings: list[str] = field(default_factory=list)
-    """Why these timings should not be trusted, if they should not (``timings.Spread.warnings``)."""
+    warnings: list[str] = field(default_factory=list)  # from ``timings.Spread.warnings``
 
     @property
     def ratio(self) -> float:
@@ -210,13 +201,9 @@ def _median_time(fn: Any, repeats: int, sync: Any, batch: int = 1) -> list[float
 
 def kernel_benchmark(shapes: list[tuple[int, int]], dtypes: list[torch.dtype], *, device: str = "cpu",
                      repeats: int = 200, seed: int = 0) -> list[KernelResult]:
-    """Time native LN, enjoyln RMSNorm and ``F.rms_norm`` + bias, interleaved, per shape and dtype.
-
-    Bytes moved are ``M·N·(size_x + size_y) + N·(size_γ + size_β)``; a copy of
-    the input (``clone``) is timed too, as the floor no kernel can beat.
-    """
+    """Time native LN, enjoyln RMSNorm and ``F.rms_norm`` + bias, interleaved, per shape and dtype;
+    and a ``clone`` of the input, the floor no kernel can beat."""
     import torch.nn.functional as F
-
 
     gen = torch.Generator().manual_seed(seed)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -266,8 +253,7 @@ class EndToEndResult:
     seq_len: int
     threads: int
     norm_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    """Wall time inside the norm modules per forward: (original LNs, folded norms,
-    a plain copy of the input in place of each folded norm); zeros on CUDA, not measured."""
+    """``norm_time_ms``: (original LNs, folded norms, a copy in their place); zeros on CUDA, not measured."""
 
     @property
     def share_captured(self) -> float:
@@ -276,8 +262,7 @@ class EndToEndResult:
 
     @property
     def best_possible_speedup(self) -> float:
-        """The whole-forward speedup if each folded norm cost only a copy of its input: the
-        most any norm that writes a new tensor could give, measured in this model."""
+        """The whole-forward speedup if each folded norm cost only a copy of its input."""
         ln, _, copy = self.norm_ms
         return (ln - copy) / self.latency.a_ms if self.latency.a_ms else 0.0
 
@@ -292,7 +277,6 @@ class EndToEndResult:
 @contextlib.contextmanager
 def _quiet_fds() -> Any:
     """Silence the profiler's C++ start/stop lines, which bypass Python's streams."""
-
     sys.stdout.flush()
     sys.stderr.flush()
     saved = [os.dup(1), os.dup(2)]
@@ -333,14 +317,9 @@ def layer_norm_share(model: nn.Module, example_inputs: ExampleInputs, *, runs: i
 
 def norm_time_ms(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
                  runs: int = 6) -> tuple[float, float, float]:
-    """Median wall time per forward spent inside the norm modules: of ``a``, of ``b``, and of
-    ``b`` with each of its RMSNorms doing nothing but copy its input (the floor).
-
-    Timed in place, inside the running model, where caches hold what the
-    layers around each norm left there; far less noisy than whole forwards
-    when the norms are a small share of the model.
-    """
-
+    """Median wall time per forward inside the norm modules of ``a``, of ``b``, and of ``b`` with each
+    RMSNorm only copying its input (the floor). Timed inside the running model, where caches hold what
+    the layers around each norm left: far less noisy than whole forwards when norms are a small share."""
     inputs = as_inputs(example_inputs)
 
     def timed(model: nn.Module) -> float:
@@ -377,8 +356,7 @@ def norm_time_ms(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
 
 def end_to_end(original: nn.Module, folded: nn.Module, example_inputs: ExampleInputs, *,
                repeats: int = 20, seconds: float | None = None) -> EndToEndResult:
-    """Forward latency of the original and the folded model (at least ``repeats`` pairs, more
-    within ``seconds``), the original's LN share, and the time inside the norms of each."""
+    """``compare_latency`` of the two models, the original's LN share, and the time inside their norms."""
     inputs = as_inputs(example_inputs)
     latency = compare_latency(original, folded, inputs, repeats=repeats, seconds=seconds)
     share = layer_norm_share(original, inputs)
@@ -397,25 +375,18 @@ class CompiledResult:
     """Compiled original against compiled folded (inductor, ``fullgraph=True``)."""
 
     latency: LatencyComparison
-    kernels: tuple[int, int]
-    """Kernels inductor generated: (original, folded)."""
-    norm_kernels: tuple[int, int]
-    """Of those, the kernels computing a norm: (original, folded)."""
-    fused_add_norms: int
-    """Folded norm kernels that also compute the residual add feeding the norm."""
-    max_rel_diff: float
-    """Compiled folded against the eager original, over every output."""
+    kernels: tuple[int, int]  # generated by inductor: (original, folded)
+    norm_kernels: tuple[int, int]  # of those, the ones computing a norm
+    fused_add_norms: int  # folded norm kernels that also compute the residual add before the norm
+    max_rel_diff: float  # compiled folded against the eager original, over every output
     compile_s: tuple[float, float]
-    norm_kernel_ms: tuple[float, float] = (0.0, 0.0)
-    """Per forward, in the generated kernels that compute a norm (with whatever inductor fused
-    into them), from the profiler: (original, folded). Zero unless asked for."""
+    norm_kernel_ms: tuple[float, float] = (0.0, 0.0)  # per forward, profiled; zero unless asked for
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "latency": self.latency.to_dict()}
 
 
 def _kernel_names(code: str) -> list[str]:
-
     return re.findall(r"^(cpp_fused_\w+|triton_\w+) = async_compile", code, re.M)
 
 
@@ -439,22 +410,16 @@ def _is_norm_kernel(name: str) -> bool:
 def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: ExampleInputs, *,
                         repeats: int = 20, profile_kernels: bool = False,
                         seconds: float | None = None) -> CompiledResult:
-    """Compile both models with inductor and time them side by side, alternating.
-
-    ``fullgraph=True`` makes any graph break an error. The folded model's compiled
-    outputs are compared with the eager original's, and the generated code is
-    read for how many kernels each model needs and whether the norms were fused.
-    ``profile_kernels`` (CPU) compiles with inductor's kernel profiling on and
-    reports the time spent in the norm kernels.
+    """Compile both models with inductor (``fullgraph=True``: a graph break is an error), time them
+    alternating, compare the folded one's outputs with the eager original's, and count the generated
+    kernels; ``profile_kernels`` (CPU) also times the norm kernels.
 
     >>> r = compiled_comparison(original, folded, inputs)  # doctest: +SKIP
-    >>> r.latency.ratio, r.max_rel_diff                   # doctest: +SKIP
     """
     import torch._inductor.config as inductor_config
 
-
     inputs = as_inputs(example_inputs)
-    compiled, names, seconds, outputs = [], [], [], []
+    compiled, names, compile_s, outputs = [], [], [], []
     torch._dynamo.reset()  # inductor's CPU code fixes its thread count when it is generated
     with torch.inference_mode(), inductor_config.patch({"cpp.enable_kernel_profile": profile_kernels}):
         reference = flatten_outputs(inputs.call(original))
@@ -463,7 +428,7 @@ def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: 
             fn = torch.compile(model, fullgraph=True)
             with _inductor_code() as code:
                 out = inputs.call(fn)
-            seconds.append(time.perf_counter() - start)
+            compile_s.append(time.perf_counter() - start)
             compiled.append(fn)
             names.append(_kernel_names("\n".join(code)))
             outputs.append(flatten_outputs(out))
@@ -472,7 +437,7 @@ def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: 
     latency = compare_latency(compiled[0], compiled[1], inputs, repeats=repeats, seconds=seconds)
     norm_ms = tuple(_norm_kernel_ms(fn, inputs) for fn in compiled) if profile_kernels else (0.0, 0.0)
     return CompiledResult(latency, (len(names[0]), len(names[1])), (len(norms[0]), len(norms[1])),
-                          sum("add" in n for n in norms[1]), diff, (seconds[0], seconds[1]), norm_ms)
+                          sum("add" in n for n in norms[1]), diff, (compile_s[0], compile_s[1]), norm_ms)
 
 
 def _norm_kernel_ms(fn: Any, inputs: Any, runs: int = 6) -> float:
@@ -528,10 +493,9 @@ def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: 
 @quiet
 def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = "cpu",
                       dtype: torch.dtype | None = None, access: Access = Access()) -> tuple[nn.Module, nn.Module]:
-    """(original, folded) to time against each other: from a folded directory (the original is
-    what plain ``from_pretrained`` gives, LayerNorms kept), from an original one (folded in
-    memory), or, without a directory, a random GPT-2 small with perturbed weights. Folded in the
-    dtype they load in, then moved to ``device`` and cast to ``dtype`` where given.
+    """(original, folded): from a folded directory (the original is what plain ``from_pretrained``
+    gives), from an original one (folded in memory), or a perturbed random GPT-2 small; folded in
+    the dtype they load in, then moved to ``device`` and cast to ``dtype``.
 
     >>> original, folded = models_to_compare()  # doctest: +SKIP
     """

@@ -40,8 +40,8 @@ class CheckFailed(EnjoylnError):
 
 
 def first_line(exc: BaseException, default: str | None = None) -> str:
-    """The first line of ``exc``'s message, or ``default`` (its type name) when empty; a first line
-    ending in a colon announces the next (pydantic's), which comes with it.
+    """The first line of ``exc``'s message, or ``default`` (its type name); a line ending in a colon
+    announces the next (pydantic's), which comes with it.
 
     >>> first_line(ValueError("bad shape\\nin layer 3")), first_line(KeyError())
     ('bad shape', 'KeyError')
@@ -55,11 +55,8 @@ def first_line(exc: BaseException, default: str | None = None) -> str:
 
 
 class Interrupted(BaseException):
-    """SIGINT or SIGTERM, raised by the command line's signal handlers where the program is,
-    so every ``finally`` cleans up; the exit code is 128 + the signal number.
-
-    Not a KeyboardInterrupt: click and typer turn those into a silent exit 130.
-    """
+    """SIGINT or SIGTERM, raised by the CLI's signal handlers so every ``finally`` cleans up; exit code
+    128 + the signal. Not a KeyboardInterrupt: click and typer turn those into a silent exit 130."""
 
     def __init__(self, signum: int) -> None:
         import signal

@@ -17,7 +17,6 @@ from typing import Any
 from .errors import EnjoylnError
 from .plan import FoldPlan, RotationSpec
 
-
 ACCESS = ("allow_pickle", "trust_remote_code", "model_class")
 
 
@@ -45,11 +44,7 @@ class Access:
 
 @dataclass(frozen=True)
 class CheckOptions:
-    """What ``enjoyln check`` (and the check inside ``fold``) runs: ``mode`` ``"full"`` (every
-    weight, then the outputs), ``"static"`` or ``"forward"``; the batches (None: 2 short ones after
-    the weight check, else 3); ``rtol`` a fixed tolerance; ``dtype`` the one the candidate is meant to
-    load in; ``thorough`` a batch over every position; ``max_memory`` (bytes) one model at a time;
-    ``device`` (``"cuda"``) where the forward part runs."""
+    """What ``enjoyln check`` (and ``fold``'s check) runs; the fields are its options (docs/checking.md)."""
 
     batches: int | None = None
     batch_size: int = 2
@@ -65,14 +60,12 @@ class CheckOptions:
 
     @classmethod
     def of(cls, options: "CheckOptions | None" = None, **values: Any) -> "CheckOptions":
-        """``options`` with ``values`` set, refused in one line for a name that is no option."""
         return _built(cls, {**_fields(options), **values})
 
 
 @dataclass(frozen=True)
 class FoldOptions:
-    """What ``enjoyln fold`` (``fold_checkpoint``) does: the plan (its analysis options, or ``plan``),
-    the output (``max_shard_size``, ``force``, ``dry_run``, ``keep_failed``) and its check."""
+    """What ``enjoyln fold`` (``fold_checkpoint``) does: the plan, the output and its check."""
 
     auxiliary_centering: bool = False
     fuse_affine: bool = False
@@ -102,10 +95,9 @@ class FoldOptions:
 
     @property
     def checking(self) -> CheckOptions:
-        """The options of the fold's own check: its directories opened as the fold opened them."""
+        """The fold's own check, its directories opened as the fold opened them."""
         return dataclasses.replace(self.check, access=self.access)
 
 
 def _fields(options: Any) -> dict[str, Any]:
-    """An options object's fields, shallow (nested options stay objects)."""
     return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)} if options is not None else {}

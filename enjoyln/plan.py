@@ -14,7 +14,6 @@ FORMAT_VERSION = 2
 """The newest plan format this enjoyln reads; a plan is written with the oldest version that holds it,
 so older readers refuse only the plans they would misread."""
 
-
 _REQUIRED = object()
 
 
@@ -59,11 +58,9 @@ class Fields:
         return self._get(key, bool, default)
 
     def items(self, key: str) -> list["Fields"]:
-        """The objects of the list under ``key`` (none if it is missing)."""
         return [Fields(v, f"{self.where}.{key}[{i}]") for i, v in enumerate(self._get(key, list, []))]
 
     def values(self, key: str, kind: type, default: Any = ()) -> Any:
-        """The list under ``key``, each of its values of ``kind`` (``default`` if it is missing)."""
         values = self._get(key, list, None)
         if values is None:
             return default
@@ -85,16 +82,13 @@ class Centering:
     param: str
     axis: int
     groups: int = 1
-    blocks: tuple[int, ...] | None = None
-    """Only these of the ``groups`` blocks; None: all of them."""
-    scale: str | None = None
-    """The parameter holding γ, indexed like ``axis``; it is not changed."""
+    blocks: tuple[int, ...] | None = None  # only these of the ``groups`` blocks; None: all
+    scale: str | None = None  # the parameter holding γ, indexed like ``axis``; not changed
     saved: bool = True
-    """False for a non-persistent buffer, which a checkpoint does not store;
-    ``enjoyln.load`` centers it again after loading."""
+    """False for a non-persistent buffer, which a checkpoint does not store: ``enjoyln.load`` centers it again."""
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields, leaving out the newer ones at their defaults, so older plans read the same."""
+        """Newer fields at their defaults left out, so older readers read the same."""
         d: dict[str, Any] = {"param": self.param, "axis": self.axis, "groups": self.groups}
         if self.blocks is not None:
             d["blocks"] = list(self.blocks)
@@ -173,12 +167,9 @@ class Rotated:
 
     param: str
     axis: int
-    saved: bool = True
-    """False for a non-persistent buffer: ``enjoyln.load`` rotates it again after loading."""
-    start: int = 0
-    """The block of ``axis`` that is rotated starts here (a reader of several concatenated norms)."""
-    length: int = 0
-    """... and is this long (0: to the end of the axis)."""
+    saved: bool = True  # False for a non-persistent buffer: ``enjoyln.load`` rotates it again
+    start: int = 0  # the rotated block of ``axis`` (a reader of several concatenated norms) ...
+    length: int = 0  # ... and its length (0: to the end of the axis)
 
 
 @dataclass
@@ -218,7 +209,6 @@ class RotationSpec:
 
     @classmethod
     def of(cls, value: "RotationSpec | tuple[str, int, bool] | None") -> "RotationSpec | None":
-        """``value`` as a spec; the public functions also take the (kind, seed, keep_mean) tuple."""
         if value is None or isinstance(value, RotationSpec):
             return value
         kind, seed, keep_mean = value
@@ -236,8 +226,8 @@ _NOTE_TEXTS = {TRAINING_MODE: "the model is in training mode, so its dropout blo
 
 
 class Note(str):
-    """A note of a plan: plain text (so a plan's JSON holds strings) with a ``kind`` that code
-    tests instead of the words; ``""`` for notes only meant to be read.
+    """A plan's note: plain text (a plan's JSON holds strings) with a ``kind`` that code tests instead of
+    the words (``""``: only meant to be read).
 
     >>> note = Note.of(NOT_ROTATED, "no LayerNorm folds")
     >>> note, note.kind
@@ -253,13 +243,11 @@ class Note(str):
 
     @classmethod
     def of(cls, kind: str, *args: Any) -> "Note":
-        """The note of ``kind``, its text completed with ``args``."""
         return cls(_NOTE_TEXTS[kind].format(*args), kind)
 
     @classmethod
     def read(cls, text: str) -> "Note":
-        """A note read back from a plan's JSON, where only the text is stored: its kind is
-        recovered from the fixed start of the texts made by ``Note.of``."""
+        """A note read back from JSON: its kind recovered from the fixed start of ``Note.of``'s texts."""
         for kind, template in _NOTE_TEXTS.items():
             if text.startswith(template.split("{}")[0]):
                 return cls(text, kind)
@@ -279,34 +267,26 @@ class LayerNormEntry:
     eps: float = 1e-5
     norm: str = "layer_norm"  # or "group_norm"
     groups: int = 1
-    affine: str = ""
-    """With ``fuse_affine``: AFFINE_FUSED, AFFINE_GAIN or AFFINE_KEPT; '' when not asked."""
-    affine_reason: str = ""
-    """Why the affine stayed (AFFINE_KEPT) or why β did (AFFINE_GAIN)."""
+    affine: str = ""  # with ``fuse_affine``: AFFINE_FUSED, AFFINE_GAIN or AFFINE_KEPT
+    affine_reason: str = ""  # why the affine (AFFINE_KEPT) or β (AFFINE_GAIN) stayed
     fused: list[Fused] = field(default_factory=list)
     dim: int = -1
-    """The axis of the norm's input it normalizes: -1 (the last), or 1 for a channels-first
-    norm (``permute -> layer_norm -> permute`` back, timm's ``LayerNorm2d``)."""
+    """The axis normalized: -1, or 1 for a channels-first norm (timm's ``LayerNorm2d``)."""
     upcast: bool = False
-    """The norm computes in float32 and casts back to its input's dtype (timm's
-    ``LayerNormFp32``, OLMo)."""
+    """Computes in float32, cast back to the input's dtype (timm's ``LayerNormFp32``, OLMo)."""
     then: tuple[str, ...] = ()
-    """Child modules the norm module passes its output through, in order (the
-    activation of timm's ``LayerNormAct2d``); they stay, after the RMSNorm."""
+    """Child modules applied to the output, in order (timm's ``LayerNormAct2d``); they stay after the RMSNorm."""
 
     @property
     def form(self) -> tuple[int, bool, tuple[str, ...]]:
-        """What the replacing RMSNorm must do besides normalizing: (dim, upcast, then)."""
         return self.dim, self.upcast, tuple(self.then)
 
     @property
     def plain_form(self) -> bool:
-        """Normalizes the last axis in the input's dtype and returns that (a plain LayerNorm)."""
         return self.form == (-1, False, ())
 
     @property
     def weightless(self) -> bool:
-        """Runs as a weightless RMSNorm (``elementwise_affine=False``)."""
         return self.foldable and self.affine == AFFINE_FUSED
 
     def to_dict(self) -> dict[str, Any]:
@@ -348,14 +328,10 @@ class FoldPlan:
     model: str
     layer_norms: list[LayerNormEntry] = field(default_factory=list)
     untied: list[Untie] = field(default_factory=list)
-    notes: list[Note] = field(default_factory=list)
-    """Notes for the reader (plain strings are accepted too); ``note(kind)`` finds one by kind."""
-    auxiliary: list[AuxCentering] = field(default_factory=list)
-    """Centerings inserted to make more LNs foldable (``auxiliary_centering=True``)."""
-    norm_modules: list[str] = field(default_factory=list)
-    """Every LayerNorm and GroupNorm module of the analysed model, to recognise it again."""
+    notes: list[Note] = field(default_factory=list)  # plain strings are accepted too
+    auxiliary: list[AuxCentering] = field(default_factory=list)  # ``auxiliary_centering=True``
+    norm_modules: list[str] = field(default_factory=list)  # every LN and GroupNorm, to recognise the model again
     rotation: Rotation | None = None
-    """The rotation of the residual stream (``enjoyln.rotate``), if any."""
 
     @property
     def foldable(self) -> list[LayerNormEntry]:
@@ -372,7 +348,6 @@ class FoldPlan:
 
     @property
     def fused(self) -> list[Fused]:
-        """Every place a norm's affine moves to."""
         return [f for e in self.foldable if e.affine in (AFFINE_FUSED, AFFINE_GAIN) for f in e.fused]
 
     @property
@@ -385,7 +360,6 @@ class FoldPlan:
         return sum(u.nbytes for u in self.untied)
 
     def note(self, kind: str) -> Note | None:
-        """The first note of ``kind`` (``TRAINING_MODE``, ``NOT_ROTATED``), if any."""
         return next((n for n in self.notes if getattr(n, "kind", "") == kind), None)
 
     def __getitem__(self, name: str) -> LayerNormEntry:
@@ -413,10 +387,8 @@ class FoldPlan:
         f = Fields(d, "plan")
         version = f.integer("format_version", FORMAT_VERSION)
         if version > FORMAT_VERSION:
-            raise PlanError(
-                f"this plan has format version {version}; this enjoyln reads up to "
-                f"{FORMAT_VERSION}, so upgrade enjoyln"
-            )
+            raise PlanError(f"this plan has format version {version}; this enjoyln reads up to "
+                            f"{FORMAT_VERSION}, so upgrade enjoyln")
         rotation = f.data.get("rotation")
         return cls(
             model=f.string("model"),
@@ -470,8 +442,8 @@ class FoldPlan:
 
 
 def block_lists(plan: FoldPlan) -> dict[str, list[Any]]:
-    """The lists a folded checkpoint's ``enjoyln`` block carries beside the full plan, for
-    readers that do not parse it: derived from the plan, so the static check can confirm them."""
+    """The lists a folded checkpoint's ``enjoyln`` block carries beside the plan, for readers that do not
+    parse it; derived from the plan, so the static check can confirm them."""
     return {"rmsnorm": [e.name for e in plan.foldable],
             "centered": [c.to_dict() for c in plan.centered],
             "center_on_load": [c.param for c in plan.centered if not c.saved],

@@ -1,10 +1,6 @@
-"""How a command ends when it fails: one line on stderr (and, with ``--json``, one JSON document on
-stdout) and an exit code, never a traceback: 2 for bad input, 1 for a check that failed, 130
-for Ctrl-C and 143 for SIGTERM.
-
-``friendly`` wraps each command; ``usage_error`` words click's own errors (an unknown option, a
-missing argument) the same way, for ``app.Group``.
-"""
+"""How a command fails: one line on stderr (with ``--json`` also one JSON document on stdout) and an
+exit code, never a traceback: 2 bad input, 1 a failed check, 130 Ctrl-C, 143 SIGTERM. ``friendly``
+wraps each command; ``usage_error`` words click's own errors the same way."""
 
 from __future__ import annotations
 
@@ -38,19 +34,16 @@ def _tolerant_streams() -> None:
 
 
 def fail(message: str, code: int, *, as_json: bool, payload: dict[str, Any] | None = None) -> None:
-    """Report a failure: the line on stderr, and with ``as_json`` one JSON document on stdout
-    (``{"error": ..., "exit_code": ...}`` and what the command had to say), unless the command
-    already printed its document."""
+    """The line on stderr; with ``as_json`` also ``{"error": ..., "exit_code": ..., **payload}`` on stdout,
+    unless the command already printed its document."""
     render.err.print(one_line(message), markup=False, emoji=False, highlight=False)
     if as_json and not render.state.printed_json:
         render.print_json({"error": one_line(message.removeprefix("error: ")), "exit_code": code, **(payload or {})})
 
 
 def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Any failure becomes one line on stderr (and with ``--json`` one JSON document on stdout) and
-    an exit code, never a traceback (unless ``--verbose`` or ENJOYLN_DEBUG asks for one, for an
-    error that is not bad input). Reads ``as_json``, ``quiet`` and ``verbose`` from the command's
-    options, for the rest of the command."""
+    """Any failure becomes ``fail`` and an exit code, never a traceback (unless ``--verbose`` or
+    ENJOYLN_DEBUG asks for one of an error that is not bad input)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -87,8 +80,7 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def usage_error(exc: UsageError, args: list[str]) -> int:
-    """click's usage error (an unknown option, a missing argument, a bad value) as one line:
-    ``error: no such option: --foo (see enjoyln fold --help)``; exit code 2."""
+    """click's usage error as one line: ``error: no such option: --foo (see enjoyln fold --help)``."""
     message = " ".join(exc.format_message().split()).rstrip(".")
     message = re.sub(r"\s*\(Possible options: ([^)]*)\)", r"; did you mean \1?", message)
     message = message[:1].lower() + message[1:]

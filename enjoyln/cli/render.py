@@ -1,9 +1,5 @@
-"""What the command line prints: verdicts, tables, reports and strict JSON.
-
-Reports go to stdout; with ``-q`` only their verdict. JSON goes to stdout, strict and ASCII
-only, one document per command (``state`` records that it is printed). Errors are
-``failures``' job, progress ``progress``'.
-"""
+"""What the command line prints on stdout: verdicts, tables, reports (with ``-q`` only their verdict)
+and strict ASCII JSON, one document per command (``state`` records that it is printed)."""
 
 from __future__ import annotations
 
@@ -32,8 +28,7 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class State:
-    """What the running command asked for: ``--json`` (whether its document is printed yet),
-    ``-q`` and ``--verbose``."""
+    """What the running command asked for: ``--json`` (and whether it is printed yet), ``-q``, ``--verbose``."""
 
     def __init__(self) -> None:
         self.begin()
@@ -59,9 +54,8 @@ _BREAKS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 
 
 def one_line(text: str) -> str:
-    """``text`` with every character that could break the line or the terminal escaped: control
-    characters (a newline in a path), line separators, and the undecodable bytes of a file name
-    (surrogates), which no encoding can print.
+    """``text`` with control characters, line separators and undecodable bytes of a file name
+    (surrogates, which no encoding can print) escaped.
 
     >>> one_line("a\\nb")
     'a\\\\nb'
@@ -105,8 +99,8 @@ _FEEDS = re.compile(r"its input includes the output of (\S+), which is not zero-
 
 
 def post_ln_note(plan: FoldPlan) -> str | None:
-    """Why a post-LN model (BERT and its family) folds only the LNs fed by weights alone: said
-    once, where the plan refuses an LN because its input sums in another norm's output."""
+    """Why a post-LN model (BERT) folds only the LNs fed by weights alone, where the plan refuses an LN
+    because its input sums in another norm's output."""
     norms = {e.name for e in plan.layer_norms}
     fed = [e for e in plan.layer_norms if not e.foldable and (m := _FEEDS.search(e.reason)) and m.group(1) in norms]
     if not fed:
@@ -184,9 +178,8 @@ def print_plan(plan: FoldPlan) -> None:
 
 
 def _strict(value: Any) -> Any:
-    """``value`` as strict JSON allows: non-finite floats as the strings "inf", "-inf" and "nan"
-    (JSON has no such numbers), and strings without the surrogates an undecodable file name
-    leaves (no UTF-8 can carry them), its bytes written as \\xNN."""
+    """``value`` as strict JSON allows: non-finite floats as "inf", "-inf", "nan", and the surrogates of
+    an undecodable file name (no UTF-8 can carry them) as \\xNN."""
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if value != value else "inf" if value > 0 else "-inf"
     if isinstance(value, str):
@@ -204,15 +197,13 @@ _SURROGATES = re.compile(r"[\ud800-\udfff]")
 
 
 def print_json(value: Any) -> None:
-    """Strict JSON on stdout, ASCII only, so it reads back whatever the terminal's encoding; one
-    document per command."""
+    """ASCII only, so it reads back whatever the terminal's encoding."""
     out.file.write(json.dumps(_strict(value), indent=2, ensure_ascii=True, allow_nan=False) + "\n")
     out.file.flush()
     state.printed_json = True
 
 
 def print_report(report: Any, subject: str = "the candidate") -> None:
-    """The verdict in one sentence, then (without ``-q``) what was checked, line by line."""
     colour = "green" if report.passed else "red"
     out.print(f"[{colour}]{escape(report.verdict(subject))}[/]")
     details = report.summary().splitlines()[1:]  # its first line is the bare verdict
@@ -231,8 +222,7 @@ def drop_stdout() -> None:
 
 def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool, dry_run: bool,
               start: float) -> None:
-    """What ``fold`` and ``rotate`` print: the plan, the check's verdict and report, and where the
-    output went; the JSON document instead with ``--json``. Nothing to fold is an error (exit 2)."""
+    """What ``fold`` and ``rotate`` print (or the JSON document); nothing to fold is an error (exit 2)."""
     plan = result.plan
     if not as_json:
         if result.cleaned:
@@ -270,8 +260,6 @@ def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool,
 
 
 def print_export(report: Any, out_file: Path) -> None:
-    """An ONNX export's report: the ops written, the shapes, and onnxruntime's verdicts."""
-
     def dims(shape: list[Any]) -> str:
         return escape("[" + ", ".join(map(str, shape)) + "]")
 

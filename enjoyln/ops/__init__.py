@@ -18,8 +18,7 @@ __all__ = ["rms_norm", "add_rms_norm", "backend", "status", "opaque"]
 
 
 def backend(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> str:
-    """Which implementation ``rms_norm`` uses for these tensors: 'cpu' or 'reference'; on CUDA,
-    the path ``cuda.choose`` names ('native', 'native+bias', 'triton', 'triton-jit', 'reference').
+    """Which implementation ``rms_norm`` uses: 'cpu' or 'reference'; on CUDA, ``cuda.choose``'s path.
 
     >>> backend(torch.randn(2, 8, dtype=torch.float64))
     'reference'
@@ -36,7 +35,7 @@ def backend(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None)
 
 
 def status() -> dict[str, str]:
-    """What each device runs, and why, for ``enjoyln bench`` and bug reports.
+    """What each device runs, and why (``enjoyln bench``, ``enjoyln env``).
 
     >>> sorted(status())
     ['cpu', 'cuda']
@@ -143,11 +142,10 @@ def _plain(t: Tensor | None, grad: bool) -> bool:
     return t is None or ((type(t) is Tensor or type(t) is torch.nn.Parameter) and not (grad and t.requires_grad))
 
 
-def _plain_cpu(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
-    """True for plain contiguous CPU tensors that need no autograd or tracer and fit the C
-    kernel; the same answer as ``not _needs_op(...) and cpu.supports(...)``, only cheaper,
-    because a call costs LayerNorm-sized time at small shapes otherwise."""
-    if type(x) is not Tensor or not x.is_cpu or torch.compiler.is_compiling() or torch.jit.is_tracing():
+def _hot(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
+    """``not _needs_op(...)`` for the kernels' devices, only cheaper: inline, not calls to ``_plain``,
+    because at small shapes a call costs LayerNorm-sized time otherwise."""
+    if type(x) is not Tensor or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
     grad = torch.is_grad_enabled()
     if grad and x.requires_grad:
@@ -156,21 +154,7 @@ def _plain_cpu(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
         if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter)
                               or (grad and t.requires_grad)):
             return False
-    return cpu.supports(x, weight, bias)
-
-
-def _plain_cuda(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
-    """``_plain_cpu`` for CUDA: plain tensors, no autograd, no tracer, and ``cuda.supports``."""
-    if type(x) is not Tensor or not x.is_cuda or torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False
-    grad = torch.is_grad_enabled()
-    if grad and x.requires_grad:
-        return False
-    for t in (weight, bias):  # inline, as in _plain_cpu: a call costs more than the check
-        if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter)
-                              or (grad and t.requires_grad)):
-            return False
-    return cuda.supports(x, weight, bias)
+    return True
 
 
 def _needs_op(*tensors: Tensor | None) -> bool:
@@ -201,11 +185,12 @@ def rms_norm(
     >>> torch.allclose(rms_norm(x, (8,)), torch.nn.functional.layer_norm(x, (8,)), atol=1e-6)
     True
     """
-    if _plain_cpu(x, weight, bias):  # the inference hot path: a few attribute reads, then C
-        return cpu.rms_norm_cpu(x, normalized_shape[-1] if len(normalized_shape) == 1 else
-                                math.prod(normalized_shape), weight, bias, float(eps))
-    if _plain_cuda(x, weight, bias):  # the same on CUDA, then one kernel launch
-        return cuda.rms_norm_cuda(x, normalized_shape, weight, bias, float(eps))
+    if _hot(x, weight, bias):  # the inference hot path: a few attribute reads, then C or one kernel launch
+        if cpu.supports(x, weight, bias):
+            return cpu.rms_norm_cpu(x, normalized_shape[-1] if len(normalized_shape) == 1 else
+                                    math.prod(normalized_shape), weight, bias, float(eps))
+        if cuda.supports(x, weight, bias):
+            return cuda.rms_norm_cuda(x, normalized_shape, weight, bias, float(eps))
     shape = [int(s) for s in normalized_shape]
     if _needs_op(x, weight, bias):
         return torch.ops.enjoyln.rms_norm(x, shape, weight, bias, float(eps))
@@ -220,9 +205,9 @@ def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: Sequence[int], w
     >>> s[0, 0].item(), y[0, 0].item()
     (2.0, 1.0)
     """
-    if (_plain_cuda(x, weight, bias) and type(residual) is Tensor and residual.shape == x.shape
-            and residual.dtype == x.dtype and residual.is_contiguous() and _plain(residual, torch.is_grad_enabled())
-            and residual.get_device() == x.get_device()):
+    if (_hot(x, weight, bias) and cuda.supports(x, weight, bias) and type(residual) is Tensor
+            and residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
+            and _plain(residual, torch.is_grad_enabled()) and residual.get_device() == x.get_device()):
         return cuda.add_rms_norm_cuda(x, residual, normalized_shape, weight, bias, float(eps))
     s = x + residual
     return s, rms_norm(s, normalized_shape, weight, bias, eps)

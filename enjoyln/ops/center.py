@@ -87,8 +87,7 @@ def _gain(scale: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 @dataclass(frozen=True)
 class _Layout:
-    """A centering of a tensor of ``shape`` seen as [outer, n, inner], ``n`` the centered axis
-    in ``groups`` blocks of ``size``, of which ``chosen`` are centered."""
+    """A tensor seen as [outer, n, inner], ``n`` the centered axis in blocks of ``size``, ``chosen`` centered."""
 
     outer: int
     n: int
@@ -157,10 +156,9 @@ def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | N
 
 def center_into(src: int, dst: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
                 blocks: Sequence[int] | None = None) -> bool:
-    """``center_`` of the tensor at address ``src`` (``dst``'s dtype and shape, any alignment,
-    read only: a tensor mapped from its file) written into the contiguous CPU tensor ``dst``,
-    with the same bits, in one read of ``src`` and one write of ``dst``. False, with nothing
-    written, where the C kernel cannot do it (then copy and ``center_``)."""
+    """``center_`` of the tensor at address ``src`` (``dst``'s dtype and shape, any alignment, read only:
+    mapped from its file) written into the contiguous CPU ``dst`` in one pass, with the same bits.
+    False, with nothing written, where the C kernel cannot do it (then copy and ``center_``)."""
     if not (_usable(dst.dtype) and dst.device.type == "cpu" and dst.is_contiguous()):
         return False
     if dst.numel() == 0:
@@ -175,10 +173,8 @@ def center_into(src: int, dst: torch.Tensor, axis: int, groups: int = 1, scale: 
 
 def centered_equal(src: int, cand: int, dtype: torch.dtype, shape: Sequence[int], axis: int, groups: int = 1,
                    scale: torch.Tensor | None = None, blocks: Sequence[int] | None = None) -> bool | None:
-    """Whether the tensor at address ``cand`` holds, bit for bit, what ``center_`` makes of the
-    tensor at ``src`` (both ``dtype`` and ``shape``, any alignment, read only), computed and
-    compared in one pass that writes nothing. None where the C kernel cannot tell (no
-    compiler, a dtype it does not know, only some blocks centered): then compute and compare.
+    """Whether the tensor at ``cand`` holds, bit for bit, what ``center_`` makes of the one at ``src``, in
+    one pass that writes nothing; None where the C kernel cannot tell (then compute and compare).
 
     >>> t = torch.tensor([[1., 2.], [3., 6.]])
     >>> c = center_(t.clone(), 0)
@@ -196,16 +192,14 @@ def centered_equal(src: int, cand: int, dtype: torch.dtype, shape: Sequence[int]
 
 
 def same_memory(a: int, b: int, nbytes: int) -> bool | None:
-    """Whether ``nbytes`` at addresses ``a`` and ``b`` are equal, compared by every thread torch
-    uses, each over a contiguous part; None without the C kernel."""
+    """Whether ``nbytes`` at ``a`` and ``b`` are equal, compared by all torch's threads; None without the C kernel."""
     if kernel() is None:
         return None
     return bool(_same(a, b, nbytes, torch.get_num_threads())) if nbytes else True
 
 
 def center_reference(x: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
-    """``center.c``'s arithmetic in torch, on ``x`` of shape [outer, n, inner], centering
-    along ``n``; returns a new tensor of ``x``'s dtype. Slow loops, but the same bits."""
+    """``center.c``'s arithmetic in torch on [outer, n, inner], centering along ``n``: slow, but the same bits."""
     outer, n, inner = x.shape
     wide = x.to(torch.float64)
     if inner == 1:

@@ -18,8 +18,7 @@ except (OSError, AttributeError):  # no libc to load: torch's comparison is righ
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` have the same dtype, shape and bytes (so NaN payloads and the
-    sign of zero count, unlike ``==``).
+    """Same dtype, shape and bytes (NaN payloads and the sign of zero count, unlike ``==``).
 
     >>> same_bytes(torch.tensor([0.0]), torch.tensor([-0.0]))
     False

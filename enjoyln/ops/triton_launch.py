@@ -10,12 +10,11 @@ MAX_SHORT = 1024
 """Longest row the multi-row kernel takes; longer rows get a program each."""
 
 SHORT_ELEMENTS = 4096
-"""Elements per program of the multi-row kernel (ROWS x BLOCK), as many as the one-row kernel
-holds at N = 4096 with 8 warps, which compiles with no spill."""
+"""Elements per program of the multi-row kernel: as many as the one-row kernel holds at N = 4096 with
+8 warps, which compiles with no spill."""
 
 MAX_ROWS = 16
-"""At most this many rows per program: below N = 256 more rows would leave too few programs to
-spread over the GPU's multiprocessors for the batch sizes models are served at."""
+"""Rows per program at most: more would leave too few programs for the GPU at served batch sizes."""
 
 MAX_FUSED = 16384
 """Longest row kept in registers by the one-block kernel (a row of 32768 spills on sm_80 and sm_90)."""
@@ -57,7 +56,7 @@ def launch_config(n: int) -> LaunchConfig:
 
 
 def all_configs() -> list[LaunchConfig]:
-    """Every configuration ``launch_config`` picks, for some row length.
+    """Every configuration ``launch_config`` picks.
 
     >>> len(all_configs())
     16

@@ -1,9 +1,5 @@
-"""Helpers for testing folds: a zoo of tiny Hugging Face models, and weight
-perturbation that takes them away from Hugging Face's default init.
-
-A fresh model has LN gains of 1, LN biases of 0 and zero linear biases, which
-hides most folding mistakes (an unsound fold can look exact). Always ``perturb`` before
-comparing a folded model with its original.
+"""Helpers for testing folds: a zoo of tiny Hugging Face models, and ``perturb``. A fresh model's LN gains
+of 1 and zero biases hide most folding mistakes, so always ``perturb`` before comparing with the original.
 
 >>> model = perturb(tiny_model("gpt2"))
 >>> float(model.transformer.ln_f.bias.abs().sum()) > 0
@@ -71,8 +67,7 @@ _ZOO: dict[str, tuple[str, str, dict[str, Any]]] = {
                    intermediate_size=128, vocab_size=_VOCAB, max_position_embeddings=64)),
 }
 
-ARCHITECTURES = tuple(k for k in _ZOO if k != "llama")
-"""The LayerNorm architectures of the zoo."""
+ARCHITECTURES = tuple(k for k in _ZOO if k != "llama")  # those with LayerNorms
 
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
@@ -96,21 +91,15 @@ def tiny_model(arch: str, *, seed: int = 0, **overrides: Any) -> nn.Module:
 
 
 def perturb(model: nn.Module, seed: int = 0, *, scale: float = 1.0) -> nn.Module:
-    """Move every LN gain and bias, every bias and every embedding mean away from init.
-
-    LN gains ~ N(1, 0.3), LN biases and other biases ~ N(0, 0.2), and each
-    embedding table or constant added to the stream gets a common offset
-    vector plus a random per-row shift, both on the scale of its own spread.
-    In place; returns ``model``.
-    """
+    """Move norm gains (~N(1, 0.3)), biases (~N(0, 0.2)) and embedding means (a common offset plus a
+    per-row shift, on the scale of the table's spread) away from init, in place; returns ``model``."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(t: torch.Tensor, std: float) -> torch.Tensor:
         return (torch.randn(t.shape, generator=gen) * std * scale).to(t.dtype)
 
     def offset(t: torch.Tensor) -> torch.Tensor:
-        # Relative to the table's own spread, so the shift is visible but does
-        # not swamp the rows (one token would then win every argmax).
+        # relative to the table's spread: visible, but not swamping the rows (one token would win every argmax)
         spread = float(t.float().std()) if t.numel() > 1 else 1.0
         common = randn(t[(0,) * (t.dim() - 1)], spread)
         rows = randn(t[..., :1], 0.5 * spread)
@@ -148,7 +137,6 @@ def max_relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def model_outputs(model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
-    """Run ``model`` under no_grad and flatten its tensor outputs by name."""
     from ..analysis.inputs import as_inputs
     from ..checking.running import flatten_outputs
 
@@ -159,11 +147,7 @@ def model_outputs(model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
 @quiet
 def demo_checkpoint(path: Any, *, layers: int = 4, width: int = 256, vocab: int = 512,
                     seed: int = 0) -> Any:
-    """Write a small GPT-2-style checkpoint with a word-level tokenizer to ``path``.
-
-    Random weights, perturbed away from init; nothing is downloaded. Returns
-    the path.
-    """
+    """Write a perturbed random GPT-2 with a word-level tokenizer to ``path``; nothing is downloaded."""
     from pathlib import Path
 
     from tokenizers import Tokenizer, models, pre_tokenizers
