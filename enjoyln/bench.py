@@ -1,8 +1,4 @@
-"""Timing helpers: side-by-side latency of two models, measured in one run.
-
-Machines are noisy, so A and B are run alternately and compared by their
-medians; a ratio from one run is meaningful, an absolute time is not.
-"""
+"""Timing helpers. Machines are noisy: A and B run alternately and compare by medians, a ratio, not a time."""
 
 from __future__ import annotations
 
@@ -36,8 +32,7 @@ from .transform.steps import fold
 
 @dataclass
 class LatencyComparison:
-    """Medians of alternating runs (``speedup`` > 0: B is faster), with every run kept: their spread
-    says whether a difference is measurable (``difference``) and can be trusted (``warnings``)."""
+    """Medians of alternating runs (``speedup`` > 0: B is faster), every run kept for their spread."""
 
     a_ms: float
     b_ms: float
@@ -99,11 +94,7 @@ class LatencyComparison:
 
 
 def synchronizer(*models: Any) -> Any:
-    """``torch.cuda.synchronize`` where any model holds a CUDA tensor (a CUDA call returns before its
-    kernels finish), else nothing.
-
-    >>> synchronizer(torch.nn.Linear(2, 2))()
-    """
+    """``torch.cuda.synchronize`` where a model is on CUDA (a call returns before its kernels finish)."""
     for model in models:
         params = getattr(model, "parameters", None)
         tensors = itertools.chain(params(), model.buffers()) if callable(params) else ()
@@ -115,8 +106,7 @@ def synchronizer(*models: Any) -> Any:
 def compare_latency(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
                     repeats: int = 20, warmup: int = 3, seconds: float | None = None,
                     max_repeats: int = 2000) -> LatencyComparison:
-    """Forward latency of ``a`` and ``b``, alternating A, B, B, A; at least ``repeats`` pairs, and with
-    ``seconds`` more until that much time has passed (at most ``max_repeats``), for a spread that means something.
+    """Forward latency of ``a`` and ``b``, alternating; with ``seconds``, more pairs until that much time passed.
 
     >>> net = torch.nn.Linear(8, 8)
     >>> compare_latency(net, net, torch.randn(4, 8), repeats=3).repeats
@@ -131,8 +121,7 @@ def compare_latency(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *
             inputs.call(b)
         sync()
         start_all, i = time.perf_counter(), 0
-        while i < repeats or (seconds is not None and time.perf_counter() - start_all < seconds
-                              and i < max_repeats):
+        while i < repeats or (seconds is not None and time.perf_counter() - start_all < seconds and i < max_repeats):
             order = (("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))
             for key, model in order:
                 start = time.perf_counter()
@@ -145,13 +134,8 @@ def compare_latency(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *
     return LatencyComparison.of(times["a"], times["b"], tokens)
 
 
-# --- kernels ------------------------------------------------------------------------------------
-
-
 @dataclass
 class KernelResult:
-    """One shape and dtype: native LN against enjoyln RMSNorm and against F.rms_norm + bias."""
-
     rows: int
     cols: int
     dtype: str
@@ -167,7 +151,6 @@ class KernelResult:
 
     @property
     def ratio(self) -> float:
-        """enjoyln RMSNorm time / native LN time; below 1 is faster."""
         return self.rms_norm_us / self.layer_norm_us
 
     @property
@@ -183,9 +166,8 @@ class KernelResult:
 
 
 def _median_time(fn: Any, repeats: int, sync: Any, batch: int = 1) -> list[float]:
-    """µs per call, each run's. ``batch`` calls run back to back per sample and are waited for once:
-    on CUDA the steady cost of a call in a stream of them, the larger of its host time and its
-    kernel's (what a model sees), not the latency of one call waited for alone."""
+    """µs per call, each run's; ``batch`` calls per sample waited for once: on CUDA the steady cost of a
+    call in a stream of them (what a model sees), not the latency of one call waited for alone."""
     for _ in range(max(3, repeats // 10)):
         fn()
     sync()
@@ -201,8 +183,7 @@ def _median_time(fn: Any, repeats: int, sync: Any, batch: int = 1) -> list[float
 
 def kernel_benchmark(shapes: list[tuple[int, int]], dtypes: list[torch.dtype], *, device: str = "cpu",
                      repeats: int = 200, seed: int = 0) -> list[KernelResult]:
-    """Time native LN, enjoyln RMSNorm and ``F.rms_norm`` + bias, interleaved, per shape and dtype;
-    and a ``clone`` of the input, the floor no kernel can beat."""
+    """Time LN, enjoyln RMSNorm, ``F.rms_norm`` + bias and a ``clone`` (the floor), interleaved, per shape and dtype."""
     import torch.nn.functional as F
 
     gen = torch.Generator().manual_seed(seed)
@@ -240,24 +221,17 @@ def kernel_benchmark(shapes: list[tuple[int, int]], dtypes: list[torch.dtype], *
     return results
 
 
-# --- end to end ----------------------------------------------------------------------------------
-
-
 @dataclass
 class EndToEndResult:
-    """Original against folded: medians of alternating forwards, and the LN share."""
-
     latency: LatencyComparison
     layer_norm_share: float
     batch: int
     seq_len: int
     threads: int
-    norm_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    """``norm_time_ms``: (original LNs, folded norms, a copy in their place); zeros on CUDA, not measured."""
+    norm_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # ``norm_time_ms``; zeros on CUDA, not measured
 
     @property
     def share_captured(self) -> float:
-        """Speedup as a fraction of the time the original spent in LN."""
         return self.latency.speedup / self.layer_norm_share if self.layer_norm_share else 0.0
 
     @property
@@ -279,22 +253,20 @@ def _quiet_fds() -> Any:
     """Silence the profiler's C++ start/stop lines, which bypass Python's streams."""
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    devnull = os.open(os.devnull, os.O_WRONLY)
+    saved, devnull = [os.dup(1), os.dup(2)], os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
         yield
     finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
         for fd in (*saved, devnull):
             os.close(fd)
 
 
 def layer_norm_share(model: nn.Module, example_inputs: ExampleInputs, *, runs: int = 3) -> float:
-    """Fraction of the model's self time spent in LayerNorm, from the PyTorch profiler: CPU time,
-    or on CUDA the kernels' device time."""
+    """Fraction of the model's self time (on CUDA, device time) in LayerNorm, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     inputs = as_inputs(example_inputs)
@@ -367,13 +339,8 @@ def end_to_end(original: nn.Module, folded: nn.Module, example_inputs: ExampleIn
                           (0.0, 0.0, 0.0) if cuda else norm_time_ms(original, folded, inputs))
 
 
-# --- torch.compile -------------------------------------------------------------------------------
-
-
 @dataclass
 class CompiledResult:
-    """Compiled original against compiled folded (inductor, ``fullgraph=True``)."""
-
     latency: LatencyComparison
     kernels: tuple[int, int]  # generated by inductor: (original, folded)
     norm_kernels: tuple[int, int]  # of those, the ones computing a norm
@@ -392,8 +359,7 @@ def _kernel_names(code: str) -> list[str]:
 
 @contextlib.contextmanager
 def _inductor_code() -> Any:
-    """Collect the code inductor generates inside the block. ``run_and_get_code`` does
-    the same, but resets dynamo first, which would drop a model compiled before."""
+    """The code inductor generates in the block (``run_and_get_code`` resets dynamo, dropping earlier models)."""
     from unittest import mock
 
     from torch._inductor.graph import GraphLowering
@@ -410,9 +376,7 @@ def _is_norm_kernel(name: str) -> bool:
 def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: ExampleInputs, *,
                         repeats: int = 20, profile_kernels: bool = False,
                         seconds: float | None = None) -> CompiledResult:
-    """Compile both models with inductor (``fullgraph=True``: a graph break is an error), time them
-    alternating, compare the folded one's outputs with the eager original's, and count the generated
-    kernels; ``profile_kernels`` (CPU) also times the norm kernels.
+    """Both models compiled (``fullgraph=True``), timed, compared with the eager original and their kernels counted.
 
     >>> r = compiled_comparison(original, folded, inputs)  # doctest: +SKIP
     """
@@ -441,7 +405,6 @@ def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: 
 
 
 def _norm_kernel_ms(fn: Any, inputs: Any, runs: int = 6) -> float:
-    """Median per forward of the self time of the norm kernels, as the profiler records them."""
     from torch.profiler import ProfilerActivity, profile
 
     per_run = []
@@ -454,7 +417,6 @@ def _norm_kernel_ms(fn: Any, inputs: Any, runs: int = 6) -> float:
 
 
 def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: Any) -> None:
-    """A bar chart of time ratios (RMSNorm / LayerNorm); needs matplotlib."""
     try:
         import matplotlib
 
@@ -462,15 +424,10 @@ def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: 
         import matplotlib.pyplot as plt
     except ImportError:
         raise EnjoylnError("--plot needs matplotlib: pip install 'enjoyln[plot]'") from None
-    labels = [f"{r.rows}x{r.cols}\n{r.dtype}" for r in kernels]
-    ours = [r.ratio for r in kernels]
-    theirs = [r.torch_ratio for r in kernels]
-    floor = [r.copy_us / r.layer_norm_us for r in kernels]
+    bars = [(f"{r.rows}x{r.cols}\n{r.dtype}", r.ratio, r.torch_ratio, r.copy_us / r.layer_norm_us) for r in kernels]
     if e2e is not None:
-        labels.append("end to end")
-        ours.append(e2e.latency.ratio)
-        theirs.append(float("nan"))
-        floor.append(float("nan"))
+        bars.append(("end to end", e2e.latency.ratio, float("nan"), float("nan")))
+    labels, ours, theirs, floor = (list(column) for column in zip(*bars)) if bars else ([], [], [], [])
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(labels)), 4))
     xs = range(len(labels))
     ax.bar([x - 0.27 for x in xs], ours, 0.27, label="enjoyln RMSNorm")
@@ -493,9 +450,7 @@ def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: 
 @quiet
 def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = "cpu",
                       dtype: torch.dtype | None = None, access: Access = Access()) -> tuple[nn.Module, nn.Module]:
-    """(original, folded): from a folded directory (the original is what plain ``from_pretrained``
-    gives), from an original one (folded in memory), or a perturbed random GPT-2 small; folded in
-    the dtype they load in, then moved to ``device`` and cast to ``dtype``.
+    """(original, folded) from a folded or an original directory, or a random GPT-2 small; folded, then cast.
 
     >>> original, folded = models_to_compare()  # doctest: +SKIP
     """

@@ -1,5 +1,4 @@
-"""The options of a fold and of a check, typed, built once where a call enters enjoyln, so a misspelt
-option fails there in one line.
+"""The options of a fold and of a check, built where a call enters enjoyln: a misspelt one fails there.
 
 >>> FoldOptions.of(check="static", fuse_affine=True).check.mode
 'static'
@@ -34,8 +33,7 @@ def _built(cls: type, given: dict[str, Any], **more: Any) -> Any:
 
 @dataclass(frozen=True)
 class Access:
-    """How a model directory may be opened: pickle weights (read with ``weights_only``), the
-    directory's own code, and the model class to build instead of the one config.json names."""
+    """How a model directory may be opened: pickle weights, its own code, another model class."""
 
     allow_pickle: bool = False
     trust_remote_code: bool = False
@@ -80,8 +78,7 @@ class FoldOptions:
 
     @classmethod
     def of(cls, options: "FoldOptions | None" = None, **values: Any) -> "FoldOptions":
-        """``options`` with ``values`` set; ``check`` may be a mode name (``"static"``) and
-        ``check_options`` a dict of ``CheckOptions`` values, as ``fold_checkpoint`` takes them."""
+        """``check`` may be a mode name and ``check_options`` a dict, as ``fold_checkpoint`` takes them."""
         base = _fields(options)
         check = values.pop("check", base.pop("check", None))
         extra = values.pop("check_options", None) or {}

@@ -1,5 +1,4 @@
-"""The fold plan: what the analysis decided, as plain serialisable data, the only hand-off from analysis
-to rewrite; a folded checkpoint records it in its ``config.json``."""
+"""The fold plan: the analysis's decisions as plain data, recorded in a folded checkpoint's ``config.json``."""
 
 from __future__ import annotations
 
@@ -11,15 +10,13 @@ from .errors import PlanError
 from .units import format_bytes
 
 FORMAT_VERSION = 2
-"""The newest plan format this enjoyln reads; a plan is written with the oldest version that holds it,
-so older readers refuse only the plans they would misread."""
+"""The newest format read; a plan is written in the oldest that holds it: old readers refuse only what they misread."""
 
 _REQUIRED = object()
 
 
 class Fields:
-    """A plan's JSON object read field by field: each value of the type it must have, or a
-    ``ValueError`` naming the field at fault (``plan.layer_norms[0].centered[1].groups``).
+    """A plan's JSON object read field by field, a ``ValueError`` naming the field at fault.
 
     >>> Fields({"axis": "1"}, "c").integer("axis")
     Traceback (most recent call last):
@@ -84,8 +81,7 @@ class Centering:
     groups: int = 1
     blocks: tuple[int, ...] | None = None  # only these of the ``groups`` blocks; None: all
     scale: str | None = None  # the parameter holding γ, indexed like ``axis``; not changed
-    saved: bool = True
-    """False for a non-persistent buffer, which a checkpoint does not store: ``enjoyln.load`` centers it again."""
+    saved: bool = True  # False for a non-persistent buffer, not stored: ``enjoyln.load`` centers it again
 
     def to_dict(self) -> dict[str, Any]:
         """Newer fields at their defaults left out, so older readers read the same."""
@@ -157,8 +153,7 @@ class Fused:
 
 
 AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT = "fused", "gain fused", "kept"
-"""What became of a folded norm's γ and β with ``fuse_affine``: both moved (the norm is weightless),
-γ moved and β kept as β/γ, or both kept (``affine_reason`` says why)."""
+"""With ``fuse_affine``, γ and β: both moved (a weightless norm), γ moved and β kept as β/γ, or both kept."""
 
 
 @dataclass(frozen=True)
@@ -174,8 +169,7 @@ class Rotated:
 
 @dataclass
 class Rotation:
-    """An orthogonal ``Q`` applied to the residual stream, rebuilt from ``kind``, ``seed`` and the
-    stream's width; with ``keep_mean`` it fixes the all-ones vector."""
+    """An orthogonal ``Q`` on the residual stream, rebuilt from ``kind``, ``seed`` and the width."""
 
     kind: str
     seed: int
@@ -196,8 +190,7 @@ class Rotation:
 
 @dataclass(frozen=True)
 class RotationSpec:
-    """What a rotation of the residual stream is asked to be: the kind of ``Q`` (``"hadamard"`` or
-    ``"random"``), its seed, and whether it keeps the mean.
+    """What a rotation of the residual stream is asked to be: the kind of ``Q``, its seed, whether it keeps the mean.
 
     >>> RotationSpec.of(("random", 3, False))
     RotationSpec(kind='random', seed=3, keep_mean=False)
@@ -216,8 +209,7 @@ class RotationSpec:
 
 
 TRAINING_MODE, NOT_ROTATED, MISSING = "training mode", "not rotated", "missing parameters"
-"""Kinds of plan notes that code acts on: ``fold`` warns about the first, ``rotate`` raises the
-second, and the third names the parameters a model class builds that its checkpoint lacks."""
+"""Kinds of notes code acts on: ``fold`` warns of the first, ``rotate`` raises the second; the third for reading."""
 _NOTE_TEXTS = {TRAINING_MODE: "the model is in training mode, so its dropout blocks folding; call model.eval() first",
                NOT_ROTATED: "the residual stream cannot be rotated: {}",
                MISSING: "the checkpoint lacks {} that {} builds ({}): transformers initialises {} at random on every "
@@ -226,8 +218,7 @@ _NOTE_TEXTS = {TRAINING_MODE: "the model is in training mode, so its dropout blo
 
 
 class Note(str):
-    """A plan's note: plain text (a plan's JSON holds strings) with a ``kind`` that code tests instead of
-    the words (``""``: only meant to be read).
+    """A plan's note: plain text (in JSON) with a ``kind`` that code tests instead of the words.
 
     >>> note = Note.of(NOT_ROTATED, "no LayerNorm folds")
     >>> note, note.kind
@@ -270,12 +261,9 @@ class LayerNormEntry:
     affine: str = ""  # with ``fuse_affine``: AFFINE_FUSED, AFFINE_GAIN or AFFINE_KEPT
     affine_reason: str = ""  # why the affine (AFFINE_KEPT) or β (AFFINE_GAIN) stayed
     fused: list[Fused] = field(default_factory=list)
-    dim: int = -1
-    """The axis normalized: -1, or 1 for a channels-first norm (timm's ``LayerNorm2d``)."""
-    upcast: bool = False
-    """Computes in float32, cast back to the input's dtype (timm's ``LayerNormFp32``, OLMo)."""
-    then: tuple[str, ...] = ()
-    """Child modules applied to the output, in order (timm's ``LayerNormAct2d``); they stay after the RMSNorm."""
+    dim: int = -1  # the axis normalized: -1, or 1 for a channels-first norm (timm's ``LayerNorm2d``)
+    upcast: bool = False  # computes in float32, cast back to the input's dtype (timm's ``LayerNormFp32``, OLMo)
+    then: tuple[str, ...] = ()  # children applied to the output (timm's ``LayerNormAct2d``), kept after the RMSNorm
 
     @property
     def form(self) -> tuple[int, bool, tuple[str, ...]]:
@@ -340,11 +328,7 @@ class FoldPlan:
     @property
     def centered(self) -> list[Centering]:
         """Every parameter to center, once, in a stable order."""
-        seen: dict[Centering, None] = {}
-        for entry in self.foldable:
-            for c in entry.centered:
-                seen.setdefault(c, None)
-        return list(seen)
+        return list(dict.fromkeys(c for e in self.foldable for c in e.centered))
 
     @property
     def fused(self) -> list[Fused]:
@@ -369,21 +353,15 @@ class FoldPlan:
         raise KeyError(name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format_version": self.format_version,
-            "model": self.model,
-            "layer_norms": [e.to_dict() for e in self.layer_norms],
-            "untied": [asdict(u) for u in self.untied],
-            "notes": [str(n) if isinstance(n, str) else n for n in self.notes],  # a Note is a plain string here
-            "auxiliary": [asdict(a) for a in self.auxiliary],
-            "norm_modules": list(self.norm_modules),
-            **({"rotation": self.rotation.to_dict()} if self.rotation else {}),
-        }
+        return {"format_version": self.format_version, "model": self.model,
+                "layer_norms": [e.to_dict() for e in self.layer_norms], "untied": [asdict(u) for u in self.untied],
+                "notes": [str(n) if isinstance(n, str) else n for n in self.notes],  # a Note is a plain string here
+                "auxiliary": [asdict(a) for a in self.auxiliary], "norm_modules": list(self.norm_modules),
+                **({"rotation": self.rotation.to_dict()} if self.rotation else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FoldPlan":
-        """A plan from its JSON form; ``ValueError`` naming the field at fault if it is not one,
-        ``PlanError`` if a newer enjoyln wrote it."""
+        """``ValueError`` naming the field at fault, ``PlanError`` for a plan a newer enjoyln wrote."""
         f = Fields(d, "plan")
         version = f.integer("format_version", FORMAT_VERSION)
         if version > FORMAT_VERSION:
@@ -391,14 +369,12 @@ class FoldPlan:
                             f"{FORMAT_VERSION}, so upgrade enjoyln")
         rotation = f.data.get("rotation")
         return cls(
-            model=f.string("model"),
-            layer_norms=[LayerNormEntry.from_dict(e) for e in f.items("layer_norms")],
+            model=f.string("model"), layer_norms=[LayerNormEntry.from_dict(e) for e in f.items("layer_norms")],
             untied=[Untie(u.string("param"), u.string("tied_to"), u.integer("nbytes")) for u in f.items("untied")],
             notes=[Note.read(n) for n in f.values("notes", str)],
             auxiliary=[AuxCentering(a.string("module"), a.string("where")) for a in f.items("auxiliary")],
             norm_modules=list(f.values("norm_modules", str)),
-            rotation=Rotation.from_dict(Fields(rotation, "plan.rotation")) if rotation else None,
-        )
+            rotation=Rotation.from_dict(Fields(rotation, "plan.rotation")) if rotation else None)
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **{"indent": 2, **kwargs})

@@ -1,5 +1,4 @@
-"""Repeated timings, and what their spread says: median, quartiles, and the warnings a reader needs
-before trusting them. Plain Python (no torch), so tests judge it with made-up timings."""
+"""Repeated timings and the warnings their spread gives; plain Python, so tests judge made-up timings."""
 
 from __future__ import annotations
 
@@ -58,8 +57,7 @@ class Spread:
         return found
 
 
-NOISY = 0.10
-"""An interquartile range above this fraction of the median: the machine was busy."""
+NOISY = 0.10  # an interquartile range above this fraction of the median: the machine was busy
 
 
 def _groups(xs: list[float]) -> list[float]:

@@ -1,6 +1,4 @@
-"""The ``enjoyln`` typer app: the commands of ``commands`` and ``tools``, each wrapped by
-``failures.friendly`` so that any failure is one line and an exit code (0 ok, 1 check failed,
-2 bad input); ``-h`` beside ``--help``, ``--version``; click's own usage errors in one line too."""
+"""The ``enjoyln`` typer app: each command wrapped by ``failures.friendly``; ``-h``, ``--version``."""
 
 from __future__ import annotations
 
@@ -46,9 +44,7 @@ class Command(_FlagHelp, TyperCommand):
 
 
 class Group(_FlagHelp, TyperGroup):
-    """The app's group: click's usage errors (an unknown option, a missing argument, a value out
-    of range) are one line naming the command's help, exit 2, with a JSON document under
-    ``--json``; the program is called ``enjoyln`` however it was started."""
+    """click's usage errors in one line (``failures.usage_error``); the program is ``enjoyln`` however started."""
 
     def main(self, args: Any = None, prog_name: Optional[str] = None, **extra: Any) -> Any:
         import sys

@@ -1,6 +1,5 @@
-"""The commands on model directories: each checks its options and paths, calls the Python API, and
-hands the result to ``render``. Everything that can be checked without torch is checked first (option
-values, then paths, then a hub id resolved), so bad input is refused in a fraction of a second."""
+"""The commands on model directories. Whatever can be checked without torch is checked first (options,
+paths, a hub id), so bad input is refused in a fraction of a second."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ ModelDir = Annotated[str, typer.Argument(
 IMPORTING = "loading torch and transformers"
 
 
-def model_dir_of(spec: str, revision: Optional[str], access: Access, display: Display,
-                 role: str = "MODEL_DIR") -> Path:
+def model_dir_of(spec: str, revision: Optional[str], access: Access, display: Display, role: str = "MODEL_DIR") -> Path:
     """The local directory a MODEL_DIR names (a path, or a hub id fetched), checked as far as it can be without torch.
 
     >>> model_dir_of("/no/such/dir", None, Access(), Display(err))  # doctest: +ELLIPSIS

@@ -1,5 +1,4 @@
-"""Options the commands share, declared once (``name: Force = False``), and the parsers of option
-values, which run before torch is imported (all but ``check_cuda``), so a bad value is refused at once."""
+"""Options the commands share, and the parsers of values, run before torch is imported (but ``check_cuda``)."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ ModelClass = Annotated[Optional[str], typer.Option(
          "for weights saved without the head MPNetForMaskedLM would add at random.")]
 
 
-MAX_SHAPE = 1 << 30
-"""The most elements a benchmarked tensor may hold (4 GiB in float32; several are alive at once)."""
+MAX_SHAPE = 1 << 30  # the most elements a benchmarked tensor may hold (4 GiB in float32; several are alive at once)
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -57,8 +55,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes  # type: ignore[return-value]
 
 
-BENCH_DTYPES = ("float32", "bfloat16", "float16", "float64")
-"""The dtypes the norms run in (float8 and float4 have no LayerNorm kernel to compare with)."""
+BENCH_DTYPES = ("float32", "bfloat16", "float16", "float64")  # float8 and float4 have no LayerNorm to compare with
 
 
 def parse_dtypes(text: str, option: str = "--dtypes") -> list[str]:
@@ -77,11 +74,7 @@ def torch_dtypes(names: list[str]) -> list[Any]:
 
 
 def parse_device(text: str, option: str = "--device") -> str:
-    """``--device``: ``cpu``, ``cuda`` or ``cuda:N``; CUDA refused at once where no GPU driver is loaded.
-
-    >>> parse_device("cpu")
-    'cpu'
-    """
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N``; CUDA refused at once where no GPU driver is loaded."""
     if text == "cpu":
         return text
     if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
@@ -109,16 +102,11 @@ def check_cuda(device: str, option: str = "--device") -> str:
     return device
 
 
-ROTATIONS = ("hadamard", "random")
-"""``transform.rotation.KINDS``, named here to refuse a wrong one before torch loads (a test holds them together)."""
+ROTATIONS = ("hadamard", "random")  # ``transform.rotation.KINDS``, here to refuse a wrong one before torch loads
 
 
 def parse_rotation(text: Optional[str], option: str) -> Optional[str]:
-    """``--kind`` or ``--rotate``.
-
-    >>> parse_rotation("hadamard", "--kind")
-    'hadamard'
-    """
+    """``--kind`` or ``--rotate``."""
     if text is not None and text not in ROTATIONS:
         raise EnjoylnError(f"unknown {option} {text!r}; use {' or '.join(ROTATIONS)}")
     return text
@@ -128,11 +116,7 @@ CHECK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def parse_check_dtype(text: Optional[str]) -> Optional[str]:
-    """``check --dtype``.
-
-    >>> parse_check_dtype("bfloat16")
-    'bfloat16'
-    """
+    """``check --dtype``."""
     if text is not None and text not in CHECK_DTYPES:
         raise EnjoylnError(f"cannot judge a candidate in dtype {text!r}; use one of {', '.join(CHECK_DTYPES)}")
     return text

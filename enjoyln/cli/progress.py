@@ -1,6 +1,5 @@
-"""Progress on stderr, on a terminal only: a spinner naming the phase with its elapsed time, and byte
-bars. Totals never jump: bytes of a total not known yet show as a count, with no bar. Rates count from
-the bar's first move and show only once a second has passed (a burst over milliseconds gives none)."""
+"""Progress on stderr, on a terminal only: a spinner naming the phase, and byte bars. Totals never jump (an
+unknown one shows a count, no bar); rates show only once a second has passed (a burst gives none)."""
 
 from __future__ import annotations
 
@@ -20,9 +19,7 @@ def honest_rate(moved: float, seconds: float) -> float | None:
     >>> honest_rate(480e9, 0.001) is None, honest_rate(100e6, 2.0)
     (True, 50000000.0)
     """
-    if seconds < MIN_RATE_SECONDS or moved <= 0:
-        return None
-    return moved / seconds
+    return None if seconds < MIN_RATE_SECONDS or moved <= 0 else moved / seconds
 
 
 class _Bytes(ProgressColumn):
@@ -47,7 +44,6 @@ class _Rate(ProgressColumn):
 
 
 class _Bar(BarColumn):
-
     def render(self, task: Task) -> Any:
         if task.fields.get("phase") or not task.total:
             return Text("")
@@ -55,8 +51,7 @@ class _Bar(BarColumn):
 
 
 class Display:
-    """``stage(words)`` names the phase, ``phase(name)`` gives a byte bar's (done, total) callback; off the
-    terminal, or ``enabled=False``, every call does nothing."""
+    """``stage(words)`` names the phase, ``phase(name)`` gives a byte bar's callback; off a terminal, nothing."""
 
     def __init__(self, console: Console, enabled: bool = True) -> None:
         self.console = console
@@ -101,8 +96,7 @@ class Display:
     def stop(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-            self.bar = None
-            self.tasks, self.phase_task = {}, None
+            self.bar, self.tasks, self.phase_task = None, {}, None
 
     def __enter__(self) -> "Display":
         return self

@@ -1,8 +1,8 @@
-"""What the command line prints on stdout: verdicts, tables, reports (with ``-q`` only their verdict)
-and strict ASCII JSON, one document per command (``state`` records that it is printed)."""
+"""What the command line prints on stdout: reports (with ``-q`` only their verdict) and strict ASCII JSON."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -54,8 +54,7 @@ _BREAKS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 
 
 def one_line(text: str) -> str:
-    """``text`` with control characters, line separators and undecodable bytes of a file name
-    (surrogates, which no encoding can print) escaped.
+    """``text`` with control characters, line separators and surrogates (undecodable file name bytes) escaped.
 
     >>> one_line("a\\nb")
     'a\\\\nb'
@@ -69,9 +68,6 @@ def one_line(text: str) -> str:
             f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}")
 
     return _BREAKS.sub(escape_char, text)
-
-
-# --- plans and reports ------------------------------------------------------------------------
 
 
 def _compact(params: list[str]) -> str:
@@ -99,8 +95,7 @@ _FEEDS = re.compile(r"its input includes the output of (\S+), which is not zero-
 
 
 def post_ln_note(plan: FoldPlan) -> str | None:
-    """Why a post-LN model (BERT) folds only the LNs fed by weights alone, where the plan refuses an LN
-    because its input sums in another norm's output."""
+    """Why a post-LN model (BERT) folds only the LNs fed by weights alone, where the plan shows it."""
     norms = {e.name for e in plan.layer_norms}
     fed = [e for e in plan.layer_norms if not e.foldable and (m := _FEEDS.search(e.reason)) and m.group(1) in norms]
     if not fed:
@@ -178,8 +173,7 @@ def print_plan(plan: FoldPlan) -> None:
 
 
 def _strict(value: Any) -> Any:
-    """``value`` as strict JSON allows: non-finite floats as "inf", "-inf", "nan", and the surrogates of
-    an undecodable file name (no UTF-8 can carry them) as \\xNN."""
+    """Non-finite floats as "inf", "-inf", "nan"; surrogates (no UTF-8 can carry them) as \\xNN."""
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if value != value else "inf" if value > 0 else "-inf"
     if isinstance(value, str):
@@ -213,15 +207,12 @@ def print_report(report: Any, subject: str = "the candidate") -> None:
 
 def drop_stdout() -> None:
     """Send what is left of stdout to /dev/null, so Python's final flush raises nothing either."""
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no real descriptor (under a test runner)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # no real descriptor (under a test runner)
-        pass
 
 
-def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool, dry_run: bool,
-              start: float) -> None:
+def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool, dry_run: bool, start: float) -> None:
     """What ``fold`` and ``rotate`` print (or the JSON document); nothing to fold is an error (exit 2)."""
     plan = result.plan
     if not as_json:
@@ -280,9 +271,6 @@ def print_export(report: Any, out_file: Path) -> None:
                   f"{verdict} PyTorch: max relative difference {report.optimized_max_rel_diff:.3g}")
     for note in report.notes:
         out.print(f"[yellow]warning:[/] {escape(note)}")
-
-
-# --- benchmarks -------------------------------------------------------------------------------
 
 
 def print_kernels(results: list[Any]) -> None:

@@ -1,6 +1,4 @@
-"""The commands around the fold: ``demo`` (the whole flow on a model enjoyln builds), ``bench``
-(timings, reported with their spread and what makes them untrustworthy) and ``env`` (versions,
-backends, GPU and caches, for bug reports)."""
+"""The commands around the fold: ``demo``, ``bench`` and ``env``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""ONNX export of folded models: ``enjoyln::rms_norm`` as ONNX's ``RMSNormalization`` (opset 23+) or
-onnxruntime's ``SimplifiedLayerNormalization`` (earlier), with a following ``Add`` for a kept β; dynamic
-batch and sequence axes; onnxruntime's optimizer at opset 22 (docs/performance.md). Needs
-``pip install 'enjoyln[onnx]'``."""
+"""ONNX export of folded models: ``enjoyln::rms_norm`` as ``RMSNormalization`` (opset 23+) or onnxruntime's
+``SimplifiedLayerNormalization``, then an ``Add`` for a kept β (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -35,9 +33,7 @@ from ..store.quiet import quiet
 from ..transform.steps import fold
 
 DEFAULT_OPSET = 23
-OPTIMIZE_OPSET = 22
-"""The newest opset whose graphs onnxruntime's optimizer can fuse RMS forms in (its symbolic shape
-inference fails on opset 23's ``Attention``)."""
+OPTIMIZE_OPSET = 22  # the newest onnxruntime's optimizer fuses RMS in (it fails on opset 23's ``Attention``)
 RMS_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
 LN_OPS = ("LayerNormalization", "SkipLayerNormalization", "EmbedLayerNormalization")
 SKIP_OPS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
@@ -81,15 +77,13 @@ def _register_simplified_layer_norm() -> None:
 
 
 def translation(opset: int) -> Any:
-    """The onnxscript function that lowers ``enjoyln::rms_norm`` at ``opset``."""
     import onnxscript
 
     op = onnxscript.values.Opset("", opset)
     if opset < DEFAULT_OPSET:
         _register_simplified_layer_norm()
 
-    def rms_norm(x: Any, normalized_shape: list[int], weight: Any = None, bias: Any = None,
-                 eps: float = 1e-5) -> Any:
+    def rms_norm(x: Any, normalized_shape: list[int], weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
         axis = -len(normalized_shape)
         if weight is None:  # both ops require a scale: ones, which the exporter folds into a constant
             weight = op.Expand(op.CastLike(1.0, x), op.Constant(value_ints=list(normalized_shape)))
@@ -104,8 +98,6 @@ def translation(opset: int) -> Any:
 
 @dataclass
 class ExportReport:
-    """What ``export_onnx`` wrote and how onnxruntime agreed with PyTorch."""
-
     path: str
     opset: int
     ops: dict[str, int] = field(default_factory=dict)  # of the exported graph, before any optimizer
@@ -133,8 +125,7 @@ class ExportReport:
 def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: ExampleInputs = None, *,
                 opset: int | None = None, verify: bool = True, rtol: float = 1e-4, dynamic: bool = True,
                 optimize: bool = False) -> ExportReport:
-    """Export ``model`` to ONNX with dynamic batch and sequence axes, check it and run it in onnxruntime at
-    the traced shape and a second one; ``optimize`` runs onnxruntime's transformer optimizer too.
+    """Export to ONNX with dynamic axes, check it in onnxruntime at two shapes; ``optimize``: its optimizer too.
 
     >>> export_onnx(enjoyln.fold(model, fuse_affine=True), "model.onnx", optimize=True)  # doctest: +SKIP
     """
@@ -157,8 +148,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
         runs = [inputs, second_shape(inputs, report.inputs)] if verify else []
         report.shapes = [_shape_of(r) for r in runs]
         with torch.no_grad():  # the traced shape's outputs are already at hand
-            wants = [list(flatten_outputs(traced_outputs if r is inputs else r.call(model)).values())
-                     for r in runs]
+            wants = [list(flatten_outputs(traced_outputs if r is inputs else r.call(model)).values()) for r in runs]
         if verify:
             report.max_rel_diff = compare_with_onnxruntime(plain, runs, wants)
             report.passed = report.max_rel_diff <= rtol
@@ -220,15 +210,13 @@ def _export(model: nn.Module, inputs: Inputs, axes: dict[str, Any], opset: int, 
 
 
 def _checked_report(path: Path, opset: int, proto: Any, plain: Path) -> ExportReport:
-    """The report of the exported graph, once ``onnx.checker`` accepts the file."""
     import onnx
 
     ops = Counter(n.op_type for n in proto.graph.node)
     report = ExportReport(str(path), opset, dict(sorted(ops.items())), sum(ops[o] for o in RMS_OPS),
                           ops["LayerNormalization"], _rms_bias_adds(proto),
-                          _value_shapes(proto.graph.input), _value_shapes(proto.graph.output))
-    onnx.checker.check_model(str(plain))
-    report.checked = True
+                          _value_shapes(proto.graph.input), _value_shapes(proto.graph.output), checked=True)
+    onnx.checker.check_model(str(plain))  # the report is returned only once the checker accepts the file
     return report
 
 
@@ -242,14 +230,10 @@ def _export_error(model: nn.Module, exc: Exception) -> EnjoylnError:
     return EnjoylnError(f"ONNX export of {type(model).__name__} failed: {lines[0]}")
 
 
-# --- inputs and their axes --------------------------------------------------------------------------
-
-
 @quiet
 def export_checkpoint(model_dir: str | os.PathLike, path: str | os.PathLike, *, fuse_affine: bool = False,
                       batch: int = 2, seq_len: int = 16, **options: Any) -> ExportReport:
-    """``export_onnx`` for a model directory (folded first, in memory, if it is not), traced at ``batch``
-    x ``seq_len``; ``options``: ``export_onnx``'s ``opset``, ``optimize``, ``dynamic``, and ``Access``'s.
+    """``export_onnx`` for a model directory, folded in memory if it is not; ``options``: its and ``Access``'s.
 
     >>> export_checkpoint("gpt2-folded", "gpt2.onnx").passed  # doctest: +SKIP
     True
@@ -281,15 +265,13 @@ def deployment_inputs(model: nn.Module, example_inputs: ExampleInputs = None) ->
 
 
 def _dynamic_axes(model: nn.Module, inputs: Inputs) -> dict[str, Any]:
-    """``dynamic_shapes`` by forward parameter name. torch.export fixes any axis traced at size
-    0 or 1, so such axes are first repeated to size 2 (in ``inputs``, in place)."""
+    """``dynamic_shapes``; torch.export fixes an axis traced at size 0 or 1, so such are repeated to 2 in place."""
     bound = inspect.signature(model.forward).bind(*inputs.args, **inputs.kwargs).arguments
 
     def spec(name: str, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
-            # Image sizes stay fixed: ViT checks them against its config, and with
-            # interpolate_pos_encoding its traced graph keeps the traced size's shortcut
-            # (onnxruntime then fails at any other size).
+            # image sizes stay fixed: ViT checks them against its config, and with interpolate_pos_encoding
+            # its graph keeps the traced size's shortcut (onnxruntime then fails at any other size)
             return {a: n for a, n in AXES.get(name, {0: "batch_size"}).items() if a < value.dim()}
         if isinstance(value, (tuple, list)):
             return type(value)(spec(name, v) for v in value)
@@ -350,12 +332,9 @@ def _shape_of(inputs: Inputs) -> dict[str, list[int]]:
 
 
 def _output_names(out: Any) -> list[str]:
-    """optimum's names where the model has them (``logits``, ``last_hidden_state``), else output_N."""
+    """optimum's names (``logits``, ``last_hidden_state``) where the model has them, else output_N."""
     names = list(flatten_outputs(out))
     return [n if re.fullmatch(r"[A-Za-z_]\w*", n) else "output_" + re.sub(r"\W", "_", n) for n in names]
-
-
-# --- the exported graph ---------------------------------------------------------------------------
 
 
 def _name_axes(proto: Any, axes: dict[str, Any]) -> None:
@@ -390,13 +369,9 @@ def _rms_bias_adds(proto: Any) -> int:
     produced = _producers(proto)
     constants = {i.name for i in proto.graph.initializer} | {
         n.output[0] for n in proto.graph.node if n.op_type == "Constant"}
-    count = 0
-    for node in proto.graph.node:
-        if node.op_type == "Add" and len(node.input) == 2:
-            parents = [produced.get(i) for i in node.input]
-            if any(p is not None and p.op_type in RMS_OPS for p in parents) and set(node.input) & constants:
-                count += 1
-    return count
+    return sum(1 for node in proto.graph.node if node.op_type == "Add" and len(node.input) == 2
+               and any(produced.get(i) is not None and produced[i].op_type in RMS_OPS for i in node.input)
+               and set(node.input) & constants)
 
 
 def _skip_candidates(proto: Any) -> int:
@@ -405,22 +380,15 @@ def _skip_candidates(proto: Any) -> int:
     constants = {i.name for i in proto.graph.initializer}
     count = 0
     for node in proto.graph.node:
-        if node.op_type not in ("LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization"):
-            continue
-        add = produced.get(node.input[0])
-        if add is None or add.op_type != "Add" or len(add.input) != 2 or set(add.input) & constants:
-            continue
-        if any(produced.get(i) is not None and produced[i].op_type == "Gather" for i in add.input):
-            continue
-        count += 1
+        add = produced.get(node.input[0]) if node.op_type in ("LayerNormalization", "SimplifiedLayerNormalization",
+                                                              "RMSNormalization") else None
+        if (add is not None and add.op_type == "Add" and len(add.input) == 2 and not set(add.input) & constants
+                and not any(produced.get(i) is not None and produced[i].op_type == "Gather" for i in add.input)):
+            count += 1
     return count
 
 
-# --- onnxruntime ----------------------------------------------------------------------------------
-
-
 def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: ExportReport) -> None:
-    """Run onnxruntime's transformer optimizer on ``src``, write ``dst``, and count what it fused."""
     import onnx
     import onnxruntime
     from onnxruntime.transformers.optimizer import optimize_model
@@ -430,8 +398,7 @@ def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: Export
     hidden = config_value(config, "hidden_size", "n_embd", "d_model") if config is not None else None
     kind = OPTIMIZER_TYPES.get(getattr(config, "model_type", None), "gpt2" if is_causal_lm(model) else "bert")
     external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
-    # The optimizer logs every pattern it did not find and prints its shape inference failures;
-    # onnxruntime warns about the file it serialises. The counts below say what matters.
+    # the optimizer logs every pattern it did not find and its shape inference failures: the counts say what matters
     logging.disable(logging.WARNING)
     onnxruntime.set_default_logger_severity(3)
     try:
@@ -490,17 +457,13 @@ def _fuse_bias_skip_simplified(model: Any) -> int:
     return len(removed)
 
 
-def ort_session(path: str | os.PathLike, threads: int | None = None) -> Any:
+def ort_session(path: str | os.PathLike) -> Any:
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
 def ort_feed(session: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """onnxruntime inputs: keyword tensors by name, positional ones in order."""
     positional = iter(a for a in args if isinstance(a, torch.Tensor))
     feed = {}
     for i in session.get_inputs():

@@ -1,5 +1,4 @@
-"""Auxiliary centering: ``x - x.mean(-1)`` at a module's output or input, as forward hooks, so the model's
-code and state dict stay as they are (without the hooks, every LN after the point is still a LayerNorm)."""
+"""Auxiliary centering: ``x - x.mean(-1)`` at a module's output or input, as hooks: code and state dict stay."""
 
 from __future__ import annotations
 

@@ -25,8 +25,7 @@ def _is_unit(t: torch.Tensor | None) -> bool:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with ``nn.LayerNorm``'s constructor, parameters and epsilon; ``dim``, ``upcast`` and ``then``
-    keep what other norm modules do. A weightless norm has a ``weight`` buffer of ones for tools that fold
+    """RMSNorm with ``nn.LayerNorm``'s interface. A weightless norm keeps a ``weight`` of ones for tools that fold
     a gain into the next layer (llmcompressor); once one writes to it, ``forward`` multiplies by it.
 
     >>> ln = torch.nn.LayerNorm(8, eps=1e-12)
@@ -96,26 +95,14 @@ class RMSNorm(nn.Module):
 
     @classmethod
     def from_layer_norm(cls, ln: nn.LayerNorm) -> "RMSNorm":
-        rms = cls.__new__(cls)
-        nn.Module.__init__(rms)
-        rms.normalized_shape = tuple(ln.normalized_shape)
-        rms.eps = float(ln.eps)
-        rms.elementwise_affine = ln.elementwise_affine
-        rms.register_parameter("weight", ln.weight)
-        rms.register_parameter("bias", ln.bias)
-        rms.train(ln.training)
-        return rms
+        return cls.from_module(ln, ln.normalized_shape, ln.eps)
 
     @classmethod
     def from_module(cls, module: nn.Module, normalized_shape: Sequence[int], eps: float, *, dim: int = -1,
                     upcast: bool = False, then: Sequence[str] = ()) -> "RMSNorm":
         """An RMSNorm for any module normalizing with its own ``weight`` and ``bias`` (or None), sharing them.
 
-        >>> class Fp32LN(torch.nn.LayerNorm):
-        ...     def forward(self, x):
-        ...         return torch.nn.functional.layer_norm(x.float(), self.normalized_shape,
-        ...                                               self.weight, self.bias, self.eps).to(x.dtype)
-        >>> RMSNorm.from_module(Fp32LN(8), (8,), 1e-5, upcast=True).upcast
+        >>> RMSNorm.from_module(torch.nn.LayerNorm(8), (8,), 1e-5, upcast=True).upcast
         True
         """
         rms = cls.__new__(cls)

@@ -29,9 +29,7 @@ def backend(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None)
         return "triton" if cuda.kernels() is not None else "reference"  # as _forward does
     if x.device.type == "cpu" and not x.is_contiguous():
         x = x.contiguous()  # as rms_norm does before choosing
-    if cpu.supports(x, weight, bias):
-        return "cpu"
-    return "reference"
+    return "cpu" if cpu.supports(x, weight, bias) else "reference"
 
 
 def status() -> dict[str, str]:
@@ -45,8 +43,7 @@ def status() -> dict[str, str]:
 
 def _forward(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
              eps: float) -> Tensor:
-    """Any tensors the hot paths turned away (strided, mixed dtypes, meta, float64), and the
-    kernel op's forward (gradients: the CUDA policy applies there too)."""
+    """Whatever the hot paths turned away (strided, mixed dtypes, meta, float64), and the kernel op's forward."""
     n = math.prod(normalized_shape)
     if x.is_cuda and n and cuda.supports(x, weight, bias):
         return cuda.rms_norm_cuda(x, normalized_shape, weight, bias, eps)
@@ -70,8 +67,7 @@ def _rms_norm_kernel(x: Tensor, normalized_shape: list[int], weight: Optional[Te
 
 
 @_rms_norm_kernel.register_fake
-def _(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor],
-      eps: float) -> Tensor:
+def _(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -118,9 +114,8 @@ _library.impl("rms_norm", _composite, "CompositeImplicitAutograd")
 
 @contextlib.contextmanager
 def opaque() -> Iterator[None]:
-    """Decompositions of ``enjoyln::rms_norm`` inside this block yield one opaque
-    ``enjoyln::rms_norm_kernel`` node instead of the math, for exporters that decompose every
-    composite op they do not know (``run_decompositions()``, some ONNX exporters).
+    """Inside this block ``enjoyln::rms_norm`` decomposes to one opaque ``enjoyln::rms_norm_kernel`` node, for
+    exporters that decompose every composite op they do not know (``run_decompositions()``, some ONNX ones).
 
     >>> ep = torch.export.export(enjoyln.fold(model), inputs)   # doctest: +SKIP
     >>> with opaque():                                           # doctest: +SKIP
@@ -134,17 +129,13 @@ def opaque() -> Iterator[None]:
         _opaque = before
 
 
-# --- the entry points --------------------------------------------------------------------------
-
-
 def _plain(t: Tensor | None, grad: bool) -> bool:
     """A plain tensor (not a subclass) that autograd need not see."""
     return t is None or ((type(t) is Tensor or type(t) is torch.nn.Parameter) and not (grad and t.requires_grad))
 
 
 def _hot(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
-    """``not _needs_op(...)`` for the kernels' devices, only cheaper: inline, not calls to ``_plain``,
-    because at small shapes a call costs LayerNorm-sized time otherwise."""
+    """``not _needs_op(...)``, inline (no ``_plain`` calls): at small shapes a call costs LayerNorm-sized time."""
     if type(x) is not Tensor or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
     grad = torch.is_grad_enabled()
@@ -162,12 +153,9 @@ def _needs_op(*tensors: Tensor | None) -> bool:
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return True
     grad = torch.is_grad_enabled()
-    for t in tensors:
-        if t is None:
-            continue
-        if not _plain(t, grad) or isinstance(t, torch._subclasses.FakeTensor) or t.device.type == "meta":
-            return True  # a gradient, or a tensor subclass (functional tensors under export, DTensor, ...)
-    return False
+    # a gradient, or a tensor subclass (functional tensors under export, DTensor, ...)
+    return any(t is not None and (not _plain(t, grad) or isinstance(t, torch._subclasses.FakeTensor)
+                                  or t.device.type == "meta") for t in tensors)
 
 
 def rms_norm(

@@ -1,6 +1,4 @@
-"""Column-based weight centering at memory speed: the C kernel of ``center.c`` and the same arithmetic
-in torch, both in the fixed float64 order ``center.c`` states, so the fold and the static check agree
-bit for bit.
+"""Weight centering at memory speed, in C and in torch, in ``center.c``'s float64 order: the same bits.
 
 >>> t = torch.tensor([[1., 2.], [3., 6.]])
 >>> center_(t, 0)
@@ -24,8 +22,7 @@ import torch
 from . import cpu
 
 SOURCE = Path(__file__).with_name("center.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off",
-         "-fno-fast-math"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math"]
 CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 _lock = threading.Lock()
@@ -132,8 +129,7 @@ def _usable(dtype: torch.dtype) -> bool:
 
 def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
             blocks: Sequence[int] | None = None) -> torch.Tensor:
-    """Subtract ``t``'s mean along ``axis``, in place, in float64 arithmetic of a fixed order (see
-    ``transform.tensors.center_`` for ``groups``, ``blocks`` and ``scale``). Returns ``t``."""
+    """Subtract ``t``'s mean along ``axis`` in place, in float64 of a fixed order (``transform.tensors.center_``)."""
     if t.device.type == "meta" or t.numel() == 0:
         return t
     if not t.is_floating_point():
@@ -173,8 +169,7 @@ def center_into(src: int, dst: torch.Tensor, axis: int, groups: int = 1, scale: 
 
 def centered_equal(src: int, cand: int, dtype: torch.dtype, shape: Sequence[int], axis: int, groups: int = 1,
                    scale: torch.Tensor | None = None, blocks: Sequence[int] | None = None) -> bool | None:
-    """Whether the tensor at ``cand`` holds, bit for bit, what ``center_`` makes of the one at ``src``, in
-    one pass that writes nothing; None where the C kernel cannot tell (then compute and compare).
+    """Whether ``cand`` holds ``center_`` of ``src``, bit for bit, in one pass; None where the C kernel cannot tell.
 
     >>> t = torch.tensor([[1., 2.], [3., 6.]])
     >>> c = center_(t.clone(), 0)

@@ -1,5 +1,4 @@
-"""Bit-for-bit comparison of two tensors at memory speed: libc's ``memcmp`` through ctypes, which also
-releases the GIL (``torch.equal`` on a byte view runs at a few hundred MB/s)."""
+"""Bit-for-bit comparison with libc's ``memcmp`` (``torch.equal`` on a byte view runs at a few hundred MB/s)."""
 
 from __future__ import annotations
 

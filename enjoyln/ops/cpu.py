@@ -1,5 +1,4 @@
-"""The fused CPU RMSNorm: a small C kernel (one read, one write) compiled on first use with the system
-compiler into ``$ENJOYLN_CACHE``; without a working compiler, the reference runs (docs/performance.md)."""
+"""The fused CPU RMSNorm: a C kernel compiled on first use into ``$ENJOYLN_CACHE`` (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -32,10 +31,7 @@ def cache_dir() -> Path:
 
 
 def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    return None
+    return next((cc for cc in (os.environ.get("CC"), "cc", "gcc", "clang") if cc and shutil.which(cc)), None)
 
 
 def compile_library(source: Path, flags: list[str]) -> ctypes.CDLL:

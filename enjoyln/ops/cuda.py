@@ -4,6 +4,7 @@ bias or residual or from 32 MiB), and the call's hot path. ``ENJOYLN_CUDA_PATH``
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -37,11 +38,9 @@ def _native_fused() -> str:
     """'' where ``F.rms_norm`` runs torch's fused CUDA kernel, else why not."""
     if not hasattr(F, "rms_norm"):
         return f"torch {torch.__version__} has no F.rms_norm"
-    try:
+    with contextlib.suppress(RuntimeError):  # no such op in this torch
         if torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CUDA"):
             return ""
-    except RuntimeError:  # no such op in this torch
-        pass
     return f"torch {torch.__version__}'s F.rms_norm has no fused CUDA kernel"
 
 

@@ -13,14 +13,11 @@ import torch
 
 from .compare import same_bytes
 
-PREFIX = 9
-"""Arguments of a compiled kernel's launcher before the kernel's own: grid x, y, z, stream,
-function, packed metadata, launch metadata, launch-enter hook, launch-exit hook."""
+PREFIX = 9  # grid x, y, z, stream, function, packed and launch metadata, enter and exit hooks: then the kernel's
 
 
 class CachedLauncher:
-    """Launches ``kernel`` (``triton.jit``) through its compiled launcher once verified; its first
-    ``runtime_args`` parameters are the non-constexpr ones.
+    """Launches ``kernel`` through its compiled launcher once verified; ``runtime_args``: its non-constexpr ones.
 
     >>> launcher = CachedLauncher(kernel, runtime_args=13)                    # doctest: +SKIP
     >>> launcher(key, grid, args, num_warps=4, device=0, outputs=(y,))       # doctest: +SKIP
@@ -53,10 +50,9 @@ class CachedLauncher:
         self._first_use(key, grid, args, num_warps, device, outputs)
 
     def jit(self, grid: int, args: Sequence[Any], num_warps: int, device: int) -> Any:
-        if device < 0:  # CPU tensors: Triton's interpreter
-            return self.kernel[(grid,)](*args, num_warps=num_warps)
-        self._bind()
-        if device == self._current_device():
+        if device >= 0:  # below: CPU tensors, Triton's interpreter
+            self._bind()
+        if device < 0 or device == self._current_device():
             return self.kernel[(grid,)](*args, num_warps=num_warps)
         with torch.cuda.device(device):  # Triton launches on the current device
             return self.kernel[(grid,)](*args, num_warps=num_warps)
