@@ -77,9 +77,7 @@ class LatencyComparison:
         return f"{spread}: {b} {'faster' if r.q3 < 1.0 else 'slower'} by {abs(1 - r.median):.1%}"
 
     def warnings(self, a: str = "original", b: str = "folded") -> list[str]:
-        if not self.a_runs_ms:
-            return []
-        return Spread.of(self.a_runs_ms).warnings(a) + Spread.of(self.b_runs_ms).warnings(b)
+        return Spread.of(self.a_runs_ms).warnings(a) + Spread.of(self.b_runs_ms).warnings(b) if self.a_runs_ms else []
 
     def tokens_per_s(self, which: str = "b") -> float:
         ms = self.b_ms if which == "b" else self.a_ms
@@ -216,8 +214,7 @@ def kernel_benchmark(shapes: list[tuple[int, int]], dtypes: list[torch.dtype], *
                 size = x.element_size()
                 results.append(KernelResult(rows, cols, str(dtype).replace("torch.", ""), device,
                                             torch.get_num_threads(), ops.backend(x, w, b), t["ln"], t["rms"],
-                                            t["torch"], t["copy"], rows * cols * 2 * size + cols * 2 * size,
-                                            noise))
+                                            t["torch"], t["copy"], rows * cols * 2 * size + cols * 2 * size, noise))
     return results
 
 

@@ -279,9 +279,8 @@ class LayerNormEntry:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["normalized_shape"] = list(self.normalized_shape)
-        d["centered"] = [c.to_dict() for c in self.centered]
-        d["then"] = list(self.then)
+        d.update(normalized_shape=list(self.normalized_shape), centered=[c.to_dict() for c in self.centered],
+                 then=list(self.then))
         for key in ("affine", "affine_reason", "fused", "upcast", "then"):  # newer fields, written only when used
             if not d[key]:
                 d.pop(key)
@@ -397,10 +396,8 @@ class FoldPlan:
         if centered:
             lines.append(f"Center {len(centered)} parameters:")
             lines += [f"  {c.describe()}" for c in centered]
-        for u in self.untied:
-            lines.append(f"Untie {u.param} from {u.tied_to}: +{format_bytes(u.nbytes)}")
-        for a in self.auxiliary:
-            lines.append(f"Insert {a.describe()}")
+        lines += [f"Untie {u.param} from {u.tied_to}: +{format_bytes(u.nbytes)}" for u in self.untied]
+        lines += [f"Insert {a.describe()}" for a in self.auxiliary]
         for e in self.foldable:
             if e.affine == AFFINE_KEPT:
                 lines.append(f"Keep the affine of {e.name}: {e.affine_reason}")

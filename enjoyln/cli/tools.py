@@ -36,8 +36,7 @@ def demo(
 
     Example: enjoyln demo --workdir demo
     """
-    if workdir is not None and workdir.exists() and any(workdir.iterdir()) and \
-            not (workdir / "gpt2-demo").is_dir():
+    if workdir is not None and workdir.exists() and any(workdir.iterdir()) and not (workdir / "gpt2-demo").is_dir():
         raise EnjoylnError(f"--workdir {workdir} is not empty and holds no earlier demo; choose another directory")
     temp = None
     if workdir is None:

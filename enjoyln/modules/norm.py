@@ -95,7 +95,15 @@ class RMSNorm(nn.Module):
 
     @classmethod
     def from_layer_norm(cls, ln: nn.LayerNorm) -> "RMSNorm":
-        return cls.from_module(ln, ln.normalized_shape, ln.eps)
+        rms = cls.__new__(cls)
+        nn.Module.__init__(rms)
+        rms.normalized_shape = tuple(ln.normalized_shape)
+        rms.eps = float(ln.eps)
+        rms.elementwise_affine = ln.elementwise_affine
+        rms.register_parameter("weight", ln.weight)
+        rms.register_parameter("bias", ln.bias)
+        rms.train(ln.training)
+        return rms
 
     @classmethod
     def from_module(cls, module: nn.Module, normalized_shape: Sequence[int], eps: float, *, dim: int = -1,

@@ -59,11 +59,10 @@ class CachedLauncher:
 
     def _first_use(self, key: Hashable, grid: int, args: Sequence[Any], num_warps: int, device: int,
                    outputs: Sequence[torch.Tensor]) -> None:
-        if self.disabled is not None or device < 0:
-            self.jit(grid, args, num_warps, device)
-            return
-        self._bind()
-        if device != self._current_device() or torch.cuda.is_current_stream_capturing():
+        if device >= 0:
+            self._bind()
+        if (self.disabled is not None or device < 0 or device != self._current_device()
+                or torch.cuda.is_current_stream_capturing()):
             self.jit(grid, args, num_warps, device)
             return
         with self._lock:

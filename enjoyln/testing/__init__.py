@@ -77,9 +77,7 @@ def perturb(model: nn.Module, seed: int = 0, *, scale: float = 1.0) -> nn.Module
     def offset(t: torch.Tensor) -> torch.Tensor:
         # relative to the table's spread: visible, but not swamping the rows (one token would win every argmax)
         spread = float(t.float().std()) if t.numel() > 1 else 1.0
-        common = randn(t[(0,) * (t.dim() - 1)], spread)
-        rows = randn(t[..., :1], 0.5 * spread)
-        return common + rows
+        return randn(t[(0,) * (t.dim() - 1)], spread) + randn(t[..., :1], 0.5 * spread)  # common, then per row
 
     norms = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
     with torch.no_grad():
