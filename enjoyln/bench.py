@@ -1,8 +1,4 @@
-"""Timing helpers: side-by-side latency of two models, measured in one run.
-
-Machines are noisy, so A and B are run alternately and compared by their
-medians; a ratio from one run is meaningful, an absolute time is not.
-"""
+"""Timing helpers. Machines are noisy: A and B run alternately and compare by medians, a ratio, not a time."""
 
 from __future__ import annotations
 
@@ -36,24 +32,19 @@ from .transform.steps import fold
 
 @dataclass
 class LatencyComparison:
-    """Medians of alternating runs; ``speedup`` > 0 means B is faster. ``a_runs_ms`` and
-    ``b_runs_ms`` hold every run, and ``pair_ratios`` each B run over the A run beside it: their
-    spread says whether a difference is measurable (``difference``), and ``warnings`` whether
-    the timings can be trusted at all."""
+    """Medians of alternating runs (``speedup`` > 0: B is faster), every run kept for their spread."""
 
     a_ms: float
     b_ms: float
     repeats: int
     tokens: int = 0
     a_iqr_ms: float = 0.0
-    """Interquartile range of A's runs: their spread."""
     b_iqr_ms: float = 0.0
     a_runs_ms: list[float] = field(default_factory=list)
     b_runs_ms: list[float] = field(default_factory=list)
 
     @classmethod
     def of(cls, a_runs_ms: list[float], b_runs_ms: list[float], tokens: int = 0) -> "LatencyComparison":
-        """From the runs themselves (ms), A's and B's alternating."""
         a, b = Spread.of(a_runs_ms), Spread.of(b_runs_ms)
         return cls(a.median, b.median, len(a_runs_ms), tokens, a.iqr, b.iqr, list(a_runs_ms), list(b_runs_ms))
 
@@ -72,8 +63,7 @@ class LatencyComparison:
         return Spread.of(pairs) if pairs else None
 
     def difference(self, a: str = "original", b: str = "folded") -> str:
-        """The comparison in words: a measurable difference only where the middle half of the
-        run-by-run ratios lies on one side of 1.
+        """In words: a measurable difference only where the middle half of the pair ratios lies on one side of 1.
 
         >>> LatencyComparison.of([10.0, 10.1, 9.9], [10.0, 9.9, 10.1]).difference()
         'folded/original 1.000 (IQR 0.980-1.020 over 3 pairs): no measurable difference'
@@ -87,9 +77,7 @@ class LatencyComparison:
         return f"{spread}: {b} {'faster' if r.q3 < 1.0 else 'slower'} by {abs(1 - r.median):.1%}"
 
     def warnings(self, a: str = "original", b: str = "folded") -> list[str]:
-        if not self.a_runs_ms:
-            return []
-        return Spread.of(self.a_runs_ms).warnings(a) + Spread.of(self.b_runs_ms).warnings(b)
+        return Spread.of(self.a_runs_ms).warnings(a) + Spread.of(self.b_runs_ms).warnings(b) if self.a_runs_ms else []
 
     def tokens_per_s(self, which: str = "b") -> float:
         ms = self.b_ms if which == "b" else self.a_ms
@@ -104,11 +92,7 @@ class LatencyComparison:
 
 
 def synchronizer(*models: Any) -> Any:
-    """What waits for the models' queued work: ``torch.cuda.synchronize`` where any holds a CUDA
-    tensor (a CUDA call returns before its kernels finish), else nothing.
-
-    >>> synchronizer(torch.nn.Linear(2, 2))()
-    """
+    """``torch.cuda.synchronize`` where a model is on CUDA (a call returns before its kernels finish)."""
     for model in models:
         params = getattr(model, "parameters", None)
         tensors = itertools.chain(params(), model.buffers()) if callable(params) else ()
@@ -120,12 +104,8 @@ def synchronizer(*models: Any) -> Any:
 def compare_latency(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
                     repeats: int = 20, warmup: int = 3, seconds: float | None = None,
                     max_repeats: int = 2000) -> LatencyComparison:
-    """Forward latency of ``a`` and ``b`` on the same inputs, alternating A, B, A, B; on CUDA
-    each forward is timed to the end of its kernels. At least ``repeats`` pairs; with
-    ``seconds``, more until that much time has passed (at most ``max_repeats``), for a spread
-    that means something.
+    """Forward latency of ``a`` and ``b``, alternating; with ``seconds``, more pairs until that much time passed.
 
-    >>> import torch
     >>> net = torch.nn.Linear(8, 8)
     >>> compare_latency(net, net, torch.randn(4, 8), repeats=3).repeats
     3
@@ -139,8 +119,7 @@ def compare_latency(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *
             inputs.call(b)
         sync()
         start_all, i = time.perf_counter(), 0
-        while i < repeats or (seconds is not None and time.perf_counter() - start_all < seconds
-                              and i < max_repeats):
+        while i < repeats or (seconds is not None and time.perf_counter() - start_all < seconds and i < max_repeats):
             order = (("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))
             for key, model in order:
                 start = time.perf_counter()
@@ -153,13 +132,8 @@ def compare_latency(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *
     return LatencyComparison.of(times["a"], times["b"], tokens)
 
 
-# --- kernels ------------------------------------------------------------------------------------
-
-
 @dataclass
 class KernelResult:
-    """One shape and dtype: native LN against enjoyln RMSNorm and against F.rms_norm + bias."""
-
     rows: int
     cols: int
     dtype: str
@@ -171,12 +145,10 @@ class KernelResult:
     torch_rms_norm_us: float
     copy_us: float
     bytes_moved: int
-    warnings: list[str] = field(default_factory=list)
-    """Why these timings should not be trusted, if they should not (``timings.Spread.warnings``)."""
+    warnings: list[str] = field(default_factory=list)  # from ``timings.Spread.warnings``
 
     @property
     def ratio(self) -> float:
-        """enjoyln RMSNorm time / native LN time; below 1 is faster."""
         return self.rms_norm_us / self.layer_norm_us
 
     @property
@@ -192,9 +164,8 @@ class KernelResult:
 
 
 def _median_time(fn: Any, repeats: int, sync: Any, batch: int = 1) -> list[float]:
-    """µs per call, each run's. ``batch`` calls run back to back per sample and are waited for once:
-    on CUDA the steady cost of a call in a stream of them, the larger of its host time and its
-    kernel's (what a model sees), not the latency of one call waited for alone."""
+    """µs per call, each run's; ``batch`` calls per sample waited for once: on CUDA the steady cost of a
+    call in a stream of them (what a model sees), not the latency of one call waited for alone."""
     for _ in range(max(3, repeats // 10)):
         fn()
     sync()
@@ -210,13 +181,8 @@ def _median_time(fn: Any, repeats: int, sync: Any, batch: int = 1) -> list[float
 
 def kernel_benchmark(shapes: list[tuple[int, int]], dtypes: list[torch.dtype], *, device: str = "cpu",
                      repeats: int = 200, seed: int = 0) -> list[KernelResult]:
-    """Time native LN, enjoyln RMSNorm and ``F.rms_norm`` + bias, interleaved, per shape and dtype.
-
-    Bytes moved are ``M·N·(size_x + size_y) + N·(size_γ + size_β)``; a copy of
-    the input (``clone``) is timed too, as the floor no kernel can beat.
-    """
+    """Time LN, enjoyln RMSNorm, ``F.rms_norm`` + bias and a ``clone`` (the floor), interleaved, per shape and dtype."""
     import torch.nn.functional as F
-
 
     gen = torch.Generator().manual_seed(seed)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -248,36 +214,26 @@ def kernel_benchmark(shapes: list[tuple[int, int]], dtypes: list[torch.dtype], *
                 size = x.element_size()
                 results.append(KernelResult(rows, cols, str(dtype).replace("torch.", ""), device,
                                             torch.get_num_threads(), ops.backend(x, w, b), t["ln"], t["rms"],
-                                            t["torch"], t["copy"], rows * cols * 2 * size + cols * 2 * size,
-                                            noise))
+                                            t["torch"], t["copy"], rows * cols * 2 * size + cols * 2 * size, noise))
     return results
-
-
-# --- end to end ----------------------------------------------------------------------------------
 
 
 @dataclass
 class EndToEndResult:
-    """Original against folded: medians of alternating forwards, and the LN share."""
-
     latency: LatencyComparison
     layer_norm_share: float
     batch: int
     seq_len: int
     threads: int
-    norm_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    """Wall time inside the norm modules per forward: (original LNs, folded norms,
-    a plain copy of the input in place of each folded norm); zeros on CUDA, not measured."""
+    norm_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # ``norm_time_ms``; zeros on CUDA, not measured
 
     @property
     def share_captured(self) -> float:
-        """Speedup as a fraction of the time the original spent in LN."""
         return self.latency.speedup / self.layer_norm_share if self.layer_norm_share else 0.0
 
     @property
     def best_possible_speedup(self) -> float:
-        """The whole-forward speedup if each folded norm cost only a copy of its input: the
-        most any norm that writes a new tensor could give, measured in this model."""
+        """The whole-forward speedup if each folded norm cost only a copy of its input."""
         ln, _, copy = self.norm_ms
         return (ln - copy) / self.latency.a_ms if self.latency.a_ms else 0.0
 
@@ -292,25 +248,22 @@ class EndToEndResult:
 @contextlib.contextmanager
 def _quiet_fds() -> Any:
     """Silence the profiler's C++ start/stop lines, which bypass Python's streams."""
-
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    devnull = os.open(os.devnull, os.O_WRONLY)
+    saved, devnull = [os.dup(1), os.dup(2)], os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
         yield
     finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
         for fd in (*saved, devnull):
             os.close(fd)
 
 
 def layer_norm_share(model: nn.Module, example_inputs: ExampleInputs, *, runs: int = 3) -> float:
-    """Fraction of the model's self time spent in LayerNorm, from the PyTorch profiler: CPU time,
-    or on CUDA the kernels' device time."""
+    """Fraction of the model's self time (on CUDA, device time) in LayerNorm, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     inputs = as_inputs(example_inputs)
@@ -333,14 +286,9 @@ def layer_norm_share(model: nn.Module, example_inputs: ExampleInputs, *, runs: i
 
 def norm_time_ms(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
                  runs: int = 6) -> tuple[float, float, float]:
-    """Median wall time per forward spent inside the norm modules: of ``a``, of ``b``, and of
-    ``b`` with each of its RMSNorms doing nothing but copy its input (the floor).
-
-    Timed in place, inside the running model, where caches hold what the
-    layers around each norm left there; far less noisy than whole forwards
-    when the norms are a small share of the model.
-    """
-
+    """Median wall time per forward inside the norm modules of ``a``, of ``b``, and of ``b`` with each
+    RMSNorm only copying its input (the floor). Timed inside the running model, where caches hold what
+    the layers around each norm left: far less noisy than whole forwards when norms are a small share."""
     inputs = as_inputs(example_inputs)
 
     def timed(model: nn.Module) -> float:
@@ -377,8 +325,7 @@ def norm_time_ms(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
 
 def end_to_end(original: nn.Module, folded: nn.Module, example_inputs: ExampleInputs, *,
                repeats: int = 20, seconds: float | None = None) -> EndToEndResult:
-    """Forward latency of the original and the folded model (at least ``repeats`` pairs, more
-    within ``seconds``), the original's LN share, and the time inside the norms of each."""
+    """``compare_latency`` of the two models, the original's LN share, and the time inside their norms."""
     inputs = as_inputs(example_inputs)
     latency = compare_latency(original, folded, inputs, repeats=repeats, seconds=seconds)
     share = layer_norm_share(original, inputs)
@@ -389,40 +336,27 @@ def end_to_end(original: nn.Module, folded: nn.Module, example_inputs: ExampleIn
                           (0.0, 0.0, 0.0) if cuda else norm_time_ms(original, folded, inputs))
 
 
-# --- torch.compile -------------------------------------------------------------------------------
-
-
 @dataclass
 class CompiledResult:
-    """Compiled original against compiled folded (inductor, ``fullgraph=True``)."""
-
     latency: LatencyComparison
-    kernels: tuple[int, int]
-    """Kernels inductor generated: (original, folded)."""
-    norm_kernels: tuple[int, int]
-    """Of those, the kernels computing a norm: (original, folded)."""
-    fused_add_norms: int
-    """Folded norm kernels that also compute the residual add feeding the norm."""
-    max_rel_diff: float
-    """Compiled folded against the eager original, over every output."""
+    kernels: tuple[int, int]  # generated by inductor: (original, folded)
+    norm_kernels: tuple[int, int]  # of those, the ones computing a norm
+    fused_add_norms: int  # folded norm kernels that also compute the residual add before the norm
+    max_rel_diff: float  # compiled folded against the eager original, over every output
     compile_s: tuple[float, float]
-    norm_kernel_ms: tuple[float, float] = (0.0, 0.0)
-    """Per forward, in the generated kernels that compute a norm (with whatever inductor fused
-    into them), from the profiler: (original, folded). Zero unless asked for."""
+    norm_kernel_ms: tuple[float, float] = (0.0, 0.0)  # per forward, profiled; zero unless asked for
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "latency": self.latency.to_dict()}
 
 
 def _kernel_names(code: str) -> list[str]:
-
     return re.findall(r"^(cpp_fused_\w+|triton_\w+) = async_compile", code, re.M)
 
 
 @contextlib.contextmanager
 def _inductor_code() -> Any:
-    """Collect the code inductor generates inside the block. ``run_and_get_code`` does
-    the same, but resets dynamo first, which would drop a model compiled before."""
+    """The code inductor generates in the block (``run_and_get_code`` resets dynamo, dropping earlier models)."""
     from unittest import mock
 
     from torch._inductor.graph import GraphLowering
@@ -439,22 +373,14 @@ def _is_norm_kernel(name: str) -> bool:
 def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: ExampleInputs, *,
                         repeats: int = 20, profile_kernels: bool = False,
                         seconds: float | None = None) -> CompiledResult:
-    """Compile both models with inductor and time them side by side, alternating.
-
-    ``fullgraph=True`` makes any graph break an error. The folded model's compiled
-    outputs are compared with the eager original's, and the generated code is
-    read for how many kernels each model needs and whether the norms were fused.
-    ``profile_kernels`` (CPU) compiles with inductor's kernel profiling on and
-    reports the time spent in the norm kernels.
+    """Both models compiled (``fullgraph=True``), timed, compared with the eager original and their kernels counted.
 
     >>> r = compiled_comparison(original, folded, inputs)  # doctest: +SKIP
-    >>> r.latency.ratio, r.max_rel_diff                   # doctest: +SKIP
     """
     import torch._inductor.config as inductor_config
 
-
     inputs = as_inputs(example_inputs)
-    compiled, names, seconds, outputs = [], [], [], []
+    compiled, names, compile_s, outputs = [], [], [], []
     torch._dynamo.reset()  # inductor's CPU code fixes its thread count when it is generated
     with torch.inference_mode(), inductor_config.patch({"cpp.enable_kernel_profile": profile_kernels}):
         reference = flatten_outputs(inputs.call(original))
@@ -463,7 +389,7 @@ def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: 
             fn = torch.compile(model, fullgraph=True)
             with _inductor_code() as code:
                 out = inputs.call(fn)
-            seconds.append(time.perf_counter() - start)
+            compile_s.append(time.perf_counter() - start)
             compiled.append(fn)
             names.append(_kernel_names("\n".join(code)))
             outputs.append(flatten_outputs(out))
@@ -472,11 +398,10 @@ def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: 
     latency = compare_latency(compiled[0], compiled[1], inputs, repeats=repeats, seconds=seconds)
     norm_ms = tuple(_norm_kernel_ms(fn, inputs) for fn in compiled) if profile_kernels else (0.0, 0.0)
     return CompiledResult(latency, (len(names[0]), len(names[1])), (len(norms[0]), len(norms[1])),
-                          sum("add" in n for n in norms[1]), diff, (seconds[0], seconds[1]), norm_ms)
+                          sum("add" in n for n in norms[1]), diff, (compile_s[0], compile_s[1]), norm_ms)
 
 
 def _norm_kernel_ms(fn: Any, inputs: Any, runs: int = 6) -> float:
-    """Median per forward of the self time of the norm kernels, as the profiler records them."""
     from torch.profiler import ProfilerActivity, profile
 
     per_run = []
@@ -489,7 +414,6 @@ def _norm_kernel_ms(fn: Any, inputs: Any, runs: int = 6) -> float:
 
 
 def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: Any) -> None:
-    """A bar chart of time ratios (RMSNorm / LayerNorm); needs matplotlib."""
     try:
         import matplotlib
 
@@ -497,15 +421,10 @@ def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: 
         import matplotlib.pyplot as plt
     except ImportError:
         raise EnjoylnError("--plot needs matplotlib: pip install 'enjoyln[plot]'") from None
-    labels = [f"{r.rows}x{r.cols}\n{r.dtype}" for r in kernels]
-    ours = [r.ratio for r in kernels]
-    theirs = [r.torch_ratio for r in kernels]
-    floor = [r.copy_us / r.layer_norm_us for r in kernels]
+    bars = [(f"{r.rows}x{r.cols}\n{r.dtype}", r.ratio, r.torch_ratio, r.copy_us / r.layer_norm_us) for r in kernels]
     if e2e is not None:
-        labels.append("end to end")
-        ours.append(e2e.latency.ratio)
-        theirs.append(float("nan"))
-        floor.append(float("nan"))
+        bars.append(("end to end", e2e.latency.ratio, float("nan"), float("nan")))
+    labels, ours, theirs, floor = (list(column) for column in zip(*bars)) if bars else ([], [], [], [])
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(labels)), 4))
     xs = range(len(labels))
     ax.bar([x - 0.27 for x in xs], ours, 0.27, label="enjoyln RMSNorm")
@@ -528,10 +447,7 @@ def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: 
 @quiet
 def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = "cpu",
                       dtype: torch.dtype | None = None, access: Access = Access()) -> tuple[nn.Module, nn.Module]:
-    """(original, folded) to time against each other: from a folded directory (the original is
-    what plain ``from_pretrained`` gives, LayerNorms kept), from an original one (folded in
-    memory), or, without a directory, a random GPT-2 small with perturbed weights. Folded in the
-    dtype they load in, then moved to ``device`` and cast to ``dtype`` where given.
+    """(original, folded) from a folded or an original directory, or a random GPT-2 small; folded, then cast.
 
     >>> original, folded = models_to_compare()  # doctest: +SKIP
     """

@@ -1,5 +1,4 @@
-"""Errors that enjoyln raises for bad input, each with a single-line message naming the cause and the
-fix, which the CLI prints as is."""
+"""Errors for bad input, each one line naming the cause and the fix, which the CLI prints as is."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ class CheckpointError(EnjoylnError):
 
 
 class CheckFailed(EnjoylnError):
-    """A folded checkpoint did not pass its check, so it was not published; ``report`` is the failing
-    ``CheckReport``, ``kept`` the directory it was kept in (``keep_failed=True``) or None."""
+    """A folded checkpoint failed its check, so was not published; ``kept``: where it was kept, or None."""
 
     exit_code = 1
 
@@ -40,8 +38,7 @@ class CheckFailed(EnjoylnError):
 
 
 def first_line(exc: BaseException, default: str | None = None) -> str:
-    """The first line of ``exc``'s message, or ``default`` (its type name) when empty; a first line
-    ending in a colon announces the next (pydantic's), which comes with it.
+    """The first line of ``exc``'s message (or ``default``, or its type), with the next if it ends in a colon.
 
     >>> first_line(ValueError("bad shape\\nin layer 3")), first_line(KeyError())
     ('bad shape', 'KeyError')
@@ -55,11 +52,8 @@ def first_line(exc: BaseException, default: str | None = None) -> str:
 
 
 class Interrupted(BaseException):
-    """SIGINT or SIGTERM, raised by the command line's signal handlers where the program is,
-    so every ``finally`` cleans up; the exit code is 128 + the signal number.
-
-    Not a KeyboardInterrupt: click and typer turn those into a silent exit 130.
-    """
+    """SIGINT or SIGTERM, raised by the CLI's signal handlers so every ``finally`` cleans up; exit code
+    128 + the signal. Not a KeyboardInterrupt: click and typer turn those into a silent exit 130."""
 
     def __init__(self, signum: int) -> None:
         import signal

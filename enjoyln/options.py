@@ -1,5 +1,4 @@
-"""The options of a fold and of a check, typed, built once where a call enters enjoyln, so a misspelt
-option fails there in one line.
+"""The options of a fold and of a check, built where a call enters enjoyln: a misspelt one fails there.
 
 >>> FoldOptions.of(check="static", fuse_affine=True).check.mode
 'static'
@@ -16,7 +15,6 @@ from typing import Any
 
 from .errors import EnjoylnError
 from .plan import FoldPlan, RotationSpec
-
 
 ACCESS = ("allow_pickle", "trust_remote_code", "model_class")
 
@@ -35,8 +33,7 @@ def _built(cls: type, given: dict[str, Any], **more: Any) -> Any:
 
 @dataclass(frozen=True)
 class Access:
-    """How a model directory may be opened: pickle weights (read with ``weights_only``), the
-    directory's own code, and the model class to build instead of the one config.json names."""
+    """How a model directory may be opened: pickle weights, its own code, another model class."""
 
     allow_pickle: bool = False
     trust_remote_code: bool = False
@@ -45,11 +42,7 @@ class Access:
 
 @dataclass(frozen=True)
 class CheckOptions:
-    """What ``enjoyln check`` (and the check inside ``fold``) runs: ``mode`` ``"full"`` (every
-    weight, then the outputs), ``"static"`` or ``"forward"``; the batches (None: 2 short ones after
-    the weight check, else 3); ``rtol`` a fixed tolerance; ``dtype`` the one the candidate is meant to
-    load in; ``thorough`` a batch over every position; ``max_memory`` (bytes) one model at a time;
-    ``device`` (``"cuda"``) where the forward part runs."""
+    """What ``enjoyln check`` (and ``fold``'s check) runs; the fields are its options (docs/checking.md)."""
 
     batches: int | None = None
     batch_size: int = 2
@@ -65,14 +58,12 @@ class CheckOptions:
 
     @classmethod
     def of(cls, options: "CheckOptions | None" = None, **values: Any) -> "CheckOptions":
-        """``options`` with ``values`` set, refused in one line for a name that is no option."""
         return _built(cls, {**_fields(options), **values})
 
 
 @dataclass(frozen=True)
 class FoldOptions:
-    """What ``enjoyln fold`` (``fold_checkpoint``) does: the plan (its analysis options, or ``plan``),
-    the output (``max_shard_size``, ``force``, ``dry_run``, ``keep_failed``) and its check."""
+    """What ``enjoyln fold`` (``fold_checkpoint``) does: the plan, the output and its check."""
 
     auxiliary_centering: bool = False
     fuse_affine: bool = False
@@ -87,8 +78,7 @@ class FoldOptions:
 
     @classmethod
     def of(cls, options: "FoldOptions | None" = None, **values: Any) -> "FoldOptions":
-        """``options`` with ``values`` set; ``check`` may be a mode name (``"static"``) and
-        ``check_options`` a dict of ``CheckOptions`` values, as ``fold_checkpoint`` takes them."""
+        """``check`` may be a mode name and ``check_options`` a dict, as ``fold_checkpoint`` takes them."""
         base = _fields(options)
         check = values.pop("check", base.pop("check", None))
         extra = values.pop("check_options", None) or {}
@@ -102,10 +92,9 @@ class FoldOptions:
 
     @property
     def checking(self) -> CheckOptions:
-        """The options of the fold's own check: its directories opened as the fold opened them."""
+        """The fold's own check, its directories opened as the fold opened them."""
         return dataclasses.replace(self.check, access=self.access)
 
 
 def _fields(options: Any) -> dict[str, Any]:
-    """An options object's fields, shallow (nested options stay objects)."""
     return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)} if options is not None else {}

@@ -1,5 +1,4 @@
-"""The fold plan: what the analysis decided, as plain serialisable data, the only hand-off from analysis
-to rewrite; a folded checkpoint records it in its ``config.json``."""
+"""The fold plan: the analysis's decisions as plain data, recorded in a folded checkpoint's ``config.json``."""
 
 from __future__ import annotations
 
@@ -11,16 +10,13 @@ from .errors import PlanError
 from .units import format_bytes
 
 FORMAT_VERSION = 2
-"""The newest plan format this enjoyln reads; a plan is written with the oldest version that holds it,
-so older readers refuse only the plans they would misread."""
-
+"""The newest format read; a plan is written in the oldest that holds it: old readers refuse only what they misread."""
 
 _REQUIRED = object()
 
 
 class Fields:
-    """A plan's JSON object read field by field: each value of the type it must have, or a
-    ``ValueError`` naming the field at fault (``plan.layer_norms[0].centered[1].groups``).
+    """A plan's JSON object read field by field, a ``ValueError`` naming the field at fault.
 
     >>> Fields({"axis": "1"}, "c").integer("axis")
     Traceback (most recent call last):
@@ -59,11 +55,9 @@ class Fields:
         return self._get(key, bool, default)
 
     def items(self, key: str) -> list["Fields"]:
-        """The objects of the list under ``key`` (none if it is missing)."""
         return [Fields(v, f"{self.where}.{key}[{i}]") for i, v in enumerate(self._get(key, list, []))]
 
     def values(self, key: str, kind: type, default: Any = ()) -> Any:
-        """The list under ``key``, each of its values of ``kind`` (``default`` if it is missing)."""
         values = self._get(key, list, None)
         if values is None:
             return default
@@ -85,16 +79,12 @@ class Centering:
     param: str
     axis: int
     groups: int = 1
-    blocks: tuple[int, ...] | None = None
-    """Only these of the ``groups`` blocks; None: all of them."""
-    scale: str | None = None
-    """The parameter holding γ, indexed like ``axis``; it is not changed."""
-    saved: bool = True
-    """False for a non-persistent buffer, which a checkpoint does not store;
-    ``enjoyln.load`` centers it again after loading."""
+    blocks: tuple[int, ...] | None = None  # only these of the ``groups`` blocks; None: all
+    scale: str | None = None  # the parameter holding γ, indexed like ``axis``; not changed
+    saved: bool = True  # False for a non-persistent buffer, not stored: ``enjoyln.load`` centers it again
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields, leaving out the newer ones at their defaults, so older plans read the same."""
+        """Newer fields at their defaults left out, so older readers read the same."""
         d: dict[str, Any] = {"param": self.param, "axis": self.axis, "groups": self.groups}
         if self.blocks is not None:
             d["blocks"] = list(self.blocks)
@@ -163,8 +153,7 @@ class Fused:
 
 
 AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT = "fused", "gain fused", "kept"
-"""What became of a folded norm's γ and β with ``fuse_affine``: both moved (the norm is weightless),
-γ moved and β kept as β/γ, or both kept (``affine_reason`` says why)."""
+"""With ``fuse_affine``, γ and β: both moved (a weightless norm), γ moved and β kept as β/γ, or both kept."""
 
 
 @dataclass(frozen=True)
@@ -173,18 +162,14 @@ class Rotated:
 
     param: str
     axis: int
-    saved: bool = True
-    """False for a non-persistent buffer: ``enjoyln.load`` rotates it again after loading."""
-    start: int = 0
-    """The block of ``axis`` that is rotated starts here (a reader of several concatenated norms)."""
-    length: int = 0
-    """... and is this long (0: to the end of the axis)."""
+    saved: bool = True  # False for a non-persistent buffer: ``enjoyln.load`` rotates it again
+    start: int = 0  # the rotated block of ``axis`` (a reader of several concatenated norms) ...
+    length: int = 0  # ... and its length (0: to the end of the axis)
 
 
 @dataclass
 class Rotation:
-    """An orthogonal ``Q`` applied to the residual stream, rebuilt from ``kind``, ``seed`` and the
-    stream's width; with ``keep_mean`` it fixes the all-ones vector."""
+    """An orthogonal ``Q`` on the residual stream, rebuilt from ``kind``, ``seed`` and the width."""
 
     kind: str
     seed: int
@@ -205,8 +190,7 @@ class Rotation:
 
 @dataclass(frozen=True)
 class RotationSpec:
-    """What a rotation of the residual stream is asked to be: the kind of ``Q`` (``"hadamard"`` or
-    ``"random"``), its seed, and whether it keeps the mean.
+    """What a rotation of the residual stream is asked to be: the kind of ``Q``, its seed, whether it keeps the mean.
 
     >>> RotationSpec.of(("random", 3, False))
     RotationSpec(kind='random', seed=3, keep_mean=False)
@@ -218,7 +202,6 @@ class RotationSpec:
 
     @classmethod
     def of(cls, value: "RotationSpec | tuple[str, int, bool] | None") -> "RotationSpec | None":
-        """``value`` as a spec; the public functions also take the (kind, seed, keep_mean) tuple."""
         if value is None or isinstance(value, RotationSpec):
             return value
         kind, seed, keep_mean = value
@@ -226,8 +209,7 @@ class RotationSpec:
 
 
 TRAINING_MODE, NOT_ROTATED, MISSING = "training mode", "not rotated", "missing parameters"
-"""Kinds of plan notes that code acts on: ``fold`` warns about the first, ``rotate`` raises the
-second, and the third names the parameters a model class builds that its checkpoint lacks."""
+"""Kinds of notes code acts on: ``fold`` warns of the first, ``rotate`` raises the second; the third for reading."""
 _NOTE_TEXTS = {TRAINING_MODE: "the model is in training mode, so its dropout blocks folding; call model.eval() first",
                NOT_ROTATED: "the residual stream cannot be rotated: {}",
                MISSING: "the checkpoint lacks {} that {} builds ({}): transformers initialises {} at random on every "
@@ -236,8 +218,7 @@ _NOTE_TEXTS = {TRAINING_MODE: "the model is in training mode, so its dropout blo
 
 
 class Note(str):
-    """A note of a plan: plain text (so a plan's JSON holds strings) with a ``kind`` that code
-    tests instead of the words; ``""`` for notes only meant to be read.
+    """A plan's note: plain text (in JSON) with a ``kind`` that code tests instead of the words.
 
     >>> note = Note.of(NOT_ROTATED, "no LayerNorm folds")
     >>> note, note.kind
@@ -253,13 +234,11 @@ class Note(str):
 
     @classmethod
     def of(cls, kind: str, *args: Any) -> "Note":
-        """The note of ``kind``, its text completed with ``args``."""
         return cls(_NOTE_TEXTS[kind].format(*args), kind)
 
     @classmethod
     def read(cls, text: str) -> "Note":
-        """A note read back from a plan's JSON, where only the text is stored: its kind is
-        recovered from the fixed start of the texts made by ``Note.of``."""
+        """A note read back from JSON: its kind recovered from the fixed start of ``Note.of``'s texts."""
         for kind, template in _NOTE_TEXTS.items():
             if text.startswith(template.split("{}")[0]):
                 return cls(text, kind)
@@ -279,41 +258,29 @@ class LayerNormEntry:
     eps: float = 1e-5
     norm: str = "layer_norm"  # or "group_norm"
     groups: int = 1
-    affine: str = ""
-    """With ``fuse_affine``: AFFINE_FUSED, AFFINE_GAIN or AFFINE_KEPT; '' when not asked."""
-    affine_reason: str = ""
-    """Why the affine stayed (AFFINE_KEPT) or why β did (AFFINE_GAIN)."""
+    affine: str = ""  # with ``fuse_affine``: AFFINE_FUSED, AFFINE_GAIN or AFFINE_KEPT
+    affine_reason: str = ""  # why the affine (AFFINE_KEPT) or β (AFFINE_GAIN) stayed
     fused: list[Fused] = field(default_factory=list)
-    dim: int = -1
-    """The axis of the norm's input it normalizes: -1 (the last), or 1 for a channels-first
-    norm (``permute -> layer_norm -> permute`` back, timm's ``LayerNorm2d``)."""
-    upcast: bool = False
-    """The norm computes in float32 and casts back to its input's dtype (timm's
-    ``LayerNormFp32``, OLMo)."""
-    then: tuple[str, ...] = ()
-    """Child modules the norm module passes its output through, in order (the
-    activation of timm's ``LayerNormAct2d``); they stay, after the RMSNorm."""
+    dim: int = -1  # the axis normalized: -1, or 1 for a channels-first norm (timm's ``LayerNorm2d``)
+    upcast: bool = False  # computes in float32, cast back to the input's dtype (timm's ``LayerNormFp32``, OLMo)
+    then: tuple[str, ...] = ()  # children applied to the output (timm's ``LayerNormAct2d``), kept after the RMSNorm
 
     @property
     def form(self) -> tuple[int, bool, tuple[str, ...]]:
-        """What the replacing RMSNorm must do besides normalizing: (dim, upcast, then)."""
         return self.dim, self.upcast, tuple(self.then)
 
     @property
     def plain_form(self) -> bool:
-        """Normalizes the last axis in the input's dtype and returns that (a plain LayerNorm)."""
         return self.form == (-1, False, ())
 
     @property
     def weightless(self) -> bool:
-        """Runs as a weightless RMSNorm (``elementwise_affine=False``)."""
         return self.foldable and self.affine == AFFINE_FUSED
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["normalized_shape"] = list(self.normalized_shape)
-        d["centered"] = [c.to_dict() for c in self.centered]
-        d["then"] = list(self.then)
+        d.update(normalized_shape=list(self.normalized_shape), centered=[c.to_dict() for c in self.centered],
+                 then=list(self.then))
         for key in ("affine", "affine_reason", "fused", "upcast", "then"):  # newer fields, written only when used
             if not d[key]:
                 d.pop(key)
@@ -348,14 +315,10 @@ class FoldPlan:
     model: str
     layer_norms: list[LayerNormEntry] = field(default_factory=list)
     untied: list[Untie] = field(default_factory=list)
-    notes: list[Note] = field(default_factory=list)
-    """Notes for the reader (plain strings are accepted too); ``note(kind)`` finds one by kind."""
-    auxiliary: list[AuxCentering] = field(default_factory=list)
-    """Centerings inserted to make more LNs foldable (``auxiliary_centering=True``)."""
-    norm_modules: list[str] = field(default_factory=list)
-    """Every LayerNorm and GroupNorm module of the analysed model, to recognise it again."""
+    notes: list[Note] = field(default_factory=list)  # plain strings are accepted too
+    auxiliary: list[AuxCentering] = field(default_factory=list)  # ``auxiliary_centering=True``
+    norm_modules: list[str] = field(default_factory=list)  # every LN and GroupNorm, to recognise the model again
     rotation: Rotation | None = None
-    """The rotation of the residual stream (``enjoyln.rotate``), if any."""
 
     @property
     def foldable(self) -> list[LayerNormEntry]:
@@ -364,15 +327,10 @@ class FoldPlan:
     @property
     def centered(self) -> list[Centering]:
         """Every parameter to center, once, in a stable order."""
-        seen: dict[Centering, None] = {}
-        for entry in self.foldable:
-            for c in entry.centered:
-                seen.setdefault(c, None)
-        return list(seen)
+        return list(dict.fromkeys(c for e in self.foldable for c in e.centered))
 
     @property
     def fused(self) -> list[Fused]:
-        """Every place a norm's affine moves to."""
         return [f for e in self.foldable if e.affine in (AFFINE_FUSED, AFFINE_GAIN) for f in e.fused]
 
     @property
@@ -385,7 +343,6 @@ class FoldPlan:
         return sum(u.nbytes for u in self.untied)
 
     def note(self, kind: str) -> Note | None:
-        """The first note of ``kind`` (``TRAINING_MODE``, ``NOT_ROTATED``), if any."""
         return next((n for n in self.notes if getattr(n, "kind", "") == kind), None)
 
     def __getitem__(self, name: str) -> LayerNormEntry:
@@ -395,38 +352,28 @@ class FoldPlan:
         raise KeyError(name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format_version": self.format_version,
-            "model": self.model,
-            "layer_norms": [e.to_dict() for e in self.layer_norms],
-            "untied": [asdict(u) for u in self.untied],
-            "notes": [str(n) if isinstance(n, str) else n for n in self.notes],  # a Note is a plain string here
-            "auxiliary": [asdict(a) for a in self.auxiliary],
-            "norm_modules": list(self.norm_modules),
-            **({"rotation": self.rotation.to_dict()} if self.rotation else {}),
-        }
+        return {"format_version": self.format_version, "model": self.model,
+                "layer_norms": [e.to_dict() for e in self.layer_norms], "untied": [asdict(u) for u in self.untied],
+                "notes": [str(n) if isinstance(n, str) else n for n in self.notes],  # a Note is a plain string here
+                "auxiliary": [asdict(a) for a in self.auxiliary], "norm_modules": list(self.norm_modules),
+                **({"rotation": self.rotation.to_dict()} if self.rotation else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FoldPlan":
-        """A plan from its JSON form; ``ValueError`` naming the field at fault if it is not one,
-        ``PlanError`` if a newer enjoyln wrote it."""
+        """``ValueError`` naming the field at fault, ``PlanError`` for a plan a newer enjoyln wrote."""
         f = Fields(d, "plan")
         version = f.integer("format_version", FORMAT_VERSION)
         if version > FORMAT_VERSION:
-            raise PlanError(
-                f"this plan has format version {version}; this enjoyln reads up to "
-                f"{FORMAT_VERSION}, so upgrade enjoyln"
-            )
+            raise PlanError(f"this plan has format version {version}; this enjoyln reads up to "
+                            f"{FORMAT_VERSION}, so upgrade enjoyln")
         rotation = f.data.get("rotation")
         return cls(
-            model=f.string("model"),
-            layer_norms=[LayerNormEntry.from_dict(e) for e in f.items("layer_norms")],
+            model=f.string("model"), layer_norms=[LayerNormEntry.from_dict(e) for e in f.items("layer_norms")],
             untied=[Untie(u.string("param"), u.string("tied_to"), u.integer("nbytes")) for u in f.items("untied")],
             notes=[Note.read(n) for n in f.values("notes", str)],
             auxiliary=[AuxCentering(a.string("module"), a.string("where")) for a in f.items("auxiliary")],
             norm_modules=list(f.values("norm_modules", str)),
-            rotation=Rotation.from_dict(Fields(rotation, "plan.rotation")) if rotation else None,
-        )
+            rotation=Rotation.from_dict(Fields(rotation, "plan.rotation")) if rotation else None)
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **{"indent": 2, **kwargs})
@@ -449,10 +396,8 @@ class FoldPlan:
         if centered:
             lines.append(f"Center {len(centered)} parameters:")
             lines += [f"  {c.describe()}" for c in centered]
-        for u in self.untied:
-            lines.append(f"Untie {u.param} from {u.tied_to}: +{format_bytes(u.nbytes)}")
-        for a in self.auxiliary:
-            lines.append(f"Insert {a.describe()}")
+        lines += [f"Untie {u.param} from {u.tied_to}: +{format_bytes(u.nbytes)}" for u in self.untied]
+        lines += [f"Insert {a.describe()}" for a in self.auxiliary]
         for e in self.foldable:
             if e.affine == AFFINE_KEPT:
                 lines.append(f"Keep the affine of {e.name}: {e.affine_reason}")
@@ -470,8 +415,8 @@ class FoldPlan:
 
 
 def block_lists(plan: FoldPlan) -> dict[str, list[Any]]:
-    """The lists a folded checkpoint's ``enjoyln`` block carries beside the full plan, for
-    readers that do not parse it: derived from the plan, so the static check can confirm them."""
+    """The lists a folded checkpoint's ``enjoyln`` block carries beside the plan, for readers that do not
+    parse it; derived from the plan, so the static check can confirm them."""
     return {"rmsnorm": [e.name for e in plan.foldable],
             "centered": [c.to_dict() for c in plan.centered],
             "center_on_load": [c.param for c in plan.centered if not c.saved],

@@ -1,10 +1,4 @@
-"""Repeated timings, and what their spread says: the median and quartiles of a set of runs, and
-the warnings a reader needs before trusting them (runs at the clock's resolution, runs that fall
-into groups a scheduler's time slice apart, runs spread by a busy machine).
-
-Plain Python (no torch): ``bench`` times, this judges the times, and tests judge it with
-made-up timings.
-"""
+"""Repeated timings and the warnings their spread gives; plain Python, so tests judge made-up timings."""
 
 from __future__ import annotations
 
@@ -17,8 +11,7 @@ __all__ = ["Spread", "NOISY"]
 
 @dataclass
 class Spread:
-    """Repeated timings of one thing (ms or µs, as given): median, quartiles and extremes, and
-    what they warn of (``warnings``)."""
+    """Repeated timings of one thing (ms or µs, as given)."""
 
     median: float
     q1: float
@@ -26,13 +19,11 @@ class Spread:
     low: float
     high: float
     runs: int
-    groups: list[float] = field(default_factory=list)
-    """Centres of the separate groups the runs fall into, when they do (time-slicing)."""
+    groups: list[float] = field(default_factory=list)  # centres of the groups the runs fall into (time-slicing)
 
     @classmethod
     def of(cls, samples: list[float]) -> "Spread":
-        """The spread of ``samples``.
-
+        """
         >>> Spread.of([1.0, 2.0, 3.0, 4.0]).median
         2.5
         """
@@ -45,8 +36,7 @@ class Spread:
         return self.q3 - self.q1
 
     def warnings(self, label: str, unit: str = "ms") -> list[str]:
-        """Why these timings should not be trusted, if they should not: they sit at the clock's
-        resolution, fall into separate groups a scheduler step apart, or spread widely.
+        """Why not to trust these timings: at the clock's resolution, in groups a scheduler step apart, or spread.
 
         >>> Spread.of([10.0, 10.1, 9.9, 10.0, 10.05, 9.95]).warnings("original")
         []
@@ -67,14 +57,12 @@ class Spread:
         return found
 
 
-NOISY = 0.10
-"""An interquartile range above this fraction of the median: the machine was busy."""
+NOISY = 0.10  # an interquartile range above this fraction of the median: the machine was busy
 
 
 def _groups(xs: list[float]) -> list[float]:
-    """The centres of the tight clusters sorted timings fall into, split at gaps far wider than
-    their typical spacing and than 15% of the median; [] for one cluster, for clusters of one run
-    (outliers, not groups), or for clusters as wide as the gaps between them (plain noise)."""
+    """Centres of the clusters sorted timings fall into, split at gaps far wider than their spacing and 15% of
+    the median; [] for one cluster, clusters of one run (outliers) or as wide as their gaps (noise)."""
     if len(xs) < 8:
         return []
     gaps = [b - a for a, b in zip(xs, xs[1:])]

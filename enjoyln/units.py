@@ -14,8 +14,7 @@ def parse_size(text: str | int | None) -> int | None:
             raise CheckpointError(f"cannot use the size {text}; it must be positive")
         return text
     s = text.strip().upper().replace(" ", "")
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6,
-             "GB": 10**9, "B": 1}
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
     size = None
     for unit, mult in units.items():
         if s.endswith(unit):

@@ -1,6 +1,4 @@
-"""The ``enjoyln`` typer app: the commands of ``commands`` and ``tools``, each wrapped by
-``failures.friendly`` so that any failure is one line and an exit code (0 ok, 1 check failed,
-2 bad input); ``-h`` beside ``--help``, ``--version``; click's own usage errors in one line too."""
+"""The ``enjoyln`` typer app: each command wrapped by ``failures.friendly``; ``-h``, ``--version``."""
 
 from __future__ import annotations
 
@@ -15,9 +13,18 @@ from .failures import NoArgsIsHelpError, UsageError, friendly, usage_error
 from .render import state
 
 
-class Command(TyperCommand):
-    """A command whose usage line reads ``[OPTIONS] MODEL_DIR OUT_DIR`` (typer writes
-    ``{model_dir} {out_dir}``) and whose help shows no type after a flag (typer writes ``<bool>``)."""
+class _FlagHelp:
+    """``--help`` shown with no type after it (typer writes ``<bool>``)."""
+
+    def get_help_option(self, ctx: Any) -> Optional[TyperOption]:
+        option = super().get_help_option(ctx)  # type: ignore[misc]
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+class Command(_FlagHelp, TyperCommand):
+    """Usage reads ``[OPTIONS] MODEL_DIR OUT_DIR`` (typer writes ``{model_dir} {out_dir}``); no type after a flag."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -35,17 +42,9 @@ class Command(TyperCommand):
                 pieces.append(name if param.required or name.startswith("[") else f"[{name}]")
         return pieces
 
-    def get_help_option(self, ctx: Any) -> Optional[TyperOption]:
-        option = super().get_help_option(ctx)
-        if option is not None:
-            option.metavar = ""
-        return option
 
-
-class Group(TyperGroup):
-    """The app's group: click's usage errors (an unknown option, a missing argument, a value out
-    of range) are one line naming the command's help, exit 2, with a JSON document under
-    ``--json``; the program is called ``enjoyln`` however it was started."""
+class Group(_FlagHelp, TyperGroup):
+    """click's usage errors in one line (``failures.usage_error``); the program is ``enjoyln`` however started."""
 
     def main(self, args: Any = None, prog_name: Optional[str] = None, **extra: Any) -> Any:
         import sys
@@ -64,12 +63,6 @@ class Group(TyperGroup):
             typer.echo("aborted", err=True)
             code = 1
         sys.exit(code if isinstance(code, int) else 0)
-
-    def get_help_option(self, ctx: Any) -> Optional[TyperOption]:
-        option = super().get_help_option(ctx)
-        if option is not None:
-            option.metavar = ""
-        return option
 
 
 app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

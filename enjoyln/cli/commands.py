@@ -1,11 +1,5 @@
-"""The commands on model directories: each checks its options and paths, calls the Python API,
-and hands the result to ``render``.
-
-Everything that can be checked without torch is checked first, in this order: option values,
-then paths (MODEL_DIR exists and holds a config.json, OUT_DIR can be written), then a hub id
-resolved. Only then is the API imported (torch and transformers load with it, seconds that a
-spinner names), so bad input is refused in a fraction of a second.
-"""
+"""The commands on model directories. Whatever can be checked without torch is checked first (options,
+paths, a hub id), so bad input is refused in a fraction of a second."""
 
 from __future__ import annotations
 
@@ -36,10 +30,8 @@ ModelDir = Annotated[str, typer.Argument(
 IMPORTING = "loading torch and transformers"
 
 
-def model_dir_of(spec: str, revision: Optional[str], access: Access, display: Display,
-                 role: str = "MODEL_DIR") -> Path:
-    """The local directory a MODEL_DIR argument names (a path, or a hub id fetched into the
-    cache), checked as far as it can be without torch.
+def model_dir_of(spec: str, revision: Optional[str], access: Access, display: Display, role: str = "MODEL_DIR") -> Path:
+    """The local directory a MODEL_DIR names (a path, or a hub id fetched), checked as far as it can be without torch.
 
     >>> model_dir_of("/no/such/dir", None, Access(), Display(err))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -112,7 +104,6 @@ def _check_options(check: bool, static: bool, *, max_memory: Optional[str], **va
 
 
 def _publish(spec: str, out_dir: Path, options: FoldOptions, as_json: bool, revision: Optional[str]) -> None:
-    """``fold_checkpoint`` with the options of ``fold`` or ``rotate``, and its result shown."""
     start = time.perf_counter()
     with Display(err, enabled=not as_json and not state.quiet) as display:
         src = model_dir_of(spec, revision, options.access, display)
@@ -144,8 +135,7 @@ def _publish(spec: str, out_dir: Path, options: FoldOptions, as_json: bool, revi
     except (OSError, UnicodeError):
         if result.out_dir is None:
             raise
-        # OUT_DIR is published and checked: a closed stdout does not undo that, and the exit
-        # code must say so
+        # OUT_DIR is published and checked: a closed stdout does not undo that, nor must the exit code
         drop_stdout()
 
 

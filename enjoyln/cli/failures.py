@@ -1,13 +1,9 @@
-"""How a command ends when it fails: one line on stderr (and, with ``--json``, one JSON document on
-stdout) and an exit code, never a traceback: 2 for bad input, 1 for a check that failed, 130
-for Ctrl-C and 143 for SIGTERM.
-
-``friendly`` wraps each command; ``usage_error`` words click's own errors (an unknown option, a
-missing argument) the same way, for ``app.Group``.
-"""
+"""How a command fails: one line on stderr (with ``--json`` a JSON document on stdout) and an exit code
+(2 bad input, 1 a failed check, 130 Ctrl-C, 143 SIGTERM), never a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -28,29 +24,21 @@ from . import render
 from .render import one_line
 
 def _tolerant_streams() -> None:
-    """Text no stream can encode (a non-ASCII path on an ASCII stdout) is written escaped, not
-    raised: a print after OUT_DIR is published must not turn a success into a failure."""
+    """Write unencodable text escaped: a print after OUT_DIR is published must not turn success into failure."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(AttributeError, ValueError, OSError):
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
-        except (AttributeError, ValueError, OSError):
-            pass
 
 
 def fail(message: str, code: int, *, as_json: bool, payload: dict[str, Any] | None = None) -> None:
-    """Report a failure: the line on stderr, and with ``as_json`` one JSON document on stdout
-    (``{"error": ..., "exit_code": ...}`` and what the command had to say), unless the command
-    already printed its document."""
+    """The line on stderr; with ``as_json`` also its JSON document, unless the command printed one."""
     render.err.print(one_line(message), markup=False, emoji=False, highlight=False)
     if as_json and not render.state.printed_json:
         render.print_json({"error": one_line(message.removeprefix("error: ")), "exit_code": code, **(payload or {})})
 
 
 def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Any failure becomes one line on stderr (and with ``--json`` one JSON document on stdout) and
-    an exit code, never a traceback (unless ``--verbose`` or ENJOYLN_DEBUG asks for one, for an
-    error that is not bad input). Reads ``as_json``, ``quiet`` and ``verbose`` from the command's
-    options, for the rest of the command."""
+    """Any failure becomes ``fail`` and an exit code; a traceback only where ``--verbose`` or ENJOYLN_DEBUG asks."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -87,8 +75,7 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def usage_error(exc: UsageError, args: list[str]) -> int:
-    """click's usage error (an unknown option, a missing argument, a bad value) as one line:
-    ``error: no such option: --foo (see enjoyln fold --help)``; exit code 2."""
+    """click's usage error as one line: ``error: no such option: --foo (see enjoyln fold --help)``."""
     message = " ".join(exc.format_message().split()).rstrip(".")
     message = re.sub(r"\s*\(Possible options: ([^)]*)\)", r"; did you mean \1?", message)
     message = message[:1].lower() + message[1:]

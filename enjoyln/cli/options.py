@@ -1,10 +1,4 @@
-"""Options the commands share, declared once, and the parsers of option values.
-
-``fold`` and ``rotate`` take the same output, check and input options; a
-command uses one with ``name: Force = False``, the default in the signature.
-Every parser here runs before torch is imported (``parse_dtypes`` names only;
-``check_cuda`` is the one that needs torch), so a bad value is refused at once.
-"""
+"""Options the commands share, and the parsers of values, run before torch is imported (but ``check_cuda``)."""
 
 from __future__ import annotations
 
@@ -46,12 +40,10 @@ ModelClass = Annotated[Optional[str], typer.Option(
          "for weights saved without the head MPNetForMaskedLM would add at random.")]
 
 
-MAX_SHAPE = 1 << 30
-"""The most elements a benchmarked tensor may hold (4 GiB in float32; several are alive at once)."""
+MAX_SHAPE = 1 << 30  # the most elements a benchmarked tensor may hold (4 GiB in float32; several are alive at once)
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """``--shapes 2048x768,4096x1024``."""
     try:
         shapes = [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",") if part]
     except ValueError:
@@ -63,13 +55,11 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes  # type: ignore[return-value]
 
 
-BENCH_DTYPES = ("float32", "bfloat16", "float16", "float64")
-"""The dtypes the norms run in (float8 and float4 have no LayerNorm kernel to compare with)."""
+BENCH_DTYPES = ("float32", "bfloat16", "float16", "float64")  # float8 and float4 have no LayerNorm to compare with
 
 
 def parse_dtypes(text: str, option: str = "--dtypes") -> list[str]:
-    """``--dtypes float32,bfloat16``: the names of dtypes a LayerNorm runs in (``torch_dtypes``
-    turns them into torch's)."""
+    """``--dtypes float32,bfloat16``: names only (``torch_dtypes`` turns them into torch's)."""
     names = [name.strip() for name in text.split(",")]
     for name in names:
         if name not in BENCH_DTYPES:
@@ -78,19 +68,13 @@ def parse_dtypes(text: str, option: str = "--dtypes") -> list[str]:
 
 
 def torch_dtypes(names: list[str]) -> list[Any]:
-    """torch's dtypes of names ``parse_dtypes`` accepted."""
     import torch
 
     return [getattr(torch, name) for name in names]
 
 
 def parse_device(text: str, option: str = "--device") -> str:
-    """``--device``: ``cpu``, ``cuda`` or ``cuda:N``; CUDA refused at once where no NVIDIA driver
-    is loaded (``check_cuda`` asks torch, once it is imported).
-
-    >>> parse_device("cpu")
-    'cpu'
-    """
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N``; CUDA refused at once where no GPU driver is loaded."""
     if text == "cpu":
         return text
     if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
@@ -101,14 +85,12 @@ def parse_device(text: str, option: str = "--device") -> str:
 
 
 def _nvidia_driver() -> bool:
-    """Whether a GPU driver torch.cuda could use is loaded (NVIDIA's; WSL's; ROCm's): without one
-    no CUDA device can exist, and saying so needs no torch."""
+    """Whether a GPU driver torch.cuda could use is loaded (NVIDIA's, WSL's, ROCm's), asked without torch."""
     return os.name == "nt" or any(Path(p).exists() for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg",
                                                                "/dev/kfd"))
 
 
 def check_cuda(device: str, option: str = "--device") -> str:
-    """``device`` where torch can use it: a CPU build of torch, or a missing GPU, is one line."""
     if device == "cpu":
         return device
     import torch
@@ -120,17 +102,11 @@ def check_cuda(device: str, option: str = "--device") -> str:
     return device
 
 
-ROTATIONS = ("hadamard", "random")
-"""The kinds of rotation (``transform.rotation.KINDS``, named here so that a wrong one is refused
-before torch loads; a test holds the two together)."""
+ROTATIONS = ("hadamard", "random")  # ``transform.rotation.KINDS``, here to refuse a wrong one before torch loads
 
 
 def parse_rotation(text: Optional[str], option: str) -> Optional[str]:
-    """``--kind`` or ``--rotate``: a kind of rotation, or None.
-
-    >>> parse_rotation("hadamard", "--kind")
-    'hadamard'
-    """
+    """``--kind`` or ``--rotate``."""
     if text is not None and text not in ROTATIONS:
         raise EnjoylnError(f"unknown {option} {text!r}; use {' or '.join(ROTATIONS)}")
     return text
@@ -140,11 +116,7 @@ CHECK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def parse_check_dtype(text: Optional[str]) -> Optional[str]:
-    """``check --dtype``, refused in one line before anything loads.
-
-    >>> parse_check_dtype("bfloat16")
-    'bfloat16'
-    """
+    """``check --dtype``."""
     if text is not None and text not in CHECK_DTYPES:
         raise EnjoylnError(f"cannot judge a candidate in dtype {text!r}; use one of {', '.join(CHECK_DTYPES)}")
     return text
@@ -154,7 +126,6 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def parse_plot(path: Any) -> Any:
-    """``--plot``: a file named .png, .svg or .pdf (checked before the benchmark runs)."""
     if path is None:
         return None
     if path.suffix.lower() not in PLOT_SUFFIXES or path.is_dir():

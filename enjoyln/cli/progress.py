@@ -1,12 +1,5 @@
-"""Progress on stderr, on a terminal only: a spinner naming the phase (imports, analysis, each
-load and batch of the forward check) with its elapsed time, and byte bars for writing and the
-static check.
-
-Totals never jump: bytes whose total is not known yet (the weights copied while the model is
-analysed) show as a count with no bar, and a bar appears once the total is final. Rates are
-honest: the bytes moved since the bar first moved over the time since, shown only once a
-second has passed (a burst of bytes over a few milliseconds gives no rate).
-"""
+"""Progress on stderr, on a terminal only: a spinner naming the phase, and byte bars. Totals never jump (an
+unknown one shows a count, no bar); rates show only once a second has passed (a burst gives none)."""
 
 from __future__ import annotations
 
@@ -18,18 +11,15 @@ from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Ta
 from rich.text import Text
 
 MIN_RATE_SECONDS = 1.0
-"""No rate is shown over a shorter interval than this."""
 
 
 def honest_rate(moved: float, seconds: float) -> float | None:
-    """Bytes per second over ``seconds``, or None where the interval is too short to mean anything.
+    """Bytes per second, or None where the interval is too short to mean anything.
 
     >>> honest_rate(480e9, 0.001) is None, honest_rate(100e6, 2.0)
     (True, 50000000.0)
     """
-    if seconds < MIN_RATE_SECONDS or moved <= 0:
-        return None
-    return moved / seconds
+    return None if seconds < MIN_RATE_SECONDS or moved <= 0 else moved / seconds
 
 
 class _Bytes(ProgressColumn):
@@ -43,8 +33,7 @@ class _Bytes(ProgressColumn):
 
 
 class _Rate(ProgressColumn):
-    """The bytes moved from the bar's first move to its latest, over the time between; nothing
-    before a second has passed between them (and it stays put once the bar stops moving)."""
+    """The bytes moved from the bar's first move to its latest, over the time between."""
 
     def render(self, task: Task) -> Text:
         first, last = task.fields.get("moved_at"), task.fields.get("last")
@@ -55,8 +44,6 @@ class _Rate(ProgressColumn):
 
 
 class _Bar(BarColumn):
-    """A bar for bytes with a known total; none for a phase or an unknown total."""
-
     def render(self, task: Task) -> Any:
         if task.fields.get("phase") or not task.total:
             return Text("")
@@ -64,9 +51,7 @@ class _Bar(BarColumn):
 
 
 class Display:
-    """What a long command shows while it runs: ``stage(words)`` names the phase (a spinner and its
-    elapsed time), ``phase(name)`` gives the (done, total) callback of a byte bar. Off the
-    terminal, or ``enabled=False``, every call does nothing."""
+    """``stage(words)`` names the phase, ``phase(name)`` gives a byte bar's callback; off a terminal, nothing."""
 
     def __init__(self, console: Console, enabled: bool = True) -> None:
         self.console = console
@@ -83,18 +68,15 @@ class Display:
         return self.bar
 
     def stage(self, words: str) -> None:
-        """The phase now running, in a few words ("analysing GPT2LMHeadModel")."""
         if not self.enabled:
             return
         bar = self._progress()
-        if self.phase_task is None:
-            self.phase_task = bar.add_task(words, total=None, phase=True)
-        else:  # a new phase: its own elapsed time
+        if self.phase_task is not None:  # a new phase: its own elapsed time
             bar.remove_task(self.phase_task)
-            self.phase_task = bar.add_task(words, total=None, phase=True)
+        self.phase_task = bar.add_task(words, total=None, phase=True)
 
     def phase(self, name: str) -> Callable[[int, int], None]:
-        """The callback of the byte bar ``name``: (bytes done, bytes total, 0 while not known)."""
+        """The callback of the byte bar ``name``: (bytes done, bytes total or 0)."""
 
         def update(done: int, total: int) -> None:
             if not self.enabled:
@@ -114,8 +96,7 @@ class Display:
     def stop(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-            self.bar = None
-            self.tasks, self.phase_task = {}, None
+            self.bar, self.tasks, self.phase_task = None, {}, None
 
     def __enter__(self) -> "Display":
         return self

@@ -1,12 +1,8 @@
-"""What the command line prints: verdicts, tables, reports and strict JSON.
-
-Reports go to stdout; with ``-q`` only their verdict. JSON goes to stdout, strict and ASCII
-only, one document per command (``state`` records that it is printed). Errors are
-``failures``' job, progress ``progress``'.
-"""
+"""What the command line prints on stdout: reports (with ``-q`` only their verdict) and strict ASCII JSON."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -32,8 +28,7 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class State:
-    """What the running command asked for: ``--json`` (whether its document is printed yet),
-    ``-q`` and ``--verbose``."""
+    """What the running command asked for: ``--json`` (and whether it is printed yet), ``-q``, ``--verbose``."""
 
     def __init__(self) -> None:
         self.begin()
@@ -59,9 +54,7 @@ _BREAKS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 
 
 def one_line(text: str) -> str:
-    """``text`` with every character that could break the line or the terminal escaped: control
-    characters (a newline in a path), line separators, and the undecodable bytes of a file name
-    (surrogates), which no encoding can print.
+    """``text`` with control characters, line separators and surrogates (undecodable file name bytes) escaped.
 
     >>> one_line("a\\nb")
     'a\\\\nb'
@@ -75,9 +68,6 @@ def one_line(text: str) -> str:
             f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}")
 
     return _BREAKS.sub(escape_char, text)
-
-
-# --- plans and reports ------------------------------------------------------------------------
 
 
 def _compact(params: list[str]) -> str:
@@ -105,8 +95,7 @@ _FEEDS = re.compile(r"its input includes the output of (\S+), which is not zero-
 
 
 def post_ln_note(plan: FoldPlan) -> str | None:
-    """Why a post-LN model (BERT and its family) folds only the LNs fed by weights alone: said
-    once, where the plan refuses an LN because its input sums in another norm's output."""
+    """Why a post-LN model (BERT) folds only the LNs fed by weights alone, where the plan shows it."""
     norms = {e.name for e in plan.layer_norms}
     fed = [e for e in plan.layer_norms if not e.foldable and (m := _FEEDS.search(e.reason)) and m.group(1) in norms]
     if not fed:
@@ -184,9 +173,7 @@ def print_plan(plan: FoldPlan) -> None:
 
 
 def _strict(value: Any) -> Any:
-    """``value`` as strict JSON allows: non-finite floats as the strings "inf", "-inf" and "nan"
-    (JSON has no such numbers), and strings without the surrogates an undecodable file name
-    leaves (no UTF-8 can carry them), its bytes written as \\xNN."""
+    """Non-finite floats as "inf", "-inf", "nan"; surrogates (no UTF-8 can carry them) as \\xNN."""
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if value != value else "inf" if value > 0 else "-inf"
     if isinstance(value, str):
@@ -204,15 +191,13 @@ _SURROGATES = re.compile(r"[\ud800-\udfff]")
 
 
 def print_json(value: Any) -> None:
-    """Strict JSON on stdout, ASCII only, so it reads back whatever the terminal's encoding; one
-    document per command."""
+    """ASCII only, so it reads back whatever the terminal's encoding."""
     out.file.write(json.dumps(_strict(value), indent=2, ensure_ascii=True, allow_nan=False) + "\n")
     out.file.flush()
     state.printed_json = True
 
 
 def print_report(report: Any, subject: str = "the candidate") -> None:
-    """The verdict in one sentence, then (without ``-q``) what was checked, line by line."""
     colour = "green" if report.passed else "red"
     out.print(f"[{colour}]{escape(report.verdict(subject))}[/]")
     details = report.summary().splitlines()[1:]  # its first line is the bare verdict
@@ -222,17 +207,13 @@ def print_report(report: Any, subject: str = "the candidate") -> None:
 
 def drop_stdout() -> None:
     """Send what is left of stdout to /dev/null, so Python's final flush raises nothing either."""
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no real descriptor (under a test runner)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # no real descriptor (under a test runner)
-        pass
 
 
-def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool, dry_run: bool,
-              start: float) -> None:
-    """What ``fold`` and ``rotate`` print: the plan, the check's verdict and report, and where the
-    output went; the JSON document instead with ``--json``. Nothing to fold is an error (exit 2)."""
+def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool, dry_run: bool, start: float) -> None:
+    """What ``fold`` and ``rotate`` print (or the JSON document); nothing to fold is an error (exit 2)."""
     plan = result.plan
     if not as_json:
         if result.cleaned:
@@ -270,8 +251,6 @@ def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool,
 
 
 def print_export(report: Any, out_file: Path) -> None:
-    """An ONNX export's report: the ops written, the shapes, and onnxruntime's verdicts."""
-
     def dims(shape: list[Any]) -> str:
         return escape("[" + ", ".join(map(str, shape)) + "]")
 
@@ -292,9 +271,6 @@ def print_export(report: Any, out_file: Path) -> None:
                   f"{verdict} PyTorch: max relative difference {report.optimized_max_rel_diff:.3g}")
     for note in report.notes:
         out.print(f"[yellow]warning:[/] {escape(note)}")
-
-
-# --- benchmarks -------------------------------------------------------------------------------
 
 
 def print_kernels(results: list[Any]) -> None:

@@ -1,6 +1,4 @@
-"""The commands around the fold: ``demo`` (the whole flow on a model enjoyln builds), ``bench``
-(timings, reported with their spread and what makes them untrustworthy) and ``env`` (versions,
-backends, GPU and caches, for bug reports)."""
+"""The commands around the fold: ``demo``, ``bench`` and ``env``."""
 
 from __future__ import annotations
 
@@ -38,8 +36,7 @@ def demo(
 
     Example: enjoyln demo --workdir demo
     """
-    if workdir is not None and workdir.exists() and any(workdir.iterdir()) and \
-            not (workdir / "gpt2-demo").is_dir():
+    if workdir is not None and workdir.exists() and any(workdir.iterdir()) and not (workdir / "gpt2-demo").is_dir():
         raise EnjoylnError(f"--workdir {workdir} is not empty and holds no earlier demo; choose another directory")
     temp = None
     if workdir is None:
@@ -103,8 +100,7 @@ def _rule(title: str) -> None:
 
 
 def print_latency(timing: Any, a: str = "original", b: str = "folded") -> None:
-    """Two models' timings as medians with their spread, the difference only where measurable,
-    and every reason not to trust them."""
+    """Medians with their spread, the difference where measurable, and every reason not to trust them."""
     out.print(f"{a} {timing.a_ms:.2f} ms (IQR {timing.a_iqr_ms:.2f}), {b} {timing.b_ms:.2f} ms (IQR "
               f"{timing.b_iqr_ms:.2f}), medians of {timing.repeats} runs each; {timing.difference(a, b)}")
     for warning in timing.warnings(a, b):
@@ -265,7 +261,6 @@ def env(as_json: JsonOnly = False, quiet: Quiet = False, verbose: Verbose = Fals
 
 
 def _caches(enjoyln_cache: Path) -> dict[str, str]:
-    """Where each library keeps what it downloads or compiles, as it would resolve it now."""
     home = Path(os.environ.get("HF_HOME", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                                / "huggingface"))
     try:

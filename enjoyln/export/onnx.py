@@ -1,7 +1,5 @@
-"""ONNX export of folded models: ``enjoyln::rms_norm`` as ONNX's ``RMSNormalization`` (opset 23+) or
-onnxruntime's ``SimplifiedLayerNormalization`` (earlier), with a following ``Add`` for a kept β; dynamic
-batch and sequence axes; onnxruntime's optimizer at opset 22 (docs/performance.md). Needs
-``pip install 'enjoyln[onnx]'``."""
+"""ONNX export of folded models: ``enjoyln::rms_norm`` as ``RMSNormalization`` (opset 23+) or onnxruntime's
+``SimplifiedLayerNormalization``, then an ``Add`` for a kept β (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -35,9 +33,7 @@ from ..store.quiet import quiet
 from ..transform.steps import fold
 
 DEFAULT_OPSET = 23
-OPTIMIZE_OPSET = 22
-"""The newest opset whose graphs onnxruntime's optimizer can fuse RMS forms in (its symbolic shape
-inference fails on opset 23's ``Attention``)."""
+OPTIMIZE_OPSET = 22  # the newest onnxruntime's optimizer fuses RMS in (it fails on opset 23's ``Attention``)
 RMS_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
 LN_OPS = ("LayerNormalization", "SkipLayerNormalization", "EmbedLayerNormalization")
 SKIP_OPS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
@@ -45,8 +41,7 @@ SKIP_OPS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
 SEQUENCE_AXES = {0: "batch_size", 1: "sequence_length"}
 DECODER_AXES = {0: "batch_size", 1: "decoder_sequence_length"}
 AXES = {"input_ids": SEQUENCE_AXES, "attention_mask": SEQUENCE_AXES, "token_type_ids": SEQUENCE_AXES,
-        "position_ids": SEQUENCE_AXES, "decoder_input_ids": DECODER_AXES,
-        "decoder_attention_mask": DECODER_AXES}
+        "position_ids": SEQUENCE_AXES, "decoder_input_ids": DECODER_AXES, "decoder_attention_mask": DECODER_AXES}
 """Dynamic axes of the inputs optimum names; any other tensor input gets a dynamic ``batch_size`` axis 0."""
 OPTIMIZER_TYPES = {"gpt2": "gpt2", "bert": "bert", "roberta": "bert", "distilbert": "bert", "vit": "vit",
                    "deit": "vit", "swin": "swin", "bart": "bart", "t5": "t5", "gpt_neox": "gpt_neox",
@@ -64,16 +59,14 @@ def _require() -> None:
 
 
 def _register_simplified_layer_norm() -> None:
-    """Tell onnx (and so onnxscript and onnx.checker) the signature of
-    onnxruntime's SimplifiedLayerNormalization, which is not a standard op."""
+    """Tell onnx (so onnxscript and onnx.checker) onnxruntime's SimplifiedLayerNormalization, not a standard op."""
     import onnx
     from onnx.defs import OpSchema
 
     if onnx.defs.has("SimplifiedLayerNormalization"):
         return
     floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
-    param = OpSchema.FormalParameter
-    attr = OpSchema.Attribute
+    param, attr = OpSchema.FormalParameter, OpSchema.Attribute
     onnx.defs.register_schema(OpSchema(
         "SimplifiedLayerNormalization", "", 1, "onnxruntime's RMSNorm: x / sqrt(mean(x^2) + epsilon) * scale",
         inputs=[param("X", "T"), param("scale", "V")], outputs=[param("Y", "V")],
@@ -84,15 +77,13 @@ def _register_simplified_layer_norm() -> None:
 
 
 def translation(opset: int) -> Any:
-    """The onnxscript function that lowers ``enjoyln::rms_norm`` at ``opset``."""
     import onnxscript
 
     op = onnxscript.values.Opset("", opset)
     if opset < DEFAULT_OPSET:
         _register_simplified_layer_norm()
 
-    def rms_norm(x: Any, normalized_shape: list[int], weight: Any = None, bias: Any = None,
-                 eps: float = 1e-5) -> Any:
+    def rms_norm(x: Any, normalized_shape: list[int], weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
         axis = -len(normalized_shape)
         if weight is None:  # both ops require a scale: ones, which the exporter folds into a constant
             weight = op.Expand(op.CastLike(1.0, x), op.Constant(value_ints=list(normalized_shape)))
@@ -107,29 +98,22 @@ def translation(opset: int) -> Any:
 
 @dataclass
 class ExportReport:
-    """What ``export_onnx`` wrote and how onnxruntime agreed with PyTorch."""
-
     path: str
     opset: int
-    ops: dict[str, int] = field(default_factory=dict)
-    """Op counts of the exported graph (before any optimizer)."""
+    ops: dict[str, int] = field(default_factory=dict)  # of the exported graph, before any optimizer
     rms_norm_nodes: int = 0
     layer_norm_nodes: int = 0
-    rms_bias_adds: int = 0
-    """RMS ops followed by an ``Add`` of a constant: norms that kept β."""
-    inputs: dict[str, list[Any]] = field(default_factory=dict)
-    """Input name -> shape, dynamic axes by name."""
+    rms_bias_adds: int = 0  # RMS ops followed by an ``Add`` of a constant: norms that kept β
+    inputs: dict[str, list[Any]] = field(default_factory=dict)  # name -> shape, dynamic axes by name
     outputs: dict[str, list[Any]] = field(default_factory=dict)
     checked: bool = False
-    shapes: list[dict[str, list[int]]] = field(default_factory=list)
-    """The input shapes onnxruntime was checked at: the traced one, then a second one."""
+    shapes: list[dict[str, list[int]]] = field(default_factory=list)  # checked at: the traced one, a second one
     max_rel_diff: float | None = None
     passed: bool | None = None
     optimized: bool = False
     optimizer_model_type: str = ""
     optimized_ops: dict[str, int] = field(default_factory=dict)
-    skip_candidates: int = 0
-    """Norms fed by a residual ``Add`` of two computed tensors, which the optimizer fuses."""
+    skip_candidates: int = 0  # norms fed by a residual ``Add`` of two computed tensors, which the optimizer fuses
     skip_fused: int = 0
     optimized_max_rel_diff: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -141,10 +125,7 @@ class ExportReport:
 def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: ExampleInputs = None, *,
                 opset: int | None = None, verify: bool = True, rtol: float = 1e-4, dynamic: bool = True,
                 optimize: bool = False) -> ExportReport:
-    """Export ``model`` (folded or not) to ONNX with dynamic batch and sequence axes; check it and run
-    it in onnxruntime at the traced shape and a second one. With ``optimize``, run onnxruntime's
-    transformer optimizer, check the optimized file the same way, and write it. ``opset`` defaults to
-    23 (22 with ``optimize``).
+    """Export to ONNX with dynamic axes, check it in onnxruntime at two shapes; ``optimize``: its optimizer too.
 
     >>> export_onnx(enjoyln.fold(model, fuse_affine=True), "model.onnx", optimize=True)  # doctest: +SKIP
     """
@@ -153,9 +134,8 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
     path = Path(path)
     inputs = deployment_inputs(model, example_inputs)
     axes = _dynamic_axes(model, inputs) if dynamic else {}
-    # Written into a temporary directory beside the target, under the final name
-    # (external data files refer to it), and moved at the end: a failed export
-    # leaves nothing behind.
+    # written beside the target under the final name (external data files refer to it) and moved at
+    # the end: a failed export leaves nothing behind
     path.parent.mkdir(parents=True, exist_ok=True)
     tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.enjoyln-", dir=path.parent))
     plain = tmpdir / "plain" / path.name
@@ -168,8 +148,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
         runs = [inputs, second_shape(inputs, report.inputs)] if verify else []
         report.shapes = [_shape_of(r) for r in runs]
         with torch.no_grad():  # the traced shape's outputs are already at hand
-            wants = [list(flatten_outputs(traced_outputs if r is inputs else r.call(model)).values())
-                     for r in runs]
+            wants = [list(flatten_outputs(traced_outputs if r is inputs else r.call(model)).values()) for r in runs]
         if verify:
             report.max_rel_diff = compare_with_onnxruntime(plain, runs, wants)
             report.passed = report.max_rel_diff <= rtol
@@ -206,13 +185,11 @@ def _opset(opset: int | None, optimize: bool) -> int:
 
 
 def _export(model: nn.Module, inputs: Inputs, axes: dict[str, Any], opset: int, plain: Path) -> tuple[Any, Any]:
-    """``model`` (in eval mode) exported to ``plain``, its dynamic axes named: (its outputs on
-    ``inputs``, the ONNX graph)."""
+    """``model`` exported to ``plain``, its dynamic axes named: (its outputs on ``inputs``, the ONNX graph)."""
     import onnx
 
-    # registered by importing ``ops``. enjoyln::rms_norm is a composite op: where the exporter's
-    # registry spares only ATen ops from decomposition (older torch), ``opaque()`` below makes
-    # its decomposition the opaque enjoyln::rms_norm_kernel, translated the same way
+    # where the exporter spares only ATen ops from decomposition (older torch), ``opaque()`` below
+    # makes the composite enjoyln::rms_norm decompose to enjoyln::rms_norm_kernel, translated the same
     table = {torch.ops.enjoyln.rms_norm.default: translation(opset),
              torch.ops.enjoyln.rms_norm_kernel.default: translation(opset)}
     with torch.no_grad():
@@ -233,15 +210,13 @@ def _export(model: nn.Module, inputs: Inputs, axes: dict[str, Any], opset: int, 
 
 
 def _checked_report(path: Path, opset: int, proto: Any, plain: Path) -> ExportReport:
-    """The report of the exported graph, once ``onnx.checker`` accepts the file."""
     import onnx
 
     ops = Counter(n.op_type for n in proto.graph.node)
     report = ExportReport(str(path), opset, dict(sorted(ops.items())), sum(ops[o] for o in RMS_OPS),
                           ops["LayerNormalization"], _rms_bias_adds(proto),
-                          _value_shapes(proto.graph.input), _value_shapes(proto.graph.output))
-    onnx.checker.check_model(str(plain))
-    report.checked = True
+                          _value_shapes(proto.graph.input), _value_shapes(proto.graph.output), checked=True)
+    onnx.checker.check_model(str(plain))  # the report is returned only once the checker accepts the file
     return report
 
 
@@ -255,16 +230,10 @@ def _export_error(model: nn.Module, exc: Exception) -> EnjoylnError:
     return EnjoylnError(f"ONNX export of {type(model).__name__} failed: {lines[0]}")
 
 
-# --- inputs and their axes --------------------------------------------------------------------------
-
-
 @quiet
 def export_checkpoint(model_dir: str | os.PathLike, path: str | os.PathLike, *, fuse_affine: bool = False,
                       batch: int = 2, seq_len: int = 16, **options: Any) -> ExportReport:
-    """``export_onnx`` for a model directory: a folded one as its recorded plan folded it, any other
-    folded first, in memory; traced at ``batch`` x ``seq_len``. ``options``: ``export_onnx``'s
-    ``opset``, ``optimize`` and ``dynamic``, and ``allow_pickle``, ``trust_remote_code`` and
-    ``model_class`` as ``fold_checkpoint`` takes them.
+    """``export_onnx`` for a model directory, folded in memory if it is not; ``options``: its and ``Access``'s.
 
     >>> export_checkpoint("gpt2-folded", "gpt2.onnx").passed  # doctest: +SKIP
     True
@@ -282,8 +251,7 @@ def export_checkpoint(model_dir: str | os.PathLike, path: str | os.PathLike, *, 
 
 
 def deployment_inputs(model: nn.Module, example_inputs: ExampleInputs = None) -> Inputs:
-    """The example inputs, with what a deployed Hugging Face model is fed besides its ids:
-    an ``attention_mask`` of ones and (where the model has token types) ``token_type_ids``."""
+    """The example inputs plus what a deployed HF model is fed: an ``attention_mask``, ``token_type_ids``."""
     inputs = resolve_inputs(model, example_inputs)
     inputs = Inputs(tuple(inputs.args), dict(inputs.kwargs))  # entries are added and replaced below
     ids = inputs.kwargs.get("input_ids")
@@ -297,15 +265,13 @@ def deployment_inputs(model: nn.Module, example_inputs: ExampleInputs = None) ->
 
 
 def _dynamic_axes(model: nn.Module, inputs: Inputs) -> dict[str, Any]:
-    """``dynamic_shapes`` by forward parameter name. torch.export fixes any axis traced at size
-    0 or 1, so such axes are first repeated to size 2 (in ``inputs``, in place)."""
+    """``dynamic_shapes``; torch.export fixes an axis traced at size 0 or 1, so such are repeated to 2 in place."""
     bound = inspect.signature(model.forward).bind(*inputs.args, **inputs.kwargs).arguments
 
     def spec(name: str, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
-            # Image sizes stay fixed: ViT checks them against its config, and with
-            # interpolate_pos_encoding its traced graph keeps the traced size's shortcut
-            # (onnxruntime then fails at any other size).
+            # image sizes stay fixed: ViT checks them against its config, and with interpolate_pos_encoding
+            # its graph keeps the traced size's shortcut (onnxruntime then fails at any other size)
             return {a: n for a, n in AXES.get(name, {0: "batch_size"}).items() if a < value.dim()}
         if isinstance(value, (tuple, list)):
             return type(value)(spec(name, v) for v in value)
@@ -332,9 +298,8 @@ def _replace_input(model: nn.Module, inputs: Inputs, name: str, value: torch.Ten
 
 
 def second_shape(inputs: Inputs, shapes: dict[str, list[Any]]) -> Inputs:
-    """Fresh inputs with every dynamic axis of the exported file (``shapes``: name -> dims, dynamic
-    ones by name) resized: ``batch_size`` one larger, every other axis a quarter shorter; an
-    ``attention_mask`` pads the end of its last row."""
+    """Fresh inputs with every dynamic axis of ``shapes`` resized: ``batch_size`` one larger, every other
+    a quarter shorter; an ``attention_mask`` pads the end of its last row."""
     positional = [n for n in shapes if n not in inputs.kwargs]
     named = dict(zip(positional, inputs.args)) | inputs.kwargs
     sizes: dict[str, int] = {}
@@ -367,17 +332,13 @@ def _shape_of(inputs: Inputs) -> dict[str, list[int]]:
 
 
 def _output_names(out: Any) -> list[str]:
-    """optimum's names where the model has them (``logits``, ``last_hidden_state``), else output_N."""
+    """optimum's names (``logits``, ``last_hidden_state``) where the model has them, else output_N."""
     names = list(flatten_outputs(out))
     return [n if re.fullmatch(r"[A-Za-z_]\w*", n) else "output_" + re.sub(r"\W", "_", n) for n in names]
 
 
-# --- the exported graph ---------------------------------------------------------------------------
-
-
 def _name_axes(proto: Any, axes: dict[str, Any]) -> None:
-    """Give the exporter's symbols (``s72``) the names asked for; the exporter does so itself only
-    when every argument is a tensor."""
+    """Give the exporter's symbols (``s72``) the names asked for (it does only when every argument is a tensor)."""
     rename: dict[str, str] = {}
     for value in proto.graph.input:
         spec = axes.get(value.name)
@@ -408,46 +369,26 @@ def _rms_bias_adds(proto: Any) -> int:
     produced = _producers(proto)
     constants = {i.name for i in proto.graph.initializer} | {
         n.output[0] for n in proto.graph.node if n.op_type == "Constant"}
-    count = 0
-    for node in proto.graph.node:
-        if node.op_type == "Add" and len(node.input) == 2:
-            parents = [produced.get(i) for i in node.input]
-            if any(p is not None and p.op_type in RMS_OPS for p in parents) and set(node.input) & constants:
-                count += 1
-    return count
+    return sum(1 for node in proto.graph.node if node.op_type == "Add" and len(node.input) == 2
+               and any(produced.get(i) is not None and produced[i].op_type in RMS_OPS for i in node.input)
+               and set(node.input) & constants)
 
 
 def _skip_candidates(proto: Any) -> int:
-    """Norm nodes whose input is an ``Add`` of two computed tensors, none an embedding lookup:
-    the pairs onnxruntime's optimizer fuses into Skip*LayerNormalization."""
+    """Norms fed by an ``Add`` of two computed tensors, neither an embedding lookup: what onnxruntime fuses."""
     produced = _producers(proto)
     constants = {i.name for i in proto.graph.initializer}
     count = 0
     for node in proto.graph.node:
-        if node.op_type not in ("LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization"):
-            continue
-        add = produced.get(node.input[0])
-        if add is None or add.op_type != "Add" or len(add.input) != 2 or set(add.input) & constants:
-            continue
-        if any(produced.get(i) is not None and produced[i].op_type == "Gather" for i in add.input):
-            continue
-        count += 1
+        add = produced.get(node.input[0]) if node.op_type in ("LayerNormalization", "SimplifiedLayerNormalization",
+                                                              "RMSNormalization") else None
+        if (add is not None and add.op_type == "Add" and len(add.input) == 2 and not set(add.input) & constants
+                and not any(produced.get(i) is not None and produced[i].op_type == "Gather" for i in add.input)):
+            count += 1
     return count
 
 
-# --- onnxruntime ----------------------------------------------------------------------------------
-
-
-def optimizer_model_type(model: nn.Module) -> str:
-    """The onnxruntime optimizer's ``model_type`` for a model."""
-    kind = getattr(getattr(model, "config", None), "model_type", None)
-    if kind in OPTIMIZER_TYPES:
-        return OPTIMIZER_TYPES[kind]
-    return "gpt2" if is_causal_lm(model) else "bert"
-
-
 def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: ExportReport) -> None:
-    """Run onnxruntime's transformer optimizer on ``src``, write ``dst``, and count what it fused."""
     import onnx
     import onnxruntime
     from onnxruntime.transformers.optimizer import optimize_model
@@ -455,10 +396,9 @@ def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: Export
     config = getattr(model, "config", None)
     heads = config_value(config, "num_attention_heads", "n_head", "num_heads") if config is not None else None
     hidden = config_value(config, "hidden_size", "n_embd", "d_model") if config is not None else None
-    kind = optimizer_model_type(model)
+    kind = OPTIMIZER_TYPES.get(getattr(config, "model_type", None), "gpt2" if is_causal_lm(model) else "bert")
     external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
-    # The optimizer logs every pattern it did not find and prints its shape inference failures;
-    # onnxruntime warns about the file it serialises. The counts below say what matters.
+    # the optimizer logs every pattern it did not find and its shape inference failures: the counts say what matters
     logging.disable(logging.WARNING)
     onnxruntime.set_default_logger_severity(3)
     try:
@@ -490,8 +430,7 @@ def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: Export
 
 def _fuse_bias_skip_simplified(model: Any) -> int:
     """Move a linear layer's bias ``Add`` into the ``SkipSimplifiedLayerNormalization`` it feeds, as
-    onnxruntime's optimizer does for ``SkipLayerNormalization`` only (one pass over the activations
-    less per residual sum). ``model`` is the optimizer's ``OnnxModel``; returns the Adds removed."""
+    onnxruntime's optimizer does for ``SkipLayerNormalization`` only; returns the Adds removed."""
     produced = model.output_name_to_node()
     consumers = model.input_name_to_nodes()
     outputs = {o.name for o in model.model.graph.output}
@@ -518,17 +457,13 @@ def _fuse_bias_skip_simplified(model: Any) -> int:
     return len(removed)
 
 
-def ort_session(path: str | os.PathLike, threads: int | None = None) -> Any:
+def ort_session(path: str | os.PathLike) -> Any:
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
 def ort_feed(session: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """onnxruntime inputs: keyword tensors by name, positional ones in order."""
     positional = iter(a for a in args if isinstance(a, torch.Tensor))
     feed = {}
     for i in session.get_inputs():
@@ -539,22 +474,19 @@ def ort_feed(session: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any
 
 
 def compare_with_onnxruntime(path: str | os.PathLike, runs: list[Inputs], wants: list[list[torch.Tensor]]) -> float:
-    """The largest difference between onnxruntime's outputs for ``runs`` and PyTorch's
-    (``wants``), relative to each output's largest magnitude."""
+    """The largest difference of onnxruntime's outputs from ``wants``, relative to each output's largest magnitude."""
     session = ort_session(path)
     worst = 0.0
     for inputs, want in zip(runs, wants):
         try:
             got = session.run(None, ort_feed(session, inputs.args, inputs.kwargs))
         except Exception as exc:
-            first = first_line(exc)
             raise EnjoylnError(f"onnxruntime cannot run the exported file at input shapes {_shape_of(inputs)}: "
-                               f"{first}") from exc
+                               f"{first_line(exc)}") from exc
         if not want or len(want) != len(got):
             raise EnjoylnError(f"onnxruntime returned {len(got)} outputs where PyTorch returns {len(want)}")
         for a, b in zip(want, got):
-            a = a.detach().double()
-            b = torch.from_numpy(b).double()
+            a, b = a.detach().double(), torch.from_numpy(b).double()
             if a.shape != b.shape:
                 return math.inf
             finite = a.isfinite()

@@ -1,6 +1,4 @@
-"""Auxiliary centering: an explicit ``x - x.mean(-1)`` at a module's output or input, installed as
-forward hooks so the model's code and state dict stay as they are (a checkpoint folded this way still
-gives the original outputs without them: every LN after the point is still a LayerNorm there)."""
+"""Auxiliary centering: ``x - x.mean(-1)`` at a module's output or input, as hooks: code and state dict stay."""
 
 from __future__ import annotations
 
@@ -15,7 +13,6 @@ CENTERING_MARK = "_enjoyln_centering"
 
 
 def center_last(x: torch.Tensor) -> torch.Tensor:
-    """``x - x.mean(-1, keepdim=True)``."""
     return x - x.mean(-1, keepdim=True)
 
 

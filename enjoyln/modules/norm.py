@@ -10,9 +10,7 @@ from torch import nn
 
 from .. import ops
 
-
-_UNIT = "_enjoyln_unit"
-"""Set on a weightless norm's tensor of ones: its (version, data pointer) while it holds them."""
+_UNIT = "_enjoyln_unit"  # on a weightless norm's ones: their (version, data pointer)
 
 
 def _mark_unit(t: torch.Tensor) -> None:
@@ -20,18 +18,15 @@ def _mark_unit(t: torch.Tensor) -> None:
 
 
 def _is_unit(t: torch.Tensor | None) -> bool:
-    """``t`` is a weightless norm's ones, as made: not written in place (that bumps the version),
-    not given other data (``.data =`` moves the pointer), not a copy (new storage)."""
+    """``t`` is a weightless norm's ones as made: not written in place (the version), not given other
+    data (``.data =`` moves the pointer), not a copy (new storage)."""
     mark = getattr(t, _UNIT, None) if t is not None else None
     return mark is not None and not torch.compiler.is_compiling() and mark == (t._version, t.data_ptr())
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with LayerNorm's gain, bias and epsilon, the constructor and parameter names of
-    ``nn.LayerNorm``; ``dim`` (channels-first), ``upcast`` (float32 inside) and ``then`` (child modules
-    after it) keep what other norm modules do. A weightless norm still has a ``weight`` buffer of ones
-    for tools that fold a norm's gain into the next layer (llmcompressor); once one writes to it,
-    ``forward`` multiplies by it.
+    """RMSNorm with ``nn.LayerNorm``'s interface. A weightless norm keeps a ``weight`` of ones for tools that fold
+    a gain into the next layer (llmcompressor); once one writes to it, ``forward`` multiplies by it.
 
     >>> ln = torch.nn.LayerNorm(8, eps=1e-12)
     >>> rms = RMSNorm.from_layer_norm(ln)
@@ -78,8 +73,7 @@ class RMSNorm(nn.Module):
         self.register_buffer("weight", ones, persistent=False)
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
-        """As ``nn.Module``'s, but a weight of None (a weightless norm) becomes a buffer of ones,
-        in the dtype and on the device of the weight it replaces."""
+        """A weight of None (a weightless norm) becomes a buffer of ones, like the weight it replaces."""
         if name == "weight" and param is None and "normalized_shape" in self.__dict__:
             old = self._parameters.get("weight", self._buffers.get("weight"))
             self._buffers.pop("weight", None)
@@ -101,7 +95,6 @@ class RMSNorm(nn.Module):
 
     @classmethod
     def from_layer_norm(cls, ln: nn.LayerNorm) -> "RMSNorm":
-        """An RMSNorm sharing ``ln``'s parameter objects, epsilon and shape."""
         rms = cls.__new__(cls)
         nn.Module.__init__(rms)
         rms.normalized_shape = tuple(ln.normalized_shape)
@@ -115,14 +108,9 @@ class RMSNorm(nn.Module):
     @classmethod
     def from_module(cls, module: nn.Module, normalized_shape: Sequence[int], eps: float, *, dim: int = -1,
                     upcast: bool = False, then: Sequence[str] = ()) -> "RMSNorm":
-        """An RMSNorm for any module that computes a layer norm over its own ``weight`` and ``bias``
-        (either may be None), sharing them and calling the children named in ``then`` on its output.
+        """An RMSNorm for any module normalizing with its own ``weight`` and ``bias`` (or None), sharing them.
 
-        >>> class Fp32LN(torch.nn.LayerNorm):
-        ...     def forward(self, x):
-        ...         return torch.nn.functional.layer_norm(x.float(), self.normalized_shape,
-        ...                                               self.weight, self.bias, self.eps).to(x.dtype)
-        >>> RMSNorm.from_module(Fp32LN(8), (8,), 1e-5, upcast=True).upcast
+        >>> RMSNorm.from_module(torch.nn.LayerNorm(8), (8,), 1e-5, upcast=True).upcast
         True
         """
         rms = cls.__new__(cls)
@@ -167,8 +155,7 @@ class RMSNorm(nn.Module):
 
 
 class GroupRMSNorm(nn.Module):
-    """GroupNorm without the centering, mirroring ``nn.GroupNorm``: each group of channels is divided by
-    its RMS, equal to GroupNorm once grouped CBWC has made every group zero-mean.
+    """``nn.GroupNorm`` without the centering: equal to it once grouped CBWC made every group zero-mean.
 
     >>> gn = torch.nn.GroupNorm(2, 8)
     >>> GroupRMSNorm.from_group_norm(gn).weight is gn.weight
@@ -189,7 +176,6 @@ class GroupRMSNorm(nn.Module):
 
     @classmethod
     def from_group_norm(cls, gn: nn.GroupNorm) -> "GroupRMSNorm":
-        """A GroupRMSNorm sharing ``gn``'s parameter objects."""
         rms = cls.__new__(cls)
         nn.Module.__init__(rms)
         rms.num_groups, rms.num_channels, rms.eps, rms.affine = gn.num_groups, gn.num_channels, float(gn.eps), gn.affine

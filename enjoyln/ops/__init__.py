@@ -18,8 +18,7 @@ __all__ = ["rms_norm", "add_rms_norm", "backend", "status", "opaque"]
 
 
 def backend(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> str:
-    """Which implementation ``rms_norm`` uses for these tensors: 'cpu' or 'reference'; on CUDA,
-    the path ``cuda.choose`` names ('native', 'native+bias', 'triton', 'triton-jit', 'reference').
+    """Which implementation ``rms_norm`` uses: 'cpu' or 'reference'; on CUDA, ``cuda.choose``'s path.
 
     >>> backend(torch.randn(2, 8, dtype=torch.float64))
     'reference'
@@ -30,13 +29,11 @@ def backend(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None)
         return "triton" if cuda.kernels() is not None else "reference"  # as _forward does
     if x.device.type == "cpu" and not x.is_contiguous():
         x = x.contiguous()  # as rms_norm does before choosing
-    if cpu.supports(x, weight, bias):
-        return "cpu"
-    return "reference"
+    return "cpu" if cpu.supports(x, weight, bias) else "reference"
 
 
 def status() -> dict[str, str]:
-    """What each device runs, and why, for ``enjoyln bench`` and bug reports.
+    """What each device runs, and why (``enjoyln bench``, ``enjoyln env``).
 
     >>> sorted(status())
     ['cpu', 'cuda']
@@ -46,8 +43,7 @@ def status() -> dict[str, str]:
 
 def _forward(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
              eps: float) -> Tensor:
-    """Any tensors the hot paths turned away (strided, mixed dtypes, meta, float64), and the
-    kernel op's forward (gradients: the CUDA policy applies there too)."""
+    """Whatever the hot paths turned away (strided, mixed dtypes, meta, float64), and the kernel op's forward."""
     n = math.prod(normalized_shape)
     if x.is_cuda and n and cuda.supports(x, weight, bias):
         return cuda.rms_norm_cuda(x, normalized_shape, weight, bias, eps)
@@ -71,8 +67,7 @@ def _rms_norm_kernel(x: Tensor, normalized_shape: list[int], weight: Optional[Te
 
 
 @_rms_norm_kernel.register_fake
-def _(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor],
-      eps: float) -> Tensor:
+def _(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -119,9 +114,8 @@ _library.impl("rms_norm", _composite, "CompositeImplicitAutograd")
 
 @contextlib.contextmanager
 def opaque() -> Iterator[None]:
-    """Decompositions of ``enjoyln::rms_norm`` inside this block yield one opaque
-    ``enjoyln::rms_norm_kernel`` node instead of the math, for exporters that decompose every
-    composite op they do not know (``run_decompositions()``, some ONNX exporters).
+    """Inside this block ``enjoyln::rms_norm`` decomposes to one opaque ``enjoyln::rms_norm_kernel`` node, for
+    exporters that decompose every composite op they do not know (``run_decompositions()``, some ONNX ones).
 
     >>> ep = torch.export.export(enjoyln.fold(model), inputs)   # doctest: +SKIP
     >>> with opaque():                                           # doctest: +SKIP
@@ -135,19 +129,14 @@ def opaque() -> Iterator[None]:
         _opaque = before
 
 
-# --- the entry points --------------------------------------------------------------------------
-
-
 def _plain(t: Tensor | None, grad: bool) -> bool:
     """A plain tensor (not a subclass) that autograd need not see."""
     return t is None or ((type(t) is Tensor or type(t) is torch.nn.Parameter) and not (grad and t.requires_grad))
 
 
-def _plain_cpu(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
-    """True for plain contiguous CPU tensors that need no autograd or tracer and fit the C
-    kernel; the same answer as ``not _needs_op(...) and cpu.supports(...)``, only cheaper,
-    because a call costs LayerNorm-sized time at small shapes otherwise."""
-    if type(x) is not Tensor or not x.is_cpu or torch.compiler.is_compiling() or torch.jit.is_tracing():
+def _hot(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
+    """``not _needs_op(...)``, inline (no ``_plain`` calls): at small shapes a call costs LayerNorm-sized time."""
+    if type(x) is not Tensor or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
     grad = torch.is_grad_enabled()
     if grad and x.requires_grad:
@@ -156,21 +145,7 @@ def _plain_cpu(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
         if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter)
                               or (grad and t.requires_grad)):
             return False
-    return cpu.supports(x, weight, bias)
-
-
-def _plain_cuda(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
-    """``_plain_cpu`` for CUDA: plain tensors, no autograd, no tracer, and ``cuda.supports``."""
-    if type(x) is not Tensor or not x.is_cuda or torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False
-    grad = torch.is_grad_enabled()
-    if grad and x.requires_grad:
-        return False
-    for t in (weight, bias):  # inline, as in _plain_cpu: a call costs more than the check
-        if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter)
-                              or (grad and t.requires_grad)):
-            return False
-    return cuda.supports(x, weight, bias)
+    return True
 
 
 def _needs_op(*tensors: Tensor | None) -> bool:
@@ -178,12 +153,9 @@ def _needs_op(*tensors: Tensor | None) -> bool:
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return True
     grad = torch.is_grad_enabled()
-    for t in tensors:
-        if t is None:
-            continue
-        if not _plain(t, grad) or isinstance(t, torch._subclasses.FakeTensor) or t.device.type == "meta":
-            return True  # a gradient, or a tensor subclass (functional tensors under export, DTensor, ...)
-    return False
+    # a gradient, or a tensor subclass (functional tensors under export, DTensor, ...)
+    return any(t is not None and (not _plain(t, grad) or isinstance(t, torch._subclasses.FakeTensor)
+                                  or t.device.type == "meta") for t in tensors)
 
 
 def rms_norm(
@@ -201,11 +173,12 @@ def rms_norm(
     >>> torch.allclose(rms_norm(x, (8,)), torch.nn.functional.layer_norm(x, (8,)), atol=1e-6)
     True
     """
-    if _plain_cpu(x, weight, bias):  # the inference hot path: a few attribute reads, then C
-        return cpu.rms_norm_cpu(x, normalized_shape[-1] if len(normalized_shape) == 1 else
-                                math.prod(normalized_shape), weight, bias, float(eps))
-    if _plain_cuda(x, weight, bias):  # the same on CUDA, then one kernel launch
-        return cuda.rms_norm_cuda(x, normalized_shape, weight, bias, float(eps))
+    if _hot(x, weight, bias):  # the inference hot path: a few attribute reads, then C or one kernel launch
+        if cpu.supports(x, weight, bias):
+            return cpu.rms_norm_cpu(x, normalized_shape[-1] if len(normalized_shape) == 1 else
+                                    math.prod(normalized_shape), weight, bias, float(eps))
+        if cuda.supports(x, weight, bias):
+            return cuda.rms_norm_cuda(x, normalized_shape, weight, bias, float(eps))
     shape = [int(s) for s in normalized_shape]
     if _needs_op(x, weight, bias):
         return torch.ops.enjoyln.rms_norm(x, shape, weight, bias, float(eps))
@@ -220,9 +193,9 @@ def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: Sequence[int], w
     >>> s[0, 0].item(), y[0, 0].item()
     (2.0, 1.0)
     """
-    if (_plain_cuda(x, weight, bias) and type(residual) is Tensor and residual.shape == x.shape
-            and residual.dtype == x.dtype and residual.is_contiguous() and _plain(residual, torch.is_grad_enabled())
-            and residual.get_device() == x.get_device()):
+    if (_hot(x, weight, bias) and cuda.supports(x, weight, bias) and type(residual) is Tensor
+            and residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
+            and _plain(residual, torch.is_grad_enabled()) and residual.get_device() == x.get_device()):
         return cuda.add_rms_norm_cuda(x, residual, normalized_shape, weight, bias, float(eps))
     s = x + residual
     return s, rms_norm(s, normalized_shape, weight, bias, eps)

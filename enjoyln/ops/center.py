@@ -1,6 +1,4 @@
-"""Column-based weight centering at memory speed: the C kernel of ``center.c`` and the same arithmetic
-in torch, both in the fixed float64 order ``center.c`` states, so the fold and the static check agree
-bit for bit.
+"""Weight centering at memory speed, in C and in torch, in ``center.c``'s float64 order: the same bits.
 
 >>> t = torch.tensor([[1., 2.], [3., 6.]])
 >>> center_(t, 0)
@@ -24,8 +22,7 @@ import torch
 from . import cpu
 
 SOURCE = Path(__file__).with_name("center.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off",
-         "-fno-fast-math"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math"]
 CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 _lock = threading.Lock()
@@ -87,8 +84,7 @@ def _gain(scale: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 @dataclass(frozen=True)
 class _Layout:
-    """A centering of a tensor of ``shape`` seen as [outer, n, inner], ``n`` the centered axis
-    in ``groups`` blocks of ``size``, of which ``chosen`` are centered."""
+    """A tensor seen as [outer, n, inner], ``n`` the centered axis in blocks of ``size``, ``chosen`` centered."""
 
     outer: int
     n: int
@@ -133,8 +129,7 @@ def _usable(dtype: torch.dtype) -> bool:
 
 def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
             blocks: Sequence[int] | None = None) -> torch.Tensor:
-    """Subtract ``t``'s mean along ``axis``, in place, in float64 arithmetic of a fixed order (see
-    ``transform.tensors.center_`` for ``groups``, ``blocks`` and ``scale``). Returns ``t``."""
+    """Subtract ``t``'s mean along ``axis`` in place, in float64 of a fixed order (``transform.tensors.center_``)."""
     if t.device.type == "meta" or t.numel() == 0:
         return t
     if not t.is_floating_point():
@@ -157,10 +152,9 @@ def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | N
 
 def center_into(src: int, dst: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
                 blocks: Sequence[int] | None = None) -> bool:
-    """``center_`` of the tensor at address ``src`` (``dst``'s dtype and shape, any alignment,
-    read only: a tensor mapped from its file) written into the contiguous CPU tensor ``dst``,
-    with the same bits, in one read of ``src`` and one write of ``dst``. False, with nothing
-    written, where the C kernel cannot do it (then copy and ``center_``)."""
+    """``center_`` of the tensor at address ``src`` (``dst``'s dtype and shape, any alignment, read only:
+    mapped from its file) written into the contiguous CPU ``dst`` in one pass, with the same bits.
+    False, with nothing written, where the C kernel cannot do it (then copy and ``center_``)."""
     if not (_usable(dst.dtype) and dst.device.type == "cpu" and dst.is_contiguous()):
         return False
     if dst.numel() == 0:
@@ -175,10 +169,7 @@ def center_into(src: int, dst: torch.Tensor, axis: int, groups: int = 1, scale: 
 
 def centered_equal(src: int, cand: int, dtype: torch.dtype, shape: Sequence[int], axis: int, groups: int = 1,
                    scale: torch.Tensor | None = None, blocks: Sequence[int] | None = None) -> bool | None:
-    """Whether the tensor at address ``cand`` holds, bit for bit, what ``center_`` makes of the
-    tensor at ``src`` (both ``dtype`` and ``shape``, any alignment, read only), computed and
-    compared in one pass that writes nothing. None where the C kernel cannot tell (no
-    compiler, a dtype it does not know, only some blocks centered): then compute and compare.
+    """Whether ``cand`` holds ``center_`` of ``src``, bit for bit, in one pass; None where the C kernel cannot tell.
 
     >>> t = torch.tensor([[1., 2.], [3., 6.]])
     >>> c = center_(t.clone(), 0)
@@ -196,16 +187,14 @@ def centered_equal(src: int, cand: int, dtype: torch.dtype, shape: Sequence[int]
 
 
 def same_memory(a: int, b: int, nbytes: int) -> bool | None:
-    """Whether ``nbytes`` at addresses ``a`` and ``b`` are equal, compared by every thread torch
-    uses, each over a contiguous part; None without the C kernel."""
+    """Whether ``nbytes`` at ``a`` and ``b`` are equal, compared by all torch's threads; None without the C kernel."""
     if kernel() is None:
         return None
     return bool(_same(a, b, nbytes, torch.get_num_threads())) if nbytes else True
 
 
 def center_reference(x: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
-    """``center.c``'s arithmetic in torch, on ``x`` of shape [outer, n, inner], centering
-    along ``n``; returns a new tensor of ``x``'s dtype. Slow loops, but the same bits."""
+    """``center.c``'s arithmetic in torch on [outer, n, inner], centering along ``n``: slow, but the same bits."""
     outer, n, inner = x.shape
     wide = x.to(torch.float64)
     if inner == 1:

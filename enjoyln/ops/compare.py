@@ -1,5 +1,4 @@
-"""Bit-for-bit comparison of two tensors at memory speed: libc's ``memcmp`` through ctypes, which also
-releases the GIL (``torch.equal`` on a byte view runs at a few hundred MB/s)."""
+"""Bit-for-bit comparison with libc's ``memcmp`` (``torch.equal`` on a byte view runs at a few hundred MB/s)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ except (OSError, AttributeError):  # no libc to load: torch's comparison is righ
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` have the same dtype, shape and bytes (so NaN payloads and the
-    sign of zero count, unlike ``==``).
+    """Same dtype, shape and bytes (NaN payloads and the sign of zero count, unlike ``==``).
 
     >>> same_bytes(torch.tensor([0.0]), torch.tensor([-0.0]))
     False

@@ -1,5 +1,4 @@
-"""The fused CPU RMSNorm: a small C kernel (one read, one write) compiled on first use with the system
-compiler into ``$ENJOYLN_CACHE``; without a working compiler, the reference runs (docs/performance.md)."""
+"""The fused CPU RMSNorm: a C kernel compiled on first use into ``$ENJOYLN_CACHE`` (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -32,15 +31,11 @@ def cache_dir() -> Path:
 
 
 def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    return None
+    return next((cc for cc in (os.environ.get("CC"), "cc", "gcc", "clang") if cc and shutil.which(cc)), None)
 
 
 def compile_library(source: Path, flags: list[str]) -> ctypes.CDLL:
-    """``source`` compiled with ``flags`` into the cache (once per source, compiler, flags and
-    machine) and loaded; RuntimeError, OSError or SubprocessError if that cannot be done."""
+    """``source`` compiled into the cache (once per source, compiler, flags and machine) and loaded."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
@@ -94,23 +89,19 @@ def library() -> ctypes.CDLL | None:
 
 
 def kernel(dtype: torch.dtype) -> Any:
-    """The compiled function for ``dtype``, or None."""
     if not _loaded:
         library()
     return _kernels.get(dtype)
 
 
 def status() -> str:
-    """'fused C kernel (...)' or the reason the reference path is used."""
-    lib = library()
-    if lib is None:
+    if library() is None:
         return f"reference PyTorch (no fused kernel: {_error})"
     return f"fused C kernel, {torch.get_num_threads()} threads"
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
-    # x.is_cpu rather than x.device.type: this runs on every call, and building
-    # a device object costs more than the check it serves.
+    # x.is_cpu, not x.device.type: on every call, building a device object costs more than the check
     if not x.is_cpu or not x.is_contiguous() or x.numel() == 0 or kernel(x.dtype) is None:
         return False
     for t in (weight, bias):

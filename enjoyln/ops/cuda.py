@@ -4,6 +4,7 @@ bias or residual or from 32 MiB), and the call's hot path. ``ENJOYLN_CUDA_PATH``
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -15,17 +16,13 @@ from torch import Tensor
 
 from .reference import rms_norm_reference
 
-LARGE = 32 << 20
-"""Bytes of input from which the Triton kernel runs whatever the affine."""
-
-PATHS = ("triton", "triton-jit", "native", "reference")
-"""What ``force`` and ``ENJOYLN_CUDA_PATH`` accept (``auto``, or nothing, for the policy)."""
+LARGE = 32 << 20  # bytes of input from which the Triton kernel runs whatever the affine
+PATHS = ("triton", "triton-jit", "native", "reference")  # ``auto``, or nothing: the policy
 
 
 @dataclass
 class _State:
     """What this process has, found once on the first CUDA call."""
-
     triton: Any = None  # the triton_kernels module, or None
     triton_reason: str = ""
     native: bool = False
@@ -41,16 +38,13 @@ def _native_fused() -> str:
     """'' where ``F.rms_norm`` runs torch's fused CUDA kernel, else why not."""
     if not hasattr(F, "rms_norm"):
         return f"torch {torch.__version__} has no F.rms_norm"
-    try:
+    with contextlib.suppress(RuntimeError):  # no such op in this torch
         if torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CUDA"):
             return ""
-    except RuntimeError:  # no such op in this torch
-        pass
     return f"torch {torch.__version__}'s F.rms_norm has no fused CUDA kernel"
 
 
 def _import_kernels() -> tuple[Any, str]:
-    """(the Triton kernels module, '') or (None, why not)."""
     try:
         from . import triton_kernels
     except ImportError as exc:  # triton missing, or a build that cannot load
@@ -59,7 +53,6 @@ def _import_kernels() -> tuple[Any, str]:
 
 
 def _setup(forced: str | None = None) -> _State:
-    """Find what this process has: Triton, torch's fused kernel, a pinned path."""
     global _state
     st = _State(native_reason=_native_fused())
     st.native = not st.native_reason
@@ -93,8 +86,7 @@ def force(path: str | None) -> None:
 
 
 def supports(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
-    """Whether the hot path takes these tensors: ``x`` on CUDA, contiguous and not empty;
-    weight and bias, where given, contiguous and of ``x``'s dtype and device."""
+    """Whether the hot path takes these tensors: contiguous, ``x`` on CUDA and not empty, all one dtype and device."""
     if not x.is_cuda or not x.is_contiguous() or x.numel() == 0:
         return False
     for t in (weight, bias):
@@ -103,13 +95,8 @@ def supports(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
     return True
 
 
-def _launcher_off(st: _State) -> str | None:
-    return st.triton.launcher_disabled() if st.triton is not None else "no Triton"
-
-
 def choose(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: bool = False) -> str:
-    """The path a call takes: 'native' (F.rms_norm), 'native+bias' (then the bias add), 'triton'
-    (the cached launcher), 'triton-jit' (Triton's own) or 'reference'.
+    """'native' (F.rms_norm), 'native+bias', 'triton' (cached launcher), 'triton-jit' or 'reference'.
 
     >>> choose(torch.randn(2048, 768, device="cuda"), None, None)  # doctest: +SKIP
     'native'
@@ -134,7 +121,6 @@ def choose(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: bool
 
 def rms_norm_cuda(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
                   eps: float) -> Tensor:
-    """RMSNorm of a CUDA tensor ``supports`` accepts, by the path ``choose`` names."""
     path = choose(x, weight, bias)
     if path == "native":
         return F.rms_norm(x, normalized_shape, weight, eps)
@@ -160,7 +146,6 @@ def add_rms_norm_cuda(x: Tensor, residual: Tensor, normalized_shape: Sequence[in
 
 
 def status() -> str:
-    """Which path CUDA calls take in this process, and why; 'not available' without CUDA."""
     if not torch.cuda.is_available():
         return "not available"
     st = _state if _state is not None else _setup()
@@ -169,7 +154,7 @@ def status() -> str:
         text = f"{st.forced} for every call (pinned)"
     elif st.triton is not None:
         version = st.triton.triton.__version__
-        off = _launcher_off(st)
+        off = st.triton.launcher_disabled()
         launcher = "enjoyln's cached launcher" if off is None else "Triton's own launcher"
         if st.native:
             when = "with a bias or a residual add, and from 32 MiB of input" if off is None else "from 32 MiB of input"

@@ -13,14 +13,11 @@ import torch
 
 from .compare import same_bytes
 
-PREFIX = 9
-"""Arguments of a compiled kernel's launcher before the kernel's own: grid x, y, z, stream,
-function, packed metadata, launch metadata, launch-enter hook, launch-exit hook."""
+PREFIX = 9  # grid x, y, z, stream, function, packed and launch metadata, enter and exit hooks: then the kernel's
 
 
 class CachedLauncher:
-    """Launches ``kernel`` (a ``triton.jit`` function) through its compiled launcher once verified;
-    ``runtime_args`` of its parameters come before its constexpr ones.
+    """Launches ``kernel`` through its compiled launcher once verified; ``runtime_args``: its non-constexpr ones.
 
     >>> launcher = CachedLauncher(kernel, runtime_args=13)                    # doctest: +SKIP
     >>> launcher(key, grid, args, num_warps=4, device=0, outputs=(y,))       # doctest: +SKIP
@@ -35,12 +32,10 @@ class CachedLauncher:
         self._fast: dict[Hashable, tuple[Any, Any, Any, int | None]] = {}
         self._keep: list[Any] = []
         self._lock = threading.Lock()
-        self.disabled: str | None = None
-        """Why the launcher is off for this process (Triton's launcher is used), or None."""
+        self.disabled: str | None = None  # why the launcher is off for this process, or None
 
     @property
     def verified(self) -> int:
-        """How many keys launch directly."""
         return len(self._fast)
 
     def __call__(self, key: Hashable, grid: int, args: Sequence[Any], num_warps: int, device: int,
@@ -55,22 +50,19 @@ class CachedLauncher:
         self._first_use(key, grid, args, num_warps, device, outputs)
 
     def jit(self, grid: int, args: Sequence[Any], num_warps: int, device: int) -> Any:
-        """Launch through Triton's own launcher, on ``device``; returns what it returns."""
-        if device < 0:  # CPU tensors: Triton's interpreter
-            return self.kernel[(grid,)](*args, num_warps=num_warps)
-        self._bind()
-        if device == self._current_device():
+        if device >= 0:  # below: CPU tensors, Triton's interpreter
+            self._bind()
+        if device < 0 or device == self._current_device():
             return self.kernel[(grid,)](*args, num_warps=num_warps)
         with torch.cuda.device(device):  # Triton launches on the current device
             return self.kernel[(grid,)](*args, num_warps=num_warps)
 
     def _first_use(self, key: Hashable, grid: int, args: Sequence[Any], num_warps: int, device: int,
                    outputs: Sequence[torch.Tensor]) -> None:
-        if self.disabled is not None or device < 0:
-            self.jit(grid, args, num_warps, device)
-            return
-        self._bind()
-        if device != self._current_device() or torch.cuda.is_current_stream_capturing():
+        if device >= 0:
+            self._bind()
+        if (self.disabled is not None or device < 0 or device != self._current_device()
+                or torch.cuda.is_current_stream_capturing()):
             self.jit(grid, args, num_warps, device)
             return
         with self._lock:
@@ -96,7 +88,7 @@ class CachedLauncher:
 
     def _learn(self, compiled: Any, grid: int, args: Sequence[Any], num_warps: int,
                device: int) -> tuple[Any, Any, Any, int | None] | None:
-        """Watch Triton launch ``compiled`` once more and recognise how it calls the launcher."""
+        """Watch Triton launch ``compiled`` once more to learn how it calls the launcher."""
         if compiled is None or not hasattr(compiled, "run"):
             self.disabled = "Triton's launch returned no compiled kernel (the interpreter?)"
             return None
@@ -122,7 +114,6 @@ class CachedLauncher:
 
     def _layout(self, run: Any, call: tuple[tuple, dict], grid: int, args: Sequence[Any],
                 device: int) -> tuple[Any, Any, Any, int | None] | None:
-        """The fast call's pieces from a recorded one, or None (and ``disabled`` says why)."""
         a, kw = call
         tail = a[PREFIX:]
         if kw:
@@ -156,7 +147,7 @@ class CachedLauncher:
                 return
 
     def _bind(self) -> None:
-        """Bind torch's CUDA stream and device getters (absent from CPU-only builds)."""
+        """Bind torch's CUDA getters here: CPU-only builds lack them."""
         if self._stream is None:
             self._stream = torch._C._cuda_getCurrentRawStream
         if self._current_device is None:  # torch.cuda.current_device less its lazy-init check:
@@ -165,7 +156,7 @@ class CachedLauncher:
 
 
 def _same_args(got: Sequence[Any], want: Sequence[Any]) -> bool:
-    """The same objects (tensors, None) or equal plain values of the same type, position by position."""
+    """The same objects (tensors, None) or equal plain values of the same type."""
     if len(got) != len(want):
         return False
     for g, w in zip(got, want):

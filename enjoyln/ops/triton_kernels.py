@@ -11,8 +11,7 @@ import triton.language as tl
 from .triton_cached import CachedLauncher
 from .triton_launch import LaunchConfig, launch_config
 
-RUNTIME_ARGS = 13
-"""X, R, S, W, B, Y, four strides, M, N, eps: the arguments before the constexpr flags."""
+RUNTIME_ARGS = 13  # X, R, S, W, B, Y, four strides, M, N, eps: the arguments before the constexpr flags
 
 
 @triton.jit
@@ -105,20 +104,15 @@ def _rms_norm_looped(X, R, S, W, B, Y, stride_x, stride_r, stride_s, stride_y, M
 
 KERNELS = {"rows": _rms_norm_rows, "row": _rms_norm_row, "looped": _rms_norm_looped}
 LAUNCHERS = {name: CachedLauncher(kernel, RUNTIME_ARGS) for name, kernel in KERNELS.items()}
-"""One cached launcher per kernel; each verifies itself once per specialisation."""
 
 
 def launcher_disabled() -> str | None:
     """Why the cached launcher is off in this process (Triton's own launches instead), or None."""
-    for launcher in LAUNCHERS.values():
-        if launcher.disabled is not None:
-            return launcher.disabled
-    return None
+    return next((launcher.disabled for launcher in LAUNCHERS.values() if launcher.disabled is not None), None)
 
 
 def _rows_of(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-    """``t`` as rows of ``n`` with unit column stride, and the row stride; a copy only when
-    its rows are not evenly strided."""
+    """``t`` as rows of ``n`` with unit column stride, and the row stride; a copy only if unevenly strided."""
     if t.is_contiguous():
         return t, n
     if t.dim() != 2:

@@ -1,28 +1,20 @@
-"""How the Triton RMSNorm kernels are launched (kernel, block, rows and warps by row length), apart from
-``triton_kernels.py`` so that it imports without Triton (the AOT compile test lists the variants)."""
+"""How the Triton kernels are launched by row length, apart so that it imports without Triton."""
 
 from __future__ import annotations
 
 from functools import lru_cache
 from typing import NamedTuple
 
-MAX_SHORT = 1024
-"""Longest row the multi-row kernel takes; longer rows get a program each."""
+MAX_SHORT = 1024  # longest row the multi-row kernel takes; longer rows get a program each
 
-SHORT_ELEMENTS = 4096
-"""Elements per program of the multi-row kernel (ROWS x BLOCK), as many as the one-row kernel
-holds at N = 4096 with 8 warps, which compiles with no spill."""
+SHORT_ELEMENTS = 4096  # per program of the multi-row kernel: the one-row kernel's at N = 4096, no spill
 
-MAX_ROWS = 16
-"""At most this many rows per program: below N = 256 more rows would leave too few programs to
-spread over the GPU's multiprocessors for the batch sizes models are served at."""
+MAX_ROWS = 16  # rows per program at most: more would leave too few programs for the GPU at served batch sizes
 
-MAX_FUSED = 16384
-"""Longest row kept in registers by the one-block kernel (a row of 32768 spills on sm_80 and sm_90)."""
+MAX_FUSED = 16384  # longest row kept in registers by the one-block kernel (a row of 32768 spills on sm_80 and sm_90)
 
 LOOPED_BLOCK, LOOPED_WARPS = 2048, 8
-"""Block and warps of the two-pass kernel. 4096 with 8 or 16 warps spilled 4-12 bytes in fp16
-under the --regAllocOptLevel=2 that Triton 3.9 passes to ptxas, at 40-64 registers."""
+"""Of the two-pass kernel: 4096 with 8 or 16 warps spilled in fp16 under Triton 3.9's --regAllocOptLevel=2."""
 
 
 class LaunchConfig(NamedTuple):
@@ -32,10 +24,6 @@ class LaunchConfig(NamedTuple):
     block: int
     rows: int
     warps: int
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 @lru_cache(maxsize=None)  # on every call's path: a lookup, not a computation
@@ -49,7 +37,7 @@ def launch_config(n: int) -> LaunchConfig:
     """
     if n > MAX_FUSED:
         return LaunchConfig("looped", LOOPED_BLOCK, 1, LOOPED_WARPS)
-    block = _next_power_of_two(n)
+    block = 1 << max(n - 1, 0).bit_length()  # the next power of two
     if n <= MAX_SHORT:
         rows = max(1, min(MAX_ROWS, SHORT_ELEMENTS // block))
         return LaunchConfig("rows", block, rows, 8 if rows * block >= SHORT_ELEMENTS else 4)
@@ -57,7 +45,7 @@ def launch_config(n: int) -> LaunchConfig:
 
 
 def all_configs() -> list[LaunchConfig]:
-    """Every configuration ``launch_config`` picks, for some row length.
+    """Every configuration ``launch_config`` picks.
 
     >>> len(all_configs())
     16
