@@ -185,7 +185,8 @@ def kernel_benchmark(shapes: list[tuple[int, int]], dtypes: list[torch.dtype], *
     import torch.nn.functional as F
 
     gen = torch.Generator().manual_seed(seed)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    gpu = torch.device(device).type == "cuda"  # cuda:1 too
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     results = []
     with torch.inference_mode():
         for rows, cols in shapes:
@@ -204,7 +205,7 @@ def kernel_benchmark(shapes: list[tuple[int, int]], dtypes: list[torch.dtype], *
                 runs: dict[str, list[float]] = {k: [] for k in calls}
                 for _ in range(5):
                     for key, fn in calls.items():
-                        times = _median_time(fn, max(1, repeats // 5), sync, batch=20 if device == "cuda" else 1)
+                        times = _median_time(fn, max(1, repeats // 5), sync, batch=20 if gpu else 1)
                         rounds[key].append(statistics.median(times))
                         runs[key] += times
                 t = {k: statistics.median(v) for k, v in rounds.items()}
