@@ -150,6 +150,8 @@ def main() -> None:
             "caught by the weight check, before any forward"),
         row("`--static`, the same candidate", "static_wrong", "caught"),
         row("`--static`, one LayerNorm bias dropped", "static_no_beta", "caught"),
+        row(f"`--max-memory {args.budget} --forward-only`, the 1e-3 candidate", "bounded_wrong_forward",
+            "outputs only, every token id swept"),
         "",
         f"With `--forward-only` (no weight check) the same 1e-3 change exits {forward}: it moves the logits by "
         "less than the forward comparison's tolerance, which is why the weight check comes first.",
