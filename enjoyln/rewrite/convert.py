@@ -211,9 +211,9 @@ class _Fold:
         if self.spans:
             self.advance(0, sum(length for _, _, length in self.spans.values()))
             tmp = self._temp_dir()
-            with signals_held():
+            with signals_held():  # an interrupt must find the copy registered, to stop it before tmp goes
                 self.early = EarlyCopy(self.ck, tmp, self.spans, self.advance)
-            self.resources.callback(self.early.cancel)
+                self.resources.callback(self.early.cancel)
 
     def plan(self) -> FoldPlan:
         ck, o = self.ck, self.opts
