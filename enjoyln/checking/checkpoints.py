@@ -58,7 +58,7 @@ def require_memory(ck: Checkpoint, max_memory: int | None = None) -> None:
     floor = int(wide * (_largest_tensor(ck) + _activation_bytes(ck))) + MIN_BUDGET
     if budget < floor or (have is not None and floor > have):
         limit = (f"--max-memory allows {format_bytes(budget)}" if max_memory is not None and budget < floor
-                 else f"{format_bytes(have)} is available" if have is None or floor > have
+                 else f"{format_bytes(have)} is available" if floor > have
                  else f"the budget is {format_bytes(budget)} (half of the {format_bytes(have)} available)")
         raise CheckpointError(f"the forward check needs at least {format_bytes(floor)} of memory even with one "
                               f"model at a time, but {limit}; pass --static to prove every weight without "
@@ -133,10 +133,8 @@ def _budget(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions) -> tupl
     decided here); a part that cannot fit is refused before any weight is read."""
     if opts.mode == "static":
         return None, False
-    budget = opts.max_memory
-    if budget is None:
-        budget = bounded_budget(ref_ck)
-        budget = budget if budget is not None else bounded_budget(cand_ck)
+    budget = opts.max_memory if opts.max_memory is not None else bounded_budget(ref_ck)
+    budget = budget if budget is not None else bounded_budget(cand_ck)
     require_memory(ref_ck, budget)
     require_memory(cand_ck, budget)
     if budget is not None and opts.device != "cpu":
