@@ -97,7 +97,8 @@ class Stats:
     truth: bool = False
 
     def merge(self, other: "Stats") -> "Stats":
-        worst = [worse(getattr(self, f), getattr(other, f)) for f in ("diff", "scale", "ref_err", "cand_err", "t_scale")]
+        worst = [worse(getattr(self, f), getattr(other, f))
+                 for f in ("diff", "scale", "ref_err", "cand_err", "t_scale")]
         return Stats(self.floating and other.floating, self.mismatch or other.mismatch,
                      self.nonfinite + other.nonfinite, *worst, self.truth and other.truth)
 
