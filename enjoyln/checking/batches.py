@@ -73,18 +73,14 @@ def covering(model: nn.Module, dtype: torch.dtype, seed: int,
     """The coverage batch at the longest length the model accepts (RoBERTa's 512 positions allow 510
     tokens), shorter lengths tried before giving up on full coverage."""
     found = coverage_batch(model, seed=seed, max_rows=max_rows)
-    if found is None:
-        return None, None
-    inputs, coverage = found
-    length = coverage.positions
+    length = found[1].positions if found is not None else 0
     for attempt in (length, length - 1, length - 2, length // 2, length // 4):
         if attempt < 1:
             break
-        if attempt != length:
-            inputs, coverage = coverage_batch(model, seed=seed, length=attempt, max_rows=max_rows)
+        inputs, coverage = found if attempt == length else coverage_batch(model, seed=seed, length=attempt,
+                                                                          max_rows=max_rows)
         try:
-            with torch.no_grad():
-                run_model(model, cast_inputs(inputs, dtype), seed)
+            run_model(model, cast_inputs(inputs, dtype), seed)  # under no_grad
             return inputs, coverage
         except CaptureError:
             continue

@@ -3,6 +3,7 @@ comparison through both ways a user may load the candidate, within a memory budg
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -57,7 +58,7 @@ def require_memory(ck: Checkpoint, max_memory: int | None = None) -> None:
     floor = int(wide * (_largest_tensor(ck) + _activation_bytes(ck))) + MIN_BUDGET
     if budget < floor or (have is not None and floor > have):
         limit = (f"--max-memory allows {format_bytes(budget)}" if max_memory is not None and budget < floor
-                 else f"{format_bytes(have)} is available" if have is None or floor > have
+                 else f"{format_bytes(have)} is available" if floor > have
                  else f"the budget is {format_bytes(budget)} (half of the {format_bytes(have)} available)")
         raise CheckpointError(f"the forward check needs at least {format_bytes(floor)} of memory even with one "
                               f"model at a time, but {limit}; pass --static to prove every weight without "
@@ -132,10 +133,8 @@ def _budget(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions) -> tupl
     decided here); a part that cannot fit is refused before any weight is read."""
     if opts.mode == "static":
         return None, False
-    budget = opts.max_memory
-    if budget is None:
-        budget = bounded_budget(ref_ck)
-        budget = budget if budget is not None else bounded_budget(cand_ck)
+    budget = opts.max_memory if opts.max_memory is not None else bounded_budget(ref_ck)
+    budget = budget if budget is not None else bounded_budget(cand_ck)
     require_memory(ref_ck, budget)
     require_memory(cand_ck, budget)
     if budget is not None and opts.device != "cpu":
@@ -184,20 +183,27 @@ def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, b
     max_memory, auto = budget
     if stage is not None:
         stage("loading the original and the candidate")
-    if max_memory is None:
-        # each model is freed after its runs: the reference becomes its own truth (widened in
-        # place), and the plain load comes from disk after the candidate's runs
-        on = functools.partial(_on_device, opts.device, stage)
-        ref_src = ModelSource.given(on("the original", _load(load, ref_ck, missing)))
-        cand_src = ModelSource.given(on("the candidate", _load(load, cand_ck, missing, candidate=True)))
-        # a half-precision candidate of a float32 reference: the truth is the reference as stored
-        truth = ModelSource(ref_src.dtype, lambda dtype: on("the original", _load(load, ref_ck, missing, dtype=dtype)))
-        plain = ModelSource(cand_src.dtype, lambda dtype: on("the candidate", _load(load_plain, cand_ck, missing,
-                                                                                     candidate=True, dtype=dtype)))
-        report = check_sources(ref_src, _paths(cand_src, plain, plain_required, cand_ck, confirm), None, forward,
-                               truth=truth, stage=stage)
-    else:
-        report = _bounded_check(ref_ck, cand_ck, max_memory, missing, forward, (plain_required, confirm), stage)
+    bounded = tempfile.TemporaryDirectory(prefix="enjoyln-offload-") if max_memory is not None else None
+    with bounded or contextlib.nullcontext():
+        if bounded is None:
+            # each model is freed after its runs: the reference becomes its own truth (widened in
+            # place), and the plain load comes from disk after the candidate's runs
+            on = functools.partial(_on_device, opts.device, stage)
+            ref_src = ModelSource.given(on("the original", _load(load, ref_ck, missing)))
+            cand_src = ModelSource.given(on("the candidate", _load(load, cand_ck, missing, candidate=True)))
+            # a half-precision candidate of a float32 reference: the truth is the reference as stored
+            truth = ModelSource(ref_src.dtype, lambda dtype: on("the original", _load(load, ref_ck, missing,
+                                                                                       dtype=dtype)))
+            plain = ModelSource(cand_src.dtype, lambda dtype: on("the candidate", _load(
+                load_plain, cand_ck, missing, candidate=True, dtype=dtype)))
+        else:
+            ref_src, truth, cand_src, plain = _bounded_sources(ref_ck, cand_ck, max_memory, missing, Path(bounded.name))
+            forward = dataclasses.replace(forward, spill=True, max_rows=1)
+        # enjoyln.load, and the plain loader unless the two are the same (plain_required None)
+        paths = [CandidatePath("enjoyln.load", cand_src)] + ([] if plain_required is None else [
+            CandidatePath(cand_ck.library.loader, plain, plain_required, batches=1 if confirm else None)])
+        report = check_sources(ref_src, paths, None, forward, truth=truth, stage=stage)
+    if bounded is not None:
         report.memory = (f"{'the two models would not fit in memory side by side, so ' if auto else ''}"
                          f"the models ran one at a time within {format_bytes(max_memory)} "
                          "(weights beyond it read from disk as each layer ran)")
@@ -241,14 +247,6 @@ def _load(loader: Callable[..., nn.Module], ck: Checkpoint, missing: list[str], 
         raise
 
 
-def _paths(cand: ModelSource, plain: ModelSource, required: bool | None, ck: Checkpoint,
-           confirm: bool = False) -> list[CandidatePath]:
-    """``enjoyln.load``, and the plain loader unless the two are the same (``required`` None)."""
-    others = [] if required is None else [CandidatePath(ck.library.loader, plain, required,
-                                                        batches=1 if confirm else None)]
-    return [CandidatePath("enjoyln.load", cand), *others]
-
-
 def _plain_loading(ck: Checkpoint, *, verified: bool) -> tuple[bool | None, str, str]:
     """(whether plain ``from_pretrained`` must match, the verdict's caveat, a note). Only a rotation
     without ``keep_mean`` is inexact under plain loading, and only a block that says so twice is believed."""
@@ -269,11 +267,10 @@ def _plain_loading(ck: Checkpoint, *, verified: bool) -> tuple[bool | None, str,
                    "verify that declaration; run the full check"), ""
 
 
-def _bounded_check(ref_ck: Checkpoint, cand_ck: Checkpoint, max_memory: int, missing: list[str],
-                   forward: ForwardOptions, plain: tuple[bool | None, bool],
-                   stage: Callable[[str], None] | None = None) -> CheckReport:
-    """The forward check holding one model at a time within ``max_memory``, weights read from disk as
-    each layer runs (accelerate). ``plain``: (plain loading required, only confirming)."""
+def _bounded_sources(ref_ck: Checkpoint, cand_ck: Checkpoint, max_memory: int, missing: list[str],
+                     offload: Path) -> tuple[ModelSource, ...]:
+    """(reference, truth, candidate, plain) holding one model at a time within ``max_memory``, weights read
+    from disk as each layer runs (accelerate)."""
     if ref_ck.pickled or cand_ck.pickled:
         raise CheckpointError("a check within a memory budget reads weights from safetensors files; convert "
                               "pickle weights first, or pass --static")
@@ -283,7 +280,7 @@ def _bounded_check(ref_ck: Checkpoint, cand_ck: Checkpoint, max_memory: int, mis
     return_freed_memory()
     overhead = _largest_tensor(ref_ck) + _activation_bytes(ref_ck)
 
-    def source(ck: Checkpoint, offload: Path, plain: bool = False, candidate: bool = False) -> ModelSource:
+    def source(ck: Checkpoint, where: str, plain: bool = False, candidate: bool = False) -> ModelSource:
         # the dtype a plain from_pretrained loads it in, which the static check compared
         own = getattr(torch, ck.load_dtype[0], None)
         own = own if isinstance(own, torch.dtype) and own.is_floating_point else dominant_dtype(ck)
@@ -292,15 +289,11 @@ def _bounded_check(ref_ck: Checkpoint, cand_ck: Checkpoint, max_memory: int, mis
             wide = dtype.itemsize / own.itemsize  # the truth: wider tensors, less room
             weights = max(max_memory - int(max(wide, 1.0) * overhead), 0)
             return _load(load_plain if plain else load, ck, missing, candidate=candidate, dtype=dtype,
-                         max_memory=weights, offload_dir=offload / str(dtype))
+                         max_memory=weights, offload_dir=offload / where / str(dtype))
         # the truth widens the reference as its layers run: a float64 load of it from disk would
         # read the whole file through a mapping, and write it again, wider, to the offload folder
         return ModelSource(own, get, widens=not plain and not candidate)
 
-    required, confirm = plain
-    with tempfile.TemporaryDirectory(prefix="enjoyln-offload-") as off:
-        ref_src = source(ref_ck, Path(off) / "reference")
-        paths = _paths(source(cand_ck, Path(off) / "candidate", candidate=True),
-                       source(cand_ck, Path(off) / "plain", plain=True, candidate=True), required, cand_ck, confirm)
-        return check_sources(ref_src, paths, None, dataclasses.replace(forward, spill=True, max_rows=1), truth=ref_src,
-                             stage=stage)
+    ref_src = source(ref_ck, "reference")
+    return (ref_src, ref_src, source(cand_ck, "candidate", candidate=True),
+            source(cand_ck, "plain", plain=True, candidate=True))

@@ -13,7 +13,6 @@ from typing import Any
 
 from ..errors import CheckpointError, EnjoylnError
 from ..plan import FoldPlan, block_lists
-from ..rewrite.config import output_config
 from ..store.files import extra_files, is_weight_file, loader_files
 from ..store.formats import JSON_LIMIT, PT_INDEX, SAFE_INDEX, input_file, loader_text, parse_json_file
 from ..store.checkpoint import Checkpoint
@@ -149,14 +148,6 @@ def config_problems(expected: dict[str, Any], actual: dict[str, Any], dtype: str
                                 f"{_short(y) if y is not _MISSING else 'missing'}, not "
                                 f"{_short(x) if x is not _MISSING else 'absent'}")
     return problems
-
-
-def expected_config(ref: Checkpoint, plan: FoldPlan, *, block: bool) -> dict[str, Any]:
-    """config.json as a fold of ``ref`` by ``plan`` writes it (``block`` False: as transformers saves it)."""
-    config = output_config(ref, plan)
-    if not block:
-        del config["enjoyln"]
-    return config
 
 
 def load_problems(ref: Checkpoint, cand: Checkpoint, dtype: str | None = None) -> list[str]:

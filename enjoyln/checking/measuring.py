@@ -97,11 +97,10 @@ class Stats:
     truth: bool = False
 
     def merge(self, other: "Stats") -> "Stats":
+        worst = [worse(getattr(self, f), getattr(other, f))
+                 for f in ("diff", "scale", "ref_err", "cand_err", "t_scale")]
         return Stats(self.floating and other.floating, self.mismatch or other.mismatch,
-                      self.nonfinite + other.nonfinite, worse(self.diff, other.diff),
-                      worse(self.scale, other.scale), worse(self.ref_err, other.ref_err),
-                      worse(self.cand_err, other.cand_err), worse(self.t_scale, other.t_scale),
-                      self.truth and other.truth)
+                     self.nonfinite + other.nonfinite, *worst, self.truth and other.truth)
 
 
 def measure(name: str, base: Outputs, truth: Outputs | None, batch: int,

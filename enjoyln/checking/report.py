@@ -193,8 +193,7 @@ class CheckReport:
                   + (f"; margin {self.margin:.3g}x" if self.margin is not None else "")]
         if self.memory:
             lines.append(f"  memory: {self.memory}")
-        for note in self.notes:
-            lines.append(f"  note: {note}")
+        lines += [f"  note: {note}" for note in self.notes]
         for o in self.outputs:
             extra = ""
             if o.candidate_error is not None:
@@ -208,8 +207,7 @@ class CheckReport:
                 extra += f"; {o.nonfinite} elements NaN or Inf where the original is not (or another non-finite value)"
             state = ("ok" if o.passed else "FAIL") if o.required else ("differs" if not o.passed else "ok") + ", not required"
             lines.append(f"  [{state}] {o.label}: abs {o.max_abs_diff:.3g}, rel {o.max_rel_diff:.3g}{extra}")
-        for problem in self.generation_settings:
-            lines.append(f"  [FAIL] {problem}")
+        lines += [f"  [FAIL] {problem}" for problem in self.generation_settings]
         g = self.generation
         if g is not None:
             state = "identical" if g.identical else "same up to near-ties" if g.passed else "DIFFERENT"

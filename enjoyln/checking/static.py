@@ -7,17 +7,20 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from ..errors import CheckpointError, EnjoylnError
 from ..plan import FoldPlan, RotationSpec
+from ..rewrite.config import output_config
 from ..rewrite.planning import analyze_dir, moves_values
 from ..store.hf import check_shapes
 from ..store.checkpoint import Checkpoint
 from ..rewrite.stream import StreamedTensors
 from ..store.tensors import TensorReader
-from .compare import (code_problems, config_problems, expected_config, file_problems, identical_directories,
+from .compare import (code_problems, config_problems, file_problems, identical_directories,
                       load_problems, parse_dtype, plan_problems, same_json)
 from .pairing import Pair, pair_tensors, still_tied, tensor_names, tied_key
-from .verify import Verdicts, Verifier, read_param_of
+from .verify import Verdicts, Verifier
 
 @dataclass
 class StaticReport:
@@ -160,8 +163,9 @@ def _unrecorded(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Resolv
     except EnjoylnError:
         pass
     out.as_reference = config_problems(ref.config, cand.config, dtype)
-    out.as_folded = (config_problems(expected_config(ref, out.plan, block=False), cand.config, dtype)
-                     if out.plan.foldable else out.as_reference)
+    # the fold's config.json as transformers saves it: without the enjoyln block
+    out.as_folded = (config_problems({k: v for k, v in output_config(ref, out.plan).items() if k != "enjoyln"},
+                                     cand.config, dtype) if out.plan.foldable else out.as_reference)
     return out
 
 
@@ -175,7 +179,7 @@ def _recorded(ref: Checkpoint, cand: Checkpoint, recorded: FoldPlan, dtype: str 
         analysed = None
         out.problems.append(f"cannot confirm the recorded plan: the analysis of the reference failed ({exc})")
     out.problems += plan_problems(recorded, analysed or out.plan)
-    out.problems += config_problems(expected_config(ref, analysed or recorded, block=True), cand.config, dtype)
+    out.problems += config_problems(output_config(ref, analysed or recorded), cand.config, dtype)
     if out.problems:
         out.plan = analysed or out.plan
     else:
@@ -205,8 +209,14 @@ def _verify(resolved: _Resolved, pairs: list[Pair], checkpoints: tuple[Checkpoin
         if dtype is not None:
             cast = lambda: StreamedTensors(ref, plan, reader=readers[0], dtype=dtype)  # noqa: E731
     names = tensor_names(ref.meta)
-    verifier = Verifier(*readers, read_param_of(readers[0], lambda name: tied_key(ref, names, name)), dtype=dtype,
-                        unrecorded=resolved.recorded is None, expected=expected, cast_expected=cast)
+
+    def read_param(name: str) -> torch.Tensor:  # a LayerScale gain a centering divides by
+        key = tied_key(ref, names, name)
+        if key is None:
+            raise CheckpointError(f"the reference has no tensor for {name}, which the plan's centering reads")
+        return readers[0].read(key)
+    verifier = Verifier(*readers, read_param, dtype=dtype, unrecorded=resolved.recorded is None, expected=expected,
+                        cast_expected=cast)
     try:
         verdicts = verifier.run(pairs, progress)
     finally:

@@ -12,7 +12,6 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from ..errors import CheckpointError
 from ..ops.center import same_memory
 from ..ops.compare import same_bytes
 from ..plan import Centering
@@ -225,12 +224,3 @@ class Verifier:
                 self._cast = self.cast_expected()
             yield lambda: self._cast.get(key)
 
-
-def read_param_of(reader: TensorReader, key_of: Callable[[str], str | None]) -> Callable[[str], torch.Tensor]:
-    """A reader of the reference's parameters by name (LayerScale gains a centering divides by)."""
-    def read(name: str) -> torch.Tensor:
-        key = key_of(name)
-        if key is None:
-            raise CheckpointError(f"the reference has no tensor for {name}, which the plan's centering reads")
-        return reader.read(key)
-    return read

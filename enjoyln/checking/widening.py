@@ -73,17 +73,6 @@ def _copies_of_views(out: Any, storages: set[int]) -> Any:
     return out
 
 
-def _swap(table: dict[str, Any], name: str, t: torch.Tensor, wide: torch.Tensor,
-          swapped: list[tuple[dict[str, Any], str, Any]]) -> None:
-    """``t`` (entry ``name`` of a module's parameters or buffers) replaced by ``wide``; what to put back recorded."""
-    if isinstance(t, nn.Parameter):
-        swapped.append((table, name, (t, t.data)))
-        t.data = wide
-    else:
-        swapped.append((table, name, t))
-        table[name] = wide
-
-
 @contextlib.contextmanager
 def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
     """Within the block, calling ``model`` computes in ``dtype`` as ``model.to(dtype)`` would, one module's
@@ -118,13 +107,17 @@ def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
                 continue
             if t.device.type == "meta":
                 # offloaded: accelerate's hook loads it next, cast to the dtype it finds here
-                _swap(table, name, t, torch.empty(t.shape, dtype=dtype, device="meta"), swapped)
-                converted.add(id(t))
-                continue
-            wide = scratch.take(t.numel()).view(t.shape)
-            wide.copy_(t.detach())
+                wide = torch.empty(t.shape, dtype=dtype, device="meta")
+            else:
+                wide = scratch.take(t.numel()).view(t.shape)
+                wide.copy_(t.detach())
             converted.add(id(t))
-            _swap(table, name, t, wide, swapped)
+            if isinstance(t, nn.Parameter):
+                swapped.append((table, name, (t, t.data)))
+                t.data = wide
+            else:
+                swapped.append((table, name, t))
+                table[name] = wide
 
     def post(module: nn.Module, args: Any, output: Any) -> Any:
         depth, top = frames.pop()
