@@ -164,17 +164,29 @@ def publish(tmp: Path, out: Path) -> None:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Delay SIGINT and SIGTERM until the block is done, so a step and its cleanup's bookkeeping go together."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    mask = getattr(signal, "pthread_sigmask", None)
-    if mask is None or threading.current_thread() is not threading.main_thread():
+    """Delay SIGINT and SIGTERM until the block is done, so a step and its cleanup's bookkeeping go together.
+
+    The handlers are swapped, not the signal mask: Python runs a handler in the main thread whichever
+    thread the signal reached, and torch's worker threads do not block it (a masked main thread
+    still ran SIGTERM's handler between creating the temporary directory and recording it)."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    mask(signal.SIG_BLOCK, held)
+    pending: list[int] = []
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved = {s: h for s, h in saved.items() if h is not None}  # None: not installed from Python
+    for s in saved:
+        signal.signal(s, lambda signum, frame: pending.append(signum))
     try:
         yield
     finally:
-        mask(signal.SIG_UNBLOCK, held)
+        for s, h in saved.items():
+            signal.signal(s, h)
+        for s in pending:
+            if callable(saved[s]):
+                saved[s](s, None)
+            elif saved[s] == signal.SIG_DFL:
+                signal.raise_signal(s)
 
 
 def keep_failed(tmp: Path, out: Path) -> Path:
