@@ -55,8 +55,9 @@ def check_out_dir(src: Path, out: Path, force: bool, *, dry_run: bool = False) -
     if not force:
         raise CheckpointError(f"OUT_DIR {out} is not empty; pass --force to replace an earlier enjoyln output")
     if not is_enjoyln_output(out):
-        raise CheckpointError(f"OUT_DIR {out} is not empty and is not an enjoyln output (its config.json has "
-                              "no enjoyln block); --force replaces only those, so remove it yourself")
+        why = "its config.json has no enjoyln block" if (out / "config.json").is_file() else "it has no config.json"
+        raise CheckpointError(f"OUT_DIR {out} is not empty and is not an enjoyln output ({why}); --force "
+                              "replaces only those, so remove it yourself")
 
 
 OWNER_FILE = ".enjoyln-owner"
