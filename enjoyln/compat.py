@@ -59,7 +59,7 @@ class _Loader(importlib.abc.Loader):
         return self.inner.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        with _skip_missing_fakes() as skipped:
+        with skip_missing_fakes() as skipped:
             self.inner.exec_module(module)
         if self.finder in sys.meta_path:
             sys.meta_path.remove(self.finder)
@@ -69,7 +69,7 @@ class _Loader(importlib.abc.Loader):
 
 
 @contextlib.contextmanager
-def _skip_missing_fakes() -> Iterator[list[str]]:
+def skip_missing_fakes() -> Iterator[list[str]]:
     """``torch.library.register_fake`` skips a ``torchvision::`` operator that is not defined."""
     import torch.library
 

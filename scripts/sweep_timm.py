@@ -225,32 +225,6 @@ FAMILY.update({f"open_clip/{cfg}/{tower}": f"open_clip {tower}" for cfg, tower i
 # --- the torchvision workaround -------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _skip_missing_torchvision_fakes():
-    """While torchvision imports, ``register_fake`` skips a ``torchvision::`` op that does not
-    exist (its C++ library did not load); yields the list of what it skipped."""
-    import torch.library
-
-    original = torch.library.register_fake
-    skipped: list[str] = []
-
-    def register_fake(op: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(op, str) and op.startswith("torchvision::"):
-            name = op.split("::", 1)[1].split(".")[0]
-            try:
-                getattr(torch.ops.torchvision, name)
-            except (AttributeError, RuntimeError):
-                skipped.append(op)
-                return (lambda fn: fn) if not args else None
-        return original(op, *args, **kwargs)
-
-    torch.library.register_fake = register_fake
-    try:
-        yield skipped
-    finally:
-        torch.library.register_fake = original
-
-
 def import_torchvision() -> dict[str, Any]:
     """Import torchvision with the workaround; its version and the fakes skipped.
 
@@ -258,7 +232,9 @@ def import_torchvision() -> dict[str, Any]:
     installed, so in an environment with this torchvision it must be imported this way
     before any transformers model is built.
     """
-    with _skip_missing_torchvision_fakes() as skipped:
+    from enjoyln.compat import skip_missing_fakes  # the same workaround `import enjoyln` installs
+
+    with skip_missing_fakes() as skipped:
         import torchvision
 
     return {"torchvision": torchvision.__version__, "torchvision_fakes_skipped": list(skipped)}

@@ -10,7 +10,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from rich.console import Console
 from rich.markup import escape
@@ -302,13 +302,17 @@ def print_end_to_end(result: Any, model: str, batch: int, seq_len: int) -> None:
               f"{result.best_possible_speedup:+.2%} end to end)")
 
 
+def print_warnings(warnings: Iterable[str]) -> None:
+    for warning in warnings:
+        err.print(f"[yellow]warning:[/] {escape(warning)}")
+
+
 def print_compiled(comp: Any) -> None:
     lat = comp.latency
     out.print(f"Compiled (inductor, fullgraph, no graph breaks): original {lat.a_ms:.1f} ms, folded "
               f"{lat.b_ms:.1f} ms; {lat.difference()}; compiled folded against the eager "
               f"original: max relative difference {comp.max_rel_diff:.1e}")
-    for warning in lat.warnings():
-        err.print(f"[yellow]warning:[/] {escape(warning)}")
+    print_warnings(lat.warnings())
     out.print(f"Generated kernels: original {comp.kernels[0]}, folded {comp.kernels[1]}; norm kernels "
               f"{comp.norm_kernels[0]} and {comp.norm_kernels[1]}, {comp.fused_add_norms} of the folded "
               f"ones with the residual add fused in; compile {comp.compile_s[0]:.0f} s and "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import tempfile
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -20,7 +21,7 @@ from .options import (JsonOnly, Quiet, ReadPickle, Revision, TrustCode, Verbose,
                       parse_dtypes, parse_plot, parse_shapes, torch_dtypes)
 from .progress import Display
 from .render import (err, out, print_compiled, print_end_to_end, print_json, print_kernels, print_plan, print_report,
-                     say, state)
+                     print_warnings, say, state)
 
 
 def demo(
@@ -103,8 +104,7 @@ def print_latency(timing: Any, a: str = "original", b: str = "folded") -> None:
     """Medians with their spread, the difference where measurable, and every reason not to trust them."""
     out.print(f"{a} {timing.a_ms:.2f} ms (IQR {timing.a_iqr_ms:.2f}), {b} {timing.b_ms:.2f} ms (IQR "
               f"{timing.b_iqr_ms:.2f}), medians of {timing.repeats} runs each; {timing.difference(a, b)}")
-    for warning in timing.warnings(a, b):
-        err.print(f"[yellow]warning:[/] {escape(warning)}")
+    print_warnings(timing.warnings(a, b))
 
 
 def bench(
@@ -142,72 +142,115 @@ def bench(
     """
     if seconds is None:  # --repeats alone asks for that many runs, as it always did
         seconds = 0.0 if repeats is not None else 5.0
-    repeats = repeats if repeats is not None else 20
+    runs = _ModelRuns(e2e, compile_, batch, seq_len, repeats if repeats is not None else 20, seconds)
     device, plot = parse_device(device), parse_plot(plot)
     shape_list, dtype_names = parse_shapes(shapes), parse_dtypes(dtypes)
     model_dtype = parse_dtypes(dtype, "--dtype")[0] if dtype is not None else None
     access = Access(allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    results, e2e_result = [], None
     with Display(err, enabled=not as_json and not state.quiet) as display:
         src = model_dir_of(model_dir, revision, access, display) if model_dir is not None and (e2e or compile_) \
             else None
-        display.stage(IMPORTING)
-        import torch
-
-        from .. import bench as timing
-        from .. import ops
-        from ..analysis.inputs import hf_example_inputs
-
-        check_cuda(device)
-        if threads is not None:
-            torch.set_num_threads(threads)
-        payload: dict[str, Any] = {"threads": torch.get_num_threads(), "backends": ops.status()}
-        display.stop()
-        if not as_json:
-            say(f"backends: {ops.status()}; {torch.get_num_threads()} threads")
-        results = []
+        payload = _bench_setup(display, device, threads, as_json)
         if kernels:
-            display.stage("timing the norm kernels")
-            try:
-                results = timing.kernel_benchmark(shape_list, torch_dtypes(dtype_names), device=device)
-            except (RuntimeError, MemoryError) as exc:  # torch's allocator says "can't allocate memory"
-                if "alloc" not in str(exc).lower() and not isinstance(exc, MemoryError):
-                    raise
-                raise EnjoylnError(f"not enough memory to time --shapes {shapes}: {first_line(exc)}") from None
-            display.stop()
-            payload["kernels"] = [r.to_dict() for r in results]
-            if not as_json:
-                print_kernels(results)
-                for warning in (w for r in results for w in r.warnings):
-                    err.print(f"[yellow]warning:[/] {escape(warning)}")
-        e2e_result = None
+            results = _bench_kernels(display, payload, shape_list, shapes, dtype_names, device, as_json)
         if e2e or compile_:
-            display.stage("loading and folding the model")
-            original, folded = timing.models_to_compare(src, device, torch_dtypes([model_dtype])[0]
-                                                        if model_dtype else None, access)
-            inputs = hf_example_inputs(original, batch=batch, seq_len=seq_len)
-        if e2e:
-            display.stage(f"timing end to end for at least {repeats} pairs of runs")
-            e2e_result = timing.end_to_end(original, folded, inputs, repeats=repeats, seconds=seconds)
-            display.stop()
-            payload["e2e"] = e2e_result.to_dict()
-            if not as_json:
-                print_end_to_end(e2e_result, type(original).__name__, batch, seq_len)
-                for warning in e2e_result.latency.warnings():
-                    err.print(f"[yellow]warning:[/] {escape(warning)}")
-        if compile_:
-            display.stage("compiling both models and timing them")
-            comp = timing.compiled_comparison(original, folded, inputs, repeats=repeats, seconds=seconds)
-            display.stop()
-            payload["compiled"] = comp.to_dict()
-            if not as_json:
-                print_compiled(comp)
+            models = _models(display, src, device, model_dtype, access)
+            e2e_result = _bench_models(display, payload, models, runs, as_json)
     if plot is not None:
-        timing.plot_results(results, e2e_result, plot)
-        if not as_json:
-            noisy = any(r.warnings for r in results) or (e2e_result is not None and e2e_result.latency.warnings())
-            out.print(f"Saved {plot}" + (" (titled with a warning: the timings were noisy)" if noisy else ""))
+        _plot(results, e2e_result, plot, as_json)
     if as_json:
         print_json(payload)
+
+
+@dataclass(frozen=True)
+class _ModelRuns:
+    e2e: bool
+    compiled: bool
+    batch: int
+    seq_len: int
+    repeats: int
+    seconds: float
+
+
+def _bench_setup(display: Display, device: str, threads: int | None, as_json: bool) -> dict[str, Any]:
+    """torch imported and set up; the payload's threads and backends."""
+    display.stage(IMPORTING)
+    import torch
+
+    from .. import ops
+
+    check_cuda(device)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    payload: dict[str, Any] = {"threads": torch.get_num_threads(), "backends": ops.status()}
+    display.stop()
+    if not as_json:
+        say(f"backends: {ops.status()}; {torch.get_num_threads()} threads")
+    return payload
+
+
+def _bench_kernels(display: Display, payload: dict[str, Any], shape_list: list[tuple[int, int]], shapes: str,
+                   dtype_names: list[str], device: str, as_json: bool) -> list[Any]:
+    from .. import bench as timing
+
+    display.stage("timing the norm kernels")
+    try:
+        results = timing.kernel_benchmark(shape_list, torch_dtypes(dtype_names), device=device)
+    except (RuntimeError, MemoryError) as exc:  # torch's allocator says "can't allocate memory"
+        if "alloc" not in str(exc).lower() and not isinstance(exc, MemoryError):
+            raise
+        raise EnjoylnError(f"not enough memory to time --shapes {shapes}: {first_line(exc)}") from None
+    display.stop()
+    payload["kernels"] = [r.to_dict() for r in results]
+    if not as_json:
+        print_kernels(results)
+        print_warnings(w for r in results for w in r.warnings)
+    return results
+
+
+def _models(display: Display, src: Path | None, device: str, model_dtype: str | None, access: Access) -> tuple:
+    """(the original, the folded model)."""
+    from .. import bench as timing
+
+    display.stage("loading and folding the model")
+    return timing.models_to_compare(src, device, torch_dtypes([model_dtype])[0] if model_dtype else None, access)
+
+
+def _bench_models(display: Display, payload: dict[str, Any], models: tuple, runs: _ModelRuns,
+                  as_json: bool) -> Any:
+    """End to end and compiled, as asked; the end-to-end result, or None."""
+    from .. import bench as timing
+    from ..analysis.inputs import hf_example_inputs
+
+    original, folded = models
+    inputs = hf_example_inputs(original, batch=runs.batch, seq_len=runs.seq_len)
+    e2e_result = None
+    if runs.e2e:
+        display.stage(f"timing end to end for at least {runs.repeats} pairs of runs")
+        e2e_result = timing.end_to_end(original, folded, inputs, repeats=runs.repeats, seconds=runs.seconds)
+        display.stop()
+        payload["e2e"] = e2e_result.to_dict()
+        if not as_json:
+            print_end_to_end(e2e_result, type(original).__name__, runs.batch, runs.seq_len)
+            print_warnings(e2e_result.latency.warnings())
+    if runs.compiled:
+        display.stage("compiling both models and timing them")
+        comp = timing.compiled_comparison(original, folded, inputs, repeats=runs.repeats, seconds=runs.seconds)
+        display.stop()
+        payload["compiled"] = comp.to_dict()
+        if not as_json:
+            print_compiled(comp)
+    return e2e_result
+
+
+def _plot(results: list[Any], e2e_result: Any, plot: Path, as_json: bool) -> None:
+    from .. import bench as timing
+
+    timing.plot_results(results, e2e_result, plot)
+    if not as_json:
+        noisy = any(r.warnings for r in results) or (e2e_result is not None and e2e_result.latency.warnings())
+        out.print(f"Saved {plot}" + (" (titled with a warning: the timings were noisy)" if noisy else ""))
 
 
 PACKAGES = ("torch", "transformers", "safetensors", "huggingface_hub", "accelerate", "tokenizers", "triton", "onnx",
