@@ -9,7 +9,7 @@ from torch import fx
 
 from .graph import GraphIndex, arg, norm_dim, op_name, reads_value, shape
 from ..plan import AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT, Fused, LayerNormEntry, Untie
-from .rules import CAST_OPS, DROPOUT_OPS, RESHAPE_OPS, SPLIT_OPS, Refusal, carry
+from .rules import CAST_OPS, DROPOUT_OPS, RESHAPE_OPS, SPLIT_OPS, Refusal, carry, other_reads
 
 # ops that only move values around, so every element still carries its own feature's γ and β
 MOVES = ({"getitem", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "permute", "transpose", "t",
@@ -207,9 +207,8 @@ def _affine_read_elsewhere(g: GraphIndex, name: str, calls: list[fx.Node]) -> st
     """Why a norm's γ or β cannot become 1 and 0: something else reads it (another norm sharing it, the model)."""
     for leaf, what in (("weight", "gain"), ("bias", "bias")):
         ph = g.placeholder_of.get(f"{name}.{leaf}")
-        for user in g.readers(ph) if ph is not None else []:
-            if user not in calls and user in g.live:
-                return f"its {what} {name}.{leaf} is also read by {g.describe(user)}"
+        for user, _ in other_reads(g, ph, calls) if ph is not None else []:
+            return f"its {what} {name}.{leaf} is also read by {g.describe(user)}"
     return None
 
 
@@ -268,21 +267,14 @@ def _shared(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]], untie:
                     blocked.setdefault(who, f"{g.cap.placeholder_fqn[ph_name]} also takes the affine of {who2}")
         for bias in {f.bias for n in norms for f in found[n][0] if f.bias and g.placeholder_of.get(f.weight) is ph}:
             bph = g.placeholder_of.get(bias)
-            for user in g.readers(bph) if bph is not None else []:
-                if user not in ours and user in g.live:
-                    for who in norms:
-                        blocked.setdefault(who, f"{bias} is also read by {g.describe(user)}")
+            for user, _ in other_reads(g, bph, ours) if bph is not None else []:
+                for who in norms:
+                    blocked.setdefault(who, f"{bias} is also read by {g.describe(user)}")
         aliases = {f.weight for n in norms for f in found[n][0] if g.placeholder_of.get(f.weight) is ph}
-        owner_ids = {id(g.owner_module(a)) for a in aliases}
-        for user in g.readers(ph):
-            if user in ours or user not in g.live:
-                continue
-            alias = g.cap.use_alias(user, g.cap.placeholder_fqn[ph_name])
-            if alias is not None and alias not in aliases and id(g.owner_module(alias)) not in owner_ids:
-                val = ph.meta.get("val")
-                nbytes = val.numel() * val.element_size() if val is not None else 0
+        for user, alias in other_reads(g, ph, ours):
+            if g.tied_apart(alias, aliases):
                 for a in aliases:  # the norm's reader gets its own copy
-                    untie[a] = Untie(a, alias, nbytes)
+                    untie[a] = Untie(a, alias, g.nbytes(ph))
                 continue
             for who in norms:
                 blocked.setdefault(who, f"{sorted(aliases)[0]} is also read by {g.describe(user)}")

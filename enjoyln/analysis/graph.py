@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import operator
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any, Collection, Iterator, Mapping
 
 import torch
 from torch import fx, nn
@@ -241,6 +241,16 @@ class GraphIndex:
             return self.cap.model.get_submodule(fqn.rpartition(".")[0])
         except AttributeError:
             return None
+
+    def tied_apart(self, alias: str | None, aliases: Collection[str]) -> bool:
+        """Whether ``alias`` names the tensor ``aliases`` name on another module, which untying gives its own copy
+        (one module under two names is one module)."""
+        owners = {id(self.owner_module(a)) for a in aliases}
+        return alias is not None and alias not in aliases and id(self.owner_module(alias)) not in owners
+
+    def nbytes(self, node: fx.Node) -> int:
+        val = node.meta.get("val")
+        return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
     def readers(self, node: fx.Node) -> list[fx.Node]:
         """The ops that read a parameter, looking through transposes and casts."""

@@ -9,7 +9,7 @@ from torch import fx
 from .dataflow import operands
 from .graph import LN_OPS, GraphIndex, op_name, shape
 from ..plan import AFFINE_FUSED, AFFINE_GAIN, FoldPlan, LayerNormEntry, Rotated, Rotation, RotationSpec
-from .rules import MAP, SCALE, SUM, Refusal, Source, carry, kind_of, per_row, source_of
+from .rules import MAP, SCALE, SUM, Refusal, Source, carry, kind_of, other_reads, per_row
 from .soundness import Flags, Hits, Shift, Spread
 
 
@@ -114,17 +114,11 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
         ph = g.placeholder_of.get(param)
         if ph is None or ph in seeds:
             continue
-        for user in g.readers(ph):
-            if user in seeds or user not in g.live:
-                continue
-            src = source_of(g, user)
-            if isinstance(src, Source) and g.role(src.params) in seed_roles:
-                changed[user] = Shift(src.axis, frozenset({f"{param}@{user.name}"}))
-                continue
-            alias = g.cap.use_alias(user, g.cap.placeholder_fqn[ph.name]) or param
-            if (axis, 0) in readers.get(alias, set()):
-                continue  # a tied head read as the rotated norm's reader: rotated alike
-            return f"{param} is rotated for the stream, but {g.describe(user)} also reads it"
+        for user, read in other_reads(g, ph, seeds, seed_roles):
+            if isinstance(read, Source):
+                changed[user] = Shift(read.axis, frozenset({f"{param}@{user.name}"}))
+            elif (axis, 0) not in readers.get(read or param, set()):  # not a tied head rotated as a norm's reader
+                return f"{param} is rotated for the stream, but {g.describe(user)} also reads it"
     spread.spread(changed)
     if spread.bad:
         return next(iter(spread.bad.values()))

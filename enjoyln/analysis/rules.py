@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Container, Iterator
 
 import torch
 from torch import fx
@@ -437,6 +437,21 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
         bfqn, bperm = bias
         params.append(g.centering(node, bfqn, bperm[b_axis]))
     return Source(node.name, g.label(node), node, norm_dim(out_axis, len(out_shape)), tuple(params))
+
+
+def other_reads(g: GraphIndex, ph: fx.Node, skip: Container[fx.Node],
+                roles: Container[frozenset] = ()) -> Iterator[tuple[fx.Node, Source | str | None]]:
+    """The live readers of parameter ``ph`` outside ``skip``, each with the Source it is if that centers as one
+    of ``roles`` (another call of the same layer), else the name it reads ``ph`` by (None if not known)."""
+    for user in g.readers(ph):
+        if user in skip or user not in g.live:
+            continue
+        g.at = user
+        src = source_of(g, user) if roles else None
+        if isinstance(src, Source) and g.role(src.params) in roles:
+            yield user, src
+        else:
+            yield user, g.cap.use_alias(user, g.cap.placeholder_fqn[ph.name])
 
 
 # reshapes through which a gain is still its parameter: they keep the entries' order

@@ -8,13 +8,12 @@ import operator
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-import torch
 from torch import fx
 
 from .graph import GN_OPS, LN_OPS, GraphIndex, arg, op_name, reads_value, shape
 from ..plan import AuxCentering, Untie
 from .rules import (MAP, RESHAPE_OPS, SCALE, SUM, Layout, Refusal, Source, carry, carry_layout, kind_of,
-                    linear_reads, per_row, source_of, split_axis)
+                    linear_reads, other_reads, per_row, split_axis)
 
 
 @dataclass(frozen=True)
@@ -201,22 +200,12 @@ class ShiftSoundness(Spread):
             if ph in self.seeds:
                 continue  # a parameter used as data: its reads are followed by spread()
             roles = {g.role(active[k].params) for k in keys}
-            owners = {id(g.owner_module(a)) for a in aliases}
-            for user in g.readers(ph):
-                g.at = user
-                if user in self.seeds or user in inner or user not in g.live:
-                    continue
-                src = source_of(g, user)
-                if isinstance(src, Source) and g.role(src.params) in roles:
-                    changed[user] = Shift(src.axis, frozenset(keys), max(active[k].groups for k in keys))
+            for user, read in other_reads(g, ph, self.seeds | inner, roles):
+                if isinstance(read, Source):
+                    changed[user] = Shift(read.axis, frozenset(keys), max(active[k].groups for k in keys))
                     self.seeds.add(user)
-                    continue
-                alias = g.cap.use_alias(user, g.cap.placeholder_fqn[ph_name])
-                # untying clones the tensor for another module; one module under two names is one module
-                if alias is not None and alias not in aliases and id(g.owner_module(alias)) not in owners:
-                    val = ph.meta.get("val")
-                    nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-                    untie[alias] = Untie(alias, next(iter(aliases)), nbytes)
+                elif g.tied_apart(read, aliases):
+                    untie[read] = Untie(read, next(iter(aliases)), g.nbytes(ph))
                 else:
                     self.flag(keys, f"{g.describe(user)}, which reads the same weight")
         return changed, untie
