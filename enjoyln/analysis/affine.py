@@ -250,27 +250,26 @@ def _mismatched(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]]) ->
 def _shared(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]], untie: dict[str, Untie]) -> dict[str, str]:
     """Norms whose readers' weights are read elsewhere (and cannot be untied), or by two norms on the same block."""
     blocked: dict[str, str] = {}
-    owners: dict[str, set[str]] = {}  # placeholder -> norms fusing into it
+    owners: dict[fx.Node, set[str]] = {}  # placeholder -> norms fusing into it
     for name, (fused, _) in found.items():
         for f in fused:
             ph = g.placeholder_of.get(f.weight)
             if ph is not None:
-                owners.setdefault(ph.name, set()).add(name)
-    for ph_name, norms in owners.items():
-        ph = g.placeholders[ph_name]
+                owners.setdefault(ph, set()).add(name)
+    for ph, norms in owners.items():
         ours = set().union(*(found[n][1] for n in norms))
-        blocks = [(f.axis, f.start, f.length, n) for n in norms for f in found[n][0]
-                  if g.placeholder_of.get(f.weight) is ph]
-        for a, (axis, s, n_len, who) in enumerate(blocks):
-            for axis2, s2, n2, who2 in blocks[a + 1:]:
-                if who != who2 and axis == axis2 and s < s2 + n2 and s2 < s + n_len:
-                    blocked.setdefault(who, f"{g.cap.placeholder_fqn[ph_name]} also takes the affine of {who2}")
-        for bias in {f.bias for n in norms for f in found[n][0] if f.bias and g.placeholder_of.get(f.weight) is ph}:
+        mine = [(n, f) for n in norms for f in found[n][0] if g.placeholder_of.get(f.weight) is ph]
+        for a, (who, f) in enumerate(mine):
+            for who2, f2 in mine[a + 1:]:
+                overlap = f.start < f2.start + f2.length and f2.start < f.start + f.length
+                if who != who2 and f.axis == f2.axis and overlap:
+                    blocked.setdefault(who, f"{g.cap.placeholder_fqn[ph.name]} also takes the affine of {who2}")
+        for bias in {f.bias for _, f in mine if f.bias}:
             bph = g.placeholder_of.get(bias)
             for user, _ in other_reads(g, bph, ours) if bph is not None else []:
                 for who in norms:
                     blocked.setdefault(who, f"{bias} is also read by {g.describe(user)}")
-        aliases = {f.weight for n in norms for f in found[n][0] if g.placeholder_of.get(f.weight) is ph}
+        aliases = {f.weight for _, f in mine}
         for user, alias in other_reads(g, ph, ours):
             if g.tied_apart(alias, aliases):
                 for a in aliases:  # the norm's reader gets its own copy

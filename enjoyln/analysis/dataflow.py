@@ -85,8 +85,7 @@ class Dataflow:
         if node in self.aux:
             point = self.aux[node]
             src = Source(f"aux:{point.module}:{point.where}", point.describe(), node, len(shape(node)) - 1, ())
-            self.sources[src.key] = src
-            return Zero(src.axis, frozenset({src.key}), whole=True)
+            return replace(self._add(src), whole=True)
         if node.op == "placeholder":
             return self._placeholder(node)
         if node.op != "call_function":

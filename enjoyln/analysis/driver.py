@@ -144,14 +144,6 @@ class Analysis:
                 plan.notes.append(Note.of(TRAINING_MODE))
             return plan
 
-    def rotation(self, plan: FoldPlan, spec: RotationSpec) -> None:
-        """Add a rotation of the stream to ``plan`` (made with ``fuse_affine``), or a note saying why it cannot be."""
-        with self.index.reporting():
-            found = plan_rotation(self.index, plan, self.sources, self.needs, self.ln_nodes(), spec)
-        plan.rotation = None if isinstance(found, str) else found
-        if isinstance(found, str):
-            plan.notes.append(Note.of(NOT_ROTATED, found))
-
     def _layer_norms(self) -> tuple[dict[str, LayerNormEntry], dict[str, set[str]], set[str]]:
         """One entry per LN module (all its calls) or per functional call."""
         entries: dict[str, LayerNormEntry] = {}
@@ -178,7 +170,6 @@ class Analysis:
                 entry = entries[name] = LayerNormEntry(name, kind, True, "", [], norm_shape, eps)
                 if isinstance(form, NormForm) and kind == "module":
                     entry.dim, entry.upcast, entry.then = form.dim, form.upcast, form.then
-                needs[name] = set()
             if not entry.foldable:
                 continue
             state, dims = self.states.get(node.args[0]), shape(node.args[0])
@@ -191,7 +182,7 @@ class Analysis:
             elif state.axis != len(dims) - 1:
                 why = f"its input is zero-mean along axis {state.axis}, not along the axis it normalizes"
             else:
-                needs[name] |= state.sources
+                needs.setdefault(name, set()).update(state.sources)
                 continue
             entry.foldable, entry.reason = False, why
         return entries, needs, rewritable
@@ -208,7 +199,6 @@ class Analysis:
         if entry is None:
             entry = entries[name] = LayerNormEntry(name, "module", True, "", [], tuple(dims[1:2]) if dims else (),
                                                    eps, "group_norm", groups)
-            needs[name] = set()
         if isinstance(module, nn.GroupNorm) and type(module).forward is nn.GroupNorm.forward:
             rewritable.add(name)
         if not entry.foldable:
@@ -232,7 +222,7 @@ class Analysis:
         elif any(self.sources[k].groups != 1 for k in state.sources):
             why = "its input is split into blocks of another size before it"
         else:
-            needs[name] |= {self.flow.grouped(k, groups) for k in state.sources}
+            needs.setdefault(name, set()).update(self.flow.grouped(k, groups) for k in state.sources)
             return
         entry.foldable, entry.reason = False, why
 
@@ -263,8 +253,12 @@ def analyze_capture(cap: Capture, *, weights: Weights = None, fuse_affine: bool 
     """Run the analysis on an already captured graph, and plan the ``rotate`` asked for."""
     analysis = Analysis(cap, weights=weights, fuse_affine=fuse_affine or rotate is not None)
     plan = analysis.run()
-    if rotate is not None:
-        analysis.rotation(plan, rotate)
+    if rotate is not None:  # a rotation of the stream, or a note saying why it cannot be
+        with analysis.index.reporting():
+            found = plan_rotation(analysis.index, plan, analysis.sources, analysis.needs, analysis.ln_nodes(), rotate)
+        plan.rotation = None if isinstance(found, str) else found
+        if isinstance(found, str):
+            plan.notes.append(Note.of(NOT_ROTATED, found))
     if cap.specialized:
         plan.notes.append(Note("the proof covers inputs that take the same data-dependent branches as the "
                                "example: " + "; ".join(cap.specialized)))

@@ -160,9 +160,7 @@ class ShiftSoundness(Spread):
         g, active = self.g, self.active
         changed: dict[fx.Node, Shift] = {}
         untie: dict[str, Untie] = {}
-        # placeholder name -> {alias: axis} and the sources that center it
-        centered: dict[str, dict[str, int]] = {}
-        centered_by: dict[str, set[str]] = {}
+        centered: dict[str, dict[str, int]] = {}  # placeholder name -> {alias: axis}
         grouping: dict[str, dict[tuple, set[str]]] = {}  # placeholder -> (groups, scale) -> sources
         for src in active.values():
             g.at = src.node
@@ -175,11 +173,10 @@ class ShiftSoundness(Spread):
                 if ph is None:
                     continue
                 axes = centered.setdefault(ph.name, {})
-                centered_by.setdefault(ph.name, set()).add(src.key)
                 grouping.setdefault(ph.name, {}).setdefault((c.groups, c.scale), set()).add(src.key)
                 axes.setdefault(c.param, c.axis)
                 if len(set(axes.values())) > 1 or axes[c.param] != c.axis:
-                    self.flag(centered_by[ph.name], f"{c.param} along two different axes")
+                    self.flag(set().union(*grouping[ph.name].values()), f"{c.param} along two different axes")
         for ph_name, by_how in grouping.items():
             if len(by_how) > 1:  # e.g. centered whole for an LN and in groups for a GroupNorm
                 plain = by_how.get((1, None))
@@ -196,7 +193,7 @@ class ShiftSoundness(Spread):
         # other reads of a centered weight: another call of the same module shifts its output the
         # same way, a tied alias gets its own copy, anything else changes
         for ph_name, aliases in centered.items():
-            ph, keys = g.placeholders[ph_name], centered_by[ph_name]
+            ph, keys = g.placeholders[ph_name], set().union(*grouping[ph_name].values())
             if ph in self.seeds:
                 continue  # a parameter used as data: its reads are followed by spread()
             roles = {g.role(active[k].params) for k in keys}
