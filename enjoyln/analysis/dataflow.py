@@ -10,8 +10,8 @@ from torch import fx
 
 from .graph import GN_OPS, LN_OPS, META_OPS, GraphIndex, op_name, reads_value, shape
 from ..plan import AuxCentering
-from .rules import (MAP, RESHAPE_OPS, SCALE, SUM, Layout, Refusal, Source, carry, carry_layout,
-                    kind_of, linear_terms, param_source, per_feature_param, per_row, source_of, split_axis)
+from .rules import (MAP, SCALE, SUM, Layout, Refusal, Source, carry, carry_all, kind_of, linear_terms,
+                    param_source, per_feature_param, per_row, source_of, split_axis)
 
 
 @dataclass(frozen=True)
@@ -180,10 +180,10 @@ class Dataflow:
             return state if isinstance(state, NotZero) else NotZero(
                 f"includes the output of {name} {self.g.where(node)}, which is not zero-mean")
         where = self.g.where(node)
-        new = carry(node, x, state.axis, where)
-        if isinstance(new, Refusal):
-            return self._split(node, x, state) or NotZero(new)
-        layout = carry_layout(node, x, state.layout, where)
+        moved = carry_all(node, [(x, state.axis, state.layout)], where)
+        if isinstance(moved, Refusal):
+            return self._split(node, x, state) or NotZero(moved)
+        new, layout = moved
         if layout is None or layout.visible() == state.layout.visible():
             return Zero(new, state.sources, state.whole, layout)
         # only some blocks are left: only they need centering
@@ -195,7 +195,7 @@ class Dataflow:
 
     def _split(self, node: fx.Node, x: fx.Node, state: Zero) -> State | None:
         """A reshape splitting the feature axis into blocks (``(..., H, D)``), zero-mean once each is centered."""
-        found = split_axis(shape(x), state.axis, shape(node)) if op_name(node) in RESHAPE_OPS else None
+        found = split_axis(node, x, state.axis)
         if found is None or state.whole or state.layout is not None:
             return None
         axis, layout = found
@@ -205,7 +205,7 @@ class Dataflow:
 
     def _transfer_sum(self, node: fx.Node) -> State:
         where = self.g.where(node)
-        axes, sources, whole, layouts = set(), set(), False, set()
+        facts, sources, whole = [], set(), False
         for operand in operands(node):
             if not isinstance(operand, fx.Node):
                 if operand:
@@ -215,16 +215,13 @@ class Dataflow:
             if not isinstance(state, Zero):
                 return state if isinstance(state, NotZero) else NotZero(
                     f"includes {self.g.describe(operand)}, which is not zero-mean")
-            new = carry(node, operand, state.axis, where)
-            if isinstance(new, Refusal):
-                return NotZero(new)
-            axes.add(new)
+            if isinstance(refused := carry(node, operand, state.axis, where), Refusal):
+                return NotZero(refused)  # before a later operand's reason
+            facts.append((operand, state.axis, state.layout))
             sources |= state.sources
             whole |= state.whole
-            layouts.add(carry_layout(node, operand, state.layout, where))
-        if len(axes) != 1:
-            return NotZero(f"adds tensors whose feature axes do not line up {where}")
-        return Zero(axes.pop(), frozenset(sources), whole, layouts.pop() if len(layouts) == 1 else None)
+        moved = carry_all(node, facts, where)
+        return NotZero(moved) if isinstance(moved, Refusal) else Zero(moved[0], frozenset(sources), whole, moved[1])
 
     def _transfer_scale(self, node: fx.Node) -> State:
         a, b = node.args[0], node.args[1]
@@ -237,13 +234,12 @@ class Dataflow:
                 continue
             if not isinstance(state, Zero):
                 continue
-            new = carry(node, stream, state.axis, self.g.where(node))
-            if isinstance(new, Refusal):
-                return NotZero(new)
-            if per_row(factor, node, new):
-                return Zero(new, state.sources, state.whole,
-                            carry_layout(node, stream, state.layout, self.g.where(node)))
-            scaled = self._layer_scale(node, stream, factor, state, new)
+            moved = carry_all(node, [(stream, state.axis, state.layout)], self.g.where(node))
+            if isinstance(moved, Refusal):
+                return NotZero(moved)
+            if per_row(factor, node, moved[0]):
+                return Zero(moved[0], state.sources, state.whole, moved[1])
+            scaled = self._layer_scale(node, stream, factor, state, moved[0])
             if scaled is not None:
                 return scaled
         # the operand with the output's shape is the stream; the other one scales it

@@ -326,8 +326,12 @@ class Layout:
         return frozenset(blocks)
 
 
-def split_axis(in_shape: tuple[int, ...], axis: int, out_shape: tuple[int, ...]) -> tuple[int, Layout] | None:
-    """(new feature axis, layout) if a reshape splits ``axis`` into several, the last (the block) the feature axis."""
+def split_axis(node: fx.Node, src: fx.Node, axis: int) -> tuple[int, Layout] | None:
+    """(new feature axis, layout) if ``node`` reshapes ``src``'s ``axis`` into several, the last (the block) the
+    feature axis."""
+    if op_name(node) not in RESHAPE_OPS:
+        return None
+    in_shape, out_shape = shape(src), shape(node)
     n, inner, outer = in_shape[axis], math.prod(in_shape[axis + 1:]), math.prod(in_shape[:axis])
     for q in reversed(range(len(out_shape))):
         if out_shape[q] == 1 or math.prod(out_shape[q + 1:]) != inner:
@@ -375,6 +379,18 @@ def carry_layout(node: fx.Node, src: fx.Node, layout: Layout | None, where: str)
         if new_length > 1:
             axes.append((moved, new_length, stride))
     return Layout(layout.groups, layout.size, tuple(axes), offset)
+
+
+def carry_all(node: fx.Node, facts: list[tuple[fx.Node, int, Layout | None]],
+              where: str) -> tuple[int, Layout | None] | Refusal:
+    """Where the feature axes of ``facts`` (input, axis, layout) land in ``node``'s output if all in one place, with
+    the layout of the blocks (None unless all agree); else why not. The dataflow and the shift passes share it."""
+    moved = [carry(node, src, axis, where) for src, axis, _ in facts]
+    refused = next((m for m in moved if isinstance(m, Refusal)), None)
+    if refused is not None or len(set(moved)) != 1:
+        return refused or Refusal(f"adds tensors whose feature axes do not line up {where}")
+    layouts = {carry_layout(node, src, layout, where) for src, _, layout in facts}
+    return moved[0], layouts.pop() if len(layouts) == 1 else None
 
 
 # --- sources: what weight centering makes zero-mean ------------------------------------------

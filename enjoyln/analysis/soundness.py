@@ -12,8 +12,8 @@ from torch import fx
 
 from .graph import GN_OPS, LN_OPS, GraphIndex, arg, op_name, reads_value, shape
 from ..plan import AuxCentering, Untie
-from .rules import (MAP, RESHAPE_OPS, SCALE, SUM, Layout, Refusal, Source, carry, carry_layout, kind_of,
-                    linear_reads, other_reads, per_row, split_axis)
+from .rules import (MAP, SCALE, SUM, Layout, Refusal, Source, carry_all, kind_of, linear_reads, other_reads,
+                    per_row, split_axis)
 
 
 @dataclass(frozen=True)
@@ -95,44 +95,21 @@ class Spread:
 def carry_shift(g: GraphIndex, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Shift | str:
     """The change of ``node``'s output if its inputs' per-row changes stay per-row there; else what it alters."""
     what = f"the input of {g.describe(node)}"
-    kind, where = kind_of(node), g.where(node)
-    if kind == SUM:
-        axes = {carry(node, i, s.axis, where) for i, s in hits}
-        axis = axes.pop() if len(axes) == 1 else None
-        if not isinstance(axis, int) or isinstance(axis, Refusal):
-            return what
-        layouts = {carry_layout(node, i, s.layout, where) for i, s in hits}
-        return Shift(axis, keys, groups, layouts.pop() if len(layouts) == 1 else None)
-    if len(hits) != 1:
+    kind, (stream, s) = kind_of(node), hits[0]
+    if kind is None or (kind != SUM and len(hits) != 1) or (kind == MAP and stream is not node.args[0]):
         return what
-    stream, s = hits[0]
-    if kind == SCALE:
-        a, b = node.args[0], node.args[1]
-        if stream is b and op_name(node) == "div":
+    if kind == SCALE and stream is node.args[1] and op_name(node) == "div":
+        return what
+    moved = carry_all(node, [(i, s.axis, s.layout) for i, s in hits], g.where(node))
+    if isinstance(moved, Refusal):
+        found = split_axis(node, stream, s.axis) if kind == MAP else None
+        if found is None or (shape(stream)[s.axis] // s.groups) % shape(node)[found[0]]:
             return what
-        new = carry(node, stream, s.axis, where)
-        factor = b if stream is a else a
-        if isinstance(new, Refusal) or not per_row(factor, node, new):
-            return what
-        return Shift(new, keys, groups, carry_layout(node, stream, s.layout, where))
-    if kind == MAP and stream is node.args[0]:
-        new = carry(node, stream, s.axis, where)
-        if isinstance(new, Refusal):
-            return _split_shift(node, stream, s) or what
-        return Shift(new, keys, groups, carry_layout(node, stream, s.layout, where))
-    return what
-
-
-def _split_shift(node: fx.Node, stream: fx.Node, s: Shift) -> Shift | None:
-    """A change constant within blocks, after a reshape splits the feature axis into pieces no larger than a block."""
-    found = split_axis(shape(stream), s.axis, shape(node)) if op_name(node) in RESHAPE_OPS else None
-    if found is None:
-        return None
-    axis, layout = found
-    block = shape(stream)[s.axis] // s.groups
-    if block % shape(node)[axis]:
-        return None
-    return Shift(axis, s.keys, 1, layout)
+        # a change constant within blocks, after a reshape splits the feature axis into pieces no larger than one
+        return Shift(found[0], keys, 1, found[1])
+    if kind == SCALE and not per_row(node.args[1] if stream is node.args[0] else node.args[0], node, moved[0]):
+        return what
+    return Shift(moved[0], keys, groups, moved[1])
 
 
 class ShiftSoundness(Spread):
