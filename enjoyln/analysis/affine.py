@@ -9,7 +9,7 @@ from torch import fx
 
 from .graph import GraphIndex, arg, norm_dim, op_name, reads_value, shape
 from ..plan import AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT, Fused, LayerNormEntry, Untie
-from .rules import CAST_OPS, DROPOUT_OPS, RESHAPE_OPS, SPLIT_OPS, Refusal, carry, other_reads
+from .rules import CAST_OPS, DROPOUT_OPS, LINEAR_LAYOUTS, RESHAPE_OPS, SPLIT_OPS, Refusal, carry, other_reads
 
 # ops that only move values around, so every element still carries its own feature's γ and β
 MOVES = ({"getitem", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "permute", "transpose", "t",
@@ -33,16 +33,13 @@ class Trace:
 def _reader(g: GraphIndex, node: fx.Node, value: fx.Node, trace: Trace) -> list[Fused] | str | None:
     """The Fused entries if ``node`` is a linear layer reading ``value`` as input, why not if it reads it otherwise."""
     name = op_name(node)
-    if name == "linear":
-        x, w, b, in_pos = node.args[0], node.args[1], arg(node, 2, "bias"), 1
-    elif name == "addmm":
-        b, x, w, in_pos = node.args[0], node.args[1], node.args[2], 0
-        if arg(node, 3, "beta", 1) != 1 or arg(node, 4, "alpha", 1) != 1:
-            return f"is read by {g.describe(node)}, which scales its product or its bias"
-    elif name in ("mm", "matmul"):
-        x, w, b, in_pos = node.args[0], node.args[1], None, 0
-    else:
+    if name not in ("linear", "addmm", "mm", "matmul"):
         return None
+    w_index, b_index, w_axis = LINEAR_LAYOUTS[name][:3]
+    x, w, in_pos = node.args[1 if name == "addmm" else 0], node.args[w_index], 1 if w_axis == 0 else 0
+    b = arg(node, b_index, "bias") if b_index is not None else None
+    if name == "addmm" and (arg(node, 3, "beta", 1) != 1 or arg(node, 4, "alpha", 1) != 1):
+        return f"is read by {g.describe(node)}, which scales its product or its bias"
     where = g.describe(node)
     if x is not value:
         return f"is read by {where} as its weight or bias"
@@ -126,7 +123,7 @@ def trace_readers(g: GraphIndex, ln: fx.Node) -> Readers | str:
             outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
             names = [g.output_names.get(i, str(i)) for i, o in enumerate(outs) if o in hits]
             return f"its output is the model output `{names[0] if names else '?'}`"
-        where, name = g.where(node), op_name(node)
+        where, name = g.cap.where(node), op_name(node)
         if len(hits) == 1:
             found = _reader(g, node, hits[0], traces[hits[0]])
             if isinstance(found, str):

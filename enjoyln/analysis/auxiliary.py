@@ -74,11 +74,9 @@ def auxiliary_plan(cap: Capture, *, max_candidates: int = 6,
             gain = len(trial_plan.foldable) - len(plan.foldable)
             if gain > 1 and (best is None or gain > best[0]):
                 best = (gain, node, point, trial, trial_plan)
-            if gain <= 1:
-                key = f"aux:{point.module}:{point.where}"
-                why = trial.last_bad.get(key)
-                if why:
-                    refused[point.describe()] = (why, covered)
+            why = trial.last_bad.get(f"aux:{point.module}:{point.where}") if gain <= 1 else None
+            if why:
+                refused[point.describe()] = (why, covered)
         if best is None:
             break
         gain, node, point, base, plan = best

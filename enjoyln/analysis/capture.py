@@ -45,11 +45,14 @@ class Capture:
             return ""
         return next(reversed(stack.values()))[0]
 
-    def module_of(self, node: torch.fx.Node) -> nn.Module | None:
+    def submodule(self, path: str) -> nn.Module | None:
         try:
-            return self.model.get_submodule(self.module_path(node))
+            return self.model.get_submodule(path)
         except AttributeError:
             return None
+
+    def module_of(self, node: torch.fx.Node) -> nn.Module | None:
+        return self.submodule(self.module_path(node))
 
     def where(self, node: torch.fx.Node) -> str:
         """A short phrase naming where a node sits, for messages."""

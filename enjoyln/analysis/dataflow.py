@@ -93,7 +93,7 @@ class Dataflow:
         if node in g.centers:
             return Zero(g.center_axis(node), frozenset(), whole=True)
         if name in LN_OPS:
-            label = g.cap.module_path(node) or f"the functional layer_norm `{node.name}` {g.where(node)}"
+            label = g.cap.module_path(node) or f"the functional layer_norm `{node.name}` {g.cap.where(node)}"
             return NotZero(f"includes the output of {label}, which is not zero-mean")
         if name in GN_OPS:
             return NotZero(f"includes the output of the {name.replace('_', ' ')} {g.label(node)}, "
@@ -108,7 +108,7 @@ class Dataflow:
         by_kind = {MAP: self._transfer_map, SUM: self._transfer_sum, SCALE: self._transfer_scale}
         if kind_of(node) in by_kind:
             return by_kind[kind_of(node)](node)
-        return NotZero(f"includes the output of {name} {g.where(node)}, which is not zero-mean")
+        return NotZero(f"includes the output of {name} {g.cap.where(node)}, which is not zero-mean")
 
     def _placeholder(self, node: fx.Node) -> State:
         cap = self.g.cap
@@ -143,7 +143,7 @@ class Dataflow:
             dims = shape(value)
             if dims is None:
                 return
-            where = g.where(user)
+            where = g.cap.where(user)
             fits = [a for a in range(len(dims)) if carry(user, value, a, where) == axis]
             if len(fits) > 1:
                 fits = [a for a in fits if dims[a] == shape(user)[axis]]
@@ -152,10 +152,8 @@ class Dataflow:
             if value.op == "placeholder":
                 if wanted.setdefault(value, fits[0]) != fits[0]:
                     clash.add(value)
-            elif kind_of(value) == MAP:
-                want(value, value.args[0], fits[0])
-            else:
-                for operand in operands(value):
+            else:  # a MAP op's input, a SUM's operands that are tables
+                for operand in value.args[:1] if kind_of(value) == MAP else operands(value):
                     if isinstance(operand, fx.Node) and operand in tables:
                         want(value, operand, fits[0])
 
@@ -164,7 +162,7 @@ class Dataflow:
                 continue
             parts = [o for o in operands(node) if isinstance(o, fx.Node)]
             mine = [o for o in parts if o in tables]
-            axes = {carry(node, o, self.states[o].axis, g.where(node)) for o in parts
+            axes = {carry(node, o, self.states[o].axis, g.cap.where(node)) for o in parts
                     if o not in mine and isinstance(self.states.get(o), Zero)}
             if mine and len(axes) == 1 and isinstance(axis := axes.pop(), int):  # a Refusal is a str
                 for o in mine:
@@ -178,8 +176,8 @@ class Dataflow:
             return state[node.args[1]] if node.args[1] < len(state) else None
         if not isinstance(state, Zero):
             return state if isinstance(state, NotZero) else NotZero(
-                f"includes the output of {name} {self.g.where(node)}, which is not zero-mean")
-        where = self.g.where(node)
+                f"includes the output of {name} {self.g.cap.where(node)}, which is not zero-mean")
+        where = self.g.cap.where(node)
         moved = carry_all(node, [(x, state.axis, state.layout)], where)
         if isinstance(moved, Refusal):
             return self._split(node, x, state) or NotZero(moved)
@@ -204,7 +202,7 @@ class Dataflow:
         return Zero(axis, frozenset(self.grouped(k, layout.groups) for k in state.sources), False, layout)
 
     def _transfer_sum(self, node: fx.Node) -> State:
-        where = self.g.where(node)
+        where = self.g.cap.where(node)
         facts, sources, whole = [], set(), False
         for operand in operands(node):
             if not isinstance(operand, fx.Node):
@@ -234,7 +232,7 @@ class Dataflow:
                 continue
             if not isinstance(state, Zero):
                 continue
-            moved = carry_all(node, [(stream, state.axis, state.layout)], self.g.where(node))
+            moved = carry_all(node, [(stream, state.axis, state.layout)], self.g.cap.where(node))
             if isinstance(moved, Refusal):
                 return NotZero(moved)
             if per_row(factor, node, moved[0]):
@@ -247,7 +245,7 @@ class Dataflow:
                         for x in (a, b) if isinstance(x, fx.Node))
         if first_bad is not None and not stream_ok:
             return first_bad
-        return NotZero(f"is multiplied by a per-feature tensor {self.g.where(node)}; a per-feature scale "
+        return NotZero(f"is multiplied by a per-feature tensor {self.g.cap.where(node)}; a per-feature scale "
                        "keeps a zero mean only as a LayerScale: a parameter right after one layer")
 
     def _layer_scale(self, node: fx.Node, stream: fx.Node, factor: Any, state: Zero, axis: int) -> State | None:
@@ -269,7 +267,7 @@ class Dataflow:
         gain = g.value(fqn)
         if gain is not None and not bool(gain.ne(0).all()):
             labels = " and ".join(self.sources[by_node[leaf]].label for leaf in leaves)
-            return NotZero(f"is multiplied by the LayerScale gain {fqn} {g.where(node)}, which has a zero "
+            return NotZero(f"is multiplied by the LayerScale gain {fqn} {g.cap.where(node)}, which has a zero "
                            f"entry, so no centering of {labels} makes the product zero-mean")
         name = g.cap.use_alias(node, fqn) or fqn
         keys = []

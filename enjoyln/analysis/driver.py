@@ -9,7 +9,7 @@ from typing import Any, Mapping
 import torch
 from torch import fx, nn
 
-from ..plan import NOT_ROTATED, TRAINING_MODE, AuxCentering, FoldPlan, LayerNormEntry, Note, RotationSpec, Untie
+from ..plan import NOT_ROTATED, TRAINING_MODE, AuxCentering, FoldPlan, LayerNormEntry, Note, RotationSpec
 from .affine import plan_fusion
 from .capture import Capture
 from .dataflow import Dataflow, NotZero, Zero
@@ -60,28 +60,24 @@ class Analysis:
                     edges.append((node.name, user))
                 if node.name in nodes:
                     continue
-                state = self.states.get(node)
-                source = by_node.get(node)
+                state, source, where = self.states.get(node), by_node.get(node), self.cap.where(node)
                 if node is ln:
-                    info = {"label": self.cap.module_path(node) or node.name, "kind": "ln", "detail": ""}
+                    info = (self.cap.module_path(node) or node.name, "ln", "")
                     stack.append((node.args[0], node.name))
-                elif isinstance(source, Source) and source.node is node:
-                    info = {"label": source.label, "kind": "source",
-                            "detail": ", ".join(f"{c.param} (axis {c.axis})" for c in source.params)}
+                elif source is not None:
+                    info = (source.label, "source", ", ".join(f"{c.param} (axis {c.axis})" for c in source.params))
                 elif node in self.index.centers:
-                    info = {"label": f"x - mean(x) {self.index.where(node)}", "kind": "zero", "detail": ""}
+                    info = (f"x - mean(x) {where}", "zero", "")
                 elif isinstance(state, Zero | NotZero) and kind_of(node):
                     refused = isinstance(state, NotZero) and not any(
                         isinstance(self.states.get(i), NotZero) for i in node.all_input_nodes)
-                    info = {"label": f"{op_name(node)} {self.index.where(node)}",
-                            "kind": "blocked" if refused else "op", "detail": state.why if refused else ""}
+                    info = (f"{op_name(node)} {where}", "blocked" if refused else "op", state.why if refused else "")
                     if not refused:
                         stack += [(i, node.name) for i in node.all_input_nodes
                                   if isinstance(self.states.get(i), Zero | NotZero) and shape(i)]
                 else:
-                    why = state.why if isinstance(state, NotZero) else ""
-                    info = {"label": self.index.describe(node), "kind": "blocked", "detail": why}
-                nodes[node.name] = info
+                    info = (self.index.describe(node), "blocked", state.why if isinstance(state, NotZero) else "")
+                nodes[node.name] = dict(zip(("label", "kind", "detail"), info))
             return nodes, edges
 
     def entry_name(self, node: fx.Node, functional: dict[fx.Node, str]) -> tuple[str, str]:
@@ -113,10 +109,8 @@ class Analysis:
                 if e.foldable and name not in rewritable:
                     e.foldable, e.reason = False, rewritable_reason(e, self.why_not_replaced.get(name))
             active = {name for name, e in entries.items() if e.foldable}
-            untie: dict[str, Untie] = {}
             while True:
-                keys = set().union(*(needs[n] for n in active)) if active else set()
-                bad, untie = self.soundness.affected(keys)
+                bad, untie = self.soundness.affected(set().union(*(needs[n] for n in active)))
                 self.last_bad.update(bad)
                 dropped = {n for n in active if needs[n] & bad.keys()}
                 for n in dropped:

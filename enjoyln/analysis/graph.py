@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Any, Collection, Iterator, Mapping
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 from .capture import Capture
 from ..errors import AnalysisError, EnjoylnError, first_line
@@ -155,9 +155,6 @@ class GraphIndex:
 
     # -- naming ------------------------------------------------------------------------
 
-    def where(self, node: fx.Node) -> str:
-        return self.cap.where(node)
-
     def label(self, node: fx.Node) -> str:
         """The module path of a node, or its name at the top level."""
         return self.cap.module_path(node) or node.name
@@ -168,7 +165,7 @@ class GraphIndex:
             return f"the parameter {fqn}" if fqn else f"the model input `{node.name}`"
         if op_name(node) in LN_OPS:
             return f"the LayerNorm {self.label(node)}"
-        return f"{op_name(node)} {self.where(node)}"
+        return f"{op_name(node)} {self.cap.where(node)}"
 
     def _output_names(self) -> dict[int, str]:
         from torch.export.graph_signature import OutputKind
@@ -236,17 +233,11 @@ class GraphIndex:
         name = lambda p: getattr(self.placeholder_of.get(p), "name", p)  # noqa: E731
         return frozenset((name(c.param), c.axis, c.groups, c.blocks, c.scale and name(c.scale)) for c in params)
 
-    def owner_module(self, fqn: str) -> nn.Module | None:
-        try:
-            return self.cap.model.get_submodule(fqn.rpartition(".")[0])
-        except AttributeError:
-            return None
-
     def tied_apart(self, alias: str | None, aliases: Collection[str]) -> bool:
         """Whether ``alias`` names the tensor ``aliases`` name on another module, which untying gives its own copy
         (one module under two names is one module)."""
-        owners = {id(self.owner_module(a)) for a in aliases}
-        return alias is not None and alias not in aliases and id(self.owner_module(alias)) not in owners
+        owner = lambda name: id(self.cap.submodule(name.rpartition(".")[0]))  # noqa: E731
+        return alias is not None and alias not in aliases and owner(alias) not in {owner(a) for a in aliases}
 
     def nbytes(self, node: fx.Node) -> int:
         val = node.meta.get("val")

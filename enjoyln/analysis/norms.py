@@ -67,9 +67,8 @@ class NormModules:
         from ..modules.centering import CENTERING_MARK
 
         g, cap = self.g, self.cap
-        try:
-            module = cap.model.get_submodule(path)
-        except AttributeError:
+        module = cap.submodule(path)
+        if module is None:
             return "is not a module of the model"
         if isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward:
             return NormForm()

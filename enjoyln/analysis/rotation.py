@@ -48,7 +48,7 @@ class RotationSpread(Spread):
                 return []
             return [(keys, f"{g.describe(node)}, which averages the features (rotate with keep_mean)")]
         kind = kind_of(node)
-        where = g.where(node)
+        where = g.cap.where(node)
         if kind == SUM:
             changed = {i for i, _ in hits}
             axis = hits[0][1].axis

@@ -156,21 +156,15 @@ def _dropout(op: Op) -> int | Refusal:
     return op.axis
 
 
-def _lossy_cast(src: fx.Node, node: fx.Node) -> str:
-    """'' for a cast that keeps every value (same or wider float); else what it does."""
-    a, b = src.meta.get("val"), node.meta.get("val")
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dtype == b.dtype:
-        return ""
-    if not b.dtype.is_floating_point:
-        return f"cast to {str(b.dtype).replace('torch.', '')}"
-    wider = torch.promote_types(a.dtype, b.dtype) == b.dtype
-    return "" if wider else f"rounded to {str(b.dtype).replace('torch.', '')}"
-
-
 @rule(*CAST_OPS)
 def _cast(op: Op) -> int | Refusal:
-    why = _lossy_cast(op.src, op.node)
-    return Refusal(f"is {why} {op.where}, which does not commute with centering") if why else op.axis
+    """A cast to the same or a wider float keeps every value; any other does not."""
+    a, b = op.src.meta.get("val"), op.node.meta.get("val")
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dtype == b.dtype or (
+            b.dtype.is_floating_point and torch.promote_types(a.dtype, b.dtype) == b.dtype):
+        return op.axis
+    what = f"{'rounded' if b.dtype.is_floating_point else 'cast'} to {str(b.dtype).replace('torch.', '')}"
+    return Refusal(f"is {what} {op.where}, which does not commute with centering")
 
 
 RESHAPE_OPS = {"view", "reshape", "_unsafe_view", "view_as", "reshape_as", "flatten", "unflatten", "squeeze",
@@ -185,16 +179,6 @@ def _reshape(op: Op) -> int | Refusal:
         if size == d and math.prod(op.out_shape[j + 1:]) == inner:
             return j
     return Refusal(f"is reshaped {op.where} in a way that splits or merges the feature axis")
-
-
-@rule("tile")
-def _tile(op: Op) -> int | Refusal:
-    """``tile`` repeats along the axes whose count is not 1 (counts padded on the left)."""
-    reps = list(arg(op.node, 1, "dims", []))
-    rank = len(op.out_shape)
-    new = op.axis + rank - op.ndim
-    full = [1] * (rank - len(reps)) + reps
-    return new if full[new] == 1 else Refusal(f"is repeated along the feature axis {op.where}")
 
 
 @rule("permute", "transpose", "t", "numpy_T", "swapaxes", "movedim")
@@ -292,12 +276,13 @@ def _stack(op: Op) -> int | Refusal:
     return op.axis + (op.axis >= dim)
 
 
-@rule("expand", "expand_as", "repeat")
+@rule("expand", "expand_as", "repeat", "tile")
 def _broadcast(op: Op) -> int | Refusal:
+    """New axes come first; the feature axis keeps its place from the right, and must keep its size."""
     new, name = op.axis + len(op.out_shape) - op.ndim, op_name(op.node)
     if op.out_shape[new] == op.in_shape[op.axis]:
         return new
-    if name in ("expand", "expand_as", "repeat"):
+    if name in ("expand", "expand_as", "repeat", "tile"):
         return Refusal(f"is repeated along the feature axis {op.where}")
     return Refusal(f"is broadcast along the feature axis by {name} {op.where}")
 
@@ -417,8 +402,8 @@ class Source:
 
 
 # op -> (weight arg, bias arg, weight's output-feature axis, bias's, output's feature axis)
-_LAYOUTS = {"linear": (1, 2, 0, 0, -1), "addmm": (2, 0, -1, -1, -1), "mm": (1, None, -1, None, -1),
-            "matmul": (1, None, -1, None, -1), "embedding": (0, None, 1, None, -1)}
+LINEAR_LAYOUTS = {"linear": (1, 2, 0, 0, -1), "addmm": (2, 0, -1, -1, -1), "mm": (1, None, -1, None, -1),
+                  "matmul": (1, None, -1, None, -1), "embedding": (0, None, 1, None, -1)}
 
 
 def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
@@ -427,8 +412,8 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
     if name not in SOURCE_OPS:
         return None
     out_shape = shape(node)
-    where = g.where(node)
-    weight_idx, bias_idx, w_axis, b_axis, out_axis = _LAYOUTS.get(name, (1, 2, 0, 0, None))
+    where = g.cap.where(node)
+    weight_idx, bias_idx, w_axis, b_axis, out_axis = LINEAR_LAYOUTS.get(name, (1, 2, 0, 0, None))
     if name.startswith("conv"):
         transposed = bool(arg(node, 6, "transposed", False)) if name == "convolution" else "transpose" in name
         groups = arg(node, 8 if name == "convolution" else 6, "groups", 1)
@@ -450,8 +435,7 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
         bias = g.param(bias_node)
         if bias is None:
             return Refusal(f"includes the output of {name} {where}, whose bias is not a parameter enjoyln can center")
-        bfqn, bperm = bias
-        params.append(g.centering(node, bfqn, bperm[b_axis]))
+        params.append(g.centering(node, bias[0], bias[1][b_axis]))
     return Source(node.name, g.label(node), node, norm_dim(out_axis, len(out_shape)), tuple(params))
 
 
@@ -516,8 +500,7 @@ def linear_terms(stream: fx.Node, leaves: set[fx.Node]) -> tuple[list[fx.Node], 
         if node in inner:
             continue
         reads = linear_reads(node)
-        tensors = [a for a in node.args[:2] if op_name(node) in LINEAR_SUMS]
-        if not reads or (op_name(node) in LINEAR_SUMS and len(reads) != len(tensors)):
+        if not reads or (op_name(node) in LINEAR_SUMS and len(reads) != len(node.args[:2])):
             return None
         inner.add(node)
         stack.extend(reads)

@@ -100,7 +100,7 @@ def carry_shift(g: GraphIndex, node: fx.Node, hits: Hits, keys: frozenset[str], 
         return what
     if kind == SCALE and stream is node.args[1] and op_name(node) == "div":
         return what
-    moved = carry_all(node, [(i, s.axis, s.layout) for i, s in hits], g.where(node))
+    moved = carry_all(node, [(i, s.axis, s.layout) for i, s in hits], g.cap.where(node))
     if isinstance(moved, Refusal):
         found = split_axis(node, stream, s.axis) if kind == MAP else None
         if found is None or (shape(stream)[s.axis] // s.groups) % shape(node)[found[0]]:
@@ -142,9 +142,8 @@ class ShiftSoundness(Spread):
         for src in active.values():
             g.at = src.node
             self._check_chain(src)
-            prev = changed.get(src.node)
-            keys0 = frozenset({src.key}) | (prev.keys if prev else frozenset())
-            changed[src.node] = Shift(src.axis, keys0, max(src.groups, prev.groups if prev else 1))
+            prev = changed.get(src.node, Shift(src.axis, frozenset()))
+            changed[src.node] = Shift(src.axis, prev.keys | {src.key}, max(src.groups, prev.groups))
             for c in src.params:
                 ph = g.placeholder_of.get(c.param)
                 if ph is None:
