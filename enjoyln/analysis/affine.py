@@ -9,14 +9,13 @@ from torch import fx
 
 from .graph import GraphIndex, arg, norm_dim, op_name, reads_value, shape
 from ..plan import AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT, Fused, LayerNormEntry, Untie
-from .rules import CAST_OPS, DROPOUT_OPS, LINEAR_LAYOUTS, RESHAPE_OPS, SPLIT_OPS, Refusal, carry, other_reads
+from .rules import CAST_OPS, CAT_OPS, DROPOUT_OPS, LINEAR_LAYOUTS, RESHAPE_OPS, SPLIT_OPS, Refusal, carry, other_reads
 
 # ops that only move values around, so every element still carries its own feature's γ and β
 MOVES = ({"getitem", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "permute", "transpose", "t",
           "numpy_T", "swapaxes", "movedim", "select", "slice", "narrow", "index", "index_select", "gather",
           "expand", "expand_as", "repeat", "flip", "roll"}
          | DROPOUT_OPS | CAST_OPS | RESHAPE_OPS | SPLIT_OPS)
-CATS = {"cat", "concat", "concatenate"}
 
 Segments = tuple[tuple[int, int, int], ...]
 """Blocks of the feature axis that hold the norm's output: (start, length, offset in the norm)."""
@@ -131,7 +130,7 @@ def trace_readers(g: GraphIndex, ln: fx.Node) -> Readers | str:
             if found is not None:
                 readers[node] = [f for f in found if f.length > 0]
                 continue
-        if name in CATS:
+        if name in CAT_OPS:
             new = _cat(node, traces, where)
         elif name in MOVES and len(hits) == 1 and node.args and node.args[0] is hits[0]:
             new = _move(node, hits[0], traces[hits[0]], where)
@@ -185,13 +184,11 @@ def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, l
         if e.name not in found:
             continue
         e.fused = sorted(found[e.name][0], key=lambda f: (f.weight, f.start))
-        module = g.cap.model.get_submodule(e.name)
-        gain, bias = getattr(module, "weight", None), getattr(module, "bias", None)
         no_bias = sorted({f.weight for f in e.fused if f.bias is None})
-        if bias is None or not no_bias:
+        if getattr(g.cap.model.get_submodule(e.name), "bias", None) is None or not no_bias:
             e.affine = AFFINE_FUSED
         else:
-            values = g.value(f"{e.name}.weight") if gain is not None else None
+            values = g.value(f"{e.name}.weight")  # None without a gain
             if values is not None and not bool(values.ne(0).all()):
                 why = f"its gain has a zero entry, so β cannot stay as β/γ, and {no_bias[0]} has no bias to take it"
                 e.affine, e.affine_reason, e.fused = AFFINE_KEPT, why, []

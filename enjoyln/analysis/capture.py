@@ -90,11 +90,8 @@ def _aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
 def _functional_twin(target: Any) -> Any:
     """aten.add_.Tensor -> aten.add.Tensor, or None."""
     schema = getattr(target, "_schema", None)
-    packet = getattr(target, "overloadpacket", None)
-    if schema is None or packet is None or not schema.is_mutable:
-        return None
-    name = packet.__name__
-    if not name.endswith("_") or name.startswith("_"):
+    name = getattr(getattr(target, "overloadpacket", None), "__name__", "")
+    if schema is None or not schema.is_mutable or not name.endswith("_") or name.startswith("_"):
         return None
     twin = getattr(torch.ops.aten, name[:-1], None)
     return getattr(twin, target._overloadname, None) if twin is not None else None

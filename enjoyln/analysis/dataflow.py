@@ -10,7 +10,7 @@ from torch import fx
 
 from .graph import GN_OPS, LN_OPS, META_OPS, GraphIndex, op_name, reads_value, shape
 from ..plan import AuxCentering
-from .rules import (MAP, SCALE, SUM, Layout, Refusal, Source, carry, carry_all, kind_of, linear_terms,
+from .rules import (CAT_OPS, MAP, SCALE, SUM, Layout, Refusal, Source, carry, carry_all, kind_of, linear_terms,
                     param_source, per_feature_param, per_row, source_of, split_axis)
 
 
@@ -194,11 +194,10 @@ class Dataflow:
     def _split(self, node: fx.Node, x: fx.Node, state: Zero) -> State | None:
         """A reshape splitting the feature axis into blocks (``(..., H, D)``), zero-mean once each is centered."""
         found = split_axis(node, x, state.axis)
-        if found is None or state.whole or state.layout is not None:
+        if found is None or state.whole or state.layout is not None or not all(
+                self.sources[k].plain for k in state.sources):
             return None
         axis, layout = found
-        if not all(self.sources[k].plain for k in state.sources):
-            return None
         return Zero(axis, frozenset(self.grouped(k, layout.groups) for k in state.sources), False, layout)
 
     def _transfer_sum(self, node: fx.Node) -> State:
@@ -256,14 +255,12 @@ class Dataflow:
         if fqn is None or not state.sources or state.whole:
             return None
         by_node = {self.sources[k].node: k for k in state.sources}
-        if len(by_node) != len(state.sources):
+        if len(by_node) != len(state.sources) or not all(self.sources[k].plain for k in state.sources):
             return None
         found = linear_terms(stream, set(by_node))
         if found is None or len(found[0]) != len(by_node):
             return None
         leaves, inner = found
-        if not all(self.sources[k].plain for k in by_node.values()):
-            return None
         gain = g.value(fqn)
         if gain is not None and not bool(gain.ne(0).all()):
             labels = " and ".join(self.sources[by_node[leaf]].label for leaf in leaves)
@@ -272,18 +269,16 @@ class Dataflow:
         name = g.cap.use_alias(node, fqn) or fqn
         keys = []
         for leaf in leaves:
-            key = by_node[leaf]
-            src = self.sources[key]
+            src = self.sources[by_node[leaf]]
             params = tuple(replace(c, scale=name) for c in src.params)
-            scaled = Source(f"{key}*{fqn}", f"{src.label} (for the LayerScale {fqn})", node, axis, params,
-                            chain=(leaf, *inner))
-            self.sources[scaled.key] = scaled
-            keys.append(scaled.key)
+            keys.append(f"{src.key}*{fqn}")
+            self.sources[keys[-1]] = Source(keys[-1], f"{src.label} (for the LayerScale {fqn})", node, axis, params,
+                                            chain=(leaf, *inner))
         return Zero(axis, frozenset(keys))
 
 
 def operands(node: fx.Node) -> list[Any]:
     """The tensors a SUM op combines."""
-    if op_name(node) in ("cat", "concat", "concatenate", "stack"):
+    if op_name(node) in CAT_OPS | {"stack"}:
         return list(node.args[0])
     return [a for a in node.args[:2]]

@@ -24,8 +24,7 @@ def _layout(nodes: dict[str, dict], edges: list[tuple[str, str]], root: str) -> 
         users.setdefault(dst, []).append(src)
     depth = {root: 0}
     queue = [root]
-    while queue:
-        n = queue.pop(0)
+    for n in queue:  # breadth first: the queue grows as it is read
         for src in users.get(n, []):
             if src not in depth:
                 depth[src] = depth[n] + 1
@@ -62,7 +61,8 @@ def _svg(title: str, reason: str, foldable: bool, nodes: dict[str, dict], edges:
     return "\n".join(parts), w + 20, h
 
 
-_DEFS = ('<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6" '
+_OPEN = ('<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" font-family="sans-serif" font-size="13">'
+         '<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6" '
          'markerHeight="6" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#888"/></marker></defs>')
 _LEGEND = ("green: centered by CBWC &middot; yellow: centerable, but this LN does not fold &middot; red: where "
            "folding fails &middot; white: carries the zero mean &middot; grey: zero-mean already &middot; "
@@ -92,12 +92,9 @@ def write_graph(model: nn.Module, path: str | Path, example_inputs: ExampleInput
         for svg, _, h in blocks:
             body.append(f'<g transform="translate(0,{dy})">{svg}</g>')
             dy += h + 20
-        text = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{max(dy, 40)}" '
-                f'font-family="sans-serif" font-size="13">{_DEFS}{"".join(body)}</svg>\n')
+        text = _OPEN.format(width, max(dy, 40)) + "".join(body) + "</svg>\n"
     else:
-        sections = [f'<section><svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-                    f'font-family="sans-serif" font-size="13">{_DEFS}{svg}</svg></section>'
-                    for svg, w, h in blocks]
+        sections = [f"<section>{_OPEN.format(w, h)}{svg}</svg></section>" for svg, w, h in blocks]
         text = ("<!doctype html><html><head><meta charset='utf-8'><title>enjoyln: "
                 f"{html.escape(plan.model)}</title><style>body{{font-family:sans-serif}} section{{overflow-x:auto;"
                 "margin-bottom:1em}</style></head><body>"

@@ -215,14 +215,9 @@ class GraphIndex:
         """The values of a parameter or buffer, or None where they are not known (meta)."""
         t = self.weights.get(fqn)
         if t is None:
-            try:
-                t = self.cap.model.get_parameter(fqn)
-            except AttributeError:
-                try:
-                    t = self.cap.model.get_buffer(fqn)
-                except AttributeError:
-                    return None
-        return None if t.device.type == "meta" else t
+            path, _, leaf = fqn.rpartition(".")
+            t = getattr(self.cap.submodule(path), leaf, None)
+        return t if isinstance(t, torch.Tensor) and t.device.type != "meta" else None
 
     def centering(self, user: fx.Node, fqn: str, axis: int) -> Centering:
         """The centering of ``fqn`` along ``axis``, under the name ``user`` reads it by."""

@@ -173,11 +173,8 @@ def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[d
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         dec_max = config_value(config, "max_target_positions") or seq
         tail["decoder_input_ids"] = ids(min(seq, dec_max))
-    cands = [{**text, **o, **tail} for o in (options or [{}])]
-    cands = [c for c in cands if c]
-    if wants_no_cache(model):
-        cands = [{**c, "use_cache": False} for c in cands]
-    return cands
+    extra = {"use_cache": False} if wants_no_cache(model) else {}
+    return [{**c, **extra} for c in ({**text, **o, **tail} for o in (options or [{}])) if c]
 
 
 def _pixel_options(config: Any, randn: Any, batch: int) -> list[dict[str, Any]]:
@@ -367,10 +364,8 @@ def _text_shape(model: nn.Module) -> tuple[int, int] | None:
 def _image_sizes(model: nn.Module) -> list[tuple[int, int, int]]:
     """(C, H, W) candidates for an image model: the configured one first, then the size its patch embedding was
     built for, which ``create_model(..., img_size=...)`` sets without updating ``pretrained_cfg``."""
-    sizes = []
     timm_size = _timm_input_size(model)
-    if timm_size is not None:
-        sizes.append(timm_size)
+    sizes = [timm_size] if timm_size is not None else []
     own = _int_pair(getattr(model, "image_size", None))
     if own is not None:
         sizes.append((_channels(model), *own))

@@ -4,6 +4,7 @@ module's body (``NormModules``), and where a model's norm modules are (``norm_mo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import takewhile
 from typing import Any
 
 import torch
@@ -77,9 +78,8 @@ class NormModules:
         if extra:
             return f"holds {path}.{extra[0]}, which an RMSNorm has no place for"
         # an inserted centering (a hook of enjoyln's own) is not part of the body: the swap keeps it
-        hooked = set()
-        if getattr(module, CENTERING_MARK, None):
-            hooked = {n for sub, mean in g.centers.items() for n in (sub, mean)}
+        hooked = ({n for sub, mean in g.centers.items() for n in (sub, mean)}
+                  if getattr(module, CENTERING_MARK, None) else set())
         body = [n for n in self._scope(path) if n not in hooked]
         done: set[fx.Node] = set()
         forms, results = set(), set()
@@ -142,12 +142,9 @@ class NormModules:
         if isinstance(children, str):
             return children
         then, y = children
-        same = set()
-        for n in reversed(pre):  # ``to`` and ``contiguous`` return their input itself when they change nothing
-            if op_name(n) not in _CASTS | {"contiguous"} or _dtype(n) != in_dtype:
-                break
-            same.add(n)
-        return NormForm(-1 if axis == rank - 1 else axis, upcast, tuple(then)), {y} | same
+        # ``to`` and ``contiguous`` return their input itself when they change nothing
+        same = takewhile(lambda n: op_name(n) in _CASTS | {"contiguous"} and _dtype(n) == in_dtype, reversed(pre))
+        return NormForm(-1 if axis == rank - 1 else axis, upcast, tuple(then)), {y, *same}
 
     def _input(self, path: str, ln: fx.Node, hooked: set[fx.Node],
                done: set[fx.Node]) -> tuple[list[fx.Node], torch.dtype, list[int], bool] | str:

@@ -90,7 +90,6 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
         rotated.setdefault((tensor, r.axis, r.start), r)
 
     changed: dict[fx.Node, Shift] = {}
-    seeds: set[fx.Node] = set()
     for key in sorted(keys):
         src = sources[key]
         if not src.params:
@@ -99,7 +98,6 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
             return (f"the stream is written by {src.label} through a LayerScale gain or in blocks, which a "
                     "rotation does not commute with")
         changed[src.node] = Shift(src.axis, frozenset({key}))
-        seeds.add(src.node)
         for c in src.params:
             add(Rotated(c.param, c.axis, c.saved))
     spread = RotationSpread(g, entries, spec.keep_mean)
@@ -108,7 +106,7 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
     readers = {}
     for f in (f for e in folded for f in e.fused):
         readers.setdefault(f.weight, set()).add((f.axis, f.start))
-    seed_roles = {g.role(sources[k].params) for k in keys}
+    seeds, seed_roles = set(changed), {g.role(sources[k].params) for k in keys}
     for r in list(rotated.values()):
         param, axis = r.param, r.axis
         ph = g.placeholder_of.get(param)

@@ -20,6 +20,7 @@ SOURCE_OPS = {"linear", "addmm", "mm", "matmul", "embedding", "convolution", "co
               "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
 DROPOUT_OPS = {"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "native_dropout"}
 CAST_OPS = {"_to_copy", "to", "type_as"}
+CAT_OPS = {"cat", "concat", "concatenate"}
 SPLIT_OPS = {"split", "split_with_sizes", "chunk", "tensor_split", "unbind", "unsafe_split", "unsafe_split_with_sizes"}
 
 
@@ -41,10 +42,6 @@ class Op:
     @property
     def ndim(self) -> int:
         return len(self.in_shape)
-
-    def dim(self, index: int, name: str, default: Any = None, ndim: int | None = None) -> int:
-        """A dimension argument, made non-negative."""
-        return norm_dim(arg(self.node, index, name, default), self.ndim if ndim is None else ndim)
 
 
 CarryFn = Callable[[Op], "int | Refusal"]
@@ -113,8 +110,8 @@ def _identity(op: Op) -> int | Refusal:
     return op.axis
 
 
-def _dims(op: Op, index: int, name: str) -> list[int]:
-    dims = arg(op.node, index, name, [])
+def _dims(op: Op, index: int, name: str, default: Any = ()) -> list[int]:
+    dims = arg(op.node, index, name, default)
     return [norm_dim(d, op.ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
 
 
@@ -186,14 +183,6 @@ def _permute(op: Op) -> int | Refusal:
     return permutation(op.node, op.ndim).index(op.axis)
 
 
-@rule("slice", "narrow")
-def _slice(op: Op) -> int | Refusal:
-    dim = op.dim(1, "dim", 0)
-    if dim != op.axis or op.out_shape[op.axis] == op.in_shape[op.axis]:
-        return op.axis
-    return Refusal(f"is cut along the feature axis by {op_name(op.node)} {op.where}")
-
-
 def constant_along(node: Any, axis: int) -> bool:
     """Whether an (index) tensor is the same along ``axis``: broadcast or repeated from size 1."""
     dims = shape(node)
@@ -214,18 +203,6 @@ def constant_along(node: Any, axis: int) -> bool:
     return False
 
 
-@rule("select", "index_select", "gather")
-def _select(op: Op) -> int | Refusal:
-    """Picking positions along another axis, the same ones for every feature."""
-    name, dim = op_name(op.node), op.dim(1, "dim")
-    if dim == op.axis:
-        return Refusal(f"has its feature axis indexed by {name} {op.where}")
-    if name == "gather" and (op.out_shape[op.axis] != op.in_shape[op.axis]
-                             or not constant_along(op.node.args[2], op.axis)):
-        return Refusal(f"is gathered {op.where} with indices that differ between features")
-    return op.axis - (name == "select" and dim < op.axis)
-
-
 @rule("index")
 def _index(op: Op) -> int | Refusal:
     indices = list(arg(op.node, 1, "indices", []))
@@ -235,24 +212,34 @@ def _index(op: Op) -> int | Refusal:
     return Refusal(f"is indexed {op.where} in a way that enjoyln cannot follow")
 
 
-@rule(*SPLIT_OPS)
-def _split(op: Op) -> int | Refusal:
-    name = op_name(op.node)
-    dim = op.dim(2 if name != "unbind" else 1, "dim", 0)
-    if dim == op.axis:
-        return Refusal(f"is split along the feature axis by {name} {op.where}")
-    return op.axis - (dim < op.axis) if name == "unbind" else op.axis
+_ALONG = {  # op -> (where its dim or dims argument is, its default, what it does to the feature axis if among them)
+    **dict.fromkeys(("slice", "narrow"), (1, 0, "is cut along the feature axis by {}")),
+    **dict.fromkeys(("select", "index_select", "gather"), (1, None, "has its feature axis indexed by {}")),
+    **dict.fromkeys(SPLIT_OPS, (2, 0, "is split along the feature axis by {}")),
+    "unbind": (1, 0, "is split along the feature axis by {}"),
+    **dict.fromkeys(("sum", "mean"), (1, (), "is reduced over the feature axis by {}")),
+    **dict.fromkeys(CAT_OPS, (1, 0, "is concatenated along the feature axis")),
+}
 
 
-@rule("sum", "mean")
-def _reduce(op: Op) -> int | Refusal:
+@rule(*(k for k in _ALONG if k not in CAT_OPS))
+def _along(op: Op) -> int | Refusal:
+    """Cutting, indexing, splitting, reducing or concatenating along other axes treats every feature alike."""
     name = op_name(op.node)
-    if not arg(op.node, 1, "dim"):
+    if name in ("sum", "mean") and not arg(op.node, 1, "dim"):
         return Refusal(f"is reduced over every axis by {name} {op.where}")
-    dims = _dims(op, 1, "dim")
-    if op.axis in dims:
-        return Refusal(f"is reduced over the feature axis by {name} {op.where}")
-    return op.axis if arg(op.node, 2, "keepdim", False) else op.axis - sum(d < op.axis for d in dims)
+    index, default, what = _ALONG[name]
+    dims = _dims(op, index, "dim", default)
+    if op.axis in dims and not (name in ("slice", "narrow") and op.out_shape[op.axis] == op.in_shape[op.axis]):
+        return Refusal(f"{what.format(name)} {op.where}")
+    if name == "gather" and (op.out_shape[op.axis] != op.in_shape[op.axis]
+                             or not constant_along(op.node.args[2], op.axis)):
+        return Refusal(f"is gathered {op.where} with indices that differ between features")
+    drops = name in ("select", "unbind") or (name in ("sum", "mean") and not arg(op.node, 2, "keepdim", False))
+    return op.axis - sum(d < op.axis for d in dims) if drops else op.axis
+
+
+rule(*CAT_OPS, kind=SUM)(_along)
 
 
 @rule("constant_pad_nd", "pad")
@@ -264,15 +251,9 @@ def _pad(op: Op) -> int | Refusal:
     return op.axis if not padded or value == 0 else Refusal(f"is padded with the non-zero value {value} {op.where}")
 
 
-@rule("cat", "concat", "concatenate", kind=SUM)
-def _cat(op: Op) -> int | Refusal:
-    dim = op.dim(1, "dim", 0)
-    return op.axis if dim != op.axis else Refusal(f"is concatenated along the feature axis {op.where}")
-
-
 @rule("stack", kind=SUM)
 def _stack(op: Op) -> int | Refusal:
-    dim = op.dim(1, "dim", 0, ndim=op.ndim + 1)
+    dim = norm_dim(arg(op.node, 1, "dim", 0), op.ndim + 1)
     return op.axis + (op.axis >= dim)
 
 
@@ -312,8 +293,7 @@ class Layout:
 
 
 def split_axis(node: fx.Node, src: fx.Node, axis: int) -> tuple[int, Layout] | None:
-    """(new feature axis, layout) if ``node`` reshapes ``src``'s ``axis`` into several, the last (the block) the
-    feature axis."""
+    """(new feature axis, layout) if ``node`` reshapes ``src``'s ``axis`` into several, the last (a block) now it."""
     if op_name(node) not in RESHAPE_OPS:
         return None
     in_shape, out_shape = shape(src), shape(node)

@@ -220,9 +220,8 @@ class ShiftSoundness(Spread):
         g, name = self.g, op_name(node)
         if node in self.aux:
             # a shift reaching an inserted centering is removed if it passes the op unchanged
-            if name in LN_OPS and all(ln_sink_ok(node, i, s.axis) for i, s in hits):
-                return []
-            if isinstance(carry_shift(g, node, hits, keys, groups), Shift):
+            if (name in LN_OPS and all(ln_sink_ok(node, i, s.axis) for i, s in hits)) or isinstance(
+                    carry_shift(g, node, hits, keys, groups), Shift):
                 return []
             return [(keys, f"the input of {g.describe(node)}")]
         if node in self.seeds:
