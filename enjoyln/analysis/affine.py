@@ -64,10 +64,9 @@ def _move(node: fx.Node, src: fx.Node, trace: Trace, where: str) -> Trace | Refu
     name = op_name(node)
     if name in ("slice", "narrow") and norm_dim(arg(node, 1, "dim", 0), len(shape(src))) == trace.axis:
         start = arg(node, 2, "start", 0) or 0
-        size = shape(src)[trace.axis]
-        start = max(0, start + size if start < 0 else start)
+        start = max(0, start + shape(src)[trace.axis] if start < 0 else start)
         length = shape(node)[trace.axis]
-        if (arg(node, 4, "step", 1) if name == "slice" else 1) != 1:
+        if name == "slice" and arg(node, 4, "step", 1) != 1:
             return Refusal(f"is cut with a step along its features by {name} {where}")
         kept = tuple((max(s, start) - start, min(s + n, start + length) - max(s, start), o + max(s, start) - s)
                      for s, n, o in trace.segments if min(s + n, start + length) > max(s, start))
@@ -108,10 +107,9 @@ def trace_readers(g: GraphIndex, ln: fx.Node) -> Readers | str:
     dims = shape(ln.args[0])
     if dims is None:
         return "its input's shape is not known"
-    width = dims[-1]
     outs = ([u for u in ln.users if op_name(u) == "getitem" and u.args[1] == 0]
             if op_name(ln) == "native_layer_norm" else [ln])
-    traces = {out: Trace(len(dims) - 1, ((0, width, 0),)) for out in outs}
+    traces = {out: Trace(len(dims) - 1, ((0, dims[-1], 0),)) for out in outs}
     readers: Readers = {}
     for node in g.graph.nodes:
         g.at = node
@@ -218,26 +216,23 @@ def _mismatched(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]]) ->
     for node, parts in reads.items():
         for _, f in parts:
             ph = g.placeholder_of.get(f.weight)
-            if ph is not None:
-                by_weight.setdefault(ph, {}).setdefault(frozenset(parts), node)
-            bph = g.placeholder_of.get(f.bias) if f.bias else None
-            if bph is not None and ph is not None:
-                by_bias.setdefault(bph, set()).add(ph)
+            if ph is None:
+                continue
+            by_weight.setdefault(ph, {}).setdefault(frozenset(parts), node)
+            if f.bias in g.placeholder_of:
+                by_bias.setdefault(g.placeholder_of[f.bias], set()).add(ph)
     blocked: dict[str, str] = {}
     for ph, kinds in by_weight.items():
         if len(kinds) > 1:
             first, second = list(kinds.values())[:2]
             why = (f"{g.cap.placeholder_fqn[ph.name]} is read by {g.describe(first)} and {g.describe(second)}, "
                    "which read different values with it")
-            for parts in kinds:
-                for name, _ in parts:
-                    blocked.setdefault(name, why)
+            blocked.update({name: why for parts in kinds for name, _ in parts if name not in blocked})
     for bph, weights in by_bias.items():
         if len(weights) > 1:
             why = f"{g.cap.placeholder_fqn[bph.name]} is the bias of more than one weight that reads it"
-            for parts in (p for ph in weights for p in by_weight[ph]):
-                for name, _ in parts:
-                    blocked.setdefault(name, why)
+            blocked.update({name: why for ph in weights for parts in by_weight[ph] for name, _ in parts
+                            if name not in blocked})
     return blocked
 
 
@@ -261,14 +256,14 @@ def _shared(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]], untie:
         for bias in {f.bias for _, f in mine if f.bias}:
             bph = g.placeholder_of.get(bias)
             for user, _ in other_reads(g, bph, ours) if bph is not None else []:
-                for who in norms:
-                    blocked.setdefault(who, f"{bias} is also read by {g.describe(user)}")
+                blocked.update({who: f"{bias} is also read by {g.describe(user)}" for who in norms
+                                if who not in blocked})
         aliases = {f.weight for _, f in mine}
         for user, alias in other_reads(g, ph, ours):
             if g.tied_apart(alias, aliases):
                 for a in aliases:  # the norm's reader gets its own copy
                     untie[a] = Untie(a, alias, g.nbytes(ph))
                 continue
-            for who in norms:
-                blocked.setdefault(who, f"{sorted(aliases)[0]} is also read by {g.describe(user)}")
+            blocked.update({who: f"{sorted(aliases)[0]} is also read by {g.describe(user)}"
+                            for who in norms if who not in blocked})
     return blocked

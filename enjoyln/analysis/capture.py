@@ -41,9 +41,7 @@ class Capture:
 
     def module_path(self, node: torch.fx.Node) -> str:
         stack = node.meta.get("nn_module_stack")
-        if not stack:
-            return ""
-        return next(reversed(stack.values()))[0]
+        return next(reversed(stack.values()))[0] if stack else ""
 
     def submodule(self, path: str) -> nn.Module | None:
         try:

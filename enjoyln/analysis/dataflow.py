@@ -226,10 +226,8 @@ class Dataflow:
         first_bad: NotZero | None = None
         for stream, factor in candidates:
             state = self.states.get(stream) if isinstance(stream, fx.Node) else None
-            if isinstance(state, NotZero):
-                first_bad = first_bad or state
-                continue
             if not isinstance(state, Zero):
+                first_bad = first_bad or (state if isinstance(state, NotZero) else None)
                 continue
             moved = carry_all(node, [(stream, state.axis, state.layout)], self.g.cap.where(node))
             if isinstance(moved, Refusal):

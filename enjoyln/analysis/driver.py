@@ -30,13 +30,12 @@ class Analysis:
                  weights: Weights = None, fuse_affine: bool = False):
         self.cap = cap
         self.fuse_affine = fuse_affine
-        self.aux = aux or {}
         self.index = GraphIndex(cap, weights)
         self.graph = cap.graph
-        self.flow = Dataflow(self.index, self.aux)
+        self.flow = Dataflow(self.index, aux)
         self.sources: dict[str, Source] = self.flow.sources
         self.states: dict[fx.Node, Any] = self.flow.states
-        self.soundness = ShiftSoundness(self.index, self.sources, self.aux)
+        self.soundness = ShiftSoundness(self.index, self.sources, self.flow.aux)
         self.norms = NormModules(self.index)
         self.last_bad: dict[str, str] = {}  # source -> what its centering would change, last pass
         self.why_not_replaced: dict[str, str] = {}  # entry -> why its module is not a norm enjoyln replaces
@@ -159,11 +158,9 @@ class Analysis:
                 self.why_not_replaced.setdefault(name, form)
             norm_shape = tuple(int(s) for s in arg(node, 1, "normalized_shape", ()))
             eps = float(arg(node, 4, "eps", 1e-5))
-            entry = entries.get(name)
-            if entry is None:
-                entry = entries[name] = LayerNormEntry(name, kind, True, "", [], norm_shape, eps)
-                if isinstance(form, NormForm) and kind == "module":
-                    entry.dim, entry.upcast, entry.then = form.dim, form.upcast, form.then
+            kept = form if isinstance(form, NormForm) and kind == "module" else NormForm()
+            entry = entries.setdefault(name, LayerNormEntry(name, kind, True, "", [], norm_shape, eps, dim=kept.dim,
+                                                            upcast=kept.upcast, then=kept.then))
             if not entry.foldable:
                 continue
             state, dims = self.states.get(node.args[0]), shape(node.args[0])
@@ -189,10 +186,8 @@ class Analysis:
         x, dims = node.args[0], shape(node.args[0])
         groups = gn_groups(node) if dims else 1
         eps = float(arg(node, 4 if op_name(node) == "group_norm" else 7, "eps", 1e-5))
-        entry = entries.get(name)
-        if entry is None:
-            entry = entries[name] = LayerNormEntry(name, "module", True, "", [], tuple(dims[1:2]) if dims else (),
-                                                   eps, "group_norm", groups)
+        entry = entries.setdefault(name, LayerNormEntry(name, "module", True, "", [], tuple(dims[1:2]) if dims else (),
+                                                        eps, "group_norm", groups))
         if isinstance(module, nn.GroupNorm) and type(module).forward is nn.GroupNorm.forward:
             rewritable.add(name)
         if not entry.foldable:

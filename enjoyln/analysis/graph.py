@@ -240,13 +240,7 @@ class GraphIndex:
 
     def readers(self, node: fx.Node) -> list[fx.Node]:
         """The ops that read a parameter, looking through transposes and casts."""
-        out = []
-        for user in node.users:
-            if op_name(user) in PARAM_VIEW_OPS:
-                out += self.readers(user)
-            else:
-                out.append(user)
-        return out
+        return [r for u in node.users for r in (self.readers(u) if op_name(u) in PARAM_VIEW_OPS else [u])]
 
     # -- explicit centerings ------------------------------------------------------------------
 

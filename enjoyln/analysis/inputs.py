@@ -304,14 +304,11 @@ def hf_example_inputs(model: nn.Module, *, batch: int = 2, seq_len: int = 16, se
         raise CaptureError(_cannot_synthesize(model, "enjoyln does not know how to make its inputs"))
     choice = 0 if len(cands) == 1 else _first_that_runs(model, cands)
     if choice is None:
+        tried = ", ".join(" + ".join(f"{k} {list(v.shape)}" for k, v in c.items() if isinstance(v, torch.Tensor))
+                          for c in cands)
         raise CaptureError(_cannot_synthesize(
-            model, f"it runs on none of the {len(cands)} input layouts enjoyln tried "
-                   f"({', '.join(_describe(c) for c in cands)})"))
+            model, f"it runs on none of the {len(cands)} input layouts enjoyln tried ({tried})"))
     return cands[choice]
-
-
-def _describe(inputs: dict[str, Any]) -> str:
-    return " + ".join(f"{k} {list(v.shape)}" for k, v in inputs.items() if isinstance(v, torch.Tensor))
 
 
 def _cannot_synthesize(model: nn.Module, why: str) -> str:

@@ -50,11 +50,9 @@ class RotationSpread(Spread):
         kind = kind_of(node)
         where = g.cap.where(node)
         if kind == SUM:
-            changed = {i for i, _ in hits}
-            axis = hits[0][1].axis
             for operand in operands(node):
-                if isinstance(operand, fx.Node) and operand not in changed:
-                    out_axis = carry(node, hits[0][0], axis, where)
+                if isinstance(operand, fx.Node) and operand not in dict(hits):
+                    out_axis = carry(node, hits[0][0], hits[0][1].axis, where)
                     if self.keep_mean and not isinstance(out_axis, Refusal) and per_row(operand, node, out_axis):
                         continue  # a per-row constant c·1 is rotated onto itself
                     return [(keys, f"{g.describe(node)}, which adds {g.describe(operand)}, not rotated")]

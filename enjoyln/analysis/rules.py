@@ -331,8 +331,7 @@ def carry_layout(node: fx.Node, src: fx.Node, layout: Layout | None, where: str)
                 continue
             start = arg(node, 2, "start", 0) or 0
             start = max(0, start + length if start < 0 else start)
-            step = arg(node, 4, "step", 1) if name == "slice" else 1
-            if step != 1 or out_shape is None:
+            if (name == "slice" and arg(node, 4, "step", 1) != 1) or out_shape is None:
                 return None
             offset += min(start, length) * stride
             moved, new_length = a, out_shape[a]
@@ -496,7 +495,5 @@ def param_source(g: GraphIndex, node: fx.Node, axis: int | None = None) -> Sourc
         return None
     user = next(iter(node.users), node)
     axis = len(dims) - 1 if axis is None else axis
-    centering = g.centering(user, fqn, axis)
-    if node.name in g.buffers:
-        centering = replace(centering, saved=False)
+    centering = replace(g.centering(user, fqn, axis), saved=node.name not in g.buffers)
     return Source(fqn, fqn, node, axis, (centering,))

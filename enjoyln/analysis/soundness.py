@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, replace
+from functools import reduce
 from typing import Iterable
 
 from torch import fx
@@ -72,9 +73,7 @@ class Spread:
             if not hits:
                 continue
             keys = frozenset().union(*(s.keys for _, s in hits))
-            groups: int | None = 1
-            for _, s in hits:
-                groups = merge_groups(groups, s.groups)
+            groups = reduce(merge_groups, (s.groups for _, s in hits), 1)
             if groups is None:
                 self.flag(keys, f"{self.g.describe(node)}, where shifts of incompatible groupings meet")
                 continue
@@ -218,13 +217,11 @@ class ShiftSoundness(Spread):
 
     def sink(self, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Flags | None:
         g, name = self.g, op_name(node)
-        if node in self.aux:
-            # a shift reaching an inserted centering is removed if it passes the op unchanged
-            if (name in LN_OPS and all(ln_sink_ok(node, i, s.axis) for i, s in hits)) or isinstance(
-                    carry_shift(g, node, hits, keys, groups), Shift):
-                return []
-            return [(keys, f"the input of {g.describe(node)}")]
-        if node in self.seeds:
+        # a shift reaching an inserted centering is removed if it passes the op unchanged
+        if node in self.aux and ((name in LN_OPS and all(ln_sink_ok(node, i, s.axis) for i, s in hits))
+                                 or isinstance(carry_shift(g, node, hits, keys, groups), Shift)):
+            return []
+        if node in self.aux or node in self.seeds:
             return [(keys, f"the input of {g.describe(node)}")]
         if node.op == "output":
             outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
