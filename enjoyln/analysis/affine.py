@@ -170,10 +170,7 @@ def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, l
         else:
             found[e.name] = (fused, readers)
     untie: dict[str, Untie] = {}
-    while True:
-        blocked = _shared(g, found, untie) or _mismatched(g, found)
-        if not blocked:
-            break
+    while blocked := _shared(g, found, untie) or _mismatched(g, found):
         for name, why in blocked.items():
             entry = next(e for e in entries if e.name == name)
             entry.affine, entry.affine_reason = AFFINE_KEPT, why

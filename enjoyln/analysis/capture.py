@@ -180,8 +180,7 @@ def _specializations(program: torch.export.ExportedProgram) -> list[str]:
             out.append(f"the custom op {data.get('op')} has no exact shape rule, so its output shapes "
                        "are those of the example")
             continue
-        stack = data.get("user_stack") or [{}]
-        frame = stack[-1]
+        frame = (data.get("user_stack") or [{}])[-1]
         where = files.get(frame.get("filename"), "?").split("site-packages/")[-1]
         code = frame.get("loc") or data.get("expr", "?")
         phrase = (f"`{code}` ({where}:{frame.get('line', '?')}) as on the example "

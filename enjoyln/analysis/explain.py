@@ -79,10 +79,9 @@ def write_graph(model: nn.Module, path: str | Path, example_inputs: ExampleInput
         raise EnjoylnError(f"--graph must end in .html or .svg, not {path.suffix or 'nothing'}")
     analysis = Analysis(capture(model, example_inputs))
     plan = analysis.run()
-    entries = {e.name: e for e in plan.layer_norms}
     blocks: list[tuple[str, int, int]] = []
     for name, calls in analysis.ln_nodes().items():
-        e = entries[name]
+        e = plan[name]
         nodes, edges = analysis.zero_mean_graph(calls[0])
         status = "folds" if e.foldable else "kept as LayerNorm"
         blocks.append(_svg(f"{name}: {status}", e.reason, e.foldable, nodes, edges, calls[0].name))

@@ -79,10 +79,8 @@ def wants_no_cache(model: nn.Module) -> bool:
     """Does ``forward`` take ``use_cache``, by name or through ``**kwargs`` of a caching config? Such a
     model returns a cache object without ``use_cache=False``, which ``torch.export`` cannot return."""
     params = inspect.signature(model.forward).parameters
-    if "use_cache" in params:
-        return True
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    return var_kw and config_value(getattr(model, "config", None), "use_cache") is not None
+    return "use_cache" in params or (var_kw and config_value(getattr(model, "config", None), "use_cache") is not None)
 
 
 # --- synthesis ------------------------------------------------------------------------

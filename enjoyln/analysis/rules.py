@@ -205,8 +205,7 @@ def constant_along(node: Any, axis: int) -> bool:
 
 @rule("index")
 def _index(op: Op) -> int | Refusal:
-    indices = list(arg(op.node, 1, "indices", []))
-    indexed = [i for i, ix in enumerate(indices) if ix is not None]
+    indexed = [i for i, ix in enumerate(arg(op.node, 1, "indices", [])) if ix is not None]
     if op.axis == op.ndim - 1 and all(i < op.axis for i in indexed) and op.out_shape[-1] == op.in_shape[op.axis]:
         return len(op.out_shape) - 1
     return Refusal(f"is indexed {op.where} in a way that enjoyln cannot follow")
@@ -448,8 +447,7 @@ def per_feature_param(g: GraphIndex, factor: Any, out: fx.Node, axis: int) -> st
     if param is None or dims is None or out_dims is None:
         return None
     pos = axis - (len(out_dims) - len(dims))
-    ok = 0 <= pos and dims[pos] == out_dims[axis] == math.prod(dims)
-    return param[0] if ok else None
+    return param[0] if 0 <= pos and dims[pos] == out_dims[axis] == math.prod(dims) else None
 
 
 LINEAR_SUMS = {"add", "sub"}  # SUM ops whose output a LayerScale may scale: linear in their operands
