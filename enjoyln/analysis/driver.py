@@ -59,7 +59,9 @@ class Analysis:
                     edges.append((node.name, user))
                 if node.name in nodes:
                     continue
-                state, source, where = self.states.get(node), by_node.get(node), self.cap.where(node)
+                state = self.states.get(node)
+                source = by_node.get(node)
+                where = self.cap.where(node)
                 if node is ln:
                     info = (self.cap.module_path(node) or node.name, "ln", "")
                     stack.append((node.args[0], node.name))

@@ -180,8 +180,7 @@ def _pixel_options(config: Any, randn: Any, batch: int) -> list[dict[str, Any]]:
     frames = config_value(config, "num_frames")
     image = randn(batch, channels, *size)
     if isinstance(frames, int) and frames > 0:  # video: (batch, frames, channels, height, width)
-        video = randn(batch, frames, channels, *size)
-        return [{"pixel_values": video}, {"pixel_values": image}]
+        return [{"pixel_values": randn(batch, frames, channels, *size)}, {"pixel_values": image}]
     # an image, then one image per sample as a stack (Idefics takes (batch, images, C, H, W))
     return [{"pixel_values": image}, {"pixel_values": image.unsqueeze(1)}]
 

@@ -104,7 +104,8 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
     readers = {}
     for f in (f for e in folded for f in e.fused):
         readers.setdefault(f.weight, set()).add((f.axis, f.start))
-    seeds, seed_roles = set(changed), {g.role(sources[k].params) for k in keys}
+    seeds = set(changed)
+    seed_roles = {g.role(sources[k].params) for k in keys}
     for r in list(rotated.values()):
         param, axis = r.param, r.axis
         ph = g.placeholder_of.get(param)

@@ -66,9 +66,7 @@ def rule(*keys: str, kind: str = MAP) -> Callable[[CarryFn], CarryFn]:
 
 
 def rule_of(node: fx.Node) -> Rule | None:
-    if node.op != "call_function":
-        return None
-    return RULES.get(op_key(node)) or RULES.get(op_name(node))
+    return RULES.get(op_key(node)) or RULES.get(op_name(node)) if node.op == "call_function" else None
 
 
 def kind_of(node: fx.Node) -> str | None:
