@@ -266,9 +266,7 @@ class _Fold:
         w = Writing(reader, {"format": "pt", "enjoyln": __version__}, self.advance)
         for name, entries in shards:
             shard = by_name.get(name)  # set wherever layout[name] is
-            copied = (lambda upto, s=shard: self.early.wait(s, upto)) if shard is not None else None
-            finished = layout[name] is not None and finish_shard(self.tmp / name, entries, w, shard,
-                                                                 self.spans[shard][1], copied)
+            finished = layout[name] is not None and finish_shard(self.tmp / name, entries, w, self.early, shard)
             if shard is not None:  # the whole copy: the tail behind the centering, or before a rewrite of the file
                 self.early.wait(shard)
             if finished:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import os
 import struct
@@ -82,11 +83,7 @@ def write_shard(file: Path, entries: list[Entry], w: Writing) -> None:
     while this one centers the others (safetensors' own writer needs them all in memory)."""
     blob = _header_json(entries, w.metadata)
     blob += b" " * (-len(blob) % 8)
-    base = 8 + len(blob)
-    positions, pos = [], base
-    for e in entries:
-        positions.append(pos)
-        pos += e.nbytes
+    *positions, end = itertools.accumulate((e.nbytes for e in entries), initial=8 + len(blob))
     with _opened(file, "wb", w.reader.ck.path, entries) as (out, fds):
         _pwrite_all(out, memoryview(struct.pack("<Q", len(blob)) + blob), 0)
         copied_as_is = [e.axis is None and e.tensor is None and e.compute is None for e in entries]
@@ -99,16 +96,14 @@ def write_shard(file: Path, entries: list[Entry], w: Writing) -> None:
                     t = e.compute().contiguous()
                     if t.dtype != DTYPES[e.dtype] or t.numel() * t.element_size() != e.nbytes:
                         raise AssertionError(f"{e.name} was computed as {t.dtype} {list(t.shape)}")
-                    _center_and_write(out, at, t, e)
-                    del t
-                elif e.tensor is not None:
-                    t = w.buffer.bytes(e.nbytes).view(DTYPES[e.dtype]).view(e.shape)
-                    t.copy_(e.tensor)
-                    _center_and_write(out, at, t, e)
+                elif e.tensor is not None:  # pickle input: centered in the buffer, never in place
+                    t = w.buffer.bytes(e.nbytes).view(DTYPES[e.dtype]).view(e.shape).copy_(e.tensor)
                 else:
-                    _center_and_write(out, at, w.reader.read(e.source.name, w.buffer), e)
+                    t = w.reader.read(e.source.name, w.buffer)
+                _center_and_write(out, at, t, e)
+                del t
                 w.advance(e.nbytes)
-        os.ftruncate(out, pos)
+        os.ftruncate(out, end)
 
 
 @contextlib.contextmanager
@@ -125,14 +120,6 @@ def _opened(file: Path, mode: str, root: Path, entries: list[Entry]) -> Iterator
 
 _HEADER_ROOM = 4096
 """Room the early copy leaves for a shard's header to grow; a whole page, so the data keeps its alignment."""
-
-
-def _packed_span(ck: Checkpoint, shard: str) -> tuple[int, int]:
-    """(start, length) of a shard's tensor data (validation proved it tiles the file)."""
-    with open(ck.path / shard, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-    base = 8 + header_len
-    return base, (ck.path / shard).stat().st_size - base
 
 
 class EarlyCopy:
@@ -203,26 +190,25 @@ class EarlyCopy:
         self.thread.join()
 
 
-def finish_shard(file: Path, entries: list[Entry], w: Writing, shard: str, base: int,
-                 copied: Callable[[int], None]) -> bool:
-    """Turn the early copy of the input's ``shard`` (data at ``base``) into ``file``; False, untouched, if
-    its header would not fit. Tensors are centered as soon as the copy is past them (``copied`` blocks
-    until then). The copy may still be writing the shard's tail when this returns."""
+def finish_shard(file: Path, entries: list[Entry], w: Writing, early: EarlyCopy, shard: str) -> bool:
+    """Turn the early copy of the input's ``shard`` into ``file``; False, untouched, if its header would not
+    fit. Tensors are centered as soon as the copy is past them. The copy may still be writing the shard's
+    tail when this returns."""
     blob = _header_json(entries, w.metadata)
-    start = base + _HEADER_ROOM
+    start = early.spans[shard][1] + _HEADER_ROOM
     if len(blob) > start - 8:
         return False
     blob += b" " * (start - 8 - len(blob))  # JSON allows trailing spaces; safetensors pads this way too
-    copied(start)  # the copy has created the file: its truncation is behind us
+    early.wait(shard, start)  # the copy has created the file: its truncation is behind us
     with _opened(file, "r+b", w.reader.ck.path, entries) as (out, fds):
-        positions, at = [], start
-        for e in entries:
-            if e.source is None:  # only pickle input lacks a source, and never comes here
-                raise AssertionError(e.name)
-            # where the copy put it, else appended: judged by the input shard, not the output's (other) name
-            positions.append((e, at, e.source.start + _HEADER_ROOM != at or e.source.file != shard))
-            at += e.nbytes
-        os.ftruncate(out, at)  # the appended entries' room, so that the two threads below never race on the size
+        sourceless = [e.name for e in entries if e.source is None]
+        if sourceless:  # only pickle input lacks a source, and never comes here
+            raise AssertionError(sourceless[0])
+        *starts, end = itertools.accumulate((e.nbytes for e in entries), initial=start)
+        # where the copy put it, else appended: judged by the input shard, not the output's (other) name
+        positions = [(e, at, e.source.start + _HEADER_ROOM != at or e.source.file != shard)
+                     for e, at in zip(entries, starts)]
+        os.ftruncate(out, end)  # the appended entries' room, so that the two threads below never race on the size
         # appended copies (an untied head) go on a second thread, in the kernel, while this one centers
         copies = [(fds[e.source.file], e.source.start, e.nbytes, at) for e, at, appended in positions
                   if appended and e.axis is None]
@@ -231,7 +217,7 @@ def finish_shard(file: Path, entries: list[Entry], w: Writing, shard: str, base:
                 if e.axis is None:
                     continue
                 if not appended:
-                    copied(at + e.nbytes)
+                    early.wait(shard, at + e.nbytes)
                 if appended or not _center_in_file(out, at, e):
                     _center_and_write(out, at, w.reader.read(e.source.name, w.buffer), e)
                 w.advance(e.nbytes)
@@ -292,7 +278,12 @@ def early_spans(ck: Checkpoint, max_shard_size: int | None) -> dict[str, tuple[s
     if ck.pickled or max_shard_size is not None:
         return {}
     names = [name for name, _ in reshard([(shard, []) for shard in ck.shards], None, indexed=ck.index is not None)]
-    return {shard: (name, *_packed_span(ck, shard)) for shard, name in zip(ck.shards, names)}
+    spans = {}
+    for shard, name in zip(ck.shards, names):
+        size = (ck.path / shard).stat().st_size  # validation proved the tensors tile the data up to the end
+        start = min((t.start for t in ck.tensors.values() if t.file == shard), default=size)
+        spans[shard] = (name, start, size - start)
+    return spans
 
 
 def early_layout(ck: Checkpoint, shard: str | None, entries: list[Entry]) -> int | None:

@@ -68,10 +68,6 @@ class Checkpoint:
     def saved(self) -> dict[str, str]:
         return saved_names(self.meta)
 
-    @property
-    def prefix(self) -> str:
-        return getattr(self.meta, "base_model_prefix", "") or ""
-
     @functools.cached_property
     def load_dtype(self) -> tuple[str, str]:
         return self.library.load_dtype(self)
@@ -86,7 +82,7 @@ class Checkpoint:
         return set(self.pickled_tensors) if self.pickled else set(self.tensors)
 
     def key(self, name: str) -> str | None:
-        return checkpoint_key(name, self.keys, self.prefix, self.saved)
+        return checkpoint_key(name, self.keys, getattr(self.meta, "base_model_prefix", "") or "", self.saved)
 
     @functools.cached_property
     def built(self) -> tuple[int, int]:

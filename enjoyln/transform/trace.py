@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Union
+from typing import Callable, Union
 
 import torch
 from torch import nn
@@ -70,11 +70,6 @@ class Slot:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def checkpoint_source(names: Iterable[str], key: Callable[[str], str | None]) -> str | None:
-    """The checkpoint key a tensor known by ``names`` (a tie's source first) loads from."""
-    return next((k for name in names if (k := key(name)) is not None), None)
-
-
 @dataclass
 class Tracer:
     """The record the steps write into: the slots, name -> slot, and the names a step drops (a fused norm's γ)."""
@@ -97,8 +92,8 @@ class Tracer:
                 slots.append(Slot(len(slots), [], t.dtype, tuple(t.shape)))
             binding[name] = by_id[id(t)]
             slots[by_id[id(t)]].names.append(name)
-        for s in slots:
-            s.base = checkpoint_source([n for n in s.names if n in persistent], key)
+        for s in slots:  # the key its first persistent name (a tie's source first) loads from
+            s.base = next((k for n in s.names if n in persistent and (k := key(n)) is not None), None)
         return cls(slots, binding, model)
 
     def slot(self, name: str) -> Slot:
@@ -109,11 +104,9 @@ class Tracer:
     def now(self, s: Slot) -> Ref:
         return Ref(s.index, len(s.ops))
 
-    def copy(self, name: str, of: Slot) -> Slot:
-        copy = Slot(len(self.slots), [name], of.dtype, of.shape, base=self.now(of))
-        self.slots.append(copy)
-        self.binding[name] = copy.index
-        return copy
+    def copy(self, name: str, of: Slot) -> None:
+        self.binding[name] = len(self.slots)
+        self.slots.append(Slot(len(self.slots), [name], of.dtype, of.shape, base=self.now(of)))
 
     def names(self) -> list[str]:
         """The model's parameter and buffer names after the steps, in the model's order."""
