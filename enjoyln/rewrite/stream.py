@@ -194,8 +194,7 @@ class StreamedTensors:
         elif s.base is None:
             raise CheckpointError(f"the checkpoint has no tensor for {s.names[0]}, which the fold needs")
         else:
-            t = self.reader.read(s.base)
-            t = t.to(s.dtype) if t.dtype != s.dtype else t
+            t = self.reader.read(s.base).to(s.dtype)
         with torch.no_grad():
             for v, op in enumerate(s.ops[:version]):
                 self._tap(index, v, t)
