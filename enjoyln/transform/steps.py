@@ -316,25 +316,19 @@ class RotateStream(Transformation):
             if not 0 <= rot.axis < t.dim() or rot.start + (rot.length or 1) > t.shape[rot.axis]:
                 raise PlanError(f"the plan rotates {rot.param} along axis {rot.axis}, which it does not have")
 
-    def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
-        self._rotate(model, plan, saved=None)
+    def __call__(self, model: nn.Module, plan: FoldPlan, *, unsaved_only: bool = False) -> nn.Module:
+        with torch.no_grad():
+            for rot in plan.rotation.rotated if plan.rotation is not None else ():
+                if not (unsaved_only and rot.saved):
+                    apply_rotation(tensor_at(model, rot.param), rot, plan.rotation)
         return model
 
     def trace(self, t: Tracer, plan: FoldPlan) -> None:
-        if plan.rotation is not None:
-            for rot in plan.rotation.rotated:
-                t.slot(rot.param).ops.append(Op("rotate", rotated=rot, rotation=plan.rotation))
+        for rot in plan.rotation.rotated if plan.rotation is not None else ():
+            t.slot(rot.param).ops.append(Op("rotate", rotated=rot, rotation=plan.rotation))
 
     def on_load(self, model: nn.Module, plan: FoldPlan) -> None:
-        self._rotate(model, plan, saved=False)  # the non-persistent buffers the model built afresh
-
-    @staticmethod
-    def _rotate(model: nn.Module, plan: FoldPlan, saved: bool | None) -> None:
-        if plan.rotation is not None:
-            with torch.no_grad():
-                for rot in plan.rotation.rotated:
-                    if saved is None or rot.saved == saved:
-                        apply_rotation(tensor_at(model, rot.param), rot, plan.rotation)
+        self(model, plan, unsaved_only=True)  # the non-persistent buffers the model built afresh
 
 
 def _has(model: nn.Module, fqn: str) -> bool:

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..errors import PlanError
 from ..plan import Centering, Fused, Rotated, Rotation
+from .tensors import tie_groups
 
 
 @dataclass(frozen=True)
@@ -83,18 +84,12 @@ class Tracer:
     def of(cls, model: nn.Module, key: Callable[[str], str | None]) -> "Tracer":
         """A slot for each tensor of the meta ``model``; a non-persistent buffer has no base."""
         persistent = set(model.state_dict(keep_vars=True))
-        slots: list[Slot] = []
-        by_id: dict[int, int] = {}
-        binding: dict[str, int] = {}
-        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-            if id(t) not in by_id:
-                by_id[id(t)] = len(slots)
-                slots.append(Slot(len(slots), [], t.dtype, tuple(t.shape)))
-            binding[name] = by_id[id(t)]
-            slots[by_id[id(t)]].names.append(name)
+        named = dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
+        slots = [Slot(i, list(names), named[names[0]].dtype, tuple(named[names[0]].shape))
+                 for i, names in enumerate(dict.fromkeys(tie_groups(model).values()))]
         for s in slots:  # the key its first persistent name (a tie's source first) loads from
             s.base = next((k for n in s.names if n in persistent and (k := key(n)) is not None), None)
-        return cls(slots, binding, model)
+        return cls(slots, {n: s.index for s in slots for n in s.names}, model)
 
     def slot(self, name: str) -> Slot:
         if name not in self.binding:
