@@ -126,16 +126,6 @@ def saved_names(model: nn.Module) -> dict[str, str]:
     return {name: name if name in reverted else by_id.get(id(t), name) for name, t in named.items()}
 
 
-def checkpoint_key(name: str, keys: set[str], prefix: str, saved: dict[str, str]) -> str | None:
-    """The checkpoint key for a parameter name: as saved, maybe without the base prefix."""
-    for base in dict.fromkeys((name, saved.get(name, name))):
-        for candidate in (base, base.removeprefix(prefix + ".") if prefix else base,
-                          f"{prefix}.{base}" if prefix else base):
-            if candidate in keys:
-                return candidate
-    return None
-
-
 def check_shapes(ck: Checkpoint) -> None:
     """Every saved tensor the meta model knows has the shape its config implies."""
     if ck.pickled:

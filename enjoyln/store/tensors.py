@@ -3,6 +3,7 @@ the file, no copy, for the C kernels that compare and center (docs/performance.m
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import mmap
@@ -41,7 +42,7 @@ _FAILED = ctypes.c_void_p(-1).value
 _MADV_POPULATE_WRITE = 23
 
 
-class Mapped:
+class Mapped(contextlib.AbstractContextManager):
     """One tensor's bytes mapped from its file (the page cache's own pages) until ``close``; a file truncated
     meanwhile ends the process with SIGBUS, as for every loader that maps safetensors."""
 
@@ -79,9 +80,6 @@ class Mapped:
         if self._addr is not None:
             _LIBC.munmap(self._addr, self._length)
             self._addr = None
-
-    def __enter__(self) -> "Mapped":
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
