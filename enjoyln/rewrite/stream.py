@@ -100,7 +100,7 @@ class StreamedTensors:
         return_freed_memory()
         self.reader = reader if reader is not None else TensorReader(ck)
         self._own_reader = reader is None
-        keys, key = self.reader.keys(), ck.key
+        keys, key = ck.keys, ck.key
         self.trace = t = trace_plan(load_model_meta(ck, dtype or "auto"), plan, key)
         for s in t.slots:
             if isinstance(s.base, str) and tuple(self.reader.shape(s.base)) != s.shape:

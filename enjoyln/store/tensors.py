@@ -113,9 +113,6 @@ class TensorReader:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def keys(self) -> set[str]:
-        return set(self.pickled) if self.pickled is not None else set(self.ck.tensors)
-
     def dtype(self, key: str) -> torch.dtype:
         return self.pickled[key].dtype if self.pickled is not None else DTYPES[self.ck.tensors[key].dtype]
 
