@@ -161,7 +161,6 @@ class _Fold:
         self.ck, self.out, self.opts, self.progress = ck, out, opts, progress
         self.tmp: Path | None = None
         self.early: EarlyCopy | None = None
-        self.spans: dict[str, tuple[str, int, int]] = {}
         self.cleaned: list[Path] = []
         self.published = False
         self._done, self._total, self._lock = 0, 0, threading.Lock()
@@ -191,35 +190,31 @@ class _Fold:
                 self.tmp = temp_dir(self.out)
         return self.tmp
 
-    def advance(self, n: int, more_total: int = 0) -> None:
+    def advance(self, n: int, more_total: int = 0, *, known: bool = False) -> None:
+        """``n`` bytes done, ``more_total`` more to do; ``known``: the total is whole from now on."""
         with self._lock:
             self._done, self._total = self._done + n, self._total + more_total
-            if self.progress is not None and n:
+            self._total_known |= known
+            if self.progress is not None and (n or known):
                 self.progress(self._done, max(self._total, self._done) if self._total_known else 0)
-
-    def total_known(self) -> None:
-        with self._lock:
-            self._total_known = True
-            if self.progress is not None:
-                self.progress(self._done, max(self._total, self._done))
 
     def _start_early_copy(self) -> None:
         """Not for a plan that moves values, which rewrites nearly every tensor."""
         o = self.opts
         moving = o.fuse_affine or o.rotate is not None or (o.plan is not None and moves_values(o.plan))
-        self.spans = early_spans(self.ck, o.max_shard_size) if not o.dry_run and not moving else {}
-        if self.spans:
-            self.advance(0, sum(length for _, _, length in self.spans.values()))
+        spans = early_spans(self.ck, o.max_shard_size) if not o.dry_run and not moving else {}
+        if spans:
+            self.advance(0, sum(length for _, _, length in spans.values()))
             tmp = self._temp_dir()
             with signals_held():  # an interrupt must find the copy registered, to stop it before tmp goes
-                self.early = EarlyCopy(self.ck, tmp, self.spans, self.advance)
+                self.early = EarlyCopy(self.ck, tmp, spans, self.advance)
                 self.resources.callback(self.early.cancel)
 
     def plan(self) -> FoldPlan:
         ck, o = self.ck, self.opts
         if self.early is not None and not norm_module_paths(ck.meta):
             self.early.cancel()  # no norm module: almost surely nothing to fold, so stop copying now
-            self.early, self.spans = None, {}
+            self.early = None
         if o.plan is not None:
             check_fits(ck.meta, o.plan)
         check_shapes(ck)
@@ -257,18 +252,15 @@ class _Fold:
 
     def _write_shards(self, shards: list[tuple[str, list[Entry]]]) -> None:
         """Each shard finished from its early copy where its layout allows, else written afresh."""
-        by_name = {name: shard for shard, (name, _, _) in self.spans.items()} if self.early is not None else {}
+        by_name = {name: shard for shard, (name, _, _) in self.early.spans.items()} if self.early is not None else {}
         layout = {name: early_layout(self.ck, by_name.get(name), entries) for name, entries in shards}
         self.advance(0, sum(e.nbytes for name, es in shards for i, e in enumerate(es)
-                            if layout[name] is None or i >= layout[name] or e.axis is not None))
-        self.total_known()
+                            if layout[name] is None or i >= layout[name] or e.axis is not None), known=True)
         reader = self.resources.enter_context(contextlib.closing(TensorReader(self.ck)))
         w = Writing(reader, {"format": "pt", "enjoyln": __version__}, self.advance)
         for name, entries in shards:
             shard = by_name.get(name)  # set wherever layout[name] is
-            copied = (lambda upto, s=shard: self.early.wait(s, upto)) if shard is not None else None
-            finished = layout[name] is not None and finish_shard(self.tmp / name, entries, w, shard,
-                                                                 self.spans[shard][1], copied)
+            finished = layout[name] is not None and finish_shard(self.tmp / name, entries, w, self.early, shard)
             if shard is not None:  # the whole copy: the tail behind the centering, or before a rewrite of the file
                 self.early.wait(shard)
             if finished:

@@ -52,7 +52,7 @@ def fold_entries(ck: Checkpoint, plan: FoldPlan, tensors: StreamedTensors) -> li
     added = [k for k in tensors.keys() if k not in home]
     for key in sorted(added) if moves else added:
         # a computed tensor is written last; a copied one beside the bytes it copies
-        shard = ck.shards[-1] if moves else home.get(tensors.base_key(key) or "", ck.shards[-1])
+        shard = ck.shards[-1] if moves else home.get(tensors.centerings(key)[0] or "", ck.shards[-1])
         by_shard[shard].append(make(tensors, key))
     return shards
 
@@ -61,7 +61,7 @@ def _computed(tensors: StreamedTensors, key: str) -> Entry:
     out = tensors.outputs[key]
     if out.dtype not in CODES:
         raise CheckpointError(f"{key} has dtype {out.dtype}, which safetensors cannot store")
-    source = tensors.source(key)
+    source = tensors.ck.tensors.get(out.raw)  # None for a computed one (out.raw None) and for pickle input
     return Entry(key, CODES[out.dtype], out.shape, out.nbytes, source=source,
                  compute=None if source is not None else functools.partial(tensors.get, key))
 
@@ -90,25 +90,22 @@ def reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None, *,
             indexed: bool = False) -> list[tuple[str, list[Entry]]]:
     """Keep the input's shards (renamed to .safetensors), or pack up to ``max_bytes`` each. A lone shard
     named by an index (``indexed``) keeps it: the index can carry the dtype the model loads in."""
-    if max_bytes is None:
-        if len(shards) == 1 and not indexed:
-            return [(SAFE_WEIGHTS, shards[0][1])]
-        n = len(shards)
-        return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors" if name.endswith(".bin") else name, es)
-                for i, (name, es) in enumerate(shards)]
-    packed: list[list[Entry]] = [[]]
-    size = 0
-    for _, entries in shards:
-        for e in entries:
-            if packed[-1] and size + e.nbytes > max_bytes:
-                packed.append([])
-                size = 0
-            packed[-1].append(e)
-            size += e.nbytes
-    if len(packed) == 1:
-        return [(SAFE_WEIGHTS, packed[0])]
-    n = len(packed)
-    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", es) for i, es in enumerate(packed)]
+    if max_bytes is not None:
+        packed: list[list[Entry]] = [[]]
+        size = 0
+        for _, entries in shards:
+            for e in entries:
+                if packed[-1] and size + e.nbytes > max_bytes:
+                    packed.append([])
+                    size = 0
+                packed[-1].append(e)
+                size += e.nbytes
+        shards = [("", es) for es in packed]  # unnamed: numbered below
+    if len(shards) == 1 and (max_bytes is not None or not indexed):
+        return [(SAFE_WEIGHTS, shards[0][1])]
+    n = len(shards)
+    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors" if not name or name.endswith(".bin") else name, es)
+            for i, (name, es) in enumerate(shards)]
 
 
 def index_metadata(ck: Checkpoint, shards: list[tuple[str, list[Entry]]]) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..analysis import analyze
@@ -37,15 +39,12 @@ def missing_note(names: list[str], architecture: str) -> Note:
 def read_tensors(ck: Checkpoint, names: list[str]) -> list[torch.Tensor]:
     """Small tensors (gains) by parameter name."""
     out = []
-    reader = TensorReader(ck)
-    try:
+    with contextlib.closing(TensorReader(ck)) as reader:
         for name in names:
             key = ck.key(name)
             if key is None:
                 raise CheckpointError(f"the checkpoint has no tensor for {name}, which the fold needs")
-            out.append(ck.pickled_tensors[key][1] if ck.pickled else reader.read(key))
-    finally:
-        reader.close()
+            out.append(reader.read(key))
     return out
 
 

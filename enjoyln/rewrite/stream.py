@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -14,7 +13,7 @@ from torch import nn
 from ..errors import CheckpointError, PlanError
 from ..plan import Centering, FoldPlan
 from ..store.checkpoint import Checkpoint
-from ..store.formats import DTYPES, TensorInfo, widened
+from ..store.formats import DTYPES, widened
 from ..store.hf import model_class
 from ..store.tensors import TensorReader, return_freed_memory
 from ..transform.rotation import apply_rotation
@@ -26,20 +25,19 @@ STASH_BYTES = 512 << 20
 """At most this much of weights computed ahead of their request (for a fused bias's ``W β``)."""
 
 
-def output_slots(t: Tracer, plan: FoldPlan, meta: nn.Module, key: Callable[[str], str | None],
-                 saved: dict[str, str]) -> dict[str, int]:
+def output_slots(t: Tracer, plan: FoldPlan, ck: Checkpoint) -> dict[str, int]:
     """The keys of the folded checkpoint, each with its slot: every name's key, an untied head, a dropped
     tie, then a changed tensor stored only under a name it no longer shares (an embedding saved only as
     the tied head)."""
     slots: dict[str, int] = {}
-    names = t.names()
+    names, key, saved = t.names(), ck.key, ck.saved
     for name in names:
         if (k := key(name)) is not None:
             slots.setdefault(k, t.binding[name])
     for u in plan.untied:
         if key(u.param) is None:
             slots[saved.get(u.param, u.param)] = t.binding[u.param]
-    for target in ties_lost_on_untie(meta, plan):
+    for target in ties_lost_on_untie(ck.meta, plan):
         # not one the checkpoint lacks altogether (a head's bias the model initializes): it stays missing
         if key(target) is None and target in names and t.slots[t.binding[target]].base is not None:
             slots.setdefault(saved.get(target, target), t.binding[target])
@@ -102,7 +100,7 @@ class StreamedTensors:
         return_freed_memory()
         self.reader = reader if reader is not None else TensorReader(ck)
         self._own_reader = reader is None
-        keys, key = self.reader.keys(), ck.key
+        keys, key = ck.keys, ck.key
         self.trace = t = trace_plan(load_model_meta(ck, dtype or "auto"), plan, key)
         for s in t.slots:
             if isinstance(s.base, str) and tuple(self.reader.shape(s.base)) != s.shape:
@@ -110,7 +108,7 @@ class StreamedTensors:
                                       f"but {s.names[0]} loads as {list(s.shape)}")
         stored = self.ck.tensors  # cast to the stored dtype only what a header lists, as a save of the loaded model
         self.outputs: dict[str, Output] = {}
-        for k, i in output_slots(t, plan, ck.meta, key, ck.saved).items():
+        for k, i in output_slots(t, plan, ck).items():
             s = t.slots[i]
             if s.base is None and k in keys:  # a buffer the model builds itself: the stored bytes stay
                 self.outputs[k] = Output(self.reader.dtype(k), tuple(self.reader.shape(k)), raw=k)
@@ -119,7 +117,9 @@ class StreamedTensors:
                 # else as stored, but a changed tensor no narrower than it loads
                 own = (s.dtype if k not in stored or dtype is not None else
                        widened(DTYPES[stored[k].dtype], s.dtype) if s.ops else DTYPES[stored[k].dtype])
-                self.outputs[k] = Output(own, s.shape, slot=i)
+                unchanged = not s.ops and isinstance(s.base, str) and s.dtype == own == self.reader.dtype(s.base)
+                # nothing changes it: the stored bytes
+                self.outputs[k] = Output(own, s.shape, raw=s.base) if unchanged else Output(own, s.shape, slot=i)
         for e in plan.foldable:
             for leaf, fill in (("weight", 1.0), ("bias", 0.0)):
                 k = key(f"{e.name}.{leaf}")
@@ -129,11 +129,6 @@ class StreamedTensors:
                                              tuple(info.shape) if info else tuple(e.normalized_shape), fill=fill)
         for k in sorted(keys - self.outputs.keys()):  # stored but not loaded: kept as they are
             self.outputs[k] = Output(self.reader.dtype(k), tuple(self.reader.shape(k)), raw=k)
-        for out in self.outputs.values():  # nothing changes it: the stored bytes
-            s = t.slots[out.slot] if out.slot is not None else None
-            if s is not None and not s.ops and isinstance(s.base, str) and \
-                    s.dtype == out.dtype == self.reader.dtype(s.base):
-                out.raw, out.slot = s.base, None
         self._pending: dict[int, set[str]] = {}
         for k, out in self.outputs.items():
             if out.slot is not None:
@@ -153,22 +148,9 @@ class StreamedTensors:
     def __contains__(self, key: object) -> bool:
         return key in self.outputs
 
-    def source(self, key: str) -> TensorInfo | None:
-        out = self.outputs[key]
-        return self.ck.tensors.get(out.raw) if out.raw is not None else None
-
-    def base_key(self, key: str) -> str | None:
-        """The checkpoint key the output's value is made from (through an untied copy), or None."""
-        out = self.outputs[key]
-        if out.slot is None:
-            return out.raw
-        base = self.trace.slots[out.slot].base
-        while isinstance(base, Ref):
-            base = self.trace.slots[base.slot].base
-        return base
-
     def centerings(self, key: str) -> tuple[str | None, list[Centering]]:
-        """The key the output's bytes come from and the centerings applied on the way, in order."""
+        """The key the output's bytes come from (through an untied copy) and the centerings applied on the
+        way, in order."""
         out = self.outputs[key]
         if out.slot is None:
             return out.raw, []
@@ -212,8 +194,7 @@ class StreamedTensors:
         elif s.base is None:
             raise CheckpointError(f"the checkpoint has no tensor for {s.names[0]}, which the fold needs")
         else:
-            t = self.reader.read(s.base)
-            t = t.to(s.dtype) if t.dtype != s.dtype else t
+            t = self.reader.read(s.base).to(s.dtype)
         with torch.no_grad():
             for v, op in enumerate(s.ops[:version]):
                 self._tap(index, v, t)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import os
 import struct
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -78,61 +80,13 @@ class Writing:
 
 
 def write_shard(file: Path, entries: list[Entry], w: Writing) -> None:
-    """Write one safetensors file tensor by tensor, unchanged ones copied by the kernel on a second thread
-    while this one centers the others (safetensors' own writer needs them all in memory)."""
+    """Write one safetensors file tensor by tensor (safetensors' own writer needs them all in memory)."""
     blob = _header_json(entries, w.metadata)
-    blob += b" " * (-len(blob) % 8)
-    base = 8 + len(blob)
-    positions, pos = [], base
-    for e in entries:
-        positions.append(pos)
-        pos += e.nbytes
-    with _opened(file, "wb", w.reader.ck.path, entries) as (out, fds):
-        _pwrite_all(out, memoryview(struct.pack("<Q", len(blob)) + blob), 0)
-        copied_as_is = [e.axis is None and e.tensor is None and e.compute is None for e in entries]
-        raw = [(fds[e.source.file], e.source.start, e.nbytes, at)
-               for e, at, as_is in zip(entries, positions, copied_as_is) if as_is]
-        cooked = [(e, at) for e, at, as_is in zip(entries, positions, copied_as_is) if not as_is]
-        with _copying_alongside(out, raw, w.advance):
-            for e, at in cooked:
-                if e.compute is not None:  # computed now, written from its own memory, dropped
-                    t = e.compute().contiguous()
-                    if t.dtype != DTYPES[e.dtype] or t.numel() * t.element_size() != e.nbytes:
-                        raise AssertionError(f"{e.name} was computed as {t.dtype} {list(t.shape)}")
-                    _center_and_write(out, at, t, e)
-                    del t
-                elif e.tensor is not None:
-                    t = w.buffer.bytes(e.nbytes).view(DTYPES[e.dtype]).view(e.shape)
-                    t.copy_(e.tensor)
-                    _center_and_write(out, at, t, e)
-                else:
-                    _center_and_write(out, at, w.reader.read(e.source.name, w.buffer), e)
-                w.advance(e.nbytes)
-        os.ftruncate(out, pos)
-
-
-@contextlib.contextmanager
-def _opened(file: Path, mode: str, root: Path, entries: list[Entry]) -> Iterator[tuple[int, dict[str, int]]]:
-    """The descriptors of ``file`` opened in ``mode`` and of the input files ``entries`` copy from."""
-    with contextlib.ExitStack() as stack:
-        out = stack.enter_context(open(file, mode, buffering=0)).fileno()
-        fds: dict[str, int] = {}
-        for e in entries:
-            if e.source is not None and e.source.file not in fds:
-                fds[e.source.file] = stack.enter_context(open(root / e.source.file, "rb", buffering=0)).fileno()
-        yield out, fds
+    _write_entries(file, "wb", entries, w, blob + b" " * (-len(blob) % 8))
 
 
 _HEADER_ROOM = 4096
 """Room the early copy leaves for a shard's header to grow; a whole page, so the data keeps its alignment."""
-
-
-def _packed_span(ck: Checkpoint, shard: str) -> tuple[int, int]:
-    """(start, length) of a shard's tensor data (validation proved it tiles the file)."""
-    with open(ck.path / shard, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-    base = 8 + header_len
-    return base, (ck.path / shard).stat().st_size - base
 
 
 class EarlyCopy:
@@ -142,8 +96,7 @@ class EarlyCopy:
     def __init__(self, ck: Checkpoint, tmp: Path, spans: dict[str, tuple[str, int, int]],
                  advance: Callable[[int], None]) -> None:
         self.ck, self.tmp, self.spans, self.advance = ck, tmp, spans, advance
-        self.reached: dict[str, int] = {}  # shard -> output offset its copy has written up to
-        self.copied: set[str] = set()
+        self.reached: dict[str, int] = {}  # shard -> output offset its copy has written up to (done: sys.maxsize)
         self.progress = threading.Condition()
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -175,8 +128,7 @@ class EarlyCopy:
                     _copy_range(src.fileno(), dst.fileno(), base, length, at, step, self.stop)
                 if self.stop.is_set():
                     return
-                with self.progress:
-                    self.copied.add(shard)
+                self._reach(shard, sys.maxsize)
         except BaseException as exc:  # reported by wait(), in the thread that can act on it
             self.error = exc
         finally:
@@ -188,7 +140,7 @@ class EarlyCopy:
     def wait(self, shard: str, upto: int | None = None) -> None:
         """Block until ``shard`` is copied (or up to output offset ``upto``); raise what the copy raised."""
         def ready() -> bool:
-            return shard in self.copied or (upto is not None and self.reached.get(shard, -1) >= upto)
+            return self.reached.get(shard, -1) >= (sys.maxsize if upto is None else upto)
 
         with self.progress:
             self.progress.wait_for(lambda: ready() or self.finished is not None)
@@ -203,40 +155,60 @@ class EarlyCopy:
         self.thread.join()
 
 
-def finish_shard(file: Path, entries: list[Entry], w: Writing, shard: str, base: int,
-                 copied: Callable[[int], None]) -> bool:
-    """Turn the early copy of the input's ``shard`` (data at ``base``) into ``file``; False, untouched, if
-    its header would not fit. Tensors are centered as soon as the copy is past them (``copied`` blocks
-    until then). The copy may still be writing the shard's tail when this returns."""
+def finish_shard(file: Path, entries: list[Entry], w: Writing, early: EarlyCopy, shard: str) -> bool:
+    """Turn the early copy of the input's ``shard`` into ``file``; False, untouched, if its header would not
+    fit. Tensors are centered as soon as the copy is past them. The copy may still be writing the shard's
+    tail when this returns."""
     blob = _header_json(entries, w.metadata)
-    start = base + _HEADER_ROOM
+    start = early.spans[shard][1] + _HEADER_ROOM
     if len(blob) > start - 8:
         return False
-    blob += b" " * (start - 8 - len(blob))  # JSON allows trailing spaces; safetensors pads this way too
-    copied(start)  # the copy has created the file: its truncation is behind us
-    with _opened(file, "r+b", w.reader.ck.path, entries) as (out, fds):
-        positions, at = [], start
-        for e in entries:
-            if e.source is None:  # only pickle input lacks a source, and never comes here
-                raise AssertionError(e.name)
-            # where the copy put it, else appended: judged by the input shard, not the output's (other) name
-            positions.append((e, at, e.source.start + _HEADER_ROOM != at or e.source.file != shard))
-            at += e.nbytes
-        os.ftruncate(out, at)  # the appended entries' room, so that the two threads below never race on the size
-        # appended copies (an untied head) go on a second thread, in the kernel, while this one centers
-        copies = [(fds[e.source.file], e.source.start, e.nbytes, at) for e, at, appended in positions
-                  if appended and e.axis is None]
-        with _copying_alongside(out, copies, w.advance):
-            for e, at, appended in positions:
-                if e.axis is None:
-                    continue
-                if not appended:
-                    copied(at + e.nbytes)
-                if appended or not _center_in_file(out, at, e):
-                    _center_and_write(out, at, w.reader.read(e.source.name, w.buffer), e)
-                w.advance(e.nbytes)
-        _pwrite_all(out, memoryview(struct.pack("<Q", len(blob)) + blob), 0)
+    sourceless = [e.name for e in entries if e.source is None]
+    if sourceless:  # only pickle input lacks a source, and never comes here
+        raise AssertionError(sourceless[0])
+    early.wait(shard, start)  # the copy has created the file: its truncation is behind us
+    # JSON allows trailing spaces; safetensors pads this way too
+    _write_entries(file, "r+b", entries, w, blob + b" " * (start - 8 - len(blob)), (early, shard))
     return True
+
+
+def _write_entries(file: Path, mode: str, entries: list[Entry], w: Writing, header: bytes,
+                   early: tuple[EarlyCopy, str] | None = None) -> None:
+    """The entries after ``header``: those copied unchanged by the kernel on a second thread while this one
+    centers or computes the others; with ``early``, those its copy of the input shard put in place are
+    centered there, each once the copy is past it."""
+    *positions, end = itertools.accumulate((e.nbytes for e in entries), initial=8 + len(header))
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(open(file, mode, buffering=0)).fileno()
+        fds = {f: stack.enter_context(open(w.reader.ck.path / f, "rb", buffering=0)).fileno()
+               for f in dict.fromkeys(e.source.file for e in entries if e.source is not None)}
+        os.ftruncate(out, end)  # the final size first, so that the two threads below never race on it
+        # where the early copy put it, judged by the input shard, not the output's (other) name
+        placed = [(e, at, early is not None and e.source.start + _HEADER_ROOM == at and e.source.file == early[1])
+                  for e, at in zip(entries, positions)]
+        copies = [(fds[e.source.file], e.source.start, e.nbytes, at) for e, at, here in placed
+                  if not here and e.axis is None and e.tensor is None and e.compute is None]
+        with _copying_alongside(out, copies, w.advance):
+            for e, at, here in placed:
+                if e.axis is None and (here or (e.tensor is None and e.compute is None)):
+                    continue  # in place already, or copied alongside
+                if here:
+                    early[0].wait(early[1], at + e.nbytes)
+                    if _center_in_file(out, at, e):
+                        w.advance(e.nbytes)
+                        continue
+                if e.compute is not None:  # computed now, written from its own memory, dropped
+                    t = e.compute().contiguous()
+                    if t.dtype != DTYPES[e.dtype] or t.numel() * t.element_size() != e.nbytes:
+                        raise AssertionError(f"{e.name} was computed as {t.dtype} {list(t.shape)}")
+                elif e.tensor is not None:  # pickle input: centered in the buffer, never in place
+                    t = w.buffer.bytes(e.nbytes).view(DTYPES[e.dtype]).view(e.shape).copy_(e.tensor)
+                else:
+                    t = w.reader.read(e.source.name, w.buffer)
+                _center_and_write(out, at, t, e)
+                del t
+                w.advance(e.nbytes)
+        _pwrite_all(out, memoryview(struct.pack("<Q", len(header)) + header), 0)
 
 
 @contextlib.contextmanager
@@ -263,8 +235,7 @@ def _copying_alongside(out: int, copies: list[tuple[int, int, int, int]],
 def _center_and_write(out: int, at: int, t: torch.Tensor, e: Entry) -> None:
     """Write ``t`` at ``at`` in the entry's dtype (a tensor stored narrower than it loads is centered in
     the wider one), centered first if the entry says so."""
-    if t.dtype != DTYPES[e.dtype]:
-        t = t.to(DTYPES[e.dtype])
+    t = t.to(DTYPES[e.dtype])
     view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
     if e.axis is not None:
         center_(t, e.axis, e.groups, e.scale, e.blocks)
@@ -292,7 +263,12 @@ def early_spans(ck: Checkpoint, max_shard_size: int | None) -> dict[str, tuple[s
     if ck.pickled or max_shard_size is not None:
         return {}
     names = [name for name, _ in reshard([(shard, []) for shard in ck.shards], None, indexed=ck.index is not None)]
-    return {shard: (name, *_packed_span(ck, shard)) for shard, name in zip(ck.shards, names)}
+    spans = {}
+    for shard, name in zip(ck.shards, names):
+        size = (ck.path / shard).stat().st_size  # validation proved the tensors tile the data up to the end
+        start = min((t.start for t in ck.tensors.values() if t.file == shard), default=size)
+        spans[shard] = (name, start, size - start)
+    return spans
 
 
 def early_layout(ck: Checkpoint, shard: str | None, entries: list[Entry]) -> int | None:

@@ -9,18 +9,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError
+import torch
+
+from ..errors import CheckpointError, first_line
 from ..plan import FoldPlan
 from .files import VCS_DIRS, is_weight_file
 from .formats import (JSON_LIMIT, PT_INDEX, PT_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, WEIGHT_FILES, TensorInfo,
-                      input_file, json_or_none, load_pickled, read_json, read_safetensors_header)
-from .hf import checkpoint_key, missing_parameters, saved_names
+                      input_file, json_or_none, read_json, read_safetensors_header)
+from .hf import missing_parameters, saved_names
 from .locate import model_directory
 from .memory import built_bytes
 from .sources import SOURCES, Source, source_for
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
 
@@ -68,25 +69,36 @@ class Checkpoint:
     def saved(self) -> dict[str, str]:
         return saved_names(self.meta)
 
-    @property
-    def prefix(self) -> str:
-        return getattr(self.meta, "base_model_prefix", "") or ""
-
     @functools.cached_property
     def load_dtype(self) -> tuple[str, str]:
         return self.library.load_dtype(self)
 
     @functools.cached_property
     def pickled_tensors(self) -> dict[str, tuple[str, torch.Tensor]]:
-        """Key -> (shard, tensor), loaded with ``weights_only``."""
-        return load_pickled(self)
+        """Key -> (shard, tensor) of pickle weights, loaded with ``weights_only``, plain tensors only."""
+        tensors: dict[str, tuple[str, torch.Tensor]] = {}
+        for shard in self.shards:
+            try:
+                part = torch.load(self.path / shard, map_location="cpu", weights_only=True)
+            except Exception as exc:
+                raise CheckpointError(f"cannot load {self.path / shard} with weights_only=True: "
+                                      f"{first_line(exc)}") from None
+            tensors.update({k: (shard, v) for k, v in part.items() if isinstance(v, torch.Tensor)})
+        return tensors
 
     @functools.cached_property
     def keys(self) -> set[str]:
         return set(self.pickled_tensors) if self.pickled else set(self.tensors)
 
     def key(self, name: str) -> str | None:
-        return checkpoint_key(name, self.keys, self.prefix, self.saved)
+        """The checkpoint key for a parameter name: as saved, maybe without the base prefix."""
+        keys, prefix, saved = self.keys, getattr(self.meta, "base_model_prefix", "") or "", self.saved
+        for base in dict.fromkeys((name, saved.get(name, name))):
+            for candidate in (base, base.removeprefix(prefix + ".") if prefix else base,
+                              f"{prefix}.{base}" if prefix else base):
+                if candidate in keys:
+                    return candidate
+        return None
 
     @functools.cached_property
     def built(self) -> tuple[int, int]:

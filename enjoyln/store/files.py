@@ -35,28 +35,26 @@ def needed_file(name: str) -> bool:
     return any(fnmatch.fnmatch(name, p) for p in NEEDED)
 
 
-def _extras(ck: Checkpoint, skipped: list[str], followed: list[str] | None,
-            foreign: list[str] | None = None) -> Iterator[tuple[Path, Path, bool]]:
+class _Walk:
     """(source, path relative to MODEL_DIR, is a directory) for everything a fold copies (``copy_extras``);
     what is left out goes to ``skipped``. A link out to a file a loader may read raises, unless
     ``foreign`` (the gate's view of a reference the user handed over) collects it."""
-    walk = _Walk(ck, skipped, followed, foreign)
-    skip = WEIGHT_FILES | set(ck.shards) | {"config.json"}
-    for item in sorted(ck.path.iterdir()):
-        if item.name in skip or is_weight_file(item.name):
-            continue  # weights in any other format would be stale, uncentered copies
-        yield from walk.visit(item, Path(item.name), True, (walk.root,))
 
-
-class _Walk:
     def __init__(self, ck: Checkpoint, skipped: list[str], followed: list[str] | None,
-                 foreign: list[str] | None) -> None:
+                 foreign: list[str] | None = None) -> None:
         self.ck, self.skipped, self.followed, self.foreign = ck, skipped, followed, foreign
         self.root = ck.path.resolve()
         self.linked: set[Path] = set()  # directories already entered through a link
         # a Hugging Face cache snapshot (<repo>/snapshots/<rev>) links every file, whatever its name, to <repo>/blobs
         blobs = self.root.parent.parent / "blobs" if self.root.parent.name == "snapshots" else None
         self.blobs = blobs if blobs is not None and blobs.is_dir() and not blobs.is_symlink() else None
+
+    def __iter__(self) -> Iterator[tuple[Path, Path, bool]]:
+        skip = WEIGHT_FILES | set(self.ck.shards) | {"config.json"}
+        for item in sorted(self.ck.path.iterdir()):
+            if item.name in skip or is_weight_file(item.name):
+                continue  # weights in any other format would be stale, uncentered copies
+            yield from self.visit(item, Path(item.name), True, (self.root,))
 
     def inside(self, p: Path) -> bool:
         return p == self.root or self.root in p.parents
@@ -129,7 +127,7 @@ def _readable(link: Path, target: Path, trusted: bool) -> bool:
 
 def check_links(ck: Checkpoint) -> None:
     """Refuse a model directory whose links leave it for what a loader may read: a fold would drop it."""
-    for _ in _extras(ck, [], None):
+    for _ in _Walk(ck, [], None):
         pass
 
 
@@ -138,7 +136,7 @@ def copy_extras(ck: Checkpoint, dest: Path, followed: list[str] | None = None) -
     out is followed only to a file a model directory needs (top level) or a blob of the Hugging Face cache,
     collected in ``followed``; any other is refused. Modes follow the umask."""
     skipped: list[str] = []
-    for src, rel, is_dir in _extras(ck, skipped, followed):
+    for src, rel, is_dir in _Walk(ck, skipped, followed):
         if is_dir:
             (dest / rel).mkdir(exist_ok=True)
             continue
@@ -154,7 +152,7 @@ def copy_extras(ck: Checkpoint, dest: Path, followed: list[str] | None = None) -
 def extra_files(ck: Checkpoint) -> dict[str, Path]:
     """Relative path -> source of the files ``copy_extras`` would copy, and those reached through links out
     of ``md``: with config.json and the weights, what a copy that loads the same holds."""
-    return {rel.as_posix(): src for src, rel, is_dir in _extras(ck, [], None, []) if not is_dir}
+    return {rel.as_posix(): src for src, rel, is_dir in _Walk(ck, [], None, []) if not is_dir}
 
 
 def loader_files(root: Path) -> tuple[dict[str, Path], list[str]]:

@@ -9,15 +9,12 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, first_line
-
-if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
-
+from ..errors import CheckpointError
+from .locate import JSON_LIMIT
 
 def input_file(path: Path) -> Path:
     """``path`` if it is a regular file (through symlinks); else a clear error naming it."""
@@ -143,9 +140,6 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str
     return tensors, metadata
 
 
-JSON_LIMIT = 16 << 20
-"""The largest JSON file enjoyln parses; larger files are compared byte for byte, streaming."""
-
 JSON_DEPTH = 64
 """Real configs stay under 10; deeper ones would exhaust Python's recursion in transformers' config code."""
 
@@ -205,14 +199,3 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
         raise CheckpointError(f"{path} does not hold a JSON object ({what})")
     return data
 
-
-def load_pickled(ck: Checkpoint) -> dict[str, tuple[str, torch.Tensor]]:
-    """Pickle weights, loaded only as plain tensors."""
-    tensors: dict[str, tuple[str, torch.Tensor]] = {}
-    for shard in ck.shards:
-        try:
-            part = torch.load(ck.path / shard, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise CheckpointError(f"cannot load {ck.path / shard} with weights_only=True: {first_line(exc)}") from None
-        tensors.update({k: (shard, v) for k, v in part.items() if isinstance(v, torch.Tensor)})
-    return tensors

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, first_line
-from .formats import DTYPES, PT_INDEX, SAFE_INDEX, json_or_none, parse_json_file
+from .formats import DTYPES, json_or_none, parse_json_file
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -89,8 +89,8 @@ def transformers_load_dtype(ck: Checkpoint) -> tuple[str, str]:
     value = getattr(auto_config(ck), "dtype", None)
     if value is not None:
         return _floating(value, ck.path / "config.json"), "config.json"
-    index = ck.path / (PT_INDEX if ck.pickled else SAFE_INDEX)
-    if len(ck.shards) > 1 or index.exists():
+    index = ck.index  # several shards come with one
+    if index is not None:
         metadata = parse_json_file(index, "a weight index").get("metadata")
         if isinstance(metadata, dict) and "dtype" in metadata:
             return _floating(metadata["dtype"], index), f"the metadata of {index.name}"
@@ -124,16 +124,6 @@ def saved_names(model: nn.Module) -> dict[str, str]:
         return {}
     by_id = {id(v): k for k, v in reverted.items()}
     return {name: name if name in reverted else by_id.get(id(t), name) for name, t in named.items()}
-
-
-def checkpoint_key(name: str, keys: set[str], prefix: str, saved: dict[str, str]) -> str | None:
-    """The checkpoint key for a parameter name: as saved, maybe without the base prefix."""
-    for base in dict.fromkeys((name, saved.get(name, name))):
-        for candidate in (base, base.removeprefix(prefix + ".") if prefix else base,
-                          f"{prefix}.{base}" if prefix else base):
-            if candidate in keys:
-                return candidate
-    return None
 
 
 def check_shapes(ck: Checkpoint) -> None:

@@ -46,8 +46,8 @@ def model_directory(root: Path) -> Path:
     return root
 
 
-CONFIG_LIMIT = 16 << 20
-"""The largest config.json read here (``formats.JSON_LIMIT``, whose full check follows later)."""
+JSON_LIMIT = 16 << 20
+"""The largest JSON file enjoyln parses (``formats``); larger files are compared byte for byte, streaming."""
 
 
 def precheck_model_dir(path: str | os.PathLike) -> Path:
@@ -67,7 +67,7 @@ def precheck_model_dir(path: str | os.PathLike) -> Path:
     if not config.is_file():
         raise CheckpointError(f"{config} is not a regular file")
     try:
-        if config.stat().st_size > CONFIG_LIMIT:
+        if config.stat().st_size > JSON_LIMIT:
             return root  # refused, with its size, by the full check
         data = json.loads(config.read_bytes().decode("utf-8-sig"))
     except OSError as exc:

@@ -5,7 +5,6 @@ come back after, so a user's own ``from_pretrained`` keeps its bars."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import warnings
 from typing import Any, Callable, Iterator, TypeVar
@@ -76,10 +75,4 @@ def quiet(fn: F) -> F:
     >>> quiet(lambda: 3)()
     3
     """
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with quiet_libraries():
-            return fn(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
+    return quiet_libraries()(fn)  # a generator's context manager decorates too, anew for each call

@@ -19,7 +19,10 @@ if TYPE_CHECKING:
 
 
 class Source:
-    """What a model directory's library does for enjoyln."""
+    """What a model directory's library does for enjoyln. Each library gives ``architecture(root, config,
+    remote)`` (config.json's model, refused unless it knows it), ``meta_model(ck)`` (built on the meta
+    device, in eval mode), ``load(ck, ...)`` (its own loader's model, LayerNorms unchanged) and
+    ``load_dtype(ck)`` (that model's dtype name, and where from)."""
 
     name = ""
     bounded_loading = False
@@ -29,29 +32,12 @@ class Source:
     loader = ""
     """The plain loader's name, for the check's report."""
 
-    def architecture(self, root: Path, config: dict[str, Any], remote: bool) -> str:
-        """The model's name from config.json, refused unless the library knows it."""
-        raise NotImplementedError
-
     def other_class(self, root: Path, name: str) -> str:
         """``name``, a class to build instead of config.json's (``--model-class``), if the library has it."""
         raise CheckpointError(f"--model-class applies to transformers model directories; {root} is a {self.name} one")
 
     def check_weights(self, root: Path, present: set[str]) -> None:
         """Refuse weight files this library would not load as a fold writes them."""
-
-    def meta_model(self, ck: "Checkpoint") -> nn.Module:
-        """The model built on the meta device, in eval mode."""
-        raise NotImplementedError
-
-    def load(self, ck: "Checkpoint", *, trust_remote_code: bool = False, max_memory: int | None = None,
-             offload_dir: Any = None, **kwargs: Any) -> nn.Module:
-        """The model as the library's own loader gives it (LayerNorms unchanged)."""
-        raise NotImplementedError
-
-    def load_dtype(self, ck: "Checkpoint") -> tuple[str, str]:
-        """The dtype that loader gives the model (its name), and where from."""
-        raise NotImplementedError
 
     def generation(self, ck: "Checkpoint") -> dict[str, Any]:
         """The generation settings the loaded model carries (compared by the static check)."""

@@ -3,12 +3,13 @@ the file, no copy, for the C kernels that compare and center (docs/performance.m
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import ctypes.util
+import math
 import mmap
 import os
-import queue
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
@@ -41,7 +42,7 @@ _FAILED = ctypes.c_void_p(-1).value
 _MADV_POPULATE_WRITE = 23
 
 
-class Mapped:
+class Mapped(contextlib.AbstractContextManager):
     """One tensor's bytes mapped from its file (the page cache's own pages) until ``close``; a file truncated
     meanwhile ends the process with SIGBUS, as for every loader that maps safetensors."""
 
@@ -80,9 +81,6 @@ class Mapped:
             _LIBC.munmap(self._addr, self._length)
             self._addr = None
 
-    def __enter__(self) -> "Mapped":
-        return self
-
     def __exit__(self, *exc: object) -> None:
         self.close()
 
@@ -115,9 +113,6 @@ class TensorReader:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def keys(self) -> set[str]:
-        return set(self.pickled) if self.pickled is not None else set(self.ck.tensors)
-
     def dtype(self, key: str) -> torch.dtype:
         return self.pickled[key].dtype if self.pickled is not None else DTYPES[self.ck.tensors[key].dtype]
 
@@ -125,10 +120,7 @@ class TensorReader:
         return tuple(self.pickled[key].shape) if self.pickled is not None else self.ck.tensors[key].shape
 
     def nbytes(self, key: str) -> int:
-        if self.pickled is not None:
-            t = self.pickled[key]
-            return t.numel() * t.element_size()
-        return self.ck.tensors[key].nbytes
+        return math.prod(self.shape(key)) * self.dtype(key).itemsize
 
     def offset(self, key: str) -> tuple[str, int]:
         """Where the tensor sits (file, byte): reading in this order reads each file front to back."""
@@ -196,45 +188,20 @@ def read_ahead(jobs: Iterable[J], load: Callable[[J], R], size: Callable[[J], in
     """``(job, load(job))`` in order; the next job's ``load`` (if at most ``READ_AHEAD``) runs in a thread
     while the caller works on this one (``preadv`` releases the GIL). A load's exception is raised in order."""
     jobs = list(jobs)
-    if not jobs:
-        return
-    pending: queue.Queue = queue.Queue(maxsize=1)
-
-    def run(job: J) -> None:
-        try:
-            pending.put((True, load(job)))
-        except BaseException as exc:  # handed to the caller, raised there
-            pending.put((False, exc))
-
-    thread: threading.Thread | None = None
-    ahead = False
-    for i, job in enumerate(jobs):
-        if ahead:
-            thread.join()
-            ok, value = pending.get()
-            if not ok:
-                raise value
-        else:
-            value = load(job)
-        nxt = jobs[i + 1] if i + 1 < len(jobs) else None
-        ahead = nxt is not None and size(nxt) <= READ_AHEAD
-        if ahead:
-            thread = threading.Thread(target=run, args=(nxt,), daemon=True, name="enjoyln-read-ahead")
-            thread.start()
-        try:
+    # leaving the block (GeneratorExit too) waits for a running read: files are never closed under it
+    with ThreadPoolExecutor(1, thread_name_prefix="enjoyln-read-ahead") as pool:
+        ahead: Future | None = None
+        for i, job in enumerate(jobs):
+            value = ahead.result() if ahead is not None else load(job)
+            nxt = jobs[i + 1] if i + 1 < len(jobs) else None
+            ahead = pool.submit(load, nxt) if nxt is not None and size(nxt) <= READ_AHEAD else None
             yield job, value
-        except GeneratorExit:
-            if thread is not None:
-                thread.join()  # never close files under a running read
-            raise
-        del value
+            del value
 
 
 def return_freed_memory() -> None:
     """Make glibc hand large freed blocks back at once: offloaded layers load and free the same large tensors
     over and over, which with glibc's adaptive threshold fragment the heap (near twice the budget)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
+    mallopt = getattr(_LIBC, "mallopt", None)  # glibc's and musl's; none on Windows
+    if mallopt is not None:
+        mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD

@@ -30,16 +30,6 @@ def umask() -> int:
     return mask
 
 
-def is_enjoyln_output(path: Path) -> bool:
-    from .formats import parse_json_file  # torch: imported only here, so OUT_DIR is checked before it loads
-
-    try:
-        config = parse_json_file(path / "config.json", "a model config")
-    except CheckpointError:
-        return False
-    return isinstance(config, dict) and isinstance(config.get("enjoyln"), dict)
-
-
 def check_out_dir(src: Path, out: Path, force: bool, *, dry_run: bool = False) -> None:
     src, out = src.resolve(), out.resolve()
     if out == src or src in out.parents:
@@ -54,7 +44,13 @@ def check_out_dir(src: Path, out: Path, force: bool, *, dry_run: bool = False) -
         return
     if not force:
         raise CheckpointError(f"OUT_DIR {out} is not empty; pass --force to replace an earlier enjoyln output")
-    if not is_enjoyln_output(out):
+    from .formats import parse_json_file  # torch: imported only here, so OUT_DIR is checked before it loads
+
+    try:
+        config = parse_json_file(out / "config.json", "a model config")
+    except CheckpointError:
+        config = None
+    if not (isinstance(config, dict) and isinstance(config.get("enjoyln"), dict)):
         why = "its config.json has no enjoyln block" if (out / "config.json").is_file() else "it has no config.json"
         raise CheckpointError(f"OUT_DIR {out} is not empty and is not an enjoyln output ({why}); --force "
                               "replaces only those, so remove it yourself")

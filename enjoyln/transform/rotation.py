@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Sequence
 
 import torch
 
@@ -82,6 +83,16 @@ of 2 to 24 rows, and a row outside a full tile goes through another kernel with 
 sums, so slabs that start on a tile boundary give every row the bits one whole product gives it."""
 
 
+def slabs(block: torch.Tensor, axis: int, elements: int = SLAB_ELEMENTS, align: int = 1) -> Sequence[torch.Tensor]:
+    """``block`` split along an axis other than ``axis`` into pieces of about ``elements`` (whole multiples of
+    ``align`` vectors), so that widening one piece to float64 never widens the whole tensor."""
+    if block.dim() < 2:
+        return [block]
+    other = 0 if axis != 0 else 1
+    per = max(block.numel() // max(block.shape[other], 1), 1)  # elements per index of the other axis
+    return block.split(max(1, elements // per) // align * align or align, other)
+
+
 def rotate_(t: torch.Tensor, axis: int, q: torch.Tensor, start: int = 0, *, slab: int = SLAB_ELEMENTS) -> torch.Tensor:
     """``t ×_axis Q`` in place on entries ``start .. start + n`` of ``axis``, in float64 slabs along another
     axis: never a float64 copy of the whole tensor, yet the bits of one product."""
@@ -90,15 +101,8 @@ def rotate_(t: torch.Tensor, axis: int, q: torch.Tensor, start: int = 0, *, slab
     axis = axis % t.dim()
     n = q.shape[0]
     block = t.narrow(axis, start, n)
-    if t.dim() == 1:
-        slabs = [block]
-    else:
-        other = 0 if axis != 0 else 1
-        per = max(block.numel() // max(block.shape[other], 1), 1)  # elements per index of the other axis
-        count = max(1, slab // per) // SLAB_ALIGN * SLAB_ALIGN or SLAB_ALIGN
-        slabs = block.split(count, other)
     qq = q.to(t.device)
-    for piece in slabs:
+    for piece in slabs(block, axis, slab, SLAB_ALIGN):
         wide = piece.detach().to(torch.float64).movedim(axis, -1)
         piece.copy_((wide @ qq).movedim(-1, axis))
     return t

@@ -19,7 +19,7 @@ from ..modules.norm import GroupRMSNorm, RMSNorm
 from ..ops import rms_norm
 from ..plan import AFFINE_FUSED, AFFINE_GAIN, NOT_ROTATED, TRAINING_MODE, FoldPlan, LayerNormEntry, RotationSpec
 from .rotation import KINDS, apply_rotation
-from .tensors import center_all, declared_ties, fuse_, owner_of, tensor_at, untie_config
+from .tensors import center_all, declared_ties, fuse_, own_copy, owner_of, tensor_at, untie_config
 from .trace import Op, Product, Tracer
 
 
@@ -84,7 +84,7 @@ class UntieParameters(Transformation):
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         for u in plan.untied:
             if tensor_at(model, u.param) is tensor_at(model, u.tied_to):  # else already untied
-                _own_copy(model, u.param)
+                own_copy(model, u.param)
         if plan.untied:
             untie_config(model)
         return model
@@ -117,8 +117,7 @@ class CenterParameters(Transformation):
                                     "which has a zero entry; analyze this model again")
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
-        with torch.no_grad():
-            center_all(model, plan.centered)
+        center_all(model, plan.centered)
         return model
 
     def trace(self, t: Tracer, plan: FoldPlan) -> None:
@@ -129,8 +128,7 @@ class CenterParameters(Transformation):
 
     def on_load(self, model: nn.Module, plan: FoldPlan) -> None:
         # non-persistent buffers (sinusoidal tables) are built afresh by the model: center them again
-        with torch.no_grad():
-            center_all(model, [c for c in plan.centered if not c.saved])
+        center_all(model, [c for c in plan.centered if not c.saved])
 
 
 class FuseAffine(Transformation):
@@ -318,25 +316,19 @@ class RotateStream(Transformation):
             if not 0 <= rot.axis < t.dim() or rot.start + (rot.length or 1) > t.shape[rot.axis]:
                 raise PlanError(f"the plan rotates {rot.param} along axis {rot.axis}, which it does not have")
 
-    def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
-        self._rotate(model, plan, saved=None)
+    def __call__(self, model: nn.Module, plan: FoldPlan, *, unsaved_only: bool = False) -> nn.Module:
+        with torch.no_grad():
+            for rot in plan.rotation.rotated if plan.rotation is not None else ():
+                if not (unsaved_only and rot.saved):
+                    apply_rotation(tensor_at(model, rot.param), rot, plan.rotation)
         return model
 
     def trace(self, t: Tracer, plan: FoldPlan) -> None:
-        if plan.rotation is not None:
-            for rot in plan.rotation.rotated:
-                t.slot(rot.param).ops.append(Op("rotate", rotated=rot, rotation=plan.rotation))
+        for rot in plan.rotation.rotated if plan.rotation is not None else ():
+            t.slot(rot.param).ops.append(Op("rotate", rotated=rot, rotation=plan.rotation))
 
     def on_load(self, model: nn.Module, plan: FoldPlan) -> None:
-        self._rotate(model, plan, saved=False)  # the non-persistent buffers the model built afresh
-
-    @staticmethod
-    def _rotate(model: nn.Module, plan: FoldPlan, saved: bool | None) -> None:
-        if plan.rotation is not None:
-            with torch.no_grad():
-                for rot in plan.rotation.rotated:
-                    if saved is None or rot.saved == saved:
-                        apply_rotation(tensor_at(model, rot.param), rot, plan.rotation)
+        self(model, plan, unsaved_only=True)  # the non-persistent buffers the model built afresh
 
 
 def _has(model: nn.Module, fqn: str) -> bool:
@@ -347,11 +339,6 @@ def _has(model: nn.Module, fqn: str) -> bool:
     return True
 
 
-def _own_copy(model: nn.Module, fqn: str) -> None:
-    module, attr = owner_of(model, fqn)
-    old = getattr(module, attr)
-    copy = old.detach().clone()
-    setattr(module, attr, nn.Parameter(copy, old.requires_grad) if isinstance(old, nn.Parameter) else copy)
 
 class SeparateTies(Transformation):
     """Give each tie that untying the head dropped its own copy: the untied config no longer re-ties it
@@ -362,7 +349,7 @@ class SeparateTies(Transformation):
             return model  # the config still ties: the loader re-ties them
         for target, source in declared_ties(model).items():
             if _has(model, target) and _has(model, source) and tensor_at(model, target) is tensor_at(model, source):
-                _own_copy(model, target)
+                own_copy(model, target)
         return model
 
     def trace(self, t: Tracer, plan: FoldPlan) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 from ..errors import PlanError
 from ..ops import center as centering_kernel
 from ..plan import Centering, FoldPlan, Fused
+from .rotation import slabs
 
 
 def owner_of(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -30,6 +31,14 @@ def owner_of(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
 def tensor_at(model: nn.Module, fqn: str) -> torch.Tensor:
     module, attr = owner_of(model, fqn)
     return getattr(module, attr)
+
+
+def own_copy(model: nn.Module, fqn: str) -> None:
+    """Give the name ``fqn`` a copy of its tensor of its own (a tied name keeps the old one)."""
+    module, attr = owner_of(model, fqn)
+    old = getattr(module, attr)
+    copy = old.detach().clone()
+    setattr(module, attr, nn.Parameter(copy, old.requires_grad) if isinstance(old, nn.Parameter) else copy)
 
 
 def untie_config(model: nn.Module) -> None:
@@ -178,11 +187,5 @@ def scale_inputs_(weight: torch.Tensor, f: Fused, gamma: torch.Tensor) -> None:
     seg = gamma[f.offset:f.offset + f.length].to(torch.float64)
     block = weight.detach().narrow(f.axis, f.start, f.length)
     g = seg.reshape([f.length if d == f.axis else 1 for d in range(block.dim())])
-    other = 1 if f.axis == 0 and block.dim() > 1 else 0
-    if block.dim() < 2 or other == f.axis:
-        pieces = [block]
-    else:
-        per = max(block.numel() // max(block.shape[other], 1), 1)
-        pieces = block.split(max(1, _SCALE_ELEMENTS // per), other)
-    for piece in pieces:
+    for piece in slabs(block, f.axis, _SCALE_ELEMENTS):
         piece.copy_(piece.to(torch.float64).mul_(g))

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Union
+from typing import Callable, Union
 
 import torch
 from torch import nn
 
 from ..errors import PlanError
 from ..plan import Centering, Fused, Rotated, Rotation
+from .tensors import tie_groups
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,6 @@ class Slot:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def checkpoint_source(names: Iterable[str], key: Callable[[str], str | None]) -> str | None:
-    """The checkpoint key a tensor known by ``names`` (a tie's source first) loads from."""
-    return next((k for name in names if (k := key(name)) is not None), None)
-
-
 @dataclass
 class Tracer:
     """The record the steps write into: the slots, name -> slot, and the names a step drops (a fused norm's γ)."""
@@ -88,18 +84,12 @@ class Tracer:
     def of(cls, model: nn.Module, key: Callable[[str], str | None]) -> "Tracer":
         """A slot for each tensor of the meta ``model``; a non-persistent buffer has no base."""
         persistent = set(model.state_dict(keep_vars=True))
-        slots: list[Slot] = []
-        by_id: dict[int, int] = {}
-        binding: dict[str, int] = {}
-        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-            if id(t) not in by_id:
-                by_id[id(t)] = len(slots)
-                slots.append(Slot(len(slots), [], t.dtype, tuple(t.shape)))
-            binding[name] = by_id[id(t)]
-            slots[by_id[id(t)]].names.append(name)
-        for s in slots:
-            s.base = checkpoint_source([n for n in s.names if n in persistent], key)
-        return cls(slots, binding, model)
+        named = dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
+        slots = [Slot(i, list(names), named[names[0]].dtype, tuple(named[names[0]].shape))
+                 for i, names in enumerate(dict.fromkeys(tie_groups(model).values()))]
+        for s in slots:  # the key its first persistent name (a tie's source first) loads from
+            s.base = next((k for n in s.names if n in persistent and (k := key(n)) is not None), None)
+        return cls(slots, {n: s.index for s in slots for n in s.names}, model)
 
     def slot(self, name: str) -> Slot:
         if name not in self.binding:
@@ -109,11 +99,9 @@ class Tracer:
     def now(self, s: Slot) -> Ref:
         return Ref(s.index, len(s.ops))
 
-    def copy(self, name: str, of: Slot) -> Slot:
-        copy = Slot(len(self.slots), [name], of.dtype, of.shape, base=self.now(of))
-        self.slots.append(copy)
-        self.binding[name] = copy.index
-        return copy
+    def copy(self, name: str, of: Slot) -> None:
+        self.binding[name] = len(self.slots)
+        self.slots.append(Slot(len(self.slots), [name], of.dtype, of.shape, base=self.now(of)))
 
     def names(self) -> list[str]:
         """The model's parameter and buffer names after the steps, in the model's order."""

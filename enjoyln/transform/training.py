@@ -13,7 +13,7 @@ from ..analysis import analyze
 from ..analysis.inputs import ExampleInputs
 from ..plan import FoldPlan
 from .steps import InsertCentering, SeparateTies, SwapLayerNorms, UntieParameters
-from .tensors import center_, owner_of, tensor_at, untie_config
+from .tensors import center_, own_copy, owner_of, tensor_at, untie_config
 
 
 class Centered(nn.Module):
@@ -45,11 +45,6 @@ class Centered(nn.Module):
             ", scaled" if self._scale[0] is not None else "")
 
 
-def _active_dropout(model: nn.Module) -> list[str]:
-    drops = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
-    return [name for name, m in model.named_modules() if isinstance(m, drops) and m.p > 0]
-
-
 def cbwc(model: nn.Module, example_inputs: ExampleInputs = None, *, plan: FoldPlan | None = None,
          auxiliary_centering: bool = False) -> nn.Module:
     """Prepare ``model`` for training or fine-tuning with CBWC + RMSNorm, in place; the plan is
@@ -65,7 +60,8 @@ def cbwc(model: nn.Module, example_inputs: ExampleInputs = None, *, plan: FoldPl
             plan = analyze(model, example_inputs, auxiliary_centering=auxiliary_centering)
         finally:
             model.train(was_training)
-    dropout = _active_dropout(model)
+    drops = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
+    dropout = [name for name, m in model.named_modules() if isinstance(m, drops) and m.p > 0]
     if dropout:
         warnings.warn(f"enjoyln: {len(dropout)} dropout layers (e.g. {dropout[0]}) are active in training "
                       "mode; between a centered layer and its LN they break the exact equivalence with the "
@@ -110,8 +106,7 @@ def _detach_tied_readers(model: nn.Module, original: nn.Parameter) -> None:
     """Give modules that read the raw tensor (a tied head) their own copy: baking writes into ``original``."""
     for name, p in list(model.named_parameters(remove_duplicate=False)):
         if p is original and ".parametrizations." not in name:
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, nn.Parameter(p.detach().clone(), p.requires_grad))
+            own_copy(model, name)
 
 
 __all__ = ["cbwc", "cbwc_remove", "Centered"]

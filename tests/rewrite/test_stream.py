@@ -297,6 +297,7 @@ class _InMemory:
     """The fold's tensors as the old path gave them (``final_tensors``), behind the streamed API."""
 
     def __init__(self, ck, plan, reader=None):
+        self.ck = ck
         self.tensors = final_tensors(ck, plan)
         self.outputs = {k: Output(t.dtype, tuple(t.shape)) for k, t in self.tensors.items()}
 
@@ -305,12 +306,6 @@ class _InMemory:
 
     def __contains__(self, key):
         return key in self.tensors
-
-    def source(self, key):
-        return None
-
-    def base_key(self, key):
-        return None
 
     def get(self, key):
         return self.tensors[key].contiguous()
