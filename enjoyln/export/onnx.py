@@ -87,10 +87,8 @@ def translation(opset: int) -> Any:
         axis = -len(normalized_shape)
         if weight is None:  # both ops require a scale: ones, which the exporter folds into a constant
             weight = op.Expand(op.CastLike(1.0, x), op.Constant(value_ints=list(normalized_shape)))
-        if opset >= DEFAULT_OPSET:
-            y = op.RMSNormalization(x, weight, axis=axis, epsilon=eps, stash_type=1)
-        else:
-            y = op.SimplifiedLayerNormalization(x, weight, axis=axis, epsilon=eps, stash_type=1)
+        norm = op.RMSNormalization if opset >= DEFAULT_OPSET else op.SimplifiedLayerNormalization
+        y = norm(x, weight, axis=axis, epsilon=eps, stash_type=1)
         return op.Add(y, bias) if bias is not None else y
 
     return rms_norm

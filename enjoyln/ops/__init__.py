@@ -27,9 +27,7 @@ def backend(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None)
         if cuda.supports(x, weight, bias):
             return cuda.choose(x, weight, bias)
         return "triton" if cuda.kernels() is not None else "reference"  # as _forward does
-    if x.device.type == "cpu" and not x.is_contiguous():
-        x = x.contiguous()  # as rms_norm does before choosing
-    return "cpu" if cpu.supports(x, weight, bias) else "reference"
+    return "cpu" if cpu.supports(x.contiguous(), weight, bias) else "reference"  # contiguous: as _forward
 
 
 def status() -> dict[str, str]:
