@@ -334,10 +334,7 @@ class FoldPlan(Record):
         return next((n for n in self.notes if getattr(n, "kind", "") == kind), None)
 
     def __getitem__(self, name: str) -> LayerNormEntry:
-        for entry in self.layer_norms:
-            if entry.name == name:
-                return entry
-        raise KeyError(name)
+        return {e.name: e for e in reversed(self.layer_norms)}[name]  # KeyError(name); the first of a name
 
     def to_dict(self) -> dict[str, Any]:
         return {"format_version": self.format_version, **super().to_dict()}  # notes: plain strings
@@ -397,4 +394,4 @@ def block_lists(plan: FoldPlan) -> dict[str, list[Any]]:
             "centered": [c.to_dict() for c in plan.centered],
             "center_on_load": [c.param for c in plan.centered if not c.saved],
             "untied": [u.param for u in plan.untied],
-            "auxiliary_centering": [{"module": a.module, "where": a.where} for a in plan.auxiliary]}
+            "auxiliary_centering": [a.to_dict() for a in plan.auxiliary]}

@@ -282,17 +282,12 @@ def _dynamic_axes(model: nn.Module, inputs: Inputs) -> dict[str, Any]:
             for a in axes[name]:
                 if grown.shape[a] == 1:
                     grown = grown.repeat_interleave(2, dim=a)
-            if grown is not value:
-                _replace_input(model, inputs, name, grown)
+            if grown is not value and name in inputs.kwargs:
+                inputs.kwargs[name] = grown
+            elif grown is not value:
+                position = list(inspect.signature(model.forward).parameters).index(name)
+                inputs.args = inputs.args[:position] + (grown,) + inputs.args[position + 1:]
     return axes
-
-
-def _replace_input(model: nn.Module, inputs: Inputs, name: str, value: torch.Tensor) -> None:
-    if name in inputs.kwargs:
-        inputs.kwargs[name] = value
-        return
-    position = list(inspect.signature(model.forward).parameters).index(name)
-    inputs.args = inputs.args[:position] + (value,) + inputs.args[position + 1:]
 
 
 def second_shape(inputs: Inputs, shapes: dict[str, list[Any]]) -> Inputs:
@@ -368,7 +363,7 @@ def _rms_bias_adds(proto: Any) -> int:
     constants = {i.name for i in proto.graph.initializer} | {
         n.output[0] for n in proto.graph.node if n.op_type == "Constant"}
     return sum(1 for node in proto.graph.node if node.op_type == "Add" and len(node.input) == 2
-               and any(produced.get(i) is not None and produced[i].op_type in RMS_OPS for i in node.input)
+               and any(getattr(produced.get(i), "op_type", None) in RMS_OPS for i in node.input)
                and set(node.input) & constants)
 
 
@@ -376,14 +371,11 @@ def _skip_candidates(proto: Any) -> int:
     """Norms fed by an ``Add`` of two computed tensors, neither an embedding lookup: what onnxruntime fuses."""
     produced = _producers(proto)
     constants = {i.name for i in proto.graph.initializer}
-    count = 0
-    for node in proto.graph.node:
-        add = produced.get(node.input[0]) if node.op_type in ("LayerNormalization", "SimplifiedLayerNormalization",
-                                                              "RMSNormalization") else None
-        if (add is not None and add.op_type == "Add" and len(add.input) == 2 and not set(add.input) & constants
-                and not any(produced.get(i) is not None and produced[i].op_type == "Gather" for i in add.input)):
-            count += 1
-    return count
+    adds = [produced.get(node.input[0]) for node in proto.graph.node
+            if node.op_type in ("LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization")]
+    return sum(1 for add in adds if add is not None and add.op_type == "Add" and len(add.input) == 2
+               and not set(add.input) & constants
+               and not any(getattr(produced.get(i), "op_type", None) == "Gather" for i in add.input))
 
 
 def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: ExportReport) -> None:
