@@ -36,9 +36,7 @@ class Fields:
                 raise ValueError(f"{self.where} has no {key}")
             return default
         value = self.data[key]
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
-              isinstance(value, int) and not isinstance(value, bool) if kind is int else isinstance(value, kind))
-        if not ok:
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, (int, float) if kind is float else kind):
             raise ValueError(f"{self.where}.{key} is {_short(value)}, not {self._KINDS[kind]}")
         return value
 
@@ -74,9 +72,7 @@ def _default(f: Field) -> Any:
     return f.default if f.default_factory is _REQUIRED else f.default_factory()
 
 
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls)
+_hints = cache(get_type_hints)  # of a record class, evaluated once
 
 
 def _data(value: Any) -> Any:

@@ -102,7 +102,7 @@ def _composite(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None
                eps: float) -> Tensor:
     """``enjoyln::rms_norm``: the kernel op on plain tensors (eager calls), the math when traced
     through (FakeTensor, FunctionalTensor, DTensor); inside ``opaque()`` a trace keeps the kernel op."""
-    if _opaque or all(t is None or type(t) is Tensor or type(t) is torch.nn.Parameter for t in (x, weight, bias)):
+    if _opaque or all(_plain(t, False) for t in (x, weight, bias)):
         return torch.ops.enjoyln.rms_norm_kernel(x, normalized_shape, weight, bias, eps)
     return rms_norm_reference(x, normalized_shape, weight, bias, eps)
 
