@@ -93,9 +93,9 @@ class _Layout:
     def everything(self) -> bool:
         return len(set(self.chosen)) * self.size == self.n
 
-    def run(self, fn: Any, src: int, dst: int | None, cand: int | None, dtype: torch.dtype) -> int:
+    def run(self, src: int, dst: int | None, cand: int | None, dtype: torch.dtype) -> int:
         """``center.c`` over every chosen block; the largest of its results (1: cand differs)."""
-        worst, item = 0, dtype.itemsize
+        fn, worst, item = kernel(), 0, dtype.itemsize
         for b in self.chosen:
             part = None if self.gain is None else self.gain[b * self.size:(b + 1) * self.size]
             at = b * self.size * self.inner * item
@@ -120,7 +120,7 @@ def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | N
     # a view, a strided parameter or a GPU tensor is centered in a contiguous CPU copy
     work = t if t.device.type == "cpu" and t.is_contiguous() else t.detach().to("cpu").contiguous()
     if _usable(work.dtype):
-        layout.run(kernel(), work.data_ptr(), work.data_ptr(), None, work.dtype)
+        layout.run(work.data_ptr(), work.data_ptr(), None, work.dtype)
     else:
         for b in layout.chosen:
             part = None if layout.gain is None else layout.gain[b * layout.size:(b + 1) * layout.size]
@@ -145,7 +145,7 @@ def center_into(src: int, dst: torch.Tensor, axis: int, groups: int = 1, scale: 
     if not layout.everything:  # the blocks left alone are copied as they are first
         ctypes.memmove(dst.data_ptr(), src, dst.numel() * dst.element_size())
         src = dst.data_ptr()
-    layout.run(kernel(), src, dst.data_ptr(), None, dst.dtype)
+    layout.run(src, dst.data_ptr(), None, dst.dtype)
     return True
 
 
@@ -165,7 +165,7 @@ def centered_equal(src: int, cand: int, dtype: torch.dtype, shape: Sequence[int]
     layout = _Layout.of(shape, axis, groups, scale, blocks)
     if not layout.everything:
         return None
-    return layout.run(kernel(), src, None, cand, dtype) == 0
+    return layout.run(src, None, cand, dtype) == 0
 
 
 def same_memory(a: int, b: int, nbytes: int) -> bool | None:
