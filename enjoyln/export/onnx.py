@@ -384,8 +384,8 @@ def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: Export
     from onnxruntime.transformers.optimizer import optimize_model
 
     config = getattr(model, "config", None)
-    heads = config_value(config, "num_attention_heads", "n_head", "num_heads") if config is not None else None
-    hidden = config_value(config, "hidden_size", "n_embd", "d_model") if config is not None else None
+    heads = config_value(config, "num_attention_heads", "n_head", "num_heads")  # None without a config
+    hidden = config_value(config, "hidden_size", "n_embd", "d_model")
     kind = OPTIMIZER_TYPES.get(getattr(config, "model_type", None), "gpt2" if is_causal_lm(model) else "bert")
     external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
     # the optimizer logs every pattern it did not find and its shape inference failures: the counts say what matters
@@ -418,9 +418,9 @@ def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: Export
                             f"residual Add + norm pairs{why}")
 
 
-def _fuse_bias_skip_simplified(model: Any) -> int:
+def _fuse_bias_skip_simplified(model: Any) -> None:
     """Move a linear layer's bias ``Add`` into the ``SkipSimplifiedLayerNormalization`` it feeds, as
-    onnxruntime's optimizer does for ``SkipLayerNormalization`` only; returns the Adds removed."""
+    onnxruntime's optimizer does for ``SkipLayerNormalization`` only."""
     produced = model.output_name_to_node()
     consumers = model.input_name_to_nodes()
     outputs = {o.name for o in model.model.graph.output}
@@ -444,7 +444,6 @@ def _fuse_bias_skip_simplified(model: Any) -> int:
             if len(node.input) == 4:
                 break
     model.remove_nodes(removed)
-    return len(removed)
 
 
 def ort_session(path: str | os.PathLike) -> Any:
@@ -477,12 +476,10 @@ def compare_with_onnxruntime(path: str | os.PathLike, runs: list[Inputs], wants:
             raise EnjoylnError(f"onnxruntime returned {len(got)} outputs where PyTorch returns {len(want)}")
         for a, b in zip(want, got):
             a, b = a.detach().double(), torch.from_numpy(b).double()
-            if a.shape != b.shape:
-                return math.inf
             finite = a.isfinite()
             # a NaN or Inf where PyTorch is finite (or another non-finite value where it is not) is a
             # difference; max(worst, nan) would be worst, so these are counted apart
-            if (not torch.equal(finite, b.isfinite())
+            if (a.shape != b.shape or not torch.equal(finite, b.isfinite())
                     or not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num())):
                 return math.inf
             if finite.any():
