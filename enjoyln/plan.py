@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import MISSING as _REQUIRED  # a field without a default (plan.MISSING is a note kind)
+from dataclasses import Field, dataclass, field, fields, is_dataclass
+from functools import cache
+from typing import Any, get_args, get_origin, get_type_hints
 
 from .errors import PlanError
 from .units import format_bytes
@@ -12,13 +14,11 @@ from .units import format_bytes
 FORMAT_VERSION = 2
 """The newest format read; a plan is written in the oldest that holds it: old readers refuse only what they misread."""
 
-_REQUIRED = object()
-
 
 class Fields:
     """A plan's JSON object read field by field, a ``ValueError`` naming the field at fault.
 
-    >>> Fields({"axis": "1"}, "c").integer("axis")
+    >>> Fields({"axis": "1"}, "c").read("axis", int)
     Traceback (most recent call last):
     ValueError: c.axis is '1', not an integer
     """
@@ -36,33 +36,31 @@ class Fields:
                 raise ValueError(f"{self.where} has no {key}")
             return default
         value = self.data[key]
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
-              isinstance(value, int) and not isinstance(value, bool) if kind is int else isinstance(value, kind))
-        if not ok:
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, (int, float) if kind is float else kind):
             raise ValueError(f"{self.where}.{key} is {_short(value)}, not {self._KINDS[kind]}")
         return value
 
-    def string(self, key: str, default: Any = _REQUIRED) -> Any:
-        return self._get(key, str, default)
-
-    def integer(self, key: str, default: Any = _REQUIRED) -> Any:
-        return self._get(key, int, default)
-
-    def number(self, key: str, default: Any = _REQUIRED) -> Any:
-        return float(self._get(key, float, default))
-
-    def flag(self, key: str, default: Any = _REQUIRED) -> Any:
-        return self._get(key, bool, default)
-
-    def items(self, key: str) -> list["Fields"]:
-        return [Fields(v, f"{self.where}.{key}[{i}]") for i, v in enumerate(self._get(key, list, []))]
-
-    def values(self, key: str, kind: type, default: Any = ()) -> Any:
+    def read(self, key: str, hint: Any, default: Any = _REQUIRED) -> Any:
+        """``key`` as the type ``hint`` says: a plain value, a list or tuple of them or of plan records, or
+        ``Rotation | None`` (a missing or empty one None); ``default`` left out where ``key`` is required."""
+        if type(None) in get_args(hint):
+            hint = get_args(hint)[0]
+        if is_dataclass(hint):
+            value = self.data.get(key)
+            return hint.from_dict(Fields(value, f"{self.where}.{key}")) if value else None
+        if get_origin(hint) is None:
+            value = self._get(key, hint, default)
+            return float(value) if hint is float else value
+        sequence, kind = get_origin(hint), get_args(hint)[0]
+        if is_dataclass(kind):
+            return sequence(kind.from_dict(Fields(v, f"{self.where}.{key}[{i}]"))
+                            for i, v in enumerate(self._get(key, list, [])))
         values = self._get(key, list, None)
         if values is None:
             return default
         one = Fields({str(i): v for i, v in enumerate(values)}, f"{self.where}.{key}")
-        return [one._get(str(i), kind, _REQUIRED) for i in range(len(values))]
+        values = [one._get(str(i), str if issubclass(kind, str) else kind, _REQUIRED) for i in range(len(values))]
+        return sequence(values if kind in (str, int) else map(kind.read, values))  # a Note: its ``read``
 
 
 def _short(value: Any) -> str:
@@ -70,8 +68,41 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _default(f: Field) -> Any:
+    return f.default if f.default_factory is _REQUIRED else f.default_factory()
+
+
+_hints = cache(get_type_hints)  # of a record class, evaluated once
+
+
+def _data(value: Any) -> Any:
+    """``value`` as JSON data: a record as its ``to_dict``, a sequence as a list, a ``Note`` as a plain string."""
+    if isinstance(value, Record):
+        return value.to_dict()
+    if isinstance(value, (list, tuple)):
+        return [_data(v) for v in value]
+    return str(value) if isinstance(value, str) else value
+
+
+class Record:
+    """A plan dataclass as a JSON object: its fields in order, read back by their types (``Fields.read``).
+    ``_sparse`` names newer fields left out at their defaults, so older readers read the same."""
+
+    _sparse: tuple[str, ...] = ()
+    _where = "record"  # the name a ``ValueError`` gives a bad object passed to ``from_dict``
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _data(getattr(self, f.name)) for f in fields(self)
+                if f.name not in self._sparse or _data(getattr(self, f.name)) != _data(_default(f))}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | Fields) -> Any:
+        f = d if isinstance(d, Fields) else Fields(d, cls._where)
+        return cls(**{x.name: f.read(x.name, _hints(cls)[x.name], _default(x)) for x in fields(cls)})
+
+
 @dataclass(frozen=True)
-class Centering:
+class Centering(Record):
     """A parameter to center: ``p -= p.mean(axis, keepdim=True)``; with ``groups > 1`` each of that
     many blocks of the axis on its own (``blocks``: only those), with ``scale`` (a LayerScale gain γ)
     ``p -= mean(γ·p) / γ``."""
@@ -82,24 +113,8 @@ class Centering:
     blocks: tuple[int, ...] | None = None  # only these of the ``groups`` blocks; None: all
     scale: str | None = None  # the parameter holding γ, indexed like ``axis``; not changed
     saved: bool = True  # False for a non-persistent buffer, not stored: ``enjoyln.load`` centers it again
-
-    def to_dict(self) -> dict[str, Any]:
-        """Newer fields at their defaults left out, so older readers read the same."""
-        d: dict[str, Any] = {"param": self.param, "axis": self.axis, "groups": self.groups}
-        if self.blocks is not None:
-            d["blocks"] = list(self.blocks)
-        if self.scale is not None:
-            d["scale"] = self.scale
-        if not self.saved:
-            d["saved"] = False
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | Fields) -> "Centering":
-        f = d if isinstance(d, Fields) else Fields(d, "centering")
-        blocks = f.values("blocks", int, None)
-        return cls(f.string("param"), f.integer("axis"), f.integer("groups", 1),
-                   tuple(blocks) if blocks is not None else None, f.string("scale", None), f.flag("saved", True))
+    _sparse = ("blocks", "scale", "saved")
+    _where = "centering"
 
     def describe(self) -> str:
         """``lin.weight (axis 0, in 4 groups)``."""
@@ -115,7 +130,7 @@ class Centering:
 
 
 @dataclass(frozen=True)
-class Untie:
+class Untie(Record):
     """A tied parameter name that gets its own copy before centering."""
 
     param: str
@@ -124,7 +139,7 @@ class Untie:
 
 
 @dataclass(frozen=True)
-class AuxCentering:
+class AuxCentering(Record):
     """An explicit ``x - x.mean(-1)`` inserted at a module's output or input."""
 
     module: str
@@ -135,7 +150,7 @@ class AuxCentering:
 
 
 @dataclass(frozen=True)
-class Fused:
+class Fused(Record):
     """Part of a folded norm's affine moved into a linear layer that reads it: entries ``start ..
     start + length`` of ``weight``'s input axis read the norm's features from ``offset``; they are
     multiplied by γ, and ``bias`` gains ``W β``."""
@@ -157,7 +172,7 @@ AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT = "fused", "gain fused", "kept"
 
 
 @dataclass(frozen=True)
-class Rotated:
+class Rotated(Record):
     """A tensor multiplied by the rotation ``Q`` along ``axis``: ``t ×_axis Q``."""
 
     param: str
@@ -168,24 +183,14 @@ class Rotated:
 
 
 @dataclass
-class Rotation:
+class Rotation(Record):
     """An orthogonal ``Q`` on the residual stream, rebuilt from ``kind``, ``seed`` and the width."""
 
     kind: str
     seed: int
     keep_mean: bool
     rotated: list[Rotated] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "seed": self.seed, "keep_mean": self.keep_mean,
-                "rotated": [asdict(r) for r in self.rotated]}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | Fields) -> "Rotation":
-        f = d if isinstance(d, Fields) else Fields(d, "rotation")
-        return cls(f.string("kind"), f.integer("seed"), f.flag("keep_mean"),
-                   [Rotated(r.string("param"), r.integer("axis"), r.flag("saved", True), r.integer("start", 0),
-                            r.integer("length", 0)) for r in f.items("rotated")])
+    _where = "rotation"
 
 
 @dataclass(frozen=True)
@@ -246,7 +251,7 @@ class Note(str):
 
 
 @dataclass
-class LayerNormEntry:
+class LayerNormEntry(Record):
     """One LayerNorm: an ``nn.LayerNorm`` module or a functional call."""
 
     name: str
@@ -264,6 +269,8 @@ class LayerNormEntry:
     dim: int = -1  # the axis normalized: -1, or 1 for a channels-first norm (timm's ``LayerNorm2d``)
     upcast: bool = False  # computes in float32, cast back to the input's dtype (timm's ``LayerNormFp32``, OLMo)
     then: tuple[str, ...] = ()  # children applied to the output (timm's ``LayerNormAct2d``), kept after the RMSNorm
+    _sparse = ("affine", "affine_reason", "fused", "dim", "upcast", "then")  # newer fields, written only when used
+    _where = "layer_norm"
 
     @property
     def form(self) -> tuple[int, bool, tuple[str, ...]]:
@@ -277,34 +284,9 @@ class LayerNormEntry:
     def weightless(self) -> bool:
         return self.foldable and self.affine == AFFINE_FUSED
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(normalized_shape=list(self.normalized_shape), centered=[c.to_dict() for c in self.centered],
-                 then=list(self.then))
-        for key in ("affine", "affine_reason", "fused", "upcast", "then"):  # newer fields, written only when used
-            if not d[key]:
-                d.pop(key)
-        if self.dim == -1:
-            d.pop("dim")
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | Fields) -> "LayerNormEntry":
-        f = d if isinstance(d, Fields) else Fields(d, "layer_norm")
-        return cls(
-            name=f.string("name"), kind=f.string("kind"), foldable=f.flag("foldable"), reason=f.string("reason", ""),
-            centered=[Centering.from_dict(c) for c in f.items("centered")],
-            normalized_shape=tuple(f.values("normalized_shape", int)), eps=f.number("eps", 1e-5),
-            norm=f.string("norm", "layer_norm"), groups=f.integer("groups", 1), affine=f.string("affine", ""),
-            affine_reason=f.string("affine_reason", ""),
-            fused=[Fused(x.string("weight"), x.integer("axis"), x.integer("start"), x.integer("length"),
-                         x.integer("offset", 0), x.string("bias", None)) for x in f.items("fused")],
-            dim=f.integer("dim", -1), upcast=f.flag("upcast", False), then=tuple(f.values("then", str)),
-        )
-
 
 @dataclass
-class FoldPlan:
+class FoldPlan(Record):
     """Which LayerNorms fold, and what must be centered and untied for them.
 
     >>> plan = FoldPlan("Toy", [LayerNormEntry("ln", "module", True)])
@@ -319,6 +301,8 @@ class FoldPlan:
     auxiliary: list[AuxCentering] = field(default_factory=list)  # ``auxiliary_centering=True``
     norm_modules: list[str] = field(default_factory=list)  # every LN and GroupNorm, to recognise the model again
     rotation: Rotation | None = None
+    _sparse = ("rotation",)
+    _where = "plan"
 
     @property
     def foldable(self) -> list[LayerNormEntry]:
@@ -346,34 +330,19 @@ class FoldPlan:
         return next((n for n in self.notes if getattr(n, "kind", "") == kind), None)
 
     def __getitem__(self, name: str) -> LayerNormEntry:
-        for entry in self.layer_norms:
-            if entry.name == name:
-                return entry
-        raise KeyError(name)
+        return {e.name: e for e in reversed(self.layer_norms)}[name]  # KeyError(name); the first of a name
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format_version": self.format_version, "model": self.model,
-                "layer_norms": [e.to_dict() for e in self.layer_norms], "untied": [asdict(u) for u in self.untied],
-                "notes": [str(n) if isinstance(n, str) else n for n in self.notes],  # a Note is a plain string here
-                "auxiliary": [asdict(a) for a in self.auxiliary], "norm_modules": list(self.norm_modules),
-                **({"rotation": self.rotation.to_dict()} if self.rotation else {})}
+        return {"format_version": self.format_version, **super().to_dict()}  # notes: plain strings
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "FoldPlan":
+    def from_dict(cls, d: dict[str, Any] | Fields) -> "FoldPlan":
         """``ValueError`` naming the field at fault, ``PlanError`` for a plan a newer enjoyln wrote."""
-        f = Fields(d, "plan")
-        version = f.integer("format_version", FORMAT_VERSION)
+        version = Fields(d, "plan").read("format_version", int, FORMAT_VERSION)
         if version > FORMAT_VERSION:
             raise PlanError(f"this plan has format version {version}; this enjoyln reads up to "
                             f"{FORMAT_VERSION}, so upgrade enjoyln")
-        rotation = f.data.get("rotation")
-        return cls(
-            model=f.string("model"), layer_norms=[LayerNormEntry.from_dict(e) for e in f.items("layer_norms")],
-            untied=[Untie(u.string("param"), u.string("tied_to"), u.integer("nbytes")) for u in f.items("untied")],
-            notes=[Note.read(n) for n in f.values("notes", str)],
-            auxiliary=[AuxCentering(a.string("module"), a.string("where")) for a in f.items("auxiliary")],
-            norm_modules=list(f.values("norm_modules", str)),
-            rotation=Rotation.from_dict(Fields(rotation, "plan.rotation")) if rotation else None)
+        return super().from_dict(d)
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), **{"indent": 2, **kwargs})
@@ -421,4 +390,4 @@ def block_lists(plan: FoldPlan) -> dict[str, list[Any]]:
             "centered": [c.to_dict() for c in plan.centered],
             "center_on_load": [c.param for c in plan.centered if not c.saved],
             "untied": [u.param for u in plan.untied],
-            "auxiliary_centering": [{"module": a.module, "where": a.where} for a in plan.auxiliary]}
+            "auxiliary_centering": [a.to_dict() for a in plan.auxiliary]}

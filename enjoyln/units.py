@@ -15,16 +15,11 @@ def parse_size(text: str | int | None) -> int | None:
         return text
     s = text.strip().upper().replace(" ", "")
     units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    size = None
-    for unit, mult in units.items():
-        if s.endswith(unit):
-            try:
-                size = int(float(s[: -len(unit)]) * mult)
-            except (ValueError, OverflowError):
-                pass
-            break
-    else:
-        size = int(s) if s.isascii() and s.isdigit() else None
+    unit = next((u for u in units if s.endswith(u)), None)
+    try:
+        size = int(float(s[: -len(unit)]) * units[unit]) if unit else int(s) if s.isascii() and s.isdigit() else None
+    except (ValueError, OverflowError):  # not a number, or not a finite one
+        size = None
     if size is None or size <= 0:
         raise CheckpointError(f"cannot use the size {text!r}; write a positive size such as 500MB or 2GB")
     return size

@@ -87,10 +87,8 @@ def translation(opset: int) -> Any:
         axis = -len(normalized_shape)
         if weight is None:  # both ops require a scale: ones, which the exporter folds into a constant
             weight = op.Expand(op.CastLike(1.0, x), op.Constant(value_ints=list(normalized_shape)))
-        if opset >= DEFAULT_OPSET:
-            y = op.RMSNormalization(x, weight, axis=axis, epsilon=eps, stash_type=1)
-        else:
-            y = op.SimplifiedLayerNormalization(x, weight, axis=axis, epsilon=eps, stash_type=1)
+        norm = op.RMSNormalization if opset >= DEFAULT_OPSET else op.SimplifiedLayerNormalization
+        y = norm(x, weight, axis=axis, epsilon=eps, stash_type=1)
         return op.Add(y, bias) if bias is not None else y
 
     return rms_norm
@@ -284,17 +282,12 @@ def _dynamic_axes(model: nn.Module, inputs: Inputs) -> dict[str, Any]:
             for a in axes[name]:
                 if grown.shape[a] == 1:
                     grown = grown.repeat_interleave(2, dim=a)
-            if grown is not value:
-                _replace_input(model, inputs, name, grown)
+            if grown is not value and name in inputs.kwargs:
+                inputs.kwargs[name] = grown
+            elif grown is not value:
+                position = list(inspect.signature(model.forward).parameters).index(name)
+                inputs.args = inputs.args[:position] + (grown,) + inputs.args[position + 1:]
     return axes
-
-
-def _replace_input(model: nn.Module, inputs: Inputs, name: str, value: torch.Tensor) -> None:
-    if name in inputs.kwargs:
-        inputs.kwargs[name] = value
-        return
-    position = list(inspect.signature(model.forward).parameters).index(name)
-    inputs.args = inputs.args[:position] + (value,) + inputs.args[position + 1:]
 
 
 def second_shape(inputs: Inputs, shapes: dict[str, list[Any]]) -> Inputs:
@@ -370,7 +363,7 @@ def _rms_bias_adds(proto: Any) -> int:
     constants = {i.name for i in proto.graph.initializer} | {
         n.output[0] for n in proto.graph.node if n.op_type == "Constant"}
     return sum(1 for node in proto.graph.node if node.op_type == "Add" and len(node.input) == 2
-               and any(produced.get(i) is not None and produced[i].op_type in RMS_OPS for i in node.input)
+               and any(getattr(produced.get(i), "op_type", None) in RMS_OPS for i in node.input)
                and set(node.input) & constants)
 
 
@@ -378,14 +371,11 @@ def _skip_candidates(proto: Any) -> int:
     """Norms fed by an ``Add`` of two computed tensors, neither an embedding lookup: what onnxruntime fuses."""
     produced = _producers(proto)
     constants = {i.name for i in proto.graph.initializer}
-    count = 0
-    for node in proto.graph.node:
-        add = produced.get(node.input[0]) if node.op_type in ("LayerNormalization", "SimplifiedLayerNormalization",
-                                                              "RMSNormalization") else None
-        if (add is not None and add.op_type == "Add" and len(add.input) == 2 and not set(add.input) & constants
-                and not any(produced.get(i) is not None and produced[i].op_type == "Gather" for i in add.input)):
-            count += 1
-    return count
+    adds = [produced.get(node.input[0]) for node in proto.graph.node
+            if node.op_type in ("LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization")]
+    return sum(1 for add in adds if add is not None and add.op_type == "Add" and len(add.input) == 2
+               and not set(add.input) & constants
+               and not any(getattr(produced.get(i), "op_type", None) == "Gather" for i in add.input))
 
 
 def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: ExportReport) -> None:
@@ -394,8 +384,8 @@ def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: Export
     from onnxruntime.transformers.optimizer import optimize_model
 
     config = getattr(model, "config", None)
-    heads = config_value(config, "num_attention_heads", "n_head", "num_heads") if config is not None else None
-    hidden = config_value(config, "hidden_size", "n_embd", "d_model") if config is not None else None
+    heads = config_value(config, "num_attention_heads", "n_head", "num_heads")  # None without a config
+    hidden = config_value(config, "hidden_size", "n_embd", "d_model")
     kind = OPTIMIZER_TYPES.get(getattr(config, "model_type", None), "gpt2" if is_causal_lm(model) else "bert")
     external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
     # the optimizer logs every pattern it did not find and its shape inference failures: the counts say what matters
@@ -428,9 +418,9 @@ def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: Export
                             f"residual Add + norm pairs{why}")
 
 
-def _fuse_bias_skip_simplified(model: Any) -> int:
+def _fuse_bias_skip_simplified(model: Any) -> None:
     """Move a linear layer's bias ``Add`` into the ``SkipSimplifiedLayerNormalization`` it feeds, as
-    onnxruntime's optimizer does for ``SkipLayerNormalization`` only; returns the Adds removed."""
+    onnxruntime's optimizer does for ``SkipLayerNormalization`` only."""
     produced = model.output_name_to_node()
     consumers = model.input_name_to_nodes()
     outputs = {o.name for o in model.model.graph.output}
@@ -454,7 +444,6 @@ def _fuse_bias_skip_simplified(model: Any) -> int:
             if len(node.input) == 4:
                 break
     model.remove_nodes(removed)
-    return len(removed)
 
 
 def ort_session(path: str | os.PathLike) -> Any:
@@ -487,12 +476,10 @@ def compare_with_onnxruntime(path: str | os.PathLike, runs: list[Inputs], wants:
             raise EnjoylnError(f"onnxruntime returned {len(got)} outputs where PyTorch returns {len(want)}")
         for a, b in zip(want, got):
             a, b = a.detach().double(), torch.from_numpy(b).double()
-            if a.shape != b.shape:
-                return math.inf
             finite = a.isfinite()
             # a NaN or Inf where PyTorch is finite (or another non-finite value where it is not) is a
             # difference; max(worst, nan) would be worst, so these are counted apart
-            if (not torch.equal(finite, b.isfinite())
+            if (a.shape != b.shape or not torch.equal(finite, b.isfinite())
                     or not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num())):
                 return math.inf
             if finite.any():

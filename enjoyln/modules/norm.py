@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -22,6 +22,21 @@ def _is_unit(t: torch.Tensor | None) -> bool:
     data (``.data =`` moves the pointer), not a copy (new storage)."""
     mark = getattr(t, _UNIT, None) if t is not None else None
     return mark is not None and not torch.compiler.is_compiling() and mark == (t._version, t.data_ptr())
+
+
+def _sharing(cls: type, module: nn.Module, children: bool = False, **attrs: Any) -> Any:
+    """A ``cls`` with ``attrs`` sharing ``module``'s ``weight`` and ``bias`` (or None) and its mode; with
+    ``children``, its child modules too, under their names (so their parameters keep theirs)."""
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    for name, value in attrs.items():
+        setattr(new, name, value)
+    new.register_parameter("weight", getattr(module, "weight", None))
+    new.register_parameter("bias", getattr(module, "bias", None))
+    for name, child in module.named_children() if children else ():
+        new.add_module(name, child)
+    new.train(module.training)
+    return new
 
 
 class RMSNorm(nn.Module):
@@ -95,15 +110,8 @@ class RMSNorm(nn.Module):
 
     @classmethod
     def from_layer_norm(cls, ln: nn.LayerNorm) -> "RMSNorm":
-        rms = cls.__new__(cls)
-        nn.Module.__init__(rms)
-        rms.normalized_shape = tuple(ln.normalized_shape)
-        rms.eps = float(ln.eps)
-        rms.elementwise_affine = ln.elementwise_affine
-        rms.register_parameter("weight", ln.weight)
-        rms.register_parameter("bias", ln.bias)
-        rms.train(ln.training)
-        return rms
+        return _sharing(cls, ln, normalized_shape=tuple(ln.normalized_shape), eps=float(ln.eps),
+                        elementwise_affine=ln.elementwise_affine)
 
     @classmethod
     def from_module(cls, module: nn.Module, normalized_shape: Sequence[int], eps: float, *, dim: int = -1,
@@ -113,19 +121,9 @@ class RMSNorm(nn.Module):
         >>> RMSNorm.from_module(torch.nn.LayerNorm(8), (8,), 1e-5, upcast=True).upcast
         True
         """
-        rms = cls.__new__(cls)
-        nn.Module.__init__(rms)
-        rms.normalized_shape = tuple(int(s) for s in normalized_shape)
-        rms.eps = float(eps)
-        rms.dim, rms.upcast, rms.then = int(dim), bool(upcast), tuple(then)
-        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-        rms.elementwise_affine = weight is not None
-        rms.register_parameter("weight", weight)
-        rms.register_parameter("bias", bias)
-        for name, child in module.named_children():  # their parameters keep their names
-            rms.add_module(name, child)
-        rms.train(module.training)
-        return rms
+        return _sharing(cls, module, True, normalized_shape=tuple(int(s) for s in normalized_shape), eps=float(eps),
+                        dim=int(dim), upcast=bool(upcast), then=tuple(then),
+                        elementwise_affine=getattr(module, "weight", None) is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype, moved = x.dtype, self.dim not in (-1, x.dim() - 1)
@@ -176,13 +174,8 @@ class GroupRMSNorm(nn.Module):
 
     @classmethod
     def from_group_norm(cls, gn: nn.GroupNorm) -> "GroupRMSNorm":
-        rms = cls.__new__(cls)
-        nn.Module.__init__(rms)
-        rms.num_groups, rms.num_channels, rms.eps, rms.affine = gn.num_groups, gn.num_channels, float(gn.eps), gn.affine
-        rms.register_parameter("weight", gn.weight)
-        rms.register_parameter("bias", gn.bias)
-        rms.train(gn.training)
-        return rms
+        return _sharing(cls, gn, num_groups=gn.num_groups, num_channels=gn.num_channels, eps=float(gn.eps),
+                        affine=gn.affine)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, c = x.shape[0], x.shape[1]

@@ -27,9 +27,7 @@ def backend(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None)
         if cuda.supports(x, weight, bias):
             return cuda.choose(x, weight, bias)
         return "triton" if cuda.kernels() is not None else "reference"  # as _forward does
-    if x.device.type == "cpu" and not x.is_contiguous():
-        x = x.contiguous()  # as rms_norm does before choosing
-    return "cpu" if cpu.supports(x, weight, bias) else "reference"
+    return "cpu" if cpu.supports(x.contiguous(), weight, bias) else "reference"  # contiguous: as _forward
 
 
 def status() -> dict[str, str]:
@@ -104,7 +102,7 @@ def _composite(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None
                eps: float) -> Tensor:
     """``enjoyln::rms_norm``: the kernel op on plain tensors (eager calls), the math when traced
     through (FakeTensor, FunctionalTensor, DTensor); inside ``opaque()`` a trace keeps the kernel op."""
-    if _opaque or all(t is None or type(t) is Tensor or type(t) is torch.nn.Parameter for t in (x, weight, bias)):
+    if _opaque or all(_plain(t, False) for t in (x, weight, bias)):
         return torch.ops.enjoyln.rms_norm_kernel(x, normalized_shape, weight, bias, eps)
     return rms_norm_reference(x, normalized_shape, weight, bias, eps)
 

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
-import subprocess
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -25,45 +22,30 @@ SOURCE = Path(__file__).with_name("center.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math"]
 CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
-_lock = threading.Lock()
-_kernel: Any = None
-_into: Any = None
 _same: Any = None
-_error: str | None = None
-_loaded = False
 _has_f16 = False
 
 
-def kernel() -> Any:
-    """The compiled ``enjoyln_center``, built once per process; None if it cannot be."""
-    global _kernel, _into, _same, _error, _loaded, _has_f16
-    if _loaded:
-        return _kernel
-    with _lock:
-        if not _loaded:
-            if os.environ.get("ENJOYLN_DISABLE_CPU_KERNEL"):
-                _error = "disabled by ENJOYLN_DISABLE_CPU_KERNEL"
-            else:
-                try:
-                    lib = cpu.compile_library(SOURCE, FLAGS)
-                    fn, into, same = lib.enjoyln_center, lib.enjoyln_center_into, lib.enjoyln_same_bytes
-                    i64, p = ctypes.c_int64, ctypes.c_void_p
-                    fn.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, p, ctypes.c_int]
-                    into.argtypes = [p, p, p, ctypes.c_int, i64, i64, i64, i64, p, ctypes.c_int]
-                    same.argtypes = [p, p, i64, ctypes.c_int]
-                    for f in (fn, into, same):
-                        f.restype = ctypes.c_int
-                    _has_f16 = bool(lib.enjoyln_center_has_f16())
-                    _kernel, _into, _same = fn, into, same
-                except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
-                    _error = str(exc)
-            _loaded = True
-    return _kernel
+def _build() -> Any:
+    global _same, _has_f16
+    lib = cpu.compile_library(SOURCE, FLAGS)
+    into, same = lib.enjoyln_center_into, lib.enjoyln_same_bytes
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    into.argtypes = [p, p, p, ctypes.c_int, i64, i64, i64, i64, p, ctypes.c_int]
+    same.argtypes = [p, p, i64, ctypes.c_int]
+    into.restype = same.restype = ctypes.c_int
+    _has_f16 = bool(lib.enjoyln_center_has_f16())
+    _same = same
+    return into
+
+
+kernel = cpu.Once(_build)
+"""The compiled ``enjoyln_center_into``, built once per process; None if it cannot be."""
 
 
 def status() -> str:
     """'C kernel' or why the torch version is used."""
-    return "C kernel" if kernel() is not None else f"torch (no C kernel: {_error})"
+    return "C kernel" if kernel() is not None else f"torch (no C kernel: {kernel.error})"
 
 
 class CenteringError(ValueError):
@@ -111,9 +93,9 @@ class _Layout:
     def everything(self) -> bool:
         return len(set(self.chosen)) * self.size == self.n
 
-    def run(self, fn: Any, src: int, dst: int | None, cand: int | None, dtype: torch.dtype) -> int:
+    def run(self, src: int, dst: int | None, cand: int | None, dtype: torch.dtype) -> int:
         """``center.c`` over every chosen block; the largest of its results (1: cand differs)."""
-        worst, item = 0, dtype.itemsize
+        fn, worst, item = kernel(), 0, dtype.itemsize
         for b in self.chosen:
             part = None if self.gain is None else self.gain[b * self.size:(b + 1) * self.size]
             at = b * self.size * self.inner * item
@@ -138,7 +120,7 @@ def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | N
     # a view, a strided parameter or a GPU tensor is centered in a contiguous CPU copy
     work = t if t.device.type == "cpu" and t.is_contiguous() else t.detach().to("cpu").contiguous()
     if _usable(work.dtype):
-        layout.run(_into, work.data_ptr(), work.data_ptr(), None, work.dtype)
+        layout.run(work.data_ptr(), work.data_ptr(), None, work.dtype)
     else:
         for b in layout.chosen:
             part = None if layout.gain is None else layout.gain[b * layout.size:(b + 1) * layout.size]
@@ -163,7 +145,7 @@ def center_into(src: int, dst: torch.Tensor, axis: int, groups: int = 1, scale: 
     if not layout.everything:  # the blocks left alone are copied as they are first
         ctypes.memmove(dst.data_ptr(), src, dst.numel() * dst.element_size())
         src = dst.data_ptr()
-    layout.run(_into, src, dst.data_ptr(), None, dst.dtype)
+    layout.run(src, dst.data_ptr(), None, dst.dtype)
     return True
 
 
@@ -183,7 +165,7 @@ def centered_equal(src: int, cand: int, dtype: torch.dtype, shape: Sequence[int]
     layout = _Layout.of(shape, axis, groups, scale, blocks)
     if not layout.everything:
         return None
-    return layout.run(_into, src, None, cand, dtype) == 0
+    return layout.run(src, None, cand, dtype) == 0
 
 
 def same_memory(a: int, b: int, nbytes: int) -> bool | None:

@@ -8,8 +8,7 @@ import ctypes.util
 import torch
 
 try:
-    _libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-    _memcmp = _libc.memcmp
+    _memcmp = ctypes.CDLL(ctypes.util.find_library("c") or None).memcmp
     _memcmp.restype = ctypes.c_int
     _memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 except (OSError, AttributeError):  # no libc to load: torch's comparison is right, only slower

@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -19,10 +19,6 @@ SOURCE = Path(__file__).with_name("rmsnorm_cpu.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
-_loaded = False
 _kernels: dict[torch.dtype, Any] = {}  # dtype -> ctypes function, filled once the library loads
 
 
@@ -55,48 +51,55 @@ def compile_library(source: Path, flags: list[str]) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib_path))
 
 
+class Once:
+    """A C library built on first use, once per process (``ENJOYLN_DISABLE_CPU_KERNEL``: never); calling it
+    returns the library, or None with ``error`` saying why."""
+
+    def __init__(self, build: Callable[[], Any]) -> None:
+        self.build, self.lock, self.loaded, self.value, self.error = build, threading.Lock(), False, None, None
+
+    def __call__(self) -> Any:
+        if self.loaded:
+            return self.value
+        with self.lock:
+            if not self.loaded:
+                if os.environ.get("ENJOYLN_DISABLE_CPU_KERNEL"):
+                    self.error = "disabled by ENJOYLN_DISABLE_CPU_KERNEL"
+                else:
+                    try:
+                        self.value = self.build()
+                    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+                        self.error = str(exc)
+                self.loaded = True
+        return self.value
+
+
 def _build() -> ctypes.CDLL:
     lib = compile_library(SOURCE, FLAGS)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    for name in ("f32", "bf16", "f16"):
-        fn = getattr(lib, f"enjoyln_rms_norm_{name}", None)
-        if fn is not None:
-            fn.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, ctypes.c_int]
-            fn.restype = None
+    has_f16 = getattr(lib, "enjoyln_has_f16", lambda: 0)()
+    kernels = {dtype: getattr(lib, f"enjoyln_rms_norm_{name}") for dtype, name in DTYPES.items()
+               if dtype != torch.float16 or has_f16}
+    for fn in kernels.values():
+        fn.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, ctypes.c_int]
+        fn.restype = None
+    _kernels.update(kernels)  # all or none
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built once per process; None if it cannot be."""
-    global _lib, _error, _loaded
-    if _loaded:
-        return _lib
-    with _lock:
-        if not _loaded:
-            if os.environ.get("ENJOYLN_DISABLE_CPU_KERNEL"):
-                _error = "disabled by ENJOYLN_DISABLE_CPU_KERNEL"
-            else:
-                try:
-                    _lib = _build()
-                except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                    _error = str(exc)
-            if _lib is not None:
-                has_f16 = getattr(_lib, "enjoyln_has_f16", lambda: 0)()
-                _kernels.update({dtype: getattr(_lib, f"enjoyln_rms_norm_{name}") for dtype, name in DTYPES.items()
-                                 if dtype != torch.float16 or has_f16})
-            _loaded = True
-    return _lib
+library = Once(_build)
+"""The compiled kernel, built once per process; None if it cannot be."""
 
 
 def kernel(dtype: torch.dtype) -> Any:
-    if not _loaded:
+    if not library.loaded:
         library()
     return _kernels.get(dtype)
 
 
 def status() -> str:
     if library() is None:
-        return f"reference PyTorch (no fused kernel: {_error})"
+        return f"reference PyTorch (no fused kernel: {library.error})"
     return f"fused C kernel, {torch.get_num_threads()} threads"
 
 
