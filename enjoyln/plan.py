@@ -120,8 +120,10 @@ class Centering(Record):
         """``lin.weight (axis 0, in 4 groups)``."""
         more = []
         if self.groups > 1:
-            blocks = ", ".join(map(str, self.blocks[:6])) + (", ..." if len(self.blocks or ()) > 6 else "")
-            more.append(f"in {self.groups} groups" + (f", blocks {blocks}" if self.blocks is not None else ""))
+            more.append(f"in {self.groups} groups")
+            if self.blocks is not None:  # None: every block, nothing more to say
+                shown = ", ".join(map(str, self.blocks[:6]))
+                more[-1] += f", blocks {shown}" + (", ..." if len(self.blocks) > 6 else "")
         if self.scale:
             more.append(f"scaled by {self.scale}")
         if not self.saved:

@@ -1,10 +1,12 @@
 import json
 
 import pytest
+import torch
 
 import enjoyln
 from enjoyln.plan import NOT_ROTATED, TRAINING_MODE, Centering, FoldPlan, LayerNormEntry, Note, RotationSpec, Untie
 from enjoyln.testing import perturb, tiny_model
+from models import Heads
 
 
 def test_json_round_trip_of_a_real_plan():
@@ -72,3 +74,19 @@ def test_code_acts_on_a_note_kind_not_on_its_words():
 def test_rotation_spec_takes_the_public_tuple():
     assert RotationSpec.of(("random", "3", 0)) == RotationSpec("random", 3, False)
     assert RotationSpec.of(None) is None and RotationSpec.of(RotationSpec()) == RotationSpec("hadamard", 0, True)
+
+
+@pytest.mark.parametrize("blocks, words", [(None, "in 2 groups)"), ((1,), "in 2 groups, blocks 1)"),
+                                           (tuple(range(8)), "in 8 groups, blocks 0, 1, 2, 3, 4, 5, ...)")])
+def test_a_grouped_centering_describes_itself(blocks, words):
+    groups = 8 if blocks and len(blocks) > 6 else 2
+    assert Centering("w", 0, groups, blocks).describe() == f"w (axis 0, {words}"
+
+
+def test_summary_of_per_head_norms_fed_by_separate_projections():
+    """q and k LayerNorms over each head, after q/k/v projections of their own: every block of q's and k's
+    output is centered (blocks None), which the summary once failed to print."""
+    plan = enjoyln.analyze(perturb(Heads(fused=False)), torch.randint(0, 32, (2, 5)))
+    grouped = [c for c in plan.centered if c.groups > 1]
+    assert grouped and all(c.blocks is None for c in grouped)
+    assert f"  {grouped[0].describe()}" in plan.summary().splitlines()
