@@ -78,16 +78,12 @@ def parse_device(text: str, option: str = "--device") -> str:
     if text == "cpu":
         return text
     if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
-        if not _nvidia_driver():
+        # a GPU driver torch.cuda could use (NVIDIA's, WSL's, ROCm's), looked for without torch
+        if os.name != "nt" and not any(Path(p).exists() for p in ("/proc/driver/nvidia", "/dev/nvidiactl",
+                                                                  "/dev/dxg", "/dev/kfd")):
             raise EnjoylnError(f"{option} {text}, but CUDA is not available here (no GPU driver is loaded)")
         return text
     raise EnjoylnError(f"unknown {option} {text!r}; use cpu, cuda or cuda:N")
-
-
-def _nvidia_driver() -> bool:
-    """Whether a GPU driver torch.cuda could use is loaded (NVIDIA's, WSL's, ROCm's), asked without torch."""
-    return os.name == "nt" or any(Path(p).exists() for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg",
-                                                               "/dev/kfd"))
 
 
 def check_cuda(device: str, option: str = "--device") -> str:

@@ -155,10 +155,19 @@ def bench(
         if kernels:
             results = _bench_kernels(display, payload, shape_list, shapes, dtype_names, device, as_json)
         if e2e or compile_:
-            models = _models(display, src, device, model_dtype, access)
+            from .. import bench as timing
+
+            display.stage("loading and folding the model")
+            models = timing.models_to_compare(src, device, torch_dtypes([model_dtype])[0] if model_dtype else None,
+                                              access)
             e2e_result = _bench_models(display, payload, models, runs, as_json)
     if plot is not None:
-        _plot(results, e2e_result, plot, as_json)
+        from .. import bench as timing
+
+        timing.plot_results(results, e2e_result, plot)
+        noisy = any(r.warnings for r in results) or (e2e_result is not None and e2e_result.latency.warnings())
+        if not as_json:
+            out.print(f"Saved {plot}" + (" (titled with a warning: the timings were noisy)" if noisy else ""))
     if as_json:
         print_json(payload)
 
@@ -209,14 +218,6 @@ def _bench_kernels(display: Display, payload: dict[str, Any], shape_list: list[t
     return results
 
 
-def _models(display: Display, src: Path | None, device: str, model_dtype: str | None, access: Access) -> tuple:
-    """(the original, the folded model)."""
-    from .. import bench as timing
-
-    display.stage("loading and folding the model")
-    return timing.models_to_compare(src, device, torch_dtypes([model_dtype])[0] if model_dtype else None, access)
-
-
 def _bench_models(display: Display, payload: dict[str, Any], models: tuple, runs: _ModelRuns,
                   as_json: bool) -> Any:
     """End to end and compiled, as asked; the end-to-end result, or None."""
@@ -242,15 +243,6 @@ def _bench_models(display: Display, payload: dict[str, Any], models: tuple, runs
         if not as_json:
             print_compiled(comp)
     return e2e_result
-
-
-def _plot(results: list[Any], e2e_result: Any, plot: Path, as_json: bool) -> None:
-    from .. import bench as timing
-
-    timing.plot_results(results, e2e_result, plot)
-    if not as_json:
-        noisy = any(r.warnings for r in results) or (e2e_result is not None and e2e_result.latency.warnings())
-        out.print(f"Saved {plot}" + (" (titled with a warning: the timings were noisy)" if noisy else ""))
 
 
 PACKAGES = ("torch", "transformers", "safetensors", "huggingface_hub", "accelerate", "tokenizers", "triton", "onnx",
@@ -286,21 +278,18 @@ def env(as_json: JsonOnly = False, quiet: Quiet = False, verbose: Verbose = Fals
     if as_json:
         print_json(info)
         return
-    out.print("[bold]versions[/]")
-    for name, version in versions.items():
-        out.print(f"  {name}: {version or 'not installed'}")
-    out.print(f"  torch built for CUDA: {torch.version.cuda or 'no (a CPU build)'}; {info['threads']} CPU threads")
-    out.print("[bold]RMSNorm kernels[/] (what a folded model runs on each device)")
-    for device, what in backends.items():
-        out.print(f"  {device}: {escape(what)}")
-    out.print("[bold]GPU[/]")
-    for g in gpus:
-        out.print(f"  {g['name']} (compute capability {g['capability']}, {g['memory_gb']} GB)")
-    if not gpus:
-        out.print("  none")
-    out.print("[bold]caches[/]")
-    for name, path in info["caches"].items():
-        out.print(f"  {name}: {escape(str(path))}")
+    sections = {
+        "[bold]versions[/]": [f"{name}: {version or 'not installed'}" for name, version in versions.items()]
+        + [f"torch built for CUDA: {torch.version.cuda or 'no (a CPU build)'}; {info['threads']} CPU threads"],
+        "[bold]RMSNorm kernels[/] (what a folded model runs on each device)": [
+            f"{device}: {escape(what)}" for device, what in backends.items()],
+        "[bold]GPU[/]": [f"{g['name']} (compute capability {g['capability']}, {g['memory_gb']} GB)" for g in gpus]
+        or ["none"],
+        "[bold]caches[/]": [f"{name}: {escape(str(path))}" for name, path in info["caches"].items()]}
+    for heading, lines in sections.items():
+        out.print(heading)
+        for line in lines:
+            out.print(f"  {line}")
 
 
 def _caches(enjoyln_cache: Path) -> dict[str, str]:
