@@ -59,18 +59,12 @@ BENCH_DTYPES = ("float32", "bfloat16", "float16", "float64")  # float8 and float
 
 
 def parse_dtypes(text: str, option: str = "--dtypes") -> list[str]:
-    """``--dtypes float32,bfloat16``: names only (``torch_dtypes`` turns them into torch's)."""
+    """``--dtypes float32,bfloat16``: names only (checked before torch loads)."""
     names = [name.strip() for name in text.split(",")]
     for name in names:
         if name not in BENCH_DTYPES:
             raise EnjoylnError(f"cannot use {name!r} in {option}; use {', '.join(BENCH_DTYPES)}")
     return names
-
-
-def torch_dtypes(names: list[str]) -> list[Any]:
-    import torch
-
-    return [getattr(torch, name) for name in names]
 
 
 def parse_device(text: str, option: str = "--device") -> str:

@@ -70,13 +70,6 @@ def one_line(text: str) -> str:
     return _BREAKS.sub(escape_char, text)
 
 
-def _compact(params: list[str]) -> str:
-    """'transformer.h.0.attn.c_proj.weight', ... -> 'transformer.h.*.attn.c_proj'."""
-    modules = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", p.rsplit(".", 1)[0] if p.endswith(("weight", "bias")) else p)
-                            for p in params)
-    return f"{len(params)} tensors: " + ", ".join(modules)
-
-
 def plan_table(plan: FoldPlan) -> Table:
     table = Table(title=f"{plan.model}: {len(plan.foldable)} of {len(plan.layer_norms)} LayerNorms foldable",
                   title_justify="left")
@@ -84,8 +77,10 @@ def plan_table(plan: FoldPlan) -> Table:
     table.add_column("fold")
     table.add_column("centered / reason", overflow="fold")
     for e in plan.layer_norms:
-        if e.foldable:
-            table.add_row(e.name, "[green]yes[/]", escape(_compact([c.param for c in e.centered])))
+        if e.foldable:  # 'transformer.h.0.attn.c_proj.weight', ... -> '2 tensors: transformer.h.*.attn.c_proj'
+            modules = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", c.param.rsplit(".", 1)[0]
+                                           if c.param.endswith(("weight", "bias")) else c.param) for c in e.centered)
+            table.add_row(e.name, "[green]yes[/]", escape(f"{len(e.centered)} tensors: " + ", ".join(modules)))
         else:
             table.add_row(e.name, "[red]no[/]", escape(e.reason))
     return table
@@ -106,14 +101,6 @@ def post_ln_note(plan: FoldPlan) -> str | None:
             f"that feed the sum cannot make the sum zero-mean, and those {len(fed)} LayerNorms stay. An LN whose "
             "inputs are all weights (the embedding LN) can be centered, so it folds "
             f"(here: {folded}).")
-
-
-def plan_counts(plan: FoldPlan) -> dict[str, Any]:
-    """What ``inspect --json`` leads with: the counts, and the plan in one sentence."""
-    return {"foldable": len(plan.foldable), "total": len(plan.layer_norms),
-            "not_foldable": len(plan.layer_norms) - len(plan.foldable), "centered": len(plan.centered),
-            "untied": len(plan.untied), "untie_bytes": plan.untie_bytes, "auxiliary": len(plan.auxiliary),
-            "summary": plan_sentence(plan), "post_ln": post_ln_note(plan)}
 
 
 def plan_sentence(plan: FoldPlan) -> str:

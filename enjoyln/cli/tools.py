@@ -18,7 +18,7 @@ from ..errors import EnjoylnError, first_line
 from ..options import Access
 from .commands import IMPORTING, model_dir_of
 from .options import (JsonOnly, Quiet, ReadPickle, Revision, TrustCode, Verbose, check_cuda, parse_device,
-                      parse_dtypes, parse_plot, parse_shapes, torch_dtypes)
+                      parse_dtypes, parse_plot, parse_shapes)
 from .progress import Display
 from .render import (err, out, print_compiled, print_end_to_end, print_json, print_kernels, print_plan, print_report,
                      print_warnings, say, state)
@@ -151,19 +151,26 @@ def bench(
     with Display(err, enabled=not as_json and not state.quiet) as display:
         src = model_dir_of(model_dir, revision, access, display) if model_dir is not None and (e2e or compile_) \
             else None
-        payload = _bench_setup(display, device, threads, as_json)
-        if kernels:
-            results = _bench_kernels(display, payload, shape_list, shapes, dtype_names, device, as_json)
-        if e2e or compile_:
-            from .. import bench as timing
+        display.stage(IMPORTING)
+        import torch
 
+        from .. import bench as timing, ops
+
+        check_cuda(device)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        payload: dict[str, Any] = {"threads": torch.get_num_threads(), "backends": ops.status()}
+        display.stop()
+        if not as_json:
+            say(f"backends: {ops.status()}; {torch.get_num_threads()} threads")
+        if kernels:
+            results = _bench_kernels(display, payload, shape_list, shapes, [getattr(torch, n) for n in dtype_names],
+                                     device, as_json)
+        if e2e or compile_:
             display.stage("loading and folding the model")
-            models = timing.models_to_compare(src, device, torch_dtypes([model_dtype])[0] if model_dtype else None,
-                                              access)
+            models = timing.models_to_compare(src, device, getattr(torch, model_dtype) if model_dtype else None, access)
             e2e_result = _bench_models(display, payload, models, runs, as_json)
     if plot is not None:
-        from .. import bench as timing
-
         timing.plot_results(results, e2e_result, plot)
         noisy = any(r.warnings for r in results) or (e2e_result is not None and e2e_result.latency.warnings())
         if not as_json:
@@ -182,30 +189,13 @@ class _ModelRuns:
     seconds: float
 
 
-def _bench_setup(display: Display, device: str, threads: int | None, as_json: bool) -> dict[str, Any]:
-    """torch imported and set up; the payload's threads and backends."""
-    display.stage(IMPORTING)
-    import torch
-
-    from .. import ops
-
-    check_cuda(device)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    payload: dict[str, Any] = {"threads": torch.get_num_threads(), "backends": ops.status()}
-    display.stop()
-    if not as_json:
-        say(f"backends: {ops.status()}; {torch.get_num_threads()} threads")
-    return payload
-
-
 def _bench_kernels(display: Display, payload: dict[str, Any], shape_list: list[tuple[int, int]], shapes: str,
-                   dtype_names: list[str], device: str, as_json: bool) -> list[Any]:
+                   dtypes: list[Any], device: str, as_json: bool) -> list[Any]:
     from .. import bench as timing
 
     display.stage("timing the norm kernels")
     try:
-        results = timing.kernel_benchmark(shape_list, torch_dtypes(dtype_names), device=device)
+        results = timing.kernel_benchmark(shape_list, dtypes, device=device)
     except (RuntimeError, MemoryError) as exc:  # torch's allocator says "can't allocate memory"
         if "alloc" not in str(exc).lower() and not isinstance(exc, MemoryError):
             raise
