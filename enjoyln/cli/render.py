@@ -283,10 +283,11 @@ def print_end_to_end(result: Any, model: str, batch: int, seq_len: int) -> None:
     ln_ms, rms_ms, copy_ms = result.norm_ms
     if not ln_ms:  # CUDA: hooks around a module cannot time the kernels it queues
         out.print("Time inside the norms: not measured on CUDA")
-        return
-    out.print(f"Time inside the norms per forward: LayerNorm {ln_ms:.2f} ms, folded {rms_ms:.2f} ms, "
-              f"a bare copy in their place {copy_ms:.2f} ms (the floor: at best "
-              f"{result.best_possible_speedup:+.2%} end to end)")
+    else:
+        out.print(f"Time inside the norms per forward: LayerNorm {ln_ms:.2f} ms, folded {rms_ms:.2f} ms, "
+                  f"a bare copy in their place {copy_ms:.2f} ms (the floor: at best "
+                  f"{result.best_possible_speedup:+.2%} end to end)")
+    print_warnings(lat.warnings())
 
 
 def print_warnings(warnings: Iterable[str]) -> None:

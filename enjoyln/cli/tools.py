@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import platform
 import tempfile
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.markup import escape
@@ -142,7 +141,7 @@ def bench(
     """
     if seconds is None:  # --repeats alone asks for that many runs, as it always did
         seconds = 0.0 if repeats is not None else 5.0
-    runs = _ModelRuns(e2e, compile_, batch, seq_len, repeats if repeats is not None else 20, seconds)
+    repeats = repeats if repeats is not None else 20
     device, plot = parse_device(device), parse_plot(plot)
     shape_list, dtype_names = parse_shapes(shapes), parse_dtypes(dtypes)
     model_dtype = parse_dtypes(dtype, "--dtype")[0] if dtype is not None else None
@@ -155,6 +154,7 @@ def bench(
         import torch
 
         from .. import bench as timing, ops
+        from ..analysis.inputs import hf_example_inputs
 
         check_cuda(device)
         if threads is not None:
@@ -168,8 +168,17 @@ def bench(
                                      device, as_json)
         if e2e or compile_:
             display.stage("loading and folding the model")
-            models = timing.models_to_compare(src, device, getattr(torch, model_dtype) if model_dtype else None, access)
-            e2e_result = _bench_models(display, payload, models, runs, as_json)
+            cast = getattr(torch, model_dtype) if model_dtype else None
+            original, folded = timing.models_to_compare(src, device, cast, access)
+            inputs = hf_example_inputs(original, batch=batch, seq_len=seq_len)
+        if e2e:
+            e2e_result = _phase(display, payload, "e2e", f"timing end to end for at least {repeats} pairs of runs",
+                                lambda: timing.end_to_end(original, folded, inputs, repeats=repeats, seconds=seconds),
+                                lambda r: print_end_to_end(r, type(original).__name__, batch, seq_len), as_json)
+        if compile_:
+            _phase(display, payload, "compiled", "compiling both models and timing them",
+                   lambda: timing.compiled_comparison(original, folded, inputs, repeats=repeats, seconds=seconds),
+                   print_compiled, as_json)
     if plot is not None:
         timing.plot_results(results, e2e_result, plot)
         noisy = any(r.warnings for r in results) or (e2e_result is not None and e2e_result.latency.warnings())
@@ -177,16 +186,6 @@ def bench(
             out.print(f"Saved {plot}" + (" (titled with a warning: the timings were noisy)" if noisy else ""))
     if as_json:
         print_json(payload)
-
-
-@dataclass(frozen=True)
-class _ModelRuns:
-    e2e: bool
-    compiled: bool
-    batch: int
-    seq_len: int
-    repeats: int
-    seconds: float
 
 
 def _bench_kernels(display: Display, payload: dict[str, Any], shape_list: list[tuple[int, int]], shapes: str,
@@ -208,31 +207,16 @@ def _bench_kernels(display: Display, payload: dict[str, Any], shape_list: list[t
     return results
 
 
-def _bench_models(display: Display, payload: dict[str, Any], models: tuple, runs: _ModelRuns,
-                  as_json: bool) -> Any:
-    """End to end and compiled, as asked; the end-to-end result, or None."""
-    from .. import bench as timing
-    from ..analysis.inputs import hf_example_inputs
-
-    original, folded = models
-    inputs = hf_example_inputs(original, batch=runs.batch, seq_len=runs.seq_len)
-    e2e_result = None
-    if runs.e2e:
-        display.stage(f"timing end to end for at least {runs.repeats} pairs of runs")
-        e2e_result = timing.end_to_end(original, folded, inputs, repeats=runs.repeats, seconds=runs.seconds)
-        display.stop()
-        payload["e2e"] = e2e_result.to_dict()
-        if not as_json:
-            print_end_to_end(e2e_result, type(original).__name__, runs.batch, runs.seq_len)
-            print_warnings(e2e_result.latency.warnings())
-    if runs.compiled:
-        display.stage("compiling both models and timing them")
-        comp = timing.compiled_comparison(original, folded, inputs, repeats=runs.repeats, seconds=runs.seconds)
-        display.stop()
-        payload["compiled"] = comp.to_dict()
-        if not as_json:
-            print_compiled(comp)
-    return e2e_result
+def _phase(display: Display, payload: dict[str, Any], key: str, words: str, measure: Callable[[], Any],
+           show: Callable[[Any], None], as_json: bool) -> Any:
+    """One timing of ``bench``: ``measure`` under the stage ``words``, its dict kept under ``key``, ``show`` it."""
+    display.stage(words)
+    result = measure()
+    display.stop()
+    payload[key] = result.to_dict()
+    if not as_json:
+        show(result)
+    return result
 
 
 PACKAGES = ("torch", "transformers", "safetensors", "huggingface_hub", "accelerate", "tokenizers", "triton", "onnx",
