@@ -272,6 +272,7 @@ def print_kernels(results: list[Any]) -> None:
                       f"{r.torch_ratio:.2f}", f"{r.copy_us / r.layer_norm_us:.2f}",
                       f"{r.gbps(r.layer_norm_us):.1f}", f"{r.gbps(r.rms_norm_us):.1f}")
     out.print(table)
+    print_warnings(w for r in results for w in r.warnings)
 
 
 def print_end_to_end(result: Any, model: str, batch: int, seq_len: int) -> None:

@@ -164,8 +164,8 @@ def bench(
         if not as_json:
             say(f"backends: {ops.status()}; {torch.get_num_threads()} threads")
         if kernels:
-            results = _bench_kernels(display, payload, shape_list, shapes, [getattr(torch, n) for n in dtype_names],
-                                     device, as_json)
+            results = _phase(display, payload, "kernels", "timing the norm kernels", lambda: _kernel_benchmark(
+                shape_list, [getattr(torch, n) for n in dtype_names], shapes, device), print_kernels, as_json)
         if e2e or compile_:
             display.stage("loading and folding the model")
             cast = getattr(torch, model_dtype) if model_dtype else None
@@ -188,32 +188,25 @@ def bench(
         print_json(payload)
 
 
-def _bench_kernels(display: Display, payload: dict[str, Any], shape_list: list[tuple[int, int]], shapes: str,
-                   dtypes: list[Any], device: str, as_json: bool) -> list[Any]:
+def _kernel_benchmark(shape_list: list[tuple[int, int]], dtypes: list[Any], shapes: str, device: str) -> list[Any]:
+    """``bench.kernel_benchmark``; out of memory, an error naming ``--shapes``."""
     from .. import bench as timing
 
-    display.stage("timing the norm kernels")
     try:
-        results = timing.kernel_benchmark(shape_list, dtypes, device=device)
+        return timing.kernel_benchmark(shape_list, dtypes, device=device)
     except (RuntimeError, MemoryError) as exc:  # torch's allocator says "can't allocate memory"
         if "alloc" not in str(exc).lower() and not isinstance(exc, MemoryError):
             raise
         raise EnjoylnError(f"not enough memory to time --shapes {shapes}: {first_line(exc)}") from None
-    display.stop()
-    payload["kernels"] = [r.to_dict() for r in results]
-    if not as_json:
-        print_kernels(results)
-        print_warnings(w for r in results for w in r.warnings)
-    return results
 
 
 def _phase(display: Display, payload: dict[str, Any], key: str, words: str, measure: Callable[[], Any],
            show: Callable[[Any], None], as_json: bool) -> Any:
-    """One timing of ``bench``: ``measure`` under the stage ``words``, its dict kept under ``key``, ``show`` it."""
+    """One timing of ``bench``: ``measure`` under the stage ``words``, its dicts kept under ``key``, ``show`` it."""
     display.stage(words)
     result = measure()
     display.stop()
-    payload[key] = result.to_dict()
+    payload[key] = [r.to_dict() for r in result] if isinstance(result, list) else result.to_dict()
     if not as_json:
         show(result)
     return result
