@@ -66,8 +66,7 @@ class Group(_FlagHelp, TyperGroup):
 
 
 app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Fold LayerNorm into RMSNorm with exactly the same outputs.")
+                  context_settings={"help_option_names": ["-h", "--help"]})  # its help: main's docstring
 
 
 def _version(value: bool) -> None:

@@ -96,7 +96,6 @@ ROTATIONS = ("hadamard", "random")  # ``transform.rotation.KINDS``, here to refu
 
 
 def parse_rotation(text: Optional[str], option: str) -> Optional[str]:
-    """``--kind`` or ``--rotate``."""
     if text is not None and text not in ROTATIONS:
         raise EnjoylnError(f"unknown {option} {text!r}; use {' or '.join(ROTATIONS)}")
     return text
@@ -106,7 +105,6 @@ CHECK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def parse_check_dtype(text: Optional[str]) -> Optional[str]:
-    """``check --dtype``."""
     if text is not None and text not in CHECK_DTYPES:
         raise EnjoylnError(f"cannot judge a candidate in dtype {text!r}; use one of {', '.join(CHECK_DTYPES)}")
     return text
@@ -116,8 +114,6 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def parse_plot(path: Any) -> Any:
-    if path is None:
-        return None
-    if path.suffix.lower() not in PLOT_SUFFIXES or path.is_dir():
+    if path is not None and (path.suffix.lower() not in PLOT_SUFFIXES or path.is_dir()):
         raise EnjoylnError(f"cannot write the plot to {path}; name a file ending in {', '.join(PLOT_SUFFIXES)}")
     return path

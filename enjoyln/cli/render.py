@@ -115,6 +115,16 @@ def plan_sentence(plan: FoldPlan) -> str:
     return f"{plan.model}: {what}{changes}{untie}."
 
 
+def _table(title: str, columns: Iterable[str], rows: Iterable[Iterable[str]], **style: Any) -> Table:
+    """A table titled on its left, every column styled alike."""
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, **style)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
 def print_plan(plan: FoldPlan) -> None:
     say(escape(plan_sentence(plan)))
     if not plan.layer_norms:
@@ -126,29 +136,23 @@ def print_plan(plan: FoldPlan) -> None:
         return
     out.print(plan_table(plan))
     if plan.centered or plan.untied:
-        changes = Table(title=f"Changes: center {len(plan.centered)} tensors, untie {len(plan.untied)} "
-                              f"(+{format_bytes(plan.untie_bytes)})", title_justify="left")
-        changes.add_column("parameter", overflow="fold")
-        changes.add_column("change", overflow="fold")
-        for c in plan.centered:
-            changes.add_row(c.param, f"center along axis {c.axis}")
-        for u in plan.untied:
-            changes.add_row(u.param, f"untie from {u.tied_to}: +{format_bytes(u.nbytes)}")
-        out.print(changes)
+        out.print(_table(f"Changes: center {len(plan.centered)} tensors, untie {len(plan.untied)} "
+                         f"(+{format_bytes(plan.untie_bytes)})", ("parameter", "change"),
+                         [(c.param, f"center along axis {c.axis}") for c in plan.centered]
+                         + [(u.param, f"untie from {u.tied_to}: +{format_bytes(u.nbytes)}") for u in plan.untied],
+                         overflow="fold"))
     for a in plan.auxiliary:
         out.print(f"Auxiliary centering: {a.describe()}")
     affine = [e for e in plan.foldable if e.affine]
     if affine:
-        table = Table(title=f"Affine: {sum(e.weightless for e in affine)} of {len(affine)} folded norms become "
-                            "weightless", title_justify="left")
-        table.add_column("LayerNorm", overflow="fold")
-        table.add_column("γ and β", overflow="fold")
+        rows = []
         for e in affine:
             into = ", ".join(sorted({f.weight for f in e.fused})) or "nothing to move"
             what = {"fused": f"into {into}", "gain fused": f"γ into {into}; β stays as β/γ ({e.affine_reason})",
                     "kept": f"kept: {e.affine_reason}"}[e.affine]
-            table.add_row(e.name, escape(what))
-        out.print(table)
+            rows.append((e.name, escape(what)))
+        out.print(_table(f"Affine: {sum(e.weightless for e in affine)} of {len(affine)} folded norms become weightless",
+                         ("LayerNorm", "γ and β"), rows, overflow="fold"))
     if plan.rotation is not None:
         r = plan.rotation
         out.print(f"Rotation: {r.kind} (seed {r.seed}, {'keeps' if r.keep_mean else 'does not keep'} the mean) "
@@ -261,17 +265,13 @@ def print_export(report: Any, out_file: Path) -> None:
 
 
 def print_kernels(results: list[Any]) -> None:
-    table = Table(title="Norm kernels: median µs; torch = F.rms_norm + bias; copy = x.clone(), "
-                        "the floor", title_justify="left")
-    for col in ("shape", "dtype", "path", "LN µs", "RMS µs", "RMS/LN", "torch µs", "torch/LN",
-                "copy/LN", "LN GB/s", "RMS GB/s"):
-        table.add_column(col, no_wrap=True)
-    for r in results:
-        table.add_row(f"{r.rows}x{r.cols}", r.dtype, r.backend, f"{r.layer_norm_us:.0f}",
-                      f"{r.rms_norm_us:.0f}", f"{r.ratio:.2f}", f"{r.torch_rms_norm_us:.0f}",
-                      f"{r.torch_ratio:.2f}", f"{r.copy_us / r.layer_norm_us:.2f}",
-                      f"{r.gbps(r.layer_norm_us):.1f}", f"{r.gbps(r.rms_norm_us):.1f}")
-    out.print(table)
+    out.print(_table("Norm kernels: median µs; torch = F.rms_norm + bias; copy = x.clone(), the floor",
+                     ("shape", "dtype", "path", "LN µs", "RMS µs", "RMS/LN", "torch µs", "torch/LN", "copy/LN",
+                      "LN GB/s", "RMS GB/s"),
+                     [(f"{r.rows}x{r.cols}", r.dtype, r.backend, f"{r.layer_norm_us:.0f}", f"{r.rms_norm_us:.0f}",
+                       f"{r.ratio:.2f}", f"{r.torch_rms_norm_us:.0f}", f"{r.torch_ratio:.2f}",
+                       f"{r.copy_us / r.layer_norm_us:.2f}", f"{r.gbps(r.layer_norm_us):.1f}",
+                       f"{r.gbps(r.rms_norm_us):.1f}") for r in results], no_wrap=True))
     print_warnings(w for r in results for w in r.warnings)
 
 
