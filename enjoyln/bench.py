@@ -444,10 +444,9 @@ def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = 
         import transformers
 
         original = perturb(transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval())
-        folded = fold(copy.deepcopy(original))
-    elif (ck := open_checkpoint(model_dir, **asdict(access))).config.get("enjoyln"):
-        original, folded = load_plain(ck), load(ck)
+    elif (ck := open_checkpoint(model_dir, **asdict(access))).config.get("enjoyln"):  # folded already
+        return load_plain(ck).to(device, dtype), load(ck).to(device, dtype)
     else:
         original = load(ck)
-        folded = fold(copy.deepcopy(original))
+    folded = fold(copy.deepcopy(original))
     return original.to(device, dtype), folded.to(device, dtype)

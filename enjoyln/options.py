@@ -81,10 +81,9 @@ class FoldOptions:
         """``check`` may be a mode name and ``check_options`` a dict, as ``fold_checkpoint`` takes them."""
         base = dict(vars(options)) if options is not None else {}
         check = values.pop("check", base.pop("check", None))
-        extra = values.pop("check_options", None) or {}
         if isinstance(check, str):
-            check = CheckOptions.of(mode=check)
-        check = CheckOptions.of(check, **extra)
+            check = CheckOptions(mode=check)
+        check = CheckOptions.of(check, **(values.pop("check_options", None) or {}))
         if check.mode not in ("full", "static", "none"):
             raise EnjoylnError(f"unknown check mode {check.mode!r}; use one of full, static, none")
         values["rotate"] = RotationSpec.of(values.get("rotate", base.get("rotate")))

@@ -130,8 +130,9 @@ def _publish(spec: str, out_dir: Path, options: FoldOptions, as_json: bool, revi
         "cleaned": [str(p) for p in result.cleaned]}
     if result.report is not None:
         payload["check"] = result.report.to_dict()
+    payload["seconds"] = time.perf_counter() - start
     try:
-        show_fold(result, payload, mode=options.check.mode, as_json=as_json, dry_run=options.dry_run, start=start)
+        show_fold(result, payload, mode=options.check.mode, as_json=as_json, dry_run=options.dry_run)
     except (OSError, UnicodeError):
         if result.out_dir is None:
             raise

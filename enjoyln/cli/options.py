@@ -10,9 +10,6 @@ import typer
 
 from ..errors import EnjoylnError
 
-RTOL_HELP = ("Judge the outputs with the fixed max|ref - cand| <= RTOL x max|ref| instead of the precision-aware "
-             "criterion (at most 4x the original's own rounding, measured against a float64 run of it).")
-
 MaxShardSize = Annotated[Optional[str], typer.Option(help="Re-shard the output, e.g. 2GB; default: like the input.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace OUT_DIR if it is an earlier enjoyln output.")]
 Check = Annotated[bool, typer.Option("--check/--no-check", help="Check the result before publishing it.")]
@@ -34,7 +31,9 @@ Batches = Annotated[Optional[int], typer.Option(
 SeqLen = Annotated[int, typer.Option(min=1, help="Sequence length of the short check batches.")]
 CheckMemory = Annotated[Optional[str], typer.Option(help="Run the check's models one at a time within this much "
                                                          "memory, e.g. 1GB (default: automatic).")]
-Rtol = Annotated[Optional[float], typer.Option(min=0.0, help=RTOL_HELP)]
+Rtol = Annotated[Optional[float], typer.Option(
+    min=0.0, help="Judge the outputs with the fixed max|ref - cand| <= RTOL x max|ref| instead of the precision-aware "
+                  "criterion (at most 4x the original's own rounding, measured against a float64 run of it).")]
 ModelClass = Annotated[Optional[str], typer.Option(
     help="Build the model as this transformers class instead of the one config.json names, e.g. MPNetModel "
          "for weights saved without the head MPNetForMaskedLM would add at random.")]

@@ -8,7 +8,6 @@ import math
 import os
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -76,13 +75,11 @@ def plan_table(plan: FoldPlan) -> Table:
     table.add_column("LayerNorm", overflow="fold")
     table.add_column("fold")
     table.add_column("centered / reason", overflow="fold")
-    for e in plan.layer_norms:
-        if e.foldable:  # 'transformer.h.0.attn.c_proj.weight', ... -> '2 tensors: transformer.h.*.attn.c_proj'
-            modules = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", c.param.rsplit(".", 1)[0]
-                                           if c.param.endswith(("weight", "bias")) else c.param) for c in e.centered)
-            table.add_row(e.name, "[green]yes[/]", escape(f"{len(e.centered)} tensors: " + ", ".join(modules)))
-        else:
-            table.add_row(e.name, "[red]no[/]", escape(e.reason))
+    for e in plan.layer_norms:  # centered 'transformer.h.0.attn.c_proj.weight', ... as 'transformer.h.*.attn.c_proj'
+        modules = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", c.param.rsplit(".", 1)[0]
+                                       if c.param.endswith(("weight", "bias")) else c.param) for c in e.centered)
+        table.add_row(e.name, "[green]yes[/]" if e.foldable else "[red]no[/]",
+                      escape(f"{len(e.centered)} tensors: " + ", ".join(modules) if e.foldable else e.reason))
     return table
 
 
@@ -203,7 +200,7 @@ def drop_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
-def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool, dry_run: bool, start: float) -> None:
+def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool, dry_run: bool) -> None:
     """What ``fold`` and ``rotate`` print (or the JSON document); nothing to fold is an error (exit 2)."""
     plan = result.plan
     if not as_json:
@@ -230,7 +227,6 @@ def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool,
                           "enjoyln.load; a plain from_pretrained runs LayerNorms and gives different outputs")
         elif dry_run:
             out.print("Dry run: nothing written.")
-    payload["seconds"] = time.perf_counter() - start
     if not dry_run and not plan.foldable:
         what = ("has no LayerNorm" if not plan.layer_norms
                 else f"has {len(plan.layer_norms)} LayerNorms and none can fold")
