@@ -69,20 +69,6 @@ def one_line(text: str) -> str:
     return _BREAKS.sub(escape_char, text)
 
 
-def plan_table(plan: FoldPlan) -> Table:
-    table = Table(title=f"{plan.model}: {len(plan.foldable)} of {len(plan.layer_norms)} LayerNorms foldable",
-                  title_justify="left")
-    table.add_column("LayerNorm", overflow="fold")
-    table.add_column("fold")
-    table.add_column("centered / reason", overflow="fold")
-    for e in plan.layer_norms:  # centered 'transformer.h.0.attn.c_proj.weight', ... as 'transformer.h.*.attn.c_proj'
-        modules = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", c.param.rsplit(".", 1)[0]
-                                       if c.param.endswith(("weight", "bias")) else c.param) for c in e.centered)
-        table.add_row(e.name, "[green]yes[/]" if e.foldable else "[red]no[/]",
-                      escape(f"{len(e.centered)} tensors: " + ", ".join(modules) if e.foldable else e.reason))
-    return table
-
-
 _FEEDS = re.compile(r"its input includes the output of (\S+), which is not zero-mean")
 
 
@@ -131,7 +117,17 @@ def print_plan(plan: FoldPlan) -> None:
         say(f"[yellow]Note:[/] {escape(note)}")
     if state.quiet:
         return
-    out.print(plan_table(plan))
+    table = Table(title=f"{plan.model}: {len(plan.foldable)} of {len(plan.layer_norms)} LayerNorms foldable",
+                  title_justify="left")
+    table.add_column("LayerNorm", overflow="fold")
+    table.add_column("fold")
+    table.add_column("centered / reason", overflow="fold")
+    for e in plan.layer_norms:  # centered 'transformer.h.0.attn.c_proj.weight', ... as 'transformer.h.*.attn.c_proj'
+        modules = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", c.param.rsplit(".", 1)[0]
+                                       if c.param.endswith(("weight", "bias")) else c.param) for c in e.centered)
+        table.add_row(e.name, "[green]yes[/]" if e.foldable else "[red]no[/]",
+                      escape(f"{len(e.centered)} tensors: " + ", ".join(modules) if e.foldable else e.reason))
+    out.print(table)
     if plan.centered or plan.untied:
         out.print(_table(f"Changes: center {len(plan.centered)} tensors, untie {len(plan.untied)} "
                          f"(+{format_bytes(plan.untie_bytes)})", ("parameter", "change"),
