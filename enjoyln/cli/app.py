@@ -35,12 +35,9 @@ class Command(_FlagHelp, TyperCommand):
                 param.metavar = ""
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
-        pieces = [self.options_metavar] if self.options_metavar else []
-        for param in self.get_params(ctx):
-            if isinstance(param, TyperArgument):
-                name = param.metavar or (param.name or "").upper()
-                pieces.append(name if param.required or name.startswith("[") else f"[{name}]")
-        return pieces
+        return ([self.options_metavar] if self.options_metavar else []) + [  # each argument's metavar set above
+            p.metavar if p.required or p.metavar.startswith("[") else f"[{p.metavar}]"
+            for p in self.get_params(ctx) if isinstance(p, TyperArgument)]
 
 
 class Group(_FlagHelp, TyperGroup):
