@@ -351,22 +351,6 @@ class CompiledResult:
         return {**asdict(self), "latency": self.latency.to_dict()}
 
 
-def _kernel_names(code: str) -> list[str]:
-    return re.findall(r"^(cpp_fused_\w+|triton_\w+) = async_compile", code, re.M)
-
-
-@contextlib.contextmanager
-def _inductor_code() -> Any:
-    """The code inductor generates in the block (``run_and_get_code`` resets dynamo, dropping earlier models)."""
-    from unittest import mock
-
-    from torch._inductor.graph import GraphLowering
-
-    codes: list[str] = []
-    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
-        yield codes
-
-
 def _is_norm_kernel(name: str) -> bool:
     return "layer_norm" in name or "rsqrt" in name
 
@@ -378,7 +362,10 @@ def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: 
 
     >>> r = compiled_comparison(original, folded, inputs)  # doctest: +SKIP
     """
+    from unittest import mock
+
     import torch._inductor.config as inductor_config
+    from torch._inductor.graph import GraphLowering
 
     inputs = as_inputs(example_inputs)
     compiled, names, compile_s, outputs = [], [], [], []
@@ -386,13 +373,14 @@ def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: 
     with torch.inference_mode(), inductor_config.patch({"cpp.enable_kernel_profile": profile_kernels}):
         reference = flatten_outputs(inputs.call(original))
         for model in (original, folded):
-            start = time.perf_counter()
+            start, code = time.perf_counter(), []
             fn = torch.compile(model, fullgraph=True)
-            with _inductor_code() as code:
+            # the code inductor generates (``run_and_get_code`` would reset dynamo, dropping earlier models)
+            with mock.patch.object(GraphLowering, "save_output_code", code.append):
                 out = inputs.call(fn)
             compile_s.append(time.perf_counter() - start)
             compiled.append(fn)
-            names.append(_kernel_names("\n".join(code)))
+            names.append(re.findall(r"^(cpp_fused_\w+|triton_\w+) = async_compile", "\n".join(code), re.M))
             outputs.append(flatten_outputs(out))
     diff = max(max_relative_diff(reference[k], outputs[1][k]) for k in reference)
     norms = [[n for n in kernels if _is_norm_kernel(n)] for kernels in names]
@@ -456,10 +444,9 @@ def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = 
         import transformers
 
         original = perturb(transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval())
-        folded = fold(copy.deepcopy(original))
-    elif (ck := open_checkpoint(model_dir, **asdict(access))).config.get("enjoyln"):
-        original, folded = load_plain(ck), load(ck)
+    elif (ck := open_checkpoint(model_dir, **asdict(access))).config.get("enjoyln"):  # folded already
+        return load_plain(ck).to(device, dtype), load(ck).to(device, dtype)
     else:
         original = load(ck)
-        folded = fold(copy.deepcopy(original))
+    folded = fold(copy.deepcopy(original))
     return original.to(device, dtype), folded.to(device, dtype)

@@ -58,7 +58,7 @@ class CheckOptions:
 
     @classmethod
     def of(cls, options: "CheckOptions | None" = None, **values: Any) -> "CheckOptions":
-        return _built(cls, {**_fields(options), **values})
+        return _built(cls, {**(vars(options) if options is not None else {}), **values})
 
 
 @dataclass(frozen=True)
@@ -79,12 +79,11 @@ class FoldOptions:
     @classmethod
     def of(cls, options: "FoldOptions | None" = None, **values: Any) -> "FoldOptions":
         """``check`` may be a mode name and ``check_options`` a dict, as ``fold_checkpoint`` takes them."""
-        base = _fields(options)
+        base = dict(vars(options)) if options is not None else {}
         check = values.pop("check", base.pop("check", None))
-        extra = values.pop("check_options", None) or {}
         if isinstance(check, str):
-            check = CheckOptions.of(mode=check)
-        check = CheckOptions.of(check, **extra)
+            check = CheckOptions(mode=check)
+        check = CheckOptions.of(check, **(values.pop("check_options", None) or {}))
         if check.mode not in ("full", "static", "none"):
             raise EnjoylnError(f"unknown check mode {check.mode!r}; use one of full, static, none")
         values["rotate"] = RotationSpec.of(values.get("rotate", base.get("rotate")))
@@ -94,7 +93,3 @@ class FoldOptions:
     def checking(self) -> CheckOptions:
         """The fold's own check, its directories opened as the fold opened them."""
         return dataclasses.replace(self.check, access=self.access)
-
-
-def _fields(options: Any) -> dict[str, Any]:
-    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)} if options is not None else {}

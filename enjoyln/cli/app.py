@@ -35,12 +35,9 @@ class Command(_FlagHelp, TyperCommand):
                 param.metavar = ""
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
-        pieces = [self.options_metavar] if self.options_metavar else []
-        for param in self.get_params(ctx):
-            if isinstance(param, TyperArgument):
-                name = param.metavar or (param.name or "").upper()
-                pieces.append(name if param.required or name.startswith("[") else f"[{name}]")
-        return pieces
+        return ([self.options_metavar] if self.options_metavar else []) + [  # each argument's metavar set above
+            p.metavar if p.required or p.metavar.startswith("[") else f"[{p.metavar}]"
+            for p in self.get_params(ctx) if isinstance(p, TyperArgument)]
 
 
 class Group(_FlagHelp, TyperGroup):
@@ -66,8 +63,7 @@ class Group(_FlagHelp, TyperGroup):
 
 
 app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Fold LayerNorm into RMSNorm with exactly the same outputs.")
+                  context_settings={"help_option_names": ["-h", "--help"]})  # its help: main's docstring
 
 
 def _version(value: bool) -> None:

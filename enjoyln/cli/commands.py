@@ -21,7 +21,7 @@ from .options import (Batches, Check, CheckDevice, CheckMemory, DryRun, Force, J
                       ModelClass, Quiet, ReadPickle, Revision, Rtol, SeqLen, StaticCheck, TrustCode, Verbose,
                       check_cuda, parse_check_dtype, parse_device, parse_rotation)
 from .progress import Display
-from .render import (drop_stdout, err, out, plan_counts, plan_sentence, print_export, print_json, print_plan,
+from .render import (drop_stdout, err, out, plan_sentence, post_ln_note, print_export, print_json, print_plan,
                      print_report, show_fold, state)
 
 ModelDir = Annotated[str, typer.Argument(
@@ -130,8 +130,9 @@ def _publish(spec: str, out_dir: Path, options: FoldOptions, as_json: bool, revi
         "cleaned": [str(p) for p in result.cleaned]}
     if result.report is not None:
         payload["check"] = result.report.to_dict()
+    payload["seconds"] = time.perf_counter() - start
     try:
-        show_fold(result, payload, mode=options.check.mode, as_json=as_json, dry_run=options.dry_run, start=start)
+        show_fold(result, payload, mode=options.check.mode, as_json=as_json, dry_run=options.dry_run)
     except (OSError, UnicodeError):
         if result.out_dir is None:
             raise
@@ -178,7 +179,10 @@ def inspect(
             with quiet_libraries():
                 write_graph(open_checkpoint(src, allow_pickle=allow_pickle, model_class=model_class).meta, graph)
     if as_json:
-        print_json({**plan_counts(plan), **plan.to_dict()})
+        print_json({"foldable": len(plan.foldable), "total": len(plan.layer_norms),  # the counts and the sentence first
+                    "not_foldable": len(plan.layer_norms) - len(plan.foldable), "centered": len(plan.centered),
+                    "untied": len(plan.untied), "untie_bytes": plan.untie_bytes, "auxiliary": len(plan.auxiliary),
+                    "summary": plan_sentence(plan), "post_ln": post_ln_note(plan), **plan.to_dict()})
         return
     if state.quiet:  # the plan in one sentence is inspect's verdict
         out.print(escape(plan_sentence(plan)))

@@ -23,13 +23,6 @@ from ..errors import EnjoylnError, Interrupted, first_line
 from . import render
 from .render import one_line
 
-def _tolerant_streams() -> None:
-    """Write unencodable text escaped: a print after OUT_DIR is published must not turn success into failure."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(AttributeError, ValueError, OSError):
-            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
-
-
 def fail(message: str, code: int, *, as_json: bool, payload: dict[str, Any] | None = None) -> None:
     """The line on stderr; with ``as_json`` also its JSON document, unless the command printed one."""
     render.err.print(one_line(message), markup=False, emoji=False, highlight=False)
@@ -42,34 +35,33 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        as_json = bool(kwargs.get("as_json"))
+        as_json, payload = bool(kwargs.get("as_json")), None
         render.state.begin(as_json=as_json, quiet=bool(kwargs.get("quiet")), verbose=bool(kwargs.get("verbose")))
         try:
-            _tolerant_streams()
+            # unencodable text written escaped: a print after OUT_DIR is published must not turn success into failure
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(AttributeError, ValueError, OSError):
+                    stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
             return fn(*args, **kwargs)
         except EnjoylnError as exc:
-            fail(f"error: {exc}", exc.exit_code, as_json=as_json, payload=getattr(exc, "payload", None))
-            raise typer.Exit(exc.exit_code) from None
+            message, code, payload = f"error: {exc}", exc.exit_code, getattr(exc, "payload", None)
         except OSError as exc:
-            fail(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), 2, as_json=as_json)
-            raise typer.Exit(2) from None
+            message, code = f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), 2
         except Interrupted as exc:
-            fail(exc.message, exc.exit_code, as_json=as_json)
-            raise typer.Exit(exc.exit_code) from None
+            message, code = exc.message, exc.exit_code
         except KeyboardInterrupt:  # Ctrl-C where the command line's own handlers are not installed
-            fail("interrupted", 130, as_json=as_json)
-            raise typer.Exit(130) from None
+            message, code = "interrupted", 130
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except Exception as exc:  # a bug or an unforeseen input: still one line, and how to see more
             if os.environ.get("ENJOYLN_DEBUG") or render.state.verbose:
                 raise
-            first = first_line(exc, "")
-            fail(f"error: {type(exc).__name__}: {first} (pass --verbose or set ENJOYLN_DEBUG=1 for the traceback)",
-                 2, as_json=as_json)
-            raise typer.Exit(2) from None
+            message, code = (f"error: {type(exc).__name__}: {first_line(exc, '')} (pass --verbose or set "
+                             "ENJOYLN_DEBUG=1 for the traceback)", 2)
         finally:
             render.state.end()
+        fail(message, code, as_json=as_json, payload=payload)
+        raise typer.Exit(code)
 
     return wrapper
 

@@ -10,9 +10,6 @@ import typer
 
 from ..errors import EnjoylnError
 
-RTOL_HELP = ("Judge the outputs with the fixed max|ref - cand| <= RTOL x max|ref| instead of the precision-aware "
-             "criterion (at most 4x the original's own rounding, measured against a float64 run of it).")
-
 MaxShardSize = Annotated[Optional[str], typer.Option(help="Re-shard the output, e.g. 2GB; default: like the input.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace OUT_DIR if it is an earlier enjoyln output.")]
 Check = Annotated[bool, typer.Option("--check/--no-check", help="Check the result before publishing it.")]
@@ -34,7 +31,9 @@ Batches = Annotated[Optional[int], typer.Option(
 SeqLen = Annotated[int, typer.Option(min=1, help="Sequence length of the short check batches.")]
 CheckMemory = Annotated[Optional[str], typer.Option(help="Run the check's models one at a time within this much "
                                                          "memory, e.g. 1GB (default: automatic).")]
-Rtol = Annotated[Optional[float], typer.Option(min=0.0, help=RTOL_HELP)]
+Rtol = Annotated[Optional[float], typer.Option(
+    min=0.0, help="Judge the outputs with the fixed max|ref - cand| <= RTOL x max|ref| instead of the precision-aware "
+                  "criterion (at most 4x the original's own rounding, measured against a float64 run of it).")]
 ModelClass = Annotated[Optional[str], typer.Option(
     help="Build the model as this transformers class instead of the one config.json names, e.g. MPNetModel "
          "for weights saved without the head MPNetForMaskedLM would add at random.")]
@@ -59,7 +58,7 @@ BENCH_DTYPES = ("float32", "bfloat16", "float16", "float64")  # float8 and float
 
 
 def parse_dtypes(text: str, option: str = "--dtypes") -> list[str]:
-    """``--dtypes float32,bfloat16``: names only (``torch_dtypes`` turns them into torch's)."""
+    """``--dtypes float32,bfloat16``: names only (checked before torch loads)."""
     names = [name.strip() for name in text.split(",")]
     for name in names:
         if name not in BENCH_DTYPES:
@@ -67,27 +66,17 @@ def parse_dtypes(text: str, option: str = "--dtypes") -> list[str]:
     return names
 
 
-def torch_dtypes(names: list[str]) -> list[Any]:
-    import torch
-
-    return [getattr(torch, name) for name in names]
-
-
 def parse_device(text: str, option: str = "--device") -> str:
     """``--device``: ``cpu``, ``cuda`` or ``cuda:N``; CUDA refused at once where no GPU driver is loaded."""
     if text == "cpu":
         return text
     if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
-        if not _nvidia_driver():
+        # a GPU driver torch.cuda could use (NVIDIA's, WSL's, ROCm's), looked for without torch
+        if os.name != "nt" and not any(Path(p).exists() for p in ("/proc/driver/nvidia", "/dev/nvidiactl",
+                                                                  "/dev/dxg", "/dev/kfd")):
             raise EnjoylnError(f"{option} {text}, but CUDA is not available here (no GPU driver is loaded)")
         return text
     raise EnjoylnError(f"unknown {option} {text!r}; use cpu, cuda or cuda:N")
-
-
-def _nvidia_driver() -> bool:
-    """Whether a GPU driver torch.cuda could use is loaded (NVIDIA's, WSL's, ROCm's), asked without torch."""
-    return os.name == "nt" or any(Path(p).exists() for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg",
-                                                               "/dev/kfd"))
 
 
 def check_cuda(device: str, option: str = "--device") -> str:
@@ -106,7 +95,6 @@ ROTATIONS = ("hadamard", "random")  # ``transform.rotation.KINDS``, here to refu
 
 
 def parse_rotation(text: Optional[str], option: str) -> Optional[str]:
-    """``--kind`` or ``--rotate``."""
     if text is not None and text not in ROTATIONS:
         raise EnjoylnError(f"unknown {option} {text!r}; use {' or '.join(ROTATIONS)}")
     return text
@@ -116,7 +104,6 @@ CHECK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def parse_check_dtype(text: Optional[str]) -> Optional[str]:
-    """``check --dtype``."""
     if text is not None and text not in CHECK_DTYPES:
         raise EnjoylnError(f"cannot judge a candidate in dtype {text!r}; use one of {', '.join(CHECK_DTYPES)}")
     return text
@@ -126,8 +113,6 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def parse_plot(path: Any) -> Any:
-    if path is None:
-        return None
-    if path.suffix.lower() not in PLOT_SUFFIXES or path.is_dir():
+    if path is not None and (path.suffix.lower() not in PLOT_SUFFIXES or path.is_dir()):
         raise EnjoylnError(f"cannot write the plot to {path}; name a file ending in {', '.join(PLOT_SUFFIXES)}")
     return path

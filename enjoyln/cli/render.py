@@ -8,7 +8,6 @@ import math
 import os
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -70,27 +69,6 @@ def one_line(text: str) -> str:
     return _BREAKS.sub(escape_char, text)
 
 
-def _compact(params: list[str]) -> str:
-    """'transformer.h.0.attn.c_proj.weight', ... -> 'transformer.h.*.attn.c_proj'."""
-    modules = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", p.rsplit(".", 1)[0] if p.endswith(("weight", "bias")) else p)
-                            for p in params)
-    return f"{len(params)} tensors: " + ", ".join(modules)
-
-
-def plan_table(plan: FoldPlan) -> Table:
-    table = Table(title=f"{plan.model}: {len(plan.foldable)} of {len(plan.layer_norms)} LayerNorms foldable",
-                  title_justify="left")
-    table.add_column("LayerNorm", overflow="fold")
-    table.add_column("fold")
-    table.add_column("centered / reason", overflow="fold")
-    for e in plan.layer_norms:
-        if e.foldable:
-            table.add_row(e.name, "[green]yes[/]", escape(_compact([c.param for c in e.centered])))
-        else:
-            table.add_row(e.name, "[red]no[/]", escape(e.reason))
-    return table
-
-
 _FEEDS = re.compile(r"its input includes the output of (\S+), which is not zero-mean")
 
 
@@ -108,14 +86,6 @@ def post_ln_note(plan: FoldPlan) -> str | None:
             f"(here: {folded}).")
 
 
-def plan_counts(plan: FoldPlan) -> dict[str, Any]:
-    """What ``inspect --json`` leads with: the counts, and the plan in one sentence."""
-    return {"foldable": len(plan.foldable), "total": len(plan.layer_norms),
-            "not_foldable": len(plan.layer_norms) - len(plan.foldable), "centered": len(plan.centered),
-            "untied": len(plan.untied), "untie_bytes": plan.untie_bytes, "auxiliary": len(plan.auxiliary),
-            "summary": plan_sentence(plan), "post_ln": post_ln_note(plan)}
-
-
 def plan_sentence(plan: FoldPlan) -> str:
     """The plan in one sentence, the first line of ``inspect``."""
     if not plan.layer_norms:
@@ -128,6 +98,16 @@ def plan_sentence(plan: FoldPlan) -> str:
     return f"{plan.model}: {what}{changes}{untie}."
 
 
+def _table(title: str, columns: Iterable[str], rows: Iterable[Iterable[str]], **style: Any) -> Table:
+    """A table titled on its left, every column styled alike."""
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, **style)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
 def print_plan(plan: FoldPlan) -> None:
     say(escape(plan_sentence(plan)))
     if not plan.layer_norms:
@@ -137,31 +117,35 @@ def print_plan(plan: FoldPlan) -> None:
         say(f"[yellow]Note:[/] {escape(note)}")
     if state.quiet:
         return
-    out.print(plan_table(plan))
+    table = Table(title=f"{plan.model}: {len(plan.foldable)} of {len(plan.layer_norms)} LayerNorms foldable",
+                  title_justify="left")
+    table.add_column("LayerNorm", overflow="fold")
+    table.add_column("fold")
+    table.add_column("centered / reason", overflow="fold")
+    for e in plan.layer_norms:  # centered 'transformer.h.0.attn.c_proj.weight', ... as 'transformer.h.*.attn.c_proj'
+        modules = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", c.param.rsplit(".", 1)[0]
+                                       if c.param.endswith(("weight", "bias")) else c.param) for c in e.centered)
+        table.add_row(e.name, "[green]yes[/]" if e.foldable else "[red]no[/]",
+                      escape(f"{len(e.centered)} tensors: " + ", ".join(modules) if e.foldable else e.reason))
+    out.print(table)
     if plan.centered or plan.untied:
-        changes = Table(title=f"Changes: center {len(plan.centered)} tensors, untie {len(plan.untied)} "
-                              f"(+{format_bytes(plan.untie_bytes)})", title_justify="left")
-        changes.add_column("parameter", overflow="fold")
-        changes.add_column("change", overflow="fold")
-        for c in plan.centered:
-            changes.add_row(c.param, f"center along axis {c.axis}")
-        for u in plan.untied:
-            changes.add_row(u.param, f"untie from {u.tied_to}: +{format_bytes(u.nbytes)}")
-        out.print(changes)
+        out.print(_table(f"Changes: center {len(plan.centered)} tensors, untie {len(plan.untied)} "
+                         f"(+{format_bytes(plan.untie_bytes)})", ("parameter", "change"),
+                         [(c.param, f"center along axis {c.axis}") for c in plan.centered]
+                         + [(u.param, f"untie from {u.tied_to}: +{format_bytes(u.nbytes)}") for u in plan.untied],
+                         overflow="fold"))
     for a in plan.auxiliary:
         out.print(f"Auxiliary centering: {a.describe()}")
     affine = [e for e in plan.foldable if e.affine]
     if affine:
-        table = Table(title=f"Affine: {sum(e.weightless for e in affine)} of {len(affine)} folded norms become "
-                            "weightless", title_justify="left")
-        table.add_column("LayerNorm", overflow="fold")
-        table.add_column("γ and β", overflow="fold")
+        rows = []
         for e in affine:
             into = ", ".join(sorted({f.weight for f in e.fused})) or "nothing to move"
             what = {"fused": f"into {into}", "gain fused": f"γ into {into}; β stays as β/γ ({e.affine_reason})",
                     "kept": f"kept: {e.affine_reason}"}[e.affine]
-            table.add_row(e.name, escape(what))
-        out.print(table)
+            rows.append((e.name, escape(what)))
+        out.print(_table(f"Affine: {sum(e.weightless for e in affine)} of {len(affine)} folded norms become weightless",
+                         ("LayerNorm", "γ and β"), rows, overflow="fold"))
     if plan.rotation is not None:
         r = plan.rotation
         out.print(f"Rotation: {r.kind} (seed {r.seed}, {'keeps' if r.keep_mean else 'does not keep'} the mean) "
@@ -212,7 +196,7 @@ def drop_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
-def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool, dry_run: bool, start: float) -> None:
+def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool, dry_run: bool) -> None:
     """What ``fold`` and ``rotate`` print (or the JSON document); nothing to fold is an error (exit 2)."""
     plan = result.plan
     if not as_json:
@@ -239,7 +223,6 @@ def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool,
                           "enjoyln.load; a plain from_pretrained runs LayerNorms and gives different outputs")
         elif dry_run:
             out.print("Dry run: nothing written.")
-    payload["seconds"] = time.perf_counter() - start
     if not dry_run and not plan.foldable:
         what = ("has no LayerNorm" if not plan.layer_norms
                 else f"has {len(plan.layer_norms)} LayerNorms and none can fold")
@@ -274,17 +257,14 @@ def print_export(report: Any, out_file: Path) -> None:
 
 
 def print_kernels(results: list[Any]) -> None:
-    table = Table(title="Norm kernels: median µs; torch = F.rms_norm + bias; copy = x.clone(), "
-                        "the floor", title_justify="left")
-    for col in ("shape", "dtype", "path", "LN µs", "RMS µs", "RMS/LN", "torch µs", "torch/LN",
-                "copy/LN", "LN GB/s", "RMS GB/s"):
-        table.add_column(col, no_wrap=True)
-    for r in results:
-        table.add_row(f"{r.rows}x{r.cols}", r.dtype, r.backend, f"{r.layer_norm_us:.0f}",
-                      f"{r.rms_norm_us:.0f}", f"{r.ratio:.2f}", f"{r.torch_rms_norm_us:.0f}",
-                      f"{r.torch_ratio:.2f}", f"{r.copy_us / r.layer_norm_us:.2f}",
-                      f"{r.gbps(r.layer_norm_us):.1f}", f"{r.gbps(r.rms_norm_us):.1f}")
-    out.print(table)
+    out.print(_table("Norm kernels: median µs; torch = F.rms_norm + bias; copy = x.clone(), the floor",
+                     ("shape", "dtype", "path", "LN µs", "RMS µs", "RMS/LN", "torch µs", "torch/LN", "copy/LN",
+                      "LN GB/s", "RMS GB/s"),
+                     [(f"{r.rows}x{r.cols}", r.dtype, r.backend, f"{r.layer_norm_us:.0f}", f"{r.rms_norm_us:.0f}",
+                       f"{r.ratio:.2f}", f"{r.torch_rms_norm_us:.0f}", f"{r.torch_ratio:.2f}",
+                       f"{r.copy_us / r.layer_norm_us:.2f}", f"{r.gbps(r.layer_norm_us):.1f}",
+                       f"{r.gbps(r.rms_norm_us):.1f}") for r in results], no_wrap=True))
+    print_warnings(w for r in results for w in r.warnings)
 
 
 def print_end_to_end(result: Any, model: str, batch: int, seq_len: int) -> None:
@@ -296,10 +276,11 @@ def print_end_to_end(result: Any, model: str, batch: int, seq_len: int) -> None:
     ln_ms, rms_ms, copy_ms = result.norm_ms
     if not ln_ms:  # CUDA: hooks around a module cannot time the kernels it queues
         out.print("Time inside the norms: not measured on CUDA")
-        return
-    out.print(f"Time inside the norms per forward: LayerNorm {ln_ms:.2f} ms, folded {rms_ms:.2f} ms, "
-              f"a bare copy in their place {copy_ms:.2f} ms (the floor: at best "
-              f"{result.best_possible_speedup:+.2%} end to end)")
+    else:
+        out.print(f"Time inside the norms per forward: LayerNorm {ln_ms:.2f} ms, folded {rms_ms:.2f} ms, "
+                  f"a bare copy in their place {copy_ms:.2f} ms (the floor: at best "
+                  f"{result.best_possible_speedup:+.2%} end to end)")
+    print_warnings(lat.warnings())
 
 
 def print_warnings(warnings: Iterable[str]) -> None:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import platform
 import tempfile
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.markup import escape
@@ -18,7 +17,7 @@ from ..errors import EnjoylnError, first_line
 from ..options import Access
 from .commands import IMPORTING, model_dir_of
 from .options import (JsonOnly, Quiet, ReadPickle, Revision, TrustCode, Verbose, check_cuda, parse_device,
-                      parse_dtypes, parse_plot, parse_shapes, torch_dtypes)
+                      parse_dtypes, parse_plot, parse_shapes)
 from .progress import Display
 from .render import (err, out, print_compiled, print_end_to_end, print_json, print_kernels, print_plan, print_report,
                      print_warnings, say, state)
@@ -142,7 +141,7 @@ def bench(
     """
     if seconds is None:  # --repeats alone asks for that many runs, as it always did
         seconds = 0.0 if repeats is not None else 5.0
-    runs = _ModelRuns(e2e, compile_, batch, seq_len, repeats if repeats is not None else 20, seconds)
+    repeats = repeats if repeats is not None else 20
     device, plot = parse_device(device), parse_plot(plot)
     shape_list, dtype_names = parse_shapes(shapes), parse_dtypes(dtypes)
     model_dtype = parse_dtypes(dtype, "--dtype")[0] if dtype is not None else None
@@ -151,106 +150,66 @@ def bench(
     with Display(err, enabled=not as_json and not state.quiet) as display:
         src = model_dir_of(model_dir, revision, access, display) if model_dir is not None and (e2e or compile_) \
             else None
-        payload = _bench_setup(display, device, threads, as_json)
+        display.stage(IMPORTING)
+        import torch
+
+        from .. import bench as timing, ops
+        from ..analysis.inputs import hf_example_inputs
+
+        check_cuda(device)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        payload: dict[str, Any] = {"threads": torch.get_num_threads(), "backends": ops.status()}
+        display.stop()
+        if not as_json:
+            say(f"backends: {ops.status()}; {torch.get_num_threads()} threads")
         if kernels:
-            results = _bench_kernels(display, payload, shape_list, shapes, dtype_names, device, as_json)
+            results = _phase(display, payload, "kernels", "timing the norm kernels", lambda: _kernel_benchmark(
+                shape_list, [getattr(torch, n) for n in dtype_names], shapes, device), print_kernels, as_json)
         if e2e or compile_:
-            models = _models(display, src, device, model_dtype, access)
-            e2e_result = _bench_models(display, payload, models, runs, as_json)
+            display.stage("loading and folding the model")
+            cast = getattr(torch, model_dtype) if model_dtype else None
+            original, folded = timing.models_to_compare(src, device, cast, access)
+            inputs = hf_example_inputs(original, batch=batch, seq_len=seq_len)
+        if e2e:
+            e2e_result = _phase(display, payload, "e2e", f"timing end to end for at least {repeats} pairs of runs",
+                                lambda: timing.end_to_end(original, folded, inputs, repeats=repeats, seconds=seconds),
+                                lambda r: print_end_to_end(r, type(original).__name__, batch, seq_len), as_json)
+        if compile_:
+            _phase(display, payload, "compiled", "compiling both models and timing them",
+                   lambda: timing.compiled_comparison(original, folded, inputs, repeats=repeats, seconds=seconds),
+                   print_compiled, as_json)
     if plot is not None:
-        _plot(results, e2e_result, plot, as_json)
+        timing.plot_results(results, e2e_result, plot)
+        noisy = any(r.warnings for r in results) or (e2e_result is not None and e2e_result.latency.warnings())
+        if not as_json:
+            out.print(f"Saved {plot}" + (" (titled with a warning: the timings were noisy)" if noisy else ""))
     if as_json:
         print_json(payload)
 
 
-@dataclass(frozen=True)
-class _ModelRuns:
-    e2e: bool
-    compiled: bool
-    batch: int
-    seq_len: int
-    repeats: int
-    seconds: float
-
-
-def _bench_setup(display: Display, device: str, threads: int | None, as_json: bool) -> dict[str, Any]:
-    """torch imported and set up; the payload's threads and backends."""
-    display.stage(IMPORTING)
-    import torch
-
-    from .. import ops
-
-    check_cuda(device)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    payload: dict[str, Any] = {"threads": torch.get_num_threads(), "backends": ops.status()}
-    display.stop()
-    if not as_json:
-        say(f"backends: {ops.status()}; {torch.get_num_threads()} threads")
-    return payload
-
-
-def _bench_kernels(display: Display, payload: dict[str, Any], shape_list: list[tuple[int, int]], shapes: str,
-                   dtype_names: list[str], device: str, as_json: bool) -> list[Any]:
+def _kernel_benchmark(shape_list: list[tuple[int, int]], dtypes: list[Any], shapes: str, device: str) -> list[Any]:
+    """``bench.kernel_benchmark``; out of memory, an error naming ``--shapes``."""
     from .. import bench as timing
 
-    display.stage("timing the norm kernels")
     try:
-        results = timing.kernel_benchmark(shape_list, torch_dtypes(dtype_names), device=device)
+        return timing.kernel_benchmark(shape_list, dtypes, device=device)
     except (RuntimeError, MemoryError) as exc:  # torch's allocator says "can't allocate memory"
         if "alloc" not in str(exc).lower() and not isinstance(exc, MemoryError):
             raise
         raise EnjoylnError(f"not enough memory to time --shapes {shapes}: {first_line(exc)}") from None
+
+
+def _phase(display: Display, payload: dict[str, Any], key: str, words: str, measure: Callable[[], Any],
+           show: Callable[[Any], None], as_json: bool) -> Any:
+    """One timing of ``bench``: ``measure`` under the stage ``words``, its dicts kept under ``key``, ``show`` it."""
+    display.stage(words)
+    result = measure()
     display.stop()
-    payload["kernels"] = [r.to_dict() for r in results]
+    payload[key] = [r.to_dict() for r in result] if isinstance(result, list) else result.to_dict()
     if not as_json:
-        print_kernels(results)
-        print_warnings(w for r in results for w in r.warnings)
-    return results
-
-
-def _models(display: Display, src: Path | None, device: str, model_dtype: str | None, access: Access) -> tuple:
-    """(the original, the folded model)."""
-    from .. import bench as timing
-
-    display.stage("loading and folding the model")
-    return timing.models_to_compare(src, device, torch_dtypes([model_dtype])[0] if model_dtype else None, access)
-
-
-def _bench_models(display: Display, payload: dict[str, Any], models: tuple, runs: _ModelRuns,
-                  as_json: bool) -> Any:
-    """End to end and compiled, as asked; the end-to-end result, or None."""
-    from .. import bench as timing
-    from ..analysis.inputs import hf_example_inputs
-
-    original, folded = models
-    inputs = hf_example_inputs(original, batch=runs.batch, seq_len=runs.seq_len)
-    e2e_result = None
-    if runs.e2e:
-        display.stage(f"timing end to end for at least {runs.repeats} pairs of runs")
-        e2e_result = timing.end_to_end(original, folded, inputs, repeats=runs.repeats, seconds=runs.seconds)
-        display.stop()
-        payload["e2e"] = e2e_result.to_dict()
-        if not as_json:
-            print_end_to_end(e2e_result, type(original).__name__, runs.batch, runs.seq_len)
-            print_warnings(e2e_result.latency.warnings())
-    if runs.compiled:
-        display.stage("compiling both models and timing them")
-        comp = timing.compiled_comparison(original, folded, inputs, repeats=runs.repeats, seconds=runs.seconds)
-        display.stop()
-        payload["compiled"] = comp.to_dict()
-        if not as_json:
-            print_compiled(comp)
-    return e2e_result
-
-
-def _plot(results: list[Any], e2e_result: Any, plot: Path, as_json: bool) -> None:
-    from .. import bench as timing
-
-    timing.plot_results(results, e2e_result, plot)
-    if not as_json:
-        noisy = any(r.warnings for r in results) or (e2e_result is not None and e2e_result.latency.warnings())
-        out.print(f"Saved {plot}" + (" (titled with a warning: the timings were noisy)" if noisy else ""))
+        show(result)
+    return result
 
 
 PACKAGES = ("torch", "transformers", "safetensors", "huggingface_hub", "accelerate", "tokenizers", "triton", "onnx",
@@ -286,21 +245,18 @@ def env(as_json: JsonOnly = False, quiet: Quiet = False, verbose: Verbose = Fals
     if as_json:
         print_json(info)
         return
-    out.print("[bold]versions[/]")
-    for name, version in versions.items():
-        out.print(f"  {name}: {version or 'not installed'}")
-    out.print(f"  torch built for CUDA: {torch.version.cuda or 'no (a CPU build)'}; {info['threads']} CPU threads")
-    out.print("[bold]RMSNorm kernels[/] (what a folded model runs on each device)")
-    for device, what in backends.items():
-        out.print(f"  {device}: {escape(what)}")
-    out.print("[bold]GPU[/]")
-    for g in gpus:
-        out.print(f"  {g['name']} (compute capability {g['capability']}, {g['memory_gb']} GB)")
-    if not gpus:
-        out.print("  none")
-    out.print("[bold]caches[/]")
-    for name, path in info["caches"].items():
-        out.print(f"  {name}: {escape(str(path))}")
+    sections = {
+        "[bold]versions[/]": [f"{name}: {version or 'not installed'}" for name, version in versions.items()]
+        + [f"torch built for CUDA: {torch.version.cuda or 'no (a CPU build)'}; {info['threads']} CPU threads"],
+        "[bold]RMSNorm kernels[/] (what a folded model runs on each device)": [
+            f"{device}: {escape(what)}" for device, what in backends.items()],
+        "[bold]GPU[/]": [f"{g['name']} (compute capability {g['capability']}, {g['memory_gb']} GB)" for g in gpus]
+        or ["none"],
+        "[bold]caches[/]": [f"{name}: {escape(str(path))}" for name, path in info["caches"].items()]}
+    for heading, lines in sections.items():
+        out.print(heading)
+        for line in lines:
+            out.print(f"  {line}")
 
 
 def _caches(enjoyln_cache: Path) -> dict[str, str]:
