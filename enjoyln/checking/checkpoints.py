@@ -28,7 +28,7 @@ from .batches import MAX_COVER_POSITIONS
 from .forward import CandidatePath, ForwardOptions, ModelSource, check_sources
 from .report import CheckReport
 from . import running
-from .static import StaticReport, code_report, missing_note, static_check
+from .static import CODE_SCOPE, StaticReport, missing_note, static_check
 
 MIN_BUDGET = 16 << 20
 """Room, beyond the largest tensor and one forward's activations, that a check within a budget needs."""
@@ -43,9 +43,7 @@ CONFIRM_TOKENS = 4
 def bounded_budget(ck: Checkpoint) -> int | None:
     """None if both models fit in memory; else half of what is available, for one at a time."""
     need, have = forward_check_bytes(ck), available_memory()
-    if have is None or need <= have:
-        return None
-    return have // 2
+    return None if have is None or need <= have else have // 2
 
 
 def require_memory(ck: Checkpoint, max_memory: int | None = None) -> None:
@@ -96,10 +94,10 @@ def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str 
     running.check_device(opts.device)
     ref_ck, cand_ck = _open_pair(reference, candidate, opts.access)
     if code := code_problems(ref_ck, cand_ck):  # before anything imports the candidate's code
-        return CheckReport.from_static(code_report(code), "the candidate's code is not the reference's, so none of "
-                                       "it was run")
+        return _failed(CODE_SCOPE, code, "the candidate's code is not the reference's, so none of it was run")
     budget = _budget(ref_ck, cand_ck, opts)
-    if stage is not None and opts.mode != "forward":
+    stage = stage or (lambda what: None)
+    if opts.mode != "forward":
         stage("checking every weight")
     static, early = _static_part(ref_ck, cand_ck, opts, progress)
     if early is not None:
@@ -171,7 +169,7 @@ def _static_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions,
 
 
 def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, budget: tuple[int | None, bool],
-                  missing: list[str], stage: Callable[[str], None] | None = None) -> CheckReport:
+                  missing: list[str], stage: Callable[[str], None]) -> CheckReport:
     """The outputs compared, with both models in memory or one at a time within ``budget``. Once every
     weight is proven (full mode, not thorough) it only confirms: short batches and a short decode."""
     confirm = opts.mode == "full" and not opts.thorough
@@ -181,8 +179,7 @@ def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, b
                              sweep=opts.mode == "forward")
     plain_required, caveat, note = _plain_loading(cand_ck, verified=opts.mode == "full")
     max_memory, auto = budget
-    if stage is not None:
-        stage("loading the original and the candidate")
+    stage("loading the original and the candidate")
     bounded = tempfile.TemporaryDirectory(prefix="enjoyln-offload-") if max_memory is not None else None
     with bounded or contextlib.nullcontext():
         if bounded is None:
@@ -222,11 +219,10 @@ def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, b
     return report
 
 
-def _on_device(device: str, stage: Callable[[str], None] | None, what: str, model: nn.Module) -> nn.Module:
+def _on_device(device: str, stage: Callable[[str], None], what: str, model: nn.Module) -> nn.Module:
     if device == "cpu":
         return model
-    if stage is not None:
-        stage(f"moving {what} to {device}")
+    stage(f"moving {what} to {device}")
     return model.to(device)
 
 

@@ -118,14 +118,10 @@ def config_problems(expected: dict[str, Any], actual: dict[str, Any], dtype: str
         expected, actual = _without_dtypes(expected), _without_dtypes(actual)
     expected, actual = dict(expected), dict(actual)
     block, theirs = expected.pop("enjoyln", _MISSING), actual.pop("enjoyln", _MISSING)
-    problems = []
-    for key, a, b in _json_differences(expected, actual):
-        if a is _MISSING:
-            problems.append(f"config.json adds {key} = {_short(b)}")
-        elif b is _MISSING:
-            problems.append(f"config.json drops {key} (the reference's is {_short(a)})")
-        else:
-            problems.append(f"config.json changes {key} from {_short(a)} to {_short(b)}")
+    problems = [f"config.json adds {key} = {_short(b)}" if a is _MISSING else
+                f"config.json drops {key} (the reference's is {_short(a)})" if b is _MISSING else
+                f"config.json changes {key} from {_short(a)} to {_short(b)}"
+                for key, a, b in _json_differences(expected, actual)]
     if block is _MISSING and theirs is not _MISSING:
         problems.append("config.json has an enjoyln block, which the plan does not write")
     elif block is not _MISSING and not isinstance(theirs, dict):

@@ -281,11 +281,8 @@ class _Comparison:
 
     def report(self) -> CheckReport:
         """Every required output within the criterion, the same greedy tokens and generation settings."""
-        outputs = []
-        for (n, name), st in self.stats.items():
-            out = judge_output(name, st, self.crit)
-            out.path, out.required = self.paths[n].name, self.paths[n].required
-            outputs.append(out)
+        outputs = [dataclasses.replace(judge_output(name, st, self.crit), path=self.paths[n].name,
+                                       required=self.paths[n].required) for (n, name), st in self.stats.items()]
         generation = self._generation(outputs)
         judged = [o for o in outputs if o.required]
         passed = bool(judged) and all(o.passed for o in judged) and not self.settings

@@ -40,14 +40,11 @@ class Outputs:
                     f.write(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
             self.meta[batch, name] = (t.dtype, t.shape, file)
 
-    def has(self, batch: int, name: str) -> bool:
-        return (batch, name) in self.meta
-
     def names(self, batch: int) -> list[str]:
         return [n for b, n in self.meta if b == batch]
 
-    def shape(self, batch: int, name: str) -> torch.Size:
-        return self.meta[batch, name][1]
+    def shape(self, batch: int, name: str) -> torch.Size | None:
+        return self.meta.get((batch, name), (None, None))[1]
 
     def chunks(self, batch: int, name: str, size: int) -> Iterator[torch.Tensor]:
         """The output flattened, ``size`` elements at a time."""
@@ -111,7 +108,7 @@ def measure(name: str, base: Outputs, truth: Outputs | None, batch: int,
     if cand is None or cand.shape != base.shape(batch, name):
         return Stats(mismatch=True)
     flat = cand.detach().contiguous().view(-1).split(CHUNK)
-    use_truth = truth is not None and truth.has(batch, name) and truth.shape(batch, name) == cand.shape
+    use_truth = truth is not None and truth.shape(batch, name) == cand.shape
     t_chunks = truth.chunks(batch, name, CHUNK) if use_truth else None
     st = Stats(floating=cand.is_floating_point(), truth=use_truth)
     zero = torch.zeros((), dtype=torch.float64)

@@ -53,11 +53,8 @@ def token_sweep(model: nn.Module, drawn: set[int], *, seed: int = 0, max_rows: i
 
 
 def drawn_ids(batches: list[Inputs]) -> set[int]:
-    ids: set[int] = set()
-    for b in batches:
-        if isinstance(b.kwargs.get("input_ids"), torch.Tensor):
-            ids.update(b.kwargs["input_ids"].reshape(-1).tolist())
-    return ids
+    return {i for b in batches if isinstance(ids := b.kwargs.get("input_ids"), torch.Tensor)
+            for i in ids.reshape(-1).tolist()}
 
 
 def sketched(outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
