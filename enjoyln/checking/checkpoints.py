@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, EnjoylnError
-from ..options import Access, CheckOptions
+from ..options import CheckOptions
 from ..units import format_bytes
 from ..store.load import load, load_plain
 from ..store.memory import (available_memory, config_value_dict, dominant_dtype, forward_check_bytes,
@@ -92,7 +92,14 @@ def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str 
         raise EnjoylnError(f"unknown check mode {opts.mode!r}; use full, static or forward")
     opts = dataclasses.replace(opts, dtype=parse_dtype(opts.dtype))
     running.check_device(opts.device)
-    ref_ck, cand_ck = _open_pair(reference, candidate, opts.access)
+    opened = dataclasses.asdict(opts.access)
+    ref_ck = reference if isinstance(reference, Checkpoint) else open_checkpoint(reference, **opened)
+    cand_ck = open_checkpoint(candidate, **opened)
+    if ref_ck.architecture != cand_ck.architecture:
+        hint = ("" if opts.access.model_class
+                else " (one folded with --model-class is checked with the same --model-class)")
+        raise CheckpointError(f"{ref_ck.path} is a {ref_ck.architecture} but {cand_ck.path} is a "
+                              f"{cand_ck.architecture}{hint}")
     if code := code_problems(ref_ck, cand_ck):  # before anything imports the candidate's code
         return _failed(CODE_SCOPE, code, "the candidate's code is not the reference's, so none of it was run")
     budget = _budget(ref_ck, cand_ck, opts)
@@ -112,18 +119,6 @@ def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str 
     if static is not None:
         report.static, report.passed = static, report.passed and static.passed
     return report
-
-
-def _open_pair(reference: str | os.PathLike | Checkpoint, candidate: str | os.PathLike,
-               access: Access) -> tuple[Checkpoint, Checkpoint]:
-    opened = dataclasses.asdict(access)
-    ref_ck = reference if isinstance(reference, Checkpoint) else open_checkpoint(reference, **opened)
-    cand_ck = open_checkpoint(candidate, **opened)
-    if ref_ck.architecture != cand_ck.architecture:
-        hint = "" if access.model_class else " (one folded with --model-class is checked with the same --model-class)"
-        raise CheckpointError(f"{ref_ck.path} is a {ref_ck.architecture} but {cand_ck.path} is a "
-                              f"{cand_ck.architecture}{hint}")
-    return ref_ck, cand_ck
 
 
 def _budget(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions) -> tuple[int | None, bool]:

@@ -217,10 +217,9 @@ def _same_bytes(a: Path, b: Path) -> bool:
 
 def identical_directories(ref: Checkpoint, cand: Checkpoint) -> bool:
     """Whether every file a loader reads in ``cand`` is the same-named one in ``ref``, byte for byte."""
-    ours, odd = loader_files(ref.path)
-    theirs, odd_too = loader_files(cand.path)
-    ours.pop(OWNER_FILE, None)  # marks the temporary directory a fold checks; no loader reads it
-    theirs.pop(OWNER_FILE, None)
+    (ours, odd), (theirs, odd_too) = loader_files(ref.path), loader_files(cand.path)
+    for files in (ours, theirs):
+        files.pop(OWNER_FILE, None)  # marks the temporary directory a fold checks; no loader reads it
     if odd or odd_too or ours.keys() != theirs.keys():
         return False
     try:

@@ -36,8 +36,7 @@ class Outputs:
             if file is None:
                 self.tensors[batch, name] = t
             else:
-                with open(file, "wb") as f:
-                    f.write(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+                file.write_bytes(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
             self.meta[batch, name] = (t.dtype, t.shape, file)
 
     def names(self, batch: int) -> list[str]:

@@ -140,8 +140,7 @@ class CheckReport:
         if self.generation is not None and self.generation.passed:
             parts.append("the same greedy tokens" if self.generation.identical else "the same greedy tokens up to "
                          "near-ties")
-        if static is None:
-            parts.append("weights not compared")
+        parts += ["weights not compared"] if static is None else []
         return f"PASS: {subject} computes the same outputs ({'; '.join(parts)}){caveat}"
 
     def _what_differs(self, subject: str) -> str:

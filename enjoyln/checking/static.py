@@ -4,6 +4,7 @@ model in memory (docs/checking.md); config, files, dtype, code and plan are comp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -119,11 +120,9 @@ def static_check(ref: Checkpoint, cand: Checkpoint, *, progress: Callable[[int, 
     finally:
         for reader in readers:
             reader.close()
-    report = _judge(resolved, verdicts, files, moved=moves_values(resolved.plan))
-    report.missing = pairing.missing
-    report.bytes_read = sum(r.bytes_read for r in readers)
-    report.seconds = time.perf_counter() - start
-    return report
+    return dataclasses.replace(_judge(resolved, verdicts, files, moved=moves_values(resolved.plan)),
+                               missing=pairing.missing, bytes_read=sum(r.bytes_read for r in readers),
+                               seconds=time.perf_counter() - start)
 
 
 def _resolve_plan(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Resolved:

@@ -40,9 +40,6 @@ class _Scratch:
         self.top = (i, at + -(-n // 8) * 8)  # 64-byte aligned for the next one
         return self.chunks[i][at:at + n]
 
-    def storages(self) -> set[int]:
-        return {c.untyped_storage().data_ptr() for c in self.chunks}
-
 
 def _own_tensors(module: nn.Module) -> Iterator[tuple[dict[str, Any], str, torch.Tensor]]:
     for table in (module._parameters, module._buffers):
@@ -121,7 +118,7 @@ def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
 
     def post(module: nn.Module, args: Any, output: Any) -> Any:
         depth, top = frames.pop()
-        output = _copies_of_views(output, scratch.storages())
+        output = _copies_of_views(output, {c.untyped_storage().data_ptr() for c in scratch.chunks})
         restore(depth)
         scratch.top = top
         return output
