@@ -247,13 +247,12 @@ def file_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
         problems.append(f"the candidate's generation config changes {key} from {theirs_gen.get(key)!r} "
                         f"to {ours_gen.get(key)!r}")
     for rel in sorted(actual.keys() - own):
-        source = expected.get(rel)
-        if source is None and "/" not in rel and is_weight_file(rel) and (ref.path / rel).is_file():
+        source, weights = expected.get(rel), "/" not in rel and is_weight_file(rel)
+        if source is None and weights and (ref.path / rel).is_file():
             source = input_file(ref.path / rel)  # the reference's own copy, kept as it was
         if source is None:
-            what = "weights a fold of the reference would not hold" if "/" not in rel and is_weight_file(rel) \
-                else "a file a fold of the reference would not hold"
-            problems.append(f"the candidate has {rel}, {what}")
+            problems.append(f"the candidate has {rel}, {'weights' if weights else 'a file'} a fold of the reference "
+                            "would not hold")
         elif not _same_content(source, actual[rel]):
             problems.append(f"the candidate's {rel} differs from the reference's")
     for rel in sorted(expected.keys() - actual.keys()):

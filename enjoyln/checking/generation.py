@@ -99,9 +99,8 @@ def generation_settings(model: nn.Module) -> dict[str, Any] | None:
     config = getattr(model, "generation_config", None)
     if config is None or not callable(getattr(config, "to_dict", None)):
         return None
-    settings = config.to_dict()
-    settings.pop("transformers_version", None)  # the running transformers' version, on both sides
-    return settings
+    # without the running transformers' version, the same on both sides
+    return {key: value for key, value in config.to_dict().items() if key != "transformers_version"}
 
 
 def settings_problems(ref: dict[str, Any] | None, cand: dict[str, Any] | None) -> list[str]:

@@ -155,13 +155,9 @@ class CheckReport:
         wrong = [o for o in self.outputs if o.required and not o.passed]
         if wrong:
             o = wrong[0]
-            if o.nonfinite:
-                how = f"has {o.nonfinite} NaN or Inf values where the original has none"
-            elif o.allowed is not None:
-                how = f"is off by {o.candidate_error if o.candidate_error is not None else o.max_abs_diff:.3g} " \
-                      f"where {o.allowed:.3g} is allowed"
-            else:
-                how = "differs"
+            off = o.candidate_error if o.candidate_error is not None else o.max_abs_diff
+            how = (f"has {o.nonfinite} NaN or Inf values where the original has none" if o.nonfinite else
+                   f"is off by {off:.3g} where {o.allowed:.3g} is allowed" if o.allowed is not None else "differs")
             more = f" (and {len(wrong) - 1} more outputs)" if len(wrong) > 1 else ""
             return f"{subject} computes different outputs: {o.label} {how}{more}"
         if self.generation_settings:
@@ -187,16 +183,12 @@ class CheckReport:
         lines += [f"  memory: {self.memory}"] if self.memory else []
         lines += [f"  note: {note}" for note in self.notes]
         for o in self.outputs:
-            extra = ""
-            if o.candidate_error is not None:
-                extra = (f"; vs {self.truth_dtype or 'truth'}: candidate {o.candidate_error:.3g}, "
-                         f"original {o.reference_error:.3g}")
-            if o.allowed is not None:
-                extra += f", allowed {o.allowed:.3g}"
-            if o.margin is not None:
-                extra += f" (margin {o.margin:.3g}x)"
-            if o.nonfinite:
-                extra += f"; {o.nonfinite} elements NaN or Inf where the original is not (or another non-finite value)"
+            extra = (f"; vs {self.truth_dtype or 'truth'}: candidate {o.candidate_error:.3g}, "
+                     f"original {o.reference_error:.3g}" if o.candidate_error is not None else "")
+            extra += f", allowed {o.allowed:.3g}" if o.allowed is not None else ""
+            extra += f" (margin {o.margin:.3g}x)" if o.margin is not None else ""
+            extra += (f"; {o.nonfinite} elements NaN or Inf where the original is not (or another non-finite value)"
+                      if o.nonfinite else "")
             state = ("ok" if o.passed else "FAIL") if o.required else ("differs" if not o.passed else "ok") + ", not required"
             lines.append(f"  [{state}] {o.label}: abs {o.max_abs_diff:.3g}, rel {o.max_rel_diff:.3g}{extra}")
         lines += [f"  [FAIL] {problem}" for problem in self.generation_settings]

@@ -60,12 +60,8 @@ def drawn_ids(batches: list[Inputs]) -> set[int]:
 def sketched(outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each output's sketch, under its name with ``SUFFIX``: floating outputs wider than ``SKETCH`` times a
     fixed random matrix along the last axis, in float64; others as they are."""
-    out = {}
-    for name, t in outputs.items():
-        if t.is_floating_point() and t.dim() and t.shape[-1] > SKETCH:
-            t = t.detach().to(torch.float64) @ _matrix(t.shape[-1])
-        out[name + SUFFIX] = t
-    return out
+    return {name + SUFFIX: t.detach().to(torch.float64) @ _matrix(t.shape[-1])
+            if t.is_floating_point() and t.dim() and t.shape[-1] > SKETCH else t for name, t in outputs.items()}
 
 
 @functools.lru_cache(maxsize=8)
