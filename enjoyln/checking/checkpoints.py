@@ -153,14 +153,10 @@ def _static_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions,
         return None, (_failed("load settings", problems, "the candidate does not load as the reference does")
                       if problems else None)
     static = static_check(ref_ck, cand_ck, progress=progress, dtype=opts.dtype)
-    if opts.mode == "static":
-        return static, CheckReport.from_static(static, "static check only")
-    if not static.passed:
-        return static, CheckReport.from_static(static, "the weights already differ")
-    if static.byte_identical:
-        return static, CheckReport.from_static(static, "the candidate is byte for byte the reference, so it loads "
-                                               "and computes the same: there is nothing to run")
-    return static, None
+    why = ("static check only" if opts.mode == "static" else "the weights already differ" if not static.passed else
+           "the candidate is byte for byte the reference, so it loads and computes the same: there is nothing to run"
+           if static.byte_identical else "")
+    return static, CheckReport.from_static(static, why) if why else None
 
 
 def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, budget: tuple[int | None, bool],

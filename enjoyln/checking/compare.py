@@ -4,6 +4,7 @@ recorded plan against this enjoyln's analysis."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -196,10 +197,8 @@ def _same_content(a: Path, b: Path) -> bool:
     try:
         size_a, size_b = a.stat().st_size, b.stat().st_size
         if a.suffix == ".json" and max(size_a, size_b) <= JSON_LIMIT:
-            try:
+            with contextlib.suppress(_Unreadable):
                 return same_json(_json_value(a), _json_value(b))
-            except _Unreadable:
-                pass
         return size_a == size_b and _same_bytes(a, b)
     except OSError as exc:
         raise CheckpointError(f"cannot read {exc.filename or b}: {exc.strerror or exc}") from None
@@ -224,10 +223,8 @@ def identical_directories(ref: Checkpoint, cand: Checkpoint) -> bool:
         return False
     try:
         sizes = {rel: (ours[rel].stat().st_size, theirs[rel].stat().st_size) for rel in ours}
-        if any(x != y for x, y in sizes.values()):
-            return False
         order = sorted(ours, key=lambda rel: (rel != "config.json", sizes[rel][0], rel))
-        return all(_same_bytes(ours[rel], theirs[rel]) for rel in order)
+        return all(x == y for x, y in sizes.values()) and all(_same_bytes(ours[rel], theirs[rel]) for rel in order)
     except OSError as exc:
         raise CheckpointError(f"cannot read {exc.filename}: {exc.strerror or exc}") from None
 

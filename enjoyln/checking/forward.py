@@ -120,9 +120,8 @@ def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInp
         opts = dataclasses.replace(options or ForwardOptions(), **values)
     except TypeError as exc:
         raise EnjoylnError(f"unknown option: {exc}") from None
-    truth = ModelSource.of(fp32_reference) if fp32_reference is not None else None
     return check_sources(ModelSource.of(reference), [CandidatePath("", ModelSource.of(candidate))], example_inputs,
-                         opts, truth=truth)
+                         opts, truth=ModelSource.of(fp32_reference) if fp32_reference is not None else None)
 
 
 def check_sources(reference: ModelSource, candidates: Sequence[CandidatePath], example_inputs: ExampleInputs = None,

@@ -1,5 +1,4 @@
-"""Greedy generation for the forward check: decoding with every step's logits and scores, judging flips
-as near-ties, and comparing the generation settings a loader gave the candidate with the reference's."""
+"""Greedy generation for the forward check: decoding, flips judged as near-ties, and the generation settings."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""How the forward check judges one output: every batch's outputs kept (in memory, or on disk within a
-memory budget), compared chunk by chunk with the reference and its truth, judged by the criterion."""
+"""How the forward check judges one output: kept in memory or on disk, compared chunk by chunk, then judged."""
 
 from __future__ import annotations
 
@@ -148,9 +147,8 @@ def judge_output(name: str, st: Stats, crit: Criterion) -> OutputCheck:
         measured = out.candidate_error
         out.tolerance = out.allowed + st.ref_err
     else:
-        out.allowed = crit.rtol * st.scale
+        out.allowed = out.tolerance = crit.rtol * st.scale
         measured = diff
-        out.tolerance = out.allowed
     out.passed = not st.nonfinite and measured <= out.allowed
     out.margin = (out.allowed / measured if measured else None) if math.isfinite(measured) else 0.0
     return out

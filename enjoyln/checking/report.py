@@ -1,5 +1,4 @@
-"""The forward check's report: each output's comparison, greedy generation, what the inputs
-covered, and the verdict, with their summaries."""
+"""The check's report: each output's comparison, greedy generation, what the inputs covered, the verdict."""
 
 from __future__ import annotations
 

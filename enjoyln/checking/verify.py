@@ -175,9 +175,8 @@ class Verifier:
             return self.ref.read(p.ref, into_ref), theirs.result()
 
         def size(job: tuple[int, Pair]) -> int:
-            p = job[1]
-            want_ref, want_cand = wanted(p)
-            return want_ref * self.ref.nbytes(p.ref) + want_cand * self.cand.nbytes(p.cand)
+            want_ref, want_cand = wanted(job[1])
+            return want_ref * self.ref.nbytes(job[1].ref) + want_cand * self.cand.nbytes(job[1].cand)
 
         try:
             for (_, p), (r, t) in read_ahead(enumerate(order), load, size):
