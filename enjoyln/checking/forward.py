@@ -129,8 +129,7 @@ def check_sources(reference: ModelSource, candidates: Sequence[CandidatePath], e
                   stage: Callable[[str], None] | None = None) -> CheckReport:
     """``check``, with models produced one at a time: the reference, its truth in the next wider dtype
     (``truth``, or the reference itself), then each load path of the candidate (the first is judged)."""
-    comparison = _Comparison(reference, truth or reference, candidates[0].source, options)
-    comparison.say = stage or (lambda what: None)
+    comparison = _Comparison(reference, truth or reference, candidates[0].source, options, stage or (lambda what: None))
     with (tempfile.TemporaryDirectory(prefix="enjoyln-check-") if options.spill else contextlib.nullcontext()) as spill_dir:
         comparison.spill_dir = Path(spill_dir) if spill_dir else None
         comparison.reference_runs(example_inputs)
@@ -143,8 +142,8 @@ class _Comparison:
     """One forward comparison, in the order its models are needed and dropped; then the verdict."""
 
     def __init__(self, reference: ModelSource, truth: ModelSource, candidate: ModelSource,
-                 options: ForwardOptions) -> None:
-        self.reference, self.truth, self.opts = reference, truth, options
+                 options: ForwardOptions, say: Callable[[str], None]) -> None:
+        self.reference, self.truth, self.opts, self.say = reference, truth, options, say
         self.half = reference.dtype in HALF or candidate.dtype in HALF
         # an fp32 original against a half-precision candidate: the original is the truth, and
         # the original rounded to the candidate's dtype is the baseline
@@ -164,7 +163,6 @@ class _Comparison:
         self.ref_gen = self.cand_gen = None
         self.paths: list[CandidatePath] = []
         self.widen: nn.Module | None = None
-        self.say: Callable[[str], None] = lambda what: None
 
     def _store(self, name: str) -> Outputs:
         return Outputs(self.spill_dir / name if self.spill_dir is not None else None)

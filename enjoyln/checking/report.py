@@ -137,8 +137,7 @@ class CheckReport:
         parts = (["every weight proven"] if static is not None else []) + [
             f"{self.batches} batch{'es' if self.batches != 1 else ''} {within}"]
         if self.generation is not None and self.generation.passed:
-            parts.append("the same greedy tokens" if self.generation.identical else "the same greedy tokens up to "
-                         "near-ties")
+            parts.append("the same greedy tokens" + ("" if self.generation.identical else " up to near-ties"))
         parts += ["weights not compared"] if static is None else []
         return f"PASS: {subject} computes the same outputs ({'; '.join(parts)}){caveat}"
 

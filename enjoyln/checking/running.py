@@ -50,10 +50,9 @@ def check_device(device: str) -> None:
 
     >>> check_device("cpu")
     """
-    try:
+    where = None
+    with contextlib.suppress(RuntimeError, TypeError):
         where = torch.device(device)
-    except (RuntimeError, TypeError):
-        where = None
     if where is None or where.type not in ("cpu", "cuda"):
         raise EnjoylnError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
     if where.type == "cuda" and not torch.cuda.is_available():

@@ -112,16 +112,16 @@ def static_check(ref: Checkpoint, cand: Checkpoint, *, progress: Callable[[int, 
     resolved = _resolve_plan(ref, cand, dtype)
     # read before any weight, so a bad file is refused first; reported after the weights
     files = load_problems(ref, cand, dtype) + file_problems(ref, cand)
-    pairing = pair_tensors(resolved.plan, ref, cand)
-    resolved.problems += pairing.problems
+    pairs, unpaired, missing = pair_tensors(resolved.plan, ref, cand)
+    resolved.problems += unpaired
     readers = TensorReader(ref), TensorReader(cand)
     try:
-        verdicts = _verify(resolved, pairing.pairs, (ref, cand), readers, dtype, progress)
+        verdicts = _verify(resolved, pairs, (ref, cand), readers, dtype, progress)
     finally:
         for reader in readers:
             reader.close()
     return dataclasses.replace(_judge(resolved, verdicts, files, moved=moves_values(resolved.plan)),
-                               missing=pairing.missing, bytes_read=sum(r.bytes_read for r in readers),
+                               missing=missing, bytes_read=sum(r.bytes_read for r in readers),
                                seconds=time.perf_counter() - start)
 
 
