@@ -1,5 +1,4 @@
-"""The forward check's inputs: seeded batches synthesized for the model (or like the examples
-given), and the coverage batch that reaches every position the config allows."""
+"""The forward check's inputs: seeded batches, and the coverage batch that reaches every position the config allows."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, EnjoylnError
-from ..options import Access, CheckOptions
+from ..options import CheckOptions
 from ..units import format_bytes
 from ..store.load import load, load_plain
 from ..store.memory import (available_memory, config_value_dict, dominant_dtype, forward_check_bytes,
@@ -28,7 +28,7 @@ from .batches import MAX_COVER_POSITIONS
 from .forward import CandidatePath, ForwardOptions, ModelSource, check_sources
 from .report import CheckReport
 from . import running
-from .static import StaticReport, code_report, missing_note, static_check
+from .static import CODE_SCOPE, StaticReport, missing_note, static_check
 
 MIN_BUDGET = 16 << 20
 """Room, beyond the largest tensor and one forward's activations, that a check within a budget needs."""
@@ -43,9 +43,7 @@ CONFIRM_TOKENS = 4
 def bounded_budget(ck: Checkpoint) -> int | None:
     """None if both models fit in memory; else half of what is available, for one at a time."""
     need, have = forward_check_bytes(ck), available_memory()
-    if have is None or need <= have:
-        return None
-    return have // 2
+    return None if have is None or need <= have else have // 2
 
 
 def require_memory(ck: Checkpoint, max_memory: int | None = None) -> None:
@@ -94,12 +92,19 @@ def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str 
         raise EnjoylnError(f"unknown check mode {opts.mode!r}; use full, static or forward")
     opts = dataclasses.replace(opts, dtype=parse_dtype(opts.dtype))
     running.check_device(opts.device)
-    ref_ck, cand_ck = _open_pair(reference, candidate, opts.access)
+    opened = dataclasses.asdict(opts.access)
+    ref_ck = reference if isinstance(reference, Checkpoint) else open_checkpoint(reference, **opened)
+    cand_ck = open_checkpoint(candidate, **opened)
+    if ref_ck.architecture != cand_ck.architecture:
+        hint = ("" if opts.access.model_class
+                else " (one folded with --model-class is checked with the same --model-class)")
+        raise CheckpointError(f"{ref_ck.path} is a {ref_ck.architecture} but {cand_ck.path} is a "
+                              f"{cand_ck.architecture}{hint}")
     if code := code_problems(ref_ck, cand_ck):  # before anything imports the candidate's code
-        return CheckReport.from_static(code_report(code), "the candidate's code is not the reference's, so none of "
-                                       "it was run")
+        return _failed(CODE_SCOPE, code, "the candidate's code is not the reference's, so none of it was run")
     budget = _budget(ref_ck, cand_ck, opts)
-    if stage is not None and opts.mode != "forward":
+    stage = stage or (lambda what: None)
+    if opts.mode != "forward":
         stage("checking every weight")
     static, early = _static_part(ref_ck, cand_ck, opts, progress)
     if early is not None:
@@ -114,18 +119,6 @@ def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str 
     if static is not None:
         report.static, report.passed = static, report.passed and static.passed
     return report
-
-
-def _open_pair(reference: str | os.PathLike | Checkpoint, candidate: str | os.PathLike,
-               access: Access) -> tuple[Checkpoint, Checkpoint]:
-    opened = dataclasses.asdict(access)
-    ref_ck = reference if isinstance(reference, Checkpoint) else open_checkpoint(reference, **opened)
-    cand_ck = open_checkpoint(candidate, **opened)
-    if ref_ck.architecture != cand_ck.architecture:
-        hint = "" if access.model_class else " (one folded with --model-class is checked with the same --model-class)"
-        raise CheckpointError(f"{ref_ck.path} is a {ref_ck.architecture} but {cand_ck.path} is a "
-                              f"{cand_ck.architecture}{hint}")
-    return ref_ck, cand_ck
 
 
 def _budget(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions) -> tuple[int | None, bool]:
@@ -160,18 +153,14 @@ def _static_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions,
         return None, (_failed("load settings", problems, "the candidate does not load as the reference does")
                       if problems else None)
     static = static_check(ref_ck, cand_ck, progress=progress, dtype=opts.dtype)
-    if opts.mode == "static":
-        return static, CheckReport.from_static(static, "static check only")
-    if not static.passed:
-        return static, CheckReport.from_static(static, "the weights already differ")
-    if static.byte_identical:
-        return static, CheckReport.from_static(static, "the candidate is byte for byte the reference, so it loads "
-                                               "and computes the same: there is nothing to run")
-    return static, None
+    why = ("static check only" if opts.mode == "static" else "the weights already differ" if not static.passed else
+           "the candidate is byte for byte the reference, so it loads and computes the same: there is nothing to run"
+           if static.byte_identical else "")
+    return static, CheckReport.from_static(static, why) if why else None
 
 
 def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, budget: tuple[int | None, bool],
-                  missing: list[str], stage: Callable[[str], None] | None = None) -> CheckReport:
+                  missing: list[str], stage: Callable[[str], None]) -> CheckReport:
     """The outputs compared, with both models in memory or one at a time within ``budget``. Once every
     weight is proven (full mode, not thorough) it only confirms: short batches and a short decode."""
     confirm = opts.mode == "full" and not opts.thorough
@@ -181,8 +170,7 @@ def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, b
                              sweep=opts.mode == "forward")
     plain_required, caveat, note = _plain_loading(cand_ck, verified=opts.mode == "full")
     max_memory, auto = budget
-    if stage is not None:
-        stage("loading the original and the candidate")
+    stage("loading the original and the candidate")
     bounded = tempfile.TemporaryDirectory(prefix="enjoyln-offload-") if max_memory is not None else None
     with bounded or contextlib.nullcontext():
         if bounded is None:
@@ -222,11 +210,10 @@ def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, b
     return report
 
 
-def _on_device(device: str, stage: Callable[[str], None] | None, what: str, model: nn.Module) -> nn.Module:
+def _on_device(device: str, stage: Callable[[str], None], what: str, model: nn.Module) -> nn.Module:
     if device == "cpu":
         return model
-    if stage is not None:
-        stage(f"moving {what} to {device}")
+    stage(f"moving {what} to {device}")
     return model.to(device)
 
 

@@ -4,6 +4,7 @@ recorded plan against this enjoyln's analysis."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -118,14 +119,10 @@ def config_problems(expected: dict[str, Any], actual: dict[str, Any], dtype: str
         expected, actual = _without_dtypes(expected), _without_dtypes(actual)
     expected, actual = dict(expected), dict(actual)
     block, theirs = expected.pop("enjoyln", _MISSING), actual.pop("enjoyln", _MISSING)
-    problems = []
-    for key, a, b in _json_differences(expected, actual):
-        if a is _MISSING:
-            problems.append(f"config.json adds {key} = {_short(b)}")
-        elif b is _MISSING:
-            problems.append(f"config.json drops {key} (the reference's is {_short(a)})")
-        else:
-            problems.append(f"config.json changes {key} from {_short(a)} to {_short(b)}")
+    problems = [f"config.json adds {key} = {_short(b)}" if a is _MISSING else
+                f"config.json drops {key} (the reference's is {_short(a)})" if b is _MISSING else
+                f"config.json changes {key} from {_short(a)} to {_short(b)}"
+                for key, a, b in _json_differences(expected, actual)]
     if block is _MISSING and theirs is not _MISSING:
         problems.append("config.json has an enjoyln block, which the plan does not write")
     elif block is not _MISSING and not isinstance(theirs, dict):
@@ -200,10 +197,8 @@ def _same_content(a: Path, b: Path) -> bool:
     try:
         size_a, size_b = a.stat().st_size, b.stat().st_size
         if a.suffix == ".json" and max(size_a, size_b) <= JSON_LIMIT:
-            try:
+            with contextlib.suppress(_Unreadable):
                 return same_json(_json_value(a), _json_value(b))
-            except _Unreadable:
-                pass
         return size_a == size_b and _same_bytes(a, b)
     except OSError as exc:
         raise CheckpointError(f"cannot read {exc.filename or b}: {exc.strerror or exc}") from None
@@ -221,18 +216,15 @@ def _same_bytes(a: Path, b: Path) -> bool:
 
 def identical_directories(ref: Checkpoint, cand: Checkpoint) -> bool:
     """Whether every file a loader reads in ``cand`` is the same-named one in ``ref``, byte for byte."""
-    ours, odd = loader_files(ref.path)
-    theirs, odd_too = loader_files(cand.path)
-    ours.pop(OWNER_FILE, None)  # marks the temporary directory a fold checks; no loader reads it
-    theirs.pop(OWNER_FILE, None)
+    (ours, odd), (theirs, odd_too) = loader_files(ref.path), loader_files(cand.path)
+    for files in (ours, theirs):
+        files.pop(OWNER_FILE, None)  # marks the temporary directory a fold checks; no loader reads it
     if odd or odd_too or ours.keys() != theirs.keys():
         return False
     try:
         sizes = {rel: (ours[rel].stat().st_size, theirs[rel].stat().st_size) for rel in ours}
-        if any(x != y for x, y in sizes.values()):
-            return False
         order = sorted(ours, key=lambda rel: (rel != "config.json", sizes[rel][0], rel))
-        return all(_same_bytes(ours[rel], theirs[rel]) for rel in order)
+        return all(x == y for x, y in sizes.values()) and all(_same_bytes(ours[rel], theirs[rel]) for rel in order)
     except OSError as exc:
         raise CheckpointError(f"cannot read {exc.filename}: {exc.strerror or exc}") from None
 
@@ -252,13 +244,12 @@ def file_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
         problems.append(f"the candidate's generation config changes {key} from {theirs_gen.get(key)!r} "
                         f"to {ours_gen.get(key)!r}")
     for rel in sorted(actual.keys() - own):
-        source = expected.get(rel)
-        if source is None and "/" not in rel and is_weight_file(rel) and (ref.path / rel).is_file():
+        source, weights = expected.get(rel), "/" not in rel and is_weight_file(rel)
+        if source is None and weights and (ref.path / rel).is_file():
             source = input_file(ref.path / rel)  # the reference's own copy, kept as it was
         if source is None:
-            what = "weights a fold of the reference would not hold" if "/" not in rel and is_weight_file(rel) \
-                else "a file a fold of the reference would not hold"
-            problems.append(f"the candidate has {rel}, {what}")
+            problems.append(f"the candidate has {rel}, {'weights' if weights else 'a file'} a fold of the reference "
+                            "would not hold")
         elif not _same_content(source, actual[rel]):
             problems.append(f"the candidate's {rel} differs from the reference's")
     for rel in sorted(expected.keys() - actual.keys()):

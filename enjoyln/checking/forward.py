@@ -20,7 +20,7 @@ from ..errors import EnjoylnError
 from .batches import covering, input_batches
 from .generation import generate_greedy, generation_lengths, generation_settings, judge_generation, settings_problems
 from .measuring import FACTOR, Criterion, Outputs, Stats, judge_output, measure
-from .report import CheckReport, GenerationCheck, OutputCheck, worse
+from .report import CheckReport, GenerationCheck, worse
 from .running import cast_inputs, run_model
 from .sweep import drawn_ids, sketched, token_sweep
 from .widening import NotWidened, widened
@@ -120,9 +120,8 @@ def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInp
         opts = dataclasses.replace(options or ForwardOptions(), **values)
     except TypeError as exc:
         raise EnjoylnError(f"unknown option: {exc}") from None
-    truth = ModelSource.of(fp32_reference) if fp32_reference is not None else None
     return check_sources(ModelSource.of(reference), [CandidatePath("", ModelSource.of(candidate))], example_inputs,
-                         opts, truth=truth)
+                         opts, truth=ModelSource.of(fp32_reference) if fp32_reference is not None else None)
 
 
 def check_sources(reference: ModelSource, candidates: Sequence[CandidatePath], example_inputs: ExampleInputs = None,
@@ -130,8 +129,7 @@ def check_sources(reference: ModelSource, candidates: Sequence[CandidatePath], e
                   stage: Callable[[str], None] | None = None) -> CheckReport:
     """``check``, with models produced one at a time: the reference, its truth in the next wider dtype
     (``truth``, or the reference itself), then each load path of the candidate (the first is judged)."""
-    comparison = _Comparison(reference, truth or reference, candidates[0].source, options)
-    comparison.say = stage or (lambda what: None)
+    comparison = _Comparison(reference, truth or reference, candidates[0].source, options, stage or (lambda what: None))
     with (tempfile.TemporaryDirectory(prefix="enjoyln-check-") if options.spill else contextlib.nullcontext()) as spill_dir:
         comparison.spill_dir = Path(spill_dir) if spill_dir else None
         comparison.reference_runs(example_inputs)
@@ -144,8 +142,8 @@ class _Comparison:
     """One forward comparison, in the order its models are needed and dropped; then the verdict."""
 
     def __init__(self, reference: ModelSource, truth: ModelSource, candidate: ModelSource,
-                 options: ForwardOptions) -> None:
-        self.reference, self.truth, self.opts = reference, truth, options
+                 options: ForwardOptions, say: Callable[[str], None]) -> None:
+        self.reference, self.truth, self.opts, self.say = reference, truth, options, say
         self.half = reference.dtype in HALF or candidate.dtype in HALF
         # an fp32 original against a half-precision candidate: the original is the truth, and
         # the original rounded to the candidate's dtype is the baseline
@@ -165,7 +163,6 @@ class _Comparison:
         self.ref_gen = self.cand_gen = None
         self.paths: list[CandidatePath] = []
         self.widen: nn.Module | None = None
-        self.say: Callable[[str], None] = lambda what: None
 
     def _store(self, name: str) -> Outputs:
         return Outputs(self.spill_dir / name if self.spill_dir is not None else None)
@@ -175,8 +172,10 @@ class _Comparison:
         out = run_model(model, cast_inputs(self.inputs[i], dtype), self.opts.seed + i)
         return sketched(out) if i >= self.main else out
 
-    def _draw_inputs(self, model: nn.Module, example_inputs: ExampleInputs) -> None:
-        o = self.opts
+    def reference_runs(self, example_inputs: ExampleInputs) -> None:
+        """The reference's outputs (and greedy tokens); kept (``widen``) if its truth widens it, else dropped."""
+        o, self.base = self.opts, self._store("base")
+        model = self.reference.get(self.base_dtype)
         self.inputs = input_batches(model, example_inputs, batches=o.batches, seed=o.seed,
                                     batch_size=o.batch_size, seq_len=o.seq_len)
         first, self.covered = ((None, None) if example_inputs is not None or not o.coverage
@@ -189,14 +188,8 @@ class _Comparison:
                                        max_rows=o.max_rows if o.spill else None)
         if self.covered is not None:  # what every batch draws, not the coverage batch alone
             self.covered.distinct_ids = len(drawn_ids(self.inputs))
-
-    def reference_runs(self, example_inputs: ExampleInputs) -> None:
-        """The reference's outputs (and greedy tokens); kept (``widen``) if its truth widens it, else dropped."""
-        self.base = self._store("base")
-        model = self.reference.get(self.base_dtype)
-        self._draw_inputs(model, example_inputs)
-        causal = self.opts.generate_tokens > 0 and is_causal_lm(model)
-        self.prompt_len, self.new_tokens = generation_lengths(model, self.opts.generate_tokens) if causal else (0, 0)
+        causal = o.generate_tokens > 0 and is_causal_lm(model)
+        self.prompt_len, self.new_tokens = generation_lengths(model, o.generate_tokens) if causal else (0, 0)
         prompt = next((b.kwargs.get("input_ids") for b in self.inputs if "input_ids" in b.kwargs), None)
         self.prompt = prompt[:, :self.prompt_len] if self.new_tokens and prompt is not None else None
         for i in range(len(self.inputs)):
@@ -204,7 +197,7 @@ class _Comparison:
             self.base.put(i, self.outputs(model, i, self.base_dtype))
         if self.prompt is not None:
             self.say(f"decoding {self.new_tokens} tokens greedily with the original")
-            self.ref_gen = generate_greedy(model, self.prompt, self.new_tokens, self.opts.seed)
+            self.ref_gen = generate_greedy(model, self.prompt, self.new_tokens, o.seed)
         self.ref_settings = generation_settings(model)
         r = self.reference
         # the original's own weights widened: its truth without a second load or copy
@@ -269,28 +262,21 @@ class _Comparison:
             del model
             path.source.drop(path.source.dtype)
 
-    def _generation(self, outputs: list[OutputCheck]) -> GenerationCheck | None:
-        if self.ref_gen is None or self.cand_gen is None:
-            return None
-        logits = next((o for o in outputs if o.name == "logits" and o.path == self.paths[0].name), None)
-        tol = logits.tolerance if logits is not None and logits.passed else None
-        ok, ties, problem = judge_generation(self.ref_gen, self.cand_gen, tol)
-        return GenerationCheck(ok, self.new_tokens, self.ref_gen[0], self.cand_gen[0], required=not self.half,
-                               prompt_tokens=self.prompt_len, identical=self.ref_gen[0] == self.cand_gen[0],
-                               tolerance=tol, near_ties=ties, problem=problem)
-
     def report(self) -> CheckReport:
         """Every required output within the criterion, the same greedy tokens and generation settings."""
-        outputs = []
-        for (n, name), st in self.stats.items():
-            out = judge_output(name, st, self.crit)
-            out.path, out.required = self.paths[n].name, self.paths[n].required
-            outputs.append(out)
-        generation = self._generation(outputs)
+        outputs = [dataclasses.replace(judge_output(name, st, self.crit), path=self.paths[n].name,
+                                       required=self.paths[n].required) for (n, name), st in self.stats.items()]
+        generation = None
+        if self.ref_gen is not None and self.cand_gen is not None:
+            logits = next((o for o in outputs if o.name == "logits" and o.path == self.paths[0].name), None)
+            tol = logits.tolerance if logits is not None and logits.passed else None
+            ok, ties, problem = judge_generation(self.ref_gen, self.cand_gen, tol)
+            generation = GenerationCheck(ok, self.new_tokens, self.ref_gen[0], self.cand_gen[0], required=not self.half,
+                                         prompt_tokens=self.prompt_len, identical=self.ref_gen[0] == self.cand_gen[0],
+                                         tolerance=tol, near_ties=ties, problem=problem)
         judged = [o for o in outputs if o.required]
-        passed = bool(judged) and all(o.passed for o in judged) and not self.settings
-        if generation is not None and generation.required:
-            passed = passed and generation.passed
+        passed = (bool(judged) and all(o.passed for o in judged) and not self.settings
+                  and (generation is None or not generation.required or generation.passed))
         margins = [o.margin for o in judged if o.margin is not None]
         max_abs = max_rel = 0.0
         for o in judged or outputs:  # a path reported but not required has its own lines

@@ -1,5 +1,4 @@
-"""Greedy generation for the forward check: decoding with every step's logits and scores, judging flips
-as near-ties, and comparing the generation settings a loader gave the candidate with the reference's."""
+"""Greedy generation for the forward check: decoding, flips judged as near-ties, and the generation settings."""
 
 from __future__ import annotations
 
@@ -75,12 +74,9 @@ def judge_generation(ref: Generated, cand: Generated,
         if step is None or step >= len(ref_logits) or step >= len(cand_logits):
             return False, ties, f"row {row}: {len(b)} tokens generated for {len(a)}"
         dev = 0.0
-        for s in range(step + 1):
+        for s in range(step + 1):  # a NaN or Inf on either side makes it infinite (``worse``)
             r, c = ref_logits[s][row].double(), cand_logits[s][row].double()
-            if r.shape != c.shape or not bool(torch.isfinite(c).all()) or not bool(torch.isfinite(r).all()):
-                dev = math.inf
-                break
-            dev = worse(dev, float((r - c).abs().max()))
+            dev = worse(dev, float((r - c).abs().max()) if r.shape == c.shape else math.inf)
         theirs = _margin(ref_scores, step, row, a[step], b[step])
         ours = _margin(cand_scores, step, row, b[step], a[step])
         flip = (f"row {row} step {step}: token {b[step]} for {a[step]}, margins {theirs:.3g} (original) and "
@@ -102,9 +98,8 @@ def generation_settings(model: nn.Module) -> dict[str, Any] | None:
     config = getattr(model, "generation_config", None)
     if config is None or not callable(getattr(config, "to_dict", None)):
         return None
-    settings = config.to_dict()
-    settings.pop("transformers_version", None)  # the running transformers' version, on both sides
-    return settings
+    # without the running transformers' version, the same on both sides
+    return {key: value for key, value in config.to_dict().items() if key != "transformers_version"}
 
 
 def settings_problems(ref: dict[str, Any] | None, cand: dict[str, Any] | None) -> list[str]:

@@ -1,5 +1,4 @@
-"""How the forward check judges one output: every batch's outputs kept (in memory, or on disk within a
-memory budget), compared chunk by chunk with the reference and its truth, judged by the criterion."""
+"""How the forward check judges one output: kept in memory or on disk, compared chunk by chunk, then judged."""
 
 from __future__ import annotations
 
@@ -36,18 +35,14 @@ class Outputs:
             if file is None:
                 self.tensors[batch, name] = t
             else:
-                with open(file, "wb") as f:
-                    f.write(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+                file.write_bytes(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
             self.meta[batch, name] = (t.dtype, t.shape, file)
-
-    def has(self, batch: int, name: str) -> bool:
-        return (batch, name) in self.meta
 
     def names(self, batch: int) -> list[str]:
         return [n for b, n in self.meta if b == batch]
 
-    def shape(self, batch: int, name: str) -> torch.Size:
-        return self.meta[batch, name][1]
+    def shape(self, batch: int, name: str) -> torch.Size | None:
+        return self.meta.get((batch, name), (None, None))[1]
 
     def chunks(self, batch: int, name: str, size: int) -> Iterator[torch.Tensor]:
         """The output flattened, ``size`` elements at a time."""
@@ -111,7 +106,7 @@ def measure(name: str, base: Outputs, truth: Outputs | None, batch: int,
     if cand is None or cand.shape != base.shape(batch, name):
         return Stats(mismatch=True)
     flat = cand.detach().contiguous().view(-1).split(CHUNK)
-    use_truth = truth is not None and truth.has(batch, name) and truth.shape(batch, name) == cand.shape
+    use_truth = truth is not None and truth.shape(batch, name) == cand.shape
     t_chunks = truth.chunks(batch, name, CHUNK) if use_truth else None
     st = Stats(floating=cand.is_floating_point(), truth=use_truth)
     zero = torch.zeros((), dtype=torch.float64)
@@ -152,9 +147,8 @@ def judge_output(name: str, st: Stats, crit: Criterion) -> OutputCheck:
         measured = out.candidate_error
         out.tolerance = out.allowed + st.ref_err
     else:
-        out.allowed = crit.rtol * st.scale
+        out.allowed = out.tolerance = crit.rtol * st.scale
         measured = diff
-        out.tolerance = out.allowed
     out.passed = not st.nonfinite and measured <= out.allowed
     out.margin = (out.allowed / measured if measured else None) if math.isfinite(measured) else 0.0
     return out

@@ -3,7 +3,7 @@ made from, and what the plan does to it on the way (centerings, an untie)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -25,16 +25,6 @@ class Pair:
     """An untied head: a copy of the tensor it was tied to."""
 
 
-@dataclass
-class Pairing:
-    """Every tensor the candidate stores, paired; what cannot be paired; what neither holds."""
-
-    pairs: list[Pair] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    """Parameters the candidate's model builds that neither checkpoint holds (random on every load)."""
-
-
 def tensor_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Every parameter or persistent buffer name -> all names of the same tensor."""
     by_id: dict[int, list[str]] = {}
@@ -50,9 +40,10 @@ def tied_key(ck: Checkpoint, names: dict[str, tuple[str, ...]], name: str) -> st
     return next((key for alias in (name, *names.get(name, ())) if (key := ck.key(alias)) is not None), None)
 
 
-def pair_tensors(plan: FoldPlan, ref: Checkpoint, cand: Checkpoint) -> Pairing:
-    """Pair every tensor the candidate's model loads, then every other it stores, with the reference's.
-    The reference's tied names are one tensor, centered once, even where the candidate stores them apart."""
+def pair_tensors(plan: FoldPlan, ref: Checkpoint, cand: Checkpoint) -> tuple[list[Pair], list[str], list[str]]:
+    """(pairs, problems, missing): each tensor the candidate's model loads, then each other it stores, paired with the
+    reference's; what cannot be paired; the parameters its model builds that neither checkpoint holds (random on every
+    load). The reference's tied names are one tensor, centered once, even where the candidate stores them apart."""
     centerings: dict[str, list[Centering]] = {}
     for c in plan.centered:
         if c.saved:  # a non-persistent buffer is not in any checkpoint; load centers it
@@ -60,7 +51,7 @@ def pair_tensors(plan: FoldPlan, ref: Checkpoint, cand: Checkpoint) -> Pairing:
     untied = {u.param for u in plan.untied}
     groups = tie_groups(ref.meta, untied)
     random, ref_names = random_when_missing(cand.meta), tensor_names(ref.meta)
-    out, paired = Pairing(), set()
+    pairs, problems, missing = [], [], []
     for name, aliases in tensor_names(cand.meta).items():
         if name != aliases[0]:
             continue  # a tied alias: the same tensor, checked once
@@ -68,27 +59,24 @@ def pair_tensors(plan: FoldPlan, ref: Checkpoint, cand: Checkpoint) -> Pairing:
         rk = tied_key(ref, ref_names, name)
         if key is None:
             if rk is not None:
-                out.problems.append(f"the candidate has no tensor for {name}; loading it would initialise it at random")
+                problems.append(f"the candidate has no tensor for {name}; loading it would initialise it at random")
             elif name in random:
-                out.missing.append(name)
+                missing.append(name)
             continue
         if rk is None:
-            out.problems.append(f"the candidate's {key} has no counterpart in the reference")
+            problems.append(f"the candidate's {key} has no counterpart in the reference")
             continue
         names = dict.fromkeys((*aliases, *(a for n in aliases for a in groups.get(n, (n,)))))
         cs = tuple(merge_centerings([x for a in names if a in centerings for x in centerings[a]]))
-        out.pairs.append(Pair(key, rk, cs, any(a in untied for a in aliases)))
-        paired.add(key)
-    for key in sorted(cand.keys - paired):  # stored but not loaded: must still be the reference's
+        pairs.append(Pair(key, rk, cs, any(a in untied for a in aliases)))
+    for key in sorted(cand.keys - {p.cand for p in pairs}):  # stored but not loaded: must still be the reference's
         if key in ref.keys:
-            out.pairs.append(Pair(key, key))
-            paired.add(key)
+            pairs.append(Pair(key, key))
         else:
-            out.problems.append(f"the candidate holds {key}, which neither its model nor the reference has")
-    used = {p.ref for p in out.pairs}
-    out.problems += [f"the candidate lacks the reference's tensor {key}"
-                     for key in sorted(ref.keys - cand.keys - used)]
-    return out
+            problems.append(f"the candidate holds {key}, which neither its model nor the reference has")
+    problems += [f"the candidate lacks the reference's tensor {key}"
+                 for key in sorted(ref.keys - cand.keys - {p.ref for p in pairs})]
+    return pairs, problems, missing
 
 
 def still_tied(plan: FoldPlan, cand_model: nn.Module) -> list[str]:

@@ -1,5 +1,4 @@
-"""The forward check's report: each output's comparison, greedy generation, what the inputs
-covered, and the verdict, with their summaries."""
+"""The check's report: each output's comparison, greedy generation, what the inputs covered, the verdict."""
 
 from __future__ import annotations
 
@@ -10,9 +9,7 @@ from typing import Any
 
 def worse(a: float, b: float) -> float:
     """``max`` that a NaN cannot lower (Python's ``max(0.0, nan)`` is 0.0)."""
-    if math.isnan(a) or math.isnan(b):
-        return math.inf
-    return max(a, b)
+    return math.inf if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 @dataclass
@@ -80,14 +77,11 @@ class Coverage:
     vocab_size: int | None = None
 
     def describe(self) -> str:
-        parts = []
-        if self.positions:
-            allowed = f" of {self.max_positions}" if self.max_positions else ""
-            parts.append(f"positions 0-{self.positions - 1}{allowed}")
-        if self.distinct_ids:
-            vocab = f" of {self.vocab_size}" if self.vocab_size else ""
-            parts.append(f"{self.distinct_ids} distinct token ids{vocab}")
-        return ", ".join(parts)
+        allowed = f" of {self.max_positions}" if self.max_positions else ""
+        vocab = f" of {self.vocab_size}" if self.vocab_size else ""
+        parts = [f"positions 0-{self.positions - 1}{allowed}" if self.positions else "",
+                 f"{self.distinct_ids} distinct token ids{vocab}" if self.distinct_ids else ""]
+        return ", ".join(p for p in parts if p)
 
 
 @dataclass
@@ -140,19 +134,17 @@ class CheckReport:
                     f"tensor (no forward pass was run){caveat}")
         within = (f"within {self.factor:g}\u00d7 the original's own rounding" if self.criterion_kind == "precision"
                   and self.factor is not None else "within the fixed tolerance")
-        parts = ["every weight proven"] if static is not None else []
-        parts.append(f"{self.batches} batch{'es' if self.batches != 1 else ''} {within}")
+        parts = (["every weight proven"] if static is not None else []) + [
+            f"{self.batches} batch{'es' if self.batches != 1 else ''} {within}"]
         if self.generation is not None and self.generation.passed:
-            parts.append("the same greedy tokens" if self.generation.identical else "the same greedy tokens up to "
-                         "near-ties")
-        if static is None:
-            parts.append("weights not compared")
+            parts.append("the same greedy tokens" + ("" if self.generation.identical else " up to near-ties"))
+        parts += ["weights not compared"] if static is None else []
         return f"PASS: {subject} computes the same outputs ({'; '.join(parts)}){caveat}"
 
     def _what_differs(self, subject: str) -> str:
         static = self.static
         if static is not None and not static.passed:
-            problems = list(static.problems)
+            problems = static.problems
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             first = problems[0] if problems else "see the report"
             if static.scope != "static check":
@@ -161,13 +153,9 @@ class CheckReport:
         wrong = [o for o in self.outputs if o.required and not o.passed]
         if wrong:
             o = wrong[0]
-            if o.nonfinite:
-                how = f"has {o.nonfinite} NaN or Inf values where the original has none"
-            elif o.allowed is not None:
-                how = f"is off by {o.candidate_error if o.candidate_error is not None else o.max_abs_diff:.3g} " \
-                      f"where {o.allowed:.3g} is allowed"
-            else:
-                how = "differs"
+            off = o.candidate_error if o.candidate_error is not None else o.max_abs_diff
+            how = (f"has {o.nonfinite} NaN or Inf values where the original has none" if o.nonfinite else
+                   f"is off by {off:.3g} where {o.allowed:.3g} is allowed" if o.allowed is not None else "differs")
             more = f" (and {len(wrong) - 1} more outputs)" if len(wrong) > 1 else ""
             return f"{subject} computes different outputs: {o.label} {how}{more}"
         if self.generation_settings:
@@ -178,8 +166,7 @@ class CheckReport:
         return f"{subject} does not compute the same outputs"
 
     def summary(self) -> str:
-        verdict = "PASS" if self.passed else "FAIL"
-        lines = [f"{verdict}" + (f" ({self.caveat})" if self.caveat else "")]
+        lines = [("PASS" if self.passed else "FAIL") + (f" ({self.caveat})" if self.caveat else "")]
         if self.static is not None:
             lines += [f"  {line}" for line in self.static.summary().splitlines()]
         if self.forward_skipped:
@@ -191,20 +178,15 @@ class CheckReport:
                   f"max abs diff {self.max_abs_diff:.3g}, max rel diff {self.max_rel_diff:.3g}{covered}",
                   f"  criterion: {self.criterion}"
                   + (f"; margin {self.margin:.3g}x" if self.margin is not None else "")]
-        if self.memory:
-            lines.append(f"  memory: {self.memory}")
+        lines += [f"  memory: {self.memory}"] if self.memory else []
         lines += [f"  note: {note}" for note in self.notes]
         for o in self.outputs:
-            extra = ""
-            if o.candidate_error is not None:
-                extra = (f"; vs {self.truth_dtype or 'truth'}: candidate {o.candidate_error:.3g}, "
-                         f"original {o.reference_error:.3g}")
-            if o.allowed is not None:
-                extra += f", allowed {o.allowed:.3g}"
-            if o.margin is not None:
-                extra += f" (margin {o.margin:.3g}x)"
-            if o.nonfinite:
-                extra += f"; {o.nonfinite} elements NaN or Inf where the original is not (or another non-finite value)"
+            extra = (f"; vs {self.truth_dtype or 'truth'}: candidate {o.candidate_error:.3g}, "
+                     f"original {o.reference_error:.3g}" if o.candidate_error is not None else "")
+            extra += f", allowed {o.allowed:.3g}" if o.allowed is not None else ""
+            extra += f" (margin {o.margin:.3g}x)" if o.margin is not None else ""
+            extra += (f"; {o.nonfinite} elements NaN or Inf where the original is not (or another non-finite value)"
+                      if o.nonfinite else "")
             state = ("ok" if o.passed else "FAIL") if o.required else ("differs" if not o.passed else "ok") + ", not required"
             lines.append(f"  [{state}] {o.label}: abs {o.max_abs_diff:.3g}, rel {o.max_rel_diff:.3g}{extra}")
         lines += [f"  [FAIL] {problem}" for problem in self.generation_settings]
@@ -213,11 +195,9 @@ class CheckReport:
             state = "identical" if g.identical else "same up to near-ties" if g.passed else "DIFFERENT"
             note = "" if g.required else " (informational in half precision)"
             lines.append(f"  greedy generation of {g.new_tokens} tokens after {g.prompt_tokens}: {state}{note}")
-            for t in g.near_ties:
-                lines.append(f"    row {t.row} step {t.step}: token {t.candidate_token} for {t.reference_token}, "
-                             f"margins {t.reference_margin:.3g} (original) and {t.candidate_margin:.3g} "
-                             f"(candidate) in the scores generate() used, step logits within "
-                             f"{t.deviation:.3g} of the original's (tolerance {g.tolerance:.3g})")
-            if g.problem:
-                lines.append(f"    {g.problem}")
+            lines += [f"    row {t.row} step {t.step}: token {t.candidate_token} for {t.reference_token}, "
+                      f"margins {t.reference_margin:.3g} (original) and {t.candidate_margin:.3g} "
+                      f"(candidate) in the scores generate() used, step logits within "
+                      f"{t.deviation:.3g} of the original's (tolerance {g.tolerance:.3g})" for t in g.near_ties]
+            lines += [f"    {g.problem}"] if g.problem else []
         return "\n".join(lines)

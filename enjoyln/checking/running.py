@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import zlib
 from typing import Any, Callable, Iterator
 
 import torch
@@ -22,10 +23,8 @@ def flatten_outputs(out: Any, prefix: str = "") -> dict[str, torch.Tensor]:
         items = list(enumerate(out))
     else:
         return {}
-    flat: dict[str, torch.Tensor] = {}
-    for key, value in items:
-        flat.update(flatten_outputs(value, f"{prefix}.{key}" if prefix else str(key)))
-    return flat
+    return {name: t for key, value in items
+            for name, t in flatten_outputs(value, f"{prefix}.{key}" if prefix else str(key)).items()}
 
 
 def _map(inputs: Inputs, f: Callable[[Any], Any]) -> Inputs:
@@ -51,10 +50,9 @@ def check_device(device: str) -> None:
 
     >>> check_device("cpu")
     """
-    try:
+    where = None
+    with contextlib.suppress(RuntimeError, TypeError):
         where = torch.device(device)
-    except (RuntimeError, TypeError):
-        where = None
     if where is None or where.type not in ("cpu", "cuda"):
         raise EnjoylnError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
     if where.type == "cuda" and not torch.cuda.is_available():
@@ -92,8 +90,6 @@ def seed_missing(model: nn.Module, names: list[str], seed: int = 0) -> nn.Module
     >>> torch.equal(a, seed_missing(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["0.bias"])[0].bias)
     True
     """
-    import zlib
-
     std = float(getattr(getattr(model, "config", None), "initializer_range", 0.02) or 0.02)
     norms = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
     with torch.no_grad():

@@ -3,6 +3,8 @@ model in memory (docs/checking.md); config, files, dtype, code and plan are comp
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -62,11 +64,9 @@ class StaticReport:
         elif self.form:
             what = "the plan applied to the reference" if self.form == "folded" else "identical to the reference"
             lines.append(f"  the candidate is {what} (plan: {self.plan})")
-        if self.missing:
-            lines.append(f"  note: {missing_note(self.missing)}")
+        lines += [f"  note: {missing_note(self.missing)}"] if self.missing else []
         lines += [f"  [FAIL] {p}" for p in self.problems[:20]]
-        if len(self.problems) > 20:
-            lines.append(f"  ... and {len(self.problems) - 20} more problems")
+        lines += [f"  ... and {len(self.problems) - 20} more problems"] if len(self.problems) > 20 else []
         return "\n".join(lines)
 
 
@@ -77,18 +77,7 @@ def missing_note(names: list[str]) -> str:
             f"{'them' if len(names) > 1 else 'it'} at random on every load")
 
 
-def code_report(problems: list[str]) -> StaticReport:
-    return StaticReport(passed=False, problems=problems,
-                        scope="remote code, compared before any of the candidate's code runs (none of it ran)")
-
-
-def _options(recorded: FoldPlan | None) -> dict[str, Any]:
-    if recorded is None:
-        return {"auxiliary_centering": False}
-    r = recorded.rotation
-    return {"auxiliary_centering": bool(recorded.auxiliary),
-            "fuse_affine": any(e.affine for e in recorded.layer_norms),
-            "rotate": RotationSpec(r.kind, r.seed, r.keep_mean) if r else None}
+CODE_SCOPE = "remote code, compared before any of the candidate's code runs (none of it ran)"
 
 
 @dataclass
@@ -117,37 +106,33 @@ def static_check(ref: Checkpoint, cand: Checkpoint, *, progress: Callable[[int, 
                             byte_identical=True, plan="none needed: every file is the reference's, byte for byte",
                             bytes_read=2 * ref.nbytes, seconds=time.perf_counter() - start)
     if code := code_problems(ref, cand):  # before cand.meta imports any of it
-        return code_report(code)
+        return StaticReport(passed=False, problems=code, scope=CODE_SCOPE)
     check_shapes(ref)
     check_shapes(cand)
     resolved = _resolve_plan(ref, cand, dtype)
     # read before any weight, so a bad file is refused first; reported after the weights
     files = load_problems(ref, cand, dtype) + file_problems(ref, cand)
-    pairing = pair_tensors(resolved.plan, ref, cand)
-    resolved.problems += pairing.problems
+    pairs, unpaired, missing = pair_tensors(resolved.plan, ref, cand)
+    resolved.problems += unpaired
     readers = TensorReader(ref), TensorReader(cand)
     try:
-        verdicts = _verify(resolved, pairing.pairs, (ref, cand), readers, dtype, progress)
+        verdicts = _verify(resolved, pairs, (ref, cand), readers, dtype, progress)
     finally:
         for reader in readers:
             reader.close()
-    report = _judge(resolved, verdicts, files, moved=moves_values(resolved.plan))
-    report.missing = pairing.missing
-    report.bytes_read = sum(r.bytes_read for r in readers)
-    report.seconds = time.perf_counter() - start
-    return report
+    return dataclasses.replace(_judge(resolved, verdicts, files, moved=moves_values(resolved.plan)),
+                               missing=missing, bytes_read=sum(r.bytes_read for r in readers),
+                               seconds=time.perf_counter() - start)
 
 
 def _resolve_plan(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Resolved:
     """The plan the candidate is held to: a recorded one confirmed by this enjoyln's analysis, or that analysis."""
     try:
-        recorded = cand.recorded_plan
+        recorded, problems = cand.recorded_plan, []
     except CheckpointError as exc:  # a block no fold writes: a wrong candidate, judged without it
-        out = _unrecorded(ref, cand, dtype)
-        out.problems.insert(0, str(exc))
-        return out
+        recorded, problems = None, [str(exc)]
     if recorded is None:
-        return _unrecorded(ref, cand, dtype)
+        return _unrecorded(ref, cand, dtype, problems)
     if "enjoyln" in ref.config and same_json(ref.config["enjoyln"], cand.config["enjoyln"]):
         as_reference = config_problems(ref.config, cand.config, dtype)
         return _Resolved(FoldPlan(type(ref.meta).__name__), "none: the candidate carries the reference's own "
@@ -155,13 +140,11 @@ def _resolve_plan(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Reso
     return _recorded(ref, cand, recorded, dtype)
 
 
-def _unrecorded(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Resolved:
+def _unrecorded(ref: Checkpoint, cand: Checkpoint, dtype: str | None, problems: list[str]) -> _Resolved:
     """Without a recorded plan the candidate is judged later against the form it has: the reference, or the fold."""
-    out = _Resolved(FoldPlan(type(ref.meta).__name__), "none (the analysis failed)", None)
-    try:
+    out = _Resolved(FoldPlan(type(ref.meta).__name__), "none (the analysis failed)", None, problems)
+    with contextlib.suppress(EnjoylnError):
         out.plan, out.source = _analysis(ref, None), "analysis"
-    except EnjoylnError:
-        pass
     out.as_reference = config_problems(ref.config, cand.config, dtype)
     # the fold's config.json as transformers saves it: without the enjoyln block
     out.as_folded = (config_problems({k: v for k, v in output_config(ref, out.plan).items() if k != "enjoyln"},
@@ -188,11 +171,17 @@ def _recorded(ref: Checkpoint, cand: Checkpoint, recorded: FoldPlan, dtype: str 
 
 
 def _analysis(ref: Checkpoint, recorded: FoldPlan | None) -> FoldPlan:
-    plan = analyze_dir(ref, **_options(recorded))
-    if recorded is not None and not recorded.auxiliary and plan.to_dict() != recorded.to_dict():
+    """The analysis with the options the recorded plan was made with."""
+    if recorded is None:
+        return analyze_dir(ref, auxiliary_centering=False)
+    r = recorded.rotation
+    options = {"fuse_affine": any(e.affine for e in recorded.layer_norms),
+               "rotate": RotationSpec(r.kind, r.seed, r.keep_mean) if r else None}
+    plan = analyze_dir(ref, auxiliary_centering=bool(recorded.auxiliary), **options)
+    if not recorded.auxiliary and plan.to_dict() != recorded.to_dict():
         # --auxiliary-centering that placed none leaves a trace only in the plan's notes and
         # reasons, which the block must still match: the analysis with it may
-        other = analyze_dir(ref, **{**_options(recorded), "auxiliary_centering": True})
+        other = analyze_dir(ref, auxiliary_centering=True, **options)
         plan = other if not other.auxiliary and other.to_dict() == recorded.to_dict() else plan
     return plan
 
@@ -215,13 +204,8 @@ def _verify(resolved: _Resolved, pairs: list[Pair], checkpoints: tuple[Checkpoin
         if key is None:
             raise CheckpointError(f"the reference has no tensor for {name}, which the plan's centering reads")
         return readers[0].read(key)
-    verifier = Verifier(*readers, read_param, dtype=dtype, unrecorded=resolved.recorded is None, expected=expected,
-                        cast_expected=cast)
-    try:
-        verdicts = verifier.run(pairs, progress)
-    finally:
-        if expected is not None:
-            expected.close()
+    verdicts = Verifier(*readers, read_param, dtype=dtype, unrecorded=resolved.recorded is None, expected=expected,
+                        cast_expected=cast).run(pairs, progress)
     verdicts.not_folded[:0] = still_tied(plan, cand.meta)
     return verdicts
 
@@ -229,18 +213,12 @@ def _verify(resolved: _Resolved, pairs: list[Pair], checkpoints: tuple[Checkpoin
 def _judge(resolved: _Resolved, v: Verdicts, files: list[str], *, moved: bool) -> StaticReport:
     """The verdict. Without a recorded plan the candidate may be the reference itself or the whole plan
     applied; anything in between is judged against whichever form it is closer to."""
-    report = StaticReport(passed=False, tensors=v.tensors, identical=v.identical, centered=v.centered,
-                          untied=v.untied, computed=v.computed, plan=resolved.source)
-    problems = list(resolved.problems)
     unrecorded = resolved.recorded is None
-    if not moved and unrecorded and (not v.not_identical or len(v.not_identical) < len(v.not_folded)):
-        report.form = "identical"
-        problems += v.not_identical + resolved.as_reference
-    else:
-        report.form = "folded"
-        problems += v.not_folded + (resolved.as_folded if unrecorded else [])
-    report.problems = problems + files
-    report.passed = not report.problems
-    return report
+    identical = not moved and unrecorded and (not v.not_identical or len(v.not_identical) < len(v.not_folded))
+    problems = resolved.problems + (v.not_identical + resolved.as_reference if identical else
+                                    v.not_folded + (resolved.as_folded if unrecorded else [])) + files
+    return StaticReport(passed=not problems, tensors=v.tensors, identical=v.identical, centered=v.centered,
+                        untied=v.untied, computed=v.computed, form="identical" if identical else "folded",
+                        plan=resolved.source, problems=problems)
 
 

@@ -53,22 +53,15 @@ def token_sweep(model: nn.Module, drawn: set[int], *, seed: int = 0, max_rows: i
 
 
 def drawn_ids(batches: list[Inputs]) -> set[int]:
-    ids: set[int] = set()
-    for b in batches:
-        if isinstance(b.kwargs.get("input_ids"), torch.Tensor):
-            ids.update(b.kwargs["input_ids"].reshape(-1).tolist())
-    return ids
+    return {i for b in batches if isinstance(ids := b.kwargs.get("input_ids"), torch.Tensor)
+            for i in ids.reshape(-1).tolist()}
 
 
 def sketched(outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each output's sketch, under its name with ``SUFFIX``: floating outputs wider than ``SKETCH`` times a
     fixed random matrix along the last axis, in float64; others as they are."""
-    out = {}
-    for name, t in outputs.items():
-        if t.is_floating_point() and t.dim() and t.shape[-1] > SKETCH:
-            t = t.detach().to(torch.float64) @ _matrix(t.shape[-1])
-        out[name + SUFFIX] = t
-    return out
+    return {name + SUFFIX: t.detach().to(torch.float64) @ _matrix(t.shape[-1])
+            if t.is_floating_point() and t.dim() and t.shape[-1] > SKETCH else t for name, t in outputs.items()}
 
 
 @functools.lru_cache(maxsize=8)

@@ -78,7 +78,7 @@ def nearest(cand: torch.Tensor, makes: Sequence[Make]) -> tuple[bool, float]:
 
 class Verifier:
     """Each paired tensor judged, from the mapped files where that proves it, else read; ``expected``
-    computes a fused or rotated fold's tensors, ``cast_expected`` those of the reference cast."""
+    computes a fused or rotated fold's tensors, ``cast_expected`` those of the reference cast (``run`` closes both)."""
 
     def __init__(self, ref: TensorReader, cand: TensorReader, read_param: Callable[[str], torch.Tensor], *,
                  dtype: str | None, unrecorded: bool, expected: StreamedTensors | None = None,
@@ -90,16 +90,16 @@ class Verifier:
         self.out = Verdicts()
 
     def run(self, pairs: list[Pair], progress: Progress | None = None) -> Verdicts:
-        order = sorted(pairs, key=lambda p: self.cand.offset(p.cand))  # the candidate's files front to back
-        total = sum(self.cand.nbytes(p.cand) for p in order) if self.cand.pickled is None else 0
-        done = [0]
-
-        def advance(p: Pair) -> None:
-            done[0] += self.cand.nbytes(p.cand) if self.cand.pickled is None else 0
-            if progress is not None:
-                progress(done[0], total)
-
         try:
+            order = sorted(pairs, key=lambda p: self.cand.offset(p.cand))  # the candidate's files front to back
+            total = sum(self.cand.nbytes(p.cand) for p in order) if self.cand.pickled is None else 0
+            done = [0]
+
+            def advance(p: Pair) -> None:
+                done[0] += self.cand.nbytes(p.cand) if self.cand.pickled is None else 0
+                if progress is not None:
+                    progress(done[0], total)
+
             decided = self._mapped(order) if self.expected is None else {}
             for p in order:
                 if p.cand in decided:
@@ -107,8 +107,9 @@ class Verifier:
                     advance(p)
             self._read([p for p in order if p.cand not in decided], advance)
         finally:
-            if self._cast is not None:
-                self._cast.close()
+            for streamed in (self._cast, self.expected):
+                if streamed is not None:
+                    streamed.close()
         return self.out
 
     def _count(self, p: Pair, identical: bool, folded: bool, why: str | None) -> None:
@@ -174,9 +175,8 @@ class Verifier:
             return self.ref.read(p.ref, into_ref), theirs.result()
 
         def size(job: tuple[int, Pair]) -> int:
-            p = job[1]
-            want_ref, want_cand = wanted(p)
-            return want_ref * self.ref.nbytes(p.ref) + want_cand * self.cand.nbytes(p.cand)
+            want_ref, want_cand = wanted(job[1])
+            return want_ref * self.ref.nbytes(job[1].ref) + want_cand * self.cand.nbytes(job[1].cand)
 
         try:
             for (_, p), (r, t) in read_ahead(enumerate(order), load, size):

@@ -40,9 +40,6 @@ class _Scratch:
         self.top = (i, at + -(-n // 8) * 8)  # 64-byte aligned for the next one
         return self.chunks[i][at:at + n]
 
-    def storages(self) -> set[int]:
-        return {c.untyped_storage().data_ptr() for c in self.chunks}
-
 
 def _own_tensors(module: nn.Module) -> Iterator[tuple[dict[str, Any], str, torch.Tensor]]:
     for table in (module._parameters, module._buffers):
@@ -85,20 +82,17 @@ def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
     (torch.float64, torch.float32)
     """
     scratch = _Scratch(dtype)
-    swapped: list[tuple[dict[str, Any], str, Any]] = []  # what to put back, in order
+    swapped: list[tuple[dict[str, Any], str, Any, Any]] = []  # what to put back (and a parameter's data), in order
     frames: list[tuple[int, tuple[int, int]]] = []
     converted: set[int] = set()
     owned = {id(t) for m in model.modules() for _, _, t in _own_tensors(m) if t.dtype != dtype}
 
     def restore(depth: int) -> None:
         while len(swapped) > depth:
-            table, name, original = swapped.pop()
-            if isinstance(original, tuple):  # a parameter: the object back in its place (accelerate's
-                param, data = original       # hook puts a new one there), holding its own data again
-                param.data = data
-                table[name] = param
-            else:
-                table[name] = original
+            table, name, original, data = swapped.pop()
+            if data is not None:  # a parameter: the object back in its place (accelerate's hook
+                original.data = data  # puts a new one there), holding its own data again
+            table[name] = original
 
     def pre(module: nn.Module, args: Any) -> None:
         frames.append((len(swapped), scratch.top))
@@ -109,19 +103,17 @@ def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
                 # offloaded: accelerate's hook loads it next, cast to the dtype it finds here
                 wide = torch.empty(t.shape, dtype=dtype, device="meta")
             else:
-                wide = scratch.take(t.numel()).view(t.shape)
-                wide.copy_(t.detach())
+                wide = scratch.take(t.numel()).view(t.shape).copy_(t.detach())
             converted.add(id(t))
+            swapped.append((table, name, t, t.data if isinstance(t, nn.Parameter) else None))
             if isinstance(t, nn.Parameter):
-                swapped.append((table, name, (t, t.data)))
                 t.data = wide
             else:
-                swapped.append((table, name, t))
                 table[name] = wide
 
     def post(module: nn.Module, args: Any, output: Any) -> Any:
         depth, top = frames.pop()
-        output = _copies_of_views(output, scratch.storages())
+        output = _copies_of_views(output, {c.untyped_storage().data_ptr() for c in scratch.chunks})
         restore(depth)
         scratch.top = top
         return output
