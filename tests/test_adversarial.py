@@ -370,9 +370,13 @@ def test_killed_fold_leaves_nothing_after_a_rerun(sig, dirs, tmp_path):
 
 
 # The command line with an import hook: when torch is first imported, it says so on stdout and
-# waits there, so the interrupt lands inside that import, whatever the machine's speed.
+# waits there, so the interrupt lands inside that import, whatever the machine's speed. SIGINT is
+# first given Python's usual handler, as in a terminal: run as a background job, the suite (and so
+# the child) inherits SIGINT ignored, which the command rightly keeps ignoring.
 _AT_IMPORT = """
-import importlib.abc, sys, time
+import importlib.abc, signal, sys, time
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 class Hold(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
