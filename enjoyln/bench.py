@@ -403,6 +403,7 @@ def _norm_kernel_ms(fn: Any, inputs: Any, runs: int = 6) -> float:
 
 
 def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: Any) -> None:
+    """A bar chart of time ratios (RMSNorm / LayerNorm) at ``path``; needs matplotlib."""
     try:
         import matplotlib
 

@@ -92,8 +92,8 @@ class Record:
     _where = "record"  # the name a ``ValueError`` gives a bad object passed to ``from_dict``
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _data(getattr(self, f.name)) for f in fields(self)
-                if f.name not in self._sparse or _data(getattr(self, f.name)) != _data(_default(f))}
+        data = ((f, _data(getattr(self, f.name))) for f in fields(self))  # each value converted once
+        return {f.name: value for f, value in data if f.name not in self._sparse or value != _data(_default(f))}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | Fields) -> Any:

@@ -181,8 +181,8 @@ def bench(
                    print_compiled, as_json)
     if plot is not None:
         timing.plot_results(results, e2e_result, plot)
-        noisy = any(r.warnings for r in results) or (e2e_result is not None and e2e_result.latency.warnings())
         if not as_json:
+            noisy = any(r.warnings for r in results) or (e2e_result is not None and e2e_result.latency.warnings())
             out.print(f"Saved {plot}" + (" (titled with a warning: the timings were noisy)" if noisy else ""))
     if as_json:
         print_json(payload)
