@@ -14,10 +14,12 @@ from conftest import copy_dir
 
 DRIVER = r"""
 import json, os, sys
+stdout_at_import = repr(sys.stdout)
+import enjoyln.cli.app  # every command's module, imported with no stdout: none may touch it then
 from enjoyln.__main__ import main
 
 ref, copy, out, record = sys.argv[1:5]
-results = {}
+results = {"stdout at import": stdout_at_import}
 
 def run(*args):
     sys.argv = ["enjoyln", *args]
@@ -69,6 +71,7 @@ def test_the_exit_code_holds_whatever_the_streams_are(dirs, tmp_path):
                            str(tmp_path), str(record)], stderr=subprocess.PIPE, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     results = json.loads(record.read_text())
+    assert results["stdout at import"] == "None"
     for state in ("stdout closed", "stdout full", "stdout broken pipe"):
         assert results[state] == {"pass": 0, "fail": 1, "bad input": 2, "fold": 0}, state
         assert (tmp_path / state / "model.safetensors").is_file()  # published, and checked
