@@ -96,8 +96,8 @@ def locate(name: str, cand: torch.Tensor, expected: torch.Tensor) -> Difference 
         x, y = c[start:start + CHUNK].to(torch.float64), e[start:start + CHUNK].to(torch.float64)
         same = (x == y) | (x.isnan() & y.isnan())
         d = torch.where(same, 0.0, (x - y).abs().nan_to_num(math.inf, math.inf))
-        i = int(d.argmax()) if d.numel() else 0
-        if d.numel() and float(d[i]) > worst:
+        i = int(d.argmax())
+        if float(d[i]) > worst:
             worst, where = float(d[i]), start + i
     if where < 0:  # equal as values: find the first element whose bits differ
         bits = _BITS.get(c.element_size())
@@ -285,7 +285,7 @@ class Verifier:
                                   f"not {list(self.ref.shape(p.ref))}"), None
         if self.expected is not None:
             if t is None:
-                return False, False, f"{p.cand} is not what the plan makes of the reference: it makes no such tensor", None
+                return False, False, f"{p.cand} is not what the plan makes of the reference: it makes none", None
             folded, diff = nearest(p.cand, t, self._moved(p.cand, cand_dtype != ref_dtype))
             self.out.computed += folded
             return False, folded, None if folded else (

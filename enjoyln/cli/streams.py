@@ -6,6 +6,7 @@ command's own (a check's verdict, a published fold), not that of the failed prin
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -42,7 +43,8 @@ def _rebuilt(stream: TextIO | None, fd: int, name: str) -> TextIO:
                 return stream
         except (OSError, ValueError):  # no descriptor under it (a test runner's capture)
             return stream
-        stream.flush()
+        with contextlib.suppress(OSError):  # nothing is written yet, or it was ours and never raises
+            stream.flush()
     elif stream is not None:  # not a file at all (a test runner's capture): leave it
         return stream
     return io.TextIOWrapper(io.BufferedWriter(_Unfailing(fd, name)), **settings)
@@ -65,8 +67,8 @@ class _Unfailing(io.FileIO):
         except OSError as exc:
             self.lost = True
             if self.stream_name != "stderr" and exc.errno != errno.EPIPE:
-                with_reason = exc.strerror or str(exc)
-                sys.stderr.write(f"warning: cannot write to {self.stream_name} ({with_reason}); the rest of "
+                reason = exc.strerror or str(exc)
+                sys.stderr.write(f"warning: cannot write to {self.stream_name} ({reason}); the rest of "
                                  "its output is dropped, and the exit code still gives the result\n")
                 sys.stderr.flush()
             return size
