@@ -1,5 +1,6 @@
-"""Entry point of the ``enjoyln`` command: signal handlers first, before torch loads, so SIGTERM cleans
-up like Ctrl-C and an interrupt gives one line and exit code 130 (143 for SIGTERM)."""
+"""Entry point of the ``enjoyln`` command: safe standard streams and signal handlers first, before torch
+loads, so that a closed or broken stdout cannot change an exit code, SIGTERM cleans up like Ctrl-C, and
+an interrupt gives one line and exit code 130 (143 for SIGTERM)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import signal
 import sys
 import warnings
 
+from .cli.streams import guard_streams
 from .errors import Interrupted
 
 
@@ -23,6 +25,7 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
 
 def main() -> None:
     """Run the command line."""
+    guard_streams()
     warnings.showwarning = _show_warning
     signal.signal(signal.SIGTERM, _interrupt)
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # background jobs ignore it: keep that

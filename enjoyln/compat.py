@@ -8,7 +8,10 @@ transformers wherever torchvision is installed, so one mismatched wheel stops ev
 ``guard_torchvision`` (run by ``import enjoyln``) makes torchvision's first import skip those
 registrations, for operators that do not exist, and nothing else: torchvision then imports
 without its C++ operators (detection ops such as ``nms``, which no model enjoyln folds calls),
-and one warning says what is wrong and how to install the matching build.
+and one warning says what is wrong and how to install the matching build. A torchvision that
+matches torch imports exactly as it would without enjoyln: the guard skips nothing then, and the
+module keeps the loader its own finder gave it (``importlib.resources`` and ``importlib.reload``
+read it), the guard gone from ``sys.meta_path`` once the import has run.
 
 >>> guard_torchvision()  # before anything imports torchvision
 """
@@ -16,6 +19,7 @@ and one warning says what is wrong and how to install the matching build.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import sys
@@ -52,17 +56,29 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 class _Loader(importlib.abc.Loader):
+    """torchvision's own loader, run with the registrations of missing operators skipped. It hands the
+    module its own loader back before running it, and answers for it to anyone who only looks the
+    package up (``is_package``, ``get_resource_reader``)."""
+
     def __init__(self, inner: importlib.abc.Loader, finder: _Finder) -> None:
         self.inner, self.finder = inner, finder
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.inner.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        with skip_missing_fakes() as skipped:
-            self.inner.exec_module(module)
-        if self.finder in sys.meta_path:
-            sys.meta_path.remove(self.finder)
+        module.__loader__ = self.inner
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.inner
+        try:
+            with skip_missing_fakes() as skipped:
+                self.inner.exec_module(module)
+        finally:  # the first import is guarded, and only that one
+            if self.finder in sys.meta_path:
+                sys.meta_path.remove(self.finder)
         if skipped:
             warnings.warn(mismatch_message(getattr(module, "__version__", "?")), TorchvisionMismatchWarning,
                           stacklevel=2)
@@ -76,6 +92,7 @@ def skip_missing_fakes() -> Iterator[list[str]]:
     original = torch.library.register_fake
     skipped: list[str] = []
 
+    @functools.wraps(original)
     def register_fake(op: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(op, str) and op.startswith("torchvision::") and not _defined(op):
             skipped.append(op)

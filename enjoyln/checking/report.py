@@ -89,8 +89,9 @@ class CheckReport:
     """The outcome of ``check``; ``passed`` is the verdict."""
 
     passed: bool
-    max_abs_diff: float
-    max_rel_diff: float
+    max_abs_diff: float | None
+    """Over the outputs compared; None where no output was (the forward comparison did not run)."""
+    max_rel_diff: float | None
     outputs: list[OutputCheck]
     batches: int
     dtype: str
@@ -111,7 +112,7 @@ class CheckReport:
 
     @classmethod
     def from_static(cls, static: Any, why: str) -> "CheckReport":
-        return cls(passed=static.passed, max_abs_diff=0.0, max_rel_diff=0.0, outputs=[], batches=0,
+        return cls(passed=static.passed, max_abs_diff=None, max_rel_diff=None, outputs=[], batches=0,
                    dtype="", criterion="", static=static, forward_skipped=why)
 
     def to_dict(self) -> dict[str, Any]:
@@ -149,6 +150,12 @@ class CheckReport:
             first = problems[0] if problems else "see the report"
             if static.scope != "static check":
                 return f"{subject} fails the check of its {static.scope}: {first}{more}"
+            differing = getattr(static, "differing", 0)
+            if differing:  # where and by how much, before the other problems
+                others = len(problems) - differing
+                first = static.first_differing
+                more = (f" ({differing} of {static.tensors} tensors differ"
+                        + (f"; and {others} other problem{'s' if others > 1 else ''}" if others else "") + ")")
             return f"the weights of {subject} are not what the fold makes of the original's: {first}{more}"
         wrong = [o for o in self.outputs if o.required and not o.passed]
         if wrong:

@@ -22,7 +22,7 @@ from ..store.tensors import TensorReader
 from .compare import (code_problems, config_problems, file_problems, identical_directories,
                       load_problems, parse_dtype, plan_problems, same_json)
 from .pairing import Pair, pair_tensors, still_tied, tensor_names, tied_key
-from .verify import Verdicts, Verifier
+from .verify import Difference, Verdicts, Verifier
 
 @dataclass
 class StaticReport:
@@ -47,6 +47,12 @@ class StaticReport:
     byte_identical: bool = False
     missing: list[str] = field(default_factory=list)
     """Parameters the model class builds that neither checkpoint holds (random on every load)."""
+    differing: int = 0
+    """Tensors that are not what they must be (each has a line in ``problems``)."""
+    first_differing: str = ""
+    """The line of the first of them, in the candidate's file order."""
+    first_difference: Difference | None = None
+    """Where that one differs, and by how much (None for another dtype or shape)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,7 +69,11 @@ class StaticReport:
             lines.append("  the candidate is byte for byte the reference: every file a loader reads is the same")
         elif self.form:
             what = "the plan applied to the reference" if self.form == "folded" else "identical to the reference"
-            lines.append(f"  the candidate is {what} (plan: {self.plan})")
+            # a failed check proved nothing about the candidate: say only what it was held to
+            lines.append(f"  the candidate is {what} (plan: {self.plan})" if self.passed else
+                         f"  compared with {what} (plan: {self.plan})")
+        if self.differing:
+            lines.append(f"  {self.differing} of {self.tensors} tensors differ")
         lines += [f"  note: {missing_note(self.missing)}"] if self.missing else []
         lines += [f"  [FAIL] {p}" for p in self.problems[:20]]
         lines += [f"  ... and {len(self.problems) - 20} more problems"] if len(self.problems) > 20 else []
@@ -102,8 +112,11 @@ def static_check(ref: Checkpoint, cand: Checkpoint, *, progress: Callable[[int, 
     start = time.perf_counter()
     dtype = parse_dtype(dtype)
     if identical_directories(ref, cand):
-        return StaticReport(passed=True, tensors=len(ref.tensors), identical=len(ref.tensors), form="identical",
-                            byte_identical=True, plan="none needed: every file is the reference's, byte for byte",
+        # the same files load the same, but perhaps not in the dtype the caller says the candidate is for
+        problems = load_problems(ref, cand, dtype) if dtype is not None else []
+        return StaticReport(passed=not problems, tensors=len(ref.tensors), identical=len(ref.tensors),
+                            form="identical", byte_identical=True, problems=problems,
+                            plan="none needed: every file is the reference's, byte for byte",
                             bytes_read=2 * ref.nbytes, seconds=time.perf_counter() - start)
     if code := code_problems(ref, cand):  # before cand.meta imports any of it
         return StaticReport(passed=False, problems=code, scope=CODE_SCOPE)
@@ -117,11 +130,11 @@ def static_check(ref: Checkpoint, cand: Checkpoint, *, progress: Callable[[int, 
     readers = TensorReader(ref), TensorReader(cand)
     try:
         verdicts = _verify(resolved, pairs, (ref, cand), readers, dtype, progress)
+        judged = _judge(resolved, verdicts, files, moved=moves_values(resolved.plan))  # may read a tensor again
     finally:
         for reader in readers:
             reader.close()
-    return dataclasses.replace(_judge(resolved, verdicts, files, moved=moves_values(resolved.plan)),
-                               missing=missing, bytes_read=sum(r.bytes_read for r in readers),
+    return dataclasses.replace(judged, missing=missing, bytes_read=sum(r.bytes_read for r in readers),
                                seconds=time.perf_counter() - start)
 
 
@@ -215,10 +228,13 @@ def _judge(resolved: _Resolved, v: Verdicts, files: list[str], *, moved: bool) -
     applied; anything in between is judged against whichever form it is closer to."""
     unrecorded = resolved.recorded is None
     identical = not moved and unrecorded and (not v.not_identical or len(v.not_identical) < len(v.not_folded))
+    first = (v.first_unlike_reference() if v.first_unlike_reference else None) if identical else v.first_unlike_fold
     problems = resolved.problems + (v.not_identical + resolved.as_reference if identical else
                                     v.not_folded + (resolved.as_folded if unrecorded else [])) + files
     return StaticReport(passed=not problems, tensors=v.tensors, identical=v.identical, centered=v.centered,
                         untied=v.untied, computed=v.computed, form="identical" if identical else "folded",
-                        plan=resolved.source, problems=problems)
+                        plan=resolved.source, problems=problems,
+                        differing=v.unlike_reference if identical else v.unlike_fold,
+                        first_differing=first[0] if first else "", first_difference=first[1] if first else None)
 
 

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ..ops.center import same_memory
@@ -37,6 +38,77 @@ class Verdicts:
     """Why the candidate is not the reference itself."""
     not_folded: list[str] = field(default_factory=list)
     """Why the candidate is not the plan applied to the reference."""
+    unlike_reference: int = 0
+    """Tensors that are not the reference's (``not_identical`` has a line for each)."""
+    unlike_fold: int = 0
+    """Tensors that are not what the plan makes (``not_folded`` has a line for each, and other lines)."""
+    first_unlike_fold: tuple[str, Difference | None] | None = None
+    """The first tensor that is not what the plan makes: its line, and where it differs."""
+    first_unlike_reference: Callable[[], tuple[str, Difference | None]] | None = None
+    """The same for the reference, found only when asked for (the tensor read again): every centered
+    tensor of a fold differs from the reference, and that is only asked of a candidate judged as a copy."""
+
+
+@dataclass
+class Difference:
+    """Where a stored tensor is furthest from what it must be, and by how much."""
+
+    tensor: str
+    max_abs_diff: float | None
+    """None where they differ only in bits that compare equal (a zero's sign, a NaN's payload)."""
+    index: list[int]
+    """Of the largest difference (or of the first differing bits)."""
+    value: float
+    expected: float
+    dtype: str
+
+    def describe(self) -> str:
+        """'max abs diff 0.5 at [3, 7] (0.62 where it must be 0.12)'."""
+        how = f"max abs diff {self.max_abs_diff:.3g}" if self.max_abs_diff is not None else "bits differ"
+        return (f"{how} at [{', '.join(map(str, self.index))}] ({_shown(self.value, self.dtype)} where it must be "
+                f"{_shown(self.expected, self.dtype)})")
+
+
+def _how(diff: Difference | None) -> str:
+    return diff.describe() if diff is not None else "it has another shape"
+
+
+def _shown(x: float, dtype: str) -> str:
+    """The shortest decimal that reads back as the same value of ``dtype``: two neighbouring float32
+    values print apart."""
+    if dtype in ("float16", "bfloat16", "float32"):
+        return str(np.float32(x))
+    return repr(x) if dtype.startswith("float") else repr(int(x))
+
+
+CHUNK = 1 << 22
+"""Elements compared at once in float64 (32 MiB), whatever the tensor's size."""
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def locate(name: str, cand: torch.Tensor, expected: torch.Tensor) -> Difference | None:
+    """Where ``cand`` is furthest from ``expected`` (the same shape and dtype), in float64, a chunk at a
+    time; NaN against a number counts as infinitely far. None if they are the same bytes."""
+    c, e = cand.reshape(-1), expected.reshape(-1)
+    worst, where = 0.0, -1
+    for start in range(0, c.numel(), CHUNK):
+        x, y = c[start:start + CHUNK].to(torch.float64), e[start:start + CHUNK].to(torch.float64)
+        same = (x == y) | (x.isnan() & y.isnan())
+        d = torch.where(same, 0.0, (x - y).abs().nan_to_num(math.inf, math.inf))
+        i = int(d.argmax())
+        if float(d[i]) > worst:
+            worst, where = float(d[i]), start + i
+    if where < 0:  # equal as values: find the first element whose bits differ
+        bits = _BITS.get(c.element_size())
+        unlike = (c.view(bits) != e.view(bits)) if bits is not None else torch.zeros(0, dtype=torch.bool)
+        found = unlike.nonzero()
+        if not found.numel():
+            return None
+        where = int(found[0])
+    index = [int(i) for i in torch.unravel_index(torch.tensor(where), tuple(cand.shape))] if cand.dim() else []
+    return Difference(name, worst if worst > 0 else None, index, float(c[where]), float(e[where]),
+                      str(cand.dtype).removeprefix("torch."))
 
 
 def center_as_planned(t: torch.Tensor, cs: Sequence[Centering], read: Callable[[str], torch.Tensor]) -> torch.Tensor:
@@ -57,23 +129,20 @@ def cast_allowed(ref: torch.dtype, cand: torch.dtype, dtype: str | None = None) 
     return ref == cand or cand in wider.get(ref, ()) or narrower
 
 
-def nearest(cand: torch.Tensor, makes: Sequence[Make]) -> tuple[bool, float]:
+def nearest(name: str, cand: torch.Tensor, makes: Sequence[Make]) -> tuple[bool, Difference | None]:
     """(whether ``cand`` is bit for bit one of the tensors ``makes`` compute, rounded to nearest, each made
-    only if the one before is not; max abs diff from the first)."""
+    only if the one before is not; where it differs from the first, None if that has another shape)."""
     first = None
     for make in makes:
         expected = make()
         if expected.shape != cand.shape:
-            return False, math.inf
+            return False, None
         rounded = expected.to(cand.dtype)
         if same_bytes(rounded, cand):
-            return True, 0.0
+            return True, None
         first = rounded if first is None else first
         del expected
-    if first is None or not cand.is_floating_point():
-        return False, math.inf
-    d = cand.to(torch.float64).sub_(first.to(torch.float64)).abs_()
-    return False, float(d.nan_to_num(math.inf).max()) if d.numel() else 0.0
+    return False, None if first is None else locate(name, cand, first)
 
 
 class Verifier:
@@ -112,17 +181,34 @@ class Verifier:
                     streamed.close()
         return self.out
 
-    def _count(self, p: Pair, identical: bool, folded: bool, why: str | None) -> None:
+    def _count(self, p: Pair, identical: bool, folded: bool, why: str | None, diff: Difference | None = None) -> None:
         out = self.out
         out.tensors += 1
         out.identical += identical and not p.centerings
         out.centered += bool(p.centerings) and folded
         out.untied += p.untied and folded
         if not identical:
-            out.not_identical.append(why if why and " is stored as " in why else
-                                     f"{p.cand} differs from the reference's {p.ref}")
+            out.unlike_reference += 1
+            # a centered tensor's line (and difference) is against the fold, not the reference
+            own = why is not None and (not p.centerings or diff is None)
+            out.not_identical.append(why if own else f"{p.cand} differs from the reference's {p.ref}")
+            if out.first_unlike_reference is None:
+                at = len(out.not_identical) - 1
+                out.first_unlike_reference = ((lambda: (out.not_identical[at], diff)) if own
+                                              else lambda: self._unlike_reference(p, at))
         if not folded:
+            out.unlike_fold += 1
             out.not_folded.append(why or f"{p.cand} differs from the reference's {p.ref}")
+            if out.first_unlike_fold is None:
+                out.first_unlike_fold = (out.not_folded[-1], diff)
+
+    def _unlike_reference(self, p: Pair, at: int) -> tuple[str, Difference | None]:
+        """The first tensor that is not the reference's, read again to say where (its line updated)."""
+        t = self.cand.read(p.cand)
+        diff = locate(p.cand, t, self.ref.read(p.ref).to(t.dtype))
+        if diff is not None:
+            self.out.not_identical[at] = f"{p.cand} differs from the reference's {p.ref}: {diff.describe()}"
+        return self.out.not_identical[at], diff
 
     def _mapped(self, order: list[Pair]) -> dict[str, tuple[bool, bool]]:
         """(identical, folded) for every tensor both mapped files prove right: byte for byte, or centered and
@@ -186,30 +272,33 @@ class Verifier:
         finally:
             side.shutdown()
 
-    def _judge(self, p: Pair, r: torch.Tensor | None, t: torch.Tensor | None) -> tuple[bool, bool, str | None]:
-        """(identical, folded, why not) for one tensor read from both files."""
+    def _judge(self, p: Pair, r: torch.Tensor | None, t: torch.Tensor | None
+               ) -> tuple[bool, bool, str | None, Difference | None]:
+        """(identical, folded, why not, where it differs) for one tensor read from both files."""
         ref_dtype, cand_dtype = self.ref.dtype(p.ref), self.cand.dtype(p.cand)
         if not cast_allowed(ref_dtype, cand_dtype, self.dtype):
             # the reference cast to int8 or float8 compares equal to a candidate that lost
             # almost everything; loaded into the model's dtype, it would run
-            return False, False, f"{p.cand} is stored as {cand_dtype}, but the reference's {p.ref} is {ref_dtype}"
+            return False, False, f"{p.cand} is stored as {cand_dtype}, but the reference's {p.ref} is {ref_dtype}", None
         if self.ref.shape(p.ref) != self.cand.shape(p.cand):
             return False, False, (f"{p.cand} has shape {list(self.cand.shape(p.cand))}, "
-                                  f"not {list(self.ref.shape(p.ref))}")
+                                  f"not {list(self.ref.shape(p.ref))}"), None
         if self.expected is not None:
             if t is None:
-                return False, False, f"{p.cand} is not what the plan makes of the reference (max abs diff inf)"
-            folded, diff = nearest(t, self._moved(p.cand, cand_dtype != ref_dtype))
+                return False, False, f"{p.cand} is not what the plan makes of the reference: it makes none", None
+            folded, diff = nearest(p.cand, t, self._moved(p.cand, cand_dtype != ref_dtype))
             self.out.computed += folded
             return False, folded, None if folded else (
-                f"{p.cand} is not what the plan makes of the reference (max abs diff {diff:.3g})")
+                f"{p.cand} is not what the plan makes of the reference: {_how(diff)}"), diff
         identical = (same_bytes(r, t) if cand_dtype == ref_dtype else
                      (self.unrecorded or not p.centerings) and same_bytes(r.to(cand_dtype), t))
         if not p.centerings:
-            return identical, identical, None
-        folded, diff = nearest(t, self._centered(r, p.centerings, cand_dtype))
+            diff = None if identical else locate(p.cand, t, r.to(cand_dtype))
+            return identical, identical, None if identical else (
+                f"{p.cand} differs from the reference's {p.ref}: {_how(diff)}"), diff
+        folded, diff = nearest(p.cand, t, self._centered(r, p.centerings, cand_dtype))
         return identical, folded, None if folded else (
-            f"{p.cand} is not {p.ref} centered along axis {p.centerings[0].axis} (max abs diff {diff:.3g})")
+            f"{p.cand} is not {p.ref} centered along axis {p.centerings[0].axis}: {_how(diff)}"), diff
 
     def _centered(self, r: torch.Tensor, cs: Sequence[Centering], dtype: torch.dtype) -> Iterator[Make]:
         """What the fold makes of ``r``: folded then cast (the only one in ``r``'s own dtype), then cast and folded."""

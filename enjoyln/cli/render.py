@@ -9,7 +9,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, cast
 
 from rich.console import Console
 from rich.markup import escape
@@ -21,9 +21,32 @@ from ..store.quiet import show_library_output
 from ..units import format_bytes
 from .progress import honest_rate
 
+
+class _OnFirstUse:
+    """A rich Console made when first used, not at import: making one asks the stream whether it is a
+    terminal, and at import the command line has not yet made its streams safe (fd 1 closed leaves
+    ``sys.stdout`` None)."""
+
+    def __init__(self, make: Callable[[], Console]) -> None:
+        object.__setattr__(self, "_make", make)
+        object.__setattr__(self, "_console", None)
+
+    def _get(self) -> Console:
+        if self._console is None:
+            object.__setattr__(self, "_console", self._make())
+        return self._console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._get(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._get(), name, value)
+
+
 # wide enough for the tables when piped, where rich would assume 80 columns
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+out = cast(Console, _OnFirstUse(lambda: Console(highlight=False, soft_wrap=True,
+                                                 width=None if sys.stdout and sys.stdout.isatty() else 160)))
+err = cast(Console, _OnFirstUse(lambda: Console(stderr=True, highlight=False, soft_wrap=True)))
 
 
 class State:

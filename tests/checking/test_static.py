@@ -4,6 +4,7 @@ import copy
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -86,8 +87,14 @@ def test_a_partial_fold_without_a_block_is_not_proven(pair, tmp_path):
     wte.sub_(wte.double().mean(1, keepdim=True).float())
     save_file(sd, cand / "model.safetensors", metadata={"format": "pt"})
     report = run(ref, cand)
-    assert not report.passed and report.form == "identical"
-    assert report.problems == ["transformer.wte.weight differs from the reference's transformer.wte.weight"]
+    assert not report.passed and report.form == "identical" and report.differing == 1
+    # judged as a copy: the centered embedding is measured against the reference itself
+    d = (wte.double() - load_file(ref / "model.safetensors")["transformer.wte.weight"].double()).abs()
+    where = [int(i) for i in torch.unravel_index(d.argmax(), d.shape)]
+    first = report.first_difference
+    assert (first.tensor, first.index, first.max_abs_diff) == ("transformer.wte.weight", where, float(d.max()))
+    assert report.problems == [report.first_differing] == [
+        f"transformer.wte.weight differs from the reference's transformer.wte.weight: {first.describe()}"]
 
 
 def test_a_tampered_plan_is_refused(pair, tmp_path):
@@ -894,7 +901,10 @@ def test_a_copy_of_a_fold_passes_against_that_fold(pair, tmp_path):
     changed = edited(copy_, tmp_path / "c", lambda sd: sd["transformer.wte.weight"].view(-1)[3].add_(1e-3))
     report = run(folded, changed)
     assert not report.passed and report.problems == [
-        "transformer.wte.weight differs from the reference's transformer.wte.weight"]
+        f"transformer.wte.weight differs from the reference's transformer.wte.weight: max abs diff 0.001 at [0, 3] "
+        f"({str(np.float32(report.first_difference.value))} where it must be "
+        f"{str(np.float32(report.first_difference.expected))})"]
+    assert abs(report.first_difference.value - report.first_difference.expected - 1e-3) < 1e-8
 
 
 def _rounded_up(x):
@@ -949,3 +959,53 @@ def test_a_fused_fold_of_the_cast_reference_passes_under_dtype(pair, tmp_path):
         torch.nextafter(sd[key].view(-1)[0], torch.tensor(float("inf"), dtype=torch.bfloat16))))
     report = static_check(open_checkpoint(ref), open_checkpoint(up), dtype="bfloat16")
     assert not report.passed and report.problems[0].startswith(f"{key} is not what the plan makes")
+
+
+def test_a_copy_checked_in_another_dtype_fails_as_a_fold_does(pair, tmp_path):
+    """The byte-for-byte shortcut still judges --dtype: a float32 copy is not a bfloat16 candidate."""
+    ref, folded, _ = pair
+    copy_ = clone(ref, tmp_path / "copy")
+    as_copy = enjoyln.check_checkpoints(ref, copy_, mode="static", dtype="bfloat16")
+    as_fold = enjoyln.check_checkpoints(ref, folded, mode="static", dtype="bfloat16")
+    assert not as_copy.passed and not as_fold.passed and as_copy.static.byte_identical
+    assert as_copy.verdict() == as_fold.verdict() == (
+        "FAIL: the weights of the candidate are not what the fold makes of the original's: the candidate loads in "
+        "float32 (from config.json), not in bfloat16 as --dtype says")
+    assert as_copy.static.problems == as_fold.static.problems
+    assert enjoyln.check_checkpoints(ref, copy_, mode="static", dtype="float32").passed  # what it is
+
+
+def _zero_differences(value, key=""):
+    """Every number under a key naming a difference that is zero, in a JSON-like value."""
+    if isinstance(value, dict):
+        return [z for k, v in value.items() for z in _zero_differences(v, k)]
+    if isinstance(value, list):
+        return [z for v in value for z in _zero_differences(v, key)]
+    return [key] if "diff" in key and value == 0 else []
+
+
+def test_a_failed_weight_check_says_where_and_by_how_much(pair, tmp_path):
+    ref, folded, _ = pair
+    plain, centered = "transformer.h.0.mlp.c_fc.weight", "transformer.h.1.mlp.c_proj.weight"
+
+    def edit(sd):
+        sd[plain][5, 9] += 0.25
+        sd[centered][3, 2] -= 0.125
+    cand = edited(folded, tmp_path, edit)
+    report = enjoyln.check_checkpoints(ref, cand, mode="static")
+    static = report.static
+    assert not report.passed and static.differing == 2
+    lines = {p.split(" ")[0]: p for p in static.problems}
+    first = static.first_difference
+    assert set(lines) == {plain, centered} and static.first_differing == lines[first.tensor]
+    assert first.index == {plain: [5, 9], centered: [3, 2]}[first.tensor] and first.describe() in lines[first.tensor]
+    assert lines[plain].startswith(f"{plain} differs from the reference's {plain}: max abs diff 0.25 at [5, 9] (")
+    assert lines[centered].startswith(f"{centered} is not {centered} centered along axis 1: max abs diff 0.125 "
+                                      "at [3, 2] (")
+    assert report.verdict() == ("FAIL: the weights of the candidate are not what the fold makes of the original's: "
+                                f"{lines[first.tensor]} (2 of {static.tensors} tensors differ)")
+    summary = report.summary()
+    assert "the candidate is the plan applied" not in summary and f"2 of {static.tensors} tensors differ" in summary
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["max_abs_diff"] is None and data["max_rel_diff"] is None and not _zero_differences(data)
+    assert data["static"]["first_difference"]["tensor"] == first.tensor
