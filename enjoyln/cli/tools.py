@@ -118,11 +118,10 @@ def bench(
     seq_len: Annotated[int, typer.Option(min=1, help="End-to-end sequence length.")] = 512,
     threads: Annotated[Optional[int], typer.Option(min=1, max=1024, help="torch threads (default: torch's default).")] = None,
     repeats: Annotated[Optional[int], typer.Option(
-        min=1, show_default="20", help="End-to-end forwards per model.")] = None,
+        min=1, help="End-to-end forwards per model (default: 20).")] = None,
     seconds: Annotated[Optional[float], typer.Option(
-        min=0.0, show_default="5, or 0 with --repeats",
-        help="Past --repeats, keep timing end to end until about this many seconds have passed, so that the "
-             "spread of the runs means something.")] = None,
+        min=0.0, help="Past --repeats, keep timing end to end until about this many seconds have passed, so that "
+                      "the spread of the runs means something (default: 5, or 0 with --repeats).")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
     dtype: Annotated[Optional[str], typer.Option(
         help="dtype of both models end to end and compiled: float32, bfloat16 or float16 (default: as loaded; "
