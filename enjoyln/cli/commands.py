@@ -124,7 +124,7 @@ def _publish(spec: str, out_dir: Path, options: FoldOptions, as_json: bool, revi
             raise
     payload: dict[str, Any] = {
         "verdict": result.report.verdict("the folded model") if result.report is not None else None,
-        "plan": result.plan.to_dict(), "out_dir": str(result.out_dir) if result.out_dir else None,
+        "exit_code": 0, "plan": result.plan.to_dict(), "out_dir": str(result.out_dir) if result.out_dir else None,
         "files": result.files, "bytes_written": result.bytes_written, "fold_seconds": result.seconds,
         "stream_seconds": result.stream_seconds, "skipped": result.skipped, "followed": result.followed,
         "cleaned": [str(p) for p in result.cleaned]}
@@ -179,10 +179,13 @@ def inspect(
             with quiet_libraries():
                 write_graph(open_checkpoint(src, allow_pickle=allow_pickle, model_class=model_class).meta, graph)
     if as_json:
-        print_json({"foldable": len(plan.foldable), "total": len(plan.layer_norms),  # the counts and the sentence first
-                    "not_foldable": len(plan.layer_norms) - len(plan.foldable), "centered": len(plan.centered),
-                    "untied": len(plan.untied), "untie_bytes": plan.untie_bytes, "auxiliary": len(plan.auxiliary),
-                    "summary": plan_sentence(plan), "post_ln": post_ln_note(plan), **plan.to_dict()})
+        # the counts and the sentence first; then the plan, which reads back with FoldPlan.from_dict, and
+        # the centered parameters beside its untied ones, both lists
+        print_json({"foldable": len(plan.foldable), "total": len(plan.layer_norms),
+                    "not_foldable": len(plan.layer_norms) - len(plan.foldable), "n_centered": len(plan.centered),
+                    "n_untied": len(plan.untied), "untie_bytes": plan.untie_bytes, "n_auxiliary": len(plan.auxiliary),
+                    "summary": plan_sentence(plan), "post_ln": post_ln_note(plan),
+                    "centered": [c.to_dict() for c in plan.centered], **plan.to_dict()})
         return
     if state.quiet:  # the plan in one sentence is inspect's verdict
         out.print(escape(plan_sentence(plan)))

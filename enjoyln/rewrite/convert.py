@@ -254,8 +254,10 @@ class _Fold:
         """Each shard finished from its early copy where its layout allows, else written afresh."""
         by_name = {name: shard for shard, (name, _, _) in self.early.spans.items()} if self.early is not None else {}
         layout = {name: early_layout(self.ck, by_name.get(name), entries) for name, entries in shards}
+        # the early copy counted the bytes of the tensors it put in place, centered there or not: the total
+        # is what the output holds, each byte once
         self.advance(0, sum(e.nbytes for name, es in shards for i, e in enumerate(es)
-                            if layout[name] is None or i >= layout[name] or e.axis is not None), known=True)
+                            if layout[name] is None or i >= layout[name]), known=True)
         reader = self.resources.enter_context(contextlib.closing(TensorReader(self.ck)))
         w = Writing(reader, {"format": "pt", "enjoyln": __version__}, self.advance)
         for name, entries in shards:

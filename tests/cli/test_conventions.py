@@ -192,6 +192,19 @@ def test_inspect_json_leads_with_counts(tmp_path):
     assert doc["post_ln"].startswith("BertModel is a post-LN model") and len(doc["layer_norms"]) == 5
 
 
+def test_inspect_json_gives_centered_and_untied_one_shape_and_fold_json_an_exit_code(gpt2_dir, tmp_path):
+    from enjoyln.plan import FoldPlan
+
+    doc = json.loads(runner.invoke(app, ["inspect", str(gpt2_dir), "--json"]).stdout)
+    assert (doc["n_centered"], doc["n_untied"], doc["n_auxiliary"]) == (len(doc["centered"]), 1, 0) != (0, 1, 0)
+    assert doc["untied"][0]["param"] == "lm_head.weight" and doc["auxiliary"] == []
+    assert {"param", "axis"} <= set(doc["centered"][0]) and {"param", "tied_to"} <= set(doc["untied"][0])
+    assert FoldPlan.from_dict(doc).untied[0].param == "lm_head.weight"  # the plan reads back from it
+    result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out"), "--json", "--static"])
+    doc = json.loads(result.stdout)
+    assert result.exit_code == 0 and list(doc)[:2] == ["verdict", "exit_code"] and doc["exit_code"] == 0
+
+
 # --- -h, --version, env, -q, --verbose ---------------------------------------------------------
 
 

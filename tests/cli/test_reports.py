@@ -16,6 +16,7 @@ from enjoyln.cli import progress, render
 from enjoyln.cli.app import app
 from enjoyln.cli.tools import print_latency
 from enjoyln.rewrite.convert import fold_checkpoint
+from enjoyln.store.load import load, load_plain
 from enjoyln.testing import perturb, tiny_model
 from enjoyln.timings import Spread
 
@@ -40,8 +41,13 @@ def test_no_rate_over_a_near_zero_interval():
 
 def test_the_write_total_is_unknown_then_final(gpt2_dir, tmp_path):
     seen = []
-    fold_checkpoint(gpt2_dir, tmp_path / "out", check="none", progress=lambda done, total: seen.append((done, total)))
+    result = fold_checkpoint(gpt2_dir, tmp_path / "out", check="none",
+                             progress=lambda done, total: seen.append((done, total)))
     known = [total for _, total in seen if total]
+    # the tensors the early copy put in place and the fold then centered there count once, as they are written
+    assert known[0] == result.bytes_written == sum(p.stat().st_size for p in (tmp_path / "out").glob("*.safetensors")
+                                                   ) - sum(8 + int.from_bytes((tmp_path / "out" / f).read_bytes()[:8],
+                                                                              "little") for f in result.files)
     assert known and len(set(known)) == 1  # one total, never revised
     first_known = next(i for i, (_, total) in enumerate(seen) if total)
     assert all(total == 0 for _, total in seen[:first_known])  # before it, "not known yet"
@@ -91,6 +97,8 @@ def test_no_third_party_bars_or_logs_and_the_users_settings_back(gpt2_dir, tmp_p
         assert result.exit_code == 0, result.output
         assert result.stderr == ""  # no "Loading weights", no LOAD REPORT: not a TTY, so no progress either
         fold_checkpoint(gpt2_dir, tmp_path / "api", check="full")  # the API path too
+        load(tmp_path / "api")
+        load_plain(tmp_path / "api")
         captured = capsys.readouterr()
         assert "Loading weights" not in captured.err + captured.out and "LOAD REPORT" not in captured.err
         assert tf_logging.is_progress_bar_enabled() and tf_logging.get_verbosity() == tf_logging.INFO
