@@ -15,12 +15,13 @@ from rich.markup import escape
 from .._version import __version__
 from ..errors import EnjoylnError, first_line
 from ..options import Access
+from ..units import format_duration
 from .commands import IMPORTING, model_dir_of
 from .options import (JsonOnly, Quiet, ReadPickle, Revision, TrustCode, Verbose, check_cuda, parse_device,
                       parse_dtypes, parse_plot, parse_shapes)
 from .progress import Display
-from .render import (err, out, print_compiled, print_end_to_end, print_json, print_kernels, print_plan, print_report,
-                     print_warnings, say, state)
+from .render import (err, out, print_compiled, print_end_to_end, print_json, print_kernels, print_latency,
+                     print_plan, print_report, say, state)
 
 
 def demo(
@@ -29,7 +30,8 @@ def demo(
     layers: Annotated[int, typer.Option(min=1, help="Layers of the demo GPT-2.")] = 4,
     width: Annotated[int, typer.Option(min=1, help="Hidden size of the demo GPT-2.")] = 256,
     seconds: Annotated[float, typer.Option(
-        min=0.0, help="Time the speed comparison for about this long (at least 10 pairs of runs).")] = 3.0,
+        min=0.0, help="After 10 pairs of runs, keep timing the speed comparison until this many seconds have "
+                      "passed.")] = 3.0,
     quiet: Quiet = False, verbose: Verbose = False,
 ) -> None:
     """The whole flow on a small GPT-2 that enjoyln builds itself: build, inspect, fold, check, time.
@@ -48,7 +50,7 @@ def demo(
         with Display(err, enabled=not state.quiet) as display:
             display.stage(IMPORTING)
             from ..analysis.inputs import hf_example_inputs
-            from ..bench import compare_latency
+            from ..bench import compare_latency, forward_seconds, latency_seconds
             from ..checking.checkpoints import check_checkpoints
             from ..rewrite.convert import analyze_checkpoint, fold_checkpoint
             from ..store.load import load
@@ -78,10 +80,12 @@ def demo(
             display.stop()
             print_report(again)
             _rule("5. speed: forward, batch 1, 512 tokens, alternating runs")
-            display.stage(f"timing the original against the folded model for about {seconds:g} s")
+            display.stage("loading both models to time them")
             original, folded = load(src), load(dst)
-            timing = compare_latency(original, folded, hf_example_inputs(original, batch=1, seq_len=512),
-                                     repeats=10, seconds=seconds)
+            inputs = hf_example_inputs(original, batch=1, seq_len=512)
+            estimate = latency_seconds(forward_seconds(original, inputs), 10, seconds)  # from this machine's speed
+            display.stage(f"timing the original against the folded model (about {format_duration(estimate)})")
+            timing = compare_latency(original, folded, inputs, repeats=10, seconds=seconds)
             display.stop()
         print_latency(timing)
         if temp is None:
@@ -97,13 +101,6 @@ def demo(
 def _rule(title: str) -> None:
     if not state.quiet:
         out.rule(title)
-
-
-def print_latency(timing: Any, a: str = "original", b: str = "folded") -> None:
-    """Medians with their spread, the difference where measurable, and every reason not to trust them."""
-    out.print(f"{a} {timing.a_ms:.2f} ms (IQR {timing.a_iqr_ms:.2f}), {b} {timing.b_ms:.2f} ms (IQR "
-              f"{timing.b_iqr_ms:.2f}), medians of {timing.repeats} runs each; {timing.difference(a, b)}")
-    print_warnings(timing.warnings(a, b))
 
 
 def bench(
@@ -170,6 +167,8 @@ def bench(
             cast = getattr(torch, model_dtype) if model_dtype else None
             original, folded = timing.models_to_compare(src, device, cast, access)
             inputs = hf_example_inputs(original, batch=batch, seq_len=seq_len)
+            _estimate(display, timing, timing.forward_seconds(original, inputs), repeats, seconds, e2e, compile_,
+                      quiet=as_json)
         if e2e:
             e2e_result = _phase(display, payload, "e2e", f"timing end to end for at least {repeats} pairs of runs",
                                 lambda: timing.end_to_end(original, folded, inputs, repeats=repeats, seconds=seconds),
@@ -185,6 +184,17 @@ def bench(
             out.print(f"Saved {plot}" + (" (titled with a warning: the timings were noisy)" if noisy else ""))
     if as_json:
         print_json(payload)
+
+
+def _estimate(display: Display, timing: Any, forward_s: float, repeats: int, seconds: float, e2e: bool,
+              compile_: bool, quiet: bool) -> None:
+    """How long the timings will take, from one forward measured first: said before they start."""
+    total = (timing.end_to_end_seconds(forward_s, repeats, seconds) if e2e else 0.0) + (
+        timing.latency_seconds(forward_s, repeats, seconds) if compile_ else 0.0)
+    display.stop()
+    if not quiet:
+        say(f"One forward takes about {forward_s:.2g} s here, so the timings below take about "
+            f"{format_duration(total)}" + (", plus compiling both models" if compile_ else ""))
 
 
 def _kernel_benchmark(shape_list: list[tuple[int, int]], dtypes: list[Any], shapes: str, device: str) -> list[Any]:

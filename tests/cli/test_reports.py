@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from enjoyln.bench import LatencyComparison
 from enjoyln.cli import progress, render
 from enjoyln.cli.app import app
-from enjoyln.cli.tools import print_latency
+from enjoyln.cli.render import print_latency
 from enjoyln.rewrite.convert import fold_checkpoint
 from enjoyln.store.load import load, load_plain
 from enjoyln.testing import perturb, tiny_model
@@ -205,14 +205,60 @@ def test_runs_at_the_clocks_resolution_are_flagged(monkeypatch):
 
 def test_a_difference_is_claimed_only_when_measurable(capsys):
     same = LatencyComparison.of([10.0, 10.2, 9.9, 10.1, 10.0, 9.8], [10.1, 10.0, 10.0, 10.2, 9.9, 9.9])
-    assert same.difference().endswith("no measurable difference")
+    assert same.difference().startswith("no measurable difference between folded and original (")
     faster = LatencyComparison.of([10.0, 10.2, 9.9, 10.1, 10.0, 9.8], [9.0, 9.1, 8.9, 9.0, 9.2, 8.8])
-    assert faster.difference() == ("folded/original 0.898 (IQR 0.892-0.905 over 6 pairs): folded faster by 10.2%")
+    assert faster.difference() == ("folded 10.2% faster than original, measurably (the middle half of 6 run-by-run "
+                                   "ratios, 0.892-0.905, lies below 1)")
+    slower = LatencyComparison.of([10.0] * 6, [11.0, 11.1, 10.9, 11.0, 11.2, 10.8])
+    assert slower.direction() == "slower" and slower.difference().startswith("folded 10.0% slower than original")
     render.state.begin()
     print_latency(same)
     captured = capsys.readouterr()
-    assert "no measurable difference" in captured.out and "%" not in captured.out  # no percentage as a result
+    first, second = captured.out.splitlines()
+    assert first.startswith("no measurable difference") and "%" not in captured.out  # no percentage as a result
+    assert second == "  original: 10.00 ms per forward (median of 6 runs, IQR 0.25 ms)"
     assert captured.err == ""
+
+
+def test_a_speed_line_shows_no_second_median_to_point_the_other_way(capsys):
+    """The medians are 10% apart, but the run-by-run ratios spread across 1: no difference is claimed, and
+    the folded median, which would suggest one, is not printed."""
+    lat = LatencyComparison.of([10.0, 10.0, 10.0, 30.0, 30.0], [11.0, 11.0, 11.0, 9.0, 9.0])
+    assert lat.b_ms / lat.a_ms == pytest.approx(1.1) and lat.direction() == "same"
+    render.state.begin()
+    print_latency(lat)
+    text = capsys.readouterr().out
+    assert text.startswith("no measurable difference between folded and original")
+    assert "11.00" not in text and "%" not in text and "faster" not in text and "slower" not in text
+
+
+def test_the_floor_line_never_reads_negative(capsys):
+    from enjoyln.bench import EndToEndResult
+
+    render.state.begin()
+    lat = LatencyComparison.of([100.0] * 6, [100.0] * 6)
+    render.print_end_to_end(EndToEndResult(lat, 0.01, 1, 8, 2, (1.0, 0.9, 1.2)), "GPT2", 1, 8)
+    text = capsys.readouterr().out
+    assert "a bare copy took no less than LayerNorm here: no norm kernel can make this forward faster" in text
+    assert not re.search(r"-\d[\d.]*%", text)  # the old "at best -0.12% end to end"
+    render.print_end_to_end(EndToEndResult(lat, 0.01, 1, 8, 2, (1.0, 0.9, 0.5)), "GPT2", 1, 8)
+    assert "even a norm as cheap as a copy would save at most 0.50% of a forward (0.50 ms)" in capsys.readouterr().out
+
+
+def test_bench_says_how_long_it_will_take_before_timing(monkeypatch, tmp_path):
+    from enjoyln import bench
+
+    tiny_model("gpt2").save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(bench, "forward_seconds", lambda model, inputs: 2.0)  # a made-up slow machine
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("the timings would start here")
+
+    monkeypatch.setattr(bench, "end_to_end", stop)
+    result = runner.invoke(app, ["bench", str(tmp_path / "m"), "--no-kernels", "--repeats", "20"])
+    # 2 x 2 s x (3 warm-up + 20 timed pairs) + 2 s x (4 profiled + 21 inside the norms) = 142 s
+    assert "One forward takes about 2 s here, so the timings below take about 2 min" in result.stdout
+    assert result.exit_code != 0  # stopped at the first timing, after the estimate
 
 
 def test_bench_warns_when_its_timings_are_noisy(monkeypatch):
