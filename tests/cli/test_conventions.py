@@ -153,6 +153,7 @@ def test_usage_errors_are_one_line_without_a_box(gpt2_dir):
     (["inspect", "{tmp}/missing", "--json"], 2, "does not exist"),
     (["fold", "{m}", "{tmp}/out", "--bogus", "--json"], 2, "no such option: --bogus"),
     (["check", "{m}", "{m}", "--dtype", "int8", "--json"], 2, "cannot judge a candidate"),
+    (["fold", "{m}", "{tmp}/out", "--dtype", "int8", "--json"], 2, "cannot use 'int8' in --dtype"),
     (["env", "--json", "--nope"], 2, "no such option: --nope"),
 ])
 def test_json_errors_are_one_json_document_on_stdout(args, code, error, gpt2_dir, tmp_path):

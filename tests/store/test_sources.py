@@ -162,6 +162,7 @@ def test_fold_with_fused_affine_goes_through_the_in_memory_path(hub_dir, tmp_pat
 
 @pytest.mark.parametrize("args, message", [
     (["fold", "{src}", "{out}", "--max-shard-size", "1KB"], "timm loads one weight file"),
+    (["fold", "{src}", "{out}", "--dtype", "bfloat16"], "timm builds its models in float32 whatever the file"),
 ])
 def test_timm_directory_refusals(hub_dir, tmp_path, args, message):
     src, _ = hub_dir
