@@ -87,7 +87,9 @@ class Group(_FlagHelp, TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
-app = typer.Typer(cls=Group, add_completion=False, rich_markup_mode=None, no_args_is_help=True, pretty_exceptions_enable=False,
+# click's plain help (rich_markup_mode=None): rich's panels cut option names (--trust-remote-co…) at 80 columns
+app = typer.Typer(cls=Group, add_completion=False, rich_markup_mode=None, no_args_is_help=True,
+                  pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})  # its help: main's docstring
 
 

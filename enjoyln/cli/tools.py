@@ -83,7 +83,9 @@ def demo(
             display.stage("loading both models to time them")
             original, folded = load(src), load(dst)
             inputs = hf_example_inputs(original, batch=1, seq_len=512)
-            estimate = latency_seconds(forward_seconds(original, inputs), 10, seconds)  # from this machine's speed
+            forward_s = forward_seconds(original, inputs)  # this machine's speed, not a fixed promise
+            estimate = latency_seconds(forward_s, 10, seconds)
+            _estimate(display, forward_s, estimate, state.quiet)
             display.stage(f"timing the original against the folded model (about {format_duration(estimate)})")
             timing = compare_latency(original, folded, inputs, repeats=10, seconds=seconds)
             display.stop()
@@ -167,8 +169,10 @@ def bench(
             cast = getattr(torch, model_dtype) if model_dtype else None
             original, folded = timing.models_to_compare(src, device, cast, access)
             inputs = hf_example_inputs(original, batch=batch, seq_len=seq_len)
-            _estimate(display, timing, timing.forward_seconds(original, inputs), repeats, seconds, e2e, compile_,
-                      quiet=as_json)
+            forward_s = timing.forward_seconds(original, inputs)
+            _estimate(display, forward_s, (timing.end_to_end_seconds(forward_s, repeats, seconds) if e2e else 0.0)
+                      + (timing.latency_seconds(forward_s, repeats, seconds) if compile_ else 0.0), as_json,
+                      ", plus compiling both models" if compile_ else "")
         if e2e:
             e2e_result = _phase(display, payload, "e2e", f"timing end to end for at least {repeats} pairs of runs",
                                 lambda: timing.end_to_end(original, folded, inputs, repeats=repeats, seconds=seconds),
@@ -186,15 +190,13 @@ def bench(
         print_json(payload)
 
 
-def _estimate(display: Display, timing: Any, forward_s: float, repeats: int, seconds: float, e2e: bool,
-              compile_: bool, quiet: bool) -> None:
+def _estimate(display: Display, forward_s: float, total_s: float, quiet: bool, more: str = "") -> None:
     """How long the timings will take, from one forward measured first: said before they start."""
-    total = (timing.end_to_end_seconds(forward_s, repeats, seconds) if e2e else 0.0) + (
-        timing.latency_seconds(forward_s, repeats, seconds) if compile_ else 0.0)
     display.stop()
     if not quiet:
-        say(f"One forward takes about {forward_s:.2g} s here, so the timings below take about "
-            f"{format_duration(total)}" + (", plus compiling both models" if compile_ else ""))
+        each = f"{forward_s:.2g}" if forward_s < 10 else f"{forward_s:.0f}"
+        say(f"One forward takes about {each} s here, so the timings below take about {format_duration(total_s)}"
+            f"{more}")
 
 
 def _kernel_benchmark(shape_list: list[tuple[int, int]], dtypes: list[Any], shapes: str, device: str) -> list[Any]:

@@ -169,6 +169,10 @@ def test_the_demo_keeps_its_workdir_or_says_it_is_temporary(tmp_path):
     assert (tmp_path / "d" / "gpt2-demo-folded" / "model.safetensors").is_file()
     assert f"Wrote {tmp_path / 'd' / 'gpt2-demo-folded'} in " in result.stdout
     assert f"The checkpoints stay in {tmp_path / 'd'}" in result.stdout
+    # the time the speed comparison takes, from a forward measured here, said before it, not a fixed figure
+    said = re.search(r"^One forward takes about [\d.]+ s here, so the timings below take about \d+ (s|min)$",
+                     result.stdout, re.M)
+    assert said and said.start() < result.stdout.index("  original: ")
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     temp = Path(re.search(r"Working in the temporary directory (\S+), removed when the demo ends",
