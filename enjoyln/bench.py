@@ -100,8 +100,8 @@ class LatencyComparison:
         r = self.pair_ratios
         return {**asdict(self), "ratio": self.ratio, "speedup": self.speedup,
                 "pair_ratio_median": r.median if r else None, "pair_ratio_q1": r.q1 if r else None,
-                "pair_ratio_q3": r.q3 if r else None, "difference": self.difference(), "warnings": self.warnings(),
-                "a_tokens_per_s": self.tokens_per_s("a"), "b_tokens_per_s": self.tokens_per_s("b")}
+                "pair_ratio_q3": r.q3 if r else None, "direction": self.direction(), "difference": self.difference(),
+                "warnings": self.warnings(), "a_tokens_per_s": self.tokens_per_s("a"), "b_tokens_per_s": self.tokens_per_s("b")}
 
 
 def synchronizer(*models: Any) -> Any:

@@ -215,6 +215,7 @@ def test_a_difference_is_claimed_only_when_measurable(capsys):
                                    "ratios, 0.892-0.905, lies below 1)")
     slower = LatencyComparison.of([10.0] * 6, [11.0, 11.1, 10.9, 11.0, 11.2, 10.8])
     assert slower.direction() == "slower" and slower.difference().startswith("folded 10.0% slower than original")
+    assert (same.to_dict()["direction"], faster.to_dict()["direction"]) == ("same", "faster")
     render.state.begin()
     print_latency(same)
     captured = capsys.readouterr()
