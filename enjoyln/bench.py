@@ -62,19 +62,32 @@ class LatencyComparison:
         pairs = [b / a for a, b in zip(self.a_runs_ms, self.b_runs_ms) if a > 0]
         return Spread.of(pairs) if pairs else None
 
-    def difference(self, a: str = "original", b: str = "folded") -> str:
-        """In words: a measurable difference only where the middle half of the pair ratios lies on one side of 1.
+    def direction(self) -> str:
+        """``faster``, ``slower`` or ``same``: ``b`` against ``a``, claimed only where the middle half of the
+        run-by-run ratios lies on one side of 1 (``same`` without runs to judge by)."""
+        r = self.pair_ratios
+        if r is None or r.q1 <= 1.0 <= r.q3:
+            return "same"
+        return "faster" if r.q3 < 1.0 else "slower"
 
-        >>> LatencyComparison.of([10.0, 10.1, 9.9], [10.0, 9.9, 10.1]).difference()
-        'folded/original 1.000 (IQR 0.980-1.020 over 3 pairs): no measurable difference'
+    def difference(self, a: str = "original", b: str = "folded") -> str:
+        """One direction in words, with how much and the evidence; the medians of each model are not compared
+        (they can point the other way when the machine drifts), only the pairs that ran back to back.
+
+        >>> LatencyComparison.of([10.0, 10.1, 9.9], [10.0, 9.9, 10.1]).difference().split(" (")[0]
+        'no measurable difference between folded and original'
+        >>> LatencyComparison.of([10.0, 10.1, 9.9, 10.0], [9.0, 9.1, 8.9, 9.0]).difference()
+        'folded 10.0% faster than original, measurably (the middle half of 4 run-by-run ratios, 0.899-0.901, lies below 1)'
         """
         r = self.pair_ratios
         if r is None:
-            return f"{b}/{a} {self.ratio:.3f} (one median each; no spread measured)"
-        spread = f"{b}/{a} {r.median:.3f} (IQR {r.q1:.3f}-{r.q3:.3f} over {r.runs} pairs)"
-        if r.q1 <= 1.0 <= r.q3:
-            return f"{spread}: no measurable difference"
-        return f"{spread}: {b} {'faster' if r.q3 < 1.0 else 'slower'} by {abs(1 - r.median):.1%}"
+            return f"{b} against {a}: not measured (no runs)"
+        evidence = f"the middle half of {r.runs} run-by-run ratios, {r.q1:.3f}-{r.q3:.3f}"
+        way = self.direction()
+        if way == "same":
+            return f"no measurable difference between {b} and {a} ({evidence}, spans 1)"
+        return (f"{b} {abs(1 - r.median):.1%} {way} than {a}, measurably ({evidence}, lies "
+                f"{'below' if way == 'faster' else 'above'} 1)")
 
     def warnings(self, a: str = "original", b: str = "folded") -> list[str]:
         return Spread.of(self.a_runs_ms).warnings(a) + Spread.of(self.b_runs_ms).warnings(b) if self.a_runs_ms else []
@@ -87,8 +100,8 @@ class LatencyComparison:
         r = self.pair_ratios
         return {**asdict(self), "ratio": self.ratio, "speedup": self.speedup,
                 "pair_ratio_median": r.median if r else None, "pair_ratio_q1": r.q1 if r else None,
-                "pair_ratio_q3": r.q3 if r else None, "difference": self.difference(), "warnings": self.warnings(),
-                "a_tokens_per_s": self.tokens_per_s("a"), "b_tokens_per_s": self.tokens_per_s("b")}
+                "pair_ratio_q3": r.q3 if r else None, "direction": self.direction(), "difference": self.difference(),
+                "warnings": self.warnings(), "a_tokens_per_s": self.tokens_per_s("a"), "b_tokens_per_s": self.tokens_per_s("b")}
 
 
 def synchronizer(*models: Any) -> Any:
@@ -101,9 +114,48 @@ def synchronizer(*models: Any) -> Any:
     return lambda: None
 
 
+WARMUP = 3  # pairs of forwards before ``compare_latency`` times any
+MAX_REPEATS = 2000  # pairs ``compare_latency`` times at most, whatever ``seconds`` asks
+SHARE_RUNS = 3  # forwards the profiler watches in ``layer_norm_share``
+NORM_RUNS = 6  # forwards of each model (and the copy floor) in ``norm_time_ms``
+
+
+def forward_seconds(model: nn.Module, example_inputs: ExampleInputs) -> float:
+    """The wall time of one forward of ``model``: the first, so one-time costs make it an upper estimate."""
+    inputs = as_inputs(example_inputs)
+    sync = synchronizer(model)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        inputs.call(model)
+        sync()
+    return time.perf_counter() - start
+
+
+def latency_seconds(forward_s: float, repeats: int, seconds: float | None = None) -> float:
+    """Roughly how long ``compare_latency`` runs when a forward of either model takes ``forward_s``.
+
+    >>> latency_seconds(0.5, repeats=20), latency_seconds(0.01, repeats=20, seconds=5)
+    (23.0, 5.06)
+    """
+    timed = 2 * forward_s * repeats
+    if seconds:
+        timed = max(timed, min(seconds, 2 * forward_s * MAX_REPEATS))
+    return round(2 * forward_s * WARMUP + timed, 6)
+
+
+def end_to_end_seconds(forward_s: float, repeats: int, seconds: float | None = None) -> float:
+    """Roughly how long ``end_to_end`` runs: ``compare_latency``, the profiler's forwards, and those timed
+    inside the norms (a warm-up and ``NORM_RUNS`` for the original, the folded model and its copy floor).
+
+    >>> end_to_end_seconds(1.0, repeats=20)  # 6 + 40 timed, 4 profiled, 21 inside the norms
+    71.0
+    """
+    return latency_seconds(forward_s, repeats, seconds) + forward_s * ((1 + SHARE_RUNS) + 3 * (1 + NORM_RUNS))
+
+
 def compare_latency(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
-                    repeats: int = 20, warmup: int = 3, seconds: float | None = None,
-                    max_repeats: int = 2000) -> LatencyComparison:
+                    repeats: int = 20, warmup: int = WARMUP, seconds: float | None = None,
+                    max_repeats: int = MAX_REPEATS) -> LatencyComparison:
     """Forward latency of ``a`` and ``b``, alternating; with ``seconds``, more pairs until that much time passed.
 
     >>> net = torch.nn.Linear(8, 8)
@@ -263,7 +315,7 @@ def _quiet_fds() -> Any:
             os.close(fd)
 
 
-def layer_norm_share(model: nn.Module, example_inputs: ExampleInputs, *, runs: int = 3) -> float:
+def layer_norm_share(model: nn.Module, example_inputs: ExampleInputs, *, runs: int = SHARE_RUNS) -> float:
     """Fraction of the model's self time (on CUDA, device time) in LayerNorm, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -286,7 +338,7 @@ def layer_norm_share(model: nn.Module, example_inputs: ExampleInputs, *, runs: i
 
 
 def norm_time_ms(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
-                 runs: int = 6) -> tuple[float, float, float]:
+                 runs: int = NORM_RUNS) -> tuple[float, float, float]:
     """Median wall time per forward inside the norm modules of ``a``, of ``b``, and of ``b`` with each
     RMSNorm only copying its input (the floor). Timed inside the running model, where caches hold what
     the layers around each norm left: far less noisy than whole forwards when norms are a small share."""

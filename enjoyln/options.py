@@ -70,6 +70,7 @@ class FoldOptions:
     rotate: RotationSpec | None = None
     plan: FoldPlan | None = None
     max_shard_size: int | None = None
+    dtype: str | None = None  # store the fold in this dtype (its check then judges it at that precision)
     force: bool = False
     dry_run: bool = False
     keep_failed: bool = False
@@ -91,5 +92,5 @@ class FoldOptions:
 
     @property
     def checking(self) -> CheckOptions:
-        """The fold's own check, its directories opened as the fold opened them."""
-        return dataclasses.replace(self.check, access=self.access)
+        """The fold's own check, its directories opened as the fold opened them, at the fold's dtype."""
+        return dataclasses.replace(self.check, access=self.access, dtype=self.dtype or self.check.dtype)

@@ -34,3 +34,14 @@ def format_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "GiB":
             break
     return f"{n:.1f} {unit}"
+
+
+def format_duration(seconds: float) -> str:
+    """A rough duration as a person reads it: under a minute in seconds, else in minutes.
+
+    >>> format_duration(42.4), format_duration(95), format_duration(3 * 3600)
+    ('40 s', '2 min', '180 min')
+    """
+    if seconds < 55:
+        return f"{max(5, round(seconds / 5) * 5)} s" if seconds >= 5 else f"{max(1, round(seconds))} s"
+    return f"{max(1, round(seconds / 60))} min"

@@ -1,6 +1,7 @@
 """The examples run as shipped (short settings)."""
 
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,8 @@ def test_finetune_cbwc(tmp_path):
     gap = float(proc.stdout.split("CBWC vs LN: ")[1].split()[0])
     assert gap < 1e-4
     assert "CBWC + RMSNorm" in proc.stdout
+    assert re.search(r"^3 steps took [\d.]+ s: the 18 steps of the three runs take about [\d.]+ min here$",
+                     proc.stdout, re.M) and proc.stdout.index("steps took") < proc.stdout.index("LN ")
     try:
         importlib.import_module("matplotlib")
     except ImportError:

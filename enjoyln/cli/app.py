@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Any, Optional
 
 import typer
@@ -23,16 +24,40 @@ class _FlagHelp:
         return option
 
 
+def _metavar(param: TyperOption) -> str:
+    """What an option's value is, in the words docs/cli.md uses: N, X, PATH or TEXT (typer writes ``<int range>``)."""
+    descriptor = param.type_descriptor
+    kinds = {descriptor.annotation, *typing.get_args(descriptor.annotation)}  # Optional[int] is int or None
+    if descriptor.is_path:
+        return "PATH"
+    return "N" if int in kinds else "X" if float in kinds else "TEXT"
+
+
+class _Argument(TyperArgument):
+    """An argument listed by its name alone: ``MODEL_DIR``, not ``MODEL_DIR <str>``."""
+
+    def display_type_rich(self, ctx: Any) -> Optional[str]:
+        return None
+
+
 class Command(_FlagHelp, TyperCommand):
-    """Usage reads ``[OPTIONS] MODEL_DIR OUT_DIR`` (typer writes ``{model_dir} {out_dir}``); no type after a flag."""
+    """Usage reads ``[OPTIONS] MODEL_DIR OUT_DIR`` (typer writes ``{model_dir} {out_dir}``); no type after a flag.
+
+    Each command's line in ``enjoyln -h`` is the first sentence of its help, whole (click cuts it with ``...``).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         for param in self.params:
-            if isinstance(param, TyperArgument) and param.metavar is None:
-                param.metavar = (param.name or "").upper()
-            elif isinstance(param, TyperOption) and param.is_flag:
-                param.metavar = ""
+            if isinstance(param, TyperArgument):
+                param.__class__ = _Argument  # typer builds its own; this one only shows less in -h
+                param.metavar = param.metavar or (param.name or "").upper()
+            elif isinstance(param, TyperOption):
+                param.metavar = "" if param.is_flag else _metavar(param)
+
+    def get_short_help_str(self, limit: int = 45) -> str:
+        first = " ".join((self.help or "").split("\n\n")[0].split())
+        return first if first.endswith(".") else first + "."
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         return ([self.options_metavar] if self.options_metavar else []) + [  # each argument's metavar set above
@@ -62,7 +87,9 @@ class Group(_FlagHelp, TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
-app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# click's plain help (rich_markup_mode=None): rich's panels cut option names (--trust-remote-co…) at 80 columns
+app = typer.Typer(cls=Group, add_completion=False, rich_markup_mode=None, no_args_is_help=True,
+                  pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})  # its help: main's docstring
 
 

@@ -19,7 +19,7 @@ from ..store.transaction import check_out_dir
 from ..units import parse_size
 from .options import (Batches, Check, CheckDevice, CheckMemory, DryRun, Force, JsonOnly, KeepFailed, MaxShardSize,
                       ModelClass, Quiet, ReadPickle, Revision, Rtol, SeqLen, StaticCheck, TrustCode, Verbose,
-                      check_cuda, parse_check_dtype, parse_device, parse_rotation)
+                      check_cuda, parse_check_dtype, parse_device, parse_dtypes, parse_rotation)
 from .progress import Display
 from .render import (drop_stdout, err, out, plan_sentence, post_ln_note, print_export, print_json, print_plan,
                      print_report, show_fold, state)
@@ -55,6 +55,9 @@ def fold(
         "--auxiliary-centering", help="Insert explicit centerings where each frees more LNs than it costs.")] = False,
     fuse_affine: Annotated[bool, typer.Option(
         "--fuse-affine", help="Move each folded norm's gain and bias into the layers reading it.")] = False,
+    dtype: Annotated[Optional[str], typer.Option(
+        help="Store the fold in this dtype (float16, bfloat16, float32 or float64), each tensor rounded once "
+             "from the float64 fold; the check then judges it at that precision, as check --dtype does.")] = None,
     batches: Batches = None, seq_len: SeqLen = 16, max_memory: CheckMemory = None, rtol: Rtol = None,
     model_class: ModelClass = None, device: CheckDevice = "cpu", revision: Revision = None, quiet: Quiet = False,
     verbose: Verbose = False,
@@ -66,6 +69,7 @@ def fold(
     options = FoldOptions.of(max_shard_size=parse_size(max_shard_size), force=force, keep_failed=keep_failed,
                              dry_run=dry_run, auxiliary_centering=auxiliary_centering, fuse_affine=fuse_affine,
                              allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class,
+                             dtype=parse_dtypes(dtype, "--dtype")[0] if dtype is not None else None,
                              check=_check_options(check, static, batches=batches, seq_len=seq_len, rtol=rtol,
                                                   max_memory=max_memory, device=parse_device(device)))
     _publish(model_dir, out_dir, options, as_json, revision)
@@ -124,7 +128,7 @@ def _publish(spec: str, out_dir: Path, options: FoldOptions, as_json: bool, revi
             raise
     payload: dict[str, Any] = {
         "verdict": result.report.verdict("the folded model") if result.report is not None else None,
-        "plan": result.plan.to_dict(), "out_dir": str(result.out_dir) if result.out_dir else None,
+        "exit_code": 0, "plan": result.plan.to_dict(), "out_dir": str(result.out_dir) if result.out_dir else None,
         "files": result.files, "bytes_written": result.bytes_written, "fold_seconds": result.seconds,
         "stream_seconds": result.stream_seconds, "skipped": result.skipped, "followed": result.followed,
         "cleaned": [str(p) for p in result.cleaned]}
@@ -179,10 +183,13 @@ def inspect(
             with quiet_libraries():
                 write_graph(open_checkpoint(src, allow_pickle=allow_pickle, model_class=model_class).meta, graph)
     if as_json:
-        print_json({"foldable": len(plan.foldable), "total": len(plan.layer_norms),  # the counts and the sentence first
-                    "not_foldable": len(plan.layer_norms) - len(plan.foldable), "centered": len(plan.centered),
-                    "untied": len(plan.untied), "untie_bytes": plan.untie_bytes, "auxiliary": len(plan.auxiliary),
-                    "summary": plan_sentence(plan), "post_ln": post_ln_note(plan), **plan.to_dict()})
+        # the counts and the sentence first; then the plan, which reads back with FoldPlan.from_dict, and
+        # the centered parameters beside its untied ones, both lists
+        print_json({"foldable": len(plan.foldable), "total": len(plan.layer_norms),
+                    "not_foldable": len(plan.layer_norms) - len(plan.foldable), "n_centered": len(plan.centered),
+                    "n_untied": len(plan.untied), "untie_bytes": plan.untie_bytes, "n_auxiliary": len(plan.auxiliary),
+                    "summary": plan_sentence(plan), "post_ln": post_ln_note(plan),
+                    "centered": [c.to_dict() for c in plan.centered], **plan.to_dict()})
         return
     if state.quiet:  # the plan in one sentence is inspect's verdict
         out.print(escape(plan_sentence(plan)))

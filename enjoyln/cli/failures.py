@@ -27,7 +27,9 @@ def fail(message: str, code: int, *, as_json: bool, payload: dict[str, Any] | No
     """The line on stderr; with ``as_json`` also its JSON document, unless the command printed one."""
     render.err.print(one_line(message), markup=False, emoji=False, highlight=False)
     if as_json and not render.state.printed_json:
-        render.print_json({"error": one_line(message.removeprefix("error: ")), "exit_code": code, **(payload or {})})
+        doc = {"error": one_line(message.removeprefix("error: ")), "exit_code": code, **(payload or {})}
+        doc["exit_code"] = code  # the payload may be a success's document (fold's, with exit_code 0)
+        render.print_json(doc)
 
 
 def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:

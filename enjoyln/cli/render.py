@@ -290,20 +290,30 @@ def print_kernels(results: list[Any]) -> None:
     print_warnings(w for r in results for w in r.warnings)
 
 
+def print_latency(lat: Any, a: str = "original", b: str = "folded", what: str = "") -> None:
+    """The difference in one direction (from the run-by-run ratios), then the reference's own time: the two
+    medians are not set side by side, since on a drifting machine they can point the other way."""
+    out.print(f"{what}{lat.difference(a, b)}")
+    tokens = f", {lat.tokens_per_s('a'):,.0f} tokens/s" if lat.tokens else ""
+    out.print(f"  {a}: {lat.a_ms:.2f} ms per forward (median of {lat.repeats} runs, IQR {lat.a_iqr_ms:.2f} ms"
+              f"{tokens})")
+    print_warnings(lat.warnings(a, b))
+
+
 def print_end_to_end(result: Any, model: str, batch: int, seq_len: int) -> None:
-    lat = result.latency
-    out.print(f"End to end ({model}, batch {batch}, seq {seq_len}): original {lat.a_ms:.2f} ms (IQR "
-              f"{lat.a_iqr_ms:.2f}), folded {lat.b_ms:.2f} ms (IQR {lat.b_iqr_ms:.2f}), medians of {lat.repeats} runs "
-              f"each; {lat.difference()}; {lat.tokens_per_s('a'):.0f} -> {lat.tokens_per_s('b'):.0f} tokens/s")
+    print_latency(result.latency, what=f"End to end ({model}, batch {batch}, seq {seq_len}): ")
     out.print(f"LayerNorm share of the original (profiler): {result.layer_norm_share:.2%}")
     ln_ms, rms_ms, copy_ms = result.norm_ms
     if not ln_ms:  # CUDA: hooks around a module cannot time the kernels it queues
         out.print("Time inside the norms: not measured on CUDA")
+        return
+    out.print(f"Time inside the norms per forward: LayerNorm {ln_ms:.2f} ms, folded {rms_ms:.2f} ms "
+              f"({rms_ms / ln_ms:.2f}x), a bare copy of the input in their place {copy_ms:.2f} ms")
+    if copy_ms < ln_ms:  # the floor: no norm kernel reads and writes less than a copy
+        out.print(f"  even a norm as cheap as a copy would save at most {result.best_possible_speedup:.2%} of a "
+                  f"forward ({ln_ms - copy_ms:.2f} ms)")
     else:
-        out.print(f"Time inside the norms per forward: LayerNorm {ln_ms:.2f} ms, folded {rms_ms:.2f} ms, "
-                  f"a bare copy in their place {copy_ms:.2f} ms (the floor: at best "
-                  f"{result.best_possible_speedup:+.2%} end to end)")
-    print_warnings(lat.warnings())
+        out.print("  a bare copy took no less than LayerNorm here: no norm kernel can make this forward faster")
 
 
 def print_warnings(warnings: Iterable[str]) -> None:
@@ -312,11 +322,8 @@ def print_warnings(warnings: Iterable[str]) -> None:
 
 
 def print_compiled(comp: Any) -> None:
-    lat = comp.latency
-    out.print(f"Compiled (inductor, fullgraph, no graph breaks): original {lat.a_ms:.1f} ms, folded "
-              f"{lat.b_ms:.1f} ms; {lat.difference()}; compiled folded against the eager "
-              f"original: max relative difference {comp.max_rel_diff:.1e}")
-    print_warnings(lat.warnings())
+    print_latency(comp.latency, what="Compiled (inductor, fullgraph, no graph breaks): ")
+    out.print(f"Compiled folded against the eager original: max relative difference {comp.max_rel_diff:.1e}")
     out.print(f"Generated kernels: original {comp.kernels[0]}, folded {comp.kernels[1]}; norm kernels "
               f"{comp.norm_kernels[0]} and {comp.norm_kernels[1]}, {comp.fused_add_norms} of the folded "
               f"ones with the residual add fused in; compile {comp.compile_s[0]:.0f} s and "

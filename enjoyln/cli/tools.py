@@ -15,12 +15,13 @@ from rich.markup import escape
 from .._version import __version__
 from ..errors import EnjoylnError, first_line
 from ..options import Access
+from ..units import format_duration
 from .commands import IMPORTING, model_dir_of
 from .options import (JsonOnly, Quiet, ReadPickle, Revision, TrustCode, Verbose, check_cuda, parse_device,
                       parse_dtypes, parse_plot, parse_shapes)
 from .progress import Display
-from .render import (err, out, print_compiled, print_end_to_end, print_json, print_kernels, print_plan, print_report,
-                     print_warnings, say, state)
+from .render import (err, out, print_compiled, print_end_to_end, print_json, print_kernels, print_latency,
+                     print_plan, print_report, say, state)
 
 
 def demo(
@@ -29,7 +30,8 @@ def demo(
     layers: Annotated[int, typer.Option(min=1, help="Layers of the demo GPT-2.")] = 4,
     width: Annotated[int, typer.Option(min=1, help="Hidden size of the demo GPT-2.")] = 256,
     seconds: Annotated[float, typer.Option(
-        min=0.0, help="Time the speed comparison for about this long (at least 10 pairs of runs).")] = 3.0,
+        min=0.0, help="After 10 pairs of runs, keep timing the speed comparison until this many seconds have "
+                      "passed.")] = 3.0,
     quiet: Quiet = False, verbose: Verbose = False,
 ) -> None:
     """The whole flow on a small GPT-2 that enjoyln builds itself: build, inspect, fold, check, time.
@@ -48,7 +50,7 @@ def demo(
         with Display(err, enabled=not state.quiet) as display:
             display.stage(IMPORTING)
             from ..analysis.inputs import hf_example_inputs
-            from ..bench import compare_latency
+            from ..bench import compare_latency, forward_seconds, latency_seconds
             from ..checking.checkpoints import check_checkpoints
             from ..rewrite.convert import analyze_checkpoint, fold_checkpoint
             from ..store.load import load
@@ -78,10 +80,14 @@ def demo(
             display.stop()
             print_report(again)
             _rule("5. speed: forward, batch 1, 512 tokens, alternating runs")
-            display.stage(f"timing the original against the folded model for about {seconds:g} s")
+            display.stage("loading both models to time them")
             original, folded = load(src), load(dst)
-            timing = compare_latency(original, folded, hf_example_inputs(original, batch=1, seq_len=512),
-                                     repeats=10, seconds=seconds)
+            inputs = hf_example_inputs(original, batch=1, seq_len=512)
+            forward_s = forward_seconds(original, inputs)  # this machine's speed, not a fixed promise
+            estimate = latency_seconds(forward_s, 10, seconds)
+            _estimate(display, forward_s, estimate, state.quiet)
+            display.stage(f"timing the original against the folded model (about {format_duration(estimate)})")
+            timing = compare_latency(original, folded, inputs, repeats=10, seconds=seconds)
             display.stop()
         print_latency(timing)
         if temp is None:
@@ -99,13 +105,6 @@ def _rule(title: str) -> None:
         out.rule(title)
 
 
-def print_latency(timing: Any, a: str = "original", b: str = "folded") -> None:
-    """Medians with their spread, the difference where measurable, and every reason not to trust them."""
-    out.print(f"{a} {timing.a_ms:.2f} ms (IQR {timing.a_iqr_ms:.2f}), {b} {timing.b_ms:.2f} ms (IQR "
-              f"{timing.b_iqr_ms:.2f}), medians of {timing.repeats} runs each; {timing.difference(a, b)}")
-    print_warnings(timing.warnings(a, b))
-
-
 def bench(
     model_dir: Annotated[Optional[str], typer.Argument(
         metavar="[MODEL_DIR]", help="Model directory (or hub id), original or folded (default: a random GPT-2 "
@@ -118,11 +117,10 @@ def bench(
     seq_len: Annotated[int, typer.Option(min=1, help="End-to-end sequence length.")] = 512,
     threads: Annotated[Optional[int], typer.Option(min=1, max=1024, help="torch threads (default: torch's default).")] = None,
     repeats: Annotated[Optional[int], typer.Option(
-        min=1, show_default="20", help="End-to-end forwards per model.")] = None,
+        min=1, help="End-to-end forwards per model (default: 20).")] = None,
     seconds: Annotated[Optional[float], typer.Option(
-        min=0.0, show_default="5, or 0 with --repeats",
-        help="Past --repeats, keep timing end to end until about this many seconds have passed, so that the "
-             "spread of the runs means something.")] = None,
+        min=0.0, help="Past --repeats, keep timing end to end until about this many seconds have passed, so that "
+                      "the spread of the runs means something (default: 5, or 0 with --repeats).")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
     dtype: Annotated[Optional[str], typer.Option(
         help="dtype of both models end to end and compiled: float32, bfloat16 or float16 (default: as loaded; "
@@ -171,6 +169,10 @@ def bench(
             cast = getattr(torch, model_dtype) if model_dtype else None
             original, folded = timing.models_to_compare(src, device, cast, access)
             inputs = hf_example_inputs(original, batch=batch, seq_len=seq_len)
+            forward_s = timing.forward_seconds(original, inputs)
+            _estimate(display, forward_s, (timing.end_to_end_seconds(forward_s, repeats, seconds) if e2e else 0.0)
+                      + (timing.latency_seconds(forward_s, repeats, seconds) if compile_ else 0.0), as_json,
+                      ", plus compiling both models" if compile_ else "")
         if e2e:
             e2e_result = _phase(display, payload, "e2e", f"timing end to end for at least {repeats} pairs of runs",
                                 lambda: timing.end_to_end(original, folded, inputs, repeats=repeats, seconds=seconds),
@@ -186,6 +188,15 @@ def bench(
             out.print(f"Saved {plot}" + (" (titled with a warning: the timings were noisy)" if noisy else ""))
     if as_json:
         print_json(payload)
+
+
+def _estimate(display: Display, forward_s: float, total_s: float, quiet: bool, more: str = "") -> None:
+    """How long the timings will take, from one forward measured first: said before they start."""
+    display.stop()
+    if not quiet:
+        each = f"{forward_s:.2g}" if forward_s < 10 else f"{forward_s:.0f}"
+        say(f"One forward takes about {each} s here, so the timings below take about {format_duration(total_s)}"
+            f"{more}")
 
 
 def _kernel_benchmark(shape_list: list[tuple[int, int]], dtypes: list[Any], shapes: str, device: str) -> list[Any]:

@@ -31,7 +31,7 @@ from ..store.transaction import (check_out_dir, clean_stale, keep_failed, missin
                                  signals_held, temp_dir)
 from ..transform.steps import check_fits
 from .config import output_config
-from .entries import Entry, fold_entries, index_metadata, reshard
+from .entries import Entry, cast_entries, fold_entries, index_metadata, reshard
 from .planning import analyze_dir, moves_values
 from .stream import StreamedTensors
 from .writer import EarlyCopy, Writing, early_layout, early_spans, finish_shard, write_shard
@@ -72,10 +72,10 @@ def _os_error(exc: OSError, out: Path, tmp: Path | None) -> CheckpointError:
     return CheckpointError(f"cannot write {where}: {exc.strerror or exc}; nothing was written")
 
 
-def _same_load_dtype(ck: Checkpoint, tmp: Path) -> None:
-    """The fold's postcondition: the output loads in the original's dtype."""
+def _same_load_dtype(ck: Checkpoint, tmp: Path, dtype: str | None = None) -> None:
+    """The fold's postcondition: the output loads in the original's dtype, or in the one asked for."""
     out = open_checkpoint(tmp, allow_pickle=True, trust_remote_code=ck.trust_remote_code)
-    theirs, (ours, why) = ck.load_dtype[0], out.load_dtype
+    theirs, (ours, why) = dtype or ck.load_dtype[0], out.load_dtype
     if ours != theirs:
         raise CheckpointError(f"the fold would load in {ours} (from {why}) where the original loads in {theirs}; "
                               "nothing was written; set dtype in the original's config.json and run again")
@@ -145,6 +145,9 @@ def _out_dir(out: Path) -> Path:
 
 
 def _refuse_early(ck: Checkpoint, out: Path, opts: FoldOptions) -> None:
+    if opts.dtype is not None and ck.source != "transformers":
+        raise CheckpointError(f"{ck.library.name} builds its models in {ck.load_dtype[0]} whatever the file holds, "
+                              "so a fold stored in another dtype would not load in it; drop --dtype")
     if opts.max_shard_size is not None and not ck.library.shards:
         raise CheckpointError(f"{ck.library.name} loads one weight file, model.safetensors, so this directory "
                               "is not re-sharded; drop --max-shard-size")
@@ -201,7 +204,9 @@ class _Fold:
     def _start_early_copy(self) -> None:
         """Not for a plan that moves values, which rewrites nearly every tensor."""
         o = self.opts
-        moving = o.fuse_affine or o.rotate is not None or (o.plan is not None and moves_values(o.plan))
+        # nor for another dtype, in which no byte of the input is written as it is
+        moving = (o.fuse_affine or o.rotate is not None or o.dtype is not None
+                  or (o.plan is not None and moves_values(o.plan)))
         spans = early_spans(self.ck, o.max_shard_size) if not o.dry_run and not moving else {}
         if spans:
             self.advance(0, sum(length for _, _, length in spans.values()))
@@ -229,11 +234,15 @@ class _Fold:
         ck = self.ck
         streamed = StreamedTensors(ck, plan)
         self.resources.callback(streamed.close)
-        shards = reshard(fold_entries(ck, plan, streamed), self.opts.max_shard_size, indexed=ck.index is not None)
+        entries = fold_entries(ck, plan, streamed)
+        if self.opts.dtype is not None:
+            entries = cast_entries(ck, entries, self.opts.dtype)
+        shards = reshard(entries, self.opts.max_shard_size, indexed=ck.index is not None)
         tmp, write_start = self._temp_dir(), time.perf_counter()
         followed: list[str] = []
         skipped = copy_extras(ck, tmp, followed)
-        (tmp / "config.json").write_text(json.dumps(output_config(ck, plan), indent=2) + "\n")
+        config = output_config(ck, plan, self.opts.dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         self._write_shards(shards)
         seconds = time.perf_counter() - write_start
         if self.early is not None:
@@ -241,12 +250,13 @@ class _Fold:
             seconds += self.early.seconds_before(write_start)
         nbytes = sum(e.nbytes for _, es in shards for e in es)
         if len(shards) > 1 or ck.index is not None:
-            index = {"metadata": index_metadata(ck, shards),
+            index = {"metadata": {**index_metadata(ck, shards), **({"dtype": self.opts.dtype} if self.opts.dtype
+                                                                    else {})},
                      "weight_map": {e.name: name for name, es in shards for e in es}}
             (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for name, _ in shards:  # the output must read back, or it is not published
             read_safetensors_header(tmp / name)
-        _same_load_dtype(ck, tmp)  # even with check="none": it must load as the original does
+        _same_load_dtype(ck, tmp, self.opts.dtype)  # even with check="none": it must load as the original does
         return FoldResult(plan, self.out, [name for name, _ in shards], nbytes, 0.0, seconds, skipped=skipped,
                           followed=followed)
 
@@ -254,8 +264,10 @@ class _Fold:
         """Each shard finished from its early copy where its layout allows, else written afresh."""
         by_name = {name: shard for shard, (name, _, _) in self.early.spans.items()} if self.early is not None else {}
         layout = {name: early_layout(self.ck, by_name.get(name), entries) for name, entries in shards}
+        # the early copy counted the bytes of the tensors it put in place, centered there or not: the total
+        # is what the output holds, each byte once
         self.advance(0, sum(e.nbytes for name, es in shards for i, e in enumerate(es)
-                            if layout[name] is None or i >= layout[name] or e.axis is not None), known=True)
+                            if layout[name] is None or i >= layout[name]), known=True)
         reader = self.resources.enter_context(contextlib.closing(TensorReader(self.ck)))
         w = Writing(reader, {"format": "pt", "enjoyln": __version__}, self.advance)
         for name, entries in shards:

@@ -3,6 +3,7 @@ how its bytes are made (copied, centered where they lie, or computed when the wr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -84,6 +85,38 @@ def _centered(ck: Checkpoint, tensors: StreamedTensors, key: str) -> Entry:
     scale = read_tensors(ck, [c.scale])[0] if c.scale else None
     return Entry(key, CODES[dtype], shape, nbytes, source=info, axis=c.axis, groups=c.groups, tensor=tensor,
                  blocks=c.blocks, scale=scale)
+
+
+CASTABLE = ("F64", "F32", "F16", "BF16")  # what --dtype rounds; integers and float8 stay as stored
+
+
+def cast_entries(ck: Checkpoint, shards: list[tuple[str, list[Entry]]], dtype: str) -> list[tuple[str, list[Entry]]]:
+    """Every floating entry stored in ``dtype``: a centered one is cast, then centered in float64 and rounded
+    once (as ``enjoyln.fold`` of the model loaded in ``dtype``); a computed one rounded from its result; a
+    copied one read and rounded. The check's rule for a cast copy accepts exactly these."""
+    target = getattr(torch, dtype)
+
+    def cast(e: Entry) -> Entry:
+        if e.dtype not in CASTABLE or e.dtype == CODES[target]:
+            return e
+        nbytes = math.prod(e.shape) * target.itemsize
+        scale = e.scale.to(target) if e.scale is not None else None  # the gain as the cast model holds it
+        compute = e.compute
+        if compute is not None:
+            compute = functools.partial(_rounded, compute, target)
+        elif e.axis is None and e.tensor is None:
+            compute = functools.partial(_rounded, functools.partial(_read, ck, e.source.name), target)
+        return dataclasses.replace(e, dtype=CODES[target], nbytes=nbytes, scale=scale, compute=compute)
+
+    return [(name, [cast(e) for e in entries]) for name, entries in shards]
+
+
+def _read(ck: Checkpoint, name: str) -> torch.Tensor:
+    return read_tensors(ck, [name])[0]
+
+
+def _rounded(compute: Callable[[], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return compute().to(dtype)
 
 
 def reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None, *,

@@ -192,10 +192,9 @@ def _write_entries(file: Path, mode: str, entries: list[Entry], w: Writing, head
             for e, at, here in placed:
                 if e.axis is None and (here or (e.tensor is None and e.compute is None)):
                     continue  # in place already, or copied alongside
-                if here:
+                if here:  # its bytes were counted as the early copy wrote them
                     early[0].wait(early[1], at + e.nbytes)
                     if _center_in_file(out, at, e):
-                        w.advance(e.nbytes)
                         continue
                 if e.compute is not None:  # computed now, written from its own memory, dropped
                     t = e.compute().contiguous()
@@ -207,7 +206,8 @@ def _write_entries(file: Path, mode: str, entries: list[Entry], w: Writing, head
                     t = w.reader.read(e.source.name, w.buffer)
                 _center_and_write(out, at, t, e)
                 del t
-                w.advance(e.nbytes)
+                if not here:
+                    w.advance(e.nbytes)
         _pwrite_all(out, memoryview(struct.pack("<Q", len(header)) + header), 0)
 
 

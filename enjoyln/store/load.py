@@ -10,6 +10,7 @@ from torch import nn
 from ..errors import CheckpointError, EnjoylnError, first_line
 from ..transform.steps import reapply_on_load
 from .checkpoint import Checkpoint, open_checkpoint
+from .quiet import quiet_libraries
 
 __all__ = ["load", "load_plain"]
 
@@ -46,7 +47,8 @@ def _load(path: str | os.PathLike | Checkpoint, plain: bool, allow_pickle: bool,
     if plain:
         plan = None
     try:
-        model = ck.library.load(ck, trust_remote_code=ck.trust_remote_code, **kwargs)
+        with quiet_libraries():  # as in every other enjoyln call: no "Loading weights" bar, the user's settings back
+            model = ck.library.load(ck, trust_remote_code=ck.trust_remote_code, **kwargs)
     except EnjoylnError:
         raise
     except Exception as exc:

@@ -153,6 +153,7 @@ def test_usage_errors_are_one_line_without_a_box(gpt2_dir):
     (["inspect", "{tmp}/missing", "--json"], 2, "does not exist"),
     (["fold", "{m}", "{tmp}/out", "--bogus", "--json"], 2, "no such option: --bogus"),
     (["check", "{m}", "{m}", "--dtype", "int8", "--json"], 2, "cannot judge a candidate"),
+    (["fold", "{m}", "{tmp}/out", "--dtype", "int8", "--json"], 2, "cannot use 'int8' in --dtype"),
     (["env", "--json", "--nope"], 2, "no such option: --nope"),
 ])
 def test_json_errors_are_one_json_document_on_stdout(args, code, error, gpt2_dir, tmp_path):
@@ -190,6 +191,19 @@ def test_inspect_json_leads_with_counts(tmp_path):
     assert (doc["foldable"], doc["total"], doc["not_foldable"]) == (1, 5, 4)
     assert doc["summary"] == "BertModel: 1 of 5 LayerNorms fold, by centering 3 tensors."
     assert doc["post_ln"].startswith("BertModel is a post-LN model") and len(doc["layer_norms"]) == 5
+
+
+def test_inspect_json_gives_centered_and_untied_one_shape_and_fold_json_an_exit_code(gpt2_dir, tmp_path):
+    from enjoyln.plan import FoldPlan
+
+    doc = json.loads(runner.invoke(app, ["inspect", str(gpt2_dir), "--json"]).stdout)
+    assert (doc["n_centered"], doc["n_untied"], doc["n_auxiliary"]) == (len(doc["centered"]), 1, 0) != (0, 1, 0)
+    assert doc["untied"][0]["param"] == "lm_head.weight" and doc["auxiliary"] == []
+    assert {"param", "axis"} <= set(doc["centered"][0]) and {"param", "tied_to"} <= set(doc["untied"][0])
+    assert FoldPlan.from_dict(doc).untied[0].param == "lm_head.weight"  # the plan reads back from it
+    result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out"), "--json", "--static"])
+    doc = json.loads(result.stdout)
+    assert result.exit_code == 0 and list(doc)[:2] == ["verdict", "exit_code"] and doc["exit_code"] == 0
 
 
 # --- -h, --version, env, -q, --verbose ---------------------------------------------------------

@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 from enjoyln.bench import LatencyComparison
 from enjoyln.cli import progress, render
 from enjoyln.cli.app import app
-from enjoyln.cli.tools import print_latency
+from enjoyln.cli.render import print_latency
 from enjoyln.rewrite.convert import fold_checkpoint
+from enjoyln.store.load import load, load_plain
 from enjoyln.testing import perturb, tiny_model
 from enjoyln.timings import Spread
 
@@ -40,8 +41,13 @@ def test_no_rate_over_a_near_zero_interval():
 
 def test_the_write_total_is_unknown_then_final(gpt2_dir, tmp_path):
     seen = []
-    fold_checkpoint(gpt2_dir, tmp_path / "out", check="none", progress=lambda done, total: seen.append((done, total)))
+    result = fold_checkpoint(gpt2_dir, tmp_path / "out", check="none",
+                             progress=lambda done, total: seen.append((done, total)))
     known = [total for _, total in seen if total]
+    # the tensors the early copy put in place and the fold then centered there count once, as they are written
+    assert known[0] == result.bytes_written == sum(p.stat().st_size for p in (tmp_path / "out").glob("*.safetensors")
+                                                   ) - sum(8 + int.from_bytes((tmp_path / "out" / f).read_bytes()[:8],
+                                                                              "little") for f in result.files)
     assert known and len(set(known)) == 1  # one total, never revised
     first_known = next(i for i, (_, total) in enumerate(seen) if total)
     assert all(total == 0 for _, total in seen[:first_known])  # before it, "not known yet"
@@ -91,6 +97,8 @@ def test_no_third_party_bars_or_logs_and_the_users_settings_back(gpt2_dir, tmp_p
         assert result.exit_code == 0, result.output
         assert result.stderr == ""  # no "Loading weights", no LOAD REPORT: not a TTY, so no progress either
         fold_checkpoint(gpt2_dir, tmp_path / "api", check="full")  # the API path too
+        load(tmp_path / "api")
+        load_plain(tmp_path / "api")
         captured = capsys.readouterr()
         assert "Loading weights" not in captured.err + captured.out and "LOAD REPORT" not in captured.err
         assert tf_logging.is_progress_bar_enabled() and tf_logging.get_verbosity() == tf_logging.INFO
@@ -161,6 +169,10 @@ def test_the_demo_keeps_its_workdir_or_says_it_is_temporary(tmp_path):
     assert (tmp_path / "d" / "gpt2-demo-folded" / "model.safetensors").is_file()
     assert f"Wrote {tmp_path / 'd' / 'gpt2-demo-folded'} in " in result.stdout
     assert f"The checkpoints stay in {tmp_path / 'd'}" in result.stdout
+    # the time the speed comparison takes, from a forward measured here, said before it, not a fixed figure
+    said = re.search(r"^One forward takes about [\d.]+ s here, so the timings below take about \d+ (s|min)$",
+                     result.stdout, re.M)
+    assert said and said.start() < result.stdout.index("  original: ")
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     temp = Path(re.search(r"Working in the temporary directory (\S+), removed when the demo ends",
@@ -197,14 +209,61 @@ def test_runs_at_the_clocks_resolution_are_flagged(monkeypatch):
 
 def test_a_difference_is_claimed_only_when_measurable(capsys):
     same = LatencyComparison.of([10.0, 10.2, 9.9, 10.1, 10.0, 9.8], [10.1, 10.0, 10.0, 10.2, 9.9, 9.9])
-    assert same.difference().endswith("no measurable difference")
+    assert same.difference().startswith("no measurable difference between folded and original (")
     faster = LatencyComparison.of([10.0, 10.2, 9.9, 10.1, 10.0, 9.8], [9.0, 9.1, 8.9, 9.0, 9.2, 8.8])
-    assert faster.difference() == ("folded/original 0.898 (IQR 0.892-0.905 over 6 pairs): folded faster by 10.2%")
+    assert faster.difference() == ("folded 10.2% faster than original, measurably (the middle half of 6 run-by-run "
+                                   "ratios, 0.892-0.905, lies below 1)")
+    slower = LatencyComparison.of([10.0] * 6, [11.0, 11.1, 10.9, 11.0, 11.2, 10.8])
+    assert slower.direction() == "slower" and slower.difference().startswith("folded 10.0% slower than original")
+    assert (same.to_dict()["direction"], faster.to_dict()["direction"]) == ("same", "faster")
     render.state.begin()
     print_latency(same)
     captured = capsys.readouterr()
-    assert "no measurable difference" in captured.out and "%" not in captured.out  # no percentage as a result
+    first, second = captured.out.splitlines()
+    assert first.startswith("no measurable difference") and "%" not in captured.out  # no percentage as a result
+    assert second == "  original: 10.00 ms per forward (median of 6 runs, IQR 0.25 ms)"
     assert captured.err == ""
+
+
+def test_a_speed_line_shows_no_second_median_to_point_the_other_way(capsys):
+    """The medians are 10% apart, but the run-by-run ratios spread across 1: no difference is claimed, and
+    the folded median, which would suggest one, is not printed."""
+    lat = LatencyComparison.of([10.0, 10.0, 10.0, 30.0, 30.0], [11.0, 11.0, 11.0, 9.0, 9.0])
+    assert lat.b_ms / lat.a_ms == pytest.approx(1.1) and lat.direction() == "same"
+    render.state.begin()
+    print_latency(lat)
+    text = capsys.readouterr().out
+    assert text.startswith("no measurable difference between folded and original")
+    assert "11.00" not in text and "%" not in text and "faster" not in text and "slower" not in text
+
+
+def test_the_floor_line_never_reads_negative(capsys):
+    from enjoyln.bench import EndToEndResult
+
+    render.state.begin()
+    lat = LatencyComparison.of([100.0] * 6, [100.0] * 6)
+    render.print_end_to_end(EndToEndResult(lat, 0.01, 1, 8, 2, (1.0, 0.9, 1.2)), "GPT2", 1, 8)
+    text = capsys.readouterr().out
+    assert "a bare copy took no less than LayerNorm here: no norm kernel can make this forward faster" in text
+    assert not re.search(r"-\d[\d.]*%", text)  # the old "at best -0.12% end to end"
+    render.print_end_to_end(EndToEndResult(lat, 0.01, 1, 8, 2, (1.0, 0.9, 0.5)), "GPT2", 1, 8)
+    assert "even a norm as cheap as a copy would save at most 0.50% of a forward (0.50 ms)" in capsys.readouterr().out
+
+
+def test_bench_says_how_long_it_will_take_before_timing(monkeypatch, tmp_path):
+    from enjoyln import bench
+
+    tiny_model("gpt2").save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(bench, "forward_seconds", lambda model, inputs: 2.0)  # a made-up slow machine
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("the timings would start here")
+
+    monkeypatch.setattr(bench, "end_to_end", stop)
+    result = runner.invoke(app, ["bench", str(tmp_path / "m"), "--no-kernels", "--repeats", "20"])
+    # 2 x 2 s x (3 warm-up + 20 timed pairs) + 2 s x (4 profiled + 21 inside the norms) = 142 s
+    assert "One forward takes about 2 s here, so the timings below take about 2 min" in result.stdout
+    assert result.exit_code != 0  # stopped at the first timing, after the estimate
 
 
 def test_bench_warns_when_its_timings_are_noisy(monkeypatch):

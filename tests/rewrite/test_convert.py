@@ -1,6 +1,7 @@
 """Checkpoint round trips: directory -> fold -> directory, for every architecture."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -16,6 +17,7 @@ from enjoyln.store.load import load
 from enjoyln.units import parse_size
 from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.testing import ARCHITECTURES, demo_checkpoint, perturb, tiny_model
+from enjoyln.transform.tensors import center_
 from conftest import assert_same_outputs
 
 
@@ -602,3 +604,27 @@ def test_a_head_the_checkpoint_lacks_stays_missing_when_its_tie_is_undone(fuse_a
         keys = set(f.keys())
     assert "cls.predictions.decoder.weight" in keys  # the untied head, written
     assert not {"cls.predictions.bias", "cls.predictions.decoder.bias"} & keys
+
+
+def test_a_fold_in_another_dtype_passes_check_dtype_and_only_it(saved, tmp_path):
+    """``fold --dtype bfloat16``: every floating tensor stored in bfloat16, the config saying so; each
+    tensor one of the two roundings the check's rule for a cast copy accepts."""
+    from typer.testing import CliRunner
+
+    from enjoyln.cli.app import app
+
+    src, out = saved("gpt2"), tmp_path / "bf16"
+    result = fold_checkpoint(src, out, dtype="bfloat16", check="static")
+    assert result.report.passed and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+        wte = f.get_tensor("transformer.wte.weight")
+        assert result.bytes_written == sum(math.prod(f.get_slice(k).get_shape()) * 2 for k in f.keys())
+    with safe_open(src / "model.safetensors", "pt") as f:  # cast, then centered in float64 and rounded once
+        reference = f.get_tensor("transformer.wte.weight").to(torch.bfloat16)
+    assert torch.equal(wte, center_(reference.clone(), 1)) and not torch.equal(wte, reference)
+    runner = CliRunner()
+    assert runner.invoke(app, ["check", "--dtype", "bfloat16", str(src), str(out)]).exit_code == 0
+    assert runner.invoke(app, ["check", "--static", str(src), str(out)]).exit_code == 1  # float32 was promised
+    fused = fold_checkpoint(src, tmp_path / "f16", dtype="float16", fuse_affine=True, check="static")
+    assert fused.report.passed and enjoyln.load(tmp_path / "f16").lm_head.weight.dtype == torch.float16

@@ -11,6 +11,7 @@ import, and are skipped with the reason where they do not.
 import importlib.machinery
 import importlib.util
 import json
+import shlex
 import shutil
 import sys
 import types
@@ -161,6 +162,7 @@ def test_fold_with_fused_affine_goes_through_the_in_memory_path(hub_dir, tmp_pat
 
 @pytest.mark.parametrize("args, message", [
     (["fold", "{src}", "{out}", "--max-shard-size", "1KB"], "timm loads one weight file"),
+    (["fold", "{src}", "{out}", "--dtype", "bfloat16"], "timm builds its models in float32 whatever the file"),
 ])
 def test_timm_directory_refusals(hub_dir, tmp_path, args, message):
     src, _ = hub_dir
@@ -180,6 +182,24 @@ def test_unknown_timm_architecture_and_missing_weights(hub_dir, tmp_path):
     (bad / "model.safetensors").unlink()
     result = runner.invoke(app, ["inspect", str(bad)])
     assert result.exit_code == 2 and "has no model.safetensors" in result.output
+
+
+def test_a_timm_bin_directory_gets_a_resave_line_that_works(hub_dir, tmp_path):
+    """timm would unpickle pytorch_model.bin itself, so even --allow-pickle refuses it, with the one line
+    that re-saves it as safetensors; run as given, that line makes the directory fold."""
+    src, _ = hub_dir
+    pickled = shutil.copytree(src, tmp_path / "pickled vit")  # a space: the line quotes the path
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    result = runner.invoke(app, ["fold", str(pickled), str(tmp_path / "out"), "--allow-pickle"])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "holds a timm model's weights as pytorch_model.bin (pickle)" in result.stderr
+    line = result.stderr.split("then run enjoyln again: ")[1].strip()
+    program, flag, code = shlex.split(line)
+    assert (program, flag) == ("python", "-c") and "weights_only=True" in code
+    exec(code, {})  # what the shell would run, in this process
+    result = runner.invoke(app, ["fold", str(pickled), str(tmp_path / "out"), "--static"])
+    assert result.exit_code == 0, result.output
 
 
 def test_a_timm_directory_is_read_from_its_own_file_whatever_its_config_says(hub_dir, standin, tmp_path):
