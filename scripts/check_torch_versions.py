@@ -58,7 +58,14 @@ def _kernels() -> str:
     xd = torch.randn(3, 64, dtype=torch.float64, requires_grad=True)
     if not torch.autograd.gradcheck(lambda t: norm(t), (xd,)):
         raise AssertionError("RMSNorm's gradients fail gradcheck")
-    return f"kernels: {enjoyln.ops.backend(x, w, b)}"
+    wg = w.clone().requires_grad_()  # float32 with a gradient: the kernel as one autograd node
+    enjoyln.ops.rms_norm(x, (64,), wg, b).sum().backward()
+    wd = w.double().requires_grad_()
+    rms_norm_reference(x.double(), (64,), wd, b.double(), 1e-5).sum().backward()
+    err = float((wg.grad.double() - wd.grad).abs().max())
+    if err > 1e-4:
+        raise AssertionError(f"the weight's gradient is {err:.1e} from the float64 reference's")
+    return f"kernels: {enjoyln.ops.backend(x, w, b)}, gradients within {err:.0e}"
 
 
 def _fold(src: Path, dst: Path) -> str:
@@ -77,8 +84,27 @@ def _logits(model, ids):  # noqa: ANN001, ANN202
     return (out.logits if hasattr(out, "logits") else out[0]).double()
 
 
+class OriginalFails(Exception):
+    """The unfolded model fails the same step: the step fails for transformers or torch, not for enjoyln."""
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+
+
+def _blame(exc: Exception, original) -> Exception:  # noqa: ANN001
+    """The folded model's failure ``exc`` as ``OriginalFails`` where ``original()`` (the same step on the
+    unfolded model) fails too, else ``exc``."""
+    try:
+        original()
+    except Exception:  # noqa: BLE001 - any failure of the original's: the step is not enjoyln's to pass
+        return OriginalFails(_first_line(exc))
+    return exc
+
+
 def _probe(workdir: Path) -> dict[str, str]:
-    """Each step's outcome: 'ok: ...' or 'FAIL: the first line of its error'."""
+    """Each step's outcome: 'ok: ...', 'FAIL: the first line of its error', or 'BOTH: ...' where the
+    unfolded model fails that step too."""
     import torch
 
     results: dict[str, str] = {}
@@ -87,9 +113,10 @@ def _probe(workdir: Path) -> dict[str, str]:
     def step(name: str, fn) -> None:  # noqa: ANN001
         try:
             results[name] = "ok: " + fn()
+        except OriginalFails as exc:
+            results[name] = f"BOTH: {exc}"
         except BaseException as exc:  # noqa: BLE001 - a step's failure is its result
-            line = (str(exc).strip().splitlines() or [""])[0][:200]
-            results[name] = f"FAIL: {type(exc).__name__}: {line}"
+            results[name] = f"FAIL: {_first_line(exc)}"
 
     step("import", _kernels)
 
@@ -119,17 +146,39 @@ def _probe(workdir: Path) -> dict[str, str]:
 
     step("load", load)
 
+    def original() -> torch.nn.Module:
+        import transformers
+
+        if "original" not in state:
+            state["original"] = transformers.AutoModelForCausalLM.from_pretrained(workdir / "gpt2").eval()
+        return state["original"]
+
     def compiled() -> str:
-        model, ids = state["model"], state["ids"]
+        from enjoyln.modules.norm import RMSNorm
+
         torch._dynamo.reset()
-        err = float((_logits(torch.compile(model), ids) - _logits(model, ids)).abs().max())
+        norm, x = RMSNorm(64), torch.randn(3, 64)
+        with torch.no_grad():
+            err = float((torch.compile(norm)(x) - norm(x)).abs().max())
+        if err > 1e-5:
+            raise AssertionError(f"a compiled RMSNorm is {err:.1e} from eager")
+        model, ids = state["model"], state["ids"]
+        try:
+            err = float((_logits(torch.compile(model), ids) - _logits(model, ids)).abs().max())
+        except Exception as exc:
+            torch._dynamo.reset()
+            raise _blame(exc, lambda: _logits(torch.compile(original()), ids)) from None
         if err > 1e-4:
             raise AssertionError(f"compiled logits are {err:.1e} from eager")
         return f"within {err:.0e} of eager"
 
     def exported() -> str:
         model, ids = state["model"], state["ids"]
-        ep = torch.export.export(model, (), {"input_ids": ids, "use_cache": False}, strict=False)
+        kwargs = {"input_ids": ids, "use_cache": False}
+        try:
+            ep = torch.export.export(model, (), kwargs, strict=False)
+        except Exception as exc:
+            raise _blame(exc, lambda: torch.export.export(original(), (), kwargs, strict=False)) from None
         norms = sum(1 for n in ep.graph.nodes if "enjoyln.rms_norm" in str(n.target))
         want = sum(1 for m in model.modules() if type(m).__name__ == "RMSNorm")
         if norms != want:
@@ -150,6 +199,7 @@ def _probe(workdir: Path) -> dict[str, str]:
 
 def _install(venv: Path, version: str, log: Path) -> str:
     """Make the venv and install torch ``version`` and this tree; '' or why it failed."""
+    shutil.rmtree(venv, ignore_errors=True)
     with log.open("a") as out:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, stdout=out, stderr=out)
         pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-cache-dir", "--progress-bar", "off"]
@@ -168,13 +218,14 @@ def _versions(venv: Path) -> dict[str, str]:
 
 
 def check_version(version: str, workdir: Path, keep: bool) -> dict:
-    """Install ``version`` into a venv under ``workdir``, run the steps there, and remove the venv."""
+    """Install ``version`` into a venv under ``workdir`` (kept from an earlier ``--keep`` run: used as it
+    is), run the steps there, and remove the venv unless ``keep``."""
     venv, log = workdir / f"torch-{version}", workdir / f"torch-{version}.log"
-    shutil.rmtree(venv, ignore_errors=True)
     start = time.time()
     entry: dict = {"version": version, "date": time.strftime("%Y-%m-%d")}
     try:
-        failed = _install(venv, version, log)
+        kept = (venv / "bin" / "python").is_file() and _versions(venv).get("torch", "").startswith(version + ".")
+        failed = "" if kept else _install(venv, version, log)
         if failed:
             return {**entry, "steps": {s: f"FAIL: {failed}" for s in STEPS}}
         entry["packages"] = _versions(venv)
@@ -211,14 +262,17 @@ def table(results: dict[str, dict]) -> str:
         cells = []
         for step in STEPS:
             outcome = entry["steps"].get(step, "FAIL: not run")
-            cells.append("yes" if outcome.startswith("ok") else "**no**")
-            if not outcome.startswith("ok"):
-                notes.append(f"- torch {version}, {step}: {outcome.removeprefix('FAIL: ')}")
+            kind, _, what = outcome.partition(": ")
+            cells.append({"ok": "yes", "BOTH": "no, nor unfolded"}.get(kind, "**no**"))
+            if kind != "ok":
+                whose = " (the unfolded model fails the same way)" if kind == "BOTH" else ""
+                notes.append(f"- torch {version}, {step}{whose}: {what}")
         rows.append(f"| {packages.get('torch', version)} | {packages.get('transformers', '?')} | "
                     + " | ".join(cells) + " |")
     dates = sorted({e["date"] for e in results.values()})
     head = (f"Run by `scripts/check_torch_versions.py` on {', '.join(dates)}: Python {platform.python_version()}, "
-            "Linux x86-64, CPU only (the PyPI wheels of torch, CUDA builds, run here without a GPU).\n")
+            "Linux x86-64, CPU only (the PyPI wheels of torch, CUDA builds, run here without a GPU). "
+            "*no, nor unfolded*: the step fails the same way on the original model, for torch or transformers.\n")
     return "\n".join([head, *rows, *([""] + notes if notes else [])])
 
 
@@ -240,8 +294,9 @@ def main() -> None:
         print(f"torch {version}: installing into {workdir}", flush=True)
         entry = check_version(version.strip(), workdir, args.keep)
         print(json.dumps(entry, indent=1), flush=True)
-        results[version.strip()] = entry
-        tmp = RESULTS.with_suffix(".tmp")  # after each version (runs are long), replaced whole
+        # after each version (runs are long), into what the file holds now (another run may have added to it)
+        results = {**(json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}), version.strip(): entry}
+        tmp = RESULTS.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
         tmp.replace(RESULTS)
     print(table(results))

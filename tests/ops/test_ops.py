@@ -140,6 +140,16 @@ def test_status_names_every_device():
     assert status["cuda"] == "not available" or "Triton" in status["cuda"] or "reference" in status["cuda"]
 
 
+def test_paths_name_each_case_and_cuda_s_where_a_gpu_is(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    paths = ops.paths()
+    assert set(paths) == {"cpu", "any device"}
+    want = "the fused C kernel" if cpu.library() is not None else "reference PyTorch"
+    assert paths["cpu"]["bf16/fp16/fp32"] == want
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ops.paths()["cuda"] == ops.cuda.cases() and len(ops.paths()["cuda"]) == 7
+
+
 def test_export_keeps_one_node_per_norm_and_decomposes_on_request():
     """torch.export keeps the CompositeImplicitAutograd op as one node per norm; decomposing
     the program turns each into math, or, inside ``ops.opaque()``, into one opaque kernel op
