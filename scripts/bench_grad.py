@@ -4,7 +4,9 @@ A folded model called without ``torch.no_grad()`` (user code, training, fine-tun
 gradients enabled and parameters that require grad. At 1 x 768 a call costs its host time (dispatch,
 autograd bookkeeping), whatever the device, so the CPU measures what a GPU pays too. Each candidate is timed
 in interleaved rounds of ``--calls`` calls, in one process on one thread; the ratio is taken round by round
-(each round's RMSNorm against the same round's LayerNorm), and its median reported with its quartiles.
+(each round's RMSNorm against the same round's LayerNorm), and its median reported with its quartiles. On
+CPU the clock is the calling thread's CPU time (``time.thread_time``), so that other processes on a busy
+machine do not count; on a GPU, wall time with the device waited for at the end of each round.
 
     python scripts/bench_grad.py [--rounds 60] [--calls 200] [--device cpu] [--write]
 """
@@ -53,7 +55,8 @@ def candidates(device: str) -> dict[str, Callable[[], Any]]:
     }
 
 
-def measure(calls: dict[str, Callable[[], Any]], rounds: int, per_round: int, sync: Callable[[], None]) -> dict:
+def measure(calls: dict[str, Callable[[], Any]], rounds: int, per_round: int, sync: Callable[[], None],
+            clock: Callable[[], float]) -> dict:
     """µs per call of each candidate, per round, rounds interleaved so drift hits them alike."""
     times: dict[str, list[float]] = {k: [] for k in calls}
     for fn in calls.values():  # warm: the C kernel built, autograd's first-use costs paid
@@ -62,11 +65,11 @@ def measure(calls: dict[str, Callable[[], Any]], rounds: int, per_round: int, sy
     sync()
     for _ in range(rounds):
         for key, fn in calls.items():
-            start = time.perf_counter()
+            start = clock()
             for _ in range(per_round):
                 fn()
             sync()
-            times[key].append((time.perf_counter() - start) / per_round * 1e6)
+            times[key].append((clock() - start) / per_round * 1e6)
     return times
 
 
@@ -93,13 +96,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # a host-time figure: one thread, as a GPU process's Python runs
     torch.manual_seed(0)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    times = measure(candidates(args.device), args.rounds, args.calls, sync)
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    times = measure(candidates(args.device), args.rounds, args.calls, sync, time.perf_counter if cuda else time.thread_time)
     notes = [w for key, samples in times.items() for w in Spread.of(samples).warnings(key, "µs")]
     path = ops.paths()["cpu" if args.device == "cpu" else "cuda"]["a gradient needed"]
     text = "\n".join([
-        f"{'CPU' if args.device == 'cpu' else torch.cuda.get_device_name()}: {machine()}; one thread. "
-        f"Path with a gradient: {path}. {args.rounds} interleaved rounds of {args.calls} calls.",
+        f"{torch.cuda.get_device_name() if cuda else 'CPU'}: {machine()}. Path with a gradient: {path}. "
+        f"{args.rounds} interleaved rounds of {args.calls} calls, timed by "
+        f"{'wall time' if cuda else 'the thread CPU time'}.",
         "",
         *table(times),
         *([""] + [f"- {n}" for n in notes] if notes else []),

@@ -123,7 +123,8 @@ class _Fused(torch.autograd.Function):
         # ctx set up here, not in ``setup_context``: with one, every apply binds its arguments through
         # inspect.signature, which costs more than the rest of the call
         _save(ctx, x, normalized_shape, weight, bias, eps)
-        return cpu.rms_norm_cpu(x, math.prod(normalized_shape), weight, bias, eps)
+        n = normalized_shape[0] if len(normalized_shape) == 1 else math.prod(normalized_shape)
+        return cpu.rms_norm_cpu(x, n, weight, bias, eps)
 
     backward = staticmethod(_backward)
 
