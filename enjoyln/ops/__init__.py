@@ -52,7 +52,7 @@ def paths() -> dict[str, dict[str, str]]:
     if torch.cuda.is_available():
         out["cuda"] = cuda.cases()
     out["any device"] = {"torch.compile": "the math in plain PyTorch, which inductor fuses",
-                  "torch.export": "one enjoyln.rms_norm node per norm"}
+                         "torch.export": "one enjoyln.rms_norm node per norm"}
     return out
 
 
@@ -130,7 +130,7 @@ class _Fused(torch.autograd.Function):
 
 
 # Function.apply less its Python wrapper, which maps a pytree over the arguments for functorch on every call
-# (a third of the call): only called where no functorch transform is active (``_autograd_only``)
+# (a third of the call): only called where no functorch transform is active (``_mode``)
 _fused = super(torch.autograd.Function, _Fused).apply
 
 _library = torch.library.Library("enjoyln", "FRAGMENT")  # kept alive: the op lives as long as it
