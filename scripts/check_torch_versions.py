@@ -266,6 +266,8 @@ def table(results: dict[str, dict]) -> str:
             cells.append({"ok": "yes", "BOTH": "no, nor unfolded"}.get(kind, "**no**"))
             if kind != "ok":
                 whose = " (the unfolded model fails the same way)" if kind == "BOTH" else ""
+                if kind == "BOTH" and step == "compile":
+                    whose += "; an RMSNorm alone compiles and matches eager"
                 notes.append(f"- torch {version}, {step}{whose}: {what}")
         rows.append(f"| {packages.get('torch', version)} | {packages.get('transformers', '?')} | "
                     + " | ".join(cells) + " |")
