@@ -72,7 +72,8 @@ def _leaf_names(spec: pytree.TreeSpec, prefix: str = "") -> list[str]:
         return [prefix or "output"]
     keys = spec.context if isinstance(spec.context, (list, tuple)) else None
     names: list[str] = []
-    for i, child in enumerate(spec.children()):
+    # ``children()`` from torch 2.10; before, the ``children_specs`` field (deprecated since)
+    for i, child in enumerate(spec.children() if hasattr(spec, "children") else spec.children_specs):
         key = str(keys[i]) if keys is not None and i < len(keys) else str(i)
         names += _leaf_names(child, f"{prefix}.{key}" if prefix else key)
     return names

@@ -247,12 +247,12 @@ def env(as_json: JsonOnly = False, quiet: Quiet = False, verbose: Verbose = Fals
         from ..ops.cpu import cache_dir
 
         display.stage("asking torch about the GPU and the kernels")
-        backends = ops.status()
+        backends, paths = ops.status(), ops.paths()
         gpus = [{"name": torch.cuda.get_device_name(i), "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
                  "memory_gb": round(torch.cuda.get_device_properties(i).total_memory / 1e9, 1)}
                 for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     info = {"versions": versions, "torch_cuda": torch.version.cuda, "threads": torch.get_num_threads(),
-            "backends": backends, "gpus": gpus, "caches": _caches(cache_dir())}
+            "backends": backends, "paths": paths, "gpus": gpus, "caches": _caches(cache_dir())}
     if as_json:
         print_json(info)
         return
@@ -261,6 +261,8 @@ def env(as_json: JsonOnly = False, quiet: Quiet = False, verbose: Verbose = Fals
         + [f"torch built for CUDA: {torch.version.cuda or 'no (a CPU build)'}; {info['threads']} CPU threads"],
         "[bold]RMSNorm kernels[/] (what a folded model runs on each device)": [
             f"{device}: {escape(what)}" for device, what in backends.items()],
+        "[bold]RMSNorm paths[/] (by call)": [f"{device}, {escape(case)}: {escape(what)}"
+                                             for device, cases in paths.items() for case, what in cases.items()],
         "[bold]GPU[/]": [f"{g['name']} (compute capability {g['capability']}, {g['memory_gb']} GB)" for g in gpus]
         or ["none"],
         "[bold]caches[/]": [f"{name}: {escape(str(path))}" for name, path in info["caches"].items()]}

@@ -14,7 +14,7 @@ from torch import Tensor
 from . import cpu, cuda
 from .reference import rms_norm_reference
 
-__all__ = ["rms_norm", "add_rms_norm", "backend", "status", "opaque"]
+__all__ = ["rms_norm", "add_rms_norm", "backend", "status", "paths", "opaque"]
 
 
 def backend(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> str:
@@ -24,9 +24,7 @@ def backend(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None)
     'reference'
     """
     if x.is_cuda:
-        if cuda.supports(x, weight, bias):
-            return cuda.choose(x, weight, bias)
-        return "triton" if cuda.kernels() is not None else "reference"  # as _forward does
+        return cuda.backend(x, weight, bias)
     return "cpu" if cpu.supports(x.contiguous(), weight, bias) else "reference"  # contiguous: as _forward
 
 
@@ -39,15 +37,31 @@ def status() -> dict[str, str]:
     return {"cpu": cpu.status(), "cuda": cuda.status()}
 
 
+def paths() -> dict[str, dict[str, str]]:
+    """Which implementation each kind of call takes, by device ('cuda' where a GPU is at hand), and under a
+    tracer on any device (``enjoyln env``).
+
+    >>> sorted(paths())  # doctest: +SKIP
+    ['any device', 'cpu']
+    """
+    fused = cpu.library() is not None
+    kernel = "the fused C kernel" if fused else "reference PyTorch"
+    out = {"cpu": {"bf16/fp16/fp32": kernel, "float64, or mixed dtypes": "reference PyTorch",
+                   "a gradient needed": "the fused C kernel and its backward, one autograd node" if fused
+                   else "reference PyTorch through the enjoyln.rms_norm op"}}
+    if torch.cuda.is_available():
+        out["cuda"] = cuda.cases()
+    out["any device"] = {"torch.compile": "the math in plain PyTorch, which inductor fuses",
+                         "torch.export": "one enjoyln.rms_norm node per norm"}
+    return out
+
+
 def _forward(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
              eps: float) -> Tensor:
     """Whatever the hot paths turned away (strided, mixed dtypes, meta, float64), and the kernel op's forward."""
+    if x.is_cuda:
+        return cuda.rms_norm_any(x, normalized_shape, weight, bias, eps)
     n = math.prod(normalized_shape)
-    if x.is_cuda and n and cuda.supports(x, weight, bias):
-        return cuda.rms_norm_cuda(x, normalized_shape, weight, bias, eps)
-    if x.is_cuda and n and (kernels := cuda.kernels()) is not None:
-        flat = lambda t: t.reshape(-1) if t is not None else None  # noqa: E731
-        return kernels.rms_norm_triton(x.reshape(-1, n), flat(weight), flat(bias), eps).view(x.shape)
     if x.device.type == "cpu" and not x.is_contiguous():
         x = x.contiguous()
     if cpu.supports(x, weight, bias):
@@ -58,22 +72,27 @@ def _forward(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, 
 # --- the ops: enjoyln::rms_norm (what graphs show) and enjoyln::rms_norm_kernel (what runs) ---------
 
 
+# Sequence[int], not list[int]: torch 2.6's schema inference knows only typing's generics
 @torch.library.custom_op("enjoyln::rms_norm_kernel", mutates_args=())
-def _rms_norm_kernel(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor],
+def _rms_norm_kernel(x: Tensor, normalized_shape: Sequence[int], weight: Optional[Tensor],
                      bias: Optional[Tensor], eps: float) -> Tensor:
     return _forward(x, normalized_shape, weight, bias, eps)
 
 
 @_rms_norm_kernel.register_fake
-def _(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
+def _(x: Tensor, normalized_shape: Sequence[int], weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _setup(ctx, inputs, output) -> None:  # noqa: ANN001
-    x, normalized_shape, weight, bias, eps = inputs
+def _save(ctx, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,  # noqa: ANN001
+          eps: float) -> None:
     ctx.save_for_backward(x, weight)
-    ctx.normalized_shape, ctx.eps, ctx.has_bias = list(normalized_shape), eps, bias is not None
+    ctx.normalized_shape, ctx.eps, ctx.has_bias = normalized_shape, eps, bias is not None
     ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    _save(ctx, *inputs)
 
 
 def _backward(ctx, grad: Tensor):  # noqa: ANN001, ANN201
@@ -92,6 +111,27 @@ def _backward(ctx, grad: Tensor):  # noqa: ANN001, ANN201
 
 
 _rms_norm_kernel.register_autograd(_backward, setup_context=_setup)
+
+
+class _Fused(torch.autograd.Function):
+    """The fused C kernel with the op's backward, as one autograd node: for plain CPU tensors that need a
+    gradient outside any tracer, where the op's dispatch would cost several LayerNorm calls (docs/performance.md)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None,  # noqa: ANN001
+                bias: Tensor | None, eps: float) -> Tensor:
+        # ctx set up here, not in ``setup_context``: with one, every apply binds its arguments through
+        # inspect.signature, which costs more than the rest of the call
+        _save(ctx, x, normalized_shape, weight, bias, eps)
+        n = normalized_shape[0] if len(normalized_shape) == 1 else math.prod(normalized_shape)
+        return cpu.rms_norm_cpu(x, n, weight, bias, eps)
+
+    backward = staticmethod(_backward)
+
+
+# Function.apply less its Python wrapper, which maps a pytree over the arguments for functorch on every call
+# (a third of the call): only called where no functorch transform is active (``_mode``)
+_fused = super(torch.autograd.Function, _Fused).apply
 
 _library = torch.library.Library("enjoyln", "FRAGMENT")  # kept alive: the op lives as long as it
 _library.define("rms_norm(Tensor x, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps) -> Tensor")
@@ -132,18 +172,24 @@ def _plain(t: Tensor | None, grad: bool) -> bool:
     return t is None or ((type(t) is Tensor or type(t) is torch.nn.Parameter) and not (grad and t.requires_grad))
 
 
-def _hot(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
-    """``not _needs_op(...)``, inline (no ``_plain`` calls): at small shapes a call costs LayerNorm-sized time."""
+HOT, GRAD, OP = 0, 1, 2  # what a call needs: nothing seen; autograd alone; a tracer or a subclass (the op)
+
+
+def _mode(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> int:
+    """HOT, GRAD or OP for this call, inline (no ``_plain`` calls): at small shapes a call costs LayerNorm-sized
+    time. GRAD needs no functorch transform active: ``_fused`` skips functorch's handling."""
     if type(x) is not Tensor or torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False
+        return OP
     grad = torch.is_grad_enabled()
-    if grad and x.requires_grad:
-        return False
+    need = grad and x.requires_grad
     for t in (weight, bias):
-        if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter)
-                              or (grad and t.requires_grad)):
-            return False
-    return True
+        if t is not None:
+            if type(t) is not Tensor and type(t) is not torch.nn.Parameter:
+                return OP
+            need = need or (grad and t.requires_grad)
+    if not need:
+        return HOT
+    return OP if torch._C._are_functorch_transforms_active() else GRAD
 
 
 def _needs_op(*tensors: Tensor | None) -> bool:
@@ -171,12 +217,18 @@ def rms_norm(
     >>> torch.allclose(rms_norm(x, (8,)), torch.nn.functional.layer_norm(x, (8,)), atol=1e-6)
     True
     """
-    if _hot(x, weight, bias):  # the inference hot path: a few attribute reads, then C or one kernel launch
+    mode = _mode(x, weight, bias)
+    if mode == HOT:  # the inference hot path: a few attribute reads, then C or one kernel launch
         if cpu.supports(x, weight, bias):
             return cpu.rms_norm_cpu(x, normalized_shape[-1] if len(normalized_shape) == 1 else
                                     math.prod(normalized_shape), weight, bias, float(eps))
         if cuda.supports(x, weight, bias):
             return cuda.rms_norm_cuda(x, normalized_shape, weight, bias, float(eps))
+    elif mode == GRAD:  # a gradient: one autograd node, not the op's Python dispatch
+        if cpu.supports(x, weight, bias):
+            return _fused(x, normalized_shape, weight, bias, float(eps))
+        if cuda.supports(x, weight, bias):
+            return cuda.rms_norm_autograd(x, normalized_shape, weight, bias, float(eps))
     shape = [int(s) for s in normalized_shape]
     if _needs_op(x, weight, bias):
         return torch.ops.enjoyln.rms_norm(x, shape, weight, bias, float(eps))
@@ -191,7 +243,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: Sequence[int], w
     >>> s[0, 0].item(), y[0, 0].item()
     (2.0, 1.0)
     """
-    if (_hot(x, weight, bias) and cuda.supports(x, weight, bias) and type(residual) is Tensor
+    if (_mode(x, weight, bias) == HOT and cuda.supports(x, weight, bias) and type(residual) is Tensor
             and residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
             and _plain(residual, torch.is_grad_enabled()) and residual.get_device() == x.get_device()):
         return cuda.add_rms_norm_cuda(x, residual, normalized_shape, weight, bias, float(eps))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import warnings
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -24,11 +25,13 @@ class CachedLauncher:
     """
 
     def __init__(self, kernel: Any, runtime_args: int, *, stream: Callable[[int], int] | None = None,
-                 current_device: Callable[[], int] | None = None) -> None:
+                 current_device: Callable[[], int] | None = None,
+                 exchange_device: Callable[[int], int] | None = None) -> None:
         self.kernel = kernel
         self.runtime_args = runtime_args
         self._stream = stream
         self._current_device = current_device
+        self._exchange_device = exchange_device  # makes a device current, returns the one that was
         self._fast: dict[Hashable, tuple[Any, Any, Any, int | None]] = {}
         self._keep: list[Any] = []
         self._lock = threading.Lock()
@@ -40,14 +43,36 @@ class CachedLauncher:
 
     def __call__(self, key: Hashable, grid: int, args: Sequence[Any], num_warps: int, device: int,
                  outputs: Sequence[torch.Tensor]) -> None:
-        """Launch ``grid`` programs with ``args``; ``outputs`` are the tensors the kernel writes."""
+        """Launch ``grid`` programs with ``args`` on GPU ``device``; ``outputs`` are the tensors the kernel writes."""
         fast = self._fast.get(key)
-        if fast is not None and device == self._current_device():
+        if fast is not None:
             run, function, packed, cut = fast
-            run(grid, 1, 1, self._stream(device), function, packed, None, None, None,
-                *(args if cut is None else args[:cut]))
+            current = self._current_device()
+            if device == current:
+                run(grid, 1, 1, self._stream(device), function, packed, None, None, None,
+                    *(args if cut is None else args[:cut]))
+                return
+            # another GPU (device_map="auto"): its kernel was loaded with that device current, and
+            # is launched so, as Triton would; switching costs two driver calls, not Triton's dispatch
+            self._exchange_device(device)
+            try:
+                run(grid, 1, 1, self._stream(device), function, packed, None, None, None,
+                    *(args if cut is None else args[:cut]))
+            finally:
+                self._exchange_device(current)
             return
-        self._first_use(key, grid, args, num_warps, device, outputs)
+        if device < 0:  # CPU tensors: Triton's interpreter
+            self.jit(grid, args, num_warps, device)
+            return
+        self._bind()
+        current = self._current_device()
+        if device != current:
+            self._exchange_device(device)
+        try:
+            self._first_use(key, grid, args, num_warps, device, outputs)
+        finally:
+            if device != current:
+                self._exchange_device(current)
 
     def jit(self, grid: int, args: Sequence[Any], num_warps: int, device: int) -> Any:
         if device >= 0:  # below: CPU tensors, Triton's interpreter
@@ -59,10 +84,8 @@ class CachedLauncher:
 
     def _first_use(self, key: Hashable, grid: int, args: Sequence[Any], num_warps: int, device: int,
                    outputs: Sequence[torch.Tensor]) -> None:
-        if device >= 0:
-            self._bind()
-        if (self.disabled is not None or device < 0 or device != self._current_device()
-                or torch.cuda.is_current_stream_capturing()):
+        """Triton's launch, and on a key's first use the check of the direct one; ``device`` is current."""
+        if self.disabled is not None or torch.cuda.is_current_stream_capturing():
             self.jit(grid, args, num_warps, device)
             return
         with self._lock:
@@ -80,7 +103,9 @@ class CachedLauncher:
                     self._verify(fast, grid, args, device, outputs, expected)
             except Exception as exc:  # noqa: BLE001 - whatever went wrong, Triton's launcher is right
                 self.disabled = f"the direct launch raised {type(exc).__name__}: {exc}"
-            if self.disabled is None and fast is not None:
+            if self.disabled is not None:
+                _warn_once(self.disabled)
+            elif fast is not None:
                 self._fast[key] = fast
                 self._keep.append(compiled)  # its module must stay loaded while its function is used
             for out, want in zip(outputs, expected):
@@ -153,6 +178,20 @@ class CachedLauncher:
         if self._current_device is None:  # torch.cuda.current_device less its lazy-init check:
             torch.cuda.init()                # a CUDA tensor exists, so CUDA is initialised
             self._current_device = torch._C._cuda_getDevice
+        if self._exchange_device is None:  # torch.cuda.device's own switch
+            self._exchange_device = getattr(torch._C, "_cuda_exchangeDevice", None)
+
+
+_warned: list[str] = []  # the launcher's one warning in this process, once given
+
+
+def _warn_once(reason: str) -> None:
+    """The first launcher turned off in this process says so; the others (same cause) stay quiet."""
+    if not _warned:
+        _warned.append(reason)
+        warnings.warn(f"enjoyln: the Triton kernel's cached launcher is off for this process ({reason}); "
+                      "Triton's own launcher runs instead, with more host time per call", RuntimeWarning,
+                      stacklevel=5)
 
 
 def _same_args(got: Sequence[Any], want: Sequence[Any]) -> bool:

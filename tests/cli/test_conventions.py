@@ -243,6 +243,9 @@ def test_env_reports_versions_backends_gpu_and_caches(monkeypatch, tmp_path):
     assert doc["caches"]["triton"] == str(tmp_path / "triton") and doc["caches"]["huggingface hub"]
     text = runner.invoke(app, ["env"]).stdout
     assert f"enjoyln: {__version__}" in text and "RMSNorm kernels" in text and f"cpu: {doc['backends']['cpu']}" in text
+    assert doc["paths"]["cpu"]["float64, or mixed dtypes"] == "reference PyTorch"
+    assert doc["paths"]["any device"]["torch.export"] == "one enjoyln.rms_norm node per norm"
+    assert "RMSNorm paths" in text and "cpu, float64, or mixed dtypes: reference PyTorch" in text
 
 
 def test_quiet_prints_the_verdict_only(gpt2_dir, tmp_path):

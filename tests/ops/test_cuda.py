@@ -184,3 +184,112 @@ def test_cpu_calls_never_look_for_triton(monkeypatch):
     ops.rms_norm(torch.randn(2, 8), (8,))
     assert ops.backend(torch.randn(2, 8)) in ("cpu", "reference")
     assert cuda._state is None
+
+
+WIDE = torch.empty(2048, 768, dtype=torch.float64)
+STATES = [dict(native=native, triton=triton, off=off, forced=forced)
+          for native in (True, False) for triton in (True, False) for off in (None, "hooks")
+          for forced in (None, *cuda.PATHS) if triton or off is None]
+
+
+@pytest.mark.parametrize("st", STATES, ids=str)
+def test_float64_never_reaches_a_triton_kernel(state, st):
+    """The Triton kernels compute in float32: float64 (x, weight or bias) takes torch's own path, whatever
+    the process has or pins, at any size, fused with a residual or not, contiguous or not."""
+    kernels = FakeKernels(st["off"]) if st["triton"] else None
+    state(native=st["native"], triton=kernels, forced=st["forced"])
+    x = torch.randn(4, 3, 8, dtype=torch.float64)
+    w, b = torch.rand(8, dtype=torch.float64) + 0.5, torch.randn(8, dtype=torch.float64)
+    for big in (WIDE, torch.empty(8192, 4096, dtype=torch.float64)):
+        for bias, residual in ((None, False), (B.double(), False), (None, True), (B.double(), True)):
+            assert cuda.choose(big, W.double(), bias, residual=residual) in ("native", "native+bias", "reference")
+    for args in ((x.float(), w, None), (x.float(), w.float(), b), (x, None, None)):  # any one of them float64
+        assert not cuda.narrow(*args) and cuda.choose(*args) not in ("triton", "triton-jit")
+    assert cuda.unfused(x.transpose(0, 1), w, b) == "reference"  # strided, which the hot path turns away
+    y = cuda.rms_norm_cuda(x, (8,), w, b, 1e-5)
+    s, z = cuda.add_rms_norm_cuda(x, x, (8,), w, b, 1e-5)
+    t = cuda.rms_norm_any(x.transpose(0, 1), (8,), w, b, 1e-5)
+    assert kernels is None or kernels.calls == []
+    truth = rms_norm_reference(x, (8,), w, b, 1e-5)
+    assert y.dtype == z.dtype == t.dtype == torch.float64
+    torch.testing.assert_close(y, truth, rtol=1e-15, atol=1e-15)
+    torch.testing.assert_close(z, rms_norm_reference(x + x, (8,), w, b, 1e-5), rtol=1e-15, atol=1e-15)
+    torch.testing.assert_close(t, rms_norm_reference(x.transpose(0, 1), (8,), w, b, 1e-5), rtol=1e-15, atol=1e-15)
+
+
+def test_narrow_dtypes_still_take_triton_where_the_policy_says(state):
+    kernels = FakeKernels()
+    state(native=True, triton=kernels)
+    x = torch.randn(4, 8)
+    assert cuda.choose(x, W.float(), B.float()) == "triton"
+    assert cuda.unfused(x.t(), None, None) == "triton" and cuda.unfused(x, torch.rand(8, dtype=torch.bfloat16), None) \
+        == "triton"
+    cuda.rms_norm_any(x.t(), (4,), None, None, 1e-5)
+    assert kernels.calls == [("rms_norm", (8, 4), True)]
+
+
+class Failing(FakeKernels):
+    """Triton that cannot compile or launch here."""
+
+    def __init__(self, exc):
+        super().__init__()
+        self.exc = exc
+
+    def rms_norm_triton(self, *args, **kwargs):
+        self.calls.append("rms_norm")
+        raise self.exc
+
+    add_rms_norm_triton = rms_norm_triton
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_failing_triton_kernel_falls_back_once_and_says_why(state, native):
+    st = state(native=native, triton=Failing(RuntimeError("PTX .version 8.7 does not support .target sm_120\nmore")))
+    kernels = st.triton
+    x, r, w, b = torch.randn(4, 8), torch.randn(4, 8), torch.rand(8) + 0.5, torch.randn(8)
+    with pytest.warns(RuntimeWarning) as caught:
+        y = cuda.rms_norm_cuda(x, (8,), w, b, 1e-5)
+        s, z = cuda.add_rms_norm_cuda(x, r, (8,), w, b, 1e-5)
+        t = cuda.rms_norm_any(x.t(), (4,), None, None, 1e-5)
+    instead = "torch's F.rms_norm" if native else "reference PyTorch"
+    assert [str(c.message) for c in caught] == [
+        "enjoyln: the Triton RMSNorm kernel failed (RuntimeError: PTX .version 8.7 does not support .target "
+        f"sm_120); {instead} runs instead for the rest of this process"]
+    assert kernels.calls == ["rms_norm"]  # tried once
+    assert st.triton is None and "the Triton kernel failed (RuntimeError: PTX" in st.triton_reason
+    torch.testing.assert_close(y, rms_norm_reference(x, (8,), w, b, 1e-5))
+    torch.testing.assert_close(z, rms_norm_reference(x + r, (8,), w, b, 1e-5))
+    torch.testing.assert_close(t, rms_norm_reference(x.t(), (4,), None, None, 1e-5))
+    assert torch.equal(s, x + r)
+
+
+def test_a_pinned_triton_path_that_fails_falls_back_too(state):
+    st = state(native=True, triton=Failing(RuntimeError("out of resources: shared memory")), forced="triton")
+    with pytest.warns(RuntimeWarning, match="out of resources"):
+        y = cuda.add_rms_norm_cuda(torch.ones(2, 4), torch.ones(2, 4), (4,), None, None, 0.0)[1]
+    assert st.forced is None and torch.equal(y, torch.ones(2, 4))
+
+
+def test_out_of_memory_is_raised_not_blamed_on_triton(state):
+    st = state(native=True, triton=Failing(torch.cuda.OutOfMemoryError("CUDA out of memory")))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        cuda.rms_norm_cuda(torch.randn(2, 4), (4,), None, torch.randn(4), 1e-5)
+    assert st.triton is not None
+
+
+def test_each_case_is_listed_with_its_path(state):
+    state(native=True, triton=FakeKernels())
+    assert cuda.cases() == {
+        "bf16/fp16/fp32, weight only or none": "torch's F.rms_norm",
+        "bf16/fp16/fp32, with a bias": "enjoyln's Triton kernel, cached launcher",
+        "the residual add fused (add_rms_norm)": "enjoyln's Triton kernel, cached launcher",
+        "32 MiB of input or more": "enjoyln's Triton kernel, cached launcher",
+        "float64": "torch's F.rms_norm, then the bias add",
+        "strided rows, or the weight in another dtype": "enjoyln's Triton kernel, cached launcher",
+        "a gradient needed": "torch's F.rms_norm, then the bias add, through torch's autograd"}
+    state(native=True, triton=FakeKernels(off="hooks"))
+    assert cuda.cases()["bf16/fp16/fp32, with a bias"] == "torch's F.rms_norm, then the bias add"
+    assert cuda.cases()["32 MiB of input or more"] == "enjoyln's Triton kernel, Triton's launcher"
+    state(native=False, triton=None)
+    assert set(cuda.cases().values()) == {"reference PyTorch", "torch's F.rms_norm, then the bias add",
+                                          "torch's F.rms_norm, then the bias add, through torch's autograd"}

@@ -140,6 +140,16 @@ def test_status_names_every_device():
     assert status["cuda"] == "not available" or "Triton" in status["cuda"] or "reference" in status["cuda"]
 
 
+def test_paths_name_each_case_and_cuda_s_where_a_gpu_is(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    paths = ops.paths()
+    assert set(paths) == {"cpu", "any device"}
+    want = "the fused C kernel" if cpu.library() is not None else "reference PyTorch"
+    assert paths["cpu"]["bf16/fp16/fp32"] == want
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ops.paths()["cuda"] == ops.cuda.cases() and len(ops.paths()["cuda"]) == 7
+
+
 def test_export_keeps_one_node_per_norm_and_decomposes_on_request():
     """torch.export keeps the CompositeImplicitAutograd op as one node per norm; decomposing
     the program turns each into math, or, inside ``ops.opaque()``, into one opaque kernel op
@@ -196,3 +206,49 @@ def test_gpt2_with_rms_norms_exports_one_node_per_norm():
     targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.enjoyln.rms_norm.default) == 5  # ln_1, ln_2 of two blocks, ln_f
     assert not any("rsqrt" in str(t) or "rms_norm_kernel" in str(t) for t in targets)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gradient_costs_one_autograd_node_and_keeps_the_kernel_s_output(dtype):
+    """With parameters that require grad, the call is the fused kernel as one autograd node (not the op's
+    dispatch): the same output bits as without a gradient, and gradients as the float64 reference's."""
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 5, 40, generator=gen) * 2 + 0.3).to(dtype)
+    w = torch.nn.Parameter((torch.rand(40, generator=gen) + 0.5).to(dtype))
+    b = torch.nn.Parameter(torch.randn(40, generator=gen).to(dtype))
+    y = rms_norm(x, (40,), w, b)
+    assert type(y.grad_fn).__name__ == "_FusedBackward"
+    with torch.no_grad():
+        assert torch.equal(y, rms_norm(x, (40,), w, b))
+    g = torch.randn(y.shape, generator=gen).to(dtype)
+    y.backward(g)
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+    rms_norm_reference(xd, (40,), wd, bd).backward(g.double())
+    assert w.grad.dtype == b.grad.dtype == dtype
+    for got, want in ((w.grad, wd.grad), (b.grad, bd.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=TOL[dtype] * 4, atol=TOL[dtype] * 4 * float(want.abs().max()))
+    xg = x.clone().requires_grad_()
+    rms_norm(xg, (40,), w.detach(), None).backward(g)  # the input's gradient, the parameters frozen
+    xd.grad = None
+    rms_norm_reference(xd, (40,), wd.detach(), None).backward(g.double())
+    torch.testing.assert_close(xg.grad.double(), xd.grad, rtol=TOL[dtype] * 4, atol=TOL[dtype] * 4)
+
+
+def test_a_gradient_under_a_tracer_or_a_transform_still_takes_the_op():
+    x, w = torch.randn(2, 8), torch.nn.Parameter(torch.rand(8))
+    assert type(rms_norm(x.double(), (8,), w.double()).grad_fn).__name__ != "_FusedBackward"  # no f64 kernel
+    seen = []
+    torch.func.vmap(lambda t: seen.append(ops._mode(t, w, None)) or t)(x)
+    assert seen == [ops.OP]  # functorch's wrappers: the op, never the kernel's Function
+
+
+def test_the_cuda_route_for_a_gradient_is_exact():
+    """On CUDA a call that needs a gradient is F.rms_norm then the bias add, torch's autograd throughout;
+    float64 stays float64 (here on CPU tensors: the same ops)."""
+    x = torch.randn(3, 2, 6, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(6, dtype=torch.float64) + 0.5).requires_grad_()
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: ops.cuda.rms_norm_autograd(x, (6,), w, b, 1e-5), (x, w, b))
+    torch.testing.assert_close(ops.cuda.rms_norm_autograd(x, (6,), w, b, 1e-5), rms_norm_reference(x, (6,), w, b),
+                               rtol=1e-15, atol=1e-15)

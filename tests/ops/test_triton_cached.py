@@ -10,9 +10,12 @@ The real kernels run through the launcher under the interpreter in test_triton.p
 import pytest
 import torch
 
+from enjoyln.ops import triton_cached
 from enjoyln.ops.triton_cached import CachedLauncher
 
 STREAM = 1234
+# a launcher turned off warns (once per process): what the tests of that assert, the others need not show
+pytestmark = pytest.mark.filterwarnings("ignore:enjoyln. the Triton kernel's cached launcher:RuntimeWarning")
 
 
 class NewCompiled:
@@ -37,14 +40,17 @@ class FakeKernel:
     """``Y = X * SCALE``; arguments (X, Y, n, SCALE), SCALE a constexpr."""
 
     def __init__(self, all_args=True, old=False, hooks=None, direct_scale=None, direct_raises=False,
-                 returns=True, kwargs=None):
+                 returns=True, kwargs=None, devices=None):
         self.all_args, self.hooks, self.returns, self.kwargs = all_args, hooks, returns, kwargs or {}
         self.direct_scale, self.direct_raises = direct_scale, direct_raises
         self.compiled = (OldCompiled if old else NewCompiled)(self._launcher)
         self.jit_launches, self.direct_calls, self._in_jit = 0, [], False
+        self.devices, self.launched_on = devices, []  # the device current at each launch
 
     def _launcher(self, gx, gy, gz, stream, function, packed, meta, enter, exit_, *args, **kwargs):
         assert (function, packed) == ("function", "packed")
+        if self.devices is not None:
+            self.launched_on.append(self.devices.current)
         x, y, n = args[:3]
         scale = args[3] if len(args) > 3 else 2.0  # before 3.3 the constexpr is compiled in
         if not self._in_jit:
@@ -60,7 +66,8 @@ class FakeKernel:
             tail = args if self.all_args else args[:3]
             self._in_jit = True
             try:
-                self.compiled.run(grid[0], 1, 1, STREAM, "function", "packed", None, self.hooks, self.hooks,
+                stream = STREAM if self.devices is None else STREAM + self.devices.current  # its current stream
+                self.compiled.run(grid[0], 1, 1, stream, "function", "packed", None, self.hooks, self.hooks,
                                   *tail, **self.kwargs)
             finally:
                 self._in_jit = False
@@ -68,9 +75,22 @@ class FakeKernel:
         return launch
 
 
+class Devices:
+    """The process's current GPU, as torch.cuda.device switches it."""
+
+    def __init__(self):
+        self.current, self.switches = 0, []
+
+    def exchange(self, device):
+        before, self.current = self.current, device
+        self.switches.append(device)
+        return before
+
+
 @pytest.fixture(autouse=True)
 def not_capturing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(triton_cached, "_warned", [])  # each test starts in a process that has not warned
 
 
 def make(kernel):
@@ -154,26 +174,33 @@ def test_nothing_is_verified_while_a_graph_is_captured(monkeypatch):
     assert launcher.verified == 1  # verified on the first call outside the capture
 
 
-def test_a_tensor_on_another_device_goes_through_triton_on_that_device(monkeypatch):
-    entered = []
-
-    class Guard:
-        def __init__(self, index):
-            entered.append(index)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(torch.cuda, "device", Guard)
-    kernel = FakeKernel()
-    launcher = make(kernel)
+def test_a_tensor_on_another_device_is_verified_then_launched_directly_on_it():
+    """With ``device_map="auto"`` most tensors are on a GPU other than the current one: each launch, the
+    first (Triton's) and the direct ones, runs with that GPU current and on its stream, then switches back."""
+    devices = Devices()
+    kernel = FakeKernel(devices=devices)
+    launcher = CachedLauncher(kernel, runtime_args=3, stream=lambda device: STREAM + device,
+                              current_device=lambda: devices.current, exchange_device=devices.exchange)
     x, y = torch.arange(8.0), torch.zeros(8)
-    launcher(("k",), 3, (x, y, 6, 2.0), 4, 1, (y,))  # device 1, the current one is 0
-    assert entered == [1] and kernel.jit_launches == 1 and launcher.verified == 0
-    assert torch.equal(y, x * 2)
+    for _ in range(3):
+        y.zero_()
+        launcher(("k", 1), 3, (x, y, 6, 2.0), 4, 1, (y,))  # device 1, the current one is 0
+        assert torch.equal(y, x * 2) and devices.current == 0
+    assert launcher.verified == 1 and launcher.disabled is None
+    assert kernel.jit_launches == 2  # Triton's dispatch on the first call only
+    assert kernel.launched_on == [1] * 5  # 2 of Triton's, the check, 2 direct
+    assert [call[3] for call in kernel.direct_calls] == [STREAM + 1] * 3
+    assert devices.switches == [1, 0] * 3
+
+
+def test_the_first_launcher_turned_off_warns_once():
+    with pytest.warns(RuntimeWarning) as caught:
+        call(make(FakeKernel(direct_scale=3.0)))
+        call(make(FakeKernel(hooks=print)))  # another launcher (kernel), turned off too
+        call(make(FakeKernel()))
+    assert [str(w.message) for w in caught] == [
+        "enjoyln: the Triton kernel's cached launcher is off for this process (a direct launch gave other bits "
+        "than Triton's launcher); Triton's own launcher runs instead, with more host time per call"]
 
 
 def test_an_output_with_nan_proves_nothing_and_waits_for_another_call():
