@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import CaptureError
+from .multimodal import image_layouts, image_text_options
 
 ExampleInputs = Any
 """A tensor, a tuple of positional arguments, or a dict of keyword arguments."""
@@ -148,15 +149,15 @@ def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[d
     if "input_ids" in params and (vocab or main == "input_ids"):
         text["input_ids"] = ids(seq)
     options: list[dict[str, Any]] = []
-    if "pixel_values" in params and (main == "pixel_values" or config_value(config, "image_size")):
-        pixels = _pixel_options(config, randn, batch)
-        image_token = config_value(config, "image_token_id", "image_token_index")
-        if text and isinstance(image_token, int):  # a vision-language model: the text holds the image
-            with_tokens = _with_image_tokens(model, pixels[0], text["input_ids"], image_token)
-            options += [with_tokens] if with_tokens else []
-            options.append({})  # else the text alone
-        else:
-            options += pixels
+    image_token = config_value(config, "image_token_id", "image_token_index")
+    if "pixel_values" in params and text and isinstance(image_token, int) and hasattr(config, "vision_config"):
+        # a vision-language model: an image in every sample, the text holding its placeholder tokens
+        with _evaluating(model):
+            options += image_text_options(model, image_layouts(model, randn, batch, device), text["input_ids"],
+                                          image_token)
+        options.append({})  # else the text alone
+    elif "pixel_values" in params and (main == "pixel_values" or config_value(config, "image_size")):
+        options += _pixel_options(config, randn, batch)
     if "pixel_values_videos" in params and main == "pixel_values_videos":
         frames = config_value(config, "frames_per_clip", "num_frames") or 4
         size, channels = _image_size(config), config_value(config, "num_channels") or 3
@@ -183,32 +184,6 @@ def _pixel_options(config: Any, randn: Any, batch: int) -> list[dict[str, Any]]:
         return [{"pixel_values": randn(batch, frames, channels, *size)}, {"pixel_values": image}]
     # an image, then one image per sample as a stack (Idefics takes (batch, images, C, H, W))
     return [{"pixel_values": image}, {"pixel_values": image.unsqueeze(1)}]
-
-
-def _with_image_tokens(model: nn.Module, pixels: dict[str, Any], text: torch.Tensor,
-                       image_token: int) -> dict[str, Any] | None:
-    """Pixels and text that starts with one placeholder token per image feature, as a processor
-    would write it; the count comes from running the model's own ``get_image_features``."""
-    get = getattr(model, "get_image_features", None)
-    if get is None:
-        return None
-    params = inspect.signature(get).parameters
-    extra = {n: getattr(model.config, n) for n in params
-             if n.startswith("vision_feature") and getattr(model.config, n, None) is not None}
-    try:
-        with _evaluating(model):
-            out = get(**pixels, **extra)
-    except Exception:  # noqa: BLE001 - this model needs more than pixels: no image then
-        return None
-    feats = getattr(out, "pooler_output", None) if not isinstance(out, (torch.Tensor, list, tuple)) else out
-    if isinstance(feats, (list, tuple)) and feats and isinstance(feats[0], torch.Tensor):
-        per_image = feats[0].shape[0] if feats[0].dim() == 2 else feats[0].shape[-2]
-    elif isinstance(feats, torch.Tensor) and feats.dim() >= 2:
-        per_image = feats.shape[-2] if feats.dim() == 3 else feats.shape[0] // text.shape[0]
-    else:
-        return None
-    placeholders = torch.full((text.shape[0], int(per_image)), image_token, dtype=text.dtype, device=text.device)
-    return {**pixels, "input_ids": torch.cat([placeholders, text], dim=1)}
 
 
 def _waveform_options(config: Any, randn: Any, batch: int, frames: int) -> list[dict[str, Any]]:
