@@ -90,7 +90,7 @@ _KEPT_TOKENS = {"pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_t
                 "cls_token_id", "mask_token_id", "unk_token_id"}
 
 
-def _placeholder_ids(config: Any) -> set[int]:
+def placeholder_ids(config: Any) -> set[int]:
     """Token ids that stand for an image, a video or audio: random text must not contain them."""
     found: set[int] = set()
     for cfg in (config, *(getattr(config, s, None) for s in _SUBCONFIGS)):
@@ -100,6 +100,18 @@ def _placeholder_ids(config: Any) -> set[int]:
             if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                 found.add(value)
     return found
+
+
+def fill_text_ids(config: Any, ids: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """``ids`` with its text positions filled in order from ``fill``, as far as it goes; the image's placeholder
+    tokens stay where they are, as many as the image has features."""
+    marks = placeholder_ids(config)
+    flat = ids.reshape(-1).clone()
+    text = ~torch.isin(flat, torch.tensor(sorted(marks), device=flat.device)) if marks else torch.ones_like(
+        flat, dtype=torch.bool)
+    where = text.nonzero().squeeze(1)[:len(fill)]
+    flat[where] = fill[:len(where)].to(flat)
+    return flat.view(ids.shape)
 
 
 def _audio_length(config: Any, frames: int) -> int:
@@ -132,7 +144,7 @@ def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[d
     max_pos = config_value(config, "max_position_embeddings", "n_positions", "max_target_positions")
     seq = min(seq_len, max_pos) if isinstance(max_pos, int) and max_pos > 0 else seq_len
     vocab = config_value(config, "vocab_size")
-    placeholders = _placeholder_ids(config)
+    placeholders = placeholder_ids(config)
 
     def ids(length: int) -> torch.Tensor:
         high = int(vocab) if vocab else 256  # no vocabulary: characters or bytes (CANINE)
