@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import CaptureError
-from .multimodal import image_layouts, image_text_options
+from .multimodal import image_layouts, image_text_options, int_pair
 
 ExampleInputs = Any
 """A tensor, a tuple of positional arguments, or a dict of keyword arguments."""
@@ -128,7 +128,7 @@ def _audio_length(config: Any, frames: int) -> int:
 
 def _image_size(config: Any) -> tuple[int, int]:
     # 224: what image processors produce when the config does not say (CvT, GLPN)
-    return _int_pair(config_value(config, "image_size", "img_size", "input_size")) or (224, 224)
+    return int_pair(config_value(config, "image_size", "img_size", "input_size")) or (224, 224)
 
 
 def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[dict[str, Any]]:
@@ -307,14 +307,6 @@ def _cannot_synthesize(model: nn.Module, why: str) -> str:
 # --- models that describe their own inputs: timm and open_clip (neither imported: what they
 # record on the model is read as plain attributes, so any module that records the same is alike)
 
-def _int_pair(size: Any) -> tuple[int, int] | None:
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size, size
-    if isinstance(size, (list, tuple)) and len(size) >= 2 and all(isinstance(s, int) and s > 0 for s in size[-2:]):
-        return int(size[-2]), int(size[-1])
-    return None
-
-
 def _timm_input_size(model: nn.Module) -> tuple[int, int, int] | None:
     """(C, H, W) from timm's ``pretrained_cfg["input_size"]`` (``default_cfg`` in older timm)."""
     for name in ("pretrained_cfg", "default_cfg"):
@@ -347,10 +339,10 @@ def _image_sizes(model: nn.Module) -> list[tuple[int, int, int]]:
     built for, which ``create_model(..., img_size=...)`` sets without updating ``pretrained_cfg``."""
     timm_size = _timm_input_size(model)
     sizes = [timm_size] if timm_size is not None else []
-    own = _int_pair(getattr(model, "image_size", None))
+    own = int_pair(getattr(model, "image_size", None))
     if own is not None:
         sizes.append((_channels(model), *own))
-    patch = _int_pair(getattr(getattr(model, "patch_embed", None), "img_size", None))
+    patch = int_pair(getattr(getattr(model, "patch_embed", None), "img_size", None))
     if patch is not None:
         sizes.append((sizes[0][0] if sizes else _channels(model), *patch))
     return list(dict.fromkeys(sizes))

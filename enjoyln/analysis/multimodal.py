@@ -16,7 +16,8 @@ from torch import nn
 Randn = Callable[..., torch.Tensor]
 
 
-def _pair(size: Any) -> tuple[int, int] | None:
+def int_pair(size: Any) -> tuple[int, int] | None:
+    """(height, width) from an int or the last two of a sequence of positive ints; None otherwise."""
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size, size
     if isinstance(size, (list, tuple)) and len(size) >= 2 and all(isinstance(s, int) and s > 0 for s in size[-2:]):
@@ -53,7 +54,7 @@ def image_layouts(model: nn.Module, randn: Randn, batch: int, device: torch.devi
     """One image per sample, in each layout the model's arguments and vision config point to; the layouts that
     need an argument only some models take come first."""
     config, params = model.config, image_params(model)
-    size = _pair(_vision_value(config, "image_size", "img_size")) or (224, 224)
+    size = int_pair(_vision_value(config, "image_size", "img_size")) or (224, 224)
     channels = _vision_value(config, "num_channels", "in_channels", "in_chans") or 3
     patch = _vision_value(config, "patch_size")
     layouts: list[dict[str, Any]] = []
@@ -77,7 +78,11 @@ def image_layouts(model: nn.Module, randn: Randn, batch: int, device: torch.devi
     pinpoints = getattr(config, "image_grid_pinpoints", None)
     if "image_sizes" in params and isinstance(pinpoints, list) and pinpoints:
         crops = _anyres_crops(size, pinpoints, size[0])
-        layouts.append({"pixel_values": randn(batch, crops, channels, *size), "image_sizes": ints([list(size)] * batch)})
+        pixels = randn(batch, crops, channels, *size)
+        # sizes as plain ints first: the model picks its crop grid from their values, which torch.export follows
+        # only as constants (LLaVA-NeXT); as a tensor where the model needs one
+        layouts += [{"pixel_values": pixels, "image_sizes": [list(size)] * batch},
+                    {"pixel_values": pixels, "image_sizes": ints([list(size)] * batch)}]
     # a batch of images, then images per sample as a stack (Idefics takes (batch, images, C, H, W))
     image = randn(batch, channels, *size)
     return layouts + [{"pixel_values": image}, {"pixel_values": image.unsqueeze(1)}]
