@@ -35,7 +35,7 @@ def _vision_value(config: Any, *names: str) -> Any:
     return None
 
 
-def image_params(model: nn.Module) -> set[str]:
+def _image_params(model: nn.Module) -> set[str]:
     """The argument names of ``forward`` and of ``get_image_features``: what the model reads beside pixels."""
     names = set(inspect.signature(model.forward).parameters)
     get = getattr(model, "get_image_features", None)
@@ -53,7 +53,7 @@ def _anyres_crops(size: tuple[int, int], pinpoints: list, tile: int) -> int:
 def image_layouts(model: nn.Module, randn: Randn, batch: int, device: torch.device) -> list[dict[str, Any]]:
     """One image per sample, in each layout the model's arguments and vision config point to; the layouts that
     need an argument only some models take come first."""
-    config, params = model.config, image_params(model)
+    config, params = model.config, _image_params(model)
     size = int_pair(_vision_value(config, "image_size", "img_size")) or (224, 224)
     channels = _vision_value(config, "num_channels", "in_channels", "in_chans") or 3
     patch = _vision_value(config, "patch_size")
@@ -63,7 +63,7 @@ def image_layouts(model: nn.Module, randn: Randn, batch: int, device: torch.devi
         return torch.tensor(values, dtype=torch.long, device=device)
 
     if "image_grid_thw" in params and isinstance(patch, int):
-        # flattened patches and each image's (frames, rows, columns) grid: the smallest grid its merger takes
+        # flattened patches and each image's (frames, rows, columns) grid, two merged tokens a side
         merge, frames = _vision_value(config, "spatial_merge_size") or 1, _vision_value(config, "temporal_patch_size")
         side = 2 * merge
         layouts.append({"pixel_values": randn(batch * side * side, channels * (frames or 1) * patch * patch),
