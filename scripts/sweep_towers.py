@@ -97,7 +97,7 @@ def docs_block(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{s['model_types']} multimodal model types of transformers {meta['transformers']} (a vision or audio "
         f"sub-config), each with enjoyln's own inputs (an image or audio in every batch); {meta['machine']}; "
         f"{meta['jobs']} worker, {meta['timeout']:.0f} s per type, {meta['wall_seconds'] / 60:.0f} min wall; "
-        f"enjoyln `{meta['enjoyln_commit']}`.",
+        f"enjoyln `{meta['enjoyln_commit']}`." + (f" {meta['note']}" if meta.get("note") else ""),
         "",
         f"{s['exact']} exact, {s['inexact']} inexact ({s['unsound']} not explained by float32 rounding: unsound), "
         f"{s['clean_error']} clean errors, {s['raw_error']} raw errors, {s['skipped']} skipped. "
