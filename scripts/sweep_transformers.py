@@ -212,7 +212,41 @@ def tiny_config(model_type: str, level: int) -> Any:
     kw = shrink(default, vocab, *((64, 4) if level == 0 else (128, 2)))
     if level == 2:
         kw = _only_depth(kw)
-    return cls(**kw)
+    return cls(**fit_towers(default, kw, vocab))
+
+
+TEXT_WIDTH_KEYS = {"projection_dim", "out_hidden_size"}
+"""A tower's output width that its language model's width must match (PaliGemma, Qwen3-VL)."""
+
+
+def fit_towers(default: Any, kw: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """A shrunk vision-language config made consistent again: the tower's output as wide as the text, tapped layer
+    indices within the shrunk depth, any-resolution grids in whole tiles, and an image token where the default
+    leaves none (BLIP-2)."""
+    vision, text = kw.get("vision_config"), kw.get("text_config")
+    if not isinstance(vision, dict) or not isinstance(text, dict):
+        return kw
+    kw = {**kw, "vision_config": dict(vision)}
+    vdefault = vars(default.vision_config)
+    width = text.get("hidden_size")
+    for cfg, base in ((kw, vars(default)), (kw["vision_config"], vdefault)):
+        for key in TEXT_WIDTH_KEYS & base.keys():
+            if isinstance(width, int) and isinstance(base[key], int):
+                cfg[key] = width
+        for key, value in base.items():  # layer indices (Mllama's taps, Qwen3-VL's DeepStack)
+            if (key.endswith("_indices") or key.endswith("_indexes")) and _is_int_list(value):
+                cfg[key] = list(range(min(len(value), 2)))
+    indices = next((v for k, v in kw["vision_config"].items() if k.endswith("_indices")), None)
+    if "vision_output_dim" in vdefault and indices is not None:  # Mllama: the last layer and each tap, side by side
+        kw["vision_config"]["vision_output_dim"] = kw["vision_config"].get("hidden_size", 64) * (len(indices) + 1)
+    size, tile = vdefault.get("image_size"), kw["vision_config"].get("image_size", vdefault.get("image_size"))
+    pinpoints = getattr(default, "image_grid_pinpoints", None)
+    if isinstance(pinpoints, list) and isinstance(size, int) and isinstance(tile, int):
+        kw["image_grid_pinpoints"] = [[max(1, h // size) * tile, max(1, w // size) * tile] for h, w in pinpoints]
+    for key in ("image_token_index", "image_token_id"):
+        if key in vars(default) and getattr(default, key) is None:
+            kw[key] = vocab - 1
+    return kw
 
 
 def _only_depth(kw: dict[str, Any]) -> dict[str, Any]:
@@ -226,13 +260,13 @@ def _only_depth(kw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def pick_classes(model_type: str) -> list[tuple[str, str]]:
+def pick_classes(model_type: str, first: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """(mapping, class name) candidates for ``model_type``, the one a user would fold first.
 
     Encoder-decoders take their sequence-to-sequence class before a causal LM
     (``WhisperForCausalLM`` is only the decoder); encoders with a masked-LM
     head take the base model (``BertLMHeadModel`` runs BERT as a decoder).
-    Any other mapping that names the type comes last.
+    Any other mapping that names the type comes last; ``first`` (mapping names) goes before all.
     """
     from transformers.models.auto import modeling_auto
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -246,6 +280,7 @@ def pick_classes(model_type: str) -> list[tuple[str, str]]:
         order = [*MAPPINGS[1:3], MAPPINGS[0], *MAPPINGS[3:]]
     elif model_type in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         order = [*MAPPINGS[3:], MAPPINGS[0]]
+    order = [*first, *(n for n in order if n not in first)]
     order += sorted(n for n in dir(modeling_auto) if n.startswith("MODEL") and n.endswith("_MAPPING_NAMES")
                     and n not in order)
     out: list[tuple[str, str]] = []
@@ -447,14 +482,14 @@ def normalize_reason(reason: str, norms: list[str] = ()) -> str:
 # --- one architecture -----------------------------------------------------------------
 
 
-def prepare(model_type: str) -> tuple[torch.nn.Module | None, dict[str, Any]]:
+def prepare(model_type: str, first: tuple[str, ...] = ()) -> tuple[torch.nn.Module | None, dict[str, Any]]:
     """The first class and config level whose model builds, fits and runs forward on some inputs.
 
     Returns the perturbed model (or None) and what was found: class, level,
     parameters, the inputs' source and names, and the number of norm calls.
     """
     info: dict[str, Any] = {"model_type": model_type}
-    classes = pick_classes(model_type)
+    classes = pick_classes(model_type, first)
     if not classes:
         return None, {**info, "status": "skipped", "reason": "no model class in the auto mappings"}
     tried: list[str] = []
@@ -590,15 +625,16 @@ def float64_triage(model: torch.nn.Module, plan: Any, batches: list[dict[str, An
             "rounding": bool(rel64 <= 1e-10)}
 
 
-def run_one(model_type: str) -> dict[str, Any]:
-    """Everything the sweep records about one model type."""
+def run_one(model_type: str, first: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Everything the sweep records about one model type; ``first``: the mappings whose class it prefers."""
     import enjoyln
 
     start = time.perf_counter()
     warnings.filterwarnings("ignore")
-    model, info = prepare(model_type)
+    model, info = prepare(model_type, first)
     if model is None:
         return info
+    info["towers"] = tower_paths(model)
     source, inputs = info["inputs"], info.pop("_inputs")
     if info["norm_calls"] == 0:
         return {**info, "status": "skipped", "reason": "no LayerNorm or GroupNorm in the forward"}
@@ -627,6 +663,7 @@ def run_one(model_type: str) -> dict[str, Any]:
         info["ln_entries"] = len(plan.layer_norms)
         info["folded"] = len(plan.foldable)
         info["folded_names"] = [e.name for e in plan.foldable]
+        info["refused"] = {e.name: e.reason for e in plan.layer_norms if not e.foldable}
         refusals: dict[str, int] = {}
         for e in plan.layer_norms:
             if not e.foldable:
@@ -653,6 +690,17 @@ def run_one(model_type: str) -> dict[str, Any]:
     return info
 
 
+def tower_paths(model: torch.nn.Module) -> list[str]:
+    """Where the model's vision and audio towers are: the submodules built from a vision or audio sub-config."""
+    from transformers import PretrainedConfig
+
+    config = getattr(model, "config", None)
+    subs = [v for k, v in vars(config).items() if isinstance(v, PretrainedConfig) and ("vision" in k or "audio" in k)]
+    found = [name for name, m in model.named_modules()
+             if name and any(getattr(m, "config", None) is c for c in subs)]
+    return [n for n in found if not any(n.startswith(o + ".") for o in found)]
+
+
 def _since(start: float) -> float:
     return round(time.perf_counter() - start, 2)
 
@@ -660,14 +708,14 @@ def _since(start: float) -> float:
 # --- the pool -------------------------------------------------------------------------
 
 
-def _child(model_type: str, conn: Any, quiet: bool) -> None:
+def _child(model_type: str, conn: Any, quiet: bool, run: Any = run_one) -> None:
     torch.set_num_threads(1)
     if quiet:  # torch.export prints whole graphs when it fails
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
     try:
         with contextlib.redirect_stdout(sys.stderr):
-            result = run_one(model_type)
+            result = run(model_type)
     except BaseException as exc:  # noqa: BLE001 - anything the sweep itself did not foresee
         result = {"model_type": model_type, **classify(exc, "sweep"), "status": "raw_error"}
     usage = resource.getrusage(resource.RUSAGE_SELF)  # a forked child starts from zero
@@ -687,8 +735,8 @@ def _warm_up() -> None:
         enjoyln.analyze(tiny_model("gpt2"))
 
 
-def sweep(model_types: list[str], *, jobs: int = 2, timeout: float = 60.0,
-          progress: bool = True, quiet: bool = True, log: Any = None) -> dict[str, dict[str, Any]]:
+def sweep(model_types: list[str], *, jobs: int = 2, timeout: float = 60.0, progress: bool = True,
+          quiet: bool = True, log: Any = None, run: Any = run_one) -> dict[str, dict[str, Any]]:
     """Run every model type in a forked process, ``jobs`` at a time; each result is also
     written to ``log`` (a text file) as one JSON line as it arrives."""
     import transformers
@@ -698,20 +746,20 @@ def sweep(model_types: list[str], *, jobs: int = 2, timeout: float = 60.0,
     torch.set_num_threads(1)
     try:
         _warm_up()
-        return _run_pool(model_types, jobs, timeout, progress, quiet, log)
+        return _run_pool(model_types, jobs, timeout, progress, quiet, log, run)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run_pool(model_types: list[str], jobs: int, timeout: float, progress: bool, quiet: bool,
-              log: Any) -> dict[str, dict[str, Any]]:
+              log: Any, run: Any = run_one) -> dict[str, dict[str, Any]]:
     ctx = mp.get_context("fork")
     pending, running, results = list(model_types), {}, {}
     while pending or running:
         while pending and len(running) < jobs:
             t = pending.pop(0)
             recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child, args=(t, send, quiet), daemon=True)
+            proc = ctx.Process(target=_child, args=(t, send, quiet, run), daemon=True)
             proc.start()
             send.close()
             running[t] = (proc, recv, time.perf_counter())

@@ -60,3 +60,18 @@ class Heads(nn.Module):
         att = torch.softmax(torch.einsum("bthd,bshd->bhts", q, k), -1)
         o = torch.einsum("bhts,bshd->bthd", att, v).reshape(B, T, D)
         return self.head(self.ln_f(h + self.out(o)))
+
+
+def llava_siglip(**kw):
+    """A tiny LLaVA whose SigLIP tower is read at layer -2 (as LLaVA-style checkpoints with SigLIP are), the
+    image token the last of 128 ids."""
+    import transformers
+
+    cfg = transformers.LlavaConfig(
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=32, patch_size=8),
+        text_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, vocab_size=128, max_position_embeddings=128),
+        image_token_index=127, vision_feature_layer=-2, vision_feature_select_strategy="full", **kw)
+    torch.manual_seed(0)
+    return transformers.LlavaForConditionalGeneration(cfg).eval()

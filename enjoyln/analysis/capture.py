@@ -227,7 +227,11 @@ def capture(model: nn.Module, example_inputs: ExampleInputs = None) -> Capture:
     inputs = resolve_inputs(model, example_inputs)
     program, specialized = export(model, inputs)
     if not _functionalize(program.graph):
-        program = program.run_decompositions({})
+        try:
+            program = program.run_decompositions({})
+        except Exception as exc:  # retracing a draft_export program can disagree with the example's values
+            raise CaptureError(f"torch.export could not functionalize the graph of {type(model).__name__}: "
+                               f"{type(exc).__name__}: {first_line(exc)}") from exc
     sig = program.graph_signature
     persistent = set(program.state_dict)
     placeholder_fqn: dict[str, str] = dict(sig.inputs_to_parameters)

@@ -163,6 +163,9 @@ class Analysis:
             kept = form if isinstance(form, NormForm) and kind == "module" else NormForm()
             entry = entries.setdefault(name, LayerNormEntry(name, kind, True, "", [], norm_shape, eps, dim=kept.dim,
                                                             upcast=kept.upcast, then=kept.then))
+            if node not in self.index.live:  # nobody reads it: nothing a fold could change (BLIP-2's pooling)
+                needs.setdefault(name, set())
+                continue
             if not entry.foldable:
                 continue
             state, dims = self.states.get(node.args[0]), shape(node.args[0])

@@ -50,21 +50,51 @@ def op_key(node: fx.Node) -> str:
     return f"{name}.{overload}" if overload == "Scalar" and name in ("mul", "div") else name
 
 
+SYMBOLIC_BASE = 1 << 40
+"""Far above any real width, so that a symbolic size never equals a feature axis's static one."""
+
+
+def _stand_in(expr: Any) -> int | None:
+    """A symbolic size as one integer: its expression with each symbol replaced by a large number of its own
+    (``u0`` by one, ``4*u0`` by four times that). Products and equalities of sizes then hold as they hold for
+    every value of the symbols, except by a coincidence of the stand-ins, which are far apart."""
+    import zlib
+
+    try:
+        values = {sym: SYMBOLIC_BASE + 2 * zlib.crc32(str(sym).encode()) + 1 for sym in expr.free_symbols}
+        out = expr.xreplace(values)
+        # a bare symbol comes back as a Python int, an expression as a sympy Integer
+        return int(out) if isinstance(out, int) or getattr(out, "is_Integer", False) else None
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def _static(size: Any) -> int | None:
-    """A size as an int, or None if symbolic; never ``int()``, which raises on a data-dependent size (``x[mask]``)."""
+    """A size as an int: a symbolic one (a data-dependent batch, as ``x[mask]`` makes) as its stand-in, or None;
+    never ``int()``, which raises on a data-dependent size."""
     if isinstance(size, int):
         return size
     node = getattr(size, "node", None)
-    return node.maybe_as_int() if node is not None and hasattr(node, "maybe_as_int") else None
+    if node is None or not hasattr(node, "maybe_as_int"):
+        return None
+    value = node.maybe_as_int()
+    return value if value is not None else _stand_in(getattr(node, "expr", None))
 
 
 def shape(node: Any) -> tuple[int, ...] | None:
-    """The static shape of a node's tensor value; None if it has none or a size is symbolic."""
+    """The shape of a node's tensor value, symbolic sizes as stand-ins; None if it has none."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(val, torch.Tensor):
         return None
     dims = tuple(_static(s) for s in val.shape)
     return None if None in dims else dims
+
+
+def rank(node: Any) -> int | None:
+    """The number of dimensions of a node's tensor value, symbolic sizes included (Idefics3's images, chosen by a
+    mask, are a data-dependent batch); None if it is not a tensor."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else None
 
 
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:

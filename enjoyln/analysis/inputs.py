@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import CaptureError
+from .multimodal import image_layouts, image_text_options, int_pair
 
 ExampleInputs = Any
 """A tensor, a tuple of positional arguments, or a dict of keyword arguments."""
@@ -89,7 +90,7 @@ _KEPT_TOKENS = {"pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_t
                 "cls_token_id", "mask_token_id", "unk_token_id"}
 
 
-def _placeholder_ids(config: Any) -> set[int]:
+def placeholder_ids(config: Any) -> set[int]:
     """Token ids that stand for an image, a video or audio: random text must not contain them."""
     found: set[int] = set()
     for cfg in (config, *(getattr(config, s, None) for s in _SUBCONFIGS)):
@@ -99,6 +100,18 @@ def _placeholder_ids(config: Any) -> set[int]:
             if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                 found.add(value)
     return found
+
+
+def fill_text_ids(config: Any, ids: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """``ids`` with its text positions filled in order from ``fill``, as far as it goes; the image's placeholder
+    tokens stay where they are, as many as the image has features."""
+    marks = placeholder_ids(config)
+    flat = ids.reshape(-1).clone()
+    text = ~torch.isin(flat, torch.tensor(sorted(marks), device=flat.device)) if marks else torch.ones_like(
+        flat, dtype=torch.bool)
+    where = text.nonzero().squeeze(1)[:len(fill)]
+    flat[where] = fill[:len(where)].to(flat)
+    return flat.view(ids.shape)
 
 
 def _audio_length(config: Any, frames: int) -> int:
@@ -115,7 +128,7 @@ def _audio_length(config: Any, frames: int) -> int:
 
 def _image_size(config: Any) -> tuple[int, int]:
     # 224: what image processors produce when the config does not say (CvT, GLPN)
-    return _int_pair(config_value(config, "image_size", "img_size", "input_size")) or (224, 224)
+    return int_pair(config_value(config, "image_size", "img_size", "input_size")) or (224, 224)
 
 
 def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[dict[str, Any]]:
@@ -131,7 +144,7 @@ def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[d
     max_pos = config_value(config, "max_position_embeddings", "n_positions", "max_target_positions")
     seq = min(seq_len, max_pos) if isinstance(max_pos, int) and max_pos > 0 else seq_len
     vocab = config_value(config, "vocab_size")
-    placeholders = _placeholder_ids(config)
+    placeholders = placeholder_ids(config)
 
     def ids(length: int) -> torch.Tensor:
         high = int(vocab) if vocab else 256  # no vocabulary: characters or bytes (CANINE)
@@ -148,15 +161,15 @@ def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[d
     if "input_ids" in params and (vocab or main == "input_ids"):
         text["input_ids"] = ids(seq)
     options: list[dict[str, Any]] = []
-    if "pixel_values" in params and (main == "pixel_values" or config_value(config, "image_size")):
-        pixels = _pixel_options(config, randn, batch)
-        image_token = config_value(config, "image_token_id", "image_token_index")
-        if text and isinstance(image_token, int):  # a vision-language model: the text holds the image
-            with_tokens = _with_image_tokens(model, pixels[0], text["input_ids"], image_token)
-            options += [with_tokens] if with_tokens else []
-            options.append({})  # else the text alone
-        else:
-            options += pixels
+    image_token = config_value(config, "image_token_id", "image_token_index")
+    if "pixel_values" in params and text and isinstance(image_token, int) and hasattr(config, "vision_config"):
+        # a vision-language model: an image in every sample, the text holding its placeholder tokens
+        with _evaluating(model):
+            options += image_text_options(model, image_layouts(model, randn, batch, device), text["input_ids"],
+                                          image_token)
+        options.append({})  # else the text alone
+    elif "pixel_values" in params and (main == "pixel_values" or config_value(config, "image_size")):
+        options += _pixel_options(config, randn, batch)
     if "pixel_values_videos" in params and main == "pixel_values_videos":
         frames = config_value(config, "frames_per_clip", "num_frames") or 4
         size, channels = _image_size(config), config_value(config, "num_channels") or 3
@@ -183,32 +196,6 @@ def _pixel_options(config: Any, randn: Any, batch: int) -> list[dict[str, Any]]:
         return [{"pixel_values": randn(batch, frames, channels, *size)}, {"pixel_values": image}]
     # an image, then one image per sample as a stack (Idefics takes (batch, images, C, H, W))
     return [{"pixel_values": image}, {"pixel_values": image.unsqueeze(1)}]
-
-
-def _with_image_tokens(model: nn.Module, pixels: dict[str, Any], text: torch.Tensor,
-                       image_token: int) -> dict[str, Any] | None:
-    """Pixels and text that starts with one placeholder token per image feature, as a processor
-    would write it; the count comes from running the model's own ``get_image_features``."""
-    get = getattr(model, "get_image_features", None)
-    if get is None:
-        return None
-    params = inspect.signature(get).parameters
-    extra = {n: getattr(model.config, n) for n in params
-             if n.startswith("vision_feature") and getattr(model.config, n, None) is not None}
-    try:
-        with _evaluating(model):
-            out = get(**pixels, **extra)
-    except Exception:  # noqa: BLE001 - this model needs more than pixels: no image then
-        return None
-    feats = getattr(out, "pooler_output", None) if not isinstance(out, (torch.Tensor, list, tuple)) else out
-    if isinstance(feats, (list, tuple)) and feats and isinstance(feats[0], torch.Tensor):
-        per_image = feats[0].shape[0] if feats[0].dim() == 2 else feats[0].shape[-2]
-    elif isinstance(feats, torch.Tensor) and feats.dim() >= 2:
-        per_image = feats.shape[-2] if feats.dim() == 3 else feats.shape[0] // text.shape[0]
-    else:
-        return None
-    placeholders = torch.full((text.shape[0], int(per_image)), image_token, dtype=text.dtype, device=text.device)
-    return {**pixels, "input_ids": torch.cat([placeholders, text], dim=1)}
 
 
 def _waveform_options(config: Any, randn: Any, batch: int, frames: int) -> list[dict[str, Any]]:
@@ -320,14 +307,6 @@ def _cannot_synthesize(model: nn.Module, why: str) -> str:
 # --- models that describe their own inputs: timm and open_clip (neither imported: what they
 # record on the model is read as plain attributes, so any module that records the same is alike)
 
-def _int_pair(size: Any) -> tuple[int, int] | None:
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size, size
-    if isinstance(size, (list, tuple)) and len(size) >= 2 and all(isinstance(s, int) and s > 0 for s in size[-2:]):
-        return int(size[-2]), int(size[-1])
-    return None
-
-
 def _timm_input_size(model: nn.Module) -> tuple[int, int, int] | None:
     """(C, H, W) from timm's ``pretrained_cfg["input_size"]`` (``default_cfg`` in older timm)."""
     for name in ("pretrained_cfg", "default_cfg"):
@@ -360,10 +339,10 @@ def _image_sizes(model: nn.Module) -> list[tuple[int, int, int]]:
     built for, which ``create_model(..., img_size=...)`` sets without updating ``pretrained_cfg``."""
     timm_size = _timm_input_size(model)
     sizes = [timm_size] if timm_size is not None else []
-    own = _int_pair(getattr(model, "image_size", None))
+    own = int_pair(getattr(model, "image_size", None))
     if own is not None:
         sizes.append((_channels(model), *own))
-    patch = _int_pair(getattr(getattr(model, "patch_embed", None), "img_size", None))
+    patch = int_pair(getattr(getattr(model, "patch_embed", None), "img_size", None))
     if patch is not None:
         sizes.append((sizes[0][0] if sizes else _channels(model), *patch))
     return list(dict.fromkeys(sizes))

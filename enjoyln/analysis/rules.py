@@ -11,7 +11,7 @@ from typing import Any, Callable, Container, Iterator
 import torch
 from torch import fx
 
-from .graph import GraphIndex, arg, norm_dim, op_key, op_name, permutation, shape
+from .graph import GraphIndex, arg, norm_dim, op_key, op_name, permutation, rank, shape
 from ..plan import Centering
 
 MAP, SUM, SCALE = "map", "sum", "scale"
@@ -387,7 +387,7 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
     name = op_name(node)
     if name not in SOURCE_OPS:
         return None
-    out_shape = shape(node)
+    dims = rank(node)
     where = g.cap.where(node)
     weight_idx, bias_idx, w_axis, b_axis, out_axis = LINEAR_LAYOUTS.get(name, (1, 2, 0, 0, None))
     if name.startswith("conv"):
@@ -398,13 +398,13 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
                            f"{where}, which weight centering cannot make zero-mean")
         w_axis = 1 if transposed else 0
     weight = g.param(node.args[weight_idx])
-    if weight is None or out_shape is None:
+    if weight is None or dims is None:
         return Refusal(f"includes the output of {name} {where}, whose weight is not a parameter enjoyln can center")
     fqn, perm = weight
     if name in ("mm", "matmul") and len(perm) < 2:
         return Refusal(f"includes the output of {name} {where}, which is not a linear layer")
     if name.startswith("conv"):
-        out_axis = len(out_shape) - (len(perm) - 1)
+        out_axis = dims - (len(perm) - 1)
     params = [g.centering(node, fqn, perm[w_axis])]
     bias_node = arg(node, bias_idx, "bias") if bias_idx is not None else None
     if bias_node is not None:
@@ -412,7 +412,7 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
         if bias is None:
             return Refusal(f"includes the output of {name} {where}, whose bias is not a parameter enjoyln can center")
         params.append(g.centering(node, bias[0], bias[1][b_axis]))
-    return Source(node.name, g.label(node), node, norm_dim(out_axis, len(out_shape)), tuple(params))
+    return Source(node.name, g.label(node), node, norm_dim(out_axis, dims), tuple(params))
 
 
 def other_reads(g: GraphIndex, ph: fx.Node, skip: Container[fx.Node],

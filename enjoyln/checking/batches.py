@@ -7,8 +7,8 @@ import inspect
 import torch
 from torch import nn
 
-from ..analysis.inputs import (ExampleInputs, Inputs, as_inputs, config_value, described_inputs, hf_example_inputs,
-                               inputs_like, is_hf_model, wants_no_cache)
+from ..analysis.inputs import (ExampleInputs, Inputs, as_inputs, config_value, described_inputs, fill_text_ids,
+                               hf_example_inputs, inputs_like, is_hf_model, placeholder_ids, wants_no_cache)
 from ..errors import CaptureError
 from .report import Coverage
 from .running import cast_inputs, run_model
@@ -59,8 +59,11 @@ def coverage_batch(model: nn.Module, *, seed: int = 0, length: int | None = None
     gen = torch.Generator().manual_seed(seed)
     shape = inputs["input_ids"].shape
     count = shape[0] * shape[1]
-    ids = torch.cat([torch.randperm(vocab, generator=gen) for _ in range(-(-count // vocab))])[:count]
-    inputs["input_ids"] = ids.view(shape).to(inputs["input_ids"].device)
+    marks = torch.tensor(sorted(placeholder_ids(config)), dtype=torch.long)
+    ids = torch.cat([perm[~torch.isin(perm, marks)] for perm in (torch.randperm(vocab, generator=gen)
+                                                                  for _ in range(-(-count // vocab) + 1))])[:count]
+    # an image's placeholder tokens stay: as many as its features, or the model refuses the batch
+    inputs["input_ids"] = fill_text_ids(config, inputs["input_ids"], ids)
     types = getattr(config, "type_vocab_size", None)
     if "token_type_ids" in params and isinstance(types, int) and types > 1:
         inputs["token_type_ids"] = torch.randint(0, types, shape, generator=gen).to(ids.device)

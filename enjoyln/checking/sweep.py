@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from ..analysis.inputs import Inputs, config_value, hf_example_inputs, is_hf_model
+from ..analysis.inputs import Inputs, config_value, fill_text_ids, hf_example_inputs, is_hf_model, placeholder_ids
 
 MAX_VOCAB = 262_144
 """The largest vocabulary swept whole; a larger one is reported as the count of ids drawn."""
@@ -31,7 +31,8 @@ def token_sweep(model: nn.Module, drawn: set[int], *, seed: int = 0, max_rows: i
     if not isinstance(vocab, int) or not 0 < vocab <= MAX_VOCAB:
         return []
     gen = torch.Generator().manual_seed(seed + 7919)
-    todo = torch.tensor([i for i in torch.randperm(vocab, generator=gen).tolist() if i not in drawn], dtype=torch.long)
+    skip = drawn | placeholder_ids(config)  # an image's placeholders are replaced by its features, never read as text
+    todo = torch.tensor([i for i in torch.randperm(vocab, generator=gen).tolist() if i not in skip], dtype=torch.long)
     if not len(todo):
         return []
     max_pos = config_value(config, "max_position_embeddings", "n_positions", "max_target_positions")
@@ -44,10 +45,8 @@ def token_sweep(model: nn.Module, drawn: set[int], *, seed: int = 0, max_rows: i
         inputs = hf_example_inputs(model, batch=rows, seq_len=length, seed=seed + 1000 + k)
         if "input_ids" not in inputs:
             return []
-        ids = inputs["input_ids"]
-        flat = ids.reshape(-1).clone()
-        flat[:len(chunk)] = chunk  # a short last batch keeps random ids after the swept ones
-        inputs["input_ids"] = flat.view(ids.shape)
+        # a short last batch keeps random ids after the swept ones
+        inputs["input_ids"] = fill_text_ids(config, inputs["input_ids"], chunk)
         batches.append(Inputs((), inputs))
     return batches
 

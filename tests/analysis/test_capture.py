@@ -122,3 +122,22 @@ def test_meta_device_analysis_matches_real():
         meta = transformers.GPT2LMHeadModel(config).eval()
     plan = enjoyln.analyze(meta)
     assert len(plan.foldable) == 5 and plan.untied[0].param == "lm_head.weight"
+
+
+def test_a_failure_retracing_the_program_is_one_line(monkeypatch):
+    """run_decompositions retraces a draft_export program, and can disagree with the example's values (Cosmos3)."""
+    import importlib
+
+    from enjoyln.errors import CaptureError
+
+    capture_mod = importlib.import_module("enjoyln.analysis.capture")
+
+    def mismatch(self, table):
+        raise RuntimeError("Real tensor propagation found a metadata mismatch\nand more")
+
+    monkeypatch.setattr(capture_mod, "_functionalize", lambda graph: False)
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", mismatch)
+    with pytest.raises(CaptureError) as err:
+        capture_mod.capture(torch.nn.Linear(4, 4), torch.randn(2, 4))
+    assert str(err.value) == ("torch.export could not functionalize the graph of Linear: RuntimeError: Real tensor "
+                              "propagation found a metadata mismatch")

@@ -255,18 +255,64 @@ def test_near_miss_a_buffer_read_by_something_else():
 
 
 class DataDependent(nn.Module):
-    def __init__(self):
+    """Rows chosen by a mask, so the batch is data-dependent: a mask on the layer's own output, which centering
+    changes, or on the input, which it does not."""
+
+    def __init__(self, mask_on_input: bool = False):
         super().__init__()
-        self.lin, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+        self.lin, self.ln, self.mask_on_input = nn.Linear(8, 8), nn.LayerNorm(8), mask_on_input
 
     def forward(self, x):
         h = self.lin(x)
-        return self.ln(h[h[:, 0] > 0])  # as many rows as the data says
+        return self.ln(h[(x if self.mask_on_input else h)[:, 0] > 0])
 
 
-def test_data_dependent_sizes_are_a_refusal_not_a_crash():
+def test_data_dependent_sizes_are_followed():
     plan = enjoyln.analyze(DataDependent().eval(), torch.randn(6, 8))
-    assert not plan["ln"].foldable and "shapes are unknown" in plan["ln"].reason
+    assert not plan["ln"].foldable and "the input of select" in plan["ln"].reason
+    assert fold_exact(DataDependent(mask_on_input=True), torch.randn(6, 8))["ln"].foldable
+
+
+class MaskedPatches(nn.Module):
+    """A patch embedding as Idefics3 writes it: the real images picked by a mask (a data-dependent batch), a
+    convolution with ``padding="valid"``, positions added, then a LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 4, stride=4, padding="valid")
+        self.pos = nn.Parameter(torch.randn(4, 8))
+        self.ln, self.head = nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, pixels):
+        real = pixels.flatten(1).abs().sum(-1) > 0
+        return self.head(self.ln(self.conv(pixels[real]).flatten(2).transpose(1, 2) + self.pos))
+
+
+def test_a_patch_embedding_of_masked_images_is_centered():
+    pixels = torch.randn(3, 3, 8, 8)
+    pixels[1] = 0  # a padding image, dropped by the mask
+    plan = fold_exact(MaskedPatches(), pixels)
+    assert plan["ln"].foldable
+    assert {c.param for c in plan["ln"].centered} == {"conv.weight", "conv.bias", "pos"}
+
+
+class PooledTwice(nn.Module):
+    """BLIP-2's vision tower: the post-norm over the sequence, then again over its first token, which the caller
+    drops."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.post, self.head = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        seq = self.post(self.lin(x))
+        self.post(seq[:, 0])  # pooled, and never read
+        return self.head(seq)
+
+
+def test_a_dead_call_of_a_norm_does_not_block_it():
+    plan = fold_exact(PooledTwice(), torch.randn(2, 5, 8))
+    assert plan["post"].foldable
 
 
 def test_any_analysis_failure_is_one_line_naming_the_op_and_module(monkeypatch):

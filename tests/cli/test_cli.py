@@ -482,3 +482,32 @@ def test_a_dtype_that_is_none_is_named(value, gpt2_dir, tmp_path):
     assert result.exit_code == 2 and not (tmp_path / "out").exists()
     assert "config.json" in result.output and "not a floating torch dtype" in result.output or \
         "cannot read" in result.output, result.output
+
+
+def test_fold_then_check_a_vision_language_directory(tmp_path):
+    """LLaVA with a SigLIP tower read at layer -2, from its directory alone: every batch holds an image, the tapped
+    tower's LNs are refused with the tap's reader named, and the output loads with plain from_pretrained."""
+    import transformers
+
+    from enjoyln.analysis.inputs import hf_example_inputs
+    from models import llava_siglip
+
+    src, out = tmp_path / "llava", tmp_path / "out"
+    original = perturb(llava_siglip(), seed=5)
+    original.save_pretrained(src)
+    result = runner.invoke(app, ["fold", str(src), str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["check"]["passed"] is True
+    entries = {e["name"]: e for e in payload["plan"]["layer_norms"]}
+    tower = [e for name, e in entries.items() if name.startswith("model.vision_tower.encoder")]
+    assert len(tower) == 4 and all(not e["foldable"] and "multi_modal_projector" in e["reason"] for e in tower)
+    assert any("image_outputs" in o for o in json.dumps(payload["check"]).split('"'))  # the tower ran in the check
+    result = runner.invoke(app, ["check", str(src), str(out)])
+    assert result.exit_code == 0 and "PASS" in result.output, result.output
+    inputs = hf_example_inputs(original, seed=3)
+    assert (inputs["input_ids"] == 127).sum() == 2 * 16
+    with torch.no_grad():
+        expected = original(**inputs).logits
+        got = transformers.LlavaForConditionalGeneration.from_pretrained(out).eval()(**inputs).logits
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
