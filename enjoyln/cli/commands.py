@@ -42,7 +42,7 @@ def model_dir_of(spec: str, revision: Optional[str], access: Access, display: Di
         display.stage(f"fetching {spec} from the Hugging Face hub (or its cache)")
     with quiet_libraries(transformers=False):  # transformers would take seconds to import
         found = resolve_model_dir(spec, revision=revision, allow_pickle=access.allow_pickle, role=role)
-    return precheck_model_dir(found)
+    return precheck_model_dir(found, allow_pickle=access.allow_pickle)
 
 
 def fold(

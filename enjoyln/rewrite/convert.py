@@ -23,7 +23,8 @@ from ..options import FoldOptions
 from ..plan import NOT_ROTATED, FoldPlan, RotationSpec
 from ..store.checkpoint import Checkpoint, open_checkpoint
 from ..store.files import check_links, copy_extras
-from ..store.formats import SAFE_INDEX, read_safetensors_header
+from ..store.formats import read_safetensors_header
+from ..store.locate import SAFE_INDEX
 from ..store.hf import check_shapes
 from ..store.quiet import quiet
 from ..store.tensors import TensorReader
