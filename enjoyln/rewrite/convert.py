@@ -219,7 +219,8 @@ class _Fold:
         if o.plan is not None:
             check_fits(ck.meta, o.plan)
         check_shapes(ck)
-        plan = o.plan or analyze_dir(ck, o.auxiliary_centering, o.fuse_affine, o.rotate)
+        plan = o.plan or analyze_dir(ck, o.auxiliary_centering, o.fuse_affine, o.rotate,
+                                     must_rotate=o.rotate is not None and not o.dry_run)
         if o.rotate is not None and plan.rotation is None and not o.dry_run:
             why = plan.note(NOT_ROTATED) or "the plan has no rotation"
             raise EnjoylnError(f"{why}; nothing was written")

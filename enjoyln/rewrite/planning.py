@@ -7,17 +7,20 @@ import contextlib
 import torch
 
 from ..analysis import analyze
-from ..errors import CheckpointError
-from ..plan import AFFINE_GAIN, MISSING, FoldPlan, Note, RotationSpec
+from ..errors import CheckpointError, EnjoylnError
+from ..plan import AFFINE_GAIN, MISSING, NOT_ROTATED, FoldPlan, Note, RotationSpec
 from ..store.checkpoint import Checkpoint
 from ..store.tensors import TensorReader
 
 
 def analyze_dir(ck: Checkpoint, auxiliary_centering: bool, fuse_affine: bool = False,
-                rotate: RotationSpec | None = None) -> FoldPlan:
-    """The plan for ``ck``'s meta model, analysed again where a gain it divides by has a zero entry."""
+                rotate: RotationSpec | None = None, *, must_rotate: bool = False) -> FoldPlan:
+    """The plan for ``ck``'s meta model, analysed again where a gain it divides by has a zero entry;
+    ``must_rotate``: a rotation the meta model already rules out is refused before any weight is read."""
     options = {"auxiliary_centering": auxiliary_centering, "fuse_affine": fuse_affine, "rotate": rotate}
     plan = analyze(ck.meta, **options)
+    if must_rotate and plan.rotation is None:
+        raise EnjoylnError(f"{plan.note(NOT_ROTATED) or 'the plan has no rotation'}; nothing was written")
     names = sorted({c.scale for c in plan.centered if c.scale}
                    | {f"{e.name}.weight" for e in plan.foldable if e.affine == AFFINE_GAIN})
     if names:
