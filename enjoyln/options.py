@@ -73,6 +73,8 @@ class FoldOptions:
     force: bool = False
     dry_run: bool = False
     keep_failed: bool = False
+    allow_missing: bool = False
+    """Fold even where the weights lack parameters the model class builds (random on every load)."""
     check: CheckOptions = field(default_factory=CheckOptions)
     access: Access = field(default_factory=Access)
 

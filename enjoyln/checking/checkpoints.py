@@ -26,6 +26,7 @@ from ..store.tensors import return_freed_memory
 from .compare import code_problems, load_problems, parse_dtype
 from .batches import MAX_COVER_POSITIONS
 from .forward import CandidatePath, ForwardOptions, ModelSource, check_sources
+from .pairing import as_reference_holds, tensor_names, tied_key
 from .report import CheckReport
 from . import running
 from .static import CODE_SCOPE, StaticReport, missing_note, static_check
@@ -110,8 +111,12 @@ def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str 
     if early is not None:
         return early
     # the parameters neither directory holds: found by the static pairing, else missing on both sides
-    theirs = set(ref_ck.missing) if static is None else set()
-    missing = static.missing if static is not None else [n for n in cand_ck.missing if n in theirs]
+    # (a name the candidate unties is still the reference's tensor, which it lacks)
+    if static is not None or not cand_ck.missing:
+        missing = static.missing if static is not None else []
+    else:
+        names = tensor_names(ref_ck.meta)
+        missing = [n for n in cand_ck.missing if tied_key(ref_ck, names, n) is None]
     try:
         report = _forward_part(ref_ck, cand_ck, opts, budget, missing=missing, stage=stage)
     except _CandidateUnloadable as exc:
@@ -198,7 +203,7 @@ def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, b
     report.caveat = caveat
     report.notes += [note] if note else []
     if missing:
-        report.notes.append(f"{missing_note(missing)}; every model this check loaded got the same seeded "
+        report.notes.append(f"{missing_note(as_reference_holds(ref_ck, missing))}; every model this check loaded got the same seeded "
                             "values for exactly those, so they were compared like the rest")
     if confirm:
         plain_too = " (plain loading on the first)" if plain_required is not None else ""

@@ -21,7 +21,7 @@ from ..rewrite.stream import StreamedTensors
 from ..store.tensors import TensorReader
 from .compare import (code_problems, config_problems, file_problems, identical_directories,
                       load_problems, parse_dtype, plan_problems, same_json)
-from .pairing import Pair, pair_tensors, still_tied, tensor_names, tied_key
+from .pairing import Pair, as_reference_holds, pair_tensors, still_tied, tensor_names, tied_key
 from .verify import Verdicts, Verifier
 
 @dataclass
@@ -47,6 +47,8 @@ class StaticReport:
     byte_identical: bool = False
     missing: list[str] = field(default_factory=list)
     """Parameters the model class builds that neither checkpoint holds (random on every load)."""
+    lacking: list[str] = field(default_factory=list)
+    """The same, counted as the reference's model holds them (its tied names once), as the fold counts them."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,7 +66,7 @@ class StaticReport:
         elif self.form:
             what = "the plan applied to the reference" if self.form == "folded" else "identical to the reference"
             lines.append(f"  the candidate is {what} (plan: {self.plan})")
-        lines += [f"  note: {missing_note(self.missing)}"] if self.missing else []
+        lines += [f"  note: {missing_note(self.lacking)}"] if self.lacking else []
         lines += [f"  [FAIL] {p}" for p in self.problems[:20]]
         lines += [f"  ... and {len(self.problems) - 20} more problems"] if len(self.problems) > 20 else []
         return "\n".join(lines)
@@ -121,7 +123,7 @@ def static_check(ref: Checkpoint, cand: Checkpoint, *, progress: Callable[[int, 
         for reader in readers:
             reader.close()
     return dataclasses.replace(_judge(resolved, verdicts, files, moved=moves_values(resolved.plan)),
-                               missing=missing, bytes_read=sum(r.bytes_read for r in readers),
+                               missing=missing, lacking=as_reference_holds(ref, missing), bytes_read=sum(r.bytes_read for r in readers),
                                seconds=time.perf_counter() - start)
 
 

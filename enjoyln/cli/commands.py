@@ -17,7 +17,7 @@ from ..store.locate import precheck_model_dir, resolve_model_dir
 from ..store.quiet import quiet_libraries
 from ..store.transaction import check_out_dir
 from ..units import parse_size
-from .options import (Batches, Check, CheckDevice, CheckMemory, DryRun, Force, JsonOnly, KeepFailed, MaxShardSize,
+from .options import (AllowMissing, Batches, Check, CheckDevice, CheckMemory, DryRun, Force, JsonOnly, KeepFailed, MaxShardSize,
                       ModelClass, Quiet, ReadPickle, Revision, Rtol, SeqLen, StaticCheck, TrustCode, Verbose,
                       check_cuda, parse_check_dtype, parse_device, parse_rotation)
 from .progress import Display
@@ -56,8 +56,8 @@ def fold(
     fuse_affine: Annotated[bool, typer.Option(
         "--fuse-affine", help="Move each folded norm's gain and bias into the layers reading it.")] = False,
     batches: Batches = None, seq_len: SeqLen = 16, max_memory: CheckMemory = None, rtol: Rtol = None,
-    model_class: ModelClass = None, device: CheckDevice = "cpu", revision: Revision = None, quiet: Quiet = False,
-    verbose: Verbose = False,
+    model_class: ModelClass = None, allow_missing: AllowMissing = False, device: CheckDevice = "cpu",
+    revision: Revision = None, quiet: Quiet = False, verbose: Verbose = False,
 ) -> None:
     """Fold a model directory, check the result, and publish it to OUT_DIR only if it passes.
 
@@ -66,6 +66,7 @@ def fold(
     options = FoldOptions.of(max_shard_size=parse_size(max_shard_size), force=force, keep_failed=keep_failed,
                              dry_run=dry_run, auxiliary_centering=auxiliary_centering, fuse_affine=fuse_affine,
                              allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class,
+                             allow_missing=allow_missing,
                              check=_check_options(check, static, batches=batches, seq_len=seq_len, rtol=rtol,
                                                   max_memory=max_memory, device=parse_device(device)))
     _publish(model_dir, out_dir, options, as_json, revision)
@@ -82,8 +83,8 @@ def rotate(
     keep_failed: KeepFailed = False, dry_run: DryRun = False, as_json: JsonOnly = False,
     allow_pickle: ReadPickle = False, trust_remote_code: TrustCode = False,
     batches: Batches = None, seq_len: SeqLen = 16, max_memory: CheckMemory = None, rtol: Rtol = None,
-    model_class: ModelClass = None, device: CheckDevice = "cpu", revision: Revision = None, quiet: Quiet = False,
-    verbose: Verbose = False,
+    model_class: ModelClass = None, allow_missing: AllowMissing = False, device: CheckDevice = "cpu",
+    revision: Revision = None, quiet: Quiet = False, verbose: Verbose = False,
 ) -> None:
     """Fold with fused affines and rotate the residual stream by an orthogonal Q; same outputs, proved.
 
@@ -93,6 +94,7 @@ def rotate(
     options = FoldOptions.of(max_shard_size=parse_size(max_shard_size), force=force, keep_failed=keep_failed,
                              dry_run=dry_run, fuse_affine=True, rotate=RotationSpec(kind, seed, keep_mean),
                              allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class,
+                             allow_missing=allow_missing,
                              check=_check_options(check, static, batches=batches, seq_len=seq_len, rtol=rtol,
                                                   max_memory=max_memory, device=parse_device(device)))
     _publish(model_dir, out_dir, options, as_json, revision)

@@ -33,7 +33,7 @@ from ..store.transaction import (check_out_dir, clean_stale, keep_failed, missin
 from ..transform.steps import check_fits
 from .config import output_config
 from .entries import Entry, fold_entries, index_metadata, reshard
-from .planning import analyze_dir, moves_values
+from .planning import analyze_dir, missing_refusal, moves_values
 from .stream import StreamedTensors
 from .writer import EarlyCopy, Writing, early_layout, early_spans, finish_shard, write_shard
 
@@ -150,6 +150,8 @@ def _refuse_early(ck: Checkpoint, out: Path, opts: FoldOptions) -> None:
         raise CheckpointError(f"{ck.library.name} loads one weight file, model.safetensors, so this directory "
                               "is not re-sharded; drop --max-shard-size")
     check_out_dir(ck.path, out, opts.force, dry_run=opts.dry_run)
+    if ck.missing and not opts.allow_missing:  # the meta model's names against the saved ones: no weight read
+        raise missing_refusal(ck)
     check_links(ck)  # a file a loader reads, outside MODEL_DIR: refused before anything is written
     if opts.check.mode == "full" and not opts.dry_run:
         require_memory(ck, opts.check.max_memory)

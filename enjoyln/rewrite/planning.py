@@ -10,6 +10,7 @@ from ..analysis import analyze
 from ..errors import CheckpointError, EnjoylnError
 from ..plan import AFFINE_GAIN, MISSING, NOT_ROTATED, FoldPlan, Note, RotationSpec
 from ..store.checkpoint import Checkpoint
+from ..store.hf import matching_class
 from ..store.tensors import TensorReader
 
 
@@ -37,6 +38,21 @@ def missing_note(names: list[str], architecture: str) -> Note:
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return Note.of(MISSING, f"{len(names)} parameter{'s' if many else ''}", architecture, shown,
                    "them" if many else "it", "them" if many else "it")
+
+
+def missing_refusal(ck: Checkpoint) -> CheckpointError:
+    """A fold that would write a checkpoint whose model draws some parameters at random on every load, refused
+    (``--allow-missing`` folds it), naming the class the weights match where there is one."""
+    names, arch = ck.missing, ck.architecture
+    many = len(names) > 1
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    found = matching_class(ck) if ck.source == "transformers" else None
+    choose = (f"its weights match {found}: pass --model-class {found} to fold that class" if found
+              else "pass --model-class with a class its weights match")
+    return CheckpointError(f"{ck.path} lacks {len(names)} parameter{'s' if many else ''} that {arch} builds "
+                           f"({shown}), which transformers would initialise at random on every load; {choose}, "
+                           f"or --allow-missing to fold {arch} with {'them' if many else 'it'} random; nothing "
+                           "was written")
 
 
 def read_tensors(ck: Checkpoint, names: list[str]) -> list[torch.Tensor]:
