@@ -54,6 +54,8 @@ class CheckOptions:
     max_memory: int | None = None
     device: str = "cpu"
     mode: str = "full"
+    sweep_tokens: int | None = None
+    """With mode ``forward``: the most token ids the token sweep runs (None: ``checking.sweep.SWEEP_TOKENS``)."""
     access: Access = field(default_factory=Access)
 
     @classmethod

@@ -123,8 +123,8 @@ def static_check(ref: Checkpoint, cand: Checkpoint, *, progress: Callable[[int, 
         for reader in readers:
             reader.close()
     return dataclasses.replace(_judge(resolved, verdicts, files, moved=moves_values(resolved.plan)),
-                               missing=missing, lacking=as_reference_holds(ref, missing), bytes_read=sum(r.bytes_read for r in readers),
-                               seconds=time.perf_counter() - start)
+                               missing=missing, lacking=as_reference_holds(ref, missing),
+                               bytes_read=sum(r.bytes_read for r in readers), seconds=time.perf_counter() - start)
 
 
 def _resolve_plan(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Resolved:

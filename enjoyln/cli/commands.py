@@ -214,6 +214,9 @@ def check(
     thorough: Annotated[bool, typer.Option(
         "--thorough", help="After the weight check, also run a batch that covers every position and "
                            "thousands of token ids (slower).")] = False,
+    sweep_tokens: Annotated[Optional[int], typer.Option(
+        min=0, help="With --forward-only: the most token ids the token sweep runs beyond the other batches' "
+                    "(default: 8192; 0: none).")] = None,
     rtol: Rtol = None,
     dtype: Annotated[Optional[str], typer.Option(
         help="The dtype CANDIDATE is meant to load in, if not the reference's (float16, bfloat16, float32, "
@@ -237,11 +240,13 @@ def check(
         raise EnjoylnError("--static and --forward-only exclude each other")
     if static and thorough:
         raise EnjoylnError("--thorough adds to the forward comparison, which --static skips")
+    if sweep_tokens is not None and not forward_only:
+        raise EnjoylnError("--sweep-tokens sets the token sweep, which only --forward-only runs")
     mode = "static" if static else "forward" if forward_only else "full"
     options = CheckOptions.of(mode=mode, max_memory=parse_size(max_memory), dtype=parse_check_dtype(dtype),
                               device=parse_device(device), batches=batches, batch_size=batch_size, seq_len=seq_len,
-                              seed=seed, rtol=rtol, thorough=thorough, allow_pickle=allow_pickle,
-                              trust_remote_code=trust_remote_code, model_class=model_class)
+                              seed=seed, rtol=rtol, thorough=thorough, sweep_tokens=sweep_tokens,
+                              allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
     with Display(err, enabled=not as_json and not state.quiet) as display:
         reference = model_dir_of(reference_dir, revision, options.access, display, role="REFERENCE")
         candidate = model_dir_of(candidate_dir, None, options.access, display, role="CANDIDATE")

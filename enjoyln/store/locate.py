@@ -63,13 +63,15 @@ def pickle_refusal(root: Path) -> CheckpointError:
 def _timm_resave(root: Path, config: dict[str, Any]) -> str:
     """The one command that re-saves a timm directory's ``pytorch_model.bin`` as the ``model.safetensors``
     timm's hub format reads first, loaded by timm itself (which maps older layouts of its weights)."""
-    args = {"num_classes": config["num_classes"]} if isinstance(config.get("num_classes"), int) else {}
-    if isinstance(config.get("model_args"), dict):
-        args.update(config["model_args"])
+    args = dict(config["model_args"]) if isinstance(config.get("model_args"), dict) else {}
+    if isinstance(config.get("num_classes"), int):
+        args["num_classes"] = config["num_classes"]
     extra = "".join(f", {k}={v!r}" for k, v in args.items() if isinstance(k, str) and k.isidentifier())
+    # the head's size in the overlay too, or timm drops the stored head as another task's and draws one
+    head = f", num_classes={args['num_classes']!r}" if "num_classes" in args else ""
     return (f"python -c \"import timm, safetensors.torch as st; st.save_model(timm.create_model("
             f"{str(config.get('architecture'))!r}, pretrained=True, pretrained_cfg_overlay=dict(file="
-            f"{str(root / PT_WEIGHTS)!r}){extra}), {str(root / SAFE_WEIGHTS)!r})\"")
+            f"{str(root / PT_WEIGHTS)!r}{head}){extra}), {str(root / SAFE_WEIGHTS)!r})\"")
 
 
 def precheck_weights(root: Path, config: dict[str, Any], *, allow_pickle: bool = False) -> None:

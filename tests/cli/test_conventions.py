@@ -118,6 +118,7 @@ EARLY = [  # (args, with {m}: a model dir, {tmp}: the test's folder), what the l
     (["inspect", "{m}", "--graph", "{tmp}/g.png"], "--graph must end in .html or .svg"),
     (["check", "{m}", "{m}", "--dtype", "int8"], "cannot judge a candidate in dtype 'int8'"),
     (["check", "{m}", "{m}", "--static", "--forward-only"], "exclude each other"),
+    (["check", "{m}", "{m}", "--sweep-tokens", "5"], "--sweep-tokens sets the token sweep, which only --forward-only"),
     (["bench", "--dtypes", "float8"], "cannot use 'float8' in --dtypes"),
     (["export", "{m}", "{tmp}/model.txt"], "name a file ending in .onnx"),
     (["fold", "{m}", "{tmp}/out", "--revision", "main"], "--revision applies to a hub id"),
