@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{size / 1e6:.0f} MB (its fold {folded_size / 1e6:.0f} MB with the untied head). Each command in its own process under `/usr/bin/time -v`, one after the other; "
         f"{machine()}. Other processes shared the two cores (the load average, over 1 minute, as each command ended, "
         "is in the table): the wall times are upper bounds, and the CPU time (user and system, both threads) is "
-        "what the command itself spent, about twice its wall time on two idle cores.",
+        "what the command itself spent.",
         "",
         "| command | exit | wall | CPU time | load | peak RSS | token ids covered |",
         "|---|---|---|---|---|---|---|",
