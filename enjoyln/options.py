@@ -54,6 +54,8 @@ class CheckOptions:
     max_memory: int | None = None
     device: str = "cpu"
     mode: str = "full"
+    sweep_tokens: int | None = None
+    """With mode ``forward``: the most token ids the token sweep runs (None: ``checking.sweep.SWEEP_TOKENS``)."""
     access: Access = field(default_factory=Access)
 
     @classmethod
@@ -74,6 +76,8 @@ class FoldOptions:
     force: bool = False
     dry_run: bool = False
     keep_failed: bool = False
+    allow_missing: bool = False
+    """Fold even where the weights lack parameters the model class builds (random on every load)."""
     check: CheckOptions = field(default_factory=CheckOptions)
     access: Access = field(default_factory=Access)
 

@@ -61,7 +61,7 @@ def test_a_folded_pipeline_gives_the_originals_embeddings(pipeline, tmp_path):
 
 def test_a_pipeline_folded_as_another_class_is_refused_in_one_line(pipeline, tmp_path):
     result = CliRunner().invoke(app, ["fold", str(pipeline), str(tmp_path / "folded"),
-                                      "--model-class", "BertForMaskedLM"])
+                                      "--model-class", "BertForMaskedLM", "--allow-missing"])
     assert result.exit_code == 0, result.output
     with pytest.raises(enjoyln.CheckpointError, match="loads this directory as BertModel, but it was folded as "
                                                        "BertForMaskedLM; fold the original with --model-class BertModel"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import fx
 
+from .affine import MOVES
 from .dataflow import operands
 from .graph import LN_OPS, GraphIndex, op_name, shape
 from ..plan import AFFINE_FUSED, AFFINE_GAIN, FoldPlan, LayerNormEntry, Rotated, Rotation, RotationSpec
@@ -70,12 +71,44 @@ class RotationSpread(Spread):
         return [(keys, f"{g.describe(node)}")]
 
 
+def _sum_written(g: GraphIndex, calls: list[fx.Node]) -> fx.Node | None:
+    """The sum that a norm's output reaches through ops that only move values: there the norm writes the
+    residual stream (a post-LN block), so its gain is part of the stream, not of one layer's input."""
+    for ln in calls:
+        todo = ([u for u in ln.users if op_name(u) == "getitem" and u.args[1] == 0]
+                if op_name(ln) == "native_layer_norm" else [ln])
+        seen = set(todo)
+        while todo:
+            for user in todo.pop().users:
+                if user in seen or user not in g.live:
+                    continue
+                if kind_of(user) == SUM:
+                    return user
+                if op_name(user) in MOVES:
+                    seen.add(user)
+                    todo.append(user)
+    return None
+
+
+def _kept_affine(g: GraphIndex, e: LayerNormEntry, calls: list[fx.Node]) -> str:
+    """Why a folded norm whose affine stays blocks a rotation (which needs every norm on the stream weightless)."""
+    written = _sum_written(g, calls)
+    if written is not None:
+        return (f"{e.name} writes the residual stream ({g.describe(written)} adds its output to another value), so "
+                "its gain cannot move into the layers that read it, as a rotation needs; post-LN models such as "
+                "BERT and MPNet cannot be rotated")
+    return f"{e.name}'s gain cannot move into the layers that read it, as a rotation needs: {e.affine_reason}"
+
+
 def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], needs: dict[str, set[str]],
                   calls: dict[str, list[fx.Node]], spec: RotationSpec) -> Rotation | str:
     """The tensors to rotate, or why the stream cannot be rotated."""
     folded = [e for e in plan.layer_norms if e.foldable]
     if not folded:
         return "no LayerNorm folds, so there is no weightless stream to rotate"
+    for e in folded:  # a norm the rotation reaches whose affine stays: said first, in the plan's own terms
+        if e.affine not in (AFFINE_FUSED, AFFINE_GAIN) and needs.get(e.name):
+            return _kept_affine(g, e, calls.get(e.name, []))
     keys = set().union(*(needs.get(e.name, set()) for e in folded))
     entries = {ln: e for e in plan.layer_norms for ln in calls.get(e.name, [])}
     rotated: dict[tuple, Rotated] = {}
@@ -118,7 +151,7 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
                 return f"{param} is rotated for the stream, but {g.describe(user)} also reads it"
     spread.spread(changed)
     if spread.bad:
-        return next(iter(spread.bad.values()))
+        return f"the rotation would reach {next(iter(spread.bad.values()))}"
     for ln in spread.absorbed:
         e = entries[ln]
         width = shape(ln.args[0])[-1]

@@ -37,6 +37,9 @@ MAX_COVER_POSITIONS = 2048
 """Longest sequence the coverage batch feeds; longer position tables are covered by the static check."""
 COVER_TOKENS = 4096
 """Most tokens in the coverage batch, spread over up to four rows of distinct ids."""
+COVER_BYTES = 1 << 30
+"""About the most memory the coverage batch's float64 logits take beyond its first row: with a vocabulary of
+262,144 and 1,024 positions, four rows made 13 GiB of kept outputs, where one row covers every position."""
 
 
 def coverage_batch(model: nn.Module, *, seed: int = 0, length: int | None = None,
@@ -52,7 +55,8 @@ def coverage_batch(model: nn.Module, *, seed: int = 0, length: int | None = None
     if "input_ids" not in params or not isinstance(vocab, int) or vocab <= 0:
         return None
     length = length or min(max_pos or MAX_COVER_POSITIONS, MAX_COVER_POSITIONS)
-    rows = max(1, min(max_rows, COVER_TOKENS // length, -(-min(vocab, COVER_TOKENS) // length)))
+    rows = max(1, min(max_rows, COVER_TOKENS // length, -(-min(vocab, COVER_TOKENS) // length),
+                      COVER_BYTES // (8 * length * vocab)))
     inputs = hf_example_inputs(model, batch=rows, seq_len=length, seed=seed)
     if "input_ids" not in inputs:
         return None

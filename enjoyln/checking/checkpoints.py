@@ -26,6 +26,8 @@ from ..store.tensors import return_freed_memory
 from .compare import code_problems, load_problems, parse_dtype
 from .batches import MAX_COVER_POSITIONS
 from .forward import CandidatePath, ForwardOptions, ModelSource, check_sources
+from .pairing import as_reference_holds, tensor_names, tied_key
+from .sweep import sweep_bytes
 from .report import CheckReport
 from . import running
 from .static import CODE_SCOPE, StaticReport, missing_note, static_check
@@ -69,12 +71,13 @@ def _largest_tensor(ck: Checkpoint) -> int:
 
 def _activation_bytes(ck: Checkpoint) -> int:
     """A generous bound on one forward's largest live tensors with one row of the coverage
-    batch: the logits over the vocabulary, or a few hidden states."""
+    batch: the logits over the vocabulary, or a few hidden states; or one row of the token
+    sweep's batch in float64, which is what a forward-only check within a budget runs."""
     cfg = ck.config
     length = min(int(config_value_dict(cfg, "max_position_embeddings", "n_positions") or 512), MAX_COVER_POSITIONS)
     hidden = int(config_value_dict(cfg, "hidden_size", "n_embd", "d_model") or 1024)
-    width = max(int(config_value_dict(cfg, "vocab_size") or 0), 4 * hidden)
-    return length * width * 4 + (32 << 20)
+    vocab = int(config_value_dict(cfg, "vocab_size") or 0)
+    return max(length * max(vocab, 4 * hidden) * 4, sweep_bytes(vocab, hidden, 1, rows=1)) + (32 << 20)
 
 
 @quiet
@@ -110,8 +113,12 @@ def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str 
     if early is not None:
         return early
     # the parameters neither directory holds: found by the static pairing, else missing on both sides
-    theirs = set(ref_ck.missing) if static is None else set()
-    missing = static.missing if static is not None else [n for n in cand_ck.missing if n in theirs]
+    # (a name the candidate unties is still the reference's tensor, which it lacks)
+    if static is not None or not cand_ck.missing:
+        missing = static.missing if static is not None else []
+    else:
+        names = tensor_names(ref_ck.meta)
+        missing = [n for n in cand_ck.missing if tied_key(ref_ck, names, n) is None]
     try:
         report = _forward_part(ref_ck, cand_ck, opts, budget, missing=missing, stage=stage)
     except _CandidateUnloadable as exc:
@@ -167,7 +174,8 @@ def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, b
     batches = opts.batches if opts.batches is not None else CONFIRM_BATCHES if confirm else 3
     forward = ForwardOptions(batches=batches, seed=opts.seed, batch_size=opts.batch_size, seq_len=opts.seq_len,
                              rtol=opts.rtol, generate_tokens=CONFIRM_TOKENS if confirm else 8, coverage=not confirm,
-                             sweep=opts.mode == "forward")
+                             sweep=opts.mode == "forward",
+                             **({"sweep_tokens": opts.sweep_tokens} if opts.sweep_tokens is not None else {}))
     plain_required, caveat, note = _plain_loading(cand_ck, verified=opts.mode == "full")
     max_memory, auto = budget
     stage("loading the original and the candidate")
@@ -198,8 +206,8 @@ def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, b
     report.caveat = caveat
     report.notes += [note] if note else []
     if missing:
-        report.notes.append(f"{missing_note(missing)}; every model this check loaded got the same seeded "
-                            "values for exactly those, so they were compared like the rest")
+        report.notes.append(f"{missing_note(as_reference_holds(ref_ck, missing))}; every model this check loaded "
+                            "got the same seeded values for exactly those, so they were compared like the rest")
     if confirm:
         plain_too = " (plain loading on the first)" if plain_required is not None else ""
         decoded = report.generation is not None  # the model generates: decided by the model, not its name

@@ -15,7 +15,8 @@ from typing import Any
 from ..errors import CheckpointError, EnjoylnError
 from ..plan import FoldPlan, block_lists
 from ..store.files import extra_files, is_weight_file, loader_files
-from ..store.formats import JSON_LIMIT, PT_INDEX, SAFE_INDEX, input_file, loader_text, parse_json_file
+from ..store.formats import JSON_LIMIT, input_file, loader_text, parse_json_file
+from ..store.locate import PT_INDEX, SAFE_INDEX
 from ..store.checkpoint import Checkpoint
 from ..store.transaction import OWNER_FILE
 

@@ -22,7 +22,7 @@ from .generation import generate_greedy, generation_lengths, generation_settings
 from .measuring import FACTOR, Criterion, Outputs, Stats, judge_output, measure
 from .report import CheckReport, GenerationCheck, worse
 from .running import cast_inputs, run_model
-from .sweep import drawn_ids, sketched, token_sweep
+from .sweep import SWEEP_TOKENS, drawn_ids, sketched, token_sweep
 from .widening import NotWidened, widened
 
 HALF = (torch.float16, torch.bfloat16)
@@ -101,6 +101,7 @@ class ForwardOptions:
     generate_tokens: int = 8
     coverage: bool = True
     sweep: bool = False
+    sweep_tokens: int = SWEEP_TOKENS
     spill: bool = False
     max_rows: int = 4
 
@@ -183,11 +184,14 @@ class _Comparison:
         if first is not None:
             self.inputs[0] = first
         self.main = len(self.inputs)
+        left = 0
         if o.sweep and first is not None:
-            self.inputs += token_sweep(model, drawn_ids(self.inputs), seed=o.seed,
-                                       max_rows=o.max_rows if o.spill else None)
+            swept, left = token_sweep(model, drawn_ids(self.inputs), seed=o.seed,
+                                      max_rows=o.max_rows if o.spill else None, limit=o.sweep_tokens)
+            self.inputs += swept
         if self.covered is not None:  # what every batch draws, not the coverage batch alone
             self.covered.distinct_ids = len(drawn_ids(self.inputs))
+            self.covered.sweep_limit = o.sweep_tokens if left else None
         causal = o.generate_tokens > 0 and is_causal_lm(model)
         self.prompt_len, self.new_tokens = generation_lengths(model, o.generate_tokens) if causal else (0, 0)
         prompt = next((b.kwargs.get("input_ids") for b in self.inputs if "input_ids" in b.kwargs), None)

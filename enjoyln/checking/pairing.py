@@ -79,6 +79,13 @@ def pair_tensors(plan: FoldPlan, ref: Checkpoint, cand: Checkpoint) -> tuple[lis
     return pairs, problems, missing
 
 
+def as_reference_holds(ref: Checkpoint, names: list[str]) -> list[str]:
+    """``names`` counted as the reference's model holds them, tied names once: an untie in the candidate (a
+    head's bias that followed its decoder) makes two tensors of one, but not one more missing parameter."""
+    groups = tensor_names(ref.meta)
+    return list(dict.fromkeys(groups.get(n, (n,))[0] for n in names))
+
+
 def still_tied(plan: FoldPlan, cand_model: nn.Module) -> list[str]:
     """A head the plan unties that the candidate's model still ties (to anything: then it follows a centering)."""
     names = tensor_names(cand_model)

@@ -75,10 +75,14 @@ class Coverage:
     max_positions: int | None = None  # what the config allows (None: not a sequence model, or no limit)
     distinct_ids: int = 0
     vocab_size: int | None = None
+    sweep_limit: int | None = None
+    """The token sweep's limit (``--sweep-tokens``) where it stopped there, short of the whole vocabulary."""
 
     def describe(self) -> str:
         allowed = f" of {self.max_positions}" if self.max_positions else ""
         vocab = f" of {self.vocab_size}" if self.vocab_size else ""
+        if self.sweep_limit is not None:
+            vocab += f" (the token sweep stopped at its limit of {self.sweep_limit:,} ids; --sweep-tokens)"
         parts = [f"positions 0-{self.positions - 1}{allowed}" if self.positions else "",
                  f"{self.distinct_ids} distinct token ids{vocab}" if self.distinct_ids else ""]
         return ", ".join(p for p in parts if p)

@@ -21,7 +21,7 @@ from ..rewrite.stream import StreamedTensors
 from ..store.tensors import TensorReader
 from .compare import (code_problems, config_problems, file_problems, identical_directories,
                       load_problems, parse_dtype, plan_problems, same_json)
-from .pairing import Pair, pair_tensors, still_tied, tensor_names, tied_key
+from .pairing import Pair, as_reference_holds, pair_tensors, still_tied, tensor_names, tied_key
 from .verify import Difference, Verdicts, Verifier
 
 @dataclass
@@ -53,6 +53,8 @@ class StaticReport:
     """The line of the first of them, in the candidate's file order."""
     first_difference: Difference | None = None
     """Where that one differs, and by how much (None for another dtype or shape)."""
+    lacking: list[str] = field(default_factory=list)
+    """The same, counted as the reference's model holds them (its tied names once), as the fold counts them."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,7 +76,7 @@ class StaticReport:
                          f"  compared with {what} (plan: {self.plan})")
         if self.differing:
             lines.append(f"  {self.differing} of {self.tensors} tensors differ")
-        lines += [f"  note: {missing_note(self.missing)}"] if self.missing else []
+        lines += [f"  note: {missing_note(self.lacking)}"] if self.lacking else []
         lines += [f"  [FAIL] {p}" for p in self.problems[:20]]
         lines += [f"  ... and {len(self.problems) - 20} more problems"] if len(self.problems) > 20 else []
         return "\n".join(lines)
@@ -134,8 +136,8 @@ def static_check(ref: Checkpoint, cand: Checkpoint, *, progress: Callable[[int, 
     finally:
         for reader in readers:
             reader.close()
-    return dataclasses.replace(judged, missing=missing, bytes_read=sum(r.bytes_read for r in readers),
-                               seconds=time.perf_counter() - start)
+    return dataclasses.replace(judged, missing=missing, lacking=as_reference_holds(ref, missing),
+                               bytes_read=sum(r.bytes_read for r in readers), seconds=time.perf_counter() - start)
 
 
 def _resolve_plan(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Resolved:

@@ -17,7 +17,7 @@ from ..store.locate import precheck_model_dir, resolve_model_dir
 from ..store.quiet import quiet_libraries
 from ..store.transaction import check_out_dir
 from ..units import parse_size
-from .options import (Batches, Check, CheckDevice, CheckMemory, DryRun, Force, JsonOnly, KeepFailed, MaxShardSize,
+from .options import (AllowMissing, Batches, Check, CheckDevice, CheckMemory, DryRun, Force, JsonOnly, KeepFailed, MaxShardSize,
                       ModelClass, Quiet, ReadPickle, Revision, Rtol, SeqLen, StaticCheck, TrustCode, Verbose,
                       check_cuda, parse_check_dtype, parse_device, parse_dtypes, parse_rotation)
 from .progress import Display
@@ -42,7 +42,7 @@ def model_dir_of(spec: str, revision: Optional[str], access: Access, display: Di
         display.stage(f"fetching {spec} from the Hugging Face hub (or its cache)")
     with quiet_libraries(transformers=False):  # transformers would take seconds to import
         found = resolve_model_dir(spec, revision=revision, allow_pickle=access.allow_pickle, role=role)
-    return precheck_model_dir(found)
+    return precheck_model_dir(found, allow_pickle=access.allow_pickle)
 
 
 def fold(
@@ -59,8 +59,8 @@ def fold(
         help="Store the fold in this dtype (float16, bfloat16, float32 or float64), each tensor rounded once "
              "from the float64 fold; the check then judges it at that precision, as check --dtype does.")] = None,
     batches: Batches = None, seq_len: SeqLen = 16, max_memory: CheckMemory = None, rtol: Rtol = None,
-    model_class: ModelClass = None, device: CheckDevice = "cpu", revision: Revision = None, quiet: Quiet = False,
-    verbose: Verbose = False,
+    model_class: ModelClass = None, allow_missing: AllowMissing = False, device: CheckDevice = "cpu",
+    revision: Revision = None, quiet: Quiet = False, verbose: Verbose = False,
 ) -> None:
     """Fold a model directory, check the result, and publish it to OUT_DIR only if it passes.
 
@@ -70,6 +70,7 @@ def fold(
                              dry_run=dry_run, auxiliary_centering=auxiliary_centering, fuse_affine=fuse_affine,
                              allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class,
                              dtype=parse_dtypes(dtype, "--dtype")[0] if dtype is not None else None,
+                             allow_missing=allow_missing,
                              check=_check_options(check, static, batches=batches, seq_len=seq_len, rtol=rtol,
                                                   max_memory=max_memory, device=parse_device(device)))
     _publish(model_dir, out_dir, options, as_json, revision)
@@ -86,8 +87,8 @@ def rotate(
     keep_failed: KeepFailed = False, dry_run: DryRun = False, as_json: JsonOnly = False,
     allow_pickle: ReadPickle = False, trust_remote_code: TrustCode = False,
     batches: Batches = None, seq_len: SeqLen = 16, max_memory: CheckMemory = None, rtol: Rtol = None,
-    model_class: ModelClass = None, device: CheckDevice = "cpu", revision: Revision = None, quiet: Quiet = False,
-    verbose: Verbose = False,
+    model_class: ModelClass = None, allow_missing: AllowMissing = False, device: CheckDevice = "cpu",
+    revision: Revision = None, quiet: Quiet = False, verbose: Verbose = False,
 ) -> None:
     """Fold with fused affines and rotate the residual stream by an orthogonal Q; same outputs, proved.
 
@@ -97,6 +98,7 @@ def rotate(
     options = FoldOptions.of(max_shard_size=parse_size(max_shard_size), force=force, keep_failed=keep_failed,
                              dry_run=dry_run, fuse_affine=True, rotate=RotationSpec(kind, seed, keep_mean),
                              allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class,
+                             allow_missing=allow_missing,
                              check=_check_options(check, static, batches=batches, seq_len=seq_len, rtol=rtol,
                                                   max_memory=max_memory, device=parse_device(device)))
     _publish(model_dir, out_dir, options, as_json, revision)
@@ -219,6 +221,9 @@ def check(
     thorough: Annotated[bool, typer.Option(
         "--thorough", help="After the weight check, also run a batch that covers every position and "
                            "thousands of token ids (slower).")] = False,
+    sweep_tokens: Annotated[Optional[int], typer.Option(
+        min=0, help="With --forward-only: the most token ids the token sweep runs beyond the other batches' "
+                    "(default: 8192; 0: none).")] = None,
     rtol: Rtol = None,
     dtype: Annotated[Optional[str], typer.Option(
         help="The dtype CANDIDATE is meant to load in, if not the reference's (float16, bfloat16, float32, "
@@ -242,11 +247,13 @@ def check(
         raise EnjoylnError("--static and --forward-only exclude each other")
     if static and thorough:
         raise EnjoylnError("--thorough adds to the forward comparison, which --static skips")
+    if sweep_tokens is not None and not forward_only:
+        raise EnjoylnError("--sweep-tokens sets the token sweep, which only --forward-only runs")
     mode = "static" if static else "forward" if forward_only else "full"
     options = CheckOptions.of(mode=mode, max_memory=parse_size(max_memory), dtype=parse_check_dtype(dtype),
                               device=parse_device(device), batches=batches, batch_size=batch_size, seq_len=seq_len,
-                              seed=seed, rtol=rtol, thorough=thorough, allow_pickle=allow_pickle,
-                              trust_remote_code=trust_remote_code, model_class=model_class)
+                              seed=seed, rtol=rtol, thorough=thorough, sweep_tokens=sweep_tokens,
+                              allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
     with Display(err, enabled=not as_json and not state.quiet) as display:
         reference = model_dir_of(reference_dir, revision, options.access, display, role="REFERENCE")
         candidate = model_dir_of(candidate_dir, None, options.access, display, role="CANDIDATE")

@@ -37,6 +37,9 @@ Rtol = Annotated[Optional[float], typer.Option(
 ModelClass = Annotated[Optional[str], typer.Option(
     help="Build the model as this transformers class instead of the one config.json names, e.g. MPNetModel "
          "for weights saved without the head MPNetForMaskedLM would add at random.")]
+AllowMissing = Annotated[bool, typer.Option(
+    "--allow-missing", help="Fold even where the weights lack parameters the model class builds, which every load "
+                            "then draws at random (default: refuse, naming the class the weights match).")]
 
 
 MAX_SHAPE = 1 << 30  # the most elements a benchmarked tensor may hold (4 GiB in float32; several are alive at once)

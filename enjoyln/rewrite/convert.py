@@ -23,7 +23,8 @@ from ..options import FoldOptions
 from ..plan import NOT_ROTATED, FoldPlan, RotationSpec
 from ..store.checkpoint import Checkpoint, open_checkpoint
 from ..store.files import check_links, copy_extras
-from ..store.formats import SAFE_INDEX, read_safetensors_header
+from ..store.formats import read_safetensors_header
+from ..store.locate import SAFE_INDEX
 from ..store.hf import check_shapes
 from ..store.quiet import quiet
 from ..store.tensors import TensorReader
@@ -32,7 +33,7 @@ from ..store.transaction import (check_out_dir, clean_stale, keep_failed, missin
 from ..transform.steps import check_fits
 from .config import output_config
 from .entries import Entry, cast_entries, fold_entries, index_metadata, reshard
-from .planning import analyze_dir, moves_values
+from .planning import analyze_dir, missing_refusal, moves_values
 from .stream import StreamedTensors
 from .writer import EarlyCopy, Writing, early_layout, early_spans, finish_shard, write_shard
 
@@ -152,6 +153,8 @@ def _refuse_early(ck: Checkpoint, out: Path, opts: FoldOptions) -> None:
         raise CheckpointError(f"{ck.library.name} loads one weight file, model.safetensors, so this directory "
                               "is not re-sharded; drop --max-shard-size")
     check_out_dir(ck.path, out, opts.force, dry_run=opts.dry_run)
+    if ck.missing and not opts.allow_missing:  # the meta model's names against the saved ones: no weight read
+        raise missing_refusal(ck)
     check_links(ck)  # a file a loader reads, outside MODEL_DIR: refused before anything is written
     if opts.check.mode == "full" and not opts.dry_run:
         require_memory(ck, opts.check.max_memory)
@@ -223,7 +226,8 @@ class _Fold:
         if o.plan is not None:
             check_fits(ck.meta, o.plan)
         check_shapes(ck)
-        plan = o.plan or analyze_dir(ck, o.auxiliary_centering, o.fuse_affine, o.rotate)
+        plan = o.plan or analyze_dir(ck, o.auxiliary_centering, o.fuse_affine, o.rotate,
+                                     must_rotate=o.rotate is not None and not o.dry_run)
         if o.rotate is not None and plan.rotation is None and not o.dry_run:
             why = plan.note(NOT_ROTATED) or "the plan has no rotation"
             raise EnjoylnError(f"{why}; nothing was written")

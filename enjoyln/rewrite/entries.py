@@ -15,7 +15,8 @@ from .._version import __version__
 from ..errors import CheckpointError
 from ..plan import FoldPlan
 from ..store.checkpoint import Checkpoint
-from ..store.formats import CODES, DTYPES, SAFE_WEIGHTS, TensorInfo, parse_json_file
+from ..store.formats import CODES, DTYPES, TensorInfo, parse_json_file
+from ..store.locate import SAFE_WEIGHTS
 from ..transform.tensors import merge_centerings
 from .planning import moves_values, read_tensors
 from .stream import StreamedTensors

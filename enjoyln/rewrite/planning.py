@@ -7,17 +7,21 @@ import contextlib
 import torch
 
 from ..analysis import analyze
-from ..errors import CheckpointError
-from ..plan import AFFINE_GAIN, MISSING, FoldPlan, Note, RotationSpec
+from ..errors import CheckpointError, EnjoylnError
+from ..plan import AFFINE_GAIN, MISSING, NOT_ROTATED, FoldPlan, Note, RotationSpec
 from ..store.checkpoint import Checkpoint
+from ..store.hf import matching_class
 from ..store.tensors import TensorReader
 
 
 def analyze_dir(ck: Checkpoint, auxiliary_centering: bool, fuse_affine: bool = False,
-                rotate: RotationSpec | None = None) -> FoldPlan:
-    """The plan for ``ck``'s meta model, analysed again where a gain it divides by has a zero entry."""
+                rotate: RotationSpec | None = None, *, must_rotate: bool = False) -> FoldPlan:
+    """The plan for ``ck``'s meta model, analysed again where a gain it divides by has a zero entry;
+    ``must_rotate``: a rotation the meta model already rules out is refused before any weight is read."""
     options = {"auxiliary_centering": auxiliary_centering, "fuse_affine": fuse_affine, "rotate": rotate}
     plan = analyze(ck.meta, **options)
+    if must_rotate and plan.rotation is None:
+        raise EnjoylnError(f"{plan.note(NOT_ROTATED) or 'the plan has no rotation'}; nothing was written")
     names = sorted({c.scale for c in plan.centered if c.scale}
                    | {f"{e.name}.weight" for e in plan.foldable if e.affine == AFFINE_GAIN})
     if names:
@@ -34,6 +38,21 @@ def missing_note(names: list[str], architecture: str) -> Note:
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return Note.of(MISSING, f"{len(names)} parameter{'s' if many else ''}", architecture, shown,
                    "them" if many else "it", "them" if many else "it")
+
+
+def missing_refusal(ck: Checkpoint) -> CheckpointError:
+    """A fold that would write a checkpoint whose model draws some parameters at random on every load, refused
+    (``--allow-missing`` folds it), naming the class the weights match where there is one."""
+    names, arch = ck.missing, ck.architecture
+    many = len(names) > 1
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    found = matching_class(ck) if ck.source == "transformers" else None
+    choose = (f"its weights match {found}: pass --model-class {found} to fold that class" if found
+              else "pass --model-class with a class its weights match")
+    return CheckpointError(f"{ck.path} lacks {len(names)} parameter{'s' if many else ''} that {arch} builds "
+                           f"({shown}), which transformers would initialise at random on every load; {choose}, "
+                           f"or --allow-missing to fold {arch} with {'them' if many else 'it'} random; nothing "
+                           "was written")
 
 
 def read_tensors(ck: Checkpoint, names: list[str]) -> list[torch.Tensor]:

@@ -14,10 +14,10 @@ import torch
 from ..errors import CheckpointError, first_line
 from ..plan import FoldPlan
 from .files import VCS_DIRS, is_weight_file
-from .formats import (JSON_LIMIT, PT_INDEX, PT_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, WEIGHT_FILES, TensorInfo,
-                      input_file, json_or_none, read_json, read_safetensors_header)
+from .formats import JSON_LIMIT, TensorInfo, input_file, json_or_none, read_json, read_safetensors_header
 from .hf import missing_parameters, saved_names
-from .locate import model_directory
+from .locate import (PT_INDEX, PT_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, WEIGHT_FILES, model_directory,
+                     pickle_refusal, precheck_weights)
 from .memory import built_bytes
 from .sources import SOURCES, Source, source_for
 
@@ -174,6 +174,7 @@ def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False, trus
     source = source_for(config)
     if source is None or (source.name == "transformers" and not isinstance(config["architectures"], list)):
         raise CheckpointError(f"{root / 'config.json'} names no architecture (\"architectures\" is missing)")
+    precheck_weights(root, config, allow_pickle=allow_pickle)  # before timm or the model's code is imported
     code = custom_code(root, config)
     if code and not trust_remote_code:
         raise CheckpointError(f"{root} carries custom code ({', '.join(code[:3])}); enjoyln analyses only "
@@ -207,8 +208,7 @@ def _weight_files(ck: Checkpoint, source: Source, allow_pickle: bool) -> dict[st
         return None
     if present & {PT_INDEX, PT_WEIGHTS}:
         if not allow_pickle:
-            raise CheckpointError(f"{root} has only pickle (.bin) weights, which can run code when "
-                                  "loaded; pass --allow-pickle to load them with weights_only=True")
+            raise pickle_refusal(root)
         ck.pickled = True
         ck.shards = sorted(set(_index(root / PT_INDEX).values())) if PT_INDEX in present else [PT_WEIGHTS]
         return None

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Iterator, TYPE_CHECKING
 
 from ..errors import CheckpointError
-from .formats import WEIGHT_FILES, input_file
+from .formats import input_file
+from .locate import WEIGHT_FILES
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint

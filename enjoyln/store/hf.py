@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import functools
 import re
 from pathlib import Path
@@ -145,20 +146,38 @@ def random_when_missing(model: nn.Module) -> set[str]:
             if p.is_floating_point() and not any(r.search(name) for r in ignored)}
 
 
-def missing_parameters(ck: Checkpoint) -> list[str]:
-    """The parameters the meta model builds that no weight file holds under any tied name: every load
-    initialises them at random.
+def missing_parameters(ck: Checkpoint, model: nn.Module | None = None) -> list[str]:
+    """The parameters the meta model (or ``model``, another class's) builds that no weight file holds under any
+    tied name: every load initialises them at random.
 
     >>> missing_parameters(open_checkpoint("mpnet-dir"))  # doctest: +SKIP
     ['lm_head.dense.weight', 'lm_head.dense.bias', ...]
     """
     if ck.source != "transformers" or ck.pickled:
         return []
+    model = ck.meta if model is None else model
     by_id: dict[int, list[str]] = {}
-    for name, t in ck.meta.named_parameters(remove_duplicate=False):
+    for name, t in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(t), []).append(name)
-    random = random_when_missing(ck.meta)
+    random = random_when_missing(model)
     return [names[0] for names in by_id.values() if names[0] in random and all(ck.key(n) is None for n in names)]
+
+
+def matching_class(ck: Checkpoint) -> str | None:
+    """The class AutoModel builds for this config (the model without a head) where it is not the one named and
+    the weights hold every parameter it builds: what a checkpoint saved without its head is a checkpoint of."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = MODEL_MAPPING_NAMES.get(ck.config.get("model_type"))
+    cls = getattr(importlib.import_module("transformers"), name, None) if isinstance(name, str) else None
+    if not isinstance(cls, type) or name == ck.architecture or ck.custom_code:
+        return None
+    try:
+        with torch.device("meta"):
+            model = cls(auto_config(ck))
+    except Exception:  # a class that does not build from this config matches nothing
+        return None
+    return name if not missing_parameters(ck, model) else None
 
 
 def transformers_generation(ck: Checkpoint) -> dict[str, Any]:

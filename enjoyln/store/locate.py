@@ -9,10 +9,13 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from ..errors import CheckpointError
 
-__all__ = ["resolve_model_dir", "model_directory", "precheck_model_dir", "is_hub_id", "SKIPPED_ON_DOWNLOAD"]
+__all__ = ["resolve_model_dir", "model_directory", "precheck_model_dir", "precheck_weights", "is_hub_id",
+           "pickle_refusal", "small_json", "SKIPPED_ON_DOWNLOAD", "SAFE_WEIGHTS", "SAFE_INDEX",
+           "PT_WEIGHTS", "PT_INDEX", "WEIGHT_FILES"]
 
 _HUB_ID = re.compile(r"^(?:[\w.-]{1,96}/)?[\w.-]{1,96}$")
 
@@ -46,13 +49,61 @@ def model_directory(root: Path) -> Path:
     return root
 
 
+SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+PT_WEIGHTS, PT_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+WEIGHT_FILES = {SAFE_WEIGHTS, SAFE_INDEX, PT_WEIGHTS, PT_INDEX}
+"""The weight files a loader looks for in a model directory (here, so that they are checked before torch loads)."""
+
+
+def pickle_refusal(root: Path) -> CheckpointError:
+    return CheckpointError(f"{root} has only pickle (.bin) weights, which can run code when loaded; pass "
+                           "--allow-pickle to load them with weights_only=True")
+
+
+def _timm_resave(root: Path, config: dict[str, Any]) -> str:
+    """The one command that re-saves a timm directory's ``pytorch_model.bin`` as the ``model.safetensors``
+    timm's hub format reads first, loaded by timm itself (which maps older layouts of its weights)."""
+    args = dict(config["model_args"]) if isinstance(config.get("model_args"), dict) else {}
+    if isinstance(config.get("num_classes"), int):
+        args["num_classes"] = config["num_classes"]
+    extra = "".join(f", {k}={v!r}" for k, v in args.items() if isinstance(k, str) and k.isidentifier())
+    # the head's size in the overlay too, or timm drops the stored head as another task's and draws one
+    head = f", num_classes={args['num_classes']!r}" if "num_classes" in args else ""
+    return (f"python -c \"import timm, safetensors.torch as st; st.save_model(timm.create_model("
+            f"{str(config.get('architecture'))!r}, pretrained=True, pretrained_cfg_overlay=dict(file="
+            f"{str(root / PT_WEIGHTS)!r}{head}){extra}), {str(root / SAFE_WEIGHTS)!r})\"")
+
+
+def precheck_weights(root: Path, config: dict[str, Any], *, allow_pickle: bool = False) -> None:
+    """The weight files' refusals that need no weight read: pickle weights alone without ``allow_pickle``,
+    and a timm directory with ``pytorch_model.bin`` (with the command that re-saves it as safetensors)."""
+    present = {n for n in WEIGHT_FILES if (root / n).exists() or (root / n).is_symlink()}
+    timm = "architecture" in config and "architectures" not in config  # as sources.source_for tells them
+    if timm and SAFE_WEIGHTS not in present and PT_WEIGHTS in present:
+        raise CheckpointError(f"{root} holds timm weights as {PT_WEIGHTS}, which enjoyln does not read (not even "
+                              f"with --allow-pickle); re-save them as {SAFE_WEIGHTS}: {_timm_resave(root, config)}")
+    safe, pickled = present & {SAFE_WEIGHTS, SAFE_INDEX}, present & {PT_WEIGHTS, PT_INDEX}
+    if not timm and pickled and not safe and not allow_pickle:
+        raise pickle_refusal(root)
+
+
 JSON_LIMIT = 16 << 20
 """The largest JSON file enjoyln parses (``formats``); larger files are compared byte for byte, streaming."""
 
 
-def precheck_model_dir(path: str | os.PathLike) -> Path:
+def small_json(path: Path) -> Any:
+    """A small JSON file's value read without torch, or None where it is missing, too large or not JSON."""
+    try:
+        if not path.is_file() or path.stat().st_size > JSON_LIMIT:
+            return None
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def precheck_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False) -> Path:
     """The checks a model directory gets before torch loads: a non-empty directory with a ``config.json``
-    holding a JSON object.
+    holding a JSON object, and weights enjoyln may read (``precheck_weights``).
 
     >>> precheck_model_dir("/no/such/dir")
     Traceback (most recent call last):
@@ -78,6 +129,7 @@ def precheck_model_dir(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"{config} is not valid JSON ({exc.__class__.__name__}: {exc})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{config} does not hold a JSON object (a model config)")
+    precheck_weights(root, data, allow_pickle=allow_pickle)
     return root
 
 

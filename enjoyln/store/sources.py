@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from .formats import PT_WEIGHTS, SAFE_WEIGHTS
+from .locate import PT_WEIGHTS, SAFE_WEIGHTS
 from .hf import (model_class, transformers_generation, transformers_load_dtype, transformers_meta_model,
                  transformers_names, unknown_architecture)
 

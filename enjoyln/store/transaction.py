@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import CheckpointError
+from .locate import small_json
 
 
 def umask() -> int:
@@ -44,12 +45,7 @@ def check_out_dir(src: Path, out: Path, force: bool, *, dry_run: bool = False) -
         return
     if not force:
         raise CheckpointError(f"OUT_DIR {out} is not empty; pass --force to replace an earlier enjoyln output")
-    from .formats import parse_json_file  # torch: imported only here, so OUT_DIR is checked before it loads
-
-    try:
-        config = parse_json_file(out / "config.json", "a model config")
-    except CheckpointError:
-        config = None
+    config = small_json(out / "config.json")
     if not (isinstance(config, dict) and isinstance(config.get("enjoyln"), dict)):
         why = "its config.json has no enjoyln block" if (out / "config.json").is_file() else "it has no config.json"
         raise CheckpointError(f"OUT_DIR {out} is not empty and is not an enjoyln output ({why}); --force "

@@ -86,8 +86,8 @@ def test_rotate_entry_point_and_its_refusals():
     with pytest.raises(enjoyln.PlanError, match="already folded in memory"):
         enjoyln.rotate(rotated)
     base = perturb(transformers.GPT2Model(tiny_model("gpt2").config).eval(), seed=27)
-    with pytest.raises(enjoyln.PlanError, match=r"ln_f, whose affine stays \(its output is the model output "
-                                                r"`last_hidden_state`\)"):
+    with pytest.raises(enjoyln.PlanError, match=r"ln_f's gain cannot move into the layers that read it, as a "
+                                                r"rotation needs: its output is the model output `last_hidden_state`"):
         enjoyln.rotate(base)
 
 
@@ -202,14 +202,29 @@ def test_rotated_checkpoint_through_the_command_line(tmp_path):
     assert result.exit_code == 2 and "unknown --kind" in result.stderr
 
 
-def test_rotate_refusal_through_the_command_line_writes_nothing(tmp_path):
+def test_rotate_refusal_through_the_command_line_writes_nothing(tmp_path, monkeypatch):
+    """A post-LN model: refused in one sentence that says why, from one analysis of the meta model (what
+    inspect runs), before any weight is read."""
     from typer.testing import CliRunner
 
     from enjoyln.cli.app import app
+    from enjoyln.rewrite import planning
+    from enjoyln.store.tensors import TensorReader
 
     src = tmp_path / "bert"
     perturb(tiny_model("bert"), seed=30).save_pretrained(src)
+    analyses = []
+    monkeypatch.setattr(planning, "analyze", lambda *a, **k: analyses.append(1) or enjoyln.analyze(*a, **k))
+
+    def no_reading(*args):
+        raise AssertionError("a weight was read")
+    monkeypatch.setattr(TensorReader, "__init__", no_reading)
     result = CliRunner().invoke(app, ["rotate", str(src), str(tmp_path / "out")])
-    assert result.exit_code == 2 and "cannot be rotated" in result.stderr, result.output
-    assert len(result.stderr.strip().splitlines()) == 1
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        "error: the residual stream cannot be rotated: embeddings.LayerNorm writes the residual stream (add in "
+        "encoder.layer.0.attention.output adds its output to another value), so its gain cannot move into the layers "
+        "that read it, as a rotation needs; post-LN models such as BERT and MPNet cannot be rotated; nothing was "
+        "written")
+    assert len(analyses) == 1
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.enjoyln-*"))

@@ -575,16 +575,17 @@ def test_default_check_confirms_briefly_once_the_weights_are_proven(tmp_path):
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
 
 
-def test_forward_only_runs_every_token_id_and_catches_a_garbage_row(tmp_path, monkeypatch):
+def test_forward_only_runs_every_token_id_and_catches_a_garbage_row(tmp_path):
     """16 positions and a vocabulary of 8,192: the coverage batch draws 64 ids, so a garbage
-    embedding row passed. The token sweep runs the other 8,128, its outputs kept as sketches;
-    a vocabulary too large to sweep is reported as the exact count drawn."""
+    embedding row passed. The token sweep runs the other 8,128 (within its default limit), its outputs
+    kept as sketches; with a lower limit it runs that many, and the report says how many ids ran."""
     from enjoyln.checking import sweep
 
     perturb(tiny_model("gpt2", n_positions=16, vocab_size=8192), seed=3).save_pretrained(tmp_path / "ref")
     fold_checkpoint(tmp_path / "ref", tmp_path / "out", check="none")
     report = enjoyln.check_checkpoints(tmp_path / "ref", tmp_path / "out", mode="forward")
     assert report.passed and report.coverage.distinct_ids == 8192, report.summary()
+    assert report.coverage.sweep_limit is None and "stopped" not in report.summary()
     assert any(o.name == "logits" + sweep.SUFFIX for o in report.outputs)
     bad = copy_dir(tmp_path / "out", tmp_path / "bad")
     weights = load_file(bad / "model.safetensors")
@@ -593,7 +594,11 @@ def test_forward_only_runs_every_token_id_and_catches_a_garbage_row(tmp_path, mo
     report = enjoyln.check_checkpoints(tmp_path / "ref", bad, mode="forward")
     failed = [o.name for o in report.outputs if not o.passed]
     assert not report.passed and failed == ["logits" + sweep.SUFFIX], report.summary()
-    monkeypatch.setattr(sweep, "MAX_VOCAB", 4096)
-    report = enjoyln.check_checkpoints(tmp_path / "ref", tmp_path / "out", mode="forward")
-    n = report.coverage.distinct_ids  # every batch's ids, counted: 64 in the coverage batch, a few more
-    assert 64 <= n < 200 and f"{n} distinct token ids of 8192" in report.summary()
+    assert sweep.SWEEP_TOKENS == 8192 and "default: 8192" in CliRunner().invoke(app, ["check", "-h"]).output
+    report = enjoyln.check_checkpoints(tmp_path / "ref", tmp_path / "out", mode="forward", sweep_tokens=100)
+    # every batch's ids: 64 in the coverage batch, 100 swept, at most 64 in the short batches and 12 after the
+    # swept ones in the sweep's last row of 16
+    n = report.coverage.distinct_ids
+    assert report.passed and 164 <= n <= 240 and report.batches == 4, report.summary()
+    assert report.coverage.sweep_limit == 100 and (f"{n} distinct token ids of 8192 (the token sweep stopped at its "
+                                                   "limit of 100 ids; --sweep-tokens)") in report.summary()

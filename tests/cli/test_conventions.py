@@ -79,6 +79,28 @@ def _list_config(tmp):
     return tmp / "listconf"
 
 
+def _pickled(tmp):
+    (tmp / "pickled").mkdir()
+    (tmp / "pickled" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
+                                                             "model_type": "gpt2"}))
+    (tmp / "pickled" / "pytorch_model.bin").write_bytes(b"not read")
+    return tmp / "pickled"
+
+
+def _timm_bin(tmp):
+    (tmp / "timmbin").mkdir()
+    (tmp / "timmbin" / "config.json").write_text(json.dumps({"architecture": "vit_tiny_patch16_224",
+                                                             "num_classes": 10}))
+    (tmp / "timmbin" / "pytorch_model.bin").write_bytes(b"not read")
+    return tmp / "timmbin"
+
+
+def _foreign(tmp):
+    (tmp / "foreign").mkdir()
+    (tmp / "foreign" / "notes.txt").write_text("mine")
+    return tmp / "foreign"
+
+
 EARLY = [  # (args, with {m}: a model dir, {tmp}: the test's folder), what the line says
     (["fold", "{tmp}/missing", "{tmp}/out"], "does not exist, and is not a Hugging Face hub id"),
     (["fold", "{file}", "{tmp}/out"], "is not a directory"),
@@ -96,17 +118,29 @@ EARLY = [  # (args, with {m}: a model dir, {tmp}: the test's folder), what the l
     (["inspect", "{m}", "--graph", "{tmp}/g.png"], "--graph must end in .html or .svg"),
     (["check", "{m}", "{m}", "--dtype", "int8"], "cannot judge a candidate in dtype 'int8'"),
     (["check", "{m}", "{m}", "--static", "--forward-only"], "exclude each other"),
+    (["check", "{m}", "{m}", "--sweep-tokens", "5"], "--sweep-tokens sets the token sweep, which only --forward-only"),
     (["bench", "--dtypes", "float8"], "cannot use 'float8' in --dtypes"),
     (["export", "{m}", "{tmp}/model.txt"], "name a file ending in .onnx"),
     (["fold", "{m}", "{tmp}/out", "--revision", "main"], "--revision applies to a hub id"),
     (["fold", "a/b/c", "{tmp}/out"], "a/b/c does not exist, and is not a Hugging Face hub id"),
+    (["fold", "{pickled}", "{tmp}/out"], "has only pickle (.bin) weights, which can run code when loaded; pass "
+                                         "--allow-pickle"),
+    (["check", "{m}", "{pickled}"], "has only pickle (.bin) weights"),
+    (["inspect", "{pickled}"], "has only pickle (.bin) weights"),
+    (["rotate", "{m}", "{foreign}", "--force"], "is not empty and is not an enjoyln output (it has no config.json); "
+                                                "--force replaces only those"),
+    (["fold", "{timmbin}", "{tmp}/out", "--allow-pickle"],
+     "holds timm weights as pytorch_model.bin, which enjoyln does not read (not even with --allow-pickle); re-save "
+     "them as model.safetensors: python -c \"import timm, safetensors.torch as st; st.save_model(timm.create_model("
+     "'vit_tiny_patch16_224', pretrained=True, pretrained_cfg_overlay=dict(file="),
 ]
 
 
 @pytest.mark.parametrize("args,message", EARLY, ids=[m for _, m in EARLY])
 def test_bad_input_is_refused_before_torch_loads(args, message, gpt2_dir, tmp_path):
     values = {"m": gpt2_dir, "tmp": tmp_path, "file": _file(tmp_path), "empty": _empty(tmp_path),
-              "noconf": _no_config(tmp_path), "badconf": _bad_config(tmp_path), "listconf": _list_config(tmp_path)}
+              "noconf": _no_config(tmp_path), "badconf": _bad_config(tmp_path), "listconf": _list_config(tmp_path),
+              "pickled": _pickled(tmp_path), "timmbin": _timm_bin(tmp_path), "foreign": _foreign(tmp_path)}
     before = sorted(p.name for p in tmp_path.iterdir())
     code, stdout, lines, imported = probe(*[a.format(**values) for a in args])
     assert code == 2 and stdout == ""

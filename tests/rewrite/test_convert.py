@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -561,7 +562,7 @@ def test_parameters_no_checkpoint_holds_are_named_and_seeded_alike(tmp_path):
     plan = enjoyln.analyze_checkpoint(src)
     note = plan.note("missing parameters")
     assert note and "2 parameters that BertModel builds (pooler.dense.weight, pooler.dense.bias)" in note
-    result = fold_checkpoint(src, tmp_path / "out")
+    result = fold_checkpoint(src, tmp_path / "out", allow_missing=True)
     assert result.report.passed, result.report.summary()
     assert result.report.static.missing == ["pooler.dense.weight", "pooler.dense.bias"]
     assert any("got the same seeded values" in n for n in result.report.notes)
@@ -591,6 +592,39 @@ def test_model_class_folds_weights_as_the_class_they_match(tmp_path):
         enjoyln.analyze_checkpoint(tmp_path / "src", model_class="NoSuchModel")
 
 
+def test_a_class_its_weights_do_not_match_is_refused_before_anything_is_written(tmp_path):
+    """MPNetForMaskedLM over MPNetModel's weights, as a sentence-transformers MPNet ships: fold and rotate stop
+    at once, even with -q, naming the class the weights match and the flag that chooses it; --allow-missing
+    folds it as before, and the fold and its check count the same parameters (the fold's untied head also
+    unties its bias from lm_head.bias, one tensor in the original, which the check once counted twice)."""
+    from typer.testing import CliRunner
+
+    from enjoyln.cli.app import app
+
+    config = transformers.MPNetConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                                      intermediate_size=32, vocab_size=64, max_position_embeddings=34)
+    torch.manual_seed(0)
+    perturb(transformers.MPNetModel(config).eval(), seed=7).save_pretrained(tmp_path / "src")
+    data = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**data, "architectures": ["MPNetForMaskedLM"]}))
+    runner = CliRunner()
+    for command in ("fold", "rotate"):
+        result = runner.invoke(app, [command, str(tmp_path / "src"), str(tmp_path / "out" / "x"), "-q"])
+        assert result.exit_code == 2 and result.stdout == "", result.output
+        assert result.stderr.strip() == (
+            f"error: {tmp_path / 'src'} lacks 5 parameters that MPNetForMaskedLM builds (lm_head.bias, "
+            "lm_head.dense.weight, lm_head.dense.bias and 2 more), which transformers would initialise at random "
+            "on every load; its weights match MPNetModel: pass --model-class MPNetModel to fold that class, or "
+            "--allow-missing to fold MPNetForMaskedLM with them random; nothing was written")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    result = runner.invoke(app, ["fold", str(tmp_path / "src"), str(tmp_path / "out"), "--allow-missing"])
+    assert result.exit_code == 0, result.output
+    counts = re.findall(r"(\d+) parameters (?:that MPNetForMaskedLM builds|of the model class)", result.output)
+    assert counts == ["5", "5", "5"], result.output  # the plan's note, the static part's and the forward part's
+    report = enjoyln.check_checkpoints(tmp_path / "src", tmp_path / "out", mode="forward")
+    assert report.passed and any(n.startswith("5 parameters") for n in report.notes), report.summary()
+
+
 @pytest.mark.parametrize("fuse_affine", [False, True])
 def test_a_head_the_checkpoint_lacks_stays_missing_when_its_tie_is_undone(fuse_affine, tmp_path):
     """A BertModel folded as BertForMaskedLM: the head's decoder is tied to the embedding, which
@@ -598,7 +632,7 @@ def test_a_head_the_checkpoint_lacks_stays_missing_when_its_tie_is_undone(fuse_a
     file, so the output leaves it missing too, and the check seeds it alike on both sides."""
     perturb(tiny_model("bert"), seed=9).save_pretrained(tmp_path / "src")
     result = fold_checkpoint(tmp_path / "src", tmp_path / "out", model_class="BertForMaskedLM",
-                             fuse_affine=fuse_affine)
+                             fuse_affine=fuse_affine, allow_missing=True)
     assert result.report.passed, result.report.summary()
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
         keys = set(f.keys())

@@ -201,7 +201,7 @@ def build_sources(root: str | os.PathLike) -> list[Source]:
     _run_cli("fold", str(bert), str(root / "bert"))
     _run_cli("fold", str(vit), str(root / "vit"))
     _run_cli("fold", str(vit16), str(root / "vit-bf16"))
-    _run_cli("fold", str(bert_np), str(root / "bert-nopooler"))
+    _run_cli("fold", str(bert_np), str(root / "bert-nopooler"), "--allow-missing")
     return [
         Source("gpt2", str(gpt2), str(root / "gpt2"), "GPT2LMHeadModel", "lm",
                ("tokenizer.json", "tokenizer_config.json", "generation_config.json")),
