@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
 
 __all__ = ["resolve_model_dir", "model_directory", "precheck_model_dir", "precheck_weights", "is_hub_id",
-           "pickle_refusal", "small_json", "SKIPPED_ON_DOWNLOAD", "SAFE_WEIGHTS", "SAFE_INDEX",
+           "resave_command", "pickle_refusal", "small_json", "SKIPPED_ON_DOWNLOAD", "SAFE_WEIGHTS", "SAFE_INDEX",
            "PT_WEIGHTS", "PT_INDEX", "WEIGHT_FILES"]
 
 _HUB_ID = re.compile(r"^(?:[\w.-]{1,96}/)?[\w.-]{1,96}$")
@@ -60,18 +61,16 @@ def pickle_refusal(root: Path) -> CheckpointError:
                            "--allow-pickle to load them with weights_only=True")
 
 
-def _timm_resave(root: Path, config: dict[str, Any]) -> str:
-    """The one command that re-saves a timm directory's ``pytorch_model.bin`` as the ``model.safetensors``
-    timm's hub format reads first, loaded by timm itself (which maps older layouts of its weights)."""
-    args = dict(config["model_args"]) if isinstance(config.get("model_args"), dict) else {}
-    if isinstance(config.get("num_classes"), int):
-        args["num_classes"] = config["num_classes"]
-    extra = "".join(f", {k}={v!r}" for k, v in args.items() if isinstance(k, str) and k.isidentifier())
-    # the head's size in the overlay too, or timm drops the stored head as another task's and draws one
-    head = f", num_classes={args['num_classes']!r}" if "num_classes" in args else ""
-    return (f"python -c \"import timm, safetensors.torch as st; st.save_model(timm.create_model("
-            f"{str(config.get('architecture'))!r}, pretrained=True, pretrained_cfg_overlay=dict(file="
-            f"{str(root / PT_WEIGHTS)!r}{head}){extra}), {str(root / SAFE_WEIGHTS)!r})\"")
+def resave_command(root: Path) -> str:
+    """A shell line that writes ``root``'s pytorch_model.bin as model.safetensors, read with weights_only.
+
+    >>> resave_command(Path("vit")).startswith("python -c 'import torch; from safetensors.torch import save_file")
+    True
+    """
+    where = json.dumps(str(root))  # a Python string literal without single quotes, for the shell's quoting
+    code = (f"import torch; from safetensors.torch import save_file; d = {where}; save_file({{k: v.contiguous() "
+            f'for k, v in torch.load(d + "/{PT_WEIGHTS}", weights_only=True).items()}}, d + "/{SAFE_WEIGHTS}")')
+    return f"python -c {shlex.quote(code)}"
 
 
 def precheck_weights(root: Path, config: dict[str, Any], *, allow_pickle: bool = False) -> None:
@@ -80,8 +79,11 @@ def precheck_weights(root: Path, config: dict[str, Any], *, allow_pickle: bool =
     present = {n for n in WEIGHT_FILES if (root / n).exists() or (root / n).is_symlink()}
     timm = "architecture" in config and "architectures" not in config  # as sources.source_for tells them
     if timm and SAFE_WEIGHTS not in present and PT_WEIGHTS in present:
-        raise CheckpointError(f"{root} holds timm weights as {PT_WEIGHTS}, which enjoyln does not read (not even "
-                              f"with --allow-pickle); re-save them as {SAFE_WEIGHTS}: {_timm_resave(root, config)}")
+        # timm would unpickle the file itself, beyond enjoyln's weights_only reading: even --allow-pickle
+        # cannot vouch for it, but a one-line re-save can
+        raise CheckpointError(f"{root} holds a timm model's weights as {PT_WEIGHTS} (pickle), which enjoyln does "
+                              f"not read, not even with --allow-pickle; re-save them as {SAFE_WEIGHTS}, then run "
+                              f"enjoyln again: {resave_command(root)}")
     safe, pickled = present & {SAFE_WEIGHTS, SAFE_INDEX}, present & {PT_WEIGHTS, PT_INDEX}
     if not timm and pickled and not safe and not allow_pickle:
         raise pickle_refusal(root)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
-import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from .locate import PT_WEIGHTS, SAFE_WEIGHTS
+from .locate import SAFE_WEIGHTS
 from .hf import (model_class, transformers_generation, transformers_load_dtype, transformers_meta_model,
                  transformers_names, unknown_architecture)
 
@@ -125,12 +123,6 @@ class Timm(Source):
         return arch
 
     def check_weights(self, root: Path, present: set[str]) -> None:
-        if PT_WEIGHTS in present and SAFE_WEIGHTS not in present:
-            # timm would unpickle the file itself, beyond enjoyln's weights_only reading: even --allow-pickle
-            # cannot vouch for it, but a one-line re-save can
-            raise CheckpointError(f"{root} holds a timm model's weights as {PT_WEIGHTS} (pickle), and enjoyln "
-                                  f"reads a timm directory's weights from {SAFE_WEIGHTS} only; re-save them with "
-                                  f"safetensors, then run enjoyln again: {resave_command(root)}")
         if SAFE_WEIGHTS not in present:
             raise CheckpointError(f"{root} has no {SAFE_WEIGHTS}; enjoyln reads a timm model directory's weights "
                                   "from that one file, which is what timm loads first")
@@ -175,18 +167,6 @@ class Timm(Source):
 
     def load_dtype(self, ck: "Checkpoint") -> tuple[str, str]:
         return "float32", "timm, which builds its models in float32"
-
-
-def resave_command(root: Path) -> str:
-    """A shell line that writes ``root``'s pytorch_model.bin as model.safetensors, read with weights_only.
-
-    >>> resave_command(Path("vit")).startswith("python -c 'import torch; from safetensors.torch import save_file")
-    True
-    """
-    where = json.dumps(str(root))  # a Python string literal without single quotes, for the shell's quoting
-    code = (f"import torch; from safetensors.torch import save_file; d = {where}; save_file({{k: v.contiguous() "
-            f'for k, v in torch.load(d + "/{PT_WEIGHTS}", weights_only=True).items()}}, d + "/{SAFE_WEIGHTS}")')
-    return f"python -c {shlex.quote(code)}"
 
 
 TRANSFORMERS, TIMM = Transformers(), Timm()

@@ -130,9 +130,8 @@ EARLY = [  # (args, with {m}: a model dir, {tmp}: the test's folder), what the l
     (["rotate", "{m}", "{foreign}", "--force"], "is not empty and is not an enjoyln output (it has no config.json); "
                                                 "--force replaces only those"),
     (["fold", "{timmbin}", "{tmp}/out", "--allow-pickle"],
-     "holds timm weights as pytorch_model.bin, which enjoyln does not read (not even with --allow-pickle); re-save "
-     "them as model.safetensors: python -c \"import timm, safetensors.torch as st; st.save_model(timm.create_model("
-     "'vit_tiny_patch16_224', pretrained=True, pretrained_cfg_overlay=dict(file="),
+     "holds a timm model's weights as pytorch_model.bin (pickle), which enjoyln does not read, not even with "
+     "--allow-pickle; re-save them as model.safetensors, then run enjoyln again: python -c 'import torch; "),
 ]
 
 
