@@ -43,6 +43,18 @@ static double normal(uint64_t* s) {
     return t - 6.0;
 }
 
+/* Rows j.. and columns c0.. of the m x m matrix a times I - beta v v^T from the left: for each column c,
+ * dot[c] = sum over i = j.. in order of v[i] a[i][c], then a[i][c] -= (beta dot[c]) v[i]; row by row, so
+ * that the loops run along memory. */
+static void reflect(double* a, const double* v, double beta, double* dot, int64_t j, int64_t c0, int64_t m) {
+    for (int64_t c = c0; c < m; c++) dot[c] = 0.0;
+    for (int64_t i = j; i < m; i++)
+        for (int64_t c = c0; c < m; c++) dot[c] += v[i] * a[i * m + c];
+    for (int64_t c = c0; c < m; c++) dot[c] = beta * dot[c];
+    for (int64_t i = j; i < m; i++)
+        for (int64_t c = c0; c < m; c++) a[i * m + c] -= dot[c] * v[i];
+}
+
 /* signs: n entries of +-1; block: an m x m orthogonal matrix, block[b * m + d]. */
 int enjoyln_rotation_tables(int64_t n, int64_t m, uint64_t seed, double* signs, double* block) {
     uint64_t s = seed;
@@ -55,8 +67,9 @@ int enjoyln_rotation_tables(int64_t n, int64_t m, uint64_t seed, double* signs, 
     double* a = malloc((size_t)(m * m) * sizeof(double));
     double* v = malloc((size_t)(m * m) * sizeof(double)); /* Householder vector j in row j, from index j */
     double* beta = malloc((size_t)m * sizeof(double));
-    if (!a || !v || !beta) {
-        free(a), free(v), free(beta);
+    double* dot = malloc((size_t)m * sizeof(double));
+    if (!a || !v || !beta || !dot) {
+        free(a), free(v), free(beta), free(dot);
         return -2;
     }
     for (int64_t i = 0; i < m * m; i++) a[i] = normal(&s);
@@ -72,25 +85,14 @@ int enjoyln_rotation_tables(int64_t n, int64_t m, uint64_t seed, double* signs, 
             vn2 += vi * vi;
         }
         beta[j] = vn2 > 0 ? 2.0 / vn2 : 0.0;
-        for (int64_t c = j; c < m; c++) {
-            double dot = 0.0;
-            for (int64_t i = j; i < m; i++) dot += v[j * m + i] * a[i * m + c];
-            const double f = beta[j] * dot;
-            for (int64_t i = j; i < m; i++) a[i * m + c] -= f * v[j * m + i];
-        }
+        reflect(a, v + j * m, beta[j], dot, j, j, m);
     }
     for (int64_t i = 0; i < m * m; i++) block[i] = (i / m == i % m) ? 1.0 : 0.0;
-    for (int64_t j = m - 1; j >= 0; j--) /* Q = H_0 H_1 ... H_{m-1}, built from the right */
-        for (int64_t c = 0; c < m; c++) {
-            double dot = 0.0;
-            for (int64_t i = j; i < m; i++) dot += v[j * m + i] * block[i * m + c];
-            const double f = beta[j] * dot;
-            for (int64_t i = j; i < m; i++) block[i * m + c] -= f * v[j * m + i];
-        }
+    for (int64_t j = m - 1; j >= 0; j--) reflect(block, v + j * m, beta[j], dot, j, 0, m); /* Q = H_0 ... H_{m-1} */
     for (int64_t j = 0; j < m; j++) /* R's diagonal made positive: Q Haar-distributed for normal entries */
         if (a[j * m + j] < 0)
             for (int64_t i = 0; i < m; i++) block[i * m + j] = -block[i * m + j];
-    free(a), free(v), free(beta);
+    free(a), free(v), free(beta), free(dot);
     return 0;
 }
 

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from . import cpu
-from .center import CODES, FLAGS
+from .center import CODES, FLAGS  # noqa: F401 (FLAGS: what rotate.c is built with)
 
 SOURCE = Path(__file__).with_name("rotate.c")
 ORTHOGONAL_ULPS = 16
@@ -32,13 +32,18 @@ ORTHOGONAL_ULPS = 16
 _has_f16 = False
 
 
-def _build() -> ctypes.CDLL:
-    global _has_f16
-    lib = cpu.compile_library(SOURCE, FLAGS)
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (``rotate.c`` compiled with any flags) with its functions' signatures declared."""
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.enjoyln_rotation_tables.argtypes = [i64, i64, ctypes.c_uint64, p, p]
     lib.enjoyln_rotate_into.argtypes = [p, p, p, ctypes.c_int, i64, i64, i64, i64, i64, i64, p, p, p, ctypes.c_int]
     lib.enjoyln_rotation_tables.restype = lib.enjoyln_rotate_into.restype = ctypes.c_int
+    return lib
+
+
+def _build() -> ctypes.CDLL:
+    global _has_f16
+    lib = declare(cpu.compile_library(SOURCE, FLAGS))
     _has_f16 = bool(lib.enjoyln_rotate_has_f16())
     return lib
 
