@@ -5,7 +5,8 @@
  *
  *   1. x[i] *= pre[i]                      random signs, times 1/sqrt(k);
  *   2. x[a*m + :] = x[a*m + :] B            an m x m orthogonal block on the odd part, for each a
- *                                           (out[d] = sum over b in order of x[b] B[b][d]);
+ *                                           (out[d] = sum over b in order of x[b] B[b][d], each term
+ *                                           after the first added by fma, one rounding);
  *   3. the Walsh-Hadamard transform along a (levels h = 1, 2, 4, ... in order, (u, v) -> (u + v, u - v));
  *   4. with w (the keep-mean reflection, w a unit vector): x -= 2 (x . w) w, the dot summed over i in order.
  *
@@ -14,7 +15,7 @@
  * time into a buffer [n][LANES] so that vectorising across lanes reorders nothing. With
  * -ffp-contract=off (no multiply-add fused into one rounding) the bits do not depend on the
  * layout (rows or strided columns), the number of threads, or the instruction set (AVX2 or
- * AVX-512). Results are rounded to the tensor's dtype as torch rounds a float64.
+ * AVX-512; fma is correctly rounded wherever it runs, in hardware or in the C library). Results are rounded to the tensor's dtype as torch rounds a float64.
  *
  * The block B and the signs come from enjoyln_rotation_tables: a splitmix64 stream from the
  * seed, normals as sums of twelve uniforms, and a Householder QR in a fixed order, so they are
@@ -100,8 +101,17 @@ int enjoyln_rotation_tables(int64_t n, int64_t m, uint64_t seed, double* signs, 
  * extension), so it reorders no sum, whatever instructions carry it. */
 typedef double lanes __attribute__((vector_size(LANES * sizeof(double))));
 
+/* acc + x c for every lane, with one rounding (fma is exact by definition on every machine: the same bits
+ * whether the hardware fuses it or the C library does). */
+static inline lanes fma_lanes(lanes x, double c, lanes acc) {
+    lanes out;
+    for (int l = 0; l < LANES; l++) out[l] = __builtin_fma(x[l], c, acc[l]);
+    return out;
+}
+
 /* x[a*m + :] B for one a, from xt[m] into y[m]. bt is B transposed: bt[d * m + b]. Four outputs at a
- * time, each its own sum in order of b, so that four chains of additions overlap. */
+ * time, each its own sum in order of b (acc = x[0] c[0], then acc = fma(x[b], c[b], acc)), so that four
+ * chains overlap. */
 static void mix_lanes(lanes* restrict y, const lanes* restrict xt, const double* restrict bt, int64_t m) {
     int64_t d = 0;
     for (; d + 4 <= m; d += 4) {
@@ -109,24 +119,43 @@ static void mix_lanes(lanes* restrict y, const lanes* restrict xt, const double*
         lanes a0 = xt[0] * c0[0], a1 = xt[0] * c1[0], a2 = xt[0] * c2[0], a3 = xt[0] * c3[0];
         for (int64_t b = 1; b < m; b++) {
             const lanes x = xt[b];
-            a0 += x * c0[b];
-            a1 += x * c1[b];
-            a2 += x * c2[b];
-            a3 += x * c3[b];
+            a0 = fma_lanes(x, c0[b], a0);
+            a1 = fma_lanes(x, c1[b], a1);
+            a2 = fma_lanes(x, c2[b], a2);
+            a3 = fma_lanes(x, c3[b], a3);
         }
         y[d] = a0, y[d + 1] = a1, y[d + 2] = a2, y[d + 3] = a3;
     }
     for (; d < m; d++) {
         const double* c = bt + d * m;
         lanes acc = xt[0] * c[0];
-        for (int64_t b = 1; b < m; b++) acc += xt[b] * c[b];
+        for (int64_t b = 1; b < m; b++) acc = fma_lanes(xt[b], c[b], acc);
         y[d] = acc;
     }
 }
 
-/* The Walsh-Hadamard transform along a on y[k][m], levels h = 1, 2, 4, ... in order. */
+/* The Walsh-Hadamard transform along a on y[k][m], levels h = 1, 2, 4, ... in order: (u, v) -> (u + v, u - v).
+ * Two levels per pass over the buffer where they pair up (the same additions on every element, in the same
+ * order, as one level at a time). */
 static void hadamard_lanes(lanes* restrict y, int64_t k, int64_t m) {
-    for (int64_t h = 1; h < k; h <<= 1)
+    int64_t h = 1;
+    for (; 4 * h <= k; h <<= 2)
+        for (int64_t a0 = 0; a0 < k; a0 += 4 * h)
+            for (int64_t a = a0; a < a0 + h; a++) {
+                lanes* restrict p0 = y + a * m;
+                lanes* restrict p1 = y + (a + h) * m;
+                lanes* restrict p2 = y + (a + 2 * h) * m;
+                lanes* restrict p3 = y + (a + 3 * h) * m;
+                for (int64_t e = 0; e < m; e++) {
+                    const lanes x0 = p0[e], x1 = p1[e], x2 = p2[e], x3 = p3[e];
+                    const lanes s0 = x0 + x1, d0 = x0 - x1, s1 = x2 + x3, d1 = x2 - x3;
+                    p0[e] = s0 + s1;
+                    p2[e] = s0 - s1;
+                    p1[e] = d0 + d1;
+                    p3[e] = d0 - d1;
+                }
+            }
+    for (; h < k; h <<= 1)
         for (int64_t a0 = 0; a0 < k; a0 += 2 * h)
             for (int64_t a = a0; a < a0 + h; a++) {
                 lanes* restrict p = y + a * m;
