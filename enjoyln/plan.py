@@ -209,7 +209,7 @@ class RotationSpec:
     and the version of its algorithm (0: the newest for the kind, ``ROTATION_VERSIONS``).
 
     >>> RotationSpec.of(("random", 3, False))
-    RotationSpec(kind='random', seed=3, keep_mean=False)
+    RotationSpec(kind='random', seed=3, keep_mean=False, version=0)
     """
 
     kind: str = "hadamard"
