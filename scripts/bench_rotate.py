@@ -83,29 +83,39 @@ def width_rows(width: int, small: dict, large: dict) -> tuple[str, dict]:
         dt = large[key]["seconds"] - small[key]["seconds"]
         return (large[by] - small[by]) / dt / 1e9 if dt > 0 else float("inf")
 
+    def per_cpu(key: str, by: str) -> float:
+        """GB per second of CPU time (user and system, all threads), marginal: what the work costs the cores."""
+        dt = large[key]["cpu"] - small[key]["cpu"]
+        return (large[by] - small[by]) / dt / 1e9 if dt > 0 else float("inf")
+
     cp, cat = marginal("cp", "bytes_ref"), marginal("cat", "bytes_both")
     rot, static = marginal("rotate", "bytes_ref"), marginal("static", "bytes_both")
     ratios = {"rotate/cp": rot / cp, "static/cat": static / cat,
+              "rotate cpu": per_cpu("rotate", "bytes_ref"), "static cpu": per_cpu("static", "bytes_both"),
               "check/static": large["check"]["seconds"] / large["static"]["seconds"],
               "rss": max(r[k]["rss"] for r in (small, large) for k in ("rotate", "static", "check")),
               "passed": all(r["check"]["exit"] == 0 for r in (small, large))}
     k = width & -width
     row = (f"| {width} = {k} × {width // k} | {small['bytes_ref'] / 1e9:.2f} / {large['bytes_ref'] / 1e9:.2f} GB "
            f"| {cp:.2f} | {rot:.2f} | **{ratios['rotate/cp']:.2f}** | {cat:.2f} | {static:.2f} "
-           f"| **{ratios['static/cat']:.2f}** | {ratios['check/static']:.2f} | {ratios['rss'] / 2**30:.2f} GiB "
+           f"| **{ratios['static/cat']:.2f}** | {ratios['rotate cpu']:.2f} / {ratios['static cpu']:.2f} "
+           f"| {ratios['check/static']:.2f} | {ratios['rss'] / 2**30:.2f} GiB "
            f"| {'passed' if ratios['passed'] else 'FAILED'} |")
     return row, ratios
 
 
 def widths_table(results: dict[int, list[dict]], repeat: int) -> str:
     lines = ["| width | checkpoints | `cp` GB/s | `rotate` GB/s | rotate / cp | `cat` both GB/s "
-             "| `check --static` GB/s | static / cat | `check` / `check --static` | peak RSS | `check` |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| `check --static` GB/s | static / cat | GB per CPU-second: rotate / static "
+             "| `check` / `check --static` | peak RSS | `check` |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [width_rows(width, *runs)[0] for width, runs in results.items()]
     return "\n".join(lines + [
         "", "Marginal throughputs (the difference between the two sizes of each width, start-up excluded): "
         "bytes of the reference for `cp` and `rotate --no-check`, of both checkpoints for `cat` and "
-        "`check --static`. `check / check --static` is the ratio of whole commands on the larger checkpoint; "
+        "`check --static`; GB per CPU-second is the same difference over the commands' CPU time (user and "
+        "system, all threads): what the work costs the cores, whatever else runs. `check / check --static` is "
+        "the ratio of whole commands on the larger checkpoint; "
         "peak RSS the largest of rotate, check --static and check; `check` the default check of each rotated "
         f"output. GPT-2-shaped fp32 checkpoints, vocabulary 8192; each command run {repeat} times, the two "
         f"sizes alternating, the fastest counting; {machine()}; the machine was shared with other jobs while "
@@ -114,6 +124,7 @@ def widths_table(results: dict[int, list[dict]], repeat: int) -> str:
 
 
 BIG = dict(width=14848, heads=232, kv_heads=8, ffn=59392, vocab=65024)
+"""Falcon-180B's layer shape."""
 
 
 def build_falcon(path: Path, layers: int) -> int:
@@ -169,7 +180,7 @@ def measure_big(work: Path, layers: int) -> str:
     static = run_once(enjoyln("check", ref, out, "--static"), "check --static", (ref, out))
     cat = run_once(["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, files(ref, out))], "cat both", (ref, out))
     both = total + size(out)
-    rate = lambda r, n: f"{r['seconds']:.0f} s ({n / r['seconds'] / 1e9:.2f} GB/s)"  # noqa: E731
+    rate = lambda r, n: f"{r['seconds']:.0f} s ({n / r['seconds'] / 1e9:.2f} GB/s), {r['cpu']:.0f} s of CPU"  # noqa: E731
     return "\n".join([
         f"A Falcon-180B-shaped bf16 checkpoint: width {BIG['width']} = 29 × 512, {BIG['heads']} heads, "
         f"{BIG['kv_heads']} key-value heads, MLP {BIG['ffn']}, vocabulary {BIG['vocab']}, untied head, {layers} "
