@@ -166,7 +166,7 @@ def main() -> None:
     ]
     body = "\n".join(lines)
     print(body)
-    if base[2] < 5 * rot[2]:
+    if base[2] < 4 * rot[2]:
         raise SystemExit(f"the rotation lowered the int8 activation error only {base[2] / rot[2]:.1f}x")
     if args.write:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))

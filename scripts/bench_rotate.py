@@ -15,11 +15,12 @@ the two sizes gives each command's marginal throughput, start-up excluded: bytes
 for cp and rotate, bytes of both checkpoints for cat and the static check.
 
 ``--big`` instead measures one Falcon-180B-shaped bf16 checkpoint (width 14848 = 29 * 512, 232
-heads, 8 key-value heads, MLP 59392, vocabulary 65024, untied head; ``--big-layers`` layers, 4 by
-default: 21.6 GB), once each: cp, rotate, check --static, cat of both.
+heads, 8 key-value heads, MLP 59392, untied head; ``--big-layers`` layers, 4 by default, and a
+vocabulary of ``--big-vocab``, 65024 by default: 21.6 GB), once each: cp, rotate, check --static,
+cat of both.
 
     python scripts/bench_rotate.py [--workdir DIR] [--widths 2048,1600,4544] [--repeat 3] [--write]
-    python scripts/bench_rotate.py --big [--workdir DIR] [--write]
+    python scripts/bench_rotate.py --big [--workdir DIR] [--big-layers 4] [--big-vocab 65024] [--write]
 """
 
 from __future__ import annotations
@@ -183,7 +184,8 @@ def measure_big(work: Path, layers: int) -> str:
     rate = lambda r, n: f"{r['seconds']:.0f} s ({n / r['seconds'] / 1e9:.2f} GB/s), {r['cpu']:.0f} s of CPU"  # noqa: E731
     return "\n".join([
         f"A Falcon-180B-shaped bf16 checkpoint: width {BIG['width']} = 29 × 512, {BIG['heads']} heads, "
-        f"{BIG['kv_heads']} key-value heads, MLP {BIG['ffn']}, vocabulary {BIG['vocab']}, untied head, {layers} "
+        f"{BIG['kv_heads']} key-value heads, MLP {BIG['ffn']} (Falcon-180B's layer), vocabulary {BIG['vocab']}, "
+        f"untied head, {layers} "
         f"layers: {total / 1e9:.1f} GB in {len(list(ref.glob('*.safetensors')))} shards. Each command once, "
         f"whole (start-up included), its inputs read once before it (this machine's page cache cannot hold both "
         f"checkpoints); {machine()}; shared with other jobs while it ran.", "",
@@ -193,7 +195,8 @@ def measure_big(work: Path, layers: int) -> str:
         f"| `cat` of both | {rate(cat, both)} | {cat['rss'] / 2**30:.2f} GiB | {cat['exit']} |",
         f"| `check --static` | {rate(static, both)} | {static['rss'] / 2**30:.2f} GiB | {static['exit']} |",
         "", f"rotate / cp = **{cp['seconds'] / rot['seconds']:.2f}**, check --static / cat of both = "
-        f"**{cat['seconds'] / static['seconds']:.2f}**. Command: `python scripts/bench_rotate.py --big --write`."])
+        f"**{cat['seconds'] / static['seconds']:.2f}**. Command: `python scripts/bench_rotate.py --big --big-layers "
+        f"{layers} --big-vocab {BIG['vocab']} --write`."])
 
 
 def main() -> None:
@@ -203,11 +206,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs of each command; the fastest counts")
     parser.add_argument("--big", action="store_true", help="the Falcon-180B-shaped checkpoint instead")
     parser.add_argument("--big-layers", type=int, default=4)
+    parser.add_argument("--big-vocab", type=int, default=BIG["vocab"], help="the big checkpoint's vocabulary")
     parser.add_argument("--write", action="store_true", help="put the table into docs/performance.md")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="enjoyln-bench-rotate-", dir=args.workdir))
     try:
         if args.big:
+            BIG["vocab"] = args.big_vocab
             text, block = measure_big(work, args.big_layers), "rotate-big"
         else:
             results = {w: measure_width(int(w), work, args.repeat) for w in args.widths.split(",")}
