@@ -94,13 +94,13 @@ def width_rows(width: int, small: dict, large: dict) -> tuple[str, dict]:
     ratios = {"rotate/cp": rot / cp, "static/cat": static / cat,
               "rotate cpu": per_cpu("rotate", "bytes_ref"), "static cpu": per_cpu("static", "bytes_both"),
               "check/static": large["check"]["seconds"] / large["static"]["seconds"],
-              "rss": max(r[k]["rss"] for r in (small, large) for k in ("rotate", "static", "check")),
+              "rss": {k: max(r[k]["rss"] for r in (small, large)) for k in ("rotate", "static", "check")},
               "passed": all(r["check"]["exit"] == 0 for r in (small, large))}
     k = width & -width
     row = (f"| {width} = {k} × {width // k} | {small['bytes_ref'] / 1e9:.2f} / {large['bytes_ref'] / 1e9:.2f} GB "
            f"| {cp:.2f} | {rot:.2f} | **{ratios['rotate/cp']:.2f}** | {cat:.2f} | {static:.2f} "
            f"| **{ratios['static/cat']:.2f}** | {ratios['rotate cpu']:.2f} / {ratios['static cpu']:.2f} "
-           f"| {ratios['check/static']:.2f} | {ratios['rss'] / 2**30:.2f} GiB "
+           f"| {ratios['check/static']:.2f} | {' / '.join(f'{v / 2**30:.2f}' for v in ratios['rss'].values())} GiB "
            f"| {'passed' if ratios['passed'] else 'FAILED'} |")
     return row, ratios
 
@@ -108,7 +108,7 @@ def width_rows(width: int, small: dict, large: dict) -> tuple[str, dict]:
 def widths_table(results: dict[int, list[dict]], repeat: int) -> str:
     lines = ["| width | checkpoints | `cp` GB/s | `rotate` GB/s | rotate / cp | `cat` both GB/s "
              "| `check --static` GB/s | static / cat | GB per CPU-second: rotate / static "
-             "| `check` / `check --static` | peak RSS | `check` |",
+             "| `check` / `check --static` | peak RSS: rotate / static / check | `check` |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [width_rows(width, *runs)[0] for width, runs in results.items()]
     return "\n".join(lines + [
@@ -117,7 +117,7 @@ def widths_table(results: dict[int, list[dict]], repeat: int) -> str:
         "`check --static`; GB per CPU-second is the same difference over the commands' CPU time (user and "
         "system, all threads): what the work costs the cores, whatever else runs. `check / check --static` is "
         "the ratio of whole commands on the larger checkpoint; "
-        "peak RSS the largest of rotate, check --static and check; `check` the default check of each rotated "
+        "peak RSS the larger of the two sizes; `check` the default check of each rotated "
         f"output. GPT-2-shaped fp32 checkpoints, vocabulary 8192; each command run {repeat} times, the two "
         f"sizes alternating, the fastest counting; {machine()}; the machine was shared with other jobs while "
         "it ran, so the ratios, measured side by side, mean more than the rates. "
