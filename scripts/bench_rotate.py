@@ -140,32 +140,36 @@ def build_falcon(path: Path, layers: int) -> int:
     path.mkdir(parents=True)
     config.save_pretrained(path)
     gen = torch.Generator().manual_seed(0)
+    noise = torch.randn(1 << 24, generator=gen)  # 16 Mi values, tiled: drawing 10 G of them would take longer than the run
 
     def randn(*shape: int, std: float = 0.02, mean: float = 0.0) -> torch.Tensor:
-        out = torch.empty(shape, dtype=torch.bfloat16)
-        for rows in out.split(max(1, (1 << 26) // max(1, out[0].numel())), 0):  # 256 MiB of float32 at a time
-            rows.copy_(torch.randn(rows.shape, generator=gen) * std + mean)
-        return out
+        out = torch.empty(shape, dtype=torch.bfloat16).view(-1)
+        for start in range(0, out.numel(), noise.numel()):
+            piece = out[start:start + noise.numel()]
+            piece.copy_(noise[:piece.numel()] * std + mean)
+        return out.view(shape)
 
-    groups = [{"transformer.word_embeddings.weight": randn(BIG["vocab"], d)}]
-    for i in range(layers):
-        p = f"transformer.h.{i}."
-        groups.append({p + "ln_attn.weight": randn(d, std=0.3, mean=1.0), p + "ln_attn.bias": randn(d, std=0.2),
+    weight_map, total, count = {}, 0, layers + 2
+    for i in range(count):  # one shard at a time: the embedding, each layer, the head
+        if i == 0:
+            tensors = {"transformer.word_embeddings.weight": randn(BIG["vocab"], d)}
+        elif i == count - 1:
+            tensors = {"transformer.ln_f.weight": randn(d, std=0.3, mean=1.0), "transformer.ln_f.bias": randn(d, std=0.2),
+                       "lm_head.weight": randn(BIG["vocab"], d)}
+        else:
+            p = f"transformer.h.{i - 1}."
+            tensors = {p + "ln_attn.weight": randn(d, std=0.3, mean=1.0), p + "ln_attn.bias": randn(d, std=0.2),
                        p + "ln_mlp.weight": randn(d, std=0.3, mean=1.0), p + "ln_mlp.bias": randn(d, std=0.2),
                        p + "self_attention.query_key_value.weight": randn(d + 2 * BIG["kv_heads"] * head, d),
                        p + "self_attention.dense.weight": randn(d, d),
                        p + "mlp.dense_h_to_4h.weight": randn(BIG["ffn"], d),
-                       p + "mlp.dense_4h_to_h.weight": randn(d, BIG["ffn"])})
-        print(f"  layer {i} built", file=sys.stderr, flush=True)
-    groups.append({"transformer.ln_f.weight": randn(d, std=0.3, mean=1.0), "transformer.ln_f.bias": randn(d, std=0.2),
-                   "lm_head.weight": randn(BIG["vocab"], d)})
-    weight_map, total = {}, 0
-    for i, tensors in enumerate(groups):
-        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                       p + "mlp.dense_4h_to_h.weight": randn(d, BIG["ffn"])}
+        name = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
         save_file(tensors, path / name, metadata={"format": "pt"})
         total += sum(t.numel() * 2 for t in tensors.values())
         weight_map.update({k: name for k in tensors})
-        groups[i] = {}
+        del tensors
+        print(f"  wrote {name}", file=sys.stderr, flush=True)
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     return total
