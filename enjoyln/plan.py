@@ -11,7 +11,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 from .errors import PlanError
 from .units import format_bytes
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The newest format read; a plan is written in the oldest that holds it: old readers refuse only what they misread."""
 
 
@@ -192,20 +192,35 @@ class Rotation(Record):
     seed: int
     keep_mean: bool
     rotated: list[Rotated] = field(default_factory=list)
+    version: int = 1  # how ``Q`` is built and applied: 1 dense, 2 structured (``ROTATION_VERSIONS``)
+    _sparse = ("version",)
     _where = "rotation"
+
+
+ROTATION_VERSIONS = {"hadamard": 2, "random": 1}
+"""The version a new rotation of each kind gets. A hadamard ``Q`` of version 1 is a dense matrix (a Kronecker
+product with a LAPACK block, or Haar-random where the odd part of the width is over 64) applied by BLAS; of
+version 2 it is structured (``ops/rotate.c``) for every width. Checkpoints keep the version they were made with."""
 
 
 @dataclass(frozen=True)
 class RotationSpec:
-    """What a rotation of the residual stream is asked to be: the kind of ``Q``, its seed, whether it keeps the mean.
+    """What a rotation of the residual stream is asked to be: the kind of ``Q``, its seed, whether it keeps the mean,
+    and the version of its algorithm (0: the newest for the kind, ``ROTATION_VERSIONS``).
 
     >>> RotationSpec.of(("random", 3, False))
-    RotationSpec(kind='random', seed=3, keep_mean=False)
+    RotationSpec(kind='random', seed=3, keep_mean=False, version=0)
     """
 
     kind: str = "hadamard"
     seed: int = 0
     keep_mean: bool = True
+    version: int = 0
+
+    @property
+    def algorithm(self) -> int:
+        """The version this rotation is made with."""
+        return self.version or ROTATION_VERSIONS.get(self.kind, 1)
 
     @classmethod
     def of(cls, value: "RotationSpec | tuple[str, int, bool] | None") -> "RotationSpec | None":
@@ -321,7 +336,10 @@ class FoldPlan(Record):
 
     @property
     def format_version(self) -> int:
-        """The oldest plan format that holds this plan: 2 once a norm is not a plain LayerNorm."""
+        """The oldest plan format that holds this plan: 2 once a norm is not a plain LayerNorm, 3 with a rotation
+        of version 2 (which an older reader would apply as a dense one)."""
+        if self.rotation is not None and self.rotation.version >= 2:
+            return 3
         return 2 if any(not e.plain_form for e in self.layer_norms) else 1
 
     @property

@@ -9,8 +9,9 @@ The path, on a GPT-2-style model with random weights (perturbed away from
 init) and outliers planted in three features of every stream writer:
 
 1. ``enjoyln.fold(model, fuse_affine=True)``: weightless RMSNorms, γ and β in
-   the next layers; ``enjoyln.rotate``: the same, with the stream rotated by a
-   randomized Hadamard matrix. Both are exact (checked here).
+   the next layers; ``enjoyln.rotate``: the same, with the stream rotated by the
+   structured randomized Hadamard rotation, and by the dense one of earlier
+   releases (``version=1``), side by side. All are exact (checked here).
 2. The activations entering each linear layer that reads a norm: their
    max-to-RMS ratio, and the error of int8 per-token round-to-nearest.
 3. The whole model with every such input quantized to int8 per token and
@@ -21,7 +22,7 @@ With random weights a rotation cannot make the weights easier to quantize
 (they are Gaussian either way), so the int4 row shows weight noise, which no
 rotation removes; trained weights have outliers of their own, which it does.
 
-    python examples/rotate_then_quantize.py [--layers 4] [--width 512] [--write]
+    python examples/rotate_then_quantize.py [--layers 4] [--width 512] [--odd-widths 1600,4544] [--write]
 """
 
 from __future__ import annotations
@@ -108,48 +109,67 @@ def logits_error(reference: nn.Module, model: nn.Module, ids: torch.Tensor) -> f
     return float((a - b).norm() / a.norm())
 
 
+def measure(layers: int, width: int, vocab: int, dense: bool = True) -> list[tuple[str, float, float, float, float]]:
+    """(model, max/RMS, int8 input error, W8A8 and W4A8 logits errors) for the fused model and both hadamard
+    rotations: the structured one (version 2, the default) and the dense one of earlier releases (version 1)."""
+    torch.manual_seed(0)
+    original = build(layers, width, vocab)
+    ids = torch.randint(0, vocab, (4, 128), generator=torch.Generator().manual_seed(1))
+    models = {"folded, fused (not rotated)": enjoyln.fold(copy.deepcopy(original), fuse_affine=True),
+              "rotated, structured Hadamard": enjoyln.rotate(copy.deepcopy(original), kind="hadamard", seed=0)}
+    if dense:
+        models["rotated, dense (version 1)"] = enjoyln.rotate(copy.deepcopy(original), kind="hadamard", seed=0,
+                                                             version=1)
+    rows = []
+    for name, model in models.items():
+        report = enjoyln.check(original, model)
+        assert report.passed, report.summary()
+        print(f"{'fused' if name.startswith('folded') else 'rotated'}: exact against the original "
+              f"(width {width}, {name}; max rel diff {report.max_rel_diff:.2g})")
+        ratio, err8 = activation_stats(model, ids)
+        w8, w4 = (logits_error(original, quantized(model, bits), ids) for bits in (8, 4))
+        rows.append((name, ratio, err8, w8, w4))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--odd-widths", default="", help="more widths, e.g. 1600,4544 (with --odd-layers layers)")
+    parser.add_argument("--odd-layers", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--no-dense", action="store_true", help="leave out the dense rotation of earlier releases")
     parser.add_argument("--write", action="store_true", help="put the table into docs/how-it-works.md")
     args = parser.parse_args()
 
-    torch.manual_seed(0)
-    original = build(args.layers, args.width, args.vocab)
-    ids = torch.randint(0, args.vocab, (4, 128), generator=torch.Generator().manual_seed(1))
-    fused = enjoyln.fold(copy.deepcopy(original), fuse_affine=True)
-    rotated = enjoyln.rotate(copy.deepcopy(original), kind="hadamard", seed=0)
-    for name, model in (("fused", fused), ("rotated", rotated)):
-        report = enjoyln.check(original, model)
-        assert report.passed, report.summary()
-        print(f"{name}: exact against the original (max rel diff {report.max_rel_diff:.2g})")
-
-    rows = []
-    for name, model in (("folded, fused (not rotated)", fused), ("rotated (randomized Hadamard)", rotated)):
-        ratio, err8 = activation_stats(model, ids)
-        w8, w4 = (logits_error(original, quantized(model, bits), ids) for bits in (8, 4))
-        rows.append((name, ratio, err8, w8, w4))
-    base, rot = rows
+    runs = [(args.layers, args.width)] + [(args.odd_layers, int(w)) for w in args.odd_widths.split(",") if w]
+    table = {(layers, width): measure(layers, width, args.vocab, not args.no_dense) for layers, width in runs}
+    base, rot, *dense = table[runs[0]]
+    earlier = (f" (the dense rotation of earlier releases: {base[2] / dense[0][2]:.1f}x and {base[3] / dense[0][3]:.1f}x)"
+               if dense else "")
+    k = lambda w: w & -w  # noqa: E731
     lines = [
-        f"GPT-2-style model, {args.layers} layers, width {args.width}, random perturbed weights, outliers planted in "
-        f"features {', '.join(str(f % args.width) for f in OUTLIERS)} (40x) of every stream writer; 4 x 128 tokens. "
-        "Inputs of the layers reading a norm (attention and MLP inputs, the head), and the logits with those "
-        "inputs in int8 per token and their weights round-to-nearest per output channel:",
+        f"GPT-2-style models, random perturbed weights, outliers planted in features "
+        f"{', '.join(str(f) for f in OUTLIERS)} (40x) of every stream writer; 4 x 128 tokens. Inputs of the layers "
+        "reading a norm (attention and MLP inputs, the head), and the logits with those inputs in int8 per token "
+        "and their weights round-to-nearest per output channel:",
         "",
-        "| model | max / RMS of the inputs | int8 per-token error of the inputs | logits error, W8A8 | logits error, W4A8 |",
-        "|---|---|---|---|---|",
-        *(f"| {n} | {r:.1f} | {e:.2%} | {q8:.2%} | {q4:.2%} |" for n, r, e, q8, q4 in rows),
+        "| width (2^k · odd) | layers | model | max / RMS of the inputs | int8 per-token error of the inputs "
+        "| logits error, W8A8 | logits error, W4A8 |",
+        "|---|---|---|---|---|---|---|",
+        *(f"| {width} = {k(width)} · {width // k(width)} | {layers} | {n} | {r:.1f} | {e:.2%} | {q8:.2%} | {q4:.2%} |"
+          for (layers, width), rows in table.items() for n, r, e, q8, q4 in rows),
         "",
-        f"The rotation lowers the int8 activation error {base[2] / rot[2]:.1f}x and the W8A8 logits error "
-        f"{base[3] / rot[3]:.1f}x. At 4-bit weights the error is the weights' own rounding, which a rotation of "
-        "random (Gaussian) weights cannot reduce. Both unquantized models compute exactly what the original does.",
-        "Command: `python examples/rotate_then_quantize.py --write`.",
+        f"At width {args.width} the rotation lowers the int8 activation error {base[2] / rot[2]:.1f}x and the W8A8 "
+        f"logits error {base[3] / rot[3]:.1f}x{earlier}. At 4-bit weights the error is the weights' own rounding, which a rotation "
+        "of random (Gaussian) weights cannot reduce. Every unquantized model computes exactly what the original does.",
+        f"Command: `python examples/rotate_then_quantize.py{' --odd-widths ' + args.odd_widths if args.odd_widths else ''}"
+        f"{' --odd-layers ' + str(args.odd_layers) if args.odd_widths else ''} --write`.",
     ]
     body = "\n".join(lines)
     print(body)
-    if base[2] < 5 * rot[2]:
+    if base[2] < 4 * rot[2]:
         raise SystemExit(f"the rotation lowered the int8 activation error only {base[2] / rot[2]:.1f}x")
     if args.write:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))

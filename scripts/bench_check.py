@@ -49,10 +49,12 @@ def timed(cmd: list[str], label: str) -> dict:
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) * 1024
     wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", proc.stderr).group(1)
     seconds = sum(float(x) * 60 ** i for i, x in enumerate(reversed(wall.split(":"))))
-    print(f"  {label}: exit {proc.returncode}, {seconds:.2f} s, peak RSS {rss / 2**30:.2f} GiB", flush=True)
+    cpu = sum(float(re.search(rf"{kind} time \(seconds\): (\S+)", proc.stderr).group(1)) for kind in ("User", "System"))
+    print(f"  {label}: exit {proc.returncode}, {seconds:.2f} s ({cpu:.2f} s of CPU), peak RSS {rss / 2**30:.2f} GiB",
+          flush=True)
     if proc.returncode != 0:
         print(proc.stdout[-2000:] + proc.stderr[-2000:], file=sys.stderr)
-    return {"exit": proc.returncode, "seconds": seconds, "rss": rss}
+    return {"exit": proc.returncode, "seconds": seconds, "rss": rss, "cpu": cpu}
 
 
 def enjoyln(*args: object) -> list[str]:
@@ -86,7 +88,7 @@ def fastest(runs: list[dict]) -> dict:
     it, by seconds at a time), the largest peak RSS, and every time."""
     times = sorted(r["seconds"] for r in runs)
     return {"exit": max(r["exit"] for r in runs), "seconds": times[0], "rss": max(r["rss"] for r in runs),
-            "times": times}
+            "times": times, "cpu": min(r["cpu"] for r in runs)}
 
 
 def measure(refs: list[Path], roots: list[Path], repeat: int = 5) -> list[dict[str, dict]]:

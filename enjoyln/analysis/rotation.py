@@ -164,4 +164,4 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
     if not spread.absorbed:
         return "no folded norm reads the stream"
     return Rotation(spec.kind, spec.seed, spec.keep_mean,
-                    sorted(rotated.values(), key=lambda r: (r.param, r.axis, r.start)))
+                    sorted(rotated.values(), key=lambda r: (r.param, r.axis, r.start)), spec.algorithm)

@@ -286,7 +286,7 @@ def _essentials(plan: FoldPlan) -> dict[str, set]:
             "auxiliary centerings": {(a.module, a.where) for a in plan.auxiliary},
             "fused affines": {(e.name, e.affine, tuple(tuple(asdict(f).items()) for f in e.fused))
                               for e in plan.foldable if e.affine},
-            "rotations": {(r.kind, r.seed, r.keep_mean, tuple(tuple(asdict(x).items()) for x in r.rotated))}
+            "rotations": {(r.kind, r.seed, r.keep_mean, r.version, tuple(tuple(asdict(x).items()) for x in r.rotated))}
             if r else set()}
 
 

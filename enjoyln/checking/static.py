@@ -191,7 +191,7 @@ def _analysis(ref: Checkpoint, recorded: FoldPlan | None) -> FoldPlan:
         return analyze_dir(ref, auxiliary_centering=False)
     r = recorded.rotation
     options = {"fuse_affine": any(e.affine for e in recorded.layer_norms),
-               "rotate": RotationSpec(r.kind, r.seed, r.keep_mean) if r else None}
+               "rotate": RotationSpec(r.kind, r.seed, r.keep_mean, r.version) if r else None}
     plan = analyze_dir(ref, auxiliary_centering=bool(recorded.auxiliary), **options)
     if not recorded.auxiliary and plan.to_dict() != recorded.to_dict():
         # --auxiliary-centering that placed none leaves a trace only in the plan's notes and

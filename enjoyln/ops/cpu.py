@@ -35,7 +35,8 @@ def compile_library(source: Path, flags: list[str]) -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
-    text = source.read_bytes()
+    # the headers beside it are part of what it compiles to
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(text + " ".join([cc, *flags, platform.machine(), platform.node()]).encode())
     lib_path = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not lib_path.exists():

@@ -1,4 +1,6 @@
-"""Rotation matrices, the same on any machine, and rotating tensors by them."""
+"""Rotations of the residual stream, the same on any machine, and rotating tensors by them: the structured
+hadamard ``Q`` of version 2 (``ops/rotate.c``, never a matrix), and the dense matrices of version 1, kept to
+recompute checkpoints made with them."""
 
 from __future__ import annotations
 
@@ -8,11 +10,13 @@ from typing import Sequence
 
 import torch
 
+from ..errors import PlanError
+from ..ops import rotate as structured_kernel
 from ..plan import Rotated, Rotation
 
 KINDS = ("hadamard", "random")
 MAX_BLOCK = 64
-"""Widths 2^k * m with m up to this get a Kronecker product of a Hadamard matrix and a
+"""Version 1: widths 2^k * m with m up to this get a Kronecker product of a Hadamard matrix and a
 random m x m block; wider odd factors fall back to a random orthogonal matrix."""
 
 
@@ -43,14 +47,19 @@ def _fix_ones(q: torch.Tensor) -> torch.Tensor:
     return q - 2 * torch.outer(v, v @ q)
 
 
-def rotation_matrix(n: int, kind: str = "hadamard", seed: int = 0, keep_mean: bool = True) -> torch.Tensor:
-    """An orthogonal ``n x n`` matrix in float64, the same on any machine: ``hadamard`` (randomized, as in
-    QuaRot; see ``MAX_BLOCK``) or ``random`` (Haar-random). With ``keep_mean``, ``Q 1 = 1``.
+def rotation_matrix(n: int, kind: str = "hadamard", seed: int = 0, keep_mean: bool = True,
+                    version: int = 1) -> torch.Tensor:
+    """An orthogonal ``n x n`` matrix in float64: ``hadamard`` (randomized, as in QuaRot; version 1 see
+    ``MAX_BLOCK``, version 2 the structured ``Q`` written out, for small widths) or ``random`` (Haar-random).
+    With ``keep_mean``, ``Q 1 = 1``.
 
     >>> q = rotation_matrix(8)
     >>> bool(torch.allclose(q @ q.T, torch.eye(8, dtype=torch.float64)))
     True
     """
+    if kind == "hadamard" and version >= 2:
+        return structured_kernel.rotate_(torch.eye(n, dtype=torch.float64), 1,
+                                         structured_kernel.structured(int(n), int(seed), bool(keep_mean)))
     return _rotation_matrix(int(n), kind, int(seed), bool(keep_mean)).clone()  # the cached one stays unchanged
 
 
@@ -109,6 +118,13 @@ def rotate_(t: torch.Tensor, axis: int, q: torch.Tensor, start: int = 0, *, slab
 
 
 def apply_rotation(t: torch.Tensor, rot: Rotated, r: Rotation) -> torch.Tensor:
-    """One tensor of a plan's rotation, in place; the width is what its block holds."""
+    """One tensor of a plan's rotation, in place, by the algorithm of its version; the width is what its
+    block holds."""
     n = rot.length if rot.length else t.shape[rot.axis] - rot.start
+    if r.kind == "hadamard" and r.version >= 2:
+        try:
+            return structured_kernel.rotate_(t, rot.axis, structured_kernel.structured(n, r.seed, r.keep_mean),
+                                             rot.start)
+        except structured_kernel.RotationUnavailable as exc:
+            raise PlanError(str(exc)) from None
     return rotate_(t, rot.axis, rotation_matrix(n, r.kind, r.seed, r.keep_mean), rot.start)

@@ -432,10 +432,12 @@ def fold(model: nn.Module, example_inputs: ExampleInputs = None, *,
 
 
 def rotate(model: nn.Module, example_inputs: ExampleInputs = None, *, kind: str = "hadamard", seed: int = 0,
-           keep_mean: bool = True, plan: FoldPlan | None = None) -> nn.Module:
+           keep_mean: bool = True, plan: FoldPlan | None = None, version: int = 0) -> nn.Module:
     """Fold ``model`` with fused affines and rotate its residual stream by an orthogonal ``Q`` (``kind``:
     ``"hadamard"`` or ``"random"``), in place, with the same outputs; the rotation spreads outlier features.
-    With ``keep_mean`` ``Q`` fixes the all-ones vector, so plain LayerNorms still agree.
+    With ``keep_mean`` ``Q`` fixes the all-ones vector, so plain LayerNorms still agree. ``version`` 0 builds
+    the newest ``Q`` of the kind (for hadamard the structured one, applied in O(n log n)); 1 the dense matrices
+    of earlier releases.
     >>> import enjoyln
     >>> from enjoyln.testing import perturb, tiny_model
     >>> model = enjoyln.rotate(perturb(tiny_model("gpt2")))
@@ -446,7 +448,8 @@ def rotate(model: nn.Module, example_inputs: ExampleInputs = None, *, kind: str 
         raise PlanError("this model is already folded in memory; rotate the original model (rotate folds it "
                         "too), or a folded checkpoint loaded with plain from_pretrained")
     if plan is None:
-        plan = analyze(model, example_inputs, fuse_affine=True, rotate=RotationSpec(kind, int(seed), bool(keep_mean)))
+        plan = analyze(model, example_inputs, fuse_affine=True,
+                       rotate=RotationSpec(kind, int(seed), bool(keep_mean), int(version)))
     if plan.rotation is None:
         raise PlanError(plan.note(NOT_ROTATED) or "the plan has no rotation")
     return apply_plan(model, plan)

@@ -1,0 +1,262 @@
+/* The structured rotation of the residual stream, applied in float64 in a fixed order.
+ *
+ * For a width n = k * m (k the largest power of two dividing n, m odd), a vector x
+ * (a row vector, x -> x Q) is rotated in four steps:
+ *
+ *   1. x[i] *= pre[i]                      random signs, times 1/sqrt(k);
+ *   2. x[a*m + :] = x[a*m + :] B            an m x m orthogonal block on the odd part, for each a
+ *                                           (out[d] = sum over b in order of x[b] B[b][d], each term
+ *                                           after the first added by fma, one rounding);
+ *   3. the Walsh-Hadamard transform along a (levels h = 1, 2, 4, ... in order, (u, v) -> (u + v, u - v));
+ *   4. with w (the keep-mean reflection, w a unit vector): x -= 2 (x . w) w, the dot summed over i in order.
+ *
+ * Q = S (H_k (x) B) (I - 2 w w^T) is never formed. Each vector is worked on alone, in
+ * float64, by one thread, every operation in the order above; vectors are gathered LANES at a
+ * time into a buffer [n][LANES] so that vectorising across lanes reorders nothing. With
+ * -ffp-contract=off (no multiply-add fused into one rounding) the bits do not depend on the
+ * layout (rows or strided columns), the number of threads, or the instruction set (AVX2 or
+ * AVX-512; fma is correctly rounded wherever it runs, in hardware or in the C library). Results are rounded to the tensor's dtype as torch rounds a float64.
+ *
+ * The block B and the signs come from enjoyln_rotation_tables: a splitmix64 stream from the
+ * seed, normals as sums of twelve uniforms, and a Householder QR in a fixed order, so they are
+ * the same bits on every machine (LAPACK's and BLAS's are not).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtypes.h"
+
+#define LANES 4
+#define PARALLEL_MIN 262144
+
+static uint64_t splitmix(uint64_t* s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static double normal(uint64_t* s) {
+    double t = 0.0;
+    for (int i = 0; i < 12; i++) t += (double)(splitmix(s) >> 11) * 0x1.0p-53;
+    return t - 6.0;
+}
+
+/* Rows j.. and columns c0.. of the m x m matrix a times I - beta v v^T from the left: for each column c,
+ * dot[c] = sum over i = j.. in order of v[i] a[i][c], then a[i][c] -= (beta dot[c]) v[i]; row by row, so
+ * that the loops run along memory. */
+static void reflect(double* a, const double* v, double beta, double* dot, int64_t j, int64_t c0, int64_t m) {
+    for (int64_t c = c0; c < m; c++) dot[c] = 0.0;
+    for (int64_t i = j; i < m; i++)
+        for (int64_t c = c0; c < m; c++) dot[c] += v[i] * a[i * m + c];
+    for (int64_t c = c0; c < m; c++) dot[c] = beta * dot[c];
+    for (int64_t i = j; i < m; i++)
+        for (int64_t c = c0; c < m; c++) a[i * m + c] -= dot[c] * v[i];
+}
+
+/* signs: n entries of +-1; block: an m x m orthogonal matrix, block[b * m + d]. */
+int enjoyln_rotation_tables(int64_t n, int64_t m, uint64_t seed, double* signs, double* block) {
+    uint64_t s = seed;
+    for (int64_t i = 0; i < n; i++) signs[i] = (splitmix(&s) >> 63) ? -1.0 : 1.0;
+    if (m < 1) return -1;
+    if (m == 1) { /* no odd part: the kernel skips the block */
+        block[0] = 1.0;
+        return 0;
+    }
+    double* a = malloc((size_t)(m * m) * sizeof(double));
+    double* v = malloc((size_t)(m * m) * sizeof(double)); /* Householder vector j in row j, from index j */
+    double* beta = malloc((size_t)m * sizeof(double));
+    double* dot = malloc((size_t)m * sizeof(double));
+    if (!a || !v || !beta || !dot) {
+        free(a), free(v), free(beta), free(dot);
+        return -2;
+    }
+    for (int64_t i = 0; i < m * m; i++) a[i] = normal(&s);
+    for (int64_t j = 0; j < m; j++) {
+        double norm2 = 0.0;
+        for (int64_t i = j; i < m; i++) norm2 += a[i * m + j] * a[i * m + j];
+        double alpha = sqrt(norm2);
+        if (a[j * m + j] > 0) alpha = -alpha;
+        double vn2 = 0.0;
+        for (int64_t i = j; i < m; i++) {
+            const double vi = i == j ? a[i * m + j] - alpha : a[i * m + j];
+            v[j * m + i] = vi;
+            vn2 += vi * vi;
+        }
+        beta[j] = vn2 > 0 ? 2.0 / vn2 : 0.0;
+        reflect(a, v + j * m, beta[j], dot, j, j, m);
+    }
+    for (int64_t i = 0; i < m * m; i++) block[i] = (i / m == i % m) ? 1.0 : 0.0;
+    for (int64_t j = m - 1; j >= 0; j--) reflect(block, v + j * m, beta[j], dot, j, 0, m); /* Q = H_0 ... H_{m-1} */
+    for (int64_t j = 0; j < m; j++) /* R's diagonal made positive: Q Haar-distributed for normal entries */
+        if (a[j * m + j] < 0)
+            for (int64_t i = 0; i < m; i++) block[i * m + j] = -block[i * m + j];
+    free(a), free(v), free(beta), free(dot);
+    return 0;
+}
+
+/* LANES doubles, one from each vector: every operation on it is lane by lane (GCC's vector
+ * extension), so it reorders no sum, whatever instructions carry it. */
+typedef double lanes __attribute__((vector_size(LANES * sizeof(double))));
+
+/* acc + x c for every lane, with one rounding (fma is exact by definition on every machine: the same bits
+ * whether the hardware fuses it or the C library does). */
+static inline lanes fma_lanes(lanes x, double c, lanes acc) {
+    lanes out;
+    for (int l = 0; l < LANES; l++) out[l] = __builtin_fma(x[l], c, acc[l]);
+    return out;
+}
+
+/* x[a*m + :] B for one a, from xt[m] into y[m]. bt is B transposed: bt[d * m + b]. Four outputs at a
+ * time, each its own sum in order of b (acc = x[0] c[0], then acc = fma(x[b], c[b], acc)), so that four
+ * chains overlap. */
+static void mix_lanes(lanes* restrict y, const lanes* restrict xt, const double* restrict bt, int64_t m) {
+    int64_t d = 0;
+    for (; d + 4 <= m; d += 4) {
+        const double *c0 = bt + d * m, *c1 = c0 + m, *c2 = c1 + m, *c3 = c2 + m;
+        lanes a0 = xt[0] * c0[0], a1 = xt[0] * c1[0], a2 = xt[0] * c2[0], a3 = xt[0] * c3[0];
+        for (int64_t b = 1; b < m; b++) {
+            const lanes x = xt[b];
+            a0 = fma_lanes(x, c0[b], a0);
+            a1 = fma_lanes(x, c1[b], a1);
+            a2 = fma_lanes(x, c2[b], a2);
+            a3 = fma_lanes(x, c3[b], a3);
+        }
+        y[d] = a0, y[d + 1] = a1, y[d + 2] = a2, y[d + 3] = a3;
+    }
+    for (; d < m; d++) {
+        const double* c = bt + d * m;
+        lanes acc = xt[0] * c[0];
+        for (int64_t b = 1; b < m; b++) acc = fma_lanes(xt[b], c[b], acc);
+        y[d] = acc;
+    }
+}
+
+/* The Walsh-Hadamard transform along a on y[k][m], levels h = 1, 2, 4, ... in order: (u, v) -> (u + v, u - v).
+ * Two levels per pass over the buffer where they pair up (the same additions on every element, in the same
+ * order, as one level at a time). */
+static void hadamard_lanes(lanes* restrict y, int64_t k, int64_t m) {
+    int64_t h = 1;
+    for (; 4 * h <= k; h <<= 2)
+        for (int64_t a0 = 0; a0 < k; a0 += 4 * h)
+            for (int64_t a = a0; a < a0 + h; a++) {
+                lanes* restrict p0 = y + a * m;
+                lanes* restrict p1 = y + (a + h) * m;
+                lanes* restrict p2 = y + (a + 2 * h) * m;
+                lanes* restrict p3 = y + (a + 3 * h) * m;
+                for (int64_t e = 0; e < m; e++) {
+                    const lanes x0 = p0[e], x1 = p1[e], x2 = p2[e], x3 = p3[e];
+                    const lanes s0 = x0 + x1, d0 = x0 - x1, s1 = x2 + x3, d1 = x2 - x3;
+                    p0[e] = s0 + s1;
+                    p2[e] = s0 - s1;
+                    p1[e] = d0 + d1;
+                    p3[e] = d0 - d1;
+                }
+            }
+    for (; h < k; h <<= 1)
+        for (int64_t a0 = 0; a0 < k; a0 += 2 * h)
+            for (int64_t a = a0; a < a0 + h; a++) {
+                lanes* restrict p = y + a * m;
+                lanes* restrict q = y + (a + h) * m;
+                for (int64_t e = 0; e < m; e++) {
+                    const lanes u = p[e], x = q[e];
+                    p[e] = u + x;
+                    q[e] = u - x;
+                }
+            }
+}
+
+/* 2 (y . w) per lane, summed over i in order; zero without w. */
+static lanes twice_dot(const lanes* y, const double* w, int64_t n) {
+    lanes acc = {0};
+    if (!w) return acc;
+    for (int64_t i = 0; i < n; i++) acc += y[i] * w[i];
+    return acc + acc;
+}
+
+#define GATHER(LD)                                                                           \
+    for (int64_t a = 0; a < k; a++) {                                                        \
+        lanes* out = m == 1 ? y + a : xt;                                                    \
+        for (int64_t b = 0; b < m; b++) {                                                    \
+            const int64_t i = a * m + b;                                                     \
+            lanes v = {0};                                                                   \
+            for (int l = 0; l < wl; l++) v[l] = LD(src, off[l] + i * step);                  \
+            out[b] = v * pre[i];                                                             \
+        }                                                                                    \
+        if (m > 1) mix_lanes(y + a * m, xt, bt, m);                                          \
+    }
+
+#define SCATTER(ST, SIZE)                                                                    \
+    for (int64_t i = 0; i < n; i++) {                                                        \
+        const lanes v = w ? y[i] - c * w[i] : y[i];                                         \
+        for (int l = 0; l < wl; l++) {                                                       \
+            const int64_t at = off[l] + i * step;                                            \
+            if (cand) {                                                                      \
+                unsigned char tmp[8];                                                        \
+                ST(tmp, 0, v[l]);                                                            \
+                if (memcmp(tmp, (const char*)cand + at * SIZE, SIZE)) differ = 1;            \
+            } else {                                                                         \
+                ST(dst, at, v[l]);                                                           \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+#define ROTATE_ITEM(LD, ST, SIZE) \
+    {                             \
+        GATHER(LD)                \
+        hadamard_lanes(y, k, m);  \
+        const lanes c = twice_dot(y, w, n); \
+        SCATTER(ST, SIZE)         \
+    }
+
+/* Rotate the vectors of the slice at src (a tensor seen as [outer, n, inner], outer_stride elements
+ * between outer indices, the rotated axis in the middle) into dst (in place: dst == src), or compare
+ * them with cand (dst unused). pre: n doubles; block: m x m (NULL where m == 1); w: n doubles or NULL.
+ * Returns 0 (written, or equal to cand), 1 (cand differs), -1 (unknown dtype), -2 (no memory). */
+int enjoyln_rotate_into(const void* src, void* dst, const void* cand, int dtype, int64_t outer, int64_t outer_stride,
+                        int64_t n, int64_t inner, int64_t k, int64_t m, const double* pre, const double* block,
+                        const double* w, int threads) {
+    if (n <= 0 || outer <= 0 || inner <= 0) return 0;
+    if (dtype < F32 || dtype > F64 || k * m != n) return -1;
+    const int64_t lane_blocks = (inner + LANES - 1) / LANES;
+    const int64_t items = inner == 1 ? (outer + LANES - 1) / LANES : outer * lane_blocks;
+    const int64_t step = inner;
+    int differ = 0, failed = 0;
+    _Pragma("omp parallel num_threads(threads) reduction(|:differ, failed) if(outer * n * inner >= PARALLEL_MIN)")
+    {
+        lanes* y = aligned_alloc(64, (size_t)n * sizeof(lanes));
+        lanes* xt = aligned_alloc(64, (size_t)m * sizeof(lanes));
+        double* bt = malloc((size_t)(m * m) * sizeof(double));
+        if (!y || !xt || !bt) failed = 1;
+        else
+            for (int64_t d = 0; d < m; d++)
+                for (int64_t b = 0; b < m; b++) bt[d * m + b] = m == 1 ? 1.0 : block[b * m + d];
+        _Pragma("omp for schedule(static)")
+        for (int64_t t = 0; t < items; t++) {
+            if (failed) continue;
+            int64_t off[LANES];
+            int wl;
+            if (inner == 1) {
+                const int64_t o0 = t * LANES;
+                wl = outer - o0 < LANES ? (int)(outer - o0) : LANES;
+                for (int l = 0; l < LANES; l++) off[l] = (o0 + (l < wl ? l : 0)) * outer_stride;
+            } else {
+                const int64_t o = t / lane_blocks, j0 = (t % lane_blocks) * LANES;
+                wl = inner - j0 < LANES ? (int)(inner - j0) : LANES;
+                for (int l = 0; l < LANES; l++) off[l] = o * outer_stride + j0 + (l < wl ? l : 0);
+            }
+            switch (dtype) {
+                case F32: ROTATE_ITEM(ld_f32, st_f32, 4) break;
+                case F64: ROTATE_ITEM(ld_f64, st_f64, 8) break;
+                case BF16: ROTATE_ITEM(ld_bf16, st_bf16, 2) break;
+                case F16: ROTATE_ITEM(ld_f16, st_f16, 2) break;
+            }
+        }
+        free(y), free(xt), free(bt);
+    }
+    return failed ? -2 : differ;
+}
+
+int enjoyln_rotate_has_f16(void) { return ENJOYLN_HAS_F16; }

@@ -1,0 +1,90 @@
+"""Rotated checkpoints: one written before the structured rotation (version 1, kept in tests/data from that
+release) still passes the static check; a new one records version 2 and checks; in memory, the same path."""
+
+import copy
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_same_outputs
+from safetensors.torch import load_file, save_file
+
+import enjoyln
+from enjoyln.checking.static import static_check
+from enjoyln.ops import rotate as R
+from enjoyln.plan import RotationSpec
+from enjoyln.rewrite.convert import fold_checkpoint
+from enjoyln.store.checkpoint import open_checkpoint
+from enjoyln.testing import perturb, tiny_model
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "rotated-v1"
+REFERENCE_SHA256 = "263d8c50fd8bd8978428ccba7b0354ff79baff5f069e71e39e45e30ee89bcc2c"
+"""Of the reference's weights as the release before version 2 saved them: the model below."""
+
+
+def small_gpt2():
+    return perturb(tiny_model("gpt2", n_layer=1, n_embd=24, n_head=2, vocab_size=32, n_positions=16))
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rotated") / "ref"
+    small_gpt2().save_pretrained(path)
+    assert hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest() == REFERENCE_SHA256
+    return path
+
+
+def sha(path):
+    return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("name", ["w24", "w24-random"])
+def test_a_checkpoint_rotated_by_the_dense_release_still_checks(ref, name, tmp_path):
+    old = DATA / name
+    plan = json.loads((old / "config.json").read_text())["enjoyln"]["plan"]
+    assert "version" not in plan["rotation"] and plan["format_version"] == 1  # as that release wrote it
+    report = static_check(open_checkpoint(ref), open_checkpoint(old))
+    assert report.passed, report.summary()
+    # made again from its recorded plan: the same bytes, so the dense path is still what version 1 means
+    r = plan["rotation"]
+    fold_checkpoint(ref, tmp_path / "again", fuse_affine=True, check="none",
+                    rotate=RotationSpec(r["kind"], r["seed"], r["keep_mean"], 1))
+    assert sha(tmp_path / "again") == sha(old)
+    # and a changed bit of a rotated tensor is caught
+    bad = tmp_path / "bad"
+    shutil.copytree(old, bad)
+    tensors = load_file(bad / "model.safetensors")
+    tensors["transformer.h.0.mlp.c_proj.weight"].view(torch.int32)[3, 5] ^= 1
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    assert not static_check(open_checkpoint(ref), open_checkpoint(bad)).passed
+
+
+def test_a_new_rotation_records_version_2_and_checks(ref, tmp_path):
+    out = tmp_path / "new"
+    fold_checkpoint(ref, out, fuse_affine=True, rotate=RotationSpec(), check="none")
+    config = json.loads((out / "config.json").read_text())
+    plan = config["enjoyln"]["plan"]
+    assert plan["rotation"]["version"] == 2 and plan["format_version"] == 3
+    assert static_check(open_checkpoint(ref), open_checkpoint(out)).passed
+    assert sha(out) != sha(DATA / "w24")
+    # the same tensors claimed as version 1: the recomputation tells them apart
+    plan["rotation"].pop("version")
+    plan["format_version"] = 1
+    (out / "config.json").write_text(json.dumps(config))
+    assert not static_check(open_checkpoint(ref), open_checkpoint(out)).passed
+
+
+def test_in_memory_rotate_uses_the_structured_path():
+    original = small_gpt2()
+    rotated = enjoyln.rotate(copy.deepcopy(original))
+    fused = enjoyln.fold(copy.deepcopy(original), fuse_affine=True)
+    expected = R.rotate_(fused.lm_head.weight.detach().clone(), 1, R.structured(24, 0, True))
+    assert torch.equal(rotated.lm_head.weight, expected)
+    dense = enjoyln.rotate(copy.deepcopy(original), version=1)
+    assert not torch.equal(dense.lm_head.weight, rotated.lm_head.weight)
+    ids = {"input_ids": torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))}
+    for model in (rotated, dense):
+        assert_same_outputs(original, model, ids)
