@@ -117,7 +117,7 @@ def widths_table(results: dict[int, list[dict]], repeat: int) -> str:
         "`check --static`; GB per CPU-second is the same difference over the commands' CPU time (user and "
         "system, all threads): what the work costs the cores, whatever else runs. `check / check --static` is "
         "the ratio of whole commands on the larger checkpoint; "
-        "peak RSS the larger of the two sizes; `check` the default check of each rotated "
+        "peak RSS the larger of the two runs of each command; `check` the default check of each rotated "
         f"output. GPT-2-shaped fp32 checkpoints, vocabulary 8192; each command run {repeat} times, the two "
         f"sizes alternating, the fastest counting; {machine()}; the machine was shared with other jobs while "
         "it ran, so the ratios, measured side by side, mean more than the rates. "
