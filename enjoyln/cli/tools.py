@@ -182,12 +182,18 @@ def bench(
                    lambda: timing.compiled_comparison(original, folded, inputs, repeats=repeats, seconds=seconds),
                    print_compiled, as_json)
     if plot is not None:
-        timing.plot_results(results, e2e_result, plot)
-        if not as_json:
-            noisy = any(r.warnings for r in results) or (e2e_result is not None and e2e_result.latency.warnings())
-            out.print(f"Saved {plot}" + (" (titled with a warning: the timings were noisy)" if noisy else ""))
+        _save_plot(plot, results, e2e_result, as_json)
     if as_json:
         print_json(payload)
+
+
+def _save_plot(plot: Path, results: list[Any], e2e_result: Any, as_json: bool) -> None:
+    from .. import bench as timing
+
+    timing.plot_results(results, e2e_result, plot)
+    if not as_json:
+        noisy = any(r.warnings for r in results) or (e2e_result is not None and e2e_result.latency.warnings())
+        out.print(f"Saved {plot}" + (" (titled with a warning: the timings were noisy)" if noisy else ""))
 
 
 def _estimate(display: Display, forward_s: float, total_s: float, quiet: bool, more: str = "") -> None:
