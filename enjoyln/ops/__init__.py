@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from . import cpu, cuda
+from . import cpu, cuda, grad
 from .reference import rms_norm_reference
 
 __all__ = ["rms_norm", "add_rms_norm", "backend", "status", "paths", "opaque"]
@@ -34,7 +34,7 @@ def status() -> dict[str, str]:
     >>> sorted(status())
     ['cpu', 'cuda']
     """
-    return {"cpu": cpu.status(), "cuda": cuda.status()}
+    return {"cpu": f"{cpu.status()}; with a gradient, {grad.status()}", "cuda": cuda.status()}
 
 
 def paths() -> dict[str, dict[str, str]]:
@@ -46,9 +46,13 @@ def paths() -> dict[str, dict[str, str]]:
     """
     fused = cpu.library() is not None
     kernel = "the fused C kernel" if fused else "reference PyTorch"
+    if grad.library() is not None:
+        with_grad = "the same forward and the op's backward as one C++ autograd node"
+    else:
+        with_grad = ("the fused C kernel and its backward in a Python autograd function; float64 or mixed "
+                     "dtypes through the enjoyln.rms_norm op" if fused else "reference PyTorch through the enjoyln.rms_norm op")
     out = {"cpu": {"bf16/fp16/fp32": kernel, "float64, or mixed dtypes": "reference PyTorch",
-                   "a gradient needed": "the fused C kernel and its backward, one autograd node" if fused
-                   else "reference PyTorch through the enjoyln.rms_norm op"}}
+                   "a gradient needed": with_grad}}
     if torch.cuda.is_available():
         out["cuda"] = cuda.cases()
     out["any device"] = {"torch.compile": "the math in plain PyTorch, which inductor fuses",
@@ -114,8 +118,9 @@ _rms_norm_kernel.register_autograd(_backward, setup_context=_setup)
 
 
 class _Fused(torch.autograd.Function):
-    """The fused C kernel with the op's backward, as one autograd node: for plain CPU tensors that need a
-    gradient outside any tracer, where the op's dispatch would cost several LayerNorm calls (docs/performance.md)."""
+    """The fused C kernel with the op's backward, as one Python autograd node: where the C++ node
+    (``grad.py``) cannot be built, for plain CPU tensors that need a gradient outside any tracer, where the
+    op's dispatch would cost several LayerNorm calls (docs/performance.md)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None,  # noqa: ANN001
@@ -132,6 +137,24 @@ class _Fused(torch.autograd.Function):
 # Function.apply less its Python wrapper, which maps a pytree over the arguments for functorch on every call
 # (a third of the call): only called where no functorch transform is active (``_mode``)
 _fused = super(torch.autograd.Function, _Fused).apply
+
+
+def _fused_or_none(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
+                   eps: float) -> Tensor | None:
+    """Without the C++ node: the Python Function where the fused kernel applies, else None (the op)."""
+    return _fused(x, normalized_shape, weight, bias, eps) if cpu.supports(x, weight, bias) else None
+
+
+_grad: Callable[..., Tensor | None] | None = None
+"""What a plain CPU call that needs a gradient runs: the C++ node's ``rms_norm``, else ``_fused_or_none``."""
+
+
+def _first_grad() -> Callable[..., Tensor | None]:
+    global _grad
+    ext = grad.extension()
+    _grad = ext.rms_norm if ext is not None else _fused_or_none
+    return _grad
+
 
 _library = torch.library.Library("enjoyln", "FRAGMENT")  # kept alive: the op lives as long as it
 _library.define("rms_norm(Tensor x, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps) -> Tensor")
@@ -225,9 +248,11 @@ def rms_norm(
         if cuda.supports(x, weight, bias):
             return cuda.rms_norm_cuda(x, normalized_shape, weight, bias, float(eps))
     elif mode == GRAD:  # a gradient: one autograd node, not the op's Python dispatch
-        if cpu.supports(x, weight, bias):
-            return _fused(x, normalized_shape, weight, bias, float(eps))
-        if cuda.supports(x, weight, bias):
+        if x.is_cpu:
+            y = (_grad or _first_grad())(x, normalized_shape, weight, bias, float(eps))
+            if y is not None:
+                return y
+        elif cuda.supports(x, weight, bias):
             return cuda.rms_norm_autograd(x, normalized_shape, weight, bias, float(eps))
     shape = [int(s) for s in normalized_shape]
     if _needs_op(x, weight, bias):

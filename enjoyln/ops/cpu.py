@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -11,9 +12,14 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
 
 SOURCE = Path(__file__).with_name("rmsnorm_cpu.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -26,30 +32,58 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ENJOYLN_CACHE", Path.home() / ".cache" / "enjoyln"))
 
 
-def _compiler() -> str | None:
-    return next((cc for cc in (os.environ.get("CC"), "cc", "gcc", "clang") if cc and shutil.which(cc)), None)
+def compiler(env: str = "CC", names: tuple[str, ...] = ("cc", "gcc", "clang")) -> str | None:
+    return next((c for c in (os.environ.get(env), *names) if c and shutil.which(c)), None)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """``path`` held by this process alone: processes building the same library (pytest-xdist's workers)
+    build it once, the others waiting, then loading what it wrote."""
+    if fcntl is None:  # no POSIX locks: each builds, the rename below still atomic
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_library(source: Path, compiler: str, flags: list[str], link: list[str], *, key: str = "",
+                  suffix: str = ".so", timeout: float = 120) -> Path:
+    """``source`` compiled by ``compiler`` into the cache, once per source, compiler, flags, ``key`` and
+    machine; the path of the library."""
+    # the headers beside it are part of what it compiles to
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(text + " ".join([compiler, *flags, *link, key, platform.machine(),
+                                             platform.node()]).encode())
+    lib_path = cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}{suffix}"
+    if lib_path.exists():
+        return lib_path
+    lib_path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(lib_path.with_name(lib_path.name + ".lock")):
+        if lib_path.exists():  # built by another process while this one waited
+            return lib_path
+        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+            out = Path(tmp) / lib_path.name
+            proc = subprocess.run([compiler, *flags, str(source), "-o", str(out), *link],
+                                  capture_output=True, text=True, timeout=timeout)
+            if proc.returncode != 0:
+                lines = proc.stderr.strip().splitlines()
+                first = next((line for line in lines if "error" in line), lines[0] if lines else "failed")
+                raise RuntimeError(f"{compiler} failed: {first.strip()}")
+            os.replace(out, lib_path)  # atomic: concurrent builds never see half a file
+    return lib_path
 
 
 def compile_library(source: Path, flags: list[str]) -> ctypes.CDLL:
-    """``source`` compiled into the cache (once per source, compiler, flags and machine) and loaded."""
-    cc = _compiler()
+    """``source`` (C) compiled into the cache (once per source, compiler, flags and machine) and loaded."""
+    cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
-    # the headers beside it are part of what it compiles to
-    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    key = hashlib.sha256(text + " ".join([cc, *flags, platform.machine(), platform.node()]).encode())
-    lib_path = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
-    if not lib_path.exists():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-            out = Path(tmp) / lib_path.name
-            proc = subprocess.run([cc, *flags, str(source), "-o", str(out), "-lm"],
-                                  capture_output=True, text=True, timeout=120)
-            if proc.returncode != 0:
-                first = (proc.stderr.strip().splitlines() or ["failed"])[0]
-                raise RuntimeError(f"{cc} failed: {first}")
-            os.replace(out, lib_path)  # atomic: concurrent builds never see half a file
-    return ctypes.CDLL(str(lib_path))
+    return ctypes.CDLL(str(build_library(source, cc, flags, ["-lm"])))
 
 
 class Once:
