@@ -68,7 +68,7 @@ def extension() -> ModuleType | None:
     module = library()
     if module is None and not os.environ.get("ENJOYLN_DISABLE_CPU_KERNEL"):
         warnings.warn(f"enjoyln: no C++ autograd node for RMSNorm ({library.error}); CPU calls with a "
-                      "gradient take the slower Python autograd function", RuntimeWarning, stacklevel=3)
+                      "gradient take a slower Python path", RuntimeWarning, stacklevel=4)
     return module
 
 
