@@ -33,6 +33,7 @@ def cache_dir() -> Path:
 
 
 def compiler(env: str = "CC", names: tuple[str, ...] = ("cc", "gcc", "clang")) -> str | None:
+    """The compiler ``$env`` names, else the first of ``names`` on the PATH; None if there is none."""
     return next((c for c in (os.environ.get(env), *names) if c and shutil.which(c)), None)
 
 
