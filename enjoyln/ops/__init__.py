@@ -50,7 +50,8 @@ def paths() -> dict[str, dict[str, str]]:
         with_grad = "the same forward and the op's backward as one C++ autograd node"
     else:
         with_grad = ("the fused C kernel and its backward in a Python autograd function; float64 or mixed "
-                     "dtypes through the enjoyln.rms_norm op" if fused else "reference PyTorch through the enjoyln.rms_norm op")
+                     "dtypes through the enjoyln.rms_norm op" if fused
+                     else "reference PyTorch through the enjoyln.rms_norm op")
     out = {"cpu": {"bf16/fp16/fp32": kernel, "float64, or mixed dtypes": "reference PyTorch",
                    "a gradient needed": with_grad}}
     if torch.cuda.is_available():

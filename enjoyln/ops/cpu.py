@@ -52,13 +52,13 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def build_library(source: Path, compiler: str, flags: list[str], link: list[str], *, key: str = "",
+def build_library(source: Path, program: str, flags: list[str], link: list[str], *, key: str = "",
                   suffix: str = ".so", timeout: float = 120) -> Path:
-    """``source`` compiled by ``compiler`` into the cache, once per source, compiler, flags, ``key`` and
-    machine; the path of the library."""
+    """``source`` compiled by ``program`` (a compiler) into the cache, once per source, program, flags,
+    ``key`` and machine; the path of the library."""
     # the headers beside it are part of what it compiles to
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    digest = hashlib.sha256(text + " ".join([compiler, *flags, *link, key, platform.machine(),
+    digest = hashlib.sha256(text + " ".join([program, *flags, *link, key, platform.machine(),
                                              platform.node()]).encode())
     lib_path = cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}{suffix}"
     if lib_path.exists():
@@ -69,12 +69,15 @@ def build_library(source: Path, compiler: str, flags: list[str], link: list[str]
             return lib_path
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
             out = Path(tmp) / lib_path.name
-            proc = subprocess.run([compiler, *flags, str(source), "-o", str(out), *link],
-                                  capture_output=True, text=True, timeout=timeout)
+            try:
+                proc = subprocess.run([program, *flags, str(source), "-o", str(out), *link],
+                                      capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{program} took over {timeout:g} s") from None
             if proc.returncode != 0:
                 lines = proc.stderr.strip().splitlines()
                 first = next((line for line in lines if "error" in line), lines[0] if lines else "failed")
-                raise RuntimeError(f"{compiler} failed: {first.strip()}")
+                raise RuntimeError(f"{program} failed: {first.strip()}")
             os.replace(out, lib_path)  # atomic: concurrent builds never see half a file
     return lib_path
 

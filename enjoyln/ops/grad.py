@@ -12,6 +12,7 @@ import sysconfig
 import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -23,14 +24,14 @@ FLAGS = ["-O1", "-shared", "-fPIC", "-std=c++20", "-w"]
 
 
 def _flags() -> tuple[list[str], list[str]]:
-    """Compile and link flags for the running torch and Python, as torch's own extension builder sets them."""
-    from torch.utils import cpp_extension
-
-    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    """Compile and link flags for the running torch and Python: the paths ``torch.utils.cpp_extension`` gives
+    for a CPU extension, named here because importing it imports setuptools and costs 0.3 s per process."""
+    root = Path(torch.__file__).parent
+    includes = [root / "include", root / "include" / "torch" / "csrc" / "api" / "include",
+                sysconfig.get_paths()["include"]]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    libs = cpp_extension.library_paths()
-    link = [*(f"-L{d}" for d in libs), *(f"-Wl,-rpath,{d}" for d in libs),
-            "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    lib = root / "lib"
+    link = [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
     if sys.platform == "darwin":  # Python's symbols come from the interpreter that loads it
         link.append("-Wl,-undefined,dynamic_lookup")
     return [*FLAGS, abi, *(f"-I{d}" for d in includes)], link
@@ -55,7 +56,8 @@ def _build() -> ModuleType:
     return module
 
 
-def _address(function: ctypes._CFuncPtr | None) -> int:
+def _address(function: Any) -> int:
+    """A ctypes function's address, 0 for None."""
     return (ctypes.cast(function, ctypes.c_void_p).value or 0) if function is not None else 0
 
 
