@@ -64,6 +64,8 @@ def paths() -> dict[str, dict[str, str]]:
 def _forward(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
              eps: float) -> Tensor:
     """Whatever the hot paths turned away (strided, mixed dtypes, meta, float64), and the kernel op's forward."""
+    if x.device.type != "meta":  # real tensors only: a traced shape compared here would be specialised
+        _agree(x, normalized_shape, weight, bias)
     if x.is_cuda:
         return cuda.rms_norm_any(x, normalized_shape, weight, bias, eps)
     n = math.prod(normalized_shape)
@@ -226,6 +228,16 @@ def _needs_op(*tensors: Tensor | None) -> bool:
                                   or t.device.type == "meta") for t in tensors)
 
 
+def _agree(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None) -> None:
+    """Refuses, as ``F.layer_norm`` does, shapes that do not match ``normalized_shape``."""
+    shape = tuple(normalized_shape)
+    if (x.shape[x.dim() - len(shape):] != shape or (weight is not None and weight.shape != shape)
+            or (bias is not None and bias.shape != shape)):
+        raise RuntimeError(f"rms_norm: normalized_shape {list(shape)} does not match the input {list(x.shape)}, "
+                           f"weight {None if weight is None else list(weight.shape)} or bias "
+                           f"{None if bias is None else list(bias.shape)}")
+
+
 def rms_norm(
     x: Tensor,
     normalized_shape: Sequence[int],
@@ -242,6 +254,8 @@ def rms_norm(
     True
     """
     mode = _mode(x, weight, bias)
+    if mode != OP:  # the kernels below read raw pointers: a weight of the wrong length would be read past
+        _agree(x, normalized_shape, weight, bias)
     if mode == HOT:  # the inference hot path: a few attribute reads, then C or one kernel launch
         if cpu.supports(x, weight, bias):
             return cpu.rms_norm_cpu(x, normalized_shape[-1] if len(normalized_shape) == 1 else

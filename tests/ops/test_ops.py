@@ -257,3 +257,15 @@ def test_the_cuda_route_for_a_gradient_is_exact():
     assert torch.autograd.gradcheck(lambda x, w, b: ops.cuda.rms_norm_autograd(x, (6,), w, b, 1e-5), (x, w, b))
     torch.testing.assert_close(ops.cuda.rms_norm_autograd(x, (6,), w, b, 1e-5), rms_norm_reference(x, (6,), w, b),
                                rtol=1e-15, atol=1e-15)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("weight_shape,bias_shape", [((4,), None), ((8,), (16,)), ((2, 4), None)])
+def test_shapes_that_disagree_with_normalized_shape_are_refused_not_read_past(grad, weight_shape, bias_shape):
+    x = torch.randn(3, 8)
+    weight = torch.randn(weight_shape).requires_grad_(grad)
+    bias = None if bias_shape is None else torch.randn(bias_shape)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.rms_norm(x, (8,), weight, bias)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.enjoyln.rms_norm(x, [8], weight, bias, 1e-5)
