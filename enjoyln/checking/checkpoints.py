@@ -189,9 +189,10 @@ def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, b
             cand_src = ModelSource.given(on("the candidate", _load(load, cand_ck, missing, candidate=True)))
             # a half-precision candidate of a float32 reference: the truth is the reference as stored
             truth = ModelSource(ref_src.dtype, lambda dtype: on("the original", _load(load, ref_ck, missing,
-                                                                                       dtype=dtype)))
+                                                                                       dtype=dtype)),
+                                nbytes=ref_src.nbytes)
             plain = ModelSource(cand_src.dtype, lambda dtype: on("the candidate", _load(
-                load_plain, cand_ck, missing, candidate=True, dtype=dtype)))
+                load_plain, cand_ck, missing, candidate=True, dtype=dtype)), nbytes=cand_src.nbytes)
         else:
             ref_src, truth, cand_src, plain = _bounded_sources(ref_ck, cand_ck, max_memory, missing, Path(bounded.name))
             forward = dataclasses.replace(forward, spill=True, max_rows=1)

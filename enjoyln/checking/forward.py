@@ -32,6 +32,9 @@ FLOAT64_RTOL = 1e-10
 """The fixed criterion for a float64 reference, which has no wider dtype to measure its rounding against."""
 FALLBACK_RTOL = 1e-5
 """The fixed criterion when the reference cannot run in the wider dtype."""
+COLLECT_BYTES = 64 << 20
+"""A dropped model at least this large is collected at once: below it, the memory it holds is small beside the
+process's own, and a full collection costs more than it frees."""
 
 
 def _dtype(model: nn.Module) -> torch.dtype:
@@ -51,6 +54,8 @@ class ModelSource:
     """The model ``get`` returns is the check's own: its truth may widen it in place, not load a copy."""
     widens: bool = False
     """The truth may be its model run widened one module at a time (``checking.widening``)."""
+    nbytes: int | None = None
+    """About the bytes a model from ``get`` holds (None: unknown), to skip collecting after a small one."""
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelSource":
@@ -61,17 +66,22 @@ class ModelSource:
     def given(cls, model: nn.Module) -> "ModelSource":
         """A model handed over to the check: ``get`` returns it once, and it is freed after its runs."""
         own, box = _dtype(model), [model]
+        nbytes = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
 
         def get(dtype: torch.dtype) -> nn.Module:
             given = box.pop()
             # as loaded when asked for its own dtype: .to() would also cast the modules a loader
             # keeps in float32 (transformers' _keep_in_fp32_modules) in a half-precision model
             return given if dtype == own else given.to(dtype)
-        return cls(own, get, owned=True)
+        return cls(own, get, owned=True, nbytes=nbytes)
 
     def drop(self, dtype: torch.dtype) -> None:
-        """Free the deleted model from ``get(dtype)`` before the next one loads (it holds reference cycles)."""
-        if not (self.held and dtype == self.dtype):
+        """Free the deleted model from ``get(dtype)`` before the next one loads (it holds reference cycles).
+        A full collection walks every object of the process, a second or more in a large one, so a model
+        under ``COLLECT_BYTES`` is left to the collector's own schedule."""
+        if self.held and dtype == self.dtype:
+            return
+        if self.nbytes is None or self.nbytes * max(dtype.itemsize / self.dtype.itemsize, 1.0) >= COLLECT_BYTES:
             gc.collect()
 
 

@@ -151,3 +151,23 @@ def test_a_given_model_in_its_own_dtype_is_run_as_loaded():
     model = nn.Sequential(nn.Linear(4, 4).half(), nn.Linear(4, 4))  # the second kept in float32
     got = ModelSource.given(model).get(torch.float16)
     assert got is model and model[1].weight.dtype == torch.float32
+
+
+def test_a_dropped_model_is_collected_at_once_only_when_large(monkeypatch):
+    """A full collection walks every object of the process: after a small model it costs more than it frees."""
+    from enjoyln.checking import forward
+
+    calls = []
+    monkeypatch.setattr(forward.gc, "collect", lambda *a: calls.append(a) or 0)
+    small = forward.ModelSource.given(torch.nn.Linear(4, 4))
+    assert small.nbytes == 4 * 4 * 4 + 4 * 4
+    small.drop(torch.float32)
+    assert calls == []
+    monkeypatch.setattr(forward, "COLLECT_BYTES", 80)
+    small.drop(torch.float32)  # 80 bytes now reach the threshold
+    assert len(calls) == 1
+    unknown = forward.ModelSource(torch.float32, lambda dtype: None)
+    unknown.drop(torch.float32)
+    assert len(calls) == 2
+    forward.ModelSource.of(torch.nn.Linear(4, 4)).drop(torch.float32)  # the caller holds it: nothing to free
+    assert len(calls) == 2
