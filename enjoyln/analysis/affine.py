@@ -29,7 +29,7 @@ class Trace:
     segments: Segments
 
 
-def _reader(g: GraphIndex, node: fx.Node, value: fx.Node, trace: Trace) -> list[Fused] | str | None:
+def linear_reader(g: GraphIndex, node: fx.Node, value: fx.Node, trace: Trace) -> list[Fused] | str | None:
     """The Fused entries if ``node`` is a linear layer reading ``value`` as input, why not if it reads it otherwise."""
     name = op_name(node)
     if name not in ("linear", "addmm", "mm", "matmul"):
@@ -119,10 +119,13 @@ def trace_readers(g: GraphIndex, ln: fx.Node) -> Readers | str:
         if node.op == "output":
             outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
             names = [g.output_names.get(i, str(i)) for i, o in enumerate(outs) if o in hits]
+            if g.free_outputs and names and not any(g.served(n) for n in names):
+                g.changed_outputs.setdefault(ln, []).extend(names)  # a hidden state the contract lets change
+                continue
             return f"its output is the model output `{names[0] if names else '?'}`"
         where, name = g.cap.where(node), op_name(node)
         if len(hits) == 1:
-            found = _reader(g, node, hits[0], traces[hits[0]])
+            found = linear_reader(g, node, hits[0], traces[hits[0]])
             if isinstance(found, str):
                 return f"its output {found}"
             if found is not None:
@@ -140,13 +143,15 @@ def trace_readers(g: GraphIndex, ln: fx.Node) -> Readers | str:
     return readers
 
 
-def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, list[fx.Node]]) -> list[Untie]:
-    """Decide, for every folded norm, where its γ and β go (``entry.affine`` and ``entry.fused``);
-    return the weights that must be untied for it. A weight takes a norm's affine only if every
-    value read of it is one of that norm's readers (a tied alias of another module gets a copy)."""
+def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, list[fx.Node]], *,
+                unfolded: bool = False) -> list[Untie]:
+    """Decide, for every folded norm (``unfolded``: every norm that stays a LayerNorm, for a rotation), where its
+    γ and β go (``entry.affine`` and ``entry.fused``); return the weights that must be untied for it. A weight
+    takes a norm's affine only if every value read of it is one of that norm's readers (a tied alias of another
+    module gets a copy)."""
     found: dict[str, tuple[list[Fused], Readers]] = {}
     for e in entries:
-        if not e.foldable or e.norm != "layer_norm":
+        if e.foldable == unfolded or e.norm != "layer_norm":
             continue
         if e.kind != "module":
             e.affine, e.affine_reason = AFFINE_KEPT, "it is a functional layer_norm, whose affine enjoyln keeps"
