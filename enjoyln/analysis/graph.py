@@ -31,8 +31,8 @@ _COPY_OPS = {"_to_copy", "to", "alias", "clone", "detach", "contiguous", "lift_f
 PARAM_VIEW_OPS = {"_to_copy", "to", "detach", "alias", "contiguous", "t", "transpose", "permute", "numpy_T"}
 
 
-SERVED_OUTPUTS = {"logits", "loss", "past_key_values"}
-"""The outputs a model with logits serves: what generation reads."""
+SERVED_OUTPUTS = {"loss", "past_key_values"}
+"""Outputs a model with logits serves besides its logits and embeddings: what training and generation read."""
 
 
 def op_name(node: fx.Node) -> str:
@@ -217,10 +217,13 @@ class GraphIndex:
         return names
 
     def served(self, name: str) -> bool:
-        """Whether output ``name`` is what the model serves: its logits (and loss and cache) where it has logits,
-        else every output; a tower's hidden states beside logits are not."""
-        heads = {n.split(".")[0] for n in self.output_names.values()}
-        return "logits" not in heads or name.split(".")[0] in SERVED_OUTPUTS or name.startswith("buffer:")
+        """Whether output ``name`` is what the model serves: where it has logits, its logits (``logits_per_image``
+        too), embeddings (CLIP's ``image_embeds``), loss and cache; else every output. The hidden states of a
+        tower or a stack beside logits are not served."""
+        if not any(n.startswith("logits") for n in self.output_names.values()):
+            return True
+        head = name.split(".")[0]
+        return head.startswith("logits") or head.endswith("embeds") or head in SERVED_OUTPUTS or name.startswith("buffer:")
 
     def writes_back(self, index: int, out: fx.Node) -> bool:
         """Whether output ``index`` stores a buffer's own value back, unchanged (CTRL's ``pos_encoding.to(dtype)``)."""
