@@ -26,8 +26,9 @@ class RotationSpread(Spread):
     """Follows a rotation of the stream sources forward; flags whatever it would change."""
 
     def __init__(self, g: GraphIndex, entries: dict[fx.Node, LayerNormEntry], keep_mean: bool,
-                 exact_outputs: str = SERVED):
+                 exact_outputs: str = SERVED, width: int = 0):
         super().__init__(g)
+        self.width = width  # the stream's: a tap that reads another width reads it mixed with something else
         self.entries = entries  # LN call -> its plan entry
         self.keep_mean = keep_mean
         self.absorbed: set[fx.Node] = set()
@@ -60,6 +61,8 @@ class RotationSpread(Spread):
             return None
         if isinstance(found, str):
             return [(keys, f"{self.g.describe(node)}: the stream {found}")]
+        if s.layout is not None or s.groups != 1 or dims[s.axis] != self.width:
+            return [(keys, f"{self.g.describe(node)}, which reads the stream's features mixed with other values")]
         self.taps[node] = found
         return []
 
@@ -257,7 +260,7 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
     if isinstance(seeded, str):
         return seeded
     changed = seeded
-    spread = RotationSpread(g, entries, spec.keep_mean, spec.exact_outputs)
+    spread = RotationSpread(g, entries, spec.keep_mean, spec.exact_outputs, stream.width)
     why = _read_elsewhere(g, stream, sources, rotated, changed, plan)
     if why:
         return why
