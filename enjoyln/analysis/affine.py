@@ -59,9 +59,24 @@ def linear_reader(g: GraphIndex, node: fx.Node, value: fx.Node, trace: Trace) ->
     return [Fused(alias, perm[in_pos], start, length, offset, bias) for start, length, offset in trace.segments]
 
 
+def _merged(node: fx.Node, src: fx.Node, trace: Trace) -> Trace | None:
+    """``trace`` after a reshape that lays ``k`` consecutive rows of features side by side (a merger of 4 tokens,
+    a pixel shuffle): reshapes are row-major, so feature ``i`` of row ``t`` lands at ``(t % k) d + i``, and the
+    norm's blocks repeat ``k`` times. None for any other reshape."""
+    dims, out = shape(src), shape(node)
+    if dims is None or out is None or not dims or not out or trace.axis != len(dims) - 1:
+        return None
+    d, wide = dims[-1], out[-1]
+    if not isinstance(d, int) or not isinstance(wide, int) or wide <= d or wide % d:
+        return None
+    return Trace(len(out) - 1, tuple((s + j * d, n, o) for j in range(wide // d) for s, n, o in trace.segments))
+
+
 def _move(node: fx.Node, src: fx.Node, trace: Trace, where: str) -> Trace | Refusal:
     """``trace`` after an op that moves values: the feature axis carried, or cut."""
     name = op_name(node)
+    if name in RESHAPE_OPS and (merged := _merged(node, src, trace)) is not None:
+        return merged
     if name in ("slice", "narrow") and norm_dim(arg(node, 1, "dim", 0), len(shape(src))) == trace.axis:
         start = arg(node, 2, "start", 0) or 0
         start = max(0, start + shape(src)[trace.axis] if start < 0 else start)

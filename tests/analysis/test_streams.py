@@ -39,18 +39,21 @@ class Tower(nn.Module):
 
 
 class Vlm(nn.Module):
-    """A tower whose tapped layer a projector reads, its tokens before the text's in a pre-LN language model of
-    width 32; it returns its logits and the tower's last hidden state."""
+    """A tower whose tapped layer a projector reads (or, with ``merge``, its final norm's output with 2 tokens
+    merged into one, as a pixel-shuffle connector does), its tokens before the text's in a pre-LN language model
+    of width 32; it returns its logits and the tower's last hidden state."""
 
-    def __init__(self, pre_norm: bool = False):
+    def __init__(self, pre_norm: bool = False, merge: bool = False):
         super().__init__()
-        self.tower, self.proj, self.tok = Tower(pre_norm), nn.Linear(16, 32), nn.Embedding(20, 32)
+        self.merge = merge
+        self.tower, self.proj, self.tok = Tower(pre_norm), nn.Linear(32 if merge else 16, 32), nn.Embedding(20, 32)
         self.ln_1, self.up, self.fc = nn.LayerNorm(32), nn.Linear(32, 48), nn.Linear(48, 32)
         self.ln_f, self.head = nn.LayerNorm(32), nn.Linear(32, 20)
 
     def forward(self, input_ids, pixels):
         tap, last = self.tower(pixels)
-        h = torch.cat([self.proj(tap), self.tok(input_ids)], 1)
+        image = last.reshape(last.shape[0], -1, 32) if self.merge else tap
+        h = torch.cat([self.proj(image), self.tok(input_ids)], 1)
         h = h + self.fc(torch.tanh(self.up(self.ln_1(h))))
         return {"logits": self.head(self.ln_f(h)), "vision_hidden_state": last}
 
@@ -61,9 +64,9 @@ def inputs():
     return {"input_ids": torch.randint(0, 20, (2, 5)), "pixels": torch.randn(2, 4, 12)}
 
 
-def _vlm(pre_norm=False):
+def _vlm(pre_norm=False, merge=False):
     torch.manual_seed(0)
-    return perturb(Vlm(pre_norm)).eval()
+    return perturb(Vlm(pre_norm, merge)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +137,17 @@ def test_a_stream_that_starts_at_a_gain_is_not_rotated_and_says_why(inputs):
     note = next(n for n in plan.notes if n.kind == STREAM_NOT_ROTATED)
     assert note.startswith("the residual stream of tower (width 16)") and "tower.pre writes the residual stream" in note
     assert all(not e.fused for e in plan.layer_norms if e.name.startswith("tower."))
+
+
+def test_a_merger_of_tokens_takes_the_rotation_block_by_block(inputs):
+    """A connector that lays 2 tokens side by side before its Linear reads the final norm's features twice: the
+    norm's γ and β, and the rotation, go into each block of its input (I₂ ⊗ Q)."""
+    model = _vlm(merge=True)
+    plan = enjoyln.analyze(model, inputs, rotate=("hadamard", 0, True))
+    tower = plan.rotations[0]
+    assert {(r.start, r.length) for r in tower.rotated if r.param == "proj.weight" and r.axis == 1} == {(0, 16),
+                                                                                                         (16, 16)}
+    assert {(f.start, f.length) for f in plan["tower.post"].fused} == {(0, 16), (16, 16)}
+    rotated = enjoyln.rotate(copy.deepcopy(model), inputs, plan=plan)
+    with torch.no_grad():
+        assert torch.allclose(rotated(**inputs)["logits"], model(**inputs)["logits"], rtol=1e-5, atol=1e-6)
