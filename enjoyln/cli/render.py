@@ -160,13 +160,16 @@ def print_plan(plan: FoldPlan) -> None:
     for a in plan.auxiliary:
         out.print(f"Auxiliary centering: {a.describe()}")
     affine = [e for e in plan.foldable if e.affine]
-    if affine:
+    if affine or plan.affine_moved:
         rows = []
         for e in affine:
             into = ", ".join(sorted({f.weight for f in e.fused})) or "nothing to move"
             what = {"fused": f"into {into}", "gain fused": f"γ into {into}; β stays as β/γ ({e.affine_reason})",
                     "kept": f"kept: {e.affine_reason}"}[e.affine]
             rows.append((e.name, escape(what)))
+        rows += [(e.name, escape(f"into {', '.join(sorted({f.weight for f in e.fused})) or 'nothing to move'}; "
+                                 "it stays a LayerNorm, on a rotated stream"))
+                 for e in plan.affine_moved if not e.foldable]
         out.print(_table(f"Affine: {sum(e.weightless for e in affine)} of {len(affine)} folded norms become weightless",
                          ("LayerNorm", "γ and β"), rows, overflow="fold"))
     for r in plan.rotations:
