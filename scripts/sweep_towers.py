@@ -148,7 +148,7 @@ def _rotation_cells(rot: dict[str, Any] | None) -> str:
     rel = rot.get("max_rel")
     diff = "-" if rel is None else f"{rel:.1e}" + ("" if rot.get("status") == "exact" else f" {rot.get('status')}")
     why = "; ".join(sorted(set(rot.get("why_not", []))))
-    return f"{rot['rotated']} / {rot['streams']} ({rot['tower_rotated']}) | {diff} | {_cell(why[:160]) or '-'}"
+    return f"{rot['rotated']} / {rot['streams']} ({rot['tower_rotated']}) | {diff} | {_cell(why) or '-'}"
 
 
 def docs_block(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
