@@ -223,7 +223,8 @@ class GraphIndex:
         if not any(n.startswith("logits") for n in self.output_names.values()):
             return True
         head = name.split(".")[0]
-        return head.startswith("logits") or head.endswith("embeds") or head in SERVED_OUTPUTS or name.startswith("buffer:")
+        return (head.startswith("logits") or head.endswith("embeds") or head in SERVED_OUTPUTS
+                or name.startswith("buffer:"))
 
     def writes_back(self, index: int, out: fx.Node) -> bool:
         """Whether output ``index`` stores a buffer's own value back, unchanged (CTRL's ``pos_encoding.to(dtype)``)."""

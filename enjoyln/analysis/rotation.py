@@ -236,7 +236,8 @@ def plan_rotations(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], ne
 
 
 def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], needs: dict[str, set[str]],
-                  calls: dict[str, list[fx.Node]], spec: RotationSpec, stream: Stream) -> tuple[Rotation, list[str]] | str:
+                  calls: dict[str, list[fx.Node]], spec: RotationSpec,
+                  stream: Stream) -> tuple[Rotation, list[str]] | str:
     """The tensors to rotate for one stream and the outputs it changes, or why the stream cannot be rotated."""
     if not stream.width:
         return "its norms normalize different widths"
@@ -256,12 +257,11 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
         tensor = r.param if r.param in untied or ph is None else ph.name
         rotated.setdefault((tensor, r.axis, r.start), r)
 
-    seeded = _seed(g, stream, sources, add)
-    if isinstance(seeded, str):
-        return seeded
-    changed = seeded
+    changed = _seed(g, stream, sources, add)
+    if isinstance(changed, str):
+        return changed
     spread = RotationSpread(g, entries, spec.keep_mean, spec.exact_outputs, stream.width)
-    why = _read_elsewhere(g, stream, sources, rotated, changed, plan)
+    why = _read_elsewhere(g, stream, sources, rotated, changed)
     if why:
         return why
     spread.spread(changed)
@@ -290,7 +290,8 @@ def plan_rotation(g: GraphIndex, plan: FoldPlan, sources: dict[str, Source], nee
                      spec.algorithm), spread.outputs)
 
 
-def _seed(g: GraphIndex, stream: Stream, sources: dict[str, Source], add: Callable[[Rotated], None]) -> dict[fx.Node, Shift] | str:
+def _seed(g: GraphIndex, stream: Stream, sources: dict[str, Source],
+          add: Callable[[Rotated], None]) -> dict[fx.Node, Shift] | str:
     """The stream's sources as the rotation's seeds (their weights rotated by ``add``), or why they cannot be."""
     changed: dict[fx.Node, Shift] = {}
     for key in sorted(stream.keys):
@@ -307,7 +308,7 @@ def _seed(g: GraphIndex, stream: Stream, sources: dict[str, Source], add: Callab
 
 
 def _read_elsewhere(g: GraphIndex, stream: Stream, sources: dict[str, Source], rotated: dict[tuple, Rotated],
-                    changed: dict[fx.Node, Shift], plan: FoldPlan) -> str | None:
+                    changed: dict[fx.Node, Shift]) -> str | None:
     """Other reads of a rotated source weight: another call of the same layer (seeded too), or a norm's reader
     rotated the same way (a tied head), are fine; anything else would see the rotation."""
     readers = {}

@@ -103,7 +103,7 @@ def parse_rotation(text: Optional[str], option: str) -> Optional[str]:
     return text
 
 
-EXACT_OUTPUTS = ("served", "all")  # ``plan.SERVED``, ``plan.ALL_OUTPUTS``, here to refuse a wrong one before torch loads
+EXACT_OUTPUTS = ("served", "all")  # ``plan.SERVED``, ``plan.ALL_OUTPUTS``, here to refuse one before torch loads
 
 
 def parse_exact(text: str) -> str:
