@@ -11,7 +11,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 from .errors import PlanError
 from .units import format_bytes
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """The newest format read; a plan is written in the oldest that holds it: old readers refuse only what they misread."""
 
 
@@ -173,6 +173,11 @@ AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT = "fused", "gain fused", "kept"
 """With ``fuse_affine``, γ and β: both moved (a weightless norm), γ moved and β kept as β/γ, or both kept."""
 
 
+SERVED, ALL_OUTPUTS = "served", "all"
+"""The outputs a rotation keeps exact: what a model serves (its logits, and so its generation; every output of a
+model without logits), or every output, the hidden states of its towers included."""
+
+
 @dataclass(frozen=True)
 class Rotated(Record):
     """A tensor multiplied by the rotation ``Q`` along ``axis``: ``t ×_axis Q``."""
@@ -193,8 +198,16 @@ class Rotation(Record):
     keep_mean: bool
     rotated: list[Rotated] = field(default_factory=list)
     version: int = 1  # how ``Q`` is built and applied: 1 dense, 2 structured (``ROTATION_VERSIONS``)
-    _sparse = ("version",)
+    stream: str = ""  # the stream rotated, where a plan rotates several: the modules its norms share ...
+    width: int = 0  # ... and its width
+    _sparse = ("version", "stream", "width")
     _where = "rotation"
+
+    def describe(self) -> str:
+        """``the residual stream of model.vision_tower (width 1152, hadamard, seed 7, keeping the mean)``."""
+        where = f" of {self.stream or 'the model'} (width {self.width}, " if self.width else " ("
+        return (f"the residual stream{where}{self.kind}, seed {self.seed}, "
+                f"{'keeping the mean' if self.keep_mean else 'not keeping the mean'})")
 
 
 ROTATION_VERSIONS = {"hadamard": 2, "random": 1}
@@ -205,17 +218,19 @@ version 2 it is structured (``ops/rotate.c``) for every width. Checkpoints keep 
 
 @dataclass(frozen=True)
 class RotationSpec:
-    """What a rotation of the residual stream is asked to be: the kind of ``Q``, its seed, whether it keeps the mean,
-    and the version of its algorithm (0: the newest for the kind, ``ROTATION_VERSIONS``).
+    """What a rotation of the residual streams is asked to be: the kind of ``Q``, its seed, whether it keeps the mean,
+    the version of its algorithm (0: the newest for the kind, ``ROTATION_VERSIONS``), and the outputs it keeps
+    exact (``SERVED`` or ``ALL_OUTPUTS``).
 
     >>> RotationSpec.of(("random", 3, False))
-    RotationSpec(kind='random', seed=3, keep_mean=False, version=0)
+    RotationSpec(kind='random', seed=3, keep_mean=False, version=0, exact_outputs='served')
     """
 
     kind: str = "hadamard"
     seed: int = 0
     keep_mean: bool = True
     version: int = 0
+    exact_outputs: str = SERVED
 
     @property
     def algorithm(self) -> int:
@@ -232,8 +247,11 @@ class RotationSpec:
 
 TRAINING_MODE, NOT_ROTATED, MISSING = "training mode", "not rotated", "missing parameters"
 """Kinds of notes code acts on: ``fold`` warns of the first, ``rotate`` raises the second; the third for reading."""
+STREAM_NOT_ROTATED = "stream not rotated"
+"""The second's kind where a model has several residual streams (a vision tower's, the language model's)."""
 _NOTE_TEXTS = {TRAINING_MODE: "the model is in training mode, so its dropout blocks folding; call model.eval() first",
                NOT_ROTATED: "the residual stream cannot be rotated: {}",
+               STREAM_NOT_ROTATED: "the residual stream of {} (width {}) cannot be rotated: {}",
                MISSING: "the checkpoint lacks {} that {} builds ({}): transformers initialises {} at random on every "
                         "load, so outputs that read {} differ from load to load; --model-class can name a class "
                         "that matches the weights"}
@@ -317,9 +335,33 @@ class FoldPlan(Record):
     notes: list[Note] = field(default_factory=list)  # plain strings are accepted too
     auxiliary: list[AuxCentering] = field(default_factory=list)  # ``auxiliary_centering=True``
     norm_modules: list[str] = field(default_factory=list)  # every LN and GroupNorm, to recognise the model again
-    rotation: Rotation | None = None
-    _sparse = ("rotation",)
+    rotation: Rotation | None = None  # the first stream rotated ...
+    more_rotations: list[Rotation] = field(default_factory=list)  # ... and the others, each with its own Q
+    exact_outputs: str = SERVED  # SERVED or ALL_OUTPUTS: the outputs a rotation keeps exact
+    changed_outputs: list[str] = field(default_factory=list)  # outputs a rotation changes (a tower's hidden states)
+    _sparse = ("rotation", "more_rotations", "exact_outputs", "changed_outputs")
     _where = "plan"
+
+    @property
+    def rotations(self) -> list[Rotation]:
+        """Every stream's rotation."""
+        return ([self.rotation] if self.rotation is not None else []) + list(self.more_rotations)
+
+    @property
+    def changes(self) -> bool:
+        """Whether the plan changes the model: a norm folds, or a stream rotates (a tower whose norms stay)."""
+        return bool(self.foldable or self.rotation is not None)
+
+    @property
+    def affine_moved(self) -> list[LayerNormEntry]:
+        """The norms whose γ and β move into their readers: folded ones, and norms that stay LayerNorms on a
+        rotated stream (a rotation that keeps the mean commutes with a weightless LayerNorm)."""
+        return [e for e in self.layer_norms if e.affine in (AFFINE_FUSED, AFFINE_GAIN)]
+
+    def not_rotated(self) -> str:
+        """Why no stream is rotated: the plan's notes that say so."""
+        return "; ".join(n for n in self.notes if getattr(n, "kind", "") in (NOT_ROTATED, STREAM_NOT_ROTATED)) \
+            or "the plan has no rotation"
 
     @property
     def foldable(self) -> list[LayerNormEntry]:
@@ -332,12 +374,16 @@ class FoldPlan(Record):
 
     @property
     def fused(self) -> list[Fused]:
-        return [f for e in self.foldable if e.affine in (AFFINE_FUSED, AFFINE_GAIN) for f in e.fused]
+        return [f for e in self.affine_moved for f in e.fused]
 
     @property
     def format_version(self) -> int:
         """The oldest plan format that holds this plan: 2 once a norm is not a plain LayerNorm, 3 with a rotation
-        of version 2 (which an older reader would apply as a dense one)."""
+        of version 2 (which an older reader would apply as a dense one), 4 with several streams rotated, an
+        unfolded norm's affine moved, or outputs a rotation changes (which an older reader would miss)."""
+        if (self.more_rotations or self.changed_outputs or self.exact_outputs != SERVED
+                or any(not e.foldable for e in self.affine_moved)):
+            return 4
         if self.rotation is not None and self.rotation.version >= 2:
             return 3
         return 2 if any(not e.plain_form for e in self.layer_norms) else 1
@@ -387,18 +433,16 @@ class FoldPlan(Record):
             lines += [f"  {c.describe()}" for c in centered]
         lines += [f"Untie {u.param} from {u.tied_to}: +{format_bytes(u.nbytes)}" for u in self.untied]
         lines += [f"Insert {a.describe()}" for a in self.auxiliary]
-        for e in self.foldable:
+        for e in (e for e in self.layer_norms if e.foldable or e in self.affine_moved):
             if e.affine == AFFINE_KEPT:
                 lines.append(f"Keep the affine of {e.name}: {e.affine_reason}")
             elif e.affine:
                 what = "γ and β" if e.affine == AFFINE_FUSED else f"γ (β stays, as β/γ: {e.affine_reason})"
                 into = ", ".join(f.describe() for f in e.fused) or "nothing to move"
                 lines.append(f"Fuse {what} of {e.name} into {into}")
-        if self.rotation is not None:
-            r = self.rotation
-            lines.append(f"Rotate the residual stream ({r.kind}, seed {r.seed}, "
-                         f"{'keeping the mean' if r.keep_mean else 'not keeping the mean'}): "
-                         f"{len(r.rotated)} tensors")
+        lines += [f"Rotate {r.describe()}: {len(r.rotated)} tensors" for r in self.rotations]
+        if self.changed_outputs:
+            lines.append(f"Outputs the rotation changes, not kept exact: {', '.join(self.changed_outputs)}")
         lines += [f"Note: {note}" for note in self.notes]
         return "\n".join(lines)
 

@@ -29,7 +29,7 @@ class Trace:
     segments: Segments
 
 
-def _reader(g: GraphIndex, node: fx.Node, value: fx.Node, trace: Trace) -> list[Fused] | str | None:
+def linear_reader(g: GraphIndex, node: fx.Node, value: fx.Node, trace: Trace) -> list[Fused] | str | None:
     """The Fused entries if ``node`` is a linear layer reading ``value`` as input, why not if it reads it otherwise."""
     name = op_name(node)
     if name not in ("linear", "addmm", "mm", "matmul"):
@@ -59,9 +59,24 @@ def _reader(g: GraphIndex, node: fx.Node, value: fx.Node, trace: Trace) -> list[
     return [Fused(alias, perm[in_pos], start, length, offset, bias) for start, length, offset in trace.segments]
 
 
+def _merged(node: fx.Node, src: fx.Node, trace: Trace) -> Trace | None:
+    """``trace`` after a reshape that lays ``k`` consecutive rows of features side by side (a merger of 4 tokens,
+    a pixel shuffle): reshapes are row-major, so feature ``i`` of row ``t`` lands at ``(t % k) d + i``, and the
+    norm's blocks repeat ``k`` times. None for any other reshape."""
+    dims, out = shape(src), shape(node)
+    if dims is None or out is None or not dims or not out or trace.axis != len(dims) - 1:
+        return None
+    d, wide = dims[-1], out[-1]
+    if not isinstance(d, int) or not isinstance(wide, int) or wide <= d or wide % d:
+        return None
+    return Trace(len(out) - 1, tuple((s + j * d, n, o) for j in range(wide // d) for s, n, o in trace.segments))
+
+
 def _move(node: fx.Node, src: fx.Node, trace: Trace, where: str) -> Trace | Refusal:
     """``trace`` after an op that moves values: the feature axis carried, or cut."""
     name = op_name(node)
+    if name in RESHAPE_OPS and (merged := _merged(node, src, trace)) is not None:
+        return merged
     if name in ("slice", "narrow") and norm_dim(arg(node, 1, "dim", 0), len(shape(src))) == trace.axis:
         start = arg(node, 2, "start", 0) or 0
         start = max(0, start + shape(src)[trace.axis] if start < 0 else start)
@@ -119,10 +134,13 @@ def trace_readers(g: GraphIndex, ln: fx.Node) -> Readers | str:
         if node.op == "output":
             outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
             names = [g.output_names.get(i, str(i)) for i, o in enumerate(outs) if o in hits]
+            if g.free_outputs and names and not any(g.served(n) for n in names):
+                g.changed_outputs.setdefault(ln, []).extend(names)  # a hidden state the contract lets change
+                continue
             return f"its output is the model output `{names[0] if names else '?'}`"
         where, name = g.cap.where(node), op_name(node)
         if len(hits) == 1:
-            found = _reader(g, node, hits[0], traces[hits[0]])
+            found = linear_reader(g, node, hits[0], traces[hits[0]])
             if isinstance(found, str):
                 return f"its output {found}"
             if found is not None:
@@ -140,13 +158,15 @@ def trace_readers(g: GraphIndex, ln: fx.Node) -> Readers | str:
     return readers
 
 
-def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, list[fx.Node]]) -> list[Untie]:
-    """Decide, for every folded norm, where its γ and β go (``entry.affine`` and ``entry.fused``);
-    return the weights that must be untied for it. A weight takes a norm's affine only if every
-    value read of it is one of that norm's readers (a tied alias of another module gets a copy)."""
+def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, list[fx.Node]], *,
+                unfolded: bool = False) -> list[Untie]:
+    """Decide, for every folded norm (``unfolded``: every norm that stays a LayerNorm, for a rotation), where its
+    γ and β go (``entry.affine`` and ``entry.fused``); return the weights that must be untied for it. A weight
+    takes a norm's affine only if every value read of it is one of that norm's readers (a tied alias of another
+    module gets a copy)."""
     found: dict[str, tuple[list[Fused], Readers]] = {}
     for e in entries:
-        if not e.foldable or e.norm != "layer_norm":
+        if e.foldable == unfolded or e.norm != "layer_norm":
             continue
         if e.kind != "module":
             e.affine, e.affine_reason = AFFINE_KEPT, "it is a functional layer_norm, whose affine enjoyln keeps"

@@ -9,13 +9,13 @@ from typing import Any, Mapping
 import torch
 from torch import fx, nn
 
-from ..plan import NOT_ROTATED, TRAINING_MODE, AuxCentering, FoldPlan, LayerNormEntry, Note, RotationSpec
+from ..plan import SERVED, TRAINING_MODE, AuxCentering, FoldPlan, LayerNormEntry, Note, RotationSpec
 from .affine import plan_fusion
 from .capture import Capture
 from .dataflow import Dataflow, NotZero, Zero
 from .graph import FUNCTIONAL_LN, GN_OPS, LN_OPS, GraphIndex, arg, op_name, shape
 from .norms import NormForm, NormModules, norm_module_paths
-from .rotation import plan_rotation
+from .rotation import plan_rotations
 from .rules import DROPOUT_OPS, Source, kind_of
 from .soundness import ShiftSoundness, gn_groups
 
@@ -246,14 +246,33 @@ def analyze_capture(cap: Capture, *, weights: Weights = None, fuse_affine: bool 
                     rotate: RotationSpec | None = None) -> FoldPlan:
     """Run the analysis on an already captured graph, and plan the ``rotate`` asked for."""
     analysis = Analysis(cap, weights=weights, fuse_affine=fuse_affine or rotate is not None)
+    analysis.index.free_outputs = rotate is not None and rotate.exact_outputs == SERVED
     plan = analysis.run()
-    if rotate is not None:  # a rotation of the stream, or a note saying why it cannot be
-        with analysis.index.reporting():
-            found = plan_rotation(analysis.index, plan, analysis.sources, analysis.needs, analysis.ln_nodes(), rotate)
-        plan.rotation = None if isinstance(found, str) else found
-        if isinstance(found, str):
-            plan.notes.append(Note.of(NOT_ROTATED, found))
+    if rotate is not None:  # a rotation of each stream, or a note saying why it cannot be
+        _plan_rotations(analysis, plan, rotate)
     if cap.specialized:
         plan.notes.append(Note("the proof covers inputs that take the same data-dependent branches as the "
                                "example: " + "; ".join(cap.specialized)))
     return plan
+
+
+def _plan_rotations(analysis: Analysis, plan: FoldPlan, rotate: RotationSpec) -> None:
+    """Every stream's rotation into ``plan``. With ``keep_mean`` a LayerNorm that does not fold can still be on a
+    rotated stream, its affine moved into its readers; it keeps that only where its stream rotates."""
+    g, calls = analysis.index, analysis.ln_nodes()
+    with g.reporting():
+        unties = plan_fusion(g, plan.layer_norms, calls, unfolded=True) if rotate.keep_mean else []
+        found = plan_rotations(g, plan, analysis.sources, analysis.needs, calls, rotate)
+    for e in plan.layer_norms:
+        if not e.foldable and e.name not in found.kept:
+            e.affine, e.affine_reason, e.fused = "", "", []
+    weights = {f.weight for e in plan.layer_norms if e.name in found.kept for f in e.fused}
+    if any(u.param in weights for u in unties):
+        plan.untied = sorted({u.param: u for u in [*plan.untied, *unties] if u.param in weights
+                              or u in plan.untied}.values(), key=lambda u: u.param)
+    plan.rotation = found.rotations[0] if found.rotations else None
+    plan.more_rotations = found.rotations[1:]
+    changed = [n for e in plan.affine_moved for ln in calls.get(e.name, []) for n in g.changed_outputs.get(ln, [])]
+    plan.changed_outputs = list(dict.fromkeys(changed + found.outputs))
+    plan.exact_outputs = rotate.exact_outputs
+    plan.notes += found.notes

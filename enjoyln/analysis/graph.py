@@ -31,6 +31,10 @@ _COPY_OPS = {"_to_copy", "to", "alias", "clone", "detach", "contiguous", "lift_f
 PARAM_VIEW_OPS = {"_to_copy", "to", "detach", "alias", "contiguous", "t", "transpose", "permute", "numpy_T"}
 
 
+SERVED_OUTPUTS = {"loss", "past_key_values"}
+"""Outputs a model with logits serves besides its logits and embeddings: what training and generation read."""
+
+
 def op_name(node: fx.Node) -> str:
     """The ATen packet name of a call ('add', 'linear'), or 'getitem'."""
     if node.op != "call_function":
@@ -162,6 +166,9 @@ class GraphIndex:
             for alias in cap.aliases.get(fqn, (fqn,)):
                 if node.users or alias not in self.placeholder_of:
                     self.placeholder_of[alias] = node
+        # for a rotation keeping only what the model serves exact: the outputs not served a norm's change reaches
+        self.free_outputs = False
+        self.changed_outputs: dict[fx.Node, list[str]] = {}
         self.buffers = {name: fqn for name, fqn in cap.program.graph_signature.inputs_to_buffers.items()
                         if name in cap.constants}  # placeholder name -> a non-persistent buffer (not saved)
         self.live = live_nodes(self.graph)
@@ -208,6 +215,16 @@ class GraphIndex:
             elif spec.kind == OutputKind.BUFFER_MUTATION:
                 names[i] = f"buffer:{spec.target}"
         return names
+
+    def served(self, name: str) -> bool:
+        """Whether output ``name`` is what the model serves: where it has logits, its logits (``logits_per_image``
+        too), embeddings (CLIP's ``image_embeds``), loss and cache; else every output. The hidden states of a
+        tower or a stack beside logits are not served."""
+        if not any(n.startswith("logits") for n in self.output_names.values()):
+            return True
+        head = name.split(".")[0]
+        return (head.startswith("logits") or head.endswith("embeds") or head in SERVED_OUTPUTS
+                or name.startswith("buffer:"))
 
     def writes_back(self, index: int, out: fx.Node) -> bool:
         """Whether output ``index`` stores a buffer's own value back, unchanged (CTRL's ``pos_encoding.to(dtype)``)."""

@@ -278,16 +278,16 @@ def code_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
 
 
 def _essentials(plan: FoldPlan) -> dict[str, set]:
-    r = plan.rotation
     return {"folded LayerNorms": {e.name for e in plan.foldable},
             "norm forms": {(e.name, *e.form) for e in plan.foldable if not e.plain_form},
             "centered tensors": {tuple(sorted(asdict(c).items())) for c in plan.centered},
             "untied tensors": {(u.param, u.tied_to) for u in plan.untied},
             "auxiliary centerings": {(a.module, a.where) for a in plan.auxiliary},
             "fused affines": {(e.name, e.affine, tuple(tuple(asdict(f).items()) for f in e.fused))
-                              for e in plan.foldable if e.affine},
-            "rotations": {(r.kind, r.seed, r.keep_mean, r.version, tuple(tuple(asdict(x).items()) for x in r.rotated))}
-            if r else set()}
+                              for e in plan.layer_norms if e.foldable and e.affine or e in plan.affine_moved},
+            "rotations": {(r.kind, r.seed, r.keep_mean, r.version, r.stream, r.width,
+                           tuple(tuple(asdict(x).items()) for x in r.rotated)) for r in plan.rotations},
+            "outputs changed": set(plan.changed_outputs)}
 
 
 def plan_problems(recorded: FoldPlan, analysed: FoldPlan) -> list[str]:

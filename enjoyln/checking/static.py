@@ -163,7 +163,7 @@ def _unrecorded(ref: Checkpoint, cand: Checkpoint, dtype: str | None, problems: 
     out.as_reference = config_problems(ref.config, cand.config, dtype)
     # the fold's config.json as transformers saves it: without the enjoyln block
     out.as_folded = (config_problems({k: v for k, v in output_config(ref, out.plan).items() if k != "enjoyln"},
-                                     cand.config, dtype) if out.plan.foldable else out.as_reference)
+                                     cand.config, dtype) if out.plan.changes else out.as_reference)
     return out
 
 
@@ -189,9 +189,9 @@ def _analysis(ref: Checkpoint, recorded: FoldPlan | None) -> FoldPlan:
     """The analysis with the options the recorded plan was made with."""
     if recorded is None:
         return analyze_dir(ref, auxiliary_centering=False)
-    r = recorded.rotation
+    r = recorded.rotation  # the first stream rotated has the user's seed; the others' are derived from it
     options = {"fuse_affine": any(e.affine for e in recorded.layer_norms),
-               "rotate": RotationSpec(r.kind, r.seed, r.keep_mean, r.version) if r else None}
+               "rotate": RotationSpec(r.kind, r.seed, r.keep_mean, r.version, recorded.exact_outputs) if r else None}
     plan = analyze_dir(ref, auxiliary_centering=bool(recorded.auxiliary), **options)
     if not recorded.auxiliary and plan.to_dict() != recorded.to_dict():
         # --auxiliary-centering that placed none leaves a trace only in the plan's notes and

@@ -19,7 +19,7 @@ from ..store.transaction import check_out_dir
 from ..units import parse_size
 from .options import (AllowMissing, Batches, Check, CheckDevice, CheckMemory, DryRun, Force, JsonOnly, KeepFailed, MaxShardSize,
                       ModelClass, Quiet, ReadPickle, Revision, Rtol, SeqLen, StaticCheck, TrustCode, Verbose,
-                      check_cuda, parse_check_dtype, parse_device, parse_dtypes, parse_rotation)
+                      check_cuda, parse_check_dtype, parse_device, parse_dtypes, parse_exact, parse_rotation)
 from .progress import Display
 from .render import (drop_stdout, err, out, plan_sentence, post_ln_note, print_export, print_json, print_plan,
                      print_report, show_fold, state)
@@ -83,6 +83,10 @@ def rotate(
     seed: Annotated[int, typer.Option(help="Seed of the rotation.")] = 0,
     keep_mean: Annotated[bool, typer.Option(
         "--keep-mean/--no-keep-mean", help="Q fixes the all-ones vector, so plain from_pretrained stays exact.")] = True,
+    exact: Annotated[str, typer.Option(
+        help="served: keep what the model serves exact (its logits, so its generation), letting the rotation "
+             "change a vision or audio tower's hidden states among its outputs; all: keep every output exact.")
+    ] = "served",
     max_shard_size: MaxShardSize = None, force: Force = False, check: Check = True, static: StaticCheck = False,
     keep_failed: KeepFailed = False, dry_run: DryRun = False, as_json: JsonOnly = False,
     allow_pickle: ReadPickle = False, trust_remote_code: TrustCode = False,
@@ -90,13 +94,15 @@ def rotate(
     model_class: ModelClass = None, allow_missing: AllowMissing = False, device: CheckDevice = "cpu",
     revision: Revision = None, quiet: Quiet = False, verbose: Verbose = False,
 ) -> None:
-    """Fold with fused affines and rotate the residual stream by an orthogonal Q; same outputs, proved.
+    """Fold with fused affines and rotate each residual stream (a vision tower's too) by an orthogonal Q; same
+    outputs, proved.
 
     Example: enjoyln rotate gpt2-dir gpt2-rotated --kind hadamard
     """
     parse_rotation(kind, "--kind")
     options = FoldOptions.of(max_shard_size=parse_size(max_shard_size), force=force, keep_failed=keep_failed,
-                             dry_run=dry_run, fuse_affine=True, rotate=RotationSpec(kind, seed, keep_mean),
+                             dry_run=dry_run, fuse_affine=True,
+                             rotate=RotationSpec(kind, seed, keep_mean, exact_outputs=parse_exact(exact)),
                              allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class,
                              allow_missing=allow_missing,
                              check=_check_options(check, static, batches=batches, seq_len=seq_len, rtol=rtol,

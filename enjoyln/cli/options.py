@@ -103,6 +103,15 @@ def parse_rotation(text: Optional[str], option: str) -> Optional[str]:
     return text
 
 
+EXACT_OUTPUTS = ("served", "all")  # ``plan.SERVED``, ``plan.ALL_OUTPUTS``, here to refuse one before torch loads
+
+
+def parse_exact(text: str) -> str:
+    if text not in EXACT_OUTPUTS:
+        raise EnjoylnError(f"unknown --exact {text!r}; use {' or '.join(EXACT_OUTPUTS)}")
+    return text
+
+
 CHECK_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 

@@ -160,22 +160,27 @@ def print_plan(plan: FoldPlan) -> None:
     for a in plan.auxiliary:
         out.print(f"Auxiliary centering: {a.describe()}")
     affine = [e for e in plan.foldable if e.affine]
-    if affine:
+    if affine or plan.affine_moved:
         rows = []
         for e in affine:
             into = ", ".join(sorted({f.weight for f in e.fused})) or "nothing to move"
             what = {"fused": f"into {into}", "gain fused": f"γ into {into}; β stays as β/γ ({e.affine_reason})",
                     "kept": f"kept: {e.affine_reason}"}[e.affine]
             rows.append((e.name, escape(what)))
+        rows += [(e.name, escape(f"into {', '.join(sorted({f.weight for f in e.fused})) or 'nothing to move'}; "
+                                 "it stays a LayerNorm, on a rotated stream"))
+                 for e in plan.affine_moved if not e.foldable]
         out.print(_table(f"Affine: {sum(e.weightless for e in affine)} of {len(affine)} folded norms become weightless",
                          ("LayerNorm", "γ and β"), rows, overflow="fold"))
-    if plan.rotation is not None:
-        r = plan.rotation
-        out.print(f"Rotation: {r.kind} (seed {r.seed}, {'keeps' if r.keep_mean else 'does not keep'} the mean) "
-                  f"of {len(r.rotated)} tensors")
+    for r in plan.rotations:
+        stream = f"{r.stream}, width {r.width}, " if r.width else ""
+        out.print(f"Rotation: {r.kind} ({stream}seed {r.seed}, {'keeps' if r.keep_mean else 'does not keep'} the "
+                  f"mean) of {len(r.rotated)} tensors")
+    if plan.changed_outputs:
+        out.print(f"Outputs the rotation changes (not served, so not compared): {', '.join(plan.changed_outputs)}")
     for note in plan.notes:
         out.print(f"[yellow]Note:[/] {escape(note)}")
-    if not plan.foldable:
+    if not plan.changes:
         out.print("Nothing is foldable: the output would equal the input.")
 
 
@@ -246,7 +251,7 @@ def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool,
                           "enjoyln.load; a plain from_pretrained runs LayerNorms and gives different outputs")
         elif dry_run:
             out.print("Dry run: nothing written.")
-    if not dry_run and not plan.foldable:
+    if not dry_run and not plan.changes:
         what = ("has no LayerNorm" if not plan.layer_norms
                 else f"has {len(plan.layer_norms)} LayerNorms and none can fold")
         error = EnjoylnError(f"nothing to fold: {plan.model} {what}; nothing was written")

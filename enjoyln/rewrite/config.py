@@ -32,8 +32,10 @@ def output_config(ck: Checkpoint, plan: FoldPlan, dtype: str | None = None) -> d
         **block_lists(plan),
         "plan": plan.to_dict(),
     }
-    if plan.rotation is not None:
-        config["enjoyln"]["rotation"] = {"kind": plan.rotation.kind, "seed": plan.rotation.seed,
-                                         "keep_mean": plan.rotation.keep_mean,
-                                         "plain_loading_exact": plan.rotation.keep_mean}
+    for i, r in enumerate(plan.rotations):
+        block = {"kind": r.kind, "seed": r.seed, "keep_mean": r.keep_mean, "plain_loading_exact": r.keep_mean}
+        if i == 0:
+            config["enjoyln"]["rotation"] = block
+        else:  # the further streams' rotations, each with its width
+            config["enjoyln"].setdefault("more_rotations", []).append({"stream": r.stream, "width": r.width, **block})
     return config

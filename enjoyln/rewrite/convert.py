@@ -20,7 +20,7 @@ from ..analysis.norms import norm_module_paths
 from ..checking.checkpoints import check_checkpoints, require_memory
 from ..errors import CheckFailed, CheckpointError, EnjoylnError
 from ..options import FoldOptions
-from ..plan import NOT_ROTATED, FoldPlan, RotationSpec
+from ..plan import FoldPlan, RotationSpec
 from ..store.checkpoint import Checkpoint, open_checkpoint
 from ..store.files import check_links, copy_extras
 from ..store.formats import read_safetensors_header
@@ -123,7 +123,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, op
         with fold:
             say(f"analysing {ck.architecture}")
             plan = fold.plan()
-            if opts.dry_run or not plan.foldable:
+            if opts.dry_run or not plan.changes:
                 return FoldResult(plan, None, [], 0, time.perf_counter() - start, cleaned=fold.cleaned)
             say("writing the folded model")
             written = fold.write(plan)
@@ -229,7 +229,7 @@ class _Fold:
         plan = o.plan or analyze_dir(ck, o.auxiliary_centering, o.fuse_affine, o.rotate,
                                      must_rotate=o.rotate is not None and not o.dry_run)
         if o.rotate is not None and plan.rotation is None and not o.dry_run:
-            why = plan.note(NOT_ROTATED) or "the plan has no rotation"
+            why = plan.not_rotated()
             raise EnjoylnError(f"{why}; nothing was written")
         return plan
 

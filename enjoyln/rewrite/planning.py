@@ -8,7 +8,7 @@ import torch
 
 from ..analysis import analyze
 from ..errors import CheckpointError, EnjoylnError
-from ..plan import AFFINE_GAIN, MISSING, NOT_ROTATED, FoldPlan, Note, RotationSpec
+from ..plan import AFFINE_GAIN, MISSING, FoldPlan, Note, RotationSpec
 from ..store.checkpoint import Checkpoint
 from ..store.hf import matching_class
 from ..store.tensors import TensorReader
@@ -21,9 +21,9 @@ def analyze_dir(ck: Checkpoint, auxiliary_centering: bool, fuse_affine: bool = F
     options = {"auxiliary_centering": auxiliary_centering, "fuse_affine": fuse_affine, "rotate": rotate}
     plan = analyze(ck.meta, **options)
     if must_rotate and plan.rotation is None:
-        raise EnjoylnError(f"{plan.note(NOT_ROTATED) or 'the plan has no rotation'}; nothing was written")
+        raise EnjoylnError(f"{plan.not_rotated()}; nothing was written")
     names = sorted({c.scale for c in plan.centered if c.scale}
-                   | {f"{e.name}.weight" for e in plan.foldable if e.affine == AFFINE_GAIN})
+                   | {f"{e.name}.weight" for e in plan.affine_moved if e.affine == AFFINE_GAIN})
     if names:
         gains = dict(zip(names, read_tensors(ck, names)))
         if not all(bool(g.ne(0).all()) for g in gains.values()):

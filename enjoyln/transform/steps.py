@@ -17,7 +17,7 @@ from ..analysis.inputs import ExampleInputs
 from ..errors import PlanError
 from ..modules.norm import GroupRMSNorm, RMSNorm
 from ..ops import rms_norm
-from ..plan import AFFINE_FUSED, AFFINE_GAIN, NOT_ROTATED, TRAINING_MODE, FoldPlan, LayerNormEntry, RotationSpec
+from ..plan import AFFINE_FUSED, AFFINE_GAIN, SERVED, TRAINING_MODE, FoldPlan, LayerNormEntry, RotationSpec
 from .rotation import KINDS, apply_rotation
 from .tensors import center_all, declared_ties, fuse_, own_copy, owner_of, tensor_at, untie_config
 from .trace import Op, Product, Tracer
@@ -132,12 +132,11 @@ class CenterParameters(Transformation):
 
 
 class FuseAffine(Transformation):
-    """Move each folded norm's γ and β into the linear layers that read it (the norm keeps 1 and 0, or β/γ)."""
+    """Move each folded norm's γ and β (and those of a LayerNorm on a rotated stream) into the linear layers that
+    read it (the norm keeps 1 and 0, or β/γ)."""
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
-        for e in plan.foldable:
-            if e.affine not in (AFFINE_FUSED, AFFINE_GAIN):
-                continue
+        for e in plan.affine_moved:
             try:
                 norm = model.get_submodule(e.name)
             except AttributeError:
@@ -160,9 +159,7 @@ class FuseAffine(Transformation):
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
         with torch.no_grad():
-            for e in plan.foldable:
-                if e.affine not in (AFFINE_FUSED, AFFINE_GAIN):
-                    continue
+            for e in plan.affine_moved:
                 norm = model.get_submodule(e.name)
                 weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
                 gamma = weight.detach().to(torch.float64).reshape(-1).clone() if weight is not None else None
@@ -178,9 +175,7 @@ class FuseAffine(Transformation):
         return model
 
     def trace(self, t: Tracer, plan: FoldPlan) -> None:
-        for e in plan.foldable:
-            if e.affine not in (AFFINE_FUSED, AFFINE_GAIN):
-                continue
+        for e in plan.affine_moved:
             w, b = t.binding.get(f"{e.name}.weight"), t.binding.get(f"{e.name}.bias")
             gamma = t.now(t.slots[w]) if w is not None else None
             beta = t.now(t.slots[b]) if b is not None else None
@@ -306,26 +301,26 @@ class RotateStream(Transformation):
     """Rotate the residual stream by ``Q`` in float64; after SwapLayerNorms, as weightless RMSNorms commute with it."""
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
-        r = plan.rotation
-        if r is None:
-            return
-        if r.kind not in KINDS:
-            raise PlanError(f"the plan rotates with the unknown kind {r.kind!r}")
-        for rot in r.rotated:
-            t = tensor_at(model, rot.param)
-            if not 0 <= rot.axis < t.dim() or rot.start + (rot.length or 1) > t.shape[rot.axis]:
-                raise PlanError(f"the plan rotates {rot.param} along axis {rot.axis}, which it does not have")
+        for r in plan.rotations:
+            if r.kind not in KINDS:
+                raise PlanError(f"the plan rotates with the unknown kind {r.kind!r}")
+            for rot in r.rotated:
+                t = tensor_at(model, rot.param)
+                if not 0 <= rot.axis < t.dim() or rot.start + (rot.length or 1) > t.shape[rot.axis]:
+                    raise PlanError(f"the plan rotates {rot.param} along axis {rot.axis}, which it does not have")
 
     def __call__(self, model: nn.Module, plan: FoldPlan, *, unsaved_only: bool = False) -> nn.Module:
         with torch.no_grad():
-            for rot in plan.rotation.rotated if plan.rotation is not None else ():
-                if not (unsaved_only and rot.saved):
-                    apply_rotation(tensor_at(model, rot.param), rot, plan.rotation)
+            for r in plan.rotations:
+                for rot in r.rotated:
+                    if not (unsaved_only and rot.saved):
+                        apply_rotation(tensor_at(model, rot.param), rot, r)
         return model
 
     def trace(self, t: Tracer, plan: FoldPlan) -> None:
-        for rot in plan.rotation.rotated if plan.rotation is not None else ():
-            t.slot(rot.param).ops.append(Op("rotate", rotated=rot, rotation=plan.rotation))
+        for r in plan.rotations:
+            for rot in r.rotated:
+                t.slot(rot.param).ops.append(Op("rotate", rotated=rot, rotation=r))
 
     def on_load(self, model: nn.Module, plan: FoldPlan) -> None:
         self(model, plan, unsaved_only=True)  # the non-persistent buffers the model built afresh
@@ -432,12 +427,15 @@ def fold(model: nn.Module, example_inputs: ExampleInputs = None, *,
 
 
 def rotate(model: nn.Module, example_inputs: ExampleInputs = None, *, kind: str = "hadamard", seed: int = 0,
-           keep_mean: bool = True, plan: FoldPlan | None = None, version: int = 0) -> nn.Module:
-    """Fold ``model`` with fused affines and rotate its residual stream by an orthogonal ``Q`` (``kind``:
-    ``"hadamard"`` or ``"random"``), in place, with the same outputs; the rotation spreads outlier features.
-    With ``keep_mean`` ``Q`` fixes the all-ones vector, so plain LayerNorms still agree. ``version`` 0 builds
-    the newest ``Q`` of the kind (for hadamard the structured one, applied in O(n log n)); 1 the dense matrices
-    of earlier releases.
+           keep_mean: bool = True, plan: FoldPlan | None = None, version: int = 0,
+           exact_outputs: str = SERVED) -> nn.Module:
+    """Fold ``model`` with fused affines and rotate each of its residual streams (a vision tower's, the language
+    model's) by an orthogonal ``Q`` (``kind``: ``"hadamard"`` or ``"random"``), in place, with the same outputs;
+    the rotation spreads outlier features. With ``keep_mean`` ``Q`` fixes the all-ones vector, so plain LayerNorms
+    still agree. ``version`` 0 builds the newest ``Q`` of the kind (for hadamard the structured one, applied in
+    O(n log n)); 1 the dense matrices of earlier releases. ``exact_outputs`` ``"served"`` keeps what the model
+    serves exact (its logits, so its generation) and lets the rotation change a tower's hidden states among its
+    outputs; ``"all"`` keeps every output exact, leaving a stream that reaches one unrotated.
     >>> import enjoyln
     >>> from enjoyln.testing import perturb, tiny_model
     >>> model = enjoyln.rotate(perturb(tiny_model("gpt2")))
@@ -449,7 +447,7 @@ def rotate(model: nn.Module, example_inputs: ExampleInputs = None, *, kind: str 
                         "too), or a folded checkpoint loaded with plain from_pretrained")
     if plan is None:
         plan = analyze(model, example_inputs, fuse_affine=True,
-                       rotate=RotationSpec(kind, int(seed), bool(keep_mean), int(version)))
+                       rotate=RotationSpec(kind, int(seed), bool(keep_mean), int(version), exact_outputs))
     if plan.rotation is None:
-        raise PlanError(plan.note(NOT_ROTATED) or "the plan has no rotation")
+        raise PlanError(plan.not_rotated())
     return apply_plan(model, plan)

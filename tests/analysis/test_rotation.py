@@ -138,7 +138,7 @@ def _stream(case):
     ("output", "the model output `1`"),
     ("gelu", "gelu"),
     ("nonlinear", "tanh"),
-    ("unfolded", "which does not fold"),
+    ("unfolded", "it is a functional layer_norm, whose affine enjoyln keeps"),
 ])
 def test_refusals(case, why):
     model = _stream(case)

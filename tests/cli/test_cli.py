@@ -484,9 +484,11 @@ def test_a_dtype_that_is_none_is_named(value, gpt2_dir, tmp_path):
         "cannot read" in result.output, result.output
 
 
-def test_fold_then_check_a_vision_language_directory(tmp_path):
+def test_rotate_then_check_a_vision_language_directory(tmp_path):
     """LLaVA with a SigLIP tower read at layer -2, from its directory alone: every batch holds an image, the tapped
-    tower's LNs are refused with the tap's reader named, and the output loads with plain from_pretrained."""
+    tower's LNs are refused with the tap's reader named, yet its stream rotates (the projector takes Qᵀ), the
+    tower's hidden states among the outputs are left out of the check, and the output loads with plain
+    from_pretrained with the same logits."""
     import transformers
 
     from enjoyln.analysis.inputs import hf_example_inputs
@@ -495,19 +497,29 @@ def test_fold_then_check_a_vision_language_directory(tmp_path):
     src, out = tmp_path / "llava", tmp_path / "out"
     original = perturb(llava_siglip(), seed=5)
     original.save_pretrained(src)
-    result = runner.invoke(app, ["fold", str(src), str(out), "--json"])
+    result = runner.invoke(app, ["rotate", str(src), str(out), "--json"])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert payload["check"]["passed"] is True
-    entries = {e["name"]: e for e in payload["plan"]["layer_norms"]}
+    plan = payload["plan"]
+    entries = {e["name"]: e for e in plan["layer_norms"]}
     tower = [e for name, e in entries.items() if name.startswith("model.vision_tower.encoder")]
     assert len(tower) == 4 and all(not e["foldable"] and "multi_modal_projector" in e["reason"] for e in tower)
+    assert all(e["affine"] == "fused" and e["fused"] for e in tower)  # weightless LayerNorms, on a rotated stream
+    rotated = {(r["param"], r["axis"]) for r in plan["rotation"]["rotated"]}
+    assert {("model.multi_modal_projector.linear_1.weight", 1),
+            ("model.vision_tower.embeddings.patch_embedding.weight", 0)} <= rotated
+    assert plan["changed_outputs"] == ["image_outputs.last_hidden_state", "image_outputs.hidden_states.1"]
     assert any("image_outputs" in o for o in json.dumps(payload["check"]).split('"'))  # the tower ran in the check
     result = runner.invoke(app, ["check", str(src), str(out)])
     assert result.exit_code == 0 and "PASS" in result.output, result.output
+    assert "not compared: image_outputs.last_hidden_state" in result.output
     inputs = hf_example_inputs(original, seed=3)
     assert (inputs["input_ids"] == 127).sum() == 2 * 16
     with torch.no_grad():
         expected = original(**inputs).logits
-        got = transformers.LlavaForConditionalGeneration.from_pretrained(out).eval()(**inputs).logits
+        loaded = transformers.LlavaForConditionalGeneration.from_pretrained(out).eval()
+        got = loaded(**inputs).logits
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(loaded.model.multi_modal_projector.linear_1.weight,
+                              original.model.multi_modal_projector.linear_1.weight, atol=1e-3)

@@ -114,6 +114,7 @@ EARLY = [  # (args, with {m}: a model dir, {tmp}: the test's folder), what the l
     (["fold", "{m}", "{tmp}/out", "--device", "tpu"], "unknown --device 'tpu'"),
     (["fold", "{m}", "{tmp}/out", "--max-shard-size", "lots"], "cannot use the size 'lots'"),
     (["rotate", "{m}", "{tmp}/out", "--kind", "spin"], "unknown --kind 'spin'"),
+    (["rotate", "{m}", "{tmp}/out", "--exact", "logits"], "unknown --exact 'logits'; use served or all"),
     (["inspect", "{m}", "--rotate", "spin"], "unknown --rotate 'spin'"),
     (["inspect", "{m}", "--graph", "{tmp}/g.png"], "--graph must end in .html or .svg"),
     (["check", "{m}", "{m}", "--dtype", "int8"], "cannot judge a candidate in dtype 'int8'"),
