@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import operator
 from contextlib import contextmanager
-from typing import Any, Collection, Iterator, Mapping
+from typing import Any, Collection, Iterable, Iterator, Mapping
 
 import torch
 from torch import fx
@@ -32,6 +32,20 @@ PARAM_VIEW_OPS = {"_to_copy", "to", "detach", "alias", "contiguous", "t", "trans
 
 
 SERVED_OUTPUTS = {"loss", "past_key_values"}
+
+
+def served(name: str, names: Iterable[str]) -> bool:
+    """Whether output ``name``, one of a model's outputs ``names``, is what the model serves: where it has
+    logits, its logits (``logits_per_image`` too), embeddings (CLIP's ``image_embeds``), loss and cache; else
+    every output. The hidden states of a tower or a stack beside logits are not served.
+
+    >>> served("image_hidden_states", ["logits", "image_hidden_states"]), served("last_hidden_state", ["last_hidden_state"])
+    (False, True)
+    """
+    if not any(n.startswith("logits") for n in names):
+        return True
+    head = name.split(".")[0]
+    return head.startswith("logits") or head.endswith("embeds") or head in SERVED_OUTPUTS or name.startswith("buffer:")
 """Outputs a model with logits serves besides its logits and embeddings: what training and generation read."""
 
 
@@ -217,14 +231,8 @@ class GraphIndex:
         return names
 
     def served(self, name: str) -> bool:
-        """Whether output ``name`` is what the model serves: where it has logits, its logits (``logits_per_image``
-        too), embeddings (CLIP's ``image_embeds``), loss and cache; else every output. The hidden states of a
-        tower or a stack beside logits are not served."""
-        if not any(n.startswith("logits") for n in self.output_names.values()):
-            return True
-        head = name.split(".")[0]
-        return (head.startswith("logits") or head.endswith("embeds") or head in SERVED_OUTPUTS
-                or name.startswith("buffer:"))
+        """Whether output ``name`` is what the model serves (``served``)."""
+        return served(name, self.output_names.values())
 
     def writes_back(self, index: int, out: fx.Node) -> bool:
         """Whether output ``index`` stores a buffer's own value back, unchanged (CTRL's ``pos_encoding.to(dtype)``)."""

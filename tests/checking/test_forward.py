@@ -171,3 +171,17 @@ def test_a_dropped_model_is_collected_at_once_only_when_large(monkeypatch):
     assert len(calls) == 2
     forward.ModelSource.of(torch.nn.Linear(4, 4)).drop(torch.float32)  # the caller holds it: nothing to free
     assert len(calls) == 2
+
+
+def test_a_recorded_claim_never_hides_what_the_model_serves(gpt2):
+    """Outputs a plan lets its rotation change are skipped only where the model does not serve them: a block
+    claiming the logits changed (a forged one) still has them compared."""
+    from enjoyln.checking.forward import ForwardOptions
+
+    broken = enjoyln.fold(copy.deepcopy(gpt2))
+    with torch.no_grad():
+        broken.lm_head.weight.mul_(1.01)
+    claims = ForwardOptions(skip=("logits", "past_key_values"), batches=1, generate_tokens=0)
+    report = enjoyln.check(gpt2, broken, options=claims)
+    assert not report.passed
+    assert any(o.name == "logits" and not o.passed for o in report.outputs)
