@@ -183,3 +183,10 @@ def test_no_module_re_exports_another_modules_names():
         imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
         found += [f"{m} re-exports {name}" for name in exported if name in imported]
     assert not found, found
+
+
+def test_scripts_hold_only_code():
+    """Results and baselines are data: they live in docs/data/, so scripts/ reads as code alone."""
+    scripts = PACKAGE.parent / "scripts"
+    data = sorted(p.name for p in scripts.iterdir() if p.is_file() and p.suffix != ".py")
+    assert not data, data
