@@ -81,12 +81,13 @@ def _activation_bytes(ck: Checkpoint) -> int:
 
 
 @quiet
-def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str | os.PathLike,
+def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str | os.PathLike | Checkpoint,
                       options: CheckOptions | None = None, *, progress: Callable[[int, int], None] | None = None,
                       stage: Callable[[str], None] | None = None, **values: Any) -> "CheckReport":
     """Prove CANDIDATE computes what REFERENCE does: every weight, then the outputs through both load
-    paths (docs/checking.md). ``options`` or its fields as keywords; ``progress`` hears of the bytes
-    the static part read, ``stage`` of each step of the forward part.
+    paths (docs/checking.md). Either may be an opened ``Checkpoint``, handed on. ``options`` or its
+    fields as keywords; ``progress`` hears of the bytes the static part read, ``stage`` of each step
+    of the forward part.
     >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
     True
     """
@@ -97,7 +98,7 @@ def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str 
     running.check_device(opts.device)
     opened = dataclasses.asdict(opts.access)
     ref_ck = reference if isinstance(reference, Checkpoint) else open_checkpoint(reference, **opened)
-    cand_ck = open_checkpoint(candidate, **opened)
+    cand_ck = candidate if isinstance(candidate, Checkpoint) else open_checkpoint(candidate, **opened)
     if ref_ck.architecture != cand_ck.architecture:
         hint = ("" if opts.access.model_class
                 else " (one folded with --model-class is checked with the same --model-class)")

@@ -73,13 +73,15 @@ def _os_error(exc: OSError, out: Path, tmp: Path | None) -> CheckpointError:
     return CheckpointError(f"cannot write {where}: {exc.strerror or exc}; nothing was written")
 
 
-def _same_load_dtype(ck: Checkpoint, tmp: Path, dtype: str | None = None) -> None:
-    """The fold's postcondition: the output loads in the original's dtype, or in the one asked for."""
-    out = open_checkpoint(tmp, allow_pickle=True, trust_remote_code=ck.trust_remote_code)
-    theirs, (ours, why) = dtype or ck.load_dtype[0], out.load_dtype
+def _same_load_dtype(ck: Checkpoint, tmp: Path, opts: FoldOptions) -> Checkpoint:
+    """The fold's postcondition: the output loads in the original's dtype, or in the one asked for. The
+    output is opened as its check opens it, and handed to the check, so its config is read once."""
+    out = open_checkpoint(tmp, **dataclasses.asdict(opts.access))
+    theirs, (ours, why) = opts.dtype or ck.load_dtype[0], out.load_dtype
     if ours != theirs:
         raise CheckpointError(f"the fold would load in {ours} (from {why}) where the original loads in {theirs}; "
                               "nothing was written; set dtype in the original's config.json and run again")
+    return out
 
 
 @dataclass
@@ -166,6 +168,7 @@ class _Fold:
     def __init__(self, ck: Checkpoint, out: Path, opts: FoldOptions, progress: Progress | None) -> None:
         self.ck, self.out, self.opts, self.progress = ck, out, opts, progress
         self.tmp: Path | None = None
+        self.candidate: Checkpoint | None = None  # the written output, opened
         self.early: EarlyCopy | None = None
         self.cleaned: list[Path] = []
         self.published = False
@@ -260,7 +263,8 @@ class _Fold:
             (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for name, _ in shards:  # the output must read back, or it is not published
             read_safetensors_header(tmp / name)
-        _same_load_dtype(ck, tmp, self.opts.dtype)  # even with check="none": it must load as the original does
+        # even with check="none": it must load as the original does
+        self.candidate = _same_load_dtype(ck, tmp, self.opts)
         return FoldResult(plan, self.out, [name for name, _ in shards], nbytes, 0.0, seconds, skipped=skipped,
                           followed=followed)
 
@@ -289,7 +293,7 @@ class _Fold:
         """The check of the written fold; ``CheckFailed`` if it fails."""
         if self.opts.check.mode == "none":
             return None
-        report = check_checkpoints(self.ck, self.tmp, self.opts.checking, progress=progress, stage=stage)
+        report = check_checkpoints(self.ck, self.candidate, self.opts.checking, progress=progress, stage=stage)
         if not report.passed:
             kept = keep_failed(self.tmp, self.out) if self.opts.keep_failed else None
             self.tmp = None if kept else self.tmp

@@ -15,7 +15,7 @@ from ..errors import CheckpointError, first_line
 from ..plan import FoldPlan
 from .files import VCS_DIRS, is_weight_file
 from .formats import JSON_LIMIT, TensorInfo, input_file, json_or_none, read_json, read_safetensors_header
-from .hf import missing_parameters, saved_names
+from .hf import auto_config, missing_parameters, saved_names
 from .locate import (PT_INDEX, PT_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, WEIGHT_FILES, model_directory,
                      pickle_refusal, precheck_weights)
 from .memory import built_bytes
@@ -61,9 +61,24 @@ class Checkpoint:
             return sum((self.path / s).stat().st_size for s in self.shards)
         return sum(t.nbytes for t in self.tensors.values())
 
+    _as_loaded: dict[str, nn.Module] = field(default_factory=dict, init=False, repr=False)
+
+    @functools.cached_property
+    def model_config(self) -> Any:
+        """transformers' config object (``AutoConfig``), read once; ``config`` is the raw JSON."""
+        return auto_config(self)
+
     @functools.cached_property
     def meta(self) -> nn.Module:
+        """The model its config builds, on the meta device."""
         return self.library.meta_model(self)
+
+    def meta_as_loaded(self, dtype: str = "auto") -> nn.Module:
+        """The model its library's loader gives in ``dtype`` (``"auto"``: as stored), on the meta device;
+        built once per dtype. Read it, never change it: every caller shares it."""
+        if dtype not in self._as_loaded:
+            self._as_loaded[dtype] = self.library.meta_as_loaded(self, dtype)
+        return self._as_loaded[dtype]
 
     @functools.cached_property
     def saved(self) -> dict[str, str]:

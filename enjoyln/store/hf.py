@@ -71,13 +71,29 @@ def auto_config(ck: Checkpoint) -> Any:
 
 def transformers_meta_model(ck: Checkpoint) -> nn.Module:
     cls = model_class(ck)
-    config = auto_config(ck)
+    config = copy.deepcopy(ck.model_config)  # a model's __init__ may set fields on its config
     try:
         with torch.device("meta"):
             model = cls(config)
     except Exception as exc:
         raise CheckpointError(f"cannot build {ck.architecture} from its config: {first_line(exc)}") from None
     return model.eval()
+
+
+def transformers_meta_as_loaded(ck: Checkpoint, dtype: str = "auto") -> nn.Module:
+    """The model a plain ``from_pretrained`` builds for ``ck`` in ``dtype``, on the meta device."""
+    cls = model_class(ck)
+    kwargs = {"trust_remote_code": ck.trust_remote_code, "dtype": dtype if dtype == "auto" else getattr(torch, dtype),
+              "device_map": "meta"}
+    if ck.pickled:
+        kwargs["use_safetensors"] = False
+    try:
+        # device_map="meta" alone leaves __init__'s buffers (GPT-J's sinusoid table) on the CPU, in full
+        with torch.device("meta"):
+            return cls.from_pretrained(ck.path, **kwargs).eval()
+    except Exception as exc:
+        raise CheckpointError(f"cannot load {ck.path}: {type(exc).__name__}: "
+                              f"{(str(exc).splitlines() or [''])[0]}") from None
 
 
 def dtype_name(dtype: Any) -> str:
@@ -87,7 +103,7 @@ def dtype_name(dtype: Any) -> str:
 def transformers_load_dtype(ck: Checkpoint) -> tuple[str, str]:
     """The dtype (its name) a plain ``from_pretrained`` loads ``md`` in, and where from, as transformers 5's
     ``dtype="auto"`` decides: config, else index metadata, else the first weight file's first floating tensor."""
-    value = getattr(auto_config(ck), "dtype", None)
+    value = getattr(ck.model_config, "dtype", None)
     if value is not None:
         return _floating(value, ck.path / "config.json"), "config.json"
     index = ck.index  # several shards come with one
@@ -174,7 +190,7 @@ def matching_class(ck: Checkpoint) -> str | None:
         return None
     try:
         with torch.device("meta"):
-            model = cls(auto_config(ck))
+            model = cls(copy.deepcopy(ck.model_config))
     except Exception:  # a class that does not build from this config matches nothing
         return None
     return name if not missing_parameters(ck, model) else None

@@ -11,8 +11,8 @@ from torch import nn
 
 from ..errors import CheckpointError
 from .locate import SAFE_WEIGHTS
-from .hf import (model_class, transformers_generation, transformers_load_dtype, transformers_meta_model,
-                 transformers_names, unknown_architecture)
+from .hf import (model_class, transformers_generation, transformers_load_dtype, transformers_meta_as_loaded,
+                 transformers_meta_model, transformers_names, unknown_architecture)
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 class Source:
     """What a model directory's library does for enjoyln. Each library gives ``architecture(root, config,
     remote)`` (config.json's model, refused unless it knows it), ``meta_model(ck)`` (built on the meta
-    device, in eval mode), ``load(ck, ...)`` (its own loader's model, LayerNorms unchanged) and
+    device, in eval mode), ``meta_as_loaded(ck, dtype)`` (the meta model its loader gives in ``dtype``),
+    ``load(ck, ...)`` (its own loader's model, LayerNorms unchanged) and
     ``load_dtype(ck)`` (that model's dtype name, and where from)."""
 
     name = ""
@@ -63,6 +64,7 @@ class Transformers(Source):
         return name
 
     meta_model = staticmethod(transformers_meta_model)
+    meta_as_loaded = staticmethod(transformers_meta_as_loaded)
     load_dtype = staticmethod(transformers_load_dtype)
     generation = staticmethod(transformers_generation)
 
@@ -150,6 +152,11 @@ class Timm(Source):
             raise CheckpointError(f"cannot build {ck.architecture} from {ck.path / 'config.json'}: "
                                   f"{(str(exc).splitlines() or [''])[0]}") from None
         return model.eval()
+
+    def meta_as_loaded(self, ck: "Checkpoint", dtype: str = "auto") -> nn.Module:
+        # timm builds in float32 and copies the weights in: its meta model is what it loads
+        model = self.meta_model(ck)
+        return model if dtype == "auto" else model.to(getattr(torch, dtype))
 
     def load(self, ck: "Checkpoint", *, trust_remote_code: bool = False, max_memory: int | None = None,
              offload_dir: Any = None, dtype: Any = None, **kwargs: Any) -> nn.Module:

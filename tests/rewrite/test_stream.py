@@ -236,7 +236,7 @@ def test_every_kind_of_operation_is_exercised(saved):
                           ("gpt2", {"rotate": ("hadamard", 0, True)})]:
         ck = open_checkpoint(saved(name))
         plan = analyze_dir(ck, False, options.get("fuse_affine", False), options.get("rotate"))
-        t = trace_plan(stream.load_model_meta(ck), plan, lambda n: n)
+        t = trace_plan(ck.meta_as_loaded(), plan, lambda n: n)
         kinds |= {op.kind for s in t.slots for op in s.ops}
         kinds |= {"gain" for s in t.slots for op in s.ops if op.kind == "set_bias" and op.gain}
         kinds |= {"scaled centering" for s in t.slots for op in s.ops if op.kind == "center" and op.reads}

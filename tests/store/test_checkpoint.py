@@ -7,6 +7,7 @@ import struct
 import time
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from enjoyln import CheckpointError
@@ -327,3 +328,25 @@ def test_a_link_out_to_a_file_a_loader_reads_is_refused_and_compared(src, tmp_pa
     result = fold_checkpoint(inert, tmp_path / "out-inert", check="none")
     assert sorted(result.skipped) == [".git (version-control data)", "old.txt (a dangling symlink)",
                                       "pipe (not a regular file)"]
+
+
+def test_a_fold_reads_each_directorys_config_once(src, tmp_path, monkeypatch):
+    """The Checkpoint owns what is derived from its directory: transformers' config is read once for
+    the input and once for the written output, whose Checkpoint the fold hands to its check."""
+    import transformers
+
+    read = []
+    real = transformers.AutoConfig.from_pretrained.__func__
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        classmethod(lambda cls, path, *a, **k: read.append(str(path)) or real(cls, path, *a, **k)))
+    result = fold_checkpoint(src, tmp_path / "out", check="static")
+    assert result.report.passed
+    assert len(read) == 2 and read[0] == str(src) and read[1] != read[0], read
+
+
+def test_the_meta_model_as_loaded_is_built_once_per_dtype(src):
+    ck = open_checkpoint(src)
+    auto, half = ck.meta_as_loaded(), ck.meta_as_loaded("bfloat16")
+    assert ck.meta_as_loaded() is auto and ck.meta_as_loaded("bfloat16") is half and auto is not half
+    assert next(auto.parameters()).dtype == torch.float32 and next(half.parameters()).dtype == torch.bfloat16
+    assert next(auto.parameters()).device.type == "meta"
