@@ -23,16 +23,16 @@ LAYERS = {
     "enjoyln.analysis": 3,
     "enjoyln.transform": 4,
     "enjoyln.store": 5,
-    "enjoyln.rewrite": 6,  # the checkpoint rewrite: the plan for a directory, its entries, the writer
-    "enjoyln.checking": 7,
-    "enjoyln.rewrite.convert": 8,  # the fold itself, which checks its output before publishing it
+    "enjoyln.folded": 6,  # what the fold of a checkpoint must be: its plan, its config, its tensors
+    "enjoyln.checking": 7,  # the gate, which holds a candidate to what folded/ says it must be
+    "enjoyln.rewrite": 8,  # the fold itself: entries, writer and the fold, which checks before publishing
     "enjoyln.export": 9,
     "enjoyln.bench": 10, "enjoyln.testing": 10, "enjoyln.sentence": 10,
     "enjoyln.cli": 11,
     "enjoyln.__main__": 13, "enjoyln": 13,  # the entry point, and the lazy top-level API
 }
-"""Lowest first; a module may import from its own layer or lower ones. The longest prefix names
-a module's layer."""
+"""Lowest first; a module may import from its own layer or lower ones. Every package sits on one
+layer: a module's layer is its package's (or its own, for a module at the top)."""
 
 MAX_LINES = 600
 MAX_FUNCTION_LINES = 80
@@ -48,8 +48,8 @@ MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def layer(module: str) -> int:
-    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
-    return LAYERS[prefix]
+    parts = module.split(".")
+    return LAYERS[".".join(parts[:2])]
 
 
 def imports(module: str) -> list[tuple[str, str | None, int]]:
@@ -89,6 +89,21 @@ def test_every_module_imports():
         except ModuleNotFoundError as exc:  # an optional dependency (triton, onnx) not installed
             if exc.name.split(".")[0] not in ("triton", "onnx", "onnxruntime", "onnxscript", "matplotlib"):
                 raise
+
+
+def test_every_package_sits_on_one_layer():
+    """The layer table names top-level modules and packages only: no module of a package gets a
+    layer of its own, and none is left out."""
+    top = {".".join(m.split(".")[:2]) for m in MODULES}
+    assert all(name.count(".") <= 1 for name in LAYERS), sorted(n for n in LAYERS if n.count(".") > 1)
+    assert top == set(LAYERS), (sorted(top - set(LAYERS)), sorted(set(LAYERS) - top))
+
+
+def test_the_gate_imports_nothing_of_the_fold():
+    """checking/ holds a candidate to what folded/ says it must be; it never reads the writer's code."""
+    found = [f"{m}:{line} imports {t}" for m in MODULES if m.startswith("enjoyln.checking")
+             for t, _, line in imports(m) if t == "enjoyln.rewrite" or t.startswith("enjoyln.rewrite.")]
+    assert not found, found
 
 
 def test_imports_point_down():

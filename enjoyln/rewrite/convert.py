@@ -19,6 +19,9 @@ from .._version import __version__
 from ..analysis.norms import norm_module_paths
 from ..checking.checkpoints import check_checkpoints, require_memory
 from ..errors import CheckFailed, CheckpointError, EnjoylnError
+from ..folded.config import output_config
+from ..folded.planning import analyze_dir, missing_refusal, moves_values
+from ..folded.stream import StreamedTensors
 from ..options import FoldOptions
 from ..plan import NOT_ROTATED, FoldPlan, RotationSpec
 from ..store.checkpoint import Checkpoint, open_checkpoint
@@ -31,10 +34,7 @@ from ..store.tensors import TensorReader
 from ..store.transaction import (check_out_dir, clean_stale, keep_failed, missing_dirs, publish, remove_dirs,
                                  signals_held, temp_dir)
 from ..transform.steps import check_fits
-from .config import output_config
 from .entries import Entry, cast_entries, fold_entries, index_metadata, reshard
-from .planning import analyze_dir, missing_refusal, moves_values
-from .stream import StreamedTensors
 from .writer import EarlyCopy, Writing, early_layout, early_spans, finish_shard, write_shard
 
 if TYPE_CHECKING:

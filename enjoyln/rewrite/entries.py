@@ -13,13 +13,13 @@ import torch
 
 from .._version import __version__
 from ..errors import CheckpointError
+from ..folded.planning import moves_values, read_tensors
+from ..folded.stream import StreamedTensors
 from ..plan import FoldPlan
 from ..store.checkpoint import Checkpoint
 from ..store.formats import CODES, DTYPES, TensorInfo, parse_json_file
 from ..store.locate import SAFE_WEIGHTS
 from ..transform.tensors import merge_centerings
-from .planning import moves_values, read_tensors
-from .stream import StreamedTensors
 
 
 @dataclass

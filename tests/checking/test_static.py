@@ -604,7 +604,7 @@ def test_trusted_remote_code_is_compared(pair, tmp_path, monkeypatch):
 def test_every_claim_of_the_enjoyln_block_is_verified(pair, tmp_path):
     """A rotation that does not keep the mean is exact only through enjoyln.load: a block claiming
     plain loading is exact too is a false promise."""
-    from enjoyln.rewrite import config as block
+    from enjoyln.folded import config as block
 
     ref, folded, _ = pair
     rotated = tmp_path / "rotated"

@@ -87,11 +87,11 @@ import transformers
 from enjoyln.rewrite import convert
 from enjoyln.rewrite.convert import fold_checkpoint
 from enjoyln.rewrite import writer
-from enjoyln.rewrite.planning import analyze_dir
+from enjoyln.folded.planning import analyze_dir
 from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.testing import perturb, tiny_model
-from enjoyln.rewrite import stream
-from enjoyln.rewrite.stream import Output, StreamedTensors
+from enjoyln.folded import stream
+from enjoyln.folded.stream import Output, StreamedTensors
 from enjoyln.transform.steps import trace_plan
 from enjoyln.transform.trace import Ref
 from enjoyln.transform.steps import apply_plan

@@ -95,7 +95,7 @@ def test_output_modes_follow_the_umask(src, tmp_path):
 
 
 def test_throughput_counts_the_copy_not_the_analysis(src, tmp_path, monkeypatch):
-    from enjoyln.rewrite import planning
+    from enjoyln.folded import planning
 
     real = planning.analyze
     monkeypatch.setattr(planning, "analyze", lambda *a, **k: time.sleep(1.0) or real(*a, **k))
