@@ -25,7 +25,7 @@ from ..store.quiet import quiet
 from ..store.tensors import return_freed_memory
 from .compare import code_problems, load_problems, parse_dtype
 from .batches import MAX_COVER_POSITIONS
-from .forward import CandidatePath, ForwardOptions, ModelSource, check_sources
+from .forward import CandidatePath, ModelSource, check_sources
 from .pairing import as_reference_holds, tensor_names, tied_key
 from .sweep import sweep_bytes
 from .report import CheckReport
@@ -83,15 +83,15 @@ def _activation_bytes(ck: Checkpoint) -> int:
 @quiet
 def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str | os.PathLike | Checkpoint,
                       options: CheckOptions | None = None, *, progress: Callable[[int, int], None] | None = None,
-                      stage: Callable[[str], None] | None = None, **values: Any) -> "CheckReport":
+                      stage: Callable[[str], None] | None = None) -> "CheckReport":
     """Prove CANDIDATE computes what REFERENCE does: every weight, then the outputs through both load
-    paths (docs/checking.md). Either may be an opened ``Checkpoint``, handed on. ``options`` or its
-    fields as keywords; ``progress`` hears of the bytes the static part read, ``stage`` of each step
-    of the forward part.
+    paths (docs/checking.md). Either may be an opened ``Checkpoint``, handed on. ``options``: a
+    ``CheckOptions``; ``progress`` hears of the bytes the static part read, ``stage`` of each step of
+    the forward part.
     >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
     True
     """
-    opts = CheckOptions.of(options, **values)
+    opts = options if options is not None else CheckOptions()
     if opts.mode not in ("full", "static", "forward"):
         raise EnjoylnError(f"unknown check mode {opts.mode!r}; use full, static or forward")
     opts = dataclasses.replace(opts, dtype=parse_dtype(opts.dtype))
@@ -173,10 +173,10 @@ def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, b
     weight is proven (full mode, not thorough) it only confirms: short batches and a short decode."""
     confirm = opts.mode == "full" and not opts.thorough
     batches = opts.batches if opts.batches is not None else CONFIRM_BATCHES if confirm else 3
-    forward = ForwardOptions(batches=batches, seed=opts.seed, batch_size=opts.batch_size, seq_len=opts.seq_len,
-                             rtol=opts.rtol, generate_tokens=CONFIRM_TOKENS if confirm else 8, coverage=not confirm,
-                             sweep=opts.mode == "forward",
-                             **({"sweep_tokens": opts.sweep_tokens} if opts.sweep_tokens is not None else {}))
+    forward = dataclasses.replace(
+        opts, batches=batches, coverage=not confirm if opts.coverage is None else opts.coverage,
+        generate_tokens=(CONFIRM_TOKENS if confirm else 8) if opts.generate_tokens is None else opts.generate_tokens,
+        sweep=opts.mode == "forward" if opts.sweep is None else opts.sweep)
     plain_required, caveat, note = _plain_loading(cand_ck, verified=opts.mode == "full")
     max_memory, auto = budget
     stage("loading the original and the candidate")

@@ -107,14 +107,15 @@ class FoldResult:
 @quiet
 def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: FoldOptions | None = None, *,
                     progress: Progress | None = None, check_progress: Progress | None = None,
-                    stage: Stage | None = None, **values: Any) -> FoldResult:
-    """Fold a Hugging Face (or timm) model directory into OUT_DIR, checked (``check``: ``"full"``,
-    ``"static"`` or ``"none"``) before it is published, else ``CheckFailed``. ``options`` (a ``FoldOptions``)
-    or its fields as keywords; ``progress`` hears of the bytes written, ``check_progress`` of the check's.
+                    stage: Stage | None = None) -> FoldResult:
+    """Fold a Hugging Face (or timm) model directory into OUT_DIR, checked (``FoldOptions.check``: a full,
+    static or no check) before it is published, else ``CheckFailed``. ``options``: a ``FoldOptions``
+    (``FoldOptions.of(check="static")``); ``progress`` hears of the bytes written, ``check_progress`` of
+    the check's.
     >>> fold_checkpoint("gpt2-dir", "gpt2-folded").report.passed  # doctest: +SKIP
     True
     """
-    opts = FoldOptions.of(options, **values)
+    opts = options if options is not None else FoldOptions()
     start = time.perf_counter()
     ck = open_checkpoint(model_dir, **dataclasses.asdict(opts.access))
     out = _out_dir(Path(out_dir))

@@ -10,6 +10,7 @@ import enjoyln
 from enjoyln.plan import LayerNormEntry
 from enjoyln.transform.steps import apply_plan
 from enjoyln.testing import perturb, tiny_model
+from enjoyln.options import CheckOptions
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,7 @@ def gpt2():
 
 def test_correct_fold_passes_with_details(gpt2):
     folded = enjoyln.fold(copy.deepcopy(gpt2))
-    report = enjoyln.check(gpt2, folded, batches=4)
+    report = enjoyln.check(gpt2, folded, options=CheckOptions(batches=4))
     assert report.passed and report.batches == 4
     assert [o.name for o in report.outputs] == ["logits"]
     assert 0 < report.max_abs_diff and report.max_rel_diff < 1e-5
