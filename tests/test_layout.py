@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import io
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -34,9 +36,30 @@ LAYERS = {
 """Lowest first; a module may import from its own layer or lower ones. Every package sits on one
 layer: a module's layer is its package's (or its own, for a module at the top)."""
 
-MAX_LINES = 600
-MAX_FUNCTION_LINES = 80
+MAX_LINES = 480
+MAX_FUNCTION_LINES = 70
+"""Sizes in rows a reader reads (``read_rows``), which a formatter's wrapping at 100 columns does not
+change: about what 600 and 80 lines were when the code ran to 120 columns."""
 MAX_PARAMETERS = 8
+
+
+def read_rows(source: str) -> set[int]:
+    """The rows that start a statement, hold a comment, or lie in a string of several lines (a
+    docstring): not the rows a long call or expression is wrapped onto."""
+    rows: set[int] = set()
+    starts = True
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.NEWLINE:
+            starts = True
+        elif token.type == tokenize.COMMENT:
+            rows.add(token.start[0])
+        elif token.type not in (tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
+            if starts:
+                rows.add(token.start[0])
+                starts = False
+            if token.type == tokenize.STRING and token.end[0] > token.start[0]:
+                rows.update(range(token.start[0], token.end[0] + 1))
+    return rows
 
 
 def _module_name(path: Path) -> str:
@@ -136,7 +159,7 @@ def test_no_import_cycle():
 
 
 def test_modules_are_short():
-    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {m: n for m, p in MODULES.items() if (n := len(read_rows(p.read_text()))) > MAX_LINES}
     assert not long, long
 
 
@@ -164,16 +187,20 @@ def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 
 
 def test_functions_are_short():
-    """No function over ``MAX_FUNCTION_LINES`` lines (its decorators to its last line) nor with more
-    than ``MAX_PARAMETERS`` parameters (``*args`` and ``**kwargs`` one each; not self or cls)."""
+    """No function over ``MAX_FUNCTION_LINES`` rows (``read_rows``, its decorators to its last line)
+    nor with more than ``MAX_PARAMETERS`` parameters (``*args`` and ``**kwargs`` one each; not self
+    or cls)."""
     found = []
     for m, p in MODULES.items():
-        for fn in ast.walk(ast.parse(p.read_text())):
+        source = p.read_text()
+        rows = read_rows(source)
+        for fn in ast.walk(ast.parse(source)):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or _exempt(m, fn):
                 continue
             first = min([fn.lineno, *(d.lineno for d in fn.decorator_list)])
-            if fn.end_lineno - first + 1 > MAX_FUNCTION_LINES:
-                found.append(f"{m}.{fn.name}:{fn.lineno} has {fn.end_lineno - first + 1} lines")
+            n = sum(1 for row in rows if first <= row <= fn.end_lineno)
+            if n > MAX_FUNCTION_LINES:
+                found.append(f"{m}.{fn.name}:{fn.lineno} has {n} rows")
             if _parameters(fn) > MAX_PARAMETERS:
                 found.append(f"{m}.{fn.name}:{fn.lineno} takes {_parameters(fn)} parameters")
     assert not found, "\n".join(found)
