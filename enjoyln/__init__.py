@@ -28,6 +28,7 @@ _EXPORTS = {
     "Centering": "plan", "Untie": "plan", "EnjoylnError": "errors", "CaptureError": "errors",
     "CheckpointError": "errors", "PlanError": "errors", "CheckFailed": "errors",
     "AnalysisError": "errors", "load_sentence_transformer": "sentence",
+    "FoldOptions": "options", "CheckOptions": "options",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -497,9 +497,9 @@ def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = 
         import transformers
 
         original = perturb(transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval())
-    elif (ck := open_checkpoint(model_dir, **asdict(access))).config.get("enjoyln"):  # folded already
-        return load_plain(ck).to(device, dtype), load(ck).to(device, dtype)
+    elif (checkpoint := open_checkpoint(model_dir, **asdict(access))).config.get("enjoyln"):  # folded already
+        return load_plain(checkpoint).to(device, dtype), load(checkpoint).to(device, dtype)
     else:
-        original = load(ck)
+        original = load(checkpoint)
     folded = fold(copy.deepcopy(original))
     return original.to(device, dtype), folded.to(device, dtype)

@@ -1,8 +1,10 @@
 """The options of a fold and of a check, built where a call enters enjoyln: a misspelt one fails there.
+Each is the one way into its call (``fold_checkpoint``, ``check_checkpoints``, ``check``), and each
+field has one home: ``--rtol`` is ``CheckOptions.rtol``, in a fold too (``FoldOptions.check``).
 
 >>> FoldOptions.of(check="static", fuse_affine=True).check.mode
 'static'
->>> CheckOptions.of(batchs=3)
+>>> CheckOptions(batchs=3)
 Traceback (most recent call last):
 enjoyln.errors.EnjoylnError: unknown option batchs; the options are batches, batch_size, seq_len, ...
 """
@@ -10,8 +12,9 @@ enjoyln.errors.EnjoylnError: unknown option batchs; the options are batches, bat
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from .errors import EnjoylnError
 from .plan import FoldPlan, RotationSpec
@@ -19,18 +22,40 @@ from .plan import FoldPlan, RotationSpec
 ACCESS = ("allow_pickle", "trust_remote_code", "model_class")
 
 
-def _built(cls: type, given: dict[str, Any], **more: Any) -> Any:
-    """``cls`` from ``given``: the ``Access`` fields among them go to its ``access``."""
-    names = [f.name for f in dataclasses.fields(cls) if f.name not in ("access", *more)]
-    base = given.pop("access", None) or Access()
-    access = {k: given.pop(k) for k in ACCESS if k in given}
+T = TypeVar("T")
+
+
+def _unknown(cls: type, given: Any, extra: tuple[str, ...] = ()) -> None:
+    """One line naming what ``cls`` does not take, and what it does."""
+    names = [f.name for f in dataclasses.fields(cls)] + list(extra)
     unknown = sorted(set(given) - set(names))
     if unknown:
-        raise EnjoylnError(f"unknown option {', '.join(unknown)}; the options are "
-                           f"{', '.join(names + list(ACCESS))}")
+        raise EnjoylnError(f"unknown option {', '.join(unknown)}; the options are {', '.join(names)}")
+
+
+def _strict(cls: type[T]) -> type[T]:
+    """An unknown field is refused in one line (``EnjoylnError``), not with the ``TypeError`` of
+    ``__init__``: a misspelt option reads the same from Python and from the command line."""
+    init: Callable[..., None] = cls.__init__  # type: ignore[misc]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **values: Any) -> None:
+        _unknown(cls, values)
+        init(self, *args, **values)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
+
+
+def _built(cls: type, given: dict[str, Any], **more: Any) -> Any:
+    """``cls`` from ``given``: the ``Access`` fields among them go to its ``access``."""
+    _unknown(cls, set(given) - set(more), ACCESS)
+    base = given.pop("access", None) or Access()
+    access = {k: given.pop(k) for k in ACCESS if k in given}
     return cls(**given, **more, access=dataclasses.replace(base, **access))
 
 
+@_strict
 @dataclass(frozen=True)
 class Access:
     """How a model directory may be opened: pickle weights, its own code, another model class."""
@@ -40,9 +65,12 @@ class Access:
     model_class: str | None = None
 
 
+@_strict
 @dataclass(frozen=True)
 class CheckOptions:
-    """What ``enjoyln check`` (and ``fold``'s check) runs; the fields are its options (docs/checking.md)."""
+    """What ``enjoyln check`` (and ``fold``'s check, and ``enjoyln.check`` on models in memory) runs;
+    the fields are its options (docs/checking.md). A field left None is decided by the check: on
+    directories, by its mode (a full check, once every weight is proven, only confirms)."""
 
     batches: int | None = None
     batch_size: int = 2
@@ -56,6 +84,21 @@ class CheckOptions:
     mode: str = "full"
     sweep_tokens: int | None = None
     """With mode ``forward``: the most token ids the token sweep runs (None: ``checking.sweep.SWEEP_TOKENS``)."""
+    factor: float | None = None
+    """How many times the reference's own rounding the candidate may be off (None: ``measuring.FACTOR``)."""
+    generate_tokens: int | None = None
+    """Tokens decoded greedily by a causal LM (None: 8, or 4 where a full check only confirms)."""
+    coverage: bool | None = None
+    """Whether the first batch covers every position (None: unless a full check only confirms)."""
+    sweep: bool | None = None
+    """Whether to run the token sweep (None: in mode ``forward``)."""
+    spill: bool = False
+    """Keep the outputs on disk rather than in memory (set within a memory budget)."""
+    max_rows: int = 4
+    """The most rows of a sweep batch."""
+    skip: tuple[str, ...] = ()
+    """Outputs the candidate's plan lets its rotation change (a tower's hidden states), not compared; set by the
+    checkpoint check from that plan, and never honoured for what the model serves."""
     access: Access = field(default_factory=Access)
 
     @classmethod
@@ -63,6 +106,7 @@ class CheckOptions:
         return _built(cls, {**(vars(options) if options is not None else {}), **values})
 
 
+@_strict
 @dataclass(frozen=True)
 class FoldOptions:
     """What ``enjoyln fold`` (``fold_checkpoint``) does: the plan, the output and its check."""

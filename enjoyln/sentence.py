@@ -36,15 +36,15 @@ def load_sentence_transformer(path: str | os.PathLike, *, trust_remote_code: boo
     except Exception as exc:
         raise EnjoylnError(f"load_sentence_transformer needs sentence-transformers ({first_line(exc)}); "
                            "pip install sentence-transformers") from None
-    ck = open_checkpoint(path, trust_remote_code=trust_remote_code)
-    plan = ck.recorded_plan  # a malformed block is refused before anything loads
+    checkpoint = open_checkpoint(path, trust_remote_code=trust_remote_code)
+    plan = checkpoint.recorded_plan  # a malformed block is refused before anything loads
     try:
-        model = st.SentenceTransformer(str(ck.path), trust_remote_code=trust_remote_code, **kwargs)
+        model = st.SentenceTransformer(str(checkpoint.path), trust_remote_code=trust_remote_code, **kwargs)
     except Exception as exc:
-        raise CheckpointError(f"sentence-transformers cannot load {ck.path}: {type(exc).__name__}: "
+        raise CheckpointError(f"sentence-transformers cannot load {checkpoint.path}: {type(exc).__name__}: "
                               f"{first_line(exc)}") from None
     if plan is not None:
-        reapply_on_load(_transformer(model, ck.architecture), plan)
+        reapply_on_load(_transformer(model, checkpoint.architecture), plan)
     return model.eval()
 
 

@@ -46,7 +46,7 @@ import transformers
 t["transformers"] = time.perf_counter()
 from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.store.hf import model_class
-from enjoyln.rewrite.planning import analyze_dir
+from enjoyln.folded.planning import analyze_dir
 t["enjoyln"] = time.perf_counter()
 ck = open_checkpoint(sys.argv[1])
 t["open"] = time.perf_counter()

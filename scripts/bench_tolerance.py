@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _docs import machine, replace_section  # noqa: E402
+from enjoyln.options import FoldOptions
 
 OUTLIERS = (3, 200)
 OUTLIER_SCALE = 20.0
@@ -103,7 +104,7 @@ def run(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
             shutil.rmtree(out, ignore_errors=True)
             start = time.perf_counter()
             try:
-                report = fold_checkpoint(src, out, **options).report
+                report = fold_checkpoint(src, out, FoldOptions.of(**options)).report
             except CheckFailed as exc:
                 report = exc.report
             seconds = time.perf_counter() - start

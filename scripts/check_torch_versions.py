@@ -10,7 +10,7 @@ dependencies resolving as pip picks them), and a child process in it tries, each
 - ``compile``: ``torch.compile`` of the loaded model, logits against eager;
 - ``export``: ``torch.export.export`` of the loaded model, one ``enjoyln.rms_norm`` node per norm.
 
-Results are kept in ``scripts/torch_versions.json`` (one entry per version, the latest run's), so versions
+Results are kept in ``docs/data/torch_versions.json`` (one entry per version, the latest run's), so versions
 can be run one at a time; ``--write`` puts the table of all of them into the ``torch-versions`` block.
 Each venv is removed after its run (``--keep`` keeps it): a CUDA build of torch with its nvidia-* wheels
 takes several GB, and nothing is cached (``--no-cache-dir``).
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "scripts" / "torch_versions.json"
+RESULTS = ROOT / "docs" / "data" / "torch_versions.json"
 VERSIONS = ("2.6", "2.7", "2.8", "2.9", "2.10", "2.11", "2.12", "2.13")
 STEPS = ("import", "fold", "load", "compile", "export")
 

@@ -11,7 +11,7 @@ synthesised from the model's own configuration (timm: ``pretrained_cfg
 output is compared with the unfolded model on two fresh seeded batches. Each
 model runs in its own forked process with a time limit, two at a time.
 
-    python scripts/sweep_timm.py                        # all, to scripts/sweep_timm_results.json
+    python scripts/sweep_timm.py                        # all, to docs/data/sweep_timm_results.json
     python scripts/sweep_timm.py --only timm/vit_small_patch16_224,open_clip/ViT-B-32/text
     python scripts/sweep_timm.py --list                 # the sample, one key a line
     python scripts/sweep_timm.py --write                # and its block in docs/architectures.md (sweep-timm)
@@ -70,8 +70,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import sweep_transformers as st  # noqa: E402 - the same perturbation, comparison and reason grouping
 
-DEFAULT_OUT = HERE / "sweep_timm_results.json"
-BASELINE = HERE / "sweep_timm_baseline.json"
+DATA = HERE.parent / "docs" / "data"  # results are data, kept apart from the scripts
+DEFAULT_OUT = DATA / "sweep_timm_results.json"
+BASELINE = DATA / "sweep_timm_baseline.json"
 RTOL = st.RTOL
 BATCH = 2
 ANALYSIS_SEED, COMPARE_SEEDS = 0, (1, 2)
@@ -586,7 +587,7 @@ def _fewer_line(base: dict[str, Any], results: dict[str, Any]) -> str:
 def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any] | None,
                    results: dict[str, Any] | None = None) -> str:
     """The block in docs/architectures.md: this sweep beside the baseline (the same sweep of enjoyln
-    before norms were recognised by what they compute, `scripts/sweep_timm_baseline.json`)."""
+    before norms were recognised by what they compute, `docs/data/sweep_timm_baseline.json`)."""
     same = base is None or base["meta"].get("enjoyln_commit") == meta.get("enjoyln_commit")
     cols = [("now", s)] if same else [(f"before (`{base['meta'].get('enjoyln_commit', '?')}`)", base["summary"]),
                                       ("now", s)]
@@ -636,7 +637,7 @@ def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any]
     for reason, c in list(s["refusals"].items())[:15]:
         lines.append(f"| {reason.replace('|', '/')} | {c['models']} | {c['entries']} | `{c['example']}` |")
     lines += ["", "Command: `python scripts/sweep_timm.py --write` (timm and open_clip installed; per-model "
-              "records in `scripts/sweep_timm_results.json`, the baseline in `scripts/sweep_timm_baseline.json`)."
+              "records in `docs/data/sweep_timm_results.json`, the baseline in `docs/data/sweep_timm_baseline.json`)."
               " torchvision's fake registrations for `torchvision::nms` and `qnms` are skipped while it imports, "
               "because its CUDA build's C++ ops do not load with the CPU torch."]
     return "\n".join(lines)

@@ -8,7 +8,7 @@ weights, enjoyln's own inputs, every output compared on two batches), with the c
 audio first (image-text-to-text, multimodal LM), and the tower LNs counted apart: those under a submodule built from
 the vision or audio sub-config.
 
-    python scripts/sweep_towers.py --jobs 1 --timeout 300            # to scripts/sweep_towers_results.json
+    python scripts/sweep_towers.py --jobs 1 --timeout 300            # to docs/data/sweep_towers_results.json
     python scripts/sweep_towers.py --only llava,idefics3 --out /tmp/t.json
     python scripts/sweep_towers.py --from-results --write            # the sweep-towers block in docs/architectures.md
     python scripts/sweep_towers.py --only llava,clip --merge         # these types again, the others' records kept
@@ -29,7 +29,8 @@ sys.path.insert(0, str(HERE))
 
 import sweep_transformers as zoo  # noqa: E402 - the script beside this one
 
-DEFAULT_OUT = HERE / "sweep_towers_results.json"
+DATA = HERE.parent / "docs" / "data"  # results are data, kept apart from the scripts
+DEFAULT_OUT = DATA / "sweep_towers_results.json"
 FIRST = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES")
 NAMED = ("llava", "llava_next", "mllama", "qwen2_vl", "qwen3_vl", "paligemma", "idefics3", "smolvlm", "blip-2",
          "clip", "siglip")
@@ -191,7 +192,7 @@ def docs_block(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     lines += ["", "Types not in the table: " + ", ".join(f"{k} ({n})" for k, n in
                                                       sorted(other.items(), key=lambda kv: -kv[1])) + ".",
               "", "Command: `python scripts/sweep_towers.py --jobs 1 --write` (records in "
-              "`scripts/sweep_towers_results.json`)."]
+              "`docs/data/sweep_towers_results.json`)."]
     return "\n".join(lines)
 
 

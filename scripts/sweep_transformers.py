@@ -8,7 +8,7 @@ output on two batches against the unmodified model. ``analyze(model)`` with no
 inputs is also run and recorded. Each architecture runs in its own forked
 process with a time limit, two at a time.
 
-    python scripts/sweep_transformers.py                  # all, to scripts/sweep_results.json
+    python scripts/sweep_transformers.py                  # all, to docs/data/sweep_results.json
     python scripts/sweep_transformers.py --only bert,gpt2 --out /tmp/s.json
     python scripts/sweep_transformers.py --write          # and the coverage block in docs/architectures.md
     python scripts/sweep_transformers.py --only olmo,sam --merge --write
@@ -43,8 +43,9 @@ from typing import Any, Collection
 import torch
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "sweep_results.json"
-BASELINE = HERE / "sweep_baseline.json"
+DATA = HERE.parent / "docs" / "data"  # results are data, kept apart from the scripts
+DEFAULT_OUT = DATA / "sweep_results.json"
+BASELINE = DATA / "sweep_baseline.json"
 RTOL = 1e-5
 MAX_PARAMS = 60_000_000
 BATCH, SEQ = 2, 16
@@ -854,7 +855,7 @@ def print_summary(s: dict[str, Any], wall: float | None = None) -> None:
 
 def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any] | None) -> str:
     """The coverage block in docs/architectures.md: this sweep beside the baseline (the same sweep of
-    enjoyln before the long-tail rules, `scripts/sweep_baseline.json`)."""
+    enjoyln before the long-tail rules, `docs/data/sweep_baseline.json`)."""
     b = base["summary"] if base else None
 
     def row(label: str, fmt: Any) -> str:
@@ -895,7 +896,7 @@ def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any]
     for reason, c in list(s["refusals"].items())[:15]:
         lines.append(f"| {reason.replace('|', '/')} | {c['architectures']} | {c['entries']} |")
     lines += ["", "Command: `python scripts/sweep_transformers.py --write` (per-architecture records in "
-              "`scripts/sweep_results.json`, the run before in `scripts/sweep_baseline.json`)"
+              "`docs/data/sweep_results.json`, the run before in `docs/data/sweep_baseline.json`)"
               + ("; a re-sweep of some types: `python scripts/sweep_transformers.py --only TYPES --merge --write`."
                  if meta.get("resweeps") else ".")]
     return "\n".join(lines)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import io
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -23,20 +25,41 @@ LAYERS = {
     "enjoyln.analysis": 3,
     "enjoyln.transform": 4,
     "enjoyln.store": 5,
-    "enjoyln.rewrite": 6,  # the checkpoint rewrite: the plan for a directory, its entries, the writer
-    "enjoyln.checking": 7,
-    "enjoyln.rewrite.convert": 8,  # the fold itself, which checks its output before publishing it
+    "enjoyln.folded": 6,  # what the fold of a checkpoint must be: its plan, its config, its tensors
+    "enjoyln.checking": 7,  # the gate, which holds a candidate to what folded/ says it must be
+    "enjoyln.rewrite": 8,  # the fold itself: entries, writer and the fold, which checks before publishing
     "enjoyln.export": 9,
     "enjoyln.bench": 10, "enjoyln.testing": 10, "enjoyln.sentence": 10,
     "enjoyln.cli": 11,
     "enjoyln.__main__": 13, "enjoyln": 13,  # the entry point, and the lazy top-level API
 }
-"""Lowest first; a module may import from its own layer or lower ones. The longest prefix names
-a module's layer."""
+"""Lowest first; a module may import from its own layer or lower ones. Every package sits on one
+layer: a module's layer is its package's (or its own, for a module at the top)."""
 
-MAX_LINES = 600
-MAX_FUNCTION_LINES = 80
+MAX_LINES = 480
+MAX_FUNCTION_LINES = 70
+"""Sizes in rows a reader reads (``read_rows``), which a formatter's wrapping at 100 columns does not
+change: about what 600 and 80 lines were when the code ran to 120 columns."""
 MAX_PARAMETERS = 8
+
+
+def read_rows(source: str) -> set[int]:
+    """The rows that start a statement, hold a comment, or lie in a string of several lines (a
+    docstring): not the rows a long call or expression is wrapped onto."""
+    rows: set[int] = set()
+    starts = True
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.NEWLINE:
+            starts = True
+        elif token.type == tokenize.COMMENT:
+            rows.add(token.start[0])
+        elif token.type not in (tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
+            if starts:
+                rows.add(token.start[0])
+                starts = False
+            if token.type == tokenize.STRING and token.end[0] > token.start[0]:
+                rows.update(range(token.start[0], token.end[0] + 1))
+    return rows
 
 
 def _module_name(path: Path) -> str:
@@ -48,8 +71,8 @@ MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def layer(module: str) -> int:
-    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
-    return LAYERS[prefix]
+    parts = module.split(".")
+    return LAYERS[".".join(parts[:2])]
 
 
 def imports(module: str) -> list[tuple[str, str | None, int]]:
@@ -91,6 +114,21 @@ def test_every_module_imports():
                 raise
 
 
+def test_every_package_sits_on_one_layer():
+    """The layer table names top-level modules and packages only: no module of a package gets a
+    layer of its own, and none is left out."""
+    top = {".".join(m.split(".")[:2]) for m in MODULES}
+    assert all(name.count(".") <= 1 for name in LAYERS), sorted(n for n in LAYERS if n.count(".") > 1)
+    assert top == set(LAYERS), (sorted(top - set(LAYERS)), sorted(set(LAYERS) - top))
+
+
+def test_the_gate_imports_nothing_of_the_fold():
+    """checking/ holds a candidate to what folded/ says it must be; it never reads the writer's code."""
+    found = [f"{m}:{line} imports {t}" for m in MODULES if m.startswith("enjoyln.checking")
+             for t, _, line in imports(m) if t == "enjoyln.rewrite" or t.startswith("enjoyln.rewrite.")]
+    assert not found, found
+
+
 def test_imports_point_down():
     upward = [f"{m}:{line} imports {t} (layer {layer(m)} -> {layer(t)})"
               for m in MODULES for t, _, line in imports(m)
@@ -121,7 +159,7 @@ def test_no_import_cycle():
 
 
 def test_modules_are_short():
-    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {m: n for m, p in MODULES.items() if (n := len(read_rows(p.read_text()))) > MAX_LINES}
     assert not long, long
 
 
@@ -149,16 +187,20 @@ def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 
 
 def test_functions_are_short():
-    """No function over ``MAX_FUNCTION_LINES`` lines (its decorators to its last line) nor with more
-    than ``MAX_PARAMETERS`` parameters (``*args`` and ``**kwargs`` one each; not self or cls)."""
+    """No function over ``MAX_FUNCTION_LINES`` rows (``read_rows``, its decorators to its last line)
+    nor with more than ``MAX_PARAMETERS`` parameters (``*args`` and ``**kwargs`` one each; not self
+    or cls)."""
     found = []
     for m, p in MODULES.items():
-        for fn in ast.walk(ast.parse(p.read_text())):
+        source = p.read_text()
+        rows = read_rows(source)
+        for fn in ast.walk(ast.parse(source)):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or _exempt(m, fn):
                 continue
             first = min([fn.lineno, *(d.lineno for d in fn.decorator_list)])
-            if fn.end_lineno - first + 1 > MAX_FUNCTION_LINES:
-                found.append(f"{m}.{fn.name}:{fn.lineno} has {fn.end_lineno - first + 1} lines")
+            n = sum(1 for row in rows if first <= row <= fn.end_lineno)
+            if n > MAX_FUNCTION_LINES:
+                found.append(f"{m}.{fn.name}:{fn.lineno} has {n} rows")
             if _parameters(fn) > MAX_PARAMETERS:
                 found.append(f"{m}.{fn.name}:{fn.lineno} takes {_parameters(fn)} parameters")
     assert not found, "\n".join(found)
@@ -183,3 +225,10 @@ def test_no_module_re_exports_another_modules_names():
         imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
         found += [f"{m} re-exports {name}" for name in exported if name in imported]
     assert not found, found
+
+
+def test_scripts_hold_only_code():
+    """Results and baselines are data: they live in docs/data/, so scripts/ reads as code alone."""
+    scripts = PACKAGE.parent / "scripts"
+    data = sorted(p.name for p in scripts.iterdir() if p.is_file() and p.suffix != ".py")
+    assert not data, data

@@ -25,7 +25,7 @@ from ..store.quiet import quiet
 from ..store.tensors import return_freed_memory
 from .compare import code_problems, load_problems, parse_dtype
 from .batches import MAX_COVER_POSITIONS
-from .forward import CandidatePath, ForwardOptions, ModelSource, check_sources
+from .forward import CandidatePath, ModelSource, check_sources
 from .pairing import as_reference_holds, tensor_names, tied_key
 from .sweep import sweep_bytes
 from .report import CheckReport
@@ -42,20 +42,20 @@ CONFIRM_TOKENS = 4
 """New tokens of the greedy decode after the static proof (8 otherwise): each streams every weight once."""
 
 
-def bounded_budget(ck: Checkpoint) -> int | None:
+def bounded_budget(checkpoint: Checkpoint) -> int | None:
     """None if both models fit in memory; else half of what is available, for one at a time."""
-    need, have = forward_check_bytes(ck), available_memory()
+    need, have = forward_check_bytes(checkpoint), available_memory()
     return None if have is None or need <= have else have // 2
 
 
-def require_memory(ck: Checkpoint, max_memory: int | None = None) -> None:
+def require_memory(checkpoint: Checkpoint, max_memory: int | None = None) -> None:
     """Refuse, before anything is written, a forward check that cannot run even one model at a time."""
     have = available_memory()
-    budget = max_memory if max_memory is not None else bounded_budget(ck)
+    budget = max_memory if max_memory is not None else bounded_budget(checkpoint)
     if budget is None:
         return
-    wide = truth_ratio(ck)  # the truth runs too, one model at a time, in a wider dtype
-    floor = int(wide * (_largest_tensor(ck) + _activation_bytes(ck))) + MIN_BUDGET
+    wide = truth_ratio(checkpoint)  # the truth runs too, one model at a time, in a wider dtype
+    floor = int(wide * (_largest_tensor(checkpoint) + _activation_bytes(checkpoint))) + MIN_BUDGET
     if budget < floor or (have is not None and floor > have):
         limit = (f"--max-memory allows {format_bytes(budget)}" if max_memory is not None and budget < floor
                  else f"{format_bytes(have)} is available" if floor > have
@@ -65,15 +65,15 @@ def require_memory(ck: Checkpoint, max_memory: int | None = None) -> None:
                               "running the model (or --no-check)")
 
 
-def _largest_tensor(ck: Checkpoint) -> int:
-    return max(max((t.nbytes for t in ck.tensors.values()), default=0), ck.built[1])
+def _largest_tensor(checkpoint: Checkpoint) -> int:
+    return max(max((t.nbytes for t in checkpoint.tensors.values()), default=0), checkpoint.built[1])
 
 
-def _activation_bytes(ck: Checkpoint) -> int:
+def _activation_bytes(checkpoint: Checkpoint) -> int:
     """A generous bound on one forward's largest live tensors with one row of the coverage
     batch: the logits over the vocabulary, or a few hidden states; or one row of the token
     sweep's batch in float64, which is what a forward-only check within a budget runs."""
-    cfg = ck.config
+    cfg = checkpoint.config
     length = min(int(config_value_dict(cfg, "max_position_embeddings", "n_positions") or 512), MAX_COVER_POSITIONS)
     hidden = int(config_value_dict(cfg, "hidden_size", "n_embd", "d_model") or 1024)
     vocab = int(config_value_dict(cfg, "vocab_size") or 0)
@@ -81,23 +81,24 @@ def _activation_bytes(ck: Checkpoint) -> int:
 
 
 @quiet
-def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str | os.PathLike,
+def check_checkpoints(reference: str | os.PathLike | Checkpoint, candidate: str | os.PathLike | Checkpoint,
                       options: CheckOptions | None = None, *, progress: Callable[[int, int], None] | None = None,
-                      stage: Callable[[str], None] | None = None, **values: Any) -> "CheckReport":
+                      stage: Callable[[str], None] | None = None) -> "CheckReport":
     """Prove CANDIDATE computes what REFERENCE does: every weight, then the outputs through both load
-    paths (docs/checking.md). ``options`` or its fields as keywords; ``progress`` hears of the bytes
-    the static part read, ``stage`` of each step of the forward part.
+    paths (docs/checking.md). Either may be an opened ``Checkpoint``, handed on. ``options``: a
+    ``CheckOptions``; ``progress`` hears of the bytes the static part read, ``stage`` of each step of
+    the forward part.
     >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
     True
     """
-    opts = CheckOptions.of(options, **values)
+    opts = options if options is not None else CheckOptions()
     if opts.mode not in ("full", "static", "forward"):
         raise EnjoylnError(f"unknown check mode {opts.mode!r}; use full, static or forward")
     opts = dataclasses.replace(opts, dtype=parse_dtype(opts.dtype))
     running.check_device(opts.device)
     opened = dataclasses.asdict(opts.access)
     ref_ck = reference if isinstance(reference, Checkpoint) else open_checkpoint(reference, **opened)
-    cand_ck = open_checkpoint(candidate, **opened)
+    cand_ck = candidate if isinstance(candidate, Checkpoint) else open_checkpoint(candidate, **opened)
     if ref_ck.architecture != cand_ck.architecture:
         hint = ("" if opts.access.model_class
                 else " (one folded with --model-class is checked with the same --model-class)")
@@ -172,10 +173,11 @@ def _forward_part(ref_ck: Checkpoint, cand_ck: Checkpoint, opts: CheckOptions, b
     weight is proven (full mode, not thorough) it only confirms: short batches and a short decode."""
     confirm = opts.mode == "full" and not opts.thorough
     batches = opts.batches if opts.batches is not None else CONFIRM_BATCHES if confirm else 3
-    forward = ForwardOptions(batches=batches, seed=opts.seed, batch_size=opts.batch_size, seq_len=opts.seq_len,
-                             rtol=opts.rtol, generate_tokens=CONFIRM_TOKENS if confirm else 8, coverage=not confirm,
-                             sweep=opts.mode == "forward", skip=_changed_outputs(cand_ck),
-                             **({"sweep_tokens": opts.sweep_tokens} if opts.sweep_tokens is not None else {}))
+    forward = dataclasses.replace(
+        opts, batches=batches, coverage=not confirm if opts.coverage is None else opts.coverage,
+        generate_tokens=(CONFIRM_TOKENS if confirm else 8) if opts.generate_tokens is None else opts.generate_tokens,
+        sweep=opts.mode == "forward" if opts.sweep is None else opts.sweep,
+        skip=_changed_outputs(cand_ck))
     plain_required, caveat, note = _plain_loading(cand_ck, verified=opts.mode == "full")
     max_memory, auto = budget
     stage("loading the original and the candidate")
@@ -232,24 +234,24 @@ class _CandidateUnloadable(EnjoylnError):
     exit_code = 1
 
 
-def _load(loader: Callable[..., nn.Module], ck: Checkpoint, missing: list[str], *, candidate: bool = False,
+def _load(loader: Callable[..., nn.Module], checkpoint: Checkpoint, missing: list[str], *, candidate: bool = False,
           **kwargs: Any) -> nn.Module:
     """A model as ``loader`` gives it, with the parameters no checkpoint holds seeded alike."""
     try:
-        return running.seed_missing(loader(ck, **kwargs), missing)
+        return running.seed_missing(loader(checkpoint, **kwargs), missing)
     except EnjoylnError as exc:
         if candidate and not isinstance(exc, _CandidateUnloadable):
             raise _CandidateUnloadable(str(exc)) from None
         raise
 
 
-def _plain_loading(ck: Checkpoint, *, verified: bool) -> tuple[bool | None, str, str]:
+def _plain_loading(checkpoint: Checkpoint, *, verified: bool) -> tuple[bool | None, str, str]:
     """(whether plain ``from_pretrained`` must match, the verdict's caveat, a note). Only a rotation
     without ``keep_mean`` is inexact under plain loading, and only a block that says so twice is believed."""
-    plan = ck.recorded_plan
+    plan = checkpoint.recorded_plan
     if plan is None:
         return None, "", "the candidate has no enjoyln block, so enjoyln.load is plain from_pretrained"
-    block = ck.config["enjoyln"].get("rotation")
+    block = checkpoint.config["enjoyln"].get("rotation")
     declared = (plan.rotation is not None and not plan.rotation.keep_mean and isinstance(block, dict)
                 and block.get("keep_mean") is False and block.get("plain_loading_exact") is False)
     if not declared:
@@ -276,15 +278,15 @@ def _bounded_sources(ref_ck: Checkpoint, cand_ck: Checkpoint, max_memory: int, m
     return_freed_memory()
     overhead = _largest_tensor(ref_ck) + _activation_bytes(ref_ck)
 
-    def source(ck: Checkpoint, where: str, plain: bool = False, candidate: bool = False) -> ModelSource:
+    def source(checkpoint: Checkpoint, where: str, plain: bool = False, candidate: bool = False) -> ModelSource:
         # the dtype a plain from_pretrained loads it in, which the static check compared
-        own = getattr(torch, ck.load_dtype[0], None)
-        own = own if isinstance(own, torch.dtype) and own.is_floating_point else dominant_dtype(ck)
+        own = getattr(torch, checkpoint.load_dtype[0], None)
+        own = own if isinstance(own, torch.dtype) and own.is_floating_point else dominant_dtype(checkpoint)
 
         def get(dtype: torch.dtype) -> nn.Module:
             wide = dtype.itemsize / own.itemsize  # the truth: wider tensors, less room
             weights = max(max_memory - int(max(wide, 1.0) * overhead), 0)
-            return _load(load_plain if plain else load, ck, missing, candidate=candidate, dtype=dtype,
+            return _load(load_plain if plain else load, checkpoint, missing, candidate=candidate, dtype=dtype,
                          max_memory=weights, offload_dir=offload / where / str(dtype))
         # the truth widens the reference as its layers run: a float64 load of it from disk would
         # read the whole file through a mapping, and write it again, wider, to the offload folder

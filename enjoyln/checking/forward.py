@@ -10,7 +10,7 @@ import gc
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from torch import nn
 from ..analysis.graph import served
 from ..analysis.inputs import ExampleInputs, is_causal_lm
 from ..errors import EnjoylnError
+from ..options import CheckOptions
 from .batches import covering, input_batches
 from .generation import generate_greedy, generation_lengths, generation_settings, judge_generation, settings_problems
 from .measuring import FACTOR, Criterion, Outputs, Stats, judge_output, measure
@@ -98,50 +99,37 @@ class CandidatePath:
     """Run on the first this many batches only (None: all), to confirm a path that differs only in loading."""
 
 
-@dataclass(frozen=True)
-class ForwardOptions:
-    """How the forward comparison runs (docs/checking.md): a fixed ``rtol`` or ``factor`` times the
-    reference's rounding, the token ``sweep``, outputs ``spill``ed to disk within a memory budget."""
-
-    batches: int = 3
-    seed: int = 0
-    batch_size: int = 2
-    seq_len: int = 16
-    rtol: float | None = None
-    factor: float = FACTOR
-    generate_tokens: int = 8
-    coverage: bool = True
-    sweep: bool = False
-    sweep_tokens: int = SWEEP_TOKENS
-    spill: bool = False
-    max_rows: int = 4
-    skip: tuple[str, ...] = ()  # outputs a plan changes by design (a tower's hidden states beside the logits)
+def resolved(options: CheckOptions) -> CheckOptions:
+    """``options`` with what it leaves to the check decided as for models in memory: 3 batches, the first
+    covering every position, 8 decoded tokens, no token sweep."""
+    o = options
+    return dataclasses.replace(
+        o, batches=3 if o.batches is None else o.batches, factor=FACTOR if o.factor is None else o.factor,
+        generate_tokens=8 if o.generate_tokens is None else o.generate_tokens,
+        coverage=True if o.coverage is None else o.coverage, sweep=bool(o.sweep),
+        sweep_tokens=SWEEP_TOKENS if o.sweep_tokens is None else o.sweep_tokens)
 
 
 def check(reference: nn.Module, candidate: nn.Module, example_inputs: ExampleInputs = None,
-          options: ForwardOptions | None = None, *, fp32_reference: nn.Module | None = None,
-          **values: Any) -> CheckReport:
+          options: CheckOptions | None = None, *, fp32_reference: nn.Module | None = None) -> CheckReport:
     """Compare ``candidate`` with ``reference`` on seeded input batches, and greedy decoding for causal LMs;
-    ``options`` (a ``ForwardOptions``) or its fields as keywords (``batches=4``).
+    ``options``: a ``CheckOptions`` (``CheckOptions(batches=4)``), of which the forward fields apply.
     >>> import copy, torch, enjoyln
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     >>> folded = enjoyln.fold(copy.deepcopy(net), torch.randn(2, 8))
     >>> check(net, folded, torch.randn(2, 8)).passed
     True
     """
-    try:
-        opts = dataclasses.replace(options or ForwardOptions(), **values)
-    except TypeError as exc:
-        raise EnjoylnError(f"unknown option: {exc}") from None
     return check_sources(ModelSource.of(reference), [CandidatePath("", ModelSource.of(candidate))], example_inputs,
-                         opts, truth=ModelSource.of(fp32_reference) if fp32_reference is not None else None)
+                         options or CheckOptions(), truth=ModelSource.of(fp32_reference) if fp32_reference is not None else None)
 
 
 def check_sources(reference: ModelSource, candidates: Sequence[CandidatePath], example_inputs: ExampleInputs = None,
-                  options: ForwardOptions = ForwardOptions(), *, truth: ModelSource | None = None,
+                  options: CheckOptions = CheckOptions(), *, truth: ModelSource | None = None,
                   stage: Callable[[str], None] | None = None) -> CheckReport:
     """``check``, with models produced one at a time: the reference, its truth in the next wider dtype
     (``truth``, or the reference itself), then each load path of the candidate (the first is judged)."""
+    options = resolved(options)
     comparison = _Comparison(reference, truth or reference, candidates[0].source, options, stage or (lambda what: None))
     with (tempfile.TemporaryDirectory(prefix="enjoyln-check-") if options.spill else contextlib.nullcontext()) as spill_dir:
         comparison.spill_dir = Path(spill_dir) if spill_dir else None
@@ -155,7 +143,7 @@ class _Comparison:
     """One forward comparison, in the order its models are needed and dropped; then the verdict."""
 
     def __init__(self, reference: ModelSource, truth: ModelSource, candidate: ModelSource,
-                 options: ForwardOptions, say: Callable[[str], None]) -> None:
+                 options: CheckOptions, say: Callable[[str], None]) -> None:
         self.reference, self.truth, self.opts, self.say = reference, truth, options, say
         self.half = reference.dtype in HALF or candidate.dtype in HALF
         # an fp32 original against a half-precision candidate: the original is the truth, and

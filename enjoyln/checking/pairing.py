@@ -35,9 +35,9 @@ def tensor_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return {n: tuple(names) for names in by_id.values() for n in names}
 
 
-def tied_key(ck: Checkpoint, names: dict[str, tuple[str, ...]], name: str) -> str | None:
-    """The key of ``ck`` holding ``name``'s tensor: its own, or one of its tied names' (``names``)."""
-    return next((key for alias in (name, *names.get(name, ())) if (key := ck.key(alias)) is not None), None)
+def tied_key(checkpoint: Checkpoint, names: dict[str, tuple[str, ...]], name: str) -> str | None:
+    """The key of ``checkpoint`` holding ``name``'s tensor: its own, or one of its tied names' (``names``)."""
+    return next((key for alias in (name, *names.get(name, ())) if (key := checkpoint.key(alias)) is not None), None)
 
 
 def pair_tensors(plan: FoldPlan, ref: Checkpoint, cand: Checkpoint) -> tuple[list[Pair], list[str], list[str]]:

@@ -13,11 +13,11 @@ import torch
 
 from ..errors import CheckpointError, EnjoylnError
 from ..plan import FoldPlan, RotationSpec
-from ..rewrite.config import output_config
-from ..rewrite.planning import analyze_dir, moves_values
+from ..folded.config import output_config
+from ..folded.planning import analyze_dir, moves_values
 from ..store.hf import check_shapes
 from ..store.checkpoint import Checkpoint
-from ..rewrite.stream import StreamedTensors
+from ..folded.stream import StreamedTensors
 from ..store.tensors import TensorReader
 from .compare import (code_problems, config_problems, file_problems, identical_directories,
                       load_problems, parse_dtype, plan_problems, same_json)

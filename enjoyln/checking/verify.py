@@ -16,7 +16,7 @@ import torch
 from ..ops.center import same_memory
 from ..ops.compare import same_bytes
 from ..plan import Centering
-from ..rewrite.stream import StreamedTensors
+from ..folded.stream import StreamedTensors
 from ..store.tensors import Buffer, TensorReader, read_ahead
 from ..transform.tensors import center_, centered_equal
 from .pairing import Pair

@@ -3,6 +3,7 @@ paths, a hub id), so bad input is refused in a fraction of a second."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -17,9 +18,8 @@ from ..store.locate import precheck_model_dir, resolve_model_dir
 from ..store.quiet import quiet_libraries
 from ..store.transaction import check_out_dir
 from ..units import parse_size
-from .options import (AllowMissing, Batches, Check, CheckDevice, CheckMemory, DryRun, Force, JsonOnly, KeepFailed, MaxShardSize,
-                      ModelClass, Quiet, ReadPickle, Revision, Rtol, SeqLen, StaticCheck, TrustCode, Verbose,
-                      check_cuda, parse_check_dtype, parse_device, parse_dtypes, parse_exact, parse_rotation)
+from .options import (ACCESS, FOLD, LOGGING, CheckDevice, JsonOnly, ModelClass, OptionSet, Revision, Rtol, check_cuda,
+                      parse_check_dtype, parse_device, parse_dtypes, parse_exact, parse_rotation, takes)
 from .progress import Display
 from .render import (drop_stdout, err, out, plan_sentence, post_ln_note, print_export, print_json, print_plan,
                      print_report, show_fold, state)
@@ -45,12 +45,10 @@ def model_dir_of(spec: str, revision: Optional[str], access: Access, display: Di
     return precheck_model_dir(found, allow_pickle=access.allow_pickle)
 
 
+@takes(LOGGING, options=FOLD)
 def fold(
     model_dir: ModelDir,
     out_dir: Annotated[Path, typer.Argument(metavar="OUT_DIR", help="Where to write the folded model directory.")],
-    max_shard_size: MaxShardSize = None, force: Force = False, check: Check = True, static: StaticCheck = False,
-    keep_failed: KeepFailed = False, dry_run: DryRun = False, as_json: JsonOnly = False,
-    allow_pickle: ReadPickle = False, trust_remote_code: TrustCode = False,
     auxiliary_centering: Annotated[bool, typer.Option(
         "--auxiliary-centering", help="Insert explicit centerings where each frees more LNs than it costs.")] = False,
     fuse_affine: Annotated[bool, typer.Option(
@@ -58,24 +56,18 @@ def fold(
     dtype: Annotated[Optional[str], typer.Option(
         help="Store the fold in this dtype (float16, bfloat16, float32 or float64), each tensor rounded once "
              "from the float64 fold; the check then judges it at that precision, as check --dtype does.")] = None,
-    batches: Batches = None, seq_len: SeqLen = 16, max_memory: CheckMemory = None, rtol: Rtol = None,
-    model_class: ModelClass = None, allow_missing: AllowMissing = False, device: CheckDevice = "cpu",
-    revision: Revision = None, quiet: Quiet = False, verbose: Verbose = False,
+    *, options: FoldOptions, as_json: JsonOnly = False, revision: Revision = None,
 ) -> None:
     """Fold a model directory, check the result, and publish it to OUT_DIR only if it passes.
 
     Example: enjoyln fold gpt2-dir gpt2-folded
     """
-    options = FoldOptions.of(max_shard_size=parse_size(max_shard_size), force=force, keep_failed=keep_failed,
-                             dry_run=dry_run, auxiliary_centering=auxiliary_centering, fuse_affine=fuse_affine,
-                             allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class,
-                             dtype=parse_dtypes(dtype, "--dtype")[0] if dtype is not None else None,
-                             allow_missing=allow_missing,
-                             check=_check_options(check, static, batches=batches, seq_len=seq_len, rtol=rtol,
-                                                  max_memory=max_memory, device=parse_device(device)))
+    options = dataclasses.replace(options, auxiliary_centering=auxiliary_centering, fuse_affine=fuse_affine,
+                                  dtype=parse_dtypes(dtype, "--dtype")[0] if dtype is not None else None)
     _publish(model_dir, out_dir, options, as_json, revision)
 
 
+@takes(LOGGING, options=FOLD)
 def rotate(
     model_dir: ModelDir,
     out_dir: Annotated[Path, typer.Argument(metavar="OUT_DIR", help="Where to write the rotated model directory.")],
@@ -87,12 +79,7 @@ def rotate(
         help="served: keep what the model serves exact (its logits, so its generation), letting the rotation "
              "change a vision or audio tower's hidden states among its outputs; all: keep every output exact.")
     ] = "served",
-    max_shard_size: MaxShardSize = None, force: Force = False, check: Check = True, static: StaticCheck = False,
-    keep_failed: KeepFailed = False, dry_run: DryRun = False, as_json: JsonOnly = False,
-    allow_pickle: ReadPickle = False, trust_remote_code: TrustCode = False,
-    batches: Batches = None, seq_len: SeqLen = 16, max_memory: CheckMemory = None, rtol: Rtol = None,
-    model_class: ModelClass = None, allow_missing: AllowMissing = False, device: CheckDevice = "cpu",
-    revision: Revision = None, quiet: Quiet = False, verbose: Verbose = False,
+    *, options: FoldOptions, as_json: JsonOnly = False, revision: Revision = None,
 ) -> None:
     """Fold with fused affines and rotate each residual stream (a vision tower's too) by an orthogonal Q; same
     outputs, proved.
@@ -100,19 +87,8 @@ def rotate(
     Example: enjoyln rotate gpt2-dir gpt2-rotated --kind hadamard
     """
     parse_rotation(kind, "--kind")
-    options = FoldOptions.of(max_shard_size=parse_size(max_shard_size), force=force, keep_failed=keep_failed,
-                             dry_run=dry_run, fuse_affine=True,
-                             rotate=RotationSpec(kind, seed, keep_mean, exact_outputs=parse_exact(exact)),
-                             allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class,
-                             allow_missing=allow_missing,
-                             check=_check_options(check, static, batches=batches, seq_len=seq_len, rtol=rtol,
-                                                  max_memory=max_memory, device=parse_device(device)))
+    options = dataclasses.replace(options, fuse_affine=True, rotate=RotationSpec(kind, seed, keep_mean, exact_outputs=parse_exact(exact)))
     _publish(model_dir, out_dir, options, as_json, revision)
-
-
-def _check_options(check: bool, static: bool, *, max_memory: Optional[str], **values: Any) -> CheckOptions:
-    mode = "none" if not check else "static" if static else "full"
-    return CheckOptions.of(mode=mode, max_memory=parse_size(max_memory), **values)
 
 
 def _publish(spec: str, out_dir: Path, options: FoldOptions, as_json: bool, revision: Optional[str]) -> None:
@@ -152,6 +128,7 @@ def _publish(spec: str, out_dir: Path, options: FoldOptions, as_json: bool, revi
         drop_stdout()
 
 
+@takes(LOGGING)
 def inspect(
     model_dir: ModelDir,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
@@ -164,7 +141,7 @@ def inspect(
         "--fuse-affine", help="Also say where each norm's affine can move.")] = False,
     rotate: Annotated[Optional[str], typer.Option(
         help="Also say whether the stream can be rotated (hadamard or random).")] = None,
-    model_class: ModelClass = None, revision: Revision = None, quiet: Quiet = False, verbose: Verbose = False,
+    model_class: ModelClass = None, revision: Revision = None,
 ) -> None:
     """Analyse a model directory on the meta device: which LNs fold, and why not.
 
@@ -209,6 +186,41 @@ def inspect(
         out.print(f"Wrote the zero-mean graphs to {graph}")
 
 
+def _check_access(
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept .bin weights.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(
+        "--trust-remote-code", help="Run the directories' custom code.")] = False,
+    model_class: ModelClass = None,
+) -> Access:
+    return Access(allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
+
+
+@takes(access=OptionSet(_check_access))
+def _check_options(
+    access: Access,
+    batches: Annotated[Optional[int], typer.Option(
+        min=1, help="Seeded input batches (default: 2 short ones after the weight check; 3 with --thorough "
+                    "or --forward-only, the first covering every position).")] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Rows of the short batches.")] = 2,
+    seq_len: Annotated[int, typer.Option(min=1, help="Sequence length of the short batches.")] = 16,
+    seed: Annotated[int, typer.Option(min=0, max=2**62, help="Seed of the first batch.")] = 0,
+    sweep_tokens: Annotated[Optional[int], typer.Option(
+        min=0, help="With --forward-only: the most token ids the token sweep runs beyond the other batches' "
+                    "(default: 8192; 0: none).")] = None,
+    rtol: Rtol = None,
+    dtype: Annotated[Optional[str], typer.Option(
+        help="The dtype CANDIDATE is meant to load in, if not the reference's (float16, bfloat16, float32, "
+             "float64); it is then judged at that precision. Without it another dtype fails.")] = None,
+    max_memory: Annotated[Optional[str], typer.Option(
+        help="Run the models one at a time within this much memory, e.g. 1GB (default: automatic).")] = None,
+    device: CheckDevice = "cpu",
+) -> CheckOptions:
+    return CheckOptions(max_memory=parse_size(max_memory), dtype=parse_check_dtype(dtype), device=parse_device(device),
+                        batches=batches, batch_size=batch_size, seq_len=seq_len, seed=seed, rtol=rtol,
+                        sweep_tokens=sweep_tokens, access=access)
+
+
+@takes(LOGGING, options=OptionSet(_check_options))
 def check(
     reference_dir: Annotated[str, typer.Argument(
         metavar="REFERENCE", help="The original model directory (or hub id).")],
@@ -218,32 +230,13 @@ def check(
         "--static", help="Check every weight only; no forward pass (any size).")] = False,
     forward_only: Annotated[bool, typer.Option(
         "--forward-only", help="Skip the weight check (for candidates made by other tools).")] = False,
-    batches: Annotated[Optional[int], typer.Option(
-        min=1, help="Seeded input batches (default: 2 short ones after the weight check; 3 with --thorough "
-                    "or --forward-only, the first covering every position).")] = None,
-    batch_size: Annotated[int, typer.Option(min=1, help="Rows of the short batches.")] = 2,
-    seq_len: Annotated[int, typer.Option(min=1, help="Sequence length of the short batches.")] = 16,
-    seed: Annotated[int, typer.Option(min=0, max=2**62, help="Seed of the first batch.")] = 0,
     thorough: Annotated[bool, typer.Option(
         "--thorough", help="After the weight check, also run a batch that covers every position and "
                            "thousands of token ids (slower).")] = False,
-    sweep_tokens: Annotated[Optional[int], typer.Option(
-        min=0, help="With --forward-only: the most token ids the token sweep runs beyond the other batches' "
-                    "(default: 8192; 0: none).")] = None,
-    rtol: Rtol = None,
-    dtype: Annotated[Optional[str], typer.Option(
-        help="The dtype CANDIDATE is meant to load in, if not the reference's (float16, bfloat16, float32, "
-             "float64); it is then judged at that precision. Without it another dtype fails.")] = None,
+    *, options: CheckOptions,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="Accept .bin weights.")] = False,
-    trust_remote_code: Annotated[bool, typer.Option(
-        "--trust-remote-code", help="Run the directories' custom code.")] = False,
-    max_memory: Annotated[Optional[str], typer.Option(
-        help="Run the models one at a time within this much memory, e.g. 1GB (default: automatic).")] = None,
-    model_class: ModelClass = None, device: CheckDevice = "cpu",
     revision: Annotated[Optional[str], typer.Option(
         help="The revision (branch, tag or commit) of a REFERENCE given as a Hugging Face hub id.")] = None,
-    quiet: Quiet = False, verbose: Verbose = False,
 ) -> None:
     """CI gate: exit 0 if CANDIDATE computes what REFERENCE does, 1 if not, 2 on bad input.
 
@@ -253,13 +246,10 @@ def check(
         raise EnjoylnError("--static and --forward-only exclude each other")
     if static and thorough:
         raise EnjoylnError("--thorough adds to the forward comparison, which --static skips")
-    if sweep_tokens is not None and not forward_only:
+    if options.sweep_tokens is not None and not forward_only:
         raise EnjoylnError("--sweep-tokens sets the token sweep, which only --forward-only runs")
     mode = "static" if static else "forward" if forward_only else "full"
-    options = CheckOptions.of(mode=mode, max_memory=parse_size(max_memory), dtype=parse_check_dtype(dtype),
-                              device=parse_device(device), batches=batches, batch_size=batch_size, seq_len=seq_len,
-                              seed=seed, rtol=rtol, thorough=thorough, sweep_tokens=sweep_tokens,
-                              allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
+    options = dataclasses.replace(options, mode=mode, thorough=thorough)
     with Display(err, enabled=not as_json and not state.quiet) as display:
         reference = model_dir_of(reference_dir, revision, options.access, display, role="REFERENCE")
         candidate = model_dir_of(candidate_dir, None, options.access, display, role="CANDIDATE")
@@ -277,6 +267,16 @@ def check(
         raise typer.Exit(1)
 
 
+def _traced(
+    static: Annotated[bool, typer.Option("--static", help="Fixed input shapes (the traced ones).")] = False,
+    batch: Annotated[int, typer.Option(min=1, help="Batch size of the traced inputs.")] = 2,
+    seq_len: Annotated[int, typer.Option(min=1, help="Sequence length of the traced inputs.")] = 16,
+) -> dict[str, Any]:
+    """The inputs an export traces, as ``export_checkpoint`` takes them."""
+    return {"dynamic": not static, "batch": batch, "seq_len": seq_len}
+
+
+@takes(LOGGING, access=ACCESS, traced=OptionSet(_traced))
 def export(
     model_dir: ModelDir,
     out_file: Annotated[Path, typer.Argument(metavar="OUT_FILE", help="Where to write the .onnx file.")],
@@ -289,13 +289,10 @@ def export(
     fuse_affine: Annotated[bool, typer.Option(
         "--fuse-affine", help="Fold with each norm's gain and bias moved into its readers: weightless RMSNorm ops "
                               "with no Add after them.")] = False,
-    static: Annotated[bool, typer.Option("--static", help="Fixed input shapes (the traced ones).")] = False,
-    batch: Annotated[int, typer.Option(min=1, help="Batch size of the traced inputs.")] = 2,
-    seq_len: Annotated[int, typer.Option(min=1, help="Sequence length of the traced inputs.")] = 16,
+    *, traced: dict[str, Any],
     force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    allow_pickle: ReadPickle = False, trust_remote_code: TrustCode = False, model_class: ModelClass = None,
-    revision: Revision = None, quiet: Quiet = False, verbose: Verbose = False,
+    access: Access, revision: Revision = None,
 ) -> None:
     """Export to ONNX with RMSNorm as one op and dynamic batch and sequence axes; check the
     file and run it in onnxruntime at the traced shape and a second one.
@@ -306,7 +303,6 @@ def export(
         raise EnjoylnError(f"cannot write the ONNX model to {out_file}; name a file ending in .onnx")
     if out_file.exists() and not force:
         raise EnjoylnError(f"{out_file} exists; pass --force to replace it")
-    access = Access(allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
     with Display(err, enabled=not as_json and not state.quiet) as display:
         src = model_dir_of(model_dir, revision, access, display)
         display.stage(IMPORTING)
@@ -320,9 +316,8 @@ def export(
 
         logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
         display.stage("folding, exporting and checking in onnxruntime")
-        report = export_checkpoint(src, out_file, fuse_affine=fuse_affine, batch=batch, seq_len=seq_len,
-                                   opset=opset, optimize=optimize, dynamic=not static, allow_pickle=allow_pickle,
-                                   trust_remote_code=trust_remote_code, model_class=model_class)
+        report = export_checkpoint(src, out_file, fuse_affine=fuse_affine, opset=opset, optimize=optimize,
+                                   **traced, **dataclasses.asdict(access))
     if as_json:
         print_json(report.to_dict())
     else:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
 from ..errors import EnjoylnError
+from ..options import Access, CheckOptions, FoldOptions
+from ..units import parse_size
 
 MaxShardSize = Annotated[Optional[str], typer.Option(help="Re-shard the output, e.g. 2GB; default: like the input.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace OUT_DIR if it is an earlier enjoyln output.")]
@@ -40,6 +44,88 @@ ModelClass = Annotated[Optional[str], typer.Option(
 AllowMissing = Annotated[bool, typer.Option(
     "--allow-missing", help="Fold even where the weights lack parameters the model class builds, which every load "
                             "then draws at random (default: refuse, naming the class the weights match).")]
+
+
+
+class OptionSet:
+    """Typer options declared once, as the parameters of ``build``, which makes their values into what
+    a command takes; ``takes`` gives them to every command that shares them."""
+
+    def __init__(self, build: Callable[..., Any]) -> None:
+        self.build = build
+        self.parameters = list(inspect.signature(build, eval_str=True).parameters.values())
+
+
+def takes(*shared: OptionSet, **sets: OptionSet) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A typer command whose parameter ``name`` is ``sets[name]``'s built value; ``shared`` sets it reads
+    no value of (``--quiet``, which the command's wrapper reads). Typer reads a command's options from
+    its signature, so the one given here lists the command's own parameters with each set's in place
+    of its value.
+
+    >>> @takes(access=ACCESS)
+    ... def show(path: str, access: Access) -> None: print(path, access.allow_pickle)
+    >>> list(inspect.signature(show).parameters)
+    ['path', 'allow_pickle', 'trust_remote_code', 'model_class']
+    >>> show(path="d", allow_pickle=True, trust_remote_code=False, model_class=None)
+    d True
+    """
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        own = inspect.signature(command, eval_str=True)
+        named = {name: [p.name for p in s.parameters] for name, s in sets.items()}
+
+        @functools.wraps(command)
+        def run(**values: Any) -> Any:
+            for s in shared:
+                for p in s.parameters:
+                    values.pop(p.name)
+            built = {name: sets[name].build(**{k: values.pop(k) for k in keys}) for name, keys in named.items()}
+            return command(**values, **built)
+
+        # a set's options where the command takes its value, so -h lists them in the command's order; the
+        # shared ones last; keyword-only, as typer calls a command, so that no order of defaults is required
+        spliced = [q for p in own.parameters.values() for q in (sets[p.name].parameters if p.name in sets else [p])]
+        parameters = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+                      for p in spliced + [p for s in shared for p in s.parameters]]
+        run.__signature__ = own.replace(parameters=parameters)  # type: ignore[attr-defined]
+        run.option_sets = (*sets.values(), *shared)  # type: ignore[attr-defined]
+        return run
+
+    return decorate
+
+
+def _logging(quiet: Quiet = False, verbose: Verbose = False) -> None:
+    """Read by ``failures.friendly``, which wraps every command."""
+
+
+def _access(allow_pickle: ReadPickle = False, trust_remote_code: TrustCode = False,
+            model_class: ModelClass = None) -> Access:
+    return Access(allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
+
+
+def _fold_check(check: Check = True, static: StaticCheck = False, batches: Batches = None, seq_len: SeqLen = 16,
+                max_memory: CheckMemory = None, rtol: Rtol = None, device: CheckDevice = "cpu") -> CheckOptions:
+    mode = "none" if not check else "static" if static else "full"
+    return CheckOptions(mode=mode, max_memory=parse_size(max_memory), batches=batches, seq_len=seq_len, rtol=rtol,
+                        device=parse_device(device))
+
+
+LOGGING = OptionSet(_logging)
+"""``--quiet`` and ``--verbose``, which every command takes."""
+ACCESS = OptionSet(_access)
+"""How MODEL_DIR may be opened: ``--allow-pickle``, ``--trust-remote-code``, ``--model-class``."""
+
+
+@takes(access=ACCESS, check=OptionSet(_fold_check))
+def _fold(max_shard_size: MaxShardSize = None, force: Force = False, keep_failed: KeepFailed = False,
+          dry_run: DryRun = False, allow_missing: AllowMissing = False, *, access: Access,
+          check: CheckOptions) -> FoldOptions:
+    return FoldOptions(max_shard_size=parse_size(max_shard_size), force=force, keep_failed=keep_failed,
+                       dry_run=dry_run, allow_missing=allow_missing, check=check, access=access)
+
+
+FOLD = OptionSet(_fold)
+"""What ``fold`` and ``rotate`` share: the output, how MODEL_DIR is opened, and the check before publishing."""
 
 
 MAX_SHAPE = 1 << 30  # the most elements a benchmarked tensor may hold (4 GiB in float32; several are alive at once)

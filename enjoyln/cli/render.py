@@ -255,7 +255,8 @@ def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool,
         what = ("has no LayerNorm" if not plan.layer_norms
                 else f"has {len(plan.layer_norms)} LayerNorms and none can fold")
         error = EnjoylnError(f"nothing to fold: {plan.model} {what}; nothing was written")
-        error.payload = payload  # type: ignore[attr-defined]  # the --json document says what was found
+        # the --json document says what was found
+        error.payload = payload  # type: ignore[attr-defined]
         raise error
     if as_json:
         print_json(payload)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import tempfile
+from types import SimpleNamespace
 from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
@@ -14,16 +15,17 @@ from rich.markup import escape
 
 from .._version import __version__
 from ..errors import EnjoylnError, first_line
-from ..options import Access
+from ..options import Access, FoldOptions
 from ..units import format_duration
 from .commands import IMPORTING, model_dir_of
-from .options import (JsonOnly, Quiet, ReadPickle, Revision, TrustCode, Verbose, check_cuda, parse_device,
-                      parse_dtypes, parse_plot, parse_shapes)
+from .options import (LOGGING, JsonOnly, OptionSet, ReadPickle, Revision, TrustCode, check_cuda, parse_device,
+                      parse_dtypes, parse_plot, parse_shapes, takes)
 from .progress import Display
 from .render import (err, out, print_compiled, print_end_to_end, print_json, print_kernels, print_latency,
                      print_plan, print_report, say, state)
 
 
+@takes(LOGGING)
 def demo(
     workdir: Annotated[Optional[Path], typer.Option(
         help="Keep the demo checkpoints here (default: a temporary directory, removed at the end).")] = None,
@@ -32,7 +34,6 @@ def demo(
     seconds: Annotated[float, typer.Option(
         min=0.0, help="After 10 pairs of runs, keep timing the speed comparison until this many seconds have "
                       "passed.")] = 3.0,
-    quiet: Quiet = False, verbose: Verbose = False,
 ) -> None:
     """The whole flow on a small GPT-2 that enjoyln builds itself: build, inspect, fold, check, time.
 
@@ -68,7 +69,7 @@ def demo(
             display.stop()
             print_plan(plan)
             _rule("3. fold, check and publish: enjoyln fold ORIGINAL FOLDED")
-            result = fold_checkpoint(src, dst, force=True, progress=display.phase("writing"),
+            result = fold_checkpoint(src, dst, FoldOptions(force=True), progress=display.phase("writing"),
                                      check_progress=display.phase("checking weights"), stage=display.stage)
             display.stop()
             report = result.report
@@ -105,45 +106,64 @@ def _rule(title: str) -> None:
         out.rule(title)
 
 
-def bench(
-    model_dir: Annotated[Optional[str], typer.Argument(
-        metavar="[MODEL_DIR]", help="Model directory (or hub id), original or folded (default: a random GPT-2 "
-                                    "small).")] = None,
+def _kernel_run(
     kernels: Annotated[bool, typer.Option("--kernels/--no-kernels", help="Time the norm kernels alone.")] = True,
-    e2e: Annotated[bool, typer.Option("--e2e/--no-e2e", help="Time the original against the folded model.")] = True,
     shapes: Annotated[str, typer.Option(help="Kernel shapes, ROWSxCOLS, comma-separated.")] = "2048x768,4096x1024",
     dtypes: Annotated[str, typer.Option(help="Kernel dtypes, comma-separated.")] = "float32,bfloat16",
+) -> SimpleNamespace:
+    return SimpleNamespace(on=kernels, text=shapes, shapes=parse_shapes(shapes), dtypes=parse_dtypes(dtypes))
+
+
+def _model_run(
+    e2e: Annotated[bool, typer.Option("--e2e/--no-e2e", help="Time the original against the folded model.")] = True,
     batch: Annotated[int, typer.Option(min=1, help="End-to-end batch size.")] = 1,
     seq_len: Annotated[int, typer.Option(min=1, help="End-to-end sequence length.")] = 512,
-    threads: Annotated[Optional[int], typer.Option(min=1, max=1024, help="torch threads (default: torch's default).")] = None,
     repeats: Annotated[Optional[int], typer.Option(
         min=1, help="End-to-end forwards per model (default: 20).")] = None,
     seconds: Annotated[Optional[float], typer.Option(
         min=0.0, help="Past --repeats, keep timing end to end until about this many seconds have passed, so that "
                       "the spread of the runs means something (default: 5, or 0 with --repeats).")] = None,
-    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
     dtype: Annotated[Optional[str], typer.Option(
         help="dtype of both models end to end and compiled: float32, bfloat16 or float16 (default: as loaded; "
              "the folded model is folded first, then cast).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
-    plot: Annotated[Optional[Path], typer.Option(help="Save a PNG of the ratios (needs matplotlib).")] = None,
     compile_: Annotated[bool, typer.Option(
         "--compile", help="Also time both models under torch.compile (inductor, fullgraph=True), and check the "
                           "compiled folded model.")] = False,
-    allow_pickle: ReadPickle = False, trust_remote_code: TrustCode = False, revision: Revision = None,
-    quiet: Quiet = False, verbose: Verbose = False,
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        e2e=e2e, batch=batch, seq_len=seq_len, repeats=repeats if repeats is not None else 20,
+        # --repeats alone asks for that many runs, as it always did
+        seconds=seconds if seconds is not None else 0.0 if repeats is not None else 5.0,
+        dtype=parse_dtypes(dtype, "--dtype")[0] if dtype is not None else None, compile=compile_)
+
+
+def _bench_access(allow_pickle: ReadPickle = False, trust_remote_code: TrustCode = False) -> Access:
+    return Access(allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+
+
+@takes(LOGGING, kernel_run=OptionSet(_kernel_run), model_run=OptionSet(_model_run), access=OptionSet(_bench_access))
+def bench(
+    model_dir: Annotated[Optional[str], typer.Argument(
+        metavar="[MODEL_DIR]", help="Model directory (or hub id), original or folded (default: a random GPT-2 "
+                                    "small).")] = None,
+    *,
+    kernel_run: SimpleNamespace,
+    model_run: SimpleNamespace,
+    threads: Annotated[Optional[int], typer.Option(min=1, max=1024, help="torch threads (default: torch's default).")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    plot: Annotated[Optional[Path], typer.Option(help="Save a PNG of the ratios (needs matplotlib).")] = None,
+    access: Access, revision: Revision = None,
 ) -> None:
     """Measure enjoyln RMSNorm against native LayerNorm, alone and in a model.
 
     Example: enjoyln bench --no-kernels --threads 2
     """
-    if seconds is None:  # --repeats alone asks for that many runs, as it always did
-        seconds = 0.0 if repeats is not None else 5.0
-    repeats = repeats if repeats is not None else 20
+    kernels, shapes, shape_list, dtype_names = kernel_run.on, kernel_run.text, kernel_run.shapes, kernel_run.dtypes
+    m = model_run
+    e2e, batch, seq_len, repeats, seconds, model_dtype, compile_ = (m.e2e, m.batch, m.seq_len, m.repeats, m.seconds,
+                                                                     m.dtype, m.compile)
     device, plot = parse_device(device), parse_plot(plot)
-    shape_list, dtype_names = parse_shapes(shapes), parse_dtypes(dtypes)
-    model_dtype = parse_dtypes(dtype, "--dtype")[0] if dtype is not None else None
-    access = Access(allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     results, e2e_result = [], None
     with Display(err, enabled=not as_json and not state.quiet) as display:
         src = model_dir_of(model_dir, revision, access, display) if model_dir is not None and (e2e or compile_) \
@@ -233,7 +253,8 @@ PACKAGES = ("torch", "transformers", "safetensors", "huggingface_hub", "accelera
             "onnxruntime", "onnxscript", "timm", "open_clip_torch", "numpy", "typer", "rich", "click")
 
 
-def env(as_json: JsonOnly = False, quiet: Quiet = False, verbose: Verbose = False) -> None:
+@takes(LOGGING)
+def env(as_json: JsonOnly = False) -> None:
     """Print what a bug report needs: versions, the RMSNorm kernels each device would run, the GPU,
     and the cache directories.
 

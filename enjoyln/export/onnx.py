@@ -237,12 +237,12 @@ def export_checkpoint(model_dir: str | os.PathLike, path: str | os.PathLike, *, 
     True
     """
     export = {k: options.pop(k) for k in ("opset", "optimize", "dynamic") if k in options}
-    ck = open_checkpoint(model_dir, **asdict(Access(**options)))
-    recorded = ck.recorded_plan
+    checkpoint = open_checkpoint(model_dir, **asdict(Access(**options)))
+    recorded = checkpoint.recorded_plan
     if recorded is not None and fuse_affine and not any(e.affine for e in recorded.foldable):
         raise EnjoylnError(f"{model_dir} was folded without --fuse-affine; export it without --fuse-affine, "
                            "or fold the original with `enjoyln fold --fuse-affine`")
-    model = load(ck)
+    model = load(checkpoint)
     if recorded is None:
         model = fold(model, fuse_affine=fuse_affine)
     return export_onnx(model, path, hf_example_inputs(model, batch=batch, seq_len=seq_len), **export)

@@ -1,1 +1,2 @@
-"""The checkpoint rewrite (``convert``): a model directory in, a checked folded directory out."""
+"""The fold itself (``convert``), above the gate it calls: a model directory in, its entries written
+by ``writer``, checked, and published as a folded directory."""

@@ -19,6 +19,9 @@ from .._version import __version__
 from ..analysis.norms import norm_module_paths
 from ..checking.checkpoints import check_checkpoints, require_memory
 from ..errors import CheckFailed, CheckpointError, EnjoylnError
+from ..folded.config import output_config
+from ..folded.planning import analyze_dir, missing_refusal, moves_values
+from ..folded.stream import StreamedTensors
 from ..options import FoldOptions
 from ..plan import FoldPlan, RotationSpec
 from ..store.checkpoint import Checkpoint, open_checkpoint
@@ -31,10 +34,7 @@ from ..store.tensors import TensorReader
 from ..store.transaction import (check_out_dir, clean_stale, keep_failed, missing_dirs, publish, remove_dirs,
                                  signals_held, temp_dir)
 from ..transform.steps import check_fits
-from .config import output_config
 from .entries import Entry, cast_entries, fold_entries, index_metadata, reshard
-from .planning import analyze_dir, missing_refusal, moves_values
-from .stream import StreamedTensors
 from .writer import EarlyCopy, Writing, early_layout, early_spans, finish_shard, write_shard
 
 if TYPE_CHECKING:
@@ -57,9 +57,9 @@ def analyze_checkpoint(path: str | os.PathLike, *, auxiliary_centering: bool = F
 
     >>> analyze_checkpoint("path/to/gpt2").summary()  # doctest: +SKIP
     """
-    ck = open_checkpoint(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
-    check_shapes(ck)
-    return analyze_dir(ck, auxiliary_centering, fuse_affine, RotationSpec.of(rotate))
+    checkpoint = open_checkpoint(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
+    check_shapes(checkpoint)
+    return analyze_dir(checkpoint, auxiliary_centering, fuse_affine, RotationSpec.of(rotate))
 
 
 def _os_error(exc: OSError, out: Path, tmp: Path | None) -> CheckpointError:
@@ -73,13 +73,15 @@ def _os_error(exc: OSError, out: Path, tmp: Path | None) -> CheckpointError:
     return CheckpointError(f"cannot write {where}: {exc.strerror or exc}; nothing was written")
 
 
-def _same_load_dtype(ck: Checkpoint, tmp: Path, dtype: str | None = None) -> None:
-    """The fold's postcondition: the output loads in the original's dtype, or in the one asked for."""
-    out = open_checkpoint(tmp, allow_pickle=True, trust_remote_code=ck.trust_remote_code)
-    theirs, (ours, why) = dtype or ck.load_dtype[0], out.load_dtype
+def _same_load_dtype(checkpoint: Checkpoint, tmp: Path, opts: FoldOptions) -> Checkpoint:
+    """The fold's postcondition: the output loads in the original's dtype, or in the one asked for. The
+    output is opened as its check opens it, and handed to the check, so its config is read once."""
+    out = open_checkpoint(tmp, **dataclasses.asdict(opts.access))
+    theirs, (ours, why) = opts.dtype or checkpoint.load_dtype[0], out.load_dtype
     if ours != theirs:
         raise CheckpointError(f"the fold would load in {ours} (from {why}) where the original loads in {theirs}; "
                               "nothing was written; set dtype in the original's config.json and run again")
+    return out
 
 
 @dataclass
@@ -105,23 +107,24 @@ class FoldResult:
 @quiet
 def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: FoldOptions | None = None, *,
                     progress: Progress | None = None, check_progress: Progress | None = None,
-                    stage: Stage | None = None, **values: Any) -> FoldResult:
-    """Fold a Hugging Face (or timm) model directory into OUT_DIR, checked (``check``: ``"full"``,
-    ``"static"`` or ``"none"``) before it is published, else ``CheckFailed``. ``options`` (a ``FoldOptions``)
-    or its fields as keywords; ``progress`` hears of the bytes written, ``check_progress`` of the check's.
+                    stage: Stage | None = None) -> FoldResult:
+    """Fold a Hugging Face (or timm) model directory into OUT_DIR, checked (``FoldOptions.check``: a full,
+    static or no check) before it is published, else ``CheckFailed``. ``options``: a ``FoldOptions``
+    (``FoldOptions.of(check="static")``); ``progress`` hears of the bytes written, ``check_progress`` of
+    the check's.
     >>> fold_checkpoint("gpt2-dir", "gpt2-folded").report.passed  # doctest: +SKIP
     True
     """
-    opts = FoldOptions.of(options, **values)
+    opts = options if options is not None else FoldOptions()
     start = time.perf_counter()
-    ck = open_checkpoint(model_dir, **dataclasses.asdict(opts.access))
+    checkpoint = open_checkpoint(model_dir, **dataclasses.asdict(opts.access))
     out = _out_dir(Path(out_dir))
-    _refuse_early(ck, out, opts)
-    fold = _Fold(ck, out, opts, progress)
+    _refuse_early(checkpoint, out, opts)
+    fold = _Fold(checkpoint, out, opts, progress)
     say = stage or (lambda what: None)
     try:
         with fold:
-            say(f"analysing {ck.architecture}")
+            say(f"analysing {checkpoint.architecture}")
             plan = fold.plan()
             if opts.dry_run or not plan.changes:
                 return FoldResult(plan, None, [], 0, time.perf_counter() - start, cleaned=fold.cleaned)
@@ -145,27 +148,28 @@ def _out_dir(out: Path) -> Path:
     return out
 
 
-def _refuse_early(ck: Checkpoint, out: Path, opts: FoldOptions) -> None:
-    if opts.dtype is not None and ck.source != "transformers":
-        raise CheckpointError(f"{ck.library.name} builds its models in {ck.load_dtype[0]} whatever the file holds, "
+def _refuse_early(checkpoint: Checkpoint, out: Path, opts: FoldOptions) -> None:
+    if opts.dtype is not None and checkpoint.source != "transformers":
+        raise CheckpointError(f"{checkpoint.library.name} builds its models in {checkpoint.load_dtype[0]} whatever the file holds, "
                               "so a fold stored in another dtype would not load in it; drop --dtype")
-    if opts.max_shard_size is not None and not ck.library.shards:
-        raise CheckpointError(f"{ck.library.name} loads one weight file, model.safetensors, so this directory "
+    if opts.max_shard_size is not None and not checkpoint.library.shards:
+        raise CheckpointError(f"{checkpoint.library.name} loads one weight file, model.safetensors, so this directory "
                               "is not re-sharded; drop --max-shard-size")
-    check_out_dir(ck.path, out, opts.force, dry_run=opts.dry_run)
-    if ck.missing and not opts.allow_missing:  # the meta model's names against the saved ones: no weight read
-        raise missing_refusal(ck)
-    check_links(ck)  # a file a loader reads, outside MODEL_DIR: refused before anything is written
+    check_out_dir(checkpoint.path, out, opts.force, dry_run=opts.dry_run)
+    if checkpoint.missing and not opts.allow_missing:  # the meta model's names against the saved ones: no weight read
+        raise missing_refusal(checkpoint)
+    check_links(checkpoint)  # a file a loader reads, outside MODEL_DIR: refused before anything is written
     if opts.check.mode == "full" and not opts.dry_run:
-        require_memory(ck, opts.check.max_memory)
+        require_memory(checkpoint, opts.check.max_memory)
 
 
 class _Fold:
     """One fold in progress, owning in one ``ExitStack`` everything it holds until it publishes."""
 
-    def __init__(self, ck: Checkpoint, out: Path, opts: FoldOptions, progress: Progress | None) -> None:
-        self.ck, self.out, self.opts, self.progress = ck, out, opts, progress
+    def __init__(self, checkpoint: Checkpoint, out: Path, opts: FoldOptions, progress: Progress | None) -> None:
+        self.checkpoint, self.out, self.opts, self.progress = checkpoint, out, opts, progress
         self.tmp: Path | None = None
+        self.candidate: Checkpoint | None = None  # the written output, opened
         self.early: EarlyCopy | None = None
         self.cleaned: list[Path] = []
         self.published = False
@@ -206,46 +210,46 @@ class _Fold:
 
     def _start_early_copy(self) -> None:
         """Not for a plan that moves values, which rewrites nearly every tensor."""
-        o = self.opts
+        opts = self.opts
         # nor for another dtype, in which no byte of the input is written as it is
-        moving = (o.fuse_affine or o.rotate is not None or o.dtype is not None
-                  or (o.plan is not None and moves_values(o.plan)))
-        spans = early_spans(self.ck, o.max_shard_size) if not o.dry_run and not moving else {}
+        moving = (opts.fuse_affine or opts.rotate is not None or opts.dtype is not None
+                  or (opts.plan is not None and moves_values(opts.plan)))
+        spans = early_spans(self.checkpoint, opts.max_shard_size) if not opts.dry_run and not moving else {}
         if spans:
             self.advance(0, sum(length for _, _, length in spans.values()))
             tmp = self._temp_dir()
             with signals_held():  # an interrupt must find the copy registered, to stop it before tmp goes
-                self.early = EarlyCopy(self.ck, tmp, spans, self.advance)
+                self.early = EarlyCopy(self.checkpoint, tmp, spans, self.advance)
                 self.resources.callback(self.early.cancel)
 
     def plan(self) -> FoldPlan:
-        ck, o = self.ck, self.opts
-        if self.early is not None and not norm_module_paths(ck.meta):
+        checkpoint, opts = self.checkpoint, self.opts
+        if self.early is not None and not norm_module_paths(checkpoint.meta):
             self.early.cancel()  # no norm module: almost surely nothing to fold, so stop copying now
             self.early = None
-        if o.plan is not None:
-            check_fits(ck.meta, o.plan)
-        check_shapes(ck)
-        plan = o.plan or analyze_dir(ck, o.auxiliary_centering, o.fuse_affine, o.rotate,
-                                     must_rotate=o.rotate is not None and not o.dry_run)
-        if o.rotate is not None and plan.rotation is None and not o.dry_run:
+        if opts.plan is not None:
+            check_fits(checkpoint.meta, opts.plan)
+        check_shapes(checkpoint)
+        plan = opts.plan or analyze_dir(checkpoint, opts.auxiliary_centering, opts.fuse_affine, opts.rotate,
+                                     must_rotate=opts.rotate is not None and not opts.dry_run)
+        if opts.rotate is not None and plan.rotation is None and not opts.dry_run:
             why = plan.not_rotated()
             raise EnjoylnError(f"{why}; nothing was written")
         return plan
 
     def write(self, plan: FoldPlan) -> FoldResult:
         """Every file of the fold, in the temporary directory; then its postconditions."""
-        ck = self.ck
-        streamed = StreamedTensors(ck, plan)
+        checkpoint = self.checkpoint
+        streamed = StreamedTensors(checkpoint, plan)
         self.resources.callback(streamed.close)
-        entries = fold_entries(ck, plan, streamed)
+        entries = fold_entries(checkpoint, plan, streamed)
         if self.opts.dtype is not None:
-            entries = cast_entries(ck, entries, self.opts.dtype)
-        shards = reshard(entries, self.opts.max_shard_size, indexed=ck.index is not None)
+            entries = cast_entries(checkpoint, entries, self.opts.dtype)
+        shards = reshard(entries, self.opts.max_shard_size, indexed=checkpoint.index is not None)
         tmp, write_start = self._temp_dir(), time.perf_counter()
         followed: list[str] = []
-        skipped = copy_extras(ck, tmp, followed)
-        config = output_config(ck, plan, self.opts.dtype)
+        skipped = copy_extras(checkpoint, tmp, followed)
+        config = output_config(checkpoint, plan, self.opts.dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         self._write_shards(shards)
         seconds = time.perf_counter() - write_start
@@ -253,26 +257,27 @@ class _Fold:
             self.early.cancel()
             seconds += self.early.seconds_before(write_start)
         nbytes = sum(e.nbytes for _, es in shards for e in es)
-        if len(shards) > 1 or ck.index is not None:
-            index = {"metadata": {**index_metadata(ck, shards), **({"dtype": self.opts.dtype} if self.opts.dtype
+        if len(shards) > 1 or checkpoint.index is not None:
+            index = {"metadata": {**index_metadata(checkpoint, shards), **({"dtype": self.opts.dtype} if self.opts.dtype
                                                                     else {})},
                      "weight_map": {e.name: name for name, es in shards for e in es}}
             (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for name, _ in shards:  # the output must read back, or it is not published
             read_safetensors_header(tmp / name)
-        _same_load_dtype(ck, tmp, self.opts.dtype)  # even with check="none": it must load as the original does
+        # even with check="none": it must load as the original does
+        self.candidate = _same_load_dtype(checkpoint, tmp, self.opts)
         return FoldResult(plan, self.out, [name for name, _ in shards], nbytes, 0.0, seconds, skipped=skipped,
                           followed=followed)
 
     def _write_shards(self, shards: list[tuple[str, list[Entry]]]) -> None:
         """Each shard finished from its early copy where its layout allows, else written afresh."""
         by_name = {name: shard for shard, (name, _, _) in self.early.spans.items()} if self.early is not None else {}
-        layout = {name: early_layout(self.ck, by_name.get(name), entries) for name, entries in shards}
+        layout = {name: early_layout(self.checkpoint, by_name.get(name), entries) for name, entries in shards}
         # the early copy counted the bytes of the tensors it put in place, centered there or not: the total
         # is what the output holds, each byte once
         self.advance(0, sum(e.nbytes for name, es in shards for i, e in enumerate(es)
                             if layout[name] is None or i >= layout[name]), known=True)
-        reader = self.resources.enter_context(contextlib.closing(TensorReader(self.ck)))
+        reader = self.resources.enter_context(contextlib.closing(TensorReader(self.checkpoint)))
         w = Writing(reader, {"format": "pt", "enjoyln": __version__}, self.advance)
         for name, entries in shards:
             shard = by_name.get(name)  # set wherever layout[name] is
@@ -289,7 +294,7 @@ class _Fold:
         """The check of the written fold; ``CheckFailed`` if it fails."""
         if self.opts.check.mode == "none":
             return None
-        report = check_checkpoints(self.ck, self.tmp, self.opts.checking, progress=progress, stage=stage)
+        report = check_checkpoints(self.checkpoint, self.candidate, self.opts.checking, progress=progress, stage=stage)
         if not report.passed:
             kept = keep_failed(self.tmp, self.out) if self.opts.keep_failed else None
             self.tmp = None if kept else self.tmp

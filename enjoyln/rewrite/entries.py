@@ -13,13 +13,13 @@ import torch
 
 from .._version import __version__
 from ..errors import CheckpointError
+from ..folded.planning import moves_values, read_tensors
+from ..folded.stream import StreamedTensors
 from ..plan import FoldPlan
 from ..store.checkpoint import Checkpoint
 from ..store.formats import CODES, DTYPES, TensorInfo, parse_json_file
 from ..store.locate import SAFE_WEIGHTS
 from ..transform.tensors import merge_centerings
-from .planning import moves_values, read_tensors
-from .stream import StreamedTensors
 
 
 @dataclass
@@ -39,22 +39,22 @@ class Entry:
     compute: Callable[[], torch.Tensor] | None = None  # or write what this computes when its turn comes
 
 
-def fold_entries(ck: Checkpoint, plan: FoldPlan, tensors: StreamedTensors) -> list[tuple[str, list[Entry]]]:
+def fold_entries(checkpoint: Checkpoint, plan: FoldPlan, tensors: StreamedTensors) -> list[tuple[str, list[Entry]]]:
     """Output shards like the input's: each stored tensor in input order, then what the fold adds. A plan
     that only centers copies each tensor's bytes and centers it where it lies (the early copy relies on it)."""
-    home = ({k: shard for k, (shard, _) in ck.pickled_tensors.items()} if ck.pickled
-            else {t.name: t.file for t in ck.tensors.values()})
-    shards: list[tuple[str, list[Entry]]] = [(s, []) for s in ck.shards]
+    home = ({k: shard for k, (shard, _) in checkpoint.pickled_tensors.items()} if checkpoint.pickled
+            else {t.name: t.file for t in checkpoint.tensors.values()})
+    shards: list[tuple[str, list[Entry]]] = [(s, []) for s in checkpoint.shards]
     by_shard = dict(shards)
-    stored = [k for k in (home if ck.pickled else sorted(home, key=lambda k: ck.tensors[k].start)) if k in tensors]
+    stored = [k for k in (home if checkpoint.pickled else sorted(home, key=lambda k: checkpoint.tensors[k].start)) if k in tensors]
     moves = moves_values(plan)
-    make = _computed if moves else functools.partial(_centered, ck)
+    make = _computed if moves else functools.partial(_centered, checkpoint)
     for key in stored:
         by_shard[home[key]].append(make(tensors, key))
     added = [k for k in tensors.keys() if k not in home]
     for key in sorted(added) if moves else added:
         # a computed tensor is written last; a copied one beside the bytes it copies
-        shard = ck.shards[-1] if moves else home.get(tensors.centerings(key)[0] or "", ck.shards[-1])
+        shard = checkpoint.shards[-1] if moves else home.get(tensors.centerings(key)[0] or "", checkpoint.shards[-1])
         by_shard[shard].append(make(tensors, key))
     return shards
 
@@ -68,13 +68,13 @@ def _computed(tensors: StreamedTensors, key: str) -> Entry:
                  compute=None if source is not None else functools.partial(tensors.get, key))
 
 
-def _centered(ck: Checkpoint, tensors: StreamedTensors, key: str) -> Entry:
+def _centered(checkpoint: Checkpoint, tensors: StreamedTensors, key: str) -> Entry:
     base, cs = tensors.centerings(key)
     merged = merge_centerings(cs)
     if len(merged) > 1:
         raise CheckpointError(f"the plan centers {key} in {len(merged)} different ways, which a stored tensor "
                               "cannot take; analyze this model again")
-    info, tensor = ck.tensors.get(base), ck.pickled_tensors[base][1] if ck.pickled else None
+    info, tensor = checkpoint.tensors.get(base), checkpoint.pickled_tensors[base][1] if checkpoint.pickled else None
     dtype = tensors.outputs[key].dtype if merged else (DTYPES[info.dtype] if info else tensor.dtype)
     if dtype not in CODES:
         raise CheckpointError(f"{key} has dtype {dtype}, which safetensors cannot store")
@@ -83,7 +83,7 @@ def _centered(ck: Checkpoint, tensors: StreamedTensors, key: str) -> Entry:
     if not merged:
         return Entry(key, CODES[dtype], shape, nbytes, source=info, tensor=tensor)
     c = merged[0]
-    scale = read_tensors(ck, [c.scale])[0] if c.scale else None
+    scale = read_tensors(checkpoint, [c.scale])[0] if c.scale else None
     return Entry(key, CODES[dtype], shape, nbytes, source=info, axis=c.axis, groups=c.groups, tensor=tensor,
                  blocks=c.blocks, scale=scale)
 
@@ -91,7 +91,7 @@ def _centered(ck: Checkpoint, tensors: StreamedTensors, key: str) -> Entry:
 CASTABLE = ("F64", "F32", "F16", "BF16")  # what --dtype rounds; integers and float8 stay as stored
 
 
-def cast_entries(ck: Checkpoint, shards: list[tuple[str, list[Entry]]], dtype: str) -> list[tuple[str, list[Entry]]]:
+def cast_entries(checkpoint: Checkpoint, shards: list[tuple[str, list[Entry]]], dtype: str) -> list[tuple[str, list[Entry]]]:
     """Every floating entry stored in ``dtype``: a centered one is cast, then centered in float64 and rounded
     once (as ``enjoyln.fold`` of the model loaded in ``dtype``); a computed one rounded from its result; a
     copied one read and rounded. The check's rule for a cast copy accepts exactly these."""
@@ -106,14 +106,14 @@ def cast_entries(ck: Checkpoint, shards: list[tuple[str, list[Entry]]], dtype: s
         if compute is not None:
             compute = functools.partial(_rounded, compute, target)
         elif e.axis is None and e.tensor is None:
-            compute = functools.partial(_rounded, functools.partial(_read, ck, e.source.name), target)
+            compute = functools.partial(_rounded, functools.partial(_read, checkpoint, e.source.name), target)
         return dataclasses.replace(e, dtype=CODES[target], nbytes=nbytes, scale=scale, compute=compute)
 
     return [(name, [cast(e) for e in entries]) for name, entries in shards]
 
 
-def _read(ck: Checkpoint, name: str) -> torch.Tensor:
-    return read_tensors(ck, [name])[0]
+def _read(checkpoint: Checkpoint, name: str) -> torch.Tensor:
+    return read_tensors(checkpoint, [name])[0]
 
 
 def _rounded(compute: Callable[[], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -142,15 +142,15 @@ def reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None, *,
             for i, (name, es) in enumerate(shards)]
 
 
-def index_metadata(ck: Checkpoint, shards: list[tuple[str, list[Entry]]]) -> dict[str, Any]:
+def index_metadata(checkpoint: Checkpoint, shards: list[tuple[str, list[Entry]]]) -> dict[str, Any]:
     """The input index's metadata with the output's sizes and the load dtype (transformers may read it here)."""
     metadata: dict[str, Any] = {}
-    if ck.index is not None:
-        found = parse_json_file(ck.index, "a weight index").get("metadata")
+    if checkpoint.index is not None:
+        found = parse_json_file(checkpoint.index, "a weight index").get("metadata")
         metadata = dict(found) if isinstance(found, dict) else {}
     metadata["total_size"] = sum(e.nbytes for _, es in shards for e in es)
     if "total_parameters" in metadata:
         metadata["total_parameters"] = sum(math.prod(e.shape) for _, es in shards for e in es)
     metadata["enjoyln"] = __version__
-    metadata.setdefault("dtype", ck.load_dtype[0])
+    metadata.setdefault("dtype", checkpoint.load_dtype[0])
     return metadata

@@ -93,9 +93,9 @@ class EarlyCopy:
     """Copies the input's weight files into the output while the analysis runs (CPU and I/O overlap), at
     the input's offsets plus ``_HEADER_ROOM``; ``finish_shard`` then centers in place behind the copy."""
 
-    def __init__(self, ck: Checkpoint, tmp: Path, spans: dict[str, tuple[str, int, int]],
+    def __init__(self, checkpoint: Checkpoint, tmp: Path, spans: dict[str, tuple[str, int, int]],
                  advance: Callable[[int], None]) -> None:
-        self.ck, self.tmp, self.spans, self.advance = ck, tmp, spans, advance
+        self.ck, self.tmp, self.spans, self.advance = checkpoint, tmp, spans, advance
         self.reached: dict[str, int] = {}  # shard -> output offset its copy has written up to (done: sys.maxsize)
         self.progress = threading.Condition()
         self.stop = threading.Event()
@@ -258,24 +258,24 @@ def _center_in_file(out: int, at: int, e: Entry) -> bool:
     return done
 
 
-def early_spans(ck: Checkpoint, max_shard_size: int | None) -> dict[str, tuple[str, int, int]]:
+def early_spans(checkpoint: Checkpoint, max_shard_size: int | None) -> dict[str, tuple[str, int, int]]:
     """Input shard -> (output file, data start, data length) for each shard copied before the plan is known."""
-    if ck.pickled or max_shard_size is not None:
+    if checkpoint.pickled or max_shard_size is not None:
         return {}
-    names = [name for name, _ in reshard([(shard, []) for shard in ck.shards], None, indexed=ck.index is not None)]
+    names = [name for name, _ in reshard([(shard, []) for shard in checkpoint.shards], None, indexed=checkpoint.index is not None)]
     spans = {}
-    for shard, name in zip(ck.shards, names):
-        size = (ck.path / shard).stat().st_size  # validation proved the tensors tile the data up to the end
-        start = min((t.start for t in ck.tensors.values() if t.file == shard), default=size)
+    for shard, name in zip(checkpoint.shards, names):
+        size = (checkpoint.path / shard).stat().st_size  # validation proved the tensors tile the data up to the end
+        start = min((t.start for t in checkpoint.tensors.values() if t.file == shard), default=size)
         spans[shard] = (name, start, size - start)
     return spans
 
 
-def early_layout(ck: Checkpoint, shard: str | None, entries: list[Entry]) -> int | None:
+def early_layout(checkpoint: Checkpoint, shard: str | None, entries: list[Entry]) -> int | None:
     """How many leading ``entries`` sit where the early copy of ``shard`` put them (all its tensors), or None."""
     if shard is None:
         return None
-    inputs = sorted((t for t in ck.tensors.values() if t.file == shard), key=lambda t: (t.start, t.end))
+    inputs = sorted((t for t in checkpoint.tensors.values() if t.file == shard), key=lambda t: (t.start, t.end))
     if len(entries) < len(inputs) or any(e.source is not t or e.name != t.name or e.tensor is not None
                                          or e.dtype != t.dtype for e, t in zip(entries, inputs)):
         return None

@@ -15,7 +15,7 @@ from ..errors import CheckpointError, first_line
 from ..plan import FoldPlan
 from .files import VCS_DIRS, is_weight_file
 from .formats import JSON_LIMIT, TensorInfo, input_file, json_or_none, read_json, read_safetensors_header
-from .hf import missing_parameters, saved_names
+from .hf import auto_config, missing_parameters, saved_names
 from .locate import (PT_INDEX, PT_WEIGHTS, SAFE_INDEX, SAFE_WEIGHTS, WEIGHT_FILES, model_directory,
                      pickle_refusal, precheck_weights)
 from .memory import built_bytes
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 class Checkpoint:
     """A validated model directory (Hugging Face's or timm's hub format): open it once per command and hand it on.
 
-    >>> ck = open_checkpoint("gpt2-dir")  # doctest: +SKIP
-    >>> ck.architecture, ck.load_dtype[0], ck.key("lm_head.weight")  # doctest: +SKIP
+    >>> checkpoint = open_checkpoint("gpt2-dir")  # doctest: +SKIP
+    >>> checkpoint.architecture, checkpoint.load_dtype[0], checkpoint.key("lm_head.weight")  # doctest: +SKIP
     ('GPT2LMHeadModel', 'float32', 'transformer.wte.weight')
     """
 
@@ -61,9 +61,24 @@ class Checkpoint:
             return sum((self.path / s).stat().st_size for s in self.shards)
         return sum(t.nbytes for t in self.tensors.values())
 
+    _as_loaded: dict[str, nn.Module] = field(default_factory=dict, init=False, repr=False)
+
+    @functools.cached_property
+    def model_config(self) -> Any:
+        """transformers' config object (``AutoConfig``), read once; ``config`` is the raw JSON."""
+        return auto_config(self)
+
     @functools.cached_property
     def meta(self) -> nn.Module:
+        """The model its config builds, on the meta device."""
         return self.library.meta_model(self)
+
+    def meta_as_loaded(self, dtype: str = "auto") -> nn.Module:
+        """The model its library's loader gives in ``dtype`` (``"auto"``: as stored), on the meta device;
+        built once per dtype. Read it, never change it: every caller shares it."""
+        if dtype not in self._as_loaded:
+            self._as_loaded[dtype] = self.library.meta_as_loaded(self, dtype)
+        return self._as_loaded[dtype]
 
     @functools.cached_property
     def saved(self) -> dict[str, str]:
@@ -183,14 +198,14 @@ def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False, trus
     arch = source.architecture(root, config, remote=bool(code) and bool(config.get("auto_map")))
     if model_class is not None and model_class != arch:
         arch = source.other_class(root, model_class)
-    ck = Checkpoint(root, config, arch, [], custom_code=code, trust_remote_code=trust_remote_code, source=source.name)
-    _read_headers(ck, _weight_files(ck, source, allow_pickle))
-    return ck
+    checkpoint = Checkpoint(root, config, arch, [], custom_code=code, trust_remote_code=trust_remote_code, source=source.name)
+    _read_headers(checkpoint, _weight_files(checkpoint, source, allow_pickle))
+    return checkpoint
 
 
-def _weight_files(ck: Checkpoint, source: Source, allow_pickle: bool) -> dict[str, str] | None:
-    """Set ``ck.shards`` (and ``pickled``) from the weight files the loader reads; return the index's map."""
-    root = ck.path
+def _weight_files(checkpoint: Checkpoint, source: Source, allow_pickle: bool) -> dict[str, str] | None:
+    """Set ``checkpoint.shards`` (and ``pickled``) from the weight files the loader reads; return the index's map."""
+    root = checkpoint.path
     present = {n for n in WEIGHT_FILES if (root / n).exists() or (root / n).is_symlink()}
     source.check_weights(root, present)
     for single, index_name in ((SAFE_WEIGHTS, SAFE_INDEX), (PT_WEIGHTS, PT_INDEX)):
@@ -201,39 +216,39 @@ def _weight_files(ck: Checkpoint, source: Source, allow_pickle: bool) -> dict[st
                                   f"(transformers would load {single}); remove the other")
     if SAFE_INDEX in present:
         index = _index(root / SAFE_INDEX)
-        ck.shards = sorted(set(index.values()))
+        checkpoint.shards = sorted(set(index.values()))
         return index
     if SAFE_WEIGHTS in present:
-        ck.shards = [SAFE_WEIGHTS]
+        checkpoint.shards = [SAFE_WEIGHTS]
         return None
     if present & {PT_INDEX, PT_WEIGHTS}:
         if not allow_pickle:
             raise pickle_refusal(root)
-        ck.pickled = True
-        ck.shards = sorted(set(_index(root / PT_INDEX).values())) if PT_INDEX in present else [PT_WEIGHTS]
+        checkpoint.pickled = True
+        checkpoint.shards = sorted(set(_index(root / PT_INDEX).values())) if PT_INDEX in present else [PT_WEIGHTS]
         return None
     raise CheckpointError(f"{root} has no weights (model.safetensors or {SAFE_INDEX})")
 
 
-def _read_headers(ck: Checkpoint, index: dict[str, str] | None) -> None:
+def _read_headers(checkpoint: Checkpoint, index: dict[str, str] | None) -> None:
     """Every shard readable, every header valid, and an index naming exactly what its shards hold."""
-    root = ck.path
-    for shard in ck.shards:
+    root = checkpoint.path
+    for shard in checkpoint.shards:
         file = root / shard
         if not (file.exists() or file.is_symlink()):
             raise CheckpointError(f"{root} lacks the weight shard {shard} named by its index")
         input_file(file)
-        if ck.pickled:
+        if checkpoint.pickled:
             continue
         tensors, _ = read_safetensors_header(file)
-        for name in tensors.keys() & ck.tensors.keys():
-            raise CheckpointError(f"{name} is stored twice, in {ck.tensors[name].file} and in {shard}")
-        ck.tensors.update(tensors)
+        for name in tensors.keys() & checkpoint.tensors.keys():
+            raise CheckpointError(f"{name} is stored twice, in {checkpoint.tensors[name].file} and in {shard}")
+        checkpoint.tensors.update(tensors)
     if index is None:
         return
     for name, shard in index.items():
-        if name not in ck.tensors or ck.tensors[name].file != shard:
+        if name not in checkpoint.tensors or checkpoint.tensors[name].file != shard:
             raise CheckpointError(f"{root / SAFE_INDEX} puts {name} in {shard}, which does not hold it")
-    extra = sorted(ck.tensors.keys() - index.keys())
+    extra = sorted(checkpoint.tensors.keys() - index.keys())
     if extra:
-        raise CheckpointError(f"{ck.tensors[extra[0]].file} holds {extra[0]}, which {root / SAFE_INDEX} does not list")
+        raise CheckpointError(f"{checkpoint.tensors[extra[0]].file} holds {extra[0]}, which {root / SAFE_INDEX} does not list")

@@ -41,10 +41,10 @@ class _Walk:
     what is left out goes to ``skipped``. A link out to a file a loader may read raises, unless
     ``foreign`` (the gate's view of a reference the user handed over) collects it."""
 
-    def __init__(self, ck: Checkpoint, skipped: list[str], followed: list[str] | None,
+    def __init__(self, checkpoint: Checkpoint, skipped: list[str], followed: list[str] | None,
                  foreign: list[str] | None = None) -> None:
-        self.ck, self.skipped, self.followed, self.foreign = ck, skipped, followed, foreign
-        self.root = ck.path.resolve()
+        self.ck, self.skipped, self.followed, self.foreign = checkpoint, skipped, followed, foreign
+        self.root = checkpoint.path.resolve()
         self.linked: set[Path] = set()  # directories already entered through a link
         # a Hugging Face cache snapshot (<repo>/snapshots/<rev>) links every file, whatever its name, to <repo>/blobs
         blobs = self.root.parent.parent / "blobs" if self.root.parent.name == "snapshots" else None
@@ -126,18 +126,18 @@ def _readable(link: Path, target: Path, trusted: bool) -> bool:
     return target.is_file() and (trusted or not link.name.endswith(".py"))
 
 
-def check_links(ck: Checkpoint) -> None:
+def check_links(checkpoint: Checkpoint) -> None:
     """Refuse a model directory whose links leave it for what a loader may read: a fold would drop it."""
-    for _ in _Walk(ck, [], None):
+    for _ in _Walk(checkpoint, [], None):
         pass
 
 
-def copy_extras(ck: Checkpoint, dest: Path, followed: list[str] | None = None) -> list[str]:
+def copy_extras(checkpoint: Checkpoint, dest: Path, followed: list[str] | None = None) -> list[str]:
     """Copy every file of ``md`` but the weights and config into ``dest``; return what was skipped. A link
     out is followed only to a file a model directory needs (top level) or a blob of the Hugging Face cache,
     collected in ``followed``; any other is refused. Modes follow the umask."""
     skipped: list[str] = []
-    for src, rel, is_dir in _Walk(ck, skipped, followed):
+    for src, rel, is_dir in _Walk(checkpoint, skipped, followed):
         if is_dir:
             (dest / rel).mkdir(exist_ok=True)
             continue
@@ -150,10 +150,10 @@ def copy_extras(ck: Checkpoint, dest: Path, followed: list[str] | None = None) -
     return skipped
 
 
-def extra_files(ck: Checkpoint) -> dict[str, Path]:
+def extra_files(checkpoint: Checkpoint) -> dict[str, Path]:
     """Relative path -> source of the files ``copy_extras`` would copy, and those reached through links out
     of ``md``: with config.json and the weights, what a copy that loads the same holds."""
-    return {rel.as_posix(): src for src, rel, is_dir in _Walk(ck, [], None, []) if not is_dir}
+    return {rel.as_posix(): src for src, rel, is_dir in _Walk(checkpoint, [], None, []) if not is_dir}
 
 
 def loader_files(root: Path) -> tuple[dict[str, Path], list[str]]:

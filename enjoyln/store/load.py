@@ -41,18 +41,18 @@ def load_plain(path: str | os.PathLike | Checkpoint, *, allow_pickle: bool = Fal
 def _load(path: str | os.PathLike | Checkpoint, plain: bool, allow_pickle: bool, trust_remote_code: bool,
           model_class: str | None, **kwargs: Any) -> nn.Module:
     """``load``, or with ``plain`` what the library's own loader gives (the recorded LNs stay LayerNorms)."""
-    ck = path if isinstance(path, Checkpoint) else open_checkpoint(
+    checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(
         path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
-    plan = ck.recorded_plan  # a malformed block is refused before the weights load
+    plan = checkpoint.recorded_plan  # a malformed block is refused before the weights load
     if plain:
         plan = None
     try:
         with quiet_libraries():  # as in every other enjoyln call: no "Loading weights" bar, the user's settings back
-            model = ck.library.load(ck, trust_remote_code=ck.trust_remote_code, **kwargs)
+            model = checkpoint.library.load(checkpoint, trust_remote_code=checkpoint.trust_remote_code, **kwargs)
     except EnjoylnError:
         raise
     except Exception as exc:
-        raise CheckpointError(f"cannot load {ck.path}: {type(exc).__name__}: {first_line(exc)}") from None
+        raise CheckpointError(f"cannot load {checkpoint.path}: {type(exc).__name__}: {first_line(exc)}") from None
     if plan is not None:  # the centerings, fusions and rotations are on disk: what they cannot hold
         reapply_on_load(model, plan)
     return model.eval()

@@ -54,27 +54,27 @@ _WIDER = {"F16": 4, "BF16": 4, "F32": 8}
 """Bytes per element of the truth (the reference in the next wider dtype) for each stored dtype."""
 
 
-def truth_ratio(ck: Checkpoint) -> float:
+def truth_ratio(checkpoint: Checkpoint) -> float:
     """How much wider the truth's tensors are than the reference's: 2, or 1 without a truth."""
-    dtype = CODES.get(dominant_dtype(ck))
+    dtype = CODES.get(dominant_dtype(checkpoint))
     return _WIDER[dtype] / DTYPES[dtype].itemsize if dtype in _WIDER else 1.0
 
 
-def forward_check_bytes(ck: Checkpoint) -> int:
+def forward_check_bytes(checkpoint: Checkpoint) -> int:
     """What the forward comparison needs: both models, the reference's truth in the next wider dtype, activations."""
-    n = max(ck.nbytes, ck.built[0])
-    if ck.pickled:  # no header to read dtypes from: take float32, the usual
-        truth = 2 * ck.nbytes
+    n = max(checkpoint.nbytes, checkpoint.built[0])
+    if checkpoint.pickled:  # no header to read dtypes from: take float32, the usual
+        truth = 2 * checkpoint.nbytes
     else:
-        truth = sum(t.nbytes // DTYPES[t.dtype].itemsize * _WIDER[t.dtype] for t in ck.tensors.values()
+        truth = sum(t.nbytes // DTYPES[t.dtype].itemsize * _WIDER[t.dtype] for t in checkpoint.tensors.values()
                     if t.dtype in _WIDER)
-    truth = truth * n / max(ck.nbytes, 1)  # what the model builds is widened too
+    truth = truth * n / max(checkpoint.nbytes, 1)  # what the model builds is widened too
     return int(2.1 * n + truth) + (256 << 20)
 
 
-def dominant_dtype(ck: Checkpoint) -> torch.dtype:
+def dominant_dtype(checkpoint: Checkpoint) -> torch.dtype:
     by_bytes: dict[str, int] = {}
-    for t in ck.tensors.values():
+    for t in checkpoint.tensors.values():
         if DTYPES[t.dtype].is_floating_point:
             by_bytes[t.dtype] = by_bytes.get(t.dtype, 0) + t.nbytes
     return DTYPES[max(by_bytes, key=by_bytes.get)] if by_bytes else torch.float32

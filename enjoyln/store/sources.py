@@ -11,8 +11,8 @@ from torch import nn
 
 from ..errors import CheckpointError
 from .locate import SAFE_WEIGHTS
-from .hf import (model_class, transformers_generation, transformers_load_dtype, transformers_meta_model,
-                 transformers_names, unknown_architecture)
+from .hf import (model_class, transformers_generation, transformers_load_dtype, transformers_meta_as_loaded,
+                 transformers_meta_model, transformers_names, unknown_architecture)
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 
 class Source:
     """What a model directory's library does for enjoyln. Each library gives ``architecture(root, config,
-    remote)`` (config.json's model, refused unless it knows it), ``meta_model(ck)`` (built on the meta
-    device, in eval mode), ``load(ck, ...)`` (its own loader's model, LayerNorms unchanged) and
-    ``load_dtype(ck)`` (that model's dtype name, and where from)."""
+    remote)`` (config.json's model, refused unless it knows it), ``meta_model(checkpoint)`` (built on the meta
+    device, in eval mode), ``meta_as_loaded(checkpoint, dtype)`` (the meta model its loader gives in ``dtype``),
+    ``load(checkpoint, ...)`` (its own loader's model, LayerNorms unchanged) and
+    ``load_dtype(checkpoint)`` (that model's dtype name, and where from)."""
 
     name = ""
     bounded_loading = False
@@ -39,7 +40,7 @@ class Source:
     def check_weights(self, root: Path, present: set[str]) -> None:
         """Refuse weight files this library would not load as a fold writes them."""
 
-    def generation(self, ck: "Checkpoint") -> dict[str, Any]:
+    def generation(self, checkpoint: "Checkpoint") -> dict[str, Any]:
         """The generation settings the loaded model carries (compared by the static check)."""
         return {}
 
@@ -63,21 +64,22 @@ class Transformers(Source):
         return name
 
     meta_model = staticmethod(transformers_meta_model)
+    meta_as_loaded = staticmethod(transformers_meta_as_loaded)
     load_dtype = staticmethod(transformers_load_dtype)
     generation = staticmethod(transformers_generation)
 
-    def load(self, ck: "Checkpoint", *, trust_remote_code: bool = False, max_memory: int | None = None,
+    def load(self, checkpoint: "Checkpoint", *, trust_remote_code: bool = False, max_memory: int | None = None,
              offload_dir: Any = None, **kwargs: Any) -> nn.Module:
-        cls = model_class(ck)
+        cls = model_class(checkpoint)
         kwargs["trust_remote_code"] = trust_remote_code
-        if ck.pickled:
+        if checkpoint.pickled:
             kwargs.setdefault("use_safetensors", False)
         if max_memory is not None:
             if offload_dir is None:
                 raise CheckpointError("loading within a memory budget needs a directory for offloaded weights")
             kwargs.update(device_map="auto", max_memory={"cpu": max(int(max_memory), 1)},
                           offload_folder=str(offload_dir))
-        return cls.from_pretrained(ck.path, **kwargs)
+        return cls.from_pretrained(checkpoint.path, **kwargs)
 
 
 def import_timm() -> Any:
@@ -127,45 +129,50 @@ class Timm(Source):
             raise CheckpointError(f"{root} has no {SAFE_WEIGHTS}; enjoyln reads a timm model directory's weights "
                                   "from that one file, which is what timm loads first")
 
-    def _build(self, ck: "Checkpoint", pretrained: bool) -> nn.Module:
+    def _build(self, checkpoint: "Checkpoint", pretrained: bool) -> nn.Module:
         timm = import_timm()
-        cfg = ck.config
+        cfg = checkpoint.config
         overlay = dict(cfg.get("pretrained_cfg") or {})
         # the directory's own file and nothing else: no hub, no URL, no custom loader
-        overlay.update(file=str(ck.path / SAFE_WEIGHTS), source="", state_dict=None, custom_load=False)
+        overlay.update(file=str(checkpoint.path / SAFE_WEIGHTS), source="", state_dict=None, custom_load=False)
         kwargs = dict(cfg.get("model_args") or {})
         if "num_classes" in cfg:
             kwargs["num_classes"] = cfg["num_classes"]
         if "num_classes" in kwargs:  # as the model's head: else timm drops the stored head and loads the rest
             overlay["num_classes"] = kwargs["num_classes"]
-        return timm.create_model(ck.architecture, pretrained=pretrained, pretrained_cfg_overlay=overlay, **kwargs)
+        return timm.create_model(checkpoint.architecture, pretrained=pretrained, pretrained_cfg_overlay=overlay, **kwargs)
 
-    def meta_model(self, ck: "Checkpoint") -> nn.Module:
+    def meta_model(self, checkpoint: "Checkpoint") -> nn.Module:
         try:
             with torch.device("meta"):
-                model = self._build(ck, pretrained=False)
+                model = self._build(checkpoint, pretrained=False)
         except CheckpointError:
             raise
         except Exception as exc:
-            raise CheckpointError(f"cannot build {ck.architecture} from {ck.path / 'config.json'}: "
+            raise CheckpointError(f"cannot build {checkpoint.architecture} from {checkpoint.path / 'config.json'}: "
                                   f"{(str(exc).splitlines() or [''])[0]}") from None
         return model.eval()
 
-    def load(self, ck: "Checkpoint", *, trust_remote_code: bool = False, max_memory: int | None = None,
+    def meta_as_loaded(self, checkpoint: "Checkpoint", dtype: str = "auto") -> nn.Module:
+        # timm builds in float32 and copies the weights in: its meta model is what it loads
+        model = self.meta_model(checkpoint)
+        return model if dtype == "auto" else model.to(getattr(torch, dtype))
+
+    def load(self, checkpoint: "Checkpoint", *, trust_remote_code: bool = False, max_memory: int | None = None,
              offload_dir: Any = None, dtype: Any = None, **kwargs: Any) -> nn.Module:
         if max_memory is not None:
             raise CheckpointError("timm loads a model whole, so it cannot run within a memory budget; pass --static "
                                   "to prove every weight without running the model")
         if kwargs:
             raise CheckpointError(f"a timm model directory loads without {', '.join(sorted(kwargs))}")
-        model = self._build(ck, pretrained=True)
+        model = self._build(checkpoint, pretrained=True)
         if isinstance(dtype, str) and dtype != "auto":
             dtype = getattr(torch, dtype, None)
         if isinstance(dtype, torch.dtype):
             model = model.to(dtype)
         return model
 
-    def load_dtype(self, ck: "Checkpoint") -> tuple[str, str]:
+    def load_dtype(self, checkpoint: "Checkpoint") -> tuple[str, str]:
         return "float32", "timm, which builds its models in float32"
 
 

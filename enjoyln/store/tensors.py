@@ -106,9 +106,9 @@ class TensorReader:
     torch.Size([50257, 768])
     """
 
-    def __init__(self, ck: Checkpoint) -> None:
-        self.ck = ck
-        self.pickled = {k: t for k, (_, t) in ck.pickled_tensors.items()} if ck.pickled else None
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.ck = checkpoint
+        self.pickled = {k: t for k, (_, t) in checkpoint.pickled_tensors.items()} if checkpoint.pickled else None
         self.bytes_read = 0
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()

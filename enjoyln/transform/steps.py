@@ -25,7 +25,7 @@ from .trace import Op, Product, Tracer
 
 class Transformation:
     """One step of the rewrite, its three meanings side by side: in memory (``__call__``), on a
-    checkpoint's tensors (``trace``, replayed by ``rewrite.stream``), and on load (``on_load``)."""
+    checkpoint's tensors (``trace``, replayed by ``folded.stream``), and on load (``on_load``)."""
 
     preserves_computation: bool = True
     """Applied after the steps before it, the model's outputs do not change."""

@@ -1,5 +1,5 @@
 """The rewrite steps recorded on tensor names alone, as operations on *slots* (a tensor with all its
-names), each with what it reads; ``rewrite.stream`` replays the record.
+names), each with what it reads; ``folded.stream`` replays the record.
 
 >>> t = Tracer.of(torch.nn.Linear(2, 2).to("meta"), lambda name: name)
 >>> t.slot("weight").ops.append(Op("fill", fill=1.0)); [s.names for s in t.slots]

@@ -12,6 +12,7 @@ from enjoyln.analysis.inputs import hf_example_inputs
 from enjoyln.plan import AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT, FoldPlan
 from enjoyln.testing import perturb, tiny_model
 from conftest import assert_same_outputs, steps_keep_their_promise
+from enjoyln.options import FoldOptions
 
 # arch -> (weightless, bias-only) RMSNorms after fold(fuse_affine=True) of the tiny perturbed model
 ZOO = {
@@ -145,7 +146,7 @@ def test_checkpoint_with_fused_affines(tmp_path):
     src = tmp_path / "src"
     model = perturb(tiny_model("opt"), seed=17)
     model.save_pretrained(src)
-    result = enjoyln.fold_checkpoint(src, tmp_path / "out", fuse_affine=True)
+    result = enjoyln.fold_checkpoint(src, tmp_path / "out", FoldOptions.of(fuse_affine=True))
     assert result.report.passed and result.report.static.computed == result.report.static.tensors
     inputs = hf_example_inputs(model, seed=18)
     plain = transformers.OPTForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -259,7 +260,7 @@ def test_checkpoint_keys_the_model_does_not_load_are_kept(tmp_path):
     tensors = load_file(src / "model.safetensors")
     tensors["transformer.h.0.attn.masked_bias"] = torch.tensor(-1e4)
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
-    result = enjoyln.fold_checkpoint(src, tmp_path / "out", fuse_affine=True)
+    result = enjoyln.fold_checkpoint(src, tmp_path / "out", FoldOptions.of(fuse_affine=True))
     assert result.report.passed
     assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["transformer.h.0.attn.masked_bias"],
                        torch.tensor(-1e4))

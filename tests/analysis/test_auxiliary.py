@@ -11,6 +11,7 @@ import enjoyln
 from enjoyln.analysis.inputs import hf_example_inputs
 from enjoyln.testing import perturb, tiny_model
 from conftest import assert_same_outputs, steps_keep_their_promise
+from enjoyln.options import FoldOptions
 
 L = 2
 
@@ -70,7 +71,7 @@ def test_refused_where_the_stream_is_an_output():
 def test_checkpoint_round_trip_with_centering(tmp_path):
     src = tmp_path / "bloom"
     perturb(tiny_model("bloom"), seed=67).save_pretrained(src)
-    result = enjoyln.fold_checkpoint(src, tmp_path / "out", auxiliary_centering=True)
+    result = enjoyln.fold_checkpoint(src, tmp_path / "out", FoldOptions.of(auxiliary_centering=True))
     config = json.loads((result.out_dir / "config.json").read_text())
     assert config["enjoyln"]["auxiliary_centering"] == [
         {"module": "transformer.word_embeddings_layernorm", "where": "output"}]

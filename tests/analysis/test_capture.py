@@ -8,6 +8,7 @@ import enjoyln
 from enjoyln.analysis.capture import capture
 from enjoyln.analysis.inputs import hf_example_inputs
 from enjoyln.testing import perturb, tiny_model
+from enjoyln.options import CheckOptions
 
 
 def test_plain_module_needs_example_inputs():
@@ -42,9 +43,9 @@ def test_data_dependent_branch_is_specialized_and_said():
     assert any("same data-dependent branches" in n and "x.sum() > 0" in n for n in plan.notes)
     assert "if x.sum() > 0:" in plan.summary()
     folded = enjoyln.fold(copy.deepcopy(model), plan=plan)
-    assert enjoyln.check(model, folded, x, batches=1).passed
+    assert enjoyln.check(model, folded, x, CheckOptions(batches=1)).passed
     # the other branch returns the centered projection itself: check catches it
-    assert not enjoyln.check(model, folded, -x, batches=1).passed
+    assert not enjoyln.check(model, folded, -x, CheckOptions(batches=1)).passed
 
 
 def test_plain_export_records_no_specialization():

@@ -208,7 +208,7 @@ def test_rotate_refusal_through_the_command_line_writes_nothing(tmp_path, monkey
     from typer.testing import CliRunner
 
     from enjoyln.cli.app import app
-    from enjoyln.rewrite import planning
+    from enjoyln.folded import planning
     from enjoyln.store.tensors import TensorReader
 
     src = tmp_path / "bert"

@@ -10,6 +10,7 @@ import enjoyln
 from enjoyln.plan import LayerNormEntry
 from enjoyln.transform.steps import apply_plan
 from enjoyln.testing import perturb, tiny_model
+from enjoyln.options import CheckOptions
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,7 @@ def gpt2():
 
 def test_correct_fold_passes_with_details(gpt2):
     folded = enjoyln.fold(copy.deepcopy(gpt2))
-    report = enjoyln.check(gpt2, folded, batches=4)
+    report = enjoyln.check(gpt2, folded, options=CheckOptions(batches=4))
     assert report.passed and report.batches == 4
     assert [o.name for o in report.outputs] == ["logits"]
     assert 0 < report.max_abs_diff and report.max_rel_diff < 1e-5
@@ -176,12 +177,12 @@ def test_a_dropped_model_is_collected_at_once_only_when_large(monkeypatch):
 def test_a_recorded_claim_never_hides_what_the_model_serves(gpt2):
     """Outputs a plan lets its rotation change are skipped only where the model does not serve them: a block
     claiming the logits changed (a forged one) still has them compared."""
-    from enjoyln.checking.forward import ForwardOptions
+    from enjoyln.options import CheckOptions
 
     broken = enjoyln.fold(copy.deepcopy(gpt2))
     with torch.no_grad():
         broken.lm_head.weight.mul_(1.01)
-    claims = ForwardOptions(skip=("logits", "past_key_values"), batches=1, generate_tokens=0)
+    claims = CheckOptions(skip=("logits", "past_key_values"), batches=1, generate_tokens=0)
     report = enjoyln.check(gpt2, broken, options=claims)
     assert not report.passed
     assert any(o.name == "logits" and not o.passed for o in report.outputs)

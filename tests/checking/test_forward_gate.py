@@ -13,11 +13,12 @@ from typer.testing import CliRunner
 import enjoyln
 from enjoyln.rewrite.convert import fold_checkpoint
 from enjoyln.cli.app import app
-from enjoyln.checking.forward import FACTOR, CandidatePath, ForwardOptions, ModelSource, check_sources
+from enjoyln.checking.forward import FACTOR, CandidatePath, ModelSource, check_sources
 from enjoyln.checking.generation import judge_generation
 from enjoyln.checking.report import NearTie
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir
+from enjoyln.options import CheckOptions, FoldOptions
 
 NAN, INF = float("nan"), float("inf")
 
@@ -54,7 +55,7 @@ def one_inf(logits, call):
 
 
 def quick_check(reference, candidate, **kwargs):
-    return enjoyln.check(reference, candidate, batches=1, generate_tokens=0, **kwargs)
+    return enjoyln.check(reference, candidate, options=CheckOptions(batches=1, generate_tokens=0, **kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +66,12 @@ def gpt2():
 def run_mode(reference, candidate, mode):
     quick = dict(batches=1, generate_tokens=0)
     if mode == "default":
-        return enjoyln.check(reference, candidate, **quick)
+        return enjoyln.check(reference, candidate, options=CheckOptions(**quick))
     if mode == "rtol":
-        return enjoyln.check(reference, candidate, rtol=1e-3, **quick)
+        return enjoyln.check(reference, candidate, options=CheckOptions(rtol=1e-3, **quick))
     if mode == "spill":  # the path of a check within a memory budget
         return check_sources(ModelSource.of(reference), [CandidatePath("", ModelSource.of(candidate))], None,
-                             ForwardOptions(spill=True, max_rows=1, **quick))
+                             CheckOptions(spill=True, max_rows=1, **quick))
     raise AssertionError(mode)
 
 
@@ -317,8 +318,8 @@ def dirs(tmp_path_factory):
     gpt2.to(torch.bfloat16).save_pretrained(root / "gpt2-bf16")
     perturb(tiny_model("vit"), seed=54).save_pretrained(root / "vit")
     for name in ("gpt2", "gpt2-bf16", "vit"):
-        fold_checkpoint(root / name, root / f"{name}-folded", check="none")
-    fold_checkpoint(root / "gpt2", root / "gpt2-fused", check="none", fuse_affine=True)
+        fold_checkpoint(root / name, root / f"{name}-folded", FoldOptions.of(check="none"))
+    fold_checkpoint(root / "gpt2", root / "gpt2-fused", FoldOptions.of(check="none", fuse_affine=True))
     return root
 
 
@@ -556,7 +557,7 @@ def test_default_check_confirms_briefly_once_the_weights_are_proven(tmp_path):
     """The static part proves every weight, so the default forward part runs short batches only;
     --thorough adds the batch over every position, and --forward-only always runs it."""
     perturb(tiny_model("gpt2", n_positions=24), seed=56).save_pretrained(tmp_path / "ref")
-    fold_checkpoint(tmp_path / "ref", tmp_path / "out", check="none")
+    fold_checkpoint(tmp_path / "ref", tmp_path / "out", FoldOptions.of(check="none"))
     runs = {}
     for name, args in {"default": [], "thorough": ["--thorough"], "forward": ["--forward-only"]}.items():
         result = CliRunner().invoke(app, ["check", str(tmp_path / "ref"), str(tmp_path / "out"), "--json", *args])
@@ -582,8 +583,8 @@ def test_forward_only_runs_every_token_id_and_catches_a_garbage_row(tmp_path):
     from enjoyln.checking import sweep
 
     perturb(tiny_model("gpt2", n_positions=16, vocab_size=8192), seed=3).save_pretrained(tmp_path / "ref")
-    fold_checkpoint(tmp_path / "ref", tmp_path / "out", check="none")
-    report = enjoyln.check_checkpoints(tmp_path / "ref", tmp_path / "out", mode="forward")
+    fold_checkpoint(tmp_path / "ref", tmp_path / "out", FoldOptions.of(check="none"))
+    report = enjoyln.check_checkpoints(tmp_path / "ref", tmp_path / "out", CheckOptions.of(mode="forward"))
     assert report.passed and report.coverage.distinct_ids == 8192, report.summary()
     assert report.coverage.sweep_limit is None and "stopped" not in report.summary()
     assert any(o.name == "logits" + sweep.SUFFIX for o in report.outputs)
@@ -591,11 +592,11 @@ def test_forward_only_runs_every_token_id_and_catches_a_garbage_row(tmp_path):
     weights = load_file(bad / "model.safetensors")
     weights["transformer.wte.weight"][4321] = torch.randn(64)
     save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
-    report = enjoyln.check_checkpoints(tmp_path / "ref", bad, mode="forward")
+    report = enjoyln.check_checkpoints(tmp_path / "ref", bad, CheckOptions.of(mode="forward"))
     failed = [o.name for o in report.outputs if not o.passed]
     assert not report.passed and failed == ["logits" + sweep.SUFFIX], report.summary()
     assert sweep.SWEEP_TOKENS == 8192 and "default: 8192" in CliRunner().invoke(app, ["check", "-h"]).output
-    report = enjoyln.check_checkpoints(tmp_path / "ref", tmp_path / "out", mode="forward", sweep_tokens=100)
+    report = enjoyln.check_checkpoints(tmp_path / "ref", tmp_path / "out", CheckOptions.of(mode="forward", sweep_tokens=100))
     # every batch's ids: 64 in the coverage batch, 100 swept, at most 64 in the short batches and 12 after the
     # swept ones in the sweep's last row of 16
     n = report.coverage.distinct_ids

@@ -19,6 +19,7 @@ from enjoyln.plan import RotationSpec
 from enjoyln.rewrite.convert import fold_checkpoint
 from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.testing import perturb, tiny_model
+from enjoyln.options import FoldOptions
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "rotated-v1"
 REFERENCE_SHA256 = "263d8c50fd8bd8978428ccba7b0354ff79baff5f069e71e39e45e30ee89bcc2c"
@@ -50,8 +51,7 @@ def test_a_checkpoint_rotated_by_the_dense_release_still_checks(ref, name, tmp_p
     assert report.passed, report.summary()
     # made again from its recorded plan: the same bytes, so the dense path is still what version 1 means
     r = plan["rotation"]
-    fold_checkpoint(ref, tmp_path / "again", fuse_affine=True, check="none",
-                    rotate=RotationSpec(r["kind"], r["seed"], r["keep_mean"], 1))
+    fold_checkpoint(ref, tmp_path / "again", FoldOptions.of(fuse_affine=True, check="none", rotate=RotationSpec(r["kind"], r["seed"], r["keep_mean"], 1)))
     assert sha(tmp_path / "again") == sha(old)
     # and a changed bit of a rotated tensor is caught
     bad = tmp_path / "bad"
@@ -64,7 +64,7 @@ def test_a_checkpoint_rotated_by_the_dense_release_still_checks(ref, name, tmp_p
 
 def test_a_new_rotation_records_version_2_and_checks(ref, tmp_path):
     out = tmp_path / "new"
-    fold_checkpoint(ref, out, fuse_affine=True, rotate=RotationSpec(), check="none")
+    fold_checkpoint(ref, out, FoldOptions.of(fuse_affine=True, rotate=RotationSpec(), check="none"))
     config = json.loads((out / "config.json").read_text())
     plan = config["enjoyln"]["plan"]
     assert plan["rotation"]["version"] == 2 and plan["format_version"] == 3

@@ -16,6 +16,7 @@ from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.checking.static import static_check
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir as clone
+from enjoyln.options import CheckOptions, FoldOptions
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("static")
     model = perturb(tiny_model("gpt2"), seed=41)
     model.save_pretrained(root / "ref")
-    fold_checkpoint(root / "ref", root / "folded", check="none")
+    fold_checkpoint(root / "ref", root / "folded", FoldOptions.of(check="none"))
     return root / "ref", root / "folded", model
 
 
@@ -166,7 +167,7 @@ def test_check_static_mode_runs_no_model(pair, monkeypatch):
 
     ref, folded, _ = pair
     monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("static mode loaded a model"))
-    report = enjoyln.check_checkpoints(ref, folded, mode="static")
+    report = enjoyln.check_checkpoints(ref, folded, CheckOptions.of(mode="static"))
     assert report.passed and report.forward_skipped == "static check only" and report.outputs == []
 
 
@@ -204,7 +205,7 @@ def test_bounded_check_offloads_and_still_catches_a_change(pair, tmp_path, monke
         return model
 
     monkeypatch.setattr(checkpoint, "load", spy)
-    report = enjoyln.check_checkpoints(ref, folded, max_memory=200_000)
+    report = enjoyln.check_checkpoints(ref, folded, CheckOptions.of(max_memory=200_000))
     assert report.passed, report.summary()
     # the reference and the candidate (plain from_pretrained is loaded apart): the float64 truth is
     # the reference widened as each layer runs, not a third load, which read the whole file through
@@ -215,7 +216,7 @@ def test_bounded_check_offloads_and_still_catches_a_change(pair, tmp_path, monke
     assert report.max_rel_diff < 1e-6 and report.generation.passed
     key = "transformer.h.1.attn.c_proj.weight"  # (a change of 1e-3 of its scale moves the logits by 2e-6:
     cand = edited(folded, tmp_path, lambda sd: sd[key].view(-1)[3].add_(float(sd[key].abs().max())))  # static's job)
-    report = enjoyln.check_checkpoints(ref, cand, max_memory=200_000, mode="forward")
+    report = enjoyln.check_checkpoints(ref, cand, CheckOptions.of(max_memory=200_000, mode="forward"))
     assert not report.passed and report.max_rel_diff > 1e-5
 
 
@@ -237,7 +238,7 @@ def test_a_half_precision_change_within_a_few_ulps_of_the_maximum_is_caught(tmp_
     from enjoyln.cli.app import app
 
     perturb(tiny_model("gpt2"), seed=41).to(torch.bfloat16).save_pretrained(tmp_path / "ref")
-    fold_checkpoint(tmp_path / "ref", tmp_path / "folded", check="none")
+    fold_checkpoint(tmp_path / "ref", tmp_path / "folded", FoldOptions.of(check="none"))
     assert run(tmp_path / "ref", tmp_path / "folded").passed
 
     def shift_row(sd):
@@ -372,7 +373,7 @@ def test_a_config_dtype_change_fails_unless_asked_for(pair, tmp_path, dtype):
 
 def sharded_fold(ref, tmp_path):
     out = tmp_path / "sharded"
-    fold_checkpoint(ref, out, check="none", max_shard_size=200_000)
+    fold_checkpoint(ref, out, FoldOptions.of(check="none", max_shard_size=200_000))
     assert (out / "model.safetensors.index.json").exists()
     return out
 
@@ -431,7 +432,7 @@ def test_a_fold_of_a_checkpoint_without_a_config_dtype_loads_in_the_same_dtype(t
     assert run(ref, sharded).passed
     result = fold_checkpoint(ref, tmp_path / "single")
     assert result.report.passed, result.report.summary()
-    fold_checkpoint(ref, tmp_path / "unchecked", check="none")
+    fold_checkpoint(ref, tmp_path / "unchecked", FoldOptions.of(check="none"))
     for out in (tmp_path / "single", tmp_path / "unchecked"):
         assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
         assert transformers.GPT2LMHeadModel.from_pretrained(out).dtype == torch.float32
@@ -522,7 +523,7 @@ def test_one_ulp_of_a_fused_bfloat16_tensor_fails(tmp_path):
     """In bfloat16 one ulp of a bias moves the logits by about 1e-3: the tensors a fused affine
     computes must be bit for bit what the check recomputes."""
     perturb(tiny_model("gpt2"), seed=43).to(torch.bfloat16).save_pretrained(tmp_path / "ref")
-    fold_checkpoint(tmp_path / "ref", tmp_path / "fused", check="none", fuse_affine=True)
+    fold_checkpoint(tmp_path / "ref", tmp_path / "fused", FoldOptions.of(check="none", fuse_affine=True))
     assert run(tmp_path / "ref", tmp_path / "fused").passed
     key = "transformer.h.0.attn.c_attn.bias"
     cand = edited(tmp_path / "fused", tmp_path, lambda sd: nudged(sd, key, 3, -1))
@@ -588,7 +589,7 @@ def test_trusted_remote_code_is_compared(pair, tmp_path, monkeypatch):
     (source / "modeling_custom.py").write_text(
         "from transformers import GPT2LMHeadModel\n\n\nclass CustomLM(GPT2LMHeadModel):\n    pass\n")
     set_config(source, architectures=["CustomLM"], auto_map={"AutoModelForCausalLM": "modeling_custom.CustomLM"})
-    fold_checkpoint(source, tmp_path / "folded", check="none", trust_remote_code=True)
+    fold_checkpoint(source, tmp_path / "folded", FoldOptions.of(check="none", trust_remote_code=True))
     cand = tmp_path / "folded"
 
     def check():
@@ -604,11 +605,11 @@ def test_trusted_remote_code_is_compared(pair, tmp_path, monkeypatch):
 def test_every_claim_of_the_enjoyln_block_is_verified(pair, tmp_path):
     """A rotation that does not keep the mean is exact only through enjoyln.load: a block claiming
     plain loading is exact too is a false promise."""
-    from enjoyln.rewrite import config as block
+    from enjoyln.folded import config as block
 
     ref, folded, _ = pair
     rotated = tmp_path / "rotated"
-    fold_checkpoint(ref, rotated, check="none", rotate=("hadamard", 0, False))
+    fold_checkpoint(ref, rotated, FoldOptions.of(check="none", rotate=("hadamard", 0, False)))
     assert run(ref, rotated).passed, run(ref, rotated).summary()
 
     def tampered(name, edit):
@@ -632,7 +633,7 @@ def test_every_claim_of_the_enjoyln_block_is_verified(pair, tmp_path):
 def test_a_fold_with_auxiliary_centering_that_placed_none_passes(tmp_path):
     """The option leaves its trace only in the plan's reasons, which the block must still match."""
     perturb(tiny_model("bert"), seed=3).save_pretrained(tmp_path / "ref")
-    result = fold_checkpoint(tmp_path / "ref", tmp_path / "folded", check="none", auxiliary_centering=True)
+    result = fold_checkpoint(tmp_path / "ref", tmp_path / "folded", FoldOptions.of(check="none", auxiliary_centering=True))
     assert not result.plan.auxiliary
     report = run(tmp_path / "ref", tmp_path / "folded")
     assert report.passed, report.summary()
@@ -678,7 +679,7 @@ def test_a_table_too_large_to_build_is_refused_before_it_is_built(tmp_path, monk
     with pytest.raises(enjoyln.CheckpointError, match=r"needs at least 59.7 GiB of memory even with one model"):
         fold_checkpoint(ref, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    assert fold_checkpoint(ref, tmp_path / "out", check="static").report.passed
+    assert fold_checkpoint(ref, tmp_path / "out", FoldOptions.of(check="static")).report.passed
 
 
 def test_forward_only_still_compares_the_dtype_the_model_loads_in(pair, tmp_path, monkeypatch):
@@ -687,7 +688,7 @@ def test_forward_only_still_compares_the_dtype_the_model_loads_in(pair, tmp_path
     ref, folded, _ = pair
     cand = set_config(cand_of(folded, tmp_path), dtype="float16")
     monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("a model was loaded"))
-    report = enjoyln.check_checkpoints(ref, cand, mode="forward")
+    report = enjoyln.check_checkpoints(ref, cand, CheckOptions.of(mode="forward"))
     assert not report.passed and report.forward_skipped == "the candidate does not load as the reference does"
     assert report.static.problems[0].startswith("the candidate loads in float16 (from config.json)")
     assert "FAIL: load settings" in report.summary()
@@ -700,11 +701,11 @@ def test_a_candidate_meant_for_another_dtype_is_judged_in_it_on_both_paths(pair,
 
     ref, folded, _ = pair
     cand = set_config(cand_of(folded, tmp_path), dtype="bfloat16")
-    report = enjoyln.check_checkpoints(ref, cand, dtype="bfloat16")
+    report = enjoyln.check_checkpoints(ref, cand, CheckOptions.of(dtype="bfloat16"))
     assert report.passed and report.dtype == "bfloat16", report.summary()
     monkeypatch.setattr(checkpoint, "_activation_bytes", lambda ck: 0)
     monkeypatch.setattr(checkpoint, "MIN_BUDGET", 0)
-    report = enjoyln.check_checkpoints(ref, cand, dtype="bfloat16", max_memory=200_000)
+    report = enjoyln.check_checkpoints(ref, cand, CheckOptions.of(dtype="bfloat16", max_memory=200_000))
     assert report.passed and report.dtype == "bfloat16" and report.memory, report.summary()
 
 
@@ -717,7 +718,7 @@ def test_forward_only_counts_what_the_candidate_builds(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "available_memory", lambda: 8 << 30)
     monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(enjoyln.CheckpointError, match=r"needs at least 59.7 GiB of memory even with one model"):
-        enjoyln.check_checkpoints(ref, cand, mode="forward")
+        enjoyln.check_checkpoints(ref, cand, CheckOptions.of(mode="forward"))
 
 
 def test_json_files_are_read_as_the_loaders_read_them(pair, tmp_path):
@@ -770,7 +771,7 @@ def test_the_candidates_code_is_compared_before_any_of_it_runs(pair, tmp_path, m
     code = "from transformers import GPT2LMHeadModel\n\n\nclass CustomLM(GPT2LMHeadModel):\n    pass\n"
     (source / "modeling_custom.py").write_text(code)
     set_config(source, architectures=["CustomLM"], auto_map={"AutoModelForCausalLM": "modeling_custom.CustomLM"})
-    fold_checkpoint(source, tmp_path / "folded", check="none", trust_remote_code=True)
+    fold_checkpoint(source, tmp_path / "folded", FoldOptions.of(check="none", trust_remote_code=True))
     marker = tmp_path / "ran"
     payload = f"\nopen({str(marker)!r}, 'w').write('ran')\n"
     changed = cand_of(tmp_path / "folded", tmp_path, "changed")
@@ -781,7 +782,7 @@ def test_the_candidates_code_is_compared_before_any_of_it_runs(pair, tmp_path, m
     for cand, problem in ((changed, "the candidate's modeling_custom.py differs from the reference's"),
                           (other, "the candidate has modeling_evil.py, code the reference does not have")):
         for mode in ("full", "static", "forward"):
-            report = check_checkpoints(source, cand, trust_remote_code=True, mode=mode)
+            report = check_checkpoints(source, cand, CheckOptions.of(trust_remote_code=True, mode=mode))
             assert not report.passed and problem in report.static.problems, report.summary()
             assert not marker.exists(), f"the candidate's code ran ({mode})"
         report = static_check(open_checkpoint(source, trust_remote_code=True),
@@ -789,8 +790,8 @@ def test_the_candidates_code_is_compared_before_any_of_it_runs(pair, tmp_path, m
         assert not report.passed and problem in report.problems and not marker.exists()
         result = CliRunner().invoke(app, ["check", str(source), str(cand), "--trust-remote-code"])
         assert result.exit_code == 1 and "none of it ran" in result.output and not marker.exists(), result.output
-    assert "auto_map" in " ".join(check_checkpoints(source, other, trust_remote_code=True, mode="static").static.problems)
-    assert check_checkpoints(source, tmp_path / "folded", trust_remote_code=True, mode="static").passed
+    assert "auto_map" in " ".join(check_checkpoints(source, other, CheckOptions.of(trust_remote_code=True, mode="static")).static.problems)
+    assert check_checkpoints(source, tmp_path / "folded", CheckOptions.of(trust_remote_code=True, mode="static")).passed
 
 
 def test_a_fold_is_proven_from_the_mapped_files_and_only_a_difference_is_read(pair, tmp_path, monkeypatch):
@@ -864,7 +865,7 @@ def test_a_planted_plan_cache_entry_decides_nothing(pair, tmp_path, monkeypatch)
     entry planted to agree with it: the check analyses the reference afresh and fails it."""
     ref, _, model = pair
     tampered = _without_centering(enjoyln.analyze(model), "transformer.h.0.attn.c_proj.bias")
-    fold_checkpoint(ref, tmp_path / "out", plan=tampered, check="none")
+    fold_checkpoint(ref, tmp_path / "out", FoldOptions.of(plan=tampered, check="none"))
     cache = tmp_path / "cache"
     monkeypatch.setenv("ENJOYLN_CACHE", str(cache))
     monkeypatch.setenv("ENJOYLN_PLAN_CACHE", "1")
@@ -878,7 +879,7 @@ def test_a_planted_plan_cache_entry_decides_nothing(pair, tmp_path, monkeypatch)
     assert any("transformer.h.0.attn.c_proj.bias" in p for p in report.problems), report.summary()
     # inside fold, the check re-derives its plan too: the plan the fold used is not trusted
     with pytest.raises(enjoyln.CheckFailed):
-        fold_checkpoint(ref, tmp_path / "again", plan=tampered, check="static")
+        fold_checkpoint(ref, tmp_path / "again", FoldOptions.of(plan=tampered, check="static"))
     assert not (tmp_path / "again").exists()
 
 
@@ -921,7 +922,7 @@ def test_a_candidate_folded_after_the_cast_passes_under_dtype(pair, tmp_path, dt
     ref, _, _ = pair
     loaded = transformers.GPT2LMHeadModel.from_pretrained(ref, dtype=getattr(torch, dtype)).eval()
     enjoyln.fold(loaded).save_pretrained(tmp_path / "cand")
-    report = enjoyln.check_checkpoints(ref, tmp_path / "cand", dtype=dtype)
+    report = enjoyln.check_checkpoints(ref, tmp_path / "cand", CheckOptions.of(dtype=dtype))
     assert report.passed and report.static.form == "folded", report.summary()
     assert report.dtype == ("bfloat16" if dtype == "bfloat16" else "float32")  # the narrower one sets the bar
 
@@ -951,7 +952,7 @@ def test_a_fused_fold_of_the_cast_reference_passes_under_dtype(pair, tmp_path):
     Each recomputed tensor is the fold's arithmetic on the cast weights, rounded once."""
     ref, _, _ = pair
     transformers.GPT2LMHeadModel.from_pretrained(ref, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    fold_checkpoint(tmp_path / "bf16", tmp_path / "cand", fuse_affine=True, check="none")
+    fold_checkpoint(tmp_path / "bf16", tmp_path / "cand", FoldOptions.of(fuse_affine=True, check="none"))
     report = static_check(open_checkpoint(ref), open_checkpoint(tmp_path / "cand"), dtype="bfloat16")
     assert report.passed and report.computed == report.tensors, report.summary()
     key = "transformer.h.0.attn.c_attn.bias"  # one ulp up on one recomputed element still fails
@@ -965,14 +966,14 @@ def test_a_copy_checked_in_another_dtype_fails_as_a_fold_does(pair, tmp_path):
     """The byte-for-byte shortcut still judges --dtype: a float32 copy is not a bfloat16 candidate."""
     ref, folded, _ = pair
     copy_ = clone(ref, tmp_path / "copy")
-    as_copy = enjoyln.check_checkpoints(ref, copy_, mode="static", dtype="bfloat16")
-    as_fold = enjoyln.check_checkpoints(ref, folded, mode="static", dtype="bfloat16")
+    as_copy = enjoyln.check_checkpoints(ref, copy_, CheckOptions.of(mode="static", dtype="bfloat16"))
+    as_fold = enjoyln.check_checkpoints(ref, folded, CheckOptions.of(mode="static", dtype="bfloat16"))
     assert not as_copy.passed and not as_fold.passed and as_copy.static.byte_identical
     assert as_copy.verdict() == as_fold.verdict() == (
         "FAIL: the weights of the candidate are not what the fold makes of the original's: the candidate loads in "
         "float32 (from config.json), not in bfloat16 as --dtype says")
     assert as_copy.static.problems == as_fold.static.problems
-    assert enjoyln.check_checkpoints(ref, copy_, mode="static", dtype="float32").passed  # what it is
+    assert enjoyln.check_checkpoints(ref, copy_, CheckOptions.of(mode="static", dtype="float32")).passed  # what it is
 
 
 def _zero_differences(value, key=""):
@@ -992,7 +993,7 @@ def test_a_failed_weight_check_says_where_and_by_how_much(pair, tmp_path):
         sd[plain][5, 9] += 0.25
         sd[centered][3, 2] -= 0.125
     cand = edited(folded, tmp_path, edit)
-    report = enjoyln.check_checkpoints(ref, cand, mode="static")
+    report = enjoyln.check_checkpoints(ref, cand, CheckOptions.of(mode="static"))
     static = report.static
     assert not report.passed and static.differing == 2
     lines = {p.split(" ")[0]: p for p in static.problems}

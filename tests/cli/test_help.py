@@ -2,6 +2,7 @@
 and docs/cli.md's tables what ``-h`` prints."""
 
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -82,3 +83,38 @@ def test_cli_md_tables_are_what_h_prints():
         text = runner.invoke(app, [name, "-h"], env={"COLUMNS": "80"}).stdout
         for names in _names(GROUP.commands[name]):  # type: ignore[attr-defined]
             assert f"| `{names}` |" in section and names in text
+
+
+MAX_OWN_PARAMETERS = 10
+
+
+def _command(name: str):
+    """The function a command runs, under the wrappers (``friendly``, ``takes``) typer sees."""
+    callback = next(c.callback for c in app.registered_commands if c.name == name)
+    return inspect.unwrap(callback)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_command_declares_at_most_ten_parameters_of_its_own(command):
+    """The rest come from option sets declared once (``cli.options.takes``), each one parameter."""
+    own = inspect.signature(_command(command)).parameters
+    assert len(own) <= MAX_OWN_PARAMETERS, (command, list(own))
+
+
+def test_fold_and_rotate_share_their_option_set():
+    from enjoyln.cli import options
+
+    callbacks = {c.name: c.callback for c in app.registered_commands}
+    for name in ("fold", "rotate"):
+        assert options.FOLD in callbacks[name].option_sets, name
+    shared = {p.name for p in options.FOLD.parameters}
+    assert {"rtol", "max_shard_size", "allow_pickle", "check", "device"} <= shared
+    rows = {name: dict(cli_options.rows(GROUP.commands[name], click.Context(GROUP.commands[name])))
+            for name in ("fold", "rotate")}
+    fold_rows = {k: v for k, v in rows["fold"].items() if k.split()[0].lstrip("-").replace("-", "_") in shared}
+    assert len(fold_rows) == len(shared) and all(rows["rotate"][k] == v for k, v in fold_rows.items())
+
+
+def test_an_option_set_refuses_a_wrong_value_in_one_line(tmp_path):
+    result = runner.invoke(app, ["fold", str(tmp_path), str(tmp_path / "out"), "--max-shard-size", "lots"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "lots" in result.stderr, result.stderr

@@ -19,6 +19,7 @@ from enjoyln.rewrite.convert import fold_checkpoint
 from enjoyln.store.load import load, load_plain
 from enjoyln.testing import perturb, tiny_model
 from enjoyln.timings import Spread
+from enjoyln.options import FoldOptions
 
 runner = CliRunner()
 
@@ -41,8 +42,7 @@ def test_no_rate_over_a_near_zero_interval():
 
 def test_the_write_total_is_unknown_then_final(gpt2_dir, tmp_path):
     seen = []
-    result = fold_checkpoint(gpt2_dir, tmp_path / "out", check="none",
-                             progress=lambda done, total: seen.append((done, total)))
+    result = fold_checkpoint(gpt2_dir, tmp_path / "out", FoldOptions.of(check="none"), progress=lambda done, total: seen.append((done, total)))
     known = [total for _, total in seen if total]
     # the tensors the early copy put in place and the fold then centered there count once, as they are written
     assert known[0] == result.bytes_written == sum(p.stat().st_size for p in (tmp_path / "out").glob("*.safetensors")
@@ -96,7 +96,7 @@ def test_no_third_party_bars_or_logs_and_the_users_settings_back(gpt2_dir, tmp_p
         result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out")])
         assert result.exit_code == 0, result.output
         assert result.stderr == ""  # no "Loading weights", no LOAD REPORT: not a TTY, so no progress either
-        fold_checkpoint(gpt2_dir, tmp_path / "api", check="full")  # the API path too
+        fold_checkpoint(gpt2_dir, tmp_path / "api", FoldOptions.of(check="full"))  # the API path too
         load(tmp_path / "api")
         load_plain(tmp_path / "api")
         captured = capsys.readouterr()

@@ -18,6 +18,7 @@ import onnx  # noqa: E402
 
 from enjoyln.analysis.inputs import Inputs  # noqa: E402
 from enjoyln.export.onnx import RMS_OPS, export_onnx, ort_session, second_shape  # noqa: E402
+from enjoyln.options import FoldOptions
 
 
 class Exports:
@@ -246,7 +247,7 @@ def test_cli_export_refuses_fuse_affine_on_a_plainly_folded_directory(tmp_path):
 
     src = tmp_path / "gpt2"
     perturb(tiny_model("gpt2"), seed=42).save_pretrained(src)
-    fold_checkpoint(src, tmp_path / "folded", check="none")
+    fold_checkpoint(src, tmp_path / "folded", FoldOptions.of(check="none"))
     result = CliRunner().invoke(app, ["export", str(tmp_path / "folded"), str(tmp_path / "g.onnx"),
                                       "--fuse-affine"])
     assert result.exit_code == 2

@@ -17,6 +17,7 @@ from conftest import assert_same_outputs
 from enjoyln import ops
 from enjoyln.analysis.inputs import hf_example_inputs
 from enjoyln.testing import perturb, tiny_model
+from enjoyln.options import FoldOptions
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "quantization.md"
 
@@ -114,7 +115,7 @@ def test_untouched_ones_run_the_weightless_kernel_bit_for_bit():
 def test_folded_checkpoint_loads_weightless_norms_with_ones(tmp_path):
     model = opt()
     model.save_pretrained(tmp_path / "opt")
-    enjoyln.fold_checkpoint(tmp_path / "opt", tmp_path / "rot", rotate=("hadamard", 0, True), check="static")
+    enjoyln.fold_checkpoint(tmp_path / "opt", tmp_path / "rot", FoldOptions.of(rotate=("hadamard", 0, True), check="static"))
     loaded = enjoyln.load(tmp_path / "rot")
     norms = weightless(loaded)
     assert len(norms) == 5 and all(torch.equal(n.weight, torch.ones(128)) for n in norms.values())
@@ -187,7 +188,7 @@ def test_llmcompressor_quantizes_the_plain_loaded_rotation_and_saves_it(tmp_path
 
     model = opt()
     model.save_pretrained(tmp_path / "opt")
-    enjoyln.fold_checkpoint(tmp_path / "opt", tmp_path / "rot", rotate=("hadamard", 0, True), check="static")
+    enjoyln.fold_checkpoint(tmp_path / "opt", tmp_path / "rot", FoldOptions.of(rotate=("hadamard", 0, True), check="static"))
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "rot").eval()
     quantized = oneshot(model=plain, recipe=QuantizationModifier(targets="Linear", scheme="W8A16",
                                                                  ignore=["lm_head"]))

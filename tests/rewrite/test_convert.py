@@ -20,6 +20,7 @@ from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.testing import ARCHITECTURES, demo_checkpoint, perturb, tiny_model
 from enjoyln.transform.tensors import center_
 from conftest import assert_same_outputs
+from enjoyln.options import CheckOptions, FoldOptions
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def reload_plain(path):
 def test_round_trip(arch, saved, tmp_path):
     src = saved(arch)
     before = {p.name: p.read_bytes() for p in src.iterdir()}
-    result = fold_checkpoint(src, tmp_path / "out", check="static")
+    result = fold_checkpoint(src, tmp_path / "out", FoldOptions.of(check="static"))
     out = result.out_dir
     assert result.report.passed and result.report.static.centered == len(result.plan.centered)
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before  # input untouched
@@ -116,7 +117,7 @@ def test_sharded_input_keeps_its_shards_and_index(saved, tmp_path):
 
 def test_reshard_by_max_shard_size(saved, tmp_path):
     src = saved("gpt2")
-    result = fold_checkpoint(src, tmp_path / "out", max_shard_size=parse_size("100KB"))
+    result = fold_checkpoint(src, tmp_path / "out", FoldOptions.of(max_shard_size=parse_size("100KB")))
     out = result.out_dir
     files = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(files) >= 4 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
@@ -136,7 +137,7 @@ def test_head_saved_instead_of_embedding(saved, tmp_path):
     sd = load_file(src / "model.safetensors")
     sd["lm_head.weight"] = sd.pop("transformer.wte.weight")
     save_file(sd, alt / "model.safetensors", metadata={"format": "pt"})
-    result = fold_checkpoint(alt, tmp_path / "out", check="static")
+    result = fold_checkpoint(alt, tmp_path / "out", FoldOptions.of(check="static"))
     out = result.out_dir
     assert result.report.passed
     with safe_open(out / "model.safetensors", "pt") as f:
@@ -147,7 +148,7 @@ def test_head_saved_instead_of_embedding(saved, tmp_path):
 
 
 def test_dry_run_writes_nothing(saved, tmp_path):
-    result = fold_checkpoint(saved("bert"), tmp_path / "out", dry_run=True)
+    result = fold_checkpoint(saved("bert"), tmp_path / "out", FoldOptions.of(dry_run=True))
     assert result.out_dir is None and len(result.plan.foldable) == 1
     assert not (tmp_path / "out").exists()
 
@@ -161,7 +162,7 @@ def test_pickle_weights_with_explicit_permission(saved, tmp_path):
     torch.save({k: v for k, v in sd.items() if k != "lm_head.weight"}, pkl / "pytorch_model.bin")
     with pytest.raises(enjoyln.CheckpointError, match="--allow-pickle"):
         open_checkpoint(pkl)
-    result = fold_checkpoint(pkl, tmp_path / "out", allow_pickle=True)
+    result = fold_checkpoint(pkl, tmp_path / "out", FoldOptions.of(allow_pickle=True))
     out = result.out_dir
     assert (out / "model.safetensors").exists() and not (out / "pytorch_model.bin").exists()
     assert result.report.passed and result.report.static.tensors > 0
@@ -169,7 +170,7 @@ def test_pickle_weights_with_explicit_permission(saved, tmp_path):
 
 def test_progress_reports_bytes(saved, tmp_path):
     seen = []
-    fold_checkpoint(saved("gpt2"), tmp_path / "out", progress=lambda d, t: seen.append((d, t)), check="none")
+    fold_checkpoint(saved("gpt2"), tmp_path / "out", FoldOptions.of(check="none"), progress=lambda d, t: seen.append((d, t)))
     assert seen and seen[-1][0] == seen[-1][1] > 0
     assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
 
@@ -268,7 +269,7 @@ def test_header_with_wrong_byte_counts_is_refused(saved, tmp_path):
 
 
 def test_malformed_enjoyln_block_is_a_clear_error(saved, tmp_path):
-    out = fold_checkpoint(saved("gpt2"), tmp_path / "out", check="none").out_dir
+    out = fold_checkpoint(saved("gpt2"), tmp_path / "out", FoldOptions.of(check="none")).out_dir
     config = json.loads((out / "config.json").read_text())
     config["enjoyln"]["plan"] = {"layer_norms": "oops"}
     (out / "config.json").write_text(json.dumps(config))
@@ -293,9 +294,9 @@ def test_early_copy_gives_the_same_tensors_as_a_fresh_write(shard_size, saved, t
 
     src = saved("gpt2", torch.float32, **({"max_shard_size": shard_size} if shard_size else {}))
     assert writer.early_spans(open_checkpoint(src), None)  # the fast path applies here
-    fast = fold_checkpoint(src, tmp_path / "fast", check="static")
+    fast = fold_checkpoint(src, tmp_path / "fast", FoldOptions.of(check="static"))
     monkeypatch.setattr(convert, "early_spans", lambda ck, size: {})
-    slow = fold_checkpoint(src, tmp_path / "slow", check="none")
+    slow = fold_checkpoint(src, tmp_path / "slow", FoldOptions.of(check="none"))
     assert fast.files == slow.files and fast.bytes_written == slow.bytes_written
     a, b = _tensors(tmp_path / "fast"), _tensors(tmp_path / "slow")
     assert a.keys() == b.keys() and "lm_head.weight" in a
@@ -305,7 +306,7 @@ def test_early_copy_gives_the_same_tensors_as_a_fresh_write(shard_size, saved, t
     centered = {c.param for c in fast.plan.centered}
     assert any(not torch.equal(a[k], original[k]) for k in centered)  # centering happened in place
     assert torch.equal(a["lm_head.weight"], original["transformer.wte.weight"])  # the head keeps the old values
-    assert fast.report.passed and enjoyln.check_checkpoints(src, tmp_path / "slow", mode="static").passed
+    assert fast.report.passed and enjoyln.check_checkpoints(src, tmp_path / "slow", CheckOptions.of(mode="static")).passed
 
 
 @pytest.mark.parametrize("lone_shard", [False, True])
@@ -348,17 +349,17 @@ def test_centering_right_behind_a_copy_still_running(saved, tmp_path, monkeypatc
 
     monkeypatch.setattr(writer, "_copy_range", held_copy)
     monkeypatch.setattr(writer.EarlyCopy, "wait", wait)
-    fast = fold_checkpoint(src, tmp_path / "fast", check="none")
+    fast = fold_checkpoint(src, tmp_path / "fast", FoldOptions.of(check="none"))
     assert fast.files == [shard if lone_shard else "model.safetensors"]
     assert (tmp_path / "fast" / "model.safetensors.index.json").exists() == lone_shard
     assert len(blocked) > 1  # centering waited on the copy, more than once
     monkeypatch.setattr(convert, "early_spans", lambda ck, size: {})
-    fold_checkpoint(src, tmp_path / "slow", check="none")
+    fold_checkpoint(src, tmp_path / "slow", FoldOptions.of(check="none"))
     a, b = _tensors(tmp_path / "fast"), _tensors(tmp_path / "slow")
     assert a.keys() == b.keys()
     for key in a:
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-    assert enjoyln.check_checkpoints(src, tmp_path / "fast", mode="static").passed
+    assert enjoyln.check_checkpoints(src, tmp_path / "fast", CheckOptions.of(mode="static")).passed
 
 
 def test_header_without_room_falls_back_to_a_fresh_write(saved, tmp_path, monkeypatch):
@@ -370,7 +371,7 @@ def test_header_without_room_falls_back_to_a_fresh_write(saved, tmp_path, monkey
     calls = []
     real = writer.write_shard
     monkeypatch.setattr(convert, "write_shard", lambda *a, **k: calls.append(a[0].name) or real(*a, **k))
-    result = fold_checkpoint(src, tmp_path / "out", check="static")
+    result = fold_checkpoint(src, tmp_path / "out", FoldOptions.of(check="static"))
     assert calls == ["model.safetensors"]
     assert result.report.passed
 
@@ -388,7 +389,7 @@ def test_masked_lm_keeps_its_tied_decoder_bias(fuse_affine, tmp_path):
     src, out = tmp_path / "bert-mlm", tmp_path / "out"
     original = _bert_mlm()
     original.save_pretrained(src)
-    result = fold_checkpoint(src, out, fuse_affine=fuse_affine)
+    result = fold_checkpoint(src, out, FoldOptions.of(fuse_affine=fuse_affine))
     assert result.report.passed, result.report.summary()
     assert result.plan.untied and result.report.static.tensors == len(
         dict(transformers.BertForMaskedLM.from_pretrained(out).state_dict()))
@@ -482,7 +483,7 @@ def test_a_fold_checks_in_another_process(tmp_path):
 
     src, out = tmp_path / "ref", tmp_path / "out"
     _shared_seq2seq("BartForConditionalGeneration").save_pretrained(src)
-    fold_checkpoint(src, out, check="none")
+    fold_checkpoint(src, out, FoldOptions.of(check="none"))
     for seed in ("2", "3"):  # under hash order, these two name different tied embeddings
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(sys.path)}
         proc = subprocess.run([sys.executable, "-m", "enjoyln", "check", str(src), str(out), "--static"],
@@ -515,13 +516,13 @@ def test_a_tied_table_partly_untied_keeps_the_untied_name_as_it_was(tmp_path):
     # the gate holds a fold to this enjoyln's own analysis of the reference, never to the plan the
     # fold was handed: this narrower plan is sound, but not what the analysis gives
     with pytest.raises(CheckFailed) as failed:
-        fold_checkpoint(src, out, plan=plan)
+        fold_checkpoint(src, out, FoldOptions.of(plan=plan))
     assert any("the recorded plan is not what this enjoyln's analysis gives" in p
                for p in failed.value.report.static.problems)
-    result = fold_checkpoint(src, out, plan=plan, check="none")
+    result = fold_checkpoint(src, out, FoldOptions.of(plan=plan, check="none"))
     assert result.report is None and (out / "config.json").exists()
     apply_plan(copy.deepcopy(original), plan).save_pretrained(mem)
-    assert enjoyln.check_checkpoints(src, mem, mode="forward").passed
+    assert enjoyln.check_checkpoints(src, mem, CheckOptions.of(mode="forward")).passed
 
     a, b = _tensors(out), _tensors(mem)
     assert a.keys() == b.keys()
@@ -562,12 +563,12 @@ def test_parameters_no_checkpoint_holds_are_named_and_seeded_alike(tmp_path):
     plan = enjoyln.analyze_checkpoint(src)
     note = plan.note("missing parameters")
     assert note and "2 parameters that BertModel builds (pooler.dense.weight, pooler.dense.bias)" in note
-    result = fold_checkpoint(src, tmp_path / "out", allow_missing=True)
+    result = fold_checkpoint(src, tmp_path / "out", FoldOptions.of(allow_missing=True))
     assert result.report.passed, result.report.summary()
     assert result.report.static.missing == ["pooler.dense.weight", "pooler.dense.bias"]
     assert any("got the same seeded values" in n for n in result.report.notes)
     assert "pooler_output" in {o.name for o in result.report.outputs}
-    report = enjoyln.check_checkpoints(src, tmp_path / "out", mode="forward")
+    report = enjoyln.check_checkpoints(src, tmp_path / "out", CheckOptions.of(mode="forward"))
     assert report.passed and any("got the same seeded values" in n for n in report.notes), report.summary()
 
 
@@ -582,10 +583,10 @@ def test_model_class_folds_weights_as_the_class_they_match(tmp_path):
     data = json.loads((tmp_path / "src" / "config.json").read_text())
     (tmp_path / "src" / "config.json").write_text(json.dumps({**data, "architectures": ["MPNetForMaskedLM"]}))
     assert enjoyln.analyze_checkpoint(tmp_path / "src").note("missing parameters")
-    result = fold_checkpoint(tmp_path / "src", tmp_path / "out", model_class="MPNetModel")
+    result = fold_checkpoint(tmp_path / "src", tmp_path / "out", FoldOptions.of(model_class="MPNetModel"))
     assert result.report.passed and not result.plan.note("missing parameters"), result.report.summary()
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["MPNetModel"]
-    assert enjoyln.check_checkpoints(tmp_path / "src", tmp_path / "out", model_class="MPNetModel").passed
+    assert enjoyln.check_checkpoints(tmp_path / "src", tmp_path / "out", CheckOptions.of(model_class="MPNetModel")).passed
     with pytest.raises(enjoyln.CheckpointError, match="checked with the same --model-class"):
         enjoyln.check_checkpoints(tmp_path / "src", tmp_path / "out")
     with pytest.raises(enjoyln.CheckpointError, match="is not a transformers model class"):
@@ -621,7 +622,7 @@ def test_a_class_its_weights_do_not_match_is_refused_before_anything_is_written(
     assert result.exit_code == 0, result.output
     counts = re.findall(r"(\d+) parameters (?:that MPNetForMaskedLM builds|of the model class)", result.output)
     assert counts == ["5", "5", "5"], result.output  # the plan's note, the static part's and the forward part's
-    report = enjoyln.check_checkpoints(tmp_path / "src", tmp_path / "out", mode="forward")
+    report = enjoyln.check_checkpoints(tmp_path / "src", tmp_path / "out", CheckOptions.of(mode="forward"))
     assert report.passed and any(n.startswith("5 parameters") for n in report.notes), report.summary()
 
 
@@ -631,8 +632,7 @@ def test_a_head_the_checkpoint_lacks_stays_missing_when_its_tie_is_undone(fuse_a
     the fold centers, so it is untied; its decoder bias (tied to cls.predictions.bias) is in no
     file, so the output leaves it missing too, and the check seeds it alike on both sides."""
     perturb(tiny_model("bert"), seed=9).save_pretrained(tmp_path / "src")
-    result = fold_checkpoint(tmp_path / "src", tmp_path / "out", model_class="BertForMaskedLM",
-                             fuse_affine=fuse_affine, allow_missing=True)
+    result = fold_checkpoint(tmp_path / "src", tmp_path / "out", FoldOptions.of(model_class="BertForMaskedLM", fuse_affine=fuse_affine, allow_missing=True))
     assert result.report.passed, result.report.summary()
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
         keys = set(f.keys())
@@ -648,7 +648,7 @@ def test_a_fold_in_another_dtype_passes_check_dtype_and_only_it(saved, tmp_path)
     from enjoyln.cli.app import app
 
     src, out = saved("gpt2"), tmp_path / "bf16"
-    result = fold_checkpoint(src, out, dtype="bfloat16", check="static")
+    result = fold_checkpoint(src, out, FoldOptions.of(dtype="bfloat16", check="static"))
     assert result.report.passed and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     with safe_open(out / "model.safetensors", "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
@@ -660,5 +660,5 @@ def test_a_fold_in_another_dtype_passes_check_dtype_and_only_it(saved, tmp_path)
     runner = CliRunner()
     assert runner.invoke(app, ["check", "--dtype", "bfloat16", str(src), str(out)]).exit_code == 0
     assert runner.invoke(app, ["check", "--static", str(src), str(out)]).exit_code == 1  # float32 was promised
-    fused = fold_checkpoint(src, tmp_path / "f16", dtype="float16", fuse_affine=True, check="static")
+    fused = fold_checkpoint(src, tmp_path / "f16", FoldOptions.of(dtype="float16", fuse_affine=True, check="static"))
     assert fused.report.passed and enjoyln.load(tmp_path / "f16").lm_head.weight.dtype == torch.float16

@@ -7,6 +7,7 @@ import struct
 import time
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from enjoyln import CheckpointError
@@ -15,6 +16,7 @@ from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.cli.app import app
 from enjoyln.testing import perturb, tiny_model
 from conftest import copy_dir as clone
+from enjoyln.options import FoldOptions
 
 runner = CliRunner()
 
@@ -74,7 +76,7 @@ def test_special_files_and_dangling_extras_are_skipped(src, tmp_path):
     model = clone(src, tmp_path / "model")
     os.mkfifo(model / "pipe")  # reading it would hang
     (model / "old.txt").symlink_to(tmp_path / "nowhere")
-    result = fold_checkpoint(model, tmp_path / "out", check="none")
+    result = fold_checkpoint(model, tmp_path / "out", FoldOptions.of(check="none"))
     assert sorted(result.skipped) == ["old.txt (a dangling symlink)", "pipe (not a regular file)"]
     assert not (tmp_path / "out" / "pipe").exists()
 
@@ -85,7 +87,7 @@ def test_output_modes_follow_the_umask(src, tmp_path):
     os.chmod(model / "tokenizer.json", 0o600)
     old = os.umask(0o002)
     try:
-        out = fold_checkpoint(model, tmp_path / "out", check="none").out_dir
+        out = fold_checkpoint(model, tmp_path / "out", FoldOptions.of(check="none")).out_dir
     finally:
         os.umask(old)
     assert stat.S_IMODE(out.stat().st_mode) == 0o775
@@ -94,11 +96,11 @@ def test_output_modes_follow_the_umask(src, tmp_path):
 
 
 def test_throughput_counts_the_copy_not_the_analysis(src, tmp_path, monkeypatch):
-    from enjoyln.rewrite import planning
+    from enjoyln.folded import planning
 
     real = planning.analyze
     monkeypatch.setattr(planning, "analyze", lambda *a, **k: time.sleep(1.0) or real(*a, **k))
-    result = fold_checkpoint(src, tmp_path / "out", check="none")
+    result = fold_checkpoint(src, tmp_path / "out", FoldOptions.of(check="none"))
     assert result.seconds > 1.0 and result.stream_seconds < 0.5
 
 
@@ -229,7 +231,7 @@ def test_a_huge_json_file_is_never_read_whole(src, tmp_path):
     from enjoyln.checking.static import static_check
 
     ref = clone(src, tmp_path / "ref")
-    fold_checkpoint(ref, tmp_path / "folded", check="none")
+    fold_checkpoint(ref, tmp_path / "folded", FoldOptions.of(check="none"))
     cand = tmp_path / "folded"
 
     def traced_peak():
@@ -308,13 +310,13 @@ def test_a_link_out_to_a_file_a_loader_reads_is_refused_and_compared(src, tmp_pa
     assert not out.exists() and not list(tmp_path.glob(".out.enjoyln-*"))
     # the gate compares what a loader reads from the reference, through its links
     plain = clone(src, tmp_path / "plain")
-    fold_checkpoint(plain, tmp_path / "fold", check="none")
+    fold_checkpoint(plain, tmp_path / "fold", FoldOptions.of(check="none"))
     report = static_check(open_checkpoint(ref), open_checkpoint(tmp_path / "fold"))
     assert report.problems == ["the candidate lacks the reference's additional_chat_templates/tool_use.jinja"]
     (ref / "additional_chat_templates").unlink()  # what the message says: a copy in its place
     (ref / "additional_chat_templates").mkdir()
     (ref / "additional_chat_templates" / "tool_use.jinja").write_bytes((shared / "tool_use.jinja").read_bytes())
-    result = fold_checkpoint(ref, out, check="static")
+    result = fold_checkpoint(ref, out, FoldOptions.of(check="static"))
     assert result.report.passed and (out / "additional_chat_templates" / "tool_use.jinja").is_file()
     # links out that no loader reads stay a skip, as their kinds are anywhere: special files,
     # version-control data, dangling links
@@ -324,6 +326,28 @@ def test_a_link_out_to_a_file_a_loader_reads_is_refused_and_compared(src, tmp_pa
     (inert / "pipe").symlink_to(tmp_path / "pipe")
     (inert / ".git").symlink_to(tmp_path / "repo.git")
     (inert / "old.txt").symlink_to(tmp_path / "gone")
-    result = fold_checkpoint(inert, tmp_path / "out-inert", check="none")
+    result = fold_checkpoint(inert, tmp_path / "out-inert", FoldOptions.of(check="none"))
     assert sorted(result.skipped) == [".git (version-control data)", "old.txt (a dangling symlink)",
                                       "pipe (not a regular file)"]
+
+
+def test_a_fold_reads_each_directorys_config_once(src, tmp_path, monkeypatch):
+    """The Checkpoint owns what is derived from its directory: transformers' config is read once for
+    the input and once for the written output, whose Checkpoint the fold hands to its check."""
+    import transformers
+
+    read = []
+    real = transformers.AutoConfig.from_pretrained.__func__
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        classmethod(lambda cls, path, *a, **k: read.append(str(path)) or real(cls, path, *a, **k)))
+    result = fold_checkpoint(src, tmp_path / "out", FoldOptions.of(check="static"))
+    assert result.report.passed
+    assert len(read) == 2 and read[0] == str(src) and read[1] != read[0], read
+
+
+def test_the_meta_model_as_loaded_is_built_once_per_dtype(src):
+    ck = open_checkpoint(src)
+    auto, half = ck.meta_as_loaded(), ck.meta_as_loaded("bfloat16")
+    assert ck.meta_as_loaded() is auto and ck.meta_as_loaded("bfloat16") is half and auto is not half
+    assert next(auto.parameters()).dtype == torch.float32 and next(half.parameters()).dtype == torch.bfloat16
+    assert next(auto.parameters()).device.type == "meta"

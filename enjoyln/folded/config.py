@@ -10,17 +10,17 @@ from ..plan import FoldPlan, block_lists
 from ..store.checkpoint import Checkpoint
 
 
-def output_config(ck: Checkpoint, plan: FoldPlan, dtype: str | None = None) -> dict[str, Any]:
+def output_config(checkpoint: Checkpoint, plan: FoldPlan, dtype: str | None = None) -> dict[str, Any]:
     """The input's config.json with the ``enjoyln`` block, and the dtype it loads in where it names none
     (transformers would otherwise take the first tensor's, which an untied head or re-sharding changes),
     or ``dtype``, the one the fold is stored in."""
-    config = json.loads(json.dumps(ck.config))
-    if ck.source == "transformers" and ck.architecture != config["architectures"][0]:
-        config["architectures"] = [ck.architecture]  # --model-class: the fold is a checkpoint of that class
-    if ck.source == "transformers" and (dtype is not None or (config.get("dtype") is None
+    config = json.loads(json.dumps(checkpoint.config))
+    if checkpoint.source == "transformers" and checkpoint.architecture != config["architectures"][0]:
+        config["architectures"] = [checkpoint.architecture]  # --model-class: the fold is a checkpoint of that class
+    if checkpoint.source == "transformers" and (dtype is not None or (config.get("dtype") is None
                                                               and config.get("torch_dtype") is None)):
         config.pop("torch_dtype", None)
-        config["dtype"] = dtype or ck.load_dtype[0]
+        config["dtype"] = dtype or checkpoint.load_dtype[0]
     if plan.untied:
         config["tie_word_embeddings"] = False
         for sub in ("text_config", "decoder"):

@@ -87,17 +87,18 @@ import transformers
 from enjoyln.rewrite import convert
 from enjoyln.rewrite.convert import fold_checkpoint
 from enjoyln.rewrite import writer
-from enjoyln.rewrite.planning import analyze_dir
+from enjoyln.folded.planning import analyze_dir
 from enjoyln.store.checkpoint import open_checkpoint
 from enjoyln.testing import perturb, tiny_model
-from enjoyln.rewrite import stream
-from enjoyln.rewrite.stream import Output, StreamedTensors
+from enjoyln.folded import stream
+from enjoyln.folded.stream import Output, StreamedTensors
 from enjoyln.transform.steps import trace_plan
 from enjoyln.transform.trace import Ref
 from enjoyln.transform.steps import apply_plan
 from enjoyln.transform.tensors import ties_lost_on_untie
 from enjoyln.store.formats import DTYPES
 from enjoyln.store.tensors import TensorReader
+from enjoyln.options import FoldOptions
 
 
 def final_tensors(ck, plan):
@@ -236,7 +237,7 @@ def test_every_kind_of_operation_is_exercised(saved):
                           ("gpt2", {"rotate": ("hadamard", 0, True)})]:
         ck = open_checkpoint(saved(name))
         plan = analyze_dir(ck, False, options.get("fuse_affine", False), options.get("rotate"))
-        t = trace_plan(stream.load_model_meta(ck), plan, lambda n: n)
+        t = trace_plan(ck.meta_as_loaded(), plan, lambda n: n)
         kinds |= {op.kind for s in t.slots for op in s.ops}
         kinds |= {"gain" for s in t.slots for op in s.ops if op.kind == "set_bias" and op.gain}
         kinds |= {"scaled centering" for s in t.slots for op in s.ops if op.kind == "center" and op.reads}
@@ -286,7 +287,7 @@ def test_pickled_and_unloaded_keys(tmp_path):
     _, got, expected = _streamed_and_final(pkl, allow_pickle=True, rotate=("random", 0, True))
     _assert_bit_identical(got, expected)
     assert torch.equal(got["transformer.h.0.attn.masked_bias"], torch.tensor(-1e4))
-    result = fold_checkpoint(pkl, tmp_path / "out", allow_pickle=True, check="static", rotate=("random", 0, True))
+    result = fold_checkpoint(pkl, tmp_path / "out", FoldOptions.of(allow_pickle=True, check="static", rotate=("random", 0, True)))
     assert result.report.passed and result.report.static.computed == len(expected), result.report.summary()
 
 
@@ -325,9 +326,9 @@ def _files(path):
 ])
 def test_folded_files_are_the_old_paths_byte_for_byte(name, options, shard, saved, tmp_path, monkeypatch):
     src = saved(name, max_shard_size=shard) if shard else saved(name)
-    new = fold_checkpoint(src, tmp_path / "new", check="none", **options).out_dir
+    new = fold_checkpoint(src, tmp_path / "new", FoldOptions.of(check="none", **options)).out_dir
     monkeypatch.setattr(convert, "StreamedTensors", _InMemory)
-    old = fold_checkpoint(src, tmp_path / "old", check="none", **options).out_dir
+    old = fold_checkpoint(src, tmp_path / "old", FoldOptions.of(check="none", **options)).out_dir
     assert _files(new) == _files(old)
     if shard:
         assert len([f for f in _files(new) if f.endswith(".safetensors")]) > 1
@@ -390,7 +391,7 @@ def test_the_stream_never_holds_the_whole_model(options, tmp_path, monkeypatch):
     monkeypatch.setattr(verify, "nearest", measured("compare", verify.nearest))
     gc.collect()
     before = set(_cpu_storages())
-    result = fold_checkpoint(src, tmp_path / "out", check="static", **options)
+    result = fold_checkpoint(src, tmp_path / "out", FoldOptions.of(check="static", **options))
     assert result.report.passed and result.report.static.computed > 0
     assert len(peaks["write"]) > 30 and len(peaks["compare"]) > 30
     assert 0 < max(peaks["write"]) <= 6 * largest, (peaks, largest, total)

@@ -8,13 +8,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from ..errors import CheckpointError, PlanError
 from ..plan import Centering, FoldPlan
 from ..store.checkpoint import Checkpoint
 from ..store.formats import DTYPES, widened
-from ..store.hf import model_class
 from ..store.tensors import TensorReader, return_freed_memory
 from ..transform.rotation import apply_rotation
 from ..transform.steps import trace_plan
@@ -65,25 +63,6 @@ class Output:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def load_model_meta(ck: Checkpoint, dtype: str = "auto") -> nn.Module:
-    """The model a plain ``from_pretrained`` builds for ``md`` in ``dtype``, on the meta device."""
-    if ck.source != "transformers":  # timm builds its model in float32: its meta model is that
-        model = ck.library.meta_model(ck).eval()
-        return model if dtype == "auto" else model.to(getattr(torch, dtype))
-    cls = model_class(ck)
-    kwargs = {"trust_remote_code": ck.trust_remote_code, "dtype": dtype if dtype == "auto" else getattr(torch, dtype),
-              "device_map": "meta"}
-    if ck.pickled:
-        kwargs["use_safetensors"] = False
-    try:
-        # device_map="meta" alone leaves __init__'s buffers (GPT-J's sinusoid table) on the CPU, in full
-        with torch.device("meta"):
-            return cls.from_pretrained(ck.path, **kwargs).eval()
-    except Exception as exc:
-        raise CheckpointError(f"cannot load {ck.path}: {type(exc).__name__}: "
-                              f"{(str(exc).splitlines() or [''])[0]}") from None
-
-
 class StreamedTensors:
     """Every tensor of ``md`` folded by ``plan``, by key, each computed when asked for (to read, not to
     change); with ``dtype``, those of the model loaded in that dtype, then folded.
@@ -101,7 +80,7 @@ class StreamedTensors:
         self.reader = reader if reader is not None else TensorReader(ck)
         self._own_reader = reader is None
         keys, key = ck.keys, ck.key
-        self.trace = t = trace_plan(load_model_meta(ck, dtype or "auto"), plan, key)
+        self.trace = t = trace_plan(ck.meta_as_loaded(dtype or "auto"), plan, key)
         for s in t.slots:
             if isinstance(s.base, str) and tuple(self.reader.shape(s.base)) != s.shape:
                 raise CheckpointError(f"{s.base} has shape {list(self.reader.shape(s.base))} in the checkpoint, "
