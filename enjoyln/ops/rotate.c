@@ -12,7 +12,14 @@
  *
  * Q = S (H_k (x) B) (I - 2 w w^T) is never formed. Each vector is worked on alone, in
  * float64, by one thread, every operation in the order above; vectors are gathered LANES at a
- * time into a buffer [n][LANES] so that vectorising across lanes reorders nothing. With
+ * time into a buffer [n][LANES] so that vectorising across lanes reorders nothing. The transform's
+ * lower levels run on each L1-sized part of the buffer as it is gathered, the higher ones after:
+ * every element still goes through the same additions in the same order, only the schedule of
+ * independent butterflies changes.
+ *
+ * With scale (a norm's gain fused into the weight that reads it), step 0 comes first:
+ * x[i] = round(x[i] * scale[i]) to the tensor's dtype, the bits a separate pass of that product
+ * rounded into the tensor gives. With
  * -ffp-contract=off (no multiply-add fused into one rounding) the bits do not depend on the
  * layout (rows or strided columns), the number of threads, or the instruction set (AVX2 or
  * AVX-512; fma is correctly rounded wherever it runs, in hardware or in the C library). Results are rounded to the tensor's dtype as torch rounds a float64.
@@ -29,6 +36,7 @@
 #include "dtypes.h"
 
 #define LANES 4
+#define L1_POSITIONS 512 /* positions whose lower transform levels run while they sit in L1: 16 KiB of lanes */
 #define PARALLEL_MIN 262144
 
 static uint64_t splitmix(uint64_t* s) {
@@ -134,11 +142,11 @@ static void mix_lanes(lanes* restrict y, const lanes* restrict xt, const double*
     }
 }
 
-/* The Walsh-Hadamard transform along a on y[k][m], levels h = 1, 2, 4, ... in order: (u, v) -> (u + v, u - v).
- * Two levels per pass over the buffer where they pair up (the same additions on every element, in the same
- * order, as one level at a time). */
-static void hadamard_lanes(lanes* restrict y, int64_t k, int64_t m) {
-    int64_t h = 1;
+/* Levels h = h0, 2 h0, ... below k of the Walsh-Hadamard transform along a on y[k][m], in order:
+ * (u, v) -> (u + v, u - v). Two levels per pass over the buffer where they pair up (the same additions on
+ * every element, in the same order, as one level at a time). */
+static void hadamard_lanes(lanes* restrict y, int64_t k, int64_t m, int64_t h0) {
+    int64_t h = h0;
     for (; 4 * h <= k; h <<= 2)
         for (int64_t a0 = 0; a0 < k; a0 += 4 * h)
             for (int64_t a = a0; a < a0 + h; a++) {
@@ -176,53 +184,81 @@ static lanes twice_dot(const lanes* y, const double* w, int64_t n) {
     return acc + acc;
 }
 
-#define GATHER(LD)                                                                           \
-    for (int64_t a = 0; a < k; a++) {                                                        \
-        lanes* out = m == 1 ? y + a : xt;                                                    \
-        for (int64_t b = 0; b < m; b++) {                                                    \
-            const int64_t i = a * m + b;                                                     \
-            lanes v = {0};                                                                   \
-            for (int l = 0; l < wl; l++) v[l] = LD(src, off[l] + i * step);                  \
-            out[b] = v * pre[i];                                                             \
+/* v rounded to each dtype and back to float64, as a store and a load of it give. */
+static inline double rd_f32(double v) { return (double)(float)v; }
+static inline double rd_f64(double v) { return v; }
+static inline double rd_bf16(double v) { uint16_t h; st_bf16(&h, 0, v); return ld_bf16(&h, 0); }
+static inline double rd_f16(double v) { uint16_t h; st_f16(&h, 0, v); return ld_f16(&h, 0); }
+
+/* Each lane of v times s, rounded to the dtype: through memory, one lane at a time, since GCC 12 at -O3
+ * drops a float32 round trip it vectorizes here (the products would then skip their rounding). */
+#define SCALED(RD, v, s)                                                                     \
+    {                                                                                        \
+        volatile double p[LANES];                                                            \
+        for (int l = 0; l < LANES; l++) p[l] = RD(v[l] * s);                                 \
+        for (int l = 0; l < LANES; l++) v[l] = p[l];                                         \
+    }
+
+/* Positions a0 .. a0 + kb of the vectors at off[], gathered into y: signs, block, lower transform levels. */
+#define GATHER(LD, RD)                                                                       \
+    for (int64_t a0 = 0; a0 < k; a0 += kb) {                                                 \
+        for (int64_t a = a0; a < a0 + kb; a++) {                                             \
+            lanes* out = m == 1 ? y + a : xt;                                                \
+            for (int64_t b = 0; b < m; b++) {                                                \
+                const int64_t i = a * m + b;                                                 \
+                lanes v = {0};                                                               \
+                if (wl == LANES)                                                             \
+                    for (int l = 0; l < LANES; l++) v[l] = LD(src, off[l] + i * step);       \
+                else                                                                         \
+                    for (int l = 0; l < wl; l++) v[l] = LD(src, off[l] + i * step);          \
+                if (scale) SCALED(RD, v, scale[i])                                           \
+                out[b] = v * pre[i];                                                         \
+            }                                                                                \
+            if (m > 1) mix_lanes(y + a * m, xt, bt, m);                                      \
         }                                                                                    \
-        if (m > 1) mix_lanes(y + a * m, xt, bt, m);                                          \
+        hadamard_lanes(y + a0 * m, kb, m, 1);                                                \
     }
 
 #define SCATTER(ST, SIZE)                                                                    \
     for (int64_t i = 0; i < n; i++) {                                                        \
         const lanes v = w ? y[i] - c * w[i] : y[i];                                         \
-        for (int l = 0; l < wl; l++) {                                                       \
-            const int64_t at = off[l] + i * step;                                            \
-            if (cand) {                                                                      \
-                unsigned char tmp[8];                                                        \
-                ST(tmp, 0, v[l]);                                                            \
-                if (memcmp(tmp, (const char*)cand + at * SIZE, SIZE)) differ = 1;            \
-            } else {                                                                         \
-                ST(dst, at, v[l]);                                                           \
+        if (cand) {                                                                          \
+            for (int l = 0; l < wl; l++) {                                                   \
+                unsigned char out[8];                                                        \
+                ST(out, 0, v[l]);                                                            \
+                if (memcmp(out, (const char*)cand + (off[l] + i * step) * SIZE, SIZE)) differ = 1; \
             }                                                                                \
+        } else if (wl == LANES) {                                                            \
+            for (int l = 0; l < LANES; l++) ST(dst, off[l] + i * step, v[l]);                \
+        } else {                                                                             \
+            for (int l = 0; l < wl; l++) ST(dst, off[l] + i * step, v[l]);                   \
         }                                                                                    \
     }
 
-#define ROTATE_ITEM(LD, ST, SIZE) \
-    {                             \
-        GATHER(LD)                \
-        hadamard_lanes(y, k, m);  \
+#define ROTATE_ITEM(LD, ST, RD, SIZE) \
+    {                                 \
+        GATHER(LD, RD)                \
+        hadamard_lanes(y, k, m, kb);  \
         const lanes c = twice_dot(y, w, n); \
-        SCATTER(ST, SIZE)         \
+        SCATTER(ST, SIZE)             \
     }
 
 /* Rotate the vectors of the slice at src (a tensor seen as [outer, n, inner], outer_stride elements
- * between outer indices, the rotated axis in the middle) into dst (in place: dst == src), or compare
- * them with cand (dst unused). pre: n doubles; block: m x m (NULL where m == 1); w: n doubles or NULL.
+ * between outer indices, the rotated axis in the middle) into dst (in place: dst == src; else dst has
+ * src's layout), or compare them with cand (dst unused). pre: n doubles; block: m x m (NULL where m == 1);
+ * w: n doubles or NULL; scale: n doubles or NULL (step 0 above).
  * Returns 0 (written, or equal to cand), 1 (cand differs), -1 (unknown dtype), -2 (no memory). */
-int enjoyln_rotate_into(const void* src, void* dst, const void* cand, int dtype, int64_t outer, int64_t outer_stride,
-                        int64_t n, int64_t inner, int64_t k, int64_t m, const double* pre, const double* block,
-                        const double* w, int threads) {
+int enjoyln_rotate_scaled_into(const void* src, void* dst, const void* cand, int dtype, int64_t outer,
+                               int64_t outer_stride, int64_t n, int64_t inner, int64_t k, int64_t m,
+                               const double* pre, const double* block, const double* w, const double* scale,
+                               int threads) {
     if (n <= 0 || outer <= 0 || inner <= 0) return 0;
     if (dtype < F32 || dtype > F64 || k * m != n) return -1;
     const int64_t lane_blocks = (inner + LANES - 1) / LANES;
     const int64_t items = inner == 1 ? (outer + LANES - 1) / LANES : outer * lane_blocks;
     const int64_t step = inner;
+    int64_t kb = 1; /* the lower levels: a power of two dividing k, kb * m positions within L1_POSITIONS */
+    while (2 * kb <= k && 2 * kb * m <= L1_POSITIONS) kb <<= 1;
     int differ = 0, failed = 0;
     _Pragma("omp parallel num_threads(threads) reduction(|:differ, failed) if(outer * n * inner >= PARALLEL_MIN)")
     {
@@ -248,15 +284,23 @@ int enjoyln_rotate_into(const void* src, void* dst, const void* cand, int dtype,
                 for (int l = 0; l < LANES; l++) off[l] = o * outer_stride + j0 + (l < wl ? l : 0);
             }
             switch (dtype) {
-                case F32: ROTATE_ITEM(ld_f32, st_f32, 4) break;
-                case F64: ROTATE_ITEM(ld_f64, st_f64, 8) break;
-                case BF16: ROTATE_ITEM(ld_bf16, st_bf16, 2) break;
-                case F16: ROTATE_ITEM(ld_f16, st_f16, 2) break;
+                case F32: ROTATE_ITEM(ld_f32, st_f32, rd_f32, 4) break;
+                case F64: ROTATE_ITEM(ld_f64, st_f64, rd_f64, 8) break;
+                case BF16: ROTATE_ITEM(ld_bf16, st_bf16, rd_bf16, 2) break;
+                case F16: ROTATE_ITEM(ld_f16, st_f16, rd_f16, 2) break;
             }
         }
         free(y), free(xt), free(bt);
     }
     return failed ? -2 : differ;
+}
+
+/* enjoyln_rotate_scaled_into without a scale. */
+int enjoyln_rotate_into(const void* src, void* dst, const void* cand, int dtype, int64_t outer, int64_t outer_stride,
+                        int64_t n, int64_t inner, int64_t k, int64_t m, const double* pre, const double* block,
+                        const double* w, int threads) {
+    return enjoyln_rotate_scaled_into(src, dst, cand, dtype, outer, outer_stride, n, inner, k, m, pre, block, w,
+                                      NULL, threads);
 }
 
 int enjoyln_rotate_has_f16(void) { return ENJOYLN_HAS_F16; }
