@@ -36,6 +36,7 @@
 #include "dtypes.h"
 
 #define LANES 4
+#define TILE 4 /* items of neighbouring strided vectors gathered together: 16 float32s, one cache line */
 #define L1_POSITIONS 512 /* positions whose lower transform levels run while they sit in L1: 16 KiB of lanes */
 #define PARALLEL_MIN 262144
 
@@ -200,47 +201,58 @@ static inline double rd_f16(double v) { uint16_t h; st_f16(&h, 0, v); return ld_
     }
 
 /* Positions a0 .. a0 + kb of the vectors at off[], gathered into y: signs, block, lower transform levels. */
-#define GATHER(LD, RD)                                                                       \
-    for (int64_t a0 = 0; a0 < k; a0 += kb) {                                                 \
+/* Positions a0 .. a0 + kb of item q (its LANES vectors at off[q][]) into its buffer y + q n: signs, block,
+ * lower transform levels. */
+#define GATHER(LD, RD, q, a0)                                                                \
+    {                                                                                        \
+        lanes* yq = y + q * n;                                                               \
         for (int64_t a = a0; a < a0 + kb; a++) {                                             \
-            lanes* out = m == 1 ? y + a : xt;                                                \
+            lanes* out = m == 1 ? yq + a : xt;                                               \
             for (int64_t b = 0; b < m; b++) {                                                \
                 const int64_t i = a * m + b;                                                 \
                 lanes v = {0};                                                               \
-                if (wl == LANES)                                                             \
-                    for (int l = 0; l < LANES; l++) v[l] = LD(src, off[l] + i * step);       \
+                if (wl[q] == LANES)                                                          \
+                    for (int l = 0; l < LANES; l++) v[l] = LD(src, off[q][l] + i * step);    \
                 else                                                                         \
-                    for (int l = 0; l < wl; l++) v[l] = LD(src, off[l] + i * step);          \
+                    for (int l = 0; l < wl[q]; l++) v[l] = LD(src, off[q][l] + i * step);    \
                 if (scale) SCALED(RD, v, scale[i])                                           \
                 out[b] = v * pre[i];                                                         \
             }                                                                                \
-            if (m > 1) mix_lanes(y + a * m, xt, bt, m);                                      \
+            if (m > 1) mix_lanes(yq + a * m, xt, bt, m);                                     \
         }                                                                                    \
-        hadamard_lanes(y + a0 * m, kb, m, 1);                                                \
+        hadamard_lanes(yq + a0 * m, kb, m, 1);                                               \
     }
 
-#define SCATTER(ST, SIZE)                                                                    \
-    for (int64_t i = 0; i < n; i++) {                                                        \
-        const lanes v = w ? y[i] - c * w[i] : y[i];                                         \
+/* Positions i0 .. i1 of item q written (or compared with cand). */
+#define SCATTER(ST, SIZE, q, i0, i1)                                                         \
+    for (int64_t i = i0; i < i1; i++) {                                                      \
+        const lanes v = w ? y[q * n + i] - c[q] * w[i] : y[q * n + i];                       \
         if (cand) {                                                                          \
-            for (int l = 0; l < wl; l++) {                                                   \
+            for (int l = 0; l < wl[q]; l++) {                                                \
                 unsigned char out[8];                                                        \
                 ST(out, 0, v[l]);                                                            \
-                if (memcmp(out, (const char*)cand + (off[l] + i * step) * SIZE, SIZE)) differ = 1; \
+                if (memcmp(out, (const char*)cand + (off[q][l] + i * step) * SIZE, SIZE)) differ = 1; \
             }                                                                                \
-        } else if (wl == LANES) {                                                            \
-            for (int l = 0; l < LANES; l++) ST(dst, off[l] + i * step, v[l]);                \
+        } else if (wl[q] == LANES) {                                                         \
+            for (int l = 0; l < LANES; l++) ST(dst, off[q][l] + i * step, v[l]);             \
         } else {                                                                             \
-            for (int l = 0; l < wl; l++) ST(dst, off[l] + i * step, v[l]);                   \
+            for (int l = 0; l < wl[q]; l++) ST(dst, off[q][l] + i * step, v[l]);             \
         }                                                                                    \
     }
 
-#define ROTATE_ITEM(LD, ST, RD, SIZE) \
-    {                                 \
-        GATHER(LD, RD)                \
-        hadamard_lanes(y, k, m, kb);  \
-        const lanes c = twice_dot(y, w, n); \
-        SCATTER(ST, SIZE)             \
+/* The items of one tile, each rotated on its own; their gathers and scatters interleaved a block of
+ * positions at a time, so that the cache lines and pages of strided vectors are read and written once. */
+#define ROTATE_TILE(LD, ST, RD, SIZE)                                                        \
+    {                                                                                        \
+        for (int64_t a0 = 0; a0 < k; a0 += kb)                                               \
+            for (int q = 0; q < nq; q++) GATHER(LD, RD, q, a0)                               \
+        lanes c[TILE];                                                                       \
+        for (int q = 0; q < nq; q++) {                                                       \
+            hadamard_lanes(y + q * n, k, m, kb);                                             \
+            c[q] = twice_dot(y + q * n, w, n);                                               \
+        }                                                                                    \
+        for (int64_t i0 = 0; i0 < n; i0 += L1_POSITIONS)                                     \
+            for (int q = 0; q < nq; q++) SCATTER(ST, SIZE, q, i0, (i0 + L1_POSITIONS < n ? i0 + L1_POSITIONS : n)) \
     }
 
 /* Rotate the vectors of the slice at src (a tensor seen as [outer, n, inner], outer_stride elements
@@ -254,15 +266,17 @@ int enjoyln_rotate_scaled_into(const void* src, void* dst, const void* cand, int
                                int threads) {
     if (n <= 0 || outer <= 0 || inner <= 0) return 0;
     if (dtype < F32 || dtype > F64 || k * m != n) return -1;
+    /* an item: LANES vectors; a tile: up to TILE items of neighbouring columns (one item for rows) */
     const int64_t lane_blocks = (inner + LANES - 1) / LANES;
-    const int64_t items = inner == 1 ? (outer + LANES - 1) / LANES : outer * lane_blocks;
+    const int64_t per_outer = (lane_blocks + TILE - 1) / TILE;
+    const int64_t tiles = inner == 1 ? (outer + LANES - 1) / LANES : outer * per_outer;
     const int64_t step = inner;
     int64_t kb = 1; /* the lower levels: a power of two dividing k, kb * m positions within L1_POSITIONS */
     while (2 * kb <= k && 2 * kb * m <= L1_POSITIONS) kb <<= 1;
     int differ = 0, failed = 0;
     _Pragma("omp parallel num_threads(threads) reduction(|:differ, failed) if(outer * n * inner >= PARALLEL_MIN)")
     {
-        lanes* y = aligned_alloc(64, (size_t)n * sizeof(lanes));
+        lanes* y = aligned_alloc(64, (size_t)(TILE * n) * sizeof(lanes));
         lanes* xt = aligned_alloc(64, (size_t)m * sizeof(lanes));
         double* bt = malloc((size_t)(m * m) * sizeof(double));
         if (!y || !xt || !bt) failed = 1;
@@ -270,24 +284,29 @@ int enjoyln_rotate_scaled_into(const void* src, void* dst, const void* cand, int
             for (int64_t d = 0; d < m; d++)
                 for (int64_t b = 0; b < m; b++) bt[d * m + b] = m == 1 ? 1.0 : block[b * m + d];
         _Pragma("omp for schedule(static)")
-        for (int64_t t = 0; t < items; t++) {
+        for (int64_t t = 0; t < tiles; t++) {
             if (failed) continue;
-            int64_t off[LANES];
-            int wl;
+            int64_t off[TILE][LANES];
+            int wl[TILE], nq;
             if (inner == 1) {
                 const int64_t o0 = t * LANES;
-                wl = outer - o0 < LANES ? (int)(outer - o0) : LANES;
-                for (int l = 0; l < LANES; l++) off[l] = (o0 + (l < wl ? l : 0)) * outer_stride;
+                nq = 1;
+                wl[0] = outer - o0 < LANES ? (int)(outer - o0) : LANES;
+                for (int l = 0; l < LANES; l++) off[0][l] = (o0 + (l < wl[0] ? l : 0)) * outer_stride;
             } else {
-                const int64_t o = t / lane_blocks, j0 = (t % lane_blocks) * LANES;
-                wl = inner - j0 < LANES ? (int)(inner - j0) : LANES;
-                for (int l = 0; l < LANES; l++) off[l] = o * outer_stride + j0 + (l < wl ? l : 0);
+                const int64_t o = t / per_outer, b0 = (t % per_outer) * TILE;
+                nq = lane_blocks - b0 < TILE ? (int)(lane_blocks - b0) : TILE;
+                for (int q = 0; q < nq; q++) {
+                    const int64_t j0 = (b0 + q) * LANES;
+                    wl[q] = inner - j0 < LANES ? (int)(inner - j0) : LANES;
+                    for (int l = 0; l < LANES; l++) off[q][l] = o * outer_stride + j0 + (l < wl[q] ? l : 0);
+                }
             }
             switch (dtype) {
-                case F32: ROTATE_ITEM(ld_f32, st_f32, rd_f32, 4) break;
-                case F64: ROTATE_ITEM(ld_f64, st_f64, rd_f64, 8) break;
-                case BF16: ROTATE_ITEM(ld_bf16, st_bf16, rd_bf16, 2) break;
-                case F16: ROTATE_ITEM(ld_f16, st_f16, rd_f16, 2) break;
+                case F32: ROTATE_TILE(ld_f32, st_f32, rd_f32, 4) break;
+                case F64: ROTATE_TILE(ld_f64, st_f64, rd_f64, 8) break;
+                case BF16: ROTATE_TILE(ld_bf16, st_bf16, rd_bf16, 2) break;
+                case F16: ROTATE_TILE(ld_f16, st_f16, rd_f16, 2) break;
             }
         }
         free(y), free(xt), free(bt);
