@@ -242,15 +242,12 @@ page cache can stall a write for as long as the computing takes); a larger one i
 that two of them are never in memory at once."""
 
 
-class _WriteBehind:
+class _WriteBehind(contextlib.AbstractContextManager):
     """Writes of computed tensors into ``out`` on a thread of their own, one at a time; leaving the block
     waits for the last and raises what it raised."""
 
     def __init__(self, out: int) -> None:
         self.out, self.pool, self.pending = out, ThreadPoolExecutor(1, thread_name_prefix="enjoyln-write"), None
-
-    def __enter__(self) -> "_WriteBehind":
-        return self
 
     def write(self, t: torch.Tensor, at: int) -> bool:
         """``t``'s bytes to ``at`` behind the caller's back (``t`` is not changed after); False, nothing

@@ -86,8 +86,7 @@ def test_computed_tensors_written_behind_land_where_they_belong(tmp_path, monkey
     assert torch.equal(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32), torch.cat(tensors))
     read_only = os.open(path, os.O_RDONLY)
     try:
-        with pytest.raises(OSError):
-            with writer._WriteBehind(read_only) as behind:
-                assert behind.write(tensors[0], 0)
+        with pytest.raises(OSError), writer._WriteBehind(read_only) as behind:
+            assert behind.write(tensors[0], 0)
     finally:
         os.close(read_only)
