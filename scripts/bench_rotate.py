@@ -19,7 +19,7 @@ heads, 8 key-value heads, MLP 59392, untied head; ``--big-layers`` layers, 4 by 
 vocabulary of ``--big-vocab``, 65024 by default: 21.6 GB), once each: cp, rotate, check --static,
 cat of both.
 
-    python scripts/bench_rotate.py [--workdir DIR] [--widths 2048,1600,4544] [--repeat 3] [--write]
+    python scripts/bench_rotate.py [--workdir DIR] [--widths 2048,1600,4544] [--repeat 1] [--write]
     python scripts/bench_rotate.py --big [--workdir DIR] [--big-layers 4] [--big-vocab 65024] [--write]
 """
 
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -46,27 +46,31 @@ DEPTHS = {2048: (2, 4), 1600: (3, 6), 4544: (1, 2)}
 
 
 def measure_width(width: int, work: Path, repeat: int) -> list[dict]:
-    """The commands on both sizes of one width; each result keyed by command."""
+    """The commands on both sizes of one width; each result keyed by command. The first run of ``rotate``
+    writes the rotated checkpoint the other commands read (timed like the others)."""
     refs, rotated = [], []
     for layers in DEPTHS.get(width, (2, 4)):
         ref, out = work / f"ref-{width}-{layers}", work / f"rotated-{width}-{layers}"
         print(f"width {width}, {layers} layers: {build_gpt2(ref, layers, width) / 1e9:.2f} GB", flush=True)
-        subprocess.run(enjoyln("rotate", ref, out, "--no-check"), check=True, capture_output=True)
         refs.append(ref)
         rotated.append(out)
     commands = {
+        "rotate": (lambda ref, rot, out: enjoyln("rotate", ref, out, "--no-check"), lambda ref, rot: (ref,)),
         "cp": (lambda ref, rot, out: ["cp", "-r", str(ref), str(out)], lambda ref, rot: (ref,)),
         "cat": (lambda ref, rot, out: ["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, files(ref, rot))],
                 lambda ref, rot: (ref, rot)),
-        "rotate": (lambda ref, rot, out: enjoyln("rotate", ref, out, "--no-check"), lambda ref, rot: (ref,)),
         "static": (lambda ref, rot, out: enjoyln("check", ref, rot, "--static"), lambda ref, rot: (ref, rot)),
     }
     results: list[dict] = [{} for _ in refs]
     for key, (cmd, reads) in commands.items():
         runs: list[list[dict]] = [[] for _ in refs]
-        for _ in range(repeat):
+        for r in range(repeat):
             for j, (ref, rot) in enumerate(zip(refs, rotated)):
-                runs[j].append(run_once(cmd(ref, rot, work / "out"), f"{key} ({ref.name})", reads(ref, rot)))
+                keep = key == "rotate" and r == 0
+                runs[j].append(run_once(cmd(ref, rot, rot if keep else work / "out"), f"{key} ({ref.name})",
+                                        reads(ref, rot)))
+                if keep and runs[j][-1]["exit"] != 0:
+                    raise SystemExit(f"rotate {ref} failed")
                 shutil.rmtree(work / "out", ignore_errors=True)
         for j in range(len(refs)):
             results[j][key] = fastest(runs[j])
@@ -81,13 +85,17 @@ def measure_width(width: int, work: Path, repeat: int) -> list[dict]:
 def width_rows(width: int, small: dict, large: dict) -> tuple[str, dict]:
     """One table row for a width, and its ratios."""
     def marginal(key: str, by: str) -> float:
+        """NaN where the larger checkpoint took no longer: other jobs swamped the difference."""
         dt = large[key]["seconds"] - small[key]["seconds"]
-        return (large[by] - small[by]) / dt / 1e9 if dt > 0 else float("inf")
+        return (large[by] - small[by]) / dt / 1e9 if dt > 0 else math.nan
 
     def per_cpu(key: str, by: str) -> float:
         """GB per second of CPU time (user and system, all threads), marginal: what the work costs the cores."""
         dt = large[key]["cpu"] - small[key]["cpu"]
-        return (large[by] - small[by]) / dt / 1e9 if dt > 0 else float("inf")
+        return (large[by] - small[by]) / dt / 1e9 if dt > 0 else math.nan
+
+    def f(x: float) -> str:
+        return f"{x:.2f}" if math.isfinite(x) else "–"
 
     cp, cat = marginal("cp", "bytes_ref"), marginal("cat", "bytes_both")
     rot, static = marginal("rotate", "bytes_ref"), marginal("static", "bytes_both")
@@ -98,8 +106,8 @@ def width_rows(width: int, small: dict, large: dict) -> tuple[str, dict]:
               "passed": all(r["check"]["exit"] == 0 for r in (small, large))}
     k = width & -width
     row = (f"| {width} = {k} × {width // k} | {small['bytes_ref'] / 1e9:.2f} / {large['bytes_ref'] / 1e9:.2f} GB "
-           f"| {cp:.2f} | {rot:.2f} | **{ratios['rotate/cp']:.2f}** | {cat:.2f} | {static:.2f} "
-           f"| **{ratios['static/cat']:.2f}** | {ratios['rotate cpu']:.2f} / {ratios['static cpu']:.2f} "
+           f"| {f(cp)} | {f(rot)} | **{f(ratios['rotate/cp'])}** | {f(cat)} | {f(static)} "
+           f"| **{f(ratios['static/cat'])}** | {f(ratios['rotate cpu'])} / {f(ratios['static cpu'])} "
            f"| {ratios['check/static']:.2f} | {' / '.join(f'{v / 2**30:.2f}' for v in ratios['rss'].values())} GiB "
            f"| {'passed' if ratios['passed'] else 'FAILED'} |")
     return row, ratios
@@ -118,9 +126,11 @@ def widths_table(results: dict[int, list[dict]], repeat: int) -> str:
         "system, all threads): what the work costs the cores, whatever else runs. `check / check --static` is "
         "the ratio of whole commands on the larger checkpoint; "
         "peak RSS the larger of the two runs of each command; `check` the default check of each rotated "
-        f"output. GPT-2-shaped fp32 checkpoints, vocabulary 8192; each command run {repeat} times, the two "
+        f"output. GPT-2-shaped fp32 checkpoints, vocabulary 8192; each command run {repeat} "
+        f"time{'s' if repeat != 1 else ''}, the two "
         f"sizes alternating, the fastest counting; {machine()}; the machine was shared with other jobs while "
-        "it ran, so the ratios, measured side by side, mean more than the rates. "
+        "it ran, so the ratios, measured side by side, mean more than the rates (– : the larger checkpoint took "
+        "no longer, the difference lost in the sharing). "
         "Command: `python scripts/bench_rotate.py --write`."])
 
 
@@ -207,7 +217,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--widths", default="2048,1600,4544")
-    parser.add_argument("--repeat", type=int, default=3, help="runs of each command; the fastest counts")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each command; the fastest counts")
     parser.add_argument("--big", action="store_true", help="the Falcon-180B-shaped checkpoint instead")
     parser.add_argument("--big-layers", type=int, default=4)
     parser.add_argument("--big-vocab", type=int, default=BIG["vocab"], help="the big checkpoint's vocabulary")
@@ -219,7 +229,7 @@ def main() -> None:
             BIG["vocab"] = args.big_vocab
             text, block = measure_big(work, args.big_layers), "rotate-big"
         else:
-            results = {w: measure_width(int(w), work, args.repeat) for w in args.widths.split(",")}
+            results = {int(w): measure_width(int(w), work, args.repeat) for w in args.widths.split(",")}
             text, block = widths_table(results, args.repeat), "rotate"
             for width, runs in results.items():
                 print(f"{width}: {width_rows(width, *runs)[1]}")

@@ -14,7 +14,7 @@ from ..plan import Centering, FoldPlan
 from ..store.checkpoint import Checkpoint
 from ..store.formats import DTYPES, widened
 from ..store.tensors import TensorReader, return_freed_memory
-from ..transform.rotation import apply_rotation
+from ..transform.rotation import apply_rotation, scaled_in_kernel
 from ..transform.steps import trace_plan
 from ..transform.tensors import center_, fused_product, scale_inputs_, ties_lost_on_untie
 from ..transform.trace import Op, Product, Read, Ref, Tracer
@@ -175,11 +175,31 @@ class StreamedTensors:
         else:
             t = self.reader.read(s.base).to(s.dtype)
         with torch.no_grad():
-            for v, op in enumerate(s.ops[:version]):
+            ops, v = s.ops[:version], 0
+            while v < len(ops):
                 self._tap(index, v, t)
-                self._apply(op, t)
+                if self._scaled_rotation(index, v, ops, t):
+                    v += 2
+                    continue
+                self._apply(ops[v], t)
+                v += 1
             self._tap(index, version, t)
         return t
+
+    def _scaled_rotation(self, index: int, v: int, ops: list[Op], t: torch.Tensor) -> bool:
+        """A fused gain and the rotation after it (``ops[v]``, ``ops[v + 1]``) applied in one pass of the
+        rotation kernel, with the bits of the two steps one after the other; False where they cannot be,
+        or where another slot reads the scaled weight before its rotation."""
+        if v + 1 >= len(ops) or (index, v + 1) in self._taps:
+            return False
+        scale, rotate = ops[v], ops[v + 1]
+        if scale.kind != "scale" or rotate.kind != "rotate" or not scaled_in_kernel(t, rotate.rotated,
+                                                                                   rotate.rotation, scale.fused):
+            return False
+        f = scale.fused
+        gamma = self._read(scale.reads[0]).to(torch.float64).reshape(-1)[f.offset:f.offset + f.length]
+        apply_rotation(t, rotate.rotated, rotate.rotation, gamma)
+        return True
 
     def _tap(self, index: int, version: int, t: torch.Tensor) -> None:
         """Keep what other slots read of this one at this version: small values, so a large one is never held."""

@@ -12,7 +12,14 @@
  *
  * Q = S (H_k (x) B) (I - 2 w w^T) is never formed. Each vector is worked on alone, in
  * float64, by one thread, every operation in the order above; vectors are gathered LANES at a
- * time into a buffer [n][LANES] so that vectorising across lanes reorders nothing. With
+ * time into a buffer [n][LANES] so that vectorising across lanes reorders nothing. The transform's
+ * lower levels run on each L1-sized part of the buffer as it is gathered, the higher ones after:
+ * every element still goes through the same additions in the same order, only the schedule of
+ * independent butterflies changes.
+ *
+ * With scale (a norm's gain fused into the weight that reads it), step 0 comes first:
+ * x[i] = round(x[i] * scale[i]) to the tensor's dtype, the bits a separate pass of that product
+ * rounded into the tensor gives. With
  * -ffp-contract=off (no multiply-add fused into one rounding) the bits do not depend on the
  * layout (rows or strided columns), the number of threads, or the instruction set (AVX2 or
  * AVX-512; fma is correctly rounded wherever it runs, in hardware or in the C library). Results are rounded to the tensor's dtype as torch rounds a float64.
@@ -29,6 +36,8 @@
 #include "dtypes.h"
 
 #define LANES 4
+#define TILE 4 /* items of neighbouring strided vectors gathered together: 16 float32s, one cache line */
+#define L1_POSITIONS 512 /* positions whose lower transform levels run while they sit in L1: 16 KiB of lanes */
 #define PARALLEL_MIN 262144
 
 static uint64_t splitmix(uint64_t* s) {
@@ -134,11 +143,11 @@ static void mix_lanes(lanes* restrict y, const lanes* restrict xt, const double*
     }
 }
 
-/* The Walsh-Hadamard transform along a on y[k][m], levels h = 1, 2, 4, ... in order: (u, v) -> (u + v, u - v).
- * Two levels per pass over the buffer where they pair up (the same additions on every element, in the same
- * order, as one level at a time). */
-static void hadamard_lanes(lanes* restrict y, int64_t k, int64_t m) {
-    int64_t h = 1;
+/* Levels h = h0, 2 h0, ... below k of the Walsh-Hadamard transform along a on y[k][m], in order:
+ * (u, v) -> (u + v, u - v). Two levels per pass over the buffer where they pair up (the same additions on
+ * every element, in the same order, as one level at a time). */
+static void hadamard_lanes(lanes* restrict y, int64_t k, int64_t m, int64_t h0) {
+    int64_t h = h0;
     for (; 4 * h <= k; h <<= 2)
         for (int64_t a0 = 0; a0 < k; a0 += 4 * h)
             for (int64_t a = a0; a < a0 + h; a++) {
@@ -176,57 +185,98 @@ static lanes twice_dot(const lanes* y, const double* w, int64_t n) {
     return acc + acc;
 }
 
-#define GATHER(LD)                                                                           \
-    for (int64_t a = 0; a < k; a++) {                                                        \
-        lanes* out = m == 1 ? y + a : xt;                                                    \
-        for (int64_t b = 0; b < m; b++) {                                                    \
-            const int64_t i = a * m + b;                                                     \
-            lanes v = {0};                                                                   \
-            for (int l = 0; l < wl; l++) v[l] = LD(src, off[l] + i * step);                  \
-            out[b] = v * pre[i];                                                             \
-        }                                                                                    \
-        if (m > 1) mix_lanes(y + a * m, xt, bt, m);                                          \
+/* v rounded to each dtype and back to float64, as a store and a load of it give. */
+static inline double rd_f32(double v) { return (double)(float)v; }
+static inline double rd_f64(double v) { return v; }
+static inline double rd_bf16(double v) { uint16_t h; st_bf16(&h, 0, v); return ld_bf16(&h, 0); }
+static inline double rd_f16(double v) { uint16_t h; st_f16(&h, 0, v); return ld_f16(&h, 0); }
+
+/* Each lane of v times s, rounded to the dtype: through memory, one lane at a time, since GCC 12 at -O3
+ * drops a float32 round trip it vectorizes here (the products would then skip their rounding). */
+#define SCALED(RD, v, s)                                                                     \
+    {                                                                                        \
+        volatile double p[LANES];                                                            \
+        for (int l = 0; l < LANES; l++) p[l] = RD(v[l] * s);                                 \
+        for (int l = 0; l < LANES; l++) v[l] = p[l];                                         \
     }
 
-#define SCATTER(ST, SIZE)                                                                    \
-    for (int64_t i = 0; i < n; i++) {                                                        \
-        const lanes v = w ? y[i] - c * w[i] : y[i];                                         \
-        for (int l = 0; l < wl; l++) {                                                       \
-            const int64_t at = off[l] + i * step;                                            \
-            if (cand) {                                                                      \
-                unsigned char tmp[8];                                                        \
-                ST(tmp, 0, v[l]);                                                            \
-                if (memcmp(tmp, (const char*)cand + at * SIZE, SIZE)) differ = 1;            \
-            } else {                                                                         \
-                ST(dst, at, v[l]);                                                           \
+/* Positions a0 .. a0 + kb of the vectors at off[], gathered into y: signs, block, lower transform levels. */
+/* Positions a0 .. a0 + kb of item q (its LANES vectors at off[q][]) into its buffer y + q n: signs, block,
+ * lower transform levels. */
+#define GATHER(LD, RD, q, a0)                                                                \
+    {                                                                                        \
+        lanes* yq = y + q * n;                                                               \
+        for (int64_t a = a0; a < a0 + kb; a++) {                                             \
+            lanes* out = m == 1 ? yq + a : xt;                                               \
+            for (int64_t b = 0; b < m; b++) {                                                \
+                const int64_t i = a * m + b;                                                 \
+                lanes v = {0};                                                               \
+                if (wl[q] == LANES)                                                          \
+                    for (int l = 0; l < LANES; l++) v[l] = LD(src, off[q][l] + i * step);    \
+                else                                                                         \
+                    for (int l = 0; l < wl[q]; l++) v[l] = LD(src, off[q][l] + i * step);    \
+                if (scale) SCALED(RD, v, scale[i])                                           \
+                out[b] = v * pre[i];                                                         \
             }                                                                                \
+            if (m > 1) mix_lanes(yq + a * m, xt, bt, m);                                     \
+        }                                                                                    \
+        hadamard_lanes(yq + a0 * m, kb, m, 1);                                               \
+    }
+
+/* Positions i0 .. i1 of item q written (or compared with cand). */
+#define SCATTER(ST, SIZE, q, i0, i1)                                                         \
+    for (int64_t i = i0; i < i1; i++) {                                                      \
+        const lanes v = w ? y[q * n + i] - c[q] * w[i] : y[q * n + i];                       \
+        if (cand) {                                                                          \
+            for (int l = 0; l < wl[q]; l++) {                                                \
+                unsigned char out[8];                                                        \
+                ST(out, 0, v[l]);                                                            \
+                if (memcmp(out, (const char*)cand + (off[q][l] + i * step) * SIZE, SIZE)) differ = 1; \
+            }                                                                                \
+        } else if (wl[q] == LANES) {                                                         \
+            for (int l = 0; l < LANES; l++) ST(dst, off[q][l] + i * step, v[l]);             \
+        } else {                                                                             \
+            for (int l = 0; l < wl[q]; l++) ST(dst, off[q][l] + i * step, v[l]);             \
         }                                                                                    \
     }
 
-#define ROTATE_ITEM(LD, ST, SIZE) \
-    {                             \
-        GATHER(LD)                \
-        hadamard_lanes(y, k, m);  \
-        const lanes c = twice_dot(y, w, n); \
-        SCATTER(ST, SIZE)         \
+/* The items of one tile, each rotated on its own; their gathers and scatters interleaved a block of
+ * positions at a time, so that the cache lines and pages of strided vectors are read and written once. */
+#define ROTATE_TILE(LD, ST, RD, SIZE)                                                        \
+    {                                                                                        \
+        for (int64_t a0 = 0; a0 < k; a0 += kb)                                               \
+            for (int q = 0; q < nq; q++) GATHER(LD, RD, q, a0)                               \
+        lanes c[TILE];                                                                       \
+        for (int q = 0; q < nq; q++) {                                                       \
+            hadamard_lanes(y + q * n, k, m, kb);                                             \
+            c[q] = twice_dot(y + q * n, w, n);                                               \
+        }                                                                                    \
+        for (int64_t i0 = 0; i0 < n; i0 += L1_POSITIONS)                                     \
+            for (int q = 0; q < nq; q++) SCATTER(ST, SIZE, q, i0, (i0 + L1_POSITIONS < n ? i0 + L1_POSITIONS : n)) \
     }
 
 /* Rotate the vectors of the slice at src (a tensor seen as [outer, n, inner], outer_stride elements
- * between outer indices, the rotated axis in the middle) into dst (in place: dst == src), or compare
- * them with cand (dst unused). pre: n doubles; block: m x m (NULL where m == 1); w: n doubles or NULL.
+ * between outer indices, the rotated axis in the middle) into dst (in place: dst == src; else dst has
+ * src's layout), or compare them with cand (dst unused). pre: n doubles; block: m x m (NULL where m == 1);
+ * w: n doubles or NULL; scale: n doubles or NULL (step 0 above).
  * Returns 0 (written, or equal to cand), 1 (cand differs), -1 (unknown dtype), -2 (no memory). */
-int enjoyln_rotate_into(const void* src, void* dst, const void* cand, int dtype, int64_t outer, int64_t outer_stride,
-                        int64_t n, int64_t inner, int64_t k, int64_t m, const double* pre, const double* block,
-                        const double* w, int threads) {
+int enjoyln_rotate_scaled_into(const void* src, void* dst, const void* cand, int dtype, int64_t outer,
+                               int64_t outer_stride, int64_t n, int64_t inner, int64_t k, int64_t m,
+                               const double* pre, const double* block, const double* w, const double* scale,
+                               int threads) {
     if (n <= 0 || outer <= 0 || inner <= 0) return 0;
     if (dtype < F32 || dtype > F64 || k * m != n) return -1;
+    /* an item: LANES vectors; a tile: up to TILE items of neighbouring columns (one item for rows) */
     const int64_t lane_blocks = (inner + LANES - 1) / LANES;
-    const int64_t items = inner == 1 ? (outer + LANES - 1) / LANES : outer * lane_blocks;
+    const int64_t per_outer = (lane_blocks + TILE - 1) / TILE;
+    const int64_t tiles = inner == 1 ? (outer + LANES - 1) / LANES : outer * per_outer;
     const int64_t step = inner;
+    int64_t kb = 1; /* the lower levels: a power of two dividing k, kb * m positions within L1_POSITIONS */
+    while (2 * kb <= k && 2 * kb * m <= L1_POSITIONS) kb <<= 1;
     int differ = 0, failed = 0;
     _Pragma("omp parallel num_threads(threads) reduction(|:differ, failed) if(outer * n * inner >= PARALLEL_MIN)")
     {
-        lanes* y = aligned_alloc(64, (size_t)n * sizeof(lanes));
+        lanes* y = aligned_alloc(64, (size_t)(TILE * n) * sizeof(lanes));
         lanes* xt = aligned_alloc(64, (size_t)m * sizeof(lanes));
         double* bt = malloc((size_t)(m * m) * sizeof(double));
         if (!y || !xt || !bt) failed = 1;
@@ -234,29 +284,42 @@ int enjoyln_rotate_into(const void* src, void* dst, const void* cand, int dtype,
             for (int64_t d = 0; d < m; d++)
                 for (int64_t b = 0; b < m; b++) bt[d * m + b] = m == 1 ? 1.0 : block[b * m + d];
         _Pragma("omp for schedule(static)")
-        for (int64_t t = 0; t < items; t++) {
+        for (int64_t t = 0; t < tiles; t++) {
             if (failed) continue;
-            int64_t off[LANES];
-            int wl;
+            int64_t off[TILE][LANES];
+            int wl[TILE], nq;
             if (inner == 1) {
                 const int64_t o0 = t * LANES;
-                wl = outer - o0 < LANES ? (int)(outer - o0) : LANES;
-                for (int l = 0; l < LANES; l++) off[l] = (o0 + (l < wl ? l : 0)) * outer_stride;
+                nq = 1;
+                wl[0] = outer - o0 < LANES ? (int)(outer - o0) : LANES;
+                for (int l = 0; l < LANES; l++) off[0][l] = (o0 + (l < wl[0] ? l : 0)) * outer_stride;
             } else {
-                const int64_t o = t / lane_blocks, j0 = (t % lane_blocks) * LANES;
-                wl = inner - j0 < LANES ? (int)(inner - j0) : LANES;
-                for (int l = 0; l < LANES; l++) off[l] = o * outer_stride + j0 + (l < wl ? l : 0);
+                const int64_t o = t / per_outer, b0 = (t % per_outer) * TILE;
+                nq = lane_blocks - b0 < TILE ? (int)(lane_blocks - b0) : TILE;
+                for (int q = 0; q < nq; q++) {
+                    const int64_t j0 = (b0 + q) * LANES;
+                    wl[q] = inner - j0 < LANES ? (int)(inner - j0) : LANES;
+                    for (int l = 0; l < LANES; l++) off[q][l] = o * outer_stride + j0 + (l < wl[q] ? l : 0);
+                }
             }
             switch (dtype) {
-                case F32: ROTATE_ITEM(ld_f32, st_f32, 4) break;
-                case F64: ROTATE_ITEM(ld_f64, st_f64, 8) break;
-                case BF16: ROTATE_ITEM(ld_bf16, st_bf16, 2) break;
-                case F16: ROTATE_ITEM(ld_f16, st_f16, 2) break;
+                case F32: ROTATE_TILE(ld_f32, st_f32, rd_f32, 4) break;
+                case F64: ROTATE_TILE(ld_f64, st_f64, rd_f64, 8) break;
+                case BF16: ROTATE_TILE(ld_bf16, st_bf16, rd_bf16, 2) break;
+                case F16: ROTATE_TILE(ld_f16, st_f16, rd_f16, 2) break;
             }
         }
         free(y), free(xt), free(bt);
     }
     return failed ? -2 : differ;
+}
+
+/* enjoyln_rotate_scaled_into without a scale. */
+int enjoyln_rotate_into(const void* src, void* dst, const void* cand, int dtype, int64_t outer, int64_t outer_stride,
+                        int64_t n, int64_t inner, int64_t k, int64_t m, const double* pre, const double* block,
+                        const double* w, int threads) {
+    return enjoyln_rotate_scaled_into(src, dst, cand, dtype, outer, outer_stride, n, inner, k, m, pre, block, w,
+                                      NULL, threads);
 }
 
 int enjoyln_rotate_has_f16(void) { return ENJOYLN_HAS_F16; }

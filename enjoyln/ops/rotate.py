@@ -37,7 +37,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.enjoyln_rotation_tables.argtypes = [i64, i64, ctypes.c_uint64, p, p]
     lib.enjoyln_rotate_into.argtypes = [p, p, p, ctypes.c_int, i64, i64, i64, i64, i64, i64, p, p, p, ctypes.c_int]
+    lib.enjoyln_rotate_scaled_into.argtypes = [p, p, p, ctypes.c_int, i64, i64, i64, i64, i64, i64, p, p, p, p,
+                                               ctypes.c_int]
     lib.enjoyln_rotation_tables.restype = lib.enjoyln_rotate_into.restype = ctypes.c_int
+    lib.enjoyln_rotate_scaled_into.restype = ctypes.c_int
     return lib
 
 
@@ -74,12 +77,15 @@ class Structured:
     block: torch.Tensor
     w: torch.Tensor | None
 
-    def run(self, src: int, dst: int | None, cand: int | None, dtype: torch.dtype, layout: Sequence[int]) -> int:
-        """``rotate.c`` on the vectors at ``src`` laid out as (outer, outer stride, inner); its result."""
+    def run(self, src: int, dst: int | None, cand: int | None, dtype: torch.dtype, layout: Sequence[int],
+            scale: int | None = None) -> int:
+        """``rotate.c`` on the vectors at ``src`` laid out as (outer, outer stride, inner), each element first
+        times the float64 at ``scale`` rounded to ``dtype`` where given; its result."""
         outer, stride, inner = layout
         w = self.w.data_ptr() if self.w is not None else None
-        return _lib().enjoyln_rotate_into(src, dst, cand, CODES[dtype], outer, stride, self.n, inner, self.k, self.m,
-                                          self.pre.data_ptr(), self.block.data_ptr(), w, torch.get_num_threads())
+        return _lib().enjoyln_rotate_scaled_into(src, dst, cand, CODES[dtype], outer, stride, self.n, inner, self.k,
+                                                 self.m, self.pre.data_ptr(), self.block.data_ptr(), w, scale,
+                                                 torch.get_num_threads())
 
 
 @functools.lru_cache(maxsize=16)
@@ -120,9 +126,12 @@ def usable(dtype: torch.dtype) -> bool:
     return dtype in CODES and (dtype != torch.float16 or _has_f16)
 
 
-def rotate_(t: torch.Tensor, axis: int, table: Structured, start: int = 0) -> torch.Tensor:
+def rotate_(t: torch.Tensor, axis: int, table: Structured, start: int = 0,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
     """``t ×_axis Q`` in place on entries ``start .. start + n`` of ``axis``; a view, a strided or a GPU
-    tensor is rotated in a contiguous CPU copy of its own dtype (never widened whole to float64)."""
+    tensor is rotated in a contiguous CPU copy of its own dtype (never widened whole to float64). With
+    ``scale`` (``n`` values), the entries are first multiplied by it, each product rounded to ``t``'s dtype:
+    the bits of that product stored into ``t``, then rotated, in one pass."""
     if t.device.type == "meta" or t.numel() == 0:
         return t
     if not usable(t.dtype):
@@ -130,10 +139,13 @@ def rotate_(t: torch.Tensor, axis: int, table: Structured, start: int = 0) -> to
     axis = axis % t.dim()
     if start < 0 or start + table.n > t.shape[axis]:
         raise ValueError(f"entries {start} to {start + table.n} do not fit an axis of {t.shape[axis]}")
+    if scale is not None and scale.shape != (table.n,):
+        raise ValueError(f"a scale of shape {list(scale.shape)} for a rotation of width {table.n}")
+    factors = None if scale is None else scale.detach().to("cpu", torch.float64).contiguous()
     work = t if t.device.type == "cpu" and t.is_contiguous() else t.detach().to("cpu").contiguous()
     layout, at = _layout(work.shape, axis, start)
     address = work.data_ptr() + at * work.element_size()
-    if table.run(address, address, None, work.dtype, layout) < 0:
+    if table.run(address, address, None, work.dtype, layout, None if factors is None else factors.data_ptr()) < 0:
         raise MemoryError("the rotation kernel could not allocate its buffers")
     if work is not t:
         with torch.no_grad():

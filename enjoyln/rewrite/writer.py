@@ -188,7 +188,7 @@ def _write_entries(file: Path, mode: str, entries: list[Entry], w: Writing, head
                   for e, at in zip(entries, positions)]
         copies = [(fds[e.source.file], e.source.start, e.nbytes, at) for e, at, here in placed
                   if not here and e.axis is None and e.tensor is None and e.compute is None]
-        with _copying_alongside(out, copies, w.advance):
+        with _copying_alongside(out, copies, w.advance), _WriteBehind(out) as behind:
             for e, at, here in placed:
                 if e.axis is None and (here or (e.tensor is None and e.compute is None)):
                     continue  # in place already, or copied alongside
@@ -200,6 +200,10 @@ def _write_entries(file: Path, mode: str, entries: list[Entry], w: Writing, head
                     t = e.compute().contiguous()
                     if t.dtype != DTYPES[e.dtype] or t.numel() * t.element_size() != e.nbytes:
                         raise AssertionError(f"{e.name} was computed as {t.dtype} {list(t.shape)}")
+                    if e.axis is None and behind.write(t, at):
+                        w.advance(e.nbytes)
+                        continue
+                    behind.wait()
                 elif e.tensor is not None:  # pickle input: centered in the buffer, never in place
                     t = w.buffer.bytes(e.nbytes).view(DTYPES[e.dtype]).view(e.shape).copy_(e.tensor)
                 else:
@@ -230,6 +234,46 @@ def _copying_alongside(out: int, copies: list[tuple[int, int, int, int]],
             copying.exception()
             raise
         copying.result()
+
+
+WRITE_BEHIND_BYTES = 256 << 20
+"""A computed tensor up to this size is written on a second thread while the next one is computed (the
+page cache can stall a write for as long as the computing takes); a larger one is written in turn, so
+that two of them are never in memory at once."""
+
+
+class _WriteBehind(contextlib.AbstractContextManager):
+    """Writes of computed tensors into ``out`` on a thread of their own, one at a time; leaving the block
+    waits for the last and raises what it raised."""
+
+    def __init__(self, out: int) -> None:
+        self.out, self.pool, self.pending = out, ThreadPoolExecutor(1, thread_name_prefix="enjoyln-write"), None
+
+    def write(self, t: torch.Tensor, at: int) -> bool:
+        """``t``'s bytes to ``at`` behind the caller's back (``t`` is not changed after); False, nothing
+        done, for a tensor over ``WRITE_BEHIND_BYTES``."""
+        nbytes = t.numel() * t.element_size()
+        if nbytes > WRITE_BEHIND_BYTES:
+            return False
+        self.wait()
+        # the array keeps the tensor alive until its bytes are written
+        view = memoryview(t.view(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
+        self.pending = self.pool.submit(_pwrite_all, self.out, view, at)
+        return True
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if exc[0] is None:
+                self.wait()
+            elif self.pending is not None:
+                self.pending.exception()  # never leave a write running into a file that is closed next
+        finally:
+            self.pool.shutdown()
 
 
 def _center_and_write(out: int, at: int, t: torch.Tensor, e: Entry) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import PlanError
 from ..ops import rotate as structured_kernel
-from ..plan import Rotated, Rotation
+from ..plan import Fused, Rotated, Rotation
 
 KINDS = ("hadamard", "random")
 MAX_BLOCK = 64
@@ -117,14 +117,27 @@ def rotate_(t: torch.Tensor, axis: int, q: torch.Tensor, start: int = 0, *, slab
     return t
 
 
-def apply_rotation(t: torch.Tensor, rot: Rotated, r: Rotation) -> torch.Tensor:
+def scaled_in_kernel(t: torch.Tensor, rot: Rotated, r: Rotation, f: Fused) -> bool:
+    """Whether a gain scaling ``f``'s block of ``t`` just before this rotation can be applied by the rotation
+    kernel on its way (``apply_rotation``'s ``scale``): the structured rotation, of exactly that block."""
+    axis = rot.axis % t.dim()
+    n = rot.length if rot.length else t.shape[axis] - rot.start
+    return (r.kind == "hadamard" and r.version >= 2 and f.axis % t.dim() == axis and f.start == rot.start
+            and f.length == n and t.device.type == "cpu" and structured_kernel.library() is not None
+            and structured_kernel.usable(t.dtype))
+
+
+def apply_rotation(t: torch.Tensor, rot: Rotated, r: Rotation, scale: torch.Tensor | None = None) -> torch.Tensor:
     """One tensor of a plan's rotation, in place, by the algorithm of its version; the width is what its
-    block holds."""
+    block holds. ``scale`` (where ``scaled_in_kernel``): the block is first multiplied by it, as
+    ``transform.tensors.scale_inputs_`` does, in the same pass."""
     n = rot.length if rot.length else t.shape[rot.axis] - rot.start
     if r.kind == "hadamard" and r.version >= 2:
         try:
             return structured_kernel.rotate_(t, rot.axis, structured_kernel.structured(n, r.seed, r.keep_mean),
-                                             rot.start)
+                                             rot.start, scale)
         except structured_kernel.RotationUnavailable as exc:
             raise PlanError(str(exc)) from None
+    if scale is not None:
+        raise ValueError("only the structured rotation scales on its way")
     return rotate_(t, rot.axis, rotation_matrix(n, r.kind, r.seed, r.keep_mean), rot.start)

@@ -70,6 +70,11 @@ def test_a_new_rotation_records_version_2_and_checks(ref, tmp_path):
     assert plan["rotation"]["version"] == 2 and plan["format_version"] == 3
     assert static_check(open_checkpoint(ref), open_checkpoint(out)).passed
     assert sha(out) != sha(DATA / "w24")
+    # the writer scales a fused gain inside the rotation kernel, the in-memory steps scale and then rotate:
+    # the same bits, so the written checkpoint is the model enjoyln.rotate makes
+    written, memory = load_file(out / "model.safetensors"), enjoyln.rotate(small_gpt2()).state_dict()
+    for key in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_fc.weight", "lm_head.weight"):
+        assert torch.equal(written[key].view(torch.int32), memory[key].view(torch.int32)), key
     # the same tensors claimed as version 1: the recomputation tells them apart
     plan["rotation"].pop("version")
     plan["format_version"] = 1

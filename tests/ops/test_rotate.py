@@ -88,6 +88,28 @@ def test_a_block_of_an_axis_is_rotated_and_the_rest_left_alone():
         R.rotate_(x, 1, table, start=20)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_gain_scaled_on_the_way_gives_the_bits_of_scaling_then_rotating(dtype):
+    """The fused gain: each product rounded to the dtype as ``scale_inputs_`` stores it, then rotated; along
+    rows, along strided columns (a tile of four items and a ragged one: 37 columns), in one pass."""
+    from enjoyln.plan import Fused
+    from enjoyln.transform.tensors import scale_inputs_
+
+    gen = torch.Generator().manual_seed(4)
+    table = R.structured(96, 0, True)
+    gamma = torch.rand(96, generator=gen, dtype=torch.float64) + 0.5
+    for axis, shape in ((1, (9, 96)), (0, (96, 37))):
+        x = torch.randn(shape, generator=gen).to(dtype)
+        apart = x.clone()
+        scale_inputs_(apart, Fused("w", axis, 0, 96), gamma)
+        R.rotate_(apart, axis, table)
+        fused = R.rotate_(x.clone(), axis, table, scale=gamma)
+        assert torch.equal(bits(fused), bits(apart)), axis
+        assert not torch.equal(bits(fused), bits(R.rotate_(x.clone(), axis, table)))
+    with pytest.raises(ValueError, match="scale of shape"):
+        R.rotate_(x, 0, table, scale=gamma[:5])
+
+
 def test_rotated_equal_tells_the_rotation_from_a_changed_element():
     table = R.structured(1600, 0, True)
     x = torch.randn(7, 1600).to(torch.bfloat16)

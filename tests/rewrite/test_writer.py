@@ -59,3 +59,34 @@ def test_a_tensor_that_cannot_be_mapped_is_left_to_the_plain_write(tmp_path, mon
     finally:
         os.close(fd)
     assert path.read_bytes() == raw
+
+
+def test_computed_tensors_written_behind_land_where_they_belong(tmp_path, monkeypatch):
+    """Small tensors are written on the second thread while the next is computed, a large one in turn;
+    each lands at its offset, and a write that fails is raised when the block ends."""
+    from enjoyln.rewrite import writer
+
+    monkeypatch.setattr(writer, "WRITE_BEHIND_BYTES", 400)
+    tensors = [torch.arange(i * 50, i * 50 + n, dtype=torch.float32) for i, n in enumerate((30, 200, 0, 64))]
+    path = tmp_path / "shard"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    at = 0
+    try:
+        with writer._WriteBehind(fd) as behind:
+            behind_flags = []
+            for t in tensors:
+                behind_flags.append(behind.write(t, at))
+                if not behind_flags[-1]:
+                    behind.wait()
+                    writer._pwrite_all(fd, memoryview(t.numpy().view("u1")), at)
+                at += t.numel() * 4
+    finally:
+        os.close(fd)
+    assert behind_flags == [True, False, True, True]  # 800 bytes is over the bound
+    assert torch.equal(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32), torch.cat(tensors))
+    read_only = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError), writer._WriteBehind(read_only) as behind:
+            assert behind.write(tensors[0], 0)
+    finally:
+        os.close(read_only)
