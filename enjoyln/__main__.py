@@ -1,5 +1,7 @@
-"""Entry point of the ``enjoyln`` command: safe standard streams and signal handlers first, before torch
-loads, so that a closed or broken stdout cannot change an exit code, SIGTERM cleans up like Ctrl-C, and
+"""Entry point of the ``enjoyln`` command: safe standard streams and signal handlers first, before
+torch
+loads, so that a closed or broken stdout cannot change an exit code, SIGTERM cleans up like Ctrl-C,
+and
 an interrupt gives one line and exit code 130 (143 for SIGTERM)."""
 
 from __future__ import annotations
@@ -18,8 +20,14 @@ def _interrupt(signum: int, frame: object) -> None:
     raise Interrupted(signum)
 
 
-def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                  file: object = None, line: str | None = None) -> None:
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: object = None,
+    line: str | None = None,
+) -> None:
     print(f"warning: {message}", file=sys.stderr)  # one line, not the source line that raised it
 
 
@@ -28,7 +36,9 @@ def main() -> None:
     guard_streams()
     warnings.showwarning = _show_warning
     signal.signal(signal.SIGTERM, _interrupt)
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # background jobs ignore it: keep that
+    if (
+        signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    ):  # background jobs ignore it: keep that
         signal.signal(signal.SIGINT, _interrupt)
     try:
         from .cli.app import app

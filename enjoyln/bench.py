@@ -1,4 +1,5 @@
-"""Timing helpers. Machines are noisy: A and B run alternately and compare by medians, a ratio, not a time."""
+"""Timing helpers. Machines are noisy: A and B run alternately and compare by medians, a ratio, not
+a time."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from .transform.steps import fold
 
 @dataclass
 class LatencyComparison:
-    """Medians of alternating runs (``speedup`` > 0: B is faster), every run kept for their spread."""
+    """Medians of alternating runs (``speedup`` > 0: B is faster), every run kept for their
+    spread."""
 
     a_ms: float
     b_ms: float
@@ -44,9 +46,20 @@ class LatencyComparison:
     b_runs_ms: list[float] = field(default_factory=list)
 
     @classmethod
-    def of(cls, a_runs_ms: list[float], b_runs_ms: list[float], tokens: int = 0) -> "LatencyComparison":
+    def of(
+        cls, a_runs_ms: list[float], b_runs_ms: list[float], tokens: int = 0
+    ) -> "LatencyComparison":
         a, b = Spread.of(a_runs_ms), Spread.of(b_runs_ms)
-        return cls(a.median, b.median, len(a_runs_ms), tokens, a.iqr, b.iqr, list(a_runs_ms), list(b_runs_ms))
+        return cls(
+            a.median,
+            b.median,
+            len(a_runs_ms),
+            tokens,
+            a.iqr,
+            b.iqr,
+            list(a_runs_ms),
+            list(b_runs_ms),
+        )
 
     @property
     def ratio(self) -> float:
@@ -58,12 +71,14 @@ class LatencyComparison:
 
     @property
     def pair_ratios(self) -> Spread | None:
-        """B over A, run by run (each pair ran back to back, so drift cancels); None without runs."""
+        """B over A, run by run (each pair ran back to back, so drift cancels); None without
+        runs."""
         pairs = [b / a for a, b in zip(self.a_runs_ms, self.b_runs_ms) if a > 0]
         return Spread.of(pairs) if pairs else None
 
     def direction(self) -> str:
-        """``faster``, ``slower`` or ``same``: ``b`` against ``a``, claimed only where the middle half of the
+        """``faster``, ``slower`` or ``same``: ``b`` against ``a``, claimed only where the middle
+        half of the
         run-by-run ratios lies on one side of 1 (``same`` without runs to judge by)."""
         r = self.pair_ratios
         if r is None or r.q1 <= 1.0 <= r.q3:
@@ -71,14 +86,16 @@ class LatencyComparison:
         return "faster" if r.q3 < 1.0 else "slower"
 
     def difference(self, a: str = "original", b: str = "folded") -> str:
-        """One direction in words, with how much and the evidence; the medians of each model are not compared
-        (they can point the other way when the machine drifts), only the pairs that ran back to back.
+        """One direction in words, with how much and the evidence; the medians of each model are not
+        compared
+        (they can point the other way when the machine drifts), only the pairs that ran back to
+        back.
 
         >>> LatencyComparison.of([10.0, 10.1, 9.9], [10.0, 9.9, 10.1]).difference().split(" (")[0]
         'no measurable difference between folded and original'
         >>> LatencyComparison.of([10.0, 10.1, 9.9, 10.0], [9.0, 9.1, 8.9, 9.0]).difference()
         'folded 10.0% faster than original, measurably (the middle half of 4 run-by-run ratios, 0.899-0.901, lies below 1)'
-        """
+        """  # noqa: E501
         r = self.pair_ratios
         if r is None:
             return f"{b} against {a}: not measured (no runs)"
@@ -86,11 +103,17 @@ class LatencyComparison:
         way = self.direction()
         if way == "same":
             return f"no measurable difference between {b} and {a} ({evidence}, spans 1)"
-        return (f"{b} {abs(1 - r.median):.1%} {way} than {a}, measurably ({evidence}, lies "
-                f"{'below' if way == 'faster' else 'above'} 1)")
+        return (
+            f"{b} {abs(1 - r.median):.1%} {way} than {a}, measurably ({evidence}, lies "
+            f"{'below' if way == 'faster' else 'above'} 1)"
+        )
 
     def warnings(self, a: str = "original", b: str = "folded") -> list[str]:
-        return Spread.of(self.a_runs_ms).warnings(a) + Spread.of(self.b_runs_ms).warnings(b) if self.a_runs_ms else []
+        return (
+            Spread.of(self.a_runs_ms).warnings(a) + Spread.of(self.b_runs_ms).warnings(b)
+            if self.a_runs_ms
+            else []
+        )
 
     def tokens_per_s(self, which: str = "b") -> float:
         ms = self.b_ms if which == "b" else self.a_ms
@@ -98,14 +121,24 @@ class LatencyComparison:
 
     def to_dict(self) -> dict[str, Any]:
         r = self.pair_ratios
-        return {**asdict(self), "ratio": self.ratio, "speedup": self.speedup,
-                "pair_ratio_median": r.median if r else None, "pair_ratio_q1": r.q1 if r else None,
-                "pair_ratio_q3": r.q3 if r else None, "direction": self.direction(), "difference": self.difference(),
-                "warnings": self.warnings(), "a_tokens_per_s": self.tokens_per_s("a"), "b_tokens_per_s": self.tokens_per_s("b")}
+        return {
+            **asdict(self),
+            "ratio": self.ratio,
+            "speedup": self.speedup,
+            "pair_ratio_median": r.median if r else None,
+            "pair_ratio_q1": r.q1 if r else None,
+            "pair_ratio_q3": r.q3 if r else None,
+            "direction": self.direction(),
+            "difference": self.difference(),
+            "warnings": self.warnings(),
+            "a_tokens_per_s": self.tokens_per_s("a"),
+            "b_tokens_per_s": self.tokens_per_s("b"),
+        }
 
 
 def synchronizer(*models: Any) -> Any:
-    """``torch.cuda.synchronize`` where a model is on CUDA (a call returns before its kernels finish)."""
+    """``torch.cuda.synchronize`` where a model is on CUDA (a call returns before its kernels
+    finish)."""
     for model in models:
         params = getattr(model, "parameters", None)
         tensors = itertools.chain(params(), model.buffers()) if callable(params) else ()
@@ -121,7 +154,8 @@ NORM_RUNS = 6  # forwards of each model (and the copy floor) in ``norm_time_ms``
 
 
 def forward_seconds(model: nn.Module, example_inputs: ExampleInputs) -> float:
-    """The wall time of one forward of ``model``: the first, so one-time costs make it an upper estimate."""
+    """The wall time of one forward of ``model``: the first, so one-time costs make it an upper
+    estimate."""
     inputs = as_inputs(example_inputs)
     sync = synchronizer(model)
     with torch.inference_mode():
@@ -144,19 +178,31 @@ def latency_seconds(forward_s: float, repeats: int, seconds: float | None = None
 
 
 def end_to_end_seconds(forward_s: float, repeats: int, seconds: float | None = None) -> float:
-    """Roughly how long ``end_to_end`` runs: ``compare_latency``, the profiler's forwards, and those timed
-    inside the norms (a warm-up and ``NORM_RUNS`` for the original, the folded model and its copy floor).
+    """Roughly how long ``end_to_end`` runs: ``compare_latency``, the profiler's forwards, and those
+    timed
+    inside the norms (a warm-up and ``NORM_RUNS`` for the original, the folded model and its copy
+    floor).
 
     >>> end_to_end_seconds(1.0, repeats=20)  # 6 + 40 timed, 4 profiled, 21 inside the norms
     71.0
     """
-    return latency_seconds(forward_s, repeats, seconds) + forward_s * ((1 + SHARE_RUNS) + 3 * (1 + NORM_RUNS))
+    return latency_seconds(forward_s, repeats, seconds) + forward_s * (
+        (1 + SHARE_RUNS) + 3 * (1 + NORM_RUNS)
+    )
 
 
-def compare_latency(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
-                    repeats: int = 20, warmup: int = WARMUP, seconds: float | None = None,
-                    max_repeats: int = MAX_REPEATS) -> LatencyComparison:
-    """Forward latency of ``a`` and ``b``, alternating; with ``seconds``, more pairs until that much time passed.
+def compare_latency(
+    a: nn.Module,
+    b: nn.Module,
+    example_inputs: ExampleInputs,
+    *,
+    repeats: int = 20,
+    warmup: int = WARMUP,
+    seconds: float | None = None,
+    max_repeats: int = MAX_REPEATS,
+) -> LatencyComparison:
+    """Forward latency of ``a`` and ``b``, alternating; with ``seconds``, more pairs until that much
+    time passed.
 
     >>> net = torch.nn.Linear(8, 8)
     >>> compare_latency(net, net, torch.randn(4, 8), repeats=3).repeats
@@ -171,7 +217,9 @@ def compare_latency(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *
             inputs.call(b)
         sync()
         start_all, i = time.perf_counter(), 0
-        while i < repeats or (seconds is not None and time.perf_counter() - start_all < seconds and i < max_repeats):
+        while i < repeats or (
+            seconds is not None and time.perf_counter() - start_all < seconds and i < max_repeats
+        ):
             order = (("a", a), ("b", b)) if i % 2 == 0 else (("b", b), ("a", a))
             for key, model in order:
                 start = time.perf_counter()
@@ -211,12 +259,18 @@ class KernelResult:
         return self.bytes_moved / (us * 1e-6) / 1e9
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ratio": self.ratio, "torch_ratio": self.torch_ratio,
-                "layer_norm_gbps": self.gbps(self.layer_norm_us), "rms_norm_gbps": self.gbps(self.rms_norm_us)}
+        return {
+            **asdict(self),
+            "ratio": self.ratio,
+            "torch_ratio": self.torch_ratio,
+            "layer_norm_gbps": self.gbps(self.layer_norm_us),
+            "rms_norm_gbps": self.gbps(self.rms_norm_us),
+        }
 
 
 def _median_time(fn: Any, repeats: int, sync: Any, batch: int = 1) -> list[float]:
-    """µs per call, each run's; ``batch`` calls per sample waited for once: on CUDA the steady cost of a
+    """µs per call, each run's; ``batch`` calls per sample waited for once: on CUDA the steady cost
+    of a
     call in a stream of them (what a model sees), not the latency of one call waited for alone."""
     for _ in range(max(3, repeats // 10)):
         fn()
@@ -231,9 +285,16 @@ def _median_time(fn: Any, repeats: int, sync: Any, batch: int = 1) -> list[float
     return times
 
 
-def kernel_benchmark(shapes: list[tuple[int, int]], dtypes: list[torch.dtype], *, device: str = "cpu",
-                     repeats: int = 200, seed: int = 0) -> list[KernelResult]:
-    """Time LN, enjoyln RMSNorm, ``F.rms_norm`` + bias and a ``clone`` (the floor), interleaved, per shape and dtype."""
+def kernel_benchmark(
+    shapes: list[tuple[int, int]],
+    dtypes: list[torch.dtype],
+    *,
+    device: str = "cpu",
+    repeats: int = 200,
+    seed: int = 0,
+) -> list[KernelResult]:
+    """Time LN, enjoyln RMSNorm, ``F.rms_norm`` + bias and a ``clone`` (the floor), interleaved, per
+    shape and dtype."""
     import torch.nn.functional as F
 
     gen = torch.Generator().manual_seed(seed)
@@ -262,12 +323,26 @@ def kernel_benchmark(shapes: list[tuple[int, int]], dtypes: list[torch.dtype], *
                         runs[key] += times
                 t = {k: statistics.median(v) for k, v in rounds.items()}
                 name = f"{rows}x{cols} {str(dtype).replace('torch.', '')}"
-                noise = (Spread.of(runs["ln"]).warnings(f"{name} LayerNorm", "µs")
-                         + Spread.of(runs["rms"]).warnings(f"{name} RMSNorm", "µs"))
+                noise = Spread.of(runs["ln"]).warnings(f"{name} LayerNorm", "µs") + Spread.of(
+                    runs["rms"]
+                ).warnings(f"{name} RMSNorm", "µs")
                 size = x.element_size()
-                results.append(KernelResult(rows, cols, str(dtype).replace("torch.", ""), device,
-                                            torch.get_num_threads(), ops.backend(x, w, b), t["ln"], t["rms"],
-                                            t["torch"], t["copy"], rows * cols * 2 * size + cols * 2 * size, noise))
+                results.append(
+                    KernelResult(
+                        rows,
+                        cols,
+                        str(dtype).replace("torch.", ""),
+                        device,
+                        torch.get_num_threads(),
+                        ops.backend(x, w, b),
+                        t["ln"],
+                        t["rms"],
+                        t["torch"],
+                        t["copy"],
+                        rows * cols * 2 * size + cols * 2 * size,
+                        noise,
+                    )
+                )
     return results
 
 
@@ -278,7 +353,11 @@ class EndToEndResult:
     batch: int
     seq_len: int
     threads: int
-    norm_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # ``norm_time_ms``; zeros on CUDA, not measured
+    norm_ms: tuple[float, float, float] = (
+        0.0,
+        0.0,
+        0.0,
+    )  # ``norm_time_ms``; zeros on CUDA, not measured
 
     @property
     def share_captured(self) -> float:
@@ -291,11 +370,16 @@ class EndToEndResult:
         return (ln - copy) / self.latency.a_ms if self.latency.a_ms else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"latency": self.latency.to_dict(), "layer_norm_share": self.layer_norm_share,
-                "norm_ms": dict(zip(("layer_norm", "folded", "copy_floor"), self.norm_ms)),
-                "best_possible_speedup": self.best_possible_speedup,
-                "share_captured": self.share_captured, "batch": self.batch, "seq_len": self.seq_len,
-                "threads": self.threads}
+        return {
+            "latency": self.latency.to_dict(),
+            "layer_norm_share": self.layer_norm_share,
+            "norm_ms": dict(zip(("layer_norm", "folded", "copy_floor"), self.norm_ms)),
+            "best_possible_speedup": self.best_possible_speedup,
+            "share_captured": self.share_captured,
+            "batch": self.batch,
+            "seq_len": self.seq_len,
+            "threads": self.threads,
+        }
 
 
 @contextlib.contextmanager
@@ -315,7 +399,9 @@ def _quiet_fds() -> Any:
             os.close(fd)
 
 
-def layer_norm_share(model: nn.Module, example_inputs: ExampleInputs, *, runs: int = SHARE_RUNS) -> float:
+def layer_norm_share(
+    model: nn.Module, example_inputs: ExampleInputs, *, runs: int = SHARE_RUNS
+) -> float:
     """Fraction of the model's self time (on CUDA, device time) in LayerNorm, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -331,27 +417,43 @@ def layer_norm_share(model: nn.Module, example_inputs: ExampleInputs, *, runs: i
                 inputs.call(model)
             sync()
     events = prof.key_averages()
-    own = (lambda e: getattr(e, "self_device_time_total", 0)) if cuda else (lambda e: e.self_cpu_time_total)
+    own = (
+        (lambda e: getattr(e, "self_device_time_total", 0))
+        if cuda
+        else (lambda e: e.self_cpu_time_total)
+    )
     total = sum(own(e) for e in events)
     ln = sum(own(e) for e in events if "layer_norm" in e.key)
     return ln / total if total else 0.0
 
 
-def norm_time_ms(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
-                 runs: int = NORM_RUNS) -> tuple[float, float, float]:
-    """Median wall time per forward inside the norm modules of ``a``, of ``b``, and of ``b`` with each
-    RMSNorm only copying its input (the floor). Timed inside the running model, where caches hold what
-    the layers around each norm left: far less noisy than whole forwards when norms are a small share."""
+def norm_time_ms(
+    a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *, runs: int = NORM_RUNS
+) -> tuple[float, float, float]:
+    """Median wall time per forward inside the norm modules of ``a``, of ``b``, and of ``b`` with
+    each
+    RMSNorm only copying its input (the floor). Timed inside the running model, where caches hold
+    what
+    the layers around each norm left: far less noisy than whole forwards when norms are a small
+    share."""
     inputs = as_inputs(example_inputs)
 
     def timed(model: nn.Module) -> float:
         spent, handles, totals = [0.0], [], []
         for module in model.modules():
             if isinstance(module, (nn.LayerNorm, RMSNorm)):
-                handles.append(module.register_forward_pre_hook(
-                    lambda m, i: m.__dict__.__setitem__("_t0", time.perf_counter())))
-                handles.append(module.register_forward_hook(
-                    lambda m, i, o: spent.__setitem__(0, spent[0] + time.perf_counter() - m.__dict__.pop("_t0"))))
+                handles.append(
+                    module.register_forward_pre_hook(
+                        lambda m, i: m.__dict__.__setitem__("_t0", time.perf_counter())
+                    )
+                )
+                handles.append(
+                    module.register_forward_hook(
+                        lambda m, i, o: spent.__setitem__(
+                            0, spent[0] + time.perf_counter() - m.__dict__.pop("_t0")
+                        )
+                    )
+                )
         try:
             with torch.inference_mode():
                 inputs.call(model)
@@ -376,17 +478,30 @@ def norm_time_ms(a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *,
     return ln_ms, rms_ms, copy_ms
 
 
-def end_to_end(original: nn.Module, folded: nn.Module, example_inputs: ExampleInputs, *,
-               repeats: int = 20, seconds: float | None = None) -> EndToEndResult:
-    """``compare_latency`` of the two models, the original's LN share, and the time inside their norms."""
+def end_to_end(
+    original: nn.Module,
+    folded: nn.Module,
+    example_inputs: ExampleInputs,
+    *,
+    repeats: int = 20,
+    seconds: float | None = None,
+) -> EndToEndResult:
+    """``compare_latency`` of the two models, the original's LN share, and the time inside their
+    norms."""
     inputs = as_inputs(example_inputs)
     latency = compare_latency(original, folded, inputs, repeats=repeats, seconds=seconds)
     share = layer_norm_share(original, inputs)
     ids = inputs.kwargs.get("input_ids")
-    batch, seq = (tuple(ids.shape) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else (0, 0))
+    batch, seq = tuple(ids.shape) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else (0, 0)
     cuda = synchronizer(original) is torch.cuda.synchronize  # hooks cannot time queued kernels
-    return EndToEndResult(latency, share, batch, seq, torch.get_num_threads(),
-                          (0.0, 0.0, 0.0) if cuda else norm_time_ms(original, folded, inputs))
+    return EndToEndResult(
+        latency,
+        share,
+        batch,
+        seq,
+        torch.get_num_threads(),
+        (0.0, 0.0, 0.0) if cuda else norm_time_ms(original, folded, inputs),
+    )
 
 
 @dataclass
@@ -407,10 +522,17 @@ def _is_norm_kernel(name: str) -> bool:
     return "layer_norm" in name or "rsqrt" in name
 
 
-def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: ExampleInputs, *,
-                        repeats: int = 20, profile_kernels: bool = False,
-                        seconds: float | None = None) -> CompiledResult:
-    """Both models compiled (``fullgraph=True``), timed, compared with the eager original and their kernels counted.
+def compiled_comparison(
+    original: nn.Module,
+    folded: nn.Module,
+    example_inputs: ExampleInputs,
+    *,
+    repeats: int = 20,
+    profile_kernels: bool = False,
+    seconds: float | None = None,
+) -> CompiledResult:
+    """Both models compiled (``fullgraph=True``), timed, compared with the eager original and their
+    kernels counted.
 
     >>> r = compiled_comparison(original, folded, inputs)  # doctest: +SKIP
     """
@@ -422,24 +544,39 @@ def compiled_comparison(original: nn.Module, folded: nn.Module, example_inputs: 
     inputs = as_inputs(example_inputs)
     compiled, names, compile_s, outputs = [], [], [], []
     torch._dynamo.reset()  # inductor's CPU code fixes its thread count when it is generated
-    with torch.inference_mode(), inductor_config.patch({"cpp.enable_kernel_profile": profile_kernels}):
+    with (
+        torch.inference_mode(),
+        inductor_config.patch({"cpp.enable_kernel_profile": profile_kernels}),
+    ):
         reference = flatten_outputs(inputs.call(original))
         for model in (original, folded):
             start, code = time.perf_counter(), []
             fn = torch.compile(model, fullgraph=True)
-            # the code inductor generates (``run_and_get_code`` would reset dynamo, dropping earlier models)
+            # the code inductor generates (``run_and_get_code`` would reset dynamo, dropping earlier
+            # models)
             with mock.patch.object(GraphLowering, "save_output_code", code.append):
                 out = inputs.call(fn)
             compile_s.append(time.perf_counter() - start)
             compiled.append(fn)
-            names.append(re.findall(r"^(cpp_fused_\w+|triton_\w+) = async_compile", "\n".join(code), re.M))
+            names.append(
+                re.findall(r"^(cpp_fused_\w+|triton_\w+) = async_compile", "\n".join(code), re.M)
+            )
             outputs.append(flatten_outputs(out))
     diff = max(max_relative_diff(reference[k], outputs[1][k]) for k in reference)
     norms = [[n for n in kernels if _is_norm_kernel(n)] for kernels in names]
     latency = compare_latency(compiled[0], compiled[1], inputs, repeats=repeats, seconds=seconds)
-    norm_ms = tuple(_norm_kernel_ms(fn, inputs) for fn in compiled) if profile_kernels else (0.0, 0.0)
-    return CompiledResult(latency, (len(names[0]), len(names[1])), (len(norms[0]), len(norms[1])),
-                          sum("add" in n for n in norms[1]), diff, (compile_s[0], compile_s[1]), norm_ms)
+    norm_ms = (
+        tuple(_norm_kernel_ms(fn, inputs) for fn in compiled) if profile_kernels else (0.0, 0.0)
+    )
+    return CompiledResult(
+        latency,
+        (len(names[0]), len(names[1])),
+        (len(norms[0]), len(norms[1])),
+        sum("add" in n for n in norms[1]),
+        diff,
+        (compile_s[0], compile_s[1]),
+        norm_ms,
+    )
 
 
 def _norm_kernel_ms(fn: Any, inputs: Any, runs: int = 6) -> float:
@@ -450,7 +587,9 @@ def _norm_kernel_ms(fn: Any, inputs: Any, runs: int = 6) -> float:
         for _ in range(runs):
             with _quiet_fds(), profile(activities=[ProfilerActivity.CPU]) as prof:
                 inputs.call(fn)
-            per_run.append(sum(e.self_cpu_time_total for e in prof.key_averages() if _is_norm_kernel(e.key)))
+            per_run.append(
+                sum(e.self_cpu_time_total for e in prof.key_averages() if _is_norm_kernel(e.key))
+            )
     return statistics.median(per_run) / 1e3
 
 
@@ -463,10 +602,15 @@ def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: 
         import matplotlib.pyplot as plt
     except ImportError:
         raise EnjoylnError("--plot needs matplotlib: pip install 'enjoyln[plot]'") from None
-    bars = [(f"{r.rows}x{r.cols}\n{r.dtype}", r.ratio, r.torch_ratio, r.copy_us / r.layer_norm_us) for r in kernels]
+    bars = [
+        (f"{r.rows}x{r.cols}\n{r.dtype}", r.ratio, r.torch_ratio, r.copy_us / r.layer_norm_us)
+        for r in kernels
+    ]
     if e2e is not None:
         bars.append(("end to end", e2e.latency.ratio, float("nan"), float("nan")))
-    labels, ours, theirs, floor = (list(column) for column in zip(*bars)) if bars else ([], [], [], [])
+    labels, ours, theirs, floor = (
+        (list(column) for column in zip(*bars)) if bars else ([], [], [], [])
+    )
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(labels)), 4))
     xs = range(len(labels))
     ax.bar([x - 0.27 for x in xs], ours, 0.27, label="enjoyln RMSNorm")
@@ -476,10 +620,16 @@ def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: 
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("time / native LayerNorm")
     ax.set_yscale("log")
-    noise = [w for r in kernels for w in r.warnings] + (e2e.latency.warnings() if e2e is not None else [])
+    noise = [w for r in kernels for w in r.warnings] + (
+        e2e.latency.warnings() if e2e is not None else []
+    )
     if noise:  # a plot outlives the terminal that printed the warnings
-        ax.set_title(f"{len(noise)} timing warning{'s' if len(noise) > 1 else ''}: the machine was noisy, "
-                     "see the report", color="red", fontsize=9)
+        ax.set_title(
+            f"{len(noise)} timing warning{'s' if len(noise) > 1 else ''}: the machine was noisy, "
+            "see the report",
+            color="red",
+            fontsize=9,
+        )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -487,9 +637,14 @@ def plot_results(kernels: list[KernelResult], e2e: EndToEndResult | None, path: 
 
 
 @quiet
-def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = "cpu",
-                      dtype: torch.dtype | None = None, access: Access = Access()) -> tuple[nn.Module, nn.Module]:
-    """(original, folded) from a folded or an original directory, or a random GPT-2 small; folded, then cast.
+def models_to_compare(
+    model_dir: str | os.PathLike | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    access: Access = Access(),
+) -> tuple[nn.Module, nn.Module]:
+    """(original, folded) from a folded or an original directory, or a random GPT-2 small; folded,
+    then cast.
 
     >>> original, folded = models_to_compare()  # doctest: +SKIP
     """
@@ -497,7 +652,9 @@ def models_to_compare(model_dir: str | os.PathLike | None = None, device: str = 
         import transformers
 
         original = perturb(transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval())
-    elif (checkpoint := open_checkpoint(model_dir, **asdict(access))).config.get("enjoyln"):  # folded already
+    elif (checkpoint := open_checkpoint(model_dir, **asdict(access))).config.get(
+        "enjoyln"
+    ):  # folded already
         return load_plain(checkpoint).to(device, dtype), load(checkpoint).to(device, dtype)
     else:
         original = load(checkpoint)

@@ -43,11 +43,17 @@ class _Finder(importlib.abc.MetaPathFinder):
     """Finds torchvision as the other finders do and wraps its loader, until it has loaded
     (transformers looks it up without importing it, to see whether it is installed)."""
 
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, name: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if name != "torchvision":
             return None
         for finder in sys.meta_path:
-            spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(name, path, target)
+            spec = (
+                None
+                if finder is self
+                else getattr(finder, "find_spec", lambda *a: None)(name, path, target)
+            )
             if spec is not None:
                 if spec.loader is not None:
                     spec.loader = _Loader(spec.loader, self)
@@ -56,7 +62,8 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 class _Loader(importlib.abc.Loader):
-    """torchvision's own loader, run with the registrations of missing operators skipped. It hands the
+    """torchvision's own loader, run with the registrations of missing operators skipped. It hands
+    the
     module its own loader back before running it, and answers for it to anyone who only looks the
     package up (``is_package``, ``get_resource_reader``)."""
 
@@ -80,8 +87,11 @@ class _Loader(importlib.abc.Loader):
             if self.finder in sys.meta_path:
                 sys.meta_path.remove(self.finder)
         if skipped:
-            warnings.warn(mismatch_message(getattr(module, "__version__", "?")), TorchvisionMismatchWarning,
-                          stacklevel=2)
+            warnings.warn(
+                mismatch_message(getattr(module, "__version__", "?")),
+                TorchvisionMismatchWarning,
+                stacklevel=2,
+            )
 
 
 @contextlib.contextmanager
@@ -123,7 +133,11 @@ def mismatch_message(torchvision_version: str) -> str:
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     index = "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
     build = torch.__version__.split("+")[0]
-    return (f"torchvision {torchvision_version} was built for another torch than {torch.__version__} (its C++ "
-            "operators did not load); enjoyln imported it without them, which folds, checks and loads models "
-            f"as usual. To fix: pip install torchvision=={major - 2}.{minor + 15}.* --index-url "
-            f"https://download.pytorch.org/whl/{index}  (the release for torch {build})")
+    return (
+        f"torchvision {torchvision_version} was built for another torch than {torch.__version__} "
+        "(its C++ "
+        "operators did not load); enjoyln imported it without them, which folds, checks and loads "
+        "models "
+        f"as usual. To fix: pip install torchvision=={major - 2}.{minor + 15}.* --index-url "
+        f"https://download.pytorch.org/whl/{index}  (the release for torch {build})"
+    )

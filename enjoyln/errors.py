@@ -28,7 +28,8 @@ class CheckpointError(EnjoylnError):
 
 
 class CheckFailed(EnjoylnError):
-    """A folded checkpoint failed its check, so was not published; ``kept``: where it was kept, or None."""
+    """A folded checkpoint failed its check, so was not published; ``kept``: where it was kept, or
+    None."""
 
     exit_code = 1
 
@@ -38,7 +39,8 @@ class CheckFailed(EnjoylnError):
 
 
 def first_line(exc: BaseException, default: str | None = None) -> str:
-    """The first line of ``exc``'s message (or ``default``, or its type), with the next if it ends in a colon.
+    """The first line of ``exc``'s message (or ``default``, or its type), with the next if it ends
+    in a colon.
 
     >>> first_line(ValueError("bad shape\\nin layer 3")), first_line(KeyError())
     ('bad shape', 'KeyError')
@@ -52,7 +54,8 @@ def first_line(exc: BaseException, default: str | None = None) -> str:
 
 
 class Interrupted(BaseException):
-    """SIGINT or SIGTERM, raised by the CLI's signal handlers so every ``finally`` cleans up; exit code
+    """SIGINT or SIGTERM, raised by the CLI's signal handlers so every ``finally`` cleans up; exit
+    code
     128 + the signal. Not a KeyboardInterrupt: click and typer turn those into a silent exit 130."""
 
     def __init__(self, signum: int) -> None:

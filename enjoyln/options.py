@@ -1,4 +1,5 @@
-"""The options of a fold and of a check, built where a call enters enjoyln: a misspelt one fails there.
+"""The options of a fold and of a check, built where a call enters enjoyln: a misspelt one fails
+there.
 Each is the one way into its call (``fold_checkpoint``, ``check_checkpoints``, ``check``), and each
 field has one home: ``--rtol`` is ``CheckOptions.rtol``, in a fold too (``FoldOptions.check``).
 
@@ -7,7 +8,7 @@ field has one home: ``--rtol`` is ``CheckOptions.rtol``, in a fold too (``FoldOp
 >>> CheckOptions(batchs=3)
 Traceback (most recent call last):
 enjoyln.errors.EnjoylnError: unknown option batchs; the options are batches, batch_size, seq_len, ...
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ def _unknown(cls: type, given: Any, extra: tuple[str, ...] = ()) -> None:
     names = [f.name for f in dataclasses.fields(cls)] + list(extra)
     unknown = sorted(set(given) - set(names))
     if unknown:
-        raise EnjoylnError(f"unknown option {', '.join(unknown)}; the options are {', '.join(names)}")
+        raise EnjoylnError(
+            f"unknown option {', '.join(unknown)}; the options are {', '.join(names)}"
+        )
 
 
 def _strict(cls: type[T]) -> type[T]:
@@ -68,7 +71,8 @@ class Access:
 @_strict
 @dataclass(frozen=True)
 class CheckOptions:
-    """What ``enjoyln check`` (and ``fold``'s check, and ``enjoyln.check`` on models in memory) runs;
+    """What ``enjoyln check`` (and ``fold``'s check, and ``enjoyln.check`` on models in memory)
+    runs;
     the fields are its options (docs/checking.md). A field left None is decided by the check: on
     directories, by its mode (a full check, once every weight is proven, only confirms)."""
 
@@ -83,9 +87,11 @@ class CheckOptions:
     device: str = "cpu"
     mode: str = "full"
     sweep_tokens: int | None = None
-    """With mode ``forward``: the most token ids the token sweep runs (None: ``checking.sweep.SWEEP_TOKENS``)."""
+    """With mode ``forward``: the most token ids the token sweep runs (None:
+    ``checking.sweep.SWEEP_TOKENS``)."""
     factor: float | None = None
-    """How many times the reference's own rounding the candidate may be off (None: ``measuring.FACTOR``)."""
+    """How many times the reference's own rounding the candidate may be off (None:
+    ``measuring.FACTOR``)."""
     generate_tokens: int | None = None
     """Tokens decoded greedily by a causal LM (None: 8, or 4 where a full check only confirms)."""
     coverage: bool | None = None
@@ -97,7 +103,8 @@ class CheckOptions:
     max_rows: int = 4
     """The most rows of a sweep batch."""
     skip: tuple[str, ...] = ()
-    """Outputs the candidate's plan lets its rotation change (a tower's hidden states), not compared; set by the
+    """Outputs the candidate's plan lets its rotation change (a tower's hidden states), not
+    compared; set by the
     checkpoint check from that plan, and never honoured for what the model serves."""
     access: Access = field(default_factory=Access)
 
@@ -116,7 +123,9 @@ class FoldOptions:
     rotate: RotationSpec | None = None
     plan: FoldPlan | None = None
     max_shard_size: int | None = None
-    dtype: str | None = None  # store the fold in this dtype (its check then judges it at that precision)
+    dtype: str | None = (
+        None  # store the fold in this dtype (its check then judges it at that precision)
+    )
     force: bool = False
     dry_run: bool = False
     keep_failed: bool = False
@@ -127,7 +136,8 @@ class FoldOptions:
 
     @classmethod
     def of(cls, options: "FoldOptions | None" = None, **values: Any) -> "FoldOptions":
-        """``check`` may be a mode name and ``check_options`` a dict, as ``fold_checkpoint`` takes them."""
+        """``check`` may be a mode name and ``check_options`` a dict, as ``fold_checkpoint`` takes
+        them."""
         base = dict(vars(options)) if options is not None else {}
         check = values.pop("check", base.pop("check", None))
         if isinstance(check, str):
@@ -140,5 +150,8 @@ class FoldOptions:
 
     @property
     def checking(self) -> CheckOptions:
-        """The fold's own check, its directories opened as the fold opened them, at the fold's dtype."""
-        return dataclasses.replace(self.check, access=self.access, dtype=self.dtype or self.check.dtype)
+        """The fold's own check, its directories opened as the fold opened them, at the fold's
+        dtype."""
+        return dataclasses.replace(
+            self.check, access=self.access, dtype=self.dtype or self.check.dtype
+        )

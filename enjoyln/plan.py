@@ -1,9 +1,12 @@
-"""The fold plan: the analysis's decisions as plain data, recorded in a folded checkpoint's ``config.json``."""
+"""The fold plan: the analysis's decisions as plain data, recorded in a folded checkpoint's
+``config.json``."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING as _REQUIRED  # a field without a default (plan.MISSING is a note kind)
+from dataclasses import (
+    MISSING as _REQUIRED,
+)  # a field without a default (plan.MISSING is a note kind)
 from dataclasses import Field, dataclass, field, fields, is_dataclass
 from functools import cache
 from typing import Any, get_args, get_origin, get_type_hints
@@ -12,7 +15,8 @@ from .errors import PlanError
 from .units import format_bytes
 
 FORMAT_VERSION = 4
-"""The newest format read; a plan is written in the oldest that holds it: old readers refuse only what they misread."""
+"""The newest format read; a plan is written in the oldest that holds it: old readers refuse only
+what they misread."""
 
 
 class Fields:
@@ -23,7 +27,13 @@ class Fields:
     ValueError: c.axis is '1', not an integer
     """
 
-    _KINDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list"}
+    _KINDS = {
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "true or false",
+        list: "a list",
+    }
 
     def __init__(self, data: Any, where: str) -> None:
         if not isinstance(data, dict):
@@ -36,13 +46,17 @@ class Fields:
                 raise ValueError(f"{self.where} has no {key}")
             return default
         value = self.data[key]
-        if isinstance(value, bool) != (kind is bool) or not isinstance(value, (int, float) if kind is float else kind):
+        if isinstance(value, bool) != (kind is bool) or not isinstance(
+            value, (int, float) if kind is float else kind
+        ):
             raise ValueError(f"{self.where}.{key} is {_short(value)}, not {self._KINDS[kind]}")
         return value
 
     def read(self, key: str, hint: Any, default: Any = _REQUIRED) -> Any:
-        """``key`` as the type ``hint`` says: a plain value, a list or tuple of them or of plan records, or
-        ``Rotation | None`` (a missing or empty one None); ``default`` left out where ``key`` is required."""
+        """``key`` as the type ``hint`` says: a plain value, a list or tuple of them or of plan
+        records, or
+        ``Rotation | None`` (a missing or empty one None); ``default`` left out where ``key`` is
+        required."""
         if type(None) in get_args(hint):
             hint = get_args(hint)[0]
         if is_dataclass(hint):
@@ -53,14 +67,21 @@ class Fields:
             return float(value) if hint is float else value
         sequence, kind = get_origin(hint), get_args(hint)[0]
         if is_dataclass(kind):
-            return sequence(kind.from_dict(Fields(v, f"{self.where}.{key}[{i}]"))
-                            for i, v in enumerate(self._get(key, list, [])))
+            return sequence(
+                kind.from_dict(Fields(v, f"{self.where}.{key}[{i}]"))
+                for i, v in enumerate(self._get(key, list, []))
+            )
         values = self._get(key, list, None)
         if values is None:
             return default
         one = Fields({str(i): v for i, v in enumerate(values)}, f"{self.where}.{key}")
-        values = [one._get(str(i), str if issubclass(kind, str) else kind, _REQUIRED) for i in range(len(values))]
-        return sequence(values if kind in (str, int) else map(kind.read, values))  # a Note: its ``read``
+        values = [
+            one._get(str(i), str if issubclass(kind, str) else kind, _REQUIRED)
+            for i in range(len(values))
+        ]
+        return sequence(
+            values if kind in (str, int) else map(kind.read, values)
+        )  # a Note: its ``read``
 
 
 def _short(value: Any) -> str:
@@ -76,7 +97,8 @@ _hints = cache(get_type_hints)  # of a record class, evaluated once
 
 
 def _data(value: Any) -> Any:
-    """``value`` as JSON data: a record as its ``to_dict``, a sequence as a list, a ``Note`` as a plain string."""
+    """``value`` as JSON data: a record as its ``to_dict``, a sequence as a list, a ``Note`` as a
+    plain string."""
     if isinstance(value, Record):
         return value.to_dict()
     if isinstance(value, (list, tuple)):
@@ -85,26 +107,36 @@ def _data(value: Any) -> Any:
 
 
 class Record:
-    """A plan dataclass as a JSON object: its fields in order, read back by their types (``Fields.read``).
+    """A plan dataclass as a JSON object: its fields in order, read back by their types
+    (``Fields.read``).
     ``_sparse`` names newer fields left out at their defaults, so older readers read the same."""
 
     _sparse: tuple[str, ...] = ()
     _where = "record"  # the name a ``ValueError`` gives a bad object passed to ``from_dict``
 
     def to_dict(self) -> dict[str, Any]:
-        data = ((f, _data(getattr(self, f.name))) for f in fields(self))  # each value converted once
-        return {f.name: value for f, value in data if f.name not in self._sparse or value != _data(_default(f))}
+        data = (
+            (f, _data(getattr(self, f.name))) for f in fields(self)
+        )  # each value converted once
+        return {
+            f.name: value
+            for f, value in data
+            if f.name not in self._sparse or value != _data(_default(f))
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | Fields) -> Any:
         f = d if isinstance(d, Fields) else Fields(d, cls._where)
-        return cls(**{x.name: f.read(x.name, _hints(cls)[x.name], _default(x)) for x in fields(cls)})
+        return cls(
+            **{x.name: f.read(x.name, _hints(cls)[x.name], _default(x)) for x in fields(cls)}
+        )
 
 
 @dataclass(frozen=True)
 class Centering(Record):
     """A parameter to center: ``p -= p.mean(axis, keepdim=True)``; with ``groups > 1`` each of that
-    many blocks of the axis on its own (``blocks``: only those), with ``scale`` (a LayerScale gain γ)
+    many blocks of the axis on its own (``blocks``: only those), with ``scale`` (a LayerScale gain
+    γ)
     ``p -= mean(γ·p) / γ``."""
 
     param: str
@@ -112,7 +144,9 @@ class Centering(Record):
     groups: int = 1
     blocks: tuple[int, ...] | None = None  # only these of the ``groups`` blocks; None: all
     scale: str | None = None  # the parameter holding γ, indexed like ``axis``; not changed
-    saved: bool = True  # False for a non-persistent buffer, not stored: ``enjoyln.load`` centers it again
+    saved: bool = (
+        True  # False for a non-persistent buffer, not stored: ``enjoyln.load`` centers it again
+    )
     _sparse = ("blocks", "scale", "saved")
     _where = "centering"
 
@@ -165,16 +199,24 @@ class Fused(Record):
     bias: str | None = None
 
     def describe(self) -> str:
-        cols = "" if self.start == 0 and self.offset == 0 else f", entries {self.start}-{self.start + self.length - 1}"
-        return f"{self.weight} (input axis {self.axis}{cols})" + (f", {self.bias}" if self.bias else "")
+        cols = (
+            ""
+            if self.start == 0 and self.offset == 0
+            else f", entries {self.start}-{self.start + self.length - 1}"
+        )
+        return f"{self.weight} (input axis {self.axis}{cols})" + (
+            f", {self.bias}" if self.bias else ""
+        )
 
 
 AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT = "fused", "gain fused", "kept"
-"""With ``fuse_affine``, γ and β: both moved (a weightless norm), γ moved and β kept as β/γ, or both kept."""
+"""With ``fuse_affine``, γ and β: both moved (a weightless norm), γ moved and β kept as β/γ, or both
+kept."""
 
 
 SERVED, ALL_OUTPUTS = "served", "all"
-"""The outputs a rotation keeps exact: what a model serves (its logits, and so its generation; every output of a
+"""The outputs a rotation keeps exact: what a model serves (its logits, and so its generation; every
+output of a
 model without logits), or every output, the hidden states of its towers included."""
 
 
@@ -197,29 +239,41 @@ class Rotation(Record):
     seed: int
     keep_mean: bool
     rotated: list[Rotated] = field(default_factory=list)
-    version: int = 1  # how ``Q`` is built and applied: 1 dense, 2 structured (``ROTATION_VERSIONS``)
-    stream: str = ""  # the stream rotated, where a plan rotates several: the modules its norms share ...
+    version: int = (
+        1  # how ``Q`` is built and applied: 1 dense, 2 structured (``ROTATION_VERSIONS``)
+    )
+    stream: str = (
+        ""  # the stream rotated, where a plan rotates several: the modules its norms share ...
+    )
     width: int = 0  # ... and its width
     _sparse = ("version", "stream", "width")
     _where = "rotation"
 
     def describe(self) -> str:
-        """``the residual stream of model.vision_tower (width 1152, hadamard, seed 7, keeping the mean)``."""
+        """``the residual stream of model.vision_tower (width 1152, hadamard, seed 7, keeping the
+        mean)``."""
         where = f" of {self.stream or 'the model'} (width {self.width}, " if self.width else " ("
-        return (f"the residual stream{where}{self.kind}, seed {self.seed}, "
-                f"{'keeping the mean' if self.keep_mean else 'not keeping the mean'})")
+        return (
+            f"the residual stream{where}{self.kind}, seed {self.seed}, "
+            f"{'keeping the mean' if self.keep_mean else 'not keeping the mean'})"
+        )
 
 
 ROTATION_VERSIONS = {"hadamard": 2, "random": 1}
-"""The version a new rotation of each kind gets. A hadamard ``Q`` of version 1 is a dense matrix (a Kronecker
-product with a LAPACK block, or Haar-random where the odd part of the width is over 64) applied by BLAS; of
-version 2 it is structured (``ops/rotate.c``) for every width. Checkpoints keep the version they were made with."""
+"""The version a new rotation of each kind gets. A hadamard ``Q`` of version 1 is a dense matrix (a
+Kronecker
+product with a LAPACK block, or Haar-random where the odd part of the width is over 64) applied by
+BLAS; of
+version 2 it is structured (``ops/rotate.c``) for every width. Checkpoints keep the version they
+were made with."""
 
 
 @dataclass(frozen=True)
 class RotationSpec:
-    """What a rotation of the residual streams is asked to be: the kind of ``Q``, its seed, whether it keeps the mean,
-    the version of its algorithm (0: the newest for the kind, ``ROTATION_VERSIONS``), and the outputs it keeps
+    """What a rotation of the residual streams is asked to be: the kind of ``Q``, its seed, whether
+    it keeps the mean,
+    the version of its algorithm (0: the newest for the kind, ``ROTATION_VERSIONS``), and the
+    outputs it keeps
     exact (``SERVED`` or ``ALL_OUTPUTS``).
 
     >>> RotationSpec.of(("random", 3, False))
@@ -246,15 +300,21 @@ class RotationSpec:
 
 
 TRAINING_MODE, NOT_ROTATED, MISSING = "training mode", "not rotated", "missing parameters"
-"""Kinds of notes code acts on: ``fold`` warns of the first, ``rotate`` raises the second; the third for reading."""
+"""Kinds of notes code acts on: ``fold`` warns of the first, ``rotate`` raises the second; the third
+for reading."""
 STREAM_NOT_ROTATED = "stream not rotated"
-"""The second's kind where a model has several residual streams (a vision tower's, the language model's)."""
-_NOTE_TEXTS = {TRAINING_MODE: "the model is in training mode, so its dropout blocks folding; call model.eval() first",
-               NOT_ROTATED: "the residual stream cannot be rotated: {}",
-               STREAM_NOT_ROTATED: "the residual stream of {} (width {}) cannot be rotated: {}",
-               MISSING: "the checkpoint lacks {} that {} builds ({}): transformers initialises {} at random on every "
-                        "load, so outputs that read {} differ from load to load; --model-class can name a class "
-                        "that matches the weights"}
+"""The second's kind where a model has several residual streams (a vision tower's, the language
+model's)."""
+_NOTE_TEXTS = {
+    TRAINING_MODE: "the model is in training mode, so its dropout blocks folding; call "
+    "model.eval() first",
+    NOT_ROTATED: "the residual stream cannot be rotated: {}",
+    STREAM_NOT_ROTATED: "the residual stream of {} (width {}) cannot be rotated: {}",
+    MISSING: "the checkpoint lacks {} that {} builds ({}): transformers initialises {} at random "
+    "on every "
+    "load, so outputs that read {} differ from load to load; --model-class can name a class "
+    "that matches the weights",
+}
 
 
 class Note(str):
@@ -278,7 +338,8 @@ class Note(str):
 
     @classmethod
     def read(cls, text: str) -> "Note":
-        """A note read back from JSON: its kind recovered from the fixed start of ``Note.of``'s texts."""
+        """A note read back from JSON: its kind recovered from the fixed start of ``Note.of``'s
+        texts."""
         for kind, template in _NOTE_TEXTS.items():
             if text.startswith(template.split("{}")[0]):
                 return cls(text, kind)
@@ -301,10 +362,22 @@ class LayerNormEntry(Record):
     affine: str = ""  # with ``fuse_affine``: AFFINE_FUSED, AFFINE_GAIN or AFFINE_KEPT
     affine_reason: str = ""  # why the affine (AFFINE_KEPT) or β (AFFINE_GAIN) stayed
     fused: list[Fused] = field(default_factory=list)
-    dim: int = -1  # the axis normalized: -1, or 1 for a channels-first norm (timm's ``LayerNorm2d``)
-    upcast: bool = False  # computes in float32, cast back to the input's dtype (timm's ``LayerNormFp32``, OLMo)
-    then: tuple[str, ...] = ()  # children applied to the output (timm's ``LayerNormAct2d``), kept after the RMSNorm
-    _sparse = ("affine", "affine_reason", "fused", "dim", "upcast", "then")  # newer fields, written only when used
+    dim: int = (
+        -1
+    )  # the axis normalized: -1, or 1 for a channels-first norm (timm's ``LayerNorm2d``)
+    # computes in float32, cast back to the input's dtype (timm's ``LayerNormFp32``, OLMo)
+    upcast: bool = False
+    then: tuple[
+        str, ...
+    ] = ()  # children applied to the output (timm's ``LayerNormAct2d``), kept after the RMSNorm
+    _sparse = (
+        "affine",
+        "affine_reason",
+        "fused",
+        "dim",
+        "upcast",
+        "then",
+    )  # newer fields, written only when used
     _where = "layer_norm"
 
     @property
@@ -334,11 +407,17 @@ class FoldPlan(Record):
     untied: list[Untie] = field(default_factory=list)
     notes: list[Note] = field(default_factory=list)  # plain strings are accepted too
     auxiliary: list[AuxCentering] = field(default_factory=list)  # ``auxiliary_centering=True``
-    norm_modules: list[str] = field(default_factory=list)  # every LN and GroupNorm, to recognise the model again
+    norm_modules: list[str] = field(
+        default_factory=list
+    )  # every LN and GroupNorm, to recognise the model again
     rotation: Rotation | None = None  # the first stream rotated ...
-    more_rotations: list[Rotation] = field(default_factory=list)  # ... and the others, each with its own Q
+    more_rotations: list[Rotation] = field(
+        default_factory=list
+    )  # ... and the others, each with its own Q
     exact_outputs: str = SERVED  # SERVED or ALL_OUTPUTS: the outputs a rotation keeps exact
-    changed_outputs: list[str] = field(default_factory=list)  # outputs a rotation changes (a tower's hidden states)
+    changed_outputs: list[str] = field(
+        default_factory=list
+    )  # outputs a rotation changes (a tower's hidden states)
     _sparse = ("rotation", "more_rotations", "exact_outputs", "changed_outputs")
     _where = "plan"
 
@@ -349,19 +428,25 @@ class FoldPlan(Record):
 
     @property
     def changes(self) -> bool:
-        """Whether the plan changes the model: a norm folds, or a stream rotates (a tower whose norms stay)."""
+        """Whether the plan changes the model: a norm folds, or a stream rotates (a tower whose
+        norms stay)."""
         return bool(self.foldable or self.rotation is not None)
 
     @property
     def affine_moved(self) -> list[LayerNormEntry]:
-        """The norms whose γ and β move into their readers: folded ones, and norms that stay LayerNorms on a
+        """The norms whose γ and β move into their readers: folded ones, and norms that stay
+        LayerNorms on a
         rotated stream (a rotation that keeps the mean commutes with a weightless LayerNorm)."""
         return [e for e in self.layer_norms if e.affine in (AFFINE_FUSED, AFFINE_GAIN)]
 
     def not_rotated(self) -> str:
         """Why no stream is rotated: the plan's notes that say so."""
-        return "; ".join(n for n in self.notes if getattr(n, "kind", "") in (NOT_ROTATED, STREAM_NOT_ROTATED)) \
+        return (
+            "; ".join(
+                n for n in self.notes if getattr(n, "kind", "") in (NOT_ROTATED, STREAM_NOT_ROTATED)
+            )
             or "the plan has no rotation"
+        )
 
     @property
     def foldable(self) -> list[LayerNormEntry]:
@@ -378,11 +463,18 @@ class FoldPlan(Record):
 
     @property
     def format_version(self) -> int:
-        """The oldest plan format that holds this plan: 2 once a norm is not a plain LayerNorm, 3 with a rotation
-        of version 2 (which an older reader would apply as a dense one), 4 with several streams rotated, an
-        unfolded norm's affine moved, or outputs a rotation changes (which an older reader would miss)."""
-        if (self.more_rotations or self.changed_outputs or self.exact_outputs != SERVED
-                or any(not e.foldable for e in self.affine_moved)):
+        """The oldest plan format that holds this plan: 2 once a norm is not a plain LayerNorm, 3
+        with a rotation
+        of version 2 (which an older reader would apply as a dense one), 4 with several streams
+        rotated, an
+        unfolded norm's affine moved, or outputs a rotation changes (which an older reader would
+        miss)."""
+        if (
+            self.more_rotations
+            or self.changed_outputs
+            or self.exact_outputs != SERVED
+            or any(not e.foldable for e in self.affine_moved)
+        ):
             return 4
         if self.rotation is not None and self.rotation.version >= 2:
             return 3
@@ -396,18 +488,23 @@ class FoldPlan(Record):
         return next((n for n in self.notes if getattr(n, "kind", "") == kind), None)
 
     def __getitem__(self, name: str) -> LayerNormEntry:
-        return {e.name: e for e in reversed(self.layer_norms)}[name]  # KeyError(name); the first of a name
+        return {e.name: e for e in reversed(self.layer_norms)}[
+            name
+        ]  # KeyError(name); the first of a name
 
     def to_dict(self) -> dict[str, Any]:
         return {"format_version": self.format_version, **super().to_dict()}  # notes: plain strings
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | Fields) -> "FoldPlan":
-        """``ValueError`` naming the field at fault, ``PlanError`` for a plan a newer enjoyln wrote."""
+        """``ValueError`` naming the field at fault, ``PlanError`` for a plan a newer enjoyln
+        wrote."""
         version = Fields(d, "plan").read("format_version", int, FORMAT_VERSION)
         if version > FORMAT_VERSION:
-            raise PlanError(f"this plan has format version {version}; this enjoyln reads up to "
-                            f"{FORMAT_VERSION}, so upgrade enjoyln")
+            raise PlanError(
+                f"this plan has format version {version}; this enjoyln reads up to "
+                f"{FORMAT_VERSION}, so upgrade enjoyln"
+            )
         return super().from_dict(d)
 
     def to_json(self, **kwargs: Any) -> str:
@@ -431,27 +528,38 @@ class FoldPlan(Record):
         if centered:
             lines.append(f"Center {len(centered)} parameters:")
             lines += [f"  {c.describe()}" for c in centered]
-        lines += [f"Untie {u.param} from {u.tied_to}: +{format_bytes(u.nbytes)}" for u in self.untied]
+        lines += [
+            f"Untie {u.param} from {u.tied_to}: +{format_bytes(u.nbytes)}" for u in self.untied
+        ]
         lines += [f"Insert {a.describe()}" for a in self.auxiliary]
         for e in (e for e in self.layer_norms if e.foldable or e in self.affine_moved):
             if e.affine == AFFINE_KEPT:
                 lines.append(f"Keep the affine of {e.name}: {e.affine_reason}")
             elif e.affine:
-                what = "γ and β" if e.affine == AFFINE_FUSED else f"γ (β stays, as β/γ: {e.affine_reason})"
+                what = (
+                    "γ and β"
+                    if e.affine == AFFINE_FUSED
+                    else f"γ (β stays, as β/γ: {e.affine_reason})"
+                )
                 into = ", ".join(f.describe() for f in e.fused) or "nothing to move"
                 lines.append(f"Fuse {what} of {e.name} into {into}")
         lines += [f"Rotate {r.describe()}: {len(r.rotated)} tensors" for r in self.rotations]
         if self.changed_outputs:
-            lines.append(f"Outputs the rotation changes, not kept exact: {', '.join(self.changed_outputs)}")
+            lines.append(
+                f"Outputs the rotation changes, not kept exact: {', '.join(self.changed_outputs)}"
+            )
         lines += [f"Note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
 def block_lists(plan: FoldPlan) -> dict[str, list[Any]]:
-    """The lists a folded checkpoint's ``enjoyln`` block carries beside the plan, for readers that do not
+    """The lists a folded checkpoint's ``enjoyln`` block carries beside the plan, for readers that
+    do not
     parse it; derived from the plan, so the static check can confirm them."""
-    return {"rmsnorm": [e.name for e in plan.foldable],
-            "centered": [c.to_dict() for c in plan.centered],
-            "center_on_load": [c.param for c in plan.centered if not c.saved],
-            "untied": [u.param for u in plan.untied],
-            "auxiliary_centering": [a.to_dict() for a in plan.auxiliary]}
+    return {
+        "rmsnorm": [e.name for e in plan.foldable],
+        "centered": [c.to_dict() for c in plan.centered],
+        "center_on_load": [c.param for c in plan.centered if not c.saved],
+        "untied": [u.param for u in plan.untied],
+        "auxiliary_centering": [a.to_dict() for a in plan.auxiliary],
+    }

@@ -22,8 +22,9 @@ from .transform.steps import reapply_on_load
 __all__ = ["load_sentence_transformer"]
 
 
-def load_sentence_transformer(path: str | os.PathLike, *, trust_remote_code: bool = False,
-                              **kwargs: Any) -> Any:
+def load_sentence_transformer(
+    path: str | os.PathLike, *, trust_remote_code: bool = False, **kwargs: Any
+) -> Any:
     """A folded sentence-transformers directory as a ``SentenceTransformer``, its recorded LNs
     running as ``enjoyln.RMSNorm``; ``kwargs`` go to ``SentenceTransformer`` (``device=...``).
 
@@ -34,15 +35,21 @@ def load_sentence_transformer(path: str | os.PathLike, *, trust_remote_code: boo
     try:
         st = importlib.import_module("sentence_transformers")
     except Exception as exc:
-        raise EnjoylnError(f"load_sentence_transformer needs sentence-transformers ({first_line(exc)}); "
-                           "pip install sentence-transformers") from None
+        raise EnjoylnError(
+            f"load_sentence_transformer needs sentence-transformers ({first_line(exc)}); "
+            "pip install sentence-transformers"
+        ) from None
     checkpoint = open_checkpoint(path, trust_remote_code=trust_remote_code)
     plan = checkpoint.recorded_plan  # a malformed block is refused before anything loads
     try:
-        model = st.SentenceTransformer(str(checkpoint.path), trust_remote_code=trust_remote_code, **kwargs)
+        model = st.SentenceTransformer(
+            str(checkpoint.path), trust_remote_code=trust_remote_code, **kwargs
+        )
     except Exception as exc:
-        raise CheckpointError(f"sentence-transformers cannot load {checkpoint.path}: {type(exc).__name__}: "
-                              f"{first_line(exc)}") from None
+        raise CheckpointError(
+            f"sentence-transformers cannot load {checkpoint.path}: {type(exc).__name__}: "
+            f"{first_line(exc)}"
+        ) from None
     if plan is not None:
         reapply_on_load(_transformer(model, checkpoint.architecture), plan)
     return model.eval()
@@ -53,9 +60,13 @@ def _transformer(model: nn.Module, architecture: str) -> nn.Module:
     made for: the same class, or the plan's names would not be its names."""
     found = [m.auto_model for m in model if isinstance(getattr(m, "auto_model", None), nn.Module)]
     if len(found) != 1:
-        raise CheckpointError(f"expected one transformer in the sentence-transformers pipeline, found {len(found)}")
+        raise CheckpointError(
+            f"expected one transformer in the sentence-transformers pipeline, found {len(found)}"
+        )
     if type(found[0]).__name__ != architecture:
-        raise CheckpointError(f"sentence-transformers loads this directory as {type(found[0]).__name__}, but it was "
-                              f"folded as {architecture}; fold the original with --model-class "
-                              f"{type(found[0]).__name__}")
+        raise CheckpointError(
+            f"sentence-transformers loads this directory as {type(found[0]).__name__}, but it was "
+            f"folded as {architecture}; fold the original with --model-class "
+            f"{type(found[0]).__name__}"
+        )
     return found[0]

@@ -1,4 +1,5 @@
-"""Repeated timings and the warnings their spread gives; plain Python, so tests judge made-up timings."""
+"""Repeated timings and the warnings their spread gives; plain Python, so tests judge made-up
+timings."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ class Spread:
     low: float
     high: float
     runs: int
-    groups: list[float] = field(default_factory=list)  # centres of the groups the runs fall into (time-slicing)
+    groups: list[float] = field(
+        default_factory=list
+    )  # centres of the groups the runs fall into (time-slicing)
 
     @classmethod
     def of(cls, samples: list[float]) -> "Spread":
@@ -36,7 +39,8 @@ class Spread:
         return self.q3 - self.q1
 
     def warnings(self, label: str, unit: str = "ms") -> list[str]:
-        """Why not to trust these timings: at the clock's resolution, in groups a scheduler step apart, or spread.
+        """Why not to trust these timings: at the clock's resolution, in groups a scheduler step
+        apart, or spread.
 
         >>> Spread.of([10.0, 10.1, 9.9, 10.0, 10.05, 9.95]).warnings("original")
         []
@@ -44,16 +48,24 @@ class Spread:
         found = []
         tick = time.get_clock_info("perf_counter").resolution * (1e3 if unit == "ms" else 1e6)
         if self.median < 100 * tick:
-            found.append(f"{label}: {self.median:.3g} {unit} is within 100x the clock's resolution ({tick:.3g} "
-                         f"{unit}); these timings mean little")
+            found.append(
+                f"{label}: {self.median:.3g} {unit} is within 100x the clock's resolution "
+                f"({tick:.3g} "
+                f"{unit}); these timings mean little"
+            )
         if len(self.groups) >= 2:
             step = statistics.median(b - a for a, b in zip(self.groups, self.groups[1:]))
-            found.append(f"{label}: the {self.runs} runs fall into {len(self.groups)} groups about {step:.3g} {unit} "
-                         "apart: the scheduler is slicing the time (more threads than free cores?), so the "
-                         "timings sit at its resolution")
+            found.append(
+                f"{label}: the {self.runs} runs fall into {len(self.groups)} groups about "
+                f"{step:.3g} {unit} "
+                "apart: the scheduler is slicing the time (more threads than free cores?), so the "
+                "timings sit at its resolution"
+            )
         elif self.median > 0 and self.iqr / self.median > NOISY:
-            found.append(f"{label}: the runs spread by {self.iqr / self.median:.0%} of their median (IQR "
-                         f"{self.q1:.3g}-{self.q3:.3g} {unit}); the machine looks busy")
+            found.append(
+                f"{label}: the runs spread by {self.iqr / self.median:.0%} of their median (IQR "
+                f"{self.q1:.3g}-{self.q3:.3g} {unit}); the machine looks busy"
+            )
         return found
 
 
@@ -61,8 +73,10 @@ NOISY = 0.10  # an interquartile range above this fraction of the median: the ma
 
 
 def _groups(xs: list[float]) -> list[float]:
-    """Centres of the clusters sorted timings fall into, split at gaps far wider than their spacing and 15% of
-    the median; [] for one cluster, clusters of one run (outliers) or as wide as their gaps (noise)."""
+    """Centres of the clusters sorted timings fall into, split at gaps far wider than their spacing
+    and 15% of
+    the median; [] for one cluster, clusters of one run (outliers) or as wide as their gaps
+    (noise)."""
     if len(xs) < 8:
         return []
     gaps = [b - a for a, b in zip(xs, xs[1:])]

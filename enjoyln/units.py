@@ -14,14 +14,30 @@ def parse_size(text: str | int | None) -> int | None:
             raise CheckpointError(f"cannot use the size {text}; it must be positive")
         return text
     s = text.strip().upper().replace(" ", "")
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    units = {
+        "KIB": 1 << 10,
+        "MIB": 1 << 20,
+        "GIB": 1 << 30,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "B": 1,
+    }
     unit = next((u for u in units if s.endswith(u)), None)
     try:
-        size = int(float(s[: -len(unit)]) * units[unit]) if unit else int(s) if s.isascii() and s.isdigit() else None
+        size = (
+            int(float(s[: -len(unit)]) * units[unit])
+            if unit
+            else int(s)
+            if s.isascii() and s.isdigit()
+            else None
+        )
     except (ValueError, OverflowError):  # not a number, or not a finite one
         size = None
     if size is None or size <= 0:
-        raise CheckpointError(f"cannot use the size {text!r}; write a positive size such as 500MB or 2GB")
+        raise CheckpointError(
+            f"cannot use the size {text!r}; write a positive size such as 500MB or 2GB"
+        )
     return size
 
 
@@ -43,5 +59,7 @@ def format_duration(seconds: float) -> str:
     ('40 s', '2 min', '180 min')
     """
     if seconds < 55:
-        return f"{max(5, round(seconds / 5) * 5)} s" if seconds >= 5 else f"{max(1, round(seconds))} s"
+        return (
+            f"{max(5, round(seconds / 5) * 5)} s" if seconds >= 5 else f"{max(1, round(seconds))} s"
+        )
     return f"{max(1, round(seconds / 60))} min"

@@ -28,7 +28,9 @@ import enjoyln
 from enjoyln.testing import perturb, tiny_model
 
 
-def markov_text(steps: int, batch: int, length: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
+def markov_text(
+    steps: int, batch: int, length: int, vocab: int, seed: int = 0
+) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     transition = torch.softmax(torch.randn(vocab, vocab, generator=gen) * 3, dim=-1)
     batches = []
@@ -41,9 +43,11 @@ def markov_text(steps: int, batch: int, length: int, vocab: int, seed: int = 0) 
     return batches
 
 
-def train(model: torch.nn.Module, data: list[torch.Tensor], lr: float,
-          estimate_for: int = 0) -> tuple[list[float], float]:
-    """With ``estimate_for`` (the steps of every run together), say after 3 steps how long they will take."""
+def train(
+    model: torch.nn.Module, data: list[torch.Tensor], lr: float, estimate_for: int = 0
+) -> tuple[list[float], float]:
+    """With ``estimate_for`` (the steps of every run together), say after 3 steps how long they will
+    take."""
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     losses, times = [], []
@@ -57,8 +61,12 @@ def train(model: torch.nn.Module, data: list[torch.Tensor], lr: float,
         losses.append(loss.item())
         if estimate_for and len(times) == min(3, len(data)):
             total = statistics.median(times) * estimate_for
-            print(f"{len(times)} steps took {sum(times):.1f} s: the {estimate_for} steps of the three runs take "
-                  f"about {total / 60:.1f} min here", flush=True)
+            print(
+                f"{len(times)} steps took {sum(times):.1f} s: the {estimate_for} steps of the "
+                "three runs take "
+                f"about {total / 60:.1f} min here",
+                flush=True,
+            )
     return losses, statistics.median(times) * 1e3
 
 
@@ -70,8 +78,17 @@ def main() -> None:
     parser.add_argument("--out", default="loss_curves.png")
     args = parser.parse_args()
     vocab = 128
-    base = tiny_model("gpt2", n_layer=4, n_embd=128, n_head=4, resid_pdrop=args.dropout, embd_pdrop=args.dropout,
-                      attn_pdrop=args.dropout, tie_word_embeddings=False, vocab_size=vocab)
+    base = tiny_model(
+        "gpt2",
+        n_layer=4,
+        n_embd=128,
+        n_head=4,
+        resid_pdrop=args.dropout,
+        embd_pdrop=args.dropout,
+        attn_pdrop=args.dropout,
+        tie_word_embeddings=False,
+        vocab_size=vocab,
+    )
     perturb(base)
     data = markov_text(args.steps, batch=8, length=64, vocab=vocab)
 
@@ -80,15 +97,24 @@ def main() -> None:
         if isinstance(module, torch.nn.LayerNorm):
             parent, _, attr = name.rpartition(".")
             setattr(swapped.get_submodule(parent), attr, enjoyln.RMSNorm.from_layer_norm(module))
-    variants = {"LN": copy.deepcopy(base), "RMSNorm swap": swapped, "CBWC + RMSNorm": enjoyln.cbwc(copy.deepcopy(base))}
+    variants = {
+        "LN": copy.deepcopy(base),
+        "RMSNorm swap": swapped,
+        "CBWC + RMSNorm": enjoyln.cbwc(copy.deepcopy(base)),
+    }
     curves = {}
     for name, model in variants.items():
         torch.manual_seed(0)  # same dropout masks where there is dropout
-        losses, step_ms = train(model, data, args.lr, estimate_for=0 if curves else len(variants) * args.steps)
+        losses, step_ms = train(
+            model, data, args.lr, estimate_for=0 if curves else len(variants) * args.steps
+        )
         curves[name] = losses
         print(f"{name:15s} step {step_ms:6.1f} ms   loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     gap = max(abs(a - b) / a for a, b in zip(curves["LN"], curves["CBWC + RMSNorm"]))
-    print(f"largest relative loss gap, CBWC vs LN: {gap:.2e}" + ("" if args.dropout else " (dropout 0: exact up to rounding)"))
+    print(
+        f"largest relative loss gap, CBWC vs LN: {gap:.2e}"
+        + ("" if args.dropout else " (dropout 0: exact up to rounding)")
+    )
     try:
         import matplotlib
 

@@ -1,6 +1,6 @@
 """Fold a plain PyTorch model (not from Hugging Face): pass example inputs.
 
-    python examples/fold_any_module.py
+python examples/fold_any_module.py
 """
 
 import copy

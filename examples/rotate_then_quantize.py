@@ -22,7 +22,8 @@ With random weights a rotation cannot make the weights easier to quantize
 (they are Gaussian either way), so the int4 row shows weight noise, which no
 rotation removes; trained weights have outliers of their own, which it does.
 
-    python examples/rotate_then_quantize.py [--layers 4] [--width 512] [--odd-widths 1600,4544] [--write]
+    python examples/rotate_then_quantize.py [--layers 4] [--width 512] [--odd-widths 1600,4544]
+    [--write]
 """
 
 from __future__ import annotations
@@ -44,8 +45,19 @@ OUTLIERS = (3, 200)
 
 def build(layers: int, width: int, vocab: int, seed: int = 0, scale: float = 40.0) -> nn.Module:
     """A perturbed GPT-2 whose stream writers put ``scale`` times more into a few features."""
-    model = perturb(tiny_model("gpt2", seed=seed, n_layer=layers, n_embd=width, n_head=max(1, width // 64),
-                               vocab_size=vocab, n_positions=256, initializer_range=0.05), seed=seed)
+    model = perturb(
+        tiny_model(
+            "gpt2",
+            seed=seed,
+            n_layer=layers,
+            n_embd=width,
+            n_head=max(1, width // 64),
+            vocab_size=vocab,
+            n_positions=256,
+            initializer_range=0.05,
+        ),
+        seed=seed,
+    )
     feats = [f % width for f in OUTLIERS]
     with torch.no_grad():
         t = model.transformer
@@ -98,7 +110,11 @@ def quantized(model: nn.Module, weight_bits: int) -> nn.Module:
     with torch.no_grad():
         for m in norm_readers(q):
             w = m.weight  # Conv1D is [in, out], nn.Linear [out, in]: quantize per output channel
-            m.weight.copy_(quantize_rows(w.T, weight_bits).T if w is not q.lm_head.weight else quantize_rows(w, weight_bits))
+            m.weight.copy_(
+                quantize_rows(w.T, weight_bits).T
+                if w is not q.lm_head.weight
+                else quantize_rows(w, weight_bits)
+            )
             m.register_forward_pre_hook(lambda mod, args: (quantize_rows(args[0], 8), *args[1:]))
     return q
 
@@ -109,23 +125,34 @@ def logits_error(reference: nn.Module, model: nn.Module, ids: torch.Tensor) -> f
     return float((a - b).norm() / a.norm())
 
 
-def measure(layers: int, width: int, vocab: int, dense: bool = True) -> list[tuple[str, float, float, float, float]]:
-    """(model, max/RMS, int8 input error, W8A8 and W4A8 logits errors) for the fused model and both hadamard
-    rotations: the structured one (version 2, the default) and the dense one of earlier releases (version 1)."""
+def measure(
+    layers: int, width: int, vocab: int, dense: bool = True
+) -> list[tuple[str, float, float, float, float]]:
+    """(model, max/RMS, int8 input error, W8A8 and W4A8 logits errors) for the fused model and both
+    hadamard
+    rotations: the structured one (version 2, the default) and the dense one of earlier releases
+    (version 1)."""
     torch.manual_seed(0)
     original = build(layers, width, vocab)
     ids = torch.randint(0, vocab, (4, 128), generator=torch.Generator().manual_seed(1))
-    models = {"folded, fused (not rotated)": enjoyln.fold(copy.deepcopy(original), fuse_affine=True),
-              "rotated, structured Hadamard": enjoyln.rotate(copy.deepcopy(original), kind="hadamard", seed=0)}
+    models = {
+        "folded, fused (not rotated)": enjoyln.fold(copy.deepcopy(original), fuse_affine=True),
+        "rotated, structured Hadamard": enjoyln.rotate(
+            copy.deepcopy(original), kind="hadamard", seed=0
+        ),
+    }
     if dense:
-        models["rotated, dense (version 1)"] = enjoyln.rotate(copy.deepcopy(original), kind="hadamard", seed=0,
-                                                             version=1)
+        models["rotated, dense (version 1)"] = enjoyln.rotate(
+            copy.deepcopy(original), kind="hadamard", seed=0, version=1
+        )
     rows = []
     for name, model in models.items():
         report = enjoyln.check(original, model)
         assert report.passed, report.summary()
-        print(f"{'fused' if name.startswith('folded') else 'rotated'}: exact against the original "
-              f"(width {width}, {name}; max rel diff {report.max_rel_diff:.2g})")
+        print(
+            f"{'fused' if name.startswith('folded') else 'rotated'}: exact against the original "
+            f"(width {width}, {name}; max rel diff {report.max_rel_diff:.2g})"
+        )
         ratio, err8 = activation_stats(model, ids)
         w8, w4 = (logits_error(original, quantized(model, bits), ids) for bits in (8, 4))
         rows.append((name, ratio, err8, w8, w4))
@@ -136,41 +163,69 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--odd-widths", default="", help="more widths, e.g. 1600,4544 (with --odd-layers layers)")
+    parser.add_argument(
+        "--odd-widths", default="", help="more widths, e.g. 1600,4544 (with --odd-layers layers)"
+    )
     parser.add_argument("--odd-layers", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--no-dense", action="store_true", help="leave out the dense rotation of earlier releases")
-    parser.add_argument("--write", action="store_true", help="put the table into docs/how-it-works.md")
+    parser.add_argument(
+        "--no-dense", action="store_true", help="leave out the dense rotation of earlier releases"
+    )
+    parser.add_argument(
+        "--write", action="store_true", help="put the table into docs/how-it-works.md"
+    )
     args = parser.parse_args()
 
-    runs = [(args.layers, args.width)] + [(args.odd_layers, int(w)) for w in args.odd_widths.split(",") if w]
-    table = {(layers, width): measure(layers, width, args.vocab, not args.no_dense) for layers, width in runs}
+    runs = [(args.layers, args.width)] + [
+        (args.odd_layers, int(w)) for w in args.odd_widths.split(",") if w
+    ]
+    table = {
+        (layers, width): measure(layers, width, args.vocab, not args.no_dense)
+        for layers, width in runs
+    }
     base, rot, *dense = table[runs[0]]
-    earlier = (f" (the dense rotation of earlier releases: {base[2] / dense[0][2]:.1f}x and {base[3] / dense[0][3]:.1f}x)"
-               if dense else "")
+    earlier = (
+        f" (the dense rotation of earlier releases: {base[2] / dense[0][2]:.1f}x and "
+        f"{base[3] / dense[0][3]:.1f}x)"
+        if dense
+        else ""
+    )
     k = lambda w: w & -w  # noqa: E731
     lines = [
         f"GPT-2-style models, random perturbed weights, outliers planted in features "
-        f"{', '.join(str(f) for f in OUTLIERS)} (40x) of every stream writer; 4 x 128 tokens. Inputs of the layers "
-        "reading a norm (attention and MLP inputs, the head), and the logits with those inputs in int8 per token "
+        f"{', '.join(str(f) for f in OUTLIERS)} (40x) of every stream writer; 4 x 128 tokens. "
+        "Inputs of the layers "
+        "reading a norm (attention and MLP inputs, the head), and the logits with those inputs in "
+        "int8 per token "
         "and their weights round-to-nearest per output channel:",
         "",
-        "| width (2^k · odd) | layers | model | max / RMS of the inputs | int8 per-token error of the inputs "
+        "| width (2^k · odd) | layers | model | max / RMS of the inputs | int8 per-token error of "
+        "the inputs "
         "| logits error, W8A8 | logits error, W4A8 |",
         "|---|---|---|---|---|---|---|",
-        *(f"| {width} = {k(width)} · {width // k(width)} | {layers} | {n} | {r:.1f} | {e:.2%} | {q8:.2%} | {q4:.2%} |"
-          for (layers, width), rows in table.items() for n, r, e, q8, q4 in rows),
+        *(
+            f"| {width} = {k(width)} · {width // k(width)} | {layers} | {n} | {r:.1f} | {e:.2%} | "
+            f"{q8:.2%} | {q4:.2%} |"
+            for (layers, width), rows in table.items()
+            for n, r, e, q8, q4 in rows
+        ),
         "",
-        f"At width {args.width} the rotation lowers the int8 activation error {base[2] / rot[2]:.1f}x and the W8A8 "
-        f"logits error {base[3] / rot[3]:.1f}x{earlier}. At 4-bit weights the error is the weights' own rounding, which a rotation "
-        "of random (Gaussian) weights cannot reduce. Every unquantized model computes exactly what the original does.",
-        f"Command: `python examples/rotate_then_quantize.py{' --odd-widths ' + args.odd_widths if args.odd_widths else ''}"
+        f"At width {args.width} the rotation lowers the int8 activation error "
+        f"{base[2] / rot[2]:.1f}x and the W8A8 "
+        f"logits error {base[3] / rot[3]:.1f}x{earlier}. At 4-bit weights the error is the "
+        "weights' own rounding, which a rotation "
+        "of random (Gaussian) weights cannot reduce. Every unquantized model computes exactly what "
+        "the original does.",
+        "Command: `python "
+        f"examples/rotate_then_quantize.py{' --odd-widths ' + args.odd_widths if args.odd_widths else ''}"  # noqa: E501
         f"{' --odd-layers ' + str(args.odd_layers) if args.odd_widths else ''} --write`.",
     ]
     body = "\n".join(lines)
     print(body)
     if base[2] < 4 * rot[2]:
-        raise SystemExit(f"the rotation lowered the int8 activation error only {base[2] / rot[2]:.1f}x")
+        raise SystemExit(
+            f"the rotation lowered the int8 activation error only {base[2] / rot[2]:.1f}x"
+        )
     if args.write:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
         from _docs import replace_section

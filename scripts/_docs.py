@@ -24,15 +24,22 @@ def documents(root: Path = ROOT) -> list[Path]:
 def block_file(name: str, root: Path = ROOT) -> Path:
     """The one document holding the ``name`` block."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    found = [p for p in documents(root) if p.is_file() and start in (text := p.read_text()) and end in text]
+    found = [
+        p
+        for p in documents(root)
+        if p.is_file() and start in (text := p.read_text()) and end in text
+    ]
     if len(found) != 1:
         where = ", ".join(str(p.relative_to(root)) for p in found) or "no document"
-        raise SystemExit(f"the {start} ... {end} block must be in exactly one document; found in {where}")
+        raise SystemExit(
+            f"the {start} ... {end} block must be in exactly one document; found in {where}"
+        )
     return found[0]
 
 
 def replace_section(name: str, body: str, root: Path = ROOT) -> Path:
-    """Replace the text between ``<!-- name:start -->`` and ``<!-- name:end -->``; returns the file."""
+    """Replace the text between ``<!-- name:start -->`` and ``<!-- name:end -->``; returns the
+    file."""
     path = block_file(name, root)
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
@@ -49,5 +56,7 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return (f"{cpu}, {torch.get_num_threads()} threads, Python {platform.python_version()}, "
-            f"torch {torch.__version__}")
+    return (
+        f"{cpu}, {torch.get_num_threads()} threads, Python {platform.python_version()}, "
+        f"torch {torch.__version__}"
+    )

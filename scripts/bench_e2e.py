@@ -47,57 +47,95 @@ def main() -> None:
         compiled(original, folded, inputs, args)
 
 
-def eager(original: torch.nn.Module, folded: torch.nn.Module, inputs: dict, args: argparse.Namespace) -> None:
+def eager(
+    original: torch.nn.Module, folded: torch.nn.Module, inputs: dict, args: argparse.Namespace
+) -> None:
     default = torch.get_num_threads()
-    rows = ["| threads | original ms | folded ms | speedup of the medians (noise, see above) | LN share of original | needed (60% of share) "
-            "| in the norms per forward: LN → RMSNorm → bare copy | best possible (copy floor) |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| threads | original ms | folded ms | speedup of the medians (noise, see above) | LN "
+        "share of original | needed (60% of share) "
+        "| in the norms per forward: LN → RMSNorm → bare copy | best possible (copy floor) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for threads in sorted({1, default}):
         torch.set_num_threads(threads)
         r = end_to_end(original, folded, inputs, repeats=args.repeats)
         lat = r.latency
         ln, rms, floor = r.norm_ms
-        rows.append(f"| {threads} | {lat.a_ms:.1f} | {lat.b_ms:.1f} | {lat.speedup:+.2%} | "
-                    f"{r.layer_norm_share:.2%} | {0.6 * r.layer_norm_share:+.2%} "
-                    f"| {ln:.2f} → {rms:.2f} ({rms / ln:.2f}x) → {floor:.2f} ms ({floor / ln:.2f}x) "
-                    f"| {r.best_possible_speedup:+.2%} |")
+        rows.append(
+            f"| {threads} | {lat.a_ms:.1f} | {lat.b_ms:.1f} | {lat.speedup:+.2%} | "
+            f"{r.layer_norm_share:.2%} | {0.6 * r.layer_norm_share:+.2%} "
+            f"| {ln:.2f} → {rms:.2f} ({rms / ln:.2f}x) → {floor:.2f} ms ({floor / ln:.2f}x) "
+            f"| {r.best_possible_speedup:+.2%} |"
+        )
     torch.set_num_threads(default)
-    text = "\n".join([f"GPT-2 small (random, perturbed), fp32, batch 1, sequence {args.seq_len}; medians of "
-                      f"{args.repeats} alternating forwards each. {machine()}.", "", *rows, "",
-                      "Command: `python scripts/bench_e2e.py --write`."])
+    text = "\n".join(
+        [
+            f"GPT-2 small (random, perturbed), fp32, batch 1, sequence {args.seq_len}; medians of "
+            f"{args.repeats} alternating forwards each. {machine()}.",
+            "",
+            *rows,
+            "",
+            "Command: `python scripts/bench_e2e.py --write`.",
+        ]
+    )
     print(text)
     if args.write:
         replace_section("e2e", text)
 
 
-def compiled(original: torch.nn.Module, folded: torch.nn.Module, inputs: dict, args: argparse.Namespace) -> None:
+def compiled(
+    original: torch.nn.Module, folded: torch.nn.Module, inputs: dict, args: argparse.Namespace
+) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":  # where a GPU is present, compile for it; the figures in docs/performance.md are CPU
+    if (
+        device == "cuda"
+    ):  # where a GPU is present, compile for it; the figures in docs/performance.md are CPU
         original, folded = original.to(device), folded.to(device)
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     default = torch.get_num_threads()
     load = [os.getloadavg()[0]]  # the machine may be shared: say how busy it was
-    rows = ["| threads | compiled original ms | compiled folded ms | **folded / original** | kernels generated "
-            "(original → folded) | norm kernels with the residual add fused in | in the norm kernels per "
-            "forward: LN → RMSNorm | compiled folded vs eager original (max rel. diff) |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| threads | compiled original ms | compiled folded ms | **folded / original** | kernels "
+        "generated "
+        "(original → folded) | norm kernels with the residual add fused in | in the norm kernels "
+        "per "
+        "forward: LN → RMSNorm | compiled folded vs eager original (max rel. diff) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for threads in sorted({1, default}) if device == "cpu" else [default]:
         torch.set_num_threads(threads)  # inductor's CPU code is generated for this count
-        r = compiled_comparison(original, folded, inputs, repeats=args.repeats, profile_kernels=device == "cpu")
+        r = compiled_comparison(
+            original, folded, inputs, repeats=args.repeats, profile_kernels=device == "cpu"
+        )
         lat, (ln, rms) = r.latency, r.norm_kernel_ms
         norms = f"{ln:.2f} → {rms:.2f} ms ({rms / ln:.2f}x)" if ln else "-"
-        rows.append(f"| {threads} | {lat.a_ms:.1f} | {lat.b_ms:.1f} | **{lat.ratio:.3f}** | {r.kernels[0]} → "
-                    f"{r.kernels[1]} | {r.fused_add_norms} of {r.norm_kernels[1]} | {norms} | {r.max_rel_diff:.1e} |")
+        rows.append(
+            f"| {threads} | {lat.a_ms:.1f} | {lat.b_ms:.1f} | **{lat.ratio:.3f}** | {r.kernels[0]} "
+            "→ "
+            f"{r.kernels[1]} | {r.fused_add_norms} of {r.norm_kernels[1]} | {norms} | "
+            f"{r.max_rel_diff:.1e} |"
+        )
         load.append(os.getloadavg()[0])
     torch.set_num_threads(default)
-    text = "\n".join([
-        f"GPT-2 small (random, perturbed), fp32, batch 1, sequence {args.seq_len}, {device.upper()}; both "
-        f"compiled with `torch.compile(model, fullgraph=True)` (inductor, no graph breaks); medians of "
-        f"{args.repeats} alternating forwards each. {machine()}; 1-minute load average "
-        f"{', '.join(f'{x:.1f}' for x in load)} at the start and after each row.", "", *rows, "",
-        "The norm kernels are timed by the profiler (inductor's `cpp.enable_kernel_profile`), with what inductor "
-        "fused into them. Command: `python scripts/bench_e2e.py --only compiled --write` (or `enjoyln bench "
-        "--compile`)."])
+    text = "\n".join(
+        [
+            f"GPT-2 small (random, perturbed), fp32, batch 1, sequence {args.seq_len}, "
+            f"{device.upper()}; both "
+            "compiled with `torch.compile(model, fullgraph=True)` (inductor, no graph breaks); "
+            "medians of "
+            f"{args.repeats} alternating forwards each. {machine()}; 1-minute load average "
+            f"{', '.join(f'{x:.1f}' for x in load)} at the start and after each row.",
+            "",
+            *rows,
+            "",
+            "The norm kernels are timed by the profiler (inductor's `cpp.enable_kernel_profile`), "
+            "with what inductor "
+            "fused into them. Command: `python scripts/bench_e2e.py --only compiled --write` (or "
+            "`enjoyln bench "
+            "--compile`).",
+        ]
+    )
     print(text)
     if args.write and device == "cpu":
         replace_section("e2e-compile", text)

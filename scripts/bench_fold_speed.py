@@ -1,6 +1,6 @@
 """Time analyze + fold of a GPT-2-small-sized model (124M parameters, random init).
 
-    python scripts/bench_fold_speed.py [--repeats 3] [--write]
+python scripts/bench_fold_speed.py [--repeats 3] [--write]
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ def main() -> None:
         fold_s.append(end - mid)
     a, f = statistics.median(analyze_s), statistics.median(fold_s)
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    text = (f"GPT-2 small ({params:.0f}M parameters after untying, random init, fp32): `analyze` "
-            f"{a:.2f} s + `fold` {f:.2f} s = **{a + f:.2f} s** (median of {args.repeats}; "
-            f"{len(plan.foldable)}/{len(plan.layer_norms)} LNs folded). {machine()}. "
-            "Command: `python scripts/bench_fold_speed.py --write`.")
+    text = (
+        f"GPT-2 small ({params:.0f}M parameters after untying, random init, fp32): `analyze` "
+        f"{a:.2f} s + `fold` {f:.2f} s = **{a + f:.2f} s** (median of {args.repeats}; "
+        f"{len(plan.foldable)}/{len(plan.layer_norms)} LNs folded). {machine()}. "
+        "Command: `python scripts/bench_fold_speed.py --write`."
+    )
     print(text)
     if args.write:
         replace_section("fold-speed", text)

@@ -1,11 +1,17 @@
-"""Host time of one norm call with autograd on, for docs/performance.md: enjoyln.RMSNorm against nn.LayerNorm.
+"""Host time of one norm call with autograd on, for docs/performance.md: enjoyln.RMSNorm against
+nn.LayerNorm.
 
-A folded model called without ``torch.no_grad()`` (user code, training, fine-tuning) runs every norm with
+A folded model called without ``torch.no_grad()`` (user code, training, fine-tuning) runs every norm
+with
 gradients enabled and parameters that require grad. At 1 x 768 a call costs its host time (dispatch,
-autograd bookkeeping), whatever the device, so the CPU measures what a GPU pays too. Each candidate is timed
-in interleaved rounds of ``--calls`` calls, in one process on one thread; the ratio is taken round by round
-(each round's RMSNorm against the same round's LayerNorm), and its median reported with its quartiles. On
-CPU the clock is the calling thread's CPU time (``time.thread_time``), so that other processes on a busy
+autograd bookkeeping), whatever the device, so the CPU measures what a GPU pays too. Each candidate
+is timed
+in interleaved rounds of ``--calls`` calls, in one process on one thread; the ratio is taken round
+by round
+(each round's RMSNorm against the same round's LayerNorm), and its median reported with its
+quartiles. On
+CPU the clock is the calling thread's CPU time (``time.thread_time``), so that other processes on a
+busy
 machine do not count; on a GPU, wall time with the device waited for at the end of each round.
 
     python scripts/bench_grad.py [--rounds 60] [--calls 200] [--device cpu] [--write]
@@ -32,7 +38,8 @@ N = 768
 
 
 def candidates(device: str) -> dict[str, Callable[[], Any]]:
-    """The calls to time, LayerNorm first: each with gradients on and parameters that require grad."""
+    """The calls to time, LayerNorm first: each with gradients on and parameters that require
+    grad."""
     x = torch.randn(1, N, device=device)
     ln = torch.nn.LayerNorm(N, device=device)
     with torch.no_grad():
@@ -58,14 +65,21 @@ def candidates(device: str) -> dict[str, Callable[[], Any]]:
         "enjoyln.RMSNorm": lambda: rms(x),
         "enjoyln.RMSNorm, weight only": lambda: weight_only(x),
         "enjoyln.RMSNorm through the Python autograd.Function (no C++ node)": python_function,
-        "the enjoyln.rms_norm op (the earlier path)": lambda: torch.ops.enjoyln.rms_norm(x, [N], w, b, 1e-5),
+        "the enjoyln.rms_norm op (the earlier path)": lambda: torch.ops.enjoyln.rms_norm(
+            x, [N], w, b, 1e-5
+        ),
         "nn.LayerNorm, forward and backward": backward(ln),
         "enjoyln.RMSNorm, forward and backward": backward(rms),
     }
 
 
-def measure(calls: dict[str, Callable[[], Any]], rounds: int, per_round: int, sync: Callable[[], None],
-            clock: Callable[[], float]) -> dict:
+def measure(
+    calls: dict[str, Callable[[], Any]],
+    rounds: int,
+    per_round: int,
+    sync: Callable[[], None],
+    clock: Callable[[], float],
+) -> dict:
     """µs per call of each candidate, per round, rounds interleaved so drift hits them alike."""
     times: dict[str, list[float]] = {k: [] for k in calls}
     for fn in calls.values():  # warm: the C kernel built, autograd's first-use costs paid
@@ -84,15 +98,21 @@ def measure(calls: dict[str, Callable[[], Any]], rounds: int, per_round: int, sy
 
 def table(times: dict[str, list[float]]) -> list[str]:
     ln_fwd, ln_both = times["nn.LayerNorm"], times["nn.LayerNorm, forward and backward"]
-    rows = ["| call (1 x 768, grad on, parameters requiring grad) | µs per call, median (IQR) | / nn.LayerNorm, "
-            "median of the rounds' ratios (IQR) |", "|---|---|---|"]
+    rows = [
+        "| call (1 x 768, grad on, parameters requiring grad) | µs per call, median (IQR) | / "
+        "nn.LayerNorm, "
+        "median of the rounds' ratios (IQR) |",
+        "|---|---|---|",
+    ]
     for key, samples in times.items():
         base = ln_both if "backward" in key else ln_fwd
         s = Spread.of(samples)
         r = Spread.of([a / b for a, b in zip(samples, base)])
         bold = "**" if key == "enjoyln.RMSNorm" else ""
-        rows.append(f"| {key} | {s.median:.1f} ({s.q1:.1f}-{s.q3:.1f}) | {bold}{r.median:.2f}{bold} "
-                    f"({r.q1:.2f}-{r.q3:.2f}) |")
+        rows.append(
+            f"| {key} | {s.median:.1f} ({s.q1:.1f}-{s.q3:.1f}) | {bold}{r.median:.2f}{bold} "
+            f"({r.q1:.2f}-{r.q3:.2f}) |"
+        )
     return rows
 
 
@@ -101,27 +121,40 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--calls", type=int, default=200, help="calls per round")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--write", action="store_true", help="write the grad-host block (CPU runs only)")
+    parser.add_argument(
+        "--write", action="store_true", help="write the grad-host block (CPU runs only)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # a host-time figure: one thread, as a GPU process's Python runs
     torch.manual_seed(0)
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if args.device == "cpu":
-        enjoyln.RMSNorm(N)(torch.randn(1, N))  # the C++ node built (or its absence warned about) before any timing
-    times = measure(candidates(args.device), args.rounds, args.calls, sync, time.perf_counter if cuda else time.thread_time)
+        enjoyln.RMSNorm(N)(
+            torch.randn(1, N)
+        )  # the C++ node built (or its absence warned about) before any timing
+    times = measure(
+        candidates(args.device),
+        args.rounds,
+        args.calls,
+        sync,
+        time.perf_counter if cuda else time.thread_time,
+    )
     notes = [w for key, samples in times.items() for w in Spread.of(samples).warnings(key, "µs")]
     path = ops.paths()["cpu" if args.device == "cpu" else "cuda"]["a gradient needed"]
-    text = "\n".join([
-        f"{torch.cuda.get_device_name() if cuda else 'CPU'}: {machine()}. Path with a gradient: {path}. "
-        f"{args.rounds} interleaved rounds of {args.calls} calls, timed by "
-        f"{'wall time' if cuda else 'the thread CPU time'}.",
-        "",
-        *table(times),
-        *([""] + [f"- {n}" for n in notes] if notes else []),
-        "",
-        "Command: `python scripts/bench_grad.py --write`.",
-    ])
+    text = "\n".join(
+        [
+            f"{torch.cuda.get_device_name() if cuda else 'CPU'}: {machine()}. Path with a "
+            f"gradient: {path}. "
+            f"{args.rounds} interleaved rounds of {args.calls} calls, timed by "
+            f"{'wall time' if cuda else 'the thread CPU time'}.",
+            "",
+            *table(times),
+            *([""] + [f"- {n}" for n in notes] if notes else []),
+            "",
+            "Command: `python scripts/bench_grad.py --write`.",
+        ]
+    )
     print(text)
     if args.write and args.device == "cpu":
         replace_section("grad-host", text)

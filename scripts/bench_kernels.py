@@ -31,24 +31,32 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=300)
     args = parser.parse_args()
     default = torch.get_num_threads()
-    rows = ["| threads | shape | dtype | LayerNorm µs | enjoyln µs | **enjoyln / LN** | F.rms_norm + bias / LN "
-            "| copy / LN (floor) | LN GB/s | enjoyln GB/s |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| threads | shape | dtype | LayerNorm µs | enjoyln µs | **enjoyln / LN** | F.rms_norm + "
+        "bias / LN "
+        "| copy / LN (floor) | LN GB/s | enjoyln GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for threads in sorted({1, default}):
         torch.set_num_threads(threads)
         for r in kernel_benchmark(SHAPES, DTYPES, repeats=args.repeats):
-            rows.append(f"| {threads} | {r.rows}x{r.cols} | {r.dtype} | {r.layer_norm_us:.0f} | {r.rms_norm_us:.0f} "
-                        f"| **{r.ratio:.2f}** | {r.torch_ratio:.2f} | {r.copy_us / r.layer_norm_us:.2f} "
-                        f"| {r.gbps(r.layer_norm_us):.1f} | {r.gbps(r.rms_norm_us):.1f} |")
+            rows.append(
+                f"| {threads} | {r.rows}x{r.cols} | {r.dtype} | {r.layer_norm_us:.0f} | "
+                f"{r.rms_norm_us:.0f} "
+                f"| **{r.ratio:.2f}** | {r.torch_ratio:.2f} | {r.copy_us / r.layer_norm_us:.2f} "
+                f"| {r.gbps(r.layer_norm_us):.1f} | {r.gbps(r.rms_norm_us):.1f} |"
+            )
     torch.set_num_threads(default)
-    text = "\n".join([
-        f"CPU: {machine()}. Path: {ops.status()['cpu']}.",
-        "",
-        *rows,
-        "",
-        "Bytes moved = M·N·(size_x + size_y) + N·(size_γ + size_β). Command: "
-        "`python scripts/bench_kernels.py --write`.",
-    ])
+    text = "\n".join(
+        [
+            f"CPU: {machine()}. Path: {ops.status()['cpu']}.",
+            "",
+            *rows,
+            "",
+            "Bytes moved = M·N·(size_x + size_y) + N·(size_γ + size_β). Command: "
+            "`python scripts/bench_kernels.py --write`.",
+        ]
+    )
     print(text)
     if args.write:
         replace_section("kernels", text)

@@ -28,19 +28,38 @@ import transformers
 import enjoyln
 from enjoyln.bench import compare_latency
 from enjoyln.analysis.inputs import hf_example_inputs
-from enjoyln.export.onnx import LN_OPS, RMS_OPS, deployment_inputs, export_onnx, ort_feed, ort_session
+from enjoyln.export.onnx import (
+    LN_OPS,
+    RMS_OPS,
+    deployment_inputs,
+    export_onnx,
+    ort_feed,
+    ort_session,
+)
 from enjoyln.testing import perturb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _docs import machine, replace_section  # noqa: E402
 
 MODELS = {
-    "gpt2": ("GPT-2-small", transformers.GPT2LMHeadModel, transformers.GPT2Config,
-             [dict(batch=1, seq_len=64), dict(batch=2, seq_len=128)]),
-    "bert": ("BERT-base", transformers.BertModel, transformers.BertConfig,
-             [dict(batch=1, seq_len=128), dict(batch=4, seq_len=64)]),
-    "vit": ("ViT-base", transformers.ViTForImageClassification, transformers.ViTConfig,
-            [dict(batch=1), dict(batch=2)]),
+    "gpt2": (
+        "GPT-2-small",
+        transformers.GPT2LMHeadModel,
+        transformers.GPT2Config,
+        [dict(batch=1, seq_len=64), dict(batch=2, seq_len=128)],
+    ),
+    "bert": (
+        "BERT-base",
+        transformers.BertModel,
+        transformers.BertConfig,
+        [dict(batch=1, seq_len=128), dict(batch=4, seq_len=64)],
+    ),
+    "vit": (
+        "ViT-base",
+        transformers.ViTForImageClassification,
+        transformers.ViTConfig,
+        [dict(batch=1), dict(batch=2)],
+    ),
 }
 NORM_OPS = LN_OPS + RMS_OPS
 PROFILED_RUNS = 2
@@ -62,7 +81,9 @@ def norm_time_ms(path: Path, feed: dict[str, Any], runs: int) -> tuple[float, fl
     options.enable_profiling = True
     with tempfile.TemporaryDirectory() as tmp:
         options.profile_file_prefix = str(Path(tmp) / "profile")
-        session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        session = onnxruntime.InferenceSession(
+            str(path), options, providers=["CPUExecutionProvider"]
+        )
         for _ in range(runs + 1):  # the first run warms up, and is left out below
             session.run(None, feed)
         events = json.loads(Path(session.end_profiling()).read_text())
@@ -91,8 +112,12 @@ def bench_model(key: str, repeats: int, tmp: Path) -> tuple[list[str], str]:
         start = time.perf_counter()
         reports[name] = export_onnx(model, tmp / f"{key}-{name}.onnx", optimize=True)
         assert reports[name].passed, reports[name]
-        print(f"{label} {name}: exported, optimized and checked in {time.perf_counter() - start:.0f} s "
-              f"(max rel diff {reports[name].optimized_max_rel_diff:.2g} at {reports[name].shapes})", file=sys.stderr)
+        print(
+            f"{label} {name}: exported, optimized and checked in {time.perf_counter() - start:.0f} "
+            "s "
+            f"(max rel diff {reports[name].optimized_max_rel_diff:.2g} at {reports[name].shapes})",
+            file=sys.stderr,
+        )
     a, b = (OrtModel(tmp / f"{key}-{name}.onnx") for name in ("original", "folded"))
     rows = []
     for shape in shapes:
@@ -101,8 +126,11 @@ def bench_model(key: str, repeats: int, tmp: Path) -> tuple[list[str], str]:
         feed = ort_feed(a.session, inputs.args, inputs.kwargs)
         norm_a, total_a = norm_time_ms(tmp / f"{key}-original.onnx", feed, runs=PROFILED_RUNS)
         norm_b, _ = norm_time_ms(tmp / f"{key}-folded.onnx", feed, runs=PROFILED_RUNS)
-        rows.append(f"| {label} | {shape_text(key, shape)} | {lat.a_ms:.1f} | {lat.b_ms:.1f} | **{lat.ratio:.3f}** | "
-                    f"{norm_a:.2f} → {norm_b:.2f} ({norm_b / norm_a:.2f}x) | {norm_a / total_a:.1%} |")
+        rows.append(
+            f"| {label} | {shape_text(key, shape)} | {lat.a_ms:.1f} | {lat.b_ms:.1f} | "
+            f"**{lat.ratio:.3f}** | "
+            f"{norm_a:.2f} → {norm_b:.2f} ({norm_b / norm_a:.2f}x) | {norm_a / total_a:.1%} |"
+        )
         print(rows[-1], file=sys.stderr)
     ops_a, ops_b = reports["original"].optimized_ops, reports["folded"].optimized_ops
 
@@ -110,8 +138,10 @@ def bench_model(key: str, repeats: int, tmp: Path) -> tuple[list[str], str]:
         return ", ".join(f"{n} {ops[n]}" for n in NORM_OPS if ops.get(n))
 
     weightless = sum(e.weightless for e in plan.foldable)
-    ops_row = (f"| {label} | {len(plan.foldable)} of {len(plan.layer_norms)} ({weightless} weightless) | "
-               f"{norms(ops_a)} | {norms(ops_b)} | {reports['folded'].rms_bias_adds} |")
+    ops_row = (
+        f"| {label} | {len(plan.foldable)} of {len(plan.layer_norms)} ({weightless} weightless) | "
+        f"{norms(ops_a)} | {norms(ops_b)} | {reports['folded'].rms_bias_adds} |"
+    )
     return rows, ops_row
 
 
@@ -122,11 +152,17 @@ def main() -> None:
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
-    rows = ["| model | inputs | original ms | folded ms | **folded / original** | time in norm ops, ms "
-            "(original → folded) | norm share of the original |",
-            "|---|---|---|---|---|---|---|"]
-    ops = ["| model | LNs folded | original, optimized | folded (fused affine), optimized | RMS ops followed by "
-           "a bias Add |", "|---|---|---|---|---|"]
+    rows = [
+        "| model | inputs | original ms | folded ms | **folded / original** | time in norm ops, ms "
+        "(original → folded) | norm share of the original |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    ops = [
+        "| model | LNs folded | original, optimized | folded (fused affine), optimized | RMS ops "
+        "followed by "
+        "a bias Add |",
+        "|---|---|---|---|---|",
+    ]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for key in args.models.split(","):
@@ -134,12 +170,21 @@ def main() -> None:
             rows += model_rows
             ops.append(ops_row)
     minutes = (time.perf_counter() - start) / 60
-    text = "\n".join([
-        f"onnxruntime {onnxruntime.__version__} CPU, both files through its transformer optimizer (opset 22); "
-        f"medians of {args.repeats} alternating runs; norm times from onnxruntime's profiler "
-        f"({PROFILED_RUNS} runs). "
-        f"{machine()}.", "", *rows, "", *ops, "",
-        f"Command: `python scripts/bench_onnx.py --write` ({minutes:.0f} min here)."])
+    text = "\n".join(
+        [
+            f"onnxruntime {onnxruntime.__version__} CPU, both files through its transformer "
+            "optimizer (opset 22); "
+            f"medians of {args.repeats} alternating runs; norm times from onnxruntime's profiler "
+            f"({PROFILED_RUNS} runs). "
+            f"{machine()}.",
+            "",
+            *rows,
+            "",
+            *ops,
+            "",
+            f"Command: `python scripts/bench_onnx.py --write` ({minutes:.0f} min here).",
+        ]
+    )
     print(text)
     if args.write:
         replace_section("onnx", text)

@@ -1,4 +1,5 @@
-"""Rotation against the disk: `rotate` and `check --static` of its output, side by side with cp and cat.
+"""Rotation against the disk: `rotate` and `check --static` of its output, side by side with cp and
+cat.
 
 For each width (2048, 1600 and 4544 by default: a power of two, GPT-2 XL's and Falcon-7B's, whose
 odd parts are 1, 25 and 71), builds two GPT-2-shaped fp32 checkpoints of different depth (each at
@@ -6,7 +7,8 @@ least 0.4 GB; LayerNorm gains and biases moved away from their init), then runs 
 each ``--repeat`` times after a ``sync`` with every file it reads in the page cache, the two sizes
 alternating (the fastest time and the largest peak RSS count):
 
-- ``cp -r`` of the reference, and ``cat`` of the reference and the rotated checkpoint (the read floor);
+- ``cp -r`` of the reference, and ``cat`` of the reference and the rotated checkpoint (the read
+floor);
 - ``enjoyln rotate --no-check`` (the structured hadamard rotation, keeping the mean);
 - ``enjoyln check --static`` of the rotated checkpoint against the reference;
 
@@ -20,7 +22,8 @@ vocabulary of ``--big-vocab``, 65024 by default: 21.6 GB), once each: cp, rotate
 cat of both.
 
     python scripts/bench_rotate.py [--workdir DIR] [--widths 2048,1600,4544] [--repeat 1] [--write]
-    python scripts/bench_rotate.py --big [--workdir DIR] [--big-layers 4] [--big-vocab 65024] [--write]
+    python scripts/bench_rotate.py --big [--workdir DIR] [--big-layers 4] [--big-vocab 65024]
+    [--write]
 """
 
 from __future__ import annotations
@@ -46,20 +49,38 @@ DEPTHS = {2048: (2, 4), 1600: (3, 6), 4544: (1, 2)}
 
 
 def measure_width(width: int, work: Path, repeat: int) -> list[dict]:
-    """The commands on both sizes of one width; each result keyed by command. The first run of ``rotate``
+    """The commands on both sizes of one width; each result keyed by command. The first run of
+    ``rotate``
     writes the rotated checkpoint the other commands read (timed like the others)."""
     refs, rotated = [], []
     for layers in DEPTHS.get(width, (2, 4)):
         ref, out = work / f"ref-{width}-{layers}", work / f"rotated-{width}-{layers}"
-        print(f"width {width}, {layers} layers: {build_gpt2(ref, layers, width) / 1e9:.2f} GB", flush=True)
+        print(
+            f"width {width}, {layers} layers: {build_gpt2(ref, layers, width) / 1e9:.2f} GB",
+            flush=True,
+        )
         refs.append(ref)
         rotated.append(out)
     commands = {
-        "rotate": (lambda ref, rot, out: enjoyln("rotate", ref, out, "--no-check"), lambda ref, rot: (ref,)),
+        "rotate": (
+            lambda ref, rot, out: enjoyln("rotate", ref, out, "--no-check"),
+            lambda ref, rot: (ref,),
+        ),
         "cp": (lambda ref, rot, out: ["cp", "-r", str(ref), str(out)], lambda ref, rot: (ref,)),
-        "cat": (lambda ref, rot, out: ["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, files(ref, rot))],
-                lambda ref, rot: (ref, rot)),
-        "static": (lambda ref, rot, out: enjoyln("check", ref, rot, "--static"), lambda ref, rot: (ref, rot)),
+        "cat": (
+            lambda ref, rot, out: [
+                "sh",
+                "-c",
+                'cat "$@" > /dev/null',
+                "cat",
+                *map(str, files(ref, rot)),
+            ],
+            lambda ref, rot: (ref, rot),
+        ),
+        "static": (
+            lambda ref, rot, out: enjoyln("check", ref, rot, "--static"),
+            lambda ref, rot: (ref, rot),
+        ),
     }
     results: list[dict] = [{} for _ in refs]
     for key, (cmd, reads) in commands.items():
@@ -67,15 +88,22 @@ def measure_width(width: int, work: Path, repeat: int) -> list[dict]:
         for r in range(repeat):
             for j, (ref, rot) in enumerate(zip(refs, rotated)):
                 keep = key == "rotate" and r == 0
-                runs[j].append(run_once(cmd(ref, rot, rot if keep else work / "out"), f"{key} ({ref.name})",
-                                        reads(ref, rot)))
+                runs[j].append(
+                    run_once(
+                        cmd(ref, rot, rot if keep else work / "out"),
+                        f"{key} ({ref.name})",
+                        reads(ref, rot),
+                    )
+                )
                 if keep and runs[j][-1]["exit"] != 0:
                     raise SystemExit(f"rotate {ref} failed")
                 shutil.rmtree(work / "out", ignore_errors=True)
         for j in range(len(refs)):
             results[j][key] = fastest(runs[j])
     for j, (ref, rot) in enumerate(zip(refs, rotated)):
-        results[j]["check"] = run_once(enjoyln("check", ref, rot), f"check ({ref.name})", (ref, rot))
+        results[j]["check"] = run_once(
+            enjoyln("check", ref, rot), f"check ({ref.name})", (ref, rot)
+        )
         results[j]["bytes_ref"], results[j]["bytes_both"] = size(ref), size(ref) + size(rot)
     for path in refs + rotated:
         shutil.rmtree(path)
@@ -84,13 +112,15 @@ def measure_width(width: int, work: Path, repeat: int) -> list[dict]:
 
 def width_rows(width: int, small: dict, large: dict) -> tuple[str, dict]:
     """One table row for a width, and its ratios."""
+
     def marginal(key: str, by: str) -> float:
         """NaN where the larger checkpoint took no longer: other jobs swamped the difference."""
         dt = large[key]["seconds"] - small[key]["seconds"]
         return (large[by] - small[by]) / dt / 1e9 if dt > 0 else math.nan
 
     def per_cpu(key: str, by: str) -> float:
-        """GB per second of CPU time (user and system, all threads), marginal: what the work costs the cores."""
+        """GB per second of CPU time (user and system, all threads), marginal: what the work costs
+        the cores."""
         dt = large[key]["cpu"] - small[key]["cpu"]
         return (large[by] - small[by]) / dt / 1e9 if dt > 0 else math.nan
 
@@ -99,39 +129,61 @@ def width_rows(width: int, small: dict, large: dict) -> tuple[str, dict]:
 
     cp, cat = marginal("cp", "bytes_ref"), marginal("cat", "bytes_both")
     rot, static = marginal("rotate", "bytes_ref"), marginal("static", "bytes_both")
-    ratios = {"rotate/cp": rot / cp, "static/cat": static / cat,
-              "rotate cpu": per_cpu("rotate", "bytes_ref"), "static cpu": per_cpu("static", "bytes_both"),
-              "check/static": large["check"]["seconds"] / large["static"]["seconds"],
-              "rss": {k: max(r[k]["rss"] for r in (small, large)) for k in ("rotate", "static", "check")},
-              "passed": all(r["check"]["exit"] == 0 for r in (small, large))}
+    ratios = {
+        "rotate/cp": rot / cp,
+        "static/cat": static / cat,
+        "rotate cpu": per_cpu("rotate", "bytes_ref"),
+        "static cpu": per_cpu("static", "bytes_both"),
+        "check/static": large["check"]["seconds"] / large["static"]["seconds"],
+        "rss": {k: max(r[k]["rss"] for r in (small, large)) for k in ("rotate", "static", "check")},
+        "passed": all(r["check"]["exit"] == 0 for r in (small, large)),
+    }
     k = width & -width
-    row = (f"| {width} = {k} × {width // k} | {small['bytes_ref'] / 1e9:.2f} / {large['bytes_ref'] / 1e9:.2f} GB "
-           f"| {f(cp)} | {f(rot)} | **{f(ratios['rotate/cp'])}** | {f(cat)} | {f(static)} "
-           f"| **{f(ratios['static/cat'])}** | {f(ratios['rotate cpu'])} / {f(ratios['static cpu'])} "
-           f"| {ratios['check/static']:.2f} | {' / '.join(f'{v / 2**30:.2f}' for v in ratios['rss'].values())} GiB "
-           f"| {'passed' if ratios['passed'] else 'FAILED'} |")
+    row = (
+        f"| {width} = {k} × {width // k} | {small['bytes_ref'] / 1e9:.2f} / "
+        f"{large['bytes_ref'] / 1e9:.2f} GB "
+        f"| {f(cp)} | {f(rot)} | **{f(ratios['rotate/cp'])}** | {f(cat)} | {f(static)} "
+        f"| **{f(ratios['static/cat'])}** | {f(ratios['rotate cpu'])} / {f(ratios['static cpu'])} "
+        f"| {ratios['check/static']:.2f} | "
+        f"{' / '.join(f'{v / 2**30:.2f}' for v in ratios['rss'].values())} GiB "
+        f"| {'passed' if ratios['passed'] else 'FAILED'} |"
+    )
     return row, ratios
 
 
 def widths_table(results: dict[int, list[dict]], repeat: int) -> str:
-    lines = ["| width | checkpoints | `cp` GB/s | `rotate` GB/s | rotate / cp | `cat` both GB/s "
-             "| `check --static` GB/s | static / cat | GB per CPU-second: rotate / static "
-             "| `check` / `check --static` | peak RSS: rotate / static / check | `check` |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| width | checkpoints | `cp` GB/s | `rotate` GB/s | rotate / cp | `cat` both GB/s "
+        "| `check --static` GB/s | static / cat | GB per CPU-second: rotate / static "
+        "| `check` / `check --static` | peak RSS: rotate / static / check | `check` |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     lines += [width_rows(width, *runs)[0] for width, runs in results.items()]
-    return "\n".join(lines + [
-        "", "Marginal throughputs (the difference between the two sizes of each width, start-up excluded): "
-        "bytes of the reference for `cp` and `rotate --no-check`, of both checkpoints for `cat` and "
-        "`check --static`; GB per CPU-second is the same difference over the commands' CPU time (user and "
-        "system, all threads): what the work costs the cores, whatever else runs. `check / check --static` is "
-        "the ratio of whole commands on the larger checkpoint; "
-        "peak RSS the larger of the two runs of each command; `check` the default check of each rotated "
-        f"output. GPT-2-shaped fp32 checkpoints, vocabulary 8192; each command run {repeat} "
-        f"time{'s' if repeat != 1 else ''}, the two "
-        f"sizes alternating, the fastest counting; {machine()}; the machine was shared with other jobs while "
-        "it ran, so the ratios, measured side by side, mean more than the rates (– : the larger checkpoint took "
-        "no longer, the difference lost in the sharing). "
-        "Command: `python scripts/bench_rotate.py --write`."])
+    return "\n".join(
+        lines
+        + [
+            "",
+            "Marginal throughputs (the difference between the two sizes of each width, start-up "
+            "excluded): "
+            "bytes of the reference for `cp` and `rotate --no-check`, of both checkpoints for "
+            "`cat` and "
+            "`check --static`; GB per CPU-second is the same difference over the commands' CPU "
+            "time (user and "
+            "system, all threads): what the work costs the cores, whatever else runs. `check / "
+            "check --static` is "
+            "the ratio of whole commands on the larger checkpoint; "
+            "peak RSS the larger of the two runs of each command; `check` the default check of "
+            "each rotated "
+            f"output. GPT-2-shaped fp32 checkpoints, vocabulary 8192; each command run {repeat} "
+            f"time{'s' if repeat != 1 else ''}, the two "
+            f"sizes alternating, the fastest counting; {machine()}; the machine was shared with "
+            "other jobs while "
+            "it ran, so the ratios, measured side by side, mean more than the rates (– : the "
+            "larger checkpoint took "
+            "no longer, the difference lost in the sharing). "
+            "Command: `python scripts/bench_rotate.py --write`.",
+        ]
+    )
 
 
 BIG = dict(width=14848, heads=232, kv_heads=8, ffn=59392, vocab=65024)
@@ -143,20 +195,32 @@ def build_falcon(path: Path, layers: int) -> int:
     from transformers import FalconConfig
 
     d, head = BIG["width"], BIG["width"] // BIG["heads"]
-    config = FalconConfig(hidden_size=d, num_hidden_layers=layers, num_attention_heads=BIG["heads"],
-                          num_kv_heads=BIG["kv_heads"], new_decoder_architecture=True, parallel_attn=True,
-                          bias=False, vocab_size=BIG["vocab"], ffn_hidden_size=BIG["ffn"], tie_word_embeddings=False,
-                          architectures=["FalconForCausalLM"], torch_dtype="bfloat16")
+    config = FalconConfig(
+        hidden_size=d,
+        num_hidden_layers=layers,
+        num_attention_heads=BIG["heads"],
+        num_kv_heads=BIG["kv_heads"],
+        new_decoder_architecture=True,
+        parallel_attn=True,
+        bias=False,
+        vocab_size=BIG["vocab"],
+        ffn_hidden_size=BIG["ffn"],
+        tie_word_embeddings=False,
+        architectures=["FalconForCausalLM"],
+        torch_dtype="bfloat16",
+    )
     path.mkdir(parents=True)
     config.save_pretrained(path)
     gen = torch.Generator().manual_seed(0)
-    noise = torch.randn(1 << 24, generator=gen)  # 16 Mi values, tiled: drawing 10 G of them would take longer than the run
+    noise = torch.randn(
+        1 << 24, generator=gen
+    )  # 16 Mi values, tiled: drawing 10 G of them would take longer than the run
 
     def randn(*shape: int, std: float = 0.02, mean: float = 0.0) -> torch.Tensor:
         out = torch.empty(shape, dtype=torch.bfloat16).view(-1)
         for start in range(0, out.numel(), noise.numel()):
-            piece = out[start:start + noise.numel()]
-            piece.copy_(noise[:piece.numel()] * std + mean)
+            piece = out[start : start + noise.numel()]
+            piece.copy_(noise[: piece.numel()] * std + mean)
         return out.view(shape)
 
     weight_map, total, count = {}, 0, layers + 2
@@ -164,16 +228,25 @@ def build_falcon(path: Path, layers: int) -> int:
         if i == 0:
             tensors = {"transformer.word_embeddings.weight": randn(BIG["vocab"], d)}
         elif i == count - 1:
-            tensors = {"transformer.ln_f.weight": randn(d, std=0.3, mean=1.0), "transformer.ln_f.bias": randn(d, std=0.2),
-                       "lm_head.weight": randn(BIG["vocab"], d)}
+            tensors = {
+                "transformer.ln_f.weight": randn(d, std=0.3, mean=1.0),
+                "transformer.ln_f.bias": randn(d, std=0.2),
+                "lm_head.weight": randn(BIG["vocab"], d),
+            }
         else:
             p = f"transformer.h.{i - 1}."
-            tensors = {p + "ln_attn.weight": randn(d, std=0.3, mean=1.0), p + "ln_attn.bias": randn(d, std=0.2),
-                       p + "ln_mlp.weight": randn(d, std=0.3, mean=1.0), p + "ln_mlp.bias": randn(d, std=0.2),
-                       p + "self_attention.query_key_value.weight": randn(d + 2 * BIG["kv_heads"] * head, d),
-                       p + "self_attention.dense.weight": randn(d, d),
-                       p + "mlp.dense_h_to_4h.weight": randn(BIG["ffn"], d),
-                       p + "mlp.dense_4h_to_h.weight": randn(d, BIG["ffn"])}
+            tensors = {
+                p + "ln_attn.weight": randn(d, std=0.3, mean=1.0),
+                p + "ln_attn.bias": randn(d, std=0.2),
+                p + "ln_mlp.weight": randn(d, std=0.3, mean=1.0),
+                p + "ln_mlp.bias": randn(d, std=0.2),
+                p + "self_attention.query_key_value.weight": randn(
+                    d + 2 * BIG["kv_heads"] * head, d
+                ),
+                p + "self_attention.dense.weight": randn(d, d),
+                p + "mlp.dense_h_to_4h.weight": randn(BIG["ffn"], d),
+                p + "mlp.dense_4h_to_h.weight": randn(d, BIG["ffn"]),
+            }
         name = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
         save_file(tensors, path / name, metadata={"format": "pt"})
         total += sum(t.numel() * 2 for t in tensors.values())
@@ -181,7 +254,8 @@ def build_falcon(path: Path, layers: int) -> int:
         del tensors
         print(f"  wrote {name}", file=sys.stderr, flush=True)
     (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     return total
 
 
@@ -193,35 +267,63 @@ def measure_big(work: Path, layers: int) -> str:
     shutil.rmtree(work / "copy")
     rot = run_once(enjoyln("rotate", ref, out, "--no-check"), "rotate", (ref,))
     static = run_once(enjoyln("check", ref, out, "--static"), "check --static", (ref, out))
-    cat = run_once(["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, files(ref, out))], "cat both", (ref, out))
+    cat = run_once(
+        ["sh", "-c", 'cat "$@" > /dev/null', "cat", *map(str, files(ref, out))],
+        "cat both",
+        (ref, out),
+    )
     both = total + size(out)
-    rate = lambda r, n: f"{r['seconds']:.0f} s ({n / r['seconds'] / 1e9:.2f} GB/s), {r['cpu']:.0f} s of CPU"  # noqa: E731
-    return "\n".join([
-        f"A Falcon-180B-shaped bf16 checkpoint: width {BIG['width']} = 29 × 512, {BIG['heads']} heads, "
-        f"{BIG['kv_heads']} key-value heads, MLP {BIG['ffn']} (Falcon-180B's layer), vocabulary {BIG['vocab']}, "
-        f"untied head, {layers} "
-        f"layers: {total / 1e9:.1f} GB in {len(list(ref.glob('*.safetensors')))} shards. Each command once, "
-        f"whole (start-up included), its inputs read once before it (this machine's page cache cannot hold both "
-        f"checkpoints); {machine()}; shared with other jobs while it ran.", "",
-        "| command | wall time | peak RSS | exit |", "|---|---|---|---|",
-        f"| `cp -r` | {rate(cp, total)} | {cp['rss'] / 2**30:.2f} GiB | {cp['exit']} |",
-        f"| `rotate --no-check` | {rate(rot, total)} | {rot['rss'] / 2**30:.2f} GiB | {rot['exit']} |",
-        f"| `cat` of both | {rate(cat, both)} | {cat['rss'] / 2**30:.2f} GiB | {cat['exit']} |",
-        f"| `check --static` | {rate(static, both)} | {static['rss'] / 2**30:.2f} GiB | {static['exit']} |",
-        "", f"rotate / cp = **{cp['seconds'] / rot['seconds']:.2f}**, check --static / cat of both = "
-        f"**{cat['seconds'] / static['seconds']:.2f}**. Command: `python scripts/bench_rotate.py --big --big-layers "
-        f"{layers} --big-vocab {BIG['vocab']} --write`."])
+    rate = lambda r, n: (
+        f"{r['seconds']:.0f} s ({n / r['seconds'] / 1e9:.2f} GB/s), {r['cpu']:.0f} s of CPU"
+    )  # noqa: E731
+    return "\n".join(
+        [
+            f"A Falcon-180B-shaped bf16 checkpoint: width {BIG['width']} = 29 × 512, "
+            f"{BIG['heads']} heads, "
+            f"{BIG['kv_heads']} key-value heads, MLP {BIG['ffn']} (Falcon-180B's layer), "
+            f"vocabulary {BIG['vocab']}, "
+            f"untied head, {layers} "
+            f"layers: {total / 1e9:.1f} GB in {len(list(ref.glob('*.safetensors')))} shards. Each "
+            "command once, "
+            "whole (start-up included), its inputs read once before it (this machine's page cache "
+            "cannot hold both "
+            f"checkpoints); {machine()}; shared with other jobs while it ran.",
+            "",
+            "| command | wall time | peak RSS | exit |",
+            "|---|---|---|---|",
+            f"| `cp -r` | {rate(cp, total)} | {cp['rss'] / 2**30:.2f} GiB | {cp['exit']} |",
+            f"| `rotate --no-check` | {rate(rot, total)} | {rot['rss'] / 2**30:.2f} GiB | "
+            f"{rot['exit']} |",
+            f"| `cat` of both | {rate(cat, both)} | {cat['rss'] / 2**30:.2f} GiB | {cat['exit']} |",
+            f"| `check --static` | {rate(static, both)} | {static['rss'] / 2**30:.2f} GiB | "
+            f"{static['exit']} |",
+            "",
+            f"rotate / cp = **{cp['seconds'] / rot['seconds']:.2f}**, check --static / cat of both "
+            "= "
+            f"**{cat['seconds'] / static['seconds']:.2f}**. Command: `python "
+            "scripts/bench_rotate.py --big --big-layers "
+            f"{layers} --big-vocab {BIG['vocab']} --write`.",
+        ]
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--widths", default="2048,1600,4544")
-    parser.add_argument("--repeat", type=int, default=1, help="runs of each command; the fastest counts")
-    parser.add_argument("--big", action="store_true", help="the Falcon-180B-shaped checkpoint instead")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs of each command; the fastest counts"
+    )
+    parser.add_argument(
+        "--big", action="store_true", help="the Falcon-180B-shaped checkpoint instead"
+    )
     parser.add_argument("--big-layers", type=int, default=4)
-    parser.add_argument("--big-vocab", type=int, default=BIG["vocab"], help="the big checkpoint's vocabulary")
-    parser.add_argument("--write", action="store_true", help="put the table into docs/performance.md")
+    parser.add_argument(
+        "--big-vocab", type=int, default=BIG["vocab"], help="the big checkpoint's vocabulary"
+    )
+    parser.add_argument(
+        "--write", action="store_true", help="put the table into docs/performance.md"
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="enjoyln-bench-rotate-", dir=args.workdir))
     try:
@@ -229,7 +331,9 @@ def main() -> None:
             BIG["vocab"] = args.big_vocab
             text, block = measure_big(work, args.big_layers), "rotate-big"
         else:
-            results = {int(w): measure_width(int(w), work, args.repeat) for w in args.widths.split(",")}
+            results = {
+                int(w): measure_width(int(w), work, args.repeat) for w in args.widths.split(",")
+            }
             text, block = widths_table(results, args.repeat), "rotate"
             for width, runs in results.items():
                 print(f"{width}: {width_rows(width, *runs)[1]}")

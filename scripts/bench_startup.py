@@ -59,12 +59,17 @@ t["traced"] = time.perf_counter()
 print(json.dumps(t))
 """
 
-ROWS = [("the interpreter", "process", "start"), ("`import enjoyln.cli.app`", "start", "cli"),
-        ("`import torch`", "cli", "torch"),
-        ("`import transformers`", "torch", "transformers"), ("enjoyln's modules", "transformers", "enjoyln"),
-        ("reading the directory (config, headers)", "enjoyln", "open"),
-        ("importing the model's class", "open", "class"), ("building the meta model", "class", "meta"),
-        ("analysis, traced with `torch.export`", "meta", "traced")]
+ROWS = [
+    ("the interpreter", "process", "start"),
+    ("`import enjoyln.cli.app`", "start", "cli"),
+    ("`import torch`", "cli", "torch"),
+    ("`import transformers`", "torch", "transformers"),
+    ("enjoyln's modules", "transformers", "enjoyln"),
+    ("reading the directory (config, headers)", "enjoyln", "open"),
+    ("importing the model's class", "open", "class"),
+    ("building the meta model", "class", "meta"),
+    ("analysis, traced with `torch.export`", "meta", "traced"),
+]
 
 
 def warm(*dirs: Path) -> None:
@@ -79,28 +84,41 @@ def phases(ckpt: Path, repeat: int) -> dict[str, float]:
     for _ in range(repeat):
         warm(ckpt)
         start = time.perf_counter()
-        out = subprocess.run([sys.executable, "-c", PHASES, str(ckpt)], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", PHASES, str(ckpt)], capture_output=True, text=True, check=True
+        )
         t = json.loads(out.stdout.strip().splitlines()[-1])
         t["process"] = start  # the interpreter's own start-up: until the first line runs
         runs.append(t)
-    # perf_counter is the system's monotonic clock here, so the child's times and the parent's compare
+    # perf_counter is the system's monotonic clock here, so the child's times and the parent's
+    # compare
     return {label: statistics.median(r[b] - r[a] for r in runs) for label, a, b in ROWS}
 
 
 def commands(ckpt: Path, work: Path, repeat: int) -> dict[str, float]:
     folded = work / "folded"
-    subprocess.run([sys.executable, "-m", "enjoyln", "fold", str(ckpt), str(folded), "--no-check"],
-                   check=True, capture_output=True)
-    cmds = {"`inspect`": ["inspect", ckpt], "`fold --no-check`": ["fold", ckpt, work / "out", "--no-check"],
-            "`check --static`": ["check", ckpt, folded, "--static"]}
+    subprocess.run(
+        [sys.executable, "-m", "enjoyln", "fold", str(ckpt), str(folded), "--no-check"],
+        check=True,
+        capture_output=True,
+    )
+    cmds = {
+        "`inspect`": ["inspect", ckpt],
+        "`fold --no-check`": ["fold", ckpt, work / "out", "--no-check"],
+        "`check --static`": ["check", ckpt, folded, "--static"],
+    }
     out: dict[str, float] = {}
     for label, args in cmds.items():
         times = []
         for _ in range(repeat):
             warm(ckpt, folded)
             start = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "enjoyln", *map(str, args)], check=True,
-                           env={**os.environ, "ENJOYLN_CACHE": str(work / "cache")}, capture_output=True)
+            subprocess.run(
+                [sys.executable, "-m", "enjoyln", *map(str, args)],
+                check=True,
+                env={**os.environ, "ENJOYLN_CACHE": str(work / "cache")},
+                capture_output=True,
+            )
             times.append(time.perf_counter() - start)
             shutil.rmtree(work / "out", ignore_errors=True)
         out[label] = statistics.median(times)
@@ -113,15 +131,24 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
-    parser.add_argument("--write", action="store_true", help="put the table into docs/performance.md")
+    parser.add_argument(
+        "--write", action="store_true", help="put the table into docs/performance.md"
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="enjoyln-bench-startup-", dir=args.workdir))
     try:
         ckpt = work / "ref"
         size = build(ckpt, args.layers, args.width)
         # the compiled kernels come from the same cache: build them once, outside the timings
-        subprocess.run([sys.executable, "-c", "from enjoyln.ops import center, cpu; center.kernel(); cpu.library()"],
-                       check=True, env={**os.environ, "ENJOYLN_CACHE": str(work / "cache")})
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from enjoyln.ops import center, cpu; center.kernel(); cpu.library()",
+            ],
+            check=True,
+            env={**os.environ, "ENJOYLN_CACHE": str(work / "cache")},
+        )
         p = phases(ckpt, args.repeat)
         c = commands(ckpt, work, args.repeat)
     finally:
@@ -130,9 +157,13 @@ def main() -> None:
     lines += [f"| {label} | {seconds:.2f} |" for label, seconds in p.items()]
     lines += ["", "| whole command | seconds |", "|---|---|"]
     lines += [f"| {label} | {t:.2f} |" for label, t in c.items()]
-    lines += ["", f"GPT-2-shaped fp32 checkpoint, {args.layers} layer(s), width {args.width} "
-              f"({size / 1e9:.2f} GB); each figure the median of {args.repeat} fresh processes, every file "
-              f"read right before each; {machine()}. Command: `python scripts/bench_startup.py --write`."]
+    lines += [
+        "",
+        f"GPT-2-shaped fp32 checkpoint, {args.layers} layer(s), width {args.width} "
+        f"({size / 1e9:.2f} GB); each figure the median of {args.repeat} fresh processes, every "
+        "file "
+        f"read right before each; {machine()}. Command: `python scripts/bench_startup.py --write`.",
+    ]
     text = "\n".join(lines)
     print(text)
     if args.write:

@@ -36,7 +36,9 @@ from _docs import machine, replace_section  # noqa: E402
 def build(path: Path, layers: int, width: int, shard_bytes: int = 2 << 30) -> int:
     from transformers import GPT2Config
 
-    config = GPT2Config(n_layer=layers, n_embd=width, n_head=width // 128, vocab_size=50257, n_positions=1024)
+    config = GPT2Config(
+        n_layer=layers, n_embd=width, n_head=width // 128, vocab_size=50257, n_positions=1024
+    )
     config.architectures = ["GPT2LMHeadModel"]
     path.mkdir(parents=True)
     config.save_pretrained(path)
@@ -44,10 +46,22 @@ def build(path: Path, layers: int, width: int, shard_bytes: int = 2 << 30) -> in
     shapes = {"transformer.wte.weight": (50257, d), "transformer.wpe.weight": (1024, d)}
     for i in range(layers):
         p = f"transformer.h.{i}."
-        shapes.update({p + "ln_1.weight": (d,), p + "ln_1.bias": (d,), p + "attn.c_attn.weight": (d, 3 * d),
-                       p + "attn.c_attn.bias": (3 * d,), p + "attn.c_proj.weight": (d, d), p + "attn.c_proj.bias": (d,),
-                       p + "ln_2.weight": (d,), p + "ln_2.bias": (d,), p + "mlp.c_fc.weight": (d, 4 * d),
-                       p + "mlp.c_fc.bias": (4 * d,), p + "mlp.c_proj.weight": (4 * d, d), p + "mlp.c_proj.bias": (d,)})
+        shapes.update(
+            {
+                p + "ln_1.weight": (d,),
+                p + "ln_1.bias": (d,),
+                p + "attn.c_attn.weight": (d, 3 * d),
+                p + "attn.c_attn.bias": (3 * d,),
+                p + "attn.c_proj.weight": (d, d),
+                p + "attn.c_proj.bias": (d,),
+                p + "ln_2.weight": (d,),
+                p + "ln_2.bias": (d,),
+                p + "mlp.c_fc.weight": (d, 4 * d),
+                p + "mlp.c_fc.bias": (4 * d,),
+                p + "mlp.c_proj.weight": (4 * d, d),
+                p + "mlp.c_proj.bias": (d,),
+            }
+        )
     shapes.update({"transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,)})
     groups, current, size = [], [], 0
     for name, shape in shapes.items():
@@ -69,14 +83,17 @@ def build(path: Path, layers: int, width: int, shard_bytes: int = 2 << 30) -> in
         del tensors
         print(f"  wrote {file}", file=sys.stderr)
     (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     return total
 
 
 def timed(cmd: list[str]) -> tuple[float, int, str]:
     """Wall time, peak RSS (bytes, from /usr/bin/time) and stdout of a child process."""
     start = time.perf_counter()
-    proc = subprocess.run(["/usr/bin/time", "-f", "%M", *cmd], check=True, capture_output=True, text=True)
+    proc = subprocess.run(
+        ["/usr/bin/time", "-f", "%M", *cmd], check=True, capture_output=True, text=True
+    )
     secs = time.perf_counter() - start
     peak_kb = int(proc.stderr.strip().splitlines()[-1])
     return secs, peak_kb * 1024, proc.stdout
@@ -93,8 +110,18 @@ def measure(src: Path, root: Path, runs: int) -> tuple[float, float, float, int]
     for _ in range(runs):
         copies.append(timed(["cp", "-r", str(src), str(root / "copy")])[0])
         shutil.rmtree(root / "copy")
-        secs, rss, stdout = timed([sys.executable, "-m", "enjoyln", "fold", str(src), str(root / "out"),
-                                   "--no-check", "--json"])
+        secs, rss, stdout = timed(
+            [
+                sys.executable,
+                "-m",
+                "enjoyln",
+                "fold",
+                str(src),
+                str(root / "out"),
+                "--no-check",
+                "--json",
+            ]
+        )
         folds.append((secs, json.loads(stdout)["stream_seconds"], rss))
         shutil.rmtree(root / "out")
     fold_s, stream_s, _ = min(folds)
@@ -105,11 +132,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--layers", type=int, default=10)
-    parser.add_argument("--more-layers", type=int, default=20,
-                        help="a second, larger checkpoint, for the marginal throughput (0: skip)")
+    parser.add_argument(
+        "--more-layers",
+        type=int,
+        default=20,
+        help="a second, larger checkpoint, for the marginal throughput (0: skip)",
+    )
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--write", action="store_true", help="update the figures in docs/performance.md")
+    parser.add_argument(
+        "--write", action="store_true", help="update the figures in docs/performance.md"
+    )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="enjoyln-stream-", dir=args.workdir))
     try:
@@ -119,23 +152,41 @@ def main() -> None:
             print(f"building a synthetic checkpoint with {layers} layers in {src}", file=sys.stderr)
             total = build(src, layers, args.width)
             subprocess.run(["sync"], check=False)
-            results.append((total, len(list(src.glob("*.safetensors"))), *measure(src, root, args.runs)))
+            results.append(
+                (total, len(list(src.glob("*.safetensors"))), *measure(src, root, args.runs))
+            )
             shutil.rmtree(src)
-        rows = ["| checkpoint | `cp -r` | `enjoyln fold --no-check` | fold / copy throughput | peak RSS |",
-                "|---|---|---|---|---|"]
+        rows = [
+            "| checkpoint | `cp -r` | `enjoyln fold --no-check` | fold / copy throughput | peak "
+            "RSS |",
+            "|---|---|---|---|---|",
+        ]
         for total, shards, copy_s, fold_s, stream_s, rss in results:
-            rows.append(f"| {total / 1e9:.2f} GB, {shards} shards | {copy_s:.1f} s ({total / 1e9 / copy_s:.2f} GB/s) "
-                        f"| {fold_s:.1f} s ({total / 1e9 / fold_s:.2f} GB/s) | **{copy_s / fold_s:.2f}** "
-                        f"| {rss / 2**30:.2f} GiB |")
-        lines = [f"Synthetic GPT-2-shaped checkpoints, width {args.width}, fp32, random weights; {machine()}. "
-                 f"Best of {args.runs} alternating runs each, so both meet the same page cache (on this "
-                 f"{_ram_gb():.0f} GB machine it cannot hold input and output of the larger one).", "", *rows, ""]
+            rows.append(
+                f"| {total / 1e9:.2f} GB, {shards} shards | {copy_s:.1f} s "
+                f"({total / 1e9 / copy_s:.2f} GB/s) "
+                f"| {fold_s:.1f} s ({total / 1e9 / fold_s:.2f} GB/s) | **{copy_s / fold_s:.2f}** "
+                f"| {rss / 2**30:.2f} GiB |"
+            )
+        lines = [
+            f"Synthetic GPT-2-shaped checkpoints, width {args.width}, fp32, random weights; "
+            f"{machine()}. "
+            f"Best of {args.runs} alternating runs each, so both meet the same page cache (on this "
+            f"{_ram_gb():.0f} GB machine it cannot hold input and output of the larger one).",
+            "",
+            *rows,
+            "",
+        ]
         if len(results) == 2:
             (b1, _, c1, f1, _, _), (b2, _, c2, f2, _, _) = results
             copy_rate, fold_rate = (b2 - b1) / (c2 - c1) / 1e9, (b2 - b1) / (f2 - f1) / 1e9
-            lines.append(f"Marginal throughput, from the difference between the two sizes (what each further "
-                         f"gigabyte costs, start-up excluded): copy {copy_rate:.2f} GB/s, fold {fold_rate:.2f} GB/s, "
-                         f"fold / copy = **{fold_rate / copy_rate:.2f}**.")
+            lines.append(
+                "Marginal throughput, from the difference between the two sizes (what each "
+                "further "
+                f"gigabyte costs, start-up excluded): copy {copy_rate:.2f} GB/s, fold "
+                f"{fold_rate:.2f} GB/s, "
+                f"fold / copy = **{fold_rate / copy_rate:.2f}**."
+            )
         lines.append("Command: `python scripts/bench_streaming.py --write`.")
         text = "\n".join(lines)
         print(text)

@@ -38,8 +38,11 @@ from enjoyln.options import FoldOptions
 
 OUTLIERS = (3, 200)
 OUTLIER_SCALE = 20.0
-COMMANDS = (("fold", {}), ("fold --fuse-affine", {"fuse_affine": True}),
-            ("rotate", {"rotate": ("hadamard", 0, True)}))
+COMMANDS = (
+    ("fold", {}),
+    ("fold --fuse-affine", {"fuse_affine": True}),
+    ("rotate", {"rotate": ("hadamard", 0, True)}),
+)
 
 
 def _perturb(model: torch.nn.Module, seed: int) -> None:
@@ -54,25 +57,42 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
 
 
-def build_gpt2(path: Path, layers: int, width: int, vocab: int, positions: int, seed: int = 0) -> None:
+def build_gpt2(
+    path: Path, layers: int, width: int, vocab: int, positions: int, seed: int = 0
+) -> None:
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=max(1, width // 64), vocab_size=vocab,
-                                     n_positions=positions, initializer_range=0.1)
+    config = transformers.GPT2Config(
+        n_layer=layers,
+        n_embd=width,
+        n_head=max(1, width // 64),
+        vocab_size=vocab,
+        n_positions=positions,
+        initializer_range=0.1,
+    )
     model = transformers.GPT2LMHeadModel(config).eval()
     _perturb(model, seed)
     model.save_pretrained(path)
 
 
-def build_opt(path: Path, layers: int, width: int, vocab: int, positions: int, seed: int = 1) -> None:
+def build_opt(
+    path: Path, layers: int, width: int, vocab: int, positions: int, seed: int = 1
+) -> None:
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.OPTConfig(num_hidden_layers=layers, hidden_size=width, ffn_dim=4 * width,
-                                    num_attention_heads=max(1, width // 64), vocab_size=vocab,
-                                    max_position_embeddings=positions, word_embed_proj_dim=width,
-                                    do_layer_norm_before=True, init_std=0.1)
+    config = transformers.OPTConfig(
+        num_hidden_layers=layers,
+        hidden_size=width,
+        ffn_dim=4 * width,
+        num_attention_heads=max(1, width // 64),
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+        word_embed_proj_dim=width,
+        do_layer_norm_before=True,
+        init_std=0.1,
+    )
     model = transformers.OPTForCausalLM(config).eval()
     _perturb(model, seed)
     feats = [f % width for f in OUTLIERS]
@@ -92,8 +112,10 @@ def run(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     from enjoyln.rewrite.convert import fold_checkpoint
     from enjoyln.errors import CheckFailed
 
-    models = {"GPT-2": (build_gpt2, args.vocab, args.positions),
-              "OPT, outliers": (build_opt, args.vocab + 15, 2 * args.positions)}
+    models = {
+        "GPT-2": (build_gpt2, args.vocab, args.positions),
+        "OPT, outliers": (build_opt, args.vocab + 15, 2 * args.positions),
+    }
     rows = []
     for label, (build, vocab, positions) in models.items():
         src = root / label.split(",")[0].lower()
@@ -113,21 +135,39 @@ def run(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
             main = next(o for o in logits if o.path == "enjoyln.load")
             plain = next((o for o in logits if o.path == "from_pretrained"), None)
             gen = report.generation
-            rows.append({
-                "model": label, "command": command, "passed": report.passed, "seconds": seconds,
-                "criterion": report.criterion, "kind": report.criterion_kind, "scale": main.scale,
-                "own": main.reference_error / main.scale, "candidate": main.candidate_error / main.scale,
-                "allowed": main.allowed / main.scale, "margin": main.margin,
-                "vs_original": main.max_rel_diff, "plain_margin": plain.margin if plain else None,
-                "plain_vs_original": plain.max_rel_diff if plain else None,
-                "generation": "identical" if gen.identical else ("near-tie" if gen.passed else "DIFFERENT"),
-                "positions": report.coverage.positions if report.coverage else 0,
-            })
+            rows.append(
+                {
+                    "model": label,
+                    "command": command,
+                    "passed": report.passed,
+                    "seconds": seconds,
+                    "criterion": report.criterion,
+                    "kind": report.criterion_kind,
+                    "scale": main.scale,
+                    "own": main.reference_error / main.scale,
+                    "candidate": main.candidate_error / main.scale,
+                    "allowed": main.allowed / main.scale,
+                    "margin": main.margin,
+                    "vs_original": main.max_rel_diff,
+                    "plain_margin": plain.margin if plain else None,
+                    "plain_vs_original": plain.max_rel_diff if plain else None,
+                    "generation": "identical"
+                    if gen.identical
+                    else ("near-tie" if gen.passed else "DIFFERENT"),
+                    "positions": report.coverage.positions if report.coverage else 0,
+                }
+            )
             r = rows[-1]
-            print(f"{label:14s} {command:18s} {'PASS' if r['passed'] else 'FAIL'}: own {r['own']:.3g}, candidate "
-                  f"{r['candidate']:.3g}, allowed {r['allowed']:.3g}, margin {_x(r['margin'])}; vs the original "
-                  f"{r['vs_original']:.3g}; from_pretrained margin {_x(r['plain_margin'])}; generation "
-                  f"{r['generation']} ({seconds:.0f} s)", flush=True)
+            print(
+                f"{label:14s} {command:18s} {'PASS' if r['passed'] else 'FAIL'}: own "
+                f"{r['own']:.3g}, candidate "
+                f"{r['candidate']:.3g}, allowed {r['allowed']:.3g}, margin {_x(r['margin'])}; vs "
+                "the original "
+                f"{r['vs_original']:.3g}; from_pretrained margin {_x(r['plain_margin'])}; "
+                "generation "
+                f"{r['generation']} ({seconds:.0f} s)",
+                flush=True,
+            )
     return rows
 
 
@@ -139,30 +179,44 @@ def body(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     from enjoyln.checking.forward import FACTOR
 
     lines = [
-        f"Random checkpoints shaped like GPT-2 small and OPT-125m ({args.layers} layers, width {args.width}; "
-        f"vocabularies {args.vocab:,} and {args.vocab + 15:,}; {args.positions:,} and {2 * args.positions:,} "
-        "positions), `initializer_range=0.1`, LayerNorm gains 1 + 0.1·N(0,1), every other bias 0.1·N(0,1); the "
-        f"OPT with outliers planted in features 3 and 200 ({OUTLIER_SCALE:g}x) of every stream writer. Each "
-        "command with its default check; the logits through `enjoyln.load`, every figure relative to "
+        f"Random checkpoints shaped like GPT-2 small and OPT-125m ({args.layers} layers, width "
+        f"{args.width}; "
+        f"vocabularies {args.vocab:,} and {args.vocab + 15:,}; {args.positions:,} and "
+        f"{2 * args.positions:,} "
+        "positions), `initializer_range=0.1`, LayerNorm gains 1 + 0.1·N(0,1), every other bias "
+        "0.1·N(0,1); the "
+        f"OPT with outliers planted in features 3 and 200 ({OUTLIER_SCALE:g}x) of every stream "
+        "writer. Each "
+        "command with its default check; the logits through `enjoyln.load`, every figure relative "
+        "to "
         "max|logits|:",
         "",
-        "| model | command | exit | the original's own error (float32 vs float64) | candidate vs float64 | "
-        f"allowed ({FACTOR:g}x the original's) | margin | plain `from_pretrained` margin | candidate vs the original (a fixed 1e-5 judged "
+        "| model | command | exit | the original's own error (float32 vs float64) | candidate vs "
+        "float64 | "
+        f"allowed ({FACTOR:g}x the original's) | margin | plain `from_pretrained` margin | "
+        "candidate vs the original (a fixed 1e-5 judged "
         "this) | greedy tokens |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['model']} | `{r['command']}` | {0 if r['passed'] else 1} | {r['own']:.3g} | "
-                     f"{r['candidate']:.3g} | {r['allowed']:.3g} | {_x(r['margin'])} | {_x(r['plain_margin'])} | "
-                     f"{r['vs_original']:.3g}{' (over)' if r['vs_original'] > 1e-5 else ''} | {r['generation']} |")
+        lines.append(
+            f"| {r['model']} | `{r['command']}` | {0 if r['passed'] else 1} | {r['own']:.3g} | "
+            f"{r['candidate']:.3g} | {r['allowed']:.3g} | {_x(r['margin'])} | "
+            f"{_x(r['plain_margin'])} | "
+            f"{r['vs_original']:.3g}{' (over)' if r['vs_original'] > 1e-5 else ''} | "
+            f"{r['generation']} |"
+        )
     worst = min(rows, key=lambda r: r["margin"] if r["margin"] is not None else float("inf"))
     over = sum(r["vs_original"] > 1e-5 for r in rows)
     lines += [
         "",
-        f"{over} of {len(rows)} correct conversions are more than 1e-5 from the float32 original, which the "
+        f"{over} of {len(rows)} correct conversions are more than 1e-5 from the float32 original, "
+        "which the "
         f"fixed tolerance failed. The smallest margin: {worst['margin']:.2f}x ({worst['model']}, "
-        f"`{worst['command']}`): that candidate is {worst['candidate'] / worst['own']:.2f} times as far from the "
-        f"float64 result as the original itself. {machine()}; the machine was shared with other agents while "
+        f"`{worst['command']}`): that candidate is {worst['candidate'] / worst['own']:.2f} times "
+        "as far from the "
+        f"float64 result as the original itself. {machine()}; the machine was shared with other "
+        "agents while "
         "this ran (which slows it, but changes none of these figures).",
         "Command: `python scripts/bench_tolerance.py --write`.",
     ]
@@ -176,9 +230,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--positions", type=int, default=1024)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the checkpoints here")
-    parser.add_argument("--write", action="store_true", help="put the figures into docs/checking.md")
+    parser.add_argument(
+        "--write", action="store_true", help="put the figures into docs/checking.md"
+    )
     args = parser.parse_args(argv)
-    root = Path(tempfile.mkdtemp(prefix="enjoyln-tolerance-")) if args.workdir is None else args.workdir
+    root = (
+        Path(tempfile.mkdtemp(prefix="enjoyln-tolerance-"))
+        if args.workdir is None
+        else args.workdir
+    )
     root.mkdir(parents=True, exist_ok=True)
     try:
         rows = run(root, args)
@@ -190,7 +250,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     failed = [f"{r['model']} {r['command']}" for r in rows if not r["passed"]]
     if args.write:
         if failed:
-            raise SystemExit(f"not written: a correct conversion failed its check: {', '.join(failed)}")
+            raise SystemExit(
+                f"not written: a correct conversion failed its check: {', '.join(failed)}"
+            )
         replace_section("tolerance", text)
     return rows
 

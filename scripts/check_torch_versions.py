@@ -1,18 +1,25 @@
-"""Which torch releases enjoyln works on: each minor release installed into a venv of its own, then tried.
+"""Which torch releases enjoyln works on: each minor release installed into a venv of its own, then
+tried.
 
-For each version, a fresh virtual environment gets ``torch==X.Y.*`` and this tree (editable, the other
+For each version, a fresh virtual environment gets ``torch==X.Y.*`` and this tree (editable, the
+other
 dependencies resolving as pip picks them), and a child process in it tries, each step on its own:
 
-- ``import``: ``import enjoyln`` and ``enjoyln.ops``, and the kernels (``rms_norm``, ``RMSNorm``, and its
+- ``import``: ``import enjoyln`` and ``enjoyln.ops``, and the kernels (``rms_norm``, ``RMSNorm``,
+and its
   gradients) against the float64 reference;
-- ``fold``: ``enjoyln fold`` of a small GPT-2 (``enjoyln.testing.demo_checkpoint``), its check included;
+- ``fold``: ``enjoyln fold`` of a small GPT-2 (``enjoyln.testing.demo_checkpoint``), its check
+included;
 - ``load``: ``enjoyln.load`` of the folded directory, logits against the original's;
 - ``compile``: ``torch.compile`` of the loaded model, logits against eager;
 - ``export``: ``torch.export.export`` of the loaded model, one ``enjoyln.rms_norm`` node per norm.
 
-Results are kept in ``docs/data/torch_versions.json`` (one entry per version, the latest run's), so versions
-can be run one at a time; ``--write`` puts the table of all of them into the ``torch-versions`` block.
-Each venv is removed after its run (``--keep`` keeps it): a CUDA build of torch with its nvidia-* wheels
+Results are kept in ``docs/data/torch_versions.json`` (one entry per version, the latest run's), so
+versions
+can be run one at a time; ``--write`` puts the table of all of them into the ``torch-versions``
+block.
+Each venv is removed after its run (``--keep`` keeps it): a CUDA build of torch with its nvidia-*
+wheels
 takes several GB, and nothing is cached (``--no-cache-dir``).
 
     python scripts/check_torch_versions.py --versions 2.6,2.7 [--write] [--workdir /tmp/tv] [--keep]
@@ -37,7 +44,8 @@ VERSIONS = ("2.6", "2.7", "2.8", "2.9", "2.10", "2.11", "2.12", "2.13")
 STEPS = ("import", "fold", "load", "compile", "export")
 
 
-# --- in the venv: the steps ------------------------------------------------------------------------------
+# --- in the venv: the steps
+# ------------------------------------------------------------------------------
 
 
 def _kernels() -> str:
@@ -69,8 +77,12 @@ def _kernels() -> str:
 
 
 def _fold(src: Path, dst: Path) -> str:
-    run = subprocess.run([sys.executable, "-m", "enjoyln", "fold", str(src), str(dst), "--quiet"],
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [sys.executable, "-m", "enjoyln", "fold", str(src), str(dst), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if run.returncode:
         raise RuntimeError((run.stderr or run.stdout).strip().splitlines()[-1])
     return "folded and checked"
@@ -85,7 +97,8 @@ def _logits(model, ids):  # noqa: ANN001, ANN202
 
 
 class OriginalFails(Exception):
-    """The unfolded model fails the same step: the step fails for transformers or torch, not for enjoyln."""
+    """The unfolded model fails the same step: the step fails for transformers or torch, not for
+    enjoyln."""
 
 
 def _first_line(exc: BaseException) -> str:
@@ -93,7 +106,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _blame(exc: Exception, original) -> Exception:  # noqa: ANN001
-    """The folded model's failure ``exc`` as ``OriginalFails`` where ``original()`` (the same step on the
+    """The folded model's failure ``exc`` as ``OriginalFails`` where ``original()`` (the same step
+    on the
     unfolded model) fails too, else ``exc``."""
     try:
         original()
@@ -134,10 +148,14 @@ def _probe(workdir: Path) -> dict[str, str]:
         import enjoyln
 
         src = workdir / "gpt2"
-        if not (workdir / "gpt2-folded").is_dir():  # the fold failed: load what a fold on 2.13 would write
+        if not (
+            workdir / "gpt2-folded"
+        ).is_dir():  # the fold failed: load what a fold on 2.13 would write
             raise RuntimeError("no folded directory (the fold failed)")
         state["model"] = model = enjoyln.load(workdir / "gpt2-folded")
-        state["ids"] = ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+        state["ids"] = ids = torch.randint(
+            0, 128, (2, 16), generator=torch.Generator().manual_seed(0)
+        )
         ref = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
         err = float((_logits(model, ids) - _logits(ref, ids)).abs().max())
         if err > 1e-3:
@@ -150,7 +168,9 @@ def _probe(workdir: Path) -> dict[str, str]:
         import transformers
 
         if "original" not in state:
-            state["original"] = transformers.AutoModelForCausalLM.from_pretrained(workdir / "gpt2").eval()
+            state["original"] = transformers.AutoModelForCausalLM.from_pretrained(
+                workdir / "gpt2"
+            ).eval()
         return state["original"]
 
     def compiled() -> str:
@@ -178,7 +198,9 @@ def _probe(workdir: Path) -> dict[str, str]:
         try:
             ep = torch.export.export(model, (), kwargs, strict=False)
         except Exception as exc:
-            raise _blame(exc, lambda: torch.export.export(original(), (), kwargs, strict=False)) from None
+            raise _blame(
+                exc, lambda: torch.export.export(original(), (), kwargs, strict=False)
+            ) from None
         norms = sum(1 for n in ep.graph.nodes if "enjoyln.rms_norm" in str(n.target))
         want = sum(1 for m in model.modules() if type(m).__name__ == "RMSNorm")
         if norms != want:
@@ -194,15 +216,26 @@ def _probe(workdir: Path) -> dict[str, str]:
     return results
 
 
-# --- on the host: the venvs ------------------------------------------------------------------------------
+# --- on the host: the venvs
+# ------------------------------------------------------------------------------
 
 
 def _install(venv: Path, version: str, log: Path) -> str:
     """Make the venv and install torch ``version`` and this tree; '' or why it failed."""
     shutil.rmtree(venv, ignore_errors=True)
     with log.open("a") as out:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, stdout=out, stderr=out)
-        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-cache-dir", "--progress-bar", "off"]
+        subprocess.run(
+            [sys.executable, "-m", "venv", str(venv)], check=True, stdout=out, stderr=out
+        )
+        pip = [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--no-cache-dir",
+            "--progress-bar",
+            "off",
+        ]
         run = subprocess.run([*pip, f"torch=={version}.*", "-e", str(ROOT)], stdout=out, stderr=out)
     if run.returncode:
         tail = [line for line in log.read_text().splitlines() if line.strip()][-1:]
@@ -211,20 +244,25 @@ def _install(venv: Path, version: str, log: Path) -> str:
 
 
 def _versions(venv: Path) -> dict[str, str]:
-    code = ("import json, importlib.metadata as m; print(json.dumps({p: m.version(p) for p in "
-            "('torch', 'transformers', 'triton') if __import__('importlib.util').util.find_spec(p)}))")
+    code = (
+        "import json, importlib.metadata as m; print(json.dumps({p: m.version(p) for p in "
+        "('torch', 'transformers', 'triton') if __import__('importlib.util').util.find_spec(p)}))"
+    )
     run = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True)
     return json.loads(run.stdout) if run.returncode == 0 else {}
 
 
 def check_version(version: str, workdir: Path, keep: bool) -> dict:
-    """Install ``version`` into a venv under ``workdir`` (kept from an earlier ``--keep`` run: used as it
+    """Install ``version`` into a venv under ``workdir`` (kept from an earlier ``--keep`` run: used
+    as it
     is), run the steps there, and remove the venv unless ``keep``."""
     venv, log = workdir / f"torch-{version}", workdir / f"torch-{version}.log"
     start = time.time()
     entry: dict = {"version": version, "date": time.strftime("%Y-%m-%d")}
     try:
-        kept = (venv / "bin" / "python").is_file() and _versions(venv).get("torch", "").startswith(version + ".")
+        kept = (venv / "bin" / "python").is_file() and _versions(venv).get("torch", "").startswith(
+            version + "."
+        )
         failed = "" if kept else _install(venv, version, log)
         if failed:
             return {**entry, "steps": {s: f"FAIL: {failed}" for s in STEPS}}
@@ -233,8 +271,13 @@ def check_version(version: str, workdir: Path, keep: bool) -> dict:
         shutil.rmtree(probe, ignore_errors=True)
         probe.mkdir()
         env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this tree, whatever else is installed
-        run = subprocess.run([str(venv / "bin" / "python"), __file__, "--probe", str(probe)], capture_output=True,
-                             text=True, env=env, timeout=3600)
+        run = subprocess.run(
+            [str(venv / "bin" / "python"), __file__, "--probe", str(probe)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=3600,
+        )
         with log.open("a") as out:
             out.write(run.stdout + run.stderr)
         lines = run.stdout.strip().splitlines()
@@ -254,7 +297,10 @@ def check_version(version: str, workdir: Path, keep: bool) -> dict:
 def table(results: dict[str, dict]) -> str:
     import platform
 
-    rows = ["| torch | transformers | " + " | ".join(STEPS) + " |", "|---|---|" + "---|" * len(STEPS)]
+    rows = [
+        "| torch | transformers | " + " | ".join(STEPS) + " |",
+        "|---|---|" + "---|" * len(STEPS),
+    ]
     notes = []
     for version in sorted(results, key=lambda v: tuple(int(p) for p in v.split("."))):
         entry = results[version]
@@ -269,22 +315,35 @@ def table(results: dict[str, dict]) -> str:
                 if kind == "BOTH" and step == "compile":
                     whose += "; an RMSNorm alone compiles and matches eager"
                 notes.append(f"- torch {version}, {step}{whose}: {what}")
-        rows.append(f"| {packages.get('torch', version)} | {packages.get('transformers', '?')} | "
-                    + " | ".join(cells) + " |")
+        rows.append(
+            f"| {packages.get('torch', version)} | {packages.get('transformers', '?')} | "
+            + " | ".join(cells)
+            + " |"
+        )
     dates = sorted({e["date"] for e in results.values()})
-    head = (f"Run by `scripts/check_torch_versions.py` on {', '.join(dates)}: Python {platform.python_version()}, "
-            "Linux x86-64, CPU only (the PyPI wheels of torch, CUDA builds, run here without a GPU). "
-            "*no, nor unfolded*: the step fails the same way on the original model, for torch or transformers.\n")
+    head = (
+        f"Run by `scripts/check_torch_versions.py` on {', '.join(dates)}: Python "
+        f"{platform.python_version()}, "
+        "Linux x86-64, CPU only (the PyPI wheels of torch, CUDA builds, run here without a GPU). "
+        "*no, nor unfolded*: the step fails the same way on the original model, for torch or "
+        "transformers.\n"
+    )
     return "\n".join([head, *rows, *([""] + notes if notes else [])])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--versions", default="", help=f"comma-separated minor releases, e.g. {','.join(VERSIONS)}")
-    parser.add_argument("--workdir", type=Path, default=None, help="where the venvs go (default: a temporary one)")
+    parser.add_argument(
+        "--versions", default="", help=f"comma-separated minor releases, e.g. {','.join(VERSIONS)}"
+    )
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="where the venvs go (default: a temporary one)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep each venv after its run")
     parser.add_argument("--write", action="store_true", help="write the torch-versions block")
-    parser.add_argument("--probe", type=Path, help=argparse.SUPPRESS)  # in the venv: run the steps there
+    parser.add_argument(
+        "--probe", type=Path, help=argparse.SUPPRESS
+    )  # in the venv: run the steps there
     args = parser.parse_args()
     if args.probe is not None:
         print(json.dumps(_probe(args.probe)))
@@ -296,8 +355,12 @@ def main() -> None:
         print(f"torch {version}: installing into {workdir}", flush=True)
         entry = check_version(version.strip(), workdir, args.keep)
         print(json.dumps(entry, indent=1), flush=True)
-        # after each version (runs are long), into what the file holds now (another run may have added to it)
-        results = {**(json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}), version.strip(): entry}
+        # after each version (runs are long), into what the file holds now (another run may have
+        # added to it)
+        results = {
+            **(json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}),
+            version.strip(): entry,
+        }
         tmp = RESULTS.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
         tmp.replace(RESULTS)

@@ -27,7 +27,8 @@ def description(command: click.Command) -> str:
 
 
 def rows(command: click.Command, ctx: click.Context) -> list[tuple[str, str]]:
-    """(names and value, help with its default and range) of each parameter, as ``-h`` prints them."""
+    """(names and value, help with its default and range) of each parameter, as ``-h`` prints
+    them."""
     found = []
     for param in command.get_params(ctx):
         record = param.get_help_record(ctx)
@@ -44,9 +45,18 @@ def markdown() -> str:
         for name in ORDER:
             command = group.commands[name]  # type: ignore[attr-defined]
             with click.Context(command, info_name=name, parent=root) as ctx:
-                lines = [f"### enjoyln {name}", "", description(command), "",
-                         "| argument or option | what it does |", "|---|---|"]
-                lines += [f"| `{names}` | {text.replace('|', chr(92) + '|')} |" for names, text in rows(command, ctx)]
+                lines = [
+                    f"### enjoyln {name}",
+                    "",
+                    description(command),
+                    "",
+                    "| argument or option | what it does |",
+                    "|---|---|",
+                ]
+                lines += [
+                    f"| `{names}` | {text.replace('|', chr(92) + '|')} |"
+                    for names, text in rows(command, ctx)
+                ]
             parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 

@@ -71,23 +71,32 @@ elif kind == "bert-sharded":
     perturb(tiny_model("bert"), seed=6).save_pretrained(path, max_shard_size="100KB")
 else:
     perturb(tiny_model(kind), seed=7).save_pretrained(path)
-"""
+"""  # noqa: E501
 
 
 def build(kind: str, path: Path) -> None:
     if not path.exists():
-        subprocess.run([sys.executable, "-c", BUILD, kind, str(path)], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-c", BUILD, kind, str(path)], check=True, capture_output=True
+        )
 
 
 def check_tree(tree: Path) -> None:
     """That a process given ``tree`` imports enjoyln from it: an editable install (or a missing
     tree) would silently compare the installed code with itself."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.run([sys.executable, "-c", "import enjoyln; print(enjoyln.__file__)"], env=env,
-                          capture_output=True, text=True, cwd=tree)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import enjoyln; print(enjoyln.__file__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tree,
+    )
     found = Path(proc.stdout.strip()).resolve() if proc.returncode == 0 else None
     if found is None or not found.is_relative_to(tree.resolve()):
-        raise SystemExit(f"{tree}: enjoyln imports from {found or proc.stderr.strip()}, not from this tree")
+        raise SystemExit(
+            f"{tree}: enjoyln imports from {found or proc.stderr.strip()}, not from this tree"
+        )
 
 
 # A baseline from before enjoyln.compat cannot import a torchvision built for another torch:
@@ -117,17 +126,29 @@ runpy.run_module("enjoyln", run_name="__main__")
 
 
 def timm_imports() -> bool:
-    return subprocess.run([sys.executable, "-c", "import enjoyln, timm"], capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            [sys.executable, "-c", "import enjoyln, timm"], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def fold(tree: Path, args: list[str], src: Path, out: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     command, *options = args
     # run in the tree: ``python -c`` puts the working directory first on the path
-    proc = subprocess.run([sys.executable, "-c", RUN, command, str(src), str(out), *options],
-                          env=env, capture_output=True, text=True, cwd=tree)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, command, str(src), str(out), *options],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tree,
+    )
     if proc.returncode != 0:
-        raise SystemExit(f"{tree}: enjoyln {' '.join(args)} failed:\n{proc.stdout[-800:]}{proc.stderr[-800:]}")
+        raise SystemExit(
+            f"{tree}: enjoyln {' '.join(args)} failed:\n{proc.stdout[-800:]}{proc.stderr[-800:]}"
+        )
 
 
 def differences(a: Path, b: Path) -> list[str]:
@@ -135,13 +156,19 @@ def differences(a: Path, b: Path) -> list[str]:
     names_a = {p.relative_to(a) for p in a.rglob("*") if p.is_file()}
     names_b = {p.relative_to(b) for p in b.rglob("*") if p.is_file()}
     out += [f"only in one: {n}" for n in sorted(names_a ^ names_b)]
-    out += [f"differs: {n}" for n in sorted(names_a & names_b) if not filecmp.cmp(a / n, b / n, shallow=False)]
+    out += [
+        f"differs: {n}"
+        for n in sorted(names_a & names_b)
+        if not filecmp.cmp(a / n, b / n, shallow=False)
+    ]
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", type=Path, required=True, help="a checkout of the tree to compare against")
+    parser.add_argument(
+        "--baseline", type=Path, required=True, help="a checkout of the tree to compare against"
+    )
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--only", default="", help="comma-separated case names")
     args = parser.parse_args()

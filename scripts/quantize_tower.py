@@ -1,14 +1,21 @@
-"""What rotating a vision tower does to its quantization: a LLaVA whose SigLIP tower is read at layer -2, with
+"""What rotating a vision tower does to its quantization: a LLaVA whose SigLIP tower is read at
+layer -2, with
 outlier features planted in the tower's stream, before and after ``enjoyln.rotate``.
 
-The tower's norms cannot fold (the projector reads the stream itself at the tap), so before the rotation the
-layers that read them see the outliers; the rotation moves each norm's γ and β into its readers and spreads the
-outliers over all features of the tower's stream, the projector taking Qᵀ. Measured on the inputs of the
-tower's linear layers that read a norm (q, k, v, fc1) and of the projector's first layer: their max-to-RMS ratio
-and int8 per-token error, and the logits with exactly those layers quantized (inputs int8 per token, weights int8
+The tower's norms cannot fold (the projector reads the stream itself at the tap), so before the
+rotation the
+layers that read them see the outliers; the rotation moves each norm's γ and β into its readers and
+spreads the
+outliers over all features of the tower's stream, the projector taking Qᵀ. Measured on the inputs of
+the
+tower's linear layers that read a norm (q, k, v, fc1) and of the projector's first layer: their
+max-to-RMS ratio
+and int8 per-token error, and the logits with exactly those layers quantized (inputs int8 per token,
+weights int8
 or int4 per output channel, round-to-nearest), against the full-precision original.
 
-    python scripts/quantize_tower.py [--width 256] [--layers 4] [--write]    # the tower-outliers block
+    python scripts/quantize_tower.py [--width 256] [--layers 4] [--write]    # the tower-outliers
+    block
 """
 
 from __future__ import annotations
@@ -34,17 +41,35 @@ from _docs import machine, replace_section  # noqa: E402
 
 
 def build(width: int, layers: int, scale: float = 40.0) -> nn.Module:
-    """A perturbed LLaVA (SigLIP tower of ``width`` read at -2, a small Llama) whose tower's stream writers put
+    """A perturbed LLaVA (SigLIP tower of ``width`` read at -2, a small Llama) whose tower's stream
+    writers put
     ``scale`` times more into a few features."""
     import transformers
 
     cfg = transformers.LlavaConfig(
-        vision_config=dict(model_type="siglip_vision_model", hidden_size=width, intermediate_size=2 * width,
-                           num_hidden_layers=layers, num_attention_heads=max(1, width // 64), image_size=64,
-                           patch_size=8),
-        text_config=dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, vocab_size=256, max_position_embeddings=256),
-        image_token_index=255, vision_feature_layer=-2, vision_feature_select_strategy="full")
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=width,
+            intermediate_size=2 * width,
+            num_hidden_layers=layers,
+            num_attention_heads=max(1, width // 64),
+            image_size=64,
+            patch_size=8,
+        ),
+        text_config=dict(
+            model_type="llama",
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=256,
+        ),
+        image_token_index=255,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="full",
+    )
     torch.manual_seed(0)
     model = perturb(transformers.LlavaForConditionalGeneration(cfg), seed=0).eval()
     feats = [f % width for f in OUTLIERS]
@@ -61,15 +86,27 @@ def build(width: int, layers: int, scale: float = 40.0) -> nn.Module:
 
 
 def readers(model: nn.Module) -> list[nn.Linear]:
-    """The tower's layers that read a norm, and the projector's first layer, which reads the tapped stream."""
-    layers = model.model.vision_tower.encoder.layers[:-1]  # the last one feeds only the unserved last hidden state
-    found = [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                                              layer.mlp.fc1)]
+    """The tower's layers that read a norm, and the projector's first layer, which reads the tapped
+    stream."""
+    layers = model.model.vision_tower.encoder.layers[
+        :-1
+    ]  # the last one feeds only the unserved last hidden state
+    found = [
+        m
+        for layer in layers
+        for m in (
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.mlp.fc1,
+        )
+    ]
     return found + [model.model.multi_modal_projector.linear_1]
 
 
 def input_stats(model: nn.Module, inputs: dict) -> tuple[float, float]:
-    """Mean over tokens and layers of max|x|/rms(x), and of the int8 per-token relative error of the inputs."""
+    """Mean over tokens and layers of max|x|/rms(x), and of the int8 per-token relative error of the
+    inputs."""
     ratios, errors = [], []
 
     def record(module: nn.Module, args: tuple) -> None:
@@ -88,7 +125,8 @@ def input_stats(model: nn.Module, inputs: dict) -> tuple[float, float]:
 
 
 def logits_error(original: nn.Module, model: nn.Module, inputs: dict, weight_bits: int) -> float:
-    """The logits' relative error with the readers' inputs in int8 per token and weights per output channel."""
+    """The logits' relative error with the readers' inputs in int8 per token and weights per output
+    channel."""
     q = copy.deepcopy(model)
     with torch.no_grad():
         for m in readers(q):
@@ -102,7 +140,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--write", action="store_true", help="put the table into docs/quantization.md")
+    parser.add_argument(
+        "--write", action="store_true", help="put the table into docs/quantization.md"
+    )
     args = parser.parse_args()
 
     original = build(args.width, args.layers)
@@ -112,29 +152,46 @@ def main() -> None:
     report = enjoyln.check(original, rotated, skip=tuple(plan.changed_outputs))
     assert report.passed, report.summary()
     rows = []
-    for name, model in (("original (the tower's norms cannot fold)", original), ("rotated", rotated)):
+    for name, model in (
+        ("original (the tower's norms cannot fold)", original),
+        ("rotated", rotated),
+    ):
         ratio, err8 = input_stats(model, inputs)
-        rows.append((name, ratio, err8, *(logits_error(original, model, inputs, bits) for bits in (8, 4))))
+        rows.append(
+            (name, ratio, err8, *(logits_error(original, model, inputs, bits) for bits in (8, 4)))
+        )
     (_, r0, e0, a0, b0), (_, r1, e1, a1, b1) = rows
-    body = "\n".join([
-        f"A LLaVA with a SigLIP tower of width {args.width} ({args.layers} layers, read at -2) and a small Llama, "
-        f"random perturbed weights, outliers planted in features {', '.join(str(f) for f in OUTLIERS)} (40x) of "
-        "every writer of the tower's stream; 4 images. The inputs of the tower's layers that read a norm and of "
-        "the projector's first layer, and the logits with exactly those layers in int8 per token and their "
-        f"weights round-to-nearest per output channel; {machine()}:",
-        "",
-        "| tower | max / RMS of the inputs | int8 per-token error of the inputs | logits error, W8A8 "
-        "| logits error, W4A8 |",
-        "|---|---|---|---|---|",
-        *(f"| {n} | {r:.1f} | {e:.2%} | {q8:.2%} | {q4:.2%} |" for n, r, e, q8, q4 in rows),
-        "",
-        f"The rotation lowers the int8 activation error {e0 / e1:.1f}x and the W8A8 logits error {a0 / a1:.1f}x. "
-        f"At 4-bit weights the logits error goes from {b0:.2%} to {b1:.2%}: there it is the weights' own rounding, "
-        "which a rotation of random (Gaussian) weights does not reduce, as in the GPT-2 case of "
-        "docs/how-it-works.md. Unquantized, the rotated model computes the original's logits (`enjoyln.check`, "
-        f"the tower's changed hidden states left out: max rel diff {report.max_rel_diff:.1e}).",
-        f"Command: `python scripts/quantize_tower.py --width {args.width} --layers {args.layers} --write`.",
-    ])
+    body = "\n".join(
+        [
+            f"A LLaVA with a SigLIP tower of width {args.width} ({args.layers} layers, read at -2) "
+            "and a small Llama, "
+            "random perturbed weights, outliers planted in features "
+            f"{', '.join(str(f) for f in OUTLIERS)} (40x) of "
+            "every writer of the tower's stream; 4 images. The inputs of the tower's layers that "
+            "read a norm and of "
+            "the projector's first layer, and the logits with exactly those layers in int8 per "
+            "token and their "
+            f"weights round-to-nearest per output channel; {machine()}:",
+            "",
+            "| tower | max / RMS of the inputs | int8 per-token error of the inputs | logits "
+            "error, W8A8 "
+            "| logits error, W4A8 |",
+            "|---|---|---|---|---|",
+            *(f"| {n} | {r:.1f} | {e:.2%} | {q8:.2%} | {q4:.2%} |" for n, r, e, q8, q4 in rows),
+            "",
+            f"The rotation lowers the int8 activation error {e0 / e1:.1f}x and the W8A8 logits "
+            f"error {a0 / a1:.1f}x. "
+            f"At 4-bit weights the logits error goes from {b0:.2%} to {b1:.2%}: there it is the "
+            "weights' own rounding, "
+            "which a rotation of random (Gaussian) weights does not reduce, as in the GPT-2 case "
+            "of "
+            "docs/how-it-works.md. Unquantized, the rotated model computes the original's logits "
+            "(`enjoyln.check`, "
+            f"the tower's changed hidden states left out: max rel diff {report.max_rel_diff:.1e}).",
+            f"Command: `python scripts/quantize_tower.py --width {args.width} --layers "
+            f"{args.layers} --write`.",
+        ]
+    )
     print(body)
     if args.write:
         replace_section("tower-outliers", body)

@@ -14,7 +14,8 @@ model runs in its own forked process with a time limit, two at a time.
     python scripts/sweep_timm.py                        # all, to docs/data/sweep_timm_results.json
     python scripts/sweep_timm.py --only timm/vit_small_patch16_224,open_clip/ViT-B-32/text
     python scripts/sweep_timm.py --list                 # the sample, one key a line
-    python scripts/sweep_timm.py --write                # and its block in docs/architectures.md (sweep-timm)
+    python scripts/sweep_timm.py --write                # and its block in docs/architectures.md
+    (sweep-timm)
 
 Statuses are those of the transformers sweep: ``exact`` (max relative
 difference over every output ≤ 1e-5 in float32); ``inexact`` (then redone in
@@ -41,7 +42,8 @@ An environment that leaves the main one alone::
     python -m venv --system-site-packages /work/venv-timm
     /work/venv-timm/bin/pip install --no-deps torchvision==0.28.0   # the release for torch 2.13
     /work/venv-timm/bin/pip install --no-deps timm==1.0.29 open_clip_torch==3.3.0
-    /work/venv-timm/bin/pip install ftfy 'setuptools>=77'            # open_clip's missing pure-Python deps
+    /work/venv-timm/bin/pip install ftfy 'setuptools>=77'            # open_clip's missing
+    pure-Python deps
 """
 
 from __future__ import annotations
@@ -199,14 +201,22 @@ TIMM_MODELS: list[tuple[str, str, dict[str, Any]]] = [
 # (open_clip model config, tower). The text tower of a plain CLIP config is taken from
 # create_model(..., force_custom_text=True), which holds it as a TextTransformer module.
 OPEN_CLIP_TOWERS: list[tuple[str, str]] = [
-    ("ViT-B-32", "text"), ("ViT-B-32", "visual"),
-    ("ViT-S-16", "text"), ("ViT-S-16", "visual"),
-    ("ViT-M-32-alt", "text"), ("ViT-M-32-alt", "visual"),
-    ("RN50", "text"), ("RN50", "visual"),  # ModifiedResNet: BatchNorm only
-    ("ViT-B-16-SigLIP", "text"), ("ViT-B-16-SigLIP", "visual"),  # vision: a timm trunk
-    ("PE-Core-T-16-384", "text"), ("PE-Core-T-16-384", "visual"),
-    ("MobileCLIP-S1", "text"), ("MobileCLIP-S1", "visual"),
-    ("ViTamin-S", "text"), ("ViTamin-S", "visual"),
+    ("ViT-B-32", "text"),
+    ("ViT-B-32", "visual"),
+    ("ViT-S-16", "text"),
+    ("ViT-S-16", "visual"),
+    ("ViT-M-32-alt", "text"),
+    ("ViT-M-32-alt", "visual"),
+    ("RN50", "text"),
+    ("RN50", "visual"),  # ModifiedResNet: BatchNorm only
+    ("ViT-B-16-SigLIP", "text"),
+    ("ViT-B-16-SigLIP", "visual"),  # vision: a timm trunk
+    ("PE-Core-T-16-384", "text"),
+    ("PE-Core-T-16-384", "visual"),
+    ("MobileCLIP-S1", "text"),
+    ("MobileCLIP-S1", "visual"),
+    ("ViTamin-S", "text"),
+    ("ViTamin-S", "visual"),
     ("convnext_tiny", "visual"),
     ("EVA02-B-16", "visual"),
     ("coca_ViT-B-32", "text"),
@@ -214,8 +224,9 @@ OPEN_CLIP_TOWERS: list[tuple[str, str]] = [
 
 
 def all_keys() -> list[str]:
-    return ([f"timm/{name}" for _, name, _ in TIMM_MODELS]
-            + [f"open_clip/{cfg}/{tower}" for cfg, tower in OPEN_CLIP_TOWERS])
+    return [f"timm/{name}" for _, name, _ in TIMM_MODELS] + [
+        f"open_clip/{cfg}/{tower}" for cfg, tower in OPEN_CLIP_TOWERS
+    ]
 
 
 TIMM_KWARGS = {name: kw for _, name, kw in TIMM_MODELS if kw}
@@ -250,7 +261,8 @@ def import_libraries() -> dict[str, Any]:
 
 
 def check_enjoyln_imports_neither() -> None:
-    """enjoyln must not import timm or open_clip: fold an HF model and a plain module before they are."""
+    """enjoyln must not import timm or open_clip: fold an HF model and a plain module before they
+    are."""
     import enjoyln
     from enjoyln.testing import tiny_model
 
@@ -268,7 +280,8 @@ def check_enjoyln_imports_neither() -> None:
 
 
 def build(key: str) -> torch.nn.Module:
-    """The model behind ``key`` (``timm/NAME`` or ``open_clip/CONFIG/TOWER``), random weights, eval mode."""
+    """The model behind ``key`` (``timm/NAME`` or ``open_clip/CONFIG/TOWER``), random weights, eval
+    mode."""
     source, rest = key.split("/", 1)
     torch.manual_seed(0)
     if source == "timm":
@@ -287,13 +300,16 @@ def build(key: str) -> torch.nn.Module:
 
 
 def config_inputs(model: torch.nn.Module, seed: int) -> tuple[dict[str, torch.Tensor], str]:
-    """Inputs from the model's own configuration, keyed by the forward's first argument, and their source."""
+    """Inputs from the model's own configuration, keyed by the forward's first argument, and their
+    source."""
     gen = torch.Generator().manual_seed(seed)
     arg = next(iter(inspect.signature(model.forward).parameters))
     cfg = getattr(model, "pretrained_cfg", None)
     if isinstance(cfg, dict) and cfg.get("input_size"):
         c, h, w = cfg["input_size"]
-        return {arg: torch.randn(BATCH, c, h, w, generator=gen)}, f"pretrained_cfg input_size {c}x{h}x{w}"
+        return {
+            arg: torch.randn(BATCH, c, h, w, generator=gen)
+        }, f"pretrained_cfg input_size {c}x{h}x{w}"
     if getattr(model, "image_size", None) is not None:
         size = model.image_size
         h, w = (size, size) if isinstance(size, int) else tuple(size)
@@ -308,8 +324,11 @@ def config_inputs(model: torch.nn.Module, seed: int) -> tuple[dict[str, torch.Te
 def norm_classes(model: torch.nn.Module) -> dict[str, int]:
     """How many modules of each norm or scale class the model holds (the map of patterns)."""
     found = collections.Counter(
-        f"{type(m).__module__}.{type(m).__name__}" for m in model.modules()
-        if any(k in type(m).__name__ for k in ("Norm", "Scale")) and not type(m).__name__.endswith(("Block",)))
+        f"{type(m).__module__}.{type(m).__name__}"
+        for m in model.modules()
+        if any(k in type(m).__name__ for k in ("Norm", "Scale"))
+        and not type(m).__name__.endswith(("Block",))
+    )
     return dict(sorted(found.items()))
 
 
@@ -334,8 +353,12 @@ def run_one(key: str) -> dict[str, Any]:
     try:
         model = build(key)
     except Exception as exc:  # noqa: BLE001 - the sweep's choice of model, not enjoyln
-        return {**info, "status": "skipped", "reason": f"does not build: {type(exc).__name__}: "
-                f"{st._first_line(exc)[:150]}", "seconds": st._since(start)}
+        return {
+            **info,
+            "status": "skipped",
+            "reason": f"does not build: {type(exc).__name__}: {st._first_line(exc)[:150]}",
+            "seconds": st._since(start),
+        }
     st.perturb_all(model)
     info["params"] = sum(p.numel() for p in model.parameters())
     info["norm_classes"] = norm_classes(model)
@@ -349,13 +372,21 @@ def run_one(key: str) -> dict[str, Any]:
         with counter:
             st._forward(model, inputs)
     except Exception as exc:  # noqa: BLE001 - recorded
-        return {**info, "status": "skipped", "reason": f"forward fails: {type(exc).__name__}: "
-                f"{st._first_line(exc)[:150]}", "seconds": st._since(start)}
+        return {
+            **info,
+            "status": "skipped",
+            "reason": f"forward fails: {type(exc).__name__}: {st._first_line(exc)[:150]}",
+            "seconds": st._since(start),
+        }
     info["forward_runs"] = True
     info["norm_calls"] = counter.count
     if counter.count == 0:
-        return {**info, "status": "skipped", "reason": "no LayerNorm or GroupNorm in the forward",
-                "seconds": st._since(start)}
+        return {
+            **info,
+            "status": "skipped",
+            "reason": "no LayerNorm or GroupNorm in the forward",
+            "seconds": st._since(start),
+        }
 
     t = time.perf_counter()
     try:
@@ -407,10 +438,16 @@ def _plan_record(model: torch.nn.Module, plan: Any) -> dict[str, Any]:
         refusals[reason] = refusals.get(reason, 0) + 1
         examples.setdefault(reason, f"{e.name}: {e.reason}"[:400])
         c["refused"][reason] = c["refused"].get(reason, 0) + 1
-    return {"ln_entries": len(plan.layer_norms), "folded": len(plan.foldable),
-            "group_norm_entries": sum(e.norm == "group_norm" for e in plan.layer_norms),
-            "folded_names": [e.name for e in plan.foldable], "refusals": refusals,
-            "refusal_examples": examples, "by_class": by_class, "notes": list(plan.notes)}
+    return {
+        "ln_entries": len(plan.layer_norms),
+        "folded": len(plan.foldable),
+        "group_norm_entries": sum(e.norm == "group_norm" for e in plan.layer_norms),
+        "folded_names": [e.name for e in plan.foldable],
+        "refusals": refusals,
+        "refusal_examples": examples,
+        "by_class": by_class,
+        "notes": list(plan.notes),
+    }
 
 
 # --- the pool -------------------------------------------------------------------------
@@ -444,8 +481,15 @@ def _warm_up() -> None:
         enjoyln.analyze(model, torch.randn(1, 3, 160, 160))
 
 
-def sweep(keys: list[str], *, jobs: int = 2, timeout: float = 300.0, progress: bool = True,
-          quiet: bool = True, log: Any = None) -> dict[str, dict[str, Any]]:
+def sweep(
+    keys: list[str],
+    *,
+    jobs: int = 2,
+    timeout: float = 300.0,
+    progress: bool = True,
+    quiet: bool = True,
+    log: Any = None,
+) -> dict[str, dict[str, Any]]:
     """Run every model in a forked process, ``jobs`` at a time; each result is also written to
     ``log`` as one JSON line as it arrives."""
     threads = torch.get_num_threads()
@@ -457,8 +501,9 @@ def sweep(keys: list[str], *, jobs: int = 2, timeout: float = 300.0, progress: b
         torch.set_num_threads(threads)
 
 
-def _run_pool(keys: list[str], jobs: int, timeout: float, progress: bool, quiet: bool,
-              log: Any) -> dict[str, dict[str, Any]]:
+def _run_pool(
+    keys: list[str], jobs: int, timeout: float, progress: bool, quiet: bool, log: Any
+) -> dict[str, dict[str, Any]]:
     ctx = mp.get_context("fork")
     pending, running, results = list(keys), {}, {}
     while pending or running:
@@ -477,14 +522,28 @@ def _run_pool(keys: list[str], jobs: int, timeout: float, progress: bool, quiet:
                     results[k] = recv.recv()
                 except EOFError:
                     proc.join()
-                    results[k] = {"key": k, "status": "raw_error", "stage": "sweep", "type": "crash",
-                                  "message": f"worker exited with code {proc.exitcode}"}
+                    results[k] = {
+                        "key": k,
+                        "status": "raw_error",
+                        "stage": "sweep",
+                        "type": "crash",
+                        "message": f"worker exited with code {proc.exitcode}",
+                    }
             elif not proc.is_alive():
-                results[k] = {"key": k, "status": "raw_error", "stage": "sweep", "type": "crash",
-                              "message": f"worker exited with code {proc.exitcode}"}
+                results[k] = {
+                    "key": k,
+                    "status": "raw_error",
+                    "stage": "sweep",
+                    "type": "crash",
+                    "message": f"worker exited with code {proc.exitcode}",
+                }
             elif elapsed > timeout:
                 proc.kill()
-                results[k] = {"key": k, "status": "skipped", "reason": f"time limit: more than {timeout:.0f} s"}
+                results[k] = {
+                    "key": k,
+                    "status": "skipped",
+                    "reason": f"time limit: more than {timeout:.0f} s",
+                }
             else:
                 continue
             proc.join()
@@ -497,10 +556,19 @@ def _run_pool(keys: list[str], jobs: int, timeout: float, progress: bool, quiet:
                 log.flush()
             if progress:
                 r = results[k]
-                detail = r.get("reason") or r.get("message") or (
-                    f"{r.get('folded')}/{r.get('ln_entries')}, max rel {r.get('max_rel', 0):.1e}")
-                print(f"[{len(results)}/{len(keys)}] {k}: {r['status']} ({detail}; {r['seconds']:.0f} s)"[:220],
-                      flush=True)
+                detail = (
+                    r.get("reason")
+                    or r.get("message")
+                    or (
+                        f"{r.get('folded')}/{r.get('ln_entries')}, max rel "
+                        f"{r.get('max_rel', 0):.1e}"
+                    )
+                )
+                print(
+                    f"[{len(results)}/{len(keys)}] {k}: {r['status']} ({detail}; "
+                    f"{r['seconds']:.0f} s)"[:220],
+                    flush=True,
+                )
     return {k: results[k] for k in keys}
 
 
@@ -509,14 +577,20 @@ def _run_pool(keys: list[str], jobs: int, timeout: float, progress: bool, quiet:
 
 def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     rs = list(results.values())
-    status = {s: sum(r["status"] == s for r in rs) for s in
-              ("exact", "inexact", "clean_error", "raw_error", "skipped")}
+    status = {
+        s: sum(r["status"] == s for r in rs)
+        for s in ("exact", "inexact", "clean_error", "raw_error", "skipped")
+    }
     runs = [r for r in rs if r.get("forward_runs") and r.get("norm_calls")]
     no_input = sum(bool(r.get("no_input", {}).get("ok")) for r in runs)
     no_input_errors = collections.Counter(
         re.sub(r"^[A-Za-z_]\w* is not", "CLASS is not", r["no_input"].get("message", ""))[:160]
-        for r in runs if not r.get("no_input", {}).get("ok"))
-    rounding = sum(r["status"] == "inexact" and r.get("float64", {}).get("rounding", False) for r in rs)
+        for r in runs
+        if not r.get("no_input", {}).get("ok")
+    )
+    rounding = sum(
+        r["status"] == "inexact" and r.get("float64", {}).get("rounding", False) for r in rs
+    )
     reasons: dict[str, list[Any]] = {}
     for r in rs:
         for reason, n in (r.get("refusals") or {}).items():
@@ -527,10 +601,13 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     by_source = {}
     for source in ("timm", "open_clip"):
         sub = [r for r in rs if r["key"].startswith(source + "/")]
-        by_source[source] = {"models": len(sub), "tried": sum(r["status"] != "skipped" for r in sub),
-                             "exact": sum(r["status"] == "exact" for r in sub),
-                             "ln_entries": sum(r.get("ln_entries", 0) for r in sub),
-                             "folded": sum(r.get("folded", 0) for r in sub)}
+        by_source[source] = {
+            "models": len(sub),
+            "tried": sum(r["status"] != "skipped" for r in sub),
+            "exact": sum(r["status"] == "exact" for r in sub),
+            "ln_entries": sum(r.get("ln_entries", 0) for r in sub),
+            "folded": sum(r.get("folded", 0) for r in sub),
+        }
     ln, folded = sum(r.get("ln_entries", 0) for r in rs), sum(r.get("folded", 0) for r in rs)
     return {
         "models": len(rs),
@@ -548,20 +625,30 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "no_input_pct": round(100 * no_input / len(runs), 1) if runs else 0.0,
         "no_input_errors": dict(no_input_errors.most_common()),
         "skipped_reasons": dict(skipped.most_common()),
-        "refusals": {k: {"models": v[0], "entries": v[1], "example": v[2]}
-                     for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1][1], -kv[1][0]))},
+        "refusals": {
+            k: {"models": v[0], "entries": v[1], "example": v[2]}
+            for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1][1], -kv[1][0]))
+        },
     }
 
 
 def print_summary(s: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
-    print(f"\n{s['models']} models; {s['tried']} tried: {s['exact']} exact, {s['inexact']} inexact "
-          f"({s['inexact_float64_rounding']} float32 rounding by the float64 triage, {s['unsound']} unsound), "
-          f"{s['clean_error']} clean errors, {s['raw_error']} raw errors; {s['skipped']} skipped")
+    print(
+        f"\n{s['models']} models; {s['tried']} tried: {s['exact']} exact, {s['inexact']} inexact "
+        f"({s['inexact_float64_rounding']} float32 rounding by the float64 triage, {s['unsound']} "
+        "unsound), "
+        f"{s['clean_error']} clean errors, {s['raw_error']} raw errors; {s['skipped']} skipped"
+    )
     print(f"folded LNs: {s['folded']} of {s['ln_entries']} LN entries ({s['folded_pct']}%)")
     for source, b in s["by_source"].items():
-        print(f"  {source}: {b['models']} models, {b['tried']} tried, {b['exact']} exact, "
-              f"{b['folded']} of {b['ln_entries']} folded")
-    print(f"analyze(model) without inputs: {s['no_input_ok']} of {s['forward_runs']} ({s['no_input_pct']}%)")
+        print(
+            f"  {source}: {b['models']} models, {b['tried']} tried, {b['exact']} exact, "
+            f"{b['folded']} of {b['ln_entries']} folded"
+        )
+    print(
+        f"analyze(model) without inputs: {s['no_input_ok']} of {s['forward_runs']} "
+        f"({s['no_input_pct']}%)"
+    )
     for msg, n in s["no_input_errors"].items():
         print(f"  {n:4d}  {msg}")
     print("skipped:", ", ".join(f"{k} {v}" for k, v in s["skipped_reasons"].items()))
@@ -569,28 +656,49 @@ def print_summary(s: dict[str, Any], meta: dict[str, Any] | None = None) -> None
     for reason, c in s["refusals"].items():
         print(f"  {c['models']:4d} {c['entries']:5d}  {reason}  [{c['example']}]"[:260])
     if meta:
-        print(f"wall time {meta['wall_seconds']:.0f} s; CPU time in the workers {s['cpu_seconds']} s; "
-              f"load average before/after {meta.get('loadavg_before')} / {meta.get('loadavg_after')}")
+        print(
+            f"wall time {meta['wall_seconds']:.0f} s; CPU time in the workers {s['cpu_seconds']} "
+            "s; "
+            f"load average before/after {meta.get('loadavg_before')} / {meta.get('loadavg_after')}"
+        )
         if meta.get("torchvision_fakes_skipped"):
-            print("torchvision workaround: skipped the fake registrations of "
-                  + ", ".join(meta["torchvision_fakes_skipped"]) + " (its C++ ops did not load with this torch)")
+            print(
+                "torchvision workaround: skipped the fake registrations of "
+                + ", ".join(meta["torchvision_fakes_skipped"])
+                + " (its C++ ops did not load with this torch)"
+            )
 
 
 def _fewer_line(base: dict[str, Any], results: dict[str, Any]) -> str:
     """Which models fold fewer LNs now than in the baseline (each must be explained)."""
-    fewer = [f"`{k}` ({b.get('folded') or 0} -> {results[k].get('folded') or 0})" for k, b in base["results"].items()
-             if k in results and (results[k].get("folded") or 0) < (b.get("folded") or 0)]
-    return (f"Models folding fewer LNs than the baseline: {', '.join(fewer) if fewer else 'none'} "
-            f"(of {sum(k in results for k in base['results'])} in both).")
+    fewer = [
+        f"`{k}` ({b.get('folded') or 0} -> {results[k].get('folded') or 0})"
+        for k, b in base["results"].items()
+        if k in results and (results[k].get("folded") or 0) < (b.get("folded") or 0)
+    ]
+    return (
+        f"Models folding fewer LNs than the baseline: {', '.join(fewer) if fewer else 'none'} "
+        f"(of {sum(k in results for k in base['results'])} in both)."
+    )
 
 
-def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any] | None,
-                   results: dict[str, Any] | None = None) -> str:
+def readme_section(
+    s: dict[str, Any],
+    meta: dict[str, Any],
+    base: dict[str, Any] | None,
+    results: dict[str, Any] | None = None,
+) -> str:
     """The block in docs/architectures.md: this sweep beside the baseline (the same sweep of enjoyln
     before norms were recognised by what they compute, `docs/data/sweep_timm_baseline.json`)."""
     same = base is None or base["meta"].get("enjoyln_commit") == meta.get("enjoyln_commit")
-    cols = [("now", s)] if same else [(f"before (`{base['meta'].get('enjoyln_commit', '?')}`)", base["summary"]),
-                                      ("now", s)]
+    cols = (
+        [("now", s)]
+        if same
+        else [
+            (f"before (`{base['meta'].get('enjoyln_commit', '?')}`)", base["summary"]),
+            ("now", s),
+        ]
+    )
     if same:
         cols = [(f"enjoyln `{meta.get('enjoyln_commit', '?')}`", s)]
 
@@ -598,56 +706,93 @@ def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any]
         return f"| {label} | " + " | ".join(str(fmt(x)) for _, x in cols) + " |"
 
     def by(source: str) -> Any:
-        return lambda x: (f"{x['by_source'][source]['folded']} / {x['by_source'][source]['ln_entries']} "
-                          f"({x['by_source'][source]['exact']} of {x['by_source'][source]['tried']} exact)")
+        return lambda x: (
+            f"{x['by_source'][source]['folded']} / {x['by_source'][source]['ln_entries']} "
+            f"({x['by_source'][source]['exact']} of {x['by_source'][source]['tried']} exact)"
+        )
 
-    timing = (f"{meta['jobs']} workers, {meta['wall_seconds'] / 60:.0f} min wall "
-              f"({s['cpu_seconds'] / 60:.0f} min of CPU time in the workers)")
+    timing = (
+        f"{meta['jobs']} workers, {meta['wall_seconds'] / 60:.0f} min wall "
+        f"({s['cpu_seconds'] / 60:.0f} min of CPU time in the workers)"
+    )
     note = f" {meta['machine_note']}" if meta.get("machine_note") else ""
     if meta.get("loadavg_before"):
-        note += (f" Load average (1 min) {meta['loadavg_before'][0]} at the start, "
-                 f"{meta['loadavg_after'][0]} at the end.")
+        note += (
+            f" Load average (1 min) {meta['loadavg_before'][0]} at the start, "
+            f"{meta['loadavg_after'][0]} at the end."
+        )
     lines = [
-        f"{s['models']} models: {len(TIMM_MODELS)} from timm {meta['timm']} and {len(OPEN_CLIP_TOWERS)} "
-        f"open_clip {meta['open_clip']} towers; random weights, perturbed; inputs from each model's own "
+        f"{s['models']} models: {len(TIMM_MODELS)} from timm {meta['timm']} and "
+        f"{len(OPEN_CLIP_TOWERS)} "
+        f"open_clip {meta['open_clip']} towers; random weights, perturbed; inputs from each "
+        "model's own "
         f"config; every output compared on two fresh batches. {meta['machine']}; {timing}.{note}",
         "",
         "| | " + " | ".join(label for label, _ in cols) + " |",
         "|---|" + "---|" * len(cols),
-        row("models tried (builds, forward runs, has a LayerNorm or GroupNorm)", lambda x: x["tried"]),
+        row(
+            "models tried (builds, forward runs, has a LayerNorm or GroupNorm)",
+            lambda x: x["tried"],
+        ),
         row("exact (max relative difference ≤ 1e-5 in float32)", lambda x: x["exact"]),
-        row("inexact in float32 (of which exact in float64: the original's own rounding)",
-            lambda x: f"{x['inexact']} ({x['inexact_float64_rounding']})"),
+        row(
+            "inexact in float32 (of which exact in float64: the original's own rounding)",
+            lambda x: f"{x['inexact']} ({x['inexact_float64_rounding']})",
+        ),
         row("**unsound folds**", lambda x: f"**{x['unsound']}**"),
-        row("clean errors (`EnjoylnError`) / raw exceptions", lambda x: f"{x['clean_error']} / {x['raw_error']}"),
-        row("**folded LNs** / LN entries", lambda x: f"**{x['folded']}** / {x['ln_entries']} ({x['folded_pct']}%)"),
+        row(
+            "clean errors (`EnjoylnError`) / raw exceptions",
+            lambda x: f"{x['clean_error']} / {x['raw_error']}",
+        ),
+        row(
+            "**folded LNs** / LN entries",
+            lambda x: f"**{x['folded']}** / {x['ln_entries']} ({x['folded_pct']}%)",
+        ),
         row("timm: folded / entries", by("timm")),
         row("open_clip: folded / entries", by("open_clip")),
-        row("`analyze(model)` without inputs", lambda x: f"{x['no_input_ok']} of {x['forward_runs']} "
-            f"({x['no_input_pct']}%)"),
+        row(
+            "`analyze(model)` without inputs",
+            lambda x: f"{x['no_input_ok']} of {x['forward_runs']} ({x['no_input_pct']}%)",
+        ),
         "",
         "Skipped: " + ", ".join(f"{k} {v}" for k, v in s["skipped_reasons"].items()) + ".",
         "",
-        *([_fewer_line(base, results), ""] if not same and results is not None and "results" in base else []),
+        *(
+            [_fewer_line(base, results), ""]
+            if not same and results is not None and "results" in base
+            else []
+        ),
         "Refusal reasons, with module paths, names and numbers taken out:",
         "",
         "| refusal reason | models | LN entries | e.g. |",
         "|---|---|---|---|",
     ]
     for reason, c in list(s["refusals"].items())[:15]:
-        lines.append(f"| {reason.replace('|', '/')} | {c['models']} | {c['entries']} | `{c['example']}` |")
-    lines += ["", "Command: `python scripts/sweep_timm.py --write` (timm and open_clip installed; per-model "
-              "records in `docs/data/sweep_timm_results.json`, the baseline in `docs/data/sweep_timm_baseline.json`)."
-              " torchvision's fake registrations for `torchvision::nms` and `qnms` are skipped while it imports, "
-              "because its CUDA build's C++ ops do not load with the CPU torch."]
+        lines.append(
+            f"| {reason.replace('|', '/')} | {c['models']} | {c['entries']} | `{c['example']}` |"
+        )
+    lines += [
+        "",
+        "Command: `python scripts/sweep_timm.py --write` (timm and open_clip installed; per-model "
+        "records in `docs/data/sweep_timm_results.json`, the baseline in "
+        "`docs/data/sweep_timm_baseline.json`)."
+        " torchvision's fake registrations for `torchvision::nms` and `qnms` are skipped while it "
+        "imports, "
+        "because its CUDA build's C++ ops do not load with the CPU torch.",
+    ]
     return "\n".join(lines)
 
 
-def write_readme(summary: dict[str, Any], meta: dict[str, Any], out: Path,
-                 results: dict[str, Any] | None = None) -> None:
+def write_readme(
+    summary: dict[str, Any], meta: dict[str, Any], out: Path, results: dict[str, Any] | None = None
+) -> None:
     from _docs import replace_section
 
-    base = json.loads(BASELINE.read_text()) if BASELINE.exists() and out.resolve() != BASELINE.resolve() else None
+    base = (
+        json.loads(BASELINE.read_text())
+        if BASELINE.exists() and out.resolve() != BASELINE.resolve()
+        else None
+    )
     replace_section("sweep-timm", readme_section(summary, meta, base, results))
 
 
@@ -658,11 +803,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300.0)
-    ap.add_argument("--write", action="store_true", help="write the block in docs/architectures.md (sweep-timm)")
-    ap.add_argument("--machine-note", default="", help="said in the block in docs/architectures.md, e.g. that the machine was shared")
-    ap.add_argument("--enjoyln-commit", help="the enjoyln version swept, when it is not a git checkout")
-    ap.add_argument("--from-results", action="store_true",
-                    help="do not sweep: summarise --out again (and --write docs/architectures.md from it)")
+    ap.add_argument(
+        "--write", action="store_true", help="write the block in docs/architectures.md (sweep-timm)"
+    )
+    ap.add_argument(
+        "--machine-note",
+        default="",
+        help="said in the block in docs/architectures.md, e.g. that the machine was shared",
+    )
+    ap.add_argument(
+        "--enjoyln-commit", help="the enjoyln version swept, when it is not a git checkout"
+    )
+    ap.add_argument(
+        "--from-results",
+        action="store_true",
+        help="do not sweep: summarise --out again (and --write docs/architectures.md from it)",
+    )
     args = ap.parse_args(argv)
 
     if args.list:
@@ -681,7 +837,9 @@ def main(argv: list[str] | None = None) -> int:
     keys = args.only.split(",") if args.only else all_keys()
     unknown = [k for k in keys if not k.startswith(("timm/", "open_clip/"))]
     if unknown:
-        raise SystemExit(f"unknown keys (timm/NAME or open_clip/CONFIG/TOWER): {', '.join(unknown)}")
+        raise SystemExit(
+            f"unknown keys (timm/NAME or open_clip/CONFIG/TOWER): {', '.join(unknown)}"
+        )
 
     import enjoyln
 
@@ -689,24 +847,42 @@ def main(argv: list[str] | None = None) -> int:
     check_enjoyln_imports_neither()
     libs.update(import_libraries())
     if libs["torchvision_fakes_skipped"]:
-        print("torchvision workaround: skipped the fake registrations of "
-              + ", ".join(libs["torchvision_fakes_skipped"]), flush=True)
+        print(
+            "torchvision workaround: skipped the fake registrations of "
+            + ", ".join(libs["torchvision_fakes_skipped"]),
+            flush=True,
+        )
     load_before = [round(x, 2) for x in os.getloadavg()]
     start = time.perf_counter()
     with open(args.out.with_suffix(".jsonl"), "w") as log:
         results = sweep(keys, jobs=args.jobs, timeout=args.timeout, log=log)
     wall = time.perf_counter() - start
     root = Path(enjoyln.__file__).resolve().parent.parent
-    commit = args.enjoyln_commit or subprocess.run(
-        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = (
+        args.enjoyln_commit
+        or subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
     from _docs import machine
 
-    meta = {**libs, "torch": torch.__version__, "enjoyln_commit": commit, "enjoyln_path": str(root),
-            "machine": machine(), "machine_note": args.machine_note, "jobs": args.jobs,
-            "timeout": args.timeout, "wall_seconds": round(wall, 1), "loadavg_before": load_before,
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
+    meta = {
+        **libs,
+        "torch": torch.__version__,
+        "enjoyln_commit": commit,
+        "enjoyln_path": str(root),
+        "machine": machine(),
+        "machine_note": args.machine_note,
+        "jobs": args.jobs,
+        "timeout": args.timeout,
+        "wall_seconds": round(wall, 1),
+        "loadavg_before": load_before,
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }
     summary = summarize(results)
-    args.out.write_text(json.dumps({"meta": meta, "summary": summary, "results": results}, indent=1) + "\n")
+    args.out.write_text(
+        json.dumps({"meta": meta, "summary": summary, "results": results}, indent=1) + "\n"
+    )
     print_summary(summary, meta)
     if args.write:
         write_readme(summary, meta, args.out, results)

@@ -10,7 +10,8 @@ process with a time limit, two at a time.
 
     python scripts/sweep_transformers.py                  # all, to docs/data/sweep_results.json
     python scripts/sweep_transformers.py --only bert,gpt2 --out /tmp/s.json
-    python scripts/sweep_transformers.py --write          # and the coverage block in docs/architectures.md
+    python scripts/sweep_transformers.py --write          # and the coverage block in
+    docs/architectures.md
     python scripts/sweep_transformers.py --only olmo,sam --merge --write
         # re-sweep some types into the records already in --out, and write the docs block from all
 
@@ -77,36 +78,137 @@ MAPPINGS = (
 LEVELS = (0, 1, 2, 3)
 """0: width 64 with 4 heads of 16; 1: width 128 with 2 heads of 64 (for rotary sections
 that need wide heads); 2: only layers, vocabularies and experts cut; 3: the default config."""
-LAYER_KEYS = {"num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
-              "num_decoder_layers", "num_encoder_layers", "depth", "decoder_depth", "encoder_depth",
-              "decoder_num_hidden_layers", "num_text_layers", "num_vision_layers", "text_layers",
-              "vision_layers", "num_stacks", "cross_layers"}
-WIDTH_KEYS = {"hidden_size", "d_model", "n_embd", "embed_dim", "dim", "decoder_hidden_size", "emb_dim",
-              "encoder_hidden_size", "text_hidden_size", "vision_hidden_size", "d_embed"}
-HEAD_KEYS = {"num_attention_heads", "n_head", "num_heads", "encoder_attention_heads",
-             "decoder_attention_heads", "attention_heads", "n_heads", "decoder_num_attention_heads"}
+LAYER_KEYS = {
+    "num_hidden_layers",
+    "num_layers",
+    "n_layer",
+    "n_layers",
+    "encoder_layers",
+    "decoder_layers",
+    "num_decoder_layers",
+    "num_encoder_layers",
+    "depth",
+    "decoder_depth",
+    "encoder_depth",
+    "decoder_num_hidden_layers",
+    "num_text_layers",
+    "num_vision_layers",
+    "text_layers",
+    "vision_layers",
+    "num_stacks",
+    "cross_layers",
+}
+WIDTH_KEYS = {
+    "hidden_size",
+    "d_model",
+    "n_embd",
+    "embed_dim",
+    "dim",
+    "decoder_hidden_size",
+    "emb_dim",
+    "encoder_hidden_size",
+    "text_hidden_size",
+    "vision_hidden_size",
+    "d_embed",
+}
+HEAD_KEYS = {
+    "num_attention_heads",
+    "n_head",
+    "num_heads",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "attention_heads",
+    "n_heads",
+    "decoder_num_attention_heads",
+}
 KV_KEYS = {"num_key_value_heads", "num_kv_heads", "multi_query_group_num", "n_kv_heads"}
-FFN_KEYS = {"intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner",
-            "mlp_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
-            "decoder_intermediate_size", "encoder_intermediate_size", "d_inner", "intermediate_dim"}
-SMALL = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-         "num_experts_per_tok": 2, "moe_k": 2, "n_shared_experts": 1, "topk_group": 1, "n_group": 1,
-         "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-         "v_head_dim": 16, "embedding_size": 32, "projection_dim": 32, "max_source_positions": 32,
-         "num_mel_bins": 16, "max_target_positions": 64, "num_frames": 4,
-         "num_queries": 10, "codebook_size": 64, "image_size": 64, "d_kv": 16, "num_labels": 3,
-         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-         "linear_value_head_dim": 16, "index_n_heads": 2, "index_head_dim": 16, "proj_dim": 32,
-         "projection_size": 32, "latent_dim": 32, "num_latents": 8, "feature_size": 32,
-         "xvector_output_dim": 32, "classifier_proj_size": 32, "hidden_dim": 64, "mlp_hidden_dim": 128,
-         "rotary_dim": 8, "entity_vocab_size": 64, "hidden_size_per_layer_input": 16,
-         "max_position_embeddings": 4096, "n_positions": 4096}
-DEPTH_ONLY = {"num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
-              "entity_vocab_size", "vocab_size_per_layer_input", "prediction_length", "context_length",
-              "attention_types", "layer_types", "max_position_embeddings", "n_positions"}
+FFN_KEYS = {
+    "intermediate_size",
+    "ffn_dim",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+    "d_ff",
+    "n_inner",
+    "mlp_dim",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "decoder_intermediate_size",
+    "encoder_intermediate_size",
+    "d_inner",
+    "intermediate_dim",
+}
+SMALL = {
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_k": 2,
+    "n_shared_experts": 1,
+    "topk_group": 1,
+    "n_group": 1,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "embedding_size": 32,
+    "projection_dim": 32,
+    "max_source_positions": 32,
+    "num_mel_bins": 16,
+    "max_target_positions": 64,
+    "num_frames": 4,
+    "num_queries": 10,
+    "codebook_size": 64,
+    "image_size": 64,
+    "d_kv": 16,
+    "num_labels": 3,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "index_n_heads": 2,
+    "index_head_dim": 16,
+    "proj_dim": 32,
+    "projection_size": 32,
+    "latent_dim": 32,
+    "num_latents": 8,
+    "feature_size": 32,
+    "xvector_output_dim": 32,
+    "classifier_proj_size": 32,
+    "hidden_dim": 64,
+    "mlp_hidden_dim": 128,
+    "rotary_dim": 8,
+    "entity_vocab_size": 64,
+    "hidden_size_per_layer_input": 16,
+    "max_position_embeddings": 4096,
+    "n_positions": 4096,
+}
+DEPTH_ONLY = {
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "moe_num_experts",
+    "entity_vocab_size",
+    "vocab_size_per_layer_input",
+    "prediction_length",
+    "context_length",
+    "attention_types",
+    "layer_types",
+    "max_position_embeddings",
+    "n_positions",
+}
 LIST_LAYER_KEYS = {"depths", "num_layers", "stage_num_blocks", "stage_numb_of_layers", "num_blocks"}
-LIST_HALF_KEYS = {"hidden_sizes", "embed_dims", "embed_dim", "conv_dim", "dims", "neck_hidden_sizes",
-                  "out_channels", "widths"}
+LIST_HALF_KEYS = {
+    "hidden_sizes",
+    "embed_dims",
+    "embed_dim",
+    "conv_dim",
+    "dims",
+    "neck_hidden_sizes",
+    "out_channels",
+    "widths",
+}
 TOKEN_ID = re.compile(r"(_token_id|_token_index|_token_ids)$")
 
 
@@ -120,17 +222,23 @@ def _special_ids(cfg: Any, found: set[int] | None = None) -> set[int]:
             _special_ids(value, found)
         elif TOKEN_ID.search(key) or key in ("pad_token_id", "bos_token_id", "eos_token_id"):
             values = value if isinstance(value, (list, tuple)) else [value]
-            found |= {v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+            found |= {
+                v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            }
     return found
 
 
 def _is_int_list(value: Any) -> bool:
-    return (isinstance(value, (list, tuple)) and bool(value)
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in value))
+    return (
+        isinstance(value, (list, tuple))
+        and bool(value)
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    )
 
 
 def shrink(cfg: Any, vocab: int, width: int, heads: int) -> dict[str, Any]:
-    """Keyword overrides that make ``cfg`` small; sub-configs become dicts of their own overrides."""
+    """Keyword overrides that make ``cfg`` small; sub-configs become dicts of their own
+    overrides."""
     from transformers import PretrainedConfig
 
     kw: dict[str, Any] = {}
@@ -157,16 +265,23 @@ def shrink(cfg: Any, vocab: int, width: int, heads: int) -> dict[str, Any]:
             elif key in HEAD_KEYS and value > heads:
                 kw[key] = heads
             elif key in KV_KEYS:
-                kw[key] = heads if n_heads is not None and value >= n_heads else min(value, 2, heads)
+                kw[key] = (
+                    heads if n_heads is not None and value >= n_heads else min(value, 2, heads)
+                )
             elif key in FFN_KEYS and value > 2 * width:
                 kw[key] = 2 * width
             elif key == "head_dim" and "qk_rope_head_dim" in attrs:
                 kw[key] = SMALL["qk_rope_head_dim"]  # DeepSeek's rotary width is its head_dim
             elif key == "head_dim" and value > head_dim:
                 kw[key] = head_dim
-            elif key in ("vocab_size", "vocab_size_per_layer_input") and value != vocab and (
-                    value > vocab or key == "vocab_size" and value > 256):
-                kw[key] = vocab  # big enough for every special token id (LLaVA's image token is 32000)
+            elif (
+                key in ("vocab_size", "vocab_size_per_layer_input")
+                and value != vocab
+                and (value > vocab or key == "vocab_size" and value > 256)
+            ):
+                kw[key] = (
+                    vocab  # big enough for every special token id (LLaVA's image token is 32000)
+                )
             elif key == "upsample_groups" and value > width:  # Mimi: one group per channel
                 kw[key] = width
             elif key == "rotary_dim" and value > head_dim:
@@ -182,11 +297,19 @@ def shrink(cfg: Any, vocab: int, width: int, heads: int) -> dict[str, Any]:
             n = kw.get("num_hidden_layers", attrs.get("num_hidden_layers"))
             if isinstance(n, int):
                 kw[key] = list(value)[:n]
-        elif key == "attention_types" and isinstance(value, list) and value:  # GPT-Neo: [[kinds, repeats]]
+        elif (
+            key == "attention_types" and isinstance(value, list) and value
+        ):  # GPT-Neo: [[kinds, repeats]]
             kinds = value[0][0]
             kw[key] = [[kinds, max(1, 2 // len(kinds))]]
-        elif key in ("rope_parameters", "rope_scaling") and isinstance(value, dict) and (
-                "mrope_section" in value or "mrope_section" in getattr(cfg, "ignore_keys_at_rope_validation", ())):
+        elif (
+            key in ("rope_parameters", "rope_scaling")
+            and isinstance(value, dict)
+            and (
+                "mrope_section" in value
+                or "mrope_section" in getattr(cfg, "ignore_keys_at_rope_validation", ())
+            )
+        ):
             # Qwen2-VL's multimodal rotary sections must add up to half a head (default 16+24+24)
             sections = value.get("mrope_section") or [16, 24, 24]
             kw[key] = {**value, "mrope_section": _scale_sections(sections, head_dim // 2)}
@@ -221,8 +344,10 @@ TEXT_WIDTH_KEYS = {"projection_dim", "out_hidden_size"}
 
 
 def fit_towers(default: Any, kw: dict[str, Any], vocab: int) -> dict[str, Any]:
-    """A shrunk vision-language config made consistent again: the tower's output as wide as the text, tapped layer
-    indices within the shrunk depth, any-resolution grids in whole tiles, and an image token where the default
+    """A shrunk vision-language config made consistent again: the tower's output as wide as the
+    text, tapped layer
+    indices within the shrunk depth, any-resolution grids in whole tiles, and an image token where
+    the default
     leaves none (BLIP-2)."""
     vision, text = kw.get("vision_config"), kw.get("text_config")
     if not isinstance(vision, dict) or not isinstance(text, dict):
@@ -238,12 +363,21 @@ def fit_towers(default: Any, kw: dict[str, Any], vocab: int) -> dict[str, Any]:
             if (key.endswith("_indices") or key.endswith("_indexes")) and _is_int_list(value):
                 cfg[key] = list(range(min(len(value), 2)))
     indices = next((v for k, v in kw["vision_config"].items() if k.endswith("_indices")), None)
-    if "vision_output_dim" in vdefault and indices is not None:  # Mllama: the last layer and each tap, side by side
-        kw["vision_config"]["vision_output_dim"] = kw["vision_config"].get("hidden_size", 64) * (len(indices) + 1)
-    size, tile = vdefault.get("image_size"), kw["vision_config"].get("image_size", vdefault.get("image_size"))
+    if (
+        "vision_output_dim" in vdefault and indices is not None
+    ):  # Mllama: the last layer and each tap, side by side
+        kw["vision_config"]["vision_output_dim"] = kw["vision_config"].get("hidden_size", 64) * (
+            len(indices) + 1
+        )
+    size, tile = (
+        vdefault.get("image_size"),
+        kw["vision_config"].get("image_size", vdefault.get("image_size")),
+    )
     pinpoints = getattr(default, "image_grid_pinpoints", None)
     if isinstance(pinpoints, list) and isinstance(size, int) and isinstance(tile, int):
-        kw["image_grid_pinpoints"] = [[max(1, h // size) * tile, max(1, w // size) * tile] for h, w in pinpoints]
+        kw["image_grid_pinpoints"] = [
+            [max(1, h // size) * tile, max(1, w // size) * tile] for h, w in pinpoints
+        ]
     for key in ("image_token_index", "image_token_id"):
         if key in vars(default) and getattr(default, key) is None:
             kw[key] = vocab - 1
@@ -282,8 +416,11 @@ def pick_classes(model_type: str, first: tuple[str, ...] = ()) -> list[tuple[str
     elif model_type in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         order = [*MAPPINGS[3:], MAPPINGS[0]]
     order = [*first, *(n for n in order if n not in first)]
-    order += sorted(n for n in dir(modeling_auto) if n.startswith("MODEL") and n.endswith("_MAPPING_NAMES")
-                    and n not in order)
+    order += sorted(
+        n
+        for n in dir(modeling_auto)
+        if n.startswith("MODEL") and n.endswith("_MAPPING_NAMES") and n not in order
+    )
     out: list[tuple[str, str]] = []
     for mapping in order:
         name = getattr(modeling_auto, mapping, {}).get(model_type)
@@ -304,7 +441,8 @@ def model_class(name: str) -> Any:
 
 
 def perturb_all(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """enjoyln's perturbation, then norm gains 1 + 0.2·randn, biases 0.1·randn, noise on the rest."""
+    """enjoyln's perturbation, then norm gains 1 + 0.2·randn, biases 0.1·randn, noise on the
+    rest."""
     from enjoyln.testing import perturb
 
     perturb(model, seed)
@@ -378,17 +516,33 @@ def explicit_inputs(model: torch.nn.Module, seed: int = 0) -> list[tuple[str, di
         cands.append(("image 224", {**base, "pixel_values": randn(BATCH, channels, 224, 224)}))
         cands.append(("text only", dict(base)))
     if "pixel_values_videos" in params:
-        cands.append(("video", {**base, "pixel_values_videos": randn(BATCH, frames, channels, *size)}))
+        cands.append(
+            ("video", {**base, "pixel_values_videos": randn(BATCH, frames, channels, *size)})
+        )
     if "input_values" in params:
         cands.append(("waveform", {**base, "input_values": randn(BATCH, 4000)}))
         cands.append(("waveform 1ch", {**base, "input_values": randn(BATCH, 1, 4000)}))
         cands.append(("waveform 16k", {**base, "input_values": randn(BATCH, 16000)}))
     if "input_features" in params:
-        mels = _cfg(config, "num_mel_bins", "feature_size", "input_feat_per_channel", "n_mels",
-                    "feature_projection_input_dim", "input_dim") or 80
+        mels = (
+            _cfg(
+                config,
+                "num_mel_bins",
+                "feature_size",
+                "input_feat_per_channel",
+                "n_mels",
+                "feature_projection_input_dim",
+                "input_dim",
+            )
+            or 80
+        )
         src = _cfg(config, "max_source_positions") or 32
-        cands.append(("features (mel, frames)", {**base, "input_features": randn(BATCH, mels, 2 * src)}))
-        cands.append(("features (frames, mel)", {**base, "input_features": randn(BATCH, 2 * src, mels)}))
+        cands.append(
+            ("features (mel, frames)", {**base, "input_features": randn(BATCH, mels, 2 * src)})
+        )
+        cands.append(
+            ("features (frames, mel)", {**base, "input_features": randn(BATCH, 2 * src, mels)})
+        )
         cands.append(("features 3000", {**base, "input_features": randn(BATCH, mels, 3000)}))
     if "past_values" in params:
         ctx = (_cfg(config, "context_length") or 32) + max(_cfg(config, "lags_sequence") or [0])
@@ -451,8 +605,13 @@ def classify(exc: BaseException, stage: str) -> dict[str, Any]:
 
     if isinstance(exc, EnjoylnError):
         return {"status": "clean_error", "stage": stage, "message": _first_line(exc)}
-    return {"status": "raw_error", "stage": stage, "type": type(exc).__name__,
-            "message": _first_line(exc), **_where(exc)}
+    return {
+        "status": "raw_error",
+        "stage": stage,
+        "type": type(exc).__name__,
+        "message": _first_line(exc),
+        **_where(exc),
+    }
 
 
 _PATH = re.compile(r"\b(in) (?!training mode|the |a |an |\d+ groups)[A-Za-z_][\w.]*")
@@ -470,8 +629,11 @@ def normalize_reason(reason: str, norms: list[str] = ()) -> str:
     if m:
         r = "folding it needs a centering that would also change " + m.group(1)
     r = re.sub(r"`[^`]*`", "`x`", r)
-    r = re.sub(r"\bthe (parameters of the |parameter |scalar parameter |constant |LayerNorm )[\w.]+",
-               lambda mm: f"the {mm.group(1)}X", r)
+    r = re.sub(
+        r"\bthe (parameters of the |parameter |scalar parameter |constant |LayerNorm )[\w.]+",
+        lambda mm: f"the {mm.group(1)}X",
+        r,
+    )
     r = re.sub(r"\bthe functional layer_norm", "the functional layer_norm", r)
     r = _PATH.sub(lambda mm: f"{mm.group(1)} M", r)
     r = re.sub(r"\b(it is a functional layer_norm call) in M\b", r"\1", r)
@@ -483,7 +645,9 @@ def normalize_reason(reason: str, norms: list[str] = ()) -> str:
 # --- one architecture -----------------------------------------------------------------
 
 
-def prepare(model_type: str, first: tuple[str, ...] = ()) -> tuple[torch.nn.Module | None, dict[str, Any]]:
+def prepare(
+    model_type: str, first: tuple[str, ...] = ()
+) -> tuple[torch.nn.Module | None, dict[str, Any]]:
     """The first class and config level whose model builds, fits and runs forward on some inputs.
 
     Returns the perturbed model (or None) and what was found: class, level,
@@ -510,16 +674,37 @@ def prepare(model_type: str, first: tuple[str, ...] = ()) -> tuple[torch.nn.Modu
             if source is None:
                 tried.append(f"{name} level {level}: forward fails: {inputs}")
                 continue
-            info.update({"mapping": mapping, "class": name, "config_level": level,
-                         "params": sum(p.numel() for p in model.parameters()), "forward_runs": True,
-                         "inputs": source, "input_names": sorted(inputs), "norm_calls": norms})
+            info.update(
+                {
+                    "mapping": mapping,
+                    "class": name,
+                    "config_level": level,
+                    "params": sum(p.numel() for p in model.parameters()),
+                    "forward_runs": True,
+                    "inputs": source,
+                    "input_names": sorted(inputs),
+                    "norm_calls": norms,
+                }
+            )
             info["_inputs"] = inputs
             return model, info
-    kinds = [t for t in tried if "forward fails" in t] or [t for t in tried if "too big" in t] or tried
-    head = ("forward fails on every input tried" if "forward fails" in kinds[0] else
-            "too big" if "too big" in kinds[0] else "does not build")
-    return None, {**info, "class": classes[0][1], "status": "skipped", "reason": f"{head}: {kinds[0]}",
-                  "attempts": tried}
+    kinds = (
+        [t for t in tried if "forward fails" in t] or [t for t in tried if "too big" in t] or tried
+    )
+    head = (
+        "forward fails on every input tried"
+        if "forward fails" in kinds[0]
+        else "too big"
+        if "too big" in kinds[0]
+        else "does not build"
+    )
+    return None, {
+        **info,
+        "class": classes[0][1],
+        "status": "skipped",
+        "reason": f"{head}: {kinds[0]}",
+        "attempts": tried,
+    }
 
 
 def _build(model_type: str, cls: Any, level: int) -> tuple[torch.nn.Module | None, str]:
@@ -536,7 +721,8 @@ def _build(model_type: str, cls: Any, level: int) -> tuple[torch.nn.Module | Non
 
 
 def find_inputs(model: torch.nn.Module) -> tuple[str, dict[str, Any], int] | tuple[None, str, int]:
-    """(source, inputs, norm calls): enjoyln's synthesis if the forward runs on it, else explicit ones."""
+    """(source, inputs, norm calls): enjoyln's synthesis if the forward runs on it, else explicit
+    ones."""
     from enjoyln.analysis.inputs import hf_example_inputs
 
     errors = []
@@ -567,10 +753,16 @@ def second_batch(model: torch.nn.Module, source: str, inputs: dict[str, Any]) ->
     return dict(explicit_inputs(model, seed=1))[name]
 
 
-def compare(reference: torch.nn.Module, folded: torch.nn.Module, batches: list[dict[str, Any]],
-            skip: Collection[str] = ()) -> dict[str, Any]:
-    """Worst relative difference over every output and batch but ``skip`` (those a plan changes by design); outputs
-    that differ between two runs of the reference itself (sampled noise) are left out and counted."""
+def compare(
+    reference: torch.nn.Module,
+    folded: torch.nn.Module,
+    batches: list[dict[str, Any]],
+    skip: Collection[str] = (),
+) -> dict[str, Any]:
+    """Worst relative difference over every output and batch but ``skip`` (those a plan changes by
+    design); outputs
+    that differ between two runs of the reference itself (sampled noise) are left out and
+    counted."""
     from enjoyln.checking.running import flatten_outputs
 
     worst, nondet, n = 0.0, set(), 0
@@ -603,14 +795,18 @@ def compare(reference: torch.nn.Module, folded: torch.nn.Module, batches: list[d
     return {"max_rel": worst, "outputs": n, "nondeterministic_outputs": sorted(nondet)}
 
 
-def float64_triage(model: torch.nn.Module, plan: Any, batches: list[dict[str, Any]]) -> dict[str, Any]:
+def float64_triage(
+    model: torch.nn.Module, plan: Any, batches: list[dict[str, Any]]
+) -> dict[str, Any]:
     """Redo the fold in float64: exact there means the float32 difference is rounding."""
     import enjoyln
     from enjoyln.checking.running import flatten_outputs
 
     def dbl(inputs: dict[str, Any]) -> dict[str, Any]:
-        return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                for k, v in inputs.items()}
+        return {
+            k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in inputs.items()
+        }
 
     ref64 = copy.deepcopy(model).double()
     fold64 = enjoyln.fold(copy.deepcopy(model).double(), plan=plan)
@@ -625,12 +821,16 @@ def float64_triage(model: torch.nn.Module, plan: Any, batches: list[dict[str, An
                 b = r64[name]
                 scale = float(b.abs().max()) or 1.0
                 own = max(own, float((a.double() - b).abs().max()) / scale)
-    return {"max_rel_float64": rel64, "original_float32_rounding": own,
-            "rounding": bool(rel64 <= 1e-10)}
+    return {
+        "max_rel_float64": rel64,
+        "original_float32_rounding": own,
+        "rounding": bool(rel64 <= 1e-10),
+    }
 
 
 def run_one(model_type: str, first: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Everything the sweep records about one model type; ``first``: the mappings whose class it prefers."""
+    """Everything the sweep records about one model type; ``first``: the mappings whose class it
+    prefers."""
     import enjoyln
 
     start = time.perf_counter()
@@ -652,8 +852,11 @@ def run_one(model_type: str, first: tuple[str, ...] = ()) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - recorded
         info["no_input"] = {"ok": False, **classify(exc, "analyze(model)")}
         if source == "enjoyln":  # the same inputs again would fail the same way
-            return {**info, **{k: v for k, v in info["no_input"].items() if k != "ok"},
-                    "seconds": _since(start)}
+            return {
+                **info,
+                **{k: v for k, v in info["no_input"].items() if k != "ok"},
+                "seconds": _since(start),
+            }
     try:
         if plan is None:
             plan = enjoyln.analyze(model, inputs)
@@ -695,13 +898,21 @@ def run_one(model_type: str, first: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def tower_paths(model: torch.nn.Module) -> list[str]:
-    """Where the model's vision and audio towers are: the submodules built from a vision or audio sub-config."""
+    """Where the model's vision and audio towers are: the submodules built from a vision or audio
+    sub-config."""
     from transformers import PretrainedConfig
 
     config = getattr(model, "config", None)
-    subs = [v for k, v in vars(config).items() if isinstance(v, PretrainedConfig) and ("vision" in k or "audio" in k)]
-    found = [name for name, m in model.named_modules()
-             if name and any(getattr(m, "config", None) is c for c in subs)]
+    subs = [
+        v
+        for k, v in vars(config).items()
+        if isinstance(v, PretrainedConfig) and ("vision" in k or "audio" in k)
+    ]
+    found = [
+        name
+        for name, m in model.named_modules()
+        if name and any(getattr(m, "config", None) is c for c in subs)
+    ]
     return [n for n in found if not any(n.startswith(o + ".") for o in found)]
 
 
@@ -739,8 +950,16 @@ def _warm_up() -> None:
         enjoyln.analyze(tiny_model("gpt2"))
 
 
-def sweep(model_types: list[str], *, jobs: int = 2, timeout: float = 60.0, progress: bool = True,
-          quiet: bool = True, log: Any = None, run: Any = run_one) -> dict[str, dict[str, Any]]:
+def sweep(
+    model_types: list[str],
+    *,
+    jobs: int = 2,
+    timeout: float = 60.0,
+    progress: bool = True,
+    quiet: bool = True,
+    log: Any = None,
+    run: Any = run_one,
+) -> dict[str, dict[str, Any]]:
     """Run every model type in a forked process, ``jobs`` at a time; each result is also
     written to ``log`` (a text file) as one JSON line as it arrives."""
     import transformers
@@ -755,8 +974,15 @@ def sweep(model_types: list[str], *, jobs: int = 2, timeout: float = 60.0, progr
         torch.set_num_threads(threads)
 
 
-def _run_pool(model_types: list[str], jobs: int, timeout: float, progress: bool, quiet: bool,
-              log: Any, run: Any = run_one) -> dict[str, dict[str, Any]]:
+def _run_pool(
+    model_types: list[str],
+    jobs: int,
+    timeout: float,
+    progress: bool,
+    quiet: bool,
+    log: Any,
+    run: Any = run_one,
+) -> dict[str, dict[str, Any]]:
     ctx = mp.get_context("fork")
     pending, running, results = list(model_types), {}, {}
     while pending or running:
@@ -775,15 +1001,28 @@ def _run_pool(model_types: list[str], jobs: int, timeout: float, progress: bool,
                     results[t] = recv.recv()
                 except EOFError:
                     proc.join()
-                    results[t] = {"model_type": t, "status": "raw_error", "stage": "sweep",
-                                  "type": "crash", "message": f"worker exited with code {proc.exitcode}"}
+                    results[t] = {
+                        "model_type": t,
+                        "status": "raw_error",
+                        "stage": "sweep",
+                        "type": "crash",
+                        "message": f"worker exited with code {proc.exitcode}",
+                    }
             elif not proc.is_alive():
-                results[t] = {"model_type": t, "status": "raw_error", "stage": "sweep", "type": "crash",
-                              "message": f"worker exited with code {proc.exitcode}"}
+                results[t] = {
+                    "model_type": t,
+                    "status": "raw_error",
+                    "stage": "sweep",
+                    "type": "crash",
+                    "message": f"worker exited with code {proc.exitcode}",
+                }
             elif elapsed > timeout:
                 proc.kill()
-                results[t] = {"model_type": t, "status": "skipped",
-                              "reason": f"time limit: more than {timeout:.0f} s"}
+                results[t] = {
+                    "model_type": t,
+                    "status": "skipped",
+                    "reason": f"time limit: more than {timeout:.0f} s",
+                }
             else:
                 continue
             proc.join()
@@ -795,8 +1034,15 @@ def _run_pool(model_types: list[str], jobs: int, timeout: float, progress: bool,
                 log.flush()
             if progress:
                 r = results[t]
-                detail = r.get("reason") or r.get("message") or f"{r.get('folded')}/{r.get('ln_entries')}"
-                print(f"[{len(results)}/{len(model_types)}] {t}: {r['status']} ({detail})"[:200], flush=True)
+                detail = (
+                    r.get("reason")
+                    or r.get("message")
+                    or f"{r.get('folded')}/{r.get('ln_entries')}"
+                )
+                print(
+                    f"[{len(results)}/{len(model_types)}] {t}: {r['status']} ({detail})"[:200],
+                    flush=True,
+                )
     return {t: results[t] for t in model_types}
 
 
@@ -805,8 +1051,10 @@ def _run_pool(model_types: list[str], jobs: int, timeout: float, progress: bool,
 
 def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     rs = list(results.values())
-    status = {s: sum(r["status"] == s for r in rs) for s in
-              ("exact", "inexact", "clean_error", "raw_error", "skipped")}
+    status = {
+        s: sum(r["status"] == s for r in rs)
+        for s in ("exact", "inexact", "clean_error", "raw_error", "skipped")
+    }
     runs = [r for r in rs if r.get("forward_runs") and r.get("norm_calls")]
     no_input = sum(bool(r.get("no_input", {}).get("ok")) for r in runs)
     reasons: dict[str, list[int]] = {}
@@ -815,7 +1063,9 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             entry = reasons.setdefault(reason, [0, 0])
             entry[0] += 1
             entry[1] += n
-    inexact_rounding = sum(r["status"] == "inexact" and r.get("float64", {}).get("rounding", False) for r in rs)
+    inexact_rounding = sum(
+        r["status"] == "inexact" and r.get("float64", {}).get("rounding", False) for r in rs
+    )
     skipped: dict[str, int] = {}
     for r in rs:
         if r["status"] == "skipped":
@@ -833,18 +1083,25 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "no_input_ok": no_input,
         "no_input_pct": round(100 * no_input / len(runs), 1) if runs else 0.0,
         "skipped_reasons": dict(sorted(skipped.items(), key=lambda kv: -kv[1])),
-        "refusals": {k: {"architectures": v[0], "entries": v[1]}
-                     for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))},
+        "refusals": {
+            k: {"architectures": v[0], "entries": v[1]}
+            for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))
+        },
     }
 
 
 def print_summary(s: dict[str, Any], wall: float | None = None) -> None:
-    print(f"\n{s['model_types']} model types; {s['tried']} tried: {s['exact']} exact, {s['inexact']} inexact "
-          f"({s['inexact_float64_rounding']} float32 rounding by the float64 triage), "
-          f"{s['clean_error']} clean errors, {s['raw_error']} raw errors; {s['skipped']} skipped")
+    print(
+        f"\n{s['model_types']} model types; {s['tried']} tried: {s['exact']} exact, {s['inexact']} "
+        "inexact "
+        f"({s['inexact_float64_rounding']} float32 rounding by the float64 triage), "
+        f"{s['clean_error']} clean errors, {s['raw_error']} raw errors; {s['skipped']} skipped"
+    )
     print(f"folded LNs: {s['folded']} of {s['ln_entries']} LN entries")
-    print(f"analyze(model) without inputs: {s['no_input_ok']} of {s['forward_runs']} "
-          f"({s['no_input_pct']}%) architectures whose forward runs")
+    print(
+        f"analyze(model) without inputs: {s['no_input_ok']} of {s['forward_runs']} "
+        f"({s['no_input_pct']}%) architectures whose forward runs"
+    )
     print("skipped:", ", ".join(f"{k} {v}" for k, v in s["skipped_reasons"].items()))
     print("top refusal reasons (architectures, LN entries):")
     for reason, c in list(s["refusals"].items())[:15]:
@@ -854,7 +1111,8 @@ def print_summary(s: dict[str, Any], wall: float | None = None) -> None:
 
 
 def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any] | None) -> str:
-    """The coverage block in docs/architectures.md: this sweep beside the baseline (the same sweep of
+    """The coverage block in docs/architectures.md: this sweep beside the baseline (the same sweep
+    of
     enjoyln before the long-tail rules, `docs/data/sweep_baseline.json`)."""
     b = base["summary"] if base else None
 
@@ -866,25 +1124,35 @@ def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any]
 
     before = f"before (`{base['meta'].get('enjoyln_commit', '?')}`)" if base else "before"
     lines = [
-        f"Every model type registered in transformers {meta['transformers']} ({s['model_types']}): tiny "
+        f"Every model type registered in transformers {meta['transformers']} ({s['model_types']}): "
+        "tiny "
         f"configs, perturbed weights, every output on two batches. {meta['machine']}; "
         f"{meta['jobs']} workers, {meta['wall_seconds'] / 60:.0f} min wall "
         f"({s['cpu_seconds'] / 60:.0f} min of CPU time in the workers).",
-        *[f"Re-swept since, with enjoyln `{r['enjoyln_commit']}` and transformers {r['transformers']} "
-          f"({r['wall_seconds'] / 60:.0f} min wall): {', '.join(r['model_types'])}."
-          for r in meta.get("resweeps", [])],
+        *[
+            f"Re-swept since, with enjoyln `{r['enjoyln_commit']}` and transformers "
+            f"{r['transformers']} "
+            f"({r['wall_seconds'] / 60:.0f} min wall): {', '.join(r['model_types'])}."
+            for r in meta.get("resweeps", [])
+        ],
         "",
         f"| | {before} | now |",
         "|---|---|---|",
-        row("architectures tried (forward runs, has a LayerNorm or GroupNorm)", lambda x: x["tried"]),
+        row(
+            "architectures tried (forward runs, has a LayerNorm or GroupNorm)", lambda x: x["tried"]
+        ),
         row("exact", lambda x: x["exact"]),
-        row("inexact in float32 (of which exact in float64: the original's own rounding)",
-            lambda x: f"{x['inexact']} ({x['inexact_float64_rounding']})"),
+        row(
+            "inexact in float32 (of which exact in float64: the original's own rounding)",
+            lambda x: f"{x['inexact']} ({x['inexact_float64_rounding']})",
+        ),
         row("clean errors (`EnjoylnError`)", lambda x: x["clean_error"]),
         row("raw exceptions", lambda x: x["raw_error"]),
         row("**folded LNs** / LN entries", lambda x: f"**{x['folded']}** / {x['ln_entries']}"),
-        row("`analyze(model)` without inputs", lambda x: f"{x['no_input_ok']} of {x['forward_runs']} "
-            f"({x['no_input_pct']}%)"),
+        row(
+            "`analyze(model)` without inputs",
+            lambda x: f"{x['no_input_ok']} of {x['forward_runs']} ({x['no_input_pct']}%)",
+        ),
         "",
         f"Skipped now: {skipped(s)}.",
         "",
@@ -895,10 +1163,17 @@ def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any]
     ]
     for reason, c in list(s["refusals"].items())[:15]:
         lines.append(f"| {reason.replace('|', '/')} | {c['architectures']} | {c['entries']} |")
-    lines += ["", "Command: `python scripts/sweep_transformers.py --write` (per-architecture records in "
-              "`docs/data/sweep_results.json`, the run before in `docs/data/sweep_baseline.json`)"
-              + ("; a re-sweep of some types: `python scripts/sweep_transformers.py --only TYPES --merge --write`."
-                 if meta.get("resweeps") else ".")]
+    lines += [
+        "",
+        "Command: `python scripts/sweep_transformers.py --write` (per-architecture records in "
+        "`docs/data/sweep_results.json`, the run before in `docs/data/sweep_baseline.json`)"
+        + (
+            "; a re-sweep of some types: `python scripts/sweep_transformers.py --only TYPES "
+            "--merge --write`."
+            if meta.get("resweeps")
+            else "."
+        ),
+    ]
     return "\n".join(lines)
 
 
@@ -908,13 +1183,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=180.0)
-    ap.add_argument("--write", action="store_true", help="write the coverage block in docs/architectures.md")
-    ap.add_argument("--enjoyln-commit", help="the enjoyln version swept, when it is not a git checkout")
-    ap.add_argument("--from-results", action="store_true",
-                    help="do not sweep: summarise --out again (and --write docs/architectures.md from it)")
-    ap.add_argument("--merge", action="store_true",
-                    help="with --only: replace those types' records in --out, keep the others, and "
-                         "summarise them all (the meta lists what was re-swept, when and with what)")
+    ap.add_argument(
+        "--write", action="store_true", help="write the coverage block in docs/architectures.md"
+    )
+    ap.add_argument(
+        "--enjoyln-commit", help="the enjoyln version swept, when it is not a git checkout"
+    )
+    ap.add_argument(
+        "--from-results",
+        action="store_true",
+        help="do not sweep: summarise --out again (and --write docs/architectures.md from it)",
+    )
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --only: replace those types' records in --out, keep the others, and "
+        "summarise them all (the meta lists what was re-swept, when and with what)",
+    )
     args = ap.parse_args(argv)
     if args.merge and (not args.only or not args.out.exists()):
         raise SystemExit("--merge needs --only and an existing --out to merge into")
@@ -941,14 +1226,25 @@ def main(argv: list[str] | None = None) -> int:
         results = sweep(types, jobs=args.jobs, timeout=args.timeout, log=log)
     wall = time.perf_counter() - start
     root = Path(enjoyln.__file__).resolve().parent.parent
-    commit = args.enjoyln_commit or subprocess.run(
-        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = (
+        args.enjoyln_commit
+        or subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
     sys.path.insert(0, str(HERE))
     from _docs import machine
 
-    meta = {"transformers": transformers.__version__, "torch": torch.__version__,
-            "enjoyln_commit": commit, "enjoyln_path": str(root), "machine": machine(),
-            "jobs": args.jobs, "timeout": args.timeout, "wall_seconds": round(wall, 1)}
+    meta = {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "enjoyln_commit": commit,
+        "enjoyln_path": str(root),
+        "machine": machine(),
+        "jobs": args.jobs,
+        "timeout": args.timeout,
+        "wall_seconds": round(wall, 1),
+    }
     if args.merge:
         saved = json.loads(args.out.read_text())
         before = {t: (saved["results"].get(t) or {}).get("folded", 0) for t in types}
@@ -960,7 +1256,9 @@ def main(argv: list[str] | None = None) -> int:
             if now != before[t]:
                 print(f"{t}: folded {before[t]} -> {now}")
     summary = summarize(results)
-    args.out.write_text(json.dumps({"meta": meta, "summary": summary, "results": results}, indent=1) + "\n")
+    args.out.write_text(
+        json.dumps({"meta": meta, "summary": summary, "results": results}, indent=1) + "\n"
+    )
     print_summary(summary, wall)
     if args.write:
         write_readme(summary, meta)

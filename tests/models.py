@@ -40,7 +40,9 @@ class Heads(nn.Module):
         self.emb = nn.Embedding(32, D)
         self.ln_in, self.ln_f = nn.LayerNorm(D), nn.LayerNorm(D)
         self.qkv = nn.Linear(D, 3 * D) if fused else None
-        self.q, self.k, self.v = (nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)) if not fused else (None,) * 3
+        self.q, self.k, self.v = (
+            (nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)) if not fused else (None,) * 3
+        )
         self.q_ln, self.k_ln = nn.LayerNorm(self.d), nn.LayerNorm(self.d)
         self.out, self.head = nn.Linear(D, D), nn.Linear(D, 5)
         self.mix = mix
@@ -63,15 +65,35 @@ class Heads(nn.Module):
 
 
 def llava_siglip(**kw):
-    """A tiny LLaVA whose SigLIP tower is read at layer -2 (as LLaVA-style checkpoints with SigLIP are), the
+    """A tiny LLaVA whose SigLIP tower is read at layer -2 (as LLaVA-style checkpoints with SigLIP
+    are), the
     image token the last of 128 ids."""
     import transformers
 
     cfg = transformers.LlavaConfig(
-        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, image_size=32, patch_size=8),
-        text_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, vocab_size=128, max_position_embeddings=128),
-        image_token_index=127, vision_feature_layer=-2, vision_feature_select_strategy="full", **kw)
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        text_config=dict(
+            model_type="llama",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=128,
+            max_position_embeddings=128,
+        ),
+        image_token_index=127,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="full",
+        **kw,
+    )
     torch.manual_seed(0)
     return transformers.LlavaForConditionalGeneration(cfg).eval()

@@ -35,19 +35,19 @@ def dirs(tmp_path_factory):
     and its fold, made once."""
     root = tmp_path_factory.mktemp("adv")
     src = root / "gpt2"
-    model = perturb(tiny_model("gpt2", n_embd=32, n_head=2, n_layer=1, vocab_size=1000, n_positions=256),
-                    seed=5)
+    model = perturb(
+        tiny_model("gpt2", n_embd=32, n_head=2, n_layer=1, vocab_size=1000, n_positions=256), seed=5
+    )
     model.save_pretrained(src)
     result = runner.invoke(app, ["fold", str(src), str(root / "folded"), "--no-check"])
     assert result.exit_code == 0, result.output
     return src, root / "folded"
 
 
-
 def header(path):
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + n]), 8 + n
+    return json.loads(data[8 : 8 + n]), 8 + n
 
 
 def change_one_element(path, key, index, rel=1e-3):
@@ -81,10 +81,14 @@ def draws(folded, n=50, seed=0):
             out.append((key, rng.randrange(max(1, int(torch.tensor(head[key]["shape"]).prod())))))
         elif kind == 1:  # a token row: 1000 ids, the old default drew about 96 of them
             width = head["transformer.wte.weight"]["shape"][1]
-            out.append(("transformer.wte.weight", rng.randrange(500, 1000) * width + rng.randrange(width)))
+            out.append(
+                ("transformer.wte.weight", rng.randrange(500, 1000) * width + rng.randrange(width))
+            )
         else:  # a position beyond the 16 the old default fed
             width = head["transformer.wpe.weight"]["shape"][1]
-            out.append(("transformer.wpe.weight", rng.randrange(16, 256) * width + rng.randrange(width)))
+            out.append(
+                ("transformer.wpe.weight", rng.randrange(16, 256) * width + rng.randrange(width))
+            )
     return out
 
 
@@ -92,7 +96,11 @@ def test_unchanged_candidate_passes(dirs):
     src, folded = dirs
     result = runner.invoke(app, ["check", str(src), str(folded)])
     assert result.exit_code == 0, result.output
-    assert "identical" in result.output and "--thorough" in result.output and "positions 0-" not in result.output
+    assert (
+        "identical" in result.output
+        and "--thorough" in result.output
+        and "positions 0-" not in result.output
+    )
     result = runner.invoke(app, ["check", str(src), str(folded), "--thorough"])
     assert result.exit_code == 0, result.output
     assert "positions 0-255 of 256" in result.output and "identical" in result.output
@@ -117,7 +125,9 @@ def test_the_forward_check_alone_reaches_every_position(dirs, tmp_path):
     src, folded = dirs
     cand = copy_dir(folded, tmp_path / "cand")
     width = header(folded / "model.safetensors")[0]["transformer.wpe.weight"]["shape"][1]
-    change_one_element(cand / "model.safetensors", "transformer.wpe.weight", 200 * width + 3, rel=0.05)
+    change_one_element(
+        cand / "model.safetensors", "transformer.wpe.weight", 200 * width + 3, rel=0.05
+    )
     result = runner.invoke(app, ["check", str(src), str(cand), "--forward-only"])
     assert result.exit_code == 1, result.output
 
@@ -132,7 +142,9 @@ def rewrite_header(src_file, dst_file, edit):
 
 
 def ordered(head):
-    return sorted((k for k in head if k != "__metadata__"), key=lambda k: head[k]["data_offsets"][0])
+    return sorted(
+        (k for k in head if k != "__metadata__"), key=lambda k: head[k]["data_offsets"][0]
+    )
 
 
 def full_overlap(head, body):
@@ -165,25 +177,38 @@ def out_of_order(head, body):
 
 
 def float_offsets(head, body):
-    """Tiles exactly, but safetensors refuses 0.0 where it expects an integer: nothing could load it."""
+    """Tiles exactly, but safetensors refuses 0.0 where it expects an integer: nothing could load
+    it."""
     for k in ordered(head):
         head[k]["data_offsets"] = [float(v) for v in head[k]["data_offsets"]]
     return body
 
 
-@pytest.mark.parametrize("edit,words", [(full_overlap, "overlaps"), (partial_overlap, "overlaps"),
-                                        (gap, "belong to no tensor"), (out_of_order, "out of order"),
-                                        (float_offsets, "must be lists of integers")])
+@pytest.mark.parametrize(
+    "edit,words",
+    [
+        (full_overlap, "overlaps"),
+        (partial_overlap, "overlaps"),
+        (gap, "belong to no tensor"),
+        (out_of_order, "out of order"),
+        (float_offsets, "must be lists of integers"),
+    ],
+)
 def test_malformed_offsets_are_refused(edit, words, dirs, tmp_path):
     src, _ = dirs
     bad = copy_dir(src, tmp_path / "bad")
     rewrite_header(src / "model.safetensors", bad / "model.safetensors", edit)
     before = {p.name: p.read_bytes() for p in bad.iterdir()}
-    for command in (["fold", str(bad), str(tmp_path / "out")], ["inspect", str(bad)],
-                    ["fold", str(bad), str(tmp_path / "out"), "--no-check"]):
+    for command in (
+        ["fold", str(bad), str(tmp_path / "out")],
+        ["inspect", str(bad)],
+        ["fold", str(bad), str(tmp_path / "out"), "--no-check"],
+    ):
         result = runner.invoke(app, command)
         assert result.exit_code == 2, result.output
-        assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1, (
+            result.stderr
+        )
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.enjoyln-*"))
     assert {p.name: p.read_bytes() for p in bad.iterdir()} == before
 
@@ -202,7 +227,9 @@ def test_symlinks_out_of_the_model_dir_are_not_followed(dirs, tmp_path):
     model.mkdir()
     (model / "config.json").write_text((src / "config.json").read_text())
     (model / "model.safetensors").symlink_to(cache / "abc123")
-    (model / "tokenizer.json").symlink_to(cache / "abc123")  # a needed file, followed wherever it goes
+    (model / "tokenizer.json").symlink_to(
+        cache / "abc123"
+    )  # a needed file, followed wherever it goes
     (model / "passwd").symlink_to(secret / "passwd")
     (model / "data").symlink_to(secret / "data")
     (model / "notes").mkdir()
@@ -221,9 +248,13 @@ def test_symlinks_out_of_the_model_dir_are_not_followed(dirs, tmp_path):
     result = runner.invoke(app, ["fold", str(model), str(out)])
     assert result.exit_code == 0, result.output
     assert not any("root:x" in p.read_text(errors="ignore") for p in out.rglob("*") if p.is_file())
-    assert (out / "notes" / "readme.txt").read_text() == "kept" and (out / "README.md").read_text() == "kept"
+    assert (out / "notes" / "readme.txt").read_text() == "kept" and (
+        out / "README.md"
+    ).read_text() == "kept"
     assert (out / "tokenizer.json").stat().st_size == (src / "model.safetensors").stat().st_size
-    assert f"tokenizer.json -> {cache / 'abc123'}" in result.output  # followed out of MODEL_DIR, and said
+    assert (
+        f"tokenizer.json -> {cache / 'abc123'}" in result.output
+    )  # followed out of MODEL_DIR, and said
 
 
 def test_a_hugging_face_cache_snapshot_keeps_every_file(dirs, tmp_path):
@@ -237,13 +268,19 @@ def test_a_hugging_face_cache_snapshot_keeps_every_file(dirs, tmp_path):
     blobs, snapshot = repo / "blobs", repo / "snapshots" / "0123abcd"
     blobs.mkdir(parents=True)
     (snapshot / "sub").mkdir(parents=True)
-    files = {"config.json": (src / "config.json").read_bytes(),
-             "model.safetensors": (src / "model.safetensors").read_bytes(),
-             "bpe.codes": b"h e 1\nhe l 2\n", "README.md": b"# card\n", "sub/notes.txt": b"kept\n"}
+    files = {
+        "config.json": (src / "config.json").read_bytes(),
+        "model.safetensors": (src / "model.safetensors").read_bytes(),
+        "bpe.codes": b"h e 1\nhe l 2\n",
+        "README.md": b"# card\n",
+        "sub/notes.txt": b"kept\n",
+    }
     for name, data in files.items():
         blob = blobs / hashlib.sha256(data).hexdigest()
         blob.write_bytes(data)
-        (snapshot / name).symlink_to(Path("../" * name.count("/")) / ".." / ".." / "blobs" / blob.name)
+        (snapshot / name).symlink_to(
+            Path("../" * name.count("/")) / ".." / ".." / "blobs" / blob.name
+        )
     (tmp_path / "secret").write_text("private")
     (snapshot / "stray.txt").symlink_to(tmp_path / "secret")  # out of the repository: never copied
     result = runner.invoke(app, ["fold", str(snapshot), str(tmp_path / "out")])
@@ -272,14 +309,19 @@ def test_custom_code_needs_the_flag(dirs, tmp_path):
     config = json.loads((model / "config.json").read_text())
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.GPT2LMHeadModel"}
     (model / "config.json").write_text(json.dumps(config))
-    for command in (["fold", str(model), str(tmp_path / "out")], ["inspect", str(model)],
-                    ["check", str(src), str(model)]):
+    for command in (
+        ["fold", str(model), str(tmp_path / "out")],
+        ["inspect", str(model)],
+        ["check", str(src), str(model)],
+    ):
         result = runner.invoke(app, command)
         assert result.exit_code == 2 and "--trust-remote-code" in result.stderr, result.output
     assert not (tmp_path / "out").exists()
     config.pop("auto_map")
     (model / "config.json").write_text(json.dumps(config))
-    (model / "modeling_evil.py").write_text("raise SystemExit('ran')\n")  # code files alone count too
+    (model / "modeling_evil.py").write_text(
+        "raise SystemExit('ran')\n"
+    )  # code files alone count too
     result = runner.invoke(app, ["fold", str(model), str(tmp_path / "out")])
     assert result.exit_code == 2 and "modeling_evil.py" in result.stderr
 
@@ -333,8 +375,14 @@ def test_a_fold_that_fails_its_check_is_not_published(dirs, tmp_path, monkeypatc
 
 def _python(*args, **kwargs):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen([sys.executable, "-m", "enjoyln", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "enjoyln", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **kwargs,
+    )
 
 
 def _wait_for_temp_dir(parent, proc, timeout=60):
@@ -397,8 +445,14 @@ def test_interrupt_at_start_up_is_one_line(dirs, tmp_path):
     """SIGINT while torch is being imported."""
     src, _ = dirs
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-c", _AT_IMPORT, "inspect", str(src)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _AT_IMPORT, "inspect", str(src)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.stdout.readline() == "importing torch\n"  # the state the interrupt must find
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
@@ -426,11 +480,15 @@ def test_a_stale_index_beside_a_single_weight_file_is_refused(dirs, tmp_path):
     shard = "model-00001-of-00001.safetensors"
     (cand / shard).write_bytes((folded / "model.safetensors").read_bytes())
     keys = [k for k in header(folded / "model.safetensors")[0] if k != "__metadata__"]
-    (cand / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: shard for k in keys}}))
+    (cand / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: shard for k in keys}})
+    )
     width = header(folded / "model.safetensors")[0]["transformer.wte.weight"]["shape"][1]
     change_one_element(cand / "model.safetensors", "transformer.wte.weight", 900 * width, rel=0.05)
     for command in (["check", str(src), str(cand)], ["check", str(src), str(cand), "--static"]):
         result = runner.invoke(app, command)
-        assert result.exit_code == 2 and "holds both model.safetensors and model.safetensors.index.json" \
-            in result.stderr, result.output
+        assert (
+            result.exit_code == 2
+            and "holds both model.safetensors and model.safetensors.index.json" in result.stderr
+        ), result.output
         assert len(result.stderr.strip().splitlines()) == 1

@@ -50,14 +50,30 @@ def test_end_to_end_fields_agree(pair):
     assert r.best_possible_speedup == pytest.approx((ln - floor) / r.latency.a_ms)
     assert r.share_captured == pytest.approx(r.latency.speedup / r.layer_norm_share)
     d = r.to_dict()
-    assert set(d["norm_ms"]) == {"layer_norm", "folded", "copy_floor"} and d["latency"]["tokens"] == 8
+    assert (
+        set(d["norm_ms"]) == {"layer_norm", "folded", "copy_floor"} and d["latency"]["tokens"] == 8
+    )
 
 
 def test_cli_bench_json_on_a_model_dir(tmp_path):
     path = tmp_path / "m"
     perturb(tiny_model("gpt2"), seed=7).save_pretrained(path)
-    result = CliRunner().invoke(app, ["bench", str(path), "--shapes", "8x64", "--dtypes", "float32",
-                                      "--seq-len", "8", "--repeats", "2", "--json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            str(path),
+            "--shapes",
+            "8x64",
+            "--dtypes",
+            "float32",
+            "--seq-len",
+            "8",
+            "--repeats",
+            "2",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert [k["cols"] for k in payload["kernels"]] == [64]
@@ -72,5 +88,7 @@ def test_models_to_compare_folds_then_casts(tmp_path):
     original, folded = models_to_compare(path, "cpu", torch.bfloat16)
     assert {p.dtype for p in (*original.parameters(), *folded.parameters())} == {torch.bfloat16}
     assert any(isinstance(m, enjoyln.RMSNorm) for m in folded.modules())
-    lat = compare_latency(original, folded, hf_example_inputs(original, batch=1, seq_len=8), repeats=4)
+    lat = compare_latency(
+        original, folded, hf_example_inputs(original, batch=1, seq_len=8), repeats=4
+    )
     assert lat.a_iqr_ms >= 0 and lat.b_iqr_ms >= 0 and lat.to_dict()["a_iqr_ms"] == lat.a_iqr_ms

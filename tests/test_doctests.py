@@ -21,5 +21,9 @@ def test_docstring_examples_run(name):
         if exc.name.split(".")[0] in OPTIONAL:
             pytest.skip(f"{exc.name} is not installed")
         raise
-    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False)
-    assert result.failed == 0, f"{result.failed} of {result.attempted} examples in {name} failed (see the output)"
+    result = doctest.testmod(
+        module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False
+    )
+    assert result.failed == 0, (
+        f"{result.failed} of {result.attempted} examples in {name} failed (see the output)"
+    )

@@ -10,7 +10,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*args, cwd):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=600
+    )
 
 
 def test_fold_any_module(tmp_path):
@@ -20,13 +22,23 @@ def test_fold_any_module(tmp_path):
 
 
 def test_finetune_cbwc(tmp_path):
-    proc = run(str(ROOT / "examples" / "finetune_cbwc.py"), "--steps", "6", "--out", "curves.png", cwd=tmp_path)
+    proc = run(
+        str(ROOT / "examples" / "finetune_cbwc.py"),
+        "--steps",
+        "6",
+        "--out",
+        "curves.png",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     gap = float(proc.stdout.split("CBWC vs LN: ")[1].split()[0])
     assert gap < 1e-4
     assert "CBWC + RMSNorm" in proc.stdout
-    assert re.search(r"^3 steps took [\d.]+ s: the 18 steps of the three runs take about [\d.]+ min here$",
-                     proc.stdout, re.M) and proc.stdout.index("steps took") < proc.stdout.index("LN ")
+    assert re.search(
+        r"^3 steps took [\d.]+ s: the 18 steps of the three runs take about [\d.]+ min here$",
+        proc.stdout,
+        re.M,
+    ) and proc.stdout.index("steps took") < proc.stdout.index("LN ")
     try:
         importlib.import_module("matplotlib")
     except ImportError:
@@ -35,7 +47,13 @@ def test_finetune_cbwc(tmp_path):
 
 
 def test_rotate_then_quantize(tmp_path):
-    proc = run(str(ROOT / "examples" / "rotate_then_quantize.py"), "--layers", "1", "--no-dense", cwd=tmp_path)
+    proc = run(
+        str(ROOT / "examples" / "rotate_then_quantize.py"),
+        "--layers",
+        "1",
+        "--no-dense",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert "fused: exact" in proc.stdout and "rotated: exact" in proc.stdout
     ratio = float(proc.stdout.split("lowers the int8 activation error ")[1].split("x")[0])

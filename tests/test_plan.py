@@ -4,7 +4,16 @@ import pytest
 import torch
 
 import enjoyln
-from enjoyln.plan import NOT_ROTATED, TRAINING_MODE, Centering, FoldPlan, LayerNormEntry, Note, RotationSpec, Untie
+from enjoyln.plan import (
+    NOT_ROTATED,
+    TRAINING_MODE,
+    Centering,
+    FoldPlan,
+    LayerNormEntry,
+    Note,
+    RotationSpec,
+    Untie,
+)
 from enjoyln.testing import perturb, tiny_model
 from models import Heads
 
@@ -28,10 +37,15 @@ def test_summary_names_every_ln_and_the_untie_cost():
 
 def test_centered_is_deduplicated_and_only_from_foldable():
     a, b = Centering("x", 0), Centering("y", 1)
-    plan = FoldPlan("M", [LayerNormEntry("l1", "module", True, centered=[a, b]),
-                          LayerNormEntry("l2", "module", True, centered=[a]),
-                          LayerNormEntry("l3", "module", False, "no", centered=[Centering("z", 0)])],
-                    untied=[Untie("h", "x", 10), Untie("g", "x", 6)])
+    plan = FoldPlan(
+        "M",
+        [
+            LayerNormEntry("l1", "module", True, centered=[a, b]),
+            LayerNormEntry("l2", "module", True, centered=[a]),
+            LayerNormEntry("l3", "module", False, "no", centered=[Centering("z", 0)]),
+        ],
+        untied=[Untie("h", "x", 10), Untie("g", "x", 6)],
+    )
     assert plan.centered == [a, b]
     assert plan.untie_bytes == 16
     with pytest.raises(KeyError):
@@ -64,27 +78,40 @@ def test_code_acts_on_a_note_kind_not_on_its_words():
     plan = enjoyln.analyze(model)
     plan.notes.append(Note("auxiliary centering was not applied: a hook met training mode dropout"))
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         enjoyln.fold(model, plan=plan)
-    plan = FoldPlan("M", notes=["the residual stream cannot be rotated, said a note", Note.of(NOT_ROTATED, "why")])
+    plan = FoldPlan(
+        "M",
+        notes=["the residual stream cannot be rotated, said a note", Note.of(NOT_ROTATED, "why")],
+    )
     assert plan.note(NOT_ROTATED) == "the residual stream cannot be rotated: why"
 
 
 def test_rotation_spec_takes_the_public_tuple():
     assert RotationSpec.of(("random", "3", 0)) == RotationSpec("random", 3, False)
-    assert RotationSpec.of(None) is None and RotationSpec.of(RotationSpec()) == RotationSpec("hadamard", 0, True)
+    assert RotationSpec.of(None) is None and RotationSpec.of(RotationSpec()) == RotationSpec(
+        "hadamard", 0, True
+    )
 
 
-@pytest.mark.parametrize("blocks, words", [(None, "in 2 groups)"), ((1,), "in 2 groups, blocks 1)"),
-                                           (tuple(range(8)), "in 8 groups, blocks 0, 1, 2, 3, 4, 5, ...)")])
+@pytest.mark.parametrize(
+    "blocks, words",
+    [
+        (None, "in 2 groups)"),
+        ((1,), "in 2 groups, blocks 1)"),
+        (tuple(range(8)), "in 8 groups, blocks 0, 1, 2, 3, 4, 5, ...)"),
+    ],
+)
 def test_a_grouped_centering_describes_itself(blocks, words):
     groups = 8 if blocks and len(blocks) > 6 else 2
     assert Centering("w", 0, groups, blocks).describe() == f"w (axis 0, {words}"
 
 
 def test_summary_of_per_head_norms_fed_by_separate_projections():
-    """q and k LayerNorms over each head, after q/k/v projections of their own: every block of q's and k's
+    """q and k LayerNorms over each head, after q/k/v projections of their own: every block of q's
+    and k's
     output is centered (blocks None), which the summary once failed to print."""
     plan = enjoyln.analyze(perturb(Heads(fused=False)), torch.randint(0, 32, (2, 5)))
     grouped = [c for c in plan.centered if c.groups > 1]

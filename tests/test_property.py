@@ -25,8 +25,23 @@ from enjoyln.testing import max_relative_diff, perturb
 
 D, B, T, VOCAB = 8, 2, 4, 16
 EXAMPLES = int(os.environ.get("ENJOYLN_PROPERTY_EXAMPLES", "300"))
-UNARY = ["linear", "gn", "scale", "row_scale", "layerscale", "act", "ln", "reshape", "split_heads",
-         "transpose", "param_add", "embed_add", "dropout", "center", "slice_feat"]
+UNARY = [
+    "linear",
+    "gn",
+    "scale",
+    "row_scale",
+    "layerscale",
+    "act",
+    "ln",
+    "reshape",
+    "split_heads",
+    "transpose",
+    "param_add",
+    "embed_add",
+    "dropout",
+    "center",
+    "slice_feat",
+]
 BINARY = ["add", "cat_feat", "cat_seq"]
 
 
@@ -37,7 +52,11 @@ def programs(draw):
     for n in range(draw(st.integers(2, 9))):
         # mostly start from a linear layer: the raw input can never be centered
         first = ["linear"] * 6 + ["embed_add", "param_add", "act", "ln"]
-        kind = draw(st.sampled_from(first if n == 0 else UNARY + BINARY + ["linear", "linear", "ln", "ln", "add", "add"]))
+        kind = draw(
+            st.sampled_from(
+                first if n == 0 else UNARY + BINARY + ["linear", "linear", "ln", "ln", "add", "add"]
+            )
+        )
         # mostly build on recent values, so chains (linear -> ... -> LN) form
         i = max(min(1, len(widths) - 1), len(widths) - 1 - draw(st.integers(0, 3)))
         w = widths[i]
@@ -133,7 +152,9 @@ class Program(nn.Module):
                 out = getattr(F, step[2])(v)
             elif kind == "reshape":
                 out = v.reshape(-1, v.shape[-1]).reshape(v.shape)
-            elif kind == "split_heads":  # [B, T, w] -> [B, T, 2, w/2] -> back: splits the feature axis
+            elif (
+                kind == "split_heads"
+            ):  # [B, T, w] -> [B, T, 2, w/2] -> back: splits the feature axis
                 out = v.view(B, T, 2, -1).flatten(2)
             elif kind == "transpose":
                 out = (v.transpose(1, 2) * 2.0).transpose(1, 2)
@@ -146,7 +167,7 @@ class Program(nn.Module):
             elif kind == "cat_feat":
                 out = torch.cat([v, vals[step[2]]], dim=-1)
             elif kind == "cat_seq":
-                out = torch.cat([v, vals[step[2]]], dim=1)[:, T // 2: T // 2 + T]
+                out = torch.cat([v, vals[step[2]]], dim=1)[:, T // 2 : T // 2 + T]
             vals.append(out)
         return tuple(vals[i] for i in self.outputs)
 
@@ -154,8 +175,13 @@ class Program(nn.Module):
 def test_fold_is_exact_whenever_the_plan_says_foldable():
     stats: Counter = Counter()
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(programs(), st.integers(0, 2**16))
     def run(program, seed):
         torch.manual_seed(seed)
@@ -171,7 +197,9 @@ def test_fold_is_exact_whenever_the_plan_says_foldable():
             assert max_relative_diff(r, o) < 1e-9, plan.summary()
         stats["programs"] += 1
         stats["with foldable"] += bool(plan.foldable)
-        stats["group norms folded"] += sum(e.foldable and e.norm == "group_norm" for e in plan.layer_norms)
+        stats["group norms folded"] += sum(
+            e.foldable and e.norm == "group_norm" for e in plan.layer_norms
+        )
         stats["with refused"] += any(not e.foldable for e in plan.layer_norms)
 
     run()

@@ -16,7 +16,22 @@ from enjoyln.testing import perturb, tiny_model
 st = pytest.importorskip("sentence_transformers")  # a dev dependency: CI installs it
 pytest.importorskip("sentence_transformers.models")
 
-WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "a", "mat", "dog", "ran", "far"]
+WORDS = [
+    "[PAD]",
+    "[UNK]",
+    "[CLS]",
+    "[SEP]",
+    "[MASK]",
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "dog",
+    "ran",
+    "far",
+]
 SENTENCES = ["the cat sat on the mat", "a dog ran far", "the dog sat", "cat"]
 
 
@@ -33,10 +48,18 @@ def pipeline(tmp_path_factory):
                 m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * 0.2)
     bert.save_pretrained(root / "bert")
     (root / "bert" / "vocab.txt").write_text("\n".join(WORDS) + "\n")
-    transformers.BertTokenizerFast(vocab_file=str(root / "bert" / "vocab.txt")).save_pretrained(root / "bert")
+    transformers.BertTokenizerFast(vocab_file=str(root / "bert" / "vocab.txt")).save_pretrained(
+        root / "bert"
+    )
     body = st.models.Transformer(str(root / "bert"))
-    model = st.SentenceTransformer(modules=[body, st.models.Pooling(body.get_word_embedding_dimension()),
-                                            st.models.Normalize()], device="cpu")
+    model = st.SentenceTransformer(
+        modules=[
+            body,
+            st.models.Pooling(body.get_word_embedding_dimension()),
+            st.models.Normalize(),
+        ],
+        device="cpu",
+    )
     model.save(str(root / "pipeline"))
     return root / "pipeline"
 
@@ -44,7 +67,9 @@ def pipeline(tmp_path_factory):
 def test_a_folded_pipeline_gives_the_originals_embeddings(pipeline, tmp_path):
     result = CliRunner().invoke(app, ["fold", str(pipeline), str(tmp_path / "folded")])
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "folded" / "modules.json").is_file() and (tmp_path / "folded" / "1_Pooling").is_dir()
+    assert (tmp_path / "folded" / "modules.json").is_file() and (
+        tmp_path / "folded" / "1_Pooling"
+    ).is_dir()
 
     original = st.SentenceTransformer(str(pipeline), device="cpu").encode(SENTENCES)
     loaded = enjoyln.load_sentence_transformer(tmp_path / "folded", device="cpu")
@@ -60,9 +85,21 @@ def test_a_folded_pipeline_gives_the_originals_embeddings(pipeline, tmp_path):
 
 
 def test_a_pipeline_folded_as_another_class_is_refused_in_one_line(pipeline, tmp_path):
-    result = CliRunner().invoke(app, ["fold", str(pipeline), str(tmp_path / "folded"),
-                                      "--model-class", "BertForMaskedLM", "--allow-missing"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "fold",
+            str(pipeline),
+            str(tmp_path / "folded"),
+            "--model-class",
+            "BertForMaskedLM",
+            "--allow-missing",
+        ],
+    )
     assert result.exit_code == 0, result.output
-    with pytest.raises(enjoyln.CheckpointError, match="loads this directory as BertModel, but it was folded as "
-                                                       "BertForMaskedLM; fold the original with --model-class BertModel"):
+    with pytest.raises(
+        enjoyln.CheckpointError,
+        match="loads this directory as BertModel, but it was folded as "
+        "BertForMaskedLM; fold the original with --model-class BertModel",
+    ):
         enjoyln.load_sentence_transformer(tmp_path / "folded", device="cpu")

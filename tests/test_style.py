@@ -9,9 +9,12 @@ import pytest
 
 from tools import format as style
 
-ruff = pytest.mark.skipif(shutil.which("ruff") is None and subprocess.run(
-    [sys.executable, "-m", "ruff", "--version"], capture_output=True).returncode != 0,
-    reason="ruff is not installed (pip install -e '.[dev]')")
+ruff = pytest.mark.skipif(
+    shutil.which("ruff") is None
+    and subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True).returncode
+    != 0,
+    reason="ruff is not installed (pip install -e '.[dev]')",
+)
 
 
 @ruff
@@ -27,11 +30,15 @@ def test_the_wrapping_keeps_what_a_line_means(tmp_path):
     """A long comment, docstring line and string are wrapped; a doctest's line is only marked."""
     words = " ".join(["word"] * 30)
     path = tmp_path / "long.py"
-    path.write_text(f'def f(x):\n    """{words}.\n\n    >>> f("{words}")\n    """\n'
-                    f'    # {words}\n    return print(x, "{words}")  # {words}\n')
+    path.write_text(
+        f'def f(x):\n    """{words}.\n\n    >>> f("{words}")\n    """\n'
+        f'    # {words}\n    return print(x, "{words}")  # {words}\n'
+    )
     style.wrap_file(path, mark=True)
     text = path.read_text()
-    assert [line for line in text.splitlines() if len(line) > style.LIMIT] == [f'    >>> f("{words}")'], text
+    assert [line for line in text.splitlines() if len(line) > style.LIMIT] == [
+        f'    >>> f("{words}")'
+    ], text
     namespace: dict = {}
     exec(compile(text, str(path), "exec"), namespace)
     assert " ".join(namespace["f"].__doc__.split()).startswith(words + ".")

@@ -12,8 +12,18 @@ def test_format_bytes():
     assert format_bytes(3 * 1024**3) == "3.0 GiB"
 
 
-@pytest.mark.parametrize("text, size", [("500MB", 500_000_000), ("2GB", 2_000_000_000), ("1.5GiB", 3 << 29),
-                                        ("1 kib", 1024), ("4096", 4096), (7, 7), (None, None)])
+@pytest.mark.parametrize(
+    "text, size",
+    [
+        ("500MB", 500_000_000),
+        ("2GB", 2_000_000_000),
+        ("1.5GiB", 3 << 29),
+        ("1 kib", 1024),
+        ("4096", 4096),
+        (7, 7),
+        (None, None),
+    ],
+)
 def test_parse_size(text, size):
     assert parse_size(text) == size
 

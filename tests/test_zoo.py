@@ -52,13 +52,16 @@ def test_known_reasons(zoo):
     keep = {e.name: e.reason for e in plan.layer_norms if not e.foldable}
     if arch == "bert":
         assert keep["encoder.layer.0.attention.output.LayerNorm"] == (
-            "its input includes the output of embeddings.LayerNorm, which is not zero-mean")
+            "its input includes the output of embeddings.LayerNorm, which is not zero-mean"
+        )
         assert plan.foldable[0].name == "embeddings.LayerNorm"
     if arch == "bloom":
         assert plan.foldable[0].name == "transformer.word_embeddings_layernorm"
         assert all("word_embeddings_layernorm" in r for r in keep.values())
     if arch == "clip":
-        assert [e.name for e in plan.foldable if e.name.startswith("vision")] == ["vision_model.pre_layrnorm"]
+        assert [e.name for e in plan.foldable if e.name.startswith("vision")] == [
+            "vision_model.pre_layrnorm"
+        ]
     if arch == "whisper":
         assert all(n.startswith("model.encoder") and "gelu" in r for n, r in keep.items())
 
@@ -69,7 +72,9 @@ def test_fold_is_exact_in_fp32(zoo):
     n_rms = sum(isinstance(m, enjoyln.RMSNorm) for m in folded.modules())
     assert n_rms == len(plan.foldable)
     for seed in (11, 12):
-        assert_same_outputs(model, folded, hf_example_inputs(model, seed=seed, seq_len=12), rtol=1e-5)
+        assert_same_outputs(
+            model, folded, hf_example_inputs(model, seed=seed, seq_len=12), rtol=1e-5
+        )
     # state_dict keys are unchanged, and so are the parameters that were not centered
     centered = {c.param for c in plan.centered} | {u.param for u in plan.untied}
     ref_sd, new_sd = model.state_dict(), folded.state_dict()
@@ -94,8 +99,13 @@ def test_folded_lm_generates_the_same_tokens(arch):
     model = perturb(tiny_model(arch, initializer_range=0.5), seed=2)
     folded = enjoyln.fold(copy.deepcopy(model))
     prompt = torch.randint(0, 128, (2, 5))
-    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
-                  attention_mask=torch.ones_like(prompt))
+    kwargs = dict(
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(prompt),
+    )
     with torch.no_grad():
         a = model.generate(prompt, **kwargs)
         b = folded.generate(prompt, **kwargs)

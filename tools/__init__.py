@@ -1,1 +1,2 @@
-"""What the project uses to test itself, outside the installed package: the mutation harness of the gate."""
+"""What the project uses to test itself, outside the installed package: the mutation harness of the
+gate."""

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LIMIT = int(re.search(r"^line-length\s*=\s*(\d+)", (ROOT / "pyproject.toml").read_text(), re.M).group(1))
+LIMIT = int(
+    re.search(r"^line-length\s*=\s*(\d+)", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+)
 KEPT_COMMENTS = ("noqa", "type:", "pragma", "fmt:", "doctest:")
 """Trailing comments a tool reads where they are: they stay on their line."""
 
@@ -45,10 +47,15 @@ def wrapped(text: str, first: str, rest: str) -> list[str]:
 
 def _docstring_lines(tree: ast.AST) -> dict[int, int]:
     """Line -> the column of its docstring's opening quotes, for every line of every docstring (a
-    string alone as a statement: a module's, a class's, a function's, or an attribute's after it)."""
+    string alone as a statement: a module's, a class's, a function's, or an attribute's after
+    it)."""
     found: dict[int, int] = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
             for line in range(node.lineno, node.end_lineno + 1):
                 found[line] = node.col_offset
     return found
@@ -144,7 +151,9 @@ def string_edit(lines: list[str], token: tokenize.TokenInfo, depth: int) -> Edit
     if depth:  # inside brackets: the two pieces are one string
         return Edit(row, row, [line[:col] + first, " " * col + second + line[end_col:]])
     # elsewhere, in brackets of their own (``("a " "b").format(x)`` is what ``"a b".format(x)`` was)
-    return Edit(row, row, [line[:col] + "(" + first, " " * (col + 1) + second + ")" + line[end_col:]])
+    return Edit(
+        row, row, [line[:col] + "(" + first, " " * (col + 1) + second + ")" + line[end_col:]]
+    )
 
 
 def noqa_edits(source: str) -> list[Edit]:
@@ -158,8 +167,11 @@ def noqa_edits(source: str) -> list[Edit]:
             for row in range(token.start[0], token.end[0] + 1):
                 ends[row] = token.end[0]
     marked = {ends.get(row, row) for row in long}
-    return [Edit(row, row, [lines[row - 1] + "  # noqa: E501"]) for row in sorted(marked, reverse=True)
-            if "noqa" not in lines[row - 1]]
+    return [
+        Edit(row, row, [lines[row - 1] + "  # noqa: E501"])
+        for row in sorted(marked, reverse=True)
+        if "noqa" not in lines[row - 1]
+    ]
 
 
 def edits(source: str) -> list[Edit]:
@@ -225,14 +237,19 @@ def wrap_file(path: Path, mark: bool = False) -> bool:
 def python_files(given: list[str]) -> list[Path]:
     if given:
         return [Path(p).resolve() for p in given]
-    listed = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout.split()
+    listed = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     return [ROOT / p for p in listed if (ROOT / p).exists()]
 
 
 def ruff(*args: str, files: list[Path]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ruff", *args, *map(str, files)], cwd=ROOT,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", *args, *map(str, files)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

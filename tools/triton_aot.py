@@ -39,7 +39,8 @@ KERNEL_ARGS = 13  # X, R, S, W, B, Y, four strides, M, N, eps; the constexpr fla
 class Variant:
     """One specialisation the launcher can produce."""
 
-    kernel: str  # "rows" (several short rows a program), "row" (one in registers), "looped" (two passes)
+    # "rows" (several short rows a program), "row" (one in registers), "looped" (two passes)
+    kernel: str
     dtype: str  # Triton's name: fp32, fp16, bf16
     residual: bool
     weight: bool
@@ -52,9 +53,15 @@ class Variant:
     @property
     def name(self) -> str:
         shape = f"{self.rows}x{self.block}" if self.rows > 1 else str(self.block)
-        parts = [self.kernel, self.dtype, "res" if self.residual else "plain",
-                 "w" if self.weight else "-", "b" if self.bias else "-",
-                 f"{shape}/{self.warps}w", "aligned" if self.aligned else "unaligned"]
+        parts = [
+            self.kernel,
+            self.dtype,
+            "res" if self.residual else "plain",
+            "w" if self.weight else "-",
+            "b" if self.bias else "-",
+            f"{shape}/{self.warps}w",
+            "aligned" if self.aligned else "unaligned",
+        ]
         return " ".join(parts)
 
 
@@ -76,8 +83,20 @@ class Compiled:
         return self.spill_stores + self.spill_loads
 
 
-def _variant(config, dtype: str, residual: bool, weight: bool, bias: bool, aligned: bool) -> Variant:  # noqa: ANN001
-    return Variant(config.kernel, dtype, residual, weight, bias, config.block, config.warps, aligned, config.rows)
+def _variant(
+    config, dtype: str, residual: bool, weight: bool, bias: bool, aligned: bool
+) -> Variant:  # noqa: ANN001
+    return Variant(
+        config.kernel,
+        dtype,
+        residual,
+        weight,
+        bias,
+        config.block,
+        config.warps,
+        aligned,
+        config.rows,
+    )
 
 
 def builds(full: bool = False) -> list[tuple[Variant, int]]:
@@ -138,13 +157,33 @@ def _kernels() -> ModuleType:
 
 def _signature(v: Variant) -> tuple[dict[str, str], dict[str, object], dict]:
     ptr = "*" + v.dtype
-    signature = {"X": ptr, "R": ptr, "S": ptr, "W": ptr if v.weight else "constexpr",
-                 "B": ptr if v.bias else "constexpr", "Y": ptr, "stride_x": "i64", "stride_r": "i64",
-                 "stride_s": "i64", "stride_y": "i64", "M": "i32", "N": "i32", "eps": "fp32",
-                 "HAS_RES": "constexpr", "HAS_W": "constexpr", "HAS_B": "constexpr", "BLOCK": "constexpr",
-                 "ROWS": "constexpr"}
-    constexprs: dict[str, object] = {"HAS_RES": v.residual, "HAS_W": v.weight, "HAS_B": v.bias, "BLOCK": v.block,
-                                     "ROWS": v.rows}
+    signature = {
+        "X": ptr,
+        "R": ptr,
+        "S": ptr,
+        "W": ptr if v.weight else "constexpr",
+        "B": ptr if v.bias else "constexpr",
+        "Y": ptr,
+        "stride_x": "i64",
+        "stride_r": "i64",
+        "stride_s": "i64",
+        "stride_y": "i64",
+        "M": "i32",
+        "N": "i32",
+        "eps": "fp32",
+        "HAS_RES": "constexpr",
+        "HAS_W": "constexpr",
+        "HAS_B": "constexpr",
+        "BLOCK": "constexpr",
+        "ROWS": "constexpr",
+    }
+    constexprs: dict[str, object] = {
+        "HAS_RES": v.residual,
+        "HAS_W": v.weight,
+        "HAS_B": v.bias,
+        "BLOCK": v.block,
+        "ROWS": v.rows,
+    }
     if not v.weight:
         constexprs["W"] = None
     if not v.bias:
@@ -153,8 +192,11 @@ def _signature(v: Variant) -> tuple[dict[str, str], dict[str, object], dict]:
     attrs = {}
     if v.aligned:  # what the JIT does when a pointer or integer is a multiple of 16 (not M: never
         # specialised; nor eps)
-        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names[:KERNEL_ARGS - 1])
-                 if signature[name] != "constexpr" and name != "M"}
+        attrs = {
+            (i,): [["tt.divisibility", 16]]
+            for i, name in enumerate(names[: KERNEL_ARGS - 1])
+            if signature[name] != "constexpr" and name != "M"
+        }
     return signature, constexprs, attrs
 
 
@@ -188,19 +230,27 @@ def compile_variant(v: Variant, arch: int, cache_dir: str | None = None) -> Comp
         if cache_dir is not None:
             knobs.cache.dir = cache_dir
         stack.enter_context(contextlib.redirect_stdout(log))
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                                  target=GPUTarget("cuda", arch, 32), options={"num_warps": v.warps})
+        compiled = triton.compile(
+            ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", arch, 32),
+            options={"num_warps": v.warps},
+        )
     text = log.getvalue()
-    return Compiled(v, arch, registers=_field(r"Used (\d+) registers", text),
-                    spill_stores=_field(r"(\d+) bytes spill stores", text),
-                    spill_loads=_field(r"(\d+) bytes spill loads", text),
-                    stack=_field(r"(\d+) bytes stack frame", text),
-                    shared=int(compiled.metadata.shared or 0),
-                    ptx_local=re.search(r"\.local\b", compiled.asm["ptx"]) is not None)
+    return Compiled(
+        v,
+        arch,
+        registers=_field(r"Used (\d+) registers", text),
+        spill_stores=_field(r"(\d+) bytes spill stores", text),
+        spill_loads=_field(r"(\d+) bytes spill loads", text),
+        stack=_field(r"(\d+) bytes stack frame", text),
+        shared=int(compiled.metadata.shared or 0),
+        ptx_local=re.search(r"\.local\b", compiled.asm["ptx"]) is not None,
+    )
 
 
-def compile_all(pairs: list[tuple[Variant, int]], cache_dir: str | None = None,
-                workers: int = 2) -> list[Compiled]:
+def compile_all(
+    pairs: list[tuple[Variant, int]], cache_dir: str | None = None, workers: int = 2
+) -> list[Compiled]:
     """``compile_variant`` for each (variant, arch), in ``workers`` fresh processes.
 
     Spawned, not forked: the caller may hold torch's thread pools, which a forked
@@ -209,7 +259,9 @@ def compile_all(pairs: list[tuple[Variant, int]], cache_dir: str | None = None,
     from concurrent.futures import ProcessPoolExecutor
 
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max(1, workers), mp_context=context, initializer=_without_interpreter) as pool:
+    with ProcessPoolExecutor(
+        max(1, workers), mp_context=context, initializer=_without_interpreter
+    ) as pool:
         return list(pool.map(compile_variant, *zip(*pairs), [cache_dir] * len(pairs), chunksize=4))
 
 
@@ -223,8 +275,13 @@ def ptxas_missing() -> str | None:
     if spec is None or not spec.submodule_search_locations:
         return "triton is not installed (pip install 'enjoyln[triton]')"
     bin_dir = Path(spec.submodule_search_locations[0]) / "backends" / "nvidia" / "bin"
-    for name, env in (("ptxas", "TRITON_PTXAS_PATH"), ("ptxas-blackwell", "TRITON_PTXAS_BLACKWELL_PATH")):
-        paths = [p for p in (os.environ.get(env), str(bin_dir / name)) if p]  # as Triton looks for it
+    for name, env in (
+        ("ptxas", "TRITON_PTXAS_PATH"),
+        ("ptxas-blackwell", "TRITON_PTXAS_BLACKWELL_PATH"),
+    ):
+        paths = [
+            p for p in (os.environ.get(env), str(bin_dir / name)) if p
+        ]  # as Triton looks for it
         if not any(os.access(p, os.X_OK) for p in paths):
             return f"triton has no {name} at {paths[-1]} (a build without the NVIDIA backend?)"
     return None

@@ -1,4 +1,5 @@
-"""Analysis: trace a model, decide which LayerNorms fold and what folding them needs (a ``FoldPlan``);
+"""Analysis: trace a model, decide which LayerNorms fold and what folding them needs (a
+``FoldPlan``);
 the modules are listed in docs/contributing.md."""
 
 from __future__ import annotations
@@ -12,12 +13,19 @@ from .driver import Weights, analyze_capture
 from .inputs import ExampleInputs
 
 
-def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
-            auxiliary_centering: bool = False, weights: Weights = None, fuse_affine: bool = False,
-            rotate: RotationSpec | tuple[str, int, bool] | None = None) -> FoldPlan:
+def analyze(
+    model: nn.Module,
+    example_inputs: ExampleInputs = None,
+    *,
+    auxiliary_centering: bool = False,
+    weights: Weights = None,
+    fuse_affine: bool = False,
+    rotate: RotationSpec | tuple[str, int, bool] | None = None,
+) -> FoldPlan:
     """Find the foldable LayerNorms of ``model`` and what folding them needs; a dry run, the model
     is never modified. ``auxiliary_centering`` also places explicit centerings where they pay off,
-    ``weights`` gives values for parameters held on the meta device, ``fuse_affine`` moves each folded
+    ``weights`` gives values for parameters held on the meta device, ``fuse_affine`` moves each
+    folded
     norm's γ and β into its readers, and ``rotate`` (a ``RotationSpec`` or (kind, seed, keep_mean))
     plans a rotation of the residual stream.
 
@@ -28,5 +36,7 @@ def analyze(model: nn.Module, example_inputs: ExampleInputs = None, *,
     """
     rotate = RotationSpec.of(rotate)
     if not auxiliary_centering:
-        return analyze_capture(capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine, rotate=rotate)
+        return analyze_capture(
+            capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine, rotate=rotate
+        )
     return analyze_with_auxiliary(model, example_inputs, weights, fuse_affine, rotate)

@@ -1,5 +1,6 @@
 """Fusing the affine: move a folded norm's γ and β into the linear layers that read it
-(``W (γ ⊙ r + β) + c = (W diag γ) r + (W β + c)``), leaving a weightless RMSNorm; docs/how-it-works.md."""
+(``W (γ ⊙ r + β) + c = (W diag γ) r + (W β + c)``), leaving a weightless RMSNorm;
+docs/how-it-works.md."""
 
 from __future__ import annotations
 
@@ -9,13 +10,50 @@ from torch import fx
 
 from .graph import GraphIndex, arg, norm_dim, op_name, reads_value, shape
 from ..plan import AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT, Fused, LayerNormEntry, Untie
-from .rules import CAST_OPS, CAT_OPS, DROPOUT_OPS, LINEAR_LAYOUTS, RESHAPE_OPS, SPLIT_OPS, Refusal, carry, other_reads
+from .rules import (
+    CAST_OPS,
+    CAT_OPS,
+    DROPOUT_OPS,
+    LINEAR_LAYOUTS,
+    RESHAPE_OPS,
+    SPLIT_OPS,
+    Refusal,
+    carry,
+    other_reads,
+)
 
 # ops that only move values around, so every element still carries its own feature's γ and β
-MOVES = ({"getitem", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "permute", "transpose", "t",
-          "numpy_T", "swapaxes", "movedim", "select", "slice", "narrow", "index", "index_select", "gather",
-          "expand", "expand_as", "repeat", "flip", "roll"}
-         | DROPOUT_OPS | CAST_OPS | RESHAPE_OPS | SPLIT_OPS)
+MOVES = (
+    {
+        "getitem",
+        "clone",
+        "contiguous",
+        "alias",
+        "detach",
+        "lift_fresh_copy",
+        "permute",
+        "transpose",
+        "t",
+        "numpy_T",
+        "swapaxes",
+        "movedim",
+        "select",
+        "slice",
+        "narrow",
+        "index",
+        "index_select",
+        "gather",
+        "expand",
+        "expand_as",
+        "repeat",
+        "flip",
+        "roll",
+    }
+    | DROPOUT_OPS
+    | CAST_OPS
+    | RESHAPE_OPS
+    | SPLIT_OPS
+)
 
 Segments = tuple[tuple[int, int, int], ...]
 """Blocks of the feature axis that hold the norm's output: (start, length, offset in the norm)."""
@@ -29,13 +67,20 @@ class Trace:
     segments: Segments
 
 
-def linear_reader(g: GraphIndex, node: fx.Node, value: fx.Node, trace: Trace) -> list[Fused] | str | None:
-    """The Fused entries if ``node`` is a linear layer reading ``value`` as input, why not if it reads it otherwise."""
+def linear_reader(
+    g: GraphIndex, node: fx.Node, value: fx.Node, trace: Trace
+) -> list[Fused] | str | None:
+    """The Fused entries if ``node`` is a linear layer reading ``value`` as input, why not if it
+    reads it otherwise."""
     name = op_name(node)
     if name not in ("linear", "addmm", "mm", "matmul"):
         return None
     w_index, b_index, w_axis = LINEAR_LAYOUTS[name][:3]
-    x, w, in_pos = node.args[1 if name == "addmm" else 0], node.args[w_index], 1 if w_axis == 0 else 0
+    x, w, in_pos = (
+        node.args[1 if name == "addmm" else 0],
+        node.args[w_index],
+        1 if w_axis == 0 else 0,
+    )
     b = arg(node, b_index, "bias") if b_index is not None else None
     if name == "addmm" and (arg(node, 3, "beta", 1) != 1 or arg(node, 4, "alpha", 1) != 1):
         return f"is read by {g.describe(node)}, which scales its product or its bias"
@@ -56,12 +101,17 @@ def linear_reader(g: GraphIndex, node: fx.Node, value: fx.Node, trace: Trace) ->
         bias = g.cap.use_alias(node, found[0]) or found[0]
     fqn, perm = weight
     alias = g.cap.use_alias(node, fqn) or fqn
-    return [Fused(alias, perm[in_pos], start, length, offset, bias) for start, length, offset in trace.segments]
+    return [
+        Fused(alias, perm[in_pos], start, length, offset, bias)
+        for start, length, offset in trace.segments
+    ]
 
 
 def _merged(node: fx.Node, src: fx.Node, trace: Trace) -> Trace | None:
-    """``trace`` after a reshape that lays ``k`` consecutive rows of features side by side (a merger of 4 tokens,
-    a pixel shuffle): reshapes are row-major, so feature ``i`` of row ``t`` lands at ``(t % k) d + i``, and the
+    """``trace`` after a reshape that lays ``k`` consecutive rows of features side by side (a merger
+    of 4 tokens,
+    a pixel shuffle): reshapes are row-major, so feature ``i`` of row ``t`` lands at ``(t % k) d +
+    i``, and the
     norm's blocks repeat ``k`` times. None for any other reshape."""
     dims, out = shape(src), shape(node)
     if dims is None or out is None or not dims or not out or trace.axis != len(dims) - 1:
@@ -69,7 +119,10 @@ def _merged(node: fx.Node, src: fx.Node, trace: Trace) -> Trace | None:
     d, wide = dims[-1], out[-1]
     if not isinstance(d, int) or not isinstance(wide, int) or wide <= d or wide % d:
         return None
-    return Trace(len(out) - 1, tuple((s + j * d, n, o) for j in range(wide // d) for s, n, o in trace.segments))
+    return Trace(
+        len(out) - 1,
+        tuple((s + j * d, n, o) for j in range(wide // d) for s, n, o in trace.segments),
+    )
 
 
 def _move(node: fx.Node, src: fx.Node, trace: Trace, where: str) -> Trace | Refusal:
@@ -77,21 +130,32 @@ def _move(node: fx.Node, src: fx.Node, trace: Trace, where: str) -> Trace | Refu
     name = op_name(node)
     if name in RESHAPE_OPS and (merged := _merged(node, src, trace)) is not None:
         return merged
-    if name in ("slice", "narrow") and norm_dim(arg(node, 1, "dim", 0), len(shape(src))) == trace.axis:
+    if (
+        name in ("slice", "narrow")
+        and norm_dim(arg(node, 1, "dim", 0), len(shape(src))) == trace.axis
+    ):
         start = arg(node, 2, "start", 0) or 0
         start = max(0, start + shape(src)[trace.axis] if start < 0 else start)
         length = shape(node)[trace.axis]
         if name == "slice" and arg(node, 4, "step", 1) != 1:
             return Refusal(f"is cut with a step along its features by {name} {where}")
-        kept = tuple((max(s, start) - start, min(s + n, start + length) - max(s, start), o + max(s, start) - s)
-                     for s, n, o in trace.segments if min(s + n, start + length) > max(s, start))
+        kept = tuple(
+            (
+                max(s, start) - start,
+                min(s + n, start + length) - max(s, start),
+                o + max(s, start) - s,
+            )
+            for s, n, o in trace.segments
+            if min(s + n, start + length) > max(s, start)
+        )
         return Trace(trace.axis, kept)
     new = carry(node, src, trace.axis, where)
     return new if isinstance(new, Refusal) else replace(trace, axis=new)
 
 
 def _cat(node: fx.Node, traces: dict[fx.Node, Trace], where: str) -> Trace | Refusal:
-    """A cat along the features moves the norm's blocks; along another axis only the norm's output may be in it."""
+    """A cat along the features moves the norm's blocks; along another axis only the norm's output
+    may be in it."""
     parts = list(node.args[0])
     dims = shape(node)
     if dims is None:
@@ -118,12 +182,16 @@ Readers = dict[fx.Node, list[Fused]]
 
 
 def trace_readers(g: GraphIndex, ln: fx.Node) -> Readers | str:
-    """The linear layers that read one norm call's output (with the blocks of their input), or why its affine stays."""
+    """The linear layers that read one norm call's output (with the blocks of their input), or why
+    its affine stays."""
     dims = shape(ln.args[0])
     if dims is None:
         return "its input's shape is not known"
-    outs = ([u for u in ln.users if op_name(u) == "getitem" and u.args[1] == 0]
-            if op_name(ln) == "native_layer_norm" else [ln])
+    outs = (
+        [u for u in ln.users if op_name(u) == "getitem" and u.args[1] == 0]
+        if op_name(ln) == "native_layer_norm"
+        else [ln]
+    )
     traces = {out: Trace(len(dims) - 1, ((0, dims[-1], 0),)) for out in outs}
     readers: Readers = {}
     for node in g.graph.nodes:
@@ -135,7 +203,9 @@ def trace_readers(g: GraphIndex, ln: fx.Node) -> Readers | str:
             outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
             names = [g.output_names.get(i, str(i)) for i, o in enumerate(outs) if o in hits]
             if g.free_outputs and names and not any(g.served(n) for n in names):
-                g.changed_outputs.setdefault(ln, []).extend(names)  # a hidden state the contract lets change
+                g.changed_outputs.setdefault(ln, []).extend(
+                    names
+                )  # a hidden state the contract lets change
                 continue
             return f"its output is the model output `{names[0] if names else '?'}`"
         where, name = g.cap.where(node), op_name(node)
@@ -158,18 +228,29 @@ def trace_readers(g: GraphIndex, ln: fx.Node) -> Readers | str:
     return readers
 
 
-def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, list[fx.Node]], *,
-                unfolded: bool = False) -> list[Untie]:
-    """Decide, for every folded norm (``unfolded``: every norm that stays a LayerNorm, for a rotation), where its
-    γ and β go (``entry.affine`` and ``entry.fused``); return the weights that must be untied for it. A weight
-    takes a norm's affine only if every value read of it is one of that norm's readers (a tied alias of another
+def plan_fusion(
+    g: GraphIndex,
+    entries: list[LayerNormEntry],
+    calls: dict[str, list[fx.Node]],
+    *,
+    unfolded: bool = False,
+) -> list[Untie]:
+    """Decide, for every folded norm (``unfolded``: every norm that stays a LayerNorm, for a
+    rotation), where its
+    γ and β go (``entry.affine`` and ``entry.fused``); return the weights that must be untied for
+    it. A weight
+    takes a norm's affine only if every value read of it is one of that norm's readers (a tied alias
+    of another
     module gets a copy)."""
     found: dict[str, tuple[list[Fused], Readers]] = {}
     for e in entries:
         if e.foldable == unfolded or e.norm != "layer_norm":
             continue
         if e.kind != "module":
-            e.affine, e.affine_reason = AFFINE_KEPT, "it is a functional layer_norm, whose affine enjoyln keeps"
+            e.affine, e.affine_reason = (
+                AFFINE_KEPT,
+                "it is a functional layer_norm, whose affine enjoyln keeps",
+            )
             continue
         elsewhere = _affine_read_elsewhere(g, e.name, calls.get(e.name, []))
         if elsewhere:
@@ -205,7 +286,10 @@ def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, l
         else:
             values = g.value(f"{e.name}.weight")  # None without a gain
             if values is not None and not bool(values.ne(0).all()):
-                why = f"its gain has a zero entry, so β cannot stay as β/γ, and {no_bias[0]} has no bias to take it"
+                why = (
+                    f"its gain has a zero entry, so β cannot stay as β/γ, and {no_bias[0]} has "
+                    "no bias to take it"
+                )
                 e.affine, e.affine_reason, e.fused = AFFINE_KEPT, why, []
             else:
                 e.affine, e.affine_reason = AFFINE_GAIN, f"{no_bias[0]} has no bias to take it"
@@ -213,7 +297,8 @@ def plan_fusion(g: GraphIndex, entries: list[LayerNormEntry], calls: dict[str, l
 
 
 def _affine_read_elsewhere(g: GraphIndex, name: str, calls: list[fx.Node]) -> str | None:
-    """Why a norm's γ or β cannot become 1 and 0: something else reads it (another norm sharing it, the model)."""
+    """Why a norm's γ or β cannot become 1 and 0: something else reads it (another norm sharing it,
+    the model)."""
     for leaf, what in (("weight", "gain"), ("bias", "bias")):
         ph = g.placeholder_of.get(f"{name}.{leaf}")
         for user, _ in other_reads(g, ph, calls) if ph is not None else []:
@@ -242,19 +327,37 @@ def _mismatched(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]]) ->
     for ph, kinds in by_weight.items():
         if len(kinds) > 1:
             first, second = list(kinds.values())[:2]
-            why = (f"{g.cap.placeholder_fqn[ph.name]} is read by {g.describe(first)} and {g.describe(second)}, "
-                   "which read different values with it")
-            blocked.update({name: why for parts in kinds for name, _ in parts if name not in blocked})
+            why = (
+                f"{g.cap.placeholder_fqn[ph.name]} is read by {g.describe(first)} and "
+                f"{g.describe(second)}, "
+                "which read different values with it"
+            )
+            blocked.update(
+                {name: why for parts in kinds for name, _ in parts if name not in blocked}
+            )
     for bph, weights in by_bias.items():
         if len(weights) > 1:
-            why = f"{g.cap.placeholder_fqn[bph.name]} is the bias of more than one weight that reads it"
-            blocked.update({name: why for ph in weights for parts in by_weight[ph] for name, _ in parts
-                            if name not in blocked})
+            why = (
+                f"{g.cap.placeholder_fqn[bph.name]} is the bias of more than one weight that "
+                "reads it"
+            )
+            blocked.update(
+                {
+                    name: why
+                    for ph in weights
+                    for parts in by_weight[ph]
+                    for name, _ in parts
+                    if name not in blocked
+                }
+            )
     return blocked
 
 
-def _shared(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]], untie: dict[str, Untie]) -> dict[str, str]:
-    """Norms whose readers' weights are read elsewhere (and cannot be untied), or by two norms on the same block."""
+def _shared(
+    g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]], untie: dict[str, Untie]
+) -> dict[str, str]:
+    """Norms whose readers' weights are read elsewhere (and cannot be untied), or by two norms on
+    the same block."""
     blocked: dict[str, str] = {}
     owners: dict[fx.Node, set[str]] = {}  # placeholder -> norms fusing into it
     for name, (fused, _) in found.items():
@@ -266,21 +369,33 @@ def _shared(g: GraphIndex, found: dict[str, tuple[list[Fused], Readers]], untie:
         ours = set().union(*(found[n][1] for n in norms))
         mine = [(n, f) for n in norms for f in found[n][0] if g.placeholder_of.get(f.weight) is ph]
         for a, (who, f) in enumerate(mine):
-            for who2, f2 in mine[a + 1:]:
+            for who2, f2 in mine[a + 1 :]:
                 overlap = f.start < f2.start + f2.length and f2.start < f.start + f.length
                 if who != who2 and f.axis == f2.axis and overlap:
-                    blocked.setdefault(who, f"{g.cap.placeholder_fqn[ph.name]} also takes the affine of {who2}")
+                    blocked.setdefault(
+                        who, f"{g.cap.placeholder_fqn[ph.name]} also takes the affine of {who2}"
+                    )
         for bias in {f.bias for _, f in mine if f.bias}:
             bph = g.placeholder_of.get(bias)
             for user, _ in other_reads(g, bph, ours) if bph is not None else []:
-                blocked.update({who: f"{bias} is also read by {g.describe(user)}" for who in norms
-                                if who not in blocked})
+                blocked.update(
+                    {
+                        who: f"{bias} is also read by {g.describe(user)}"
+                        for who in norms
+                        if who not in blocked
+                    }
+                )
         aliases = {f.weight for _, f in mine}
         for user, alias in other_reads(g, ph, ours):
             if g.tied_apart(alias, aliases):
                 for a in aliases:  # the norm's reader gets its own copy
                     untie[a] = Untie(a, alias, g.nbytes(ph))
                 continue
-            blocked.update({who: f"{sorted(aliases)[0]} is also read by {g.describe(user)}"
-                            for who in norms if who not in blocked})
+            blocked.update(
+                {
+                    who: f"{sorted(aliases)[0]} is also read by {g.describe(user)}"
+                    for who in norms
+                    if who not in blocked
+                }
+            )
     return blocked

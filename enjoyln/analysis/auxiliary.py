@@ -1,4 +1,5 @@
-"""Auxiliary centering: explicit ``x - x.mean(-1)`` inserted where each makes more LNs foldable, each
+"""Auxiliary centering: explicit ``x - x.mean(-1)`` inserted where each makes more LNs foldable,
+each
 judged by the full analysis and confirmed by analysing again with the hooks in place."""
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from .graph import shape
 from .inputs import ExampleInputs
 
 
-def _candidate_points(analysis: Analysis, plan: FoldPlan) -> dict[fx.Node, tuple[AuxCentering, set[str]]]:
-    """Module outputs and inputs on the zero-mean graphs of LNs that do not fold, each with those LNs' names."""
+def _candidate_points(
+    analysis: Analysis, plan: FoldPlan
+) -> dict[fx.Node, tuple[AuxCentering, set[str]]]:
+    """Module outputs and inputs on the zero-mean graphs of LNs that do not fold, each with those
+    LNs' names."""
     cap = analysis.cap
     by_name = {n.name: n for n in analysis.graph.nodes}
     widths = {e.normalized_shape[-1] for e in plan.layer_norms if e.normalized_shape}
@@ -28,7 +32,11 @@ def _candidate_points(analysis: Analysis, plan: FoldPlan) -> dict[fx.Node, tuple
         nodes, _ = analysis.zero_mean_graph(calls[0])
         for n in nodes:
             node = by_name.get(n)
-            if node is not None and node is not calls[0] and isinstance(analysis.states.get(node), NotZero):
+            if (
+                node is not None
+                and node is not calls[0]
+                and isinstance(analysis.states.get(node), NotZero)
+            ):
                 coverage.setdefault(node, set()).add(name)
     points: dict[fx.Node, tuple[AuxCentering, set[str]]] = {}
     for node, count in coverage.items():
@@ -39,12 +47,18 @@ def _candidate_points(analysis: Analysis, plan: FoldPlan) -> dict[fx.Node, tuple
         path = cap.module_path(node)
         outside = [u for u in node.users if not within_scope(cap.module_path(u), path)]
         if path and outside:
-            escaping = {n for n in analysis.graph.nodes if within_scope(cap.module_path(n), path)
-                        and any(not within_scope(cap.module_path(u), path) for u in n.users)}
+            escaping = {
+                n
+                for n in analysis.graph.nodes
+                if within_scope(cap.module_path(n), path)
+                and any(not within_scope(cap.module_path(u), path) for u in n.users)
+            }
             if escaping == {node}:  # the module returns exactly this tensor
                 points[node] = (AuxCentering(path, "output"), count)
                 continue
-        callees = set()  # for each reader, the outermost module call it sits in that ``node`` does not
+        callees = (
+            set()
+        )  # for each reader, the outermost module call it sits in that ``node`` does not
         for user in node.users:
             stack = [p for p, _ in (user.meta.get("nn_module_stack") or {}).values()]
             callees.add(next((p for p in stack if p and not within_scope(path, p)), None))
@@ -53,9 +67,11 @@ def _candidate_points(analysis: Analysis, plan: FoldPlan) -> dict[fx.Node, tuple
     return points
 
 
-def auxiliary_plan(cap: Capture, *, max_candidates: int = 6,
-                   weights: Weights = None) -> tuple[FoldPlan, dict[fx.Node, AuxCentering]]:
-    """Greedily insert centerings that each make more LNs foldable than they cost: the plan, the points by node."""
+def auxiliary_plan(
+    cap: Capture, *, max_candidates: int = 6, weights: Weights = None
+) -> tuple[FoldPlan, dict[fx.Node, AuxCentering]]:
+    """Greedily insert centerings that each make more LNs foldable than they cost: the plan, the
+    points by node."""
     base = Analysis(cap, weights=weights)
     plan = base.run()
     strict_count = len(plan.foldable)
@@ -83,8 +99,12 @@ def auxiliary_plan(cap: Capture, *, max_candidates: int = 6,
         chosen[node] = point
     plan.auxiliary = list(chosen.values())
     if chosen:
-        plan.notes.append(Note(f"auxiliary centering: {len(chosen)} inserted, "
-                               f"{len(plan.foldable) - strict_count} more LNs foldable"))
+        plan.notes.append(
+            Note(
+                f"auxiliary centering: {len(chosen)} inserted, "
+                f"{len(plan.foldable) - strict_count} more LNs foldable"
+            )
+        )
     explained: set[str] = set()
     for what, (why, covered) in refused.items():
         for e in plan.layer_norms:
@@ -95,8 +115,13 @@ def auxiliary_plan(cap: Capture, *, max_candidates: int = 6,
     return plan, chosen
 
 
-def analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs, weights: Weights,
-                            fuse_affine: bool = False, rotate: RotationSpec | None = None) -> FoldPlan:
+def analyze_with_auxiliary(
+    model: nn.Module,
+    example_inputs: ExampleInputs,
+    weights: Weights,
+    fuse_affine: bool = False,
+    rotate: RotationSpec | None = None,
+) -> FoldPlan:
     """Choose centerings, then prove the folds again on the model with the centering hooks in place
     (removed again before returning): the second, strict analysis gives the parameters to center."""
     unhooked = capture(model, example_inputs)
@@ -110,7 +135,9 @@ def analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs, weig
     for a in predicted.auxiliary:
         centering.install(model, a.module, a.where)
     try:
-        plan = analyze_capture(capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine, rotate=rotate)
+        plan = analyze_capture(
+            capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine, rotate=rotate
+        )
     except CaptureError as exc:  # a hook met an output it cannot center
         plan = FoldPlan(predicted.model)
         plan.notes.append(Note(f"auxiliary centering was not applied: {exc}"))
@@ -120,8 +147,12 @@ def analyze_with_auxiliary(model: nn.Module, example_inputs: ExampleInputs, weig
     missing = {e.name for e in predicted.foldable} - {e.name for e in plan.foldable}
     if missing:  # the hooks did not land where the graph said: keep the strict result
         strict = analyze_capture(unhooked, weights=weights, fuse_affine=fuse_affine, rotate=rotate)
-        strict.notes += plan.notes or [Note("auxiliary centering was not applied: the re-analysis could not "
-                                            f"confirm {sorted(missing)[0]}")]
+        strict.notes += plan.notes or [
+            Note(
+                "auxiliary centering was not applied: the re-analysis could not "
+                f"confirm {sorted(missing)[0]}"
+            )
+        ]
         return strict
     plan.auxiliary = predicted.auxiliary
     plan.notes = predicted.notes + [n for n in plan.notes if n not in predicted.notes]

@@ -22,18 +22,24 @@ from .inputs import ExampleInputs, Inputs, resolve_inputs
 
 # --- the captured graph -----------------------------------------------------------
 
+
 @dataclass
 class Capture:
     """A traced model and the maps from its graph back to the model."""
 
     model: nn.Module
     program: torch.export.ExportedProgram
-    placeholder_fqn: dict[str, str]  # placeholder node name -> the parameter or saved buffer it holds
+    placeholder_fqn: dict[
+        str, str
+    ]  # placeholder node name -> the parameter or saved buffer it holds
     constants: dict[str, str]  # placeholder node name -> a lifted constant or non-persistent buffer
-    aliases: dict[str, tuple[str, ...]]  # parameter name -> every name reaching the same tensor object
+    aliases: dict[
+        str, tuple[str, ...]
+    ]  # parameter name -> every name reaching the same tensor object
     output_names: list[str]
     specialized: list[str] = field(default_factory=list)
-    """Branches ``draft_export`` took as the example's values dictated; empty when ``torch.export`` traced it."""
+    """Branches ``draft_export`` took as the example's values dictated; empty when ``torch.export``
+    traced it."""
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -58,7 +64,8 @@ class Capture:
         return f"in {path}" if path else "at the top level of the model"
 
     def use_alias(self, user: torch.fx.Node, fqn: str) -> str | None:
-        """The name ``user`` reads ``fqn`` by: tied parameters share one placeholder, the reading module tells which."""
+        """The name ``user`` reads ``fqn`` by: tied parameters share one placeholder, the reading
+        module tells which."""
         names = self.aliases.get(fqn, (fqn,))
         if len(names) == 1:
             return names[0]
@@ -73,7 +80,9 @@ def _leaf_names(spec: pytree.TreeSpec, prefix: str = "") -> list[str]:
     keys = spec.context if isinstance(spec.context, (list, tuple)) else None
     names: list[str] = []
     # ``children()`` from torch 2.10; before, the ``children_specs`` field (deprecated since)
-    for i, child in enumerate(spec.children() if hasattr(spec, "children") else spec.children_specs):
+    for i, child in enumerate(
+        spec.children() if hasattr(spec, "children") else spec.children_specs
+    ):
         key = str(keys[i]) if keys is not None and i < len(keys) else str(i)
         names += _leaf_names(child, f"{prefix}.{key}" if prefix else key)
     return names
@@ -81,7 +90,10 @@ def _leaf_names(spec: pytree.TreeSpec, prefix: str = "") -> list[str]:
 
 def _aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
     by_id: dict[int, list[str]] = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+    for name, t in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
         by_id.setdefault(id(t), []).append(name)
     return {n: tuple(names) for names in by_id.values() for n in names}
 
@@ -104,13 +116,19 @@ def _is_view(node: torch.fx.Node) -> bool:
 
 
 def _functionalize(graph: torch.fx.Graph) -> bool:
-    """Rewrite ``x.add_(y)`` on graph intermediates as ``add(x, y)``, as the dataflow needs one value
-    per node (Falcon's ``mlp += attn``). False, changing nothing, for a write to a view or an input."""
+    """Rewrite ``x.add_(y)`` on graph intermediates as ``add(x, y)``, as the dataflow needs one
+    value
+    per node (Falcon's ``mlp += attn``). False, changing nothing, for a write to a view or an
+    input."""
     inplace = [(n, _functional_twin(n.target)) for n in graph.nodes if n.op == "call_function"]
     inplace = [(n, twin) for n, twin in inplace if twin is not None]
     # the renaming cannot follow a write through a view, or to a tensor a view aliases
-    if any(not isinstance(n.args[0], torch.fx.Node) or _is_view(n.args[0])
-           or any(_is_view(u) for u in n.args[0].users if u is not n) for n, _ in inplace):
+    if any(
+        not isinstance(n.args[0], torch.fx.Node)
+        or _is_view(n.args[0])
+        or any(_is_view(u) for u in n.args[0].users if u is not n)
+        for n, _ in inplace
+    ):
         return False
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node, twin in inplace:
@@ -124,9 +142,15 @@ def _functionalize(graph: torch.fx.Graph) -> bool:
 
 # --- tracing --------------------------------------------------------------------------
 
+
 def _origin(exc: BaseException) -> str:
     """Where in the model's own code tracing stopped, as `` (at file:line: `code`)``, or ''."""
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), sysconfig.get_paths()["stdlib"], "<")
+    skip = (
+        os.path.dirname(torch.__file__),
+        os.path.dirname(__file__),
+        sysconfig.get_paths()["stdlib"],
+        "<",
+    )
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
     if not frames:
         return ""
@@ -138,14 +162,23 @@ def _origin(exc: BaseException) -> str:
 
 def _data_dependent(exc: BaseException) -> bool:
     """Did tracing stop at Python control flow on a tensor's values (``if mask.any():``)?"""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, (GuardOnDataDependentSymNode, DataDependentOutputException,
-                            DynamicOutputShapeException)) or "data-dependent" in str(exc):
+        if isinstance(
+            exc,
+            (
+                GuardOnDataDependentSymNode,
+                DataDependentOutputException,
+                DynamicOutputShapeException,
+            ),
+        ) or "data-dependent" in str(exc):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -178,30 +211,38 @@ def _specializations(program: torch.export.ExportedProgram) -> list[str]:
     for failure in report.failures:
         data, kind = failure.data, str(failure.failure_type)
         if kind in ("MISSING_FAKE_KERNEL", "MISMATCHED_FAKE_KERNEL"):
-            out.append(f"the custom op {data.get('op')} has no exact shape rule, so its output shapes "
-                       "are those of the example")
+            out.append(
+                f"the custom op {data.get('op')} has no exact shape rule, so its output shapes "
+                "are those of the example"
+            )
             continue
         frame = (data.get("user_stack") or [{}])[-1]
         where = files.get(frame.get("filename"), "?").split("site-packages/")[-1]
         code = frame.get("loc") or data.get("expr", "?")
-        phrase = (f"`{code}` ({where}:{frame.get('line', '?')}) as on the example "
-                  f"({data.get('expr')} = {data.get('result')})")
+        phrase = (
+            f"`{code}` ({where}:{frame.get('line', '?')}) as on the example "
+            f"({data.get('expr')} = {data.get('result')})"
+        )
         if phrase not in out:
             out.append(phrase)
     return out
 
 
 def export(model: nn.Module, inputs: Inputs) -> tuple[torch.export.ExportedProgram, list[str]]:
-    """``torch.export`` (non-strict), or ``draft_export`` where control flow depends on data; also the
-    branches ``draft_export`` fixed to the example's values. Either failure is a one-line CaptureError."""
+    """``torch.export`` (non-strict), or ``draft_export`` where control flow depends on data; also
+    the
+    branches ``draft_export`` fixed to the example's values. Either failure is a one-line
+    CaptureError."""
     name = type(model).__name__
     try:
         with torch.no_grad():
             return torch.export.export(model, inputs.args, inputs.kwargs, strict=False), []
     except Exception as exc:  # export raises many unrelated types
         if not _data_dependent(exc):
-            raise CaptureError(f"torch.export could not trace {name}: {type(exc).__name__}: "
-                               f"{first_line(exc)}{_origin(exc)}") from exc
+            raise CaptureError(
+                f"torch.export could not trace {name}: {type(exc).__name__}: "
+                f"{first_line(exc)}{_origin(exc)}"
+            ) from exc
         first = exc
     try:
         with torch.no_grad(), _quiet_logs("torch.export", "torch.fx.experimental.symbolic_shapes"):
@@ -209,8 +250,10 @@ def export(model: nn.Module, inputs: Inputs) -> tuple[torch.export.ExportedProgr
     except Exception as exc:  # noqa: BLE001 - reported with the first failure
         raise CaptureError(
             f"torch.export could not trace {name}: {type(first).__name__}: {first_line(first)}"
-            f"{_origin(first)}; draft_export, which fixes such branches to the example's values, also "
-            f"failed: {type(exc).__name__}: {first_line(exc)}{_origin(exc)}") from exc
+            f"{_origin(first)}; draft_export, which fixes such branches to the example's values, "
+            "also "
+            f"failed: {type(exc).__name__}: {first_line(exc)}{_origin(exc)}"
+        ) from exc
     return program, _specializations(program)
 
 
@@ -229,9 +272,13 @@ def capture(model: nn.Module, example_inputs: ExampleInputs = None) -> Capture:
     if not _functionalize(program.graph):
         try:
             program = program.run_decompositions({})
-        except Exception as exc:  # retracing a draft_export program can disagree with the example's values
-            raise CaptureError(f"torch.export could not functionalize the graph of {type(model).__name__}: "
-                               f"{type(exc).__name__}: {first_line(exc)}") from exc
+        except (
+            Exception
+        ) as exc:  # retracing a draft_export program can disagree with the example's values
+            raise CaptureError(
+                f"torch.export could not functionalize the graph of {type(model).__name__}: "
+                f"{type(exc).__name__}: {first_line(exc)}"
+            ) from exc
     sig = program.graph_signature
     persistent = set(program.state_dict)
     placeholder_fqn: dict[str, str] = dict(sig.inputs_to_parameters)
@@ -240,5 +287,12 @@ def capture(model: nn.Module, example_inputs: ExampleInputs = None) -> Capture:
         (placeholder_fqn if fqn in persistent else constants)[node_name] = fqn
     out_spec = program.call_spec.out_spec
     output_names = _leaf_names(out_spec) if out_spec is not None else []
-    return Capture(model=model, program=program, placeholder_fqn=placeholder_fqn, constants=constants,
-                   aliases=_aliases(model), output_names=output_names, specialized=specialized)
+    return Capture(
+        model=model,
+        program=program,
+        placeholder_fqn=placeholder_fqn,
+        constants=constants,
+        aliases=_aliases(model),
+        output_names=output_names,
+        specialized=specialized,
+    )

@@ -1,4 +1,5 @@
-"""Pass 1: the forward zero-mean dataflow (the paper's Algorithm 1): each tensor is zero-mean along an
+"""Pass 1: the forward zero-mean dataflow (the paper's Algorithm 1): each tensor is zero-mean along
+an
 axis once some sources are centered (``Zero``), or not, and why (``NotZero``)."""
 
 from __future__ import annotations
@@ -10,8 +11,24 @@ from torch import fx
 
 from .graph import GN_OPS, LN_OPS, META_OPS, GraphIndex, op_name, reads_value, shape
 from ..plan import AuxCentering
-from .rules import (CAT_OPS, MAP, SCALE, SUM, Layout, Refusal, Source, carry, carry_all, kind_of, linear_terms,
-                    param_source, per_feature_param, per_row, source_of, split_axis)
+from .rules import (
+    CAT_OPS,
+    MAP,
+    SCALE,
+    SUM,
+    Layout,
+    Refusal,
+    Source,
+    carry,
+    carry_all,
+    kind_of,
+    linear_terms,
+    param_source,
+    per_feature_param,
+    per_row,
+    source_of,
+    split_axis,
+)
 
 
 @dataclass(frozen=True)
@@ -20,8 +37,11 @@ class Zero:
 
     axis: int
     sources: frozenset[str]
-    whole: bool = False  # part of the zero mean comes from an explicit centering of the whole axis (not per group)
-    layout: Layout | None = None  # where the blocks went, if the feature axis was split (per-head norms)
+    # part of the zero mean comes from an explicit centering of the whole axis (not per group)
+    whole: bool = False
+    layout: Layout | None = (
+        None  # where the blocks went, if the feature axis was split (per-head norms)
+    )
 
 
 @dataclass(frozen=True)
@@ -42,7 +62,9 @@ class Dataflow:
         self.aux = aux or {}
         self.sources: dict[str, Source] = {}
         self.states: dict[fx.Node, Any] = {}
-        self.param_axes: dict[fx.Node, int] = {}  # parameters used as data whose feature axis is not their last
+        self.param_axes: dict[
+            fx.Node, int
+        ] = {}  # parameters used as data whose feature axis is not their last
 
     def run(self) -> None:
         self._pass()
@@ -58,11 +80,16 @@ class Dataflow:
             self.g.at = node
             state = self.transfer(node)
             if op_name(node) == "native_layer_norm":
-                state = (state, NotZero("includes LayerNorm statistics"), NotZero("includes LayerNorm statistics"))
+                state = (
+                    state,
+                    NotZero("includes LayerNorm statistics"),
+                    NotZero("includes LayerNorm statistics"),
+                )
             self.states[node] = state
 
     def grouped(self, key: str, groups: int, blocks: tuple[int, ...] | None = None) -> str:
-        """The key of ``key``'s source centered in ``groups`` blocks (GroupNorm, per-head norm), or only ``blocks``."""
+        """The key of ``key``'s source centered in ``groups`` blocks (GroupNorm, per-head norm), or
+        only ``blocks``."""
         if groups == 1:
             return key
         src = self.sources[key]
@@ -70,8 +97,13 @@ class Dataflow:
         if new not in self.sources:
             params = tuple(replace(c, groups=groups, blocks=blocks) for c in src.params)
             some = f", {len(blocks)} of them" if blocks is not None else ""
-            self.sources[new] = replace(src, key=new, label=f"{src.label} (in {groups} groups{some})",
-                                        params=params, groups=groups)
+            self.sources[new] = replace(
+                src,
+                key=new,
+                label=f"{src.label} (in {groups} groups{some})",
+                params=params,
+                groups=groups,
+            )
         return new
 
     def _add(self, src: Source) -> Zero:
@@ -84,7 +116,13 @@ class Dataflow:
         name = op_name(node)
         if node in self.aux:
             point = self.aux[node]
-            src = Source(f"aux:{point.module}:{point.where}", point.describe(), node, len(shape(node)) - 1, ())
+            src = Source(
+                f"aux:{point.module}:{point.where}",
+                point.describe(),
+                node,
+                len(shape(node)) - 1,
+                (),
+            )
             return replace(self._add(src), whole=True)
         if node.op == "placeholder":
             return self._placeholder(node)
@@ -93,11 +131,16 @@ class Dataflow:
         if node in g.centers:
             return Zero(g.center_axis(node), frozenset(), whole=True)
         if name in LN_OPS:
-            label = g.cap.module_path(node) or f"the functional layer_norm `{node.name}` {g.cap.where(node)}"
+            label = (
+                g.cap.module_path(node)
+                or f"the functional layer_norm `{node.name}` {g.cap.where(node)}"
+            )
             return NotZero(f"includes the output of {label}, which is not zero-mean")
         if name in GN_OPS:
-            return NotZero(f"includes the output of the {name.replace('_', ' ')} {g.label(node)}, "
-                           "which is not zero-mean")
+            return NotZero(
+                f"includes the output of the {name.replace('_', ' ')} {g.label(node)}, "
+                "which is not zero-mean"
+            )
         if name in META_OPS:
             return None
         src = source_of(g, node)
@@ -116,30 +159,41 @@ class Dataflow:
         if src is not None:
             return self._add(src)
         if node.name in cap.constants:
-            return NotZero(f"includes the constant {cap.constants[node.name]}, which is "
-                           "not saved with the model and so cannot be centered")
+            return NotZero(
+                f"includes the constant {cap.constants[node.name]}, which is "
+                "not saved with the model and so cannot be centered"
+            )
         if node.name in cap.placeholder_fqn:
             return NotZero(f"includes the scalar parameter {cap.placeholder_fqn[node.name]}")
         return NotZero(f"includes the model input `{node.name}`, which is not zero-mean")
 
     def _feature_axes(self) -> dict[fx.Node, int]:
-        """The feature axis of each parameter used as data where it is not its last: a table added to the stream
-        (``conv(x) + pos``, ``pos`` (1, C, H, W)) takes the stream's; a guess, which the next pass proves."""
+        """The feature axis of each parameter used as data where it is not its last: a table added
+        to the stream
+        (``conv(x) + pos``, ``pos`` (1, C, H, W)) takes the stream's; a guess, which the next pass
+        proves."""
         g = self.g
         tables: set[fx.Node] = set()  # values computed from parameters only
         for node in g.graph.nodes:
             if node.op == "placeholder":
-                src = self.sources.get(g.cap.placeholder_fqn.get(node.name) or g.buffers.get(node.name, ""))
+                src = self.sources.get(
+                    g.cap.placeholder_fqn.get(node.name) or g.buffers.get(node.name, "")
+                )
                 if src is not None and src.node is node:
                     tables.add(node)
-            elif node.op == "call_function" and kind_of(node) in (MAP, SUM) and node.all_input_nodes and all(
-                    i in tables for i in node.all_input_nodes if reads_value(node, i)):
+            elif (
+                node.op == "call_function"
+                and kind_of(node) in (MAP, SUM)
+                and node.all_input_nodes
+                and all(i in tables for i in node.all_input_nodes if reads_value(node, i))
+            ):
                 tables.add(node)
         wanted: dict[fx.Node, int] = {}
         clash: set[fx.Node] = set()
 
         def want(user: fx.Node, value: fx.Node, axis: int) -> None:
-            """``value``, read by ``user``, must hold its feature axis where ``user``'s output has it."""
+            """``value``, read by ``user``, must hold its feature axis where ``user``'s output has
+            it."""
             dims = shape(value)
             if dims is None:
                 return
@@ -162,9 +216,14 @@ class Dataflow:
                 continue
             parts = [o for o in operands(node) if isinstance(o, fx.Node)]
             mine = [o for o in parts if o in tables]
-            axes = {carry(node, o, self.states[o].axis, g.cap.where(node)) for o in parts
-                    if o not in mine and isinstance(self.states.get(o), Zero)}
-            if mine and len(axes) == 1 and isinstance(axis := axes.pop(), int):  # a Refusal is a str
+            axes = {
+                carry(node, o, self.states[o].axis, g.cap.where(node))
+                for o in parts
+                if o not in mine and isinstance(self.states.get(o), Zero)
+            }
+            if (
+                mine and len(axes) == 1 and isinstance(axis := axes.pop(), int)
+            ):  # a Refusal is a str
                 for o in mine:
                     want(node, o, axis)
         return {p: a for p, a in wanted.items() if p not in clash and a != len(shape(p)) - 1}
@@ -172,11 +231,19 @@ class Dataflow:
     def _transfer_map(self, node: fx.Node) -> Any:
         name, x = op_name(node), node.args[0]
         state = self.states.get(x) if isinstance(x, fx.Node) else None
-        if name == "getitem" and isinstance(state, tuple):  # a native_layer_norm's (out, mean, rstd)
+        if name == "getitem" and isinstance(
+            state, tuple
+        ):  # a native_layer_norm's (out, mean, rstd)
             return state[node.args[1]] if node.args[1] < len(state) else None
         if not isinstance(state, Zero):
-            return state if isinstance(state, NotZero) else NotZero(
-                f"includes the output of {name} {self.g.cap.where(node)}, which is not zero-mean")
+            return (
+                state
+                if isinstance(state, NotZero)
+                else NotZero(
+                    f"includes the output of {name} {self.g.cap.where(node)}, which is not "
+                    "zero-mean"
+                )
+            )
         where = self.g.cap.where(node)
         moved = carry_all(node, [(x, state.axis, state.layout)], where)
         if isinstance(moved, Refusal):
@@ -188,17 +255,26 @@ class Dataflow:
         blocks = tuple(sorted(layout.visible()))
         if any(self.sources[k].groups != layout.groups for k in state.sources):
             return NotZero(f"is split into blocks {where} in a way enjoyln cannot follow")
-        keys = frozenset(self.grouped(k.partition("#")[0], layout.groups, blocks) for k in state.sources)
+        keys = frozenset(
+            self.grouped(k.partition("#")[0], layout.groups, blocks) for k in state.sources
+        )
         return Zero(new, keys, state.whole, layout)
 
     def _split(self, node: fx.Node, x: fx.Node, state: Zero) -> State | None:
-        """A reshape splitting the feature axis into blocks (``(..., H, D)``), zero-mean once each is centered."""
+        """A reshape splitting the feature axis into blocks (``(..., H, D)``), zero-mean once each
+        is centered."""
         found = split_axis(node, x, state.axis)
-        if found is None or state.whole or state.layout is not None or not all(
-                self.sources[k].plain for k in state.sources):
+        if (
+            found is None
+            or state.whole
+            or state.layout is not None
+            or not all(self.sources[k].plain for k in state.sources)
+        ):
             return None
         axis, layout = found
-        return Zero(axis, frozenset(self.grouped(k, layout.groups) for k in state.sources), False, layout)
+        return Zero(
+            axis, frozenset(self.grouped(k, layout.groups) for k in state.sources), False, layout
+        )
 
     def _transfer_sum(self, node: fx.Node) -> State:
         where = self.g.cap.where(node)
@@ -210,15 +286,22 @@ class Dataflow:
                 continue
             state = self.states.get(operand)
             if not isinstance(state, Zero):
-                return state if isinstance(state, NotZero) else NotZero(
-                    f"includes {self.g.describe(operand)}, which is not zero-mean")
+                return (
+                    state
+                    if isinstance(state, NotZero)
+                    else NotZero(f"includes {self.g.describe(operand)}, which is not zero-mean")
+                )
             if isinstance(refused := carry(node, operand, state.axis, where), Refusal):
                 return NotZero(refused)  # before a later operand's reason
             facts.append((operand, state.axis, state.layout))
             sources |= state.sources
             whole |= state.whole
         moved = carry_all(node, facts, where)
-        return NotZero(moved) if isinstance(moved, Refusal) else Zero(moved[0], frozenset(sources), whole, moved[1])
+        return (
+            NotZero(moved)
+            if isinstance(moved, Refusal)
+            else Zero(moved[0], frozenset(sources), whole, moved[1])
+        )
 
     def _transfer_scale(self, node: fx.Node) -> State:
         a, b = node.args[0], node.args[1]
@@ -238,22 +321,33 @@ class Dataflow:
             if scaled is not None:
                 return scaled
         # the operand with the output's shape is the stream; the other one scales it
-        stream_ok = any(isinstance(self.states.get(x), Zero) and shape(x) == shape(node)
-                        for x in (a, b) if isinstance(x, fx.Node))
+        stream_ok = any(
+            isinstance(self.states.get(x), Zero) and shape(x) == shape(node)
+            for x in (a, b)
+            if isinstance(x, fx.Node)
+        )
         if first_bad is not None and not stream_ok:
             return first_bad
-        return NotZero(f"is multiplied by a per-feature tensor {self.g.cap.where(node)}; a per-feature scale "
-                       "keeps a zero mean only as a LayerScale: a parameter right after one layer")
+        return NotZero(
+            f"is multiplied by a per-feature tensor {self.g.cap.where(node)}; a per-feature scale "
+            "keeps a zero mean only as a LayerScale: a parameter right after one layer"
+        )
 
-    def _layer_scale(self, node: fx.Node, stream: fx.Node, factor: Any, state: Zero, axis: int) -> State | None:
-        """``γ ⊙ y``, ``γ`` a per-feature parameter (LayerScale), ``y`` a linear combination of layers' outputs
-        (timm's ParallelScalingBlock): zero-mean once each layer is centered for ``γ``; else None."""
+    def _layer_scale(
+        self, node: fx.Node, stream: fx.Node, factor: Any, state: Zero, axis: int
+    ) -> State | None:
+        """``γ ⊙ y``, ``γ`` a per-feature parameter (LayerScale), ``y`` a linear combination of
+        layers' outputs
+        (timm's ParallelScalingBlock): zero-mean once each layer is centered for ``γ``; else
+        None."""
         g = self.g
         fqn = per_feature_param(g, factor, node, axis)
         if fqn is None or not state.sources or state.whole:
             return None
         by_node = {self.sources[k].node: k for k in state.sources}
-        if len(by_node) != len(state.sources) or not all(self.sources[k].plain for k in state.sources):
+        if len(by_node) != len(state.sources) or not all(
+            self.sources[k].plain for k in state.sources
+        ):
             return None
         found = linear_terms(stream, set(by_node))
         if found is None or len(found[0]) != len(by_node):
@@ -262,16 +356,24 @@ class Dataflow:
         gain = g.value(fqn)
         if gain is not None and not bool(gain.ne(0).all()):
             labels = " and ".join(self.sources[by_node[leaf]].label for leaf in leaves)
-            return NotZero(f"is multiplied by the LayerScale gain {fqn} {g.cap.where(node)}, which has a zero "
-                           f"entry, so no centering of {labels} makes the product zero-mean")
+            return NotZero(
+                f"is multiplied by the LayerScale gain {fqn} {g.cap.where(node)}, which has a zero "
+                f"entry, so no centering of {labels} makes the product zero-mean"
+            )
         name = g.cap.use_alias(node, fqn) or fqn
         keys = []
         for leaf in leaves:
             src = self.sources[by_node[leaf]]
             params = tuple(replace(c, scale=name) for c in src.params)
             keys.append(f"{src.key}*{fqn}")
-            self.sources[keys[-1]] = Source(keys[-1], f"{src.label} (for the LayerScale {fqn})", node, axis, params,
-                                            chain=(leaf, *inner))
+            self.sources[keys[-1]] = Source(
+                keys[-1],
+                f"{src.label} (for the LayerScale {fqn})",
+                node,
+                axis,
+                params,
+                chain=(leaf, *inner),
+            )
         return Zero(axis, frozenset(keys))
 
 

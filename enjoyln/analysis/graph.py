@@ -17,36 +17,79 @@ from ..plan import Centering
 LN_OPS = {"layer_norm", "native_layer_norm"}
 GN_OPS = {"group_norm", "native_group_norm", "instance_norm"}
 # What a user's torch.fx.GraphModule may call a LayerNorm
-FUNCTIONAL_LN = {torch.nn.functional.layer_norm, torch.layer_norm,
-                 torch.ops.aten.layer_norm.default, torch.ops.aten.layer_norm}
+FUNCTIONAL_LN = {
+    torch.nn.functional.layer_norm,
+    torch.layer_norm,
+    torch.ops.aten.layer_norm.default,
+    torch.ops.aten.layer_norm,
+}
 # Ops that read only the shape, dtype or device of a tensor, never its values.
-META_OPS = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride", "_assert_tensor_metadata",
-            "_assert_scalar", "empty_like", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones",
-            "new_empty", "new_full", "rand_like", "randn_like", "randint_like", "_local_scalar_dense"}
+META_OPS = {
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+    "size",
+    "stride",
+    "_assert_tensor_metadata",
+    "_assert_scalar",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "new_zeros",
+    "new_ones",
+    "new_empty",
+    "new_full",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "_local_scalar_dense",
+}
 # Ops that read their first argument's values and only the shape or dtype of the second.
 TEMPLATE_OPS = {"expand_as", "view_as", "reshape_as", "type_as"}
 # Ops that return their input's values unchanged (a cast keeping the dtype).
 _COPY_OPS = {"_to_copy", "to", "alias", "clone", "detach", "contiguous", "lift_fresh_copy"}
 # Ops through which a weight is still "the parameter", only transposed or cast.
-PARAM_VIEW_OPS = {"_to_copy", "to", "detach", "alias", "contiguous", "t", "transpose", "permute", "numpy_T"}
+PARAM_VIEW_OPS = {
+    "_to_copy",
+    "to",
+    "detach",
+    "alias",
+    "contiguous",
+    "t",
+    "transpose",
+    "permute",
+    "numpy_T",
+}
 
 
 SERVED_OUTPUTS = {"loss", "past_key_values"}
 
 
 def served(name: str, names: Iterable[str]) -> bool:
-    """Whether output ``name``, one of a model's outputs ``names``, is what the model serves: where it has
-    logits, its logits (``logits_per_image`` too), embeddings (CLIP's ``image_embeds``), loss and cache; else
+    """Whether output ``name``, one of a model's outputs ``names``, is what the model serves: where
+    it has
+    logits, its logits (``logits_per_image`` too), embeddings (CLIP's ``image_embeds``), loss and
+    cache; else
     every output. The hidden states of a tower or a stack beside logits are not served.
 
     >>> served("image_hidden_states", ["logits", "image_hidden_states"]), served("last_hidden_state", ["last_hidden_state"])
     (False, True)
-    """
+    """  # noqa: E501
     if not any(n.startswith("logits") for n in names):
         return True
     head = name.split(".")[0]
-    return head.startswith("logits") or head.endswith("embeds") or head in SERVED_OUTPUTS or name.startswith("buffer:")
-"""Outputs a model with logits serves besides its logits and embeddings: what training and generation read."""
+    return (
+        head.startswith("logits")
+        or head.endswith("embeds")
+        or head in SERVED_OUTPUTS
+        or name.startswith("buffer:")
+    )
+
+
+"""Outputs a model with logits serves besides its logits and embeddings: what training and
+generation read."""
 
 
 def op_name(node: fx.Node) -> str:
@@ -73,13 +116,17 @@ SYMBOLIC_BASE = 1 << 40
 
 
 def _stand_in(expr: Any) -> int | None:
-    """A symbolic size as one integer: its expression with each symbol replaced by a large number of its own
-    (``u0`` by one, ``4*u0`` by four times that). Products and equalities of sizes then hold as they hold for
+    """A symbolic size as one integer: its expression with each symbol replaced by a large number of
+    its own
+    (``u0`` by one, ``4*u0`` by four times that). Products and equalities of sizes then hold as they
+    hold for
     every value of the symbols, except by a coincidence of the stand-ins, which are far apart."""
     import zlib
 
     try:
-        values = {sym: SYMBOLIC_BASE + 2 * zlib.crc32(str(sym).encode()) + 1 for sym in expr.free_symbols}
+        values = {
+            sym: SYMBOLIC_BASE + 2 * zlib.crc32(str(sym).encode()) + 1 for sym in expr.free_symbols
+        }
         out = expr.xreplace(values)
         # a bare symbol comes back as a Python int, an expression as a sympy Integer
         return int(out) if isinstance(out, int) or getattr(out, "is_Integer", False) else None
@@ -88,7 +135,8 @@ def _stand_in(expr: Any) -> int | None:
 
 
 def _static(size: Any) -> int | None:
-    """A size as an int: a symbolic one (a data-dependent batch, as ``x[mask]`` makes) as its stand-in, or None;
+    """A size as an int: a symbolic one (a data-dependent batch, as ``x[mask]`` makes) as its
+    stand-in, or None;
     never ``int()``, which raises on a data-dependent size."""
     if isinstance(size, int):
         return size
@@ -109,7 +157,8 @@ def shape(node: Any) -> tuple[int, ...] | None:
 
 
 def rank(node: Any) -> int | None:
-    """The number of dimensions of a node's tensor value, symbolic sizes included (Idefics3's images, chosen by a
+    """The number of dimensions of a node's tensor value, symbolic sizes included (Idefics3's
+    images, chosen by a
     mask, are a data-dependent batch); None if it is not a tensor."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val.dim() if isinstance(val, torch.Tensor) else None
@@ -137,19 +186,25 @@ def reads_value(user: fx.Node, node: fx.Node) -> bool:
 
 
 def permutation(node: fx.Node, ndim: int) -> list[int]:
-    """The axes a permute, transpose, t, numpy_T, swapaxes or movedim takes: output axis i is input axis p[i]."""
+    """The axes a permute, transpose, t, numpy_T, swapaxes or movedim takes: output axis i is input
+    axis p[i]."""
     name, perm = op_name(node), list(range(ndim))
     if name == "numpy_T":
         return perm[::-1]
     if name == "permute":
         return [norm_dim(d, ndim) for d in node.args[1]]
     if name == "movedim":
-        src, dst = ([norm_dim(x, ndim) for x in (d if isinstance(d, (list, tuple)) else [d])] for d in node.args[1:3])
+        src, dst = (
+            [norm_dim(x, ndim) for x in (d if isinstance(d, (list, tuple)) else [d])]
+            for d in node.args[1:3]
+        )
         perm = [p for p in perm if p not in src]
         for s, d in sorted(zip(src, dst), key=lambda x: x[1]):
             perm.insert(d, s)
     elif ndim >= 2:
-        a, b = (0, 1) if name == "t" else (norm_dim(node.args[1], ndim), norm_dim(node.args[2], ndim))
+        a, b = (
+            (0, 1) if name == "t" else (norm_dim(node.args[1], ndim), norm_dim(node.args[2], ndim))
+        )
         perm[a], perm[b] = perm[b], perm[a]
     return perm
 
@@ -160,8 +215,11 @@ def live_nodes(graph: fx.Graph) -> set[fx.Node]:
     live: set[fx.Node] = set()
     for node in reversed(graph.nodes):
         schema = getattr(node.target, "_schema", None)
-        if node.op == "output" or (schema is not None and schema.is_mutable) or any(
-                u in live and reads_value(u, node) for u in node.users):
+        if (
+            node.op == "output"
+            or (schema is not None and schema.is_mutable)
+            or any(u in live and reads_value(u, node) for u in node.users)
+        ):
             live.add(node)
     return live
 
@@ -171,25 +229,39 @@ class GraphIndex:
 
     def __init__(self, cap: Capture, weights: Mapping[str, torch.Tensor] | None = None):
         self.cap = cap
-        self.weights = dict(weights or {})  # values of parameters the model holds on the meta device
+        self.weights = dict(
+            weights or {}
+        )  # values of parameters the model holds on the meta device
         self.graph = cap.graph
         self.placeholders = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
-        self.placeholder_of: dict[str, fx.Node] = {}  # every name of a parameter (tied aliases too) -> its placeholder
+        self.placeholder_of: dict[
+            str, fx.Node
+        ] = {}  # every name of a parameter (tied aliases too) -> its placeholder
         for name, fqn in cap.placeholder_fqn.items():
             node = self.placeholders[name]
             for alias in cap.aliases.get(fqn, (fqn,)):
                 if node.users or alias not in self.placeholder_of:
                     self.placeholder_of[alias] = node
-        # for a rotation keeping only what the model serves exact: the outputs not served a norm's change reaches
+        # for a rotation keeping only what the model serves exact: the outputs not served a norm's
+        # change reaches
         self.free_outputs = False
         self.changed_outputs: dict[fx.Node, list[str]] = {}
-        self.buffers = {name: fqn for name, fqn in cap.program.graph_signature.inputs_to_buffers.items()
-                        if name in cap.constants}  # placeholder name -> a non-persistent buffer (not saved)
+        self.buffers = {
+            name: fqn
+            for name, fqn in cap.program.graph_signature.inputs_to_buffers.items()
+            if name in cap.constants
+        }  # placeholder name -> a non-persistent buffer (not saved)
         self.live = live_nodes(self.graph)
         self.order = {n: i for i, n in enumerate(self.graph.nodes)}
-        self.centers = self._find_centerings()  # explicit ``x - x.mean(axis, keepdim=True)``: sub -> mean
-        self.output_names = self._output_names()  # position in the output node's arguments -> its name
-        self.at: fx.Node | None = None  # the node a pass is looking at, to name it if the analysis fails
+        self.centers = (
+            self._find_centerings()
+        )  # explicit ``x - x.mean(axis, keepdim=True)``: sub -> mean
+        self.output_names = (
+            self._output_names()
+        )  # position in the output node's arguments -> its name
+        self.at: fx.Node | None = (
+            None  # the node a pass is looking at, to name it if the analysis fails
+        )
 
     @contextmanager
     def reporting(self) -> Iterator[None]:
@@ -200,9 +272,13 @@ class GraphIndex:
             raise
         except Exception as exc:
             first = first_line(exc, "")
-            what = f"at {self.describe(self.at)}" if self.at is not None else "before reaching any op"
-            raise AnalysisError(f"enjoyln could not analyse {type(self.cap.model).__name__} {what}: "
-                                f"{type(exc).__name__}: {first}") from exc
+            what = (
+                f"at {self.describe(self.at)}" if self.at is not None else "before reaching any op"
+            )
+            raise AnalysisError(
+                f"enjoyln could not analyse {type(self.cap.model).__name__} {what}: "
+                f"{type(exc).__name__}: {first}"
+            ) from exc
 
     # -- naming ------------------------------------------------------------------------
 
@@ -235,13 +311,17 @@ class GraphIndex:
         return served(name, self.output_names.values())
 
     def writes_back(self, index: int, out: fx.Node) -> bool:
-        """Whether output ``index`` stores a buffer's own value back, unchanged (CTRL's ``pos_encoding.to(dtype)``)."""
+        """Whether output ``index`` stores a buffer's own value back, unchanged (CTRL's
+        ``pos_encoding.to(dtype)``)."""
         target = self.output_names.get(index, "").removeprefix("buffer:")
         node = out
         while node.op == "call_function" and op_name(node) in _COPY_OPS and node.args:
             before = node.args[0]
-            if not isinstance(before, fx.Node) or shape(before) != shape(node) or (
-                    before.meta["val"].dtype != node.meta["val"].dtype):
+            if (
+                not isinstance(before, fx.Node)
+                or shape(before) != shape(node)
+                or (before.meta["val"].dtype != node.meta["val"].dtype)
+            ):
                 return False
             node = before
         fqn = self.cap.placeholder_fqn.get(node.name) or self.buffers.get(node.name)
@@ -281,13 +361,20 @@ class GraphIndex:
     def role(self, params: tuple[Centering, ...]) -> frozenset:
         """What a centering does, whatever names it goes by: tensor, axis, groups, blocks, gain."""
         name = lambda p: getattr(self.placeholder_of.get(p), "name", p)  # noqa: E731
-        return frozenset((name(c.param), c.axis, c.groups, c.blocks, c.scale and name(c.scale)) for c in params)
+        return frozenset(
+            (name(c.param), c.axis, c.groups, c.blocks, c.scale and name(c.scale)) for c in params
+        )
 
     def tied_apart(self, alias: str | None, aliases: Collection[str]) -> bool:
-        """Whether ``alias`` names the tensor ``aliases`` name on another module, which untying gives its own copy
+        """Whether ``alias`` names the tensor ``aliases`` name on another module, which untying
+        gives its own copy
         (one module under two names is one module)."""
         owner = lambda name: id(self.cap.submodule(name.rpartition(".")[0]))  # noqa: E731
-        return alias is not None and alias not in aliases and owner(alias) not in {owner(a) for a in aliases}
+        return (
+            alias is not None
+            and alias not in aliases
+            and owner(alias) not in {owner(a) for a in aliases}
+        )
 
     def nbytes(self, node: fx.Node) -> int:
         val = node.meta.get("val")
@@ -295,7 +382,11 @@ class GraphIndex:
 
     def readers(self, node: fx.Node) -> list[fx.Node]:
         """The ops that read a parameter, looking through transposes and casts."""
-        return [r for u in node.users for r in (self.readers(u) if op_name(u) in PARAM_VIEW_OPS else [u])]
+        return [
+            r
+            for u in node.users
+            for r in (self.readers(u) if op_name(u) in PARAM_VIEW_OPS else [u])
+        ]
 
     # -- explicit centerings ------------------------------------------------------------------
 

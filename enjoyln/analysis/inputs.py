@@ -40,8 +40,10 @@ def as_inputs(example_inputs: ExampleInputs) -> Inputs:
         return Inputs((), dict(example_inputs))
     if isinstance(example_inputs, (tuple, list)):
         return Inputs(tuple(example_inputs), {})
-    raise CaptureError(f"example_inputs must be a tensor, a tuple of tensors or a dict of keyword arguments, "
-                       f"not {type(example_inputs).__name__}")
+    raise CaptureError(
+        f"example_inputs must be a tensor, a tuple of tensors or a dict of keyword arguments, "
+        f"not {type(example_inputs).__name__}"
+    )
 
 
 # --- reading a Hugging Face config ----------------------------------------------------
@@ -77,25 +79,39 @@ def is_causal_lm(model: nn.Module) -> bool:
 
 
 def wants_no_cache(model: nn.Module) -> bool:
-    """Does ``forward`` take ``use_cache``, by name or through ``**kwargs`` of a caching config? Such a
-    model returns a cache object without ``use_cache=False``, which ``torch.export`` cannot return."""
+    """Does ``forward`` take ``use_cache``, by name or through ``**kwargs`` of a caching config?
+    Such a
+    model returns a cache object without ``use_cache=False``, which ``torch.export`` cannot
+    return."""
     params = inspect.signature(model.forward).parameters
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    return "use_cache" in params or (var_kw and config_value(getattr(model, "config", None), "use_cache") is not None)
+    return "use_cache" in params or (
+        var_kw and config_value(getattr(model, "config", None), "use_cache") is not None
+    )
 
 
 # --- synthesis ------------------------------------------------------------------------
 
-_KEPT_TOKENS = {"pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
-                "cls_token_id", "mask_token_id", "unk_token_id"}
+_KEPT_TOKENS = {
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "decoder_start_token_id",
+    "sep_token_id",
+    "cls_token_id",
+    "mask_token_id",
+    "unk_token_id",
+}
 
 
 def placeholder_ids(config: Any) -> set[int]:
     """Token ids that stand for an image, a video or audio: random text must not contain them."""
     found: set[int] = set()
     for cfg in (config, *(getattr(config, s, None) for s in _SUBCONFIGS)):
-        for key, value in (vars(cfg).items() if cfg is not None else ()):
-            if key in _KEPT_TOKENS or not (key.endswith("_token_id") or key.endswith("_token_index")):
+        for key, value in vars(cfg).items() if cfg is not None else ():
+            if key in _KEPT_TOKENS or not (
+                key.endswith("_token_id") or key.endswith("_token_index")
+            ):
                 continue
             if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                 found.add(value)
@@ -103,21 +119,30 @@ def placeholder_ids(config: Any) -> set[int]:
 
 
 def fill_text_ids(config: Any, ids: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    """``ids`` with its text positions filled in order from ``fill``, as far as it goes; the image's placeholder
+    """``ids`` with its text positions filled in order from ``fill``, as far as it goes; the image's
+    placeholder
     tokens stay where they are, as many as the image has features."""
     marks = placeholder_ids(config)
     flat = ids.reshape(-1).clone()
-    text = ~torch.isin(flat, torch.tensor(sorted(marks), device=flat.device)) if marks else torch.ones_like(
-        flat, dtype=torch.bool)
-    where = text.nonzero().squeeze(1)[:len(fill)]
-    flat[where] = fill[:len(where)].to(flat)
+    text = (
+        ~torch.isin(flat, torch.tensor(sorted(marks), device=flat.device))
+        if marks
+        else torch.ones_like(flat, dtype=torch.bool)
+    )
+    where = text.nonzero().squeeze(1)[: len(fill)]
+    flat[where] = fill[: len(where)].to(flat)
     return flat.view(ids.shape)
 
 
 def _audio_length(config: Any, frames: int) -> int:
-    """Samples a convolutional feature encoder turns into ``frames`` frames (wav2vec2: 320 per frame)."""
+    """Samples a convolutional feature encoder turns into ``frames`` frames (wav2vec2: 320 per
+    frame)."""
     kernels, strides = config_value(config, "conv_kernel"), config_value(config, "conv_stride")
-    if isinstance(kernels, (list, tuple)) and isinstance(strides, (list, tuple)) and len(kernels) == len(strides):
+    if (
+        isinstance(kernels, (list, tuple))
+        and isinstance(strides, (list, tuple))
+        and len(kernels) == len(strides)
+    ):
         length = frames
         for k, s in zip(reversed(kernels), reversed(strides)):
             length = (length - 1) * s + k
@@ -139,8 +164,11 @@ def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[d
     gen = torch.Generator().manual_seed(seed)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     # a model dispatched by accelerate keeps offloaded parameters on meta but runs on the CPU
-    device = (torch.device("cpu") if getattr(model, "hf_device_map", None)
-              else next((p.device for p in model.parameters()), torch.device("cpu")))
+    device = (
+        torch.device("cpu")
+        if getattr(model, "hf_device_map", None)
+        else next((p.device for p in model.parameters()), torch.device("cpu"))
+    )
     max_pos = config_value(config, "max_position_embeddings", "n_positions", "max_target_positions")
     seq = min(seq_len, max_pos) if isinstance(max_pos, int) and max_pos > 0 else seq_len
     vocab = config_value(config, "vocab_size")
@@ -162,13 +190,21 @@ def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[d
         text["input_ids"] = ids(seq)
     options: list[dict[str, Any]] = []
     image_token = config_value(config, "image_token_id", "image_token_index")
-    if "pixel_values" in params and text and isinstance(image_token, int) and hasattr(config, "vision_config"):
+    if (
+        "pixel_values" in params
+        and text
+        and isinstance(image_token, int)
+        and hasattr(config, "vision_config")
+    ):
         # a vision-language model: an image in every sample, the text holding its placeholder tokens
         with _evaluating(model):
-            options += image_text_options(model, image_layouts(model, randn, batch, device), text["input_ids"],
-                                          image_token)
+            options += image_text_options(
+                model, image_layouts(model, randn, batch, device), text["input_ids"], image_token
+            )
         options.append({})  # else the text alone
-    elif "pixel_values" in params and (main == "pixel_values" or config_value(config, "image_size")):
+    elif "pixel_values" in params and (
+        main == "pixel_values" or config_value(config, "image_size")
+    ):
         options += _pixel_options(config, randn, batch)
     if "pixel_values_videos" in params and main == "pixel_values_videos":
         frames = config_value(config, "frames_per_clip", "num_frames") or 4
@@ -176,7 +212,9 @@ def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[d
         options.append({"pixel_values_videos": randn(batch, frames, channels, *size)})
     if "input_values" in params and main == "input_values":
         options += _waveform_options(config, randn, batch, seq_len)
-    if "input_features" in params and (main == "input_features" or config_value(config, "num_mel_bins")):
+    if "input_features" in params and (
+        main == "input_features" or config_value(config, "num_mel_bins")
+    ):
         options += _feature_options(config, randn, batch)
     if "past_values" in params and main == "past_values":
         options += _series_options(config, params, randn, batch)
@@ -215,13 +253,23 @@ def _feature_options(config: Any, randn: Any, batch: int) -> list[dict[str, Any]
     mels = config_value(config, "num_mel_bins")
     if mels and src:  # Whisper: (batch, mels, 2 x positions), exactly
         return [{"input_features": randn(batch, int(mels), 2 * int(src))}]
-    per_channel, channels = config_value(config, "input_feat_per_channel"), config_value(config, "input_channels")
-    dims = [per_channel * channels if per_channel and channels else None,
-            config_value(config, "feature_projection_input_dim"), config_value(config, "feature_size"),
-            mels, config_value(config, "input_dim", "n_mels", "num_mel_bins_per_frame")]
+    per_channel, channels = (
+        config_value(config, "input_feat_per_channel"),
+        config_value(config, "input_channels"),
+    )
+    dims = [
+        per_channel * channels if per_channel and channels else None,
+        config_value(config, "feature_projection_input_dim"),
+        config_value(config, "feature_size"),
+        mels,
+        config_value(config, "input_dim", "n_mels", "num_mel_bins_per_frame"),
+    ]
     dim = next((int(d) for d in dims if isinstance(d, int) and d > 0), 80)
     frames = 64
-    return [{"input_features": randn(batch, frames, dim)}, {"input_features": randn(batch, dim, frames)}]
+    return [
+        {"input_features": randn(batch, frames, dim)},
+        {"input_features": randn(batch, dim, frames)},
+    ]
 
 
 def _series_options(config: Any, params: Any, randn: Any, batch: int) -> list[dict[str, Any]]:
@@ -229,8 +277,11 @@ def _series_options(config: Any, params: Any, randn: Any, batch: int) -> list[di
     lags = config_value(config, "lags_sequence") or [0]
     length = int(context) + int(max(lags))
     channels = config_value(config, "num_input_channels", "input_size") or 1
-    out = {"past_values": randn(batch, length, channels).squeeze(-1) if channels == 1 else
-           randn(batch, length, channels)}
+    out = {
+        "past_values": randn(batch, length, channels).squeeze(-1)
+        if channels == 1
+        else randn(batch, length, channels)
+    }
     time_features = config_value(config, "num_time_features")
     if "past_time_features" in params and isinstance(time_features, int):
         out["past_time_features"] = randn(batch, length, time_features)
@@ -275,7 +326,9 @@ def _first_that_runs(model: nn.Module, cands: list[Any], default: int | None = N
     return choice
 
 
-def hf_example_inputs(model: nn.Module, *, batch: int = 2, seq_len: int = 16, seed: int = 0) -> dict[str, Any]:
+def hf_example_inputs(
+    model: nn.Module, *, batch: int = 2, seq_len: int = 16, seed: int = 0
+) -> dict[str, Any]:
     """Synthesize keyword inputs for a Hugging Face model from its config, chosen by ``forward``'s
     signature and ``main_input_name``; of several possible layouts, the first the model runs on.
 
@@ -285,13 +338,20 @@ def hf_example_inputs(model: nn.Module, *, batch: int = 2, seq_len: int = 16, se
     """
     cands = _candidates(model, batch, seq_len, seed)
     if not cands:
-        raise CaptureError(_cannot_synthesize(model, "enjoyln does not know how to make its inputs"))
+        raise CaptureError(
+            _cannot_synthesize(model, "enjoyln does not know how to make its inputs")
+        )
     choice = 0 if len(cands) == 1 else _first_that_runs(model, cands)
     if choice is None:
-        tried = ", ".join(" + ".join(f"{k} {list(v.shape)}" for k, v in c.items() if isinstance(v, torch.Tensor))
-                          for c in cands)
-        raise CaptureError(_cannot_synthesize(
-            model, f"it runs on none of the {len(cands)} input layouts enjoyln tried ({tried})"))
+        tried = ", ".join(
+            " + ".join(f"{k} {list(v.shape)}" for k, v in c.items() if isinstance(v, torch.Tensor))
+            for c in cands
+        )
+        raise CaptureError(
+            _cannot_synthesize(
+                model, f"it runs on none of the {len(cands)} input layouts enjoyln tried ({tried})"
+            )
+        )
     return cands[choice]
 
 
@@ -300,19 +360,26 @@ def _cannot_synthesize(model: nn.Module, why: str) -> str:
     named = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     required = [n for n in named if params[n].default is inspect.Parameter.empty]
     needs = required or ([getattr(model, "main_input_name", None) or named[0]] if named else [])
-    return (f"cannot build example inputs for {type(model).__name__} from its config: {why}; pass "
-            f"example_inputs, a dict with at least {', '.join(needs) or 'its inputs'}")
+    return (
+        f"cannot build example inputs for {type(model).__name__} from its config: {why}; pass "
+        f"example_inputs, a dict with at least {', '.join(needs) or 'its inputs'}"
+    )
 
 
 # --- models that describe their own inputs: timm and open_clip (neither imported: what they
 # record on the model is read as plain attributes, so any module that records the same is alike)
+
 
 def _timm_input_size(model: nn.Module) -> tuple[int, int, int] | None:
     """(C, H, W) from timm's ``pretrained_cfg["input_size"]`` (``default_cfg`` in older timm)."""
     for name in ("pretrained_cfg", "default_cfg"):
         cfg = getattr(model, name, None)
         size = cfg.get("input_size") if isinstance(cfg, Mapping) else None
-        if isinstance(size, (list, tuple)) and len(size) == 3 and all(isinstance(s, int) and s > 0 for s in size):
+        if (
+            isinstance(size, (list, tuple))
+            and len(size) == 3
+            and all(isinstance(s, int) and s > 0 for s in size)
+        ):
             return int(size[0]), int(size[1]), int(size[2])
     return None
 
@@ -329,14 +396,18 @@ def _channels(model: nn.Module) -> int:
 def _text_shape(model: nn.Module) -> tuple[int, int] | None:
     """(context length, vocabulary size) of an open_clip text tower or CLIP model."""
     owners = (model, getattr(model, "text", None))
-    length, vocab = (next((getattr(o, n) for o in owners if isinstance(getattr(o, n, None), int)), None)
-                     for n in ("context_length", "vocab_size"))
+    length, vocab = (
+        next((getattr(o, n) for o in owners if isinstance(getattr(o, n, None), int)), None)
+        for n in ("context_length", "vocab_size")
+    )
     return (length, vocab) if length and length > 0 and vocab and vocab > 1 else None
 
 
 def _image_sizes(model: nn.Module) -> list[tuple[int, int, int]]:
-    """(C, H, W) candidates for an image model: the configured one first, then the size its patch embedding was
-    built for, which ``create_model(..., img_size=...)`` sets without updating ``pretrained_cfg``."""
+    """(C, H, W) candidates for an image model: the configured one first, then the size its patch
+    embedding was
+    built for, which ``create_model(..., img_size=...)`` sets without updating
+    ``pretrained_cfg``."""
     timm_size = _timm_input_size(model)
     sizes = [timm_size] if timm_size is not None else []
     own = int_pair(getattr(model, "image_size", None))
@@ -382,8 +453,11 @@ def described_inputs(model: nn.Module, *, batch: int = 2, seed: int = 0) -> Inpu
     return Inputs((ids(),), {}) if text is not None else None
 
 
-def resolve_inputs(model: nn.Module, example_inputs: ExampleInputs = None, *, seed: int = 0) -> Inputs:
-    """The user's example inputs, or inputs synthesized from a Hugging Face config or ``described_inputs``."""
+def resolve_inputs(
+    model: nn.Module, example_inputs: ExampleInputs = None, *, seed: int = 0
+) -> Inputs:
+    """The user's example inputs, or inputs synthesized from a Hugging Face config or
+    ``described_inputs``."""
     if example_inputs is not None:
         inputs = as_inputs(example_inputs)
         if is_hf_model(model) and wants_no_cache(model):
@@ -394,10 +468,14 @@ def resolve_inputs(model: nn.Module, example_inputs: ExampleInputs = None, *, se
     described = described_inputs(model, seed=seed)
     if described is not None:
         return described
-    raise CaptureError(f"{type(model).__name__} is not a Hugging Face model and records no input size enjoyln can "
-                       "read (timm's pretrained_cfg['input_size'], or open_clip's image_size, or context_length and "
-                       "vocab_size), so enjoyln cannot invent its inputs; pass example_inputs (a tensor, a tuple or "
-                       "a dict of keyword arguments)")
+    raise CaptureError(
+        f"{type(model).__name__} is not a Hugging Face model and records no input size enjoyln can "
+        "read (timm's pretrained_cfg['input_size'], or open_clip's image_size, or context_length "
+        "and "
+        "vocab_size), so enjoyln cannot invent its inputs; pass example_inputs (a tensor, a tuple "
+        "or "
+        "a dict of keyword arguments)"
+    )
 
 
 def inputs_like(inputs: Inputs, seed: int) -> Inputs:
@@ -412,4 +490,6 @@ def inputs_like(inputs: Inputs, seed: int) -> Inputs:
         lo, hi = int(x.min()), int(x.max())
         return torch.randint(lo, hi + 1, x.shape, generator=gen).to(x.dtype).to(x.device)
 
-    return Inputs(tuple(fresh(a) for a in inputs.args), {k: fresh(v) for k, v in inputs.kwargs.items()})
+    return Inputs(
+        tuple(fresh(a) for a in inputs.args), {k: fresh(v) for k, v in inputs.kwargs.items()}
+    )

@@ -1,5 +1,6 @@
 """Op rules: which ops keep a property shared by every feature (a zero mean, a per-row shift), and
-where the feature axis goes. One rule serves the dataflow, the soundness pass and the rotation proof;
+where the feature axis goes. One rule serves the dataflow, the soundness pass and the rotation
+proof;
 docs/contributing.md ("Adding an op rule") says how to write one."""
 
 from __future__ import annotations
@@ -16,12 +17,38 @@ from ..plan import Centering
 
 MAP, SUM, SCALE = "map", "sum", "scale"
 
-SOURCE_OPS = {"linear", "addmm", "mm", "matmul", "embedding", "convolution", "conv1d",
-              "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
-DROPOUT_OPS = {"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "native_dropout"}
+SOURCE_OPS = {
+    "linear",
+    "addmm",
+    "mm",
+    "matmul",
+    "embedding",
+    "convolution",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+}
+DROPOUT_OPS = {
+    "dropout",
+    "feature_dropout",
+    "alpha_dropout",
+    "feature_alpha_dropout",
+    "native_dropout",
+}
 CAST_OPS = {"_to_copy", "to", "type_as"}
 CAT_OPS = {"cat", "concat", "concatenate"}
-SPLIT_OPS = {"split", "split_with_sizes", "chunk", "tensor_split", "unbind", "unsafe_split", "unsafe_split_with_sizes"}
+SPLIT_OPS = {
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "tensor_split",
+    "unbind",
+    "unsafe_split",
+    "unsafe_split_with_sizes",
+}
 
 
 class Refusal(str):
@@ -58,15 +85,19 @@ RULES: dict[str, Rule] = {}  # op key (``op_key``) -> its rule
 
 def rule(*keys: str, kind: str = MAP) -> Callable[[CarryFn], CarryFn]:
     """Register ``fn`` as the rule of the ops ``keys``."""
+
     def register(fn: CarryFn) -> CarryFn:
         for k in keys:
             RULES[k] = Rule(kind, fn)
         return fn
+
     return register
 
 
 def rule_of(node: fx.Node) -> Rule | None:
-    return RULES.get(op_key(node)) or RULES.get(op_name(node)) if node.op == "call_function" else None
+    return (
+        RULES.get(op_key(node)) or RULES.get(op_name(node)) if node.op == "call_function" else None
+    )
 
 
 def kind_of(node: fx.Node) -> str | None:
@@ -76,7 +107,8 @@ def kind_of(node: fx.Node) -> str | None:
 
 
 def carry(node: fx.Node, src: fx.Node, axis: int, where: str) -> int | Refusal:
-    """Where ``src``'s feature axis ``axis`` lands in ``node``'s output if ``node`` keeps the property; else why."""
+    """Where ``src``'s feature axis ``axis`` lands in ``node``'s output if ``node`` keeps the
+    property; else why."""
     name = op_name(node)
     if name == "getitem":
         return axis
@@ -102,8 +134,19 @@ def per_row(factor: Any, out: fx.Node, axis: int) -> bool:
 
 # --- the rules ---------------------------------------------------------------------------
 
-@rule("getitem", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "positive", "neg",
-      "mul.Scalar", "div.Scalar")
+
+@rule(
+    "getitem",
+    "clone",
+    "contiguous",
+    "alias",
+    "detach",
+    "lift_fresh_copy",
+    "positive",
+    "neg",
+    "mul.Scalar",
+    "div.Scalar",
+)
 def _identity(op: Op) -> int | Refusal:
     return op.axis
 
@@ -120,22 +163,34 @@ def _reorder(op: Op) -> int | Refusal:
     name = op_name(op.node)
     dims = _dims(op, 1 if name == "flip" else 2, "dims")
     if op.axis in dims or (name == "roll" and not dims):
-        return Refusal(f"is {'flipped' if name == 'flip' else 'rolled'} along the feature axis {op.where}")
+        return Refusal(
+            f"is {'flipped' if name == 'flip' else 'rolled'} along the feature axis {op.where}"
+        )
     return op.axis
 
 
 _SPATIAL = {  # op -> how many trailing axes it works over, the same way for every channel
-    **{f"upsample_nearest{k}d": k for k in (1, 2, 3)}, **{f"_upsample_nearest_exact{k}d": k for k in (1, 2, 3)},
-    "upsample_linear1d": 1, "upsample_bilinear2d": 2, "_upsample_bilinear2d_aa": 2, "upsample_bicubic2d": 2,
-    "_upsample_bicubic2d_aa": 2, "upsample_trilinear3d": 3, "_adaptive_avg_pool2d": 2, "_adaptive_avg_pool3d": 3,
-    **{f"avg_pool{k}d": k for k in (1, 2, 3)}, **{f"adaptive_avg_pool{k}d": k for k in (1, 2, 3)},
-    **{f"reflection_pad{k}d": k for k in (1, 2, 3)}, **{f"replication_pad{k}d": k for k in (1, 2, 3)},
+    **{f"upsample_nearest{k}d": k for k in (1, 2, 3)},
+    **{f"_upsample_nearest_exact{k}d": k for k in (1, 2, 3)},
+    "upsample_linear1d": 1,
+    "upsample_bilinear2d": 2,
+    "_upsample_bilinear2d_aa": 2,
+    "upsample_bicubic2d": 2,
+    "_upsample_bicubic2d_aa": 2,
+    "upsample_trilinear3d": 3,
+    "_adaptive_avg_pool2d": 2,
+    "_adaptive_avg_pool3d": 3,
+    **{f"avg_pool{k}d": k for k in (1, 2, 3)},
+    **{f"adaptive_avg_pool{k}d": k for k in (1, 2, 3)},
+    **{f"reflection_pad{k}d": k for k in (1, 2, 3)},
+    **{f"replication_pad{k}d": k for k in (1, 2, 3)},
 }
 
 
 @rule(*_SPATIAL)
 def _spatial(op: Op) -> int | Refusal:
-    """Resampling, average pooling, padding: a linear map of the trailing axes, alike for every feature."""
+    """Resampling, average pooling, padding: a linear map of the trailing axes, alike for every
+    feature."""
     name = op_name(op.node)
     if op.axis >= op.ndim - _SPATIAL[name]:
         what = "pooled" if "pool" in name else "padded" if "pad" in name else "resampled"
@@ -147,7 +202,9 @@ def _spatial(op: Op) -> int | Refusal:
 def _dropout(op: Op) -> int | Refusal:
     p, train = arg(op.node, 1, "p", 0.5), arg(op.node, 2, "train", True)
     if train and p:
-        return Refusal(f"passes through dropout in training mode {op.where}; call model.eval() first")
+        return Refusal(
+            f"passes through dropout in training mode {op.where}; call model.eval() first"
+        )
     return op.axis
 
 
@@ -155,23 +212,40 @@ def _dropout(op: Op) -> int | Refusal:
 def _cast(op: Op) -> int | Refusal:
     """A cast to the same or a wider float keeps every value; any other does not."""
     a, b = op.src.meta.get("val"), op.node.meta.get("val")
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dtype == b.dtype or (
-            b.dtype.is_floating_point and torch.promote_types(a.dtype, b.dtype) == b.dtype):
+    if (
+        not isinstance(a, torch.Tensor)
+        or not isinstance(b, torch.Tensor)
+        or a.dtype == b.dtype
+        or (b.dtype.is_floating_point and torch.promote_types(a.dtype, b.dtype) == b.dtype)
+    ):
         return op.axis
-    what = f"{'rounded' if b.dtype.is_floating_point else 'cast'} to {str(b.dtype).replace('torch.', '')}"
+    what = (
+        f"{'rounded' if b.dtype.is_floating_point else 'cast'} to "
+        f"{str(b.dtype).replace('torch.', '')}"
+    )
     return Refusal(f"is {what} {op.where}, which does not commute with centering")
 
 
-RESHAPE_OPS = {"view", "reshape", "_unsafe_view", "view_as", "reshape_as", "flatten", "unflatten", "squeeze",
-               "unsqueeze"}
+RESHAPE_OPS = {
+    "view",
+    "reshape",
+    "_unsafe_view",
+    "view_as",
+    "reshape_as",
+    "flatten",
+    "unflatten",
+    "squeeze",
+    "unsqueeze",
+}
 
 
 @rule(*RESHAPE_OPS)
 def _reshape(op: Op) -> int | Refusal:
-    """A reshape keeps the feature axis whole if some output axis has its size and the same size to its right."""
-    d, inner = op.in_shape[op.axis], math.prod(op.in_shape[op.axis + 1:])
+    """A reshape keeps the feature axis whole if some output axis has its size and the same size to
+    its right."""
+    d, inner = op.in_shape[op.axis], math.prod(op.in_shape[op.axis + 1 :])
     for j, size in enumerate(op.out_shape):
-        if size == d and math.prod(op.out_shape[j + 1:]) == inner:
+        if size == d and math.prod(op.out_shape[j + 1 :]) == inner:
             return j
     return Refusal(f"is reshaped {op.where} in a way that splits or merges the feature axis")
 
@@ -204,14 +278,22 @@ def constant_along(node: Any, axis: int) -> bool:
 @rule("index")
 def _index(op: Op) -> int | Refusal:
     indexed = [i for i, ix in enumerate(arg(op.node, 1, "indices", [])) if ix is not None]
-    if op.axis == op.ndim - 1 and all(i < op.axis for i in indexed) and op.out_shape[-1] == op.in_shape[op.axis]:
+    if (
+        op.axis == op.ndim - 1
+        and all(i < op.axis for i in indexed)
+        and op.out_shape[-1] == op.in_shape[op.axis]
+    ):
         return len(op.out_shape) - 1
     return Refusal(f"is indexed {op.where} in a way that enjoyln cannot follow")
 
 
-_ALONG = {  # op -> (where its dim or dims argument is, its default, what it does to the feature axis if among them)
+# op -> (where its dim or dims argument is, its default, what it does to the feature axis if among
+# them)
+_ALONG = {
     **dict.fromkeys(("slice", "narrow"), (1, 0, "is cut along the feature axis by {}")),
-    **dict.fromkeys(("select", "index_select", "gather"), (1, None, "has its feature axis indexed by {}")),
+    **dict.fromkeys(
+        ("select", "index_select", "gather"), (1, None, "has its feature axis indexed by {}")
+    ),
     **dict.fromkeys(SPLIT_OPS, (2, 0, "is split along the feature axis by {}")),
     "unbind": (1, 0, "is split along the feature axis by {}"),
     **dict.fromkeys(("sum", "mean"), (1, (), "is reduced over the feature axis by {}")),
@@ -221,18 +303,25 @@ _ALONG = {  # op -> (where its dim or dims argument is, its default, what it doe
 
 @rule(*(k for k in _ALONG if k not in CAT_OPS))
 def _along(op: Op) -> int | Refusal:
-    """Cutting, indexing, splitting, reducing or concatenating along other axes treats every feature alike."""
+    """Cutting, indexing, splitting, reducing or concatenating along other axes treats every feature
+    alike."""
     name = op_name(op.node)
     if name in ("sum", "mean") and not arg(op.node, 1, "dim"):
         return Refusal(f"is reduced over every axis by {name} {op.where}")
     index, default, what = _ALONG[name]
     dims = _dims(op, index, "dim", default)
-    if op.axis in dims and not (name in ("slice", "narrow") and op.out_shape[op.axis] == op.in_shape[op.axis]):
+    if op.axis in dims and not (
+        name in ("slice", "narrow") and op.out_shape[op.axis] == op.in_shape[op.axis]
+    ):
         return Refusal(f"{what.format(name)} {op.where}")
-    if name == "gather" and (op.out_shape[op.axis] != op.in_shape[op.axis]
-                             or not constant_along(op.node.args[2], op.axis)):
+    if name == "gather" and (
+        op.out_shape[op.axis] != op.in_shape[op.axis]
+        or not constant_along(op.node.args[2], op.axis)
+    ):
         return Refusal(f"is gathered {op.where} with indices that differ between features")
-    drops = name in ("select", "unbind") or (name in ("sum", "mean") and not arg(op.node, 2, "keepdim", False))
+    drops = name in ("select", "unbind") or (
+        name in ("sum", "mean") and not arg(op.node, 2, "keepdim", False)
+    )
     return op.axis - sum(d < op.axis for d in dims) if drops else op.axis
 
 
@@ -241,11 +330,18 @@ rule(*CAT_OPS, kind=SUM)(_along)
 
 @rule("constant_pad_nd", "pad")
 def _pad(op: Op) -> int | Refusal:
-    pad, value = list(op.node.args[1]), arg(op.node, 3 if op_name(op.node) == "pad" else 2, "value", 0) or 0
+    pad, value = (
+        list(op.node.args[1]),
+        arg(op.node, 3 if op_name(op.node) == "pad" else 2, "value", 0) or 0,
+    )
     padded = {op.ndim - 1 - i // 2 for i, p in enumerate(pad) if p}
     if op.axis in padded:
         return Refusal(f"is padded along the feature axis {op.where}")
-    return op.axis if not padded or value == 0 else Refusal(f"is padded with the non-zero value {value} {op.where}")
+    return (
+        op.axis
+        if not padded or value == 0
+        else Refusal(f"is padded with the non-zero value {value} {op.where}")
+    )
 
 
 @rule("stack", kind=SUM)
@@ -256,7 +352,8 @@ def _stack(op: Op) -> int | Refusal:
 
 @rule("expand", "expand_as", "repeat", "tile")
 def _broadcast(op: Op) -> int | Refusal:
-    """New axes come first; the feature axis keeps its place from the right, and must keep its size."""
+    """New axes come first; the feature axis keeps its place from the right, and must keep its
+    size."""
     new, name = op.axis + len(op.out_shape) - op.ndim, op_name(op.node)
     if op.out_shape[new] == op.in_shape[op.axis]:
         return new
@@ -271,10 +368,13 @@ rule("mul", "div", kind=SCALE)(_broadcast)
 
 # --- splitting the feature axis into blocks (per-head norms) ------------------------------------
 
+
 @dataclass(frozen=True)
 class Layout:
-    """Where the blocks of a split feature axis went: ``(..., H, D)`` from ``size`` features leaves ``size / D``
-    ``groups``; ``axes``: (tensor axis, length, stride in blocks); ``offset``: the first block still in view."""
+    """Where the blocks of a split feature axis went: ``(..., H, D)`` from ``size`` features leaves
+    ``size / D``
+    ``groups``; ``axes``: (tensor axis, length, stride in blocks); ``offset``: the first block still
+    in view."""
 
     groups: int
     size: int
@@ -290,13 +390,14 @@ class Layout:
 
 
 def split_axis(node: fx.Node, src: fx.Node, axis: int) -> tuple[int, Layout] | None:
-    """(new feature axis, layout) if ``node`` reshapes ``src``'s ``axis`` into several, the last (a block) now it."""
+    """(new feature axis, layout) if ``node`` reshapes ``src``'s ``axis`` into several, the last (a
+    block) now it."""
     if op_name(node) not in RESHAPE_OPS:
         return None
     in_shape, out_shape = shape(src), shape(node)
-    n, inner, outer = in_shape[axis], math.prod(in_shape[axis + 1:]), math.prod(in_shape[:axis])
+    n, inner, outer = in_shape[axis], math.prod(in_shape[axis + 1 :]), math.prod(in_shape[:axis])
     for q in reversed(range(len(out_shape))):
-        if out_shape[q] == 1 or math.prod(out_shape[q + 1:]) != inner:
+        if out_shape[q] == 1 or math.prod(out_shape[q + 1 :]) != inner:
             continue
         p, size = q, out_shape[q]
         while size < n and p > 0:
@@ -314,14 +415,18 @@ def split_axis(node: fx.Node, src: fx.Node, axis: int) -> tuple[int, Layout] | N
 
 
 def carry_layout(node: fx.Node, src: fx.Node, layout: Layout | None, where: str) -> Layout | None:
-    """The layout after ``node``: selecting along a block axis narrows the blocks in view; None once mixed."""
+    """The layout after ``node``: selecting along a block axis narrows the blocks in view; None once
+    mixed."""
     if layout is None:
         return None
     name = op_name(node)
     axes, offset = [], layout.offset
     out_shape = shape(node)
     for a, length, stride in layout.axes:
-        if name in ("select", "slice", "narrow") and norm_dim(arg(node, 1, "dim", 0), len(shape(src))) == a:
+        if (
+            name in ("select", "slice", "narrow")
+            and norm_dim(arg(node, 1, "dim", 0), len(shape(src))) == a
+        ):
             if name == "select":
                 index = arg(node, 2, "index")
                 offset += (index + length if index < 0 else index) * stride
@@ -342,10 +447,13 @@ def carry_layout(node: fx.Node, src: fx.Node, layout: Layout | None, where: str)
     return Layout(layout.groups, layout.size, tuple(axes), offset)
 
 
-def carry_all(node: fx.Node, facts: list[tuple[fx.Node, int, Layout | None]],
-              where: str) -> tuple[int, Layout | None] | Refusal:
-    """Where the feature axes of ``facts`` (input, axis, layout) land in ``node``'s output if all in one place, with
-    the layout of the blocks (None unless all agree); else why not. The dataflow and the shift passes share it."""
+def carry_all(
+    node: fx.Node, facts: list[tuple[fx.Node, int, Layout | None]], where: str
+) -> tuple[int, Layout | None] | Refusal:
+    """Where the feature axes of ``facts`` (input, axis, layout) land in ``node``'s output if all in
+    one place, with
+    the layout of the blocks (None unless all agree); else why not. The dataflow and the shift
+    passes share it."""
     moved = [carry(node, src, axis, where) for src, axis, _ in facts]
     refused = next((m for m in moved if isinstance(m, Refusal)), None)
     if refused is not None or len(set(moved)) != 1:
@@ -355,6 +463,7 @@ def carry_all(node: fx.Node, facts: list[tuple[fx.Node, int, Layout | None]],
 
 
 # --- sources: what weight centering makes zero-mean ------------------------------------------
+
 
 @dataclass(frozen=True)
 class Source:
@@ -367,19 +476,29 @@ class Source:
     params: tuple[Centering, ...]
     groups: int = 1  # the shift its centering causes is constant within each of this many blocks
     chain: tuple[fx.Node, ...] = ()
-    """For a LayerScale source (``node`` is ``γ ⊙ y``): the nodes from the layer to ``y``, whose values
+    """For a LayerScale source (``node`` is ``γ ⊙ y``): the nodes from the layer to ``y``, whose
+    values
     centering changes by more than a per-row constant."""
 
     @property
     def plain(self) -> bool:
         """Weights centered whole, for the value itself: not in blocks, not for a LayerScale."""
-        return self.groups == 1 and not self.chain and bool(self.params) and not any(
-            c.scale or c.blocks for c in self.params)
+        return (
+            self.groups == 1
+            and not self.chain
+            and bool(self.params)
+            and not any(c.scale or c.blocks for c in self.params)
+        )
 
 
 # op -> (weight arg, bias arg, weight's output-feature axis, bias's, output's feature axis)
-LINEAR_LAYOUTS = {"linear": (1, 2, 0, 0, -1), "addmm": (2, 0, -1, -1, -1), "mm": (1, None, -1, None, -1),
-                  "matmul": (1, None, -1, None, -1), "embedding": (0, None, 1, None, -1)}
+LINEAR_LAYOUTS = {
+    "linear": (1, 2, 0, 0, -1),
+    "addmm": (2, 0, -1, -1, -1),
+    "mm": (1, None, -1, None, -1),
+    "matmul": (1, None, -1, None, -1),
+    "embedding": (0, None, 1, None, -1),
+}
 
 
 def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
@@ -391,15 +510,24 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
     where = g.cap.where(node)
     weight_idx, bias_idx, w_axis, b_axis, out_axis = LINEAR_LAYOUTS.get(name, (1, 2, 0, 0, None))
     if name.startswith("conv"):
-        transposed = bool(arg(node, 6, "transposed", False)) if name == "convolution" else "transpose" in name
+        transposed = (
+            bool(arg(node, 6, "transposed", False))
+            if name == "convolution"
+            else "transpose" in name
+        )
         groups = arg(node, 8 if name == "convolution" else 6, "groups", 1)
         if groups != 1:
-            return Refusal(f"includes the output of a grouped or depthwise convolution "
-                           f"{where}, which weight centering cannot make zero-mean")
+            return Refusal(
+                f"includes the output of a grouped or depthwise convolution "
+                f"{where}, which weight centering cannot make zero-mean"
+            )
         w_axis = 1 if transposed else 0
     weight = g.param(node.args[weight_idx])
     if weight is None or dims is None:
-        return Refusal(f"includes the output of {name} {where}, whose weight is not a parameter enjoyln can center")
+        return Refusal(
+            f"includes the output of {name} {where}, whose weight is not a parameter enjoyln can "
+            "center"
+        )
     fqn, perm = weight
     if name in ("mm", "matmul") and len(perm) < 2:
         return Refusal(f"includes the output of {name} {where}, which is not a linear layer")
@@ -410,15 +538,21 @@ def source_of(g: GraphIndex, node: fx.Node) -> Source | Refusal | None:
     if bias_node is not None:
         bias = g.param(bias_node)
         if bias is None:
-            return Refusal(f"includes the output of {name} {where}, whose bias is not a parameter enjoyln can center")
+            return Refusal(
+                f"includes the output of {name} {where}, whose bias is not a parameter enjoyln can "
+                "center"
+            )
         params.append(g.centering(node, bias[0], bias[1][b_axis]))
     return Source(node.name, g.label(node), node, norm_dim(out_axis, dims), tuple(params))
 
 
-def other_reads(g: GraphIndex, ph: fx.Node, skip: Container[fx.Node],
-                roles: Container[frozenset] = ()) -> Iterator[tuple[fx.Node, Source | str | None]]:
-    """The live readers of parameter ``ph`` outside ``skip``, each with the Source it is if that centers as one
-    of ``roles`` (another call of the same layer), else the name it reads ``ph`` by (None if not known)."""
+def other_reads(
+    g: GraphIndex, ph: fx.Node, skip: Container[fx.Node], roles: Container[frozenset] = ()
+) -> Iterator[tuple[fx.Node, Source | str | None]]:
+    """The live readers of parameter ``ph`` outside ``skip``, each with the Source it is if that
+    centers as one
+    of ``roles`` (another call of the same layer), else the name it reads ``ph`` by (None if not
+    known)."""
     for user in g.readers(ph):
         if user in skip or user not in g.live:
             continue
@@ -435,7 +569,8 @@ GAIN_VIEWS = {"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "flatte
 
 
 def per_feature_param(g: GraphIndex, factor: Any, out: fx.Node, axis: int) -> str | None:
-    """The parameter ``factor`` is if it is a gain along ``axis`` of ``out``, maybe reshaped to broadcast
+    """The parameter ``factor`` is if it is a gain along ``axis`` of ``out``, maybe reshaped to
+    broadcast
     (``gamma.view(1, -1, 1, 1)``, metaformer's ``scale.view(C, 1, 1)``); else None."""
     dims, out_dims = shape(factor), shape(out)
     base = factor
@@ -448,11 +583,15 @@ def per_feature_param(g: GraphIndex, factor: Any, out: fx.Node, axis: int) -> st
     return param[0] if 0 <= pos and dims[pos] == out_dims[axis] == math.prod(dims) else None
 
 
-LINEAR_SUMS = {"add", "sub"}  # SUM ops whose output a LayerScale may scale: linear in their operands
+LINEAR_SUMS = {
+    "add",
+    "sub",
+}  # SUM ops whose output a LayerScale may scale: linear in their operands
 
 
 def linear_reads(user: fx.Node) -> list[fx.Node]:
-    """The inputs ``user`` is linear in, feature by feature: a MAP op's first argument, an add's operands."""
+    """The inputs ``user`` is linear in, feature by feature: a MAP op's first argument, an add's
+    operands."""
     kind = kind_of(user)
     if kind == MAP:
         return [user.args[0]] if user.args and isinstance(user.args[0], fx.Node) else []
@@ -461,8 +600,11 @@ def linear_reads(user: fx.Node) -> list[fx.Node]:
     return []
 
 
-def linear_terms(stream: fx.Node, leaves: set[fx.Node]) -> tuple[list[fx.Node], tuple[fx.Node, ...]] | None:
-    """(the leaves reached, the nodes between, in graph order) if ``stream`` is a linear combination of
+def linear_terms(
+    stream: fx.Node, leaves: set[fx.Node]
+) -> tuple[list[fx.Node], tuple[fx.Node, ...]] | None:
+    """(the leaves reached, the nodes between, in graph order) if ``stream`` is a linear combination
+    of
     ``leaves`` through MAP ops, adds and subs only; None if anything else enters it."""
     order = {n: i for i, n in enumerate(stream.graph.nodes)}
     reached, inner, stack = [], set(), [stream]

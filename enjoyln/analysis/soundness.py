@@ -1,5 +1,7 @@
-"""Pass 2: soundness. Centering a source shifts every value computed from it by a per-row constant (``Shift``);
-``Spread`` refuses sources whose shift reaches anything but an LN input or a centering (docs/how-it-works.md)."""
+"""Pass 2: soundness. Centering a source shifts every value computed from it by a per-row constant
+(``Shift``);
+``Spread`` refuses sources whose shift reaches anything but an LN input or a centering
+(docs/how-it-works.md)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,26 @@ from torch import fx
 
 from .graph import GN_OPS, LN_OPS, GraphIndex, arg, op_name, reads_value, shape
 from ..plan import AuxCentering, Untie
-from .rules import (MAP, SCALE, SUM, Layout, Refusal, Source, carry_all, kind_of, linear_reads, other_reads,
-                    per_row, split_axis)
+from .rules import (
+    MAP,
+    SCALE,
+    SUM,
+    Layout,
+    Refusal,
+    Source,
+    carry_all,
+    kind_of,
+    linear_reads,
+    other_reads,
+    per_row,
+    split_axis,
+)
 
 
 @dataclass(frozen=True)
 class Shift:
-    """A value changed by a constant along ``axis`` (within each of ``groups`` blocks) by centering ``keys``."""
+    """A value changed by a constant along ``axis`` (within each of ``groups`` blocks) by centering
+    ``keys``."""
 
     axis: int
     keys: frozenset[str]
@@ -32,7 +47,8 @@ Flags = list[tuple[Iterable[str], str]]
 
 
 def merge_groups(a: int | None, b: int | None) -> int | None:
-    """Shifts constant in ``a`` and in ``b`` blocks sum to one constant in the finer, if one refines the other."""
+    """Shifts constant in ``a`` and in ``b`` blocks sum to one constant in the finer, if one refines
+    the other."""
     if a is None or b is None:
         return None
     hi, lo = max(a, b), min(a, b)
@@ -47,7 +63,8 @@ def gn_groups(node: fx.Node) -> int:
 
 class Spread:
     """Follows changed values forward from ``seeds`` and collects where they escape; ``sink`` says
-    what a reader does with a change: None to carry it on, or the flags it raises (none: absorbed)."""
+    what a reader does with a change: None to carry it on, or the flags it raises (none:
+    absorbed)."""
 
     def __init__(self, g: GraphIndex):
         self.g = g
@@ -69,13 +86,19 @@ class Spread:
             self.g.at = node
             if node not in self.g.live:
                 continue  # its values reach nothing the model computes
-            hits = [(i, changed[i]) for i in node.all_input_nodes if i in changed and reads_value(node, i)]
+            hits = [
+                (i, changed[i])
+                for i in node.all_input_nodes
+                if i in changed and reads_value(node, i)
+            ]
             if not hits:
                 continue
             keys = frozenset().union(*(s.keys for _, s in hits))
             groups = reduce(merge_groups, (s.groups for _, s in hits), 1)
             if groups is None:
-                self.flag(keys, f"{self.g.describe(node)}, where shifts of incompatible groupings meet")
+                self.flag(
+                    keys, f"{self.g.describe(node)}, where shifts of incompatible groupings meet"
+                )
                 continue
             flags = self.sink(node, hits, keys, groups)
             if flags is not None:
@@ -91,11 +114,18 @@ class Spread:
                 self.flag(keys, new)
 
 
-def carry_shift(g: GraphIndex, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Shift | str:
-    """The change of ``node``'s output if its inputs' per-row changes stay per-row there; else what it alters."""
+def carry_shift(
+    g: GraphIndex, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int
+) -> Shift | str:
+    """The change of ``node``'s output if its inputs' per-row changes stay per-row there; else what
+    it alters."""
     what = f"the input of {g.describe(node)}"
     kind, (stream, s) = kind_of(node), hits[0]
-    if kind is None or (kind != SUM and len(hits) != 1) or (kind == MAP and stream is not node.args[0]):
+    if (
+        kind is None
+        or (kind != SUM and len(hits) != 1)
+        or (kind == MAP and stream is not node.args[0])
+    ):
         return what
     if kind == SCALE and stream is node.args[1] and op_name(node) == "div":
         return what
@@ -104,9 +134,12 @@ def carry_shift(g: GraphIndex, node: fx.Node, hits: Hits, keys: frozenset[str], 
         found = split_axis(node, stream, s.axis) if kind == MAP else None
         if found is None or (shape(stream)[s.axis] // s.groups) % shape(node)[found[0]]:
             return what
-        # a change constant within blocks, after a reshape splits the feature axis into pieces no larger than one
+        # a change constant within blocks, after a reshape splits the feature axis into pieces no
+        # larger than one
         return Shift(found[0], keys, 1, found[1])
-    if kind == SCALE and not per_row(node.args[1] if stream is node.args[0] else node.args[0], node, moved[0]):
+    if kind == SCALE and not per_row(
+        node.args[1] if stream is node.args[0] else node.args[0], node, moved[0]
+    ):
         return what
     return Shift(moved[0], keys, groups, moved[1])
 
@@ -123,7 +156,8 @@ class ShiftSoundness(Spread):
         self.absorbing = {m: sub for sub, m in g.centers.items() if len(m.users) == 1}
 
     def affected(self, active: Iterable[str]) -> tuple[dict[str, str], dict[str, Untie]]:
-        """(bad source -> what its centering would change, alias -> Untie) for ``active`` centered together."""
+        """(bad source -> what its centering would change, alias -> Untie) for ``active`` centered
+        together."""
         # in a fixed order: a set's order changes with PYTHONHASHSEED, and with it the name an
         # untied head is recorded as tied to, which a check in another process must confirm
         self.active = {k: self.sources[k] for k in sorted(active)}
@@ -151,18 +185,26 @@ class ShiftSoundness(Spread):
                 grouping.setdefault(ph.name, {}).setdefault((c.groups, c.scale), set()).add(src.key)
                 axes.setdefault(c.param, c.axis)
                 if len(set(axes.values())) > 1 or axes[c.param] != c.axis:
-                    self.flag(set().union(*grouping[ph.name].values()), f"{c.param} along two different axes")
+                    self.flag(
+                        set().union(*grouping[ph.name].values()),
+                        f"{c.param} along two different axes",
+                    )
         for ph_name, by_how in grouping.items():
             if len(by_how) > 1:  # e.g. centered whole for an LN and in groups for a GroupNorm
                 plain = by_how.get((1, None))
                 what = f"{g.cap.placeholder_fqn[ph_name]}, which another norm needs centered " + (
-                    "as a whole" if plain else "another way")
-                self.flag(set().union(*(keys for keys in by_how.values() if keys is not plain)), what)
+                    "as a whole" if plain else "another way"
+                )
+                self.flag(
+                    set().union(*(keys for keys in by_how.values() if keys is not plain)), what
+                )
         for src in active.values():  # a LayerScale gain is read as it is, never centered
             for c in src.params:
                 ph = g.placeholder_of.get(c.scale) if c.scale else None
                 if ph is not None and (ph.name in centered or ph in changed):
-                    self.flag({src.key}, f"{c.scale}, which it is centered for, and which is centered too")
+                    self.flag(
+                        {src.key}, f"{c.scale}, which it is centered for, and which is centered too"
+                    )
         self.seeds = set(changed)
         inner = {src.chain[0] for src in active.values() if src.chain}
         # other reads of a centered weight: another call of the same module shifts its output the
@@ -174,7 +216,9 @@ class ShiftSoundness(Spread):
             roles = {g.role(active[k].params) for k in keys}
             for user, read in other_reads(g, ph, self.seeds | inner, roles):
                 if isinstance(read, Source):
-                    changed[user] = Shift(read.axis, frozenset(keys), max(active[k].groups for k in keys))
+                    changed[user] = Shift(
+                        read.axis, frozenset(keys), max(active[k].groups for k in keys)
+                    )
                     self.seeds.add(user)
                 elif g.tied_apart(read, aliases):
                     untie[read] = Untie(read, next(iter(aliases)), g.nbytes(ph))
@@ -183,20 +227,31 @@ class ShiftSoundness(Spread):
         return changed, untie
 
     def _check_chain(self, src: Source) -> None:
-        """Centering a layer for its LayerScale changes its output, and the sum it enters, by more than a
-        per-row constant: only the product may read them, linearly, on the way the analysis followed."""
+        """Centering a layer for its LayerScale changes its output, and the sum it enters, by more
+        than a
+        per-row constant: only the product may read them, linearly, on the way the analysis
+        followed."""
         g = self.g
         inside = set(src.chain)
         for node in src.chain:
             for user in node.users:
                 if user not in g.live or not reads_value(user, node):
                     continue
-                ok = (user is src.node and node is src.chain[-1] and sum(a is node for a in user.args) == 1) or (
-                    user in inside and node in linear_reads(user)
-                    and sum(a is node for a in (*user.args, *user.kwargs.values())) == 1)
+                ok = (
+                    user is src.node
+                    and node is src.chain[-1]
+                    and sum(a is node for a in user.args) == 1
+                ) or (
+                    user in inside
+                    and node in linear_reads(user)
+                    and sum(a is node for a in (*user.args, *user.kwargs.values())) == 1
+                )
                 if not ok:
-                    self.flag({src.key}, f"{g.describe(user)}, which reads the output of "
-                                         f"{g.label(src.chain[0])} before its LayerScale")
+                    self.flag(
+                        {src.key},
+                        f"{g.describe(user)}, which reads the output of "
+                        f"{g.label(src.chain[0])} before its LayerScale",
+                    )
 
     def narrow(self, shift: Shift) -> Shift:
         layout = shift.layout
@@ -218,24 +273,39 @@ class ShiftSoundness(Spread):
     def sink(self, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Flags | None:
         g, name = self.g, op_name(node)
         # a shift reaching an inserted centering is removed if it passes the op unchanged
-        if node in self.aux and ((name in LN_OPS and all(ln_sink_ok(node, i, s.axis) for i, s in hits))
-                                 or isinstance(carry_shift(g, node, hits, keys, groups), Shift)):
+        if node in self.aux and (
+            (name in LN_OPS and all(ln_sink_ok(node, i, s.axis) for i, s in hits))
+            or isinstance(carry_shift(g, node, hits, keys, groups), Shift)
+        ):
             return []
         if node in self.aux or node in self.seeds:
             return [(keys, f"the input of {g.describe(node)}")]
         if node.op == "output":
             outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
             changed = dict(hits)
-            return [(changed[out].keys, _output_label(g.output_names.get(i, str(i))))
-                    for i, out in enumerate(outs) if out in changed and not g.writes_back(i, out)]
+            return [
+                (changed[out].keys, _output_label(g.output_names.get(i, str(i))))
+                for i, out in enumerate(outs)
+                if out in changed and not g.writes_back(i, out)
+            ]
         center = self.absorbing.get(node, node)
         if center in g.centers and all(s.axis == g.center_axis(center) for _, s in hits):
             if groups != 1:  # x - mean(x) removes a shift shared by all features, not per group
-                return [(self._grouped(keys), f"{g.describe(node)}, which does not remove a per-group shift")]
+                return [
+                    (
+                        self._grouped(keys),
+                        f"{g.describe(node)}, which does not remove a per-group shift",
+                    )
+                ]
             return []
         if name in LN_OPS:
             if groups != 1:
-                return [(self._grouped(keys), f"{g.describe(node)}, which does not ignore a per-group shift")]
+                return [
+                    (
+                        self._grouped(keys),
+                        f"{g.describe(node)}, which does not ignore a per-group shift",
+                    )
+                ]
             if not all(ln_sink_ok(node, i, s.axis) for i, s in hits):
                 return [(keys, f"{g.describe(node)} along an axis it does not normalize")]
             return []
@@ -252,14 +322,21 @@ def _output_label(name: str) -> str:
 
 
 def ln_sink_ok(node: fx.Node, changed_input: fx.Node, axis: int) -> bool:
-    """An LN's output ignores a per-row shift along the one axis it normalizes (the mean it returns does not)."""
+    """An LN's output ignores a per-row shift along the one axis it normalizes (the mean it returns
+    does not)."""
     dims = shape(changed_input)
     norm_shape = list(arg(node, 1, "normalized_shape", []))
     if op_name(node) == "native_layer_norm" and any(
-            u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
+        u.target is not operator.getitem or u.args[1] != 0 for u in node.users
+    ):
         return False
-    return (node.args[0] is changed_input and dims is not None and axis == len(dims) - 1
-            and math.prod(norm_shape[:-1]) == 1 and all(a is not changed_input for a in node.args[1:]))
+    return (
+        node.args[0] is changed_input
+        and dims is not None
+        and axis == len(dims) - 1
+        and math.prod(norm_shape[:-1]) == 1
+        and all(a is not changed_input for a in node.args[1:])
+    )
 
 
 def gn_sink_refusal(g: GraphIndex, node: fx.Node, hits: Hits, groups: int) -> str:

@@ -30,7 +30,9 @@ def parse_dtype(dtype: Any) -> str | None:
         return None
     name = str(dtype).removeprefix("torch.")
     if name not in LOAD_DTYPES:
-        raise EnjoylnError(f"cannot judge a candidate in dtype {dtype!r}; use one of {', '.join(LOAD_DTYPES)}")
+        raise EnjoylnError(
+            f"cannot judge a candidate in dtype {dtype!r}; use one of {', '.join(LOAD_DTYPES)}"
+        )
     return name
 
 
@@ -64,11 +66,12 @@ def same_json(a: Any, b: Any) -> bool:
 
 def _short(value: Any, limit: int = 80) -> str:
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _json_differences(ref: dict[str, Any], cand: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(dotted key, reference's value, candidate's value) for every key that differs; a missing side is ``_MISSING``."""
+    """(dotted key, reference's value, candidate's value) for every key that differs; a missing side
+    is ``_MISSING``."""
     out, stack = [], [("", ref, cand)]
     while stack:
         path, a, b = stack.pop()
@@ -85,13 +88,24 @@ _MISSING = object()
 
 
 def _first_difference(path: str, a: Any, b: Any) -> tuple[str, Any, Any]:
-    """Where two JSON values first differ (``plan.layer_norms[3].reason``), and the two values there."""
+    """Where two JSON values first differ (``plan.layer_norms[3].reason``), and the two values
+    there."""
     while True:
         if isinstance(a, dict) and isinstance(b, dict):
-            key = next((k for k in sorted(a.keys() | b.keys())
-                        if not (k in a and k in b and same_json(a[k], b[k]))), None)
+            key = next(
+                (
+                    k
+                    for k in sorted(a.keys() | b.keys())
+                    if not (k in a and k in b and same_json(a[k], b[k]))
+                ),
+                None,
+            )
             if key is None or key not in a or key not in b:
-                return (f"{path}.{key}", a.get(key, _MISSING), b.get(key, _MISSING)) if key else (path, a, b)
+                return (
+                    (f"{path}.{key}", a.get(key, _MISSING), b.get(key, _MISSING))
+                    if key
+                    else (path, a, b)
+                )
             path, a, b = f"{path}.{key}", a[key], b[key]
         elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
             i = next(i for i, (x, y) in enumerate(zip(a, b)) if not same_json(x, y))
@@ -101,7 +115,8 @@ def _first_difference(path: str, a: Any, b: Any) -> tuple[str, Any, Any]:
 
 
 def _without_dtypes(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` without its ``dtype`` and ``torch_dtype`` entries, at every level; a non-string value
+    """``config`` without its ``dtype`` and ``torch_dtype`` entries, at every level; a non-string
+    value
     under that name (a token id in a vocabulary) stays."""
     config = copy.deepcopy(config)
     stack = [config]
@@ -114,16 +129,23 @@ def _without_dtypes(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def config_problems(expected: dict[str, Any], actual: dict[str, Any], dtype: str | None) -> list[str]:
-    """config.json against what it must be, every key as a JSON value (the enjoyln block but for its version)."""
+def config_problems(
+    expected: dict[str, Any], actual: dict[str, Any], dtype: str | None
+) -> list[str]:
+    """config.json against what it must be, every key as a JSON value (the enjoyln block but for its
+    version)."""
     if dtype is not None:
         expected, actual = _without_dtypes(expected), _without_dtypes(actual)
     expected, actual = dict(expected), dict(actual)
     block, theirs = expected.pop("enjoyln", _MISSING), actual.pop("enjoyln", _MISSING)
-    problems = [f"config.json adds {key} = {_short(b)}" if a is _MISSING else
-                f"config.json drops {key} (the reference's is {_short(a)})" if b is _MISSING else
-                f"config.json changes {key} from {_short(a)} to {_short(b)}"
-                for key, a, b in _json_differences(expected, actual)]
+    problems = [
+        f"config.json adds {key} = {_short(b)}"
+        if a is _MISSING
+        else f"config.json drops {key} (the reference's is {_short(a)})"
+        if b is _MISSING
+        else f"config.json changes {key} from {_short(a)} to {_short(b)}"
+        for key, a, b in _json_differences(expected, actual)
+    ]
     if block is _MISSING and theirs is not _MISSING:
         problems.append("config.json has an enjoyln block, which the plan does not write")
     elif block is not _MISSING and not isinstance(theirs, dict):
@@ -142,27 +164,39 @@ def config_problems(expected: dict[str, Any], actual: dict[str, Any], dtype: str
                 problems.append(f"the enjoyln block's {key} list is not what its plan gives")
             else:
                 where, x, y = _first_difference(key, a, b)
-                problems.append(f"the enjoyln block's {key} is not what the confirmed plan gives: its {where} is "
-                                f"{_short(y) if y is not _MISSING else 'missing'}, not "
-                                f"{_short(x) if x is not _MISSING else 'absent'}")
+                problems.append(
+                    f"the enjoyln block's {key} is not what the confirmed plan gives: its {where} "
+                    "is "
+                    f"{_short(y) if y is not _MISSING else 'missing'}, not "
+                    f"{_short(x) if x is not _MISSING else 'absent'}"
+                )
     return problems
 
 
 def load_problems(ref: Checkpoint, cand: Checkpoint, dtype: str | None = None) -> list[str]:
-    """What makes ``from_pretrained`` load the candidate otherwise than the reference, beyond its files:
+    """What makes ``from_pretrained`` load the candidate otherwise than the reference, beyond its
+    files:
     another dtype (unless ``dtype`` names it), or an index it cannot read."""
     problems = []
     index = cand.path / (PT_INDEX if cand.pickled else SAFE_INDEX)
-    if index.exists() and not isinstance(parse_json_file(index, "a weight index").get("metadata"), dict):
+    if index.exists() and not isinstance(
+        parse_json_file(index, "a weight index").get("metadata"), dict
+    ):
         # transformers reads index["metadata"] whatever the config says
-        problems.append(f"the candidate's {index.name} has no metadata object, so from_pretrained fails on it")
+        problems.append(
+            f"the candidate's {index.name} has no metadata object, so from_pretrained fails on it"
+        )
     theirs, _ = ref.load_dtype
     ours, source = cand.load_dtype
     if dtype is None and ours != theirs:
-        problems.append(f"the candidate loads in {ours} (from {source}), the reference in {theirs}; pass "
-                        f"--dtype {ours} (dtype= in Python) to judge it at that precision")
+        problems.append(
+            f"the candidate loads in {ours} (from {source}), the reference in {theirs}; pass "
+            f"--dtype {ours} (dtype= in Python) to judge it at that precision"
+        )
     elif dtype is not None and ours != dtype:
-        problems.append(f"the candidate loads in {ours} (from {source}), not in {dtype} as --dtype says")
+        problems.append(
+            f"the candidate loads in {ours} (from {source}), not in {dtype} as --dtype says"
+        )
     return problems
 
 
@@ -172,7 +206,8 @@ class _Unreadable(Exception):
 
 class _Object(list):
     """A JSON object as its (key, value) pairs, in the file's order: a loader may iterate one (a
-    tokenizer's added tokens), so the same pairs in another order are not proven to load the same."""
+    tokenizer's added tokens), so the same pairs in another order are not proven to load the
+    same."""
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> _Object:
@@ -188,7 +223,10 @@ def _json_value(path: Path) -> Any:
         raise _Unreadable
     try:
         return json.loads(loader_text(raw), object_pairs_hook=_no_duplicate_keys)
-    except (ValueError, RecursionError):  # not JSON as loaders read it (UnicodeDecodeError is a ValueError)
+    except (
+        ValueError,
+        RecursionError,
+    ):  # not JSON as loaders read it (UnicodeDecodeError is a ValueError)
         raise _Unreadable from None
 
 
@@ -216,41 +254,58 @@ def _same_bytes(a: Path, b: Path) -> bool:
 
 
 def identical_directories(ref: Checkpoint, cand: Checkpoint) -> bool:
-    """Whether every file a loader reads in ``cand`` is the same-named one in ``ref``, byte for byte."""
+    """Whether every file a loader reads in ``cand`` is the same-named one in ``ref``, byte for
+    byte."""
     (ours, odd), (theirs, odd_too) = loader_files(ref.path), loader_files(cand.path)
     for files in (ours, theirs):
-        files.pop(OWNER_FILE, None)  # marks the temporary directory a fold checks; no loader reads it
+        files.pop(
+            OWNER_FILE, None
+        )  # marks the temporary directory a fold checks; no loader reads it
     if odd or odd_too or ours.keys() != theirs.keys():
         return False
     try:
         sizes = {rel: (ours[rel].stat().st_size, theirs[rel].stat().st_size) for rel in ours}
         order = sorted(ours, key=lambda rel: (rel != "config.json", sizes[rel][0], rel))
-        return all(x == y for x, y in sizes.values()) and all(_same_bytes(ours[rel], theirs[rel]) for rel in order)
+        return all(x == y for x, y in sizes.values()) and all(
+            _same_bytes(ours[rel], theirs[rel]) for rel in order
+        )
     except OSError as exc:
         raise CheckpointError(f"cannot read {exc.filename}: {exc.strerror or exc}") from None
 
 
 def file_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
-    """Every file of the candidate but its config and weights must be one a fold of the reference holds,
+    """Every file of the candidate but its config and weights must be one a fold of the reference
+    holds,
     with its content, whatever its name (a loader may read any: PhoBERT's bpe.codes)."""
     expected = extra_files(ref)
     actual, problems = loader_files(cand.path)
     problems = [f"the candidate's {p}" for p in problems]
     index = PT_INDEX if cand.pickled else SAFE_INDEX
-    # OWNER_FILE marks the temporary directory a fold checks before publishing it; no loader reads it
-    own = {"config.json", OWNER_FILE, *cand.shards} | ({index} if (cand.path / index).exists() else set())
+    # OWNER_FILE marks the temporary directory a fold checks before publishing it; no loader reads
+    # it
+    own = {"config.json", OWNER_FILE, *cand.shards} | (
+        {index} if (cand.path / index).exists() else set()
+    )
     theirs_gen, ours_gen = ref.library.generation(ref), cand.library.generation(cand)
-    for key in sorted(k for k in theirs_gen.keys() | ours_gen.keys()
-                      if not same_json(theirs_gen.get(k), ours_gen.get(k))):
-        problems.append(f"the candidate's generation config changes {key} from {theirs_gen.get(key)!r} "
-                        f"to {ours_gen.get(key)!r}")
+    for key in sorted(
+        k
+        for k in theirs_gen.keys() | ours_gen.keys()
+        if not same_json(theirs_gen.get(k), ours_gen.get(k))
+    ):
+        problems.append(
+            f"the candidate's generation config changes {key} from {theirs_gen.get(key)!r} "
+            f"to {ours_gen.get(key)!r}"
+        )
     for rel in sorted(actual.keys() - own):
         source, weights = expected.get(rel), "/" not in rel and is_weight_file(rel)
         if source is None and weights and (ref.path / rel).is_file():
             source = input_file(ref.path / rel)  # the reference's own copy, kept as it was
         if source is None:
-            problems.append(f"the candidate has {rel}, {'weights' if weights else 'a file'} a fold of the reference "
-                            "would not hold")
+            problems.append(
+                f"the candidate has {rel}, {'weights' if weights else 'a file'} a fold of the "
+                "reference "
+                "would not hold"
+            )
         elif not _same_content(source, actual[rel]):
             problems.append(f"the candidate's {rel} differs from the reference's")
     for rel in sorted(expected.keys() - actual.keys()):
@@ -259,35 +314,60 @@ def file_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
 
 
 def code_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
-    """What makes the candidate's remote code other than the reference's. Its code is imported only once
+    """What makes the candidate's remote code other than the reference's. Its code is imported only
+    once
     this finds nothing: code that differs could rewrite the gate itself."""
     if not (ref.custom_code or cand.custom_code):
         return []
     ours = {rel: p for rel, p in loader_files(ref.path)[0].items() if rel.endswith(".py")}
     theirs = {rel: p for rel, p in loader_files(cand.path)[0].items() if rel.endswith(".py")}
-    problems = [f"the candidate has {rel}, code the reference does not have"
-                for rel in sorted(theirs.keys() - ours.keys())]
-    problems += [f"the candidate lacks the reference's {rel}" for rel in sorted(ours.keys() - theirs.keys())]
-    problems += [f"the candidate's {rel} differs from the reference's" for rel in sorted(ours.keys() & theirs.keys())
-                 if not _same_content(ours[rel], theirs[rel])]
+    problems = [
+        f"the candidate has {rel}, code the reference does not have"
+        for rel in sorted(theirs.keys() - ours.keys())
+    ]
+    problems += [
+        f"the candidate lacks the reference's {rel}" for rel in sorted(ours.keys() - theirs.keys())
+    ]
+    problems += [
+        f"the candidate's {rel} differs from the reference's"
+        for rel in sorted(ours.keys() & theirs.keys())
+        if not _same_content(ours[rel], theirs[rel])
+    ]
     a, b = ref.config.get("auto_map", _MISSING), cand.config.get("auto_map", _MISSING)
     if not (a is b or a is not _MISSING and b is not _MISSING and same_json(a, b)):
-        problems.append(f"config.json's auto_map is {_short(b) if b is not _MISSING else 'missing'}, "
-                        f"not the reference's {_short(a) if a is not _MISSING else '(none)'}")
+        problems.append(
+            f"config.json's auto_map is {_short(b) if b is not _MISSING else 'missing'}, "
+            f"not the reference's {_short(a) if a is not _MISSING else '(none)'}"
+        )
     return problems
 
 
 def _essentials(plan: FoldPlan) -> dict[str, set]:
-    return {"folded LayerNorms": {e.name for e in plan.foldable},
-            "norm forms": {(e.name, *e.form) for e in plan.foldable if not e.plain_form},
-            "centered tensors": {tuple(sorted(asdict(c).items())) for c in plan.centered},
-            "untied tensors": {(u.param, u.tied_to) for u in plan.untied},
-            "auxiliary centerings": {(a.module, a.where) for a in plan.auxiliary},
-            "fused affines": {(e.name, e.affine, tuple(tuple(asdict(f).items()) for f in e.fused))
-                              for e in plan.layer_norms if e.foldable and e.affine or e in plan.affine_moved},
-            "rotations": {(r.kind, r.seed, r.keep_mean, r.version, r.stream, r.width,
-                           tuple(tuple(asdict(x).items()) for x in r.rotated)) for r in plan.rotations},
-            "outputs changed": set(plan.changed_outputs)}
+    return {
+        "folded LayerNorms": {e.name for e in plan.foldable},
+        "norm forms": {(e.name, *e.form) for e in plan.foldable if not e.plain_form},
+        "centered tensors": {tuple(sorted(asdict(c).items())) for c in plan.centered},
+        "untied tensors": {(u.param, u.tied_to) for u in plan.untied},
+        "auxiliary centerings": {(a.module, a.where) for a in plan.auxiliary},
+        "fused affines": {
+            (e.name, e.affine, tuple(tuple(asdict(f).items()) for f in e.fused))
+            for e in plan.layer_norms
+            if e.foldable and e.affine or e in plan.affine_moved
+        },
+        "rotations": {
+            (
+                r.kind,
+                r.seed,
+                r.keep_mean,
+                r.version,
+                r.stream,
+                r.width,
+                tuple(tuple(asdict(x).items()) for x in r.rotated),
+            )
+            for r in plan.rotations
+        },
+        "outputs changed": set(plan.changed_outputs),
+    }
 
 
 def plan_problems(recorded: FoldPlan, analysed: FoldPlan) -> list[str]:
@@ -298,7 +378,8 @@ def plan_problems(recorded: FoldPlan, analysed: FoldPlan) -> list[str]:
         extra, missing = theirs[what] - mine[what], mine[what] - theirs[what]
         if extra or missing:
             odd = sorted(map(str, extra or missing))[0]
-            problems.append(f"the recorded plan is not what this enjoyln's analysis gives: its {what} "
-                            f"{'include' if extra else 'lack'} {odd}; fold again with this version")
+            problems.append(
+                f"the recorded plan is not what this enjoyln's analysis gives: its {what} "
+                f"{'include' if extra else 'lack'} {odd}; fold again with this version"
+            )
     return problems
-

@@ -1,4 +1,5 @@
-"""Greedy generation for the forward check: decoding, flips judged as near-ties, and the generation settings."""
+"""Greedy generation for the forward check: decoding, flips judged as near-ties, and the generation
+settings."""
 
 from __future__ import annotations
 
@@ -20,8 +21,12 @@ PROMPT_TOKENS = 8
 
 def generation_lengths(model: nn.Module, new_tokens: int) -> tuple[int, int]:
     """(prompt tokens, new tokens) that fit the model's context; (0, 0): no room to generate."""
-    limit = config_value(getattr(model, "config", None), "max_position_embeddings", "n_positions",
-                         "max_target_positions")
+    limit = config_value(
+        getattr(model, "config", None),
+        "max_position_embeddings",
+        "n_positions",
+        "max_target_positions",
+    )
     if not isinstance(limit, int) or limit <= 0:
         return PROMPT_TOKENS, new_tokens
     prompt = min(PROMPT_TOKENS, max(1, limit - new_tokens))
@@ -34,7 +39,8 @@ Generated = tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]
 
 
 def generate_greedy(model: nn.Module, prompt: torch.Tensor, n: int, seed: int) -> Generated:
-    """Greedy tokens, with every step's raw logits and processed scores (seeded as in ``run_model``)."""
+    """Greedy tokens, with every step's raw logits and processed scores (seeded as in
+    ``run_model``)."""
     config = model.generation_config
     pad = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_id or 0)
     if isinstance(pad, list):
@@ -42,15 +48,28 @@ def generate_greedy(model: nn.Module, prompt: torch.Tensor, n: int, seed: int) -
     prompt = prompt.to(model_device(model))
     try:
         with torch.no_grad(), seeded(seed):
-            out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
-                                 max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1,
-                                 pad_token_id=pad, output_logits=True, output_scores=True,
-                                 return_dict_in_generate=True)
+            out = model.generate(
+                input_ids=prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                num_beams=1,
+                pad_token_id=pad,
+                output_logits=True,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
     except Exception as exc:  # the model's own error, on a prompt enjoyln made
-        raise CaptureError(f"greedy generation with {type(model).__name__} failed: "
-                           f"{type(exc).__name__}: {first_line(exc)}") from exc
-    return (out.sequences[:, prompt.shape[1]:].tolist(), [t.detach().cpu().clone() for t in out.logits],
-            [t.detach().cpu().clone() for t in (out.scores or ())])
+        raise CaptureError(
+            f"greedy generation with {type(model).__name__} failed: "
+            f"{type(exc).__name__}: {first_line(exc)}"
+        ) from exc
+    return (
+        out.sequences[:, prompt.shape[1] :].tolist(),
+        [t.detach().cpu().clone() for t in out.logits],
+        [t.detach().cpu().clone() for t in (out.scores or ())],
+    )
 
 
 def _margin(scores: list[torch.Tensor], step: int, row: int, mine: int, other: int) -> float:
@@ -60,9 +79,11 @@ def _margin(scores: list[torch.Tensor], step: int, row: int, mine: int, other: i
     return float(r[mine] - r[other])
 
 
-def judge_generation(ref: Generated, cand: Generated,
-                      tolerance: float | None) -> tuple[bool, list[NearTie], str]:
-    """Identical tokens pass; a row whose tokens differ passes only at a genuine near-tie (docs/checking.md)."""
+def judge_generation(
+    ref: Generated, cand: Generated, tolerance: float | None
+) -> tuple[bool, list[NearTie], str]:
+    """Identical tokens pass; a row whose tokens differ passes only at a genuine near-tie
+    (docs/checking.md)."""
     (ref_tokens, ref_logits, ref_scores), (cand_tokens, cand_logits, cand_scores) = ref, cand
     ties: list[NearTie] = []
     if len(ref_tokens) != len(cand_tokens):
@@ -79,16 +100,35 @@ def judge_generation(ref: Generated, cand: Generated,
             dev = worse(dev, float((r - c).abs().max()) if r.shape == c.shape else math.inf)
         theirs = _margin(ref_scores, step, row, a[step], b[step])
         ours = _margin(cand_scores, step, row, b[step], a[step])
-        flip = (f"row {row} step {step}: token {b[step]} for {a[step]}, margins {theirs:.3g} (original) and "
-                f"{ours:.3g} (candidate) in the scores generate() used")
+        flip = (
+            f"row {row} step {step}: token {b[step]} for {a[step]}, margins {theirs:.3g} "
+            "(original) and "
+            f"{ours:.3g} (candidate) in the scores generate() used"
+        )
         if tolerance is None:
-            return False, ties, f"{flip}; not a near-tie: the original has no finite tolerance for its logits"
+            return (
+                False,
+                ties,
+                f"{flip}; not a near-tie: the original has no finite tolerance for its logits",
+            )
         if not dev <= tolerance:
-            return False, ties, (f"{flip}; not a near-tie: the step logits are {dev:.3g} from the original's, "
-                                 f"more than the tolerance {tolerance:.3g}")
+            return (
+                False,
+                ties,
+                (
+                    f"{flip}; not a near-tie: the step logits are {dev:.3g} from the original's, "
+                    f"more than the tolerance {tolerance:.3g}"
+                ),
+            )
         if not (theirs <= 2 * tolerance and ours <= 2 * tolerance):
-            return False, ties, (f"{flip}; not a near-tie: a margin is more than twice the tolerance "
-                                 f"{tolerance:.3g} (the generation settings differ, or the scores do)")
+            return (
+                False,
+                ties,
+                (
+                    f"{flip}; not a near-tie: a margin is more than twice the tolerance "
+                    f"{tolerance:.3g} (the generation settings differ, or the scores do)"
+                ),
+            )
         ties.append(NearTie(row, step, a[step], b[step], theirs, dev, ours))
     return True, ties, ""
 
@@ -106,7 +146,16 @@ def settings_problems(ref: dict[str, Any] | None, cand: dict[str, Any] | None) -
     from .compare import same_json
 
     if ref is None or cand is None:
-        return [] if ref is cand else [f"the candidate has {'none' if cand is None else 'some'}, the original "
-                                       f"{'none' if ref is None else 'some'}"]
-    return [f"{key} is {cand.get(key)!r}, the original's {ref.get(key)!r}"
-            for key in sorted(ref.keys() | cand.keys()) if not same_json(ref.get(key), cand.get(key))]
+        return (
+            []
+            if ref is cand
+            else [
+                f"the candidate has {'none' if cand is None else 'some'}, the original "
+                f"{'none' if ref is None else 'some'}"
+            ]
+        )
+    return [
+        f"{key} is {cand.get(key)!r}, the original's {ref.get(key)!r}"
+        for key in sorted(ref.keys() | cand.keys())
+        if not same_json(ref.get(key), cand.get(key))
+    ]

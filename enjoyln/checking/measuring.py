@@ -1,4 +1,5 @@
-"""How the forward check judges one output: kept in memory or on disk, compared chunk by chunk, then judged."""
+"""How the forward check judges one output: kept in memory or on disk, compared chunk by chunk, then
+judged."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import torch
 from .report import OutputCheck, worse
 
 FACTOR = 4.0
-"""How many times the reference's own rounding error the candidate may be from the truth (docs/checking.md)."""
+"""How many times the reference's own rounding error the candidate may be from the truth
+(docs/checking.md)."""
 FLOOR_EPS = 1.0
-"""The reference's own error is at least this many epsilons of the output's scale, so that an output it
+"""The reference's own error is at least this many epsilons of the output's scale, so that an output
+it
 computes exactly (a copy, a sum of integers) still allows the candidate a rounding."""
 
 
@@ -70,10 +73,15 @@ class Criterion:
     def describe(self, truth: torch.dtype | None, why: str = "") -> str:
         if self.kind == "precision":
             t = str(truth).replace("torch.", "")
-            return (f"precision-aware: max|candidate - {t} original| <= {self.factor:g} x "
-                    f"max(max|original - {t} original|, eps x max|{t} original|) "
-                    "for each output")
-        return f"fixed: max|original - candidate| <= {self.rtol:g} x max|original| for each output{why}"
+            return (
+                f"precision-aware: max|candidate - {t} original| <= {self.factor:g} x "
+                f"max(max|original - {t} original|, eps x max|{t} original|) "
+                "for each output"
+            )
+        return (
+            f"fixed: max|original - candidate| <= {self.rtol:g} x max|original| for each "
+            f"output{why}"
+        )
 
 
 @dataclass
@@ -92,16 +100,26 @@ class Stats:
     truth: bool = False
 
     def merge(self, other: "Stats") -> "Stats":
-        worst = [worse(getattr(self, f), getattr(other, f))
-                 for f in ("diff", "scale", "ref_err", "cand_err", "t_scale")]
-        return Stats(self.floating and other.floating, self.mismatch or other.mismatch,
-                     self.nonfinite + other.nonfinite, *worst, self.truth and other.truth)
+        worst = [
+            worse(getattr(self, f), getattr(other, f))
+            for f in ("diff", "scale", "ref_err", "cand_err", "t_scale")
+        ]
+        return Stats(
+            self.floating and other.floating,
+            self.mismatch or other.mismatch,
+            self.nonfinite + other.nonfinite,
+            *worst,
+            self.truth and other.truth,
+        )
 
 
-def measure(name: str, base: Outputs, truth: Outputs | None, batch: int,
-             cand: torch.Tensor | None) -> Stats:
-    """One output of one batch, compared chunk by chunk (never three float64 copies of the logits). A truth
-    not finite where the reference is (a float64 overflow) is replaced there by the reference, which only
+def measure(
+    name: str, base: Outputs, truth: Outputs | None, batch: int, cand: torch.Tensor | None
+) -> Stats:
+    """One output of one batch, compared chunk by chunk (never three float64 copies of the logits).
+    A truth
+    not finite where the reference is (a float64 overflow) is replaced there by the reference, which
+    only
     tightens the bound."""
     if cand is None or cand.shape != base.shape(batch, name):
         return Stats(mismatch=True)
@@ -142,8 +160,13 @@ def judge_output(name: str, st: Stats, crit: Criterion) -> OutputCheck:
         out.tolerance = 0.0
         return out
     if crit.kind == "precision" and st.truth:
-        out.reference_error, out.candidate_error = st.ref_err, (math.inf if st.nonfinite else st.cand_err)
-        out.allowed = crit.factor * max(st.ref_err, FLOOR_EPS * torch.finfo(crit.dtype).eps * st.t_scale)
+        out.reference_error, out.candidate_error = (
+            st.ref_err,
+            (math.inf if st.nonfinite else st.cand_err),
+        )
+        out.allowed = crit.factor * max(
+            st.ref_err, FLOOR_EPS * torch.finfo(crit.dtype).eps * st.t_scale
+        )
         measured = out.candidate_error
         out.tolerance = out.allowed + st.ref_err
     else:

@@ -1,4 +1,5 @@
-"""Running a model as the checks do: inputs cast to its dtype, one call under a seeded RNG, outputs named."""
+"""Running a model as the checks do: inputs cast to its dtype, one call under a seeded RNG, outputs
+named."""
 
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ def flatten_outputs(out: Any, prefix: str = "") -> dict[str, torch.Tensor]:
         items = list(enumerate(out))
     else:
         return {}
-    return {name: t for key, value in items
-            for name, t in flatten_outputs(value, f"{prefix}.{key}" if prefix else str(key)).items()}
+    return {
+        name: t
+        for key, value in items
+        for name, t in flatten_outputs(value, f"{prefix}.{key}" if prefix else str(key)).items()
+    }
 
 
 def _map(inputs: Inputs, f: Callable[[Any], Any]) -> Inputs:
@@ -33,7 +37,10 @@ def _map(inputs: Inputs, f: Callable[[Any], Any]) -> Inputs:
 
 def cast_inputs(inputs: Inputs, dtype: torch.dtype) -> Inputs:
     """Floating inputs in ``dtype`` (pixel values, audio features); token ids stay."""
-    return _map(inputs, lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+    return _map(
+        inputs,
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+    )
 
 
 @contextlib.contextmanager
@@ -58,12 +65,16 @@ def check_device(device: str) -> None:
     if where.type == "cuda" and not torch.cuda.is_available():
         raise EnjoylnError(f"device {device}, but CUDA is not available here")
     if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
-        raise EnjoylnError(f"device {device}, but there are {torch.cuda.device_count()} CUDA devices")
+        raise EnjoylnError(
+            f"device {device}, but there are {torch.cuda.device_count()} CUDA devices"
+        )
 
 
 def model_device(model: nn.Module) -> torch.device:
     """Where the model's weights are (the CPU for weights offloaded to disk, on the meta device)."""
-    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    return next(
+        (p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu")
+    )
 
 
 def run_model(model: nn.Module, inputs: Inputs, seed: int) -> dict[str, torch.Tensor]:
@@ -77,12 +88,15 @@ def run_model(model: nn.Module, inputs: Inputs, seed: int) -> dict[str, torch.Te
             out = flatten_outputs(inputs.call(model))
         return out if device.type == "cpu" else {k: v.cpu() for k, v in out.items()}
     except Exception as exc:  # the model's own error, on inputs enjoyln made or was given
-        raise CaptureError(f"running {type(model).__name__} on the check inputs failed: "
-                           f"{type(exc).__name__}: {first_line(exc)}") from exc
+        raise CaptureError(
+            f"running {type(model).__name__} on the check inputs failed: "
+            f"{type(exc).__name__}: {first_line(exc)}"
+        ) from exc
 
 
 def seed_missing(model: nn.Module, names: list[str], seed: int = 0) -> nn.Module:
-    """Give the parameters ``names`` (which no checkpoint holds, so every load draws them at random) the
+    """Give the parameters ``names`` (which no checkpoint holds, so every load draws them at random)
+    the
     same seeded values in every model the check loads.
 
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
@@ -100,7 +114,9 @@ def seed_missing(model: nn.Module, names: list[str], seed: int = 0) -> nn.Module
             if t.device.type == "meta":  # offloaded: it is read from disk, where it is not
                 continue
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            values = torch.randn(t.shape, generator=gen) * std  # float32: the same values in a wider truth
+            values = (
+                torch.randn(t.shape, generator=gen) * std
+            )  # float32: the same values in a wider truth
             if isinstance(owner, norms) and leaf == "weight":
                 values += 1
             t.copy_(values.to(t.dtype))

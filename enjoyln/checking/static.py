@@ -1,5 +1,7 @@
-"""The static check: prove a checkpoint is the fold plan applied to another, tensor by tensor, with no
-model in memory (docs/checking.md); config, files, dtype, code and plan are compared in ``checking.compare``."""
+"""The static check: prove a checkpoint is the fold plan applied to another, tensor by tensor, with
+no
+model in memory (docs/checking.md); config, files, dtype, code and plan are compared in
+``checking.compare``."""
 
 from __future__ import annotations
 
@@ -19,10 +21,19 @@ from ..store.hf import check_shapes
 from ..store.checkpoint import Checkpoint
 from ..folded.stream import StreamedTensors
 from ..store.tensors import TensorReader
-from .compare import (code_problems, config_problems, file_problems, identical_directories,
-                      load_problems, parse_dtype, plan_problems, same_json)
+from .compare import (
+    code_problems,
+    config_problems,
+    file_problems,
+    identical_directories,
+    load_problems,
+    parse_dtype,
+    plan_problems,
+    same_json,
+)
 from .pairing import Pair, as_reference_holds, pair_tensors, still_tied, tensor_names, tied_key
 from .verify import Difference, Verdicts, Verifier
+
 
 @dataclass
 class StaticReport:
@@ -43,7 +54,8 @@ class StaticReport:
     """Where the plan came from: 'recorded' (the enjoyln block, confirmed) or 'analysis'."""
     problems: list[str] = field(default_factory=list)
     scope: str = "static check"
-    """What was checked: every weight and file, or (with ``--forward-only``) the load settings only."""
+    """What was checked: every weight and file, or (with ``--forward-only``) the load settings
+    only."""
     byte_identical: bool = False
     missing: list[str] = field(default_factory=list)
     """Parameters the model class builds that neither checkpoint holds (random on every load)."""
@@ -54,7 +66,8 @@ class StaticReport:
     first_difference: Difference | None = None
     """Where that one differs, and by how much (None for another dtype or shape)."""
     lacking: list[str] = field(default_factory=list)
-    """The same, counted as the reference's model holds them (its tied names once), as the fold counts them."""
+    """The same, counted as the reference's model holds them (its tied names once), as the fold
+    counts them."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,31 +75,56 @@ class StaticReport:
     def summary(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
         if self.scope != "static check":
-            return "\n".join([f"{verdict}: {self.scope}"] + [f"  [FAIL] {p}" for p in self.problems])
-        kinds = (f"{self.computed} recomputed with the fused affine and rotation" if self.computed else
-                 f"{self.identical} identical, {self.centered} centered, {self.untied} untied")
-        what = f"{self.tensors} tensors verified ({kinds}), {self.bytes_read / 1e6:.1f} MB read in {self.seconds:.2f} s"
+            return "\n".join(
+                [f"{verdict}: {self.scope}"] + [f"  [FAIL] {p}" for p in self.problems]
+            )
+        kinds = (
+            f"{self.computed} recomputed with the fused affine and rotation"
+            if self.computed
+            else f"{self.identical} identical, {self.centered} centered, {self.untied} untied"
+        )
+        what = (
+            f"{self.tensors} tensors verified ({kinds}), {self.bytes_read / 1e6:.1f} MB read "
+            "in "
+            f"{self.seconds:.2f} s"
+        )
         lines = [f"{verdict}: static check, {what}"]
         if self.byte_identical:
-            lines.append("  the candidate is byte for byte the reference: every file a loader reads is the same")
+            lines.append(
+                "  the candidate is byte for byte the reference: every file a loader reads is the "
+                "same"
+            )
         elif self.form:
-            what = "the plan applied to the reference" if self.form == "folded" else "identical to the reference"
+            what = (
+                "the plan applied to the reference"
+                if self.form == "folded"
+                else "identical to the reference"
+            )
             # a failed check proved nothing about the candidate: say only what it was held to
-            lines.append(f"  the candidate is {what} (plan: {self.plan})" if self.passed else
-                         f"  compared with {what} (plan: {self.plan})")
+            lines.append(
+                f"  the candidate is {what} (plan: {self.plan})"
+                if self.passed
+                else f"  compared with {what} (plan: {self.plan})"
+            )
         if self.differing:
             lines.append(f"  {self.differing} of {self.tensors} tensors differ")
         lines += [f"  note: {missing_note(self.lacking)}"] if self.lacking else []
         lines += [f"  [FAIL] {p}" for p in self.problems[:20]]
-        lines += [f"  ... and {len(self.problems) - 20} more problems"] if len(self.problems) > 20 else []
+        lines += (
+            [f"  ... and {len(self.problems) - 20} more problems"]
+            if len(self.problems) > 20
+            else []
+        )
         return "\n".join(lines)
 
 
 def missing_note(names: list[str]) -> str:
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (f"{len(names)} parameter{'s' if len(names) > 1 else ''} of the model class ({shown}) "
-            f"{'are' if len(names) > 1 else 'is'} in neither checkpoint, so transformers initialises "
-            f"{'them' if len(names) > 1 else 'it'} at random on every load")
+    return (
+        f"{len(names)} parameter{'s' if len(names) > 1 else ''} of the model class ({shown}) "
+        f"{'are' if len(names) > 1 else 'is'} in neither checkpoint, so transformers initialises "
+        f"{'them' if len(names) > 1 else 'it'} at random on every load"
+    )
 
 
 CODE_SCOPE = "remote code, compared before any of the candidate's code runs (none of it ran)"
@@ -104,22 +142,36 @@ class _Resolved:
     as_folded: list[str] = field(default_factory=list)
 
 
-def static_check(ref: Checkpoint, cand: Checkpoint, *, progress: Callable[[int, int], None] | None = None,
-                 dtype: Any = None) -> StaticReport:
+def static_check(
+    ref: Checkpoint,
+    cand: Checkpoint,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    dtype: Any = None,
+) -> StaticReport:
     """Verify, without running either model, that ``cand`` is ``ref`` with its fold plan applied (a
-    recorded plan held to a fresh analysis); ``dtype`` accepts a candidate that loads in that dtype instead.
+    recorded plan held to a fresh analysis); ``dtype`` accepts a candidate that loads in that dtype
+    instead.
     >>> static_check(open_checkpoint("gpt2"), open_checkpoint("gpt2-folded")).passed  # doctest: +SKIP
     True
-    """
+    """  # noqa: E501
     start = time.perf_counter()
     dtype = parse_dtype(dtype)
     if identical_directories(ref, cand):
-        # the same files load the same, but perhaps not in the dtype the caller says the candidate is for
+        # the same files load the same, but perhaps not in the dtype the caller says the candidate
+        # is for
         problems = load_problems(ref, cand, dtype) if dtype is not None else []
-        return StaticReport(passed=not problems, tensors=len(ref.tensors), identical=len(ref.tensors),
-                            form="identical", byte_identical=True, problems=problems,
-                            plan="none needed: every file is the reference's, byte for byte",
-                            bytes_read=2 * ref.nbytes, seconds=time.perf_counter() - start)
+        return StaticReport(
+            passed=not problems,
+            tensors=len(ref.tensors),
+            identical=len(ref.tensors),
+            form="identical",
+            byte_identical=True,
+            problems=problems,
+            plan="none needed: every file is the reference's, byte for byte",
+            bytes_read=2 * ref.nbytes,
+            seconds=time.perf_counter() - start,
+        )
     if code := code_problems(ref, cand):  # before cand.meta imports any of it
         return StaticReport(passed=False, problems=code, scope=CODE_SCOPE)
     check_shapes(ref)
@@ -132,16 +184,24 @@ def static_check(ref: Checkpoint, cand: Checkpoint, *, progress: Callable[[int, 
     readers = TensorReader(ref), TensorReader(cand)
     try:
         verdicts = _verify(resolved, pairs, (ref, cand), readers, dtype, progress)
-        judged = _judge(resolved, verdicts, files, moved=moves_values(resolved.plan))  # may read a tensor again
+        judged = _judge(
+            resolved, verdicts, files, moved=moves_values(resolved.plan)
+        )  # may read a tensor again
     finally:
         for reader in readers:
             reader.close()
-    return dataclasses.replace(judged, missing=missing, lacking=as_reference_holds(ref, missing),
-                               bytes_read=sum(r.bytes_read for r in readers), seconds=time.perf_counter() - start)
+    return dataclasses.replace(
+        judged,
+        missing=missing,
+        lacking=as_reference_holds(ref, missing),
+        bytes_read=sum(r.bytes_read for r in readers),
+        seconds=time.perf_counter() - start,
+    )
 
 
 def _resolve_plan(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Resolved:
-    """The plan the candidate is held to: a recorded one confirmed by this enjoyln's analysis, or that analysis."""
+    """The plan the candidate is held to: a recorded one confirmed by this enjoyln's analysis, or
+    that analysis."""
     try:
         recorded, problems = cand.recorded_plan, []
     except CheckpointError as exc:  # a block no fold writes: a wrong candidate, judged without it
@@ -150,32 +210,54 @@ def _resolve_plan(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Reso
         return _unrecorded(ref, cand, dtype, problems)
     if "enjoyln" in ref.config and same_json(ref.config["enjoyln"], cand.config["enjoyln"]):
         as_reference = config_problems(ref.config, cand.config, dtype)
-        return _Resolved(FoldPlan(type(ref.meta).__name__), "none: the candidate carries the reference's own "
-                         "enjoyln block, so it must be a copy of it", None, [], as_reference, as_reference)
+        return _Resolved(
+            FoldPlan(type(ref.meta).__name__),
+            "none: the candidate carries the reference's own "
+            "enjoyln block, so it must be a copy of it",
+            None,
+            [],
+            as_reference,
+            as_reference,
+        )
     return _recorded(ref, cand, recorded, dtype)
 
 
-def _unrecorded(ref: Checkpoint, cand: Checkpoint, dtype: str | None, problems: list[str]) -> _Resolved:
-    """Without a recorded plan the candidate is judged later against the form it has: the reference, or the fold."""
+def _unrecorded(
+    ref: Checkpoint, cand: Checkpoint, dtype: str | None, problems: list[str]
+) -> _Resolved:
+    """Without a recorded plan the candidate is judged later against the form it has: the reference,
+    or the fold."""
     out = _Resolved(FoldPlan(type(ref.meta).__name__), "none (the analysis failed)", None, problems)
     with contextlib.suppress(EnjoylnError):
         out.plan, out.source = _analysis(ref, None), "analysis"
     out.as_reference = config_problems(ref.config, cand.config, dtype)
     # the fold's config.json as transformers saves it: without the enjoyln block
-    out.as_folded = (config_problems({k: v for k, v in output_config(ref, out.plan).items() if k != "enjoyln"},
-                                     cand.config, dtype) if out.plan.changes else out.as_reference)
+    out.as_folded = (
+        config_problems(
+            {k: v for k, v in output_config(ref, out.plan).items() if k != "enjoyln"},
+            cand.config,
+            dtype,
+        )
+        if out.plan.changes
+        else out.as_reference
+    )
     return out
 
 
-def _recorded(ref: Checkpoint, cand: Checkpoint, recorded: FoldPlan, dtype: str | None) -> _Resolved:
-    """A recorded plan, confirmed by the analysis, and the block it must be written as. The tensors are
+def _recorded(
+    ref: Checkpoint, cand: Checkpoint, recorded: FoldPlan, dtype: str | None
+) -> _Resolved:
+    """A recorded plan, confirmed by the analysis, and the block it must be written as. The tensors
+    are
     never judged by a recorded plan it does not confirm, whose centerings may not even apply."""
     out = _Resolved(FoldPlan(type(ref.meta).__name__), "recorded", recorded)
     try:
         analysed: FoldPlan | None = _analysis(ref, recorded)
     except EnjoylnError as exc:
         analysed = None
-        out.problems.append(f"cannot confirm the recorded plan: the analysis of the reference failed ({exc})")
+        out.problems.append(
+            f"cannot confirm the recorded plan: the analysis of the reference failed ({exc})"
+        )
     out.problems += plan_problems(recorded, analysed or out.plan)
     out.problems += config_problems(output_config(ref, analysed or recorded), cand.config, dtype)
     if out.problems:
@@ -189,9 +271,15 @@ def _analysis(ref: Checkpoint, recorded: FoldPlan | None) -> FoldPlan:
     """The analysis with the options the recorded plan was made with."""
     if recorded is None:
         return analyze_dir(ref, auxiliary_centering=False)
-    r = recorded.rotation  # the first stream rotated has the user's seed; the others' are derived from it
-    options = {"fuse_affine": any(e.affine for e in recorded.layer_norms),
-               "rotate": RotationSpec(r.kind, r.seed, r.keep_mean, r.version, recorded.exact_outputs) if r else None}
+    r = (
+        recorded.rotation
+    )  # the first stream rotated has the user's seed; the others' are derived from it
+    options = {
+        "fuse_affine": any(e.affine for e in recorded.layer_norms),
+        "rotate": RotationSpec(r.kind, r.seed, r.keep_mean, r.version, recorded.exact_outputs)
+        if r
+        else None,
+    }
     plan = analyze_dir(ref, auxiliary_centering=bool(recorded.auxiliary), **options)
     if not recorded.auxiliary and plan.to_dict() != recorded.to_dict():
         # --auxiliary-centering that placed none leaves a trace only in the plan's notes and
@@ -201,10 +289,16 @@ def _analysis(ref: Checkpoint, recorded: FoldPlan | None) -> FoldPlan:
     return plan
 
 
-def _verify(resolved: _Resolved, pairs: list[Pair], checkpoints: tuple[Checkpoint, Checkpoint],
-            readers: tuple[TensorReader, TensorReader], dtype: str | None,
-            progress: Callable[[int, int], None] | None) -> Verdicts:
-    """Every paired tensor judged; a fused affine's or a rotation's recomputed from the reference by the
+def _verify(
+    resolved: _Resolved,
+    pairs: list[Pair],
+    checkpoints: tuple[Checkpoint, Checkpoint],
+    readers: tuple[TensorReader, TensorReader],
+    dtype: str | None,
+    progress: Callable[[int, int], None] | None,
+) -> Verdicts:
+    """Every paired tensor judged; a fused affine's or a rotation's recomputed from the reference by
+    the
     fold's own code (and, for a candidate in another dtype, from the reference cast)."""
     plan, (ref, cand) = resolved.plan, checkpoints
     expected = cast = None
@@ -217,26 +311,58 @@ def _verify(resolved: _Resolved, pairs: list[Pair], checkpoints: tuple[Checkpoin
     def read_param(name: str) -> torch.Tensor:  # a LayerScale gain a centering divides by
         key = tied_key(ref, names, name)
         if key is None:
-            raise CheckpointError(f"the reference has no tensor for {name}, which the plan's centering reads")
+            raise CheckpointError(
+                f"the reference has no tensor for {name}, which the plan's centering reads"
+            )
         return readers[0].read(key)
-    verdicts = Verifier(*readers, read_param, dtype=dtype, unrecorded=resolved.recorded is None, expected=expected,
-                        cast_expected=cast).run(pairs, progress)
+
+    verdicts = Verifier(
+        *readers,
+        read_param,
+        dtype=dtype,
+        unrecorded=resolved.recorded is None,
+        expected=expected,
+        cast_expected=cast,
+    ).run(pairs, progress)
     verdicts.not_folded[:0] = still_tied(plan, cand.meta)
     return verdicts
 
 
 def _judge(resolved: _Resolved, v: Verdicts, files: list[str], *, moved: bool) -> StaticReport:
-    """The verdict. Without a recorded plan the candidate may be the reference itself or the whole plan
+    """The verdict. Without a recorded plan the candidate may be the reference itself or the whole
+    plan
     applied; anything in between is judged against whichever form it is closer to."""
     unrecorded = resolved.recorded is None
-    identical = not moved and unrecorded and (not v.not_identical or len(v.not_identical) < len(v.not_folded))
-    first = (v.first_unlike_reference() if v.first_unlike_reference else None) if identical else v.first_unlike_fold
-    problems = resolved.problems + (v.not_identical + resolved.as_reference if identical else
-                                    v.not_folded + (resolved.as_folded if unrecorded else [])) + files
-    return StaticReport(passed=not problems, tensors=v.tensors, identical=v.identical, centered=v.centered,
-                        untied=v.untied, computed=v.computed, form="identical" if identical else "folded",
-                        plan=resolved.source, problems=problems,
-                        differing=v.unlike_reference if identical else v.unlike_fold,
-                        first_differing=first[0] if first else "", first_difference=first[1] if first else None)
-
-
+    identical = (
+        not moved
+        and unrecorded
+        and (not v.not_identical or len(v.not_identical) < len(v.not_folded))
+    )
+    first = (
+        (v.first_unlike_reference() if v.first_unlike_reference else None)
+        if identical
+        else v.first_unlike_fold
+    )
+    problems = (
+        resolved.problems
+        + (
+            v.not_identical + resolved.as_reference
+            if identical
+            else v.not_folded + (resolved.as_folded if unrecorded else [])
+        )
+        + files
+    )
+    return StaticReport(
+        passed=not problems,
+        tensors=v.tensors,
+        identical=v.identical,
+        centered=v.centered,
+        untied=v.untied,
+        computed=v.computed,
+        form="identical" if identical else "folded",
+        plan=resolved.source,
+        problems=problems,
+        differing=v.unlike_reference if identical else v.unlike_fold,
+        first_differing=first[0] if first else "",
+        first_difference=first[1] if first else None,
+    )

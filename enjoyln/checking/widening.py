@@ -1,7 +1,8 @@
 """Running a model in a wider dtype without converting it whole (the truth of the precision-aware
 criterion, at the memory of one layer): each module's weights are widened into reused scratch memory
 when its forward starts and put back when it ends. Exact, but only where every weight is read by its
-owner's forward; otherwise ``NotWidened`` and the caller converts the model whole (docs/checking.md)."""
+owner's forward; otherwise ``NotWidened`` and the caller converts the model whole
+(docs/checking.md)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ class NotWidened(RuntimeError):
 
 
 class _Scratch:
-    """Stack-ordered scratch memory in chunks, taken by a module's forward and given back when it ends: chunks
-    are allocated (and first touched) once, by the largest module, and reused by every one after it."""
+    """Stack-ordered scratch memory in chunks, taken by a module's forward and given back when it
+    ends: chunks
+    are allocated (and first touched) once, by the largest module, and reused by every one after
+    it."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -38,7 +41,7 @@ class _Scratch:
                 i = 0
             self.chunks.append(torch.empty(max(n, CHUNK), dtype=self.dtype))
         self.top = (i, at + -(-n // 8) * 8)  # 64-byte aligned for the next one
-        return self.chunks[i][at:at + n]
+        return self.chunks[i][at : at + n]
 
 
 def _own_tensors(module: nn.Module) -> Iterator[tuple[dict[str, Any], str, torch.Tensor]]:
@@ -53,7 +56,10 @@ def _copies_of_views(out: Any, storages: set[int]) -> Any:
     if isinstance(out, torch.Tensor):
         try:
             inside = out.untyped_storage().data_ptr() in storages
-        except (RuntimeError, NotImplementedError):  # no storage of its own (sparse, nested): not a view
+        except (
+            RuntimeError,
+            NotImplementedError,
+        ):  # no storage of its own (sparse, nested): not a view
             inside = False
         return out.clone() if inside else out
     if isinstance(out, dict):  # transformers' ModelOutput included: changed in place
@@ -72,8 +78,10 @@ def _copies_of_views(out: Any, storages: set[int]) -> Any:
 
 @contextlib.contextmanager
 def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
-    """Within the block, calling ``model`` computes in ``dtype`` as ``model.to(dtype)`` would, one module's
-    weights converted at a time; ``NotWidened`` (on leaving) if a weight was not read by its owner's forward.
+    """Within the block, calling ``model`` computes in ``dtype`` as ``model.to(dtype)`` would, one
+    module's
+    weights converted at a time; ``NotWidened`` (on leaving) if a weight was not read by its owner's
+    forward.
 
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     >>> with widened(net, torch.float64):
@@ -82,7 +90,9 @@ def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
     (torch.float64, torch.float32)
     """
     scratch = _Scratch(dtype)
-    swapped: list[tuple[dict[str, Any], str, Any, Any]] = []  # what to put back (and a parameter's data), in order
+    swapped: list[
+        tuple[dict[str, Any], str, Any, Any]
+    ] = []  # what to put back (and a parameter's data), in order
     frames: list[tuple[int, tuple[int, int]]] = []
     converted: set[int] = set()
     owned = {id(t) for m in model.modules() for _, _, t in _own_tensors(m) if t.dtype != dtype}
@@ -118,8 +128,11 @@ def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
         scratch.top = top
         return output
 
-    handles = [h for m in model.modules()
-               for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    handles = [
+        h
+        for m in model.modules()
+        for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))
+    ]
     try:
         yield scratch
     finally:
@@ -127,5 +140,7 @@ def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
             h.remove()
         restore(0)
     if owned - converted:
-        raise NotWidened(f"{len(owned - converted)} weights of {type(model).__name__} were not read by their "
-                         "owner's forward")
+        raise NotWidened(
+            f"{len(owned - converted)} weights of {type(model).__name__} were not read by their "
+            "owner's forward"
+        )

@@ -1,4 +1,5 @@
-"""The ``enjoyln`` typer app: each command wrapped by ``failures.friendly``; ``-h``, ``--version``."""
+"""The ``enjoyln`` typer app: each command wrapped by ``failures.friendly``; ``-h``,
+``--version``."""
 
 from __future__ import annotations
 
@@ -25,9 +26,13 @@ class _FlagHelp:
 
 
 def _metavar(param: TyperOption) -> str:
-    """What an option's value is, in the words docs/cli.md uses: N, X, PATH or TEXT (typer writes ``<int range>``)."""
+    """What an option's value is, in the words docs/cli.md uses: N, X, PATH or TEXT (typer writes
+    ``<int range>``)."""
     descriptor = param.type_descriptor
-    kinds = {descriptor.annotation, *typing.get_args(descriptor.annotation)}  # Optional[int] is int or None
+    kinds = {
+        descriptor.annotation,
+        *typing.get_args(descriptor.annotation),
+    }  # Optional[int] is int or None
     if descriptor.is_path:
         return "PATH"
     return "N" if int in kinds else "X" if float in kinds else "TEXT"
@@ -41,9 +46,11 @@ class _Argument(TyperArgument):
 
 
 class Command(_FlagHelp, TyperCommand):
-    """Usage reads ``[OPTIONS] MODEL_DIR OUT_DIR`` (typer writes ``{model_dir} {out_dir}``); no type after a flag.
+    """Usage reads ``[OPTIONS] MODEL_DIR OUT_DIR`` (typer writes ``{model_dir} {out_dir}``); no type
+    after a flag.
 
-    Each command's line in ``enjoyln -h`` is the first sentence of its help, whole (click cuts it with ``...``).
+    Each command's line in ``enjoyln -h`` is the first sentence of its help, whole (click cuts it
+    with ``...``).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -60,20 +67,26 @@ class Command(_FlagHelp, TyperCommand):
         return first if first.endswith(".") else first + "."
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
-        return ([self.options_metavar] if self.options_metavar else []) + [  # each argument's metavar set above
+        return (
+            [self.options_metavar] if self.options_metavar else []
+        ) + [  # each argument's metavar set above
             p.metavar if p.required or p.metavar.startswith("[") else f"[{p.metavar}]"
-            for p in self.get_params(ctx) if isinstance(p, TyperArgument)]
+            for p in self.get_params(ctx)
+            if isinstance(p, TyperArgument)
+        ]
 
 
 class Group(_FlagHelp, TyperGroup):
-    """click's usage errors in one line (``failures.usage_error``); the program is ``enjoyln`` however started."""
+    """click's usage errors in one line (``failures.usage_error``); the program is ``enjoyln``
+    however started."""
 
     def main(self, args: Any = None, prog_name: Optional[str] = None, **extra: Any) -> Any:
         import sys
 
         args = list(sys.argv[1:] if args is None else args)
         extra.pop("standalone_mode", None)
-        state.begin()  # a fresh command: nothing printed yet (a test may run several in one process)
+        # a fresh command: nothing printed yet (a test may run several in one process)
+        state.begin()
         try:
             code = super().main(args=args, prog_name="enjoyln", standalone_mode=False, **extra)
         except NoArgsIsHelpError as exc:
@@ -87,10 +100,16 @@ class Group(_FlagHelp, TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
-# click's plain help (rich_markup_mode=None): rich's panels cut option names (--trust-remote-co…) at 80 columns
-app = typer.Typer(cls=Group, add_completion=False, rich_markup_mode=None, no_args_is_help=True,
-                  pretty_exceptions_enable=False,
-                  context_settings={"help_option_names": ["-h", "--help"]})  # its help: main's docstring
+# click's plain help (rich_markup_mode=None): rich's panels cut option names (--trust-remote-co…) at
+# 80 columns
+app = typer.Typer(
+    cls=Group,
+    add_completion=False,
+    rich_markup_mode=None,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)  # its help: main's docstring
 
 
 def _version(value: bool) -> None:
@@ -100,12 +119,25 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def main(version: Annotated[bool, typer.Option(
-        "--version", callback=_version, is_eager=True, help="Print the version and exit.")] = False) -> None:
+def main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
     """Fold LayerNorm into RMSNorm with exactly the same outputs."""
 
 
-for name, command in (("fold", commands.fold), ("rotate", commands.rotate), ("inspect", commands.inspect),
-                      ("check", commands.check), ("demo", tools.demo), ("bench", tools.bench),
-                      ("export", commands.export), ("env", tools.env)):
+for name, command in (
+    ("fold", commands.fold),
+    ("rotate", commands.rotate),
+    ("inspect", commands.inspect),
+    ("check", commands.check),
+    ("demo", tools.demo),
+    ("bench", tools.bench),
+    ("export", commands.export),
+    ("env", tools.env),
+):
     app.command(name, cls=Command)(friendly(command))

@@ -1,5 +1,7 @@
-"""Progress on stderr, on a terminal only: a spinner naming the phase, and byte bars. Totals never jump (an
-unknown one shows a count, no bar); rates show only once a second has passed (a burst gives none)."""
+"""Progress on stderr, on a terminal only: a spinner naming the phase, and byte bars. Totals never
+jump (an
+unknown one shows a count, no bar); rates show only once a second has passed (a burst gives
+none)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,15 @@ import time
 from typing import Any, Callable
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.text import Text
 
 MIN_RATE_SECONDS = 1.0
@@ -29,7 +39,10 @@ class _Bytes(ProgressColumn):
         if task.fields.get("phase"):
             return Text("")
         done = f"{task.completed / 1e6:.1f} MB"
-        return Text(done if not task.total else f"{done} of {task.total / 1e6:.1f} MB", style="progress.download")
+        return Text(
+            done if not task.total else f"{done} of {task.total / 1e6:.1f} MB",
+            style="progress.download",
+        )
 
 
 class _Rate(ProgressColumn):
@@ -40,7 +53,9 @@ class _Rate(ProgressColumn):
         if task.fields.get("phase") or first is None or last is None:
             return Text("")
         rate = honest_rate(last[0] - first[0], last[1] - first[1])
-        return Text(f"{rate / 1e6:.0f} MB/s" if rate is not None else "", style="progress.data.speed")
+        return Text(
+            f"{rate / 1e6:.0f} MB/s" if rate is not None else "", style="progress.data.speed"
+        )
 
 
 class _Bar(BarColumn):
@@ -51,7 +66,8 @@ class _Bar(BarColumn):
 
 
 class Display:
-    """``stage(words)`` names the phase, ``phase(name)`` gives a byte bar's callback; off a terminal, nothing."""
+    """``stage(words)`` names the phase, ``phase(name)`` gives a byte bar's callback; off a
+    terminal, nothing."""
 
     def __init__(self, console: Console, enabled: bool = True) -> None:
         self.console = console
@@ -62,8 +78,16 @@ class Display:
 
     def _progress(self) -> Progress:
         if self.bar is None:
-            self.bar = Progress(SpinnerColumn(), TextColumn("[progress.description]{task.description}"), _Bar(),
-                                _Bytes(), _Rate(), TimeElapsedColumn(), console=self.console, transient=True)
+            self.bar = Progress(
+                SpinnerColumn(),
+                TextColumn("[progress.description]{task.description}"),
+                _Bar(),
+                _Bytes(),
+                _Rate(),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=True,
+            )
             self.bar.start()
         return self.bar
 
@@ -89,8 +113,14 @@ class Display:
             if task.fields.get("moved_at") is None and done > 0:  # the rate counts from here
                 bar.update(task_id, moved_at=(done, now))
             # a finished bar is taken away: the phase after it has its own line
-            bar.update(task_id, completed=done, total=total or None, last=(done, now),
-                       visible=not (total and done >= total))
+            bar.update(
+                task_id,
+                completed=done,
+                total=total or None,
+                last=(done, now),
+                visible=not (total and done >= total),
+            )
+
         return update
 
     def stop(self) -> None:

@@ -1,4 +1,5 @@
-"""What the command line prints on stdout: reports (with ``-q`` only their verdict) and strict ASCII JSON."""
+"""What the command line prints on stdout: reports (with ``-q`` only their verdict) and strict ASCII
+JSON."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from .progress import honest_rate
 
 
 class _OnFirstUse:
-    """A rich Console made when first used, not at import: making one asks the stream whether it is a
+    """A rich Console made when first used, not at import: making one asks the stream whether it is
+    a
     terminal, and at import the command line has not yet made its streams safe (fd 1 closed leaves
     ``sys.stdout`` None)."""
 
@@ -44,13 +46,22 @@ class _OnFirstUse:
 
 
 # wide enough for the tables when piped, where rich would assume 80 columns
-out = cast(Console, _OnFirstUse(lambda: Console(highlight=False, soft_wrap=True,
-                                                 width=None if sys.stdout and sys.stdout.isatty() else 160)))
+out = cast(
+    Console,
+    _OnFirstUse(
+        lambda: Console(
+            highlight=False,
+            soft_wrap=True,
+            width=None if sys.stdout and sys.stdout.isatty() else 160,
+        )
+    ),
+)
 err = cast(Console, _OnFirstUse(lambda: Console(stderr=True, highlight=False, soft_wrap=True)))
 
 
 class State:
-    """What the running command asked for: ``--json`` (and whether it is printed yet), ``-q``, ``--verbose``."""
+    """What the running command asked for: ``--json`` (and whether it is printed yet), ``-q``,
+    ``--verbose``."""
 
     def __init__(self) -> None:
         self.begin()
@@ -76,7 +87,8 @@ _BREAKS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 
 
 def one_line(text: str) -> str:
-    """``text`` with control characters, line separators and surrogates (undecodable file name bytes) escaped.
+    """``text`` with control characters, line separators and surrogates (undecodable file name
+    bytes) escaped.
 
     >>> one_line("a\\nb")
     'a\\\\nb'
@@ -87,7 +99,8 @@ def one_line(text: str) -> str:
         if 0xDC80 <= c <= 0xDCFF:  # a byte os.fsdecode could not decode
             return f"\\x{c - 0xDC00:02x}"
         return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(m.group()) or (
-            f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}")
+            f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+        )
 
     return _BREAKS.sub(escape_char, text)
 
@@ -96,17 +109,27 @@ _FEEDS = re.compile(r"its input includes the output of (\S+), which is not zero-
 
 
 def post_ln_note(plan: FoldPlan) -> str | None:
-    """Why a post-LN model (BERT) folds only the LNs fed by weights alone, where the plan shows it."""
+    """Why a post-LN model (BERT) folds only the LNs fed by weights alone, where the plan shows
+    it."""
     norms = {e.name for e in plan.layer_norms}
-    fed = [e for e in plan.layer_norms if not e.foldable and (m := _FEEDS.search(e.reason)) and m.group(1) in norms]
+    fed = [
+        e
+        for e in plan.layer_norms
+        if not e.foldable and (m := _FEEDS.search(e.reason)) and m.group(1) in norms
+    ]
     if not fed:
         return None
     folded = ", ".join(e.name for e in plan.foldable[:3]) or "none"
-    return (f"{plan.model} is a post-LN model: in each block the LayerNorm's input is the residual sum, whose skip "
-            "branch is the output of the LayerNorm before it. That output is not zero-mean, so centering the layers "
-            f"that feed the sum cannot make the sum zero-mean, and those {len(fed)} LayerNorms stay. An LN whose "
-            "inputs are all weights (the embedding LN) can be centered, so it folds "
-            f"(here: {folded}).")
+    return (
+        f"{plan.model} is a post-LN model: in each block the LayerNorm's input is the residual "
+        "sum, whose skip "
+        "branch is the output of the LayerNorm before it. That output is not zero-mean, so "
+        "centering the layers "
+        f"that feed the sum cannot make the sum zero-mean, and those {len(fed)} LayerNorms stay. "
+        "An LN whose "
+        "inputs are all weights (the embedding LN) can be centered, so it folds "
+        f"(here: {folded})."
+    )
 
 
 def plan_sentence(plan: FoldPlan) -> str:
@@ -114,14 +137,21 @@ def plan_sentence(plan: FoldPlan) -> str:
     if not plan.layer_norms:
         return f"{plan.model} has no LayerNorm: nothing to fold."
     n, total = len(plan.foldable), len(plan.layer_norms)
-    what = (f"all {total} LayerNorms fold" if n == total else f"{n} of {total} LayerNorms fold"
-            if n else f"none of its {total} LayerNorms can fold")
+    what = (
+        f"all {total} LayerNorms fold"
+        if n == total
+        else f"{n} of {total} LayerNorms fold"
+        if n
+        else f"none of its {total} LayerNorms can fold"
+    )
     changes = f", by centering {len(plan.centered)} tensors" if plan.centered and n else ""
     untie = f" and untying {len(plan.untied)}" if plan.untied and n else ""
     return f"{plan.model}: {what}{changes}{untie}."
 
 
-def _table(title: str, columns: Iterable[str], rows: Iterable[Iterable[str]], **style: Any) -> Table:
+def _table(
+    title: str, columns: Iterable[str], rows: Iterable[Iterable[str]], **style: Any
+) -> Table:
     """A table titled on its left, every column styled alike."""
     table = Table(title=title, title_justify="left")
     for column in columns:
@@ -140,23 +170,44 @@ def print_plan(plan: FoldPlan) -> None:
         say(f"[yellow]Note:[/] {escape(note)}")
     if state.quiet:
         return
-    table = Table(title=f"{plan.model}: {len(plan.foldable)} of {len(plan.layer_norms)} LayerNorms foldable",
-                  title_justify="left")
+    table = Table(
+        title=f"{plan.model}: {len(plan.foldable)} of {len(plan.layer_norms)} LayerNorms foldable",
+        title_justify="left",
+    )
     table.add_column("LayerNorm", overflow="fold")
     table.add_column("fold")
     table.add_column("centered / reason", overflow="fold")
-    for e in plan.layer_norms:  # centered 'transformer.h.0.attn.c_proj.weight', ... as 'transformer.h.*.attn.c_proj'
-        modules = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", c.param.rsplit(".", 1)[0]
-                                       if c.param.endswith(("weight", "bias")) else c.param) for c in e.centered)
-        table.add_row(e.name, "[green]yes[/]" if e.foldable else "[red]no[/]",
-                      escape(f"{len(e.centered)} tensors: " + ", ".join(modules) if e.foldable else e.reason))
+    for e in (
+        plan.layer_norms
+    ):  # centered 'transformer.h.0.attn.c_proj.weight', ... as 'transformer.h.*.attn.c_proj'
+        modules = dict.fromkeys(
+            re.sub(
+                r"\.\d+\.",
+                ".*.",
+                c.param.rsplit(".", 1)[0] if c.param.endswith(("weight", "bias")) else c.param,
+            )
+            for c in e.centered
+        )
+        table.add_row(
+            e.name,
+            "[green]yes[/]" if e.foldable else "[red]no[/]",
+            escape(f"{len(e.centered)} tensors: " + ", ".join(modules) if e.foldable else e.reason),
+        )
     out.print(table)
     if plan.centered or plan.untied:
-        out.print(_table(f"Changes: center {len(plan.centered)} tensors, untie {len(plan.untied)} "
-                         f"(+{format_bytes(plan.untie_bytes)})", ("parameter", "change"),
-                         [(c.param, f"center along axis {c.axis}") for c in plan.centered]
-                         + [(u.param, f"untie from {u.tied_to}: +{format_bytes(u.nbytes)}") for u in plan.untied],
-                         overflow="fold"))
+        out.print(
+            _table(
+                f"Changes: center {len(plan.centered)} tensors, untie {len(plan.untied)} "
+                f"(+{format_bytes(plan.untie_bytes)})",
+                ("parameter", "change"),
+                [(c.param, f"center along axis {c.axis}") for c in plan.centered]
+                + [
+                    (u.param, f"untie from {u.tied_to}: +{format_bytes(u.nbytes)}")
+                    for u in plan.untied
+                ],
+                overflow="fold",
+            )
+        )
     for a in plan.auxiliary:
         out.print(f"Auxiliary centering: {a.describe()}")
     affine = [e for e in plan.foldable if e.affine]
@@ -164,20 +215,44 @@ def print_plan(plan: FoldPlan) -> None:
         rows = []
         for e in affine:
             into = ", ".join(sorted({f.weight for f in e.fused})) or "nothing to move"
-            what = {"fused": f"into {into}", "gain fused": f"γ into {into}; β stays as β/γ ({e.affine_reason})",
-                    "kept": f"kept: {e.affine_reason}"}[e.affine]
+            what = {
+                "fused": f"into {into}",
+                "gain fused": f"γ into {into}; β stays as β/γ ({e.affine_reason})",
+                "kept": f"kept: {e.affine_reason}",
+            }[e.affine]
             rows.append((e.name, escape(what)))
-        rows += [(e.name, escape(f"into {', '.join(sorted({f.weight for f in e.fused})) or 'nothing to move'}; "
-                                 "it stays a LayerNorm, on a rotated stream"))
-                 for e in plan.affine_moved if not e.foldable]
-        out.print(_table(f"Affine: {sum(e.weightless for e in affine)} of {len(affine)} folded norms become weightless",
-                         ("LayerNorm", "γ and β"), rows, overflow="fold"))
+        rows += [
+            (
+                e.name,
+                escape(
+                    f"into {', '.join(sorted({f.weight for f in e.fused})) or 'nothing to move'}; "
+                    "it stays a LayerNorm, on a rotated stream"
+                ),
+            )
+            for e in plan.affine_moved
+            if not e.foldable
+        ]
+        out.print(
+            _table(
+                f"Affine: {sum(e.weightless for e in affine)} of {len(affine)} folded norms become "
+                "weightless",
+                ("LayerNorm", "γ and β"),
+                rows,
+                overflow="fold",
+            )
+        )
     for r in plan.rotations:
         stream = f"{r.stream}, width {r.width}, " if r.width else ""
-        out.print(f"Rotation: {r.kind} ({stream}seed {r.seed}, {'keeps' if r.keep_mean else 'does not keep'} the "
-                  f"mean) of {len(r.rotated)} tensors")
+        out.print(
+            f"Rotation: {r.kind} ({stream}seed {r.seed}, "
+            f"{'keeps' if r.keep_mean else 'does not keep'} the "
+            f"mean) of {len(r.rotated)} tensors"
+        )
     if plan.changed_outputs:
-        out.print(f"Outputs the rotation changes (not served, so not compared): {', '.join(plan.changed_outputs)}")
+        out.print(
+            "Outputs the rotation changes (not served, so not compared): "
+            f"{', '.join(plan.changed_outputs)}"
+        )
     for note in plan.notes:
         out.print(f"[yellow]Note:[/] {escape(note)}")
     if not plan.changes:
@@ -219,41 +294,62 @@ def print_report(report: Any, subject: str = "the candidate") -> None:
 
 def drop_stdout() -> None:
     """Send what is left of stdout to /dev/null, so Python's final flush raises nothing either."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # no real descriptor (under a test runner)
+    with contextlib.suppress(
+        OSError, ValueError, AttributeError
+    ):  # no real descriptor (under a test runner)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
 
 
-def show_fold(result: Any, payload: dict[str, Any], *, mode: str, as_json: bool, dry_run: bool) -> None:
-    """What ``fold`` and ``rotate`` print (or the JSON document); nothing to fold is an error (exit 2)."""
+def show_fold(
+    result: Any, payload: dict[str, Any], *, mode: str, as_json: bool, dry_run: bool
+) -> None:
+    """What ``fold`` and ``rotate`` print (or the JSON document); nothing to fold is an error (exit
+    2)."""
     plan = result.plan
     if not as_json:
         if result.cleaned:
-            say(f"Removed {len(result.cleaned)} temporary "
+            say(
+                f"Removed {len(result.cleaned)} temporary "
                 f"director{'y' if len(result.cleaned) == 1 else 'ies'} left by an interrupted run: "
-                + ", ".join(escape(str(p)) for p in result.cleaned))
+                + ", ".join(escape(str(p)) for p in result.cleaned)
+            )
         print_plan(plan)
         if result.skipped:
             say(f"[yellow]Not copied:[/] {escape('; '.join(result.skipped))}")
         if result.followed:
-            say(f"Copied through links out of MODEL_DIR (files a model needs): {escape(', '.join(result.followed))}")
+            say(
+                "Copied through links out of MODEL_DIR (files a model needs): "
+                f"{escape(', '.join(result.followed))}"
+            )
         if result.report is not None:
             print_report(result.report, "the folded model")
         if result.out_dir:
             rate = honest_rate(result.bytes_written, result.stream_seconds)
             speed = f" ({rate / 1e6:.0f} MB/s)" if rate is not None else ""
             checked = {"none": "unchecked", "static": "weights checked", "full": "checked"}[mode]
-            out.print(f"Wrote {escape(str(result.out_dir))} ({checked}; {len(result.files)} weight files, "
-                      f"{format_bytes(result.bytes_written)}) in {result.seconds:.2f} s; moving the weights took "
-                      f"{result.stream_seconds:.2f} s{speed}")
+            out.print(
+                f"Wrote {escape(str(result.out_dir))} ({checked}; {len(result.files)} weight "
+                "files, "
+                f"{format_bytes(result.bytes_written)}) in {result.seconds:.2f} s; moving the "
+                "weights took "
+                f"{result.stream_seconds:.2f} s{speed}"
+            )
             if plan.rotation is not None and not plan.rotation.keep_mean:
-                out.print("[yellow]Note:[/] this rotation does not keep the stream zero-mean: load it with "
-                          "enjoyln.load; a plain from_pretrained runs LayerNorms and gives different outputs")
+                out.print(
+                    "[yellow]Note:[/] this rotation does not keep the stream zero-mean: load it "
+                    "with "
+                    "enjoyln.load; a plain from_pretrained runs LayerNorms and gives different "
+                    "outputs"
+                )
         elif dry_run:
             out.print("Dry run: nothing written.")
     if not dry_run and not plan.changes:
-        what = ("has no LayerNorm" if not plan.layer_norms
-                else f"has {len(plan.layer_norms)} LayerNorms and none can fold")
+        what = (
+            "has no LayerNorm"
+            if not plan.layer_norms
+            else f"has {len(plan.layer_norms)} LayerNorms and none can fold"
+        )
         error = EnjoylnError(f"nothing to fold: {plan.model} {what}; nothing was written")
         # the --json document says what was found
         error.payload = payload  # type: ignore[attr-defined]
@@ -267,42 +363,93 @@ def print_export(report: Any, out_file: Path) -> None:
         return escape("[" + ", ".join(map(str, shape)) + "]")
 
     bias = f" ({report.rms_bias_adds} followed by a bias Add)" if report.rms_bias_adds else ""
-    out.print(f"Wrote {out_file} (opset {report.opset}): {report.rms_norm_nodes} RMSNorm ops{bias}, "
-              f"{report.layer_norm_nodes} LayerNormalization ops; onnx.checker passed")
-    out.print("Inputs: " + ", ".join(f"{k} {dims(v)}" for k, v in report.inputs.items())
-              + "; outputs: " + ", ".join(f"{k} {dims(v)}" for k, v in report.outputs.items()))
-    shapes = " and ".join(", ".join(f"{k} {'x'.join(map(str, v))}" for k, v in s.items()) for s in report.shapes)
+    out.print(
+        f"Wrote {out_file} (opset {report.opset}): {report.rms_norm_nodes} RMSNorm ops{bias}, "
+        f"{report.layer_norm_nodes} LayerNormalization ops; onnx.checker passed"
+    )
+    out.print(
+        "Inputs: "
+        + ", ".join(f"{k} {dims(v)}" for k, v in report.inputs.items())
+        + "; outputs: "
+        + ", ".join(f"{k} {dims(v)}" for k, v in report.outputs.items())
+    )
+    shapes = " and ".join(
+        ", ".join(f"{k} {'x'.join(map(str, v))}" for k, v in s.items()) for s in report.shapes
+    )
     verdict = "[green]matches[/]" if report.max_rel_diff <= 1e-4 else "[red]DIFFERS from[/]"
-    out.print(f"onnxruntime {verdict} PyTorch at {shapes}: max relative difference {report.max_rel_diff:.3g}")
+    out.print(
+        f"onnxruntime {verdict} PyTorch at {shapes}: max relative difference "
+        f"{report.max_rel_diff:.3g}"
+    )
     if report.optimized:
-        norms = ", ".join(f"{n} {report.optimized_ops[n]}" for n in sorted(report.optimized_ops)
-                          if "Normalization" in n)
-        verdict = "[green]matches[/]" if report.optimized_max_rel_diff <= 1e-4 else "[red]DIFFERS from[/]"
-        out.print(f"Optimized (onnxruntime optimizer, model_type {report.optimizer_model_type}): {norms}; "
-                  f"fused {report.skip_fused} of {report.skip_candidates} residual Add + norm pairs; "
-                  f"{verdict} PyTorch: max relative difference {report.optimized_max_rel_diff:.3g}")
+        norms = ", ".join(
+            f"{n} {report.optimized_ops[n]}"
+            for n in sorted(report.optimized_ops)
+            if "Normalization" in n
+        )
+        verdict = (
+            "[green]matches[/]" if report.optimized_max_rel_diff <= 1e-4 else "[red]DIFFERS from[/]"
+        )
+        out.print(
+            f"Optimized (onnxruntime optimizer, model_type {report.optimizer_model_type}): "
+            f"{norms}; "
+            f"fused {report.skip_fused} of {report.skip_candidates} residual Add + norm pairs; "
+            f"{verdict} PyTorch: max relative difference {report.optimized_max_rel_diff:.3g}"
+        )
     for note in report.notes:
         out.print(f"[yellow]warning:[/] {escape(note)}")
 
 
 def print_kernels(results: list[Any]) -> None:
-    out.print(_table("Norm kernels: median µs; torch = F.rms_norm + bias; copy = x.clone(), the floor",
-                     ("shape", "dtype", "path", "LN µs", "RMS µs", "RMS/LN", "torch µs", "torch/LN", "copy/LN",
-                      "LN GB/s", "RMS GB/s"),
-                     [(f"{r.rows}x{r.cols}", r.dtype, r.backend, f"{r.layer_norm_us:.0f}", f"{r.rms_norm_us:.0f}",
-                       f"{r.ratio:.2f}", f"{r.torch_rms_norm_us:.0f}", f"{r.torch_ratio:.2f}",
-                       f"{r.copy_us / r.layer_norm_us:.2f}", f"{r.gbps(r.layer_norm_us):.1f}",
-                       f"{r.gbps(r.rms_norm_us):.1f}") for r in results], no_wrap=True))
+    out.print(
+        _table(
+            "Norm kernels: median µs; torch = F.rms_norm + bias; copy = x.clone(), the floor",
+            (
+                "shape",
+                "dtype",
+                "path",
+                "LN µs",
+                "RMS µs",
+                "RMS/LN",
+                "torch µs",
+                "torch/LN",
+                "copy/LN",
+                "LN GB/s",
+                "RMS GB/s",
+            ),
+            [
+                (
+                    f"{r.rows}x{r.cols}",
+                    r.dtype,
+                    r.backend,
+                    f"{r.layer_norm_us:.0f}",
+                    f"{r.rms_norm_us:.0f}",
+                    f"{r.ratio:.2f}",
+                    f"{r.torch_rms_norm_us:.0f}",
+                    f"{r.torch_ratio:.2f}",
+                    f"{r.copy_us / r.layer_norm_us:.2f}",
+                    f"{r.gbps(r.layer_norm_us):.1f}",
+                    f"{r.gbps(r.rms_norm_us):.1f}",
+                )
+                for r in results
+            ],
+            no_wrap=True,
+        )
+    )
     print_warnings(w for r in results for w in r.warnings)
 
 
 def print_latency(lat: Any, a: str = "original", b: str = "folded", what: str = "") -> None:
-    """The difference in one direction (from the run-by-run ratios), then the reference's own time: the two
+    """The difference in one direction (from the run-by-run ratios), then the reference's own time:
+    the two
     medians are not set side by side, since on a drifting machine they can point the other way."""
     out.print(f"{what}{lat.difference(a, b)}")
     tokens = f", {lat.tokens_per_s('a'):,.0f} tokens/s" if lat.tokens else ""
-    out.print(f"  {a}: {lat.a_ms:.2f} ms per forward (median of {lat.repeats} runs, IQR {lat.a_iqr_ms:.2f} ms"
-              f"{tokens})")
+    out.print(
+        f"  {a}: {lat.a_ms:.2f} ms per forward (median of {lat.repeats} runs, IQR "
+        f"{lat.a_iqr_ms:.2f} ms"
+        f"{tokens})"
+    )
     print_warnings(lat.warnings(a, b))
 
 
@@ -313,13 +460,21 @@ def print_end_to_end(result: Any, model: str, batch: int, seq_len: int) -> None:
     if not ln_ms:  # CUDA: hooks around a module cannot time the kernels it queues
         out.print("Time inside the norms: not measured on CUDA")
         return
-    out.print(f"Time inside the norms per forward: LayerNorm {ln_ms:.2f} ms, folded {rms_ms:.2f} ms "
-              f"({rms_ms / ln_ms:.2f}x), a bare copy of the input in their place {copy_ms:.2f} ms")
+    out.print(
+        f"Time inside the norms per forward: LayerNorm {ln_ms:.2f} ms, folded {rms_ms:.2f} ms "
+        f"({rms_ms / ln_ms:.2f}x), a bare copy of the input in their place {copy_ms:.2f} ms"
+    )
     if copy_ms < ln_ms:  # the floor: no norm kernel reads and writes less than a copy
-        out.print(f"  even a norm as cheap as a copy would save at most {result.best_possible_speedup:.2%} of a "
-                  f"forward ({ln_ms - copy_ms:.2f} ms)")
+        out.print(
+            "  even a norm as cheap as a copy would save at most "
+            f"{result.best_possible_speedup:.2%} of a "
+            f"forward ({ln_ms - copy_ms:.2f} ms)"
+        )
     else:
-        out.print("  a bare copy took no less than LayerNorm here: no norm kernel can make this forward faster")
+        out.print(
+            "  a bare copy took no less than LayerNorm here: no norm kernel can make this forward "
+            "faster"
+        )
 
 
 def print_warnings(warnings: Iterable[str]) -> None:
@@ -329,8 +484,13 @@ def print_warnings(warnings: Iterable[str]) -> None:
 
 def print_compiled(comp: Any) -> None:
     print_latency(comp.latency, what="Compiled (inductor, fullgraph, no graph breaks): ")
-    out.print(f"Compiled folded against the eager original: max relative difference {comp.max_rel_diff:.1e}")
-    out.print(f"Generated kernels: original {comp.kernels[0]}, folded {comp.kernels[1]}; norm kernels "
-              f"{comp.norm_kernels[0]} and {comp.norm_kernels[1]}, {comp.fused_add_norms} of the folded "
-              f"ones with the residual add fused in; compile {comp.compile_s[0]:.0f} s and "
-              f"{comp.compile_s[1]:.0f} s")
+    out.print(
+        "Compiled folded against the eager original: max relative difference "
+        f"{comp.max_rel_diff:.1e}"
+    )
+    out.print(
+        f"Generated kernels: original {comp.kernels[0]}, folded {comp.kernels[1]}; norm kernels "
+        f"{comp.norm_kernels[0]} and {comp.norm_kernels[1]}, {comp.fused_add_norms} of the folded "
+        f"ones with the residual add fused in; compile {comp.compile_s[0]:.0f} s and "
+        f"{comp.compile_s[1]:.0f} s"
+    )

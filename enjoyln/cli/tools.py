@@ -18,35 +18,80 @@ from ..errors import EnjoylnError, first_line
 from ..options import Access, FoldOptions
 from ..units import format_duration
 from .commands import IMPORTING, model_dir_of
-from .options import (LOGGING, JsonOnly, OptionSet, ReadPickle, Revision, TrustCode, check_cuda, parse_device,
-                      parse_dtypes, parse_plot, parse_shapes, takes)
+from .options import (
+    LOGGING,
+    JsonOnly,
+    OptionSet,
+    ReadPickle,
+    Revision,
+    TrustCode,
+    check_cuda,
+    parse_device,
+    parse_dtypes,
+    parse_plot,
+    parse_shapes,
+    takes,
+)
 from .progress import Display
-from .render import (err, out, print_compiled, print_end_to_end, print_json, print_kernels, print_latency,
-                     print_plan, print_report, say, state)
+from .render import (
+    err,
+    out,
+    print_compiled,
+    print_end_to_end,
+    print_json,
+    print_kernels,
+    print_latency,
+    print_plan,
+    print_report,
+    say,
+    state,
+)
 
 
 @takes(LOGGING)
 def demo(
-    workdir: Annotated[Optional[Path], typer.Option(
-        help="Keep the demo checkpoints here (default: a temporary directory, removed at the end).")] = None,
+    workdir: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Keep the demo checkpoints here (default: a temporary directory, removed at the "
+            "end)."
+        ),
+    ] = None,
     layers: Annotated[int, typer.Option(min=1, help="Layers of the demo GPT-2.")] = 4,
     width: Annotated[int, typer.Option(min=1, help="Hidden size of the demo GPT-2.")] = 256,
-    seconds: Annotated[float, typer.Option(
-        min=0.0, help="After 10 pairs of runs, keep timing the speed comparison until this many seconds have "
-                      "passed.")] = 3.0,
+    seconds: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="After 10 pairs of runs, keep timing the speed comparison until this many seconds "
+            "have "
+            "passed.",
+        ),
+    ] = 3.0,
 ) -> None:
-    """The whole flow on a small GPT-2 that enjoyln builds itself: build, inspect, fold, check, time.
+    """The whole flow on a small GPT-2 that enjoyln builds itself: build, inspect, fold, check,
+    time.
 
     Example: enjoyln demo --workdir demo
     """
-    if workdir is not None and workdir.exists() and any(workdir.iterdir()) and not (workdir / "gpt2-demo").is_dir():
-        raise EnjoylnError(f"--workdir {workdir} is not empty and holds no earlier demo; choose another directory")
+    if (
+        workdir is not None
+        and workdir.exists()
+        and any(workdir.iterdir())
+        and not (workdir / "gpt2-demo").is_dir()
+    ):
+        raise EnjoylnError(
+            f"--workdir {workdir} is not empty and holds no earlier demo; choose another directory"
+        )
     temp = None
     if workdir is None:
         temp = tempfile.TemporaryDirectory(prefix="enjoyln-demo-")
         workdir = Path(temp.name)
-        say(f"Working in the temporary directory {escape(str(workdir))}, removed when the demo ends "
-            "(pass --workdir DIR to keep the checkpoints).")
+        say(
+            f"Working in the temporary directory {escape(str(workdir))}, removed when the demo "
+            "ends "
+            "(pass --workdir DIR to keep the checkpoints)."
+        )
     try:
         with Display(err, enabled=not state.quiet) as display:
             display.stage(IMPORTING)
@@ -62,37 +107,58 @@ def demo(
             demo_checkpoint(src, layers=layers, width=width)
             display.stop()
             _rule("1. build")
-            say(f"A random GPT-2 ({layers} layers, width {width}, perturbed weights) in {escape(str(src))}")
+            say(
+                f"A random GPT-2 ({layers} layers, width {width}, perturbed weights) in "
+                f"{escape(str(src))}"
+            )
             _rule("2. inspect: enjoyln inspect ORIGINAL")
             display.stage("analysing")
             plan = analyze_checkpoint(src)
             display.stop()
             print_plan(plan)
             _rule("3. fold, check and publish: enjoyln fold ORIGINAL FOLDED")
-            result = fold_checkpoint(src, dst, FoldOptions(force=True), progress=display.phase("writing"),
-                                     check_progress=display.phase("checking weights"), stage=display.stage)
+            result = fold_checkpoint(
+                src,
+                dst,
+                FoldOptions(force=True),
+                progress=display.phase("writing"),
+                check_progress=display.phase("checking weights"),
+                stage=display.stage,
+            )
             display.stop()
             report = result.report
             print_report(report, "the folded model")
             kept = " (temporary: removed when the demo ends)" if temp is not None else ""
-            say(f"Wrote {escape(str(dst))}{kept} in {result.seconds:.2f} s: {', '.join(sorted(os.listdir(dst)))}")
+            say(
+                f"Wrote {escape(str(dst))}{kept} in {result.seconds:.2f} s: "
+                f"{', '.join(sorted(os.listdir(dst)))}"
+            )
             _rule("4. check again, as a CI gate would: enjoyln check ORIGINAL FOLDED")
-            again = check_checkpoints(src, dst, stage=display.stage, progress=display.phase("checking weights"))
+            again = check_checkpoints(
+                src, dst, stage=display.stage, progress=display.phase("checking weights")
+            )
             display.stop()
             print_report(again)
             _rule("5. speed: forward, batch 1, 512 tokens, alternating runs")
             display.stage("loading both models to time them")
             original, folded = load(src), load(dst)
             inputs = hf_example_inputs(original, batch=1, seq_len=512)
-            forward_s = forward_seconds(original, inputs)  # this machine's speed, not a fixed promise
+            forward_s = forward_seconds(
+                original, inputs
+            )  # this machine's speed, not a fixed promise
             estimate = latency_seconds(forward_s, 10, seconds)
             _estimate(display, forward_s, estimate, state.quiet)
-            display.stage(f"timing the original against the folded model (about {format_duration(estimate)})")
+            display.stage(
+                f"timing the original against the folded model (about {format_duration(estimate)})"
+            )
             timing = compare_latency(original, folded, inputs, repeats=10, seconds=seconds)
             display.stop()
         print_latency(timing)
         if temp is None:
-            say(f"The checkpoints stay in {escape(str(workdir))}: gpt2-demo (the original) and gpt2-demo-folded.")
+            say(
+                f"The checkpoints stay in {escape(str(workdir))}: gpt2-demo (the original) and "
+                "gpt2-demo-folded."
+            )
         if not (report.passed and again.passed):
             raise typer.Exit(1)
     finally:
@@ -107,67 +173,130 @@ def _rule(title: str) -> None:
 
 
 def _kernel_run(
-    kernels: Annotated[bool, typer.Option("--kernels/--no-kernels", help="Time the norm kernels alone.")] = True,
-    shapes: Annotated[str, typer.Option(help="Kernel shapes, ROWSxCOLS, comma-separated.")] = "2048x768,4096x1024",
-    dtypes: Annotated[str, typer.Option(help="Kernel dtypes, comma-separated.")] = "float32,bfloat16",
+    kernels: Annotated[
+        bool, typer.Option("--kernels/--no-kernels", help="Time the norm kernels alone.")
+    ] = True,
+    shapes: Annotated[
+        str, typer.Option(help="Kernel shapes, ROWSxCOLS, comma-separated.")
+    ] = "2048x768,4096x1024",
+    dtypes: Annotated[
+        str, typer.Option(help="Kernel dtypes, comma-separated.")
+    ] = "float32,bfloat16",
 ) -> SimpleNamespace:
-    return SimpleNamespace(on=kernels, text=shapes, shapes=parse_shapes(shapes), dtypes=parse_dtypes(dtypes))
+    return SimpleNamespace(
+        on=kernels, text=shapes, shapes=parse_shapes(shapes), dtypes=parse_dtypes(dtypes)
+    )
 
 
 def _model_run(
-    e2e: Annotated[bool, typer.Option("--e2e/--no-e2e", help="Time the original against the folded model.")] = True,
+    e2e: Annotated[
+        bool, typer.Option("--e2e/--no-e2e", help="Time the original against the folded model.")
+    ] = True,
     batch: Annotated[int, typer.Option(min=1, help="End-to-end batch size.")] = 1,
     seq_len: Annotated[int, typer.Option(min=1, help="End-to-end sequence length.")] = 512,
-    repeats: Annotated[Optional[int], typer.Option(
-        min=1, help="End-to-end forwards per model (default: 20).")] = None,
-    seconds: Annotated[Optional[float], typer.Option(
-        min=0.0, help="Past --repeats, keep timing end to end until about this many seconds have passed, so that "
-                      "the spread of the runs means something (default: 5, or 0 with --repeats).")] = None,
-    dtype: Annotated[Optional[str], typer.Option(
-        help="dtype of both models end to end and compiled: float32, bfloat16 or float16 (default: as loaded; "
-             "the folded model is folded first, then cast).")] = None,
-    compile_: Annotated[bool, typer.Option(
-        "--compile", help="Also time both models under torch.compile (inductor, fullgraph=True), and check the "
-                          "compiled folded model.")] = False,
+    repeats: Annotated[
+        Optional[int], typer.Option(min=1, help="End-to-end forwards per model (default: 20).")
+    ] = None,
+    seconds: Annotated[
+        Optional[float],
+        typer.Option(
+            min=0.0,
+            help="Past --repeats, keep timing end to end until about this many seconds have "
+            "passed, so that "
+            "the spread of the runs means something (default: 5, or 0 with --repeats).",
+        ),
+    ] = None,
+    dtype: Annotated[
+        Optional[str],
+        typer.Option(
+            help="dtype of both models end to end and compiled: float32, bfloat16 or float16 "
+            "(default: as loaded; "
+            "the folded model is folded first, then cast)."
+        ),
+    ] = None,
+    compile_: Annotated[
+        bool,
+        typer.Option(
+            "--compile",
+            help="Also time both models under torch.compile (inductor, fullgraph=True), and check "
+            "the "
+            "compiled folded model.",
+        ),
+    ] = False,
 ) -> SimpleNamespace:
     return SimpleNamespace(
-        e2e=e2e, batch=batch, seq_len=seq_len, repeats=repeats if repeats is not None else 20,
+        e2e=e2e,
+        batch=batch,
+        seq_len=seq_len,
+        repeats=repeats if repeats is not None else 20,
         # --repeats alone asks for that many runs, as it always did
         seconds=seconds if seconds is not None else 0.0 if repeats is not None else 5.0,
-        dtype=parse_dtypes(dtype, "--dtype")[0] if dtype is not None else None, compile=compile_)
+        dtype=parse_dtypes(dtype, "--dtype")[0] if dtype is not None else None,
+        compile=compile_,
+    )
 
 
 def _bench_access(allow_pickle: ReadPickle = False, trust_remote_code: TrustCode = False) -> Access:
     return Access(allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
 
 
-@takes(LOGGING, kernel_run=OptionSet(_kernel_run), model_run=OptionSet(_model_run), access=OptionSet(_bench_access))
+@takes(
+    LOGGING,
+    kernel_run=OptionSet(_kernel_run),
+    model_run=OptionSet(_model_run),
+    access=OptionSet(_bench_access),
+)
 def bench(
-    model_dir: Annotated[Optional[str], typer.Argument(
-        metavar="[MODEL_DIR]", help="Model directory (or hub id), original or folded (default: a random GPT-2 "
-                                    "small).")] = None,
+    model_dir: Annotated[
+        Optional[str],
+        typer.Argument(
+            metavar="[MODEL_DIR]",
+            help="Model directory (or hub id), original or folded (default: a random GPT-2 small).",
+        ),
+    ] = None,
     *,
     kernel_run: SimpleNamespace,
     model_run: SimpleNamespace,
-    threads: Annotated[Optional[int], typer.Option(min=1, max=1024, help="torch threads (default: torch's default).")] = None,
+    threads: Annotated[
+        Optional[int],
+        typer.Option(min=1, max=1024, help="torch threads (default: torch's default)."),
+    ] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
-    plot: Annotated[Optional[Path], typer.Option(help="Save a PNG of the ratios (needs matplotlib).")] = None,
-    access: Access, revision: Revision = None,
+    plot: Annotated[
+        Optional[Path], typer.Option(help="Save a PNG of the ratios (needs matplotlib).")
+    ] = None,
+    access: Access,
+    revision: Revision = None,
 ) -> None:
     """Measure enjoyln RMSNorm against native LayerNorm, alone and in a model.
 
     Example: enjoyln bench --no-kernels --threads 2
     """
-    kernels, shapes, shape_list, dtype_names = kernel_run.on, kernel_run.text, kernel_run.shapes, kernel_run.dtypes
+    kernels, shapes, shape_list, dtype_names = (
+        kernel_run.on,
+        kernel_run.text,
+        kernel_run.shapes,
+        kernel_run.dtypes,
+    )
     m = model_run
-    e2e, batch, seq_len, repeats, seconds, model_dtype, compile_ = (m.e2e, m.batch, m.seq_len, m.repeats, m.seconds,
-                                                                     m.dtype, m.compile)
+    e2e, batch, seq_len, repeats, seconds, model_dtype, compile_ = (
+        m.e2e,
+        m.batch,
+        m.seq_len,
+        m.repeats,
+        m.seconds,
+        m.dtype,
+        m.compile,
+    )
     device, plot = parse_device(device), parse_plot(plot)
     results, e2e_result = [], None
     with Display(err, enabled=not as_json and not state.quiet) as display:
-        src = model_dir_of(model_dir, revision, access, display) if model_dir is not None and (e2e or compile_) \
+        src = (
+            model_dir_of(model_dir, revision, access, display)
+            if model_dir is not None and (e2e or compile_)
             else None
+        )
         display.stage(IMPORTING)
         import torch
 
@@ -182,25 +311,55 @@ def bench(
         if not as_json:
             say(f"backends: {ops.status()}; {torch.get_num_threads()} threads")
         if kernels:
-            results = _phase(display, payload, "kernels", "timing the norm kernels", lambda: _kernel_benchmark(
-                shape_list, [getattr(torch, n) for n in dtype_names], shapes, device), print_kernels, as_json)
+            results = _phase(
+                display,
+                payload,
+                "kernels",
+                "timing the norm kernels",
+                lambda: _kernel_benchmark(
+                    shape_list, [getattr(torch, n) for n in dtype_names], shapes, device
+                ),
+                print_kernels,
+                as_json,
+            )
         if e2e or compile_:
             display.stage("loading and folding the model")
             cast = getattr(torch, model_dtype) if model_dtype else None
             original, folded = timing.models_to_compare(src, device, cast, access)
             inputs = hf_example_inputs(original, batch=batch, seq_len=seq_len)
             forward_s = timing.forward_seconds(original, inputs)
-            _estimate(display, forward_s, (timing.end_to_end_seconds(forward_s, repeats, seconds) if e2e else 0.0)
-                      + (timing.latency_seconds(forward_s, repeats, seconds) if compile_ else 0.0), as_json,
-                      ", plus compiling both models" if compile_ else "")
+            _estimate(
+                display,
+                forward_s,
+                (timing.end_to_end_seconds(forward_s, repeats, seconds) if e2e else 0.0)
+                + (timing.latency_seconds(forward_s, repeats, seconds) if compile_ else 0.0),
+                as_json,
+                ", plus compiling both models" if compile_ else "",
+            )
         if e2e:
-            e2e_result = _phase(display, payload, "e2e", f"timing end to end for at least {repeats} pairs of runs",
-                                lambda: timing.end_to_end(original, folded, inputs, repeats=repeats, seconds=seconds),
-                                lambda r: print_end_to_end(r, type(original).__name__, batch, seq_len), as_json)
+            e2e_result = _phase(
+                display,
+                payload,
+                "e2e",
+                f"timing end to end for at least {repeats} pairs of runs",
+                lambda: timing.end_to_end(
+                    original, folded, inputs, repeats=repeats, seconds=seconds
+                ),
+                lambda r: print_end_to_end(r, type(original).__name__, batch, seq_len),
+                as_json,
+            )
         if compile_:
-            _phase(display, payload, "compiled", "compiling both models and timing them",
-                   lambda: timing.compiled_comparison(original, folded, inputs, repeats=repeats, seconds=seconds),
-                   print_compiled, as_json)
+            _phase(
+                display,
+                payload,
+                "compiled",
+                "compiling both models and timing them",
+                lambda: timing.compiled_comparison(
+                    original, folded, inputs, repeats=repeats, seconds=seconds
+                ),
+                print_compiled,
+                as_json,
+            )
     if plot is not None:
         _save_plot(plot, results, e2e_result, as_json)
     if as_json:
@@ -212,20 +371,31 @@ def _save_plot(plot: Path, results: list[Any], e2e_result: Any, as_json: bool) -
 
     timing.plot_results(results, e2e_result, plot)
     if not as_json:
-        noisy = any(r.warnings for r in results) or (e2e_result is not None and e2e_result.latency.warnings())
-        out.print(f"Saved {plot}" + (" (titled with a warning: the timings were noisy)" if noisy else ""))
+        noisy = any(r.warnings for r in results) or (
+            e2e_result is not None and e2e_result.latency.warnings()
+        )
+        out.print(
+            f"Saved {plot}" + (" (titled with a warning: the timings were noisy)" if noisy else "")
+        )
 
 
-def _estimate(display: Display, forward_s: float, total_s: float, quiet: bool, more: str = "") -> None:
+def _estimate(
+    display: Display, forward_s: float, total_s: float, quiet: bool, more: str = ""
+) -> None:
     """How long the timings will take, from one forward measured first: said before they start."""
     display.stop()
     if not quiet:
         each = f"{forward_s:.2g}" if forward_s < 10 else f"{forward_s:.0f}"
-        say(f"One forward takes about {each} s here, so the timings below take about {format_duration(total_s)}"
-            f"{more}")
+        say(
+            f"One forward takes about {each} s here, so the timings below take about "
+            f"{format_duration(total_s)}"
+            f"{more}"
+        )
 
 
-def _kernel_benchmark(shape_list: list[tuple[int, int]], dtypes: list[Any], shapes: str, device: str) -> list[Any]:
+def _kernel_benchmark(
+    shape_list: list[tuple[int, int]], dtypes: list[Any], shapes: str, device: str
+) -> list[Any]:
     """``bench.kernel_benchmark``; out of memory, an error naming ``--shapes``."""
     from .. import bench as timing
 
@@ -234,12 +404,22 @@ def _kernel_benchmark(shape_list: list[tuple[int, int]], dtypes: list[Any], shap
     except (RuntimeError, MemoryError) as exc:  # torch's allocator says "can't allocate memory"
         if "alloc" not in str(exc).lower() and not isinstance(exc, MemoryError):
             raise
-        raise EnjoylnError(f"not enough memory to time --shapes {shapes}: {first_line(exc)}") from None
+        raise EnjoylnError(
+            f"not enough memory to time --shapes {shapes}: {first_line(exc)}"
+        ) from None
 
 
-def _phase(display: Display, payload: dict[str, Any], key: str, words: str, measure: Callable[[], Any],
-           show: Callable[[Any], None], as_json: bool) -> Any:
-    """One timing of ``bench``: ``measure`` under the stage ``words``, its dicts kept under ``key``, ``show`` it."""
+def _phase(
+    display: Display,
+    payload: dict[str, Any],
+    key: str,
+    words: str,
+    measure: Callable[[], Any],
+    show: Callable[[Any], None],
+    as_json: bool,
+) -> Any:
+    """One timing of ``bench``: ``measure`` under the stage ``words``, its dicts kept under ``key``,
+    ``show`` it."""
     display.stage(words)
     result = measure()
     display.stop()
@@ -249,8 +429,24 @@ def _phase(display: Display, payload: dict[str, Any], key: str, words: str, meas
     return result
 
 
-PACKAGES = ("torch", "transformers", "safetensors", "huggingface_hub", "accelerate", "tokenizers", "triton", "onnx",
-            "onnxruntime", "onnxscript", "timm", "open_clip_torch", "numpy", "typer", "rich", "click")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "safetensors",
+    "huggingface_hub",
+    "accelerate",
+    "tokenizers",
+    "triton",
+    "onnx",
+    "onnxruntime",
+    "onnxscript",
+    "timm",
+    "open_clip_torch",
+    "numpy",
+    "typer",
+    "rich",
+    "click",
+)
 
 
 @takes(LOGGING)
@@ -260,7 +456,11 @@ def env(as_json: JsonOnly = False) -> None:
 
     Example: enjoyln env --json
     """
-    versions = {"enjoyln": __version__, "python": platform.python_version(), "platform": platform.platform()}
+    versions = {
+        "enjoyln": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
     for name in PACKAGES:
         try:
             versions[name] = metadata.version(name)
@@ -275,24 +475,54 @@ def env(as_json: JsonOnly = False) -> None:
 
         display.stage("asking torch about the GPU and the kernels")
         backends, paths = ops.status(), ops.paths()
-        gpus = [{"name": torch.cuda.get_device_name(i), "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
-                 "memory_gb": round(torch.cuda.get_device_properties(i).total_memory / 1e9, 1)}
-                for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    info = {"versions": versions, "torch_cuda": torch.version.cuda, "threads": torch.get_num_threads(),
-            "backends": backends, "paths": paths, "gpus": gpus, "caches": _caches(cache_dir())}
+        gpus = (
+            [
+                {
+                    "name": torch.cuda.get_device_name(i),
+                    "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
+                    "memory_gb": round(torch.cuda.get_device_properties(i).total_memory / 1e9, 1),
+                }
+                for i in range(torch.cuda.device_count())
+            ]
+            if torch.cuda.is_available()
+            else []
+        )
+    info = {
+        "versions": versions,
+        "torch_cuda": torch.version.cuda,
+        "threads": torch.get_num_threads(),
+        "backends": backends,
+        "paths": paths,
+        "gpus": gpus,
+        "caches": _caches(cache_dir()),
+    }
     if as_json:
         print_json(info)
         return
     sections = {
-        "[bold]versions[/]": [f"{name}: {version or 'not installed'}" for name, version in versions.items()]
-        + [f"torch built for CUDA: {torch.version.cuda or 'no (a CPU build)'}; {info['threads']} CPU threads"],
+        "[bold]versions[/]": [
+            f"{name}: {version or 'not installed'}" for name, version in versions.items()
+        ]
+        + [
+            f"torch built for CUDA: {torch.version.cuda or 'no (a CPU build)'}; {info['threads']} "
+            "CPU threads"
+        ],
         "[bold]RMSNorm kernels[/] (what a folded model runs on each device)": [
-            f"{device}: {escape(what)}" for device, what in backends.items()],
-        "[bold]RMSNorm paths[/] (by call)": [f"{device}, {escape(case)}: {escape(what)}"
-                                             for device, cases in paths.items() for case, what in cases.items()],
-        "[bold]GPU[/]": [f"{g['name']} (compute capability {g['capability']}, {g['memory_gb']} GB)" for g in gpus]
+            f"{device}: {escape(what)}" for device, what in backends.items()
+        ],
+        "[bold]RMSNorm paths[/] (by call)": [
+            f"{device}, {escape(case)}: {escape(what)}"
+            for device, cases in paths.items()
+            for case, what in cases.items()
+        ],
+        "[bold]GPU[/]": [
+            f"{g['name']} (compute capability {g['capability']}, {g['memory_gb']} GB)" for g in gpus
+        ]
         or ["none"],
-        "[bold]caches[/]": [f"{name}: {escape(str(path))}" for name, path in info["caches"].items()]}
+        "[bold]caches[/]": [
+            f"{name}: {escape(str(path))}" for name, path in info["caches"].items()
+        ],
+    }
     for heading, lines in sections.items():
         out.print(heading)
         for line in lines:
@@ -300,15 +530,25 @@ def env(as_json: JsonOnly = False) -> None:
 
 
 def _caches(enjoyln_cache: Path) -> dict[str, str]:
-    home = Path(os.environ.get("HF_HOME", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-                               / "huggingface"))
+    home = Path(
+        os.environ.get(
+            "HF_HOME",
+            Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface",
+        )
+    )
     try:
         from huggingface_hub import constants
 
         hub = constants.HF_HUB_CACHE
     except ImportError:
         hub = os.environ.get("HF_HUB_CACHE", str(home / "hub"))
-    triton = os.environ.get("TRITON_CACHE_DIR", str(Path(os.environ.get("TRITON_HOME", Path.home())) / ".triton"
-                                                    / "cache"))
-    return {"huggingface hub": str(hub), "huggingface home": str(home), "triton": triton,
-            "enjoyln kernels": str(enjoyln_cache)}
+    triton = os.environ.get(
+        "TRITON_CACHE_DIR",
+        str(Path(os.environ.get("TRITON_HOME", Path.home())) / ".triton" / "cache"),
+    )
+    return {
+        "huggingface hub": str(hub),
+        "huggingface home": str(home),
+        "triton": triton,
+        "enjoyln kernels": str(enjoyln_cache),
+    }

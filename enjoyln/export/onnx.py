@@ -1,4 +1,5 @@
-"""ONNX export of folded models: ``enjoyln::rms_norm`` as ``RMSNormalization`` (opset 23+) or onnxruntime's
+"""ONNX export of folded models: ``enjoyln::rms_norm`` as ``RMSNormalization`` (opset 23+) or
+onnxruntime's
 ``SimplifiedLayerNormalization``, then an ``Add`` for a kept β (docs/performance.md)."""
 
 from __future__ import annotations
@@ -22,8 +23,16 @@ import torch
 from torch import nn
 
 from ..ops import opaque  # importing ops registers enjoyln::rms_norm, which export_onnx translates
-from ..analysis.inputs import (ExampleInputs, Inputs, config_value, hf_example_inputs, inputs_like, is_causal_lm,
-                               is_hf_model, resolve_inputs)
+from ..analysis.inputs import (
+    ExampleInputs,
+    Inputs,
+    config_value,
+    hf_example_inputs,
+    inputs_like,
+    is_causal_lm,
+    is_hf_model,
+    resolve_inputs,
+)
 from ..checking.running import flatten_outputs
 from ..errors import EnjoylnError, first_line
 from ..options import Access
@@ -33,20 +42,41 @@ from ..store.quiet import quiet
 from ..transform.steps import fold
 
 DEFAULT_OPSET = 23
-OPTIMIZE_OPSET = 22  # the newest onnxruntime's optimizer fuses RMS in (it fails on opset 23's ``Attention``)
+OPTIMIZE_OPSET = (
+    22  # the newest onnxruntime's optimizer fuses RMS in (it fails on opset 23's ``Attention``)
+)
 RMS_OPS = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
 LN_OPS = ("LayerNormalization", "SkipLayerNormalization", "EmbedLayerNormalization")
 SKIP_OPS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
 
 SEQUENCE_AXES = {0: "batch_size", 1: "sequence_length"}
 DECODER_AXES = {0: "batch_size", 1: "decoder_sequence_length"}
-AXES = {"input_ids": SEQUENCE_AXES, "attention_mask": SEQUENCE_AXES, "token_type_ids": SEQUENCE_AXES,
-        "position_ids": SEQUENCE_AXES, "decoder_input_ids": DECODER_AXES, "decoder_attention_mask": DECODER_AXES}
-"""Dynamic axes of the inputs optimum names; any other tensor input gets a dynamic ``batch_size`` axis 0."""
-OPTIMIZER_TYPES = {"gpt2": "gpt2", "bert": "bert", "roberta": "bert", "distilbert": "bert", "vit": "vit",
-                   "deit": "vit", "swin": "swin", "bart": "bart", "t5": "t5", "gpt_neox": "gpt_neox",
-                   "phi": "phi", "clip": "clip"}
-"""Hugging Face model_type -> onnxruntime optimizer model_type; others: gpt2 for causal LMs, else bert."""
+AXES = {
+    "input_ids": SEQUENCE_AXES,
+    "attention_mask": SEQUENCE_AXES,
+    "token_type_ids": SEQUENCE_AXES,
+    "position_ids": SEQUENCE_AXES,
+    "decoder_input_ids": DECODER_AXES,
+    "decoder_attention_mask": DECODER_AXES,
+}
+"""Dynamic axes of the inputs optimum names; any other tensor input gets a dynamic ``batch_size``
+axis 0."""
+OPTIMIZER_TYPES = {
+    "gpt2": "gpt2",
+    "bert": "bert",
+    "roberta": "bert",
+    "distilbert": "bert",
+    "vit": "vit",
+    "deit": "vit",
+    "swin": "swin",
+    "bart": "bart",
+    "t5": "t5",
+    "gpt_neox": "gpt_neox",
+    "phi": "phi",
+    "clip": "clip",
+}
+"""Hugging Face model_type -> onnxruntime optimizer model_type; others: gpt2 for causal LMs, else
+bert."""
 
 
 def _require() -> None:
@@ -54,12 +84,15 @@ def _require() -> None:
         for name in ("onnx", "onnxruntime", "onnxscript"):
             importlib.import_module(name)
     except ImportError as exc:
-        raise EnjoylnError(f"ONNX export needs onnx, onnxscript and onnxruntime ({exc.name} is missing): "
-                           "pip install 'enjoyln[onnx]'") from None
+        raise EnjoylnError(
+            f"ONNX export needs onnx, onnxscript and onnxruntime ({exc.name} is missing): "
+            "pip install 'enjoyln[onnx]'"
+        ) from None
 
 
 def _register_simplified_layer_norm() -> None:
-    """Tell onnx (so onnxscript and onnx.checker) onnxruntime's SimplifiedLayerNormalization, not a standard op."""
+    """Tell onnx (so onnxscript and onnx.checker) onnxruntime's SimplifiedLayerNormalization, not a
+    standard op."""
     import onnx
     from onnx.defs import OpSchema
 
@@ -67,13 +100,22 @@ def _register_simplified_layer_norm() -> None:
         return
     floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
     param, attr = OpSchema.FormalParameter, OpSchema.Attribute
-    onnx.defs.register_schema(OpSchema(
-        "SimplifiedLayerNormalization", "", 1, "onnxruntime's RMSNorm: x / sqrt(mean(x^2) + epsilon) * scale",
-        inputs=[param("X", "T"), param("scale", "V")], outputs=[param("Y", "V")],
-        type_constraints=[("T", floats, ""), ("V", floats, "")],
-        attributes=[attr("axis", OpSchema.AttrType.INT, "", required=False),
-                    attr("epsilon", OpSchema.AttrType.FLOAT, "", required=False),
-                    attr("stash_type", OpSchema.AttrType.INT, "", required=False)]))
+    onnx.defs.register_schema(
+        OpSchema(
+            "SimplifiedLayerNormalization",
+            "",
+            1,
+            "onnxruntime's RMSNorm: x / sqrt(mean(x^2) + epsilon) * scale",
+            inputs=[param("X", "T"), param("scale", "V")],
+            outputs=[param("Y", "V")],
+            type_constraints=[("T", floats, ""), ("V", floats, "")],
+            attributes=[
+                attr("axis", OpSchema.AttrType.INT, "", required=False),
+                attr("epsilon", OpSchema.AttrType.FLOAT, "", required=False),
+                attr("stash_type", OpSchema.AttrType.INT, "", required=False),
+            ],
+        )
+    )
 
 
 def translation(opset: int) -> Any:
@@ -83,9 +125,13 @@ def translation(opset: int) -> Any:
     if opset < DEFAULT_OPSET:
         _register_simplified_layer_norm()
 
-    def rms_norm(x: Any, normalized_shape: list[int], weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
+    def rms_norm(
+        x: Any, normalized_shape: list[int], weight: Any = None, bias: Any = None, eps: float = 1e-5
+    ) -> Any:
         axis = -len(normalized_shape)
-        if weight is None:  # both ops require a scale: ones, which the exporter folds into a constant
+        if (
+            weight is None
+        ):  # both ops require a scale: ones, which the exporter folds into a constant
             weight = op.Expand(op.CastLike(1.0, x), op.Constant(value_ints=list(normalized_shape)))
         norm = op.RMSNormalization if opset >= DEFAULT_OPSET else op.SimplifiedLayerNormalization
         y = norm(x, weight, axis=axis, epsilon=eps, stash_type=1)
@@ -102,16 +148,22 @@ class ExportReport:
     rms_norm_nodes: int = 0
     layer_norm_nodes: int = 0
     rms_bias_adds: int = 0  # RMS ops followed by an ``Add`` of a constant: norms that kept β
-    inputs: dict[str, list[Any]] = field(default_factory=dict)  # name -> shape, dynamic axes by name
+    inputs: dict[str, list[Any]] = field(
+        default_factory=dict
+    )  # name -> shape, dynamic axes by name
     outputs: dict[str, list[Any]] = field(default_factory=dict)
     checked: bool = False
-    shapes: list[dict[str, list[int]]] = field(default_factory=list)  # checked at: the traced one, a second one
+    shapes: list[dict[str, list[int]]] = field(
+        default_factory=list
+    )  # checked at: the traced one, a second one
     max_rel_diff: float | None = None
     passed: bool | None = None
     optimized: bool = False
     optimizer_model_type: str = ""
     optimized_ops: dict[str, int] = field(default_factory=dict)
-    skip_candidates: int = 0  # norms fed by a residual ``Add`` of two computed tensors, which the optimizer fuses
+    skip_candidates: int = (
+        0  # norms fed by a residual ``Add`` of two computed tensors, which the optimizer fuses
+    )
     skip_fused: int = 0
     optimized_max_rel_diff: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -120,13 +172,22 @@ class ExportReport:
         return asdict(self)
 
 
-def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: ExampleInputs = None, *,
-                opset: int | None = None, verify: bool = True, rtol: float = 1e-4, dynamic: bool = True,
-                optimize: bool = False) -> ExportReport:
-    """Export to ONNX with dynamic axes, check it in onnxruntime at two shapes; ``optimize``: its optimizer too.
+def export_onnx(
+    model: nn.Module,
+    path: str | os.PathLike,
+    example_inputs: ExampleInputs = None,
+    *,
+    opset: int | None = None,
+    verify: bool = True,
+    rtol: float = 1e-4,
+    dynamic: bool = True,
+    optimize: bool = False,
+) -> ExportReport:
+    """Export to ONNX with dynamic axes, check it in onnxruntime at two shapes; ``optimize``: its
+    optimizer too.
 
     >>> export_onnx(enjoyln.fold(model, fuse_affine=True), "model.onnx", optimize=True)  # doctest: +SKIP
-    """
+    """  # noqa: E501
     _require()
     opset = _opset(opset, optimize)
     path = Path(path)
@@ -146,7 +207,10 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, example_inputs: Examp
         runs = [inputs, second_shape(inputs, report.inputs)] if verify else []
         report.shapes = [_shape_of(r) for r in runs]
         with torch.no_grad():  # the traced shape's outputs are already at hand
-            wants = [list(flatten_outputs(traced_outputs if r is inputs else r.call(model)).values()) for r in runs]
+            wants = [
+                list(flatten_outputs(traced_outputs if r is inputs else r.call(model)).values())
+                for r in runs
+            ]
         if verify:
             report.max_rel_diff = compare_with_onnxruntime(plain, runs, wants)
             report.passed = report.max_rel_diff <= rtol
@@ -176,30 +240,53 @@ def _opset(opset: int | None, optimize: bool) -> int:
     opset = opset if opset is not None else (OPTIMIZE_OPSET if optimize else DEFAULT_OPSET)
     newest = onnx.defs.onnx_opset_version()
     if opset < 18:
-        raise EnjoylnError(f"opset {opset} is too old; use 18 or later (23+ for ONNX's RMSNormalization)")
+        raise EnjoylnError(
+            f"opset {opset} is too old; use 18 or later (23+ for ONNX's RMSNormalization)"
+        )
     if opset > newest:
-        raise EnjoylnError(f"opset {opset} is newer than this onnx ({onnx.__version__}) knows; use at most {newest}")
+        raise EnjoylnError(
+            f"opset {opset} is newer than this onnx ({onnx.__version__}) knows; use at most "
+            f"{newest}"
+        )
     return opset
 
 
-def _export(model: nn.Module, inputs: Inputs, axes: dict[str, Any], opset: int, plain: Path) -> tuple[Any, Any]:
-    """``model`` exported to ``plain``, its dynamic axes named: (its outputs on ``inputs``, the ONNX graph)."""
+def _export(
+    model: nn.Module, inputs: Inputs, axes: dict[str, Any], opset: int, plain: Path
+) -> tuple[Any, Any]:
+    """``model`` exported to ``plain``, its dynamic axes named: (its outputs on ``inputs``, the ONNX
+    graph)."""
     import onnx
 
     # where the exporter spares only ATen ops from decomposition (older torch), ``opaque()`` below
-    # makes the composite enjoyln::rms_norm decompose to enjoyln::rms_norm_kernel, translated the same
-    table = {torch.ops.enjoyln.rms_norm.default: translation(opset),
-             torch.ops.enjoyln.rms_norm_kernel.default: translation(opset)}
+    # makes the composite enjoyln::rms_norm decompose to enjoyln::rms_norm_kernel, translated the
+    # same
+    table = {
+        torch.ops.enjoyln.rms_norm.default: translation(opset),
+        torch.ops.enjoyln.rms_norm_kernel.default: translation(opset),
+    }
     with torch.no_grad():
         traced_outputs = inputs.call(model)
     names = _output_names(traced_outputs)
     shapes = {k: v for k, v in axes.items() if v is not None}
     # the exporter narrates its steps on stdout and its optimiser on stderr
-    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-            opaque():
-        program = torch.onnx.export(model, inputs.args, kwargs=inputs.kwargs, dynamo=True, opset_version=opset,
-                                    custom_translation_table=table, dynamic_shapes=axes or None,
-                                    output_names=names, verbose=False)
+    with (
+        torch.no_grad(),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+        opaque(),
+    ):
+        program = torch.onnx.export(
+            model,
+            inputs.args,
+            kwargs=inputs.kwargs,
+            dynamo=True,
+            opset_version=opset,
+            custom_translation_table=table,
+            dynamic_shapes=axes or None,
+            output_names=names,
+            verbose=False,
+        )
         program.save(str(plain))
     proto = onnx.load(str(plain), load_external_data=False)
     _name_axes(proto, shapes)
@@ -211,10 +298,20 @@ def _checked_report(path: Path, opset: int, proto: Any, plain: Path) -> ExportRe
     import onnx
 
     ops = Counter(n.op_type for n in proto.graph.node)
-    report = ExportReport(str(path), opset, dict(sorted(ops.items())), sum(ops[o] for o in RMS_OPS),
-                          ops["LayerNormalization"], _rms_bias_adds(proto),
-                          _value_shapes(proto.graph.input), _value_shapes(proto.graph.output), checked=True)
-    onnx.checker.check_model(str(plain))  # the report is returned only once the checker accepts the file
+    report = ExportReport(
+        str(path),
+        opset,
+        dict(sorted(ops.items())),
+        sum(ops[o] for o in RMS_OPS),
+        ops["LayerNormalization"],
+        _rms_bias_adds(proto),
+        _value_shapes(proto.graph.input),
+        _value_shapes(proto.graph.output),
+        checked=True,
+    )
+    onnx.checker.check_model(
+        str(plain)
+    )  # the report is returned only once the checker accepts the file
     return report
 
 
@@ -223,15 +320,25 @@ def _export_error(model: nn.Module, exc: Exception) -> EnjoylnError:
     # a dynamic axis the model fixes: torch.export says which, deep in its message
     fixed = [line.strip("- ") for line in lines if "inferred a static shape" in line]
     if fixed:
-        return EnjoylnError(f"ONNX export of {type(model).__name__} failed: {fixed[0]}; export with "
-                            "dynamic=False (--static) for fixed shapes")
+        return EnjoylnError(
+            f"ONNX export of {type(model).__name__} failed: {fixed[0]}; export with "
+            "dynamic=False (--static) for fixed shapes"
+        )
     return EnjoylnError(f"ONNX export of {type(model).__name__} failed: {lines[0]}")
 
 
 @quiet
-def export_checkpoint(model_dir: str | os.PathLike, path: str | os.PathLike, *, fuse_affine: bool = False,
-                      batch: int = 2, seq_len: int = 16, **options: Any) -> ExportReport:
-    """``export_onnx`` for a model directory, folded in memory if it is not; ``options``: its and ``Access``'s.
+def export_checkpoint(
+    model_dir: str | os.PathLike,
+    path: str | os.PathLike,
+    *,
+    fuse_affine: bool = False,
+    batch: int = 2,
+    seq_len: int = 16,
+    **options: Any,
+) -> ExportReport:
+    """``export_onnx`` for a model directory, folded in memory if it is not; ``options``: its and
+    ``Access``'s.
 
     >>> export_checkpoint("gpt2-folded", "gpt2.onnx").passed  # doctest: +SKIP
     True
@@ -240,16 +347,21 @@ def export_checkpoint(model_dir: str | os.PathLike, path: str | os.PathLike, *, 
     checkpoint = open_checkpoint(model_dir, **asdict(Access(**options)))
     recorded = checkpoint.recorded_plan
     if recorded is not None and fuse_affine and not any(e.affine for e in recorded.foldable):
-        raise EnjoylnError(f"{model_dir} was folded without --fuse-affine; export it without --fuse-affine, "
-                           "or fold the original with `enjoyln fold --fuse-affine`")
+        raise EnjoylnError(
+            f"{model_dir} was folded without --fuse-affine; export it without --fuse-affine, "
+            "or fold the original with `enjoyln fold --fuse-affine`"
+        )
     model = load(checkpoint)
     if recorded is None:
         model = fold(model, fuse_affine=fuse_affine)
-    return export_onnx(model, path, hf_example_inputs(model, batch=batch, seq_len=seq_len), **export)
+    return export_onnx(
+        model, path, hf_example_inputs(model, batch=batch, seq_len=seq_len), **export
+    )
 
 
 def deployment_inputs(model: nn.Module, example_inputs: ExampleInputs = None) -> Inputs:
-    """The example inputs plus what a deployed HF model is fed: an ``attention_mask``, ``token_type_ids``."""
+    """The example inputs plus what a deployed HF model is fed: an ``attention_mask``,
+    ``token_type_ids``."""
     inputs = resolve_inputs(model, example_inputs)
     inputs = Inputs(tuple(inputs.args), dict(inputs.kwargs))  # entries are added and replaced below
     ids = inputs.kwargs.get("input_ids")
@@ -263,12 +375,14 @@ def deployment_inputs(model: nn.Module, example_inputs: ExampleInputs = None) ->
 
 
 def _dynamic_axes(model: nn.Module, inputs: Inputs) -> dict[str, Any]:
-    """``dynamic_shapes``; torch.export fixes an axis traced at size 0 or 1, so such are repeated to 2 in place."""
+    """``dynamic_shapes``; torch.export fixes an axis traced at size 0 or 1, so such are repeated to
+    2 in place."""
     bound = inspect.signature(model.forward).bind(*inputs.args, **inputs.kwargs).arguments
 
     def spec(name: str, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
-            # image sizes stay fixed: ViT checks them against its config, and with interpolate_pos_encoding
+            # image sizes stay fixed: ViT checks them against its config, and with
+            # interpolate_pos_encoding
             # its graph keeps the traced size's shortcut (onnxruntime then fails at any other size)
             return {a: n for a, n in AXES.get(name, {0: "batch_size"}).items() if a < value.dim()}
         if isinstance(value, (tuple, list)):
@@ -286,12 +400,13 @@ def _dynamic_axes(model: nn.Module, inputs: Inputs) -> dict[str, Any]:
                 inputs.kwargs[name] = grown
             elif grown is not value:
                 position = list(inspect.signature(model.forward).parameters).index(name)
-                inputs.args = inputs.args[:position] + (grown,) + inputs.args[position + 1:]
+                inputs.args = inputs.args[:position] + (grown,) + inputs.args[position + 1 :]
     return axes
 
 
 def second_shape(inputs: Inputs, shapes: dict[str, list[Any]]) -> Inputs:
-    """Fresh inputs with every dynamic axis of ``shapes`` resized: ``batch_size`` one larger, every other
+    """Fresh inputs with every dynamic axis of ``shapes`` resized: ``batch_size`` one larger, every
+    other
     a quarter shorter; an ``attention_mask`` pads the end of its last row."""
     positional = [n for n in shapes if n not in inputs.kwargs]
     named = dict(zip(positional, inputs.args)) | inputs.kwargs
@@ -308,14 +423,18 @@ def second_shape(inputs: Inputs, shapes: dict[str, list[Any]]) -> Inputs:
         for axis, dim in enumerate(shapes.get(name, ())):
             if isinstance(dim, str) and axis < value.dim():
                 want = sizes[dim]
-                value = torch.cat([value] * -(-want // value.shape[axis]), dim=axis).narrow(axis, 0, want)
+                value = torch.cat([value] * -(-want // value.shape[axis]), dim=axis).narrow(
+                    axis, 0, want
+                )
         return value
 
-    args = tuple(resize(positional[i] if i < len(positional) else "", a) for i, a in enumerate(inputs.args))
+    args = tuple(
+        resize(positional[i] if i < len(positional) else "", a) for i, a in enumerate(inputs.args)
+    )
     second = inputs_like(Inputs(args, {k: resize(k, v) for k, v in inputs.kwargs.items()}), seed=1)
     mask = second.kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1:
-        mask[-1, mask.shape[1] - max(1, mask.shape[1] // 4):] = 0
+        mask[-1, mask.shape[1] - max(1, mask.shape[1] // 4) :] = 0
     return second
 
 
@@ -325,13 +444,17 @@ def _shape_of(inputs: Inputs) -> dict[str, list[int]]:
 
 
 def _output_names(out: Any) -> list[str]:
-    """optimum's names (``logits``, ``last_hidden_state``) where the model has them, else output_N."""
+    """optimum's names (``logits``, ``last_hidden_state``) where the model has them, else
+    output_N."""
     names = list(flatten_outputs(out))
-    return [n if re.fullmatch(r"[A-Za-z_]\w*", n) else "output_" + re.sub(r"\W", "_", n) for n in names]
+    return [
+        n if re.fullmatch(r"[A-Za-z_]\w*", n) else "output_" + re.sub(r"\W", "_", n) for n in names
+    ]
 
 
 def _name_axes(proto: Any, axes: dict[str, Any]) -> None:
-    """Give the exporter's symbols (``s72``) the names asked for (it does only when every argument is a tensor)."""
+    """Give the exporter's symbols (``s72``) the names asked for (it does only when every argument
+    is a tensor)."""
     rename: dict[str, str] = {}
     for value in proto.graph.input:
         spec = axes.get(value.name)
@@ -350,7 +473,9 @@ def _name_axes(proto: Any, axes: dict[str, Any]) -> None:
 
 
 def _value_shapes(values: Any) -> dict[str, list[Any]]:
-    return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
+    return {
+        v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values
+    }
 
 
 def _producers(proto: Any) -> dict[str, Any]:
@@ -361,21 +486,38 @@ def _rms_bias_adds(proto: Any) -> int:
     """Adds of a constant straight after an RMS op: the β of a norm that kept it."""
     produced = _producers(proto)
     constants = {i.name for i in proto.graph.initializer} | {
-        n.output[0] for n in proto.graph.node if n.op_type == "Constant"}
-    return sum(1 for node in proto.graph.node if node.op_type == "Add" and len(node.input) == 2
-               and any(getattr(produced.get(i), "op_type", None) in RMS_OPS for i in node.input)
-               and set(node.input) & constants)
+        n.output[0] for n in proto.graph.node if n.op_type == "Constant"
+    }
+    return sum(
+        1
+        for node in proto.graph.node
+        if node.op_type == "Add"
+        and len(node.input) == 2
+        and any(getattr(produced.get(i), "op_type", None) in RMS_OPS for i in node.input)
+        and set(node.input) & constants
+    )
 
 
 def _skip_candidates(proto: Any) -> int:
-    """Norms fed by an ``Add`` of two computed tensors, neither an embedding lookup: what onnxruntime fuses."""
+    """Norms fed by an ``Add`` of two computed tensors, neither an embedding lookup: what
+    onnxruntime fuses."""
     produced = _producers(proto)
     constants = {i.name for i in proto.graph.initializer}
-    adds = [produced.get(node.input[0]) for node in proto.graph.node
-            if node.op_type in ("LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization")]
-    return sum(1 for add in adds if add is not None and add.op_type == "Add" and len(add.input) == 2
-               and not set(add.input) & constants
-               and not any(getattr(produced.get(i), "op_type", None) == "Gather" for i in add.input))
+    adds = [
+        produced.get(node.input[0])
+        for node in proto.graph.node
+        if node.op_type
+        in ("LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization")
+    ]
+    return sum(
+        1
+        for add in adds
+        if add is not None
+        and add.op_type == "Add"
+        and len(add.input) == 2
+        and not set(add.input) & constants
+        and not any(getattr(produced.get(i), "op_type", None) == "Gather" for i in add.input)
+    )
 
 
 def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: ExportReport) -> None:
@@ -384,17 +526,23 @@ def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: Export
     from onnxruntime.transformers.optimizer import optimize_model
 
     config = getattr(model, "config", None)
-    heads = config_value(config, "num_attention_heads", "n_head", "num_heads")  # None without a config
+    heads = config_value(
+        config, "num_attention_heads", "n_head", "num_heads"
+    )  # None without a config
     hidden = config_value(config, "hidden_size", "n_embd", "d_model")
-    kind = OPTIMIZER_TYPES.get(getattr(config, "model_type", None), "gpt2" if is_causal_lm(model) else "bert")
+    kind = OPTIMIZER_TYPES.get(
+        getattr(config, "model_type", None), "gpt2" if is_causal_lm(model) else "bert"
+    )
     external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
-    # the optimizer logs every pattern it did not find and its shape inference failures: the counts say what matters
+    # the optimizer logs every pattern it did not find and its shape inference failures: the counts
+    # say what matters
     logging.disable(logging.WARNING)
     onnxruntime.set_default_logger_severity(3)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            optimized = optimize_model(str(src), model_type=kind, num_heads=int(heads or 0),
-                                       hidden_size=int(hidden or 0))
+            optimized = optimize_model(
+                str(src), model_type=kind, num_heads=int(heads or 0), hidden_size=int(hidden or 0)
+            )
             _fuse_bias_skip_simplified(optimized)
             optimized.save_model_to_file(str(dst), use_external_data_format=external)
     finally:
@@ -409,13 +557,22 @@ def _optimize(model: nn.Module, src: Path, dst: Path, proto: Any, report: Export
     norms_before = (report.layer_norm_nodes, report.rms_norm_nodes)
     norms_after = (sum(ops[o] for o in LN_OPS), sum(ops[o] for o in RMS_OPS))
     if norms_after != norms_before:
-        report.notes.append(f"the optimizer turned {norms_before[0]} LayerNorm and {norms_before[1]} RMSNorm ops "
-                            f"into {norms_after[0]} and {norms_after[1]}")
+        report.notes.append(
+            f"the optimizer turned {norms_before[0]} LayerNorm and {norms_before[1]} RMSNorm ops "
+            f"into {norms_after[0]} and {norms_after[1]}"
+        )
     if report.skip_fused < report.skip_candidates:
-        why = (f" (at opset {report.opset} it cannot fuse RMSNormalization, and its shape inference fails on "
-               f"the Attention op; use opset {OPTIMIZE_OPSET})" if report.opset >= DEFAULT_OPSET else "")
-        report.notes.append(f"onnxruntime's optimizer fused {report.skip_fused} of {report.skip_candidates} "
-                            f"residual Add + norm pairs{why}")
+        why = (
+            f" (at opset {report.opset} it cannot fuse RMSNormalization, and its shape inference "
+            "fails on "
+            f"the Attention op; use opset {OPTIMIZE_OPSET})"
+            if report.opset >= DEFAULT_OPSET
+            else ""
+        )
+        report.notes.append(
+            f"onnxruntime's optimizer fused {report.skip_fused} of {report.skip_candidates} "
+            f"residual Add + norm pairs{why}"
+        )
 
 
 def _fuse_bias_skip_simplified(model: Any) -> None:
@@ -430,13 +587,23 @@ def _fuse_bias_skip_simplified(model: Any) -> None:
             continue
         for slot in (0, 1):
             add = produced.get(node.input[slot])
-            if (add is None or add.op_type != "Add" or add in removed or add.output[0] in outputs
-                    or len(consumers.get(add.output[0], [])) != 1):
+            if (
+                add is None
+                or add.op_type != "Add"
+                or add in removed
+                or add.output[0] in outputs
+                or len(consumers.get(add.output[0], [])) != 1
+            ):
                 continue
             for side in (0, 1):
                 bias = model.get_initializer(add.input[1 - side])
                 parent = produced.get(add.input[side])
-                if bias is not None and len(bias.dims) == 1 and parent is not None and parent.op_type == "MatMul":
+                if (
+                    bias is not None
+                    and len(bias.dims) == 1
+                    and parent is not None
+                    and parent.op_type == "MatMul"
+                ):
                     node.input[slot] = add.input[side]
                     node.input.append(add.input[1 - side])
                     removed.append(add)
@@ -462,25 +629,36 @@ def ort_feed(session: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any
     return feed
 
 
-def compare_with_onnxruntime(path: str | os.PathLike, runs: list[Inputs], wants: list[list[torch.Tensor]]) -> float:
-    """The largest difference of onnxruntime's outputs from ``wants``, relative to each output's largest magnitude."""
+def compare_with_onnxruntime(
+    path: str | os.PathLike, runs: list[Inputs], wants: list[list[torch.Tensor]]
+) -> float:
+    """The largest difference of onnxruntime's outputs from ``wants``, relative to each output's
+    largest magnitude."""
     session = ort_session(path)
     worst = 0.0
     for inputs, want in zip(runs, wants):
         try:
             got = session.run(None, ort_feed(session, inputs.args, inputs.kwargs))
         except Exception as exc:
-            raise EnjoylnError(f"onnxruntime cannot run the exported file at input shapes {_shape_of(inputs)}: "
-                               f"{first_line(exc)}") from exc
+            raise EnjoylnError(
+                f"onnxruntime cannot run the exported file at input shapes {_shape_of(inputs)}: "
+                f"{first_line(exc)}"
+            ) from exc
         if not want or len(want) != len(got):
-            raise EnjoylnError(f"onnxruntime returned {len(got)} outputs where PyTorch returns {len(want)}")
+            raise EnjoylnError(
+                f"onnxruntime returned {len(got)} outputs where PyTorch returns {len(want)}"
+            )
         for a, b in zip(want, got):
             a, b = a.detach().double(), torch.from_numpy(b).double()
             finite = a.isfinite()
-            # a NaN or Inf where PyTorch is finite (or another non-finite value where it is not) is a
+            # a NaN or Inf where PyTorch is finite (or another non-finite value where it is not) is
+            # a
             # difference; max(worst, nan) would be worst, so these are counted apart
-            if (a.shape != b.shape or not torch.equal(finite, b.isfinite())
-                    or not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num())):
+            if (
+                a.shape != b.shape
+                or not torch.equal(finite, b.isfinite())
+                or not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num())
+            ):
                 return math.inf
             if finite.any():
                 scale = float(a[finite].abs().max()) or 1.0

@@ -10,15 +10,25 @@ from ..plan import FoldPlan, block_lists
 from ..store.checkpoint import Checkpoint
 
 
-def output_config(checkpoint: Checkpoint, plan: FoldPlan, dtype: str | None = None) -> dict[str, Any]:
-    """The input's config.json with the ``enjoyln`` block, and the dtype it loads in where it names none
-    (transformers would otherwise take the first tensor's, which an untied head or re-sharding changes),
+def output_config(
+    checkpoint: Checkpoint, plan: FoldPlan, dtype: str | None = None
+) -> dict[str, Any]:
+    """The input's config.json with the ``enjoyln`` block, and the dtype it loads in where it names
+    none
+    (transformers would otherwise take the first tensor's, which an untied head or re-sharding
+    changes),
     or ``dtype``, the one the fold is stored in."""
     config = json.loads(json.dumps(checkpoint.config))
-    if checkpoint.source == "transformers" and checkpoint.architecture != config["architectures"][0]:
-        config["architectures"] = [checkpoint.architecture]  # --model-class: the fold is a checkpoint of that class
-    if checkpoint.source == "transformers" and (dtype is not None or (config.get("dtype") is None
-                                                              and config.get("torch_dtype") is None)):
+    if (
+        checkpoint.source == "transformers"
+        and checkpoint.architecture != config["architectures"][0]
+    ):
+        config["architectures"] = [
+            checkpoint.architecture
+        ]  # --model-class: the fold is a checkpoint of that class
+    if checkpoint.source == "transformers" and (
+        dtype is not None or (config.get("dtype") is None and config.get("torch_dtype") is None)
+    ):
         config.pop("torch_dtype", None)
         config["dtype"] = dtype or checkpoint.load_dtype[0]
     if plan.untied:
@@ -33,9 +43,16 @@ def output_config(checkpoint: Checkpoint, plan: FoldPlan, dtype: str | None = No
         "plan": plan.to_dict(),
     }
     for i, r in enumerate(plan.rotations):
-        block = {"kind": r.kind, "seed": r.seed, "keep_mean": r.keep_mean, "plain_loading_exact": r.keep_mean}
+        block = {
+            "kind": r.kind,
+            "seed": r.seed,
+            "keep_mean": r.keep_mean,
+            "plain_loading_exact": r.keep_mean,
+        }
         if i == 0:
             config["enjoyln"]["rotation"] = block
         else:  # the further streams' rotations, each with its width
-            config["enjoyln"].setdefault("more_rotations", []).append({"stream": r.stream, "width": r.width, **block})
+            config["enjoyln"].setdefault("more_rotations", []).append(
+                {"stream": r.stream, "width": r.width, **block}
+            )
     return config

@@ -1,4 +1,5 @@
-"""The plan for a model directory: the analysis of its meta model, with gains read from its weights."""
+"""The plan for a model directory: the analysis of its meta model, with gains read from its
+weights."""
 
 from __future__ import annotations
 
@@ -14,16 +15,30 @@ from ..store.hf import matching_class
 from ..store.tensors import TensorReader
 
 
-def analyze_dir(checkpoint: Checkpoint, auxiliary_centering: bool, fuse_affine: bool = False,
-                rotate: RotationSpec | None = None, *, must_rotate: bool = False) -> FoldPlan:
-    """The plan for ``checkpoint``'s meta model, analysed again where a gain it divides by has a zero entry;
-    ``must_rotate``: a rotation the meta model already rules out is refused before any weight is read."""
-    options = {"auxiliary_centering": auxiliary_centering, "fuse_affine": fuse_affine, "rotate": rotate}
+def analyze_dir(
+    checkpoint: Checkpoint,
+    auxiliary_centering: bool,
+    fuse_affine: bool = False,
+    rotate: RotationSpec | None = None,
+    *,
+    must_rotate: bool = False,
+) -> FoldPlan:
+    """The plan for ``checkpoint``'s meta model, analysed again where a gain it divides by has a
+    zero entry;
+    ``must_rotate``: a rotation the meta model already rules out is refused before any weight is
+    read."""
+    options = {
+        "auxiliary_centering": auxiliary_centering,
+        "fuse_affine": fuse_affine,
+        "rotate": rotate,
+    }
     plan = analyze(checkpoint.meta, **options)
     if must_rotate and plan.rotation is None:
         raise EnjoylnError(f"{plan.not_rotated()}; nothing was written")
-    names = sorted({c.scale for c in plan.centered if c.scale}
-                   | {f"{e.name}.weight" for e in plan.affine_moved if e.affine == AFFINE_GAIN})
+    names = sorted(
+        {c.scale for c in plan.centered if c.scale}
+        | {f"{e.name}.weight" for e in plan.affine_moved if e.affine == AFFINE_GAIN}
+    )
     if names:
         gains = dict(zip(names, read_tensors(checkpoint, names)))
         if not all(bool(g.ne(0).all()) for g in gains.values()):
@@ -36,23 +51,35 @@ def analyze_dir(checkpoint: Checkpoint, auxiliary_centering: bool, fuse_affine: 
 def missing_note(names: list[str], architecture: str) -> Note:
     many = len(names) > 1
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return Note.of(MISSING, f"{len(names)} parameter{'s' if many else ''}", architecture, shown,
-                   "them" if many else "it", "them" if many else "it")
+    return Note.of(
+        MISSING,
+        f"{len(names)} parameter{'s' if many else ''}",
+        architecture,
+        shown,
+        "them" if many else "it",
+        "them" if many else "it",
+    )
 
 
 def missing_refusal(checkpoint: Checkpoint) -> CheckpointError:
-    """A fold that would write a checkpoint whose model draws some parameters at random on every load, refused
+    """A fold that would write a checkpoint whose model draws some parameters at random on every
+    load, refused
     (``--allow-missing`` folds it), naming the class the weights match where there is one."""
     names, arch = checkpoint.missing, checkpoint.architecture
     many = len(names) > 1
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     found = matching_class(checkpoint) if checkpoint.source == "transformers" else None
-    choose = (f"its weights match {found}: pass --model-class {found} to fold that class" if found
-              else "pass --model-class with a class its weights match")
-    return CheckpointError(f"{checkpoint.path} lacks {len(names)} parameter{'s' if many else ''} that {arch} builds "
-                           f"({shown}), which transformers would initialise at random on every load; {choose}, "
-                           f"or --allow-missing to fold {arch} with {'them' if many else 'it'} random; nothing "
-                           "was written")
+    choose = (
+        f"its weights match {found}: pass --model-class {found} to fold that class"
+        if found
+        else "pass --model-class with a class its weights match"
+    )
+    return CheckpointError(
+        f"{checkpoint.path} lacks {len(names)} parameter{'s' if many else ''} that {arch} builds "
+        f"({shown}), which transformers would initialise at random on every load; {choose}, "
+        f"or --allow-missing to fold {arch} with {'them' if many else 'it'} random; nothing "
+        "was written"
+    )
 
 
 def read_tensors(checkpoint: Checkpoint, names: list[str]) -> list[torch.Tensor]:
@@ -62,7 +89,9 @@ def read_tensors(checkpoint: Checkpoint, names: list[str]) -> list[torch.Tensor]
         for name in names:
             key = checkpoint.key(name)
             if key is None:
-                raise CheckpointError(f"the checkpoint has no tensor for {name}, which the fold needs")
+                raise CheckpointError(
+                    f"the checkpoint has no tensor for {name}, which the fold needs"
+                )
             out.append(reader.read(key))
     return out
 

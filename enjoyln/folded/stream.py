@@ -1,5 +1,7 @@
-"""The plan applied to a checkpoint tensor by tensor, without the model in memory: ``StreamedTensors``
-replays each slot's trace with the functions the steps run, in the same order and dtypes, so the bits are
+"""The plan applied to a checkpoint tensor by tensor, without the model in memory:
+``StreamedTensors``
+replays each slot's trace with the functions the steps run, in the same order and dtypes, so the
+bits are
 those of the plan applied to the loaded model."""
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ STASH_BYTES = 512 << 20
 
 
 def output_slots(t: Tracer, plan: FoldPlan, ck: Checkpoint) -> dict[str, int]:
-    """The keys of the folded checkpoint, each with its slot: every name's key, an untied head, a dropped
-    tie, then a changed tensor stored only under a name it no longer shares (an embedding saved only as
+    """The keys of the folded checkpoint, each with its slot: every name's key, an untied head, a
+    dropped
+    tie, then a changed tensor stored only under a name it no longer shares (an embedding saved only
+    as
     the tied head)."""
     slots: dict[str, int] = {}
     names, key, saved = t.names(), ck.key, ck.saved
@@ -36,7 +40,8 @@ def output_slots(t: Tracer, plan: FoldPlan, ck: Checkpoint) -> dict[str, int]:
         if key(u.param) is None:
             slots[saved.get(u.param, u.param)] = t.binding[u.param]
     for target in ties_lost_on_untie(ck.meta, plan):
-        # not one the checkpoint lacks altogether (a head's bias the model initializes): it stays missing
+        # not one the checkpoint lacks altogether (a head's bias the model initializes): it stays
+        # missing
         if key(target) is None and target in names and t.slots[t.binding[target]].base is not None:
             slots.setdefault(saved.get(target, target), t.binding[target])
     held = set(slots.values())
@@ -50,7 +55,8 @@ def output_slots(t: Tracer, plan: FoldPlan, ck: Checkpoint) -> dict[str, int]:
 
 @dataclass
 class Output:
-    """How one key of the folded checkpoint is made: a slot's final value, a constant, or the stored bytes."""
+    """How one key of the folded checkpoint is made: a slot's final value, a constant, or the stored
+    bytes."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -64,7 +70,8 @@ class Output:
 
 
 class StreamedTensors:
-    """Every tensor of ``md`` folded by ``plan``, by key, each computed when asked for (to read, not to
+    """Every tensor of ``md`` folded by ``plan``, by key, each computed when asked for (to read, not
+    to
     change); with ``dtype``, those of the model loaded in that dtype, then folded.
 
     >>> tensors = StreamedTensors(open_checkpoint(path), plan)  # doctest: +SKIP
@@ -72,10 +79,17 @@ class StreamedTensors:
     torch.Size([50257, 768])
     """
 
-    def __init__(self, ck: Checkpoint, plan: FoldPlan, *, reader: TensorReader | None = None,
-                 dtype: str | None = None) -> None:
+    def __init__(
+        self,
+        ck: Checkpoint,
+        plan: FoldPlan,
+        *,
+        reader: TensorReader | None = None,
+        dtype: str | None = None,
+    ) -> None:
         self.ck = ck
-        # else glibc keeps the freed slabs on a heap that small lasting values (W β) pin: it grows by layer
+        # else glibc keeps the freed slabs on a heap that small lasting values (W β) pin: it grows
+        # by layer
         return_freed_memory()
         self.reader = reader if reader is not None else TensorReader(ck)
         self._own_reader = reader is None
@@ -83,29 +97,52 @@ class StreamedTensors:
         self.trace = t = trace_plan(ck.meta_as_loaded(dtype or "auto"), plan, key)
         for s in t.slots:
             if isinstance(s.base, str) and tuple(self.reader.shape(s.base)) != s.shape:
-                raise CheckpointError(f"{s.base} has shape {list(self.reader.shape(s.base))} in the checkpoint, "
-                                      f"but {s.names[0]} loads as {list(s.shape)}")
-        stored = self.ck.tensors  # cast to the stored dtype only what a header lists, as a save of the loaded model
+                raise CheckpointError(
+                    f"{s.base} has shape {list(self.reader.shape(s.base))} in the checkpoint, "
+                    f"but {s.names[0]} loads as {list(s.shape)}"
+                )
+        stored = (
+            self.ck.tensors
+        )  # cast to the stored dtype only what a header lists, as a save of the loaded model
         self.outputs: dict[str, Output] = {}
         for k, i in output_slots(t, plan, ck).items():
             s = t.slots[i]
-            if s.base is None and k in keys:  # a buffer the model builds itself: the stored bytes stay
+            if (
+                s.base is None and k in keys
+            ):  # a buffer the model builds itself: the stored bytes stay
                 self.outputs[k] = Output(self.reader.dtype(k), tuple(self.reader.shape(k)), raw=k)
             else:
-                # with ``dtype``: the model loaded in it, folded and saved, so each tensor as loaded;
+                # with ``dtype``: the model loaded in it, folded and saved, so each tensor as
+                # loaded;
                 # else as stored, but a changed tensor no narrower than it loads
-                own = (s.dtype if k not in stored or dtype is not None else
-                       widened(DTYPES[stored[k].dtype], s.dtype) if s.ops else DTYPES[stored[k].dtype])
-                unchanged = not s.ops and isinstance(s.base, str) and s.dtype == own == self.reader.dtype(s.base)
+                own = (
+                    s.dtype
+                    if k not in stored or dtype is not None
+                    else widened(DTYPES[stored[k].dtype], s.dtype)
+                    if s.ops
+                    else DTYPES[stored[k].dtype]
+                )
+                unchanged = (
+                    not s.ops
+                    and isinstance(s.base, str)
+                    and s.dtype == own == self.reader.dtype(s.base)
+                )
                 # nothing changes it: the stored bytes
-                self.outputs[k] = Output(own, s.shape, raw=s.base) if unchanged else Output(own, s.shape, slot=i)
+                self.outputs[k] = (
+                    Output(own, s.shape, raw=s.base) if unchanged else Output(own, s.shape, slot=i)
+                )
         for e in plan.foldable:
             for leaf, fill in (("weight", 1.0), ("bias", 0.0)):
                 k = key(f"{e.name}.{leaf}")
-                if k is not None and k not in self.outputs:  # dropped with the affine: 1 and 0 on disk
+                if (
+                    k is not None and k not in self.outputs
+                ):  # dropped with the affine: 1 and 0 on disk
                     info = stored.get(k)
-                    self.outputs[k] = Output(DTYPES[info.dtype] if info else torch.float32,
-                                             tuple(info.shape) if info else tuple(e.normalized_shape), fill=fill)
+                    self.outputs[k] = Output(
+                        DTYPES[info.dtype] if info else torch.float32,
+                        tuple(info.shape) if info else tuple(e.normalized_shape),
+                        fill=fill,
+                    )
         for k in sorted(keys - self.outputs.keys()):  # stored but not loaded: kept as they are
             self.outputs[k] = Output(self.reader.dtype(k), tuple(self.reader.shape(k)), raw=k)
         self._pending: dict[int, set[str]] = {}
@@ -128,7 +165,8 @@ class StreamedTensors:
         return key in self.outputs
 
     def centerings(self, key: str) -> tuple[str | None, list[Centering]]:
-        """The key the output's bytes come from (through an untied copy) and the centerings applied on the
+        """The key the output's bytes come from (through an untied copy) and the centerings applied
+        on the
         way, in order."""
         out = self.outputs[key]
         if out.slot is None:
@@ -171,7 +209,9 @@ class StreamedTensors:
         if isinstance(s.base, Ref):
             t = self._value(s.base.slot, s.base.version)
         elif s.base is None:
-            raise CheckpointError(f"the checkpoint has no tensor for {s.names[0]}, which the fold needs")
+            raise CheckpointError(
+                f"the checkpoint has no tensor for {s.names[0]}, which the fold needs"
+            )
         else:
             t = self.reader.read(s.base).to(s.dtype)
         with torch.no_grad():
@@ -187,34 +227,49 @@ class StreamedTensors:
         return t
 
     def _scaled_rotation(self, index: int, v: int, ops: list[Op], t: torch.Tensor) -> bool:
-        """A fused gain and the rotation after it (``ops[v]``, ``ops[v + 1]``) applied in one pass of the
-        rotation kernel, with the bits of the two steps one after the other; False where they cannot be,
+        """A fused gain and the rotation after it (``ops[v]``, ``ops[v + 1]``) applied in one pass
+        of the
+        rotation kernel, with the bits of the two steps one after the other; False where they cannot
+        be,
         or where another slot reads the scaled weight before its rotation."""
         if v + 1 >= len(ops) or (index, v + 1) in self._taps:
             return False
         scale, rotate = ops[v], ops[v + 1]
-        if scale.kind != "scale" or rotate.kind != "rotate" or not scaled_in_kernel(t, rotate.rotated,
-                                                                                   rotate.rotation, scale.fused):
+        if (
+            scale.kind != "scale"
+            or rotate.kind != "rotate"
+            or not scaled_in_kernel(t, rotate.rotated, rotate.rotation, scale.fused)
+        ):
             return False
         f = scale.fused
-        gamma = self._read(scale.reads[0]).to(torch.float64).reshape(-1)[f.offset:f.offset + f.length]
+        gamma = (
+            self._read(scale.reads[0]).to(torch.float64).reshape(-1)[f.offset : f.offset + f.length]
+        )
         apply_rotation(t, rotate.rotated, rotate.rotation, gamma)
         return True
 
     def _tap(self, index: int, version: int, t: torch.Tensor) -> None:
-        """Keep what other slots read of this one at this version: small values, so a large one is never held."""
+        """Keep what other slots read of this one at this version: small values, so a large one is
+        never held."""
         for r in self._taps.get((index, version), ()):
             if r not in self._memo:
-                self._memo[r] = (fused_product(t, r.fused, self._read(r.beta).to(torch.float64).reshape(-1))
-                                 if isinstance(r, Product) else t.clone())
+                self._memo[r] = (
+                    fused_product(t, r.fused, self._read(r.beta).to(torch.float64).reshape(-1))
+                    if isinstance(r, Product)
+                    else t.clone()
+                )
 
     def _read(self, r: Read) -> torch.Tensor:
         if r not in self._memo:
             at = r.weight if isinstance(r, Product) else r
             s = self.trace.slots[at.slot]
             # a fused bias comes before its weight in the file: finish the weight while it is here
-            ahead = (isinstance(r, Product) and bool(self._pending.get(at.slot)) and at.slot not in self._stash
-                     and self._stashed() + s.nbytes <= STASH_BYTES)
+            ahead = (
+                isinstance(r, Product)
+                and bool(self._pending.get(at.slot))
+                and at.slot not in self._stash
+                and self._stashed() + s.nbytes <= STASH_BYTES
+            )
             t = self._value(at.slot, len(s.ops) if ahead else at.version)
             if ahead:
                 self._stash[at.slot] = t
@@ -231,8 +286,10 @@ class StreamedTensors:
             elif len(op.reads) > 1:
                 gamma = self._read(op.reads[1]).to(torch.float64).reshape(-1)
                 if not bool(gamma.ne(0).all()):
-                    raise PlanError("the plan keeps a norm's bias as β/γ, but its gain has a zero entry; "
-                                    "analyze this model again")
+                    raise PlanError(
+                        "the plan keeps a norm's bias as β/γ, but its gain has a zero entry; "
+                        "analyze this model again"
+                    )
                 t.copy_((beta / gamma).reshape(t.shape))
             else:
                 t.copy_(beta.reshape(t.shape))

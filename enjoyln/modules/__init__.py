@@ -1,1 +1,2 @@
-"""The modules a fold puts into a model: ``RMSNorm``, ``GroupRMSNorm`` and the auxiliary-centering hooks."""
+"""The modules a fold puts into a model: ``RMSNorm``, ``GroupRMSNorm`` and the auxiliary-centering
+hooks."""

@@ -18,14 +18,20 @@ def _mark_unit(t: torch.Tensor) -> None:
 
 
 def _is_unit(t: torch.Tensor | None) -> bool:
-    """``t`` is a weightless norm's ones as made: not written in place (the version), not given other
+    """``t`` is a weightless norm's ones as made: not written in place (the version), not given
+    other
     data (``.data =`` moves the pointer), not a copy (new storage)."""
     mark = getattr(t, _UNIT, None) if t is not None else None
-    return mark is not None and not torch.compiler.is_compiling() and mark == (t._version, t.data_ptr())
+    return (
+        mark is not None
+        and not torch.compiler.is_compiling()
+        and mark == (t._version, t.data_ptr())
+    )
 
 
 def _sharing(cls: type, module: nn.Module, children: bool = False, **attrs: Any) -> Any:
-    """A ``cls`` with ``attrs`` sharing ``module``'s ``weight`` and ``bias`` (or None) and its mode; with
+    """A ``cls`` with ``attrs`` sharing ``module``'s ``weight`` and ``bias`` (or None) and its mode;
+    with
     ``children``, its child modules too, under their names (so their parameters keep theirs)."""
     new = cls.__new__(cls)
     nn.Module.__init__(new)
@@ -40,7 +46,8 @@ def _sharing(cls: type, module: nn.Module, children: bool = False, **attrs: Any)
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with ``nn.LayerNorm``'s interface. A weightless norm keeps a ``weight`` of ones for tools that fold
+    """RMSNorm with ``nn.LayerNorm``'s interface. A weightless norm keeps a ``weight`` of ones for
+    tools that fold
     a gain into the next layer (llmcompressor); once one writes to it, ``forward`` multiplies by it.
 
     >>> ln = torch.nn.LayerNorm(8, eps=1e-12)
@@ -49,7 +56,8 @@ class RMSNorm(nn.Module):
     (True, 1e-12)
     """
 
-    # class-level defaults: a module turned into an RMSNorm in place (``_become``) has none of its own
+    # class-level defaults: a module turned into an RMSNorm in place (``_become``) has none of its
+    # own
     dim: int = -1
     upcast: bool = False
     then: tuple[str, ...] = ()
@@ -76,23 +84,30 @@ class RMSNorm(nn.Module):
         factory = {"device": device, "dtype": dtype}
         if elementwise_affine:
             self.weight = nn.Parameter(torch.ones(self.normalized_shape, **factory))
-            self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **factory)) if bias else None
+            self.bias = (
+                nn.Parameter(torch.zeros(self.normalized_shape, **factory)) if bias else None
+            )
         else:
             self._set_unit_weight(**factory)
             self.register_parameter("bias", None)
 
-    def _set_unit_weight(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+    def _set_unit_weight(
+        self, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> None:
         ones = torch.ones(self.normalized_shape, dtype=dtype, device=device)
         _mark_unit(ones)
         self._parameters.pop("weight", None)
         self.register_buffer("weight", ones, persistent=False)
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
-        """A weight of None (a weightless norm) becomes a buffer of ones, like the weight it replaces."""
+        """A weight of None (a weightless norm) becomes a buffer of ones, like the weight it
+        replaces."""
         if name == "weight" and param is None and "normalized_shape" in self.__dict__:
             old = self._parameters.get("weight", self._buffers.get("weight"))
             self._buffers.pop("weight", None)
-            self._set_unit_weight(**({"dtype": old.dtype, "device": old.device} if old is not None else {}))
+            self._set_unit_weight(
+                **({"dtype": old.dtype, "device": old.device} if old is not None else {})
+            )
             return
         if name == "weight":
             self._buffers.pop("weight", None)
@@ -110,20 +125,42 @@ class RMSNorm(nn.Module):
 
     @classmethod
     def from_layer_norm(cls, ln: nn.LayerNorm) -> "RMSNorm":
-        return _sharing(cls, ln, normalized_shape=tuple(ln.normalized_shape), eps=float(ln.eps),
-                        elementwise_affine=ln.elementwise_affine)
+        return _sharing(
+            cls,
+            ln,
+            normalized_shape=tuple(ln.normalized_shape),
+            eps=float(ln.eps),
+            elementwise_affine=ln.elementwise_affine,
+        )
 
     @classmethod
-    def from_module(cls, module: nn.Module, normalized_shape: Sequence[int], eps: float, *, dim: int = -1,
-                    upcast: bool = False, then: Sequence[str] = ()) -> "RMSNorm":
-        """An RMSNorm for any module normalizing with its own ``weight`` and ``bias`` (or None), sharing them.
+    def from_module(
+        cls,
+        module: nn.Module,
+        normalized_shape: Sequence[int],
+        eps: float,
+        *,
+        dim: int = -1,
+        upcast: bool = False,
+        then: Sequence[str] = (),
+    ) -> "RMSNorm":
+        """An RMSNorm for any module normalizing with its own ``weight`` and ``bias`` (or None),
+        sharing them.
 
         >>> RMSNorm.from_module(torch.nn.LayerNorm(8), (8,), 1e-5, upcast=True).upcast
         True
         """
-        return _sharing(cls, module, True, normalized_shape=tuple(int(s) for s in normalized_shape), eps=float(eps),
-                        dim=int(dim), upcast=bool(upcast), then=tuple(then),
-                        elementwise_affine=getattr(module, "weight", None) is not None)
+        return _sharing(
+            cls,
+            module,
+            True,
+            normalized_shape=tuple(int(s) for s in normalized_shape),
+            eps=float(eps),
+            dim=int(dim),
+            upcast=bool(upcast),
+            then=tuple(then),
+            elementwise_affine=getattr(module, "weight", None) is not None,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dim == -1 and self.elementwise_affine and not self.upcast and not self.then:
@@ -151,24 +188,42 @@ class RMSNorm(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        more = (f", dim={self.dim}" if self.dim != -1 else "") + (", upcast=True" if self.upcast else "") + (
-            f", then={self.then}" if self.then else "")
-        return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}{more}")
+        more = (
+            (f", dim={self.dim}" if self.dim != -1 else "")
+            + (", upcast=True" if self.upcast else "")
+            + (f", then={self.then}" if self.then else "")
+        )
+        return (
+            f"{self.normalized_shape}, eps={self.eps}, "
+            f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}{more}"
+        )
 
 
 class GroupRMSNorm(nn.Module):
-    """``nn.GroupNorm`` without the centering: equal to it once grouped CBWC made every group zero-mean.
+    """``nn.GroupNorm`` without the centering: equal to it once grouped CBWC made every group
+    zero-mean.
 
     >>> gn = torch.nn.GroupNorm(2, 8)
     >>> GroupRMSNorm.from_group_norm(gn).weight is gn.weight
     True
     """
 
-    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        num_groups: int,
+        num_channels: int,
+        eps: float = 1e-5,
+        affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        self.num_groups, self.num_channels, self.eps, self.affine = num_groups, num_channels, float(eps), affine
+        self.num_groups, self.num_channels, self.eps, self.affine = (
+            num_groups,
+            num_channels,
+            float(eps),
+            affine,
+        )
         factory = {"device": device, "dtype": dtype}
         if affine:
             self.weight = nn.Parameter(torch.ones(num_channels, **factory))
@@ -179,8 +234,14 @@ class GroupRMSNorm(nn.Module):
 
     @classmethod
     def from_group_norm(cls, gn: nn.GroupNorm) -> "GroupRMSNorm":
-        return _sharing(cls, gn, num_groups=gn.num_groups, num_channels=gn.num_channels, eps=float(gn.eps),
-                        affine=gn.affine)
+        return _sharing(
+            cls,
+            gn,
+            num_groups=gn.num_groups,
+            num_channels=gn.num_channels,
+            eps=float(gn.eps),
+            affine=gn.affine,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, c = x.shape[0], x.shape[1]

@@ -1,4 +1,5 @@
-"""Bit-for-bit comparison with libc's ``memcmp`` (``torch.equal`` on a byte view runs at a few hundred MB/s)."""
+"""Bit-for-bit comparison with libc's ``memcmp`` (``torch.equal`` on a byte view runs at a few
+hundred MB/s)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The fused CPU RMSNorm: a C kernel compiled on first use into ``$ENJOYLN_CACHE`` (docs/performance.md)."""
+"""The fused CPU RMSNorm: a C kernel compiled on first use into ``$ENJOYLN_CACHE``
+(docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -33,13 +34,15 @@ def cache_dir() -> Path:
 
 
 def compiler(env: str = "CC", names: tuple[str, ...] = ("cc", "gcc", "clang")) -> str | None:
-    """The compiler ``$env`` names, else the first of ``names`` on the PATH; None if there is none."""
+    """The compiler ``$env`` names, else the first of ``names`` on the PATH; None if there is
+    none."""
     return next((c for c in (os.environ.get(env), *names) if c and shutil.which(c)), None)
 
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """``path`` held by this process alone: processes building the same library (pytest-xdist's workers)
+    """``path`` held by this process alone: processes building the same library (pytest-xdist's
+    workers)
     build it once, the others waiting, then loading what it wrote."""
     if fcntl is None:  # no POSIX locks: each builds, the rename below still atomic
         yield
@@ -52,14 +55,24 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def build_library(source: Path, program: str, flags: list[str], link: list[str], *, key: str = "",
-                  suffix: str = ".so", timeout: float = 120) -> Path:
-    """``source`` compiled by ``program`` (a compiler) into the cache, once per source, program, flags,
+def build_library(
+    source: Path,
+    program: str,
+    flags: list[str],
+    link: list[str],
+    *,
+    key: str = "",
+    suffix: str = ".so",
+    timeout: float = 120,
+) -> Path:
+    """``source`` compiled by ``program`` (a compiler) into the cache, once per source, program,
+    flags,
     ``key`` and machine; the path of the library."""
     # the headers beside it are part of what it compiles to
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    digest = hashlib.sha256(text + " ".join([program, *flags, *link, key, platform.machine(),
-                                             platform.node()]).encode())
+    digest = hashlib.sha256(
+        text + " ".join([program, *flags, *link, key, platform.machine(), platform.node()]).encode()
+    )
     lib_path = cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}{suffix}"
     if lib_path.exists():
         return lib_path
@@ -70,20 +83,27 @@ def build_library(source: Path, program: str, flags: list[str], link: list[str],
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
             out = Path(tmp) / lib_path.name
             try:
-                proc = subprocess.run([program, *flags, str(source), "-o", str(out), *link],
-                                      capture_output=True, text=True, timeout=timeout)
+                proc = subprocess.run(
+                    [program, *flags, str(source), "-o", str(out), *link],
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                )
             except subprocess.TimeoutExpired:
                 raise RuntimeError(f"{program} took over {timeout:g} s") from None
             if proc.returncode != 0:
                 lines = proc.stderr.strip().splitlines()
-                first = next((line for line in lines if "error" in line), lines[0] if lines else "failed")
+                first = next(
+                    (line for line in lines if "error" in line), lines[0] if lines else "failed"
+                )
                 raise RuntimeError(f"{program} failed: {first.strip()}")
             os.replace(out, lib_path)  # atomic: concurrent builds never see half a file
     return lib_path
 
 
 def compile_library(source: Path, flags: list[str]) -> ctypes.CDLL:
-    """``source`` (C) compiled into the cache (once per source, compiler, flags and machine) and loaded."""
+    """``source`` (C) compiled into the cache (once per source, compiler, flags and machine) and
+    loaded."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
@@ -91,11 +111,18 @@ def compile_library(source: Path, flags: list[str]) -> ctypes.CDLL:
 
 
 class Once:
-    """A C library built on first use, once per process (``ENJOYLN_DISABLE_CPU_KERNEL``: never); calling it
+    """A C library built on first use, once per process (``ENJOYLN_DISABLE_CPU_KERNEL``: never);
+    calling it
     returns the library, or None with ``error`` saying why."""
 
     def __init__(self, build: Callable[[], Any]) -> None:
-        self.build, self.lock, self.loaded, self.value, self.error = build, threading.Lock(), False, None, None
+        self.build, self.lock, self.loaded, self.value, self.error = (
+            build,
+            threading.Lock(),
+            False,
+            None,
+            None,
+        )
 
     def __call__(self) -> Any:
         if self.loaded:
@@ -107,7 +134,12 @@ class Once:
                 else:
                     try:
                         self.value = self.build()
-                    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+                    except (
+                        OSError,
+                        RuntimeError,
+                        subprocess.SubprocessError,
+                        AttributeError,
+                    ) as exc:
                         self.error = str(exc)
                 self.loaded = True
         return self.value
@@ -117,8 +149,11 @@ def _build() -> ctypes.CDLL:
     lib = compile_library(SOURCE, FLAGS)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     has_f16 = getattr(lib, "enjoyln_has_f16", lambda: 0)()
-    kernels = {dtype: getattr(lib, f"enjoyln_rms_norm_{name}") for dtype, name in DTYPES.items()
-               if dtype != torch.float16 or has_f16}
+    kernels = {
+        dtype: getattr(lib, f"enjoyln_rms_norm_{name}")
+        for dtype, name in DTYPES.items()
+        if dtype != torch.float16 or has_f16
+    }
     for fn in kernels.values():
         fn.argtypes = [p, p, p, p, i64, i64, ctypes.c_float, ctypes.c_int]
         fn.restype = None
@@ -152,11 +187,19 @@ def supports(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     return True
 
 
-def rms_norm_cpu(x: torch.Tensor, n: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 eps: float) -> torch.Tensor:
+def rms_norm_cpu(
+    x: torch.Tensor, n: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
     """Fused forward over rows of ``n`` trailing elements; check ``supports`` first."""
     y = torch.empty_like(x)
-    _kernels[x.dtype](x.data_ptr(), weight.data_ptr() if weight is not None else None,
-                      bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                      x.numel() // n, n, eps, torch.get_num_threads())
+    _kernels[x.dtype](
+        x.data_ptr(),
+        weight.data_ptr() if weight is not None else None,
+        bias.data_ptr() if bias is not None else None,
+        y.data_ptr(),
+        x.numel() // n,
+        n,
+        eps,
+        torch.get_num_threads(),
+    )
     return y

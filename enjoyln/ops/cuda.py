@@ -1,6 +1,8 @@
 """RMSNorm on CUDA: which implementation runs, decided once per process from what was measured
-(docs/performance.md: ``F.rms_norm`` without a bias, the Triton kernel through the cached launcher with a
-bias or residual or from 32 MiB), and the call's hot path. ``ENJOYLN_CUDA_PATH`` (or ``force``) pins one."""
+(docs/performance.md: ``F.rms_norm`` without a bias, the Triton kernel through the cached launcher
+with a
+bias or residual or from 32 MiB), and the call's hot path. ``ENJOYLN_CUDA_PATH`` (or ``force``) pins
+one."""
 
 from __future__ import annotations
 
@@ -19,12 +21,17 @@ from .reference import rms_norm_reference
 
 LARGE = 32 << 20  # bytes of input from which the Triton kernel runs whatever the affine
 PATHS = ("triton", "triton-jit", "native", "reference")  # ``auto``, or nothing: the policy
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the Triton kernels accumulate in float32
+KERNEL_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+)  # the Triton kernels accumulate in float32
 
 
 @dataclass
 class _State:
     """What this process has, found once on the first CUDA call."""
+
     triton: Any = None  # the triton_kernels module, or None
     triton_reason: str = ""
     native: bool = False
@@ -61,7 +68,9 @@ def _setup(forced: str | None = None) -> _State:
     st.triton, st.triton_reason = _import_kernels()
     wanted = forced if forced is not None else os.environ.get("ENJOYLN_CUDA_PATH", "auto")
     if wanted not in ("auto", "") and wanted not in PATHS:
-        st.notes.append(f"ENJOYLN_CUDA_PATH={wanted} is not one of auto, {', '.join(PATHS)}: ignored")
+        st.notes.append(
+            f"ENJOYLN_CUDA_PATH={wanted} is not one of auto, {', '.join(PATHS)}: ignored"
+        )
     elif wanted.startswith("triton") and st.triton is None:
         st.notes.append(f"{wanted} was asked for, but there is {st.triton_reason}: ignored")
     elif wanted in PATHS:
@@ -88,35 +97,49 @@ def force(path: str | None) -> None:
 
 
 def supports(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
-    """Whether the hot path takes these tensors: contiguous, ``x`` on CUDA and not empty, all one dtype and device."""
+    """Whether the hot path takes these tensors: contiguous, ``x`` on CUDA and not empty, all one
+    dtype and device."""
     if not x.is_cuda or not x.is_contiguous() or x.numel() == 0:
         return False
     for t in (weight, bias):
-        if t is not None and (t.dtype != x.dtype or not t.is_contiguous() or t.get_device() != x.get_device()):
+        if t is not None and (
+            t.dtype != x.dtype or not t.is_contiguous() or t.get_device() != x.get_device()
+        ):
             return False
     return True
 
 
 def narrow(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> bool:
     """Whether the Triton kernels, which compute in float32, are exact for these dtypes: float32 and
-    narrower. A float64 norm must stay float64 (torch's own path), or the check's float64 truth is fp32.
+    narrower. A float64 norm must stay float64 (torch's own path), or the check's float64 truth is
+    fp32.
 
     >>> narrow(torch.ones(2, dtype=torch.float64))
     False
     """
-    return x.dtype in KERNEL_DTYPES and all(t is None or t.dtype in KERNEL_DTYPES for t in (weight, bias))
+    return x.dtype in KERNEL_DTYPES and all(
+        t is None or t.dtype in KERNEL_DTYPES for t in (weight, bias)
+    )
 
 
 def choose(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: bool = False) -> str:
-    """'native' (F.rms_norm), 'native+bias', 'triton' (cached launcher), 'triton-jit' or 'reference': a pure
-    function of the process state and the call's dtypes and size, so it is decided (and tested) without a GPU.
+    """'native' (F.rms_norm), 'native+bias', 'triton' (cached launcher), 'triton-jit' or
+    'reference': a pure
+    function of the process state and the call's dtypes and size, so it is decided (and tested)
+    without a GPU.
 
     >>> choose(torch.randn(2048, 768, device="cuda"), None, None)  # doctest: +SKIP
     'native'
     """
     st = _state if _state is not None else _setup()
     if not narrow(x, weight, bias):  # whatever is pinned: a Triton kernel would compute it in fp32
-        return "reference" if st.forced == "reference" else "native+bias" if bias is not None else "native"
+        return (
+            "reference"
+            if st.forced == "reference"
+            else "native+bias"
+            if bias is not None
+            else "native"
+        )
     if st.forced is not None:
         if st.forced == "native":
             return "native+bias" if bias is not None else "native"
@@ -135,19 +158,25 @@ def choose(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: bool
 
 
 def _lose_triton(exc: Exception) -> None:
-    """A Triton kernel failed to compile or launch: no Triton for the rest of the process, said once."""
+    """A Triton kernel failed to compile or launch: no Triton for the rest of the process, said
+    once."""
     st = _state
     cause = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}".rstrip(": ")
     st.triton, st.triton_reason = None, f"the Triton kernel failed ({cause})"
     if st.forced is not None and st.forced.startswith("triton"):
         st.forced = None
     instead = "torch's F.rms_norm" if st.native else "reference PyTorch"
-    warnings.warn(f"enjoyln: the Triton RMSNorm kernel failed ({cause}); {instead} runs instead for the rest "
-                  "of this process", RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        f"enjoyln: the Triton RMSNorm kernel failed ({cause}); {instead} runs instead for the rest "
+        "of this process",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _triton(name: str, *args: Any, cached: bool) -> Any:
-    """``triton_kernels.<name>(*args)``, or None once it failed (then the caller takes a path without Triton).
+    """``triton_kernels.<name>(*args)``, or None once it failed (then the caller takes a path
+    without Triton).
     Out of memory is not Triton's fault: every path would need the memory, so it is raised."""
     try:
         return getattr(_state.triton, name)(*args, cached=cached)
@@ -158,13 +187,24 @@ def _triton(name: str, *args: Any, cached: bool) -> Any:
         return None
 
 
-def rms_norm_cuda(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
-                  eps: float) -> Tensor:
+def rms_norm_cuda(
+    x: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+) -> Tensor:
     path = choose(x, weight, bias)
     if path in ("triton", "triton-jit"):
         n = normalized_shape[-1] if len(normalized_shape) == 1 else math.prod(normalized_shape)
-        y = _triton("rms_norm_triton", x.view(-1, n) if len(normalized_shape) > 1 else x, weight, bias, eps,
-                    cached=path == "triton")
+        y = _triton(
+            "rms_norm_triton",
+            x.view(-1, n) if len(normalized_shape) > 1 else x,
+            weight,
+            bias,
+            eps,
+            cached=path == "triton",
+        )
         if y is not None:
             return y.view(x.shape) if len(normalized_shape) > 1 else y
         path = choose(x, weight, bias)  # Triton is gone: the policy without it
@@ -175,25 +215,38 @@ def rms_norm_cuda(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | N
     return rms_norm_reference(x, normalized_shape, weight, bias, eps)
 
 
-def rms_norm_autograd(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
-                      eps: float) -> Tensor:
-    """For a call that needs a gradient: ``F.rms_norm`` then the bias add, whose backward torch's autograd
+def rms_norm_autograd(
+    x: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+) -> Tensor:
+    """For a call that needs a gradient: ``F.rms_norm`` then the bias add, whose backward torch's
+    autograd
     computes in C++ (in the input's dtype from float32 up: float64 stays float64)."""
     y = F.rms_norm(x, normalized_shape, weight, eps)
     return y + bias if bias is not None else y
 
 
 def unfused(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> str:
-    """The path of a call the hot path turns away (strided, mixed dtypes): the Triton kernel, which reads
-    strided rows and mixed dtypes, where they are float32 or narrower and all on ``x``'s GPU; else the
+    """The path of a call the hot path turns away (strided, mixed dtypes): the Triton kernel, which
+    reads
+    strided rows and mixed dtypes, where they are float32 or narrower and all on ``x``'s GPU; else
+    the
     reference. Pure, as ``choose`` is.
 
     >>> unfused(torch.randn(8, 4, dtype=torch.float64, device="cuda").t(), None, None)  # doctest: +SKIP
     'reference'
-    """
+    """  # noqa: E501
     st = _state if _state is not None else _setup()
-    if (st.triton is None or st.forced not in (None, "triton", "triton-jit") or x.numel() == 0
-            or not narrow(x, weight, bias) or any(t is not None and t.device != x.device for t in (weight, bias))):
+    if (
+        st.triton is None
+        or st.forced not in (None, "triton", "triton-jit")
+        or x.numel() == 0
+        or not narrow(x, weight, bias)
+        or any(t is not None and t.device != x.device for t in (weight, bias))
+    ):
         return "reference"
     return st.forced or "triton"
 
@@ -203,9 +256,15 @@ def backend(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> str:
     return choose(x, weight, bias) if supports(x, weight, bias) else unfused(x, weight, bias)
 
 
-def rms_norm_any(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
-                 eps: float) -> Tensor:
-    """Any CUDA call, the ones the hot path turns away included: ``rms_norm_cuda`` where the hot path takes
+def rms_norm_any(
+    x: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+) -> Tensor:
+    """Any CUDA call, the ones the hot path turns away included: ``rms_norm_cuda`` where the hot
+    path takes
     it, else ``unfused``'s path."""
     if supports(x, weight, bias):
         return rms_norm_cuda(x, normalized_shape, weight, bias, eps)
@@ -219,30 +278,44 @@ def rms_norm_any(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | No
     return rms_norm_reference(x, normalized_shape, weight, bias, eps)
 
 
-def add_rms_norm_cuda(x: Tensor, residual: Tensor, normalized_shape: Sequence[int], weight: Tensor | None,
-                      bias: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm_cuda(
+    x: Tensor,
+    residual: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
     """``(x + residual, RMSNorm of it)``: one Triton kernel where the policy picks Triton."""
     path = choose(x, weight, bias, residual=True)
     if path in ("triton", "triton-jit") and len(normalized_shape) == 1:
-        out = _triton("add_rms_norm_triton", x, residual, weight, bias, eps, cached=path == "triton")
+        out = _triton(
+            "add_rms_norm_triton", x, residual, weight, bias, eps, cached=path == "triton"
+        )
         if out is not None:
             return out
     s = x + residual
     return s, rms_norm_cuda(s, normalized_shape, weight, bias, eps)
 
 
-NAMES = {"native": "torch's F.rms_norm", "native+bias": "torch's F.rms_norm, then the bias add",
-         "triton": "enjoyln's Triton kernel, cached launcher", "triton-jit": "enjoyln's Triton kernel, Triton's launcher",
-         "reference": "reference PyTorch"}
+NAMES = {
+    "native": "torch's F.rms_norm",
+    "native+bias": "torch's F.rms_norm, then the bias add",
+    "triton": "enjoyln's Triton kernel, cached launcher",
+    "triton-jit": "enjoyln's Triton kernel, Triton's launcher",
+    "reference": "reference PyTorch",
+}
 
 
 def cases() -> dict[str, str]:
-    """Which path each kind of call on a GPU takes in this process (``enjoyln env``), as ``choose`` and
+    """Which path each kind of call on a GPU takes in this process (``enjoyln env``), as ``choose``
+    and
     ``unfused`` decide it for meta tensors of that kind: no GPU needed.
 
     >>> cases()["float64"]  # doctest: +SKIP
     "torch's F.rms_norm, then the bias add"
     """
+
     def meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
         return torch.empty(shape, dtype=dtype, device="meta")
 
@@ -253,10 +326,14 @@ def cases() -> dict[str, str]:
         "the residual add fused (add_rms_norm)": choose(x, w, w, residual=True),
         "32 MiB of input or more": choose(meta(8192, 4096), meta(4096), meta(4096)),
         "float64": choose(meta(2048, 768, dtype=torch.float64), wide, wide),
-        "strided rows, or the weight in another dtype": unfused(x, meta(768, dtype=torch.float32), None),
+        "strided rows, or the weight in another dtype": unfused(
+            x, meta(768, dtype=torch.float32), None
+        ),
     }
-    return {**{case: NAMES[path] for case, path in picks.items()},
-            "a gradient needed": f"{NAMES['native+bias']}, through torch's autograd"}
+    return {
+        **{case: NAMES[path] for case, path in picks.items()},
+        "a gradient needed": f"{NAMES['native+bias']}, through torch's autograd",
+    }
 
 
 def status() -> str:
@@ -271,8 +348,15 @@ def status() -> str:
         off = st.triton.launcher_disabled()
         launcher = "enjoyln's cached launcher" if off is None else "Triton's own launcher"
         if st.native:
-            when = "with a bias or a residual add, and from 32 MiB of input" if off is None else "from 32 MiB of input"
-            text = f"torch's fused F.rms_norm without a bias; Triton {version} kernel through {launcher} {when}"
+            when = (
+                "with a bias or a residual add, and from 32 MiB of input"
+                if off is None
+                else "from 32 MiB of input"
+            )
+            text = (
+                f"torch's fused F.rms_norm without a bias; Triton {version} kernel through "
+                f"{launcher} {when}"
+            )
             if off is not None:
                 text += "; below that, F.rms_norm then the bias add"
         else:
@@ -280,7 +364,9 @@ def status() -> str:
         if off is not None:
             notes.append(f"the cached launcher is off: {off}")
     elif st.native:
-        text = f"torch's fused F.rms_norm, then the bias add where there is one ({st.triton_reason})"
+        text = (
+            f"torch's fused F.rms_norm, then the bias add where there is one ({st.triton_reason})"
+        )
     else:
         text = f"reference PyTorch ({st.triton_reason}; {st.native_reason})"
     return "; ".join([text, *notes])

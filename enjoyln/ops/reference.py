@@ -1,4 +1,5 @@
-"""The reference RMSNorm (plain PyTorch, at least fp32 accumulation), which every fast kernel is tested against."""
+"""The reference RMSNorm (plain PyTorch, at least fp32 accumulation), which every fast kernel is
+tested against."""
 
 from __future__ import annotations
 

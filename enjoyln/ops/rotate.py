@@ -1,9 +1,13 @@
-"""The structured Hadamard rotation, applied by ``rotate.c`` in O(n log n + n m) per vector, never as n x n.
+"""The structured Hadamard rotation, applied by ``rotate.c`` in O(n log n + n m) per vector, never
+as n x n.
 
-For a width ``n = k * m`` (``k`` a power of two, ``m`` odd) ``Q = S (H_k ⊗ B) (I - 2 w wᵀ)``: random signs,
-a Walsh–Hadamard transform on the power-of-two part, an ``m x m`` orthogonal block on the odd part, and, to
+For a width ``n = k * m`` (``k`` a power of two, ``m`` odd) ``Q = S (H_k ⊗ B) (I - 2 w wᵀ)``: random
+signs,
+a Walsh–Hadamard transform on the power-of-two part, an ``m x m`` orthogonal block on the odd part,
+and, to
 map the ones vector to itself, a reflection applied as a rank-one update. Every bit of it comes from
-arithmetic this package fixes (``rotate.c``), so a rotated checkpoint is recomputed bit for bit anywhere.
+arithmetic this package fixes (``rotate.c``), so a rotated checkpoint is recomputed bit for bit
+anywhere.
 
 >>> table = structured(12, 0, True)
 >>> x = torch.ones(1, 12, dtype=torch.float64)
@@ -27,7 +31,8 @@ from .center import CODES, FLAGS  # noqa: F401 (FLAGS: what rotate.c is built wi
 
 SOURCE = Path(__file__).with_name("rotate.c")
 ORTHOGONAL_ULPS = 16
-"""A built block's ``BᵀB - I`` must be within this many float64 epsilons times ``m``: checked at build."""
+"""A built block's ``BᵀB - I`` must be within this many float64 epsilons times ``m``: checked at
+build."""
 
 _has_f16 = False
 
@@ -36,9 +41,39 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     """``lib`` (``rotate.c`` compiled with any flags) with its functions' signatures declared."""
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.enjoyln_rotation_tables.argtypes = [i64, i64, ctypes.c_uint64, p, p]
-    lib.enjoyln_rotate_into.argtypes = [p, p, p, ctypes.c_int, i64, i64, i64, i64, i64, i64, p, p, p, ctypes.c_int]
-    lib.enjoyln_rotate_scaled_into.argtypes = [p, p, p, ctypes.c_int, i64, i64, i64, i64, i64, i64, p, p, p, p,
-                                               ctypes.c_int]
+    lib.enjoyln_rotate_into.argtypes = [
+        p,
+        p,
+        p,
+        ctypes.c_int,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        p,
+        p,
+        p,
+        ctypes.c_int,
+    ]
+    lib.enjoyln_rotate_scaled_into.argtypes = [
+        p,
+        p,
+        p,
+        ctypes.c_int,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        p,
+        p,
+        p,
+        p,
+        ctypes.c_int,
+    ]
     lib.enjoyln_rotation_tables.restype = lib.enjoyln_rotate_into.restype = ctypes.c_int
     lib.enjoyln_rotate_scaled_into.restype = ctypes.c_int
     return lib
@@ -56,19 +91,23 @@ library = cpu.Once(_build)
 
 
 class RotationUnavailable(RuntimeError):
-    """The structured rotation cannot be computed here (no C compiler, or a dtype it does not handle)."""
+    """The structured rotation cannot be computed here (no C compiler, or a dtype it does not
+    handle)."""
 
 
 def _lib() -> ctypes.CDLL:
     lib = library()
     if lib is None:
-        raise RotationUnavailable(f"the hadamard rotation needs its C kernel, which cannot be built: {library.error}")
+        raise RotationUnavailable(
+            f"the hadamard rotation needs its C kernel, which cannot be built: {library.error}"
+        )
     return lib
 
 
 @dataclass(frozen=True)
 class Structured:
-    """The factors of one width's ``Q``: ``pre`` (signs / sqrt(k)), ``block`` (``m x m``), ``w`` (or None)."""
+    """The factors of one width's ``Q``: ``pre`` (signs / sqrt(k)), ``block`` (``m x m``), ``w`` (or
+    None)."""
 
     n: int
     k: int
@@ -77,20 +116,43 @@ class Structured:
     block: torch.Tensor
     w: torch.Tensor | None
 
-    def run(self, src: int, dst: int | None, cand: int | None, dtype: torch.dtype, layout: Sequence[int],
-            scale: int | None = None) -> int:
-        """``rotate.c`` on the vectors at ``src`` laid out as (outer, outer stride, inner), each element first
+    def run(
+        self,
+        src: int,
+        dst: int | None,
+        cand: int | None,
+        dtype: torch.dtype,
+        layout: Sequence[int],
+        scale: int | None = None,
+    ) -> int:
+        """``rotate.c`` on the vectors at ``src`` laid out as (outer, outer stride, inner), each
+        element first
         times the float64 at ``scale`` rounded to ``dtype`` where given; its result."""
         outer, stride, inner = layout
         w = self.w.data_ptr() if self.w is not None else None
-        return _lib().enjoyln_rotate_scaled_into(src, dst, cand, CODES[dtype], outer, stride, self.n, inner, self.k,
-                                                 self.m, self.pre.data_ptr(), self.block.data_ptr(), w, scale,
-                                                 torch.get_num_threads())
+        return _lib().enjoyln_rotate_scaled_into(
+            src,
+            dst,
+            cand,
+            CODES[dtype],
+            outer,
+            stride,
+            self.n,
+            inner,
+            self.k,
+            self.m,
+            self.pre.data_ptr(),
+            self.block.data_ptr(),
+            w,
+            scale,
+            torch.get_num_threads(),
+        )
 
 
 @functools.lru_cache(maxsize=16)
 def structured(n: int, seed: int, keep_mean: bool) -> Structured:
-    """The rotation of width ``n`` for ``seed``; its block checked orthogonal in float64 as it is built."""
+    """The rotation of width ``n`` for ``seed``; its block checked orthogonal in float64 as it is
+    built."""
     if n < 1:
         raise ValueError(f"cannot rotate a width of {n}")
     k = n & -n  # the largest power of two dividing n
@@ -98,11 +160,15 @@ def structured(n: int, seed: int, keep_mean: bool) -> Structured:
     signs = torch.empty(n, dtype=torch.float64)
     block = torch.empty(m, m, dtype=torch.float64)
     # a 64-bit seed for every (seed, width), as the dense rotation derives its own
-    if _lib().enjoyln_rotation_tables(n, m, (int(seed) * 1_000_003 + n) % 2**64, signs.data_ptr(), block.data_ptr()):
+    if _lib().enjoyln_rotation_tables(
+        n, m, (int(seed) * 1_000_003 + n) % 2**64, signs.data_ptr(), block.data_ptr()
+    ):
         raise MemoryError(f"cannot build the {m} x {m} block of a rotation")
     error = float((block.T @ block - torch.eye(m, dtype=torch.float64)).abs().max())
     if not error <= ORTHOGONAL_ULPS * m * torch.finfo(torch.float64).eps:
-        raise ArithmeticError(f"the {m} x {m} block of the rotation of width {n} is not orthogonal ({error:.2g})")
+        raise ArithmeticError(
+            f"the {m} x {m} block of the rotation of width {n} is not orthogonal ({error:.2g})"
+        )
     table = Structured(n, k, m, signs * (1 / math.sqrt(k)), block, None)
     if not keep_mean:
         return table
@@ -115,8 +181,9 @@ def structured(n: int, seed: int, keep_mean: bool) -> Structured:
 
 
 def _layout(shape: Sequence[int], axis: int, start: int) -> tuple[tuple[int, int, int], int]:
-    """(outer, outer stride, inner) of the vectors along ``axis``, and the element offset of entry ``start``."""
-    inner = math.prod(shape[axis + 1:])
+    """(outer, outer stride, inner) of the vectors along ``axis``, and the element offset of entry
+    ``start``."""
+    inner = math.prod(shape[axis + 1 :])
     return (math.prod(shape[:axis]), shape[axis] * inner, inner), start * inner
 
 
@@ -126,11 +193,15 @@ def usable(dtype: torch.dtype) -> bool:
     return dtype in CODES and (dtype != torch.float16 or _has_f16)
 
 
-def rotate_(t: torch.Tensor, axis: int, table: Structured, start: int = 0,
-            scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``t ×_axis Q`` in place on entries ``start .. start + n`` of ``axis``; a view, a strided or a GPU
-    tensor is rotated in a contiguous CPU copy of its own dtype (never widened whole to float64). With
-    ``scale`` (``n`` values), the entries are first multiplied by it, each product rounded to ``t``'s dtype:
+def rotate_(
+    t: torch.Tensor, axis: int, table: Structured, start: int = 0, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``t ×_axis Q`` in place on entries ``start .. start + n`` of ``axis``; a view, a strided or a
+    GPU
+    tensor is rotated in a contiguous CPU copy of its own dtype (never widened whole to float64).
+    With
+    ``scale`` (``n`` values), the entries are first multiplied by it, each product rounded to
+    ``t``'s dtype:
     the bits of that product stored into ``t``, then rotated, in one pass."""
     if t.device.type == "meta" or t.numel() == 0:
         return t
@@ -138,14 +209,26 @@ def rotate_(t: torch.Tensor, axis: int, table: Structured, start: int = 0,
         raise RotationUnavailable(f"cannot rotate a tensor of dtype {t.dtype}")
     axis = axis % t.dim()
     if start < 0 or start + table.n > t.shape[axis]:
-        raise ValueError(f"entries {start} to {start + table.n} do not fit an axis of {t.shape[axis]}")
+        raise ValueError(
+            f"entries {start} to {start + table.n} do not fit an axis of {t.shape[axis]}"
+        )
     if scale is not None and scale.shape != (table.n,):
         raise ValueError(f"a scale of shape {list(scale.shape)} for a rotation of width {table.n}")
     factors = None if scale is None else scale.detach().to("cpu", torch.float64).contiguous()
     work = t if t.device.type == "cpu" and t.is_contiguous() else t.detach().to("cpu").contiguous()
     layout, at = _layout(work.shape, axis, start)
     address = work.data_ptr() + at * work.element_size()
-    if table.run(address, address, None, work.dtype, layout, None if factors is None else factors.data_ptr()) < 0:
+    if (
+        table.run(
+            address,
+            address,
+            None,
+            work.dtype,
+            layout,
+            None if factors is None else factors.data_ptr(),
+        )
+        < 0
+    ):
         raise MemoryError("the rotation kernel could not allocate its buffers")
     if work is not t:
         with torch.no_grad():
@@ -153,9 +236,17 @@ def rotate_(t: torch.Tensor, axis: int, table: Structured, start: int = 0,
     return t
 
 
-def rotated_equal(src: int, cand: int, dtype: torch.dtype, shape: Sequence[int], axis: int, table: Structured,
-                  start: int = 0) -> bool:
-    """Whether ``cand`` holds ``rotate_`` of the tensor at ``src`` (``dtype``, ``shape``, contiguous; entries
+def rotated_equal(
+    src: int,
+    cand: int,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    axis: int,
+    table: Structured,
+    start: int = 0,
+) -> bool:
+    """Whether ``cand`` holds ``rotate_`` of the tensor at ``src`` (``dtype``, ``shape``,
+    contiguous; entries
     outside the rotated block not compared), bit for bit, read once and nothing written."""
     axis = axis % len(shape)
     layout, at = _layout(shape, axis, start)

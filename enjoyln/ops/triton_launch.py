@@ -7,14 +7,19 @@ from typing import NamedTuple
 
 MAX_SHORT = 1024  # longest row the multi-row kernel takes; longer rows get a program each
 
-SHORT_ELEMENTS = 4096  # per program of the multi-row kernel: the one-row kernel's at N = 4096, no spill
+SHORT_ELEMENTS = (
+    4096  # per program of the multi-row kernel: the one-row kernel's at N = 4096, no spill
+)
 
-MAX_ROWS = 16  # rows per program at most: more would leave too few programs for the GPU at served batch sizes
+# rows per program at most: more would leave too few programs for the GPU at served batch sizes
+MAX_ROWS = 16
 
-MAX_FUSED = 16384  # longest row kept in registers by the one-block kernel (a row of 32768 spills on sm_80 and sm_90)
+# longest row kept in registers by the one-block kernel (a row of 32768 spills on sm_80 and sm_90)
+MAX_FUSED = 16384
 
 LOOPED_BLOCK, LOOPED_WARPS = 2048, 8
-"""Of the two-pass kernel: 4096 with 8 or 16 warps spilled in fp16 under Triton 3.9's --regAllocOptLevel=2."""
+"""Of the two-pass kernel: 4096 with 8 or 16 warps spilled in fp16 under Triton 3.9's
+--regAllocOptLevel=2."""
 
 
 class LaunchConfig(NamedTuple):

@@ -1,4 +1,5 @@
-"""Fold a model directory into a new one, streamed into a temporary directory beside OUT_DIR, checked there
+"""Fold a model directory into a new one, streamed into a temporary directory beside OUT_DIR,
+checked there
 and published by rename: OUT_DIR never holds a partial or unchecked fold (docs/how-it-works.md)."""
 
 from __future__ import annotations
@@ -31,8 +32,16 @@ from ..store.locate import SAFE_INDEX
 from ..store.hf import check_shapes
 from ..store.quiet import quiet
 from ..store.tensors import TensorReader
-from ..store.transaction import (check_out_dir, clean_stale, keep_failed, missing_dirs, publish, remove_dirs,
-                                 signals_held, temp_dir)
+from ..store.transaction import (
+    check_out_dir,
+    clean_stale,
+    keep_failed,
+    missing_dirs,
+    publish,
+    remove_dirs,
+    signals_held,
+    temp_dir,
+)
 from ..transform.steps import check_fits
 from .entries import Entry, cast_entries, fold_entries, index_metadata, reshard
 from .writer import EarlyCopy, Writing, early_layout, early_spans, finish_shard, write_shard
@@ -43,21 +52,34 @@ if TYPE_CHECKING:
 __all__ = ["fold_checkpoint", "analyze_checkpoint", "FoldResult"]
 
 Progress = Callable[[int, int], None]
-"""Called with (bytes done, bytes total); total is 0 while the early copy runs ahead of the analysis."""
+"""Called with (bytes done, bytes total); total is 0 while the early copy runs ahead of the
+analysis."""
 
 Stage = Callable[[str], None]
 """Called with a few words naming what a long call does now ("analysing GPT2LMHeadModel")."""
 
 
 @quiet
-def analyze_checkpoint(path: str | os.PathLike, *, auxiliary_centering: bool = False, fuse_affine: bool = False,
-                       rotate: RotationSpec | tuple[str, int, bool] | None = None, allow_pickle: bool = False,
-                       trust_remote_code: bool = False, model_class: str | None = None) -> FoldPlan:
+def analyze_checkpoint(
+    path: str | os.PathLike,
+    *,
+    auxiliary_centering: bool = False,
+    fuse_affine: bool = False,
+    rotate: RotationSpec | tuple[str, int, bool] | None = None,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    model_class: str | None = None,
+) -> FoldPlan:
     """The fold plan for a model directory, computed on the meta device.
 
     >>> analyze_checkpoint("path/to/gpt2").summary()  # doctest: +SKIP
     """
-    checkpoint = open_checkpoint(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, model_class=model_class)
+    checkpoint = open_checkpoint(
+        path,
+        allow_pickle=allow_pickle,
+        trust_remote_code=trust_remote_code,
+        model_class=model_class,
+    )
     check_shapes(checkpoint)
     return analyze_dir(checkpoint, auxiliary_centering, fuse_affine, RotationSpec.of(rotate))
 
@@ -65,7 +87,9 @@ def analyze_checkpoint(path: str | os.PathLike, *, auxiliary_centering: bool = F
 def _os_error(exc: OSError, out: Path, tmp: Path | None) -> CheckpointError:
     """One line naming OUT_DIR for anything written there, else the file itself."""
     name = Path(exc.filename) if exc.filename else None
-    where = out if name is None or (tmp is not None and (name == tmp or tmp in name.parents)) else name
+    where = (
+        out if name is None or (tmp is not None and (name == tmp or tmp in name.parents)) else name
+    )
     if exc.errno == errno.ENOSPC:
         return CheckpointError(f"disk full while writing {where}; nothing was written")
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -74,13 +98,16 @@ def _os_error(exc: OSError, out: Path, tmp: Path | None) -> CheckpointError:
 
 
 def _same_load_dtype(checkpoint: Checkpoint, tmp: Path, opts: FoldOptions) -> Checkpoint:
-    """The fold's postcondition: the output loads in the original's dtype, or in the one asked for. The
+    """The fold's postcondition: the output loads in the original's dtype, or in the one asked for.
+    The
     output is opened as its check opens it, and handed to the check, so its config is read once."""
     out = open_checkpoint(tmp, **dataclasses.asdict(opts.access))
     theirs, (ours, why) = opts.dtype or checkpoint.load_dtype[0], out.load_dtype
     if ours != theirs:
-        raise CheckpointError(f"the fold would load in {ours} (from {why}) where the original loads in {theirs}; "
-                              "nothing was written; set dtype in the original's config.json and run again")
+        raise CheckpointError(
+            f"the fold would load in {ours} (from {why}) where the original loads in {theirs}; "
+            "nothing was written; set dtype in the original's config.json and run again"
+        )
     return out
 
 
@@ -105,12 +132,20 @@ class FoldResult:
 
 
 @quiet
-def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, options: FoldOptions | None = None, *,
-                    progress: Progress | None = None, check_progress: Progress | None = None,
-                    stage: Stage | None = None) -> FoldResult:
-    """Fold a Hugging Face (or timm) model directory into OUT_DIR, checked (``FoldOptions.check``: a full,
+def fold_checkpoint(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    options: FoldOptions | None = None,
+    *,
+    progress: Progress | None = None,
+    check_progress: Progress | None = None,
+    stage: Stage | None = None,
+) -> FoldResult:
+    """Fold a Hugging Face (or timm) model directory into OUT_DIR, checked (``FoldOptions.check``: a
+    full,
     static or no check) before it is published, else ``CheckFailed``. ``options``: a ``FoldOptions``
-    (``FoldOptions.of(check="static")``); ``progress`` hears of the bytes written, ``check_progress`` of
+    (``FoldOptions.of(check="static")``); ``progress`` hears of the bytes written,
+    ``check_progress`` of
     the check's.
     >>> fold_checkpoint("gpt2-dir", "gpt2-folded").report.passed  # doctest: +SKIP
     True
@@ -127,38 +162,55 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, op
             say(f"analysing {checkpoint.architecture}")
             plan = fold.plan()
             if opts.dry_run or not plan.changes:
-                return FoldResult(plan, None, [], 0, time.perf_counter() - start, cleaned=fold.cleaned)
+                return FoldResult(
+                    plan, None, [], 0, time.perf_counter() - start, cleaned=fold.cleaned
+                )
             say("writing the folded model")
             written = fold.write(plan)
             report = fold.check(check_progress, stage)
             fold.publish()
     except OSError as exc:
         raise _os_error(exc, out, fold.tmp) from None
-    return dataclasses.replace(written, seconds=time.perf_counter() - start, report=report, cleaned=fold.cleaned)
+    return dataclasses.replace(
+        written, seconds=time.perf_counter() - start, report=report, cleaned=fold.cleaned
+    )
 
 
 def _out_dir(out: Path) -> Path:
-    """OUT_DIR resolved where a publish by rename would replace a link (its target left stale) or '.'/'..'
+    """OUT_DIR resolved where a publish by rename would replace a link (its target left stale) or
+    '.'/'..'
     has no name to put a temporary directory beside."""
     if out.is_symlink() or out.name in ("", ".."):
         try:
             return out.resolve(strict=False)
         except RuntimeError:  # a loop of links
-            raise CheckpointError(f"OUT_DIR {out} is a symbolic link that leads back to itself") from None
+            raise CheckpointError(
+                f"OUT_DIR {out} is a symbolic link that leads back to itself"
+            ) from None
     return out
 
 
 def _refuse_early(checkpoint: Checkpoint, out: Path, opts: FoldOptions) -> None:
     if opts.dtype is not None and checkpoint.source != "transformers":
-        raise CheckpointError(f"{checkpoint.library.name} builds its models in {checkpoint.load_dtype[0]} whatever the file holds, "
-                              "so a fold stored in another dtype would not load in it; drop --dtype")
+        raise CheckpointError(
+            f"{checkpoint.library.name} builds its models in {checkpoint.load_dtype[0]} whatever "
+            "the file holds, "
+            "so a fold stored in another dtype would not load in it; drop --dtype"
+        )
     if opts.max_shard_size is not None and not checkpoint.library.shards:
-        raise CheckpointError(f"{checkpoint.library.name} loads one weight file, model.safetensors, so this directory "
-                              "is not re-sharded; drop --max-shard-size")
+        raise CheckpointError(
+            f"{checkpoint.library.name} loads one weight file, model.safetensors, so this "
+            "directory "
+            "is not re-sharded; drop --max-shard-size"
+        )
     check_out_dir(checkpoint.path, out, opts.force, dry_run=opts.dry_run)
-    if checkpoint.missing and not opts.allow_missing:  # the meta model's names against the saved ones: no weight read
+    if (
+        checkpoint.missing and not opts.allow_missing
+    ):  # the meta model's names against the saved ones: no weight read
         raise missing_refusal(checkpoint)
-    check_links(checkpoint)  # a file a loader reads, outside MODEL_DIR: refused before anything is written
+    check_links(
+        checkpoint
+    )  # a file a loader reads, outside MODEL_DIR: refused before anything is written
     if opts.check.mode == "full" and not opts.dry_run:
         require_memory(checkpoint, opts.check.max_memory)
 
@@ -166,7 +218,9 @@ def _refuse_early(checkpoint: Checkpoint, out: Path, opts: FoldOptions) -> None:
 class _Fold:
     """One fold in progress, owning in one ``ExitStack`` everything it holds until it publishes."""
 
-    def __init__(self, checkpoint: Checkpoint, out: Path, opts: FoldOptions, progress: Progress | None) -> None:
+    def __init__(
+        self, checkpoint: Checkpoint, out: Path, opts: FoldOptions, progress: Progress | None
+    ) -> None:
         self.checkpoint, self.out, self.opts, self.progress = checkpoint, out, opts, progress
         self.tmp: Path | None = None
         self.candidate: Checkpoint | None = None  # the written output, opened
@@ -201,7 +255,8 @@ class _Fold:
         return self.tmp
 
     def advance(self, n: int, more_total: int = 0, *, known: bool = False) -> None:
-        """``n`` bytes done, ``more_total`` more to do; ``known``: the total is whole from now on."""
+        """``n`` bytes done, ``more_total`` more to do; ``known``: the total is whole from now
+        on."""
         with self._lock:
             self._done, self._total = self._done + n, self._total + more_total
             self._total_known |= known
@@ -212,26 +267,42 @@ class _Fold:
         """Not for a plan that moves values, which rewrites nearly every tensor."""
         opts = self.opts
         # nor for another dtype, in which no byte of the input is written as it is
-        moving = (opts.fuse_affine or opts.rotate is not None or opts.dtype is not None
-                  or (opts.plan is not None and moves_values(opts.plan)))
-        spans = early_spans(self.checkpoint, opts.max_shard_size) if not opts.dry_run and not moving else {}
+        moving = (
+            opts.fuse_affine
+            or opts.rotate is not None
+            or opts.dtype is not None
+            or (opts.plan is not None and moves_values(opts.plan))
+        )
+        spans = (
+            early_spans(self.checkpoint, opts.max_shard_size)
+            if not opts.dry_run and not moving
+            else {}
+        )
         if spans:
             self.advance(0, sum(length for _, _, length in spans.values()))
             tmp = self._temp_dir()
-            with signals_held():  # an interrupt must find the copy registered, to stop it before tmp goes
+            with (
+                signals_held()
+            ):  # an interrupt must find the copy registered, to stop it before tmp goes
                 self.early = EarlyCopy(self.checkpoint, tmp, spans, self.advance)
                 self.resources.callback(self.early.cancel)
 
     def plan(self) -> FoldPlan:
         checkpoint, opts = self.checkpoint, self.opts
         if self.early is not None and not norm_module_paths(checkpoint.meta):
-            self.early.cancel()  # no norm module: almost surely nothing to fold, so stop copying now
+            # no norm module: almost surely nothing to fold, so stop copying now
+            self.early.cancel()
             self.early = None
         if opts.plan is not None:
             check_fits(checkpoint.meta, opts.plan)
         check_shapes(checkpoint)
-        plan = opts.plan or analyze_dir(checkpoint, opts.auxiliary_centering, opts.fuse_affine, opts.rotate,
-                                     must_rotate=opts.rotate is not None and not opts.dry_run)
+        plan = opts.plan or analyze_dir(
+            checkpoint,
+            opts.auxiliary_centering,
+            opts.fuse_affine,
+            opts.rotate,
+            must_rotate=opts.rotate is not None and not opts.dry_run,
+        )
         if opts.rotate is not None and plan.rotation is None and not opts.dry_run:
             why = plan.not_rotated()
             raise EnjoylnError(f"{why}; nothing was written")
@@ -258,31 +329,63 @@ class _Fold:
             seconds += self.early.seconds_before(write_start)
         nbytes = sum(e.nbytes for _, es in shards for e in es)
         if len(shards) > 1 or checkpoint.index is not None:
-            index = {"metadata": {**index_metadata(checkpoint, shards), **({"dtype": self.opts.dtype} if self.opts.dtype
-                                                                    else {})},
-                     "weight_map": {e.name: name for name, es in shards for e in es}}
+            index = {
+                "metadata": {
+                    **index_metadata(checkpoint, shards),
+                    **({"dtype": self.opts.dtype} if self.opts.dtype else {}),
+                },
+                "weight_map": {e.name: name for name, es in shards for e in es},
+            }
             (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for name, _ in shards:  # the output must read back, or it is not published
             read_safetensors_header(tmp / name)
         # even with check="none": it must load as the original does
         self.candidate = _same_load_dtype(checkpoint, tmp, self.opts)
-        return FoldResult(plan, self.out, [name for name, _ in shards], nbytes, 0.0, seconds, skipped=skipped,
-                          followed=followed)
+        return FoldResult(
+            plan,
+            self.out,
+            [name for name, _ in shards],
+            nbytes,
+            0.0,
+            seconds,
+            skipped=skipped,
+            followed=followed,
+        )
 
     def _write_shards(self, shards: list[tuple[str, list[Entry]]]) -> None:
         """Each shard finished from its early copy where its layout allows, else written afresh."""
-        by_name = {name: shard for shard, (name, _, _) in self.early.spans.items()} if self.early is not None else {}
-        layout = {name: early_layout(self.checkpoint, by_name.get(name), entries) for name, entries in shards}
-        # the early copy counted the bytes of the tensors it put in place, centered there or not: the total
+        by_name = (
+            {name: shard for shard, (name, _, _) in self.early.spans.items()}
+            if self.early is not None
+            else {}
+        )
+        layout = {
+            name: early_layout(self.checkpoint, by_name.get(name), entries)
+            for name, entries in shards
+        }
+        # the early copy counted the bytes of the tensors it put in place, centered there or not:
+        # the total
         # is what the output holds, each byte once
-        self.advance(0, sum(e.nbytes for name, es in shards for i, e in enumerate(es)
-                            if layout[name] is None or i >= layout[name]), known=True)
+        self.advance(
+            0,
+            sum(
+                e.nbytes
+                for name, es in shards
+                for i, e in enumerate(es)
+                if layout[name] is None or i >= layout[name]
+            ),
+            known=True,
+        )
         reader = self.resources.enter_context(contextlib.closing(TensorReader(self.checkpoint)))
         w = Writing(reader, {"format": "pt", "enjoyln": __version__}, self.advance)
         for name, entries in shards:
             shard = by_name.get(name)  # set wherever layout[name] is
-            finished = layout[name] is not None and finish_shard(self.tmp / name, entries, w, self.early, shard)
-            if shard is not None:  # the whole copy: the tail behind the centering, or before a rewrite of the file
+            finished = layout[name] is not None and finish_shard(
+                self.tmp / name, entries, w, self.early, shard
+            )
+            if (
+                shard is not None
+            ):  # the whole copy: the tail behind the centering, or before a rewrite of the file
                 self.early.wait(shard)
             if finished:
                 continue
@@ -294,17 +397,26 @@ class _Fold:
         """The check of the written fold; ``CheckFailed`` if it fails."""
         if self.opts.check.mode == "none":
             return None
-        report = check_checkpoints(self.checkpoint, self.candidate, self.opts.checking, progress=progress, stage=stage)
+        report = check_checkpoints(
+            self.checkpoint, self.candidate, self.opts.checking, progress=progress, stage=stage
+        )
         if not report.passed:
             kept = keep_failed(self.tmp, self.out) if self.opts.keep_failed else None
             self.tmp = None if kept else self.tmp
-            where = (f"the candidate is kept in {kept}" if kept
-                     else "pass --keep-failed (keep_failed=True) to keep the candidate for inspection")
-            raise CheckFailed(f"the folded model failed its check, so {self.out} was not written; {where}",
-                              report, kept)
+            where = (
+                f"the candidate is kept in {kept}"
+                if kept
+                else "pass --keep-failed (keep_failed=True) to keep the candidate for inspection"
+            )
+            raise CheckFailed(
+                f"the folded model failed its check, so {self.out} was not written; {where}",
+                report,
+                kept,
+            )
         return report
 
     def publish(self) -> None:
-        self.resources.close()  # the early copy and the readers first: nothing may still write into it
+        # the early copy and the readers first: nothing may still write into it
+        self.resources.close()
         publish(self.tmp, self.out)
         self.tmp, self.published = None, True

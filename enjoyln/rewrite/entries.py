@@ -1,5 +1,7 @@
-"""What a fold writes for a model directory: its entries, in output shards like the input's, each saying
-how its bytes are made (copied, centered where they lie, or computed when the writer reaches them)."""
+"""What a fold writes for a model directory: its entries, in output shards like the input's, each
+saying
+how its bytes are made (copied, centered where they lie, or computed when the writer reaches
+them)."""
 
 from __future__ import annotations
 
@@ -36,17 +38,32 @@ class Entry:
     tensor: torch.Tensor | None = None  # or write this (pickle input)
     blocks: tuple[int, ...] | None = None  # ... only these of the blocks
     scale: torch.Tensor | None = None  # ... for this LayerScale gain
-    compute: Callable[[], torch.Tensor] | None = None  # or write what this computes when its turn comes
+    compute: Callable[[], torch.Tensor] | None = (
+        None  # or write what this computes when its turn comes
+    )
 
 
-def fold_entries(checkpoint: Checkpoint, plan: FoldPlan, tensors: StreamedTensors) -> list[tuple[str, list[Entry]]]:
-    """Output shards like the input's: each stored tensor in input order, then what the fold adds. A plan
-    that only centers copies each tensor's bytes and centers it where it lies (the early copy relies on it)."""
-    home = ({k: shard for k, (shard, _) in checkpoint.pickled_tensors.items()} if checkpoint.pickled
-            else {t.name: t.file for t in checkpoint.tensors.values()})
+def fold_entries(
+    checkpoint: Checkpoint, plan: FoldPlan, tensors: StreamedTensors
+) -> list[tuple[str, list[Entry]]]:
+    """Output shards like the input's: each stored tensor in input order, then what the fold adds. A
+    plan
+    that only centers copies each tensor's bytes and centers it where it lies (the early copy relies
+    on it)."""
+    home = (
+        {k: shard for k, (shard, _) in checkpoint.pickled_tensors.items()}
+        if checkpoint.pickled
+        else {t.name: t.file for t in checkpoint.tensors.values()}
+    )
     shards: list[tuple[str, list[Entry]]] = [(s, []) for s in checkpoint.shards]
     by_shard = dict(shards)
-    stored = [k for k in (home if checkpoint.pickled else sorted(home, key=lambda k: checkpoint.tensors[k].start)) if k in tensors]
+    stored = [
+        k
+        for k in (
+            home if checkpoint.pickled else sorted(home, key=lambda k: checkpoint.tensors[k].start)
+        )
+        if k in tensors
+    ]
     moves = moves_values(plan)
     make = _computed if moves else functools.partial(_centered, checkpoint)
     for key in stored:
@@ -54,7 +71,11 @@ def fold_entries(checkpoint: Checkpoint, plan: FoldPlan, tensors: StreamedTensor
     added = [k for k in tensors.keys() if k not in home]
     for key in sorted(added) if moves else added:
         # a computed tensor is written last; a copied one beside the bytes it copies
-        shard = checkpoint.shards[-1] if moves else home.get(tensors.centerings(key)[0] or "", checkpoint.shards[-1])
+        shard = (
+            checkpoint.shards[-1]
+            if moves
+            else home.get(tensors.centerings(key)[0] or "", checkpoint.shards[-1])
+        )
         by_shard[shard].append(make(tensors, key))
     return shards
 
@@ -63,18 +84,31 @@ def _computed(tensors: StreamedTensors, key: str) -> Entry:
     out = tensors.outputs[key]
     if out.dtype not in CODES:
         raise CheckpointError(f"{key} has dtype {out.dtype}, which safetensors cannot store")
-    source = tensors.ck.tensors.get(out.raw)  # None for a computed one (out.raw None) and for pickle input
-    return Entry(key, CODES[out.dtype], out.shape, out.nbytes, source=source,
-                 compute=None if source is not None else functools.partial(tensors.get, key))
+    source = tensors.ck.tensors.get(
+        out.raw
+    )  # None for a computed one (out.raw None) and for pickle input
+    return Entry(
+        key,
+        CODES[out.dtype],
+        out.shape,
+        out.nbytes,
+        source=source,
+        compute=None if source is not None else functools.partial(tensors.get, key),
+    )
 
 
 def _centered(checkpoint: Checkpoint, tensors: StreamedTensors, key: str) -> Entry:
     base, cs = tensors.centerings(key)
     merged = merge_centerings(cs)
     if len(merged) > 1:
-        raise CheckpointError(f"the plan centers {key} in {len(merged)} different ways, which a stored tensor "
-                              "cannot take; analyze this model again")
-    info, tensor = checkpoint.tensors.get(base), checkpoint.pickled_tensors[base][1] if checkpoint.pickled else None
+        raise CheckpointError(
+            f"the plan centers {key} in {len(merged)} different ways, which a stored tensor "
+            "cannot take; analyze this model again"
+        )
+    info, tensor = (
+        checkpoint.tensors.get(base),
+        checkpoint.pickled_tensors[base][1] if checkpoint.pickled else None,
+    )
     dtype = tensors.outputs[key].dtype if merged else (DTYPES[info.dtype] if info else tensor.dtype)
     if dtype not in CODES:
         raise CheckpointError(f"{key} has dtype {dtype}, which safetensors cannot store")
@@ -84,16 +118,30 @@ def _centered(checkpoint: Checkpoint, tensors: StreamedTensors, key: str) -> Ent
         return Entry(key, CODES[dtype], shape, nbytes, source=info, tensor=tensor)
     c = merged[0]
     scale = read_tensors(checkpoint, [c.scale])[0] if c.scale else None
-    return Entry(key, CODES[dtype], shape, nbytes, source=info, axis=c.axis, groups=c.groups, tensor=tensor,
-                 blocks=c.blocks, scale=scale)
+    return Entry(
+        key,
+        CODES[dtype],
+        shape,
+        nbytes,
+        source=info,
+        axis=c.axis,
+        groups=c.groups,
+        tensor=tensor,
+        blocks=c.blocks,
+        scale=scale,
+    )
 
 
 CASTABLE = ("F64", "F32", "F16", "BF16")  # what --dtype rounds; integers and float8 stay as stored
 
 
-def cast_entries(checkpoint: Checkpoint, shards: list[tuple[str, list[Entry]]], dtype: str) -> list[tuple[str, list[Entry]]]:
-    """Every floating entry stored in ``dtype``: a centered one is cast, then centered in float64 and rounded
-    once (as ``enjoyln.fold`` of the model loaded in ``dtype``); a computed one rounded from its result; a
+def cast_entries(
+    checkpoint: Checkpoint, shards: list[tuple[str, list[Entry]]], dtype: str
+) -> list[tuple[str, list[Entry]]]:
+    """Every floating entry stored in ``dtype``: a centered one is cast, then centered in float64
+    and rounded
+    once (as ``enjoyln.fold`` of the model loaded in ``dtype``); a computed one rounded from its
+    result; a
     copied one read and rounded. The check's rule for a cast copy accepts exactly these."""
     target = getattr(torch, dtype)
 
@@ -101,13 +149,19 @@ def cast_entries(checkpoint: Checkpoint, shards: list[tuple[str, list[Entry]]], 
         if e.dtype not in CASTABLE or e.dtype == CODES[target]:
             return e
         nbytes = math.prod(e.shape) * target.itemsize
-        scale = e.scale.to(target) if e.scale is not None else None  # the gain as the cast model holds it
+        scale = (
+            e.scale.to(target) if e.scale is not None else None
+        )  # the gain as the cast model holds it
         compute = e.compute
         if compute is not None:
             compute = functools.partial(_rounded, compute, target)
         elif e.axis is None and e.tensor is None:
-            compute = functools.partial(_rounded, functools.partial(_read, checkpoint, e.source.name), target)
-        return dataclasses.replace(e, dtype=CODES[target], nbytes=nbytes, scale=scale, compute=compute)
+            compute = functools.partial(
+                _rounded, functools.partial(_read, checkpoint, e.source.name), target
+            )
+        return dataclasses.replace(
+            e, dtype=CODES[target], nbytes=nbytes, scale=scale, compute=compute
+        )
 
     return [(name, [cast(e) for e in entries]) for name, entries in shards]
 
@@ -120,9 +174,11 @@ def _rounded(compute: Callable[[], torch.Tensor], dtype: torch.dtype) -> torch.T
     return compute().to(dtype)
 
 
-def reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None, *,
-            indexed: bool = False) -> list[tuple[str, list[Entry]]]:
-    """Keep the input's shards (renamed to .safetensors), or pack up to ``max_bytes`` each. A lone shard
+def reshard(
+    shards: list[tuple[str, list[Entry]]], max_bytes: int | None, *, indexed: bool = False
+) -> list[tuple[str, list[Entry]]]:
+    """Keep the input's shards (renamed to .safetensors), or pack up to ``max_bytes`` each. A lone
+    shard
     named by an index (``indexed``) keeps it: the index can carry the dtype the model loads in."""
     if max_bytes is not None:
         packed: list[list[Entry]] = [[]]
@@ -138,12 +194,20 @@ def reshard(shards: list[tuple[str, list[Entry]]], max_bytes: int | None, *,
     if len(shards) == 1 and (max_bytes is not None or not indexed):
         return [(SAFE_WEIGHTS, shards[0][1])]
     n = len(shards)
-    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors" if not name or name.endswith(".bin") else name, es)
-            for i, (name, es) in enumerate(shards)]
+    return [
+        (
+            f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            if not name or name.endswith(".bin")
+            else name,
+            es,
+        )
+        for i, (name, es) in enumerate(shards)
+    ]
 
 
 def index_metadata(checkpoint: Checkpoint, shards: list[tuple[str, list[Entry]]]) -> dict[str, Any]:
-    """The input index's metadata with the output's sizes and the load dtype (transformers may read it here)."""
+    """The input index's metadata with the output's sizes and the load dtype (transformers may read
+    it here)."""
     metadata: dict[str, Any] = {}
     if checkpoint.index is not None:
         found = parse_json_file(checkpoint.index, "a weight index").get("metadata")

@@ -1,5 +1,6 @@
 """The streaming writer: safetensors shards written tensor by tensor (unchanged ones copied by the
-kernel, centered ones through one reused buffer, computed ones from their own memory), and the early copy
+kernel, centered ones through one reused buffer, computed ones from their own memory), and the early
+copy
 of the input's weight files while the analysis runs."""
 
 from __future__ import annotations
@@ -41,8 +42,15 @@ def _fd_path(fd: int) -> str:
         return "a weight file"
 
 
-def _copy_range(src: int, dst: int, start: int, count: int, at: int, advance: Callable[[int], None],
-                stop: threading.Event) -> None:
+def _copy_range(
+    src: int,
+    dst: int,
+    start: int,
+    count: int,
+    at: int,
+    advance: Callable[[int], None],
+    stop: threading.Event,
+) -> None:
     """``count`` bytes from ``src`` at ``start`` to ``dst`` at ``at``, in the kernel if possible."""
     while count and not stop.is_set():
         step = min(count, 64 << 20)
@@ -55,7 +63,9 @@ def _copy_range(src: int, dst: int, start: int, count: int, at: int, advance: Ca
             _pwrite_all(dst, memoryview(chunk), at)
             n = len(chunk)
         if n <= 0:
-            raise CheckpointError(f"{_fd_path(src)} ended early: it changed while it was being read")
+            raise CheckpointError(
+                f"{_fd_path(src)} ended early: it changed while it was being read"
+            )
         start, at, count = start + n, at + n, count - n
         advance(n)
 
@@ -64,7 +74,11 @@ def _header_json(entries: list[Entry], metadata: dict[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for e in entries:
-        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        header[e.name] = {
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
         offset += e.nbytes
     return json.dumps(header, separators=(",", ":")).encode()
 
@@ -80,23 +94,34 @@ class Writing:
 
 
 def write_shard(file: Path, entries: list[Entry], w: Writing) -> None:
-    """Write one safetensors file tensor by tensor (safetensors' own writer needs them all in memory)."""
+    """Write one safetensors file tensor by tensor (safetensors' own writer needs them all in
+    memory)."""
     blob = _header_json(entries, w.metadata)
     _write_entries(file, "wb", entries, w, blob + b" " * (-len(blob) % 8))
 
 
 _HEADER_ROOM = 4096
-"""Room the early copy leaves for a shard's header to grow; a whole page, so the data keeps its alignment."""
+"""Room the early copy leaves for a shard's header to grow; a whole page, so the data keeps its
+alignment."""
 
 
 class EarlyCopy:
-    """Copies the input's weight files into the output while the analysis runs (CPU and I/O overlap), at
-    the input's offsets plus ``_HEADER_ROOM``; ``finish_shard`` then centers in place behind the copy."""
+    """Copies the input's weight files into the output while the analysis runs (CPU and I/O
+    overlap), at
+    the input's offsets plus ``_HEADER_ROOM``; ``finish_shard`` then centers in place behind the
+    copy."""
 
-    def __init__(self, checkpoint: Checkpoint, tmp: Path, spans: dict[str, tuple[str, int, int]],
-                 advance: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        tmp: Path,
+        spans: dict[str, tuple[str, int, int]],
+        advance: Callable[[int], None],
+    ) -> None:
         self.ck, self.tmp, self.spans, self.advance = checkpoint, tmp, spans, advance
-        self.reached: dict[str, int] = {}  # shard -> output offset its copy has written up to (done: sys.maxsize)
+        self.reached: dict[
+            str, int
+        ] = {}  # shard -> output offset its copy has written up to (done: sys.maxsize)
         self.progress = threading.Condition()
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -116,8 +141,10 @@ class EarlyCopy:
     def _run(self) -> None:
         try:
             for shard, (name, base, length) in self.spans.items():
-                with (open(self.ck.path / shard, "rb", buffering=0) as src,
-                      open(self.tmp / name, "wb", buffering=0) as dst):
+                with (
+                    open(self.ck.path / shard, "rb", buffering=0) as src,
+                    open(self.tmp / name, "wb", buffering=0) as dst,
+                ):
                     at = base + _HEADER_ROOM
                     self._reach(shard, at)
 
@@ -138,7 +165,9 @@ class EarlyCopy:
                 self.progress.notify_all()
 
     def wait(self, shard: str, upto: int | None = None) -> None:
-        """Block until ``shard`` is copied (or up to output offset ``upto``); raise what the copy raised."""
+        """Block until ``shard`` is copied (or up to output offset ``upto``); raise what the copy
+        raised."""
+
         def ready() -> bool:
             return self.reached.get(shard, -1) >= (sys.maxsize if upto is None else upto)
 
@@ -155,9 +184,13 @@ class EarlyCopy:
         self.thread.join()
 
 
-def finish_shard(file: Path, entries: list[Entry], w: Writing, early: EarlyCopy, shard: str) -> bool:
-    """Turn the early copy of the input's ``shard`` into ``file``; False, untouched, if its header would not
-    fit. Tensors are centered as soon as the copy is past them. The copy may still be writing the shard's
+def finish_shard(
+    file: Path, entries: list[Entry], w: Writing, early: EarlyCopy, shard: str
+) -> bool:
+    """Turn the early copy of the input's ``shard`` into ``file``; False, untouched, if its header
+    would not
+    fit. Tensors are centered as soon as the copy is past them. The copy may still be writing the
+    shard's
     tail when this returns."""
     blob = _header_json(entries, w.metadata)
     start = early.spans[shard][1] + _HEADER_ROOM
@@ -172,22 +205,45 @@ def finish_shard(file: Path, entries: list[Entry], w: Writing, early: EarlyCopy,
     return True
 
 
-def _write_entries(file: Path, mode: str, entries: list[Entry], w: Writing, header: bytes,
-                   early: tuple[EarlyCopy, str] | None = None) -> None:
-    """The entries after ``header``: those copied unchanged by the kernel on a second thread while this one
-    centers or computes the others; with ``early``, those its copy of the input shard put in place are
+def _write_entries(
+    file: Path,
+    mode: str,
+    entries: list[Entry],
+    w: Writing,
+    header: bytes,
+    early: tuple[EarlyCopy, str] | None = None,
+) -> None:
+    """The entries after ``header``: those copied unchanged by the kernel on a second thread while
+    this one
+    centers or computes the others; with ``early``, those its copy of the input shard put in place
+    are
     centered there, each once the copy is past it."""
     *positions, end = itertools.accumulate((e.nbytes for e in entries), initial=8 + len(header))
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(open(file, mode, buffering=0)).fileno()
-        fds = {f: stack.enter_context(open(w.reader.ck.path / f, "rb", buffering=0)).fileno()
-               for f in dict.fromkeys(e.source.file for e in entries if e.source is not None)}
-        os.ftruncate(out, end)  # the final size first, so that the two threads below never race on it
+        fds = {
+            f: stack.enter_context(open(w.reader.ck.path / f, "rb", buffering=0)).fileno()
+            for f in dict.fromkeys(e.source.file for e in entries if e.source is not None)
+        }
+        os.ftruncate(
+            out, end
+        )  # the final size first, so that the two threads below never race on it
         # where the early copy put it, judged by the input shard, not the output's (other) name
-        placed = [(e, at, early is not None and e.source.start + _HEADER_ROOM == at and e.source.file == early[1])
-                  for e, at in zip(entries, positions)]
-        copies = [(fds[e.source.file], e.source.start, e.nbytes, at) for e, at, here in placed
-                  if not here and e.axis is None and e.tensor is None and e.compute is None]
+        placed = [
+            (
+                e,
+                at,
+                early is not None
+                and e.source.start + _HEADER_ROOM == at
+                and e.source.file == early[1],
+            )
+            for e, at in zip(entries, positions)
+        ]
+        copies = [
+            (fds[e.source.file], e.source.start, e.nbytes, at)
+            for e, at, here in placed
+            if not here and e.axis is None and e.tensor is None and e.compute is None
+        ]
         with _copying_alongside(out, copies, w.advance), _WriteBehind(out) as behind:
             for e, at, here in placed:
                 if e.axis is None and (here or (e.tensor is None and e.compute is None)):
@@ -216,9 +272,11 @@ def _write_entries(file: Path, mode: str, entries: list[Entry], w: Writing, head
 
 
 @contextlib.contextmanager
-def _copying_alongside(out: int, copies: list[tuple[int, int, int, int]],
-                       advance: Callable[[int], None]) -> Iterator[None]:
-    """Kernel copies (source fd, start, count, output offset) into ``out`` on a second thread while the block runs."""
+def _copying_alongside(
+    out: int, copies: list[tuple[int, int, int, int]], advance: Callable[[int], None]
+) -> Iterator[None]:
+    """Kernel copies (source fd, start, count, output offset) into ``out`` on a second thread while
+    the block runs."""
     stop = threading.Event()
 
     def run() -> None:
@@ -237,20 +295,28 @@ def _copying_alongside(out: int, copies: list[tuple[int, int, int, int]],
 
 
 WRITE_BEHIND_BYTES = 256 << 20
-"""A computed tensor up to this size is written on a second thread while the next one is computed (the
-page cache can stall a write for as long as the computing takes); a larger one is written in turn, so
+"""A computed tensor up to this size is written on a second thread while the next one is computed
+(the
+page cache can stall a write for as long as the computing takes); a larger one is written in turn,
+so
 that two of them are never in memory at once."""
 
 
 class _WriteBehind(contextlib.AbstractContextManager):
-    """Writes of computed tensors into ``out`` on a thread of their own, one at a time; leaving the block
+    """Writes of computed tensors into ``out`` on a thread of their own, one at a time; leaving the
+    block
     waits for the last and raises what it raised."""
 
     def __init__(self, out: int) -> None:
-        self.out, self.pool, self.pending = out, ThreadPoolExecutor(1, thread_name_prefix="enjoyln-write"), None
+        self.out, self.pool, self.pending = (
+            out,
+            ThreadPoolExecutor(1, thread_name_prefix="enjoyln-write"),
+            None,
+        )
 
     def write(self, t: torch.Tensor, at: int) -> bool:
-        """``t``'s bytes to ``at`` behind the caller's back (``t`` is not changed after); False, nothing
+        """``t``'s bytes to ``at`` behind the caller's back (``t`` is not changed after); False,
+        nothing
         done, for a tensor over ``WRITE_BEHIND_BYTES``."""
         nbytes = t.numel() * t.element_size()
         if nbytes > WRITE_BEHIND_BYTES:
@@ -271,13 +337,15 @@ class _WriteBehind(contextlib.AbstractContextManager):
             if exc[0] is None:
                 self.wait()
             elif self.pending is not None:
-                self.pending.exception()  # never leave a write running into a file that is closed next
+                # never leave a write running into a file that is closed next
+                self.pending.exception()
         finally:
             self.pool.shutdown()
 
 
 def _center_and_write(out: int, at: int, t: torch.Tensor, e: Entry) -> None:
-    """Write ``t`` at ``at`` in the entry's dtype (a tensor stored narrower than it loads is centered in
+    """Write ``t`` at ``at`` in the entry's dtype (a tensor stored narrower than it loads is
+    centered in
     the wider one), centered first if the entry says so."""
     t = t.to(DTYPES[e.dtype])
     view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
@@ -287,13 +355,16 @@ def _center_and_write(out: int, at: int, t: torch.Tensor, e: Entry) -> None:
 
 
 def _center_in_file(out: int, at: int, e: Entry) -> bool:
-    """Center the copied tensor where it lies, through a writable mapping (only the page cache's pages
+    """Center the copied tensor where it lies, through a writable mapping (only the page cache's
+    pages
     change: 4 GB/s against 1.5 through a buffer); False where that cannot be done."""
     if not e.nbytes or not Mapped.available():
         return False
     try:
         m = Mapped(out, at, e.nbytes, writable=True)
-    except OSError:  # not mappable here, or no room for the blocks (which the plain write then reports)
+    except (
+        OSError
+    ):  # not mappable here, or no room for the blocks (which the plain write then reports)
         return False
     with m:
         t = m.tensor(DTYPES[e.dtype], e.shape)
@@ -302,25 +373,40 @@ def _center_in_file(out: int, at: int, e: Entry) -> bool:
     return done
 
 
-def early_spans(checkpoint: Checkpoint, max_shard_size: int | None) -> dict[str, tuple[str, int, int]]:
-    """Input shard -> (output file, data start, data length) for each shard copied before the plan is known."""
+def early_spans(
+    checkpoint: Checkpoint, max_shard_size: int | None
+) -> dict[str, tuple[str, int, int]]:
+    """Input shard -> (output file, data start, data length) for each shard copied before the plan
+    is known."""
     if checkpoint.pickled or max_shard_size is not None:
         return {}
-    names = [name for name, _ in reshard([(shard, []) for shard in checkpoint.shards], None, indexed=checkpoint.index is not None)]
+    names = [
+        name
+        for name, _ in reshard(
+            [(shard, []) for shard in checkpoint.shards], None, indexed=checkpoint.index is not None
+        )
+    ]
     spans = {}
     for shard, name in zip(checkpoint.shards, names):
-        size = (checkpoint.path / shard).stat().st_size  # validation proved the tensors tile the data up to the end
+        size = (
+            (checkpoint.path / shard).stat().st_size
+        )  # validation proved the tensors tile the data up to the end
         start = min((t.start for t in checkpoint.tensors.values() if t.file == shard), default=size)
         spans[shard] = (name, start, size - start)
     return spans
 
 
 def early_layout(checkpoint: Checkpoint, shard: str | None, entries: list[Entry]) -> int | None:
-    """How many leading ``entries`` sit where the early copy of ``shard`` put them (all its tensors), or None."""
+    """How many leading ``entries`` sit where the early copy of ``shard`` put them (all its
+    tensors), or None."""
     if shard is None:
         return None
-    inputs = sorted((t for t in checkpoint.tensors.values() if t.file == shard), key=lambda t: (t.start, t.end))
-    if len(entries) < len(inputs) or any(e.source is not t or e.name != t.name or e.tensor is not None
-                                         or e.dtype != t.dtype for e, t in zip(entries, inputs)):
+    inputs = sorted(
+        (t for t in checkpoint.tensors.values() if t.file == shard), key=lambda t: (t.start, t.end)
+    )
+    if len(entries) < len(inputs) or any(
+        e.source is not t or e.name != t.name or e.tensor is not None or e.dtype != t.dtype
+        for e, t in zip(entries, inputs)
+    ):
         return None
     return len(inputs)

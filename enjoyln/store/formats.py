@@ -1,4 +1,5 @@
-"""A model directory's files as their loaders read them: safetensors headers (validated as strictly as
+"""A model directory's files as their loaders read them: safetensors headers (validated as strictly
+as
 the format requires) and JSON files (strict UTF-8, bounded in size and depth)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from ..errors import CheckpointError
 from .locate import JSON_LIMIT
 
+
 def input_file(path: Path) -> Path:
     """``path`` if it is a regular file (through symlinks); else a clear error naming it."""
     if path.is_symlink():
@@ -24,7 +26,9 @@ def input_file(path: Path) -> Path:
         except RuntimeError:
             raise CheckpointError(f"{path} is a symlink loop") from None
         except OSError:
-            raise CheckpointError(f"{path} is a dangling symlink (it points to {os.readlink(path)})") from None
+            raise CheckpointError(
+                f"{path} is a dangling symlink (it points to {os.readlink(path)})"
+            ) from None
     if not path.exists():
         raise CheckpointError(f"{path.parent} has no {path.name}")
     if not path.is_file():
@@ -32,12 +36,19 @@ def input_file(path: Path) -> Path:
     return path
 
 
-
 DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+    "F8_E5M2": getattr(torch, "float8_e5m2", None),
 }
 CODES = {v: k for k, v in DTYPES.items() if v is not None}
 
@@ -59,9 +70,12 @@ class TensorInfo:
 
 
 def widened(stored: torch.dtype, loads: torch.dtype) -> torch.dtype:
-    """The dtype a fold stores a changed tensor in: its own, or the wider dtype the model loads it in
+    """The dtype a fold stores a changed tensor in: its own, or the wider dtype the model loads it
+    in
     (a centered float16 table rounded after centering keeps a mean of an ulp in float32)."""
-    wider = stored.is_floating_point and loads.is_floating_point and loads.itemsize > stored.itemsize
+    wider = (
+        stored.is_floating_point and loads.is_floating_point and loads.itemsize > stored.itemsize
+    )
     return loads if wider else stored
 
 
@@ -75,8 +89,10 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and validate a safetensors header: byte counts match dtypes and shapes, and the tensors tile
-    the data exactly (an overlap would come out of a fold as two independent copies of the same bytes)."""
+    """Parse and validate a safetensors header: byte counts match dtypes and shapes, and the tensors
+    tile
+    the data exactly (an overlap would come out of a fold as two independent copies of the same
+    bytes)."""
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:
@@ -90,7 +106,9 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str
                 raise ValueError("header larger than 100 MiB")
             # safetensors parses the header as UTF-8 (serde_json): Python's json.loads of bytes
             # would also take a byte-order mark or UTF-16, and vouch for a file nothing loads
-            header = json.loads(f.read(header_len).decode("utf-8"), object_pairs_hook=_no_duplicates)
+            header = json.loads(
+                f.read(header_len).decode("utf-8"), object_pairs_hook=_no_duplicates
+            )
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
         base = 8 + header_len
@@ -102,8 +120,12 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str
             offsets, shape = info["data_offsets"], info["shape"]
             # safetensors itself refuses 0.0, "12" or true where it expects an unsigned integer;
             # int() would take them, and vouch for a file nothing can load
-            if not (isinstance(offsets, list) and len(offsets) == 2 and isinstance(shape, list)
-                    and all(type(v) is int for v in offsets + shape)):
+            if not (
+                isinstance(offsets, list)
+                and len(offsets) == 2
+                and isinstance(shape, list)
+                and all(type(v) is int for v in offsets + shape)
+            ):
                 raise ValueError(f"{name}'s data_offsets and shape must be lists of integers")
             start, end = offsets
             shape = tuple(shape)
@@ -114,15 +136,23 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str
             if any(s < 0 for s in shape):
                 raise ValueError(f"{name} has a negative size in its shape {list(shape)}")
             if end - start != math.prod(shape) * DTYPES[info["dtype"]].itemsize:
-                raise ValueError(f"{name} holds {end - start} bytes, not what its dtype and shape need")
-            tensors[name] = TensorInfo(name, info["dtype"], shape, file.name, base + start, base + end)
+                raise ValueError(
+                    f"{name} holds {end - start} bytes, not what its dtype and shape need"
+                )
+            tensors[name] = TensorInfo(
+                name, info["dtype"], shape, file.name, base + start, base + end
+            )
         pos, last = base, None
         for t in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
             if t.start < pos:
-                raise ValueError(f"{t.name} overlaps {last} (bytes {t.start - base}-{pos - base} of the data)")
+                raise ValueError(
+                    f"{t.name} overlaps {last} (bytes {t.start - base}-{pos - base} of the data)"
+                )
             if t.start > pos:
                 where = f"after {last}" if last else "before the first tensor"
-                raise ValueError(f"{t.start - pos} bytes {where} belong to no tensor (a gap before {t.name})")
+                raise ValueError(
+                    f"{t.start - pos} bytes {where} belong to no tensor (a gap before {t.name})"
+                )
             pos, last = t.end, t.name
         if pos > size:
             raise ValueError("truncated: tensor data runs past the end of the file")
@@ -133,12 +163,15 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str
     except (ValueError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file} is not a valid safetensors file ({exc})") from None
     except RecursionError:
-        raise CheckpointError(f"{file} is not a valid safetensors file (its header is nested too deeply)") from None
+        raise CheckpointError(
+            f"{file} is not a valid safetensors file (its header is nested too deeply)"
+        ) from None
     return tensors, metadata
 
 
 JSON_DEPTH = 64
-"""Real configs stay under 10; deeper ones would exhaust Python's recursion in transformers' config code."""
+"""Real configs stay under 10; deeper ones would exhaust Python's recursion in transformers' config
+code."""
 
 
 def _depth_exceeds(data: Any, limit: int) -> bool:
@@ -148,12 +181,15 @@ def _depth_exceeds(data: Any, limit: int) -> bool:
         if isinstance(value, (dict, list)):
             if depth > limit:
                 return True
-            stack += [(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)]
+            stack += [
+                (v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)
+            ]
     return False
 
 
 def loader_text(raw: bytes) -> str:
-    """A JSON file's bytes as transformers reads them: strict UTF-8, a byte-order mark kept (and refused)."""
+    """A JSON file's bytes as transformers reads them: strict UTF-8, a byte-order mark kept (and
+    refused)."""
     return raw.decode("utf-8")
 
 
@@ -162,26 +198,35 @@ def parse_json_file(path: Path, what: str) -> Any:
     try:
         size = input_file(path).stat().st_size
         if size > JSON_LIMIT:
-            raise CheckpointError(f"{path} holds {size:,} bytes, more than the {JSON_LIMIT >> 20} MiB enjoyln "
-                                  f"reads for {what}")
+            raise CheckpointError(
+                f"{path} holds {size:,} bytes, more than the {JSON_LIMIT >> 20} MiB enjoyln "
+                f"reads for {what}"
+            )
         with open(path, "rb") as f:
             raw = f.read(JSON_LIMIT + 1)  # the file may have grown since
         if len(raw) > JSON_LIMIT:
-            raise CheckpointError(f"{path} grew past {JSON_LIMIT >> 20} MiB while it was being read")
+            raise CheckpointError(
+                f"{path} grew past {JSON_LIMIT >> 20} MiB while it was being read"
+            )
         data = json.loads(loader_text(raw))
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     except RecursionError:
         raise CheckpointError(f"{path} is nested too deeply to be {what}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON ({exc.__class__.__name__}: {exc})") from None
+        raise CheckpointError(
+            f"{path} is not valid JSON ({exc.__class__.__name__}: {exc})"
+        ) from None
     if _depth_exceeds(data, JSON_DEPTH):
-        raise CheckpointError(f"{path} is nested more than {JSON_DEPTH} levels deep, too deep to be {what}")
+        raise CheckpointError(
+            f"{path} is nested more than {JSON_DEPTH} levels deep, too deep to be {what}"
+        )
     return data
 
 
 def json_or_none(path: Path, what: str) -> Any:
-    """A JSON file's value, or None where it is not JSON; a file too large to read is still refused."""
+    """A JSON file's value, or None where it is not JSON; a file too large to read is still
+    refused."""
     try:
         return parse_json_file(path, what)
     except CheckpointError:
@@ -195,4 +240,3 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object ({what})")
     return data
-

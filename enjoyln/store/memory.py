@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 
 def available_memory() -> int | None:
-    """Bytes this process could still allocate: free memory, capped by a cgroup limit; None if unknown."""
+    """Bytes this process could still allocate: free memory, capped by a cgroup limit; None if
+    unknown."""
     avail = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -23,9 +24,13 @@ def available_memory() -> int | None:
                 avail = int(line.split()[1]) * 1024
     except (OSError, ValueError):
         return None
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
         try:
             cap = int(Path(limit).read_text().split()[0]) - int(Path(usage).read_text().split()[0])
         except (OSError, ValueError, IndexError):  # "max", or no such controller
@@ -45,7 +50,9 @@ def built_bytes(model: nn.Module, dtype_name: str) -> tuple[int, int]:
         if id(t) in seen:
             continue
         seen.add(id(t))
-        n = t.numel() * (size if isinstance(t, nn.Parameter) and t.is_floating_point() else t.element_size())
+        n = t.numel() * (
+            size if isinstance(t, nn.Parameter) and t.is_floating_point() else t.element_size()
+        )
         total, largest = total + n, max(largest, n)
     return total, largest
 
@@ -61,13 +68,17 @@ def truth_ratio(checkpoint: Checkpoint) -> float:
 
 
 def forward_check_bytes(checkpoint: Checkpoint) -> int:
-    """What the forward comparison needs: both models, the reference's truth in the next wider dtype, activations."""
+    """What the forward comparison needs: both models, the reference's truth in the next wider
+    dtype, activations."""
     n = max(checkpoint.nbytes, checkpoint.built[0])
     if checkpoint.pickled:  # no header to read dtypes from: take float32, the usual
         truth = 2 * checkpoint.nbytes
     else:
-        truth = sum(t.nbytes // DTYPES[t.dtype].itemsize * _WIDER[t.dtype] for t in checkpoint.tensors.values()
-                    if t.dtype in _WIDER)
+        truth = sum(
+            t.nbytes // DTYPES[t.dtype].itemsize * _WIDER[t.dtype]
+            for t in checkpoint.tensors.values()
+            if t.dtype in _WIDER
+        )
     truth = truth * n / max(checkpoint.nbytes, 1)  # what the model builds is widened too
     return int(2.1 * n + truth) + (256 << 20)
 
@@ -82,7 +93,10 @@ def dominant_dtype(checkpoint: Checkpoint) -> torch.dtype:
 
 def config_value_dict(config: dict[str, Any], *names: str) -> Any:
     """The first of ``names`` in a raw config.json, or in one of its sub-configs."""
-    for cfg in (config, *(config.get(s) for s in ("text_config", "decoder", "encoder", "vision_config"))):
+    for cfg in (
+        config,
+        *(config.get(s) for s in ("text_config", "decoder", "encoder", "vision_config")),
+    ):
         if isinstance(cfg, dict):
             for name in names:
                 if isinstance(cfg.get(name), (int, float)) and not isinstance(cfg.get(name), bool):

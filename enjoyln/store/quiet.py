@@ -1,5 +1,7 @@
-"""transformers' and huggingface_hub's progress bars and log messages, off while enjoyln works: each of
-the many loads would draw a bar or log a load report, burying what enjoyln reports. The caller's settings
+"""transformers' and huggingface_hub's progress bars and log messages, off while enjoyln works: each
+of
+the many loads would draw a bar or log a load report, burying what enjoyln reports. The caller's
+settings
 come back after, so a user's own ``from_pretrained`` keeps its bars."""
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ def show_library_output(show: bool) -> None:
 
 @contextlib.contextmanager
 def quiet_libraries(transformers: bool = True) -> Iterator[None]:
-    """Within it, the libraries log errors only, draw no bars and show no Future- or DeprecationWarnings;
+    """Within it, the libraries log errors only, draw no bars and show no Future- or
+    DeprecationWarnings;
     ``transformers=False`` leaves transformers alone (and unimported).
 
     >>> with quiet_libraries():
@@ -44,25 +47,48 @@ def quiet_libraries(transformers: bool = True) -> Iterator[None]:
         stack.callback(onnx.setLevel, onnx.level)
         onnx.setLevel(logging.ERROR)
         try:
-            from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+            from huggingface_hub.utils import (
+                are_progress_bars_disabled,
+                disable_progress_bars,
+                enable_progress_bars,
+            )
             from huggingface_hub.utils import logging as hub_logging
         except ImportError:
             pass
         else:
-            _silence(stack, not are_progress_bars_disabled(), enable_progress_bars, disable_progress_bars, hub_logging)
+            _silence(
+                stack,
+                not are_progress_bars_disabled(),
+                enable_progress_bars,
+                disable_progress_bars,
+                hub_logging,
+            )
         if transformers:
             try:
                 from transformers.utils import logging as tf
             except ImportError:
                 pass
-            else:  # its switch turns huggingface_hub's bars on too: restored before the hub's own state
-                _silence(stack, tf.is_progress_bar_enabled(), tf.enable_progress_bar, tf.disable_progress_bar, tf)
+            # its switch turns huggingface_hub's bars on too: restored before the hub's own state
+            else:
+                _silence(
+                    stack,
+                    tf.is_progress_bar_enabled(),
+                    tf.enable_progress_bar,
+                    tf.disable_progress_bar,
+                    tf,
+                )
         yield
 
 
-def _silence(stack: contextlib.ExitStack, bars_on: bool, enable: Callable[[], None], disable: Callable[[], None],
-             logs: Any) -> None:
-    """A library's bars off and its logs errors only, until ``stack`` puts them back as they were."""
+def _silence(
+    stack: contextlib.ExitStack,
+    bars_on: bool,
+    enable: Callable[[], None],
+    disable: Callable[[], None],
+    logs: Any,
+) -> None:
+    """A library's bars off and its logs errors only, until ``stack`` puts them back as they
+    were."""
     stack.callback(lambda: enable() if bars_on else disable())
     stack.callback(logs.set_verbosity, logs.get_verbosity())
     disable()

@@ -1,4 +1,5 @@
-"""Reading a checkpoint's tensors one at a time: ``read`` into memory of its own, ``mapped`` read-only from
+"""Reading a checkpoint's tensors one at a time: ``read`` into memory of its own, ``mapped``
+read-only from
 the file, no copy, for the C kernels that compare and center (docs/performance.md)."""
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ def _libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         return libc
@@ -43,7 +51,8 @@ _MADV_POPULATE_WRITE = 23
 
 
 class Mapped(contextlib.AbstractContextManager):
-    """One tensor's bytes mapped from its file (the page cache's own pages) until ``close``; a file truncated
+    """One tensor's bytes mapped from its file (the page cache's own pages) until ``close``; a file
+    truncated
     meanwhile ends the process with SIGBUS, as for every loader that maps safetensors."""
 
     def __init__(self, fd: int, start: int, nbytes: int, *, writable: bool = False) -> None:
@@ -58,8 +67,11 @@ class Mapped(contextlib.AbstractContextManager):
             raise OSError(err, os.strerror(err))
         self._addr = addr
         self.address = addr + start - self._base
-        if writable:  # every page made writable in one call, not one fault each (Linux 5.14+), and its
-            # blocks reserved: a full disk is an error here, not a SIGBUS later; an older kernel says EINVAL
+        if (
+            writable
+        ):  # every page made writable in one call, not one fault each (Linux 5.14+), and its
+            # blocks reserved: a full disk is an error here, not a SIGBUS later; an older kernel
+            # says EINVAL
             if _LIBC.madvise(addr, self._length, _MADV_POPULATE_WRITE) != 0:
                 err = ctypes.get_errno()
                 self.close()
@@ -108,22 +120,35 @@ class TensorReader:
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.ck = checkpoint
-        self.pickled = {k: t for k, (_, t) in checkpoint.pickled_tensors.items()} if checkpoint.pickled else None
+        self.pickled = (
+            {k: t for k, (_, t) in checkpoint.pickled_tensors.items()}
+            if checkpoint.pickled
+            else None
+        )
         self.bytes_read = 0
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def dtype(self, key: str) -> torch.dtype:
-        return self.pickled[key].dtype if self.pickled is not None else DTYPES[self.ck.tensors[key].dtype]
+        return (
+            self.pickled[key].dtype
+            if self.pickled is not None
+            else DTYPES[self.ck.tensors[key].dtype]
+        )
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.pickled[key].shape) if self.pickled is not None else self.ck.tensors[key].shape
+        return (
+            tuple(self.pickled[key].shape)
+            if self.pickled is not None
+            else self.ck.tensors[key].shape
+        )
 
     def nbytes(self, key: str) -> int:
         return math.prod(self.shape(key)) * self.dtype(key).itemsize
 
     def offset(self, key: str) -> tuple[str, int]:
-        """Where the tensor sits (file, byte): reading in this order reads each file front to back."""
+        """Where the tensor sits (file, byte): reading in this order reads each file front to
+        back."""
         if self.pickled is not None:
             return "", 0
         info = self.ck.tensors[key]
@@ -136,14 +161,19 @@ class TensorReader:
             return self._fds[info.file]
 
     def read(self, key: str, into: Buffer | None = None) -> torch.Tensor:
-        """The tensor as stored, in memory of its own (``into``'s, until its next use) the caller may change."""
+        """The tensor as stored, in memory of its own (``into``'s, until its next use) the caller
+        may change."""
         if self.pickled is not None:
             return self.pickled[key].clone()
         info = self.ck.tensors[key]
         dtype = DTYPES[info.dtype]
         if not info.nbytes:
             return torch.empty(info.shape, dtype=dtype)
-        data = into.bytes(info.nbytes) if into is not None else torch.empty(info.nbytes, dtype=torch.uint8)
+        data = (
+            into.bytes(info.nbytes)
+            if into is not None
+            else torch.empty(info.nbytes, dtype=torch.uint8)
+        )
         view, got, fd = memoryview(data.numpy()), 0, self._fd(info)
         while got < info.nbytes:
             n = os.preadv(fd, [view[got:]], info.start + got)
@@ -162,7 +192,9 @@ class TensorReader:
         info = self.ck.tensors[key]
         fd = self._fd(info)
         if os.fstat(fd).st_size < info.start + info.nbytes:
-            raise CheckpointError(f"{self.ck.path / info.file} ended early: it changed while it was being read")
+            raise CheckpointError(
+                f"{self.ck.path / info.file} ended early: it changed while it was being read"
+            )
         m = Mapped(fd, info.start, info.nbytes)
         with self._lock:
             self.bytes_read += info.nbytes
@@ -184,11 +216,16 @@ class TensorReader:
             self._fds.clear()
 
 
-def read_ahead(jobs: Iterable[J], load: Callable[[J], R], size: Callable[[J], int]) -> Iterator[tuple[J, R]]:
-    """``(job, load(job))`` in order; the next job's ``load`` (if at most ``READ_AHEAD``) runs in a thread
-    while the caller works on this one (``preadv`` releases the GIL). A load's exception is raised in order."""
+def read_ahead(
+    jobs: Iterable[J], load: Callable[[J], R], size: Callable[[J], int]
+) -> Iterator[tuple[J, R]]:
+    """``(job, load(job))`` in order; the next job's ``load`` (if at most ``READ_AHEAD``) runs in a
+    thread
+    while the caller works on this one (``preadv`` releases the GIL). A load's exception is raised
+    in order."""
     jobs = list(jobs)
-    # leaving the block (GeneratorExit too) waits for a running read: files are never closed under it
+    # leaving the block (GeneratorExit too) waits for a running read: files are never closed under
+    # it
     with ThreadPoolExecutor(1, thread_name_prefix="enjoyln-read-ahead") as pool:
         ahead: Future | None = None
         for i, job in enumerate(jobs):
@@ -200,8 +237,10 @@ def read_ahead(jobs: Iterable[J], load: Callable[[J], R], size: Callable[[J], in
 
 
 def return_freed_memory() -> None:
-    """Make glibc hand large freed blocks back at once: offloaded layers load and free the same large tensors
-    over and over, which with glibc's adaptive threshold fragment the heap (near twice the budget)."""
+    """Make glibc hand large freed blocks back at once: offloaded layers load and free the same
+    large tensors
+    over and over, which with glibc's adaptive threshold fragment the heap (near twice the
+    budget)."""
     mallopt = getattr(_LIBC, "mallopt", None)  # glibc's and musl's; none on Windows
     if mallopt is not None:
         mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD

@@ -34,9 +34,13 @@ def umask() -> int:
 def check_out_dir(src: Path, out: Path, force: bool, *, dry_run: bool = False) -> None:
     src, out = src.resolve(), out.resolve()
     if out == src or src in out.parents:
-        raise CheckpointError(f"OUT_DIR {out} is inside MODEL_DIR {src}; choose a directory elsewhere")
+        raise CheckpointError(
+            f"OUT_DIR {out} is inside MODEL_DIR {src}; choose a directory elsewhere"
+        )
     if out in src.parents:
-        raise CheckpointError(f"OUT_DIR {out} contains MODEL_DIR {src}; choose a directory elsewhere")
+        raise CheckpointError(
+            f"OUT_DIR {out} contains MODEL_DIR {src}; choose a directory elsewhere"
+        )
     if not out.exists():
         return
     if not out.is_dir():
@@ -44,12 +48,20 @@ def check_out_dir(src: Path, out: Path, force: bool, *, dry_run: bool = False) -
     if dry_run or not any(out.iterdir()):
         return
     if not force:
-        raise CheckpointError(f"OUT_DIR {out} is not empty; pass --force to replace an earlier enjoyln output")
+        raise CheckpointError(
+            f"OUT_DIR {out} is not empty; pass --force to replace an earlier enjoyln output"
+        )
     config = small_json(out / "config.json")
     if not (isinstance(config, dict) and isinstance(config.get("enjoyln"), dict)):
-        why = "its config.json has no enjoyln block" if (out / "config.json").is_file() else "it has no config.json"
-        raise CheckpointError(f"OUT_DIR {out} is not empty and is not an enjoyln output ({why}); --force "
-                              "replaces only those, so remove it yourself")
+        why = (
+            "its config.json has no enjoyln block"
+            if (out / "config.json").is_file()
+            else "it has no config.json"
+        )
+        raise CheckpointError(
+            f"OUT_DIR {out} is not empty and is not an enjoyln output ({why}); --force "
+            "replaces only those, so remove it yourself"
+        )
 
 
 OWNER_FILE = ".enjoyln-owner"
@@ -83,7 +95,8 @@ def _owner(tmp: Path, pid: int) -> tuple[int, str]:
 
 
 def _ours(out: Path, name: str) -> int | None:
-    """The pid in ``name`` if enjoyln names OUT_DIR's temporary directories so (mkdtemp's, ``-PID-old``):
+    """The pid in ``name`` if enjoyln names OUT_DIR's temporary directories so (mkdtemp's,
+    ``-PID-old``):
     a user's ``.OUT.enjoyln-backup-2024`` is not ours to remove."""
     match = re.fullmatch(re.escape(f".{out.name}.enjoyln-") + r"(\d+)-(?:old|[a-z0-9_]{8})", name)
     return int(match.group(1)) if match else None
@@ -109,8 +122,10 @@ def clean_stale(out: Path) -> list[Path]:
     dead, live = stale_temp_dirs(out)
     if live:
         tmp, pid = live[0]
-        raise CheckpointError(f"another enjoyln (pid {pid}) is writing {out} (its work is in {tmp}); "
-                              "wait for it, or stop it")
+        raise CheckpointError(
+            f"another enjoyln (pid {pid}) is writing {out} (its work is in {tmp}); "
+            "wait for it, or stop it"
+        )
     for tmp in dead:
         shutil.rmtree(tmp, ignore_errors=True)
     return dead
@@ -157,9 +172,11 @@ def publish(tmp: Path, out: Path) -> None:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Delay SIGINT and SIGTERM until the block is done, so a step and its cleanup's bookkeeping go together.
+    """Delay SIGINT and SIGTERM until the block is done, so a step and its cleanup's bookkeeping go
+    together.
 
-    The handlers are swapped, not the signal mask: Python runs a handler in the main thread whichever
+    The handlers are swapped, not the signal mask: Python runs a handler in the main thread
+    whichever
     thread the signal reached, and torch's worker threads do not block it (a masked main thread
     still ran SIGTERM's handler between creating the temporary directory and recording it)."""
     if threading.current_thread() is not threading.main_thread():

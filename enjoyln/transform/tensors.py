@@ -1,4 +1,5 @@
-"""The tensor math of a fold (``center_``, ``fuse_``, in float64, in place) and its lookups; the steps, the
+"""The tensor math of a fold (``center_``, ``fuse_``, in float64, in place) and its lookups; the
+steps, the
 streamed writer and the static check share it, so all three give the same bits."""
 
 from __future__ import annotations
@@ -38,11 +39,16 @@ def own_copy(model: nn.Module, fqn: str) -> None:
     module, attr = owner_of(model, fqn)
     old = getattr(module, attr)
     copy = old.detach().clone()
-    setattr(module, attr, nn.Parameter(copy, old.requires_grad) if isinstance(old, nn.Parameter) else copy)
+    setattr(
+        module,
+        attr,
+        nn.Parameter(copy, old.requires_grad) if isinstance(old, nn.Parameter) else copy,
+    )
 
 
 def untie_config(model: nn.Module) -> None:
-    """Turn ``tie_word_embeddings`` off in ``model``'s config (and its text config), so a reload does not re-tie."""
+    """Turn ``tie_word_embeddings`` off in ``model``'s config (and its text config), so a reload
+    does not re-tie."""
     config = getattr(model, "config", None)
     get_text = getattr(config, "get_text_config", None)
     for cfg in (config, get_text() if callable(get_text) else None):
@@ -51,18 +57,24 @@ def untie_config(model: nn.Module) -> None:
 
 
 def declared_ties(model: nn.Module) -> dict[str, str]:
-    """Every tie (target -> source) the model's classes declare, whether or not its config applies them now."""
+    """Every tie (target -> source) the model's classes declare, whether or not its config applies
+    them now."""
     expand = getattr(model, "get_expanded_tied_weights_keys", None)
     if not callable(expand):
         return {}
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None),
-                                                                          "tie_word_embeddings")}
+    configs = {
+        id(m.config): m.config
+        for m in model.modules()
+        if hasattr(getattr(m, "config", None), "tie_word_embeddings")
+    }
     saved = {key: cfg.tie_word_embeddings for key, cfg in configs.items()}
     try:
         for cfg in configs.values():
             cfg.tie_word_embeddings = True
         return dict(expand(all_submodels=True))
-    except Exception:  # a model whose declared ties do not expand: it declares none that we can keep
+    except (
+        Exception
+    ):  # a model whose declared ties do not expand: it declares none that we can keep
         return {}
     finally:
         for key, cfg in configs.items():
@@ -78,7 +90,10 @@ def tie_groups(model: nn.Module, separate: Collection[str] = ()) -> dict[str, tu
     ('a.weight', 'b.weight')
     """
     by_id: dict[int, list[str]] = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+    for name, t in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
         if name not in separate:
             by_id.setdefault(id(t), []).append(name)
     groups = {n: tuple(names) for names in by_id.values() for n in names}
@@ -86,7 +101,8 @@ def tie_groups(model: nn.Module, separate: Collection[str] = ()) -> dict[str, tu
 
 
 def merge_centerings(centerings: Sequence[Centering], ndim: int | None = None) -> list[Centering]:
-    """The centerings of one tensor, each applied once (twice would round twice); those differing only
+    """The centerings of one tensor, each applied once (twice would round twice); those differing
+    only
     in their blocks joined. ``ndim`` (the tensor's) makes axis -1 and axis ndim-1 one axis."""
     merged: dict[tuple, Centering] = {}
     for c in centerings:
@@ -102,18 +118,31 @@ def merge_centerings(centerings: Sequence[Centering], ndim: int | None = None) -
 
 
 def ties_lost_on_untie(model: nn.Module, plan: FoldPlan) -> dict[str, str]:
-    """The ties (target -> source) that untying the plan's heads also drops: transformers 5 applies every
-    tie only while ``tie_word_embeddings`` is on, so BERT's MLM decoder bias would load at random."""
+    """The ties (target -> source) that untying the plan's heads also drops: transformers 5 applies
+    every
+    tie only while ``tie_word_embeddings`` is on, so BERT's MLM decoder bias would load at
+    random."""
     if not plan.untied:
         return {}
-    planned = {(u.param, u.tied_to) for u in plan.untied} | {(u.tied_to, u.param) for u in plan.untied}
-    return {t: s for t, s in declared_ties(model).items()
-            if (t, s) not in planned and t not in {u.param for u in plan.untied}}
+    planned = {(u.param, u.tied_to) for u in plan.untied} | {
+        (u.tied_to, u.param) for u in plan.untied
+    }
+    return {
+        t: s
+        for t, s in declared_ties(model).items()
+        if (t, s) not in planned and t not in {u.param for u in plan.untied}
+    }
 
 
-def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
-            blocks: Sequence[int] | None = None) -> torch.Tensor:
-    """Subtract ``t``'s mean along ``axis``, in place, in float64: with ``groups``, each block on its
+def center_(
+    t: torch.Tensor,
+    axis: int,
+    groups: int = 1,
+    scale: torch.Tensor | None = None,
+    blocks: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Subtract ``t``'s mean along ``axis``, in place, in float64: with ``groups``, each block on
+    its
     own (``blocks``: only those); with ``scale`` (a LayerScale γ), ``γ·t`` becomes zero-mean. The
     arithmetic is ``enjoyln.ops.center``'s, in a fixed order, so every machine gives the same bits.
     >>> w = torch.tensor([[1., 2.], [3., 6.]])
@@ -125,18 +154,34 @@ def center_(t: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | N
         return centering_kernel.center_(t, axis, groups, scale, blocks)
 
 
-def center_into(src: int, dst: torch.Tensor, axis: int, groups: int = 1, scale: torch.Tensor | None = None,
-                blocks: Sequence[int] | None = None) -> bool:
-    """``center_`` of the tensor at address ``src`` written into ``dst``; see ``enjoyln.ops.center``."""
+def center_into(
+    src: int,
+    dst: torch.Tensor,
+    axis: int,
+    groups: int = 1,
+    scale: torch.Tensor | None = None,
+    blocks: Sequence[int] | None = None,
+) -> bool:
+    """``center_`` of the tensor at address ``src`` written into ``dst``; see
+    ``enjoyln.ops.center``."""
     with _as_plan_error():
         return centering_kernel.center_into(src, dst, axis, groups, scale, blocks)
 
 
-def centered_equal(src: int, cand: int, dtype: torch.dtype, shape: Sequence[int], c: Centering,
-                   scale: torch.Tensor | None = None) -> bool | None:
-    """Whether the tensor at ``cand`` is bit for bit ``center_`` of the one at ``src``; see ``enjoyln.ops.center``."""
+def centered_equal(
+    src: int,
+    cand: int,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    c: Centering,
+    scale: torch.Tensor | None = None,
+) -> bool | None:
+    """Whether the tensor at ``cand`` is bit for bit ``center_`` of the one at ``src``; see
+    ``enjoyln.ops.center``."""
     with _as_plan_error():
-        return centering_kernel.centered_equal(src, cand, dtype, shape, c.axis, c.groups, scale, c.blocks)
+        return centering_kernel.centered_equal(
+            src, cand, dtype, shape, c.axis, c.groups, scale, c.blocks
+        )
 
 
 @contextlib.contextmanager
@@ -149,7 +194,8 @@ def _as_plan_error() -> Iterator[None]:
 
 
 def center_all(model: nn.Module, centerings: Sequence[Centering]) -> None:
-    """Apply ``centerings`` in place, each tensor once however many of its tied names the plan lists."""
+    """Apply ``centerings`` in place, each tensor once however many of its tied names the plan
+    lists."""
     scales = {c.scale: tensor_at(model, c.scale).detach().clone() for c in centerings if c.scale}
     by_tensor: dict[int, tuple[torch.Tensor, list[Centering]]] = {}
     for c in centerings:
@@ -161,20 +207,32 @@ def center_all(model: nn.Module, centerings: Sequence[Centering]) -> None:
                 center_(t, c.axis, c.groups, scales.get(c.scale), c.blocks)
 
 
-def fuse_(weight: torch.Tensor, bias: torch.Tensor | None, f: Fused, gamma: torch.Tensor | None,
-          beta: torch.Tensor | None) -> None:
-    """Move a norm's affine into a linear layer that reads it, in place: ``bias += W β``, then W's block ``*= γ``."""
+def fuse_(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    f: Fused,
+    gamma: torch.Tensor | None,
+    beta: torch.Tensor | None,
+) -> None:
+    """Move a norm's affine into a linear layer that reads it, in place: ``bias += W β``, then W's
+    block ``*= γ``."""
     if bias is not None and beta is not None:
-        bias.copy_(bias.detach().to(torch.float64) + fused_product(weight, f, beta).reshape(bias.shape))
+        bias.copy_(
+            bias.detach().to(torch.float64) + fused_product(weight, f, beta).reshape(bias.shape)
+        )
     if gamma is not None:
         scale_inputs_(weight, f, gamma)
 
 
 def fused_product(weight: torch.Tensor, f: Fused, beta: torch.Tensor) -> torch.Tensor:
-    """``W β`` over the block of ``weight`` that reads the norm, in float64. The whole weight is widened
-    first, as it always was, so the product's bits (a BLAS reduction) stay what earlier folds wrote."""
+    """``W β`` over the block of ``weight`` that reads the norm, in float64. The whole weight is
+    widened
+    first, as it always was, so the product's bits (a BLAS reduction) stay what earlier folds
+    wrote."""
     block = weight.detach().to(torch.float64).narrow(f.axis, f.start, f.length)
-    return torch.tensordot(block, beta[f.offset:f.offset + f.length].to(torch.float64), dims=([f.axis], [0]))
+    return torch.tensordot(
+        block, beta[f.offset : f.offset + f.length].to(torch.float64), dims=([f.axis], [0])
+    )
 
 
 _SCALE_ELEMENTS = 1 << 22
@@ -182,9 +240,11 @@ _SCALE_ELEMENTS = 1 << 22
 
 
 def scale_inputs_(weight: torch.Tensor, f: Fused, gamma: torch.Tensor) -> None:
-    """W's block that reads the norm ``*= γ``, in place, each element rounded once from float64; in slabs
-    of the other axis, never widening the whole weight (an embedding-sized head would need twice its size)."""
-    seg = gamma[f.offset:f.offset + f.length].to(torch.float64)
+    """W's block that reads the norm ``*= γ``, in place, each element rounded once from float64; in
+    slabs
+    of the other axis, never widening the whole weight (an embedding-sized head would need twice its
+    size)."""
+    seg = gamma[f.offset : f.offset + f.length].to(torch.float64)
     block = weight.detach().narrow(f.axis, f.start, f.length)
     g = seg.reshape([f.length if d == f.axis else 1 for d in range(block.dim())])
     for piece in slabs(block, f.axis, _SCALE_ELEMENTS):

@@ -57,7 +57,8 @@ class Op:
 
 @dataclass
 class Slot:
-    """One tensor of the loaded model; its first value from a checkpoint key, or another slot (an untied copy)."""
+    """One tensor of the loaded model; its first value from a checkpoint key, or another slot (an
+    untied copy)."""
 
     index: int
     names: list[str]
@@ -73,7 +74,8 @@ class Slot:
 
 @dataclass
 class Tracer:
-    """The record the steps write into: the slots, name -> slot, and the names a step drops (a fused norm's γ)."""
+    """The record the steps write into: the slots, name -> slot, and the names a step drops (a fused
+    norm's γ)."""
 
     slots: list[Slot]
     binding: dict[str, int]
@@ -84,11 +86,20 @@ class Tracer:
     def of(cls, model: nn.Module, key: Callable[[str], str | None]) -> "Tracer":
         """A slot for each tensor of the meta ``model``; a non-persistent buffer has no base."""
         persistent = set(model.state_dict(keep_vars=True))
-        named = dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
-        slots = [Slot(i, list(names), named[names[0]].dtype, tuple(named[names[0]].shape))
-                 for i, names in enumerate(dict.fromkeys(tie_groups(model).values()))]
+        named = dict(
+            [
+                *model.named_parameters(remove_duplicate=False),
+                *model.named_buffers(remove_duplicate=False),
+            ]
+        )
+        slots = [
+            Slot(i, list(names), named[names[0]].dtype, tuple(named[names[0]].shape))
+            for i, names in enumerate(dict.fromkeys(tie_groups(model).values()))
+        ]
         for s in slots:  # the key its first persistent name (a tie's source first) loads from
-            s.base = next((k for n in s.names if n in persistent and (k := key(n)) is not None), None)
+            s.base = next(
+                (k for n in s.names if n in persistent and (k := key(n)) is not None), None
+            )
         return cls(slots, {n: s.index for s in slots for n in s.names}, model)
 
     def slot(self, name: str) -> Slot:
@@ -106,5 +117,13 @@ class Tracer:
     def names(self) -> list[str]:
         """The model's parameter and buffer names after the steps, in the model's order."""
         m = self.model
-        return [n for n in dict.fromkeys([*(n for n, _ in m.named_parameters(remove_duplicate=False)),
-                                          *(n for n, _ in m.named_buffers())]) if n not in self.dropped]
+        return [
+            n
+            for n in dict.fromkeys(
+                [
+                    *(n for n, _ in m.named_parameters(remove_duplicate=False)),
+                    *(n for n, _ in m.named_buffers()),
+                ]
+            )
+            if n not in self.dropped
+        ]

@@ -16,23 +16,25 @@ from enjoyln.options import FoldOptions
 
 # arch -> (weightless, bias-only) RMSNorms after fold(fuse_affine=True) of the tiny perturbed model
 ZOO = {
-    "gpt2": (4, 1),      # ln_f feeds lm_head, which has no bias: β stays as β/γ
+    "gpt2": (4, 1),  # ln_f feeds lm_head, which has no bias: β stays as β/γ
     "opt": (4, 1),
     "phi": (3, 0),
-    "gptj": (1, 2),      # q, k, v have no bias
+    "gptj": (1, 2),  # q, k, v have no bias
     "gpt_neox": (4, 1),
     "falcon": (0, 3),
     "vit": (5, 0),
-    "clip": (4, 0),      # text final_layer_norm is a model output; vision pre_layrnorm feeds an LN
-    "whisper": (6, 5),   # k_proj has no bias
-    "bloom": (4, 1),     # with auxiliary centering
+    "clip": (4, 0),  # text final_layer_norm is a model output; vision pre_layrnorm feeds an LN
+    "whisper": (6, 5),  # k_proj has no bias
+    "bloom": (4, 1),  # with auxiliary centering
 }
 
 
 @pytest.mark.parametrize("arch", sorted(ZOO))
 def test_fuse_affine_is_exact_and_leaves_weightless_norms(arch):
     model = perturb(tiny_model(arch), seed=11)
-    folded = enjoyln.fold(copy.deepcopy(model), fuse_affine=True, auxiliary_centering=arch in ("bloom", "whisper"))
+    folded = enjoyln.fold(
+        copy.deepcopy(model), fuse_affine=True, auxiliary_centering=arch in ("bloom", "whisper")
+    )
     assert_same_outputs(model, folded, hf_example_inputs(model, seed=12))
     norms = [m for m in folded.modules() if isinstance(m, enjoyln.RMSNorm)]
     weightless = sum(not m.elementwise_affine and m.bias is None for m in norms)
@@ -52,7 +54,9 @@ def test_fused_weights_are_the_float64_products():
     assert torch.equal(folded.transformer.h[0].attn.c_attn.weight, expected_w)
     assert torch.equal(folded.transformer.h[0].attn.c_attn.bias, expected_b)
     entry = plan["transformer.h.0.ln_1"]
-    assert entry.affine == AFFINE_FUSED and [f.weight for f in entry.fused] == ["transformer.h.0.attn.c_attn.weight"]
+    assert entry.affine == AFFINE_FUSED and [f.weight for f in entry.fused] == [
+        "transformer.h.0.attn.c_attn.weight"
+    ]
     assert entry.fused[0].axis == 0 and entry.fused[0].bias == "transformer.h.0.attn.c_attn.bias"
 
 
@@ -99,14 +103,17 @@ def _block(reader):
     return perturb(Block(reader)).eval()
 
 
-@pytest.mark.parametrize("reader,affine,why", [
-    ("linear", AFFINE_FUSED, ""),
-    ("rows", AFFINE_FUSED, ""),
-    ("cat", AFFINE_FUSED, ""),
-    ("output", AFFINE_KEPT, "is the model output `1`"),
-    ("gelu", AFFINE_KEPT, "reaches gelu"),
-    ("mean", AFFINE_KEPT, "reaches mean"),
-])
+@pytest.mark.parametrize(
+    "reader,affine,why",
+    [
+        ("linear", AFFINE_FUSED, ""),
+        ("rows", AFFINE_FUSED, ""),
+        ("cat", AFFINE_FUSED, ""),
+        ("output", AFFINE_KEPT, "is the model output `1`"),
+        ("gelu", AFFINE_KEPT, "reaches gelu"),
+        ("mean", AFFINE_KEPT, "reaches mean"),
+    ],
+)
 def test_where_the_affine_can_go(reader, affine, why):
     model = _block(reader)
     ids = torch.randint(0, 16, (3, 5))
@@ -137,7 +144,9 @@ def test_a_weight_read_elsewhere_is_untied_with_its_cost():
     """GPT-2's head is the embedding: the fused head gets its own copy."""
     model = perturb(tiny_model("gpt2", n_layer=1), seed=16)
     plan = enjoyln.analyze(model, fuse_affine=True)
-    assert [u.param for u in plan.untied] == ["lm_head.weight"] and plan.untied[0].nbytes == 128 * 64 * 4
+    assert [u.param for u in plan.untied] == ["lm_head.weight"] and plan.untied[
+        0
+    ].nbytes == 128 * 64 * 4
     folded = enjoyln.fold(copy.deepcopy(model), plan=plan)
     assert folded.lm_head.weight is not folded.transformer.wte.weight
 
@@ -166,8 +175,16 @@ class Shared(nn.Module):
         super().__init__()
         self.embed, self.other = nn.Embedding(16, d), nn.Embedding(16, d)
         self.ln, self.ln_f = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.lin, self.wide, self.part = nn.Linear(d, d), nn.Linear(2 * d, d), nn.Linear(d // 2, d // 2)
-        self.w, self.b, self.b2 = nn.Parameter(torch.randn(d, d)), nn.Parameter(torch.randn(d)), nn.Parameter(torch.randn(d))
+        self.lin, self.wide, self.part = (
+            nn.Linear(d, d),
+            nn.Linear(2 * d, d),
+            nn.Linear(d // 2, d // 2),
+        )
+        self.w, self.b, self.b2 = (
+            nn.Parameter(torch.randn(d, d)),
+            nn.Parameter(torch.randn(d)),
+            nn.Parameter(torch.randn(d)),
+        )
         self.head = nn.Linear(d, 16)
         self.case, self.d = case, d
 
@@ -179,23 +196,35 @@ class Shared(nn.Module):
             "twice": lambda: self.lin(y) + self.lin(y[:, :1]),  # one layer, two paths: fused once
             "two_biases": lambda: F.linear(y, self.w, self.b) + F.linear(y, self.w, self.b2),
             "one_bias": lambda: F.linear(y, self.w, self.b) + F.linear(y, self.lin.weight, self.b),
-            "halves": lambda: torch.cat([self.part(y[..., :d // 2]), self.part(y[..., d // 2:])], -1),
-            "swapped": lambda: self.wide(torch.cat([y, self.other(ids)], -1)) + self.wide(torch.cat([self.other(ids), y], -1)),
-            "addmm_beta": lambda: torch.addmm(self.b, y.reshape(-1, d), self.w, beta=0.5).view(y.shape),
-            "addmm_alpha": lambda: torch.addmm(self.b, y.reshape(-1, d), self.w, alpha=2.0).view(y.shape),
+            "halves": lambda: torch.cat(
+                [self.part(y[..., : d // 2]), self.part(y[..., d // 2 :])], -1
+            ),
+            "swapped": lambda: (
+                self.wide(torch.cat([y, self.other(ids)], -1))
+                + self.wide(torch.cat([self.other(ids), y], -1))
+            ),
+            "addmm_beta": lambda: torch.addmm(self.b, y.reshape(-1, d), self.w, beta=0.5).view(
+                y.shape
+            ),
+            "addmm_alpha": lambda: torch.addmm(self.b, y.reshape(-1, d), self.w, alpha=2.0).view(
+                y.shape
+            ),
         }[self.case]()
         return self.head(self.ln_f(h + z))
 
 
-@pytest.mark.parametrize("case,affine,why", [
-    ("twice", AFFINE_FUSED, ""),
-    ("two_biases", AFFINE_KEPT, "read different values with it"),
-    ("one_bias", AFFINE_KEPT, "b is the bias of more than one weight"),
-    ("halves", AFFINE_KEPT, "read different values with it"),
-    ("swapped", AFFINE_KEPT, "read different values with it"),
-    ("addmm_beta", AFFINE_KEPT, "scales its product or its bias"),
-    ("addmm_alpha", AFFINE_KEPT, "scales its product or its bias"),
-])
+@pytest.mark.parametrize(
+    "case,affine,why",
+    [
+        ("twice", AFFINE_FUSED, ""),
+        ("two_biases", AFFINE_KEPT, "read different values with it"),
+        ("one_bias", AFFINE_KEPT, "b is the bias of more than one weight"),
+        ("halves", AFFINE_KEPT, "read different values with it"),
+        ("swapped", AFFINE_KEPT, "read different values with it"),
+        ("addmm_beta", AFFINE_KEPT, "scales its product or its bias"),
+        ("addmm_alpha", AFFINE_KEPT, "scales its product or its bias"),
+    ],
+)
 def test_readers_sharing_a_weight_or_bias(case, affine, why):
     """Each block of a weight takes γ once and each bias W β once: readers that would need
     it twice, or differently, keep the affine (they used to be fused twice, silently wrong)."""
@@ -204,7 +233,9 @@ def test_readers_sharing_a_weight_or_bias(case, affine, why):
     ids = torch.randint(0, 16, (2, 5))
     plan = enjoyln.analyze(model, ids, fuse_affine=True)
     entry = plan["ln"]
-    assert entry.foldable and entry.affine == affine and why in entry.affine_reason, entry.affine_reason
+    assert entry.foldable and entry.affine == affine and why in entry.affine_reason, (
+        entry.affine_reason
+    )
     assert_same_outputs(model, enjoyln.fold(copy.deepcopy(model), ids, plan=plan), ids)
     if affine == AFFINE_FUSED:
         assert len(entry.fused) == 1
@@ -229,10 +260,13 @@ class SharedAffine(nn.Module):
         return out * self.ln1.weight.sum() if self.case == "read" else out
 
 
-@pytest.mark.parametrize("case,why", [
-    ("tied", "its gain ln1.weight is also read by the LayerNorm ln2"),
-    ("read", "its gain ln1.weight is also read by sum"),
-])
+@pytest.mark.parametrize(
+    "case,why",
+    [
+        ("tied", "its gain ln1.weight is also read by the LayerNorm ln2"),
+        ("read", "its gain ln1.weight is also read by sum"),
+    ],
+)
 def test_a_gain_read_elsewhere_keeps_the_affine(case, why):
     """Fusing sets γ to 1 and β to 0: a second norm sharing them (or the model reading γ) would
     see 1 and 0 (they used to, silently wrong; a plain load of the checkpoint too)."""
@@ -242,7 +276,9 @@ def test_a_gain_read_elsewhere_keeps_the_affine(case, why):
         model.ln2.weight, model.ln2.bias = model.ln1.weight, model.ln1.bias
     ids = torch.randint(0, 16, (2, 5))
     plan = enjoyln.analyze(model, ids, fuse_affine=True)
-    assert plan["ln1"].affine == AFFINE_KEPT and why in plan["ln1"].affine_reason, plan["ln1"].affine_reason
+    assert plan["ln1"].affine == AFFINE_KEPT and why in plan["ln1"].affine_reason, plan[
+        "ln1"
+    ].affine_reason
     assert plan["ln_f"].affine == AFFINE_FUSED
     assert_same_outputs(model, enjoyln.fold(copy.deepcopy(model), ids, plan=plan), ids)
     with pytest.raises(enjoyln.PlanError, match="ln1.weight is also read"):
@@ -262,6 +298,8 @@ def test_checkpoint_keys_the_model_does_not_load_are_kept(tmp_path):
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     result = enjoyln.fold_checkpoint(src, tmp_path / "out", FoldOptions.of(fuse_affine=True))
     assert result.report.passed
-    assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["transformer.h.0.attn.masked_bias"],
-                       torch.tensor(-1e4))
+    assert torch.equal(
+        load_file(tmp_path / "out" / "model.safetensors")["transformer.h.0.attn.masked_bias"],
+        torch.tensor(-1e4),
+    )
     assert_same_outputs(model, enjoyln.load(tmp_path / "out"), hf_example_inputs(model, seed=20))

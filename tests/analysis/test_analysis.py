@@ -154,7 +154,10 @@ def test_concat_along_features_is_refused_but_along_sequence_folds():
 
 def test_layerscale_folds_by_centering_for_its_gain():
     e = entry(LayerScale().eval(), x_inputs())
-    assert e.foldable and {(c.param, c.scale) for c in e.centered} == {("lin.weight", "gamma"), ("lin.bias", "gamma")}
+    assert e.foldable and {(c.param, c.scale) for c in e.centered} == {
+        ("lin.weight", "gamma"),
+        ("lin.bias", "gamma"),
+    }
     fold_and_compare(LayerScale(), x_inputs())
 
 
@@ -162,7 +165,10 @@ def test_depthwise_conv_is_refused_dense_conv_folds():
     e = entry(ConvLN(groups=D).eval(), x_inputs())
     assert not e.foldable and "depthwise" in e.reason
     e = entry(ConvLN(groups=1).eval(), x_inputs())
-    assert e.foldable and {(c.param, c.axis) for c in e.centered} == {("conv.weight", 0), ("conv.bias", 0)}
+    assert e.foldable and {(c.param, c.axis) for c in e.centered} == {
+        ("conv.weight", 0),
+        ("conv.bias", 0),
+    }
     fold_and_compare(ConvLN(groups=1), x_inputs())
 
 
@@ -197,7 +203,11 @@ def test_vit_like_patch_embedding_folds_with_cls_and_positions():
     e = entry(model, inputs)
     assert e.foldable
     assert {(c.param, c.axis) for c in e.centered} == {
-        ("patch.weight", 0), ("patch.bias", 0), ("cls", 2), ("pos", 2)}
+        ("patch.weight", 0),
+        ("patch.bias", 0),
+        ("cls", 2),
+        ("pos", 2),
+    }
     folded = fold_and_compare(model, inputs)
     assert folded.ln.eps == 1e-12
 
@@ -254,7 +264,9 @@ def test_no_layer_norm_says_so():
     assert plan.layer_norms == [] and "nothing to fold" in plan.summary()
 
 
-@pytest.mark.parametrize("dtype,folds", [(torch.int64, False), (torch.float16, False), (torch.float32, True)])
+@pytest.mark.parametrize(
+    "dtype,folds", [(torch.int64, False), (torch.float16, False), (torch.float32, True)]
+)
 def test_casts(dtype, folds):
     """A cast that keeps every value carries the zero mean; rounding does not."""
 
@@ -277,8 +289,9 @@ def test_custom_layer_norm_modules_are_named_by_path():
     """ConvNext's LayerNorm subclass has its own forward: reported by module path, not folded."""
     import transformers
 
-    config = transformers.ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
-                                         image_size=32)
+    config = transformers.ConvNextConfig(
+        num_channels=3, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], image_size=32
+    )
     model = transformers.ConvNextForImageClassification(config).eval()
     plan = enjoyln.analyze(model, auxiliary_centering=True)
     names = [e.name for e in plan.layer_norms]

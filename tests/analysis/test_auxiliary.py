@@ -26,17 +26,26 @@ def test_counts_and_placement(case):
     arch, _, plan = case
     if arch == "bloom":
         assert len(plan.foldable) == len(plan.layer_norms) == 2 * L + 2
-        assert [(a.module, a.where) for a in plan.auxiliary] == [("transformer.word_embeddings_layernorm", "output")]
+        assert [(a.module, a.where) for a in plan.auxiliary] == [
+            ("transformer.word_embeddings_layernorm", "output")
+        ]
         assert "1 inserted, 5 more LNs foldable" in plan.notes[0]
     if arch == "whisper":
         encoder = [e for e in plan.layer_norms if e.name.startswith("model.encoder")]
         assert len(encoder) == 2 * L + 1 and all(e.foldable for e in encoder)
-        assert [(a.module, a.where) for a in plan.auxiliary] == [("model.encoder.layers.0", "input")]
+        assert [(a.module, a.where) for a in plan.auxiliary] == [
+            ("model.encoder.layers.0", "input")
+        ]
     if arch == "clip":
         assert plan.auxiliary == [] and len(plan.foldable) == (2 * L + 1) + 1
-        vision_kept = [e for e in plan.layer_norms if e.name.startswith("vision") and not e.foldable]
-        assert vision_kept and all("vision_model.pre_layrnorm would not help" in e.reason
-                                   and "`vision_model_output.last_hidden_state`" in e.reason for e in vision_kept)
+        vision_kept = [
+            e for e in plan.layer_norms if e.name.startswith("vision") and not e.foldable
+        ]
+        assert vision_kept and all(
+            "vision_model.pre_layrnorm would not help" in e.reason
+            and "`vision_model_output.last_hidden_state`" in e.reason
+            for e in vision_kept
+        )
 
 
 def test_fold_is_exact(case):
@@ -61,8 +70,13 @@ def test_refused_where_the_stream_is_an_output():
     model = perturb(tiny_model("bloom"), seed=66)
     inputs = {"input_ids": torch.randint(0, 128, (2, 8)), "output_hidden_states": True}
     plan = enjoyln.analyze(model, inputs, auxiliary_centering=True)
-    assert [(a.module, a.where) for a in plan.auxiliary] == [("transformer.h.1.self_attention", "output")]
-    assert "would also change the model output `hidden_states.0`" in plan["transformer.h.0.input_layernorm"].reason
+    assert [(a.module, a.where) for a in plan.auxiliary] == [
+        ("transformer.h.1.self_attention", "output")
+    ]
+    assert (
+        "would also change the model output `hidden_states.0`"
+        in plan["transformer.h.0.input_layernorm"].reason
+    )
     assert len(plan.foldable) == 3
     folded = enjoyln.fold(copy.deepcopy(model), plan=plan)
     assert_same_outputs(model, folded, inputs)
@@ -71,12 +85,17 @@ def test_refused_where_the_stream_is_an_output():
 def test_checkpoint_round_trip_with_centering(tmp_path):
     src = tmp_path / "bloom"
     perturb(tiny_model("bloom"), seed=67).save_pretrained(src)
-    result = enjoyln.fold_checkpoint(src, tmp_path / "out", FoldOptions.of(auxiliary_centering=True))
+    result = enjoyln.fold_checkpoint(
+        src, tmp_path / "out", FoldOptions.of(auxiliary_centering=True)
+    )
     config = json.loads((result.out_dir / "config.json").read_text())
     assert config["enjoyln"]["auxiliary_centering"] == [
-        {"module": "transformer.word_embeddings_layernorm", "where": "output"}]
+        {"module": "transformer.word_embeddings_layernorm", "where": "output"}
+    ]
     original = transformers.BloomForCausalLM.from_pretrained(src).eval()
-    plain = transformers.BloomForCausalLM.from_pretrained(result.out_dir).eval()  # no hooks, LNs kept
+    plain = transformers.BloomForCausalLM.from_pretrained(
+        result.out_dir
+    ).eval()  # no hooks, LNs kept
     loaded = enjoyln.load(result.out_dir)
     assert sum(isinstance(m, enjoyln.RMSNorm) for m in loaded.modules()) == 2 * L + 2
     inputs = hf_example_inputs(original, seed=68)
@@ -96,4 +115,7 @@ def test_cli_flag(tmp_path):
     result = CliRunner().invoke(app, ["inspect", str(src), "--auxiliary-centering"])
     assert result.exit_code == 0
     assert "6 of 6 LayerNorms foldable" in result.output
-    assert "an auxiliary centering at the output of transformer.word_embeddings_layernorm" in result.output
+    assert (
+        "an auxiliary centering at the output of transformer.word_embeddings_layernorm"
+        in result.output
+    )

@@ -60,7 +60,9 @@ def test_untraceable_model_names_both_causes_on_one_line():
                 raise ValueError("positive inputs are not supported")
             return x
 
-    with pytest.raises(enjoyln.CaptureError, match="torch.export could not trace FailsOnExample") as err:
+    with pytest.raises(
+        enjoyln.CaptureError, match="torch.export could not trace FailsOnExample"
+    ) as err:
         enjoyln.analyze(FailsOnExample(), torch.ones(3))
     message = str(err.value)
     assert "\n" not in message
@@ -75,7 +77,9 @@ def test_non_data_dependent_failure_is_not_retried():
         def forward(self, x):
             return torch.from_numpy(x.numpy())  # leaves the tracer's world
 
-    with pytest.raises(enjoyln.CaptureError, match="torch.export could not trace Unsupported") as err:
+    with pytest.raises(
+        enjoyln.CaptureError, match="torch.export could not trace Unsupported"
+    ) as err:
         enjoyln.analyze(Unsupported(), torch.ones(3))
     assert "draft_export" not in str(err.value) and "\n" not in str(err.value)
 
@@ -90,13 +94,16 @@ def test_non_module():
         enjoyln.analyze(lambda x: x, torch.randn(2))
 
 
-@pytest.mark.parametrize("arch,keys", [
-    ("gpt2", {"input_ids", "use_cache"}),
-    ("vit", {"pixel_values"}),
-    ("bert", {"input_ids", "use_cache"}),
-    ("clip", {"input_ids", "pixel_values"}),
-    ("whisper", {"input_features", "decoder_input_ids", "use_cache"}),
-])
+@pytest.mark.parametrize(
+    "arch,keys",
+    [
+        ("gpt2", {"input_ids", "use_cache"}),
+        ("vit", {"pixel_values"}),
+        ("bert", {"input_ids", "use_cache"}),
+        ("clip", {"input_ids", "pixel_values"}),
+        ("whisper", {"input_features", "decoder_input_ids", "use_cache"}),
+    ],
+)
 def test_synthesized_inputs(arch, keys):
     model = tiny_model(arch)
     inputs = hf_example_inputs(model, batch=3, seed=1)
@@ -106,7 +113,9 @@ def test_synthesized_inputs(arch, keys):
     if "input_features" in inputs:
         assert inputs["input_features"].shape == (3, 16, 64)
     again = hf_example_inputs(model, batch=3, seed=1)
-    assert all(torch.equal(inputs[k], again[k]) for k in inputs if isinstance(inputs[k], torch.Tensor))
+    assert all(
+        torch.equal(inputs[k], again[k]) for k in inputs if isinstance(inputs[k], torch.Tensor)
+    )
 
 
 def test_tied_parameters_detected_by_identity():
@@ -126,7 +135,8 @@ def test_meta_device_analysis_matches_real():
 
 
 def test_a_failure_retracing_the_program_is_one_line(monkeypatch):
-    """run_decompositions retraces a draft_export program, and can disagree with the example's values (Cosmos3)."""
+    """run_decompositions retraces a draft_export program, and can disagree with the example's
+    values (Cosmos3)."""
     import importlib
 
     from enjoyln.errors import CaptureError
@@ -140,5 +150,7 @@ def test_a_failure_retracing_the_program_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", mismatch)
     with pytest.raises(CaptureError) as err:
         capture_mod.capture(torch.nn.Linear(4, 4), torch.randn(2, 4))
-    assert str(err.value) == ("torch.export could not functionalize the graph of Linear: RuntimeError: Real tensor "
-                              "propagation found a metadata mismatch")
+    assert str(err.value) == (
+        "torch.export could not functionalize the graph of Linear: RuntimeError: Real tensor "
+        "propagation found a metadata mismatch"
+    )

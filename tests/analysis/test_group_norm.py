@@ -43,9 +43,15 @@ def test_group_norm_after_linear_folds_exactly():
     x = torch.randn(5, 12)
     plan = enjoyln.analyze(model, x)
     assert [(e.name, e.foldable, e.norm, e.groups) for e in plan.layer_norms] == [
-        ("gn1", True, "group_norm", 4), ("gn2", True, "group_norm", 4)]
+        ("gn1", True, "group_norm", 4),
+        ("gn2", True, "group_norm", 4),
+    ]
     assert {(c.param, c.axis, c.groups) for c in plan.centered} == {
-        ("fc1.weight", 0, 4), ("fc1.bias", 0, 4), ("fc2.weight", 0, 4), ("fc2.bias", 0, 4)}
+        ("fc1.weight", 0, 4),
+        ("fc1.bias", 0, 4),
+        ("fc2.weight", 0, 4),
+        ("fc2.bias", 0, 4),
+    }
     folded = enjoyln.fold(copy.deepcopy(model), plan=plan)
     assert isinstance(folded.gn1, enjoyln.GroupRMSNorm)
     w = folded.fc1.weight.detach().double().reshape(4, 8, 12)
@@ -83,7 +89,9 @@ def test_depthwise_conv_is_refused():
 
 
 def test_instance_norm_is_refused():
-    net = nn.Sequential(nn.Linear(6, 8), nn.Unflatten(1, (4, 2)), nn.InstanceNorm1d(4, affine=True)).eval()
+    net = nn.Sequential(
+        nn.Linear(6, 8), nn.Unflatten(1, (4, 2)), nn.InstanceNorm1d(4, affine=True)
+    ).eval()
     plan = enjoyln.analyze(net, torch.randn(3, 6))
     (e,) = plan.layer_norms
     assert not e.foldable and "one channel" in e.reason

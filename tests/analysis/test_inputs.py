@@ -15,9 +15,19 @@ def _tiny(config_cls, model_cls, **kw):
 
 
 def wav2vec2():
-    return _tiny("Wav2Vec2Config", "Wav2Vec2Model", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                 intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
-                 num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2)
+    return _tiny(
+        "Wav2Vec2Config",
+        "Wav2Vec2Model",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2,
+    )
 
 
 def test_waveform_length_fits_the_conv_feature_encoder():
@@ -32,24 +42,42 @@ def test_waveform_length_fits_the_conv_feature_encoder():
 
 
 def test_video_pixel_values_are_five_dimensional():
-    model = _tiny("VideoMAEConfig", "VideoMAEModel", hidden_size=32, num_hidden_layers=1,
-                  num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=16,
-                  num_frames=4, tubelet_size=2)
+    model = _tiny(
+        "VideoMAEConfig",
+        "VideoMAEModel",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=32,
+        patch_size=16,
+        num_frames=4,
+        tubelet_size=2,
+    )
     inputs = hf_example_inputs(model)
     assert inputs["pixel_values"].shape == (2, 4, 3, 32, 32)
     assert enjoyln.analyze(model).layer_norms
 
 
 def test_config_without_image_size_gets_the_processor_default():
-    model = _tiny("CvtConfig", "CvtModel", embed_dim=[16, 48, 96], num_heads=[1, 3, 6], depth=[1, 2, 3])
+    model = _tiny(
+        "CvtConfig", "CvtModel", embed_dim=[16, 48, 96], num_heads=[1, 3, 6], depth=[1, 2, 3]
+    )
     assert getattr(model.config, "image_size", None) is None
     inputs = hf_example_inputs(model)
     assert inputs["pixel_values"].shape == (2, 3, 224, 224)
 
 
 def test_config_without_vocab_size_gets_character_ids():
-    model = _tiny("CanineConfig", "CanineModel", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  intermediate_size=64, num_hash_buckets=64)
+    model = _tiny(
+        "CanineConfig",
+        "CanineModel",
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_hash_buckets=64,
+    )
     assert getattr(model.config, "vocab_size", None) is None
     ids = hf_example_inputs(model)["input_ids"]
     assert ids.shape == (2, 16) and 0 <= int(ids.min()) and int(ids.max()) < 256
@@ -59,10 +87,23 @@ def test_config_without_vocab_size_gets_character_ids():
 
 def test_speech_features_layout_is_found_by_running_the_model():
     """Speech2Text takes (batch, frames, features), Whisper (batch, mels, frames)."""
-    model = _tiny("Speech2TextConfig", "Speech2TextModel", vocab_size=64, d_model=32, encoder_layers=1,
-                  decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
-                  encoder_ffn_dim=64, decoder_ffn_dim=64, input_feat_per_channel=20, input_channels=1,
-                  conv_channels=32, max_source_positions=64, max_target_positions=32)
+    model = _tiny(
+        "Speech2TextConfig",
+        "Speech2TextModel",
+        vocab_size=64,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        input_feat_per_channel=20,
+        input_channels=1,
+        conv_channels=32,
+        max_source_positions=64,
+        max_target_positions=32,
+    )
     first = hf_example_inputs(model, seed=0)
     assert first["input_features"].shape == (2, 64, 20)
     again = hf_example_inputs(model, seed=1)  # the layout found once is kept for later seeds
@@ -72,27 +113,55 @@ def test_speech_features_layout_is_found_by_running_the_model():
 
 def test_kwargs_forward_gets_use_cache_false():
     """LLaVA takes use_cache through **kwargs; without it the traced graph returns a cache."""
-    model = _tiny("LlavaConfig", "LlavaForConditionalGeneration",
-                  text_config=dict(model_type="llama", hidden_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, intermediate_size=64, vocab_size=128),
-                  vision_config=dict(model_type="clip_vision_model", hidden_size=32, num_hidden_layers=1,
-                                     num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=16),
-                  image_token_id=127)
-    assert "use_cache" not in model.forward.__code__.co_varnames[:model.forward.__code__.co_argcount]
+    model = _tiny(
+        "LlavaConfig",
+        "LlavaForConditionalGeneration",
+        text_config=dict(
+            model_type="llama",
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=128,
+        ),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=32,
+            patch_size=16,
+        ),
+        image_token_id=127,
+    )
+    assert (
+        "use_cache" not in model.forward.__code__.co_varnames[: model.forward.__code__.co_argcount]
+    )
     assert wants_no_cache(model)
     inputs = hf_example_inputs(model)
     assert inputs["use_cache"] is False
     ids = inputs["input_ids"]
-    # as a processor writes it: one placeholder per image feature (2x2 patches), and none in the text
+    # as a processor writes it: one placeholder per image feature (2x2 patches), and none in the
+    # text
     assert (ids[:, :4] == 127).all() and not (ids[:, 4:] == 127).any()
     plan = enjoyln.analyze(model)
     assert plan.model == "LlavaForConditionalGeneration"
 
 
 def test_impossible_synthesis_names_the_inputs_to_pass():
-    model = _tiny("DecisionTransformerConfig", "DecisionTransformerModel", state_dim=4, act_dim=2,
-                  hidden_size=32, n_layer=1, n_head=2)
-    with pytest.raises(enjoyln.CaptureError, match="pass example_inputs, a dict with at least states") as err:
+    model = _tiny(
+        "DecisionTransformerConfig",
+        "DecisionTransformerModel",
+        state_dim=4,
+        act_dim=2,
+        hidden_size=32,
+        n_layer=1,
+        n_head=2,
+    )
+    with pytest.raises(
+        enjoyln.CaptureError, match="pass example_inputs, a dict with at least states"
+    ) as err:
         enjoyln.analyze(model)
     assert "\n" not in str(err.value)
 
@@ -114,15 +183,26 @@ class PatchNet(nn.Module):
 
     def __init__(self, img: int = 32, cfg_img: int | None = None, chans: int = 3):
         super().__init__()
-        self.pretrained_cfg = {"input_size": (chans, cfg_img or img, cfg_img or img), "num_classes": 10}
+        self.pretrained_cfg = {
+            "input_size": (chans, cfg_img or img, cfg_img or img),
+            "num_classes": 10,
+        }
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv2d(chans, 16, 8, 8)
         self.patch_embed.img_size = (img, img)
-        self.norm1, self.fc, self.norm, self.head = nn.LayerNorm(16), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 10)
+        self.norm1, self.fc, self.norm, self.head = (
+            nn.LayerNorm(16),
+            nn.Linear(16, 16),
+            nn.LayerNorm(16),
+            nn.Linear(16, 10),
+        )
 
     def forward(self, x):
         if tuple(x.shape[-2:]) != self.patch_embed.img_size:
-            raise ValueError(f"input size {tuple(x.shape[-2:])} does not match the model's {self.patch_embed.img_size}")
+            raise ValueError(
+                f"input size {tuple(x.shape[-2:])} does not match the model's "
+                f"{self.patch_embed.img_size}"
+            )
         x = self.patch_embed.proj(x).flatten(2).transpose(1, 2)
         x = x + self.fc(self.norm1(x))
         return self.head(self.norm(x)).mean(1)
@@ -202,7 +282,8 @@ def test_timm_default_cfg_and_channels_come_from_the_config():
 
 
 def test_size_the_patch_embedding_was_built_for_wins_when_the_config_size_does_not_run():
-    """``create_model(name, img_size=64)`` leaves pretrained_cfg's 224: the model runs only on 64."""
+    """``create_model(name, img_size=64)`` leaves pretrained_cfg's 224: the model runs only on
+    64."""
     model = PatchNet(img=16, cfg_img=32)
     assert described_inputs(model).args[0].shape == (2, 3, 16, 16)
     _folds_without_inputs(PatchNet(img=16, cfg_img=32), ["norm", "norm1"])
@@ -240,7 +321,9 @@ def test_text_length_and_vocabulary_may_sit_on_the_text_tower():
 
 def test_a_module_that_records_no_input_size_names_what_enjoyln_looked_for():
     net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
-    with pytest.raises(enjoyln.CaptureError, match=r"pretrained_cfg\['input_size'\].*pass example_inputs") as err:
+    with pytest.raises(
+        enjoyln.CaptureError, match=r"pretrained_cfg\['input_size'\].*pass example_inputs"
+    ) as err:
         enjoyln.analyze(net)
     assert "\n" not in str(err.value)
     with pytest.raises(enjoyln.CaptureError, match="records no input size"):

@@ -1,4 +1,5 @@
-"""Example inputs for vision-language models: an image in every batch, in the layout the model takes, with one
+"""Example inputs for vision-language models: an image in every batch, in the layout the model
+takes, with one
 placeholder token per image feature."""
 
 import pytest
@@ -8,8 +9,16 @@ import transformers
 from enjoyln.analysis.inputs import fill_text_ids, hf_example_inputs
 from models import llava_siglip
 
-_TEXT = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-             num_key_value_heads=2, vocab_size=128, max_position_embeddings=128)
+_TEXT = dict(
+    model_type="llama",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=128,
+)
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 
 
@@ -37,12 +46,18 @@ def test_placeholders_stay_where_text_ids_are_replaced():
     filled = fill_text_ids(model.config, ids, torch.arange(100, 120))  # 20 of the 32 text positions
     assert torch.equal(filled == 127, ids == 127)
     text = filled[filled != 127]
-    assert text[:20].tolist() == list(range(100, 120)) and torch.equal(text[20:], ids[ids != 127][20:])
+    assert text[:20].tolist() == list(range(100, 120)) and torch.equal(
+        text[20:], ids[ids != 127][20:]
+    )
 
 
 def test_idefics3_takes_images_per_sample():
-    cfg = transformers.Idefics3Config(vision_config=dict(_VISION, image_size=32, patch_size=8),
-                                      text_config=_TEXT, image_token_id=127, scale_factor=2)
+    cfg = transformers.Idefics3Config(
+        vision_config=dict(_VISION, image_size=32, patch_size=8),
+        text_config=_TEXT,
+        image_token_id=127,
+        scale_factor=2,
+    )
     model = transformers.Idefics3ForConditionalGeneration(cfg).eval()
     inputs = hf_example_inputs(model)
     assert inputs["pixel_values"].shape == (2, 1, 3, 32, 32)
@@ -53,23 +68,52 @@ def test_idefics3_takes_images_per_sample():
 def test_llava_next_gets_its_crops_and_image_sizes():
     cfg = transformers.LlavaNextConfig(
         vision_config=dict(_VISION, model_type="clip_vision_model", image_size=32, patch_size=16),
-        text_config=_TEXT, image_token_index=127, image_grid_pinpoints=[[32, 64], [64, 32]])
+        text_config=_TEXT,
+        image_token_index=127,
+        image_grid_pinpoints=[[32, 64], [64, 32]],
+    )
     model = transformers.LlavaNextForConditionalGeneration(cfg).eval()
     inputs = hf_example_inputs(model)
-    assert inputs["pixel_values"].shape == (2, 3, 3, 32, 32)  # a 1 x 2 grid of tiles and the whole image
-    assert inputs["image_sizes"] == [[32, 32], [32, 32]]  # plain ints, which torch.export keeps as constants
+    assert inputs["pixel_values"].shape == (
+        2,
+        3,
+        3,
+        32,
+        32,
+    )  # a 1 x 2 grid of tiles and the whole image
+    assert inputs["image_sizes"] == [
+        [32, 32],
+        [32, 32],
+    ]  # plain ints, which torch.export keeps as constants
     _runs(model, inputs)
 
 
 def test_mllama_gets_tiles_and_aspect_ratios():
     cfg = transformers.MllamaConfig(
-        vision_config=dict(_VISION, num_global_layers=1, image_size=28, patch_size=14, max_num_tiles=2,
-                           intermediate_layers_indices=[0], vision_output_dim=64,
-                           supported_aspect_ratios=[[1, 1], [1, 2]]),
-        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=128, cross_attention_layers=[1], pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2),
-        image_token_index=127)
+        vision_config=dict(
+            _VISION,
+            num_global_layers=1,
+            image_size=28,
+            patch_size=14,
+            max_num_tiles=2,
+            intermediate_layers_indices=[0],
+            vision_output_dim=64,
+            supported_aspect_ratios=[[1, 1], [1, 2]],
+        ),
+        text_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=128,
+            cross_attention_layers=[1],
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        image_token_index=127,
+    )
     model = transformers.MllamaForConditionalGeneration(cfg).eval()
     inputs = hf_example_inputs(model)
     assert inputs["pixel_values"].shape == (2, 1, 2, 3, 28, 28)
@@ -80,12 +124,28 @@ def test_mllama_gets_tiles_and_aspect_ratios():
 
 def test_qwen2_vl_gets_flat_patches_grids_token_types_and_positions():
     cfg = transformers.Qwen2VLConfig(
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2,
-                           temporal_patch_size=2),
-        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=160,
-                         rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3], rope_theta=1e4)),
-        image_token_id=150, video_token_id=151, vision_start_token_id=152)
+        vision_config=dict(
+            depth=1,
+            embed_dim=32,
+            hidden_size=32,
+            num_heads=2,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        text_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=160,
+            rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3], rope_theta=1e4),
+        ),
+        image_token_id=150,
+        video_token_id=151,
+        vision_start_token_id=152,
+    )
     model = transformers.Qwen2VLForConditionalGeneration(cfg).eval()
     inputs = hf_example_inputs(model)
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]

@@ -60,8 +60,9 @@ class OlmoLayerNorm(nn.Module):
 
     def forward(self, hidden_states):
         orig_dtype = hidden_states.dtype
-        return F.layer_norm(hidden_states.to(dtype=torch.float32), self.normalized_shape, None, None,
-                            eps=1e-5).to(orig_dtype)
+        return F.layer_norm(
+            hidden_states.to(dtype=torch.float32), self.normalized_shape, None, None, eps=1e-5
+        ).to(orig_dtype)
 
 
 class LayerNorm2d(nn.LayerNorm):
@@ -171,7 +172,8 @@ class PreLN(nn.Module):
 
 
 class ConvBlocks(nn.Module):
-    """A channels-first stem and pre-norm block: 1x1 convs, ``norm`` channels-first, ``scale`` after the block."""
+    """A channels-first stem and pre-norm block: 1x1 convs, ``norm`` channels-first, ``scale`` after
+    the block."""
 
     def __init__(self, norm, scale=None):
         super().__init__()
@@ -244,7 +246,8 @@ class PoolingViT(nn.Module):
 
 
 class HieraDetStem(nn.Module):
-    """timm's HieraDet: a (1, C, h, w) table interpolated, plus a tiled window table, permuted, added NHWC."""
+    """timm's HieraDet: a (1, C, h, w) table interpolated, plus a tiled window table, permuted,
+    added NHWC."""
 
     def __init__(self):
         super().__init__()
@@ -293,14 +296,28 @@ def image():
 # --- recognised by what they compute -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("norm, upcast", [(TimmLayerNorm, False), (OpenClipLayerNorm, False),
-                                          (LayerNormFp32, True), (OlmoLayerNorm, True)])
+@pytest.mark.parametrize(
+    "norm, upcast",
+    [
+        (TimmLayerNorm, False),
+        (OpenClipLayerNorm, False),
+        (LayerNormFp32, True),
+        (OlmoLayerNorm, True),
+    ],
+)
 def test_layer_norm_modules_of_any_class_fold(norm, upcast):
     model = prepared(PreLN(norm))
     plan, folded = fold_and_compare(model, tokens())
     assert [(e.name, e.kind, e.foldable, e.upcast) for e in plan.layer_norms] == [
-        ("norm1", "module", True, upcast), ("norm", "module", True, upcast)]
-    assert {c.param for c in plan.centered} == {"embed.weight", "embed.bias", "fc2.weight", "fc2.bias"}
+        ("norm1", "module", True, upcast),
+        ("norm", "module", True, upcast),
+    ]
+    assert {c.param for c in plan.centered} == {
+        "embed.weight",
+        "embed.bias",
+        "fc2.weight",
+        "fc2.bias",
+    }
     for name in ("norm1", "norm"):
         rms = getattr(folded, name)
         assert type(rms) is enjoyln.RMSNorm and rms.upcast is upcast and rms.dim == -1
@@ -330,12 +347,21 @@ def test_an_upcasting_norm_stays_upcasting_in_bfloat16(norm):
     torch.testing.assert_close(rms(z), original(z))
 
 
-@pytest.mark.parametrize("norm, bias", [(LayerNorm2d, True), (LayerNorm2dNoBias, False),
-                                        (lambda d: ConvNextLayerNorm(d, data_format="channels_first"), True)])
+@pytest.mark.parametrize(
+    "norm, bias",
+    [
+        (LayerNorm2d, True),
+        (LayerNorm2dNoBias, False),
+        (lambda d: ConvNextLayerNorm(d, data_format="channels_first"), True),
+    ],
+)
 def test_channels_first_norms_fold_with_the_convolutions_centered_on_their_channels(norm, bias):
     model = prepared(ConvBlocks(norm))
     plan, folded = fold_and_compare(model, image())
-    assert [(e.name, e.foldable, e.dim) for e in plan.layer_norms] == [("norm1", True, 1), ("norm", True, 1)]
+    assert [(e.name, e.foldable, e.dim) for e in plan.layer_norms] == [
+        ("norm1", True, 1),
+        ("norm", True, 1),
+    ]
     expected = {("stem.weight", 0), ("fc2.weight", 0)} | ({("stem.bias", 0), ("fc2.bias", 0)})
     assert {(c.param, c.axis) for c in plan.centered} == expected
     assert folded.norm.dim == 1 and (folded.norm.bias is not None) is bias
@@ -346,9 +372,15 @@ def test_layer_norm_act_2d_keeps_its_activation_after_the_rms_norm():
     model = prepared(ConvBlocks(LayerNormAct2d))
     plan, folded = fold_and_compare(model, image())
     assert [(e.name, e.foldable, e.dim, e.then) for e in plan.layer_norms] == [
-        ("norm1", True, 1, ("act",)), ("norm", True, 1, ("act",))]
+        ("norm1", True, 1, ("act",)),
+        ("norm", True, 1, ("act",)),
+    ]
     rms = folded.norm1
-    assert type(rms) is enjoyln.RMSNorm and isinstance(rms.act, nn.SiLU) and isinstance(rms.drop, nn.Identity)
+    assert (
+        type(rms) is enjoyln.RMSNorm
+        and isinstance(rms.act, nn.SiLU)
+        and isinstance(rms.drop, nn.Identity)
+    )
     assert set(dict(folded.named_parameters())) == set(dict(model.named_parameters()))
 
 
@@ -368,7 +400,11 @@ def test_a_plan_with_norm_forms_round_trips_and_applies_to_a_fresh_copy():
 @pytest.mark.parametrize("norm", [LayerNormAct2d, OlmoLayerNorm])
 def test_the_swap_in_place_keeps_the_form(norm):
     """Under accelerate's offloading the module changes class in place (``_become``)."""
-    model, x = (prepared(ConvBlocks(norm)), image()) if norm is LayerNormAct2d else (prepared(PreLN(norm)), tokens())
+    model, x = (
+        (prepared(ConvBlocks(norm)), image())
+        if norm is LayerNormAct2d
+        else (prepared(PreLN(norm)), tokens())
+    )
     plan = enjoyln.analyze(model, x)
     folded = copy.deepcopy(model)
     for m in (folded.norm1, folded.norm):
@@ -402,7 +438,8 @@ def test_a_plan_for_fewer_norm_modules_of_another_class_is_refused():
         enjoyln.fold(big, plan=plan)
 
 
-# --- LayerScale through views, and over sums ----------------------------------------------------------
+# --- LayerScale through views, and over sums
+# ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("scale", [LayerScale2d, Scale])
@@ -412,7 +449,11 @@ def test_layer_scale_through_a_view_of_its_gain(scale):
     assert [e.name for e in plan.foldable] == ["norm1", "norm"]
     gain = "ls.gamma" if scale is LayerScale2d else "ls.scale"
     assert {(c.param, c.axis, c.scale) for c in plan.centered} == {
-        ("stem.weight", 0, None), ("stem.bias", 0, None), ("fc2.weight", 0, gain), ("fc2.bias", 0, gain)}
+        ("stem.weight", 0, None),
+        ("stem.bias", 0, None),
+        ("fc2.weight", 0, gain),
+        ("fc2.bias", 0, gain),
+    }
 
 
 def test_convnext_gamma_reshape_through_a_permuted_linear():
@@ -440,8 +481,12 @@ def test_layer_scale_over_a_sum_of_linear_outputs():
     plan, _ = fold_and_compare(model, tokens())
     assert len(plan.foldable) == len(plan.layer_norms) == 3
     scaled = {(c.param, c.scale) for c in plan.centered if c.scale}
-    assert scaled == {(f"blocks.{i}.{p}_out_proj.{w}", f"blocks.{i}.ls.gamma")
-                      for i in (0, 1) for p in ("attn", "mlp") for w in ("weight", "bias")}
+    assert scaled == {
+        (f"blocks.{i}.{p}_out_proj.{w}", f"blocks.{i}.ls.gamma")
+        for i in (0, 1)
+        for p in ("attn", "mlp")
+        for w in ("weight", "bias")
+    }
 
 
 def test_a_layer_scaled_sum_whose_term_is_read_elsewhere_is_refused():
@@ -475,18 +520,25 @@ def test_a_layer_scaled_sum_with_a_zero_gain_entry_is_refused():
         model.blocks[0].ls.gamma[3] = 0.0
     plan, _ = fold_and_compare(model, tokens())
     assert [e.name for e in plan.foldable] == ["blocks.0.in_norm"]
-    assert ("zero entry, so no centering of blocks.0.attn_out_proj and blocks.0.mlp_out_proj makes the "
-            "product zero-mean") in plan["norm"].reason
+    assert (
+        "zero entry, so no centering of blocks.0.attn_out_proj and blocks.0.mlp_out_proj makes the "
+        "product zero-mean"
+    ) in plan["norm"].reason
 
 
-# --- channels-first positional tables ---------------------------------------------------------------
+# --- channels-first positional tables
+# ---------------------------------------------------------------
 
 
 def test_a_channels_first_position_table_is_centered_on_its_channels():
     model = prepared(PoolingViT())
     plan, _ = fold_and_compare(model, image())
     assert len(plan.foldable) == 2
-    assert {(c.param, c.axis) for c in plan.centered} >= {("pos_embed", 1), ("cls_token", 2), ("conv.weight", 0)}
+    assert {(c.param, c.axis) for c in plan.centered} >= {
+        ("pos_embed", 1),
+        ("cls_token", 2),
+        ("conv.weight", 0),
+    }
 
 
 def test_an_interpolated_and_tiled_channels_first_table():
@@ -494,7 +546,11 @@ def test_an_interpolated_and_tiled_channels_first_table():
     plan, _ = fold_and_compare(model, image())
     assert plan["norm1"].foldable
     assert {(c.param, c.axis) for c in plan.centered} == {
-        ("pos_embed", 1), ("pos_embed_window", 1), ("proj.weight", 0), ("proj.bias", 0)}
+        ("pos_embed", 1),
+        ("pos_embed_window", 1),
+        ("proj.weight", 0),
+        ("proj.bias", 0),
+    }
 
 
 def test_a_table_tiled_along_its_channels_is_refused():
@@ -512,7 +568,8 @@ def test_a_table_tiled_along_its_channels_is_refused():
     assert not plan["norm1"].foldable
 
 
-# --- modules that compute something else ---------------------------------------------------------------
+# --- modules that compute something else
+# ---------------------------------------------------------------
 
 
 class GainPlusOne(nn.LayerNorm):
@@ -538,8 +595,13 @@ class ActFirst(nn.LayerNorm):
 
 class HalfCast(nn.LayerNorm):
     def forward(self, x):
-        return F.layer_norm(x.to(torch.bfloat16), self.normalized_shape, self.weight.to(torch.bfloat16),
-                            self.bias.to(torch.bfloat16), self.eps).to(x.dtype)
+        return F.layer_norm(
+            x.to(torch.bfloat16),
+            self.normalized_shape,
+            self.weight.to(torch.bfloat16),
+            self.bias.to(torch.bfloat16),
+            self.eps,
+        ).to(x.dtype)
 
 
 class Unused(nn.LayerNorm):
@@ -549,11 +611,14 @@ class Unused(nn.LayerNorm):
 
 class NotBack(nn.LayerNorm):
     def forward(self, x):
-        return F.layer_norm(x.transpose(1, 2), self.normalized_shape, self.weight, self.bias, self.eps)
+        return F.layer_norm(
+            x.transpose(1, 2), self.normalized_shape, self.weight, self.bias, self.eps
+        )
 
 
 def not_replaced(model, x):
-    """The analysis's plan, and why it does not replace each norm module (whatever else refuses it)."""
+    """The analysis's plan, and why it does not replace each norm module (whatever else refuses
+    it)."""
     from enjoyln.analysis.capture import capture
     from enjoyln.analysis.driver import Analysis
 
@@ -561,22 +626,33 @@ def not_replaced(model, x):
     return analysis.run(), analysis.why_not_replaced
 
 
-@pytest.mark.parametrize("norm, why, first", [
-    (GainPlusOne, "normalizes with add in norm1 as its weight, not its own weight", None),
-    (ScaledOutput, "computes mul after its layer norm", None),
-    (Unused, "leaves its bias norm1.bias unused", None),
-    # the proof on the graph refuses these anyway, and says so first
-    (ActFirst, "computes gelu in norm1.act before its layer norm", "its input includes the output of gelu"),
-    (HalfCast, "casts its input to bfloat16", "its input is rounded to bfloat16 in norm1"),
-])
-def test_a_module_computing_more_than_a_layer_norm_is_refused_with_what_it_computes(norm, why, first):
+@pytest.mark.parametrize(
+    "norm, why, first",
+    [
+        (GainPlusOne, "normalizes with add in norm1 as its weight, not its own weight", None),
+        (ScaledOutput, "computes mul after its layer norm", None),
+        (Unused, "leaves its bias norm1.bias unused", None),
+        # the proof on the graph refuses these anyway, and says so first
+        (
+            ActFirst,
+            "computes gelu in norm1.act before its layer norm",
+            "its input includes the output of gelu",
+        ),
+        (HalfCast, "casts its input to bfloat16", "its input is rounded to bfloat16 in norm1"),
+    ],
+)
+def test_a_module_computing_more_than_a_layer_norm_is_refused_with_what_it_computes(
+    norm, why, first
+):
     model = prepared(PreLN(norm))
     plan, whys = not_replaced(model, tokens())
     assert whys["norm1"] == why
     for e in plan.layer_norms:
         assert e.kind == "functional" and not e.foldable
     if first is None:
-        assert plan["norm1"].reason.startswith(f"enjoyln cannot replace norm1 with an RMSNorm: it {why}; ")
+        assert plan["norm1"].reason.startswith(
+            f"enjoyln cannot replace norm1 with an RMSNorm: it {why}; "
+        )
     else:
         assert plan["norm1"].reason.startswith(first)
     folded = enjoyln.fold(copy.deepcopy(model), plan=plan)
@@ -629,4 +705,8 @@ def test_a_top_level_functional_call_is_still_reported():
             return F.layer_norm(self.lin(x), (D,))
 
     (e,) = enjoyln.analyze(prepared(Top()), tokens()).layer_norms
-    assert e.kind == "functional" and "top level of the model" in e.reason and "GraphModule" in e.reason
+    assert (
+        e.kind == "functional"
+        and "top level of the model" in e.reason
+        and "GraphModule" in e.reason
+    )

@@ -34,15 +34,22 @@ def test_a_returned_matrix_is_the_callers_own():
     """Changing a returned Q in place must not change the Q later rotations use."""
     q = rotation_matrix(8, "hadamard", 0, True)
     q.mul_(2)
-    assert torch.allclose(rotation_matrix(8, "hadamard", 0, True) @ rotation_matrix(8, "hadamard", 0, True).T,
-                          torch.eye(8, dtype=torch.float64))
+    assert torch.allclose(
+        rotation_matrix(8, "hadamard", 0, True) @ rotation_matrix(8, "hadamard", 0, True).T,
+        torch.eye(8, dtype=torch.float64),
+    )
 
 
 def test_hadamard_spreads_a_single_feature():
     q = rotation_matrix(64, "hadamard", 0, False)
     assert torch.allclose(q.abs(), torch.full((64, 64), 1 / 8, dtype=torch.float64))
     h = hadamard_matrix(4) * 2
-    assert torch.equal(h, torch.tensor([[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1.]], dtype=torch.float64))
+    assert torch.equal(
+        h,
+        torch.tensor(
+            [[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1.0]], dtype=torch.float64
+        ),
+    )
 
 
 def test_rotate_along_any_axis_in_slabs():
@@ -63,13 +70,16 @@ def test_rotate_is_exact_and_changes_every_stream_weight(arch):
     assert_same_outputs(model, rotated, hf_example_inputs(model, seed=22))
     for r in plan.rotation.rotated:
         before, after = tensor_at(fused, r.param), tensor_at(rotated, r.param)
-        assert not torch.allclose(before, after, atol=1e-3), r.param  # really moved to the rotated basis
+        assert not torch.allclose(before, after, atol=1e-3), (
+            r.param
+        )  # really moved to the rotated basis
     # every writer of the stream is rotated: its centered weights are all in the rotation
     rotated_names = {r.param for r in plan.rotation.rotated}
     for c in plan.centered:
         if c.saved and not c.param.startswith("lm_head"):
             assert c.param in rotated_names or any(
-                tensor_at(model, c.param) is tensor_at(model, n) for n in rotated_names), c.param
+                tensor_at(model, c.param) is tensor_at(model, n) for n in rotated_names
+            ), c.param
 
 
 def test_every_transformation_keeps_its_promise_when_rotating():
@@ -86,8 +96,11 @@ def test_rotate_entry_point_and_its_refusals():
     with pytest.raises(enjoyln.PlanError, match="already folded in memory"):
         enjoyln.rotate(rotated)
     base = perturb(transformers.GPT2Model(tiny_model("gpt2").config).eval(), seed=27)
-    with pytest.raises(enjoyln.PlanError, match=r"ln_f's gain cannot move into the layers that read it, as a "
-                                                r"rotation needs: its output is the model output `last_hidden_state`"):
+    with pytest.raises(
+        enjoyln.PlanError,
+        match=r"ln_f's gain cannot move into the layers that read it, as a "
+        r"rotation needs: its output is the model output `last_hidden_state`",
+    ):
         enjoyln.rotate(base)
 
 
@@ -115,7 +128,9 @@ class Stream(nn.Module):
         f = self.ln_f(h)
         if self.case == "output":
             return self.head(f), f  # a norm output used as a model output
-        if self.case == "nonlinear":  # a non-linear reader of the (explicitly centered) stream: folding is
+        if (
+            self.case == "nonlinear"
+        ):  # a non-linear reader of the (explicitly centered) stream: folding is
             side = torch.tanh(h - h.mean(-1, keepdim=True))  # fine, a rotation is not
             return self.head(f) + side.sum(-1, keepdim=True)
         if self.case == "unfolded":  # a LayerNorm of the stream that enjoyln cannot replace
@@ -134,12 +149,15 @@ def _stream(case):
     return perturb(m).eval()
 
 
-@pytest.mark.parametrize("case,why", [
-    ("output", "the model output `1`"),
-    ("gelu", "gelu"),
-    ("nonlinear", "tanh"),
-    ("unfolded", "it is a functional layer_norm, whose affine enjoyln keeps"),
-])
+@pytest.mark.parametrize(
+    "case,why",
+    [
+        ("output", "the model output `1`"),
+        ("gelu", "gelu"),
+        ("nonlinear", "tanh"),
+        ("unfolded", "it is a functional layer_norm, whose affine enjoyln keeps"),
+    ],
+)
 def test_refusals(case, why):
     model = _stream(case)
     ids = torch.randint(0, 16, (2, 6))
@@ -156,8 +174,11 @@ def test_plain_stream_rotates_exactly():
     ids = torch.randint(0, 16, (2, 6))
     rotated = enjoyln.rotate(copy.deepcopy(model), ids, kind="random")
     assert_same_outputs(model, rotated, ids)
-    assert not torch.allclose(rotated.embed.weight, model.embed.weight - model.embed.weight.mean(1, keepdim=True),
-                              atol=1e-3)
+    assert not torch.allclose(
+        rotated.embed.weight,
+        model.embed.weight - model.embed.weight.mean(1, keepdim=True),
+        atol=1e-3,
+    )
 
 
 def test_a_tied_head_is_rotated_with_the_embedding():
@@ -167,7 +188,10 @@ def test_a_tied_head_is_rotated_with_the_embedding():
     ids = torch.randint(0, 16, (2, 6))
     plan = enjoyln.analyze(model, ids, rotate=("hadamard", 0, True))
     assert [u.param for u in plan.untied] == ["head.weight"] and plan.rotation is not None
-    assert {(r.param, r.axis) for r in plan.rotation.rotated} >= {("embed.weight", 1), ("head.weight", 1)}
+    assert {(r.param, r.axis) for r in plan.rotation.rotated} >= {
+        ("embed.weight", 1),
+        ("head.weight", 1),
+    }
     rotated = enjoyln.rotate(copy.deepcopy(model), ids, plan=plan)
     assert rotated.head.weight is not rotated.embed.weight
     assert_same_outputs(model, rotated, ids)
@@ -192,7 +216,9 @@ def test_rotated_checkpoint_through_the_command_line(tmp_path):
         assert_same_outputs(model, loaded, inputs)
         plain = transformers.PhiForCausalLM.from_pretrained(out).eval()
         if plain_exact:
-            assert_same_outputs(model, plain, inputs)  # the stream stays zero-mean: LayerNorms agree
+            assert_same_outputs(
+                model, plain, inputs
+            )  # the stream stays zero-mean: LayerNorms agree
         else:
             with pytest.raises(AssertionError):
                 assert_same_outputs(model, plain, inputs)
@@ -203,7 +229,8 @@ def test_rotated_checkpoint_through_the_command_line(tmp_path):
 
 
 def test_rotate_refusal_through_the_command_line_writes_nothing(tmp_path, monkeypatch):
-    """A post-LN model: refused in one sentence that says why, from one analysis of the meta model (what
+    """A post-LN model: refused in one sentence that says why, from one analysis of the meta model
+    (what
     inspect runs), before any weight is read."""
     from typer.testing import CliRunner
 
@@ -214,17 +241,24 @@ def test_rotate_refusal_through_the_command_line_writes_nothing(tmp_path, monkey
     src = tmp_path / "bert"
     perturb(tiny_model("bert"), seed=30).save_pretrained(src)
     analyses = []
-    monkeypatch.setattr(planning, "analyze", lambda *a, **k: analyses.append(1) or enjoyln.analyze(*a, **k))
+    monkeypatch.setattr(
+        planning, "analyze", lambda *a, **k: analyses.append(1) or enjoyln.analyze(*a, **k)
+    )
 
     def no_reading(*args):
         raise AssertionError("a weight was read")
+
     monkeypatch.setattr(TensorReader, "__init__", no_reading)
     result = CliRunner().invoke(app, ["rotate", str(src), str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
     assert result.stderr.strip() == (
-        "error: the residual stream cannot be rotated: embeddings.LayerNorm writes the residual stream (add in "
-        "encoder.layer.0.attention.output adds its output to another value), so its gain cannot move into the layers "
-        "that read it, as a rotation needs; post-LN models such as BERT and MPNet cannot be rotated; nothing was "
-        "written")
+        "error: the residual stream cannot be rotated: embeddings.LayerNorm writes the residual "
+        "stream (add in "
+        "encoder.layer.0.attention.output adds its output to another value), so its gain cannot "
+        "move into the layers "
+        "that read it, as a rotation needs; post-LN models such as BERT and MPNet cannot be "
+        "rotated; nothing was "
+        "written"
+    )
     assert len(analyses) == 1
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.enjoyln-*"))

@@ -93,11 +93,14 @@ def test_layer_scale_centering_makes_the_scaled_output_zero_mean():
     assert (model.fc.bias * model.gamma).mean().abs() < 1e-12
 
 
-@pytest.mark.parametrize("case,why", [
-    (dict(gamma=torch.cat([torch.zeros(1), torch.rand(D - 1) + 0.5])), "has a zero entry"),
-    (dict(computed=True), "per-feature"),
-    (dict(leak=True), "before its LayerScale"),
-])
+@pytest.mark.parametrize(
+    "case,why",
+    [
+        (dict(gamma=torch.cat([torch.zeros(1), torch.rand(D - 1) + 0.5])), "has a zero entry"),
+        (dict(computed=True), "per-feature"),
+        (dict(leak=True), "before its LayerScale"),
+    ],
+)
 def test_layer_scale_near_misses(case, why):
     plan = fold_exact(LayerScale(**case), ids())
     assert plan["ln1"].foldable and not plan["ln2"].foldable
@@ -125,7 +128,9 @@ class Positions(nn.Module):
         super().__init__()
         self.patch = nn.Conv2d(3, D, 4, stride=4)
         self.pos = nn.Parameter(torch.randn(1, 4, D))  # (1, positions, features), as YOLOS keeps it
-        self.ln = nn.LayerNorm(2 * D if op == "upsample_features" else D // 2 if op == "pool_features" else D)
+        self.ln = nn.LayerNorm(
+            2 * D if op == "upsample_features" else D // 2 if op == "pool_features" else D
+        )
         self.head = nn.Linear(self.ln.normalized_shape[0], 3)
         self.op = op
 
@@ -162,18 +167,35 @@ class Positions(nn.Module):
         return self.head(self.ln(t))
 
 
-@pytest.mark.parametrize("op", ["upsample", "pool", "adaptive_pool", "reflect", "replicate", "nearest", "roll",
-                                "gather", "index_select"])
+@pytest.mark.parametrize(
+    "op",
+    [
+        "upsample",
+        "pool",
+        "adaptive_pool",
+        "reflect",
+        "replicate",
+        "nearest",
+        "roll",
+        "gather",
+        "index_select",
+    ],
+)
 def test_ops_that_treat_every_feature_alike_keep_the_zero_mean(op):
     plan = fold_exact(Positions(op), torch.randn(2, 3, 16, 16))
     assert plan["ln"].foldable, plan.summary()
     assert {c.param for c in plan["ln"].centered} == {"patch.weight", "patch.bias", "pos"}
 
 
-@pytest.mark.parametrize("op,why", [("upsample_features", "resampled along the feature axis"),
-                                    ("pool_features", "pooled along the feature axis"),
-                                    ("gather_features", "indices that differ between features"),
-                                    ("roll_features", "rolled along the feature axis")])
+@pytest.mark.parametrize(
+    "op,why",
+    [
+        ("upsample_features", "resampled along the feature axis"),
+        ("pool_features", "pooled along the feature axis"),
+        ("gather_features", "indices that differ between features"),
+        ("roll_features", "rolled along the feature axis"),
+    ],
+)
 def test_the_same_ops_along_the_feature_axis_do_not(op, why):
     plan = fold_exact(Positions(op), torch.randn(2, 3, 16, 16))
     assert not plan["ln"].foldable and why in plan["ln"].reason
@@ -255,7 +277,8 @@ def test_near_miss_a_buffer_read_by_something_else():
 
 
 class DataDependent(nn.Module):
-    """Rows chosen by a mask, so the batch is data-dependent: a mask on the layer's own output, which centering
+    """Rows chosen by a mask, so the batch is data-dependent: a mask on the layer's own output,
+    which centering
     changes, or on the input, which it does not."""
 
     def __init__(self, mask_on_input: bool = False):
@@ -274,7 +297,8 @@ def test_data_dependent_sizes_are_followed():
 
 
 class MaskedPatches(nn.Module):
-    """A patch embedding as Idefics3 writes it: the real images picked by a mask (a data-dependent batch), a
+    """A patch embedding as Idefics3 writes it: the real images picked by a mask (a data-dependent
+    batch), a
     convolution with ``padding="valid"``, positions added, then a LayerNorm."""
 
     def __init__(self):
@@ -297,7 +321,8 @@ def test_a_patch_embedding_of_masked_images_is_centered():
 
 
 class PooledTwice(nn.Module):
-    """BLIP-2's vision tower: the post-norm over the sequence, then again over its first token, which the caller
+    """BLIP-2's vision tower: the post-norm over the sequence, then again over its first token,
+    which the caller
     drops."""
 
     def __init__(self):
@@ -326,7 +351,9 @@ def test_any_analysis_failure_is_one_line_naming_the_op_and_module(monkeypatch):
         enjoyln.analyze(LayerScale().eval(), ids())
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("enjoyln could not analyse LayerScale at add at the top level of the model")
+    assert message.startswith(
+        "enjoyln could not analyse LayerScale at add at the top level of the model"
+    )
     assert "IndexError: tuple index out of range" in message
 
 

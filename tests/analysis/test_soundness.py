@@ -87,10 +87,19 @@ class LayerNormStatistics(Base):
         return self.ln(h), mean
 
 
-@pytest.mark.parametrize("model,folds", [
-    (SubAlpha, False), (CenterOtherAxis, False), (CenterSameAxis, True), (SameModuleTwoNames, False),
-    (SharedModuleTwoCalls, True), (InPlaceThroughView, False), (LayerNormStatistics, False),
-], ids=lambda v: getattr(v, "__name__", str(v)))
+@pytest.mark.parametrize(
+    "model,folds",
+    [
+        (SubAlpha, False),
+        (CenterOtherAxis, False),
+        (CenterSameAxis, True),
+        (SameModuleTwoNames, False),
+        (SharedModuleTwoCalls, True),
+        (InPlaceThroughView, False),
+        (LayerNormStatistics, False),
+    ],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
 def test_fold_leaves_outputs_unchanged(model, folds):
     plan = exact(model(), torch.randn(2, 5, D))
     assert bool(plan.foldable) == folds, plan.summary()

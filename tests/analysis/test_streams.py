@@ -1,5 +1,7 @@
-"""Several residual streams, each rotated with its own Q: a vision tower's and a language model's, found from the
-graph; a tapped tower layer's reader takes the rotation, and the plan records each stream and what it keeps."""
+"""Several residual streams, each rotated with its own Q: a vision tower's and a language model's,
+found from the
+graph; a tapped tower layer's reader takes the rotation, and the plan records each stream and what
+it keeps."""
 
 import copy
 import json
@@ -16,8 +18,10 @@ from conftest import assert_same_outputs
 
 
 class Tower(nn.Module):
-    """A ViT-like tower of width 16: patches embedded by a Linear plus positions (or then a LayerNorm, as CLIP's
-    ``pre_layrnorm``), two pre-LN blocks, read at the first block (a tap) and through a final norm."""
+    """A ViT-like tower of width 16: patches embedded by a Linear plus positions (or then a
+    LayerNorm, as CLIP's
+    ``pre_layrnorm``), two pre-LN blocks, read at the first block (a tap) and through a final
+    norm."""
 
     def __init__(self, pre_norm: bool):
         super().__init__()
@@ -39,14 +43,20 @@ class Tower(nn.Module):
 
 
 class Vlm(nn.Module):
-    """A tower whose tapped layer a projector reads (or, with ``merge``, its final norm's output with 2 tokens
-    merged into one, as a pixel-shuffle connector does), its tokens before the text's in a pre-LN language model
+    """A tower whose tapped layer a projector reads (or, with ``merge``, its final norm's output
+    with 2 tokens
+    merged into one, as a pixel-shuffle connector does), its tokens before the text's in a pre-LN
+    language model
     of width 32; it returns its logits and the tower's last hidden state."""
 
     def __init__(self, pre_norm: bool = False, merge: bool = False):
         super().__init__()
         self.merge = merge
-        self.tower, self.proj, self.tok = Tower(pre_norm), nn.Linear(32 if merge else 16, 32), nn.Embedding(20, 32)
+        self.tower, self.proj, self.tok = (
+            Tower(pre_norm),
+            nn.Linear(32 if merge else 16, 32),
+            nn.Embedding(20, 32),
+        )
         self.ln_1, self.up, self.fc = nn.LayerNorm(32), nn.Linear(32, 48), nn.Linear(48, 32)
         self.ln_f, self.head = nn.LayerNorm(32), nn.Linear(32, 20)
 
@@ -77,10 +87,13 @@ def two_streams(inputs):
 def test_each_stream_gets_its_own_rotation(two_streams):
     plan = two_streams
     tower = [e for e in plan.layer_norms if e.name.startswith("tower.")]
-    # the tap's reader sees the stream itself: centering cannot fold the tower's norms, a rotation reaches them
+    # the tap's reader sees the stream itself: centering cannot fold the tower's norms, a rotation
+    # reaches them
     assert not any(e.foldable for e in tower) and all("proj" in e.reason for e in tower)
-    assert [(r.stream, r.width, r.seed) for r in plan.rotations] == [("tower", 16, 7),
-                                                                      ("the model", 32, stream_seed(7, "the model"))]
+    assert [(r.stream, r.width, r.seed) for r in plan.rotations] == [
+        ("tower", 16, 7),
+        ("the model", 32, stream_seed(7, "the model")),
+    ]
     first, second = plan.rotations
     assert first.seed != second.seed
     # the projector takes Qᵀ of the tower on its input and Q of the language model on its output
@@ -97,8 +110,12 @@ def test_two_rotated_streams_keep_the_served_outputs(two_streams, inputs):
     with torch.no_grad():
         got, want = rotated(**inputs), model(**inputs)
     assert torch.allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(got["vision_hidden_state"], want["vision_hidden_state"], atol=1e-2)  # rotated
-    assert isinstance(rotated.tower.ln[0], nn.LayerNorm) and bool((rotated.tower.ln[0].weight == 1).all())
+    assert not torch.allclose(
+        got["vision_hidden_state"], want["vision_hidden_state"], atol=1e-2
+    )  # rotated
+    assert isinstance(rotated.tower.ln[0], nn.LayerNorm) and bool(
+        (rotated.tower.ln[0].weight == 1).all()
+    )
     assert type(rotated.ln_f).__name__ == "RMSNorm"
     assert not torch.allclose(rotated.proj.weight, model.proj.weight, atol=1e-3)
 
@@ -122,32 +139,49 @@ def test_a_single_stream_plan_is_written_as_before():
 def test_keeping_every_output_exact_leaves_the_tower_alone(inputs):
     model = _vlm()
     plan = enjoyln.analyze(model, inputs, rotate=RotationSpec(seed=7, exact_outputs="all"))
-    assert [r.stream for r in plan.rotations] == [""] and plan.rotation.seed == 7 and not plan.changed_outputs
+    assert (
+        [r.stream for r in plan.rotations] == [""]
+        and plan.rotation.seed == 7
+        and not plan.changed_outputs
+    )
     note = next(n for n in plan.notes if n.kind == STREAM_NOT_ROTATED)
-    assert note.startswith("the residual stream of tower (width 16) cannot be rotated") and "vision_hidden_state" in note
+    assert (
+        note.startswith("the residual stream of tower (width 16) cannot be rotated")
+        and "vision_hidden_state" in note
+    )
     assert plan.to_dict()["exact_outputs"] == "all"
     rotated = enjoyln.rotate(copy.deepcopy(model), inputs, seed=7, exact_outputs="all")
     assert_same_outputs(model, rotated, tuple(inputs.values()))
 
 
 def test_a_stream_that_starts_at_a_gain_is_not_rotated_and_says_why(inputs):
-    """CLIP's tower: its stream is written by a LayerNorm with a gain, which no weight edit can rotate."""
+    """CLIP's tower: its stream is written by a LayerNorm with a gain, which no weight edit can
+    rotate."""
     plan = enjoyln.analyze(_vlm(pre_norm=True), inputs, rotate=("hadamard", 0, True))
-    assert [r.width for r in plan.rotations] == [0] and plan.rotation.seed == 0  # the language model's, alone
+    assert [r.width for r in plan.rotations] == [
+        0
+    ] and plan.rotation.seed == 0  # the language model's, alone
     note = next(n for n in plan.notes if n.kind == STREAM_NOT_ROTATED)
-    assert note.startswith("the residual stream of tower (width 16)") and "tower.pre writes the residual stream" in note
+    assert (
+        note.startswith("the residual stream of tower (width 16)")
+        and "tower.pre writes the residual stream" in note
+    )
     assert all(not e.fused for e in plan.layer_norms if e.name.startswith("tower."))
 
 
 def test_a_merger_of_tokens_takes_the_rotation_block_by_block(inputs):
-    """A connector that lays 2 tokens side by side before its Linear reads the final norm's features twice: the
+    """A connector that lays 2 tokens side by side before its Linear reads the final norm's features
+    twice: the
     norm's γ and β, and the rotation, go into each block of its input (I₂ ⊗ Q)."""
     model = _vlm(merge=True)
     plan = enjoyln.analyze(model, inputs, rotate=("hadamard", 0, True))
     tower = plan.rotations[0]
-    assert {(r.start, r.length) for r in tower.rotated if r.param == "proj.weight" and r.axis == 1} == {(0, 16),
-                                                                                                         (16, 16)}
+    assert {
+        (r.start, r.length) for r in tower.rotated if r.param == "proj.weight" and r.axis == 1
+    } == {(0, 16), (16, 16)}
     assert {(f.start, f.length) for f in plan["tower.post"].fused} == {(0, 16), (16, 16)}
     rotated = enjoyln.rotate(copy.deepcopy(model), inputs, plan=plan)
     with torch.no_grad():
-        assert torch.allclose(rotated(**inputs)["logits"], model(**inputs)["logits"], rtol=1e-5, atol=1e-6)
+        assert torch.allclose(
+            rotated(**inputs)["logits"], model(**inputs)["logits"], rtol=1e-5, atol=1e-6
+        )

@@ -52,8 +52,10 @@ def test_swapping_a_post_ln_layer_norm_fails():
     plan = enjoyln.analyze(bert)
     forged = copy.deepcopy(plan)
     name = "encoder.layer.0.attention.output.LayerNorm"
-    forged.layer_norms = [LayerNormEntry(name, "module", True, centered=[])
-                          if e.name == name else e for e in forged.layer_norms]
+    forged.layer_norms = [
+        LayerNormEntry(name, "module", True, centered=[]) if e.name == name else e
+        for e in forged.layer_norms
+    ]
     wrong = apply_plan(copy.deepcopy(bert), forged)
     assert isinstance(wrong.get_submodule(name), enjoyln.RMSNorm)
     report = enjoyln.check(bert, wrong)
@@ -76,7 +78,11 @@ def test_half_precision_uses_the_relative_criterion():
     folded = enjoyln.fold(copy.deepcopy(model))
     report = enjoyln.check(model, folded)
     assert report.passed, report.summary()
-    assert report.dtype == "float16" and report.criterion_kind == "precision" and report.truth_dtype == "float32"
+    assert (
+        report.dtype == "float16"
+        and report.criterion_kind == "precision"
+        and report.truth_dtype == "float32"
+    )
     assert "float32 original" in report.criterion
     out = report.outputs[0]
     assert out.reference_error > 0 and out.candidate_error <= 2 * out.reference_error
@@ -116,8 +122,13 @@ def test_a_given_reference_becomes_its_own_truth(gpt2, monkeypatch):
     given = copy.deepcopy(gpt2)
     never = ModelSource(torch.float32, lambda dtype: pytest.fail("the truth was loaded again"))
     to = torch.nn.Module.to
-    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: pytest.fail("converted whole")
-                        if torch.float64 in a else to(self, *a, **k))
+    monkeypatch.setattr(
+        torch.nn.Module,
+        "to",
+        lambda self, *a, **k: (
+            pytest.fail("converted whole") if torch.float64 in a else to(self, *a, **k)
+        ),
+    )
     in_place = check_sources(ModelSource.given(given), paths(folded), truth=never)
     monkeypatch.undo()
     assert given.transformer.wte.weight.dtype == torch.float32  # put back after each module
@@ -126,8 +137,12 @@ def test_a_given_reference_becomes_its_own_truth(gpt2, monkeypatch):
     assert (in_place.max_abs_diff, in_place.margin) == (by_copy.max_abs_diff, by_copy.margin)
 
     loads = []
-    truth = ModelSource(torch.float32, lambda dtype: loads.append(dtype) or copy.deepcopy(gpt2).to(dtype))
-    half = check_sources(ModelSource.given(copy.deepcopy(gpt2)), paths(copy.deepcopy(folded).half()), truth=truth)
+    truth = ModelSource(
+        torch.float32, lambda dtype: loads.append(dtype) or copy.deepcopy(gpt2).to(dtype)
+    )
+    half = check_sources(
+        ModelSource.given(copy.deepcopy(gpt2)), paths(copy.deepcopy(folded).half()), truth=truth
+    )
     assert loads == [torch.float32] and half.dtype == "float16"
 
 
@@ -138,8 +153,13 @@ def test_a_second_load_path_may_run_only_the_first_batches(gpt2):
     plain = enjoyln.fold(copy.deepcopy(gpt2))
     calls = []
     plain.register_forward_hook(lambda module, args, out: calls.append(1))
-    report = check_sources(ModelSource.of(gpt2), [CandidatePath("a", ModelSource.of(folded)),
-                                                  CandidatePath("b", ModelSource.of(plain), batches=1)])
+    report = check_sources(
+        ModelSource.of(gpt2),
+        [
+            CandidatePath("a", ModelSource.of(folded)),
+            CandidatePath("b", ModelSource.of(plain), batches=1),
+        ],
+    )
     assert report.passed and report.batches == 3 and len(calls) == 1
     assert {o.path for o in report.outputs} == {"a", "b"}
 
@@ -155,7 +175,8 @@ def test_a_given_model_in_its_own_dtype_is_run_as_loaded():
 
 
 def test_a_dropped_model_is_collected_at_once_only_when_large(monkeypatch):
-    """A full collection walks every object of the process: after a small model it costs more than it frees."""
+    """A full collection walks every object of the process: after a small model it costs more than
+    it frees."""
     from enjoyln.checking import forward
 
     calls = []
@@ -170,12 +191,15 @@ def test_a_dropped_model_is_collected_at_once_only_when_large(monkeypatch):
     unknown = forward.ModelSource(torch.float32, lambda dtype: None)
     unknown.drop(torch.float32)
     assert len(calls) == 2
-    forward.ModelSource.of(torch.nn.Linear(4, 4)).drop(torch.float32)  # the caller holds it: nothing to free
+    forward.ModelSource.of(torch.nn.Linear(4, 4)).drop(
+        torch.float32
+    )  # the caller holds it: nothing to free
     assert len(calls) == 2
 
 
 def test_a_recorded_claim_never_hides_what_the_model_serves(gpt2):
-    """Outputs a plan lets its rotation change are skipped only where the model does not serve them: a block
+    """Outputs a plan lets its rotation change are skipped only where the model does not serve them:
+    a block
     claiming the logits changed (a forged one) still has them compared."""
     from enjoyln.options import CheckOptions
 

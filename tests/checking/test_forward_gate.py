@@ -55,7 +55,9 @@ def one_inf(logits, call):
 
 
 def quick_check(reference, candidate, **kwargs):
-    return enjoyln.check(reference, candidate, options=CheckOptions(batches=1, generate_tokens=0, **kwargs))
+    return enjoyln.check(
+        reference, candidate, options=CheckOptions(batches=1, generate_tokens=0, **kwargs)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +72,12 @@ def run_mode(reference, candidate, mode):
     if mode == "rtol":
         return enjoyln.check(reference, candidate, options=CheckOptions(rtol=1e-3, **quick))
     if mode == "spill":  # the path of a check within a memory budget
-        return check_sources(ModelSource.of(reference), [CandidatePath("", ModelSource.of(candidate))], None,
-                             CheckOptions(spill=True, max_rows=1, **quick))
+        return check_sources(
+            ModelSource.of(reference),
+            [CandidatePath("", ModelSource.of(candidate))],
+            None,
+            CheckOptions(spill=True, max_rows=1, **quick),
+        )
     raise AssertionError(mode)
 
 
@@ -92,7 +98,9 @@ def test_a_nan_or_inf_where_the_reference_is_finite_fails(gpt2, edit, mode):
 
 def test_a_vit_with_nan_logits_fails():
     vit = perturb(tiny_model("vit"), seed=52)
-    candidate = hooked(enjoyln.fold(copy.deepcopy(vit)), lambda logits, call: logits[:, 2].fill_(NAN))
+    candidate = hooked(
+        enjoyln.fold(copy.deepcopy(vit)), lambda logits, call: logits[:, 2].fill_(NAN)
+    )
     for mode in ("default", "rtol", "spill"):
         report = run_mode(vit, candidate, mode)
         assert not report.passed and report.outputs[0].nonfinite >= 2, (mode, report.summary())
@@ -101,6 +109,7 @@ def test_a_vit_with_nan_logits_fails():
 def test_non_finite_reference_values_must_be_matched_exactly(gpt2):
     """Where the reference itself is -Inf (a masked logit) or NaN, the candidate must hold the
     same value there: the same infinity, or NaN."""
+
     def masked(value):
         return lambda logits, call: logits[..., 7].fill_(value)
 
@@ -126,7 +135,10 @@ def test_the_criterion_is_the_references_own_rounding(gpt2):
     own = quick_check(gpt2, gpt2)
     out = own.outputs[0]
     assert own.passed and own.criterion_kind == "precision" and own.truth_dtype == "float64"
-    assert out.candidate_error == out.reference_error > 0 and out.allowed == FACTOR * out.reference_error
+    assert (
+        out.candidate_error == out.reference_error > 0
+        and out.allowed == FACTOR * out.reference_error
+    )
     room = out.allowed - out.reference_error
 
     def nudge(by):
@@ -151,7 +163,11 @@ def test_the_report_names_the_criterion_and_the_margin(gpt2):
     assert data["criterion_kind"] == "precision" and data["truth_dtype"] == "float64"
     assert data["margin"] == min(o["margin"] for o in data["outputs"]) > 1
     out = data["outputs"][0]
-    assert out["candidate_error"] <= out["allowed"] == pytest.approx(out["margin"] * out["candidate_error"])
+    assert (
+        out["candidate_error"]
+        <= out["allowed"]
+        == pytest.approx(out["margin"] * out["candidate_error"])
+    )
 
 
 def test_a_reference_that_cannot_run_in_float64_falls_back_to_a_fixed_tolerance():
@@ -185,14 +201,26 @@ def test_a_float64_reference_is_judged_with_a_fixed_tight_tolerance(gpt2):
 
 def test_a_flip_within_the_tolerance_is_a_near_tie_and_one_beyond_it_fails():
     f64 = dict(dtype=torch.float64)
-    ref_logits = [torch.tensor([[3.0, 1.0, 2.0]], **f64), torch.tensor([[0.0, 5.0, 5.0 - 1e-7]], **f64)]
+    ref_logits = [
+        torch.tensor([[3.0, 1.0, 2.0]], **f64),
+        torch.tensor([[0.0, 5.0, 5.0 - 1e-7]], **f64),
+    ]
     ref = ([[0, 1]], ref_logits, ref_logits)  # no logits processors: the scores are the logits
     near_logits = [ref_logits[0], torch.tensor([[0.0, 5.0 - 1e-7, 5.0]], **f64)]
     near = ([[0, 2]], near_logits, near_logits)
     ok, ties, problem = judge_generation(ref, near, tolerance=1e-6)
     assert ok and not problem
-    assert ties == [NearTie(0, 1, 1, 2, pytest.approx(1e-7, rel=0.5), pytest.approx(1e-7, rel=0.5),
-                            pytest.approx(1e-7, rel=0.5))]
+    assert ties == [
+        NearTie(
+            0,
+            1,
+            1,
+            2,
+            pytest.approx(1e-7, rel=0.5),
+            pytest.approx(1e-7, rel=0.5),
+            pytest.approx(1e-7, rel=0.5),
+        )
+    ]
     far_logits = [ref_logits[0], torch.tensor([[0.0, 5.0, 6.0]], **f64)]
     ok, _, problem = judge_generation(ref, ([[0, 2]], far_logits, far_logits), tolerance=1e-6)
     assert not ok and "not a near-tie" in problem
@@ -212,13 +240,17 @@ def test_a_flip_the_logits_processors_make_is_no_near_tie():
     suppressed = ([[2]], logits, [torch.tensor([[0.0, -INF, 4.9]], **f64)])
     ok, ties, problem = judge_generation(ref, suppressed, tolerance=1e-6)
     assert not ok and not ties
-    assert "margins 0.1 (original) and inf (candidate)" in problem and "not a near-tie" in problem, problem
+    assert (
+        "margins 0.1 (original) and inf (candidate)" in problem and "not a near-tie" in problem
+    ), problem
     penalized = ([[2]], logits, [torch.tensor([[0.0, 5.0 / 1.3, 4.9]], **f64)])
     ok, _, problem = judge_generation(ref, penalized, tolerance=1e-6)
     assert not ok and "margins 0.1 (original) and 1.05 (candidate)" in problem, problem
     # the margin is judged where the rows first differ, in the scores: a tie there is excused
     tie = [torch.tensor([[0.0, 5.0, 5.0 - 1e-7]], **f64)]
-    ok, ties, _ = judge_generation(([[1]], logits, tie), ([[2]], logits, [tie[0].flip(-1).roll(1, -1)]), 1e-6)
+    ok, ties, _ = judge_generation(
+        ([[1]], logits, tie), ([[2]], logits, [tie[0].flip(-1).roll(1, -1)]), 1e-6
+    )
     assert ok and ties[0].reference_margin == pytest.approx(1e-7, rel=1e-3)
 
 
@@ -230,10 +262,13 @@ def test_generation_settings_are_compared_and_their_flips_are_not_near_ties(gpt2
     folded.generation_config.suppress_tokens = sorted(first)
     report = enjoyln.check(gpt2, folded)
     g = report.generation
-    assert not report.passed and not g.passed and not g.near_ties and "not a near-tie" in g.problem, report.summary()
+    assert (
+        not report.passed and not g.passed and not g.near_ties and "not a near-tie" in g.problem
+    ), report.summary()
     assert "inf (candidate) in the scores generate() used" in g.problem
-    assert report.generation_settings == [f"generation settings: suppress_tokens is {sorted(first)!r}, "
-                                          "the original's None"]
+    assert report.generation_settings == [
+        f"generation settings: suppress_tokens is {sorted(first)!r}, the original's None"
+    ]
     assert f"[FAIL] generation settings: suppress_tokens is {sorted(first)!r}" in report.summary()
 
 
@@ -249,16 +284,26 @@ def test_greedy_flips_through_the_check(gpt2):
                 last = logits[:, -1]
                 top = last.topk(2, dim=-1)
                 last.scatter_(1, top.indices[:, 1:], top.values[:, :1] + sign * gap)
+
         return edit
 
     reference = hooked(copy.deepcopy(gpt2), tie(-1), only_steps=True)
-    report = enjoyln.check(reference, hooked(enjoyln.fold(copy.deepcopy(gpt2)), tie(+1), only_steps=True))
+    report = enjoyln.check(
+        reference, hooked(enjoyln.fold(copy.deepcopy(gpt2)), tie(+1), only_steps=True)
+    )
     g = report.generation
     assert report.passed and g.passed and not g.identical, report.summary()
     assert {t.row for t in g.near_ties} == {0, 1} and all(t.step == 2 for t in g.near_ties)
-    assert all(t.reference_margin <= 2 * g.tolerance for t in g.near_ties) and "near-ties" in report.summary()
-    report = enjoyln.check(reference, hooked(enjoyln.fold(copy.deepcopy(gpt2)), tie(+1, gap=1.0), only_steps=True))
-    assert not report.passed and not report.generation.passed and "not a near-tie" in report.summary()
+    assert (
+        all(t.reference_margin <= 2 * g.tolerance for t in g.near_ties)
+        and "near-ties" in report.summary()
+    )
+    report = enjoyln.check(
+        reference, hooked(enjoyln.fold(copy.deepcopy(gpt2)), tie(+1, gap=1.0), only_steps=True)
+    )
+    assert (
+        not report.passed and not report.generation.passed and "not a near-tie" in report.summary()
+    )
 
 
 # --- models that draw random numbers in their eval forward ---------------------------------
@@ -269,8 +314,14 @@ def tiny_vit_mae(seed=57):
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.ViTMAEConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                       intermediate_size=64, image_size=16, patch_size=8)
+    config = transformers.ViTMAEConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=16,
+        patch_size=8,
+    )
     return perturb(transformers.ViTMAEModel(config).eval(), seed=seed)
 
 
@@ -299,7 +350,9 @@ def test_a_vit_mae_checkpoint_folds_and_a_changed_weight_fails(tmp_path):
     copy failed."""
     tiny_vit_mae().save_pretrained(tmp_path / "ref")
     result = CliRunner().invoke(app, ["fold", str(tmp_path / "ref"), str(tmp_path / "out")])
-    assert result.exit_code == 0 and (tmp_path / "out" / "model.safetensors").exists(), result.output
+    assert result.exit_code == 0 and (tmp_path / "out" / "model.safetensors").exists(), (
+        result.output
+    )
     assert gate(tmp_path / "ref", copy_dir(tmp_path / "ref", tmp_path / "copy"))[0] == 0
     key = "encoder.layer.0.output.dense.bias"
     changed = edited(tmp_path / "out", tmp_path / "cand", set_(key, 3, 0.05))
@@ -319,7 +372,9 @@ def dirs(tmp_path_factory):
     perturb(tiny_model("vit"), seed=54).save_pretrained(root / "vit")
     for name in ("gpt2", "gpt2-bf16", "vit"):
         fold_checkpoint(root / name, root / f"{name}-folded", FoldOptions.of(check="none"))
-    fold_checkpoint(root / "gpt2", root / "gpt2-fused", FoldOptions.of(check="none", fuse_affine=True))
+    fold_checkpoint(
+        root / "gpt2", root / "gpt2-fused", FoldOptions.of(check="none", fuse_affine=True)
+    )
     return root
 
 
@@ -347,10 +402,13 @@ MODES = [(), ("--forward-only",), ("--forward-only", "--max-memory", "300KB")]
 def set_(key, index, value):
     def edit(sd):
         sd[key].view(-1)[index] = value
+
     return edit
 
 
-@pytest.mark.parametrize("case", ["gpt2 all NaN", "gpt2-bf16 all NaN", "vit +100 with one NaN", "vit NaN logits"])
+@pytest.mark.parametrize(
+    "case", ["gpt2 all NaN", "gpt2-bf16 all NaN", "vit +100 with one NaN", "vit NaN logits"]
+)
 @pytest.mark.parametrize("mode", MODES, ids=["default", "forward-only", "max-memory"])
 def test_non_finite_checkpoints_fail_in_every_mode(dirs, tmp_path, monkeypatch, case, mode):
     from enjoyln.checking import checkpoints as checkpoint
@@ -378,10 +436,18 @@ def test_non_finite_checkpoints_fail_in_every_mode(dirs, tmp_path, monkeypatch, 
 def test_forward_only_runs_both_load_paths(dirs, tmp_path):
     """γ of a fused norm is 1 on disk and enjoyln.load drops it; plain from_pretrained runs it.
     A tampered γ passed the enjoyln.load path and moved plain loading's outputs."""
-    cand = edited(dirs / "gpt2-fused", tmp_path / "cand", set_("transformer.h.1.ln_2.weight", 5, 1.3))
+    cand = edited(
+        dirs / "gpt2-fused", tmp_path / "cand", set_("transformer.h.1.ln_2.weight", 5, 1.3)
+    )
     code, out = gate(dirs / "gpt2", cand, "--forward-only")
-    assert code == 1 and "[FAIL] logits (from_pretrained)" in out and "[ok] logits (enjoyln.load)" in out, out
-    cand = edited(dirs / "gpt2-fused", tmp_path / "cand2", set_("transformer.h.0.ln_1.bias", 0, 0.02))
+    assert (
+        code == 1
+        and "[FAIL] logits (from_pretrained)" in out
+        and "[ok] logits (enjoyln.load)" in out
+    ), out
+    cand = edited(
+        dirs / "gpt2-fused", tmp_path / "cand2", set_("transformer.h.0.ln_1.bias", 0, 0.02)
+    )
     assert gate(dirs / "gpt2", cand, "--forward-only")[0] == 1
     code, out = gate(dirs / "gpt2", dirs / "gpt2-fused", "--forward-only")
     assert code == 0 and "through enjoyln.load and from_pretrained" in out, out
@@ -397,8 +463,11 @@ def test_forward_only_compares_the_generation_settings_the_loaders_apply(dirs, t
     (cand / "generation_config.json").write_text(json.dumps({**g, "repetition_penalty": 1.0001}))
     code, out = gate(dirs / "gpt2", cand, "--forward-only")
     assert code == 1, out
-    assert ("[FAIL] generation settings (enjoyln.load and from_pretrained): repetition_penalty is 1.0001, "
-            "the original's None") in out
+    assert (
+        "[FAIL] generation settings (enjoyln.load and from_pretrained): repetition_penalty is "
+        "1.0001, "
+        "the original's None"
+    ) in out
     assert "greedy generation of 8 tokens after 8: identical" in out  # only the settings show it
     ref = copy_dir(dirs / "gpt2", tmp_path / "ref")
     for d in (ref, cand):
@@ -407,7 +476,11 @@ def test_forward_only_compares_the_generation_settings_the_loaders_apply(dirs, t
     cfg = json.loads((cand / "config.json").read_text())
     (cand / "config.json").write_text(json.dumps({**cfg, "do_sample": True, "temperature": 5.0}))
     code, out = gate(ref, cand, "--forward-only")
-    assert code == 1 and "do_sample is True, the original's None" in out and "temperature is 5.0" in out, out
+    assert (
+        code == 1
+        and "do_sample is True, the original's None" in out
+        and "temperature is 5.0" in out
+    ), out
 
 
 def test_a_block_declaring_plain_loading_inexact_is_shown_on_the_verdict(dirs, tmp_path):
@@ -415,7 +488,12 @@ def test_a_block_declaring_plain_loading_inexact_is_shown_on_the_verdict(dirs, t
     (both flags false) is not verified by --forward-only, so the verdict says what it leaves out;
     a block claiming exactness is held to it."""
     rot = tmp_path / "rot"
-    assert CliRunner().invoke(app, ["rotate", str(dirs / "gpt2"), str(rot), "--no-keep-mean", "--no-check"]).exit_code == 0
+    assert (
+        CliRunner()
+        .invoke(app, ["rotate", str(dirs / "gpt2"), str(rot), "--no-keep-mean", "--no-check"])
+        .exit_code
+        == 0
+    )
 
     def claim_exact(cfg):
         cfg["enjoyln"]["rotation"]["plain_loading_exact"] = True
@@ -425,21 +503,42 @@ def test_a_block_declaring_plain_loading_inexact_is_shown_on_the_verdict(dirs, t
     assert code == 1 and "[FAIL] logits (from_pretrained)" in out, out
     code, out = gate(dirs / "gpt2", rot, "--forward-only")
     first = out.splitlines()[0]
-    assert code == 0 and first.startswith("PASS: the candidate computes the same outputs (") and \
-        "weights not compared); judged through enjoyln.load only" in first and "run the full check" in first
+    assert (
+        code == 0
+        and first.startswith("PASS: the candidate computes the same outputs (")
+        and "weights not compared); judged through enjoyln.load only" in first
+        and "run the full check" in first
+    )
     assert "differs, not required] logits (from_pretrained)" in out
     code, out = gate(dirs / "gpt2", rot)
-    assert code == 0 and out.splitlines()[0].startswith("PASS: the candidate computes the same outputs (every "
-                                                        "weight proven; 1 batch within 4") \
-        and "reported but not required" in out, out
-    data = json.loads(CliRunner().invoke(app, ["check", str(dirs / "gpt2"), str(rot), "--forward-only",
-                                               "--json"]).stdout)
+    assert (
+        code == 0
+        and out.splitlines()[0].startswith(
+            "PASS: the candidate computes the same outputs (every weight proven; 1 batch within 4"
+        )
+        and "reported but not required" in out
+    ), out
+    data = json.loads(
+        CliRunner()
+        .invoke(app, ["check", str(dirs / "gpt2"), str(rot), "--forward-only", "--json"])
+        .stdout
+    )
     assert data["caveat"].startswith("judged through enjoyln.load only")
 
     def only_flag(cfg):  # no keep_mean=False rotation in the plan: the flag alone is not believed
-        cfg["enjoyln"]["rotation"] = {"kind": "hadamard", "seed": 0, "keep_mean": False, "plain_loading_exact": False}
+        cfg["enjoyln"]["rotation"] = {
+            "kind": "hadamard",
+            "seed": 0,
+            "keep_mean": False,
+            "plain_loading_exact": False,
+        }
 
-    fused = edited(dirs / "gpt2-fused", tmp_path / "flag", set_("transformer.h.1.ln_2.weight", 5, 1.3), config=only_flag)
+    fused = edited(
+        dirs / "gpt2-fused",
+        tmp_path / "flag",
+        set_("transformer.h.1.ln_2.weight", 5, 1.3),
+        config=only_flag,
+    )
     code, out = gate(dirs / "gpt2", fused, "--forward-only")
     assert code == 1 and not out.startswith("PASS"), out
 
@@ -447,32 +546,50 @@ def test_a_block_declaring_plain_loading_inexact_is_shown_on_the_verdict(dirs, t
 def test_short_context_folds_end_to_end(tmp_path):
     """n_positions=12: the check generated 8 tokens after an 8-token prompt (IndexError, exit 2)."""
     perturb(tiny_model("gpt2", n_positions=12), seed=55).save_pretrained(tmp_path / "short")
-    result = CliRunner().invoke(app, ["fold", str(tmp_path / "short"), str(tmp_path / "out"), "--json"])
+    result = CliRunner().invoke(
+        app, ["fold", str(tmp_path / "short"), str(tmp_path / "out"), "--json"]
+    )
     assert result.exit_code == 0, result.output
     check = json.loads(result.stdout)["check"]
     # the weights are proven: the forward part is a short confirmation, with a 4-token decode
-    assert check["passed"] and check["generation"]["new_tokens"] == 4 and check["generation"]["prompt_tokens"] == 8
+    assert (
+        check["passed"]
+        and check["generation"]["new_tokens"] == 4
+        and check["generation"]["prompt_tokens"] == 8
+    )
     assert check["coverage"] is None
-    result = CliRunner().invoke(app, ["check", str(tmp_path / "short"), str(tmp_path / "out"), "--thorough", "--json"])
+    result = CliRunner().invoke(
+        app, ["check", str(tmp_path / "short"), str(tmp_path / "out"), "--thorough", "--json"]
+    )
     assert result.exit_code == 0, result.output
     thorough = json.loads(result.stdout)
     assert thorough["coverage"]["positions"] == 12
-    assert thorough["generation"]["new_tokens"] == 8 and thorough["generation"]["prompt_tokens"] == 4
+    assert (
+        thorough["generation"]["new_tokens"] == 8 and thorough["generation"]["prompt_tokens"] == 4
+    )
     perturb(tiny_model("gpt2", n_positions=5), seed=55).save_pretrained(tmp_path / "shorter")
     report = fold_checkpoint(tmp_path / "shorter", tmp_path / "out5").report
-    assert report.passed and report.generation.prompt_tokens == 1 and report.generation.new_tokens == 4
+    assert (
+        report.passed and report.generation.prompt_tokens == 1 and report.generation.new_tokens == 4
+    )
 
 
 def test_fold_and_rotate_accept_rtol(dirs, tmp_path):
     runner = CliRunner()
     for cmd in (["fold", "--fuse-affine"], ["rotate"]):
         out = tmp_path / cmd[0]
-        result = runner.invoke(app, [cmd[0], str(dirs / "gpt2"), str(out), *cmd[1:], "--rtol", "1e-12", "--json"])
+        result = runner.invoke(
+            app, [cmd[0], str(dirs / "gpt2"), str(out), *cmd[1:], "--rtol", "1e-12", "--json"]
+        )
         assert result.exit_code == 1 and not out.exists(), result.output
         check = json.loads(result.stdout)["check"]
         assert check["criterion_kind"] == "rtol" and "1e-12" in check["criterion"]
-        result = runner.invoke(app, [cmd[0], str(dirs / "gpt2"), str(out), *cmd[1:], "--rtol", "1e-4"])
-        assert result.exit_code == 0 and "fixed: max|original - candidate| <= 0.0001" in result.output
+        result = runner.invoke(
+            app, [cmd[0], str(dirs / "gpt2"), str(out), *cmd[1:], "--rtol", "1e-4"]
+        )
+        assert (
+            result.exit_code == 0 and "fixed: max|original - candidate| <= 0.0001" in result.output
+        )
 
 
 def test_a_one_weight_change_still_fails_the_default_check(dirs, tmp_path):
@@ -515,14 +632,22 @@ def test_a_correct_fold_of_an_imprecise_original_passes_by_default(tmp_path):
         model.transformer.wte.weight.add_(10.0)
     model.save_pretrained(tmp_path / "ref")
     runner = CliRunner()
-    result = runner.invoke(app, ["fold", str(tmp_path / "ref"), str(tmp_path / "fixed"), "--rtol", "1e-5"])
+    result = runner.invoke(
+        app, ["fold", str(tmp_path / "ref"), str(tmp_path / "fixed"), "--rtol", "1e-5"]
+    )
     assert result.exit_code == 1 and "fixed:" in result.output
     result = runner.invoke(app, ["fold", str(tmp_path / "ref"), str(tmp_path / "out"), "--json"])
     assert result.exit_code == 0, result.output
     check = json.loads(result.stdout)["check"]
-    assert check["max_rel_diff"] > 1e-5 and check["criterion_kind"] == "precision" and check["margin"] > 2
+    assert (
+        check["max_rel_diff"] > 1e-5
+        and check["criterion_kind"] == "precision"
+        and check["margin"] > 2
+    )
     out = check["outputs"][0]
-    assert out["candidate_error"] < out["reference_error"]  # the fold is closer to float64 than the original
+    assert (
+        out["candidate_error"] < out["reference_error"]
+    )  # the fold is closer to float64 than the original
     changed = edited(tmp_path / "out", tmp_path / "cand", set_("transformer.ln_f.bias", 3, 0.5))
     code, text = gate(tmp_path / "ref", changed, "--forward-only")
     assert code == 1 and "[FAIL] logits (enjoyln.load)" in text, text
@@ -542,11 +667,27 @@ def test_the_tolerance_benchmark_at_a_small_size(tmp_path, monkeypatch):
     spec.loader.exec_module(bench)
     written = {}
     monkeypatch.setattr(bench, "replace_section", lambda name, text: written.update({name: text}))
-    rows = bench.main(["--layers", "1", "--width", "64", "--vocab", "256", "--positions", "32",
-                       "--workdir", str(tmp_path), "--write"])
+    rows = bench.main(
+        [
+            "--layers",
+            "1",
+            "--width",
+            "64",
+            "--vocab",
+            "256",
+            "--positions",
+            "32",
+            "--workdir",
+            str(tmp_path),
+            "--write",
+        ]
+    )
     assert [(r["model"], r["command"]) for r in rows] == [
-        (m, c) for m in ("GPT-2", "OPT, outliers") for c in ("fold", "fold --fuse-affine", "rotate")]
-    assert all(r["passed"] and r["kind"] == "precision" and 0 < r["own"] and r["margin"] > 1 for r in rows)
+        (m, c) for m in ("GPT-2", "OPT, outliers") for c in ("fold", "fold --fuse-affine", "rotate")
+    ]
+    assert all(
+        r["passed"] and r["kind"] == "precision" and 0 < r["own"] and r["margin"] > 1 for r in rows
+    )
     assert all(r["candidate"] <= r["allowed"] == pytest.approx(FACTOR * r["own"]) for r in rows)
     text = written["tolerance"]
     assert text.count("\n| GPT-2 |") == 3 and text.count("\n| OPT, outliers |") == 3
@@ -559,32 +700,58 @@ def test_default_check_confirms_briefly_once_the_weights_are_proven(tmp_path):
     perturb(tiny_model("gpt2", n_positions=24), seed=56).save_pretrained(tmp_path / "ref")
     fold_checkpoint(tmp_path / "ref", tmp_path / "out", FoldOptions.of(check="none"))
     runs = {}
-    for name, args in {"default": [], "thorough": ["--thorough"], "forward": ["--forward-only"]}.items():
-        result = CliRunner().invoke(app, ["check", str(tmp_path / "ref"), str(tmp_path / "out"), "--json", *args])
+    for name, args in {
+        "default": [],
+        "thorough": ["--thorough"],
+        "forward": ["--forward-only"],
+    }.items():
+        result = CliRunner().invoke(
+            app, ["check", str(tmp_path / "ref"), str(tmp_path / "out"), "--json", *args]
+        )
         assert result.exit_code == 0, result.output
         runs[name] = json.loads(result.stdout)
     assert runs["default"]["coverage"] is None and runs["default"]["batches"] == 2
     # --forward-only then sweeps the token ids the 3 batches missed: 1 more batch for 128 ids
     assert runs["thorough"]["batches"] == 3 and runs["forward"]["batches"] == 4
-    assert runs["forward"]["coverage"]["distinct_ids"] == 128 > runs["thorough"]["coverage"]["distinct_ids"]
-    assert any("2 short batches (plain loading on the first) and a greedy decode" in n for n in runs["default"]["notes"])
-    assert runs["default"]["generation"]["new_tokens"] == 4 and runs["thorough"]["generation"]["new_tokens"] == 8
+    assert (
+        runs["forward"]["coverage"]["distinct_ids"]
+        == 128
+        > runs["thorough"]["coverage"]["distinct_ids"]
+    )
+    assert any(
+        "2 short batches (plain loading on the first) and a greedy decode" in n
+        for n in runs["default"]["notes"]
+    )
+    assert (
+        runs["default"]["generation"]["new_tokens"] == 4
+        and runs["thorough"]["generation"]["new_tokens"] == 8
+    )
     assert any("--thorough" in note for note in runs["default"]["notes"])
-    assert runs["thorough"]["coverage"]["positions"] == 24 and runs["forward"]["coverage"]["positions"] == 24
+    assert (
+        runs["thorough"]["coverage"]["positions"] == 24
+        and runs["forward"]["coverage"]["positions"] == 24
+    )
     assert not any("--thorough" in note for note in runs["thorough"]["notes"])
-    result = CliRunner().invoke(app, ["check", str(tmp_path / "ref"), str(tmp_path / "out"), "--static", "--thorough"])
+    result = CliRunner().invoke(
+        app, ["check", str(tmp_path / "ref"), str(tmp_path / "out"), "--static", "--thorough"]
+    )
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
 
 
 def test_forward_only_runs_every_token_id_and_catches_a_garbage_row(tmp_path):
     """16 positions and a vocabulary of 8,192: the coverage batch draws 64 ids, so a garbage
-    embedding row passed. The token sweep runs the other 8,128 (within its default limit), its outputs
+    embedding row passed. The token sweep runs the other 8,128 (within its default limit), its
+    outputs
     kept as sketches; with a lower limit it runs that many, and the report says how many ids ran."""
     from enjoyln.checking import sweep
 
-    perturb(tiny_model("gpt2", n_positions=16, vocab_size=8192), seed=3).save_pretrained(tmp_path / "ref")
+    perturb(tiny_model("gpt2", n_positions=16, vocab_size=8192), seed=3).save_pretrained(
+        tmp_path / "ref"
+    )
     fold_checkpoint(tmp_path / "ref", tmp_path / "out", FoldOptions.of(check="none"))
-    report = enjoyln.check_checkpoints(tmp_path / "ref", tmp_path / "out", CheckOptions.of(mode="forward"))
+    report = enjoyln.check_checkpoints(
+        tmp_path / "ref", tmp_path / "out", CheckOptions.of(mode="forward")
+    )
     assert report.passed and report.coverage.distinct_ids == 8192, report.summary()
     assert report.coverage.sweep_limit is None and "stopped" not in report.summary()
     assert any(o.name == "logits" + sweep.SUFFIX for o in report.outputs)
@@ -595,11 +762,23 @@ def test_forward_only_runs_every_token_id_and_catches_a_garbage_row(tmp_path):
     report = enjoyln.check_checkpoints(tmp_path / "ref", bad, CheckOptions.of(mode="forward"))
     failed = [o.name for o in report.outputs if not o.passed]
     assert not report.passed and failed == ["logits" + sweep.SUFFIX], report.summary()
-    assert sweep.SWEEP_TOKENS == 8192 and "default: 8192" in CliRunner().invoke(app, ["check", "-h"]).output
-    report = enjoyln.check_checkpoints(tmp_path / "ref", tmp_path / "out", CheckOptions.of(mode="forward", sweep_tokens=100))
-    # every batch's ids: 64 in the coverage batch, 100 swept, at most 64 in the short batches and 12 after the
+    assert (
+        sweep.SWEEP_TOKENS == 8192
+        and "default: 8192" in CliRunner().invoke(app, ["check", "-h"]).output
+    )
+    report = enjoyln.check_checkpoints(
+        tmp_path / "ref", tmp_path / "out", CheckOptions.of(mode="forward", sweep_tokens=100)
+    )
+    # every batch's ids: 64 in the coverage batch, 100 swept, at most 64 in the short batches and 12
+    # after the
     # swept ones in the sweep's last row of 16
     n = report.coverage.distinct_ids
     assert report.passed and 164 <= n <= 240 and report.batches == 4, report.summary()
-    assert report.coverage.sweep_limit == 100 and (f"{n} distinct token ids of 8192 (the token sweep stopped at its "
-                                                   "limit of 100 ids; --sweep-tokens)") in report.summary()
+    assert (
+        report.coverage.sweep_limit == 100
+        and (
+            f"{n} distinct token ids of 8192 (the token sweep stopped at its "
+            "limit of 100 ids; --sweep-tokens)"
+        )
+        in report.summary()
+    )

@@ -1,5 +1,7 @@
-"""Rotated checkpoints: one written before the structured rotation (version 1, kept in tests/data from that
-release) still passes the static check; a new one records version 2 and checks; in memory, the same path."""
+"""Rotated checkpoints: one written before the structured rotation (version 1, kept in tests/data
+from that
+release) still passes the static check; a new one records version 2 and checks; in memory, the same
+path."""
 
 import copy
 import hashlib
@@ -27,7 +29,9 @@ REFERENCE_SHA256 = "263d8c50fd8bd8978428ccba7b0354ff79baff5f069e71e39e45e30ee89b
 
 
 def small_gpt2():
-    return perturb(tiny_model("gpt2", n_layer=1, n_embd=24, n_head=2, vocab_size=32, n_positions=16))
+    return perturb(
+        tiny_model("gpt2", n_layer=1, n_embd=24, n_head=2, vocab_size=32, n_positions=16)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +50,23 @@ def sha(path):
 def test_a_checkpoint_rotated_by_the_dense_release_still_checks(ref, name, tmp_path):
     old = DATA / name
     plan = json.loads((old / "config.json").read_text())["enjoyln"]["plan"]
-    assert "version" not in plan["rotation"] and plan["format_version"] == 1  # as that release wrote it
+    assert (
+        "version" not in plan["rotation"] and plan["format_version"] == 1
+    )  # as that release wrote it
     report = static_check(open_checkpoint(ref), open_checkpoint(old))
     assert report.passed, report.summary()
-    # made again from its recorded plan: the same bytes, so the dense path is still what version 1 means
+    # made again from its recorded plan: the same bytes, so the dense path is still what version 1
+    # means
     r = plan["rotation"]
-    fold_checkpoint(ref, tmp_path / "again", FoldOptions.of(fuse_affine=True, check="none", rotate=RotationSpec(r["kind"], r["seed"], r["keep_mean"], 1)))
+    fold_checkpoint(
+        ref,
+        tmp_path / "again",
+        FoldOptions.of(
+            fuse_affine=True,
+            check="none",
+            rotate=RotationSpec(r["kind"], r["seed"], r["keep_mean"], 1),
+        ),
+    )
     assert sha(tmp_path / "again") == sha(old)
     # and a changed bit of a rotated tensor is caught
     bad = tmp_path / "bad"
@@ -70,10 +85,18 @@ def test_a_new_rotation_records_version_2_and_checks(ref, tmp_path):
     assert plan["rotation"]["version"] == 2 and plan["format_version"] == 3
     assert static_check(open_checkpoint(ref), open_checkpoint(out)).passed
     assert sha(out) != sha(DATA / "w24")
-    # the writer scales a fused gain inside the rotation kernel, the in-memory steps scale and then rotate:
+    # the writer scales a fused gain inside the rotation kernel, the in-memory steps scale and then
+    # rotate:
     # the same bits, so the written checkpoint is the model enjoyln.rotate makes
-    written, memory = load_file(out / "model.safetensors"), enjoyln.rotate(small_gpt2()).state_dict()
-    for key in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_fc.weight", "lm_head.weight"):
+    written, memory = (
+        load_file(out / "model.safetensors"),
+        enjoyln.rotate(small_gpt2()).state_dict(),
+    )
+    for key in (
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.0.mlp.c_fc.weight",
+        "lm_head.weight",
+    ):
         assert torch.equal(written[key].view(torch.int32), memory[key].view(torch.int32)), key
     # the same tensors claimed as version 1: the recomputation tells them apart
     plan["rotation"].pop("version")

@@ -28,7 +28,6 @@ def pair(tmp_path_factory):
     return root / "ref", root / "folded", model
 
 
-
 def run(ref, cand):
     return static_check(open_checkpoint(ref), open_checkpoint(cand))
 
@@ -68,15 +67,21 @@ def test_a_dropped_beta_is_caught(pair, tmp_path):
     ref, folded, _ = pair
     cand = edited(folded, tmp_path, lambda sd: sd["transformer.h.0.ln_2.bias"].zero_())
     report = run(ref, cand)
-    assert not report.passed and any("transformer.h.0.ln_2.bias differs" in p for p in report.problems)
+    assert not report.passed and any(
+        "transformer.h.0.ln_2.bias differs" in p for p in report.problems
+    )
 
 
 def test_a_perturbed_centered_tensor_is_caught(pair, tmp_path):
     ref, folded, _ = pair
     key = "transformer.h.1.mlp.c_proj.weight"
-    cand = edited(folded, tmp_path, lambda sd: sd[key].view(-1)[7].add_(1e-3 * float(sd[key].abs().max())))
+    cand = edited(
+        folded, tmp_path, lambda sd: sd[key].view(-1)[7].add_(1e-3 * float(sd[key].abs().max()))
+    )
     report = run(ref, cand)
-    assert not report.passed and any(p.startswith(f"{key} is not {key} centered") for p in report.problems)
+    assert not report.passed and any(
+        p.startswith(f"{key} is not {key} centered") for p in report.problems
+    )
 
 
 def test_a_partial_fold_without_a_block_is_not_proven(pair, tmp_path):
@@ -90,12 +95,24 @@ def test_a_partial_fold_without_a_block_is_not_proven(pair, tmp_path):
     report = run(ref, cand)
     assert not report.passed and report.form == "identical" and report.differing == 1
     # judged as a copy: the centered embedding is measured against the reference itself
-    d = (wte.double() - load_file(ref / "model.safetensors")["transformer.wte.weight"].double()).abs()
+    d = (
+        wte.double() - load_file(ref / "model.safetensors")["transformer.wte.weight"].double()
+    ).abs()
     where = [int(i) for i in torch.unravel_index(d.argmax(), d.shape)]
     first = report.first_difference
-    assert (first.tensor, first.index, first.max_abs_diff) == ("transformer.wte.weight", where, float(d.max()))
-    assert report.problems == [report.first_differing] == [
-        f"transformer.wte.weight differs from the reference's transformer.wte.weight: {first.describe()}"]
+    assert (first.tensor, first.index, first.max_abs_diff) == (
+        "transformer.wte.weight",
+        where,
+        float(d.max()),
+    )
+    assert (
+        report.problems
+        == [report.first_differing]
+        == [
+            "transformer.wte.weight differs from the reference's transformer.wte.weight: "
+            f"{first.describe()}"
+        ]
+    )
 
 
 def test_a_tampered_plan_is_refused(pair, tmp_path):
@@ -105,7 +122,10 @@ def test_a_tampered_plan_is_refused(pair, tmp_path):
     config["enjoyln"]["plan"]["layer_norms"][0]["centered"][0]["axis"] = 0
     (cand / "config.json").write_text(json.dumps(config))
     report = run(ref, cand)
-    assert not report.passed and "the recorded plan is not what this enjoyln's analysis gives" in report.problems[0]
+    assert (
+        not report.passed
+        and "the recorded plan is not what this enjoyln's analysis gives" in report.problems[0]
+    )
 
 
 def test_a_config_change_is_caught(pair, tmp_path):
@@ -115,7 +135,10 @@ def test_a_config_change_is_caught(pair, tmp_path):
     config["layer_norm_epsilon"] = 1e-3
     (cand / "config.json").write_text(json.dumps(config))
     report = run(ref, cand)
-    assert not report.passed and "config.json changes layer_norm_epsilon from 1e-05 to 0.001" in report.problems
+    assert (
+        not report.passed
+        and "config.json changes layer_norm_epsilon from 1e-05 to 0.001" in report.problems
+    )
 
 
 def test_a_missing_head_is_caught(pair, tmp_path):
@@ -137,17 +160,25 @@ def test_half_precision_candidate_of_a_float32_reference(pair, tmp_path):
     """A bfloat16 copy computes something else: it passes only when the caller says it is meant
     to run in bfloat16, and then it must load in bfloat16 (its config says so)."""
     ref, folded, _ = pair
-    cand = edited(folded, tmp_path, lambda sd: sd.update({k: v.to(torch.bfloat16) for k, v in sd.items()}))
+    cand = edited(
+        folded, tmp_path, lambda sd: sd.update({k: v.to(torch.bfloat16) for k, v in sd.items()})
+    )
     report = run(ref, cand)
-    assert not report.passed and any("is stored as torch.bfloat16, but the reference's" in p for p in report.problems)
+    assert not report.passed and any(
+        "is stored as torch.bfloat16, but the reference's" in p for p in report.problems
+    )
     report = static_check(open_checkpoint(ref), open_checkpoint(cand), dtype="bfloat16")
     assert not report.passed
-    assert any(p.startswith("the candidate loads in float32 (from config.json), not in bfloat16")
-               for p in report.problems)
+    assert any(
+        p.startswith("the candidate loads in float32 (from config.json), not in bfloat16")
+        for p in report.problems
+    )
     set_config(cand, dtype="bfloat16")
     report = static_check(open_checkpoint(ref), open_checkpoint(cand), dtype=torch.bfloat16)
     assert report.passed, report.summary()
-    wrong = edited(cand, tmp_path / "w", lambda sd: sd["transformer.wpe.weight"].view(-1)[5].add_(0.05))
+    wrong = edited(
+        cand, tmp_path / "w", lambda sd: sd["transformer.wpe.weight"].view(-1)[5].add_(0.05)
+    )
     assert not static_check(open_checkpoint(ref), open_checkpoint(wrong), dtype="bfloat16").passed
 
 
@@ -157,7 +188,10 @@ def test_pickle_reference(pair, tmp_path):
     pkl.mkdir()
     for name in ("config.json", "generation_config.json"):
         (pkl / name).write_text((ref / name).read_text())
-    torch.save({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, pkl / "pytorch_model.bin")
+    torch.save(
+        {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"},
+        pkl / "pytorch_model.bin",
+    )
     report = static_check(open_checkpoint(pkl, allow_pickle=True), open_checkpoint(folded))
     assert report.passed, report.summary()
 
@@ -166,7 +200,9 @@ def test_check_static_mode_runs_no_model(pair, monkeypatch):
     from enjoyln.checking import checkpoints as checkpoint
 
     ref, folded, _ = pair
-    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("static mode loaded a model"))
+    monkeypatch.setattr(
+        checkpoint, "load", lambda *a, **k: pytest.fail("static mode loaded a model")
+    )
     report = enjoyln.check_checkpoints(ref, folded, CheckOptions.of(mode="static"))
     assert report.passed and report.forward_skipped == "static check only" and report.outputs == []
 
@@ -181,10 +217,18 @@ def test_fold_refuses_a_forward_check_that_cannot_fit(pair, tmp_path, monkeypatc
     monkeypatch.setattr(checkpoint, "available_memory", lambda: 1 << 20)
     runner = CliRunner()
     result = runner.invoke(app, ["fold", str(ref), str(tmp_path / "out")])
-    assert result.exit_code == 2 and "--static" in result.stderr and "1.0 MiB is available" in result.stderr
+    assert (
+        result.exit_code == 2
+        and "--static" in result.stderr
+        and "1.0 MiB is available" in result.stderr
+    )
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.enjoyln-*"))
     result = runner.invoke(app, ["fold", str(ref), str(tmp_path / "out"), "--static"])
-    assert result.exit_code == 0 and "static check" in result.output and "forward comparison not run" in result.output
+    assert (
+        result.exit_code == 0
+        and "static check" in result.output
+        and "forward comparison not run" in result.output
+    )
     plain = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out")
     assert sum(isinstance(m, torch.nn.LayerNorm) for m in plain.modules()) == 5
 
@@ -214,9 +258,14 @@ def test_bounded_check_offloads_and_still_catches_a_change(pair, tmp_path, monke
     assert len(maps) == 2 and all("disk" in m for m in maps) and "within 195.3 KiB" in report.memory
     assert report.truth_dtype == "float64" and report.criterion_kind == "precision"
     assert report.max_rel_diff < 1e-6 and report.generation.passed
-    key = "transformer.h.1.attn.c_proj.weight"  # (a change of 1e-3 of its scale moves the logits by 2e-6:
-    cand = edited(folded, tmp_path, lambda sd: sd[key].view(-1)[3].add_(float(sd[key].abs().max())))  # static's job)
-    report = enjoyln.check_checkpoints(ref, cand, CheckOptions.of(max_memory=200_000, mode="forward"))
+    # (a change of 1e-3 of its scale moves the logits by 2e-6:
+    key = "transformer.h.1.attn.c_proj.weight"
+    cand = edited(
+        folded, tmp_path, lambda sd: sd[key].view(-1)[3].add_(float(sd[key].abs().max()))
+    )  # static's job)
+    report = enjoyln.check_checkpoints(
+        ref, cand, CheckOptions.of(max_memory=200_000, mode="forward")
+    )
     assert not report.passed and report.max_rel_diff > 1e-5
 
 
@@ -224,7 +273,9 @@ def test_fold_runs_the_check_one_model_at_a_time_when_two_do_not_fit(pair, tmp_p
     from enjoyln.checking import checkpoints as checkpoint
 
     ref, _, _ = pair
-    monkeypatch.setattr(checkpoint, "forward_check_bytes", lambda ck: 1 << 40)  # "does not fit twice"
+    monkeypatch.setattr(
+        checkpoint, "forward_check_bytes", lambda ck: 1 << 40
+    )  # "does not fit twice"
     result = fold_checkpoint(ref, tmp_path / "out")
     assert result.report.passed and "would not fit in memory side by side" in result.report.memory
 
@@ -243,7 +294,12 @@ def test_a_half_precision_change_within_a_few_ulps_of_the_maximum_is_caught(tmp_
 
     def shift_row(sd):
         w = sd["transformer.wte.weight"].float()
-        w[5] += 3.5 * torch.finfo(torch.bfloat16).eps * float(w.abs().max()) * torch.sign(torch.randn(w.shape[1]))
+        w[5] += (
+            3.5
+            * torch.finfo(torch.bfloat16).eps
+            * float(w.abs().max())
+            * torch.sign(torch.randn(w.shape[1]))
+        )
         sd["transformer.wte.weight"] = w.to(torch.bfloat16)
 
     cand = edited(tmp_path / "folded", tmp_path, shift_row)
@@ -259,10 +315,14 @@ def test_a_candidate_cast_to_another_kind_of_dtype_is_caught(pair, tmp_path, dty
     bits. Only a half-precision copy of a float32 reference is accepted."""
     ref, folded, _ = pair
     key, centered_key = "transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_proj.weight"
-    cand = edited(folded, tmp_path, lambda sd: sd.update({k: sd[k].to(dtype) for k in (key, centered_key)}))
+    cand = edited(
+        folded, tmp_path, lambda sd: sd.update({k: sd[k].to(dtype) for k in (key, centered_key)})
+    )
     report = run(ref, cand)
     assert not report.passed
-    assert f"{key} is stored as {dtype}, but the reference's {key} is torch.float32" in report.problems
+    assert (
+        f"{key} is stored as {dtype}, but the reference's {key} is torch.float32" in report.problems
+    )
     assert any(p.startswith(f"{centered_key} is stored as") for p in report.problems)
 
 
@@ -277,15 +337,25 @@ def test_a_head_tied_again_is_caught_whatever_the_plan_says_it_was_tied_to(pair,
     (cand / "config.json").write_text(json.dumps(config))
     report = run(ref, cand)
     assert not report.passed
-    assert any(p.startswith("the candidate still ties lm_head.weight to transformer.wte.weight")
-               for p in report.problems), report.problems
-    assert any("untied tensors include ('lm_head.weight', 'transformer.wpe.weight')" in p
-               for p in report.problems), report.problems
+    assert any(
+        p.startswith("the candidate still ties lm_head.weight to transformer.wte.weight")
+        for p in report.problems
+    ), report.problems
+    assert any(
+        "untied tensors include ('lm_head.weight', 'transformer.wpe.weight')" in p
+        for p in report.problems
+    ), report.problems
 
 
-@pytest.mark.parametrize("key,value", [("rmsnorm", ["transformer.h.0.ln_1", "transformer.h.9.ln_1"]),
-                                       ("centered", []), ("untied", []),
-                                       ("auxiliary_centering", [{"module": "transformer.h.0", "where": "output"}])])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("rmsnorm", ["transformer.h.0.ln_1", "transformer.h.9.ln_1"]),
+        ("centered", []),
+        ("untied", []),
+        ("auxiliary_centering", [{"module": "transformer.h.0", "where": "output"}]),
+    ],
+)
 def test_the_block_lists_beside_the_plan_are_confirmed(pair, tmp_path, key, value):
     """A reader that takes `rmsnorm` from the block, not the full plan, must not be told to swap
     LNs that were never folded."""
@@ -295,7 +365,10 @@ def test_the_block_lists_beside_the_plan_are_confirmed(pair, tmp_path, key, valu
     config["enjoyln"][key] = value
     (cand / "config.json").write_text(json.dumps(config))
     report = run(ref, cand)
-    assert not report.passed and f"the enjoyln block's {key} list is not what its plan gives" in report.problems
+    assert (
+        not report.passed
+        and f"the enjoyln block's {key} list is not what its plan gives" in report.problems
+    )
 
 
 def test_the_tokenizer_and_generation_config_must_be_the_references(pair, tmp_path):
@@ -313,15 +386,18 @@ def test_the_tokenizer_and_generation_config_must_be_the_references(pair, tmp_pa
     (swapped / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 1, "b": 0}}}))
     (swapped / "vocab.txt").write_text("b\na\n")
     generation = json.loads((swapped / "generation_config.json").read_text())
-    (swapped / "generation_config.json").write_text(json.dumps({**generation, "repetition_penalty": 1.3}))
+    (swapped / "generation_config.json").write_text(
+        json.dumps({**generation, "repetition_penalty": 1.3})
+    )
     (swapped / "special_tokens_map.json").write_text("{}")
     report = run(source, swapped)
     assert not report.passed
-    assert {"the candidate's tokenizer.json differs from the reference's",
-            "the candidate's vocab.txt differs from the reference's",
-            "the candidate's generation config changes repetition_penalty from None to 1.3",
-            "the candidate has special_tokens_map.json, a file a fold of the reference would not hold"
-            } <= set(report.problems), report.problems
+    assert {
+        "the candidate's tokenizer.json differs from the reference's",
+        "the candidate's vocab.txt differs from the reference's",
+        "the candidate's generation config changes repetition_penalty from None to 1.3",
+        "the candidate has special_tokens_map.json, a file a fold of the reference would not hold",
+    } <= set(report.problems), report.problems
     (base / "vocab.txt").unlink()
     assert "the candidate lacks the reference's vocab.txt" in run(source, base).problems
 
@@ -358,8 +434,10 @@ def test_a_config_dtype_change_fails_unless_asked_for(pair, tmp_path, dtype):
     report = run(ref, cand)
     assert not report.passed
     assert f"config.json changes dtype from 'float32' to '{dtype}'" in report.problems
-    assert any(p.startswith(f"the candidate loads in {dtype} (from config.json), the reference in float32")
-               for p in report.problems), report.problems
+    assert any(
+        p.startswith(f"the candidate loads in {dtype} (from config.json), the reference in float32")
+        for p in report.problems
+    ), report.problems
     asked = static_check(open_checkpoint(ref), open_checkpoint(cand), dtype=dtype)
     assert asked.passed, asked.summary()
     other = "bfloat16" if dtype == "float16" else "float16"
@@ -396,8 +474,12 @@ def test_a_dtype_moved_into_the_index_metadata_fails(pair, tmp_path):
     set_index_metadata(moved, dtype="float16")
     report = run(ref, moved)
     assert not report.passed
-    assert any(p.startswith("the candidate loads in float16 (from the metadata of model.safetensors.index.json)")
-               for p in report.problems), report.problems
+    assert any(
+        p.startswith(
+            "the candidate loads in float16 (from the metadata of model.safetensors.index.json)"
+        )
+        for p in report.problems
+    ), report.problems
     # beside a config dtype, the metadata's is never read: that change computes nothing else
     inert = cand_of(sharded, tmp_path, "inert")
     set_index_metadata(inert, dtype="float16")
@@ -437,13 +519,20 @@ def test_a_fold_of_a_checkpoint_without_a_config_dtype_loads_in_the_same_dtype(t
         assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
         assert transformers.GPT2LMHeadModel.from_pretrained(out).dtype == torch.float32
     stored = load_file(tmp_path / "single" / "model.safetensors")
-    assert stored["lm_head.weight"].dtype == torch.float16 and stored["transformer.wte.weight"].dtype == torch.float32
+    assert (
+        stored["lm_head.weight"].dtype == torch.float16
+        and stored["transformer.wte.weight"].dtype == torch.float32
+    )
     dropped = clone(tmp_path / "single", tmp_path / "dropped")
     config = json.loads((dropped / "config.json").read_text())
     del config["dtype"]
     (dropped / "config.json").write_text(json.dumps(config))
-    assert any(p.startswith("the candidate loads in float16 (from its first floating tensor (in model.safetensors))")
-               for p in run(ref, dropped).problems)
+    assert any(
+        p.startswith(
+            "the candidate loads in float16 (from its first floating tensor (in model.safetensors))"
+        )
+        for p in run(ref, dropped).problems
+    )
 
 
 def test_a_lone_indexed_shard_keeps_its_index(tmp_path):
@@ -455,17 +544,32 @@ def test_a_lone_indexed_shard_keeps_its_index(tmp_path):
     lone = "model-00001-of-00001.safetensors"
     os.rename(ref / "model.safetensors", ref / lone)
     keys = list(load_file(ref / lone))
-    (ref / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": 1, "dtype": "float32", "note": "kept"}, "weight_map": dict.fromkeys(keys, lone)}))
+    (ref / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {"total_size": 1, "dtype": "float32", "note": "kept"},
+                "weight_map": dict.fromkeys(keys, lone),
+            }
+        )
+    )
     assert transformers.GPT2LMHeadModel.from_pretrained(ref).dtype == torch.float32
     result = fold_checkpoint(ref, tmp_path / "out")
     assert result.report.passed and result.files == [lone], result.report.summary()
-    metadata = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["metadata"]
-    assert metadata == {"total_size": result.bytes_written, "dtype": "float32", "note": "kept", "enjoyln": enjoyln.__version__}
+    metadata = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())[
+        "metadata"
+    ]
+    assert metadata == {
+        "total_size": result.bytes_written,
+        "dtype": "float32",
+        "note": "kept",
+        "enjoyln": enjoyln.__version__,
+    }
     assert transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").dtype == torch.float32
 
 
-def test_sampling_settings_in_config_json_are_compared_as_from_pretrained_applies_them(pair, tmp_path):
+def test_sampling_settings_in_config_json_are_compared_as_from_pretrained_applies_them(
+    pair, tmp_path
+):
     """Without generation_config.json, from_pretrained builds the generation config from
     config.json's raw values, sampling settings included."""
     ref, folded, _ = pair
@@ -477,16 +581,28 @@ def test_sampling_settings_in_config_json_are_compared_as_from_pretrained_applie
     set_config(cand, do_sample=True, temperature=5.0, top_k=0)
     report = run(source, cand)
     assert not report.passed
-    assert {"the candidate's generation config changes do_sample from None to True",
-            "the candidate's generation config changes temperature from None to 5.0",
-            "config.json adds do_sample = True"} <= set(report.problems), report.problems
+    assert {
+        "the candidate's generation config changes do_sample from None to True",
+        "the candidate's generation config changes temperature from None to 5.0",
+        "config.json adds do_sample = True",
+    } <= set(report.problems), report.problems
     import transformers
 
     assert transformers.GPT2LMHeadModel.from_pretrained(cand).generation_config.do_sample is True
 
 
-@pytest.mark.parametrize("name", ["bpe.codes", "sentencepiece.bpe.spm", "dict.txt", "emoji.json",
-                                  "entity_vocab.json", "normalizer.json", "tokenizer/extra.txt"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "bpe.codes",
+        "sentencepiece.bpe.spm",
+        "dict.txt",
+        "emoji.json",
+        "entity_vocab.json",
+        "normalizer.json",
+        "tokenizer/extra.txt",
+    ],
+)
 def test_every_file_is_compared_whatever_its_name(pair, tmp_path, name):
     ref, folded, _ = pair
     source = clone(ref, tmp_path / "ref")
@@ -495,10 +611,17 @@ def test_every_file_is_compared_whatever_its_name(pair, tmp_path, name):
         (d / name).parent.mkdir(exist_ok=True)
         (d / name).write_text(content)
     report = run(source, cand)
-    assert not report.passed and f"the candidate's {name} differs from the reference's" in report.problems
-    (cand / name).write_text('{\n  "a": 0,\n  "b": 1\n}\n')  # another layout of the same JSON tokens
+    assert (
+        not report.passed
+        and f"the candidate's {name} differs from the reference's" in report.problems
+    )
+    (cand / name).write_text(
+        '{\n  "a": 0,\n  "b": 1\n}\n'
+    )  # another layout of the same JSON tokens
     assert run(source, cand).passed == name.endswith(".json"), run(source, cand).problems
-    (cand / name).write_text('{"b": 1, "a": 0}')  # the same pairs in another order: a loader may iterate them
+    (cand / name).write_text(
+        '{"b": 1, "a": 0}'
+    )  # the same pairs in another order: a loader may iterate them
     assert not run(source, cand).passed
 
 
@@ -516,19 +639,25 @@ def test_one_ulp_of_a_centered_element_fails(pair, tmp_path, key):
     ref, folded, _ = pair
     cand = edited(folded, tmp_path, lambda sd: nudged(sd, key, 11))
     report = run(ref, cand)
-    assert not report.passed and any(p.startswith(f"{key} is not") for p in report.problems), report.summary()
+    assert not report.passed and any(p.startswith(f"{key} is not") for p in report.problems), (
+        report.summary()
+    )
 
 
 def test_one_ulp_of_a_fused_bfloat16_tensor_fails(tmp_path):
     """In bfloat16 one ulp of a bias moves the logits by about 1e-3: the tensors a fused affine
     computes must be bit for bit what the check recomputes."""
     perturb(tiny_model("gpt2"), seed=43).to(torch.bfloat16).save_pretrained(tmp_path / "ref")
-    fold_checkpoint(tmp_path / "ref", tmp_path / "fused", FoldOptions.of(check="none", fuse_affine=True))
+    fold_checkpoint(
+        tmp_path / "ref", tmp_path / "fused", FoldOptions.of(check="none", fuse_affine=True)
+    )
     assert run(tmp_path / "ref", tmp_path / "fused").passed
     key = "transformer.h.0.attn.c_attn.bias"
     cand = edited(tmp_path / "fused", tmp_path, lambda sd: nudged(sd, key, 3, -1))
     report = run(tmp_path / "ref", cand)
-    assert not report.passed and any(p.startswith(f"{key} is not what the plan makes") for p in report.problems)
+    assert not report.passed and any(
+        p.startswith(f"{key} is not what the plan makes") for p in report.problems
+    )
 
 
 def test_json_values_are_compared_by_type(pair, tmp_path):
@@ -551,14 +680,22 @@ def test_extra_missing_and_unreadable_files_fail(pair, tmp_path):
     ref, folded, _ = pair
     cand = cand_of(folded, tmp_path)
     (cand / "README.md").write_text("hello")
-    assert "the candidate has README.md, a file a fold of the reference would not hold" in run(ref, cand).problems
+    assert (
+        "the candidate has README.md, a file a fold of the reference would not hold"
+        in run(ref, cand).problems
+    )
     (cand / "README.md").unlink()
     (cand / "generation_config.json").unlink()
     assert "the candidate lacks the reference's generation_config.json" in run(ref, cand).problems
     cand = cand_of(folded, tmp_path, "dangling")
     (cand / "vocab.txt").symlink_to(tmp_path / "nowhere")
-    assert "the candidate's vocab.txt is a dangling symlink or a symlink loop" in run(ref, cand).problems
-    git = cand_of(folded, tmp_path, "git")  # version-control data: no loader reads it, no fold copies it
+    assert (
+        "the candidate's vocab.txt is a dangling symlink or a symlink loop"
+        in run(ref, cand).problems
+    )
+    git = cand_of(
+        folded, tmp_path, "git"
+    )  # version-control data: no loader reads it, no fold copies it
     (git / ".git").mkdir()
     (git / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     assert run(ref, git).passed
@@ -573,7 +710,10 @@ def test_weights_in_another_format_beside_the_safetensors_fail(pair, tmp_path, n
     (cand / name).write_bytes(b"garbage")
     report = run(ref, cand)
     assert not report.passed
-    assert f"the candidate has {name}, weights a fold of the reference would not hold" in report.problems
+    assert (
+        f"the candidate has {name}, weights a fold of the reference would not hold"
+        in report.problems
+    )
     # the reference itself, with its own second copy, is still the reference
     source = clone(ref, tmp_path / "ref")
     (source / name).write_bytes(b"the reference's own")
@@ -587,14 +727,23 @@ def test_trusted_remote_code_is_compared(pair, tmp_path, monkeypatch):
     ref, _, _ = pair
     source = clone(ref, tmp_path / "ref")
     (source / "modeling_custom.py").write_text(
-        "from transformers import GPT2LMHeadModel\n\n\nclass CustomLM(GPT2LMHeadModel):\n    pass\n")
-    set_config(source, architectures=["CustomLM"], auto_map={"AutoModelForCausalLM": "modeling_custom.CustomLM"})
-    fold_checkpoint(source, tmp_path / "folded", FoldOptions.of(check="none", trust_remote_code=True))
+        "from transformers import GPT2LMHeadModel\n\n\nclass CustomLM(GPT2LMHeadModel):\n    pass\n"
+    )
+    set_config(
+        source,
+        architectures=["CustomLM"],
+        auto_map={"AutoModelForCausalLM": "modeling_custom.CustomLM"},
+    )
+    fold_checkpoint(
+        source, tmp_path / "folded", FoldOptions.of(check="none", trust_remote_code=True)
+    )
     cand = tmp_path / "folded"
 
     def check():
-        return static_check(open_checkpoint(source, trust_remote_code=True),
-                            open_checkpoint(cand, trust_remote_code=True))
+        return static_check(
+            open_checkpoint(source, trust_remote_code=True),
+            open_checkpoint(cand, trust_remote_code=True),
+        )
 
     assert check().passed, check().summary()
     with open(cand / "modeling_custom.py", "a") as f:
@@ -633,7 +782,11 @@ def test_every_claim_of_the_enjoyln_block_is_verified(pair, tmp_path):
 def test_a_fold_with_auxiliary_centering_that_placed_none_passes(tmp_path):
     """The option leaves its trace only in the plan's reasons, which the block must still match."""
     perturb(tiny_model("bert"), seed=3).save_pretrained(tmp_path / "ref")
-    result = fold_checkpoint(tmp_path / "ref", tmp_path / "folded", FoldOptions.of(check="none", auxiliary_centering=True))
+    result = fold_checkpoint(
+        tmp_path / "ref",
+        tmp_path / "folded",
+        FoldOptions.of(check="none", auxiliary_centering=True),
+    )
     assert not result.plan.auxiliary
     report = run(tmp_path / "ref", tmp_path / "folded")
     assert report.passed, report.summary()
@@ -660,10 +813,13 @@ def test_the_memory_check_counts_what_the_model_builds_from_its_config(tmp_path,
     monkeypatch.setattr(checkpoint, "available_memory", lambda: 1 << 30)
     result = CliRunner().invoke(app, ["fold", str(ref), str(tmp_path / "a" / "out")])
     assert result.exit_code == 2, result.output
-    # one model at a time still holds the table twice as wide for the truth (float64): 2 x 256 MB and more
-    assert re.match(r"error: the forward check needs at least 5\d\d\.\d MiB of memory even with one model at a "
-                    r"time, but the budget is 512\.0 MiB \(half of the 1\.0 GiB available\); pass --static",
-                    result.stderr), result.stderr
+    # one model at a time still holds the table twice as wide for the truth (float64): 2 x 256 MB
+    # and more
+    assert re.match(
+        r"error: the forward check needs at least 5\d\d\.\d MiB of memory even with one model at a "
+        r"time, but the budget is 512\.0 MiB \(half of the 1\.0 GiB available\); pass --static",
+        result.stderr,
+    ), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "a").exists()
     result = CliRunner().invoke(app, ["check", str(ref), str(ref)])
@@ -676,7 +832,9 @@ def test_a_table_too_large_to_build_is_refused_before_it_is_built(tmp_path, monk
 
     ref = gptj_with_positions(tmp_path, 1_000_000_000)
     monkeypatch.setattr(checkpoint, "available_memory", lambda: 8 << 30)
-    with pytest.raises(enjoyln.CheckpointError, match=r"needs at least 59.7 GiB of memory even with one model"):
+    with pytest.raises(
+        enjoyln.CheckpointError, match=r"needs at least 59.7 GiB of memory even with one model"
+    ):
         fold_checkpoint(ref, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert fold_checkpoint(ref, tmp_path / "out", FoldOptions.of(check="static")).report.passed
@@ -689,12 +847,17 @@ def test_forward_only_still_compares_the_dtype_the_model_loads_in(pair, tmp_path
     cand = set_config(cand_of(folded, tmp_path), dtype="float16")
     monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("a model was loaded"))
     report = enjoyln.check_checkpoints(ref, cand, CheckOptions.of(mode="forward"))
-    assert not report.passed and report.forward_skipped == "the candidate does not load as the reference does"
+    assert (
+        not report.passed
+        and report.forward_skipped == "the candidate does not load as the reference does"
+    )
     assert report.static.problems[0].startswith("the candidate loads in float16 (from config.json)")
     assert "FAIL: load settings" in report.summary()
 
 
-def test_a_candidate_meant_for_another_dtype_is_judged_in_it_on_both_paths(pair, tmp_path, monkeypatch):
+def test_a_candidate_meant_for_another_dtype_is_judged_in_it_on_both_paths(
+    pair, tmp_path, monkeypatch
+):
     """With --dtype the forward comparison runs the candidate as from_pretrained loads it, also
     when the models run one at a time (which chose the dtype from the stored weights)."""
     from enjoyln.checking import checkpoints as checkpoint
@@ -705,7 +868,9 @@ def test_a_candidate_meant_for_another_dtype_is_judged_in_it_on_both_paths(pair,
     assert report.passed and report.dtype == "bfloat16", report.summary()
     monkeypatch.setattr(checkpoint, "_activation_bytes", lambda ck: 0)
     monkeypatch.setattr(checkpoint, "MIN_BUDGET", 0)
-    report = enjoyln.check_checkpoints(ref, cand, CheckOptions.of(dtype="bfloat16", max_memory=200_000))
+    report = enjoyln.check_checkpoints(
+        ref, cand, CheckOptions.of(dtype="bfloat16", max_memory=200_000)
+    )
     assert report.passed and report.dtype == "bfloat16" and report.memory, report.summary()
 
 
@@ -717,7 +882,9 @@ def test_forward_only_counts_what_the_candidate_builds(tmp_path, monkeypatch):
     cand = gptj_with_positions(tmp_path / "c", 1_000_000_000)
     monkeypatch.setattr(checkpoint, "available_memory", lambda: 8 << 30)
     monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("a model was loaded"))
-    with pytest.raises(enjoyln.CheckpointError, match=r"needs at least 59.7 GiB of memory even with one model"):
+    with pytest.raises(
+        enjoyln.CheckpointError, match=r"needs at least 59.7 GiB of memory even with one model"
+    ):
         enjoyln.check_checkpoints(ref, cand, CheckOptions.of(mode="forward"))
 
 
@@ -730,21 +897,27 @@ def test_json_files_are_read_as_the_loaders_read_them(pair, tmp_path):
 
     ref, folded, _ = pair
     source = clone(ref, tmp_path / "ref")
-    generation = {**json.loads((ref / "generation_config.json").read_text()), "repetition_penalty": 1.5}
+    generation = {
+        **json.loads((ref / "generation_config.json").read_text()),
+        "repetition_penalty": 1.5,
+    }
     base = cand_of(folded, tmp_path, "base")
     for d in (source, base):
         (d / "generation_config.json").write_text(json.dumps(generation, indent=2))
         (d / "emoji.json").write_text('{"a": 0}')
     assert run(source, base).passed
-    for i, encode in enumerate((lambda text: b"\xef\xbb\xbf" + text.encode(), lambda text: text.encode("utf-16"))):
+    for i, encode in enumerate(
+        (lambda text: b"\xef\xbb\xbf" + text.encode(), lambda text: text.encode("utf-16"))
+    ):
         cand = cand_of(base, tmp_path, f"cand{i}")
         for name in ("generation_config.json", "emoji.json"):
             (cand / name).write_bytes(encode((base / name).read_text()))
         problems = run(source, cand).problems
-        assert {"the candidate's generation_config.json differs from the reference's",
-                "the candidate's emoji.json differs from the reference's",
-                "the candidate's generation config changes repetition_penalty from 1.5 to None"} <= set(problems), \
-            problems
+        assert {
+            "the candidate's generation_config.json differs from the reference's",
+            "the candidate's emoji.json differs from the reference's",
+            "the candidate's generation config changes repetition_penalty from 1.5 to None",
+        } <= set(problems), problems
         loaded = transformers.GPT2LMHeadModel.from_pretrained(cand).generation_config
         assert loaded.repetition_penalty is None  # what the gate predicted: the file was ignored
     # the same bytes on both sides are the same file, whatever a loader makes of them
@@ -768,41 +941,72 @@ def test_the_candidates_code_is_compared_before_any_of_it_runs(pair, tmp_path, m
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
     ref, _, _ = pair
     source = clone(ref, tmp_path / "ref")
-    code = "from transformers import GPT2LMHeadModel\n\n\nclass CustomLM(GPT2LMHeadModel):\n    pass\n"
+    code = (
+        "from transformers import GPT2LMHeadModel\n\n\nclass CustomLM(GPT2LMHeadModel):\n    pass\n"
+    )
     (source / "modeling_custom.py").write_text(code)
-    set_config(source, architectures=["CustomLM"], auto_map={"AutoModelForCausalLM": "modeling_custom.CustomLM"})
-    fold_checkpoint(source, tmp_path / "folded", FoldOptions.of(check="none", trust_remote_code=True))
+    set_config(
+        source,
+        architectures=["CustomLM"],
+        auto_map={"AutoModelForCausalLM": "modeling_custom.CustomLM"},
+    )
+    fold_checkpoint(
+        source, tmp_path / "folded", FoldOptions.of(check="none", trust_remote_code=True)
+    )
     marker = tmp_path / "ran"
     payload = f"\nopen({str(marker)!r}, 'w').write('ran')\n"
     changed = cand_of(tmp_path / "folded", tmp_path, "changed")
     (changed / "modeling_custom.py").write_text(code + payload)
-    other = cand_of(tmp_path / "folded", tmp_path, "other")  # the same file, but the config imports another
+    other = cand_of(
+        tmp_path / "folded", tmp_path, "other"
+    )  # the same file, but the config imports another
     (other / "modeling_evil.py").write_text(code + payload)
     set_config(other, auto_map={"AutoModelForCausalLM": "modeling_evil.CustomLM"})
-    for cand, problem in ((changed, "the candidate's modeling_custom.py differs from the reference's"),
-                          (other, "the candidate has modeling_evil.py, code the reference does not have")):
+    for cand, problem in (
+        (changed, "the candidate's modeling_custom.py differs from the reference's"),
+        (other, "the candidate has modeling_evil.py, code the reference does not have"),
+    ):
         for mode in ("full", "static", "forward"):
-            report = check_checkpoints(source, cand, CheckOptions.of(trust_remote_code=True, mode=mode))
+            report = check_checkpoints(
+                source, cand, CheckOptions.of(trust_remote_code=True, mode=mode)
+            )
             assert not report.passed and problem in report.static.problems, report.summary()
             assert not marker.exists(), f"the candidate's code ran ({mode})"
-        report = static_check(open_checkpoint(source, trust_remote_code=True),
-                              open_checkpoint(cand, trust_remote_code=True))
+        report = static_check(
+            open_checkpoint(source, trust_remote_code=True),
+            open_checkpoint(cand, trust_remote_code=True),
+        )
         assert not report.passed and problem in report.problems and not marker.exists()
         result = CliRunner().invoke(app, ["check", str(source), str(cand), "--trust-remote-code"])
-        assert result.exit_code == 1 and "none of it ran" in result.output and not marker.exists(), result.output
-    assert "auto_map" in " ".join(check_checkpoints(source, other, CheckOptions.of(trust_remote_code=True, mode="static")).static.problems)
-    assert check_checkpoints(source, tmp_path / "folded", CheckOptions.of(trust_remote_code=True, mode="static")).passed
+        assert (
+            result.exit_code == 1 and "none of it ran" in result.output and not marker.exists()
+        ), result.output
+    assert "auto_map" in " ".join(
+        check_checkpoints(
+            source, other, CheckOptions.of(trust_remote_code=True, mode="static")
+        ).static.problems
+    )
+    assert check_checkpoints(
+        source, tmp_path / "folded", CheckOptions.of(trust_remote_code=True, mode="static")
+    ).passed
 
 
-def test_a_fold_is_proven_from_the_mapped_files_and_only_a_difference_is_read(pair, tmp_path, monkeypatch):
+def test_a_fold_is_proven_from_the_mapped_files_and_only_a_difference_is_read(
+    pair, tmp_path, monkeypatch
+):
     """The fast path decides every tensor of a right fold in place; a tensor it finds different
-    goes through the reading path, which names it (the fast path never passes what it cannot see)."""
+    goes through the reading path, which names it (the fast path never passes what it cannot
+    see)."""
     from enjoyln.store.tensors import TensorReader
 
     ref, folded, _ = pair
     reads = []
     read = TensorReader.read
-    monkeypatch.setattr(TensorReader, "read", lambda self, key, into=None: reads.append(key) or read(self, key, into))
+    monkeypatch.setattr(
+        TensorReader,
+        "read",
+        lambda self, key, into=None: reads.append(key) or read(self, key, into),
+    )
     report = run(ref, folded)
     assert report.passed and reads == [], (reads, report.summary())
     key = "transformer.h.0.attn.c_proj.weight"
@@ -829,7 +1033,9 @@ def test_files_that_cannot_be_mapped_are_read_instead(pair, tmp_path, monkeypatc
     key = "transformer.h.0.mlp.c_proj.weight"
     cand = edited(folded, tmp_path, lambda sd: sd[key].view(-1)[7:8].view(torch.int32).add_(1))
     report = run(ref, cand)
-    assert not report.passed and any(p.startswith(f"{key} is not {key} centered") for p in report.problems)
+    assert not report.passed and any(
+        p.startswith(f"{key} is not {key} centered") for p in report.problems
+    )
 
 
 # --- the gate decides from the two directories alone ------------------------------------
@@ -854,9 +1060,18 @@ def _old_cache_key(ck, options):
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    text = json.dumps({"config": ck.config, "architecture": ck.architecture, "options": options,
-                       "torch": torch.__version__, "transformers": transformers.__version__,
-                       "enjoyln": digest.hexdigest()}, sort_keys=True, default=repr)
+    text = json.dumps(
+        {
+            "config": ck.config,
+            "architecture": ck.architecture,
+            "options": options,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "enjoyln": digest.hexdigest(),
+        },
+        sort_keys=True,
+        default=repr,
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -897,14 +1112,20 @@ def test_a_copy_of_a_fold_passes_against_that_fold(pair, tmp_path):
     config = json.loads((copy_ / "config.json").read_text())
     (copy_ / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
     report = enjoyln.check_checkpoints(folded, copy_)
-    assert report.passed and not report.static.byte_identical and report.static.form == "identical", report.summary()
+    assert (
+        report.passed and not report.static.byte_identical and report.static.form == "identical"
+    ), report.summary()
     assert report.outputs  # not byte for byte: the forward part ran
-    changed = edited(copy_, tmp_path / "c", lambda sd: sd["transformer.wte.weight"].view(-1)[3].add_(1e-3))
+    changed = edited(
+        copy_, tmp_path / "c", lambda sd: sd["transformer.wte.weight"].view(-1)[3].add_(1e-3)
+    )
     report = run(folded, changed)
     assert not report.passed and report.problems == [
-        f"transformer.wte.weight differs from the reference's transformer.wte.weight: max abs diff 0.001 at [0, 3] "
+        "transformer.wte.weight differs from the reference's transformer.wte.weight: max abs diff "
+        "0.001 at [0, 3] "
         f"({str(np.float32(report.first_difference.value))} where it must be "
-        f"{str(np.float32(report.first_difference.expected))})"]
+        f"{str(np.float32(report.first_difference.expected))})"
+    ]
     assert abs(report.first_difference.value - report.first_difference.expected - 1e-3) < 1e-8
 
 
@@ -912,7 +1133,9 @@ def _rounded_up(x):
     """``x`` (float32) rounded to bfloat16 toward +inf: where nearest rounding went down (about
     half the elements), one ulp up."""
     y = x.to(torch.bfloat16)
-    return torch.where(y.float() < x, torch.nextafter(y, torch.tensor(float("inf"), dtype=torch.bfloat16)), y)
+    return torch.where(
+        y.float() < x, torch.nextafter(y, torch.tensor(float("inf"), dtype=torch.bfloat16)), y
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
@@ -924,7 +1147,9 @@ def test_a_candidate_folded_after_the_cast_passes_under_dtype(pair, tmp_path, dt
     enjoyln.fold(loaded).save_pretrained(tmp_path / "cand")
     report = enjoyln.check_checkpoints(ref, tmp_path / "cand", CheckOptions.of(dtype=dtype))
     assert report.passed and report.static.form == "folded", report.summary()
-    assert report.dtype == ("bfloat16" if dtype == "bfloat16" else "float32")  # the narrower one sets the bar
+    assert report.dtype == (
+        "bfloat16" if dtype == "bfloat16" else "float32"
+    )  # the narrower one sets the bar
 
 
 def test_directed_rounding_fails_under_dtype(pair, tmp_path):
@@ -942,8 +1167,14 @@ def test_directed_rounding_fails_under_dtype(pair, tmp_path):
     report = static_check(open_checkpoint(ref), open_checkpoint(cand), dtype="bfloat16")
     assert not report.passed
     assert {p.split(" is not ")[0] for p in report.problems} == centered, report.summary()
-    nearest = set_config(edited(folded, tmp_path / "n", lambda sd: sd.update(
-        {k: v.to(torch.bfloat16) for k, v in sd.items()})), dtype="bfloat16")
+    nearest = set_config(
+        edited(
+            folded,
+            tmp_path / "n",
+            lambda sd: sd.update({k: v.to(torch.bfloat16) for k, v in sd.items()}),
+        ),
+        dtype="bfloat16",
+    )
     assert static_check(open_checkpoint(ref), open_checkpoint(nearest), dtype="bfloat16").passed
 
 
@@ -951,29 +1182,59 @@ def test_a_fused_fold_of_the_cast_reference_passes_under_dtype(pair, tmp_path):
     """Cast, then fold with fused affines: the reference saved in bfloat16 and folded from there.
     Each recomputed tensor is the fold's arithmetic on the cast weights, rounded once."""
     ref, _, _ = pair
-    transformers.GPT2LMHeadModel.from_pretrained(ref, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    fold_checkpoint(tmp_path / "bf16", tmp_path / "cand", FoldOptions.of(fuse_affine=True, check="none"))
-    report = static_check(open_checkpoint(ref), open_checkpoint(tmp_path / "cand"), dtype="bfloat16")
+    transformers.GPT2LMHeadModel.from_pretrained(ref, dtype=torch.bfloat16).save_pretrained(
+        tmp_path / "bf16"
+    )
+    fold_checkpoint(
+        tmp_path / "bf16", tmp_path / "cand", FoldOptions.of(fuse_affine=True, check="none")
+    )
+    report = static_check(
+        open_checkpoint(ref), open_checkpoint(tmp_path / "cand"), dtype="bfloat16"
+    )
     assert report.passed and report.computed == report.tensors, report.summary()
     key = "transformer.h.0.attn.c_attn.bias"  # one ulp up on one recomputed element still fails
-    up = edited(tmp_path / "cand", tmp_path / "up", lambda sd: sd[key].view(-1)[0].copy_(
-        torch.nextafter(sd[key].view(-1)[0], torch.tensor(float("inf"), dtype=torch.bfloat16))))
+    up = edited(
+        tmp_path / "cand",
+        tmp_path / "up",
+        lambda sd: (
+            sd[key]
+            .view(-1)[0]
+            .copy_(
+                torch.nextafter(
+                    sd[key].view(-1)[0], torch.tensor(float("inf"), dtype=torch.bfloat16)
+                )
+            )
+        ),
+    )
     report = static_check(open_checkpoint(ref), open_checkpoint(up), dtype="bfloat16")
     assert not report.passed and report.problems[0].startswith(f"{key} is not what the plan makes")
 
 
 def test_a_copy_checked_in_another_dtype_fails_as_a_fold_does(pair, tmp_path):
-    """The byte-for-byte shortcut still judges --dtype: a float32 copy is not a bfloat16 candidate."""
+    """The byte-for-byte shortcut still judges --dtype: a float32 copy is not a bfloat16
+    candidate."""
     ref, folded, _ = pair
     copy_ = clone(ref, tmp_path / "copy")
-    as_copy = enjoyln.check_checkpoints(ref, copy_, CheckOptions.of(mode="static", dtype="bfloat16"))
-    as_fold = enjoyln.check_checkpoints(ref, folded, CheckOptions.of(mode="static", dtype="bfloat16"))
+    as_copy = enjoyln.check_checkpoints(
+        ref, copy_, CheckOptions.of(mode="static", dtype="bfloat16")
+    )
+    as_fold = enjoyln.check_checkpoints(
+        ref, folded, CheckOptions.of(mode="static", dtype="bfloat16")
+    )
     assert not as_copy.passed and not as_fold.passed and as_copy.static.byte_identical
-    assert as_copy.verdict() == as_fold.verdict() == (
-        "FAIL: the weights of the candidate are not what the fold makes of the original's: the candidate loads in "
-        "float32 (from config.json), not in bfloat16 as --dtype says")
+    assert (
+        as_copy.verdict()
+        == as_fold.verdict()
+        == (
+            "FAIL: the weights of the candidate are not what the fold makes of the original's: the "
+            "candidate loads in "
+            "float32 (from config.json), not in bfloat16 as --dtype says"
+        )
+    )
     assert as_copy.static.problems == as_fold.static.problems
-    assert enjoyln.check_checkpoints(ref, copy_, CheckOptions.of(mode="static", dtype="float32")).passed  # what it is
+    assert enjoyln.check_checkpoints(
+        ref, copy_, CheckOptions.of(mode="static", dtype="float32")
+    ).passed  # what it is
 
 
 def _zero_differences(value, key=""):
@@ -992,6 +1253,7 @@ def test_a_failed_weight_check_says_where_and_by_how_much(pair, tmp_path):
     def edit(sd):
         sd[plain][5, 9] += 0.25
         sd[centered][3, 2] -= 0.125
+
     cand = edited(folded, tmp_path, edit)
     report = enjoyln.check_checkpoints(ref, cand, CheckOptions.of(mode="static"))
     static = report.static
@@ -999,14 +1261,29 @@ def test_a_failed_weight_check_says_where_and_by_how_much(pair, tmp_path):
     lines = {p.split(" ")[0]: p for p in static.problems}
     first = static.first_difference
     assert set(lines) == {plain, centered} and static.first_differing == lines[first.tensor]
-    assert first.index == {plain: [5, 9], centered: [3, 2]}[first.tensor] and first.describe() in lines[first.tensor]
-    assert lines[plain].startswith(f"{plain} differs from the reference's {plain}: max abs diff 0.25 at [5, 9] (")
-    assert lines[centered].startswith(f"{centered} is not {centered} centered along axis 1: max abs diff 0.125 "
-                                      "at [3, 2] (")
-    assert report.verdict() == ("FAIL: the weights of the candidate are not what the fold makes of the original's: "
-                                f"{lines[first.tensor]} (2 of {static.tensors} tensors differ)")
+    assert (
+        first.index == {plain: [5, 9], centered: [3, 2]}[first.tensor]
+        and first.describe() in lines[first.tensor]
+    )
+    assert lines[plain].startswith(
+        f"{plain} differs from the reference's {plain}: max abs diff 0.25 at [5, 9] ("
+    )
+    assert lines[centered].startswith(
+        f"{centered} is not {centered} centered along axis 1: max abs diff 0.125 at [3, 2] ("
+    )
+    assert report.verdict() == (
+        "FAIL: the weights of the candidate are not what the fold makes of the original's: "
+        f"{lines[first.tensor]} (2 of {static.tensors} tensors differ)"
+    )
     summary = report.summary()
-    assert "the candidate is the plan applied" not in summary and f"2 of {static.tensors} tensors differ" in summary
+    assert (
+        "the candidate is the plan applied" not in summary
+        and f"2 of {static.tensors} tensors differ" in summary
+    )
     data = json.loads(json.dumps(report.to_dict()))
-    assert data["max_abs_diff"] is None and data["max_rel_diff"] is None and not _zero_differences(data)
+    assert (
+        data["max_abs_diff"] is None
+        and data["max_rel_diff"] is None
+        and not _zero_differences(data)
+    )
     assert data["static"]["first_difference"]["tensor"] == first.tensor

@@ -14,7 +14,14 @@ def test_the_largest_difference_and_its_index():
     cand[1, 2] += 0.5
     cand[2, 3] -= 2.0
     d = locate("w", cand, expected)
-    assert (d.tensor, d.max_abs_diff, d.index, d.value, d.expected, d.dtype) == ("w", 2.0, [2, 3], 9.0, 11.0, "float32")
+    assert (d.tensor, d.max_abs_diff, d.index, d.value, d.expected, d.dtype) == (
+        "w",
+        2.0,
+        [2, 3],
+        9.0,
+        11.0,
+        "float32",
+    )
     assert d.describe() == "max abs diff 2 at [2, 3] (9.0 where it must be 11.0)"
     assert locate("w", expected, expected.clone()) is None
 
@@ -22,13 +29,18 @@ def test_the_largest_difference_and_its_index():
 def test_neighbouring_float32_values_print_apart():
     expected = torch.tensor([0.1], dtype=torch.float32)
     cand = torch.nextafter(expected, torch.tensor([1.0]))
-    assert locate("w", cand, expected).describe() == "max abs diff 7.45e-09 at [0] (0.10000001 where it must be 0.1)"
+    assert (
+        locate("w", cand, expected).describe()
+        == "max abs diff 7.45e-09 at [0] (0.10000001 where it must be 0.1)"
+    )
 
 
 def test_a_nan_is_infinitely_far_and_equal_bits_are_never_a_zero_difference():
     nan = locate("w", torch.tensor([1.0, math.nan, 3.0]), torch.tensor([1.5, 2.0, 3.0]))
     assert (nan.max_abs_diff, nan.index) == (math.inf, [1])
-    sign = locate("w", torch.tensor([[1.0, -0.0]]), torch.tensor([[1.0, 0.0]]))  # equal as values, not as bits
+    sign = locate(
+        "w", torch.tensor([[1.0, -0.0]]), torch.tensor([[1.0, 0.0]])
+    )  # equal as values, not as bits
     assert (sign.max_abs_diff, sign.index) == (None, [0, 1])
     assert sign.describe() == "bits differ at [0, 1] (-0.0 where it must be 0.0)"
 

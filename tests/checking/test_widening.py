@@ -100,13 +100,17 @@ def test_a_view_of_a_widened_weight_is_returned_as_a_copy():
     assert torch.equal(b, model.b.table[:3].double())
 
 
-@pytest.mark.parametrize("model, inputs", [(ReadsAChildsWeight(), torch.tensor([[1, 2, 3]])),
-                                           (Unused(), torch.randn(2, 4))])
+@pytest.mark.parametrize(
+    "model, inputs",
+    [(ReadsAChildsWeight(), torch.tensor([[1, 2, 3]])), (Unused(), torch.randn(2, 4))],
+)
 def test_the_check_converts_whole_where_it_cannot_widen_by_module(model, inputs, monkeypatch):
     """The forward check still judges against a float64 truth, and the same one."""
     model = perturb(model, seed=2).eval()
     report = enjoyln.check(model, copy.deepcopy(model), inputs)
-    assert report.passed and report.criterion_kind == "precision" and report.truth_dtype == "float64"
+    assert (
+        report.passed and report.criterion_kind == "precision" and report.truth_dtype == "float64"
+    )
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
@@ -117,11 +121,13 @@ def test_the_check_gives_the_same_verdict_either_way(monkeypatch):
 
     def refuse(model, dtype):
         raise NotWidened("forced")
+
     monkeypatch.setattr(forward, "widened", refuse)
     whole = enjoyln.check(ref, cand)
     assert lazy.passed and whole.passed
-    assert [(o.name, o.max_abs_diff, o.reference_error, o.allowed) for o in lazy.outputs] == \
-        [(o.name, o.max_abs_diff, o.reference_error, o.allowed) for o in whole.outputs]
+    assert [(o.name, o.max_abs_diff, o.reference_error, o.allowed) for o in lazy.outputs] == [
+        (o.name, o.max_abs_diff, o.reference_error, o.allowed) for o in whole.outputs
+    ]
     assert all(p.dtype == torch.float32 for p in ref.parameters())
 
 
@@ -143,5 +149,7 @@ def test_a_model_offloaded_by_accelerate_is_widened_as_its_layers_load(tmp_path)
         lazy = run_model(model, inputs, 0)
     for key in whole:
         assert lazy[key].dtype == W and torch.equal(whole[key], lazy[key]), key
-    assert {n for n, p in model.named_parameters(remove_duplicate=False) if p.device.type == "meta"} == meta
+    assert {
+        n for n, p in model.named_parameters(remove_duplicate=False) if p.device.type == "meta"
+    } == meta
     assert all(p.dtype == torch.float32 for p in model.parameters())

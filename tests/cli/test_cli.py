@@ -38,7 +38,6 @@ def digest(path):
     return h.hexdigest()
 
 
-
 def test_fold_then_check(gpt2_dir, tmp_path):
     result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
@@ -49,7 +48,9 @@ def test_fold_then_check(gpt2_dir, tmp_path):
 
 
 def test_fold_json_and_dry_run(gpt2_dir, tmp_path):
-    result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out"), "--dry-run", "--json"])
+    result = runner.invoke(
+        app, ["fold", str(gpt2_dir), str(tmp_path / "out"), "--dry-run", "--json"]
+    )
     assert result.exit_code == 0
     payload = json.loads(result.stdout)
     assert payload["out_dir"] is None and len(payload["plan"]["layer_norms"]) == 5
@@ -65,7 +66,9 @@ def test_check_fails_with_exit_1_on_a_wrong_checkpoint(gpt2_dir, tmp_path):
     out = tmp_path / "out"
     assert runner.invoke(app, ["fold", str(gpt2_dir), str(out), "--no-check"]).exit_code == 0
     sd = load_file(out / "model.safetensors")
-    sd["transformer.h.0.ln_2.bias"] = torch.zeros_like(sd["transformer.h.0.ln_2.bias"])  # drop a beta
+    sd["transformer.h.0.ln_2.bias"] = torch.zeros_like(
+        sd["transformer.h.0.ln_2.bias"]
+    )  # drop a beta
     save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
     result = runner.invoke(app, ["check", str(gpt2_dir), str(out), "--json"])
     assert result.exit_code == 1
@@ -100,15 +103,18 @@ def test_no_layer_norm_says_nothing_to_fold(tmp_path):
     tiny_model("llama").save_pretrained(tmp_path / "llama")
     result = runner.invoke(app, ["fold", str(tmp_path / "llama"), str(tmp_path / "out")])
     assert result.exit_code == 2
-    assert result.stderr.strip() == ("error: nothing to fold: LlamaForCausalLM has no LayerNorm; "
-                                     "nothing was written")
+    assert result.stderr.strip() == (
+        "error: nothing to fold: LlamaForCausalLM has no LayerNorm; nothing was written"
+    )
     assert not (tmp_path / "out").exists()
 
 
 def test_bad_option_values(gpt2_dir, tmp_path):
-    for args, message in [(["fold", str(gpt2_dir), str(tmp_path / "o"), "--max-shard-size", "0"], "positive size"),
-                          (["fold", str(gpt2_dir), str(tmp_path / "o"), "--max-shard-size", "-5"], "positive size"),
-                          (["bench", "--no-e2e", "--shapes", "0x64"], "positive sizes")]:
+    for args, message in [
+        (["fold", str(gpt2_dir), str(tmp_path / "o"), "--max-shard-size", "0"], "positive size"),
+        (["fold", str(gpt2_dir), str(tmp_path / "o"), "--max-shard-size", "-5"], "positive size"),
+        (["bench", "--no-e2e", "--shapes", "0x64"], "positive sizes"),
+    ]:
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and message in result.stderr, args
         assert len(result.stderr.strip().splitlines()) == 1
@@ -123,6 +129,7 @@ def test_dry_run_accepts_a_non_empty_out_dir(gpt2_dir, tmp_path):
 
 
 # --- bad input: one line, exit 2, input unchanged, no OUT_DIR -------------------------------
+
 
 def corrupt(src, tmp):
     d = copy_dir(src, tmp / "in")
@@ -222,12 +229,16 @@ def test_non_empty_out_dir_needs_force(gpt2_dir, tmp_path):
     assert runner.invoke(app, ["fold", str(gpt2_dir), str(out), "--no-check"]).exit_code == 0
     (out / "extra.txt").write_text("from an earlier fold")
     result = runner.invoke(app, ["fold", str(gpt2_dir), str(out), "--force", "--no-check"])
-    assert result.exit_code == 0 and not (out / "extra.txt").exists()  # an earlier output is replaced
+    assert (
+        result.exit_code == 0 and not (out / "extra.txt").exists()
+    )  # an earlier output is replaced
     assert (out / "model.safetensors").exists()
 
 
 @pytest.mark.parametrize("where", ["_copy_range", "_pwrite_all", "write_shard"])
-@pytest.mark.parametrize("code,message", [(errno.ENOSPC, "disk full"), (errno.EACCES, "permission denied")])
+@pytest.mark.parametrize(
+    "code,message", [(errno.ENOSPC, "disk full"), (errno.EACCES, "permission denied")]
+)
 def test_disk_full_or_permission_denied(code, message, where, gpt2_dir, tmp_path, monkeypatch):
     # Root ignores file permissions and tmpfs quotas are not available here, so the
     # failing write is simulated where data goes to disk: the byte copy (on the
@@ -279,6 +290,7 @@ def test_allow_pickle_folds_bin_weights(gpt2_dir, tmp_path):
 
 # --- real subprocesses ---------------------------------------------------------------------------
 
+
 def run(*args):
     env = {**os.environ, "COLUMNS": "200"}
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
@@ -290,8 +302,10 @@ def test_entry_point_subprocess(gpt2_dir, tmp_path):
     assert json.loads(proc.stdout)["check"]["passed"] is True
     proc = run("enjoyln", "fold", str(tmp_path / "missing"), str(tmp_path / "out2"))
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'missing'} does not exist, and is not a Hugging "
-                                                "Face hub id (NAME or ORG/NAME)"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'missing'} does not exist, and is not a Hugging "
+        "Face hub id (NAME or ORG/NAME)"
+    ]
 
 
 def test_python_dash_m_subprocess(gpt2_dir, tmp_path):
@@ -318,24 +332,40 @@ def test_json_output_is_strict(gpt2_dir, tmp_path, monkeypatch):
     from enjoyln.checking.report import CheckReport, OutputCheck
 
     def report(*args, **kwargs):
-        return CheckReport(passed=False, max_abs_diff=float("inf"), max_rel_diff=float("nan"),
-                           outputs=[OutputCheck("logits", float("inf"), float("-inf"), False)], batches=1,
-                           dtype="float32", criterion="x\udcffy é")
+        return CheckReport(
+            passed=False,
+            max_abs_diff=float("inf"),
+            max_rel_diff=float("nan"),
+            outputs=[OutputCheck("logits", float("inf"), float("-inf"), False)],
+            batches=1,
+            dtype="float32",
+            criterion="x\udcffy é",
+        )
 
     monkeypatch.setattr(checkpoints, "check_checkpoints", report)
     result = runner.invoke(app, ["check", str(gpt2_dir), str(gpt2_dir), "--json"])
     assert result.exit_code == 1
     data = strict_json(result.stdout)
-    assert (data["max_abs_diff"], data["max_rel_diff"], data["outputs"][0]["max_rel_diff"]) == ("inf", "nan", "-inf")
+    assert (data["max_abs_diff"], data["max_rel_diff"], data["outputs"][0]["max_rel_diff"]) == (
+        "inf",
+        "nan",
+        "-inf",
+    )
     assert data["criterion"] == "x\\xffy é"
 
 
 def test_a_non_utf8_out_dir_in_json_output(gpt2_dir, tmp_path):
     out = os.fsdecode(bytes(tmp_path) + b"/out\xff")
-    proc = subprocess.run([sys.executable, "-m", "enjoyln", "fold", str(gpt2_dir), out, "--json", "--static"],
-                          capture_output=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "enjoyln", "fold", str(gpt2_dir), out, "--json", "--static"],
+        capture_output=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
-    assert strict_json(proc.stdout.decode("ascii"))["out_dir"] == os.fsdecode(bytes(tmp_path)) + "/out\\xff"
+    assert (
+        strict_json(proc.stdout.decode("ascii"))["out_dir"]
+        == os.fsdecode(bytes(tmp_path)) + "/out\\xff"
+    )
 
 
 def test_printing_after_publishing_cannot_fail_the_command(gpt2_dir, tmp_path):
@@ -343,8 +373,12 @@ def test_printing_after_publishing_cannot_fail_the_command(gpt2_dir, tmp_path):
     the exit code must say so."""
     out = tmp_path / "out-é"
     env = {**os.environ, "PYTHONIOENCODING": "ascii"}
-    proc = subprocess.run([sys.executable, "-m", "enjoyln", "fold", str(gpt2_dir), str(out), "--static"],
-                          capture_output=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "enjoyln", "fold", str(gpt2_dir), str(out), "--static"],
+        capture_output=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert out.is_dir() and b"Wrote" in proc.stdout and b"out-\\xe9" in proc.stdout
 
@@ -352,13 +386,26 @@ def test_printing_after_publishing_cannot_fail_the_command(gpt2_dir, tmp_path):
 def test_a_failed_fold_removes_the_folders_it_created(gpt2_dir, tmp_path, monkeypatch):
     from enjoyln.checking.report import CheckReport
 
-    monkeypatch.setattr(convert, "check_checkpoints", lambda *a, **k: CheckReport(
-        passed=False, max_abs_diff=1.0, max_rel_diff=1.0, outputs=[], batches=1, dtype="float32", criterion=""))
+    monkeypatch.setattr(
+        convert,
+        "check_checkpoints",
+        lambda *a, **k: CheckReport(
+            passed=False,
+            max_abs_diff=1.0,
+            max_rel_diff=1.0,
+            outputs=[],
+            batches=1,
+            dtype="float32",
+            criterion="",
+        ),
+    )
     (tmp_path / "kept").mkdir()
     result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "kept" / "a" / "b" / "out")])
     assert result.exit_code == 1
     assert os.listdir(tmp_path / "kept") == []
-    result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "c" / "out"), "--keep-failed"])
+    result = runner.invoke(
+        app, ["fold", str(gpt2_dir), str(tmp_path / "c" / "out"), "--keep-failed"]
+    )
     assert result.exit_code == 1 and os.listdir(tmp_path / "c") == ["out.enjoyln-failed"]
 
 
@@ -369,7 +416,8 @@ def test_an_error_stays_one_line_whatever_the_path(tmp_path, name):
     assert proc.returncode == 2
     assert len(proc.stderr.splitlines()) == 1, repr(proc.stderr)
     assert proc.stderr.startswith(f"error: {tmp_path}/a\\") and proc.stderr.rstrip().endswith(
-        "b does not exist, and is not a Hugging Face hub id (NAME or ORG/NAME)")
+        "b does not exist, and is not a Hugging Face hub id (NAME or ORG/NAME)"
+    )
 
 
 def test_check_dtype_option(gpt2_dir, tmp_path):
@@ -380,12 +428,16 @@ def test_check_dtype_option(gpt2_dir, tmp_path):
     (cand / "config.json").write_text(json.dumps({**config, "dtype": "float16"}))
     result = runner.invoke(app, ["check", str(gpt2_dir), str(cand), "--static"])
     assert result.exit_code == 1 and "pass --dtype float16" in result.output
-    result = runner.invoke(app, ["check", str(gpt2_dir), str(cand), "--static", "--dtype", "float16"])
+    result = runner.invoke(
+        app, ["check", str(gpt2_dir), str(cand), "--static", "--dtype", "float16"]
+    )
     assert result.exit_code == 0, result.output
     result = runner.invoke(app, ["check", str(gpt2_dir), str(cand), "--dtype", "int8"])
     assert result.exit_code == 2
-    assert result.stderr == ("error: cannot judge a candidate in dtype 'int8'; use one of float16, bfloat16, "
-                             "float32, float64\n")
+    assert result.stderr == (
+        "error: cannot judge a candidate in dtype 'int8'; use one of float16, bfloat16, "
+        "float32, float64\n"
+    )
 
 
 # --- bad input: the problem named, never a Python exception type -------------------------
@@ -398,19 +450,28 @@ def _block_edit(edit):
         edit(config["enjoyln"])
         (cand / "config.json").write_text(json.dumps(config))
         return cand
+
     return make
 
 
 BLOCKS = {  # a candidate whose block no fold writes is a wrong candidate: exit 1, saying why
     "plan not an object": (_block_edit(lambda b: b.update(plan=[])), "plan is [], not an object"),
-    "centered a string": (_block_edit(lambda b: b["plan"]["layer_norms"][0].update(centered="abc")),
-                          "plan.layer_norms[0].centered is 'abc', not a list"),
-    "name a list": (_block_edit(lambda b: b["plan"]["layer_norms"][0].update(name=["x"])),
-                    "plan.layer_norms[0].name is [\"x\"], not a string"),
-    "scale a number": (_block_edit(lambda b: b["plan"]["layer_norms"][0]["centered"][0].update(scale=3)),
-                       "scale is 3, not a string"),
-    "groups 0": (_block_edit(lambda b: b["plan"]["layer_norms"][0]["centered"][0].update(groups=0)),
-                 "the recorded plan is not what this enjoyln's analysis gives"),
+    "centered a string": (
+        _block_edit(lambda b: b["plan"]["layer_norms"][0].update(centered="abc")),
+        "plan.layer_norms[0].centered is 'abc', not a list",
+    ),
+    "name a list": (
+        _block_edit(lambda b: b["plan"]["layer_norms"][0].update(name=["x"])),
+        'plan.layer_norms[0].name is ["x"], not a string',
+    ),
+    "scale a number": (
+        _block_edit(lambda b: b["plan"]["layer_norms"][0]["centered"][0].update(scale=3)),
+        "scale is 3, not a string",
+    ),
+    "groups 0": (
+        _block_edit(lambda b: b["plan"]["layer_norms"][0]["centered"][0].update(groups=0)),
+        "the recorded plan is not what this enjoyln's analysis gives",
+    ),
 }
 
 
@@ -451,12 +512,16 @@ def test_bad_option_values_get_one_line_naming_them(args, message, gpt2_dir, tmp
     args = [a.format(ref=gpt2_dir, tmp=tmp_path) for a in args]
     result = runner.invoke(app, args)
     assert result.exit_code == 2 and message in result.output, result.output
-    assert not any(t in result.output for t in ("TypeError", "ValueError", "AttributeError", "RuntimeError"))
+    assert not any(
+        t in result.output for t in ("TypeError", "ValueError", "AttributeError", "RuntimeError")
+    )
 
 
 def test_rotate_takes_any_seed(gpt2_dir, tmp_path):
     """A seed beyond 64 bits once overflowed the generator: every seed is one."""
-    result = runner.invoke(app, ["rotate", str(gpt2_dir), str(tmp_path / "out"), "--seed", str(2**63), "--static"])
+    result = runner.invoke(
+        app, ["rotate", str(gpt2_dir), str(tmp_path / "out"), "--seed", str(2**63), "--static"]
+    )
     assert result.exit_code == 0, result.output
 
 
@@ -467,10 +532,17 @@ def test_an_index_that_names_a_list_as_a_shard(gpt2_dir, tmp_path):
     (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")
     with safe_open(d / "model-00001-of-00001.safetensors", "pt") as f:
         keys = list(f.keys())
-    weight_map = dict.fromkeys(keys, "model-00001-of-00001.safetensors") | {keys[0]: ["x.safetensors"]}
-    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    weight_map = dict.fromkeys(keys, "model-00001-of-00001.safetensors") | {
+        keys[0]: ["x.safetensors"]
+    }
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     result = runner.invoke(app, ["inspect", str(d)])
-    assert result.exit_code == 2 and "names the shard \"['x.safetensors']\", which is not a file" in result.output
+    assert (
+        result.exit_code == 2
+        and "names the shard \"['x.safetensors']\", which is not a file" in result.output
+    )
 
 
 @pytest.mark.parametrize("value", ["foo", 5, ["float16"], "int8"])
@@ -480,14 +552,20 @@ def test_a_dtype_that_is_none_is_named(value, gpt2_dir, tmp_path):
     (d / "config.json").write_text(json.dumps({**config, "dtype": value}))
     result = runner.invoke(app, ["fold", str(d), str(tmp_path / "out")])
     assert result.exit_code == 2 and not (tmp_path / "out").exists()
-    assert "config.json" in result.output and "not a floating torch dtype" in result.output or \
-        "cannot read" in result.output, result.output
+    assert (
+        "config.json" in result.output
+        and "not a floating torch dtype" in result.output
+        or "cannot read" in result.output
+    ), result.output
 
 
 def test_rotate_then_check_a_vision_language_directory(tmp_path):
-    """LLaVA with a SigLIP tower read at layer -2, from its directory alone: every batch holds an image, the tapped
-    tower's LNs are refused with the tap's reader named, yet its stream rotates (the projector takes Qᵀ), the
-    tower's hidden states among the outputs are left out of the check, and the output loads with plain
+    """LLaVA with a SigLIP tower read at layer -2, from its directory alone: every batch holds an
+    image, the tapped
+    tower's LNs are refused with the tap's reader named, yet its stream rotates (the projector takes
+    Qᵀ), the
+    tower's hidden states among the outputs are left out of the check, and the output loads with
+    plain
     from_pretrained with the same logits."""
     import transformers
 
@@ -504,13 +582,24 @@ def test_rotate_then_check_a_vision_language_directory(tmp_path):
     plan = payload["plan"]
     entries = {e["name"]: e for e in plan["layer_norms"]}
     tower = [e for name, e in entries.items() if name.startswith("model.vision_tower.encoder")]
-    assert len(tower) == 4 and all(not e["foldable"] and "multi_modal_projector" in e["reason"] for e in tower)
-    assert all(e["affine"] == "fused" and e["fused"] for e in tower)  # weightless LayerNorms, on a rotated stream
+    assert len(tower) == 4 and all(
+        not e["foldable"] and "multi_modal_projector" in e["reason"] for e in tower
+    )
+    assert all(
+        e["affine"] == "fused" and e["fused"] for e in tower
+    )  # weightless LayerNorms, on a rotated stream
     rotated = {(r["param"], r["axis"]) for r in plan["rotation"]["rotated"]}
-    assert {("model.multi_modal_projector.linear_1.weight", 1),
-            ("model.vision_tower.embeddings.patch_embedding.weight", 0)} <= rotated
-    assert plan["changed_outputs"] == ["image_outputs.last_hidden_state", "image_outputs.hidden_states.1"]
-    assert any("image_outputs" in o for o in json.dumps(payload["check"]).split('"'))  # the tower ran in the check
+    assert {
+        ("model.multi_modal_projector.linear_1.weight", 1),
+        ("model.vision_tower.embeddings.patch_embedding.weight", 0),
+    } <= rotated
+    assert plan["changed_outputs"] == [
+        "image_outputs.last_hidden_state",
+        "image_outputs.hidden_states.1",
+    ]
+    assert any(
+        "image_outputs" in o for o in json.dumps(payload["check"]).split('"')
+    )  # the tower ran in the check
     result = runner.invoke(app, ["check", str(src), str(out)])
     assert result.exit_code == 0 and "PASS" in result.output, result.output
     assert "not compared: image_outputs.last_hidden_state" in result.output
@@ -521,5 +610,8 @@ def test_rotate_then_check_a_vision_language_directory(tmp_path):
         loaded = transformers.LlavaForConditionalGeneration.from_pretrained(out).eval()
         got = loaded(**inputs).logits
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(loaded.model.multi_modal_projector.linear_1.weight,
-                              original.model.multi_modal_projector.linear_1.weight, atol=1e-3)
+    assert not torch.allclose(
+        loaded.model.multi_modal_projector.linear_1.weight,
+        original.model.multi_modal_projector.linear_1.weight,
+        atol=1e-3,
+    )

@@ -36,8 +36,11 @@ def _names(command: click.Command) -> list[str]:
 def _assert_whole(text: str, names: list[str]) -> None:
     assert "…" not in text and "..." not in text, text
     assert max(len(line) for line in text.splitlines()) <= 80
-    listed = [line[2:].split("  ")[0] for line in text.splitlines() if line.startswith("  ") and
-              not line.startswith("   ")]  # the first column of each parameter's row
+    listed = [
+        line[2:].split("  ")[0]
+        for line in text.splitlines()
+        if line.startswith("  ") and not line.startswith("   ")
+    ]  # the first column of each parameter's row
     for name in names:
         assert name in listed, (name, text)
 
@@ -47,22 +50,36 @@ def test_h_at_80_columns_cuts_no_option_name(command):
     result = runner.invoke(app, [command, "-h"], env={"COLUMNS": "80"})
     assert result.exit_code == 0
     _assert_whole(result.stdout, _names(GROUP.commands[command]))  # type: ignore[attr-defined]
-    assert "<bool>" not in result.stdout and "<str>" not in result.stdout and "range>" not in result.stdout
+    assert (
+        "<bool>" not in result.stdout
+        and "<str>" not in result.stdout
+        and "range>" not in result.stdout
+    )
 
 
 def test_piped_help_is_whole_too():
     """No terminal and no COLUMNS: the width click guesses (80) still cuts nothing."""
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    text = subprocess.run([sys.executable, "-m", "enjoyln", "rotate", "-h"], capture_output=True, text=True,
-                          env=env, timeout=60, stdin=subprocess.DEVNULL).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "enjoyln", "rotate", "-h"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    ).stdout
     _assert_whole(text, _names(GROUP.commands["rotate"]))  # type: ignore[attr-defined]
     assert "--trust-remote-code" in text and "--keep-mean / --no-keep-mean" in text
 
 
 def test_enjoyln_h_lists_each_command_with_a_whole_sentence():
     text = runner.invoke(app, ["-h"], env={"COLUMNS": "80"}).stdout
-    assert "..." not in text.replace("[ARGS]...", "") and "<bool>" not in text and max(len(line) for line in text.splitlines()) <= 80
+    assert (
+        "..." not in text.replace("[ARGS]...", "")
+        and "<bool>" not in text
+        and max(len(line) for line in text.splitlines()) <= 80
+    )
     commands = " ".join(text.split("Commands:")[1].split())
     for name in COMMANDS:
         sentence = cli_options.description(GROUP.commands[name])  # type: ignore[attr-defined]
@@ -75,7 +92,10 @@ def test_cli_md_tables_are_what_h_prints():
     doc = (ROOT / "docs" / "cli.md").read_text()
     block = doc.split("<!-- cli-options:start -->\n")[1].split("<!-- cli-options:end -->")[0]
     assert block == cli_options.markdown()
-    assert "| `--seq-len N` | Sequence length of the short check batches. [default: 16; x>=1] |" in block
+    assert (
+        "| `--seq-len N` | Sequence length of the short check batches. [default: 16; x>=1] |"
+        in block
+    )
     assert "| `-q, --quiet` | Print only the verdict and errors; no progress. |" in block
     # every option of every command has its row, its value's kind as -h shows it
     for name in COMMANDS:
@@ -109,12 +129,24 @@ def test_fold_and_rotate_share_their_option_set():
         assert options.FOLD in callbacks[name].option_sets, name
     shared = {p.name for p in options.FOLD.parameters}
     assert {"rtol", "max_shard_size", "allow_pickle", "check", "device"} <= shared
-    rows = {name: dict(cli_options.rows(GROUP.commands[name], click.Context(GROUP.commands[name])))
-            for name in ("fold", "rotate")}
-    fold_rows = {k: v for k, v in rows["fold"].items() if k.split()[0].lstrip("-").replace("-", "_") in shared}
-    assert len(fold_rows) == len(shared) and all(rows["rotate"][k] == v for k, v in fold_rows.items())
+    rows = {
+        name: dict(cli_options.rows(GROUP.commands[name], click.Context(GROUP.commands[name])))
+        for name in ("fold", "rotate")
+    }
+    fold_rows = {
+        k: v
+        for k, v in rows["fold"].items()
+        if k.split()[0].lstrip("-").replace("-", "_") in shared
+    }
+    assert len(fold_rows) == len(shared) and all(
+        rows["rotate"][k] == v for k, v in fold_rows.items()
+    )
 
 
 def test_an_option_set_refuses_a_wrong_value_in_one_line(tmp_path):
-    result = runner.invoke(app, ["fold", str(tmp_path), str(tmp_path / "out"), "--max-shard-size", "lots"])
-    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "lots" in result.stderr, result.stderr
+    result = runner.invoke(
+        app, ["fold", str(tmp_path), str(tmp_path / "out"), "--max-shard-size", "lots"]
+    )
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "lots" in result.stderr, (
+        result.stderr
+    )

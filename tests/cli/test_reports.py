@@ -42,12 +42,24 @@ def test_no_rate_over_a_near_zero_interval():
 
 def test_the_write_total_is_unknown_then_final(gpt2_dir, tmp_path):
     seen = []
-    result = fold_checkpoint(gpt2_dir, tmp_path / "out", FoldOptions.of(check="none"), progress=lambda done, total: seen.append((done, total)))
+    result = fold_checkpoint(
+        gpt2_dir,
+        tmp_path / "out",
+        FoldOptions.of(check="none"),
+        progress=lambda done, total: seen.append((done, total)),
+    )
     known = [total for _, total in seen if total]
-    # the tensors the early copy put in place and the fold then centered there count once, as they are written
-    assert known[0] == result.bytes_written == sum(p.stat().st_size for p in (tmp_path / "out").glob("*.safetensors")
-                                                   ) - sum(8 + int.from_bytes((tmp_path / "out" / f).read_bytes()[:8],
-                                                                              "little") for f in result.files)
+    # the tensors the early copy put in place and the fold then centered there count once, as they
+    # are written
+    assert (
+        known[0]
+        == result.bytes_written
+        == sum(p.stat().st_size for p in (tmp_path / "out").glob("*.safetensors"))
+        - sum(
+            8 + int.from_bytes((tmp_path / "out" / f).read_bytes()[:8], "little")
+            for f in result.files
+        )
+    )
     assert known and len(set(known)) == 1  # one total, never revised
     first_known = next(i for i, (_, total) in enumerate(seen) if total)
     assert all(total == 0 for _, total in seen[:first_known])  # before it, "not known yet"
@@ -95,13 +107,22 @@ def test_no_third_party_bars_or_logs_and_the_users_settings_back(gpt2_dir, tmp_p
     try:
         result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out")])
         assert result.exit_code == 0, result.output
-        assert result.stderr == ""  # no "Loading weights", no LOAD REPORT: not a TTY, so no progress either
-        fold_checkpoint(gpt2_dir, tmp_path / "api", FoldOptions.of(check="full"))  # the API path too
+        assert (
+            result.stderr == ""
+        )  # no "Loading weights", no LOAD REPORT: not a TTY, so no progress either
+        fold_checkpoint(
+            gpt2_dir, tmp_path / "api", FoldOptions.of(check="full")
+        )  # the API path too
         load(tmp_path / "api")
         load_plain(tmp_path / "api")
         captured = capsys.readouterr()
-        assert "Loading weights" not in captured.err + captured.out and "LOAD REPORT" not in captured.err
-        assert tf_logging.is_progress_bar_enabled() and tf_logging.get_verbosity() == tf_logging.INFO
+        assert (
+            "Loading weights" not in captured.err + captured.out
+            and "LOAD REPORT" not in captured.err
+        )
+        assert (
+            tf_logging.is_progress_bar_enabled() and tf_logging.get_verbosity() == tf_logging.INFO
+        )
         assert not hub_utils.are_progress_bars_disabled()
     finally:
         tf_logging.set_verbosity_warning()
@@ -114,14 +135,19 @@ def test_every_report_opens_with_a_verdict(gpt2_dir, tmp_path):
     result = runner.invoke(app, ["fold", str(gpt2_dir), str(tmp_path / "out")])
     lines = result.stdout.splitlines()
     verdict = next(line for line in lines if line.startswith(("PASS", "FAIL")))
-    assert verdict == ("PASS: the folded model computes the same outputs (every weight proven; 2 batches within "
-                       "4× the original's own rounding; the same greedy tokens)")
+    assert verdict == (
+        "PASS: the folded model computes the same outputs (every weight proven; 2 batches within "
+        "4× the original's own rounding; the same greedy tokens)"
+    )
     result = runner.invoke(app, ["check", str(gpt2_dir), str(tmp_path / "out"), "--static"])
-    assert result.stdout.splitlines()[0] == ("PASS: every weight of the candidate is what the fold makes of the "
-                                             "original's, proven tensor by tensor (no forward pass was run)")
+    assert result.stdout.splitlines()[0] == (
+        "PASS: every weight of the candidate is what the fold makes of the "
+        "original's, proven tensor by tensor (no forward pass was run)"
+    )
     result = runner.invoke(app, ["check", str(gpt2_dir), str(gpt2_dir)])
-    assert result.stdout.splitlines()[0] == ("PASS: the candidate is byte for byte the original, so it computes the "
-                                             "same outputs")
+    assert result.stdout.splitlines()[0] == (
+        "PASS: the candidate is byte for byte the original, so it computes the same outputs"
+    )
 
 
 def test_a_failing_forward_check_names_the_output(gpt2_dir, tmp_path):
@@ -132,10 +158,15 @@ def test_a_failing_forward_check_names_the_output(gpt2_dir, tmp_path):
     sd = load_file(out / "model.safetensors")
     sd["transformer.h.0.mlp.c_fc.bias"] = sd["transformer.h.0.mlp.c_fc.bias"] + 0.5
     save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
-    result = runner.invoke(app, ["check", str(gpt2_dir), str(out), "--forward-only", "--batches", "1"])
+    result = runner.invoke(
+        app, ["check", str(gpt2_dir), str(out), "--forward-only", "--batches", "1"]
+    )
     first = result.stdout.splitlines()[0]
-    assert result.exit_code == 1 and re.match(r"FAIL: the candidate computes different outputs: logits "
-                                              r"\(enjoyln\.load\) is off by \S+ where \S+ is allowed", first), first
+    assert result.exit_code == 1 and re.match(
+        r"FAIL: the candidate computes different outputs: logits "
+        r"\(enjoyln\.load\) is off by \S+ where \S+ is allowed",
+        first,
+    ), first
 
 
 def test_an_encoder_is_not_said_to_decode(tmp_path):
@@ -143,7 +174,10 @@ def test_an_encoder_is_not_said_to_decode(tmp_path):
     result = runner.invoke(app, ["fold", str(tmp_path / "bert"), str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert "decod" not in result.stdout and "greedy" not in result.stdout
-    assert "confirmed it on 2 short batches (plain loading on the first); --thorough also runs" in result.stdout
+    assert (
+        "confirmed it on 2 short batches (plain loading on the first); --thorough also runs"
+        in result.stdout
+    )
 
 
 def test_a_post_ln_model_is_told_why_once(tmp_path, gpt2_dir):
@@ -151,10 +185,15 @@ def test_a_post_ln_model_is_told_why_once(tmp_path, gpt2_dir):
     text = runner.invoke(app, ["inspect", str(tmp_path / "bert")], env={"COLUMNS": "400"}).stdout
     assert text.splitlines()[0] == "BertModel: 1 of 5 LayerNorms fold, by centering 3 tensors."
     note = text.splitlines()[1]
-    assert text.count("post-LN model") == 1 and note.startswith("Note: BertModel is a post-LN model")
-    assert ("the LayerNorm's input is the residual sum, whose skip branch is the output of the LayerNorm before it. "
-            "That output is not zero-mean, so centering the layers that feed the sum cannot make the sum zero-mean"
-            in note)
+    assert text.count("post-LN model") == 1 and note.startswith(
+        "Note: BertModel is a post-LN model"
+    )
+    assert (
+        "the LayerNorm's input is the residual sum, whose skip branch is the output of the "
+        "LayerNorm before it. "
+        "That output is not zero-mean, so centering the layers that feed the sum cannot make the "
+        "sum zero-mean" in note
+    )
     assert "(here: embeddings.LayerNorm)" in note
     assert "post-LN" not in runner.invoke(app, ["inspect", str(gpt2_dir)]).stdout
 
@@ -169,15 +208,25 @@ def test_the_demo_keeps_its_workdir_or_says_it_is_temporary(tmp_path):
     assert (tmp_path / "d" / "gpt2-demo-folded" / "model.safetensors").is_file()
     assert f"Wrote {tmp_path / 'd' / 'gpt2-demo-folded'} in " in result.stdout
     assert f"The checkpoints stay in {tmp_path / 'd'}" in result.stdout
-    # the time the speed comparison takes, from a forward measured here, said before it, not a fixed figure
-    said = re.search(r"^One forward takes about [\d.]+ s here, so the timings below take about \d+ (s|min)$",
-                     result.stdout, re.M)
+    # the time the speed comparison takes, from a forward measured here, said before it, not a fixed
+    # figure
+    said = re.search(
+        r"^One forward takes about [\d.]+ s here, so the timings below take about \d+ (s|min)$",
+        result.stdout,
+        re.M,
+    )
     assert said and said.start() < result.stdout.index("  original: ")
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
-    temp = Path(re.search(r"Working in the temporary directory (\S+), removed when the demo ends",
-                          result.stdout).group(1))
-    assert f"Wrote {temp / 'gpt2-demo-folded'} (temporary: removed when the demo ends)" in result.stdout
+    temp = Path(
+        re.search(
+            r"Working in the temporary directory (\S+), removed when the demo ends", result.stdout
+        ).group(1)
+    )
+    assert (
+        f"Wrote {temp / 'gpt2-demo-folded'} (temporary: removed when the demo ends)"
+        in result.stdout
+    )
     assert f"Removed the temporary directory {temp}." in result.stdout and not temp.exists()
 
 
@@ -193,7 +242,11 @@ def test_runs_at_a_scheduler_step_are_flagged():
 def test_a_busy_machine_is_flagged_and_a_quiet_one_is_not():
     busy = [10.0, 14.0, 11.0, 19.0, 12.5, 16.0, 10.5, 13.0, 17.5, 11.5]
     warnings = Spread.of(busy).warnings("folded")
-    assert len(warnings) == 1 and warnings[0].startswith("folded: the runs spread by") and "busy" in warnings[0]
+    assert (
+        len(warnings) == 1
+        and warnings[0].startswith("folded: the runs spread by")
+        and "busy" in warnings[0]
+    )
     quiet = [10.0 + 0.01 * (i % 7) for i in range(30)]
     assert Spread.of(quiet).warnings("original") == []
 
@@ -202,31 +255,44 @@ def test_runs_at_the_clocks_resolution_are_flagged(monkeypatch):
     import time
 
     coarse = time.get_clock_info("perf_counter")
-    monkeypatch.setattr(time, "get_clock_info", lambda name: type("Info", (), {"resolution": 1e-3})())
+    monkeypatch.setattr(
+        time, "get_clock_info", lambda name: type("Info", (), {"resolution": 1e-3})()
+    )
     assert "within 100x the clock's resolution" in Spread.of([5.0] * 10).warnings("x")[0]
     assert coarse.resolution < 1e-3
 
 
 def test_a_difference_is_claimed_only_when_measurable(capsys):
-    same = LatencyComparison.of([10.0, 10.2, 9.9, 10.1, 10.0, 9.8], [10.1, 10.0, 10.0, 10.2, 9.9, 9.9])
+    same = LatencyComparison.of(
+        [10.0, 10.2, 9.9, 10.1, 10.0, 9.8], [10.1, 10.0, 10.0, 10.2, 9.9, 9.9]
+    )
     assert same.difference().startswith("no measurable difference between folded and original (")
-    faster = LatencyComparison.of([10.0, 10.2, 9.9, 10.1, 10.0, 9.8], [9.0, 9.1, 8.9, 9.0, 9.2, 8.8])
-    assert faster.difference() == ("folded 10.2% faster than original, measurably (the middle half of 6 run-by-run "
-                                   "ratios, 0.892-0.905, lies below 1)")
+    faster = LatencyComparison.of(
+        [10.0, 10.2, 9.9, 10.1, 10.0, 9.8], [9.0, 9.1, 8.9, 9.0, 9.2, 8.8]
+    )
+    assert faster.difference() == (
+        "folded 10.2% faster than original, measurably (the middle half of 6 run-by-run "
+        "ratios, 0.892-0.905, lies below 1)"
+    )
     slower = LatencyComparison.of([10.0] * 6, [11.0, 11.1, 10.9, 11.0, 11.2, 10.8])
-    assert slower.direction() == "slower" and slower.difference().startswith("folded 10.0% slower than original")
+    assert slower.direction() == "slower" and slower.difference().startswith(
+        "folded 10.0% slower than original"
+    )
     assert (same.to_dict()["direction"], faster.to_dict()["direction"]) == ("same", "faster")
     render.state.begin()
     print_latency(same)
     captured = capsys.readouterr()
     first, second = captured.out.splitlines()
-    assert first.startswith("no measurable difference") and "%" not in captured.out  # no percentage as a result
+    assert (
+        first.startswith("no measurable difference") and "%" not in captured.out
+    )  # no percentage as a result
     assert second == "  original: 10.00 ms per forward (median of 6 runs, IQR 0.25 ms)"
     assert captured.err == ""
 
 
 def test_a_speed_line_shows_no_second_median_to_point_the_other_way(capsys):
-    """The medians are 10% apart, but the run-by-run ratios spread across 1: no difference is claimed, and
+    """The medians are 10% apart, but the run-by-run ratios spread across 1: no difference is
+    claimed, and
     the folded median, which would suggest one, is not printed."""
     lat = LatencyComparison.of([10.0, 10.0, 10.0, 30.0, 30.0], [11.0, 11.0, 11.0, 9.0, 9.0])
     assert lat.b_ms / lat.a_ms == pytest.approx(1.1) and lat.direction() == "same"
@@ -244,17 +310,25 @@ def test_the_floor_line_never_reads_negative(capsys):
     lat = LatencyComparison.of([100.0] * 6, [100.0] * 6)
     render.print_end_to_end(EndToEndResult(lat, 0.01, 1, 8, 2, (1.0, 0.9, 1.2)), "GPT2", 1, 8)
     text = capsys.readouterr().out
-    assert "a bare copy took no less than LayerNorm here: no norm kernel can make this forward faster" in text
+    assert (
+        "a bare copy took no less than LayerNorm here: no norm kernel can make this forward faster"
+        in text
+    )
     assert not re.search(r"-\d[\d.]*%", text)  # the old "at best -0.12% end to end"
     render.print_end_to_end(EndToEndResult(lat, 0.01, 1, 8, 2, (1.0, 0.9, 0.5)), "GPT2", 1, 8)
-    assert "even a norm as cheap as a copy would save at most 0.50% of a forward (0.50 ms)" in capsys.readouterr().out
+    assert (
+        "even a norm as cheap as a copy would save at most 0.50% of a forward (0.50 ms)"
+        in capsys.readouterr().out
+    )
 
 
 def test_bench_says_how_long_it_will_take_before_timing(monkeypatch, tmp_path):
     from enjoyln import bench
 
     tiny_model("gpt2").save_pretrained(tmp_path / "m")
-    monkeypatch.setattr(bench, "forward_seconds", lambda model, inputs: 2.0)  # a made-up slow machine
+    monkeypatch.setattr(
+        bench, "forward_seconds", lambda model, inputs: 2.0
+    )  # a made-up slow machine
 
     def stop(*args, **kwargs):
         raise RuntimeError("the timings would start here")
@@ -262,7 +336,9 @@ def test_bench_says_how_long_it_will_take_before_timing(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "end_to_end", stop)
     result = runner.invoke(app, ["bench", str(tmp_path / "m"), "--no-kernels", "--repeats", "20"])
     # 2 x 2 s x (3 warm-up + 20 timed pairs) + 2 s x (4 profiled + 21 inside the norms) = 142 s
-    assert "One forward takes about 2 s here, so the timings below take about 2 min" in result.stdout
+    assert (
+        "One forward takes about 2 s here, so the timings below take about 2 min" in result.stdout
+    )
     assert result.exit_code != 0  # stopped at the first timing, after the estimate
 
 
@@ -270,11 +346,32 @@ def test_bench_warns_when_its_timings_are_noisy(monkeypatch):
     from enjoyln import bench
 
     def noisy(shapes, dtypes, device="cpu"):
-        return [bench.KernelResult(8, 64, "float32", "cpu", 2, "fused C kernel", 8000.0, 8000.0, 8000.0, 8000.0,
-                                   4096, ["8x64 float32 LayerNorm: the 40 runs fall into 2 groups about 8 ms apart"])]
+        return [
+            bench.KernelResult(
+                8,
+                64,
+                "float32",
+                "cpu",
+                2,
+                "fused C kernel",
+                8000.0,
+                8000.0,
+                8000.0,
+                8000.0,
+                4096,
+                ["8x64 float32 LayerNorm: the 40 runs fall into 2 groups about 8 ms apart"],
+            )
+        ]
 
     monkeypatch.setattr(bench, "kernel_benchmark", noisy)
     result = runner.invoke(app, ["bench", "--no-e2e", "--shapes", "8x64", "--dtypes", "float32"])
-    assert result.exit_code == 0 and "warning: 8x64 float32 LayerNorm: the 40 runs fall into 2 groups" in result.stderr
-    result = runner.invoke(app, ["bench", "--no-e2e", "--shapes", "8x64", "--dtypes", "float32", "--json"])
-    assert json.loads(result.stdout)["kernels"][0]["warnings"][0].startswith("8x64 float32 LayerNorm")
+    assert (
+        result.exit_code == 0
+        and "warning: 8x64 float32 LayerNorm: the 40 runs fall into 2 groups" in result.stderr
+    )
+    result = runner.invoke(
+        app, ["bench", "--no-e2e", "--shapes", "8x64", "--dtypes", "float32", "--json"]
+    )
+    assert json.loads(result.stdout)["kernels"][0]["warnings"][0].startswith(
+        "8x64 float32 LayerNorm"
+    )

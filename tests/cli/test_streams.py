@@ -1,6 +1,7 @@
 """The exit code is the command's own whatever stdout and stderr are: closed, on a full disk, a pipe
 whose reader is gone. One process, started with stdout closed (so enjoyln is imported with
-``sys.stdout`` None), runs the commands under each state of the streams in turn: torch loads once."""
+``sys.stdout`` None), runs the commands under each state of the streams in turn: torch loads
+once."""
 
 import json
 import os
@@ -67,8 +68,24 @@ def dirs(tmp_path_factory):
 def test_the_exit_code_holds_whatever_the_streams_are(dirs, tmp_path):
     ref, copy = dirs
     record = tmp_path / "record.json"
-    proc = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-c", DRIVER, str(ref), str(copy),
-                           str(tmp_path), str(record)], stderr=subprocess.PIPE, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            "sh",
+            "-c",
+            'exec "$@" >&-',
+            "sh",
+            sys.executable,
+            "-c",
+            DRIVER,
+            str(ref),
+            str(copy),
+            str(tmp_path),
+            str(record),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     results = json.loads(record.read_text())
     assert results["stdout at import"] == "None"
@@ -78,10 +95,21 @@ def test_the_exit_code_holds_whatever_the_streams_are(dirs, tmp_path):
     assert results["stderr closed"] == {"pass": 0, "fail": 1, "bad input": 2}
     logs = dict(part.split("\n", 1) for part in proc.stderr.split("== ")[1:])
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
-    missing = f"error: {tmp_path / 'missing'} does not exist, and is not a Hugging Face hub id (NAME or ORG/NAME)"
-    assert missing in logs["stdout closed"].splitlines() and missing in logs["stdout broken pipe"].splitlines()
+    missing = (
+        f"error: {tmp_path / 'missing'} does not exist, and is not a Hugging Face hub id "
+        "(NAME or ORG/NAME)"
+    )
+    assert (
+        missing in logs["stdout closed"].splitlines()
+        and missing in logs["stdout broken pipe"].splitlines()
+    )
     # a full disk is worth a line; a reader that went away (| head) is not
-    full = ("warning: cannot write to stdout (No space left on device); the rest of its output is dropped, and "
-            "the exit code still gives the result")
-    assert logs["stdout full"].splitlines().count(full) == 3  # once for each command that prints a result
+    full = (
+        "warning: cannot write to stdout (No space left on device); the rest of its output is "
+        "dropped, and "
+        "the exit code still gives the result"
+    )
+    assert (
+        logs["stdout full"].splitlines().count(full) == 3
+    )  # once for each command that prints a result
     assert "warning" not in logs["stdout broken pipe"] and "warning" not in logs["stdout closed"]

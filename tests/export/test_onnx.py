@@ -41,7 +41,10 @@ def exports(request, tmp_path_factory):
     return Exports(request.param, tmp_path_factory.mktemp(request.param))
 
 
-TEXT_AXES = {"input_ids": ["batch_size", "sequence_length"], "attention_mask": ["batch_size", "sequence_length"]}
+TEXT_AXES = {
+    "input_ids": ["batch_size", "sequence_length"],
+    "attention_mask": ["batch_size", "sequence_length"],
+}
 
 
 def test_dynamic_axes_have_optimums_names(exports):
@@ -98,10 +101,12 @@ def test_optimizer_fuses_rms_forms_where_the_original_has_skip_layer_norm(export
     assert count(orig, "SkipSimplifiedLayerNormalization") == 0
     # every norm is still one op, in the same family as before, fused with the same Adds
     assert sum(count(fold, o) for o in RMS_OPS) == len(exports.plan.foldable)
-    assert (count(fold, "SkipSimplifiedLayerNormalization") + count(fold, "SkipLayerNormalization")
-            == count(orig, "SkipLayerNormalization"))
-    assert (count(fold, "SimplifiedLayerNormalization") + count(fold, "LayerNormalization")
-            == count(orig, "LayerNormalization"))
+    assert count(fold, "SkipSimplifiedLayerNormalization") + count(
+        fold, "SkipLayerNormalization"
+    ) == count(orig, "SkipLayerNormalization")
+    assert count(fold, "SimplifiedLayerNormalization") + count(fold, "LayerNormalization") == count(
+        orig, "LayerNormalization"
+    )
     if exports.arch == "bert":
         # post-LN: only the embedding LN folds, and it sits after no residual sum
         assert count(fold, "SkipSimplifiedLayerNormalization") == 0
@@ -119,7 +124,9 @@ def test_optimizer_fuses_rms_forms_where_the_original_has_skip_layer_norm(export
         if node.op_type == "SkipSimplifiedLayerNormalization":
             for name in node.input[:2]:
                 add = produced.get(name)
-                if add is not None and add.op_type == "Add":  # a residual sum, not a linear layer's bias
+                if (
+                    add is not None and add.op_type == "Add"
+                ):  # a residual sum, not a linear layer's bias
                     parents = {produced[i].op_type for i in add.input if i in produced}
                     assert not ("MatMul" in parents and set(add.input) & constants)
     # so the folded graph has no more Adds than the original's and its norms' kept β
@@ -132,21 +139,27 @@ def test_fused_affine_norms_export_as_one_op_with_no_add(exports):
     proto = onnx.load(exports.paths["plain"])
     rms = [n for n in proto.graph.node if n.op_type == "RMSNormalization"]
     assert len(rms) == len(exports.plan.foldable) == exports.plain.rms_norm_nodes
-    assert not any(n.op_type in ("LayerNormalization", "ReduceMean", "Sqrt") and n.name.startswith("node_rms")
-                   for n in proto.graph.node)
+    assert not any(
+        n.op_type in ("LayerNormalization", "ReduceMean", "Sqrt") and n.name.startswith("node_rms")
+        for n in proto.graph.node
+    )
     outputs = {n.output[0] for n in rms}
     adds = [n for n in proto.graph.node if n.op_type == "Add" and set(n.input) & outputs]
     weightless = [e for e in exports.plan.foldable if e.weightless]
     assert len(adds) == len(exports.plan.foldable) - len(weightless) == exports.plain.rms_bias_adds
-    expected_weightless = {"gpt2": 4, "bert": 0, "vit": 5}[exports.arch]  # GPT-2's ln_f keeps β/γ; BERT's
-    assert len(weightless) == expected_weightless                           # embedding LN feeds the stream
+    expected_weightless = {"gpt2": 4, "bert": 0, "vit": 5}[
+        exports.arch
+    ]  # GPT-2's ln_f keeps β/γ; BERT's
+    assert len(weightless) == expected_weightless  # embedding LN feeds the stream
     # a weightless norm's scale is a constant of ones, not a computed tensor
     constants = {i.name: i for i in proto.graph.initializer}
     for node in rms:
         assert node.input[1] in constants
 
 
-@pytest.mark.parametrize("opset,op", [(23, "RMSNormalization"), (18, "SimplifiedLayerNormalization")])
+@pytest.mark.parametrize(
+    "opset,op", [(23, "RMSNormalization"), (18, "SimplifiedLayerNormalization")]
+)
 def test_plain_fold_has_one_rms_op_and_a_bias_add_per_folded_ln(opset, op, tmp_path):
     model = perturb(tiny_model("vit"), seed=41)
     plan = enjoyln.analyze(model)
@@ -162,7 +175,9 @@ def test_plain_fold_has_one_rms_op_and_a_bias_add_per_folded_ln(opset, op, tmp_p
 
 
 def test_rms_norm_without_affine_exports_with_a_dynamic_batch(tmp_path):
-    net = torch.nn.Sequential(torch.nn.Linear(8, 8), enjoyln.RMSNorm(8, elementwise_affine=False)).eval()
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), enjoyln.RMSNorm(8, elementwise_affine=False)
+    ).eval()
     report = export_onnx(net, tmp_path / "n.onnx", torch.randn(3, 8))
     assert report.rms_norm_nodes == 1 and report.rms_bias_adds == 0 and report.passed
     assert report.inputs == {"input": ["batch_size", 8]}
@@ -194,8 +209,13 @@ def test_a_model_that_fixes_its_batch_is_a_clear_error(tmp_path):
 
 def test_second_shape_grows_the_batch_shortens_the_rest_and_pads_the_mask():
     ids = torch.randint(0, 50, (2, 16))
-    first = Inputs((), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False})
-    axes = {"input_ids": ["batch_size", "sequence_length"], "attention_mask": ["batch_size", "sequence_length"]}
+    first = Inputs(
+        (), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+    )
+    axes = {
+        "input_ids": ["batch_size", "sequence_length"],
+        "attention_mask": ["batch_size", "sequence_length"],
+    }
     second = second_shape(first, axes)
     assert second.kwargs["input_ids"].shape == second.kwargs["attention_mask"].shape == (3, 12)
     assert second.kwargs["use_cache"] is False
@@ -225,7 +245,9 @@ def test_cli_export_fuse_affine_optimize(tmp_path):
     src = tmp_path / "vit"
     perturb(tiny_model("vit"), seed=42).save_pretrained(src)
     runner = CliRunner()
-    result = runner.invoke(app, ["export", str(src), str(tmp_path / "v.onnx"), "--fuse-affine", "--optimize"])
+    result = runner.invoke(
+        app, ["export", str(src), str(tmp_path / "v.onnx"), "--fuse-affine", "--optimize"]
+    )
     assert result.exit_code == 0, result.output
     assert "(opset 22): 5 RMSNorm ops, 0 LayerNormalization ops" in result.output
     assert "pixel_values [batch_size, 3, 32, 32]" in result.output
@@ -248,8 +270,9 @@ def test_cli_export_refuses_fuse_affine_on_a_plainly_folded_directory(tmp_path):
     src = tmp_path / "gpt2"
     perturb(tiny_model("gpt2"), seed=42).save_pretrained(src)
     fold_checkpoint(src, tmp_path / "folded", FoldOptions.of(check="none"))
-    result = CliRunner().invoke(app, ["export", str(tmp_path / "folded"), str(tmp_path / "g.onnx"),
-                                      "--fuse-affine"])
+    result = CliRunner().invoke(
+        app, ["export", str(tmp_path / "folded"), str(tmp_path / "g.onnx"), "--fuse-affine"]
+    )
     assert result.exit_code == 2
     assert "was folded without --fuse-affine" in result.stderr
     assert not (tmp_path / "g.onnx").exists()
@@ -267,7 +290,9 @@ def test_a_nan_or_inf_where_pytorch_is_finite_is_a_difference(tmp_path):
     for bad in (float("nan"), float("inf")):
         wrong = want.clone()
         wrong[1, 3] = bad
-        assert compare_with_onnxruntime(tmp_path / "net.onnx", [Inputs((x,), {})], [[wrong]]) == float("inf")
+        assert compare_with_onnxruntime(
+            tmp_path / "net.onnx", [Inputs((x,), {})], [[wrong]]
+        ) == float("inf")
     shifted = want + 100  # a real difference still measures as one
     assert compare_with_onnxruntime(tmp_path / "net.onnx", [Inputs((x,), {})], [[shifted]]) > 0.5
 
@@ -279,11 +304,21 @@ def test_an_exporter_that_decomposes_the_op_still_writes_one_norm_each(tmp_path)
     from enjoyln.export.onnx import translation
     from enjoyln.ops import opaque
 
-    model = torch.nn.Sequential(enjoyln.RMSNorm(16), torch.nn.Linear(16, 16), enjoyln.RMSNorm(16)).eval()
-    with torch.no_grad(), opaque():  # optimize=False: onnxscript's optimizer would fuse the math back
-        program = torch.onnx.export(model, (torch.randn(2, 16),), dynamo=True, opset_version=23, optimize=False,
-                                    custom_translation_table={torch.ops.enjoyln.rms_norm_kernel.default:
-                                                              translation(23)})
+    model = torch.nn.Sequential(
+        enjoyln.RMSNorm(16), torch.nn.Linear(16, 16), enjoyln.RMSNorm(16)
+    ).eval()
+    with (
+        torch.no_grad(),
+        opaque(),
+    ):  # optimize=False: onnxscript's optimizer would fuse the math back
+        program = torch.onnx.export(
+            model,
+            (torch.randn(2, 16),),
+            dynamo=True,
+            opset_version=23,
+            optimize=False,
+            custom_translation_table={torch.ops.enjoyln.rms_norm_kernel.default: translation(23)},
+        )
     nodes = [str(n.target) for n in program.exported_program.graph.nodes if n.op == "call_function"]
     assert nodes.count("enjoyln.rms_norm_kernel.default") == 2 and "aten.rsqrt.default" not in nodes
     ops = [n.op_type for n in program.model_proto.graph.node]

@@ -20,7 +20,11 @@ def _old_rotate_(t, axis, q, start=0, *, rows=1 << 16):
     n = q.shape[0]
     block = t.narrow(axis, start, n)
     other = 0 if axis != 0 or t.dim() == 1 else 1
-    slabs = [block] if t.dim() == 1 else block.split(max(1, rows * n // max(block.numel(), 1) * block.shape[other]) or 1, other)
+    slabs = (
+        [block]
+        if t.dim() == 1
+        else block.split(max(1, rows * n // max(block.numel(), 1) * block.shape[other]) or 1, other)
+    )
     for slab in slabs:
         wide = slab.detach().to(torch.float64).movedim(axis, -1)
         slab.copy_((wide @ q).movedim(-1, axis))
@@ -41,9 +45,22 @@ def _old_fuse_(weight, bias, f, gamma, beta):
     weight.copy_(wide)
 
 
-@pytest.mark.parametrize("shape,axis,start,n", [
-    ((2000, 64), 1, 0, 64), ((64, 2100), 0, 0, 64), ((37, 64), 1, 0, 64), ((64, 41), 0, 0, 64), ((3, 64), 1, 0, 64), ((2, 64), 1, 0, 64), ((1, 64), 1, 0, 64),
-    ((29, 80), 1, 8, 64), ((5, 7, 64), 2, 0, 64), ((64, 3, 2, 2), 0, 0, 64), ((64,), 0, 0, 64)])
+@pytest.mark.parametrize(
+    "shape,axis,start,n",
+    [
+        ((2000, 64), 1, 0, 64),
+        ((64, 2100), 0, 0, 64),
+        ((37, 64), 1, 0, 64),
+        ((64, 41), 0, 0, 64),
+        ((3, 64), 1, 0, 64),
+        ((2, 64), 1, 0, 64),
+        ((1, 64), 1, 0, 64),
+        ((29, 80), 1, 8, 64),
+        ((5, 7, 64), 2, 0, 64),
+        ((64, 3, 2, 2), 0, 0, 64),
+        ((64,), 0, 0, 64),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("slab", [1, 150, 1 << 22])
 def test_rotation_in_slabs_gives_the_old_bits(shape, axis, start, n, dtype, slab):
@@ -55,10 +72,16 @@ def test_rotation_in_slabs_gives_the_old_bits(shape, axis, start, n, dtype, slab
     assert torch.equal(bits(rotate_(t, axis, q, start, slab=slab)), bits(expected))
 
 
-@pytest.mark.parametrize("shape,f,bias", [
-    ((24, 16), Fused("w", 1, 0, 16), True), ((16, 24), Fused("w", 0, 0, 16), True),
-    ((24, 32), Fused("w", 1, 8, 16, offset=0), True), ((24, 32), Fused("w", 1, 0, 16, offset=16), False),
-    ((5, 16, 3), Fused("w", 1, 0, 16), False)])
+@pytest.mark.parametrize(
+    "shape,f,bias",
+    [
+        ((24, 16), Fused("w", 1, 0, 16), True),
+        ((16, 24), Fused("w", 0, 0, 16), True),
+        ((24, 32), Fused("w", 1, 8, 16, offset=0), True),
+        ((24, 32), Fused("w", 1, 0, 16, offset=16), False),
+        ((5, 16, 3), Fused("w", 1, 0, 16), False),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fusion_in_slabs_gives_the_old_bits(shape, f, bias, dtype, monkeypatch):
     from enjoyln.transform import tensors
@@ -68,7 +91,10 @@ def test_fusion_in_slabs_gives_the_old_bits(shape, f, bias, dtype, monkeypatch):
     w = torch.randn(shape, generator=gen).to(dtype)
     out = shape[1 - f.axis] if len(shape) == 2 else shape[0] * shape[2]
     b = torch.randn(out, generator=gen).to(dtype) if bias else None
-    gamma, beta = 1 + 0.3 * torch.randn(32, generator=gen, dtype=torch.float64), torch.randn(32, generator=gen, dtype=torch.float64)
+    gamma, beta = (
+        1 + 0.3 * torch.randn(32, generator=gen, dtype=torch.float64),
+        torch.randn(32, generator=gen, dtype=torch.float64),
+    )
     w2, b2 = w.clone(), b.clone() if bias else None
     _old_fuse_(w2, b2, f, gamma, beta)
     fuse_(w, b, f, gamma, beta)
@@ -145,15 +171,27 @@ def final_tensors(ck, plan):
 
 
 def _bert_mlm():
-    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                     intermediate_size=128, vocab_size=128, max_position_embeddings=64)
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
     return perturb(transformers.BertForMaskedLM(config).eval(), seed=31)
 
 
 def _dinov2():
     """LayerScale after the attention and the MLP: its centerings read the gains."""
-    config = transformers.Dinov2Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                       intermediate_size=128, image_size=32, patch_size=8)
+    config = transformers.Dinov2Config(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        image_size=32,
+        patch_size=8,
+    )
     model = perturb(transformers.Dinov2Model(config).eval(), seed=32)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -188,8 +226,12 @@ def saved(tmp_path_factory):
 
 def _streamed_and_final(path, order=None, allow_pickle=False, **options):
     ck = open_checkpoint(path, allow_pickle=allow_pickle)
-    plan = analyze_dir(ck, options.get("auxiliary_centering", False), options.get("fuse_affine", False),
-                       options.get("rotate"))
+    plan = analyze_dir(
+        ck,
+        options.get("auxiliary_centering", False),
+        options.get("fuse_affine", False),
+        options.get("rotate"),
+    )
     streamed = StreamedTensors(ck, plan)
     keys = streamed.keys()
     got = {k: streamed.get(k) for k in (order(keys) if order else keys)}
@@ -204,19 +246,25 @@ def _assert_bit_identical(got, expected):
         assert torch.equal(bits(got[key]), bits(t)), key
 
 
-@pytest.mark.parametrize("name,options", [
-    ("gpt2", {"fuse_affine": True}),
-    ("gpt2", {"rotate": ("hadamard", 0, True)}),
-    ("gpt2", {"rotate": ("random", 3, False)}),
-    ("opt", {"fuse_affine": True}),
-    ("opt", {"rotate": ("hadamard", 1, False)}),
-    ("opt", {"rotate": ("random", 0, True)}),
-    ("bert-mlm", {"fuse_affine": True}),  # nothing fuses (post-LN), but the untied head and tied bias
-    ("dinov2", {"fuse_affine": True}),
-    ("bloom", {"fuse_affine": True, "auxiliary_centering": True}),
-    ("whisper", {"fuse_affine": True, "auxiliary_centering": True}),
-    ("phi", {"rotate": ("hadamard", 0, True)}),  # a head with a bias: W β added to it
-])
+@pytest.mark.parametrize(
+    "name,options",
+    [
+        ("gpt2", {"fuse_affine": True}),
+        ("gpt2", {"rotate": ("hadamard", 0, True)}),
+        ("gpt2", {"rotate": ("random", 3, False)}),
+        ("opt", {"fuse_affine": True}),
+        ("opt", {"rotate": ("hadamard", 1, False)}),
+        ("opt", {"rotate": ("random", 0, True)}),
+        (
+            "bert-mlm",
+            {"fuse_affine": True},
+        ),  # nothing fuses (post-LN), but the untied head and tied bias
+        ("dinov2", {"fuse_affine": True}),
+        ("bloom", {"fuse_affine": True, "auxiliary_centering": True}),
+        ("whisper", {"fuse_affine": True, "auxiliary_centering": True}),
+        ("phi", {"rotate": ("hadamard", 0, True)}),  # a head with a bias: W β added to it
+    ],
+)
 def test_streamed_tensors_are_final_tensors_bit_for_bit(name, options, saved):
     """Each tensor computed from the reference tensors it depends on is what the plan applied
     to the whole loaded model (the in-memory path the fold used before) gives, bit for bit,
@@ -233,21 +281,36 @@ def test_streamed_tensors_are_final_tensors_bit_for_bit(name, options, saved):
 def test_every_kind_of_operation_is_exercised(saved):
     """The cases above reach every operation the trace records (so none is untested)."""
     kinds = set()
-    for name, options in [("opt", {"rotate": ("hadamard", 0, True)}), ("dinov2", {"fuse_affine": True}),
-                          ("gpt2", {"rotate": ("hadamard", 0, True)})]:
+    for name, options in [
+        ("opt", {"rotate": ("hadamard", 0, True)}),
+        ("dinov2", {"fuse_affine": True}),
+        ("gpt2", {"rotate": ("hadamard", 0, True)}),
+    ]:
         ck = open_checkpoint(saved(name))
         plan = analyze_dir(ck, False, options.get("fuse_affine", False), options.get("rotate"))
         t = trace_plan(ck.meta_as_loaded(), plan, lambda n: n)
         kinds |= {op.kind for s in t.slots for op in s.ops}
         kinds |= {"gain" for s in t.slots for op in s.ops if op.kind == "set_bias" and op.gain}
-        kinds |= {"scaled centering" for s in t.slots for op in s.ops if op.kind == "center" and op.reads}
+        kinds |= {
+            "scaled centering" for s in t.slots for op in s.ops if op.kind == "center" and op.reads
+        }
         kinds |= {"untied" for s in t.slots if isinstance(s.base, Ref)}
-    assert kinds == {"fill", "set_bias", "add_product", "scale", "center", "rotate", "gain", "scaled centering",
-                     "untied"}
+    assert kinds == {
+        "fill",
+        "set_bias",
+        "add_product",
+        "scale",
+        "center",
+        "rotate",
+        "gain",
+        "scaled centering",
+        "untied",
+    }
 
 
 def test_nothing_computed_ahead_is_still_bit_identical(saved, monkeypatch):
-    """Without room to finish a fused bias's weight ahead, the weight is computed twice; same bits."""
+    """Without room to finish a fused bias's weight ahead, the weight is computed twice; same
+    bits."""
     monkeypatch.setattr(stream, "STASH_BYTES", 0)
     _, got, expected = _streamed_and_final(saved("opt"), fuse_affine=True)
     _assert_bit_identical(got, expected)
@@ -269,9 +332,13 @@ def test_sharded_half_precision_and_another_load_dtype(saved, tmp_path):
     (src / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
     _, got, expected = _streamed_and_final(src, fuse_affine=True)
     _assert_bit_identical(got, expected)
-    assert got["model.decoder.layers.0.fc1.weight"].dtype == torch.float32  # stored dtype, bf16 values
-    assert torch.equal(got["model.decoder.layers.0.fc1.weight"],
-                       got["model.decoder.layers.0.fc1.weight"].to(torch.bfloat16).float())
+    assert (
+        got["model.decoder.layers.0.fc1.weight"].dtype == torch.float32
+    )  # stored dtype, bf16 values
+    assert torch.equal(
+        got["model.decoder.layers.0.fc1.weight"],
+        got["model.decoder.layers.0.fc1.weight"].to(torch.bfloat16).float(),
+    )
 
 
 def test_pickled_and_unloaded_keys(tmp_path):
@@ -287,11 +354,18 @@ def test_pickled_and_unloaded_keys(tmp_path):
     _, got, expected = _streamed_and_final(pkl, allow_pickle=True, rotate=("random", 0, True))
     _assert_bit_identical(got, expected)
     assert torch.equal(got["transformer.h.0.attn.masked_bias"], torch.tensor(-1e4))
-    result = fold_checkpoint(pkl, tmp_path / "out", FoldOptions.of(allow_pickle=True, check="static", rotate=("random", 0, True)))
-    assert result.report.passed and result.report.static.computed == len(expected), result.report.summary()
+    result = fold_checkpoint(
+        pkl,
+        tmp_path / "out",
+        FoldOptions.of(allow_pickle=True, check="static", rotate=("random", 0, True)),
+    )
+    assert result.report.passed and result.report.static.computed == len(expected), (
+        result.report.summary()
+    )
 
 
-# --- the fold's files against the old writer -------------------------------------------------------
+# --- the fold's files against the old writer
+# -------------------------------------------------------
 
 
 class _InMemory:
@@ -319,12 +393,17 @@ def _files(path):
     return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
 
 
-@pytest.mark.parametrize("name,options,shard", [
-    ("gpt2", {"fuse_affine": True}, None),
-    ("opt", {"rotate": ("hadamard", 0, True)}, None),
-    ("gpt2", {"rotate": ("random", 0, False)}, "30KB"),
-])
-def test_folded_files_are_the_old_paths_byte_for_byte(name, options, shard, saved, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "name,options,shard",
+    [
+        ("gpt2", {"fuse_affine": True}, None),
+        ("opt", {"rotate": ("hadamard", 0, True)}, None),
+        ("gpt2", {"rotate": ("random", 0, False)}, "30KB"),
+    ],
+)
+def test_folded_files_are_the_old_paths_byte_for_byte(
+    name, options, shard, saved, tmp_path, monkeypatch
+):
     src = saved(name, max_shard_size=shard) if shard else saved(name)
     new = fold_checkpoint(src, tmp_path / "new", FoldOptions.of(check="none", **options)).out_dir
     monkeypatch.setattr(convert, "StreamedTensors", _InMemory)
@@ -348,10 +427,13 @@ def test_fold_and_rotate_pass_enjoyln_check(saved, tmp_path):
         result = runner.invoke(app, [command[0], str(src), str(out), *command[1:], "--no-check"])
         assert result.exit_code == 0, result.output
         result = runner.invoke(app, ["check", str(src), str(out)])
-        assert result.exit_code == 0 and "PASS" in result.output and "recomputed" in result.output, result.output
+        assert (
+            result.exit_code == 0 and "PASS" in result.output and "recomputed" in result.output
+        ), result.output
 
 
-# --- memory: never the whole model ------------------------------------------------------------------
+# --- memory: never the whole model
+# ------------------------------------------------------------------
 
 
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -359,8 +441,11 @@ _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 def _cpu_storages() -> dict[int, int]:
     """Every CPU tensor storage alive now, whoever holds it: data pointer -> bytes."""
-    return {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes() for o in gc.get_objects()
-            if type(o) in _TENSOR_TYPES and o.device.type == "cpu"}
+    return {
+        o.untyped_storage().data_ptr(): o.untyped_storage().nbytes()
+        for o in gc.get_objects()
+        if type(o) in _TENSOR_TYPES and o.device.type == "cpu"
+    }
 
 
 @pytest.mark.parametrize("options", [{"rotate": ("hadamard", 0, True)}])
@@ -384,6 +469,7 @@ def test_the_stream_never_holds_the_whole_model(options, tmp_path, monkeypatch):
             if calls[where] % 3 == 0:  # a scan of every object takes a while: every third call
                 peaks[where].append(sum(n for p, n in _cpu_storages().items() if p not in before))
             return real(*args, **kwargs)
+
         return run
 
     calls = {"write": 0, "compare": 0}

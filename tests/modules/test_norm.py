@@ -13,7 +13,8 @@ def test_constructor_mirrors_layer_norm():
     assert rms.normalized_shape == ln.normalized_shape == (16,)
     assert RMSNorm((4, 4), bias=False).bias is None
     no_affine = RMSNorm(8, elementwise_affine=False)
-    # weightless: a buffer of ones that quantization tools can read, not in the state dict (test_quantization.py)
+    # weightless: a buffer of ones that quantization tools can read, not in the state dict
+    # (test_quantization.py)
     assert torch.equal(no_affine.weight, torch.ones(8)) and no_affine.bias is None
     assert list(no_affine.parameters()) == [] and no_affine.state_dict() == {}
     assert RMSNorm(8, dtype=torch.bfloat16).weight.dtype == torch.bfloat16

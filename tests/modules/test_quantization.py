@@ -27,8 +27,11 @@ def opt():
 
 
 def weightless(model):
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, enjoyln.RMSNorm) and not m.elementwise_affine}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, enjoyln.RMSNorm) and not m.elementwise_affine
+    }
 
 
 def readers(model, plan, name):
@@ -41,7 +44,11 @@ def fuse_norm_linears(norm, linears):
     norm's gain, in float64, cast back; then the gain set to ones, written in place."""
     with torch.no_grad():
         for linear in linears:
-            linear.weight.copy_((linear.weight.to(torch.float64) * norm.weight.to(torch.float64)).to(linear.weight.dtype))
+            linear.weight.copy_(
+                (linear.weight.to(torch.float64) * norm.weight.to(torch.float64)).to(
+                    linear.weight.dtype
+                )
+            )
         norm.weight.copy_(torch.ones_like(norm.weight))
 
 
@@ -52,7 +59,9 @@ def test_weightless_norms_have_a_weight_of_ones_outside_the_state_dict():
     state = model.state_dict()
     for name, norm in norms.items():
         assert norm.weight.shape == (128,) and norm.weight.dtype == torch.float32
-        assert torch.equal(norm.weight, torch.ones(128)) and not isinstance(norm.weight, nn.Parameter)
+        assert torch.equal(norm.weight, torch.ones(128)) and not isinstance(
+            norm.weight, nn.Parameter
+        )
         assert f"{name}.weight" not in state
     model.load_state_dict(state)  # strict: the state dict is what it was
     model.to(torch.float64)
@@ -67,7 +76,9 @@ def test_fusing_the_gain_into_the_readers_leaves_the_outputs_unchanged():
     before = {n: p.detach().clone() for n, p in fused.named_parameters()}
     for name, norm in weightless(fused).items():
         fuse_norm_linears(norm, [r for r in readers(fused, plan, name) if isinstance(r, nn.Linear)])
-    assert all(torch.equal(p, before[n]) for n, p in fused.named_parameters())  # times ones: the same bits
+    assert all(
+        torch.equal(p, before[n]) for n, p in fused.named_parameters()
+    )  # times ones: the same bits
     inputs = hf_example_inputs(model, seed=3)
     assert_same_outputs(model, fused, inputs)
     assert_same_outputs(rotated, fused, inputs, rtol=1e-6)
@@ -109,13 +120,19 @@ def test_untouched_ones_run_the_weightless_kernel_bit_for_bit():
         twin = copy.deepcopy(norm)  # a copy runs with its weight: the same values, up to rounding
         torch.testing.assert_close(twin(x), plain)
         norm.weight.fill_(2.0)
-        torch.testing.assert_close(norm(x), 2 * ops.rms_norm(x, (512,), None, None, norm.eps) + norm.bias)
+        torch.testing.assert_close(
+            norm(x), 2 * ops.rms_norm(x, (512,), None, None, norm.eps) + norm.bias
+        )
 
 
 def test_folded_checkpoint_loads_weightless_norms_with_ones(tmp_path):
     model = opt()
     model.save_pretrained(tmp_path / "opt")
-    enjoyln.fold_checkpoint(tmp_path / "opt", tmp_path / "rot", FoldOptions.of(rotate=("hadamard", 0, True), check="static"))
+    enjoyln.fold_checkpoint(
+        tmp_path / "opt",
+        tmp_path / "rot",
+        FoldOptions.of(rotate=("hadamard", 0, True), check="static"),
+    )
     loaded = enjoyln.load(tmp_path / "rot")
     norms = weightless(loaded)
     assert len(norms) == 5 and all(torch.equal(n.weight, torch.ones(128)) for n in norms.values())
@@ -128,10 +145,14 @@ def test_folded_checkpoint_loads_weightless_norms_with_ones(tmp_path):
 
 def _llmcompressor():
     if importlib.util.find_spec("llmcompressor") is None:
-        pytest.skip("llmcompressor is not installed (not a dependency of enjoyln; docs/quantization.md says "
-                    "which versions were measured)")
+        pytest.skip(
+            "llmcompressor is not installed (not a dependency of enjoyln; docs/quantization.md "
+            "says "
+            "which versions were measured)"
+        )
     try:
         import llmcompressor
+
         importlib.import_module("llmcompressor.modeling").fuse_norm_linears  # noqa: B018
     except Exception as exc:  # noqa: BLE001 - a broken install is a reason to skip, stated
         pytest.skip(f"llmcompressor does not import here ({type(exc).__name__}: {exc})")
@@ -188,10 +209,16 @@ def test_llmcompressor_quantizes_the_plain_loaded_rotation_and_saves_it(tmp_path
 
     model = opt()
     model.save_pretrained(tmp_path / "opt")
-    enjoyln.fold_checkpoint(tmp_path / "opt", tmp_path / "rot", FoldOptions.of(rotate=("hadamard", 0, True), check="static"))
+    enjoyln.fold_checkpoint(
+        tmp_path / "opt",
+        tmp_path / "rot",
+        FoldOptions.of(rotate=("hadamard", 0, True), check="static"),
+    )
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "rot").eval()
-    quantized = oneshot(model=plain, recipe=QuantizationModifier(targets="Linear", scheme="W8A16",
-                                                                 ignore=["lm_head"]))
+    quantized = oneshot(
+        model=plain,
+        recipe=QuantizationModifier(targets="Linear", scheme="W8A16", ignore=["lm_head"]),
+    )
     quantized.save_pretrained(tmp_path / "w8a16", save_compressed=True)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "w8a16").eval()
     inputs = hf_example_inputs(model, seed=8)

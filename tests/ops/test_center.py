@@ -26,11 +26,13 @@ def twin(t, axis, groups=1, scale=None, blocks=None):
     axis %= x.dim()
     n = x.shape[axis]
     size = n // groups
-    outer, inner = math.prod(x.shape[:axis]), math.prod(x.shape[axis + 1:])
+    outer, inner = math.prod(x.shape[:axis]), math.prod(x.shape[axis + 1 :])
     gain = None if scale is None else scale.double()
     for b in range(groups) if blocks is None else blocks:
-        view = x.view(outer, n, inner)[:, b * size:(b + 1) * size, :]
-        view.copy_(C.center_reference(view, None if gain is None else gain[b * size:(b + 1) * size]))
+        view = x.view(outer, n, inner)[:, b * size : (b + 1) * size, :]
+        view.copy_(
+            C.center_reference(view, None if gain is None else gain[b * size : (b + 1) * size])
+        )
     return x
 
 
@@ -39,17 +41,27 @@ needs_kernel = pytest.mark.skipif(C.kernel() is None, reason=f"no C kernel here:
 
 @needs_kernel
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(dtype=st.sampled_from(DTYPES), shape=st.lists(st.integers(1, 37), min_size=1, max_size=3),
-       data=st.data())
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.lists(st.integers(1, 37), min_size=1, max_size=3),
+    data=st.data(),
+)
 def test_the_kernel_and_its_torch_twin_give_the_same_bits(dtype, shape, data):
     axis = data.draw(st.integers(0, len(shape) - 1))
     n = shape[axis]
     groups = data.draw(st.sampled_from([g for g in (1, 2, 3, 4) if n % g == 0]))
-    blocks = data.draw(st.one_of(st.none(), st.lists(st.integers(0, groups - 1), min_size=1, max_size=groups,
-                                                     unique=True)))
+    blocks = data.draw(
+        st.one_of(
+            st.none(),
+            st.lists(st.integers(0, groups - 1), min_size=1, max_size=groups, unique=True),
+        )
+    )
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
-    scale = (torch.rand(n, generator=gen) + 0.25) * torch.sign(torch.randn(n, generator=gen)) \
-        if data.draw(st.booleans()) else None
+    scale = (
+        (torch.rand(n, generator=gen) + 0.25) * torch.sign(torch.randn(n, generator=gen))
+        if data.draw(st.booleans())
+        else None
+    )
     t = (torch.randn(shape, generator=gen) * 3 + torch.randn((), generator=gen)).to(dtype)
     got = C.center_(t.clone(), axis, groups, scale, blocks)
     assert torch.equal(bits(got), bits(twin(t, axis, groups, scale, blocks)))
@@ -86,9 +98,15 @@ def test_non_contiguous_views_and_parameters_are_centered_in_place():
     assert torch.equal(bits(p.detach()), bits(twin(before, 0)))
 
 
-@pytest.mark.parametrize("bad, message", [(dict(groups=5), "into 5 groups"), (dict(groups=2, blocks=[2]), "no block 2"),
-                                          (dict(scale=torch.zeros(8)), "zero entry"),
-                                          (dict(scale=torch.ones(3)), "gain of 3 entries")])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(groups=5), "into 5 groups"),
+        (dict(groups=2, blocks=[2]), "no block 2"),
+        (dict(scale=torch.zeros(8)), "zero entry"),
+        (dict(scale=torch.ones(3)), "gain of 3 entries"),
+    ],
+)
 def test_impossible_centerings_are_refused(bad, message):
     with pytest.raises(C.CenteringError, match=message):
         C.center_(torch.randn(8, 4), 0, **bad)
@@ -114,11 +132,17 @@ def test_without_a_compiler_the_torch_twin_gives_the_same_bits(tmp_path):
     must be what a machine with the kernel checks."""
     t = torch.randn(64, 96) * 0.02 + 0.003
     torch.save(t, tmp_path / "t.pt")
-    code = ("import torch, sys; from enjoyln.ops import center as C; t = torch.load(sys.argv[1]); "
-            "assert C.kernel() is None, C.status(); torch.save((C.center_(t.clone(), 0), C.center_(t.clone(), 1)), "
-            "sys.argv[2])")
-    subprocess.run([sys.executable, "-c", code, str(tmp_path / "t.pt"), str(tmp_path / "out.pt")], check=True,
-                   env={**__import__("os").environ, "ENJOYLN_DISABLE_CPU_KERNEL": "1"})
+    code = (
+        "import torch, sys; from enjoyln.ops import center as C; t = torch.load(sys.argv[1]); "
+        "assert C.kernel() is None, C.status(); torch.save((C.center_(t.clone(), 0), "
+        "C.center_(t.clone(), 1)), "
+        "sys.argv[2])"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "t.pt"), str(tmp_path / "out.pt")],
+        check=True,
+        env={**__import__("os").environ, "ENJOYLN_DISABLE_CPU_KERNEL": "1"},
+    )
     a, b = torch.load(tmp_path / "out.pt")
     assert torch.equal(bits(a), bits(C.center_(t.clone(), 0)))
     assert torch.equal(bits(b), bits(C.center_(t.clone(), 1)))
@@ -129,14 +153,20 @@ def _misaligned(t, shift):
     a safetensors file may, and the storage that keeps it alive."""
     raw = torch.zeros(t.numel() * t.element_size() + 16, dtype=torch.uint8)
     n = t.numel() * t.element_size()
-    raw[shift:shift + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+    raw[shift : shift + n].copy_(t.contiguous().view(-1).view(torch.uint8))
     return raw.data_ptr() + shift, raw
 
 
 @needs_kernel
 @settings(max_examples=150, deadline=None, derandomize=True)
-@given(dtype=st.sampled_from(DTYPES), shape=st.lists(st.integers(1, 300), min_size=1, max_size=3).filter(
-    lambda s: math.prod(s) <= 40_000), shift=st.integers(0, 7), data=st.data())
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.lists(st.integers(1, 300), min_size=1, max_size=3).filter(
+        lambda s: math.prod(s) <= 40_000
+    ),
+    shift=st.integers(0, 7),
+    data=st.data(),
+)
 def test_centering_into_and_comparing_give_the_in_place_bits(dtype, shape, shift, data):
     """What the fold writes from a mapped file (``center_into``) and what the static check accepts
     (``centered_equal``) are ``center_``'s bits, at any alignment; one flipped bit anywhere is
@@ -166,7 +196,12 @@ def test_only_some_blocks_centered_are_copied_around_or_left_to_the_caller():
     out = torch.empty_like(t)
     assert C.center_into(t.data_ptr(), out, 1, groups=4, blocks=[1, 3])
     assert torch.equal(bits(out), bits(expect))
-    assert C.centered_equal(t.data_ptr(), expect.data_ptr(), t.dtype, t.shape, 1, groups=4, blocks=[1, 3]) is None
+    assert (
+        C.centered_equal(
+            t.data_ptr(), expect.data_ptr(), t.dtype, t.shape, 1, groups=4, blocks=[1, 3]
+        )
+        is None
+    )
 
 
 @needs_kernel

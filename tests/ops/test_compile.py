@@ -90,7 +90,9 @@ def test_residual_add_casts_and_norm_are_one_kernel(dtype):
     code = "\n".join(code)
     assert "enjoyln" not in code and len(kernels(code)) == 1, kernels(code)
     assert torch.equal(s, s_ref) and y.dtype == dtype
-    torch.testing.assert_close(y, y_ref, **({} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}))
+    torch.testing.assert_close(
+        y, y_ref, **({} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2})
+    )
 
 
 def test_dynamo_sees_one_op_and_inductor_gets_its_math():
@@ -137,10 +139,27 @@ def test_cli_bench_compile_reports_compiled_against_compiled(tmp_path):
 
     # the shapes of the first test, so inductor's cache may serve its graphs
     perturb(tiny_model("gpt2"), seed=13).save_pretrained(tmp_path / "m")
-    result = CliRunner().invoke(app, ["bench", str(tmp_path / "m"), "--no-kernels", "--no-e2e", "--compile",
-                                      "--batch", "2", "--seq-len", "16", "--repeats", "2", "--json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            str(tmp_path / "m"),
+            "--no-kernels",
+            "--no-e2e",
+            "--compile",
+            "--batch",
+            "2",
+            "--seq-len",
+            "16",
+            "--repeats",
+            "2",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     compiled = json.loads(result.stdout)["compiled"]
     assert compiled["latency"]["repeats"] == 2 and compiled["max_rel_diff"] <= 1e-5
     assert compiled["kernels"][1] <= compiled["kernels"][0]
-    assert compiled["norm_kernels"] == [5, 5] and compiled["fused_add_norms"] >= 3  # 2 layers: 2·2 + ln_f
+    assert (
+        compiled["norm_kernels"] == [5, 5] and compiled["fused_add_norms"] >= 3
+    )  # 2 layers: 2·2 + ln_f

@@ -31,7 +31,9 @@ class FakeKernels:
 
     def rms_norm_triton(self, x, weight, bias, eps, cached):
         self.calls.append(("rms_norm", tuple(x.shape), cached))
-        flat = [t.reshape(-1) if t is not None else None for t in (weight, bias)]  # the kernel reads them flat
+        flat = [
+            t.reshape(-1) if t is not None else None for t in (weight, bias)
+        ]  # the kernel reads them flat
         return rms_norm_reference(x, (x.shape[-1],), *flat, eps)
 
     def add_rms_norm_triton(self, x, residual, weight, bias, eps, cached):
@@ -53,35 +55,48 @@ def state(monkeypatch):
     return install
 
 
-SMALL, LARGE = torch.empty(2048, 768, dtype=torch.bfloat16), torch.empty(8192, 4096, dtype=torch.bfloat16)
+SMALL, LARGE = (
+    torch.empty(2048, 768, dtype=torch.bfloat16),
+    torch.empty(8192, 4096, dtype=torch.bfloat16),
+)
 W, B = torch.empty(768, dtype=torch.bfloat16), torch.empty(768, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("native, triton, off, x, bias, residual, path", [
-    # everything at hand: F.rms_norm without a bias, Triton (cached) with one, Triton when large
-    (True, True, None, SMALL, None, False, "native"),
-    (True, True, None, SMALL, B, False, "triton"),
-    (True, True, None, SMALL, None, True, "triton"),
-    (True, True, None, LARGE, None, False, "triton"),
-    # the cached launcher off: F.rms_norm then the add below 32 MiB, Triton's launcher above
-    (True, True, "hooks", SMALL, B, False, "native+bias"),
-    (True, True, "hooks", SMALL, None, False, "native"),
-    (True, True, "hooks", LARGE, B, False, "triton-jit"),
-    # no fused F.rms_norm in this torch: Triton throughout
-    (False, True, None, SMALL, None, False, "triton"),
-    (False, True, "hooks", SMALL, B, False, "triton-jit"),
-    # no Triton
-    (True, False, None, SMALL, B, False, "native+bias"),
-    (True, False, None, LARGE, None, True, "native"),
-    (False, False, None, SMALL, B, False, "reference"),
-])
+@pytest.mark.parametrize(
+    "native, triton, off, x, bias, residual, path",
+    [
+        # everything at hand: F.rms_norm without a bias, Triton (cached) with one, Triton when large
+        (True, True, None, SMALL, None, False, "native"),
+        (True, True, None, SMALL, B, False, "triton"),
+        (True, True, None, SMALL, None, True, "triton"),
+        (True, True, None, LARGE, None, False, "triton"),
+        # the cached launcher off: F.rms_norm then the add below 32 MiB, Triton's launcher above
+        (True, True, "hooks", SMALL, B, False, "native+bias"),
+        (True, True, "hooks", SMALL, None, False, "native"),
+        (True, True, "hooks", LARGE, B, False, "triton-jit"),
+        # no fused F.rms_norm in this torch: Triton throughout
+        (False, True, None, SMALL, None, False, "triton"),
+        (False, True, "hooks", SMALL, B, False, "triton-jit"),
+        # no Triton
+        (True, False, None, SMALL, B, False, "native+bias"),
+        (True, False, None, LARGE, None, True, "native"),
+        (False, False, None, SMALL, B, False, "reference"),
+    ],
+)
 def test_the_policy(state, native, triton, off, x, bias, residual, path):
     state(native=native, triton=FakeKernels(off) if triton else None)
     assert cuda.choose(x, W, bias, residual=residual) == path
 
 
-@pytest.mark.parametrize("forced, bias, path", [("native", B, "native+bias"), ("native", None, "native"),
-                                                ("triton-jit", None, "triton-jit"), ("reference", B, "reference")])
+@pytest.mark.parametrize(
+    "forced, bias, path",
+    [
+        ("native", B, "native+bias"),
+        ("native", None, "native"),
+        ("triton-jit", None, "triton-jit"),
+        ("reference", B, "reference"),
+    ],
+)
 def test_a_pinned_path_is_taken_whatever_the_call(state, forced, bias, path):
     state(native=True, triton=FakeKernels(), forced=forced)
     assert cuda.choose(LARGE, W, bias) == path
@@ -94,9 +109,14 @@ def test_triton_paths_reach_the_kernels_with_the_launcher_asked_for(state):
     w, b = torch.rand(8), torch.randn(8)
     cuda.rms_norm_cuda(x, (8,), w, b, 1e-5)
     s, y = cuda.add_rms_norm_cuda(x, r, (8,), w, None, 1e-5)
-    cuda.rms_norm_cuda(x, (3, 8), torch.rand(3, 8), torch.randn(3, 8), 1e-5)  # two normalised axes: flattened
-    assert kernels.calls == [("rms_norm", (4, 3, 8), True), ("add_rms_norm", (4, 3, 8), True),
-                             ("rms_norm", (4, 24), True)]
+    cuda.rms_norm_cuda(
+        x, (3, 8), torch.rand(3, 8), torch.randn(3, 8), 1e-5
+    )  # two normalised axes: flattened
+    assert kernels.calls == [
+        ("rms_norm", (4, 3, 8), True),
+        ("add_rms_norm", (4, 3, 8), True),
+        ("rms_norm", (4, 24), True),
+    ]
     assert torch.equal(s, x + r)
     kernels.off = "hooks"  # Triton's launcher now; F.rms_norm, then the add, below 32 MiB
     assert cuda.choose(x, w, b) == "native+bias"
@@ -105,7 +125,9 @@ def test_triton_paths_reach_the_kernels_with_the_launcher_asked_for(state):
 
 
 def ulps(a, truth, dtype):
-    return float((a.double() - truth).abs().max() / truth.abs().max().clamp_min(1.0) / torch.finfo(dtype).eps)
+    return float(
+        (a.double() - truth).abs().max() / truth.abs().max().clamp_min(1.0) / torch.finfo(dtype).eps
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -121,15 +143,22 @@ def test_the_native_paths_are_as_exact_as_layer_norm(state, dtype, affine):
     w = (torch.rand(96, generator=gen) + 0.5).to(dtype) if affine in ("both", "weight") else None
     b = torch.randn(96, generator=gen).to(dtype) if affine in ("both", "bias") else None
     y = cuda.rms_norm_cuda(x, (96,), w, b, 1e-5)
-    truth = torch.nn.functional.layer_norm(x.double(), (96,), None if w is None else w.double(),
-                                           None if b is None else b.double(), 1e-5)
+    truth = torch.nn.functional.layer_norm(
+        x.double(),
+        (96,),
+        None if w is None else w.double(),
+        None if b is None else b.double(),
+        1e-5,
+    )
     ln = torch.nn.functional.layer_norm(x, (96,), w, b, 1e-5)
     assert y.dtype == dtype and ulps(y, truth, dtype) <= ulps(ln, truth, dtype) + 0.5
 
 
 @pytest.mark.parametrize("name", ["gpt2", "opt"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_folded_model_through_the_native_path_stays_as_close_as_the_original(state, monkeypatch, name, dtype):
+def test_a_folded_model_through_the_native_path_stays_as_close_as_the_original(
+    state, monkeypatch, name, dtype
+):
     """In bf16 and fp16, the folded model run through F.rms_norm and the bias add is as close to
     the float32 original as the original in that dtype is: within the check's precision-aware
     criterion (max error within ``FACTOR`` times the original's), and in RMS error within 1.25x
@@ -141,8 +170,13 @@ def test_a_folded_model_through_the_native_path_stays_as_close_as_the_original(s
     with torch.no_grad():
         truth = original(input_ids=ids).logits.double()
         low = copy.deepcopy(original).to(dtype)(input_ids=ids).logits.double()
-        monkeypatch.setattr(ops, "rms_norm", lambda x, shape, weight=None, bias=None, eps=1e-5:
-                            cuda.rms_norm_cuda(x, shape, weight, bias, eps))
+        monkeypatch.setattr(
+            ops,
+            "rms_norm",
+            lambda x, shape, weight=None, bias=None, eps=1e-5: cuda.rms_norm_cuda(
+                x, shape, weight, bias, eps
+            ),
+        )
         candidate = folded.to(dtype)(input_ids=ids).logits.double()
     assert float((candidate - truth).abs().max()) <= FACTOR * float((low - truth).abs().max())
     rms = lambda t: float((t - truth).square().mean().sqrt())  # noqa: E731
@@ -153,13 +187,25 @@ def test_status_names_the_path_and_why(state, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     state(native=True, triton=FakeKernels())
     text = cuda.status()
-    assert "F.rms_norm without a bias" in text and "Triton 3.9.0" in text and "cached launcher" in text
+    assert (
+        "F.rms_norm without a bias" in text and "Triton 3.9.0" in text and "cached launcher" in text
+    )
     state(native=True, triton=FakeKernels(off="Triton launch hooks are set"))
     text = cuda.status()
-    assert "Triton's own launcher" in text and "the cached launcher is off: Triton launch hooks are set" in text
-    state(native=False, native_reason="torch 2.6's F.rms_norm has no fused CUDA kernel", triton=None,
-          triton_reason="no Triton")
-    assert cuda.status() == "reference PyTorch (no Triton; torch 2.6's F.rms_norm has no fused CUDA kernel)"
+    assert (
+        "Triton's own launcher" in text
+        and "the cached launcher is off: Triton launch hooks are set" in text
+    )
+    state(
+        native=False,
+        native_reason="torch 2.6's F.rms_norm has no fused CUDA kernel",
+        triton=None,
+        triton_reason="no Triton",
+    )
+    assert (
+        cuda.status()
+        == "reference PyTorch (no Triton; torch 2.6's F.rms_norm has no fused CUDA kernel)"
+    )
 
 
 def test_forcing_a_path(monkeypatch):
@@ -187,25 +233,46 @@ def test_cpu_calls_never_look_for_triton(monkeypatch):
 
 
 WIDE = torch.empty(2048, 768, dtype=torch.float64)
-STATES = [dict(native=native, triton=triton, off=off, forced=forced)
-          for native in (True, False) for triton in (True, False) for off in (None, "hooks")
-          for forced in (None, *cuda.PATHS) if triton or off is None]
+STATES = [
+    dict(native=native, triton=triton, off=off, forced=forced)
+    for native in (True, False)
+    for triton in (True, False)
+    for off in (None, "hooks")
+    for forced in (None, *cuda.PATHS)
+    if triton or off is None
+]
 
 
 @pytest.mark.parametrize("st", STATES, ids=str)
 def test_float64_never_reaches_a_triton_kernel(state, st):
-    """The Triton kernels compute in float32: float64 (x, weight or bias) takes torch's own path, whatever
+    """The Triton kernels compute in float32: float64 (x, weight or bias) takes torch's own path,
+    whatever
     the process has or pins, at any size, fused with a residual or not, contiguous or not."""
     kernels = FakeKernels(st["off"]) if st["triton"] else None
     state(native=st["native"], triton=kernels, forced=st["forced"])
     x = torch.randn(4, 3, 8, dtype=torch.float64)
     w, b = torch.rand(8, dtype=torch.float64) + 0.5, torch.randn(8, dtype=torch.float64)
     for big in (WIDE, torch.empty(8192, 4096, dtype=torch.float64)):
-        for bias, residual in ((None, False), (B.double(), False), (None, True), (B.double(), True)):
-            assert cuda.choose(big, W.double(), bias, residual=residual) in ("native", "native+bias", "reference")
-    for args in ((x.float(), w, None), (x.float(), w.float(), b), (x, None, None)):  # any one of them float64
+        for bias, residual in (
+            (None, False),
+            (B.double(), False),
+            (None, True),
+            (B.double(), True),
+        ):
+            assert cuda.choose(big, W.double(), bias, residual=residual) in (
+                "native",
+                "native+bias",
+                "reference",
+            )
+    for args in (
+        (x.float(), w, None),
+        (x.float(), w.float(), b),
+        (x, None, None),
+    ):  # any one of them float64
         assert not cuda.narrow(*args) and cuda.choose(*args) not in ("triton", "triton-jit")
-    assert cuda.unfused(x.transpose(0, 1), w, b) == "reference"  # strided, which the hot path turns away
+    assert (
+        cuda.unfused(x.transpose(0, 1), w, b) == "reference"
+    )  # strided, which the hot path turns away
     y = cuda.rms_norm_cuda(x, (8,), w, b, 1e-5)
     s, z = cuda.add_rms_norm_cuda(x, x, (8,), w, b, 1e-5)
     t = cuda.rms_norm_any(x.transpose(0, 1), (8,), w, b, 1e-5)
@@ -213,8 +280,12 @@ def test_float64_never_reaches_a_triton_kernel(state, st):
     truth = rms_norm_reference(x, (8,), w, b, 1e-5)
     assert y.dtype == z.dtype == t.dtype == torch.float64
     torch.testing.assert_close(y, truth, rtol=1e-15, atol=1e-15)
-    torch.testing.assert_close(z, rms_norm_reference(x + x, (8,), w, b, 1e-5), rtol=1e-15, atol=1e-15)
-    torch.testing.assert_close(t, rms_norm_reference(x.transpose(0, 1), (8,), w, b, 1e-5), rtol=1e-15, atol=1e-15)
+    torch.testing.assert_close(
+        z, rms_norm_reference(x + x, (8,), w, b, 1e-5), rtol=1e-15, atol=1e-15
+    )
+    torch.testing.assert_close(
+        t, rms_norm_reference(x.transpose(0, 1), (8,), w, b, 1e-5), rtol=1e-15, atol=1e-15
+    )
 
 
 def test_narrow_dtypes_still_take_triton_where_the_policy_says(state):
@@ -222,8 +293,10 @@ def test_narrow_dtypes_still_take_triton_where_the_policy_says(state):
     state(native=True, triton=kernels)
     x = torch.randn(4, 8)
     assert cuda.choose(x, W.float(), B.float()) == "triton"
-    assert cuda.unfused(x.t(), None, None) == "triton" and cuda.unfused(x, torch.rand(8, dtype=torch.bfloat16), None) \
-        == "triton"
+    assert (
+        cuda.unfused(x.t(), None, None) == "triton"
+        and cuda.unfused(x, torch.rand(8, dtype=torch.bfloat16), None) == "triton"
+    )
     cuda.rms_norm_any(x.t(), (4,), None, None, 1e-5)
     assert kernels.calls == [("rms_norm", (8, 4), True)]
 
@@ -244,7 +317,10 @@ class Failing(FakeKernels):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_a_failing_triton_kernel_falls_back_once_and_says_why(state, native):
-    st = state(native=native, triton=Failing(RuntimeError("PTX .version 8.7 does not support .target sm_120\nmore")))
+    st = state(
+        native=native,
+        triton=Failing(RuntimeError("PTX .version 8.7 does not support .target sm_120\nmore")),
+    )
     kernels = st.triton
     x, r, w, b = torch.randn(4, 8), torch.randn(4, 8), torch.rand(8) + 0.5, torch.randn(8)
     with pytest.warns(RuntimeWarning) as caught:
@@ -253,8 +329,10 @@ def test_a_failing_triton_kernel_falls_back_once_and_says_why(state, native):
         t = cuda.rms_norm_any(x.t(), (4,), None, None, 1e-5)
     instead = "torch's F.rms_norm" if native else "reference PyTorch"
     assert [str(c.message) for c in caught] == [
-        "enjoyln: the Triton RMSNorm kernel failed (RuntimeError: PTX .version 8.7 does not support .target "
-        f"sm_120); {instead} runs instead for the rest of this process"]
+        "enjoyln: the Triton RMSNorm kernel failed (RuntimeError: PTX .version 8.7 does not "
+        "support .target "
+        f"sm_120); {instead} runs instead for the rest of this process"
+    ]
     assert kernels.calls == ["rms_norm"]  # tried once
     assert st.triton is None and "the Triton kernel failed (RuntimeError: PTX" in st.triton_reason
     torch.testing.assert_close(y, rms_norm_reference(x, (8,), w, b, 1e-5))
@@ -264,7 +342,11 @@ def test_a_failing_triton_kernel_falls_back_once_and_says_why(state, native):
 
 
 def test_a_pinned_triton_path_that_fails_falls_back_too(state):
-    st = state(native=True, triton=Failing(RuntimeError("out of resources: shared memory")), forced="triton")
+    st = state(
+        native=True,
+        triton=Failing(RuntimeError("out of resources: shared memory")),
+        forced="triton",
+    )
     with pytest.warns(RuntimeWarning, match="out of resources"):
         y = cuda.add_rms_norm_cuda(torch.ones(2, 4), torch.ones(2, 4), (4,), None, None, 0.0)[1]
     assert st.forced is None and torch.equal(y, torch.ones(2, 4))
@@ -286,10 +368,14 @@ def test_each_case_is_listed_with_its_path(state):
         "32 MiB of input or more": "enjoyln's Triton kernel, cached launcher",
         "float64": "torch's F.rms_norm, then the bias add",
         "strided rows, or the weight in another dtype": "enjoyln's Triton kernel, cached launcher",
-        "a gradient needed": "torch's F.rms_norm, then the bias add, through torch's autograd"}
+        "a gradient needed": "torch's F.rms_norm, then the bias add, through torch's autograd",
+    }
     state(native=True, triton=FakeKernels(off="hooks"))
     assert cuda.cases()["bf16/fp16/fp32, with a bias"] == "torch's F.rms_norm, then the bias add"
     assert cuda.cases()["32 MiB of input or more"] == "enjoyln's Triton kernel, Triton's launcher"
     state(native=False, triton=None)
-    assert set(cuda.cases().values()) == {"reference PyTorch", "torch's F.rms_norm, then the bias add",
-                                          "torch's F.rms_norm, then the bias add, through torch's autograd"}
+    assert set(cuda.cases().values()) == {
+        "reference PyTorch",
+        "torch's F.rms_norm, then the bias add",
+        "torch's F.rms_norm, then the bias add, through torch's autograd",
+    }

@@ -1,5 +1,7 @@
-"""A CPU call with a gradient: one C++ autograd node (the extension ops/grad.py builds), with the output bits of the
-call without a gradient and the op's backward; and the Python Function, with one warning, where it cannot be built."""
+"""A CPU call with a gradient: one C++ autograd node (the extension ops/grad.py builds), with the
+output bits of the
+call without a gradient and the op's backward; and the Python Function, with one warning, where it
+cannot be built."""
 
 import warnings
 
@@ -10,7 +12,9 @@ from enjoyln import ops
 from enjoyln.ops import cpu, grad, rms_norm
 
 NODE = "torch::autograd::CppNode<EnjoylnRMSNorm>"
-needs_extension = pytest.mark.skipif("grad.library() is None", reason="the C++ autograd node cannot be built here")
+needs_extension = pytest.mark.skipif(
+    "grad.library() is None", reason="the C++ autograd node cannot be built here"
+)
 
 
 def _case(dtype, shape=(3, 5, 40), norm=(40,), bias=True, weight_dtype=None, strided=False, seed=0):
@@ -25,9 +29,13 @@ def _case(dtype, shape=(3, 5, 40), norm=(40,), bias=True, weight_dtype=None, str
 
 
 CASES = {  # what the no-grad path runs: the fused kernel (the first five), else the reference
-    "fp32": _case(torch.float32), "bf16": _case(torch.bfloat16), "fp16": _case(torch.float16),
-    "no bias": _case(torch.float32, bias=False), "two axes": _case(torch.bfloat16, (2, 3, 4, 5), (4, 5)),
-    "strided": _case(torch.float32, strided=True), "float64": _case(torch.float64),
+    "fp32": _case(torch.float32),
+    "bf16": _case(torch.bfloat16),
+    "fp16": _case(torch.float16),
+    "no bias": _case(torch.float32, bias=False),
+    "two axes": _case(torch.bfloat16, (2, 3, 4, 5), (4, 5)),
+    "strided": _case(torch.float32, strided=True),
+    "float64": _case(torch.float64),
     "mixed dtypes": _case(torch.bfloat16, weight_dtype=torch.float32),
 }
 
@@ -44,7 +52,8 @@ def test_a_gradient_is_one_cpp_node_with_the_bits_of_the_call_without():
 
 @needs_extension
 def test_its_backward_is_the_op_s_to_the_bit():
-    """The C++ backward runs the op's backward op for op: the gradients of the Python Function, bit for bit."""
+    """The C++ backward runs the op's backward op for op: the gradients of the Python Function, bit
+    for bit."""
     for name in ("fp32", "bf16", "no bias", "two axes"):
         x, norm, w, b = CASES[name]
         x = x.clone().requires_grad_()
@@ -89,7 +98,9 @@ def test_without_the_extension_the_python_function_runs_after_one_warning(monkey
     monkeypatch.setattr(grad, "library", cpu.Once(fail))
     monkeypatch.setattr(ops, "_grad", None)
     x, norm, w, b = CASES["fp32"]
-    with pytest.warns(RuntimeWarning, match=r"no C\+\+ autograd node for RMSNorm \(c\+\+ failed: simulated\)"):
+    with pytest.warns(
+        RuntimeWarning, match=r"no C\+\+ autograd node for RMSNorm \(c\+\+ failed: simulated\)"
+    ):
         y = rms_norm(x, norm, w, b)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: the next call says nothing
@@ -99,9 +110,12 @@ def test_without_the_extension_the_python_function_runs_after_one_warning(monkey
         assert torch.equal(y, rms_norm(x, norm, w, b))
     x64, norm, w64, b64 = CASES["float64"]  # no fused kernel: None, so rms_norm goes on to the op
     assert ops._grad is ops._fused_or_none and ops._fused_or_none(x64, norm, w64, b64, 1e-5) is None
-    assert ops.status()["cpu"].endswith("with a gradient, a Python autograd function (no C++ autograd node: "
-                                        "c++ failed: simulated)")
-    assert ops.paths()["cpu"]["a gradient needed"].startswith("the fused C kernel and its backward in a Python")
+    assert ops.status()["cpu"].endswith(
+        "with a gradient, a Python autograd function (no C++ autograd node: c++ failed: simulated)"
+    )
+    assert ops.paths()["cpu"]["a gradient needed"].startswith(
+        "the fused C kernel and its backward in a Python"
+    )
 
 
 @needs_extension

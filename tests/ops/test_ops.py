@@ -14,7 +14,7 @@ from enjoyln.ops.reference import rms_norm_reference
 SHAPES = [(1, 1), (3, 7), (5, 768), (2, 3, 1000), (64, 4096)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # a few ulps of the output dtype, relative to the output's scale
-TOL = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}
 
 
 def close(a, b, dtype):
@@ -36,7 +36,11 @@ def test_cpu_kernel_matches_reference(shape, dtype, affine):
     w = (torch.rand(n) + 0.5).to(dtype) if affine in ("both", "weight") else None
     b = torch.randn(n).to(dtype) if affine in ("both", "bias") else None
     assert ops.backend(x, w, b) == "cpu"
-    close(cpu.rms_norm_cpu(x.contiguous(), n, w, b, 1e-6), rms_norm_reference(x, (n,), w, b, 1e-6), dtype)
+    close(
+        cpu.rms_norm_cpu(x.contiguous(), n, w, b, 1e-6),
+        rms_norm_reference(x, (n,), w, b, 1e-6),
+        dtype,
+    )
     close(rms_norm(x, (n,), w, b, 1e-6), rms_norm_reference(x, (n,), w, b, 1e-6), dtype)
 
 
@@ -69,20 +73,36 @@ def test_multi_axis_normalized_shape():
 
 
 def test_disabled_kernel_falls_back_and_says_why():
-    code = ("import os, torch; os.environ['ENJOYLN_DISABLE_CPU_KERNEL'] = '1'\n"
-            "from enjoyln import ops\n"
-            "print(ops.backend(torch.randn(2, 4))); print(ops.status()['cpu'])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == ["reference", "reference PyTorch (no fused kernel: disabled by ENJOYLN_DISABLE_CPU_KERNEL); "
-                                "with a gradient, the enjoyln.rms_norm op (no C++ autograd node: disabled by "
-                                "ENJOYLN_DISABLE_CPU_KERNEL)"]
+    code = (
+        "import os, torch; os.environ['ENJOYLN_DISABLE_CPU_KERNEL'] = '1'\n"
+        "from enjoyln import ops\n"
+        "print(ops.backend(torch.randn(2, 4))); print(ops.status()['cpu'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.splitlines() == [
+        "reference",
+        "reference PyTorch (no fused kernel: disabled by ENJOYLN_DISABLE_CPU_KERNEL); "
+        "with a gradient, the enjoyln.rms_norm op (no C++ autograd node: disabled by "
+        "ENJOYLN_DISABLE_CPU_KERNEL)",
+    ]
 
 
 def test_missing_compiler_falls_back(tmp_path):
-    code = ("import torch\nfrom enjoyln import ops\n"
-            "print(ops.backend(torch.randn(2, 4))); print(ops.status()['cpu'])")
-    env = {"PATH": str(tmp_path), "CC": "", "ENJOYLN_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    code = (
+        "import torch\nfrom enjoyln import ops\n"
+        "print(ops.backend(torch.randn(2, 4))); print(ops.status()['cpu'])"
+    )
+    env = {
+        "PATH": str(tmp_path),
+        "CC": "",
+        "ENJOYLN_CACHE": str(tmp_path / "cache"),
+        "HOME": str(tmp_path),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    ).stdout
     assert out.splitlines()[0] == "reference" and "no C compiler" in out
 
 
@@ -92,9 +112,15 @@ def test_gradcheck(bias):
     w = (torch.rand(6, dtype=torch.float64) + 0.5).requires_grad_()
     b = torch.randn(6, dtype=torch.float64, requires_grad=True) if bias else None
     inputs = (x, w, b) if bias else (x, w)
-    fn = (lambda x, w, b: rms_norm(x, (6,), w, b, 1e-5)) if bias else (lambda x, w: rms_norm(x, (6,), w, None, 1e-5))
+    fn = (
+        (lambda x, w, b: rms_norm(x, (6,), w, b, 1e-5))
+        if bias
+        else (lambda x, w: rms_norm(x, (6,), w, None, 1e-5))
+    )
     assert torch.autograd.gradcheck(fn, inputs)  # one autograd node (C++ where built)
-    op = torch.ops.enjoyln.rms_norm  # the op's own backward, which tracers and tensor subclasses get
+    op = (
+        torch.ops.enjoyln.rms_norm
+    )  # the op's own backward, which tracers and tensor subclasses get
     assert torch.autograd.gradcheck(lambda x, w, b=None: op(x, [6], w, b, 1e-5), inputs)
 
 
@@ -135,13 +161,21 @@ def test_export_shows_one_custom_op(strict):
     assert targets == [torch.ops.enjoyln.rms_norm.default]
     with torch.no_grad():
         out = ep.module()(torch.ones(2, 16))
-    close(out, rms_norm_reference(torch.ones(2, 16), (16,), rms.weight.detach(), rms.bias.detach()), torch.float32)
+    close(
+        out,
+        rms_norm_reference(torch.ones(2, 16), (16,), rms.weight.detach(), rms.bias.detach()),
+        torch.float32,
+    )
 
 
 def test_status_names_every_device():
     status = ops.status()
     assert set(status) == {"cpu", "cuda"}
-    assert status["cuda"] == "not available" or "Triton" in status["cuda"] or "reference" in status["cuda"]
+    assert (
+        status["cuda"] == "not available"
+        or "Triton" in status["cuda"]
+        or "reference" in status["cuda"]
+    )
 
 
 def test_paths_name_each_case_and_cuda_s_where_a_gpu_is(monkeypatch):
@@ -158,8 +192,13 @@ def test_export_keeps_one_node_per_norm_and_decomposes_on_request():
     """torch.export keeps the CompositeImplicitAutograd op as one node per norm; decomposing
     the program turns each into math, or, inside ``ops.opaque()``, into one opaque kernel op
     (what an exporter that decomposes every composite op it does not know gets)."""
-    model = torch.nn.Sequential(enjoyln.RMSNorm(16), torch.nn.Linear(16, 16), enjoyln.RMSNorm(16, bias=False),
-                                torch.nn.GELU(), enjoyln.RMSNorm(16, elementwise_affine=False)).eval()
+    model = torch.nn.Sequential(
+        enjoyln.RMSNorm(16),
+        torch.nn.Linear(16, 16),
+        enjoyln.RMSNorm(16, bias=False),
+        torch.nn.GELU(),
+        enjoyln.RMSNorm(16, elementwise_affine=False),
+    ).eval()
     with torch.no_grad():
         model[0].bias.normal_()
     x = torch.randn(2, 5, 16)
@@ -215,16 +254,21 @@ def test_gpt2_with_rms_norms_exports_one_node_per_norm():
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_gradient_costs_one_autograd_node_and_keeps_the_kernel_s_output(dtype):
-    """With parameters that require grad, the call is the fused kernel as one autograd node (not the op's
-    dispatch; C++'s where the extension builds, else a Python Function): the same output bits as without a
+    """With parameters that require grad, the call is the fused kernel as one autograd node (not the
+    op's
+    dispatch; C++'s where the extension builds, else a Python Function): the same output bits as
+    without a
     gradient, and gradients as the float64 reference's."""
     gen = torch.Generator().manual_seed(2)
     x = (torch.randn(3, 5, 40, generator=gen) * 2 + 0.3).to(dtype)
     w = torch.nn.Parameter((torch.rand(40, generator=gen) + 0.5).to(dtype))
     b = torch.nn.Parameter(torch.randn(40, generator=gen).to(dtype))
     y = rms_norm(x, (40,), w, b)
-    assert y.grad_fn.name() == ("torch::autograd::CppNode<EnjoylnRMSNorm>" if ops.grad.library() is not None
-                                else "_FusedBackward")
+    assert y.grad_fn.name() == (
+        "torch::autograd::CppNode<EnjoylnRMSNorm>"
+        if ops.grad.library() is not None
+        else "_FusedBackward"
+    )
     with torch.no_grad():
         assert torch.equal(y, rms_norm(x, (40,), w, b))
     g = torch.randn(y.shape, generator=gen).to(dtype)
@@ -233,7 +277,9 @@ def test_a_gradient_costs_one_autograd_node_and_keeps_the_kernel_s_output(dtype)
     rms_norm_reference(xd, (40,), wd, bd).backward(g.double())
     assert w.grad.dtype == b.grad.dtype == dtype
     for got, want in ((w.grad, wd.grad), (b.grad, bd.grad)):
-        torch.testing.assert_close(got.double(), want, rtol=TOL[dtype] * 4, atol=TOL[dtype] * 4 * float(want.abs().max()))
+        torch.testing.assert_close(
+            got.double(), want, rtol=TOL[dtype] * 4, atol=TOL[dtype] * 4 * float(want.abs().max())
+        )
     xg = x.clone().requires_grad_()
     rms_norm(xg, (40,), w.detach(), None).backward(g)  # the input's gradient, the parameters frozen
     xd.grad = None
@@ -249,19 +295,28 @@ def test_a_gradient_under_a_tracer_or_a_transform_still_takes_the_op():
 
 
 def test_the_cuda_route_for_a_gradient_is_exact():
-    """On CUDA a call that needs a gradient is F.rms_norm then the bias add, torch's autograd throughout;
+    """On CUDA a call that needs a gradient is F.rms_norm then the bias add, torch's autograd
+    throughout;
     float64 stays float64 (here on CPU tensors: the same ops)."""
     x = torch.randn(3, 2, 6, dtype=torch.float64, requires_grad=True)
     w = (torch.rand(6, dtype=torch.float64) + 0.5).requires_grad_()
     b = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, w, b: ops.cuda.rms_norm_autograd(x, (6,), w, b, 1e-5), (x, w, b))
-    torch.testing.assert_close(ops.cuda.rms_norm_autograd(x, (6,), w, b, 1e-5), rms_norm_reference(x, (6,), w, b),
-                               rtol=1e-15, atol=1e-15)
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: ops.cuda.rms_norm_autograd(x, (6,), w, b, 1e-5), (x, w, b)
+    )
+    torch.testing.assert_close(
+        ops.cuda.rms_norm_autograd(x, (6,), w, b, 1e-5),
+        rms_norm_reference(x, (6,), w, b),
+        rtol=1e-15,
+        atol=1e-15,
+    )
 
 
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("weight_shape,bias_shape", [((4,), None), ((8,), (16,)), ((2, 4), None)])
-def test_shapes_that_disagree_with_normalized_shape_are_refused_not_read_past(grad, weight_shape, bias_shape):
+def test_shapes_that_disagree_with_normalized_shape_are_refused_not_read_past(
+    grad, weight_shape, bias_shape
+):
     x = torch.randn(3, 8)
     weight = torch.randn(weight_shape).requires_grad_(grad)
     bias = None if bias_shape is None else torch.randn(bias_shape)

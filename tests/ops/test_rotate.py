@@ -1,4 +1,5 @@
-"""The structured rotation kernel: every width gets an orthogonal Q that keeps the ones vector where asked,
+"""The structured rotation kernel: every width gets an orthogonal Q that keeps the ones vector where
+asked,
 written as the factors say, with bits that depend on neither the layout, the thread count, nor the
 instruction set the kernel is compiled for."""
 
@@ -28,9 +29,15 @@ def test_every_width_from_64_to_16384_gets_an_orthogonal_structured_rotation():
         keep_mean = n % 128 == 64  # both kinds, alternately
         table = R.structured(n, 0, keep_mean)
         assert table.k * table.m == n and table.m % 2 == 1 and table.k & (table.k - 1) == 0
-        x = torch.cat([torch.ones(1, n, dtype=torch.float64), torch.randn(3, n, generator=gen, dtype=torch.float64)])
+        x = torch.cat(
+            [
+                torch.ones(1, n, dtype=torch.float64),
+                torch.randn(3, n, generator=gen, dtype=torch.float64),
+            ]
+        )
         y = R.rotate_(x.clone(), 1, table)
-        # Q orthogonal <=> it keeps every inner product: the Gram matrix of random vectors, within float64 rounding
+        # Q orthogonal <=> it keeps every inner product: the Gram matrix of random vectors, within
+        # float64 rounding
         assert float((y @ y.T - x @ x.T).abs().max()) < 1e-12 * n, n
         ones = float((y[0] - 1).abs().max())
         assert ones < 1e-12 if keep_mean else ones > 0.1, n
@@ -42,7 +49,9 @@ def test_every_width_from_64_to_16384_gets_an_orthogonal_structured_rotation():
 def test_q_is_signs_times_hadamard_kron_block_then_the_reflection(n, keep_mean):
     table = R.structured(n, 5, keep_mean)
     q = R.rotate_(torch.eye(n, dtype=torch.float64), 1, table)  # row i: e_i Q
-    dense = table.pre[:, None] * torch.kron(hadamard_matrix(table.k) * math.sqrt(table.k), table.block)
+    dense = table.pre[:, None] * torch.kron(
+        hadamard_matrix(table.k) * math.sqrt(table.k), table.block
+    )
     if table.w is not None:
         dense = dense - 2 * torch.outer(dense @ table.w, table.w)
     assert torch.allclose(q, dense, rtol=0, atol=1e-14)
@@ -50,7 +59,9 @@ def test_q_is_signs_times_hadamard_kron_block_then_the_reflection(n, keep_mean):
     if keep_mean:
         assert torch.allclose(q.sum(0), torch.ones(n, dtype=torch.float64), rtol=0, atol=1e-14)
     if n > 1 or not keep_mean:  # the one rotation of width 1 that keeps the mean is 1
-        assert not torch.equal(q, R.rotate_(torch.eye(n, dtype=torch.float64), 1, R.structured(n, 6, keep_mean)))
+        assert not torch.equal(
+            q, R.rotate_(torch.eye(n, dtype=torch.float64), 1, R.structured(n, 6, keep_mean))
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -90,7 +101,8 @@ def test_a_block_of_an_axis_is_rotated_and_the_rest_left_alone():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_a_gain_scaled_on_the_way_gives_the_bits_of_scaling_then_rotating(dtype):
-    """The fused gain: each product rounded to the dtype as ``scale_inputs_`` stores it, then rotated; along
+    """The fused gain: each product rounded to the dtype as ``scale_inputs_`` stores it, then
+    rotated; along
     rows, along strided columns (a tile of four items and a ragged one: 37 columns), in one pass."""
     from enjoyln.plan import Fused
     from enjoyln.transform.tensors import scale_inputs_
@@ -131,9 +143,22 @@ def _digest(lib, n, dtype):
     out = []
     for axis, t in ((1, x.clone()), (0, x.T.contiguous())):
         outer, inner = (5, 1) if axis == 1 else (1, 5)
-        rc = lib.enjoyln_rotate_into(t.data_ptr(), t.data_ptr(), None, CODES[dtype], outer, n * inner, n, inner,
-                                     table.k, table.m, table.pre.data_ptr(), table.block.data_ptr(),
-                                     table.w.data_ptr(), 2)
+        rc = lib.enjoyln_rotate_into(
+            t.data_ptr(),
+            t.data_ptr(),
+            None,
+            CODES[dtype],
+            outer,
+            n * inner,
+            n,
+            inner,
+            table.k,
+            table.m,
+            table.pre.data_ptr(),
+            table.block.data_ptr(),
+            table.w.data_ptr(),
+            2,
+        )
         assert rc == 0
         out.append(bytes(bits(t if axis == 1 else t.T.contiguous()).numpy()))
     assert out[0] == out[1]
@@ -141,19 +166,27 @@ def _digest(lib, n, dtype):
 
 
 def test_the_bits_do_not_depend_on_the_instruction_set():
-    """Built for plain x86-64 (SSE2) without vectorizing, and for this machine, the kernel gives the same
-    bits: vectorizing across vectors reorders no sum. Pinned too: a change of them is a new version."""
+    """Built for plain x86-64 (SSE2) without vectorizing, and for this machine, the kernel gives the
+    same
+    bits: vectorizing across vectors reorders no sum. Pinned too: a change of them is a new
+    version."""
     portable = [f for f in R.FLAGS if f != "-march=native"] + ["-fno-tree-vectorize", "-O1"]
     other = cpu.compile_library(R.SOURCE, portable)
     lib = R.library()
     R.declare(other)
-    for (n, dtype) in PINNED:
+    for n, dtype in PINNED:
         assert _digest(other, n, dtype) == _digest(lib, n, dtype), n
     assert {key: _digest(lib, *key) for key in PINNED} == PINNED
 
 
-PINNED = {(96, torch.float32): "1aee4465ae9e8d8f", (2048, torch.float32): "198065267b3485cf",
-          (4544, torch.bfloat16): "c964e19b9ab5c9a2", (1600, torch.float16): "0196e53b39a844fb",
-          (96, torch.float64): "7e3b363a5118fa16", (4544, torch.float64): "3c40734c9fb9d4cc",
-          (14848, torch.float64): "0bde573e45fada16"}
-"""Digests of the version-2 rotation of a fixed input (float64 ones show every bit of the arithmetic)."""
+PINNED = {
+    (96, torch.float32): "1aee4465ae9e8d8f",
+    (2048, torch.float32): "198065267b3485cf",
+    (4544, torch.bfloat16): "c964e19b9ab5c9a2",
+    (1600, torch.float16): "0196e53b39a844fb",
+    (96, torch.float64): "7e3b363a5118fa16",
+    (4544, torch.float64): "3c40734c9fb9d4cc",
+    (14848, torch.float64): "0bde573e45fada16",
+}
+"""Digests of the version-2 rotation of a fixed input (float64 ones show every bit of the
+arithmetic)."""

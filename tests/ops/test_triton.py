@@ -7,14 +7,15 @@ import pytest
 import torch
 
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, so before the import
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'enjoyln[triton]')")
+triton = pytest.importorskip(
+    "triton", reason="triton is not installed (pip install 'enjoyln[triton]')"
+)
 kernels = importlib.import_module("enjoyln.ops.triton_kernels")
 interpreter = importlib.import_module("triton.runtime.interpreter")
 tl = importlib.import_module("triton.language")
 
 from enjoyln.ops.reference import rms_norm_reference  # noqa: E402
 from enjoyln.ops.triton_launch import MAX_FUSED, LaunchConfig  # noqa: E402
-
 
 
 @triton.jit
@@ -36,26 +37,39 @@ def _loops_run() -> bool:
 
 def _index_as_triton_3_9(original):
     """Triton's interpreter turns a scalar argument into a one-element array; before Triton 3.9 its
-    ``__index__`` (what ``range(0, N, BLOCK)`` calls) is ``int()`` of that array, which NumPy 2.4 refuses.
+    ``__index__`` (what ``range(0, N, BLOCK)`` calls) is ``int()`` of that array, which NumPy 2.4
+    refuses.
     3.9 reads ``int(data.squeeze())``: the same, done here for an older interpreter."""
+
     def patch(tensor, scope):
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
     return patch
 
 
 def _how_loops_run() -> str:
     """'' where the interpreter runs the looped kernel as it is, 'patched' where it does with 3.9's
-    ``__index__``, else why it cannot (the looped kernel's tests are then skipped with that reason)."""
+    ``__index__``, else why it cannot (the looped kernel's tests are then skipped with that
+    reason)."""
     if _loops_run():
         return ""
     original = getattr(interpreter, "_patch_lang_tensor", None)
     if original is None:
-        return f"Triton {triton.__version__}'s interpreter cannot run a loop bounded by a runtime argument"
+        return (
+            f"Triton {triton.__version__}'s interpreter cannot run a loop bounded by a runtime "
+            "argument"
+        )
     interpreter._patch_lang_tensor = _index_as_triton_3_9(original)
     try:
-        return "patched" if _loops_run() else (f"Triton {triton.__version__}'s interpreter cannot run a loop "
-                                               "bounded by a runtime argument, even with 3.9's __index__")
+        return (
+            "patched"
+            if _loops_run()
+            else (
+                f"Triton {triton.__version__}'s interpreter cannot run a loop "
+                "bounded by a runtime argument, even with 3.9's __index__"
+            )
+        )
     finally:
         interpreter._patch_lang_tensor = original
 
@@ -67,11 +81,14 @@ LOOPS = _how_loops_run()
 def interpreter_loops(monkeypatch):
     """Every test here runs on an interpreter that can run the looped kernel, or is told why not."""
     if LOOPS == "patched":
-        monkeypatch.setattr(interpreter, "_patch_lang_tensor", _index_as_triton_3_9(interpreter._patch_lang_tensor))
+        monkeypatch.setattr(
+            interpreter, "_patch_lang_tensor", _index_as_triton_3_9(interpreter._patch_lang_tensor)
+        )
 
 
 def looped(value, loops=None):
-    """A test parameter (a row length, or a config when ``loops`` says whether it runs the looped kernel),
+    """A test parameter (a row length, or a config when ``loops`` says whether it runs the looped
+    kernel),
     skipped with the reason where the interpreter cannot run the looped kernel."""
     if (value > MAX_FUSED if loops is None else loops) and LOOPS not in ("", "patched"):
         return pytest.param(value, marks=pytest.mark.skip(reason=LOOPS))
@@ -128,22 +145,33 @@ def test_launch_config_follows_n():
     assert kernels.launch_config(4096) == LaunchConfig("row", 4096, 1, 8)
     assert kernels.launch_config(16384) == LaunchConfig("row", 16384, 1, 16)
     assert kernels.launch_config(16385) == LaunchConfig("looped", 2048, 1, 8)
-    assert {c.kernel for c in all_configs()} == {"rows", "row", "looped"} and len(all_configs()) == 16
+    assert {c.kernel for c in all_configs()} == {"rows", "row", "looped"} and len(
+        all_configs()
+    ) == 16
 
 
 # each kernel forced at a small size: the rows kernel over 7 rows, 4 to a program (the last
 # program half empty), the looped one in blocks of 32 over rows of 100 (four passes each)
-FORCED = [LaunchConfig("rows", 128, 4, 4), LaunchConfig("row", 128, 1, 4), LaunchConfig("looped", 32, 1, 4)]
+FORCED = [
+    LaunchConfig("rows", 128, 4, 4),
+    LaunchConfig("row", 128, 1, 4),
+    LaunchConfig("looped", 32, 1, 4),
+]
 
 
-@pytest.mark.parametrize("config", [looped(c, c.kernel == "looped") for c in FORCED], ids=[c.kernel for c in FORCED])
+@pytest.mark.parametrize(
+    "config", [looped(c, c.kernel == "looped") for c in FORCED], ids=[c.kernel for c in FORCED]
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
 def test_every_variant_matches_reference(config, dtype, residual, affine):
     """Every kernel, dtype, residual and (weight, bias) combination the AOT build compiles."""
     gen = torch.Generator().manual_seed(hash((config, str(dtype), residual, affine)) % 2**31)
-    x, r = (torch.randn(7, 100, generator=gen) * 2 + 0.3).to(dtype), torch.randn(7, 100, generator=gen).to(dtype)
+    x, r = (
+        (torch.randn(7, 100, generator=gen) * 2 + 0.3).to(dtype),
+        torch.randn(7, 100, generator=gen).to(dtype),
+    )
     w = (torch.rand(100, generator=gen) + 0.5).to(dtype) if affine in ("both", "weight") else None
     b = torch.randn(100, generator=gen).to(dtype) if affine in ("both", "bias") else None
     y, s = kernels._launch(x, r if residual else None, w, b, 1e-5, config=config)
@@ -174,7 +202,9 @@ def test_multi_row_kernel_on_strided_rows_and_n_of_one():
     assert ulps(kernels.rms_norm_triton(x), rms_norm_reference(x, (64,)), torch.float32) <= 4
     ones = torch.randn(37, 1) * 3  # N = 1: each row normalises to its sign (times the gain)
     w, b = torch.full((1,), 2.0), torch.full((1,), 0.5)
-    torch.testing.assert_close(kernels.rms_norm_triton(ones, w, b, 1e-12), torch.sign(ones) * 2 + 0.5)
+    torch.testing.assert_close(
+        kernels.rms_norm_triton(ones, w, b, 1e-12), torch.sign(ones) * 2 + 0.5
+    )
 
 
 def test_leading_dims_keep_their_shape():
@@ -203,7 +233,9 @@ def test_the_kernels_share_the_signature_the_launcher_and_the_aot_build_assume()
         params = inspect.signature(kernel.fn).parameters
         runtime = [n for n, p in params.items() if "constexpr" not in str(p.annotation)]
         assert len(runtime) == kernels.RUNTIME_ARGS == triton_aot.KERNEL_ARGS, name
-        signature, _, _ = triton_aot._signature(triton_aot.Variant(name, "fp32", True, True, True, 64, 4, True))
+        signature, _, _ = triton_aot._signature(
+            triton_aot.Variant(name, "fp32", True, True, True, 64, 4, True)
+        )
         assert list(params) == list(signature), name
         assert kernels.LAUNCHERS[name].runtime_args == kernels.RUNTIME_ARGS
 
@@ -226,10 +258,15 @@ def test_the_launch_key_separates_what_triton_specialises(monkeypatch):
     kernels.rms_norm_triton(torch.randn(10, 768), w, b)
     kernels.rms_norm_triton(torch.randn(20, 768)[::2], w.to(torch.float16), None)  # row stride 1536
     kernels.add_rms_norm_triton(torch.randn(2, 5, 768), torch.randn(2, 5, 768))
-    kernels.rms_norm_triton(torch.randn(10 * 768 + 1)[1:].view(10, 768), w, b)  # 4 bytes off alignment
+    kernels.rms_norm_triton(
+        torch.randn(10 * 768 + 1)[1:].view(10, 768), w, b
+    )  # 4 bytes off alignment
     kernels.rms_norm_triton(torch.randn(10, 768), w, b, cached=False)
     f32, f16 = torch.float32, torch.float16
-    assert calls == [("cached", (768, 768, 768, f32, f32, f32, f32, False, -1), 3, 8, 1),
-                     ("cached", (768, 1536, 1536, f32, f32, f16, None, False, -1), 3, 8, 1),
-                     ("cached", (768, 768, 768, f32, f32, None, None, True, -1), 3, 8, 2),
-                     ("jit", 3), ("jit", 3)]
+    assert calls == [
+        ("cached", (768, 768, 768, f32, f32, f32, f32, False, -1), 3, 8, 1),
+        ("cached", (768, 1536, 1536, f32, f32, f16, None, False, -1), 3, 8, 1),
+        ("cached", (768, 768, 768, f32, f32, None, None, True, -1), 3, 8, 2),
+        ("jit", 3),
+        ("jit", 3),
+    ]

@@ -14,8 +14,11 @@ from enjoyln.ops import triton_cached
 from enjoyln.ops.triton_cached import CachedLauncher
 
 STREAM = 1234
-# a launcher turned off warns (once per process): what the tests of that assert, the others need not show
-pytestmark = pytest.mark.filterwarnings("ignore:enjoyln. the Triton kernel's cached launcher:RuntimeWarning")
+# a launcher turned off warns (once per process): what the tests of that assert, the others need not
+# show
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:enjoyln. the Triton kernel's cached launcher:RuntimeWarning"
+)
 
 
 class NewCompiled:
@@ -39,9 +42,23 @@ class OldCompiled:
 class FakeKernel:
     """``Y = X * SCALE``; arguments (X, Y, n, SCALE), SCALE a constexpr."""
 
-    def __init__(self, all_args=True, old=False, hooks=None, direct_scale=None, direct_raises=False,
-                 returns=True, kwargs=None, devices=None):
-        self.all_args, self.hooks, self.returns, self.kwargs = all_args, hooks, returns, kwargs or {}
+    def __init__(
+        self,
+        all_args=True,
+        old=False,
+        hooks=None,
+        direct_scale=None,
+        direct_raises=False,
+        returns=True,
+        kwargs=None,
+        devices=None,
+    ):
+        self.all_args, self.hooks, self.returns, self.kwargs = (
+            all_args,
+            hooks,
+            returns,
+            kwargs or {},
+        )
         self.direct_scale, self.direct_raises = direct_scale, direct_raises
         self.compiled = (OldCompiled if old else NewCompiled)(self._launcher)
         self.jit_launches, self.direct_calls, self._in_jit = 0, [], False
@@ -66,12 +83,26 @@ class FakeKernel:
             tail = args if self.all_args else args[:3]
             self._in_jit = True
             try:
-                stream = STREAM if self.devices is None else STREAM + self.devices.current  # its current stream
-                self.compiled.run(grid[0], 1, 1, stream, "function", "packed", None, self.hooks, self.hooks,
-                                  *tail, **self.kwargs)
+                stream = (
+                    STREAM if self.devices is None else STREAM + self.devices.current
+                )  # its current stream
+                self.compiled.run(
+                    grid[0],
+                    1,
+                    1,
+                    stream,
+                    "function",
+                    "packed",
+                    None,
+                    self.hooks,
+                    self.hooks,
+                    *tail,
+                    **self.kwargs,
+                )
             finally:
                 self._in_jit = False
             return self.compiled if self.returns else None
+
         return launch
 
 
@@ -90,11 +121,15 @@ class Devices:
 @pytest.fixture(autouse=True)
 def not_capturing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(triton_cached, "_warned", [])  # each test starts in a process that has not warned
+    monkeypatch.setattr(
+        triton_cached, "_warned", []
+    )  # each test starts in a process that has not warned
 
 
 def make(kernel):
-    return CachedLauncher(kernel, runtime_args=3, stream=lambda device: STREAM, current_device=lambda: 0)
+    return CachedLauncher(
+        kernel, runtime_args=3, stream=lambda device: STREAM, current_device=lambda: 0
+    )
 
 
 def call(launcher, key=("k",), n=6, grid=3):
@@ -117,7 +152,9 @@ def test_verified_once_then_launched_directly(old, all_args):
         assert torch.equal(y, x * 2)
     assert kernel.jit_launches == 2  # Triton's dispatch skipped from the second call
     assert kernel.direct_calls[-1] == (3, 1, 1, STREAM, 4 if all_args else 3)
-    assert isinstance(type(kernel.compiled).__dict__.get("run"), property) != old  # the spy put back
+    assert (
+        isinstance(type(kernel.compiled).__dict__.get("run"), property) != old
+    )  # the spy put back
     assert kernel.compiled.run == kernel._launcher
 
 
@@ -130,13 +167,16 @@ def test_each_key_is_verified_on_its_first_use():
     assert launcher.verified == 2 and kernel.jit_launches == 4 and len(kernel.direct_calls) == 3
 
 
-@pytest.mark.parametrize("fake, reason", [
-    (dict(direct_scale=3.0), "other bits"),
-    (dict(direct_raises=True), "raised TypeError"),
-    (dict(hooks=print), "launch hooks"),
-    (dict(kwargs={"xcd_metadata": 1}), "keyword arguments"),
-    (dict(returns=False), "no compiled kernel"),
-])
+@pytest.mark.parametrize(
+    "fake, reason",
+    [
+        (dict(direct_scale=3.0), "other bits"),
+        (dict(direct_raises=True), "raised TypeError"),
+        (dict(hooks=print), "launch hooks"),
+        (dict(kwargs={"xcd_metadata": 1}), "keyword arguments"),
+        (dict(returns=False), "no compiled kernel"),
+    ],
+)
 def test_anything_unexpected_turns_it_off_and_the_result_stays_triton_s(fake, reason):
     kernel = FakeKernel(**fake)
     launcher = make(kernel)
@@ -150,14 +190,18 @@ def test_anything_unexpected_turns_it_off_and_the_result_stays_triton_s(fake, re
 
 def test_an_unknown_argument_layout_turns_it_off():
     kernel = FakeKernel()
-    launcher = CachedLauncher(kernel, runtime_args=2, stream=lambda d: STREAM, current_device=lambda: 0)
+    launcher = CachedLauncher(
+        kernel, runtime_args=2, stream=lambda d: STREAM, current_device=lambda: 0
+    )
     kernel.all_args = False  # Triton passes 3 of the 4 arguments; the launcher expects 4 or 2
     call(launcher)
     assert "3 kernel arguments" in launcher.disabled
 
 
 def test_another_stream_turns_it_off():
-    launcher = CachedLauncher(FakeKernel(), runtime_args=3, stream=lambda d: 99, current_device=lambda: 0)
+    launcher = CachedLauncher(
+        FakeKernel(), runtime_args=3, stream=lambda d: 99, current_device=lambda: 0
+    )
     call(launcher)
     assert "another stream" in launcher.disabled
 
@@ -175,12 +219,19 @@ def test_nothing_is_verified_while_a_graph_is_captured(monkeypatch):
 
 
 def test_a_tensor_on_another_device_is_verified_then_launched_directly_on_it():
-    """With ``device_map="auto"`` most tensors are on a GPU other than the current one: each launch, the
-    first (Triton's) and the direct ones, runs with that GPU current and on its stream, then switches back."""
+    """With ``device_map="auto"`` most tensors are on a GPU other than the current one: each launch,
+    the
+    first (Triton's) and the direct ones, runs with that GPU current and on its stream, then
+    switches back."""
     devices = Devices()
     kernel = FakeKernel(devices=devices)
-    launcher = CachedLauncher(kernel, runtime_args=3, stream=lambda device: STREAM + device,
-                              current_device=lambda: devices.current, exchange_device=devices.exchange)
+    launcher = CachedLauncher(
+        kernel,
+        runtime_args=3,
+        stream=lambda device: STREAM + device,
+        current_device=lambda: devices.current,
+        exchange_device=devices.exchange,
+    )
     x, y = torch.arange(8.0), torch.zeros(8)
     for _ in range(3):
         y.zero_()
@@ -199,14 +250,18 @@ def test_the_first_launcher_turned_off_warns_once():
         call(make(FakeKernel(hooks=print)))  # another launcher (kernel), turned off too
         call(make(FakeKernel()))
     assert [str(w.message) for w in caught] == [
-        "enjoyln: the Triton kernel's cached launcher is off for this process (a direct launch gave other bits "
-        "than Triton's launcher); Triton's own launcher runs instead, with more host time per call"]
+        "enjoyln: the Triton kernel's cached launcher is off for this process (a direct launch "
+        "gave other bits "
+        "than Triton's launcher); Triton's own launcher runs instead, with more host time per call"
+    ]
 
 
 def test_an_output_with_nan_proves_nothing_and_waits_for_another_call():
     """The direct launch writes into outputs cleared to NaN: were Triton's result NaN, a launch
     that wrote nothing would pass. Such a call is not used to verify."""
-    kernel = FakeKernel(direct_scale=3.0)  # a direct launch that would be wrong: it is never used here
+    kernel = FakeKernel(
+        direct_scale=3.0
+    )  # a direct launch that would be wrong: it is never used here
     launcher = make(kernel)
     x, y = torch.full((8,), float("nan")), torch.zeros(8)
     launcher(("k",), 3, (x, y, 8, 2.0), 4, 0, (y,))

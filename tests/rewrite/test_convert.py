@@ -66,7 +66,9 @@ def test_round_trip(arch, saved, tmp_path):
     original = reload_plain(src)
     plain, folded = reload_plain(out), load(out)
     assert sum(isinstance(m, enjoyln.RMSNorm) for m in plain.modules()) == 0
-    assert sum(isinstance(m, enjoyln.RMSNorm) for m in folded.modules()) == len(result.plan.foldable)
+    assert sum(isinstance(m, enjoyln.RMSNorm) for m in folded.modules()) == len(
+        result.plan.foldable
+    )
     inputs = hf_example_inputs(original, seed=22)
     assert_same_outputs(original, plain, inputs)
     assert_same_outputs(original, folded, inputs)
@@ -78,7 +80,10 @@ def test_round_trip(arch, saved, tmp_path):
 def test_dtypes_are_kept_per_tensor(saved, tmp_path):
     src = saved("opt", torch.bfloat16)
     out = fold_checkpoint(src, tmp_path / "out").out_dir
-    with safe_open(src / "model.safetensors", "pt") as a, safe_open(out / "model.safetensors", "pt") as b:
+    with (
+        safe_open(src / "model.safetensors", "pt") as a,
+        safe_open(out / "model.safetensors", "pt") as b,
+    ):
         for key in a.keys():
             assert a.get_slice(key).get_dtype() == b.get_slice(key).get_dtype() == "BF16"
 
@@ -109,15 +114,22 @@ def test_sharded_input_keeps_its_shards_and_index(saved, tmp_path):
             parameters += f.get_tensor(key).numel()
             total += f.get_tensor(key).numel() * 4
     # the input's metadata kept, its sizes the output's (the untied head adds parameters)
-    assert new_index["metadata"] == {**index["metadata"], "total_size": total, "total_parameters": parameters,
-                                     "enjoyln": enjoyln.__version__, "dtype": "float32"}
+    assert new_index["metadata"] == {
+        **index["metadata"],
+        "total_size": total,
+        "total_parameters": parameters,
+        "enjoyln": enjoyln.__version__,
+        "dtype": "float32",
+    }
     assert parameters > index["metadata"]["total_parameters"]
     assert result.report.passed and result.report.static.tensors == len(new_index["weight_map"])
 
 
 def test_reshard_by_max_shard_size(saved, tmp_path):
     src = saved("gpt2")
-    result = fold_checkpoint(src, tmp_path / "out", FoldOptions.of(max_shard_size=parse_size("100KB")))
+    result = fold_checkpoint(
+        src, tmp_path / "out", FoldOptions.of(max_shard_size=parse_size("100KB"))
+    )
     out = result.out_dir
     files = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(files) >= 4 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
@@ -170,7 +182,12 @@ def test_pickle_weights_with_explicit_permission(saved, tmp_path):
 
 def test_progress_reports_bytes(saved, tmp_path):
     seen = []
-    fold_checkpoint(saved("gpt2"), tmp_path / "out", FoldOptions.of(check="none"), progress=lambda d, t: seen.append((d, t)))
+    fold_checkpoint(
+        saved("gpt2"),
+        tmp_path / "out",
+        FoldOptions.of(check="none"),
+        progress=lambda d, t: seen.append((d, t)),
+    )
     assert seen and seen[-1][0] == seen[-1][1] > 0
     assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
 
@@ -223,9 +240,14 @@ def test_a_shard_not_named_as_its_weights_is_refused(saved, tmp_path):
     bad, index = _copy_with_index(src, tmp_path / "bad")
     shard = sorted(set(index["weight_map"].values()))[-1]
     (bad / shard).rename(bad / "chat_template.jinja")
-    index["weight_map"] = {k: "chat_template.jinja" if v == shard else v for k, v in index["weight_map"].items()}
+    index["weight_map"] = {
+        k: "chat_template.jinja" if v == shard else v for k, v in index["weight_map"].items()
+    }
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(enjoyln.CheckpointError, match="'chat_template.jinja', whose name does not end in .safetensors"):
+    with pytest.raises(
+        enjoyln.CheckpointError,
+        match="'chat_template.jinja', whose name does not end in .safetensors",
+    ):
         fold_checkpoint(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     result = CliRunner().invoke(app, ["check", str(src), str(bad), "--static"])
@@ -238,13 +260,18 @@ def test_a_shard_not_named_as_its_weights_is_refused(saved, tmp_path):
     sd = reload_plain(src).state_dict()
     for name in ("tokenizer.json", "model-00001-of-00001.safetensors"):
         torch.save(sd, pkl / name)
-        (pkl / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {k: name for k in sd}}))
+        (pkl / "pytorch_model.bin.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": {k: name for k in sd}})
+        )
         with pytest.raises(enjoyln.CheckpointError, match="not named as pickle weights"):
             open_checkpoint(pkl, allow_pickle=True)
         (pkl / name).unlink()
     torch.save(sd, pkl / "pytorch_model-00001-of-00001.bin")
     (pkl / "pytorch_model.bin.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": {k: "pytorch_model-00001-of-00001.bin" for k in sd}}))
+        json.dumps(
+            {"metadata": {}, "weight_map": {k: "pytorch_model-00001-of-00001.bin" for k in sd}}
+        )
+    )
     assert open_checkpoint(pkl, allow_pickle=True).shards == ["pytorch_model-00001-of-00001.bin"]
 
 
@@ -254,7 +281,7 @@ def test_header_with_wrong_byte_counts_is_refused(saved, tmp_path):
     src = saved("gpt2")
     data = (src / "model.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     name = next(k for k in header if k != "__metadata__")
     header[name]["shape"] = [1] + header[name]["shape"]  # one more axis, same bytes: fine
     header[name]["shape"][-1] += 1  # now the bytes do not match
@@ -263,7 +290,7 @@ def test_header_with_wrong_byte_counts_is_refused(saved, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text((src / "config.json").read_text())
-    (bad / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n:])
+    (bad / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n :])
     with pytest.raises(enjoyln.CheckpointError, match="not what its dtype and shape need"):
         fold_checkpoint(bad, tmp_path / "out")
 
@@ -286,7 +313,9 @@ def _tensors(path):
 
 
 @pytest.mark.parametrize("shard_size", [None, "120KB"])
-def test_early_copy_gives_the_same_tensors_as_a_fresh_write(shard_size, saved, tmp_path, monkeypatch):
+def test_early_copy_gives_the_same_tensors_as_a_fresh_write(
+    shard_size, saved, tmp_path, monkeypatch
+):
     """The fast path (copy during analysis, then center in place) and the plain
     writer produce the same bytes for every tensor, and the same files."""
     from enjoyln.rewrite import convert
@@ -305,8 +334,13 @@ def test_early_copy_gives_the_same_tensors_as_a_fresh_write(shard_size, saved, t
     original = _tensors(src)
     centered = {c.param for c in fast.plan.centered}
     assert any(not torch.equal(a[k], original[k]) for k in centered)  # centering happened in place
-    assert torch.equal(a["lm_head.weight"], original["transformer.wte.weight"])  # the head keeps the old values
-    assert fast.report.passed and enjoyln.check_checkpoints(src, tmp_path / "slow", CheckOptions.of(mode="static")).passed
+    assert torch.equal(
+        a["lm_head.weight"], original["transformer.wte.weight"]
+    )  # the head keeps the old values
+    assert (
+        fast.report.passed
+        and enjoyln.check_checkpoints(src, tmp_path / "slow", CheckOptions.of(mode="static")).passed
+    )
 
 
 @pytest.mark.parametrize("lone_shard", [False, True])
@@ -328,8 +362,9 @@ def test_centering_right_behind_a_copy_still_running(saved, tmp_path, monkeypatc
         (src / "model.safetensors").rename(src / shard)
         with safe_open(src / shard, "pt") as f:
             keys = list(f.keys())
-        (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
-            k: shard for k in keys}}))
+        (src / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": {k: shard for k in keys}})
+        )
     asked, blocked = threading.Event(), []
     real_copy, real_wait = writer._copy_range, writer.EarlyCopy.wait
 
@@ -370,15 +405,23 @@ def test_header_without_room_falls_back_to_a_fresh_write(saved, tmp_path, monkey
     monkeypatch.setattr(writer, "_HEADER_ROOM", 8)  # the untied head's entry cannot fit
     calls = []
     real = writer.write_shard
-    monkeypatch.setattr(convert, "write_shard", lambda *a, **k: calls.append(a[0].name) or real(*a, **k))
+    monkeypatch.setattr(
+        convert, "write_shard", lambda *a, **k: calls.append(a[0].name) or real(*a, **k)
+    )
     result = fold_checkpoint(src, tmp_path / "out", FoldOptions.of(check="static"))
     assert calls == ["model.safetensors"]
     assert result.report.passed
 
 
 def _bert_mlm(seed=31):
-    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                     intermediate_size=128, vocab_size=128, max_position_embeddings=64)
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
     return perturb(transformers.BertForMaskedLM(config).eval(), seed=seed)
 
 
@@ -392,9 +435,12 @@ def test_masked_lm_keeps_its_tied_decoder_bias(fuse_affine, tmp_path):
     result = fold_checkpoint(src, out, FoldOptions.of(fuse_affine=fuse_affine))
     assert result.report.passed, result.report.summary()
     assert result.plan.untied and result.report.static.tensors == len(
-        dict(transformers.BertForMaskedLM.from_pretrained(out).state_dict()))
+        dict(transformers.BertForMaskedLM.from_pretrained(out).state_dict())
+    )
     with safe_open(out / "model.safetensors", "pt") as f:
-        assert torch.equal(f.get_tensor("cls.predictions.decoder.bias"), f.get_tensor("cls.predictions.bias"))
+        assert torch.equal(
+            f.get_tensor("cls.predictions.decoder.bias"), f.get_tensor("cls.predictions.bias")
+        )
     inputs = hf_example_inputs(original, seed=3)
     assert_same_outputs(original, reload_plain(out), inputs)
     assert_same_outputs(original, load(out), inputs)
@@ -415,9 +461,17 @@ def _shared_seq2seq(cls_name, seed=41):
     """A tiny encoder-decoder whose encoder and decoder embeddings (and head) are one ``shared``
     table, which transformers 5 saves once, as ``[model.]shared.weight``."""
     cls = getattr(transformers, cls_name)
-    sizes = dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                 decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=128,
-                 max_position_embeddings=32)
+    sizes = dict(
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        vocab_size=128,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(seed)
     return perturb(cls(cls.config_class(**sizes)).eval(), seed=seed)
 
@@ -428,7 +482,9 @@ def _centered_once(t, axis):
     return (wide - wide.mean(axis, keepdim=True)).to(t.dtype)
 
 
-@pytest.mark.parametrize("cls_name", ["BartForConditionalGeneration", "BartModel", "M2M100ForConditionalGeneration"])
+@pytest.mark.parametrize(
+    "cls_name", ["BartForConditionalGeneration", "BartModel", "M2M100ForConditionalGeneration"]
+)
 def test_shared_embeddings_fold_through_the_file_and_in_memory(cls_name, tmp_path):
     """The plan centers encoder.embed_tokens and decoder.embed_tokens, one tensor stored under a
     third name: `enjoyln fold` must find it, and both folds must center it once (not once per
@@ -445,7 +501,9 @@ def test_shared_embeddings_fold_through_the_file_and_in_memory(cls_name, tmp_pat
     original.save_pretrained(src)
     prefix = "" if cls_name.endswith("Model") else "model."
     stored = _tensors(src)
-    assert f"{prefix}shared.weight" in stored and f"{prefix}encoder.embed_tokens.weight" not in stored
+    assert (
+        f"{prefix}shared.weight" in stored and f"{prefix}encoder.embed_tokens.weight" not in stored
+    )
 
     folded = runner.invoke(app, ["fold", str(src), str(out)])
     assert folded.exit_code == 0, folded.output
@@ -457,13 +515,16 @@ def test_shared_embeddings_fold_through_the_file_and_in_memory(cls_name, tmp_pat
     a, b = _tensors(out), _tensors(mem)
     assert a.keys() == b.keys()
     for key in a:
-        assert a[key].dtype == b[key].dtype and torch.equal(a[key].view(-1).view(torch.uint8),
-                                                            b[key].view(-1).view(torch.uint8)), key
+        assert a[key].dtype == b[key].dtype and torch.equal(
+            a[key].view(-1).view(torch.uint8), b[key].view(-1).view(torch.uint8)
+        ), key
     table = stored[f"{prefix}shared.weight"]
     untied = "lm_head.weight" in a
     # untied, the config ties nothing, so the encoder's and decoder's copies are stored too
     names = ["shared", "encoder.embed_tokens", "decoder.embed_tokens"] if untied else ["shared"]
-    assert {k for k in a if "shared" in k or "embed_tokens" in k} == {f"{prefix}{n}.weight" for n in names}
+    assert {k for k in a if "shared" in k or "embed_tokens" in k} == {
+        f"{prefix}{n}.weight" for n in names
+    }
     for name in names:
         assert torch.equal(a[f"{prefix}{name}.weight"], _centered_once(table, 1)), name
     if untied:  # the logits still read the original table
@@ -486,8 +547,13 @@ def test_a_fold_checks_in_another_process(tmp_path):
     fold_checkpoint(src, out, FoldOptions.of(check="none"))
     for seed in ("2", "3"):  # under hash order, these two name different tied embeddings
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(sys.path)}
-        proc = subprocess.run([sys.executable, "-m", "enjoyln", "check", str(src), str(out), "--static"],
-                              capture_output=True, text=True, env=env, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "enjoyln", "check", str(src), str(out), "--static"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -509,16 +575,26 @@ def test_a_tied_table_partly_untied_keeps_the_untied_name_as_it_was(tmp_path):
     assert kept in {e.name for e in full.foldable}
     nbytes = full.untied[0].nbytes
     plan = dataclasses.replace(
-        full, layer_norms=[dataclasses.replace(e, foldable=False, reason="kept", centered=[]) if e.name == kept
-                           else e for e in full.layer_norms],
-        untied=[Untie(name, "model.encoder.embed_tokens.weight", nbytes)
-                for name in ("lm_head.weight", "model.decoder.embed_tokens.weight")])
+        full,
+        layer_norms=[
+            dataclasses.replace(e, foldable=False, reason="kept", centered=[])
+            if e.name == kept
+            else e
+            for e in full.layer_norms
+        ],
+        untied=[
+            Untie(name, "model.encoder.embed_tokens.weight", nbytes)
+            for name in ("lm_head.weight", "model.decoder.embed_tokens.weight")
+        ],
+    )
     # the gate holds a fold to this enjoyln's own analysis of the reference, never to the plan the
     # fold was handed: this narrower plan is sound, but not what the analysis gives
     with pytest.raises(CheckFailed) as failed:
         fold_checkpoint(src, out, FoldOptions.of(plan=plan))
-    assert any("the recorded plan is not what this enjoyln's analysis gives" in p
-               for p in failed.value.report.static.problems)
+    assert any(
+        "the recorded plan is not what this enjoyln's analysis gives" in p
+        for p in failed.value.report.static.problems
+    )
     result = fold_checkpoint(src, out, FoldOptions.of(plan=plan, check="none"))
     assert result.report is None and (out / "config.json").exists()
     apply_plan(copy.deepcopy(original), plan).save_pretrained(mem)
@@ -527,7 +603,9 @@ def test_a_tied_table_partly_untied_keeps_the_untied_name_as_it_was(tmp_path):
     a, b = _tensors(out), _tensors(mem)
     assert a.keys() == b.keys()
     for key in a:
-        assert torch.equal(a[key].view(-1).view(torch.uint8), b[key].view(-1).view(torch.uint8)), key
+        assert torch.equal(a[key].view(-1).view(torch.uint8), b[key].view(-1).view(torch.uint8)), (
+            key
+        )
     table = _tensors(src)["model.shared.weight"]
     for name in ("model.shared.weight", "model.encoder.embed_tokens.weight"):
         assert torch.equal(a[name], _centered_once(table, 1)), name
@@ -558,35 +636,58 @@ def test_parameters_no_checkpoint_holds_are_named_and_seeded_alike(tmp_path):
     original differs from itself. The analysis names the two parameters before anything runs,
     and the check gives them the same seeded values in every model it loads."""
     src = _bert_without_pooler(tmp_path / "src")
-    first, second = (transformers.BertModel.from_pretrained(src).pooler.dense.weight for _ in range(2))
+    first, second = (
+        transformers.BertModel.from_pretrained(src).pooler.dense.weight for _ in range(2)
+    )
     assert not torch.equal(first, second)  # random on every load
     plan = enjoyln.analyze_checkpoint(src)
     note = plan.note("missing parameters")
-    assert note and "2 parameters that BertModel builds (pooler.dense.weight, pooler.dense.bias)" in note
+    assert (
+        note
+        and "2 parameters that BertModel builds (pooler.dense.weight, pooler.dense.bias)" in note
+    )
     result = fold_checkpoint(src, tmp_path / "out", FoldOptions.of(allow_missing=True))
     assert result.report.passed, result.report.summary()
     assert result.report.static.missing == ["pooler.dense.weight", "pooler.dense.bias"]
     assert any("got the same seeded values" in n for n in result.report.notes)
     assert "pooler_output" in {o.name for o in result.report.outputs}
     report = enjoyln.check_checkpoints(src, tmp_path / "out", CheckOptions.of(mode="forward"))
-    assert report.passed and any("got the same seeded values" in n for n in report.notes), report.summary()
+    assert report.passed and any("got the same seeded values" in n for n in report.notes), (
+        report.summary()
+    )
 
 
 def test_model_class_folds_weights_as_the_class_they_match(tmp_path):
     """MPNetForMaskedLM named in config.json over weights of the base model only (as a
     sentence-transformers checkpoint ships): folded as MPNetModel, nothing is missing, and the
     output's config names the class it was folded as."""
-    config = transformers.MPNetConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                      intermediate_size=128, vocab_size=128, max_position_embeddings=66)
+    config = transformers.MPNetConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=66,
+    )
     torch.manual_seed(0)
     perturb(transformers.MPNetModel(config).eval(), seed=6).save_pretrained(tmp_path / "src")
     data = json.loads((tmp_path / "src" / "config.json").read_text())
-    (tmp_path / "src" / "config.json").write_text(json.dumps({**data, "architectures": ["MPNetForMaskedLM"]}))
+    (tmp_path / "src" / "config.json").write_text(
+        json.dumps({**data, "architectures": ["MPNetForMaskedLM"]})
+    )
     assert enjoyln.analyze_checkpoint(tmp_path / "src").note("missing parameters")
-    result = fold_checkpoint(tmp_path / "src", tmp_path / "out", FoldOptions.of(model_class="MPNetModel"))
-    assert result.report.passed and not result.plan.note("missing parameters"), result.report.summary()
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["MPNetModel"]
-    assert enjoyln.check_checkpoints(tmp_path / "src", tmp_path / "out", CheckOptions.of(model_class="MPNetModel")).passed
+    result = fold_checkpoint(
+        tmp_path / "src", tmp_path / "out", FoldOptions.of(model_class="MPNetModel")
+    )
+    assert result.report.passed and not result.plan.note("missing parameters"), (
+        result.report.summary()
+    )
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == [
+        "MPNetModel"
+    ]
+    assert enjoyln.check_checkpoints(
+        tmp_path / "src", tmp_path / "out", CheckOptions.of(model_class="MPNetModel")
+    ).passed
     with pytest.raises(enjoyln.CheckpointError, match="checked with the same --model-class"):
         enjoyln.check_checkpoints(tmp_path / "src", tmp_path / "out")
     with pytest.raises(enjoyln.CheckpointError, match="is not a transformers model class"):
@@ -594,36 +695,64 @@ def test_model_class_folds_weights_as_the_class_they_match(tmp_path):
 
 
 def test_a_class_its_weights_do_not_match_is_refused_before_anything_is_written(tmp_path):
-    """MPNetForMaskedLM over MPNetModel's weights, as a sentence-transformers MPNet ships: fold and rotate stop
-    at once, even with -q, naming the class the weights match and the flag that chooses it; --allow-missing
-    folds it as before, and the fold and its check count the same parameters (the fold's untied head also
-    unties its bias from lm_head.bias, one tensor in the original, which the check once counted twice)."""
+    """MPNetForMaskedLM over MPNetModel's weights, as a sentence-transformers MPNet ships: fold and
+    rotate stop
+    at once, even with -q, naming the class the weights match and the flag that chooses it;
+    --allow-missing
+    folds it as before, and the fold and its check count the same parameters (the fold's untied head
+    also
+    unties its bias from lm_head.bias, one tensor in the original, which the check once counted
+    twice)."""
     from typer.testing import CliRunner
 
     from enjoyln.cli.app import app
 
-    config = transformers.MPNetConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
-                                      intermediate_size=32, vocab_size=64, max_position_embeddings=34)
+    config = transformers.MPNetConfig(
+        num_hidden_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=64,
+        max_position_embeddings=34,
+    )
     torch.manual_seed(0)
     perturb(transformers.MPNetModel(config).eval(), seed=7).save_pretrained(tmp_path / "src")
     data = json.loads((tmp_path / "src" / "config.json").read_text())
-    (tmp_path / "src" / "config.json").write_text(json.dumps({**data, "architectures": ["MPNetForMaskedLM"]}))
+    (tmp_path / "src" / "config.json").write_text(
+        json.dumps({**data, "architectures": ["MPNetForMaskedLM"]})
+    )
     runner = CliRunner()
     for command in ("fold", "rotate"):
-        result = runner.invoke(app, [command, str(tmp_path / "src"), str(tmp_path / "out" / "x"), "-q"])
+        result = runner.invoke(
+            app, [command, str(tmp_path / "src"), str(tmp_path / "out" / "x"), "-q"]
+        )
         assert result.exit_code == 2 and result.stdout == "", result.output
         assert result.stderr.strip() == (
-            f"error: {tmp_path / 'src'} lacks 5 parameters that MPNetForMaskedLM builds (lm_head.bias, "
-            "lm_head.dense.weight, lm_head.dense.bias and 2 more), which transformers would initialise at random "
-            "on every load; its weights match MPNetModel: pass --model-class MPNetModel to fold that class, or "
-            "--allow-missing to fold MPNetForMaskedLM with them random; nothing was written")
+            f"error: {tmp_path / 'src'} lacks 5 parameters that MPNetForMaskedLM builds "
+            "(lm_head.bias, "
+            "lm_head.dense.weight, lm_head.dense.bias and 2 more), which transformers would "
+            "initialise at random "
+            "on every load; its weights match MPNetModel: pass --model-class MPNetModel to fold "
+            "that class, or "
+            "--allow-missing to fold MPNetForMaskedLM with them random; nothing was written"
+        )
         assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
-    result = runner.invoke(app, ["fold", str(tmp_path / "src"), str(tmp_path / "out"), "--allow-missing"])
+    result = runner.invoke(
+        app, ["fold", str(tmp_path / "src"), str(tmp_path / "out"), "--allow-missing"]
+    )
     assert result.exit_code == 0, result.output
-    counts = re.findall(r"(\d+) parameters (?:that MPNetForMaskedLM builds|of the model class)", result.output)
-    assert counts == ["5", "5", "5"], result.output  # the plan's note, the static part's and the forward part's
-    report = enjoyln.check_checkpoints(tmp_path / "src", tmp_path / "out", CheckOptions.of(mode="forward"))
-    assert report.passed and any(n.startswith("5 parameters") for n in report.notes), report.summary()
+    counts = re.findall(
+        r"(\d+) parameters (?:that MPNetForMaskedLM builds|of the model class)", result.output
+    )
+    assert counts == ["5", "5", "5"], (
+        result.output
+    )  # the plan's note, the static part's and the forward part's
+    report = enjoyln.check_checkpoints(
+        tmp_path / "src", tmp_path / "out", CheckOptions.of(mode="forward")
+    )
+    assert report.passed and any(n.startswith("5 parameters") for n in report.notes), (
+        report.summary()
+    )
 
 
 @pytest.mark.parametrize("fuse_affine", [False, True])
@@ -632,7 +761,11 @@ def test_a_head_the_checkpoint_lacks_stays_missing_when_its_tie_is_undone(fuse_a
     the fold centers, so it is untied; its decoder bias (tied to cls.predictions.bias) is in no
     file, so the output leaves it missing too, and the check seeds it alike on both sides."""
     perturb(tiny_model("bert"), seed=9).save_pretrained(tmp_path / "src")
-    result = fold_checkpoint(tmp_path / "src", tmp_path / "out", FoldOptions.of(model_class="BertForMaskedLM", fuse_affine=fuse_affine, allow_missing=True))
+    result = fold_checkpoint(
+        tmp_path / "src",
+        tmp_path / "out",
+        FoldOptions.of(model_class="BertForMaskedLM", fuse_affine=fuse_affine, allow_missing=True),
+    )
     assert result.report.passed, result.report.summary()
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
         keys = set(f.keys())
@@ -641,7 +774,8 @@ def test_a_head_the_checkpoint_lacks_stays_missing_when_its_tie_is_undone(fuse_a
 
 
 def test_a_fold_in_another_dtype_passes_check_dtype_and_only_it(saved, tmp_path):
-    """``fold --dtype bfloat16``: every floating tensor stored in bfloat16, the config saying so; each
+    """``fold --dtype bfloat16``: every floating tensor stored in bfloat16, the config saying so;
+    each
     tensor one of the two roundings the check's rule for a cast copy accepts."""
     from typer.testing import CliRunner
 
@@ -649,16 +783,29 @@ def test_a_fold_in_another_dtype_passes_check_dtype_and_only_it(saved, tmp_path)
 
     src, out = saved("gpt2"), tmp_path / "bf16"
     result = fold_checkpoint(src, out, FoldOptions.of(dtype="bfloat16", check="static"))
-    assert result.report.passed and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert (
+        result.report.passed
+        and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    )
     with safe_open(out / "model.safetensors", "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
         wte = f.get_tensor("transformer.wte.weight")
-        assert result.bytes_written == sum(math.prod(f.get_slice(k).get_shape()) * 2 for k in f.keys())
-    with safe_open(src / "model.safetensors", "pt") as f:  # cast, then centered in float64 and rounded once
+        assert result.bytes_written == sum(
+            math.prod(f.get_slice(k).get_shape()) * 2 for k in f.keys()
+        )
+    with safe_open(
+        src / "model.safetensors", "pt"
+    ) as f:  # cast, then centered in float64 and rounded once
         reference = f.get_tensor("transformer.wte.weight").to(torch.bfloat16)
     assert torch.equal(wte, center_(reference.clone(), 1)) and not torch.equal(wte, reference)
     runner = CliRunner()
     assert runner.invoke(app, ["check", "--dtype", "bfloat16", str(src), str(out)]).exit_code == 0
-    assert runner.invoke(app, ["check", "--static", str(src), str(out)]).exit_code == 1  # float32 was promised
-    fused = fold_checkpoint(src, tmp_path / "f16", FoldOptions.of(dtype="float16", fuse_affine=True, check="static"))
-    assert fused.report.passed and enjoyln.load(tmp_path / "f16").lm_head.weight.dtype == torch.float16
+    assert (
+        runner.invoke(app, ["check", "--static", str(src), str(out)]).exit_code == 1
+    )  # float32 was promised
+    fused = fold_checkpoint(
+        src, tmp_path / "f16", FoldOptions.of(dtype="float16", fuse_affine=True, check="static")
+    )
+    assert (
+        fused.report.passed and enjoyln.load(tmp_path / "f16").lm_head.weight.dtype == torch.float16
+    )

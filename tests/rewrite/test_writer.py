@@ -15,10 +15,18 @@ NAMES = {v: k for k, v in DTYPES.items()}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape, axis, groups, blocks, scaled", [
-    ((96, 40), 0, 1, None, False), ((96, 40), 1, 1, None, True), ((6, 48, 5), 1, 4, (1, 3), True),
-    ((12, 7, 3), 2, 3, None, False)])
-def test_centering_in_the_file_gives_the_in_memory_bits(tmp_path, dtype, shape, axis, groups, blocks, scaled):
+@pytest.mark.parametrize(
+    "shape, axis, groups, blocks, scaled",
+    [
+        ((96, 40), 0, 1, None, False),
+        ((96, 40), 1, 1, None, True),
+        ((6, 48, 5), 1, 4, (1, 3), True),
+        ((12, 7, 3), 2, 3, None, False),
+    ],
+)
+def test_centering_in_the_file_gives_the_in_memory_bits(
+    tmp_path, dtype, shape, axis, groups, blocks, scaled
+):
     gen = torch.Generator().manual_seed(3)
     t = (torch.randn(shape, generator=gen) * 2 + 0.3).to(dtype)
     scale = torch.rand(shape[axis], generator=gen) + 0.5 if scaled else None
@@ -26,14 +34,18 @@ def test_centering_in_the_file_gives_the_in_memory_bits(tmp_path, dtype, shape, 
     at = 4096 * 3 + 7  # past a page, and not aligned to the element
     path = tmp_path / "shard"
     path.write_bytes(b"\x01" * at + raw + b"\x02" * 100)
-    entry = Entry("w", NAMES[dtype], shape, len(raw), axis=axis, groups=groups, blocks=blocks, scale=scale)
+    entry = Entry(
+        "w", NAMES[dtype], shape, len(raw), axis=axis, groups=groups, blocks=blocks, scale=scale
+    )
     fd = os.open(path, os.O_RDWR)
     try:
         assert _center_in_file(fd, at, entry)
     finally:
         os.close(fd)
     data = path.read_bytes()
-    want = center_(t.clone(), axis, groups, scale, blocks).view(-1).view(torch.uint8).numpy().tobytes()
+    want = (
+        center_(t.clone(), axis, groups, scale, blocks).view(-1).view(torch.uint8).numpy().tobytes()
+    )
     assert want != raw  # something was centered
     assert data == b"\x01" * at + want + b"\x02" * 100  # and nothing beside it moved
 
@@ -48,8 +60,11 @@ def test_a_tensor_that_cannot_be_mapped_is_left_to_the_plain_write(tmp_path, mon
     def refuse(*args, **kwargs):
         raise OSError(errno.ENODEV, "No such device")
 
-    monkeypatch.setattr(writer, "Mapped", type("Refused", (), {"__init__": refuse, "available": staticmethod(
-        lambda: True)}))
+    monkeypatch.setattr(
+        writer,
+        "Mapped",
+        type("Refused", (), {"__init__": refuse, "available": staticmethod(lambda: True)}),
+    )
     raw = torch.randn(64, 8).view(-1).view(torch.uint8).numpy().tobytes()
     path = tmp_path / "shard"
     path.write_bytes(raw)
@@ -62,12 +77,16 @@ def test_a_tensor_that_cannot_be_mapped_is_left_to_the_plain_write(tmp_path, mon
 
 
 def test_computed_tensors_written_behind_land_where_they_belong(tmp_path, monkeypatch):
-    """Small tensors are written on the second thread while the next is computed, a large one in turn;
+    """Small tensors are written on the second thread while the next is computed, a large one in
+    turn;
     each lands at its offset, and a write that fails is raised when the block ends."""
     from enjoyln.rewrite import writer
 
     monkeypatch.setattr(writer, "WRITE_BEHIND_BYTES", 400)
-    tensors = [torch.arange(i * 50, i * 50 + n, dtype=torch.float32) for i, n in enumerate((30, 200, 0, 64))]
+    tensors = [
+        torch.arange(i * 50, i * 50 + n, dtype=torch.float32)
+        for i, n in enumerate((30, 200, 0, 64))
+    ]
     path = tmp_path / "shard"
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     at = 0
@@ -83,7 +102,9 @@ def test_computed_tensors_written_behind_land_where_they_belong(tmp_path, monkey
     finally:
         os.close(fd)
     assert behind_flags == [True, False, True, True]  # 800 bytes is over the bound
-    assert torch.equal(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32), torch.cat(tensors))
+    assert torch.equal(
+        torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32), torch.cat(tensors)
+    )
     read_only = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(OSError), writer._WriteBehind(read_only) as behind:

@@ -27,14 +27,34 @@ spec.loader.exec_module(sweep_mod)
 
 # model type -> (status, folded LNs, LN entries, analyze(model) without inputs succeeds).
 EXPECTED = {
-    "bart": ("exact", 2, 12, True),  # layernorm_embedding: embed_positions reads its input only for the shape
+    "bart": (
+        "exact",
+        2,
+        12,
+        True,
+    ),  # layernorm_embedding: embed_positions reads its input only for the shape
     "mbart": ("exact", 2, 14, True),
-    "gpt_neox_japanese": ("exact", 5, 5, True),  # attn_bias.expand_as(residual) reads only the shape
+    "gpt_neox_japanese": (
+        "exact",
+        5,
+        5,
+        True,
+    ),  # attn_bias.expand_as(residual) reads only the shape
     "dinov2": ("exact", 5, 5, True),  # LayerScale
-    "beit": ("exact", 0, 5, True),  # BeitModel returns the raw stream (no final norm with mean pooling)
+    "beit": (
+        "exact",
+        0,
+        5,
+        True,
+    ),  # BeitModel returns the raw stream (no final norm with mean pooling)
     "yolos": ("exact", 5, 5, True),  # an interpolated position table
     "vit_mae": ("exact", 5, 5, True),  # masking by gather along the sequence
-    "persimmon": ("exact", 9, 9, True),  # per-head q/k norms: grouped centering of each head's block
+    "persimmon": (
+        "exact",
+        9,
+        9,
+        True,
+    ),  # per-head q/k norms: grouped centering of each head's block
     "m2m_100": ("exact", 12, 12, True),  # sinusoidal non-persistent buffer, centered in memory
     "xglm": ("exact", 5, 5, True),  # sinusoidal non-persistent buffer
     "fsmt": ("exact", 0, 10, True),  # captured by draft_export
@@ -44,7 +64,8 @@ EXPECTED = {
     "hubert": ("exact", 0, 7, True),
     "videomae": ("exact", 0, 4, True),  # 5-D video
     "timesformer": ("exact", 7, 7, True),
-    # use_cache through **kwargs, image tokens in the text; the tower is read at layer -2, so its post-norm is
+    # use_cache through **kwargs, image tokens in the text; the tower is read at layer -2, so its
+    # post-norm is
     # never read and folds whatever its input
     "llava": ("exact", 2, 6, True),
     "internvl": ("exact", 0, 5, True),
@@ -62,11 +83,17 @@ SAMPLE = sorted(EXPECTED)
 
 @pytest.fixture(scope="module")
 def results():
-    return sweep_mod.sweep(SAMPLE, jobs=2, timeout=600, progress=False)  # a guard against hangs only
+    return sweep_mod.sweep(
+        SAMPLE, jobs=2, timeout=600, progress=False
+    )  # a guard against hangs only
 
 
 def test_no_raw_errors(results):
-    raw = {t: (r["type"], r.get("enjoyln_frame")) for t, r in results.items() if r["status"] == "raw_error"}
+    raw = {
+        t: (r["type"], r.get("enjoyln_frame"))
+        for t, r in results.items()
+        if r["status"] == "raw_error"
+    }
     assert raw == {}
 
 
@@ -87,8 +114,10 @@ def test_every_fold_in_the_sample_is_exact(results):
 
 
 def test_bart_folds_the_embedding_norms_read_only_for_their_shape(results):
-    assert set(results["bart"]["folded_names"]) == {"model.encoder.layernorm_embedding",
-                                                    "model.decoder.layernorm_embedding"}
+    assert set(results["bart"]["folded_names"]) == {
+        "model.encoder.layernorm_embedding",
+        "model.decoder.layernorm_embedding",
+    }
 
 
 # --- the sweep's own helpers ------------------------------------------------------------
@@ -97,14 +126,22 @@ def test_bart_folds_the_embedding_norms_read_only_for_their_shape(results):
 def test_refusal_reasons_are_normalised_across_models():
     norms = ["model.encoder.layers.0.final_layer_norm", "ln_f"]
     a = sweep_mod.normalize_reason(
-        "its input includes the output of model.encoder.layers.0.final_layer_norm, which is not zero-mean", norms)
-    b = sweep_mod.normalize_reason("its input includes the output of ln_f, which is not zero-mean", norms)
+        "its input includes the output of model.encoder.layers.0.final_layer_norm, which is not "
+        "zero-mean",
+        norms,
+    )
+    b = sweep_mod.normalize_reason(
+        "its input includes the output of ln_f, which is not zero-mean", norms
+    )
     assert a == b == "its input includes the output of a LayerNorm, which is not zero-mean"
-    c = sweep_mod.normalize_reason("its input includes the output of gelu in model.layers.3.mlp, which is "
-                                   "not zero-mean")
+    c = sweep_mod.normalize_reason(
+        "its input includes the output of gelu in model.layers.3.mlp, which is not zero-mean"
+    )
     assert c == "its input includes the output of gelu in M, which is not zero-mean"
-    d = sweep_mod.normalize_reason("folding it needs the parameter wte.weight centered, but that would also "
-                                   "change the model output `hidden_states`")
+    d = sweep_mod.normalize_reason(
+        "folding it needs the parameter wte.weight centered, but that would also "
+        "change the model output `hidden_states`"
+    )
     assert d == "folding it needs a centering that would also change the model output `x`"
 
 

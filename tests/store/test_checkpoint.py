@@ -28,7 +28,6 @@ def src(tmp_path_factory):
     return path
 
 
-
 def test_duplicate_header_keys_and_trailing_bytes_are_refused(src, tmp_path):
     data = (src / "model.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
@@ -36,13 +35,13 @@ def test_duplicate_header_keys_and_trailing_bytes_are_refused(src, tmp_path):
     (bad / "model.safetensors").write_bytes(data + b"junk")
     with pytest.raises(CheckpointError, match="4 bytes after the last tensor"):
         open_checkpoint(bad)
-    blob = data[8:8 + n].decode().rstrip()
+    blob = data[8 : 8 + n].decode().rstrip()
     key = json.loads(blob)
     name = next(k for k in key if k != "__metadata__")
     twice = blob[:-1] + f', "{name}": ' + json.dumps(key[name]) + "}"
     twice = twice.encode() + b" " * (-len(twice) % 8)
     dup = clone(src, tmp_path / "dup")
-    (dup / "model.safetensors").write_bytes(struct.pack("<Q", len(twice)) + twice + data[8 + n:])
+    (dup / "model.safetensors").write_bytes(struct.pack("<Q", len(twice)) + twice + data[8 + n :])
     with pytest.raises(CheckpointError, match=f"names {name} twice"):
         open_checkpoint(dup)
 
@@ -110,8 +109,11 @@ def test_no_blank_line_before_an_error(src, tmp_path):
 
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x").write_text("x")
-    proc = subprocess.run([sys.executable, "-m", "enjoyln", "fold", str(src), str(tmp_path / "out")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "enjoyln", "fold", str(src), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and proc.stderr.startswith("error: OUT_DIR"), repr(proc.stderr)
 
 
@@ -119,7 +121,8 @@ def test_trusted_remote_code_is_analysed_run_and_kept(src, tmp_path, monkeypatch
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
     model = clone(src, tmp_path / "model")
     (model / "modeling_custom.py").write_text(
-        "from transformers import GPT2LMHeadModel\n\n\nclass CustomLM(GPT2LMHeadModel):\n    pass\n")
+        "from transformers import GPT2LMHeadModel\n\n\nclass CustomLM(GPT2LMHeadModel):\n    pass\n"
+    )
     config = json.loads((model / "config.json").read_text())
     config["architectures"] = ["CustomLM"]
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomLM"}
@@ -127,7 +130,9 @@ def test_trusted_remote_code_is_analysed_run_and_kept(src, tmp_path, monkeypatch
     result = runner.invoke(app, ["fold", str(model), str(tmp_path / "out"), "--trust-remote-code"])
     assert result.exit_code == 0, result.output
     out = tmp_path / "out"
-    assert (out / "modeling_custom.py").exists() and json.loads((out / "config.json").read_text())["auto_map"]
+    assert (out / "modeling_custom.py").exists() and json.loads((out / "config.json").read_text())[
+        "auto_map"
+    ]
     from enjoyln import load
 
     loaded = load(out, trust_remote_code=True)
@@ -165,7 +170,9 @@ def test_a_symlinked_or_dot_out_dir_is_written_where_it_points(src, tmp_path, mo
     failed with "PosixPath('.') has an empty name"."""
     real, link = tmp_path / "real", tmp_path / "link"
     assert runner.invoke(app, ["fold", str(src), str(real), "--no-check"]).exit_code == 0
-    (real / "config.json").write_text((real / "config.json").read_text().replace('"enjoyln": {', '"enjoyln": {"old": 1, '))
+    (real / "config.json").write_text(
+        (real / "config.json").read_text().replace('"enjoyln": {', '"enjoyln": {"old": 1, ')
+    )
     link.symlink_to(real)
     result = runner.invoke(app, ["fold", str(src), str(link), "--no-check", "--force"])
     assert result.exit_code == 0, result.output
@@ -199,7 +206,9 @@ def test_directory_links_that_loop_or_fan_out_are_copied_once(src, tmp_path):
     out.mkdir()
     skipped = copy_extras(open_checkpoint(model), out)
     assert "a/tob/toa (a symlink to a directory that contains it)" in skipped
-    assert len(list(out.rglob("leaf.txt"))) <= 21 and (out / "d20" / "leaf.txt").read_text() == "leaf"
+    assert (
+        len(list(out.rglob("leaf.txt"))) <= 21 and (out / "d20" / "leaf.txt").read_text() == "leaf"
+    )
 
 
 def test_a_link_to_version_control_data_copies_none_of_it(src, tmp_path):
@@ -248,10 +257,15 @@ def test_a_huge_json_file_is_never_read_whole(src, tmp_path):
             f.truncate(64 << 20)  # sparse: no disk, all zeros
     report, peak = traced_peak()
     assert report.passed, report.summary()
-    assert peak < baseline + (8 << 20), f"{(peak - baseline) / 2**20:.0f} MiB more than without the file"
+    assert peak < baseline + (8 << 20), (
+        f"{(peak - baseline) / 2**20:.0f} MiB more than without the file"
+    )
     (ref / "junk.json").unlink()
     report = static_check(open_checkpoint(ref), open_checkpoint(cand))
-    assert "the candidate has junk.json, a file a fold of the reference would not hold" in report.problems
+    assert (
+        "the candidate has junk.json, a file a fold of the reference would not hold"
+        in report.problems
+    )
 
 
 @pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json"])
@@ -261,11 +275,13 @@ def test_an_oversized_config_is_refused_in_one_line(src, tmp_path, name):
     (model / name).write_text(text + " " * (17 << 20))
     result = runner.invoke(app, ["check", str(model), str(model), "--static"])
     assert result.exit_code == 2, result.output
-    assert result.stderr.strip() == (f"error: {model / name} holds {(model / name).stat().st_size:,} bytes, "
-                                     "more than the 16 MiB enjoyln reads for a model config"
-                                     if name == "config.json" else
-                                     f"error: {model / name} holds {(model / name).stat().st_size:,} bytes, "
-                                     "more than the 16 MiB enjoyln reads for a config file")
+    assert result.stderr.strip() == (
+        f"error: {model / name} holds {(model / name).stat().st_size:,} bytes, "
+        "more than the 16 MiB enjoyln reads for a model config"
+        if name == "config.json"
+        else f"error: {model / name} holds {(model / name).stat().st_size:,} bytes, "
+        "more than the 16 MiB enjoyln reads for a config file"
+    )
 
 
 def test_deeply_nested_json_names_the_file(src, tmp_path):
@@ -273,9 +289,14 @@ def test_deeply_nested_json_names_the_file(src, tmp_path):
     (model / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
     result = runner.invoke(app, ["inspect", str(model)])
     assert result.exit_code == 2
-    assert result.stderr.strip() == f"error: {model / 'config.json'} is nested too deeply to be a model config"
+    assert (
+        result.stderr.strip()
+        == f"error: {model / 'config.json'} is nested too deeply to be a model config"
+    )
     config = json.loads((src / "config.json").read_text())
-    config["extra"] = json.loads("[" * 80 + "]" * 80)  # parses, but transformers' own code recurses on it
+    config["extra"] = json.loads(
+        "[" * 80 + "]" * 80
+    )  # parses, but transformers' own code recurses on it
     (model / "config.json").write_text(json.dumps(config))
     result = runner.invoke(app, ["inspect", str(model)])
     assert result.exit_code == 2 and "nested more than 64 levels deep" in result.stderr
@@ -283,7 +304,9 @@ def test_deeply_nested_json_names_the_file(src, tmp_path):
     shard = clone(src, tmp_path / "shard")
     header = b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     (shard / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
-    with pytest.raises(CheckpointError, match=r"model.safetensors is not a valid safetensors file \(its header"):
+    with pytest.raises(
+        CheckpointError, match=r"model.safetensors is not a valid safetensors file \(its header"
+    ):
         open_checkpoint(shard)
     tokenizer = clone(src, tmp_path / "tok")  # a file nothing parses as a config: compared as bytes
     (tokenizer / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
@@ -299,23 +322,35 @@ def test_a_link_out_to_a_file_a_loader_reads_is_refused_and_compared(src, tmp_pa
 
     shared = tmp_path / "shared-templates"
     shared.mkdir()
-    (shared / "tool_use.jinja").write_text("{% for m in messages %}[TOOLS]{{ m['content'] }}{% endfor %}")
+    (shared / "tool_use.jinja").write_text(
+        "{% for m in messages %}[TOOLS]{{ m['content'] }}{% endfor %}"
+    )
     ref = clone(src, tmp_path / "ref")
     (ref / "additional_chat_templates").symlink_to(shared)
     out = tmp_path / "out"
-    for command in (["fold", str(ref), str(out)], ["fold", str(ref), str(out), "--no-check", "--dry-run"]):
+    for command in (
+        ["fold", str(ref), str(out)],
+        ["fold", str(ref), str(out), "--no-check", "--dry-run"],
+    ):
         result = runner.invoke(app, command)
         assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
-        assert f"additional_chat_templates links to {shared}" in result.stderr and "copy" in result.stderr
+        assert (
+            f"additional_chat_templates links to {shared}" in result.stderr
+            and "copy" in result.stderr
+        )
     assert not out.exists() and not list(tmp_path.glob(".out.enjoyln-*"))
     # the gate compares what a loader reads from the reference, through its links
     plain = clone(src, tmp_path / "plain")
     fold_checkpoint(plain, tmp_path / "fold", FoldOptions.of(check="none"))
     report = static_check(open_checkpoint(ref), open_checkpoint(tmp_path / "fold"))
-    assert report.problems == ["the candidate lacks the reference's additional_chat_templates/tool_use.jinja"]
+    assert report.problems == [
+        "the candidate lacks the reference's additional_chat_templates/tool_use.jinja"
+    ]
     (ref / "additional_chat_templates").unlink()  # what the message says: a copy in its place
     (ref / "additional_chat_templates").mkdir()
-    (ref / "additional_chat_templates" / "tool_use.jinja").write_bytes((shared / "tool_use.jinja").read_bytes())
+    (ref / "additional_chat_templates" / "tool_use.jinja").write_bytes(
+        (shared / "tool_use.jinja").read_bytes()
+    )
     result = fold_checkpoint(ref, out, FoldOptions.of(check="static"))
     assert result.report.passed and (out / "additional_chat_templates" / "tool_use.jinja").is_file()
     # links out that no loader reads stay a skip, as their kinds are anywhere: special files,
@@ -327,8 +362,11 @@ def test_a_link_out_to_a_file_a_loader_reads_is_refused_and_compared(src, tmp_pa
     (inert / ".git").symlink_to(tmp_path / "repo.git")
     (inert / "old.txt").symlink_to(tmp_path / "gone")
     result = fold_checkpoint(inert, tmp_path / "out-inert", FoldOptions.of(check="none"))
-    assert sorted(result.skipped) == [".git (version-control data)", "old.txt (a dangling symlink)",
-                                      "pipe (not a regular file)"]
+    assert sorted(result.skipped) == [
+        ".git (version-control data)",
+        "old.txt (a dangling symlink)",
+        "pipe (not a regular file)",
+    ]
 
 
 def test_a_fold_reads_each_directorys_config_once(src, tmp_path, monkeypatch):
@@ -338,8 +376,11 @@ def test_a_fold_reads_each_directorys_config_once(src, tmp_path, monkeypatch):
 
     read = []
     real = transformers.AutoConfig.from_pretrained.__func__
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
-                        classmethod(lambda cls, path, *a, **k: read.append(str(path)) or real(cls, path, *a, **k)))
+    monkeypatch.setattr(
+        transformers.AutoConfig,
+        "from_pretrained",
+        classmethod(lambda cls, path, *a, **k: read.append(str(path)) or real(cls, path, *a, **k)),
+    )
     result = fold_checkpoint(src, tmp_path / "out", FoldOptions.of(check="static"))
     assert result.report.passed
     assert len(read) == 2 and read[0] == str(src) and read[1] != read[0], read
@@ -348,6 +389,11 @@ def test_a_fold_reads_each_directorys_config_once(src, tmp_path, monkeypatch):
 def test_the_meta_model_as_loaded_is_built_once_per_dtype(src):
     ck = open_checkpoint(src)
     auto, half = ck.meta_as_loaded(), ck.meta_as_loaded("bfloat16")
-    assert ck.meta_as_loaded() is auto and ck.meta_as_loaded("bfloat16") is half and auto is not half
-    assert next(auto.parameters()).dtype == torch.float32 and next(half.parameters()).dtype == torch.bfloat16
+    assert (
+        ck.meta_as_loaded() is auto and ck.meta_as_loaded("bfloat16") is half and auto is not half
+    )
+    assert (
+        next(auto.parameters()).dtype == torch.float32
+        and next(half.parameters()).dtype == torch.bfloat16
+    )
     assert next(auto.parameters()).device.type == "meta"

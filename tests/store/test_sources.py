@@ -44,8 +44,12 @@ class StandInViT(nn.Module):
         self.pretrained_cfg, self.num_classes = pretrained_cfg, num_classes
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv2d(3, embed_dim, 8, 8)
-        self.blocks = nn.ModuleList(nn.ModuleDict({"norm1": nn.LayerNorm(embed_dim, eps=1e-6),
-                                                   "fc": nn.Linear(embed_dim, embed_dim)}) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {"norm1": nn.LayerNorm(embed_dim, eps=1e-6), "fc": nn.Linear(embed_dim, embed_dim)}
+            )
+            for _ in range(depth)
+        )
         self.norm, self.head = nn.LayerNorm(embed_dim, eps=1e-6), nn.Linear(embed_dim, num_classes)
 
     def forward(self, x):
@@ -57,8 +61,13 @@ class StandInViT(nn.Module):
 
 def fake_timm():
     """The part of timm's API enjoyln uses, over ``StandInViT``."""
-    default_cfg = {"architecture": "standin_vit", "input_size": (3, 32, 32), "num_classes": 10,
-                   "hf_hub_id": "nobody/never-downloaded", "mean": (0.5, 0.5, 0.5)}
+    default_cfg = {
+        "architecture": "standin_vit",
+        "input_size": (3, 32, 32),
+        "num_classes": 10,
+        "hf_hub_id": "nobody/never-downloaded",
+        "mean": (0.5, 0.5, 0.5),
+    }
     module = types.ModuleType("timm")
     module.__spec__ = importlib.machinery.ModuleSpec("timm", None)  # find_spec("timm") asks for it
     module.__version__ = "0+stand-in"
@@ -89,11 +98,22 @@ def standin(monkeypatch):
 def save_hub_dir(model, path, model_args):
     """A directory as ``timm.models.save_for_hf(..., safe_serialization=True)`` writes it."""
     path.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path / "model.safetensors")
-    cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in model.pretrained_cfg.items()
-           if k not in ("hf_hub_id", "architecture")}
-    config = {"architecture": "standin_vit", "num_classes": model.num_classes, "num_features": 16,
-              "global_pool": "avg", "model_args": model_args, "pretrained_cfg": cfg}
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, path / "model.safetensors"
+    )
+    cfg = {
+        k: list(v) if isinstance(v, tuple) else v
+        for k, v in model.pretrained_cfg.items()
+        if k not in ("hf_hub_id", "architecture")
+    }
+    config = {
+        "architecture": "standin_vit",
+        "num_classes": model.num_classes,
+        "num_features": 16,
+        "global_pool": "avg",
+        "model_args": model_args,
+        "pretrained_cfg": cfg,
+    }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
@@ -117,18 +137,32 @@ def test_timm_directory_inspect_fold_check_and_load(hub_dir, standin, tmp_path):
     assert "PASS" in result.output and "timm.create_model" in result.output
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before  # the input is never modified
     config = json.loads((out / "config.json").read_text())
-    assert config["enjoyln"]["rmsnorm"] == ["blocks.0.norm1", "blocks.1.norm1", "blocks.2.norm1", "norm"]
+    assert config["enjoyln"]["rmsnorm"] == [
+        "blocks.0.norm1",
+        "blocks.1.norm1",
+        "blocks.2.norm1",
+        "norm",
+    ]
     assert {k: v for k, v in config.items() if k != "enjoyln"} == json.loads(before["config.json"])
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
 
     inputs = described_inputs(original, batch=3, seed=11)
     # the loading recipe a timm user has: the folded file through create_model, LNs unchanged
-    plain = standin.create_model("standin_vit", pretrained=True, depth=3,
-                                 pretrained_cfg_overlay=dict(file=str(out / "model.safetensors"))).eval()
+    plain = standin.create_model(
+        "standin_vit",
+        pretrained=True,
+        depth=3,
+        pretrained_cfg_overlay=dict(file=str(out / "model.safetensors")),
+    ).eval()
     assert_same_outputs(original, plain, inputs)
-    assert not torch.equal(plain.patch_embed.proj.weight, original.patch_embed.proj.weight)  # centered on disk
+    assert not torch.equal(
+        plain.patch_embed.proj.weight, original.patch_embed.proj.weight
+    )  # centered on disk
     loaded = enjoyln.load(out)
-    assert type(loaded.norm).__name__ == "RMSNorm" and type(loaded.blocks[0]["norm1"]).__name__ == "RMSNorm"
+    assert (
+        type(loaded.norm).__name__ == "RMSNorm"
+        and type(loaded.blocks[0]["norm1"]).__name__ == "RMSNorm"
+    )
     assert_same_outputs(original, loaded, inputs)
     assert standin.loaded[-1] == str(out / "model.safetensors")
 
@@ -160,14 +194,24 @@ def test_fold_with_fused_affine_goes_through_the_in_memory_path(hub_dir, tmp_pat
     assert_same_outputs(original, loaded, described_inputs(original, seed=5))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["fold", "{src}", "{out}", "--max-shard-size", "1KB"], "timm loads one weight file"),
-    (["fold", "{src}", "{out}", "--dtype", "bfloat16"], "timm builds its models in float32 whatever the file"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["fold", "{src}", "{out}", "--max-shard-size", "1KB"], "timm loads one weight file"),
+        (
+            ["fold", "{src}", "{out}", "--dtype", "bfloat16"],
+            "timm builds its models in float32 whatever the file",
+        ),
+    ],
+)
 def test_timm_directory_refusals(hub_dir, tmp_path, args, message):
     src, _ = hub_dir
     result = runner.invoke(app, [a.format(src=src, out=tmp_path / "out") for a in args])
-    assert result.exit_code == 2 and message in result.output and len(result.output.strip().splitlines()) == 1
+    assert (
+        result.exit_code == 2
+        and message in result.output
+        and len(result.output.strip().splitlines()) == 1
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -177,7 +221,10 @@ def test_unknown_timm_architecture_and_missing_weights(hub_dir, tmp_path):
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "architecture": "no_such_net"}))
     result = runner.invoke(app, ["inspect", str(bad)])
-    assert result.exit_code == 2 and "unknown architecture 'no_such_net': timm 0+stand-in" in result.output
+    assert (
+        result.exit_code == 2
+        and "unknown architecture 'no_such_net': timm 0+stand-in" in result.output
+    )
     (bad / "config.json").write_text(json.dumps(config))
     (bad / "model.safetensors").unlink()
     result = runner.invoke(app, ["inspect", str(bad)])
@@ -185,7 +232,8 @@ def test_unknown_timm_architecture_and_missing_weights(hub_dir, tmp_path):
 
 
 def test_a_timm_bin_directory_gets_a_resave_line_that_works(hub_dir, tmp_path):
-    """timm would unpickle pytorch_model.bin itself, so even --allow-pickle refuses it, with the one line
+    """timm would unpickle pytorch_model.bin itself, so even --allow-pickle refuses it, with the one
+    line
     that re-saves it as safetensors; run as given, that line makes the directory fold."""
     src, _ = hub_dir
     pickled = shutil.copytree(src, tmp_path / "pickled vit")  # a space: the line quotes the path
@@ -202,14 +250,21 @@ def test_a_timm_bin_directory_gets_a_resave_line_that_works(hub_dir, tmp_path):
     assert result.exit_code == 0, result.output
 
 
-def test_a_timm_directory_is_read_from_its_own_file_whatever_its_config_says(hub_dir, standin, tmp_path):
+def test_a_timm_directory_is_read_from_its_own_file_whatever_its_config_says(
+    hub_dir, standin, tmp_path
+):
     """A directory is untrusted: its pretrained_cfg may name the hub, another file or a custom
     loader, and its model_args may name a checkpoint; timm must load the directory's own weights."""
     src, original = hub_dir
     bad = shutil.copytree(src, tmp_path / "bad")
     config = json.loads((bad / "config.json").read_text())
-    config["pretrained_cfg"].update(source="hf-hub", hf_hub_id="someone/else", file=str(tmp_path / "other.pth"),
-                                    url="https://example.invalid/w.pth", custom_load=True)
+    config["pretrained_cfg"].update(
+        source="hf-hub",
+        hf_hub_id="someone/else",
+        file=str(tmp_path / "other.pth"),
+        url="https://example.invalid/w.pth",
+        custom_load=True,
+    )
     (bad / "config.json").write_text(json.dumps(config))
     loaded = enjoyln.load(bad)
     assert standin.loaded[-1] == str(bad / "model.safetensors")
@@ -223,8 +278,11 @@ def test_a_timm_directory_is_read_from_its_own_file_whatever_its_config_says(hub
 def test_without_timm_a_timm_directory_is_one_clear_line(hub_dir, monkeypatch, tmp_path):
     src, _ = hub_dir
     monkeypatch.setitem(sys.modules, "timm", None)  # import timm raises ImportError
-    for args in (["inspect", str(src)], ["fold", str(src), str(tmp_path / "out")],
-                 ["check", str(src), str(src)]):
+    for args in (
+        ["inspect", str(src)],
+        ["fold", str(src), str(tmp_path / "out")],
+        ["check", str(src), str(src)],
+    ):
         result = runner.invoke(app, args)
         assert result.exit_code == 2, result.output
         lines = result.output.strip().splitlines()
@@ -236,9 +294,13 @@ def test_without_timm_a_timm_directory_is_one_clear_line(hub_dir, monkeypatch, t
 
 
 def _real_libraries():
-    """timm and open_clip, imported with the sweep's torchvision workaround; skip where they do not."""
+    """timm and open_clip, imported with the sweep's torchvision workaround; skip where they do
+    not."""
     if importlib.util.find_spec("timm") is None or importlib.util.find_spec("open_clip") is None:
-        pytest.skip("timm or open_clip is not installed (CI has neither; see scripts/sweep_timm.py for an environment)")
+        pytest.skip(
+            "timm or open_clip is not installed (CI has neither; see scripts/sweep_timm.py for an "
+            "environment)"
+        )
     scripts = Path(__file__).resolve().parent.parent / "scripts"
     sys.path.insert(0, str(scripts))
     try:
@@ -264,8 +326,14 @@ def test_real_timm_and_open_clip_analyse_without_inputs():
     }
     clip = open_clip.create_model("ViT-B-32", pretrained=None)
     siglip = open_clip.create_model("ViT-B-16-SigLIP", pretrained=None)
-    models.update({"clip": clip, "clip visual": clip.visual, "siglip text": siglip.text,
-                   "siglip visual (timm trunk)": siglip.visual})
+    models.update(
+        {
+            "clip": clip,
+            "clip visual": clip.visual,
+            "siglip text": siglip.text,
+            "siglip visual (timm trunk)": siglip.visual,
+        }
+    )
     for name, model in models.items():
         plan = enjoyln.analyze(model.eval())
         assert plan.layer_norms, name
@@ -291,8 +359,12 @@ def test_real_timm_hub_directory_folds_checks_and_reloads_exactly(tmp_path):
     result = runner.invoke(app, ["check", str(tmp_path / "vit"), str(out)])
     assert result.exit_code == 0 and "PASS" in result.output, result.output
     inputs = described_inputs(original, batch=2, seed=9)
-    reloaded = timm.create_model("vit_relpos_small_patch16_224", pretrained=True,
-                                 pretrained_cfg_overlay=dict(file=str(out / "model.safetensors")), **args).eval()
+    reloaded = timm.create_model(
+        "vit_relpos_small_patch16_224",
+        pretrained=True,
+        pretrained_cfg_overlay=dict(file=str(out / "model.safetensors")),
+        **args,
+    ).eval()
     assert_same_outputs(original, reloaded, inputs)
     loaded = enjoyln.load(out)
     assert type(loaded.fc_norm).__name__ == "RMSNorm"

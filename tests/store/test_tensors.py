@@ -18,8 +18,11 @@ def _write(path, tensors):
     header, offset, blobs = {}, 0, []
     for name, t in tensors.items():
         blob = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        header[name] = {"dtype": {torch.float32: "F32", torch.bfloat16: "BF16", torch.uint8: "U8"}[t.dtype],
-                        "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
+        header[name] = {
+            "dtype": {torch.float32: "F32", torch.bfloat16: "BF16", torch.uint8: "U8"}[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
         offset += len(blob)
         blobs.append(blob)
     text = json.dumps(header).encode()
@@ -29,10 +32,15 @@ def _write(path, tensors):
 @pytest.fixture
 def model_dir(tmp_path):
     torch.manual_seed(0)
-    tensors = {"a": torch.randint(0, 255, (3,), dtype=torch.uint8), "b": torch.randn(5000, 7).to(torch.bfloat16),
-               "c": torch.randn(1300, 9)}
+    tensors = {
+        "a": torch.randint(0, 255, (3,), dtype=torch.uint8),
+        "b": torch.randn(5000, 7).to(torch.bfloat16),
+        "c": torch.randn(1300, 9),
+    }
     _write(tmp_path / "model.safetensors", tensors)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     return tmp_path, tensors
 
 
@@ -48,7 +56,9 @@ def test_mapped_tensors_are_the_bytes_read_at_any_offset(model_dir):
                 assert ctypes.string_at(m.address, m.nbytes) == want
             assert reader.read(key).view(-1).view(torch.uint8).numpy().tobytes() == want
             reader.prefetch(key)  # a hint, nothing to see
-        assert reader.bytes_read == 2 * sum(len(t.view(-1).view(torch.uint8)) for t in tensors.values())
+        assert reader.bytes_read == 2 * sum(
+            len(t.view(-1).view(torch.uint8)) for t in tensors.values()
+        )
     finally:
         reader.close()
 

@@ -44,8 +44,12 @@ _SCRIPT = textwrap.dedent("""
 def test_a_signal_another_thread_receives_waits_for_the_block():
     """The kernel may hand a process signal to any thread that does not block it (torch's
     workers); Python then runs the handler in the main thread at once, masked or not."""
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=60)
-    assert proc.stdout.split("\n")[:2] == ["the block finished first", "handler restored"], proc.stdout + proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    assert proc.stdout.split("\n")[:2] == ["the block finished first", "handler restored"], (
+        proc.stdout + proc.stderr
+    )
 
 
 def test_force_says_why_a_directory_is_not_an_enjoyln_output(tmp_path):

@@ -89,9 +89,17 @@ def test_a_tensor_tied_under_two_centered_names_is_centered_once():
     centering it once per name would round it twice, and no checkpoint would match it."""
     import transformers
 
-    config = transformers.BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                                     decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                                     vocab_size=128, max_position_embeddings=32)
+    config = transformers.BartConfig(
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        vocab_size=128,
+        max_position_embeddings=32,
+    )
     model = perturb(transformers.BartModel(config).eval(), seed=5)
     plan = enjoyln.analyze(model)
     names = {c.param for c in plan.centered}
@@ -100,7 +108,11 @@ def test_a_tensor_tied_under_two_centered_names_is_centered_once():
     expected = (wide - wide.mean(1, keepdim=True)).float()
     reference = copy.deepcopy(model)
     folded = enjoyln.fold(model, plan=plan)
-    assert folded.encoder.embed_tokens.weight is folded.shared.weight is folded.decoder.embed_tokens.weight
+    assert (
+        folded.encoder.embed_tokens.weight
+        is folded.shared.weight
+        is folded.decoder.embed_tokens.weight
+    )
     assert torch.equal(folded.shared.weight, expected)
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
     assert_same_outputs(reference, folded, {"input_ids": ids, "decoder_input_ids": ids})

@@ -14,8 +14,14 @@ STEPS = 50
 
 
 def lm():
-    model = tiny_model("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
-                       initializer_range=0.1)
+    model = tiny_model(
+        "gpt2",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
     # float64: exact arithmetic would give exactly equal trajectories; in
     # float64 the rounding stays far below the 1e-4 being checked, also where
     # Adam divides tiny gradients by tiny second moments (attention's key bias
@@ -46,7 +52,9 @@ def test_cbwc_follows_the_layer_norm_trajectory():
     ln_model = lm()
     plan = enjoyln.analyze(copy.deepcopy(ln_model).eval())
     cb_model = enjoyln.cbwc(copy.deepcopy(ln_model))
-    assert sum(isinstance(m, enjoyln.RMSNorm) for m in cb_model.modules()) == len(plan.foldable) == 5
+    assert (
+        sum(isinstance(m, enjoyln.RMSNorm) for m in cb_model.modules()) == len(plan.foldable) == 5
+    )
     assert parametrize.is_parametrized(cb_model.transformer.wte, "weight")
     data = batches(STEPS)
     ln_losses, cb_losses = train(ln_model, data), train(cb_model, data)
@@ -85,11 +93,20 @@ def test_no_warning_without_dropout():
 
 @pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
 def test_tied_head_trains_as_in_the_layer_norm_model(optimizer):
-    base = perturb(tiny_model("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), seed=54).double().train()
+    base = (
+        perturb(tiny_model("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), seed=54)
+        .double()
+        .train()
+    )
     assert base.lm_head.weight is base.transformer.wte.weight
     ref, cb = copy.deepcopy(base), enjoyln.cbwc(copy.deepcopy(base))
-    assert cb.lm_head.weight is cb.transformer.wte.parametrizations.weight.original  # still one tensor
-    make = {"SGD": lambda p: torch.optim.SGD(p, lr=0.1), "Adam": lambda p: torch.optim.Adam(p, lr=1e-3)}[optimizer]
+    assert (
+        cb.lm_head.weight is cb.transformer.wte.parametrizations.weight.original
+    )  # still one tensor
+    make = {
+        "SGD": lambda p: torch.optim.SGD(p, lr=0.1),
+        "Adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+    }[optimizer]
     data = batches(10)
     for model in (ref, cb):
         opt = make(model.parameters())
@@ -135,30 +152,44 @@ def test_cbwc_with_a_trained_layer_scale_gain_and_per_head_blocks(arch):
     for model in (base, cb):
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(5):
-            loss = model(torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(step))).square().mean()
+            loss = (
+                model(torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(step)))
+                .square()
+                .mean()
+            )
             opt.zero_grad()
             loss.backward()
             opt.step()
     with torch.no_grad():
         torch.testing.assert_close(cb(ids), base(ids), rtol=1e-9, atol=1e-9)
         if arch == "LayerScale":  # the gain trained, so the comparison means something
-            assert not torch.equal(cb.gamma, perturb(getattr(models, arch)().eval(), seed=55).double().gamma)
+            assert not torch.equal(
+                cb.gamma, perturb(getattr(models, arch)().eval(), seed=55).double().gamma
+            )
     enjoyln.cbwc_remove(cb)
     with torch.no_grad():
         torch.testing.assert_close(cb(ids), base(ids), rtol=1e-9, atol=1e-9)
 
 
 def test_baked_masked_lm_saves_and_reloads(tmp_path):
-    """cbwc_remove unties the head; BERT's other declared tie (the decoder bias) must survive a save."""
+    """cbwc_remove unties the head; BERT's other declared tie (the decoder bias) must survive a
+    save."""
     import transformers
 
     from enjoyln.analysis.inputs import hf_example_inputs
     from enjoyln.testing import perturb
     from conftest import assert_same_outputs
 
-    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                     intermediate_size=128, vocab_size=128, max_position_embeddings=64,
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     model = perturb(transformers.BertForMaskedLM(config).eval(), seed=8)
     enjoyln.cbwc_remove(enjoyln.cbwc(model))
     model.save_pretrained(tmp_path / "baked")

@@ -51,7 +51,10 @@ class Mutation:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("ops")
-        for key in ("env", "args"):  # absent where unused: the other categories' records stay as they were
+        for key in (
+            "env",
+            "args",
+        ):  # absent where unused: the other categories' records stay as they were
             if not d[key]:
                 d.pop(key)
         return d
@@ -89,13 +92,17 @@ def apply(mutation: Mutation, directory: str | os.PathLike, outside: str | os.Pa
                 f.write(base64.b64decode(args[1]))
         elif op == "delete":
             target = root / args[0]
-            shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
+            shutil.rmtree(
+                target
+            ) if target.is_dir() and not target.is_symlink() else target.unlink()
         elif op == "fifo":
             os.mkfifo(root / args[0])
         elif op == "link-out":  # (name, base64): a link to a new file outside the directory
             (outside / args[0].replace("/", "_")).write_bytes(base64.b64decode(args[1]))
             (root / args[0]).symlink_to(outside / args[0].replace("/", "_"))
-        elif op == "move-out":  # (file): the file moved out of the directory, a link left in its place
+        elif (
+            op == "move-out"
+        ):  # (file): the file moved out of the directory, a link left in its place
             target = outside / args[0].replace("/", "_")
             shutil.move(root / args[0], target)
             (root / args[0]).symlink_to(target)
@@ -109,12 +116,19 @@ def apply(mutation: Mutation, directory: str | os.PathLike, outside: str | os.Pa
             _reshard(root, random.Random(args[0]))
         elif op == "reformat":  # (file, seed)
             path = root / args[0]
-            path.write_bytes(respace_json(path.read_bytes().decode("utf-8"), random.Random(args[1])).encode("utf-8"))
+            path.write_bytes(
+                respace_json(path.read_bytes().decode("utf-8"), random.Random(args[1])).encode(
+                    "utf-8"
+                )
+            )
         elif op == "plant":  # (path under outside, base64): a file beside the directory, not in it
             _write(outside / args[0], base64.b64decode(args[1]))
         elif op == "retype":  # (file, spec JSON): tensors cast, rounded, nudged or dropped
             _retype(root / args[0], json.loads(args[1]))
-        elif op in ("json-set", "json-delete"):  # (file, key path[, value]): one value of a JSON file
+        elif op in (
+            "json-set",
+            "json-delete",
+        ):  # (file, key path[, value]): one value of a JSON file
             _edit_json_file(root / args[0], args[1], args[2] if op == "json-set" else _DELETE)
         else:
             raise ValueError(f"unknown mutation op {op!r}")
@@ -144,7 +158,7 @@ def _reorder(file: Path, rng: random.Random) -> None:
     out, chunks, at = {}, [], 0
     for name in order:
         begin, end = header[name]["data_offsets"]
-        chunks.append(data[base + begin:base + end])
+        chunks.append(data[base + begin : base + end])
         out[name] = {**header[name], "data_offsets": [at, at + end - begin]}
         at += end - begin
     keys = list(out) + (["__metadata__"] if "__metadata__" in header else [])
@@ -167,15 +181,16 @@ def _reshard(root: Path, rng: random.Random) -> None:
         out, chunks, at = ({"__metadata__": meta} if meta is not None else {}), [], 0
         for name in part:
             begin, end = header[name]["data_offsets"]
-            chunks.append(data[base + begin:base + end])
+            chunks.append(data[base + begin : base + end])
             out[name] = {**header[name], "data_offsets": [at, at + end - begin]}
             at += end - begin
             weight_map[name] = shard
         total += at
         (root / shard).write_bytes(header_bytes(out) + b"".join(chunks))
     file.unlink()
-    (root / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )
 
 
 _FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -218,29 +233,39 @@ def _retype(file: Path, spec: dict[str, Any]) -> None:
         if name == "__metadata__" or name in drop:
             continue
         begin, end = info["data_offsets"]
-        raw = data[base + begin:base + end]
+        raw = data[base + begin : base + end]
         dtype = _FLOATS.get(info["dtype"])
         cast = casts.get(name, casts.get("*"))
         if dtype is None or (cast is None and not (ulp and ulp[0] == name)):
             tensors[name] = (info["dtype"], info["shape"], raw)
             continue
-        t = torch.frombuffer(bytearray(raw) or bytearray(dtype.itemsize), dtype=dtype)[:len(raw) // dtype.itemsize]
+        t = torch.frombuffer(bytearray(raw) or bytearray(dtype.itemsize), dtype=dtype)[
+            : len(raw) // dtype.itemsize
+        ]
         if cast is not None:
             t = rounded(t, _FLOATS[cast[0]], cast[1])
         if ulp and ulp[0] == name:
             t = t.clone()
             t[ulp[1]] = torch.nextafter(t[ulp[1]], torch.tensor(math.inf * ulp[2], dtype=t.dtype))
-        tensors[name] = (_NAMES[t.dtype], info["shape"], t.contiguous().view(torch.uint8).numpy().tobytes())
+        tensors[name] = (
+            _NAMES[t.dtype],
+            info["shape"],
+            t.contiguous().view(torch.uint8).numpy().tobytes(),
+        )
     width = {n: SAFETENSORS_DTYPES[d].itemsize for n, (d, _, _) in tensors.items()}
     out, chunks, at = {}, [], 0
-    for name in sorted(tensors, key=lambda n: -width[n]):  # stable: the file's own order within a width
+    for name in sorted(
+        tensors, key=lambda n: -width[n]
+    ):  # stable: the file's own order within a width
         d, shape, raw = tensors[name]
         out[name] = {"dtype": d, "shape": shape, "data_offsets": [at, at + len(raw)]}
         chunks.append(raw)
         at += len(raw)
     keys = [k for k in header if k == "__metadata__" or k in out]
-    file.write_bytes(header_bytes({k: header[k] if k == "__metadata__" else out[k] for k in keys})
-                     + b"".join(chunks))
+    file.write_bytes(
+        header_bytes({k: header[k] if k == "__metadata__" else out[k] for k in keys})
+        + b"".join(chunks)
+    )
 
 
 _DELETE = object()

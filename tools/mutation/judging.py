@@ -46,13 +46,28 @@ class Result:
 
     def describe(self) -> str:
         m = self.mutation
-        said = {0: "exit 0 (pass)", 1: "exit 1 (fail)", 2: "exit 2 (refused)", None: "no verdict (timed out)"}
-        lines = [f"{m.describe()}", f"    expected {'non-zero' if m.expect == 'fail' else 'exit 0'} "
-                 f"[{m.ground}]: {m.reason}", f"    the gate said {said.get(self.exit_code, self.exit_code)}"
-                 + (f": {self.message}" if self.message else "")]
+        said = {
+            0: "exit 0 (pass)",
+            1: "exit 1 (fail)",
+            2: "exit 2 (refused)",
+            None: "no verdict (timed out)",
+        }
+        lines = [
+            f"{m.describe()}",
+            f"    expected {'non-zero' if m.expect == 'fail' else 'exit 0'} "
+            f"[{m.ground}]: {m.reason}",
+            f"    the gate said {said.get(self.exit_code, self.exit_code)}"
+            + (f": {self.message}" if self.message else ""),
+        ]
         if self.effect is not None:
-            lines.append("    what a user gets: " + ("; ".join(self.effect) if self.effect else
-                                                      "the same, bit for bit, from every loader observed"))
+            lines.append(
+                "    what a user gets: "
+                + (
+                    "; ".join(self.effect)
+                    if self.effect
+                    else "the same, bit for bit, from every loader observed"
+                )
+            )
         return "\n".join(lines)
 
 
@@ -79,8 +94,12 @@ def _deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def gate(reference: str | os.PathLike, candidate: str | os.PathLike, args: Sequence[str] = (),
-         env: dict[str, str] | None = None) -> tuple[int, str]:
+def gate(
+    reference: str | os.PathLike,
+    candidate: str | os.PathLike,
+    args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> tuple[int, str]:
     """``enjoyln check REFERENCE CANDIDATE [ARGS]``, the command line itself run in process: its
     exit code, and the first line of its output that says why (empty for a pass). ``env`` is set
     for this run alone: click's runner puts it into ``os.environ`` and restores every variable
@@ -101,8 +120,14 @@ def gate(reference: str | os.PathLike, candidate: str | os.PathLike, args: Seque
         return 2, f"{type(exc).__name__} (unforeseen): {first_line(exc, '')}"
     if result.exit_code == 0:
         return 0, ""
-    why = next((line for line in lines if line.startswith("error:") or "[FAIL]" in line or "DIFFERENT" in line),
-               lines[0] if lines else "")
+    why = next(
+        (
+            line
+            for line in lines
+            if line.startswith("error:") or "[FAIL]" in line or "DIFFERENT" in line
+        ),
+        lines[0] if lines else "",
+    )
     if "ENJOYLN_DEBUG" in why:
         why = why.replace("error: ", "", 1).replace(":", " (unforeseen):", 1)
     return result.exit_code, why
@@ -112,22 +137,39 @@ GATE_TREE = "ENJOYLN_MUTATION_GATE_TREE"
 """Set to a source tree (a checkout of another commit) to judge with that tree's gate instead."""
 
 
-def _gate_in(tree: Path, reference: str | os.PathLike, candidate: str | os.PathLike, args: Sequence[str],
-             env: dict[str, str] | None) -> tuple[int, str]:
+def _gate_in(
+    tree: Path,
+    reference: str | os.PathLike,
+    candidate: str | os.PathLike,
+    args: Sequence[str],
+    env: dict[str, str] | None,
+) -> tuple[int, str]:
     """The gate of another tree, in a process of its own run inside it (``python -m`` puts the
     working directory first on the path, ahead of an installed enjoyln)."""
     full = {**os.environ, **(env or {}), "PYTHONPATH": str(tree)}
     full.pop(GATE_TREE, None)
-    proc = subprocess.run([sys.executable, "-m", "enjoyln", "check", str(reference), str(candidate), *args],
-                          env=full, cwd=tree, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "enjoyln", "check", str(reference), str(candidate), *args],
+        env=full,
+        cwd=tree,
+        capture_output=True,
+        text=True,
+    )
     lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     if proc.returncode == 0:
         return 0, ""
-    return proc.returncode, next((line for line in lines if line.startswith("error:") or "[FAIL]" in line
-                                  or "DIFFERENT" in line), lines[0] if lines else "")
+    return proc.returncode, next(
+        (
+            line
+            for line in lines
+            if line.startswith("error:") or "[FAIL]" in line or "DIFFERENT" in line
+        ),
+        lines[0] if lines else "",
+    )
 
 
 _state: dict[str, Any] = {}
+
 
 def _init_worker() -> None:
     torch.set_num_threads(1)  # two workers on two cores: more threads only contend
@@ -148,11 +190,17 @@ class Observe:
 
     def __call__(self, result: Result) -> bool:
         m = result.mutation
-        return (self.all or (self.wrong and not result.correct) or (self.inert and m.expect == "pass")
-                or m.index in self.indices)
+        return (
+            self.all
+            or (self.wrong and not result.correct)
+            or (self.inert and m.expect == "pass")
+            or m.index in self.indices
+        )
 
 
-def judge(source: Source, mutation: Mutation, *, observe: Observe = Observe(), timeout: float = 120.0) -> Result:
+def judge(
+    source: Source, mutation: Mutation, *, observe: Observe = Observe(), timeout: float = 120.0
+) -> Result:
     """Apply ``mutation`` to a fresh copy of ``source``'s fold, run the gate on it, and observe
     the mutant if ``observe`` says so."""
     if "tmp" not in _state:
@@ -164,7 +212,9 @@ def judge(source: Source, mutation: Mutation, *, observe: Observe = Observe(), t
         apply(mutation, candidate, work / "outside")
         start = time.perf_counter()
         try:
-            env = {k: v.replace("{outside}", str(work / "outside")) for k, v in mutation.env} or None
+            env = {
+                k: v.replace("{outside}", str(work / "outside")) for k, v in mutation.env
+            } or None
             with _deadline(timeout):
                 code, message = gate(source.reference, candidate, mutation.args, env)
         except _Timeout:
@@ -193,9 +243,16 @@ def _judge_task(task: tuple[Source, Mutation, Observe]) -> Result:
     return judge(task[0], task[1], observe=task[2])
 
 
-def judge_all(sources: Sequence[Source], mutations: Sequence[Mutation], *, workers: int = 2,
-              observe: Observe = Observe(), progress: Callable[[int, int], None] | None = None) -> list[Result]:
-    """Judge every mutation (see :func:`judge`), in ``workers`` processes (0: in this one), in order."""
+def judge_all(
+    sources: Sequence[Source],
+    mutations: Sequence[Mutation],
+    *,
+    workers: int = 2,
+    observe: Observe = Observe(),
+    progress: Callable[[int, int], None] | None = None,
+) -> list[Result]:
+    """Judge every mutation (see :func:`judge`), in ``workers`` processes (0: in this one), in
+    order."""
     by_name = {s.name: s for s in sources}
     tasks = [(by_name[m.source], m, observe) for m in mutations]
     if workers <= 0:
@@ -208,9 +265,11 @@ def judge_all(sources: Sequence[Source], mutations: Sequence[Mutation], *, worke
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    # spawn, not fork: the parent has run torch's thread pools, which a forked child can inherit locked
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_init_worker) as pool:
+    # spawn, not fork: the parent has run torch's thread pools, which a forked child can inherit
+    # locked
+    with ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker
+    ) as pool:
         results = []
         for i, r in enumerate(pool.map(_judge_task, tasks, chunksize=4)):
             results.append(r)
@@ -225,8 +284,17 @@ def score(results: Sequence[Result]) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for r in results:
         for key in (r.mutation.category, "all"):
-            row = rows.setdefault(key, {"n": 0, "must_fail": 0, "must_pass": 0, "false_pass": 0,
-                                        "false_fail": 0, "seconds": 0.0})
+            row = rows.setdefault(
+                key,
+                {
+                    "n": 0,
+                    "must_fail": 0,
+                    "must_pass": 0,
+                    "false_pass": 0,
+                    "false_fail": 0,
+                    "seconds": 0.0,
+                },
+            )
             row["n"] += 1
             row["must_fail" if r.mutation.expect == "fail" else "must_pass"] += 1
             if not r.correct:
@@ -234,7 +302,11 @@ def score(results: Sequence[Result]) -> dict[str, dict[str, Any]]:
             row["seconds"] += r.seconds
     for row in rows.values():
         row["score"] = 1 - (row["false_pass"] + row["false_fail"]) / row["n"]
-    order = [c for c in CATEGORIES if c in rows] + [c for c in rows if c not in CATEGORIES and c != "all"] + ["all"]
+    order = (
+        [c for c in CATEGORIES if c in rows]
+        + [c for c in rows if c not in CATEGORIES and c != "all"]
+        + ["all"]
+    )
     return {k: rows[k] for k in order}
 
 

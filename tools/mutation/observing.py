@@ -16,7 +16,13 @@ from enjoyln.errors import first_line
 from .sources import Source, tensor_bits
 
 
-_TEXTS = ["hello world", "the quick brown fox", "xin chào thế giới", "\U0001F600 \U0001F44D!", "<|endoftext|> a"]
+_TEXTS = [
+    "hello world",
+    "the quick brown fox",
+    "xin chào thế giới",
+    "\U0001f600 \U0001f44d!",
+    "<|endoftext|> a",
+]
 
 
 def _inputs(source: Source) -> list[dict[str, torch.Tensor]]:
@@ -24,7 +30,10 @@ def _inputs(source: Source) -> list[dict[str, torch.Tensor]]:
     if source.kind == "image":
         size = 16
         return [{"pixel_values": torch.randn(b, 3, size, size, generator=gen)} for b in (1, 2)]
-    return [{"input_ids": torch.randint(0, 128, (b, t), generator=gen)} for b, t in ((1, 5), (2, 16), (1, 1))]
+    return [
+        {"input_ids": torch.randint(0, 128, (b, t), generator=gen)}
+        for b, t in ((1, 5), (2, 16), (1, 1))
+    ]
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -48,13 +57,18 @@ def _outputs(model: Any, source: Source, inputs: list[dict[str, torch.Tensor]]) 
     dtype = next(model.parameters()).dtype
     with torch.no_grad():
         for i, batch in enumerate(inputs):
-            out = model(**{k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()})
+            out = model(
+                **{k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+            )
             tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
             obs[f"outputs[{i}]"] = tensors
         if source.kind == "lm":
             torch.manual_seed(0)  # a sampling config then samples the same way on both
-            obs["generate"] = model.generate(inputs[0]["input_ids"], max_new_tokens=6,
-                                             attention_mask=torch.ones_like(inputs[0]["input_ids"])).tolist()
+            obs["generate"] = model.generate(
+                inputs[0]["input_ids"],
+                max_new_tokens=6,
+                attention_mask=torch.ones_like(inputs[0]["input_ids"]),
+            ).tolist()
     return obs
 
 
@@ -72,7 +86,10 @@ def observe(directory: str | os.PathLike, source: Source) -> dict[str, Any]:
     obs["config"] = _attempt(lambda: _config_as_loaded_dir(root), root)
     obs["enjoyln.load:plan"] = _attempt(lambda: _plan_as_loaded(root), root)
     cls = getattr(transformers, source.architecture)
-    for loader, make in (("from_pretrained", lambda: cls.from_pretrained(root)), ("enjoyln.load", lambda: load(root))):
+    for loader, make in (
+        ("from_pretrained", lambda: cls.from_pretrained(root)),
+        ("enjoyln.load", lambda: load(root)),
+    ):
         # a parameter the checkpoint lacks is drawn from torch's generator on every load: seeded, it
         # is the same draw in two loads of the same files, and only a change of the files shows
         torch.manual_seed(0)
@@ -88,8 +105,9 @@ def observe(directory: str | os.PathLike, source: Source) -> dict[str, Any]:
         obs[f"{loader}:dtype"] = str(next(model.parameters()).dtype)
         obs[f"{loader}:state"] = _digest(model.state_dict())
         if source.kind == "lm":
-            obs[f"{loader}:generation_config"] = json.dumps(model.generation_config.to_dict(), sort_keys=True,
-                                                            default=str)
+            obs[f"{loader}:generation_config"] = json.dumps(
+                model.generation_config.to_dict(), sort_keys=True, default=str
+            )
         outputs = _attempt(lambda: _outputs(model, source, _inputs(source)), root)
         if isinstance(outputs, str):
             obs[f"{loader}:outputs"] = outputs
@@ -97,16 +115,21 @@ def observe(directory: str | os.PathLike, source: Source) -> dict[str, Any]:
         for k, v in outputs.items():
             obs[f"{loader}:{k}"] = v
     if source.kind == "image":
+
         def pixels() -> str:
             proc = transformers.AutoImageProcessor.from_pretrained(root)
             image = torch.Generator().manual_seed(0)
             img = (torch.rand(20, 24, 3, generator=image) * 255).to(torch.uint8).numpy()
-            pixels = _digest({"pixel_values": proc(images=img, return_tensors="pt")["pixel_values"]})
+            pixels = _digest(
+                {"pixel_values": proc(images=img, return_tensors="pt")["pixel_values"]}
+            )
             return json.dumps([pixels, proc.to_dict()], sort_keys=True, default=str)
+
         obs["image_processor"] = _attempt(pixels, root)
     else:
-        obs["tokenizer"] = _attempt(lambda: _tokenizer_state(transformers.AutoTokenizer.from_pretrained(root), root),
-                                    root)
+        obs["tokenizer"] = _attempt(
+            lambda: _tokenizer_state(transformers.AutoTokenizer.from_pretrained(root), root), root
+        )
     return obs
 
 
@@ -115,20 +138,28 @@ def _tokenizer_state(tok: Any, root: Path) -> str:
     texts, its vocabulary and special tokens, its init arguments, the whole of a fast
     tokenizer's pipeline, and a slow tokenizer's plain-data attributes (PhoBERT's BPE ranks,
     GPT-NeoX-Japanese's emoji table)."""
-    state: dict[str, Any] = {"class": type(tok).__name__, "ids": [tok(t)["input_ids"] for t in _TEXTS],
-                             "vocab": sorted(tok.get_vocab().items()), "special": tok.all_special_tokens,
-                             "init": tok.init_kwargs}
+    state: dict[str, Any] = {
+        "class": type(tok).__name__,
+        "ids": [tok(t)["input_ids"] for t in _TEXTS],
+        "vocab": sorted(tok.get_vocab().items()),
+        "special": tok.all_special_tokens,
+        "init": tok.init_kwargs,
+    }
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:
         state["pipeline"] = backend.to_str()
     else:
-        state["attributes"] = {k: v for k, v in vars(tok).items()
-                               if isinstance(v, (dict, list, tuple, str, int, float, bool)) and not k.startswith("_")}
+        state["attributes"] = {
+            k: v
+            for k, v in vars(tok).items()
+            if isinstance(v, (dict, list, tuple, str, int, float, bool)) and not k.startswith("_")
+        }
     return json.dumps(_plain(state), sort_keys=True, default=str).replace(str(root), "<dir>")
 
 
 def _plain(o: Any) -> Any:
-    """``o`` with every mapping as a sorted list of pairs (PhoBERT's BPE ranks are keyed by tuples)."""
+    """``o`` with every mapping as a sorted list of pairs (PhoBERT's BPE ranks are keyed by
+    tuples)."""
     if isinstance(o, dict):
         return sorted(([repr(k), _plain(v)] for k, v in o.items()), key=lambda kv: kv[0])
     return [_plain(v) for v in o] if isinstance(o, (list, tuple)) else o
@@ -169,8 +200,11 @@ def differences(base: dict[str, Any], other: dict[str, Any]) -> list[str]:
         a, b = base.get(key), other.get(key)
         if _same(a, b):
             continue
-        tensors = isinstance(a, dict) and isinstance(b, dict) and all(
-            isinstance(v, torch.Tensor) for v in (*a.values(), *b.values()))
+        tensors = (
+            isinstance(a, dict)
+            and isinstance(b, dict)
+            and all(isinstance(v, torch.Tensor) for v in (*a.values(), *b.values()))
+        )
         if tensors:
             parts = []
             for name in sorted(a.keys() & b.keys()):
@@ -180,17 +214,40 @@ def differences(base: dict[str, Any], other: dict[str, Any]) -> list[str]:
                 elif tensor_bits(a[name]) != tensor_bits(b[name]):
                     nonfinite = int((~torch.isfinite(y) & torch.isfinite(x)).sum())
                     diff = float((x - y).abs().nan_to_num(math.inf).max()) if x.numel() else 0.0
-                    parts.append(f"{name} max abs diff {diff:.3g}" + (f", {nonfinite} non-finite" if nonfinite else ""))
+                    parts.append(
+                        f"{name} max abs diff {diff:.3g}"
+                        + (f", {nonfinite} non-finite" if nonfinite else "")
+                    )
             out.append(f"{key}: {'; '.join(parts) or 'other outputs'}")
-        elif key in ("config", "enjoyln.load:plan") and isinstance(a, str) and isinstance(b, str) \
-                and a.startswith("{") and b.startswith("{"):
+        elif (
+            key in ("config", "enjoyln.load:plan")
+            and isinstance(a, str)
+            and isinstance(b, str)
+            and a.startswith("{")
+            and b.startswith("{")
+        ):
             x, y = json.loads(a), json.loads(b)
-            keys = sorted(k for k in x.keys() | y.keys() if json.dumps(x.get(k)) != json.dumps(y.get(k)))
-            out.append(f"{key}: " + ", ".join(f"{k} {_short(x.get(k, '(absent)'))} -> {_short(y.get(k, '(absent)'))}"
-                                              for k in keys[:4]))
-        elif key == "tokenizer" and isinstance(a, str) and isinstance(b, str) and a.startswith("[") \
-                and b.startswith("["):
-            x, y = dict(map(tuple, json.loads(a))), dict(map(tuple, json.loads(b)))  # _plain's pairs
+            keys = sorted(
+                k for k in x.keys() | y.keys() if json.dumps(x.get(k)) != json.dumps(y.get(k))
+            )
+            out.append(
+                f"{key}: "
+                + ", ".join(
+                    f"{k} {_short(x.get(k, '(absent)'))} -> {_short(y.get(k, '(absent)'))}"
+                    for k in keys[:4]
+                )
+            )
+        elif (
+            key == "tokenizer"
+            and isinstance(a, str)
+            and isinstance(b, str)
+            and a.startswith("[")
+            and b.startswith("[")
+        ):
+            x, y = (
+                dict(map(tuple, json.loads(a))),
+                dict(map(tuple, json.loads(b))),
+            )  # _plain's pairs
             keys = sorted(k for k in x.keys() | y.keys() if x.get(k) != y.get(k))
             out.append(f"tokenizer: its {', '.join(k.strip(chr(39)) for k in keys)} differ")
         else:

@@ -34,8 +34,13 @@ class Source:
     image processor, generation config): a change to one of them changes what a user gets."""
 
 
-_CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world", "a model computes what it computes",
-           "layer norm folds into rms norm", "every weight byte is verified"]
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world",
+    "a model computes what it computes",
+    "layer norm folds into rms norm",
+    "every weight byte is verified",
+]
 
 
 def _gpt2_reference(path: Path, seed: int) -> None:
@@ -43,7 +48,9 @@ def _gpt2_reference(path: Path, seed: int) -> None:
 
     from enjoyln.testing import perturb, tiny_model
 
-    model = perturb(tiny_model("gpt2", seed=seed, n_layer=1, n_embd=32, n_head=2, n_positions=16), seed=seed)
+    model = perturb(
+        tiny_model("gpt2", seed=seed, n_layer=1, n_embd=32, n_head=2, n_positions=16), seed=seed
+    )
     # as in the hub's gpt2: a nested dict that no model reads
     model.config.task_specific_params = {"text-generation": {"do_sample": True, "max_length": 50}}
     model.save_pretrained(path)
@@ -62,10 +69,24 @@ def _bert_without_pooler(path: Path, seed: int) -> None:
 
     from enjoyln.testing import perturb, tiny_model
 
-    model = perturb(tiny_model("bert", seed=seed, num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
-                               intermediate_size=64, max_position_embeddings=16), seed=seed)
+    model = perturb(
+        tiny_model(
+            "bert",
+            seed=seed,
+            num_hidden_layers=1,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=16,
+        ),
+        seed=seed,
+    )
     model.save_pretrained(path)
-    weights = {k: v for k, v in load_file(path / "model.safetensors").items() if not k.startswith("pooler.")}
+    weights = {
+        k: v
+        for k, v in load_file(path / "model.safetensors").items()
+        if not k.startswith("pooler.")
+    }
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
 
 
@@ -77,35 +98,63 @@ def _bpe_tokenizer(path: Path) -> None:
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(_CORPUS * 4, trainers.BpeTrainer(vocab_size=100, show_progress=False,
-                                                             special_tokens=["<unk>", "<|endoftext|>"]))
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>",
-                            bos_token="<|endoftext|>").save_pretrained(path)
+    tok.train_from_iterator(
+        _CORPUS * 4,
+        trainers.BpeTrainer(
+            vocab_size=100, show_progress=False, special_tokens=["<unk>", "<|endoftext|>"]
+        ),
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+    ).save_pretrained(path)
     tok.model.save(str(path))
 
 
 def _japanese_tokenizer(path: Path) -> None:
     """GPT-NeoX-Japanese's pure-Python tokenizer, which reads vocab.txt and emoji.json."""
     chars = sorted(set("".join(_CORPUS)) - {" "})
-    vocab = ["<|endoftext|>", "<|startoftext|>", "<SP>", "<|emoji1|>", "<|emoji2|>", *chars,
-             *[f"<|byte{i}|>" for i in range(32)]]
+    vocab = [
+        "<|endoftext|>",
+        "<|startoftext|>",
+        "<SP>",
+        "<|emoji1|>",
+        "<|emoji2|>",
+        *chars,
+        *[f"<|byte{i}|>" for i in range(32)],
+    ]
     (path / "vocab.txt").write_text("".join(f"{v}\n" for v in vocab), encoding="utf-8")
-    emoji = {"emoji": {"\U0001F600": "<|emoji1|>", "\U0001F44D": "<|emoji2|>"},
-             "emoji_inv": {"<|emoji1|>": "\U0001F600", "<|emoji2|>": "\U0001F44D"}}
+    emoji = {
+        "emoji": {"\U0001f600": "<|emoji1|>", "\U0001f44d": "<|emoji2|>"},
+        "emoji_inv": {"<|emoji1|>": "\U0001f600", "<|emoji2|>": "\U0001f44d"},
+    }
     (path / "emoji.json").write_text(json.dumps(emoji, ensure_ascii=False), encoding="utf-8")
-    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPTNeoXJapaneseTokenizer"},
-                                                           indent=2) + "\n")
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "GPTNeoXJapaneseTokenizer"}, indent=2) + "\n"
+    )
 
 
 def _phobert_tokenizer(path: Path) -> None:
     """PhoBERT's tokenizer, which reads vocab.txt and a BPE file named bpe.codes."""
-    words = ["dog", "fox", "hello", "the", "world"]  # few, so that every id is within the model's vocabulary
+    words = [
+        "dog",
+        "fox",
+        "hello",
+        "the",
+        "world",
+    ]  # few, so that every id is within the model's vocabulary
     pieces = sorted({w[:i] for w in words for i in range(1, len(w) + 1)} | set("".join(words)))
-    (path / "vocab.txt").write_text("".join(f"{p} 1\n" for p in pieces) + "".join(
-        f"{p}@@ 1\n" for p in pieces), encoding="utf-8")
+    (path / "vocab.txt").write_text(
+        "".join(f"{p} 1\n" for p in pieces) + "".join(f"{p}@@ 1\n" for p in pieces),
+        encoding="utf-8",
+    )
     merges = [f"{w[:i]} {w[i]} 1\n" for w in words for i in range(1, len(w))]
     (path / "bpe.codes").write_text("".join(dict.fromkeys(merges)), encoding="utf-8")
-    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PhobertTokenizer"}, indent=2) + "\n")
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PhobertTokenizer"}, indent=2) + "\n"
+    )
 
 
 def sentencepiece_model() -> bytes:
@@ -131,7 +180,9 @@ def _run_cli(*args: str) -> None:
 
     result = CliRunner().invoke(app, list(args))
     if result.exit_code != 0:
-        raise RuntimeError(f"enjoyln {' '.join(args)} exited {result.exit_code}: {result.output[-2000:]}")
+        raise RuntimeError(
+            f"enjoyln {' '.join(args)} exited {result.exit_code}: {result.output[-2000:]}"
+        )
 
 
 def build_sources(root: str | os.PathLike) -> list[Source]:
@@ -159,8 +210,17 @@ def build_sources(root: str | os.PathLike) -> list[Source]:
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    gpt2, gpt2_ja, bert, vit, vit16, bert_np = (root / n for n in ("ref-gpt2", "ref-gpt2-ja", "ref-bert", "ref-vit",
-                                                                   "ref-vit-bf16", "ref-bert-nopooler"))
+    gpt2, gpt2_ja, bert, vit, vit16, bert_np = (
+        root / n
+        for n in (
+            "ref-gpt2",
+            "ref-gpt2-ja",
+            "ref-bert",
+            "ref-vit",
+            "ref-vit-bf16",
+            "ref-bert-nopooler",
+        )
+    )
 
     _gpt2_reference(gpt2, seed=1)
     _bpe_tokenizer(gpt2)
@@ -172,23 +232,74 @@ def build_sources(root: str | os.PathLike) -> list[Source]:
     _gpt2_reference(gpt2_ja, seed=2)
     _japanese_tokenizer(gpt2_ja)
 
-    model = perturb(tiny_model("bert", seed=3, num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
-                               intermediate_size=64, max_position_embeddings=16), seed=3)
+    model = perturb(
+        tiny_model(
+            "bert",
+            seed=3,
+            num_hidden_layers=1,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=16,
+        ),
+        seed=3,
+    )
     model.save_pretrained(bert)
     _phobert_tokenizer(bert)
-    (bert / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}], indent=2))
+    (bert / "modules.json").write_text(
+        json.dumps(
+            [
+                {
+                    "idx": 0,
+                    "name": "0",
+                    "path": "",
+                    "type": "sentence_transformers.models.Transformer",
+                },
+                {
+                    "idx": 1,
+                    "name": "1",
+                    "path": "1_Pooling",
+                    "type": "sentence_transformers.models.Pooling",
+                },
+            ],
+            indent=2,
+        )
+    )
     (bert / "1_Pooling").mkdir()
-    (bert / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}, indent=2))
+    (bert / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}, indent=2)
+    )
 
-    model = perturb(tiny_model("vit", seed=4, num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
-                               intermediate_size=64, image_size=16, patch_size=8, num_labels=3), seed=4)
+    model = perturb(
+        tiny_model(
+            "vit",
+            seed=4,
+            num_hidden_layers=1,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=16,
+            patch_size=8,
+            num_labels=3,
+        ),
+        seed=4,
+    )
     model.save_pretrained(vit)
     ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(vit)
-    model = perturb(tiny_model("vit", seed=5, num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
-                               intermediate_size=64, image_size=16, patch_size=8, num_labels=3), seed=5)
+    model = perturb(
+        tiny_model(
+            "vit",
+            seed=5,
+            num_hidden_layers=1,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=16,
+            patch_size=8,
+            num_labels=3,
+        ),
+        seed=5,
+    )
     model.to(torch.bfloat16).save_pretrained(vit16)
     ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(vit16)
 
@@ -203,20 +314,62 @@ def build_sources(root: str | os.PathLike) -> list[Source]:
     _run_cli("fold", str(vit16), str(root / "vit-bf16"))
     _run_cli("fold", str(bert_np), str(root / "bert-nopooler"), "--allow-missing")
     return [
-        Source("gpt2", str(gpt2), str(root / "gpt2"), "GPT2LMHeadModel", "lm",
-               ("tokenizer.json", "tokenizer_config.json", "generation_config.json")),
-        Source("gpt2-fused", str(gpt2), str(root / "gpt2-fused"), "GPT2LMHeadModel", "lm",
-               ("tokenizer.json", "tokenizer_config.json", "generation_config.json")),
-        Source("gpt2-rotated", str(gpt2_ja), str(root / "gpt2-rotated"), "GPT2LMHeadModel", "lm",
-               ("vocab.txt", "emoji.json", "tokenizer_config.json", "generation_config.json")),
-        Source("bert", str(bert), str(root / "bert"), "BertModel", "encoder",
-               ("vocab.txt", "bpe.codes", "tokenizer_config.json")),
-        Source("vit", str(vit), str(root / "vit"), "ViTForImageClassification", "image",
-               ("preprocessor_config.json",)),
-        Source("vit-bf16", str(vit16), str(root / "vit-bf16"), "ViTForImageClassification", "image",
-               ("preprocessor_config.json",)),
-        Source("bert-nopooler", str(bert_np), str(root / "bert-nopooler"), "BertModel", "encoder",
-               ("vocab.txt", "bpe.codes", "tokenizer_config.json")),
+        Source(
+            "gpt2",
+            str(gpt2),
+            str(root / "gpt2"),
+            "GPT2LMHeadModel",
+            "lm",
+            ("tokenizer.json", "tokenizer_config.json", "generation_config.json"),
+        ),
+        Source(
+            "gpt2-fused",
+            str(gpt2),
+            str(root / "gpt2-fused"),
+            "GPT2LMHeadModel",
+            "lm",
+            ("tokenizer.json", "tokenizer_config.json", "generation_config.json"),
+        ),
+        Source(
+            "gpt2-rotated",
+            str(gpt2_ja),
+            str(root / "gpt2-rotated"),
+            "GPT2LMHeadModel",
+            "lm",
+            ("vocab.txt", "emoji.json", "tokenizer_config.json", "generation_config.json"),
+        ),
+        Source(
+            "bert",
+            str(bert),
+            str(root / "bert"),
+            "BertModel",
+            "encoder",
+            ("vocab.txt", "bpe.codes", "tokenizer_config.json"),
+        ),
+        Source(
+            "vit",
+            str(vit),
+            str(root / "vit"),
+            "ViTForImageClassification",
+            "image",
+            ("preprocessor_config.json",),
+        ),
+        Source(
+            "vit-bf16",
+            str(vit16),
+            str(root / "vit-bf16"),
+            "ViTForImageClassification",
+            "image",
+            ("preprocessor_config.json",),
+        ),
+        Source(
+            "bert-nopooler",
+            str(bert_np),
+            str(root / "bert-nopooler"),
+            "BertModel",
+            "encoder",
+            ("vocab.txt", "bpe.codes", "tokenizer_config.json"),
+        ),
     ]
 
 
@@ -234,9 +387,18 @@ def quiet() -> None:
 
 # --- reading a directory without the gate's code ------------------------------------------
 
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 """The torch dtype of each safetensors dtype name, read here without the gate's own table."""
 
 
@@ -302,7 +464,9 @@ class Survey:
 
 
 def _relative_files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    return sorted(
+        str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not p.is_symlink()
+    )
 
 
 def survey(source: Source) -> Survey:
@@ -318,14 +482,33 @@ def survey(source: Source) -> Survey:
             if name == "__metadata__":
                 continue
             begin, end = info["data_offsets"]
-            stored = torch.frombuffer(bytearray(data[base + begin:base + end]) or bytearray(1), dtype=torch.uint8)
-            stored = stored[:end - begin].view(SAFETENSORS_DTYPES[info["dtype"]]).view(info["shape"])
-            tensors.append(_Tensor(name, file, info["dtype"], tuple(info["shape"]), base + begin, base + end,
-                                   _bits_digest(stored) in loaded))
+            stored = torch.frombuffer(
+                bytearray(data[base + begin : base + end]) or bytearray(1), dtype=torch.uint8
+            )
+            stored = (
+                stored[: end - begin].view(SAFETENSORS_DTYPES[info["dtype"]]).view(info["shape"])
+            )
+            tensors.append(
+                _Tensor(
+                    name,
+                    file,
+                    info["dtype"],
+                    tuple(info["shape"]),
+                    base + begin,
+                    base + end,
+                    _bits_digest(stored) in loaded,
+                )
+            )
     config_text = (root / "config.json").read_bytes().decode("utf-8")
     config = json.loads(config_text)
-    return Survey(source, sorted(tensors, key=lambda t: t.name), config, config_text, _relative_files(root),
-                   config_as_loaded(config))
+    return Survey(
+        source,
+        sorted(tensors, key=lambda t: t.name),
+        config,
+        config_text,
+        _relative_files(root),
+        config_as_loaded(config),
+    )
 
 
 def config_as_loaded(config: dict[str, Any]) -> str:
@@ -348,4 +531,8 @@ def config_as_loaded(config: dict[str, Any]) -> str:
 def tensor_bits(t: torch.Tensor) -> bytes:
     """A tensor's dtype, shape and bytes: equal for two tensors that are the same bit for bit."""
     t = t.detach().contiguous().cpu()
-    return t.dtype.__repr__().encode() + str(tuple(t.shape)).encode() + t.view(-1).view(torch.uint8).numpy().tobytes()
+    return (
+        t.dtype.__repr__().encode()
+        + str(tuple(t.shape)).encode()
+        + t.view(-1).view(torch.uint8).numpy().tobytes()
+    )
