@@ -1,8 +1,6 @@
 """Entry point of the ``enjoyln`` command: safe standard streams and signal handlers first, before
-torch
-loads, so that a closed or broken stdout cannot change an exit code, SIGTERM cleans up like Ctrl-C,
-and
-an interrupt gives one line and exit code 130 (143 for SIGTERM)."""
+torch loads, so that a closed or broken stdout cannot change an exit code, SIGTERM cleans up like
+Ctrl-C, and an interrupt gives one line and exit code 130 (143 for SIGTERM)."""
 
 from __future__ import annotations
 

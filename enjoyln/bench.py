@@ -78,8 +78,8 @@ class LatencyComparison:
 
     def direction(self) -> str:
         """``faster``, ``slower`` or ``same``: ``b`` against ``a``, claimed only where the middle
-        half of the
-        run-by-run ratios lies on one side of 1 (``same`` without runs to judge by)."""
+        half of the run-by-run ratios lies on one side of 1 (``same`` without runs to judge
+        by)."""
         r = self.pair_ratios
         if r is None or r.q1 <= 1.0 <= r.q3:
             return "same"
@@ -87,9 +87,8 @@ class LatencyComparison:
 
     def difference(self, a: str = "original", b: str = "folded") -> str:
         """One direction in words, with how much and the evidence; the medians of each model are not
-        compared
-        (they can point the other way when the machine drifts), only the pairs that ran back to
-        back.
+        compared (they can point the other way when the machine drifts), only the pairs that ran
+        back to back.
 
         >>> LatencyComparison.of([10.0, 10.1, 9.9], [10.0, 9.9, 10.1]).difference().split(" (")[0]
         'no measurable difference between folded and original'
@@ -179,9 +178,8 @@ def latency_seconds(forward_s: float, repeats: int, seconds: float | None = None
 
 def end_to_end_seconds(forward_s: float, repeats: int, seconds: float | None = None) -> float:
     """Roughly how long ``end_to_end`` runs: ``compare_latency``, the profiler's forwards, and those
-    timed
-    inside the norms (a warm-up and ``NORM_RUNS`` for the original, the folded model and its copy
-    floor).
+    timed inside the norms (a warm-up and ``NORM_RUNS`` for the original, the folded model and
+    its copy floor).
 
     >>> end_to_end_seconds(1.0, repeats=20)  # 6 + 40 timed, 4 profiled, 21 inside the norms
     71.0
@@ -270,8 +268,8 @@ class KernelResult:
 
 def _median_time(fn: Any, repeats: int, sync: Any, batch: int = 1) -> list[float]:
     """µs per call, each run's; ``batch`` calls per sample waited for once: on CUDA the steady cost
-    of a
-    call in a stream of them (what a model sees), not the latency of one call waited for alone."""
+    of a call in a stream of them (what a model sees), not the latency of one call waited for
+    alone."""
     for _ in range(max(3, repeats // 10)):
         fn()
     sync()
@@ -431,11 +429,9 @@ def norm_time_ms(
     a: nn.Module, b: nn.Module, example_inputs: ExampleInputs, *, runs: int = NORM_RUNS
 ) -> tuple[float, float, float]:
     """Median wall time per forward inside the norm modules of ``a``, of ``b``, and of ``b`` with
-    each
-    RMSNorm only copying its input (the floor). Timed inside the running model, where caches hold
-    what
-    the layers around each norm left: far less noisy than whole forwards when norms are a small
-    share."""
+    each RMSNorm only copying its input (the floor). Timed inside the running model, where caches
+    hold what the layers around each norm left: far less noisy than whole forwards when norms are
+    a small share."""
     inputs = as_inputs(example_inputs)
 
     def timed(model: nn.Module) -> float:

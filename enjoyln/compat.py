@@ -63,9 +63,8 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 class _Loader(importlib.abc.Loader):
     """torchvision's own loader, run with the registrations of missing operators skipped. It hands
-    the
-    module its own loader back before running it, and answers for it to anyone who only looks the
-    package up (``is_package``, ``get_resource_reader``)."""
+    the module its own loader back before running it, and answers for it to anyone who only looks
+    the package up (``is_package``, ``get_resource_reader``)."""
 
     def __init__(self, inner: importlib.abc.Loader, finder: _Finder) -> None:
         self.inner, self.finder = inner, finder

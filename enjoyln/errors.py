@@ -55,8 +55,8 @@ def first_line(exc: BaseException, default: str | None = None) -> str:
 
 class Interrupted(BaseException):
     """SIGINT or SIGTERM, raised by the CLI's signal handlers so every ``finally`` cleans up; exit
-    code
-    128 + the signal. Not a KeyboardInterrupt: click and typer turn those into a silent exit 130."""
+    code 128 + the signal. Not a KeyboardInterrupt: click and typer turn those into a silent exit
+    130."""
 
     def __init__(self, signum: int) -> None:
         import signal

@@ -1,7 +1,7 @@
 """The options of a fold and of a check, built where a call enters enjoyln: a misspelt one fails
-there.
-Each is the one way into its call (``fold_checkpoint``, ``check_checkpoints``, ``check``), and each
-field has one home: ``--rtol`` is ``CheckOptions.rtol``, in a fold too (``FoldOptions.check``).
+there. Each is the one way into its call (``fold_checkpoint``, ``check_checkpoints``, ``check``),
+and each field has one home: ``--rtol`` is ``CheckOptions.rtol``, in a fold too
+(``FoldOptions.check``).
 
 >>> FoldOptions.of(check="static", fuse_affine=True).check.mode
 'static'
@@ -72,9 +72,9 @@ class Access:
 @dataclass(frozen=True)
 class CheckOptions:
     """What ``enjoyln check`` (and ``fold``'s check, and ``enjoyln.check`` on models in memory)
-    runs;
-    the fields are its options (docs/checking.md). A field left None is decided by the check: on
-    directories, by its mode (a full check, once every weight is proven, only confirms)."""
+    runs; the fields are its options (docs/checking.md). A field left None is decided by the
+    check: on directories, by its mode (a full check, once every weight is proven, only
+    confirms)."""
 
     batches: int | None = None
     batch_size: int = 2
@@ -104,8 +104,8 @@ class CheckOptions:
     """The most rows of a sweep batch."""
     skip: tuple[str, ...] = ()
     """Outputs the candidate's plan lets its rotation change (a tower's hidden states), not
-    compared; set by the
-    checkpoint check from that plan, and never honoured for what the model serves."""
+    compared; set by the checkpoint check from that plan, and never honoured for what the model
+    serves."""
     access: Access = field(default_factory=Access)
 
     @classmethod

@@ -54,9 +54,8 @@ class Fields:
 
     def read(self, key: str, hint: Any, default: Any = _REQUIRED) -> Any:
         """``key`` as the type ``hint`` says: a plain value, a list or tuple of them or of plan
-        records, or
-        ``Rotation | None`` (a missing or empty one None); ``default`` left out where ``key`` is
-        required."""
+        records, or ``Rotation | None`` (a missing or empty one None); ``default`` left out where
+        ``key`` is required."""
         if type(None) in get_args(hint):
             hint = get_args(hint)[0]
         if is_dataclass(hint):
@@ -108,8 +107,8 @@ def _data(value: Any) -> Any:
 
 class Record:
     """A plan dataclass as a JSON object: its fields in order, read back by their types
-    (``Fields.read``).
-    ``_sparse`` names newer fields left out at their defaults, so older readers read the same."""
+    (``Fields.read``). ``_sparse`` names newer fields left out at their defaults, so older
+    readers read the same."""
 
     _sparse: tuple[str, ...] = ()
     _where = "record"  # the name a ``ValueError`` gives a bad object passed to ``from_dict``
@@ -136,8 +135,7 @@ class Record:
 class Centering(Record):
     """A parameter to center: ``p -= p.mean(axis, keepdim=True)``; with ``groups > 1`` each of that
     many blocks of the axis on its own (``blocks``: only those), with ``scale`` (a LayerScale gain
-    γ)
-    ``p -= mean(γ·p) / γ``."""
+    γ) ``p -= mean(γ·p) / γ``."""
 
     param: str
     axis: int
@@ -216,8 +214,7 @@ kept."""
 
 SERVED, ALL_OUTPUTS = "served", "all"
 """The outputs a rotation keeps exact: what a model serves (its logits, and so its generation; every
-output of a
-model without logits), or every output, the hidden states of its towers included."""
+output of a model without logits), or every output, the hidden states of its towers included."""
 
 
 @dataclass(frozen=True)
@@ -261,20 +258,16 @@ class Rotation(Record):
 
 ROTATION_VERSIONS = {"hadamard": 2, "random": 1}
 """The version a new rotation of each kind gets. A hadamard ``Q`` of version 1 is a dense matrix (a
-Kronecker
-product with a LAPACK block, or Haar-random where the odd part of the width is over 64) applied by
-BLAS; of
-version 2 it is structured (``ops/rotate.c``) for every width. Checkpoints keep the version they
-were made with."""
+Kronecker product with a LAPACK block, or Haar-random where the odd part of the width is over 64)
+applied by BLAS; of version 2 it is structured (``ops/rotate.c``) for every width. Checkpoints
+keep the version they were made with."""
 
 
 @dataclass(frozen=True)
 class RotationSpec:
     """What a rotation of the residual streams is asked to be: the kind of ``Q``, its seed, whether
-    it keeps the mean,
-    the version of its algorithm (0: the newest for the kind, ``ROTATION_VERSIONS``), and the
-    outputs it keeps
-    exact (``SERVED`` or ``ALL_OUTPUTS``).
+    it keeps the mean, the version of its algorithm (0: the newest for the kind,
+    ``ROTATION_VERSIONS``), and the outputs it keeps exact (``SERVED`` or ``ALL_OUTPUTS``).
 
     >>> RotationSpec.of(("random", 3, False))
     RotationSpec(kind='random', seed=3, keep_mean=False, version=0, exact_outputs='served')
@@ -435,8 +428,8 @@ class FoldPlan(Record):
     @property
     def affine_moved(self) -> list[LayerNormEntry]:
         """The norms whose γ and β move into their readers: folded ones, and norms that stay
-        LayerNorms on a
-        rotated stream (a rotation that keeps the mean commutes with a weightless LayerNorm)."""
+        LayerNorms on a rotated stream (a rotation that keeps the mean commutes with a weightless
+        LayerNorm)."""
         return [e for e in self.layer_norms if e.affine in (AFFINE_FUSED, AFFINE_GAIN)]
 
     def not_rotated(self) -> str:
@@ -464,11 +457,9 @@ class FoldPlan(Record):
     @property
     def format_version(self) -> int:
         """The oldest plan format that holds this plan: 2 once a norm is not a plain LayerNorm, 3
-        with a rotation
-        of version 2 (which an older reader would apply as a dense one), 4 with several streams
-        rotated, an
-        unfolded norm's affine moved, or outputs a rotation changes (which an older reader would
-        miss)."""
+        with a rotation of version 2 (which an older reader would apply as a dense one), 4 with
+        several streams rotated, an unfolded norm's affine moved, or outputs a rotation changes
+        (which an older reader would miss)."""
         if (
             self.more_rotations
             or self.changed_outputs
@@ -554,8 +545,7 @@ class FoldPlan(Record):
 
 def block_lists(plan: FoldPlan) -> dict[str, list[Any]]:
     """The lists a folded checkpoint's ``enjoyln`` block carries beside the plan, for readers that
-    do not
-    parse it; derived from the plan, so the static check can confirm them."""
+    do not parse it; derived from the plan, so the static check can confirm them."""
     return {
         "rmsnorm": [e.name for e in plan.foldable],
         "centered": [c.to_dict() for c in plan.centered],

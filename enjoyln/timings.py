@@ -74,9 +74,8 @@ NOISY = 0.10  # an interquartile range above this fraction of the median: the ma
 
 def _groups(xs: list[float]) -> list[float]:
     """Centres of the clusters sorted timings fall into, split at gaps far wider than their spacing
-    and 15% of
-    the median; [] for one cluster, clusters of one run (outliers) or as wide as their gaps
-    (noise)."""
+    and 15% of the median; [] for one cluster, clusters of one run (outliers) or as wide as their
+    gaps (noise)."""
     if len(xs) < 8:
         return []
     gaps = [b - a for a, b in zip(xs, xs[1:])]

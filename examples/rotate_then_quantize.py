@@ -129,9 +129,8 @@ def measure(
     layers: int, width: int, vocab: int, dense: bool = True
 ) -> list[tuple[str, float, float, float, float]]:
     """(model, max/RMS, int8 input error, W8A8 and W4A8 logits errors) for the fused model and both
-    hadamard
-    rotations: the structured one (version 2, the default) and the dense one of earlier releases
-    (version 1)."""
+    hadamard rotations: the structured one (version 2, the default) and the dense one of earlier
+    releases (version 1)."""
     torch.manual_seed(0)
     original = build(layers, width, vocab)
     ids = torch.randint(0, vocab, (4, 128), generator=torch.Generator().manual_seed(1))

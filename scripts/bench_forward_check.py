@@ -3,9 +3,8 @@ ids.
 
 Builds a GPT-2-shaped checkpoint with random fp32 weights (width 96, 2 layers, 1,024 positions, a
 vocabulary of 262,144: about 100 MB, nearly all of it the embedding that the head also reads;
-LayerNorm
-gains and biases moved away from their init), folds it without a check, then times, each in its own
-process under ``/usr/bin/time -v``, one after the other in one run:
+LayerNorm gains and biases moved away from their init), folds it without a check, then times, each
+in its own process under ``/usr/bin/time -v``, one after the other in one run:
 
 - ``enjoyln check REF FOLD``: the default check (every weight, then 2 short batches);
 - ``enjoyln check REF FOLD --forward-only``: the outputs only, with the coverage batch and the token

@@ -23,9 +23,8 @@ Parts (``--parts``, all by default):
   and the folded model captured in a CUDA graph and replayed.
 
     python scripts/bench_gpu.py [--parts env,host,kernels,e2e] [--models gpt2,opt] [--json OUT.json]
-    [--write]
-    python scripts/bench_gpu.py --dry-run   # on the CPU, tiny sizes, a few seconds (the test suite
-    runs it)
+    [--write] python scripts/bench_gpu.py --dry-run   # on the CPU, tiny sizes, a few seconds (the
+    test suite runs it)
 
 ``--write`` (on a GPU only) replaces the ``gpu`` block of docs/performance.md.
 """

@@ -2,17 +2,13 @@
 nn.LayerNorm.
 
 A folded model called without ``torch.no_grad()`` (user code, training, fine-tuning) runs every norm
-with
-gradients enabled and parameters that require grad. At 1 x 768 a call costs its host time (dispatch,
-autograd bookkeeping), whatever the device, so the CPU measures what a GPU pays too. Each candidate
-is timed
-in interleaved rounds of ``--calls`` calls, in one process on one thread; the ratio is taken round
-by round
-(each round's RMSNorm against the same round's LayerNorm), and its median reported with its
-quartiles. On
-CPU the clock is the calling thread's CPU time (``time.thread_time``), so that other processes on a
-busy
-machine do not count; on a GPU, wall time with the device waited for at the end of each round.
+with gradients enabled and parameters that require grad. At 1 x 768 a call costs its host time
+(dispatch, autograd bookkeeping), whatever the device, so the CPU measures what a GPU pays too. Each
+candidate is timed in interleaved rounds of ``--calls`` calls, in one process on one thread; the
+ratio is taken round by round (each round's RMSNorm against the same round's LayerNorm), and its
+median reported with its quartiles. On CPU the clock is the calling thread's CPU time
+(``time.thread_time``), so that other processes on a busy machine do not count; on a GPU, wall time
+with the device waited for at the end of each round.
 
     python scripts/bench_grad.py [--rounds 60] [--calls 200] [--device cpu] [--write]
 """

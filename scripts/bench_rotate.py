@@ -50,8 +50,7 @@ DEPTHS = {2048: (2, 4), 1600: (3, 6), 4544: (1, 2)}
 
 def measure_width(width: int, work: Path, repeat: int) -> list[dict]:
     """The commands on both sizes of one width; each result keyed by command. The first run of
-    ``rotate``
-    writes the rotated checkpoint the other commands read (timed like the others)."""
+    ``rotate`` writes the rotated checkpoint the other commands read (timed like the others)."""
     refs, rotated = [], []
     for layers in DEPTHS.get(width, (2, 4)):
         ref, out = work / f"ref-{width}-{layers}", work / f"rotated-{width}-{layers}"

@@ -2,8 +2,8 @@
 tried.
 
 For each version, a fresh virtual environment gets ``torch==X.Y.*`` and this tree (editable, the
-other
-dependencies resolving as pip picks them), and a child process in it tries, each step on its own:
+other dependencies resolving as pip picks them), and a child process in it tries, each step on its
+own:
 
 - ``import``: ``import enjoyln`` and ``enjoyln.ops``, and the kernels (``rms_norm``, ``RMSNorm``,
 and its
@@ -15,12 +15,9 @@ included;
 - ``export``: ``torch.export.export`` of the loaded model, one ``enjoyln.rms_norm`` node per norm.
 
 Results are kept in ``docs/data/torch_versions.json`` (one entry per version, the latest run's), so
-versions
-can be run one at a time; ``--write`` puts the table of all of them into the ``torch-versions``
-block.
-Each venv is removed after its run (``--keep`` keeps it): a CUDA build of torch with its nvidia-*
-wheels
-takes several GB, and nothing is cached (``--no-cache-dir``).
+versions can be run one at a time; ``--write`` puts the table of all of them into the
+``torch-versions`` block. Each venv is removed after its run (``--keep`` keeps it): a CUDA build of
+torch with its nvidia-* wheels takes several GB, and nothing is cached (``--no-cache-dir``).
 
     python scripts/check_torch_versions.py --versions 2.6,2.7 [--write] [--workdir /tmp/tv] [--keep]
     python scripts/check_torch_versions.py --write            # the table from the kept results only
@@ -107,8 +104,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _blame(exc: Exception, original) -> Exception:  # noqa: ANN001
     """The folded model's failure ``exc`` as ``OriginalFails`` where ``original()`` (the same step
-    on the
-    unfolded model) fails too, else ``exc``."""
+    on the unfolded model) fails too, else ``exc``."""
     try:
         original()
     except Exception:  # noqa: BLE001 - any failure of the original's: the step is not enjoyln's to pass
@@ -254,8 +250,7 @@ def _versions(venv: Path) -> dict[str, str]:
 
 def check_version(version: str, workdir: Path, keep: bool) -> dict:
     """Install ``version`` into a venv under ``workdir`` (kept from an earlier ``--keep`` run: used
-    as it
-    is), run the steps there, and remove the venv unless ``keep``."""
+    as it is), run the steps there, and remove the venv unless ``keep``."""
     venv, log = workdir / f"torch-{version}", workdir / f"torch-{version}.log"
     start = time.time()
     entry: dict = {"version": version, "date": time.strftime("%Y-%m-%d")}

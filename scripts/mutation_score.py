@@ -6,10 +6,9 @@ named files), draws N seeded
 mutations of them, each with the verdict a sound gate gives it (non-zero for a
 change, 0 for a proven-inert one), runs ``enjoyln check REFERENCE MUTANT`` on each
 (in process, as the command line would, with the options and environment a mutation names) and
-prints the score per category and
-every wrong verdict, with what the mutation changes for a user (observed by
-loading the mutant with ``from_pretrained``, ``enjoyln.load``, its tokenizer
-or image processor).
+prints the score per category and every wrong verdict, with what the mutation changes for a user
+(observed by loading the mutant with ``from_pretrained``, ``enjoyln.load``, its tokenizer or image
+processor).
 
     python scripts/mutation_score.py [--n 5000] [--seed 0] [--workers 2] [--prove-inert] [--json
     out.json] [--write]

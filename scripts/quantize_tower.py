@@ -1,18 +1,14 @@
 """What rotating a vision tower does to its quantization: a LLaVA whose SigLIP tower is read at
-layer -2, with
-outlier features planted in the tower's stream, before and after ``enjoyln.rotate``.
+layer -2, with outlier features planted in the tower's stream, before and after
+``enjoyln.rotate``.
 
 The tower's norms cannot fold (the projector reads the stream itself at the tap), so before the
-rotation the
-layers that read them see the outliers; the rotation moves each norm's γ and β into its readers and
-spreads the
-outliers over all features of the tower's stream, the projector taking Qᵀ. Measured on the inputs of
-the
-tower's linear layers that read a norm (q, k, v, fc1) and of the projector's first layer: their
-max-to-RMS ratio
-and int8 per-token error, and the logits with exactly those layers quantized (inputs int8 per token,
-weights int8
-or int4 per output channel, round-to-nearest), against the full-precision original.
+rotation the layers that read them see the outliers; the rotation moves each norm's γ and β into its
+readers and spreads the outliers over all features of the tower's stream, the projector taking Qᵀ.
+Measured on the inputs of the tower's linear layers that read a norm (q, k, v, fc1) and of the
+projector's first layer: their max-to-RMS ratio and int8 per-token error, and the logits with
+exactly those layers quantized (inputs int8 per token, weights int8 or int4 per output channel,
+round-to-nearest), against the full-precision original.
 
     python scripts/quantize_tower.py [--width 256] [--layers 4] [--write]    # the tower-outliers
     block
@@ -42,8 +38,7 @@ from _docs import machine, replace_section  # noqa: E402
 
 def build(width: int, layers: int, scale: float = 40.0) -> nn.Module:
     """A perturbed LLaVA (SigLIP tower of ``width`` read at -2, a small Llama) whose tower's stream
-    writers put
-    ``scale`` times more into a few features."""
+    writers put ``scale`` times more into a few features."""
     import transformers
 
     cfg = transformers.LlavaConfig(

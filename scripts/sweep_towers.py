@@ -1,26 +1,18 @@
 """Sweep the multimodal model types of transformers (those whose config has a vision or audio
-sub-config) through
-analyze, fold and a comparison, count the LayerNorms of their towers, then rotate every residual
-stream that can
-rotate (the towers' and the language model's) and compare what the model serves (the outputs the
-plan does not
-record as changed).
+sub-config) through analyze, fold and a comparison, count the LayerNorms of their towers, then
+rotate every residual stream that can rotate (the towers' and the language model's) and compare
+what the model serves (the outputs the plan does not record as changed).
 
 Each type is run as ``sweep_transformers.py`` runs it (a tiny config made consistent for its towers,
-perturbed
-weights, enjoyln's own inputs, every output compared on two batches), with the class a user folds
-for images or
-audio first (image-text-to-text, multimodal LM), and the tower LNs counted apart: those under a
-submodule built from
-the vision or audio sub-config.
+perturbed weights, enjoyln's own inputs, every output compared on two batches), with the class a
+user folds for images or audio first (image-text-to-text, multimodal LM), and the tower LNs counted
+apart: those under a submodule built from the vision or audio sub-config.
 
     python scripts/sweep_towers.py --jobs 1 --timeout 300            # to
-    docs/data/sweep_towers_results.json
-    python scripts/sweep_towers.py --only llava,idefics3 --out /tmp/t.json
-    python scripts/sweep_towers.py --from-results --write            # the sweep-towers block in
-    docs/architectures.md
-    python scripts/sweep_towers.py --only llava,clip --merge         # these types again, the
-    others' records kept
+    docs/data/sweep_towers_results.json python scripts/sweep_towers.py --only llava,idefics3 --out
+    /tmp/t.json python scripts/sweep_towers.py --from-results --write            # the sweep-towers
+    block in docs/architectures.md python scripts/sweep_towers.py --only llava,clip --merge
+    # these types again, the others' records kept
 """
 
 from __future__ import annotations
@@ -108,9 +100,8 @@ def run_tower(model_type: str) -> dict[str, Any]:
 
 def rotate_streams(model_type: str, towers: list[str]) -> dict[str, Any]:
     """The model built again, every stream rotated that can be (hadamard, seed 0, keeping the mean)
-    and compared
-    with the original on the outputs it serves: the streams found, rotated (a tower's among them)
-    and why not."""
+    and compared with the original on the outputs it serves: the streams found, rotated (a
+    tower's among them) and why not."""
     import copy
 
     import enjoyln
@@ -188,8 +179,7 @@ def _cell(text: str) -> str:
 
 def _rotation_cells(rot: dict[str, Any] | None) -> str:
     """The rotation's three cells: streams rotated of those found (a tower's among them), its max
-    relative
-    difference, and why the others are not rotated."""
+    relative difference, and why the others are not rotated."""
     if rot is None:
         return "- | - | not tried"
     if "streams" not in rot:

@@ -11,8 +11,7 @@ process with a time limit, two at a time.
     python scripts/sweep_transformers.py                  # all, to docs/data/sweep_results.json
     python scripts/sweep_transformers.py --only bert,gpt2 --out /tmp/s.json
     python scripts/sweep_transformers.py --write          # and the coverage block in
-    docs/architectures.md
-    python scripts/sweep_transformers.py --only olmo,sam --merge --write
+    docs/architectures.md python scripts/sweep_transformers.py --only olmo,sam --merge --write
         # re-sweep some types into the records already in --out, and write the docs block from all
 
 Statuses: ``exact``; ``inexact`` (with a float64 triage); ``clean_error`` (an
@@ -345,10 +344,8 @@ TEXT_WIDTH_KEYS = {"projection_dim", "out_hidden_size"}
 
 def fit_towers(default: Any, kw: dict[str, Any], vocab: int) -> dict[str, Any]:
     """A shrunk vision-language config made consistent again: the tower's output as wide as the
-    text, tapped layer
-    indices within the shrunk depth, any-resolution grids in whole tiles, and an image token where
-    the default
-    leaves none (BLIP-2)."""
+    text, tapped layer indices within the shrunk depth, any-resolution grids in whole tiles, and
+    an image token where the default leaves none (BLIP-2)."""
     vision, text = kw.get("vision_config"), kw.get("text_config")
     if not isinstance(vision, dict) or not isinstance(text, dict):
         return kw
@@ -760,9 +757,8 @@ def compare(
     skip: Collection[str] = (),
 ) -> dict[str, Any]:
     """Worst relative difference over every output and batch but ``skip`` (those a plan changes by
-    design); outputs
-    that differ between two runs of the reference itself (sampled noise) are left out and
-    counted."""
+    design); outputs that differ between two runs of the reference itself (sampled noise) are
+    left out and counted."""
     from enjoyln.checking.running import flatten_outputs
 
     worst, nondet, n = 0.0, set(), 0
@@ -1112,8 +1108,7 @@ def print_summary(s: dict[str, Any], wall: float | None = None) -> None:
 
 def readme_section(s: dict[str, Any], meta: dict[str, Any], base: dict[str, Any] | None) -> str:
     """The coverage block in docs/architectures.md: this sweep beside the baseline (the same sweep
-    of
-    enjoyln before the long-tail rules, `docs/data/sweep_baseline.json`)."""
+    of enjoyln before the long-tail rules, `docs/data/sweep_baseline.json`)."""
     b = base["summary"] if base else None
 
     def row(label: str, fmt: Any) -> str:

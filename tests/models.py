@@ -66,8 +66,7 @@ class Heads(nn.Module):
 
 def llava_siglip(**kw):
     """A tiny LLaVA whose SigLIP tower is read at layer -2 (as LLaVA-style checkpoints with SigLIP
-    are), the
-    image token the last of 128 ids."""
+    are), the image token the last of 128 ids."""
     import transformers
 
     cfg = transformers.LlavaConfig(

@@ -1,6 +1,5 @@
 """The install lines: the README's demo line needs no extra, CI runs exactly the README's test line,
-and
-Triton is an extra of its own (1 GB that only a GPU uses), not part of ``dev``."""
+and Triton is an extra of its own (1 GB that only a GPU uses), not part of ``dev``."""
 
 import re
 from pathlib import Path

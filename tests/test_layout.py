@@ -48,8 +48,7 @@ layer: a module's layer is its package's (or its own, for a module at the top)."
 MAX_LINES = 480
 MAX_FUNCTION_LINES = 70
 """Sizes in rows a reader reads (``read_rows``), which a formatter's wrapping at 100 columns does
-not
-change: about what 600 and 80 lines were when the code ran to 120 columns."""
+not change: about what 600 and 80 lines were when the code ran to 120 columns."""
 MAX_PARAMETERS = 8
 
 
@@ -214,9 +213,9 @@ def _typer_options() -> set[str]:
 
 def _exempt(module: str, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     """A ``@triton.jit`` kernel is one GPU program whose parameters are its launch signature, shared
-    by
-    the three kernels and the AOT builder; a typer command of the CLI takes a parameter per option
-    (``Annotated[..., typer.Option(...)]``), as typer reads the options from its signature."""
+    by the three kernels and the AOT builder; a typer command of the CLI takes a parameter per
+    option (``Annotated[..., typer.Option(...)]``), as typer reads the options from its
+    signature."""
     names = {ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in fn.decorator_list}
     annotations = [
         ast.unparse(a.annotation) for a in fn.args.args + fn.args.kwonlyargs if a.annotation

@@ -111,8 +111,7 @@ def test_a_grouped_centering_describes_itself(blocks, words):
 
 def test_summary_of_per_head_norms_fed_by_separate_projections():
     """q and k LayerNorms over each head, after q/k/v projections of their own: every block of q's
-    and k's
-    output is centered (blocks None), which the summary once failed to print."""
+    and k's output is centered (blocks None), which the summary once failed to print."""
     plan = enjoyln.analyze(perturb(Heads(fused=False)), torch.randint(0, 32, (2, 5)))
     grouped = [c for c in plan.centered if c.groups > 1]
     assert grouped and all(c.blocks is None for c in grouped)

@@ -44,3 +44,23 @@ def test_the_wrapping_keeps_what_a_line_means(tmp_path):
     assert " ".join(namespace["f"].__doc__.split()).startswith(words + ".")
     assert f'>>> f("{words}")' in text and '    """  # noqa: E501' in text
     assert text.count(f"# {words}") == 0 and text.count("# word") >= 4
+
+
+def test_a_wrapped_line_reflows_its_paragraph_and_leaves_no_word_alone(tmp_path):
+    """The lines after a long one in its paragraph are wrapped with it (a docstring's and a comment
+    block's), up to a list item, a doctest or a blank line, which stay as they are."""
+    long, short = " ".join(["alpha"] * 19), "beta gamma"
+    path = tmp_path / "para.py"
+    path.write_text(
+        f'def f():\n    """{long} {short}\n    delta epsilon.\n    - item one\n    """\n'
+        f"    # {long} {short}\n    # delta epsilon\n\n    # kept\n    return 1\n"
+    )
+    style.wrap_file(path)
+    lines = path.read_text().splitlines()
+    assert all(len(line) <= style.LIMIT for line in lines)
+    assert all(len(line.split()) > 2 for line in lines if line.strip() and "alpha" in line)
+    words = " ".join(lines).split()
+    assert words.count("delta") == 2 and "- item one" in "\n".join(lines) and "    # kept" in lines
+    text = "\n".join(lines)
+    assert text.count(f"{short} delta epsilon.") == 1  # the docstring's paragraph, reflowed
+    assert text.count(f"{short} # delta epsilon") == 0 and f"{short} delta epsilon\n" in text

@@ -20,6 +20,7 @@ import textwrap
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = int(
@@ -71,8 +72,37 @@ def _in_doctest(lines: list[str], index: int, docstring: dict[int, int]) -> bool
     return False
 
 
-def docstring_edit(lines: list[str], index: int, column: int) -> Edit | None:
-    """A docstring's long line, wrapped at its words with the docstring's indent."""
+STRUCTURE = re.compile(r"(-|\*|\+|>>>|\.\.\.|\||#|\d+[.)]|[A-Za-z ]+:$|\"\"\"|''')")
+"""A line that starts a list item, a doctest, a table row or a heading, or closes a docstring: never
+joined to the line above it."""
+
+
+def _paragraph_end(
+    lines: list[str], index: int, indent: str, inside: Callable[[int], bool], prefix: str = ""
+) -> int:
+    """The last row (0-based) of the paragraph that starts at ``index``: the rows after it at the
+    same indent that continue its prose, so that wrapping reflows them instead of leaving a word
+    alone on a line."""
+    end = index
+    while end + 1 < len(lines) and inside(end + 1):
+        nxt = lines[end + 1]
+        text = nxt.strip().removeprefix(prefix)
+        if (
+            not text
+            or nxt[: len(nxt) - len(nxt.lstrip())] != indent
+            or STRUCTURE.match(text)
+            or lines[end].rstrip().endswith((":", '"""', "'''"))
+        ):
+            break
+        end += 1
+    return end
+
+
+def docstring_edit(
+    lines: list[str], index: int, column: int, docstring: dict[int, int]
+) -> Edit | None:
+    """A docstring's long line, wrapped at its words with the docstring's indent, together with the
+    lines that continue its paragraph."""
     line = lines[index]
     stripped = line.lstrip()
     lead = line[: len(line) - len(stripped)]
@@ -84,8 +114,10 @@ def docstring_edit(lines: list[str], index: int, column: int) -> Edit | None:
     if len(stripped.split()) < 2:
         return None
     indent = " " * column if opening else lead
-    out = wrapped(stripped, lead + opening, indent)
-    return Edit(index + 1, index + 1, out) if len(out) > 1 else None
+    last = _paragraph_end(lines, index, indent, lambda i: (i + 1) in docstring)
+    text = " ".join([stripped.rstrip(), *(lines[i].strip() for i in range(index + 1, last + 1))])
+    out = wrapped(text, lead + opening, indent)
+    return Edit(index + 1, last + 1, out) if len(out) > 1 or last > index else None
 
 
 def comment_edit(lines: list[str], token: tokenize.TokenInfo) -> Edit | None:
@@ -97,8 +129,14 @@ def comment_edit(lines: list[str], token: tokenize.TokenInfo) -> Edit | None:
         return None
     code = line[:col].rstrip()
     indent = line[: len(line) - len(line.lstrip())]
-    if not code:
-        return Edit(row, row, wrapped(text, indent + "# ", indent + "# "))
+    if not code:  # the comment lines after it at its indent continue it: reflowed together
+
+        def own_comment(i: int) -> bool:
+            return lines[i].lstrip().startswith("# ") and "noqa" not in lines[i]
+
+        last = _paragraph_end(lines, row - 1, indent, own_comment, prefix="# ")
+        more = [lines[i].strip()[1:].strip() for i in range(row, last + 1)]
+        return Edit(row, last + 1, wrapped(" ".join([text, *more]), indent + "# ", indent + "# "))
     if any(k in text for k in KEPT_COMMENTS):
         return None
     return Edit(row, row, [*wrapped(text, indent + "# ", indent + "# "), code])
@@ -184,7 +222,7 @@ def edits(source: str) -> list[Edit]:
     found: dict[int, Edit] = {}
     for row in sorted(long):
         if row in docstring and not _in_doctest(lines, row - 1, docstring):
-            edit = docstring_edit(lines, row - 1, docstring[row])
+            edit = docstring_edit(lines, row - 1, docstring[row], docstring)
             if edit is not None:
                 found[row] = edit
     tokens, depth = [], 0
@@ -208,7 +246,12 @@ def edits(source: str) -> list[Edit]:
             continue
         if edit is not None:
             found[row] = edit
-    return [found[row] for row in sorted(found, reverse=True)]
+    kept, covered = [], 0
+    for row in sorted(found):  # an edit that reflows the rows below it takes their own edits' place
+        if row > covered:
+            kept.append(found[row])
+            covered = found[row].last
+    return kept[::-1]
 
 
 def _applied(source: str, todo: list[Edit]) -> str:

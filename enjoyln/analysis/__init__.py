@@ -1,6 +1,5 @@
 """Analysis: trace a model, decide which LayerNorms fold and what folding them needs (a
-``FoldPlan``);
-the modules are listed in docs/contributing.md."""
+``FoldPlan``); the modules are listed in docs/contributing.md."""
 
 from __future__ import annotations
 
@@ -25,9 +24,8 @@ def analyze(
     """Find the foldable LayerNorms of ``model`` and what folding them needs; a dry run, the model
     is never modified. ``auxiliary_centering`` also places explicit centerings where they pay off,
     ``weights`` gives values for parameters held on the meta device, ``fuse_affine`` moves each
-    folded
-    norm's γ and β into its readers, and ``rotate`` (a ``RotationSpec`` or (kind, seed, keep_mean))
-    plans a rotation of the residual stream.
+    folded norm's γ and β into its readers, and ``rotate`` (a ``RotationSpec`` or (kind, seed,
+    keep_mean)) plans a rotation of the residual stream.
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))

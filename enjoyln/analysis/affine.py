@@ -109,10 +109,8 @@ def linear_reader(
 
 def _merged(node: fx.Node, src: fx.Node, trace: Trace) -> Trace | None:
     """``trace`` after a reshape that lays ``k`` consecutive rows of features side by side (a merger
-    of 4 tokens,
-    a pixel shuffle): reshapes are row-major, so feature ``i`` of row ``t`` lands at ``(t % k) d +
-    i``, and the
-    norm's blocks repeat ``k`` times. None for any other reshape."""
+    of 4 tokens, a pixel shuffle): reshapes are row-major, so feature ``i`` of row ``t`` lands at
+    ``(t % k) d + i``, and the norm's blocks repeat ``k`` times. None for any other reshape."""
     dims, out = shape(src), shape(node)
     if dims is None or out is None or not dims or not out or trace.axis != len(dims) - 1:
         return None
@@ -236,12 +234,9 @@ def plan_fusion(
     unfolded: bool = False,
 ) -> list[Untie]:
     """Decide, for every folded norm (``unfolded``: every norm that stays a LayerNorm, for a
-    rotation), where its
-    γ and β go (``entry.affine`` and ``entry.fused``); return the weights that must be untied for
-    it. A weight
-    takes a norm's affine only if every value read of it is one of that norm's readers (a tied alias
-    of another
-    module gets a copy)."""
+    rotation), where its γ and β go (``entry.affine`` and ``entry.fused``); return the weights
+    that must be untied for it. A weight takes a norm's affine only if every value read of it is
+    one of that norm's readers (a tied alias of another module gets a copy)."""
     found: dict[str, tuple[list[Fused], Readers]] = {}
     for e in entries:
         if e.foldable == unfolded or e.norm != "layer_norm":

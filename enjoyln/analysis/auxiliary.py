@@ -1,6 +1,5 @@
 """Auxiliary centering: explicit ``x - x.mean(-1)`` inserted where each makes more LNs foldable,
-each
-judged by the full analysis and confirmed by analysing again with the hooks in place."""
+each judged by the full analysis and confirmed by analysing again with the hooks in place."""
 
 from __future__ import annotations
 

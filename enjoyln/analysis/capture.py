@@ -117,9 +117,8 @@ def _is_view(node: torch.fx.Node) -> bool:
 
 def _functionalize(graph: torch.fx.Graph) -> bool:
     """Rewrite ``x.add_(y)`` on graph intermediates as ``add(x, y)``, as the dataflow needs one
-    value
-    per node (Falcon's ``mlp += attn``). False, changing nothing, for a write to a view or an
-    input."""
+    value per node (Falcon's ``mlp += attn``). False, changing nothing, for a write to a view or
+    an input."""
     inplace = [(n, _functional_twin(n.target)) for n in graph.nodes if n.op == "call_function"]
     inplace = [(n, twin) for n, twin in inplace if twin is not None]
     # the renaming cannot follow a write through a view, or to a tensor a view aliases
@@ -230,8 +229,7 @@ def _specializations(program: torch.export.ExportedProgram) -> list[str]:
 
 def export(model: nn.Module, inputs: Inputs) -> tuple[torch.export.ExportedProgram, list[str]]:
     """``torch.export`` (non-strict), or ``draft_export`` where control flow depends on data; also
-    the
-    branches ``draft_export`` fixed to the example's values. Either failure is a one-line
+    the branches ``draft_export`` fixed to the example's values. Either failure is a one-line
     CaptureError."""
     name = type(model).__name__
     try:

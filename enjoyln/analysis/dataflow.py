@@ -1,6 +1,5 @@
 """Pass 1: the forward zero-mean dataflow (the paper's Algorithm 1): each tensor is zero-mean along
-an
-axis once some sources are centered (``Zero``), or not, and why (``NotZero``)."""
+an axis once some sources are centered (``Zero``), or not, and why (``NotZero``)."""
 
 from __future__ import annotations
 
@@ -169,9 +168,8 @@ class Dataflow:
 
     def _feature_axes(self) -> dict[fx.Node, int]:
         """The feature axis of each parameter used as data where it is not its last: a table added
-        to the stream
-        (``conv(x) + pos``, ``pos`` (1, C, H, W)) takes the stream's; a guess, which the next pass
-        proves."""
+        to the stream (``conv(x) + pos``, ``pos`` (1, C, H, W)) takes the stream's; a guess,
+        which the next pass proves."""
         g = self.g
         tables: set[fx.Node] = set()  # values computed from parameters only
         for node in g.graph.nodes:
@@ -337,9 +335,8 @@ class Dataflow:
         self, node: fx.Node, stream: fx.Node, factor: Any, state: Zero, axis: int
     ) -> State | None:
         """``γ ⊙ y``, ``γ`` a per-feature parameter (LayerScale), ``y`` a linear combination of
-        layers' outputs
-        (timm's ParallelScalingBlock): zero-mean once each layer is centered for ``γ``; else
-        None."""
+        layers' outputs (timm's ParallelScalingBlock): zero-mean once each layer is centered for
+        ``γ``; else None."""
         g = self.g
         fqn = per_feature_param(g, factor, node, axis)
         if fqn is None or not state.sources or state.whole:

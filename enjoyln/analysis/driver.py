@@ -1,6 +1,6 @@
 """The analysis driver: the dataflow and soundness passes to a fixed point into a plan (which
-LayerNorms fold, what
-to center and untie), then affine fusion and rotation when asked; and each LN's zero-mean graph."""
+LayerNorms fold, what to center and untie), then affine fusion and rotation when asked; and each
+LN's zero-mean graph."""
 
 from __future__ import annotations
 
@@ -372,9 +372,8 @@ def analyze_capture(
 
 def _plan_rotations(analysis: Analysis, plan: FoldPlan, rotate: RotationSpec) -> None:
     """Every stream's rotation into ``plan``. With ``keep_mean`` a LayerNorm that does not fold can
-    still be on a
-    rotated stream, its affine moved into its readers; it keeps that only where its stream
-    rotates."""
+    still be on a rotated stream, its affine moved into its readers; it keeps that only where its
+    stream rotates."""
     g, calls = analysis.index, analysis.ln_nodes()
     with g.reporting():
         unties = plan_fusion(g, plan.layer_norms, calls, unfolded=True) if rotate.keep_mean else []

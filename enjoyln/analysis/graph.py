@@ -69,10 +69,9 @@ SERVED_OUTPUTS = {"loss", "past_key_values"}
 
 def served(name: str, names: Iterable[str]) -> bool:
     """Whether output ``name``, one of a model's outputs ``names``, is what the model serves: where
-    it has
-    logits, its logits (``logits_per_image`` too), embeddings (CLIP's ``image_embeds``), loss and
-    cache; else
-    every output. The hidden states of a tower or a stack beside logits are not served.
+    it has logits, its logits (``logits_per_image`` too), embeddings (CLIP's ``image_embeds``),
+    loss and cache; else every output. The hidden states of a tower or a stack beside logits are
+    not served.
 
     >>> served("image_hidden_states", ["logits", "image_hidden_states"]), served("last_hidden_state", ["last_hidden_state"])
     (False, True)
@@ -117,10 +116,9 @@ SYMBOLIC_BASE = 1 << 40
 
 def _stand_in(expr: Any) -> int | None:
     """A symbolic size as one integer: its expression with each symbol replaced by a large number of
-    its own
-    (``u0`` by one, ``4*u0`` by four times that). Products and equalities of sizes then hold as they
-    hold for
-    every value of the symbols, except by a coincidence of the stand-ins, which are far apart."""
+    its own (``u0`` by one, ``4*u0`` by four times that). Products and equalities of sizes then
+    hold as they hold for every value of the symbols, except by a coincidence of the stand-ins,
+    which are far apart."""
     import zlib
 
     try:
@@ -136,8 +134,7 @@ def _stand_in(expr: Any) -> int | None:
 
 def _static(size: Any) -> int | None:
     """A size as an int: a symbolic one (a data-dependent batch, as ``x[mask]`` makes) as its
-    stand-in, or None;
-    never ``int()``, which raises on a data-dependent size."""
+    stand-in, or None; never ``int()``, which raises on a data-dependent size."""
     if isinstance(size, int):
         return size
     node = getattr(size, "node", None)
@@ -158,8 +155,7 @@ def shape(node: Any) -> tuple[int, ...] | None:
 
 def rank(node: Any) -> int | None:
     """The number of dimensions of a node's tensor value, symbolic sizes included (Idefics3's
-    images, chosen by a
-    mask, are a data-dependent batch); None if it is not a tensor."""
+    images, chosen by a mask, are a data-dependent batch); None if it is not a tensor."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val.dim() if isinstance(val, torch.Tensor) else None
 
@@ -367,8 +363,7 @@ class GraphIndex:
 
     def tied_apart(self, alias: str | None, aliases: Collection[str]) -> bool:
         """Whether ``alias`` names the tensor ``aliases`` name on another module, which untying
-        gives its own copy
-        (one module under two names is one module)."""
+        gives its own copy (one module under two names is one module)."""
         owner = lambda name: id(self.cap.submodule(name.rpartition(".")[0]))  # noqa: E731
         return (
             alias is not None

@@ -80,9 +80,8 @@ def is_causal_lm(model: nn.Module) -> bool:
 
 def wants_no_cache(model: nn.Module) -> bool:
     """Does ``forward`` take ``use_cache``, by name or through ``**kwargs`` of a caching config?
-    Such a
-    model returns a cache object without ``use_cache=False``, which ``torch.export`` cannot
-    return."""
+    Such a model returns a cache object without ``use_cache=False``, which ``torch.export``
+    cannot return."""
     params = inspect.signature(model.forward).parameters
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
     return "use_cache" in params or (
@@ -120,8 +119,7 @@ def placeholder_ids(config: Any) -> set[int]:
 
 def fill_text_ids(config: Any, ids: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
     """``ids`` with its text positions filled in order from ``fill``, as far as it goes; the image's
-    placeholder
-    tokens stay where they are, as many as the image has features."""
+    placeholder tokens stay where they are, as many as the image has features."""
     marks = placeholder_ids(config)
     flat = ids.reshape(-1).clone()
     text = (
@@ -405,8 +403,7 @@ def _text_shape(model: nn.Module) -> tuple[int, int] | None:
 
 def _image_sizes(model: nn.Module) -> list[tuple[int, int, int]]:
     """(C, H, W) candidates for an image model: the configured one first, then the size its patch
-    embedding was
-    built for, which ``create_model(..., img_size=...)`` sets without updating
+    embedding was built for, which ``create_model(..., img_size=...)`` sets without updating
     ``pretrained_cfg``."""
     timm_size = _timm_input_size(model)
     sizes = [timm_size] if timm_size is not None else []

@@ -1,12 +1,10 @@
 """Example images for vision-language models: pixels in each layout vision towers take (a batch of
-images,
-images per sample, tiles with their aspect ratios, any-resolution crops with their sizes, flattened
-patches with
-their grids), and text holding one placeholder token per image feature, as a processor writes it.
+images, images per sample, tiles with their aspect ratios, any-resolution crops with their sizes,
+flattened patches with their grids), and text holding one placeholder token per image feature, as
+a processor writes it.
 
 The layouts are chosen by the names of the model's arguments and the fields of its vision config,
-never by the
-model's class, so a new family that takes the same inputs gets them too."""
+never by the model's class, so a new family that takes the same inputs gets them too."""
 
 from __future__ import annotations
 
@@ -64,8 +62,7 @@ def image_layouts(
     model: nn.Module, randn: Randn, batch: int, device: torch.device
 ) -> list[dict[str, Any]]:
     """One image per sample, in each layout the model's arguments and vision config point to; the
-    layouts that
-    need an argument only some models take come first."""
+    layouts that need an argument only some models take come first."""
     config, params = model.config, _image_params(model)
     size = int_pair(_vision_value(config, "image_size", "img_size")) or (224, 224)
     channels = _vision_value(config, "num_channels", "in_channels", "in_chans") or 3
@@ -151,9 +148,8 @@ def image_text_options(
     model: nn.Module, layouts: list[dict[str, Any]], text: torch.Tensor, image_token: int
 ) -> list[dict[str, Any]]:
     """Each layout with text that starts with one placeholder token per image feature, the count
-    from the model's
-    own ``get_image_features``; a model without one (cross-attention to the image) keeps its text as
-    it is."""
+    from the model's own ``get_image_features``; a model without one (cross-attention to the
+    image) keeps its text as it is."""
     if not callable(getattr(model, "get_image_features", None)):
         return [{**layout, "input_ids": text} for layout in layouts]
     options, forward = [], inspect.signature(model.forward).parameters
@@ -178,9 +174,8 @@ def image_text_options(
 
 def _rope_positions(model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
     """Multimodal rotary positions, computed ahead as ``generate`` does, for a model whose
-    ``get_rope_index``
-    derives them from the image grids: computed inside, they depend on the grids' values, which
-    ``torch.export`` cannot follow (Qwen2-VL, Qwen3-VL)."""
+    ``get_rope_index`` derives them from the image grids: computed inside, they depend on the
+    grids' values, which ``torch.export`` cannot follow (Qwen2-VL, Qwen3-VL)."""
     owner = next((m for m in model.modules() if callable(getattr(m, "get_rope_index", None))), None)
     if owner is None or "position_ids" not in inspect.signature(model.forward).parameters:
         return {}

@@ -36,11 +36,9 @@ def _dtype(node: Any) -> torch.dtype | None:
 
 class NormModules:
     """Which modules are layer norms enjoyln can replace, whatever the class: a body that is one
-    layer norm of the
-    input over the module's own ``weight`` and ``bias``, maybe upcast and back, moved channels-last
-    and back, or
-    followed by child modules (``LayerNormAct2d``'s activation). Anything else is refused with what
-    it is."""
+    layer norm of the input over the module's own ``weight`` and ``bias``, maybe upcast and back,
+    moved channels-last and back, or followed by child modules (``LayerNormAct2d``'s activation).
+    Anything else is refused with what it is."""
 
     def __init__(self, g: GraphIndex):
         self.g = g
@@ -143,9 +141,8 @@ class NormModules:
         done: set[fx.Node],
     ) -> tuple[NormForm, set[fx.Node]] | str:
         """One call of the module: its form, and the nodes others may read: the one the call
-        returns, and
-        copies of its input that change nothing (``x.to(torch.float32)`` of a float32 ``x`` is
-        ``x``)."""
+        returns, and copies of its input that change nothing (``x.to(torch.float32)`` of a
+        float32 ``x`` is ``x``)."""
         done.add(ln)
         entry = self._input(path, ln, hooked, done)
         if isinstance(entry, str):
@@ -311,8 +308,8 @@ def norm_module_paths(
     model: nn.Module, also: set[type] | frozenset[type] = frozenset()
 ) -> list[str]:
     """Paths of the model's LayerNorm and GroupNorm modules, folded or not, and of every module
-    whose class is
-    in ``also`` (norm modules of other classes, which only the analysis recognises)."""
+    whose class is in ``also`` (norm modules of other classes, which only the analysis
+    recognises)."""
     kinds = (nn.LayerNorm, nn.GroupNorm, RMSNorm, GroupRMSNorm)
     return sorted(
         name

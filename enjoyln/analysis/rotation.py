@@ -1,14 +1,10 @@
 """Rotating the residual streams, proved on the graph: a weightless RMSNorm commutes with an
-orthogonal ``Q``, and
-so does a weightless LayerNorm where ``Q`` fixes the all-ones vector; with the stream's norms'
-affine fused, a stream
-rotates wherever the rotation reaches nothing else, and a linear layer that reads the stream itself
-(a projector
-reading a tapped layer of a vision tower) takes ``Qᵀ`` on its input. A model has one stream per
-connected set of
-norm inputs (a vision tower's, the language model's), each with its own ``Q`` (docs/how-it-works.md;
-the matrices
-are in ``transform.rotation``)."""
+orthogonal ``Q``, and so does a weightless LayerNorm where ``Q`` fixes the all-ones vector; with
+the stream's norms' affine fused, a stream rotates wherever the rotation reaches nothing else,
+and a linear layer that reads the stream itself (a projector reading a tapped layer of a vision
+tower) takes ``Qᵀ`` on its input. A model has one stream per connected set of norm inputs (a
+vision tower's, the language model's), each with its own ``Q`` (docs/how-it-works.md; the
+matrices are in ``transform.rotation``)."""
 
 from __future__ import annotations
 
@@ -82,8 +78,7 @@ class RotationSpread(Spread):
 
     def _tap(self, node: fx.Node, hits: Hits, keys: frozenset[str]) -> Flags | None:
         """A linear layer reading the stream itself (a tapped layer's reader) takes ``Qᵀ`` on its
-        input; None if
-        ``node`` is no linear layer."""
+        input; None if ``node`` is no linear layer."""
         stream, s = hits[0]
         dims = shape(stream)
         if len(hits) != 1 or dims is None:
@@ -183,8 +178,7 @@ class RotationSpread(Spread):
 
 def _sum_written(g: GraphIndex, calls: list[fx.Node]) -> fx.Node | None:
     """The sum that a norm's output reaches through ops that only move values: there the norm writes
-    the
-    residual stream (a post-LN block), so its gain is part of the stream, not of one layer's
+    the residual stream (a post-LN block), so its gain is part of the stream, not of one layer's
     input."""
     for ln in calls:
         todo = (
@@ -242,8 +236,8 @@ def find_streams(
     calls: dict[str, list[fx.Node]],
 ) -> list[Stream]:
     """The residual streams, from the graph alone: norms whose inputs share a writer, or writers
-    that share a
-    weight (an embedding two stacks read), are on one stream; in the order of the plan's norms."""
+    that share a weight (an embedding two stacks read), are on one stream; in the order of the
+    plan's norms."""
     parent: dict[tuple, tuple] = {}
 
     def root(x: tuple) -> tuple:
@@ -291,8 +285,8 @@ def stream_seed(seed: int, stream: str) -> int:
 @dataclass
 class Rotations:
     """What a plan's rotation of every stream comes to: the rotations, the notes on the streams left
-    alone, the
-    outputs the rotations change, and the norms that stay LayerNorms on a rotated stream."""
+    alone, the outputs the rotations change, and the norms that stay LayerNorms on a rotated
+    stream."""
 
     rotations: list[Rotation] = field(default_factory=list)
     notes: list[Note] = field(default_factory=list)
@@ -309,8 +303,8 @@ def plan_rotations(
     spec: RotationSpec,
 ) -> Rotations:
     """Each stream's rotation, its seed the user's for the first stream rotated and derived from it
-    (and the
-    stream's name) for the others; a note for each stream that cannot rotate, saying why."""
+    (and the stream's name) for the others; a note for each stream that cannot rotate, saying
+    why."""
     streams = find_streams(g, plan, sources, needs, calls)
     out = Rotations()
     if not streams:
@@ -459,8 +453,8 @@ def _read_elsewhere(
     changed: dict[fx.Node, Shift],
 ) -> str | None:
     """Other reads of a rotated source weight: another call of the same layer (seeded too), or a
-    norm's reader
-    rotated the same way (a tied head), are fine; anything else would see the rotation."""
+    norm's reader rotated the same way (a tied head), are fine; anything else would see the
+    rotation."""
     readers = {}
     for f in (f for e in stream.entries for f in e.fused):
         readers.setdefault(f.weight, set()).add((f.axis, f.start))

@@ -1,7 +1,6 @@
 """Op rules: which ops keep a property shared by every feature (a zero mean, a per-row shift), and
 where the feature axis goes. One rule serves the dataflow, the soundness pass and the rotation
-proof;
-docs/contributing.md ("Adding an op rule") says how to write one."""
+proof; docs/contributing.md ("Adding an op rule") says how to write one."""
 
 from __future__ import annotations
 
@@ -372,9 +371,8 @@ rule("mul", "div", kind=SCALE)(_broadcast)
 @dataclass(frozen=True)
 class Layout:
     """Where the blocks of a split feature axis went: ``(..., H, D)`` from ``size`` features leaves
-    ``size / D``
-    ``groups``; ``axes``: (tensor axis, length, stride in blocks); ``offset``: the first block still
-    in view."""
+    ``size / D`` ``groups``; ``axes``: (tensor axis, length, stride in blocks); ``offset``: the
+    first block still in view."""
 
     groups: int
     size: int
@@ -451,9 +449,8 @@ def carry_all(
     node: fx.Node, facts: list[tuple[fx.Node, int, Layout | None]], where: str
 ) -> tuple[int, Layout | None] | Refusal:
     """Where the feature axes of ``facts`` (input, axis, layout) land in ``node``'s output if all in
-    one place, with
-    the layout of the blocks (None unless all agree); else why not. The dataflow and the shift
-    passes share it."""
+    one place, with the layout of the blocks (None unless all agree); else why not. The dataflow
+    and the shift passes share it."""
     moved = [carry(node, src, axis, where) for src, axis, _ in facts]
     refused = next((m for m in moved if isinstance(m, Refusal)), None)
     if refused is not None or len(set(moved)) != 1:
@@ -477,8 +474,7 @@ class Source:
     groups: int = 1  # the shift its centering causes is constant within each of this many blocks
     chain: tuple[fx.Node, ...] = ()
     """For a LayerScale source (``node`` is ``γ ⊙ y``): the nodes from the layer to ``y``, whose
-    values
-    centering changes by more than a per-row constant."""
+    values centering changes by more than a per-row constant."""
 
     @property
     def plain(self) -> bool:
@@ -550,9 +546,8 @@ def other_reads(
     g: GraphIndex, ph: fx.Node, skip: Container[fx.Node], roles: Container[frozenset] = ()
 ) -> Iterator[tuple[fx.Node, Source | str | None]]:
     """The live readers of parameter ``ph`` outside ``skip``, each with the Source it is if that
-    centers as one
-    of ``roles`` (another call of the same layer), else the name it reads ``ph`` by (None if not
-    known)."""
+    centers as one of ``roles`` (another call of the same layer), else the name it reads ``ph``
+    by (None if not known)."""
     for user in g.readers(ph):
         if user in skip or user not in g.live:
             continue
@@ -570,8 +565,7 @@ GAIN_VIEWS = {"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "flatte
 
 def per_feature_param(g: GraphIndex, factor: Any, out: fx.Node, axis: int) -> str | None:
     """The parameter ``factor`` is if it is a gain along ``axis`` of ``out``, maybe reshaped to
-    broadcast
-    (``gamma.view(1, -1, 1, 1)``, metaformer's ``scale.view(C, 1, 1)``); else None."""
+    broadcast (``gamma.view(1, -1, 1, 1)``, metaformer's ``scale.view(C, 1, 1)``); else None."""
     dims, out_dims = shape(factor), shape(out)
     base = factor
     while isinstance(base, fx.Node) and op_name(base) in GAIN_VIEWS and base.args:
@@ -604,8 +598,7 @@ def linear_terms(
     stream: fx.Node, leaves: set[fx.Node]
 ) -> tuple[list[fx.Node], tuple[fx.Node, ...]] | None:
     """(the leaves reached, the nodes between, in graph order) if ``stream`` is a linear combination
-    of
-    ``leaves`` through MAP ops, adds and subs only; None if anything else enters it."""
+    of ``leaves`` through MAP ops, adds and subs only; None if anything else enters it."""
     order = {n: i for i, n in enumerate(stream.graph.nodes)}
     reached, inner, stack = [], set(), [stream]
     while stack:

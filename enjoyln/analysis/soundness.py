@@ -1,7 +1,6 @@
 """Pass 2: soundness. Centering a source shifts every value computed from it by a per-row constant
-(``Shift``);
-``Spread`` refuses sources whose shift reaches anything but an LN input or a centering
-(docs/how-it-works.md)."""
+(``Shift``); ``Spread`` refuses sources whose shift reaches anything but an LN input or a
+centering (docs/how-it-works.md)."""
 
 from __future__ import annotations
 
@@ -228,9 +227,8 @@ class ShiftSoundness(Spread):
 
     def _check_chain(self, src: Source) -> None:
         """Centering a layer for its LayerScale changes its output, and the sum it enters, by more
-        than a
-        per-row constant: only the product may read them, linearly, on the way the analysis
-        followed."""
+        than a per-row constant: only the product may read them, linearly, on the way the
+        analysis followed."""
         g = self.g
         inside = set(src.chain)
         for node in src.chain:

@@ -67,17 +67,15 @@ COVER_TOKENS = 4096
 """Most tokens in the coverage batch, spread over up to four rows of distinct ids."""
 COVER_BYTES = 1 << 30
 """About the most memory the coverage batch's float64 logits take beyond its first row: with a
-vocabulary of
-262,144 and 1,024 positions, four rows made 13 GiB of kept outputs, where one row covers every
-position."""
+vocabulary of 262,144 and 1,024 positions, four rows made 13 GiB of kept outputs, where one row
+covers every position."""
 
 
 def coverage_batch(
     model: nn.Module, *, seed: int = 0, length: int | None = None, max_rows: int = 4
 ) -> tuple[Inputs, Coverage] | None:
     """One batch that reaches every position the config allows, with as many distinct token ids as
-    fit
-    (a few random tokens reach a few percent of a table), or None without token inputs."""
+    fit (a few random tokens reach a few percent of a table), or None without token inputs."""
     if not is_hf_model(model):
         return None
     config, params = model.config, inspect.signature(model.forward).parameters

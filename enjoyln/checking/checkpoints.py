@@ -111,11 +111,9 @@ def check_checkpoints(
     stage: Callable[[str], None] | None = None,
 ) -> "CheckReport":
     """Prove CANDIDATE computes what REFERENCE does: every weight, then the outputs through both
-    load
-    paths (docs/checking.md). Either may be an opened ``Checkpoint``, handed on. ``options``: a
-    ``CheckOptions``; ``progress`` hears of the bytes the static part read, ``stage`` of each step
-    of
-    the forward part.
+    load paths (docs/checking.md). Either may be an opened ``Checkpoint``, handed on.
+    ``options``: a ``CheckOptions``; ``progress`` hears of the bytes the static part read,
+    ``stage`` of each step of the forward part.
     >>> check_checkpoints("gpt2-dir", "gpt2-folded").passed  # doctest: +SKIP
     True
     """
@@ -238,8 +236,7 @@ def _forward_part(
     stage: Callable[[str], None],
 ) -> CheckReport:
     """The outputs compared, with both models in memory or one at a time within ``budget``. Once
-    every
-    weight is proven (full mode, not thorough) it only confirms: short batches and a short
+    every weight is proven (full mode, not thorough) it only confirms: short batches and a short
     decode."""
     confirm = opts.mode == "full" and not opts.thorough
     batches = opts.batches if opts.batches is not None else CONFIRM_BATCHES if confirm else 3
@@ -405,8 +402,7 @@ def _bounded_sources(
     ref_ck: Checkpoint, cand_ck: Checkpoint, max_memory: int, missing: list[str], offload: Path
 ) -> tuple[ModelSource, ...]:
     """(reference, truth, candidate, plain) holding one model at a time within ``max_memory``,
-    weights read
-    from disk as each layer runs (accelerate)."""
+    weights read from disk as each layer runs (accelerate)."""
     if ref_ck.pickled or cand_ck.pickled:
         raise CheckpointError(
             "a check within a memory budget reads weights from safetensors files; convert "

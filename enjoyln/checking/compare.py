@@ -116,8 +116,7 @@ def _first_difference(path: str, a: Any, b: Any) -> tuple[str, Any, Any]:
 
 def _without_dtypes(config: dict[str, Any]) -> dict[str, Any]:
     """``config`` without its ``dtype`` and ``torch_dtype`` entries, at every level; a non-string
-    value
-    under that name (a token id in a vocabulary) stays."""
+    value under that name (a token id in a vocabulary) stays."""
     config = copy.deepcopy(config)
     stack = [config]
     while stack:
@@ -275,8 +274,7 @@ def identical_directories(ref: Checkpoint, cand: Checkpoint) -> bool:
 
 def file_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
     """Every file of the candidate but its config and weights must be one a fold of the reference
-    holds,
-    with its content, whatever its name (a loader may read any: PhoBERT's bpe.codes)."""
+    holds, with its content, whatever its name (a loader may read any: PhoBERT's bpe.codes)."""
     expected = extra_files(ref)
     actual, problems = loader_files(cand.path)
     problems = [f"the candidate's {p}" for p in problems]
@@ -315,8 +313,7 @@ def file_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
 
 def code_problems(ref: Checkpoint, cand: Checkpoint) -> list[str]:
     """What makes the candidate's remote code other than the reference's. Its code is imported only
-    once
-    this finds nothing: code that differs could rewrite the gate itself."""
+    once this finds nothing: code that differs could rewrite the gate itself."""
     if not (ref.custom_code or cand.custom_code):
         return []
     ours = {rel: p for rel, p in loader_files(ref.path)[0].items() if rel.endswith(".py")}

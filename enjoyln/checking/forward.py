@@ -1,6 +1,5 @@
 """The forward check: does a converted model compute what the original did? The criterion and the
-runs
-one model at a time are described in docs/checking.md."""
+runs one model at a time are described in docs/checking.md."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ FALLBACK_RTOL = 1e-5
 """The fixed criterion when the reference cannot run in the wider dtype."""
 COLLECT_BYTES = 64 << 20
 """A dropped model at least this large is collected at once: below it, the memory it holds is small
-beside the
-process's own, and a full collection costs more than it frees."""
+beside the process's own, and a full collection costs more than it frees."""
 
 
 def _dtype(model: nn.Module) -> torch.dtype:
@@ -94,10 +92,8 @@ class ModelSource:
 
     def drop(self, dtype: torch.dtype) -> None:
         """Free the deleted model from ``get(dtype)`` before the next one loads (it holds reference
-        cycles).
-        A full collection walks every object of the process, a second or more in a large one, so a
-        model
-        under ``COLLECT_BYTES`` is left to the collector's own schedule."""
+        cycles). A full collection walks every object of the process, a second or more in a large
+        one, so a model under ``COLLECT_BYTES`` is left to the collector's own schedule."""
         if self.held and dtype == self.dtype:
             return
         if (
@@ -123,8 +119,7 @@ class CandidatePath:
 
 def resolved(options: CheckOptions) -> CheckOptions:
     """``options`` with what it leaves to the check decided as for models in memory: 3 batches, the
-    first
-    covering every position, 8 decoded tokens, no token sweep."""
+    first covering every position, 8 decoded tokens, no token sweep."""
     o = options
     return dataclasses.replace(
         o,
@@ -146,9 +141,8 @@ def check(
     fp32_reference: nn.Module | None = None,
 ) -> CheckReport:
     """Compare ``candidate`` with ``reference`` on seeded input batches, and greedy decoding for
-    causal LMs;
-    ``options``: a ``CheckOptions`` (``CheckOptions(batches=4)``), of which the forward fields
-    apply.
+    causal LMs; ``options``: a ``CheckOptions`` (``CheckOptions(batches=4)``), of which the
+    forward fields apply.
     >>> import copy, torch, enjoyln
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     >>> folded = enjoyln.fold(copy.deepcopy(net), torch.randn(2, 8))
@@ -174,9 +168,8 @@ def check_sources(
     stage: Callable[[str], None] | None = None,
 ) -> CheckReport:
     """``check``, with models produced one at a time: the reference, its truth in the next wider
-    dtype
-    (``truth``, or the reference itself), then each load path of the candidate (the first is
-    judged)."""
+    dtype (``truth``, or the reference itself), then each load path of the candidate (the first
+    is judged)."""
     options = resolved(options)
     comparison = _Comparison(
         reference, truth or reference, candidates[0].source, options, stage or (lambda what: None)
@@ -303,8 +296,7 @@ class _Comparison:
 
     def truth_runs(self) -> None:
         """The truth's outputs in the next wider dtype, or, where the original cannot run in it (a
-        hard-coded
-        float32 cast meeting float64 weights), the fixed criterion instead."""
+        hard-coded float32 cast meeting float64 weights), the fixed criterion instead."""
         self.truth_out = None
         if self.crit.kind != "precision":
             return

@@ -17,8 +17,7 @@ FACTOR = 4.0
 (docs/checking.md)."""
 FLOOR_EPS = 1.0
 """The reference's own error is at least this many epsilons of the output's scale, so that an output
-it
-computes exactly (a copy, a sum of integers) still allows the candidate a rounding."""
+it computes exactly (a copy, a sum of integers) still allows the candidate a rounding."""
 
 
 class Outputs:
@@ -117,10 +116,8 @@ def measure(
     name: str, base: Outputs, truth: Outputs | None, batch: int, cand: torch.Tensor | None
 ) -> Stats:
     """One output of one batch, compared chunk by chunk (never three float64 copies of the logits).
-    A truth
-    not finite where the reference is (a float64 overflow) is replaced there by the reference, which
-    only
-    tightens the bound."""
+    A truth not finite where the reference is (a float64 overflow) is replaced there by the
+    reference, which only tightens the bound."""
     if cand is None or cand.shape != base.shape(batch, name):
         return Stats(mismatch=True)
     flat = cand.detach().contiguous().view(-1).split(CHUNK)

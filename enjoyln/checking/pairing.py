@@ -54,11 +54,9 @@ def pair_tensors(
     plan: FoldPlan, ref: Checkpoint, cand: Checkpoint
 ) -> tuple[list[Pair], list[str], list[str]]:
     """(pairs, problems, missing): each tensor the candidate's model loads, then each other it
-    stores, paired with the
-    reference's; what cannot be paired; the parameters its model builds that neither checkpoint
-    holds (random on every
-    load). The reference's tied names are one tensor, centered once, even where the candidate stores
-    them apart."""
+    stores, paired with the reference's; what cannot be paired; the parameters its model builds
+    that neither checkpoint holds (random on every load). The reference's tied names are one
+    tensor, centered once, even where the candidate stores them apart."""
     centerings: dict[str, list[Centering]] = {}
     for c in plan.centered:
         if c.saved:  # a non-persistent buffer is not in any checkpoint; load centers it
@@ -105,9 +103,8 @@ def pair_tensors(
 
 def as_reference_holds(ref: Checkpoint, names: list[str]) -> list[str]:
     """``names`` counted as the reference's model holds them, tied names once: an untie in the
-    candidate (a
-    head's bias that followed its decoder) makes two tensors of one, but not one more missing
-    parameter."""
+    candidate (a head's bias that followed its decoder) makes two tensors of one, but not one
+    more missing parameter."""
     groups = tensor_names(ref.meta)
     return list(dict.fromkeys(groups.get(n, (n,))[0] for n in names))
 

@@ -66,8 +66,8 @@ class NearTie:
 @dataclass
 class GenerationCheck:
     """Greedy decoding from the same prompts: identical tokens, but for a row that flips at a
-    genuine
-    near-tie (``generation.judge_generation``); the tokens after a flip are not compared."""
+    genuine near-tie (``generation.judge_generation``); the tokens after a flip are not
+    compared."""
 
     passed: bool
     new_tokens: int

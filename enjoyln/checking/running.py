@@ -96,8 +96,7 @@ def run_model(model: nn.Module, inputs: Inputs, seed: int) -> dict[str, torch.Te
 
 def seed_missing(model: nn.Module, names: list[str], seed: int = 0) -> nn.Module:
     """Give the parameters ``names`` (which no checkpoint holds, so every load draws them at random)
-    the
-    same seeded values in every model the check loads.
+    the same seeded values in every model the check loads.
 
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
     >>> a = seed_missing(net, ["0.bias"])[0].bias.clone()

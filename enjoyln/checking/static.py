@@ -1,6 +1,5 @@
 """The static check: prove a checkpoint is the fold plan applied to another, tensor by tensor, with
-no
-model in memory (docs/checking.md); config, files, dtype, code and plan are compared in
+no model in memory (docs/checking.md); config, files, dtype, code and plan are compared in
 ``checking.compare``."""
 
 from __future__ import annotations
@@ -248,8 +247,8 @@ def _recorded(
     ref: Checkpoint, cand: Checkpoint, recorded: FoldPlan, dtype: str | None
 ) -> _Resolved:
     """A recorded plan, confirmed by the analysis, and the block it must be written as. The tensors
-    are
-    never judged by a recorded plan it does not confirm, whose centerings may not even apply."""
+    are never judged by a recorded plan it does not confirm, whose centerings may not even
+    apply."""
     out = _Resolved(FoldPlan(type(ref.meta).__name__), "recorded", recorded)
     try:
         analysed: FoldPlan | None = _analysis(ref, recorded)
@@ -298,8 +297,7 @@ def _verify(
     progress: Callable[[int, int], None] | None,
 ) -> Verdicts:
     """Every paired tensor judged; a fused affine's or a rotation's recomputed from the reference by
-    the
-    fold's own code (and, for a candidate in another dtype, from the reference cast)."""
+    the fold's own code (and, for a candidate in another dtype, from the reference cast)."""
     plan, (ref, cand) = resolved.plan, checkpoints
     expected = cast = None
     if moves_values(plan) and not resolved.problems:
@@ -330,8 +328,7 @@ def _verify(
 
 def _judge(resolved: _Resolved, v: Verdicts, files: list[str], *, moved: bool) -> StaticReport:
     """The verdict. Without a recorded plan the candidate may be the reference itself or the whole
-    plan
-    applied; anything in between is judged against whichever form it is closer to."""
+    plan applied; anything in between is judged against whichever form it is closer to."""
     unrecorded = resolved.recorded is None
     identical = (
         not moved

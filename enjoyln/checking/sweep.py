@@ -1,8 +1,7 @@
 """The token sweep of a forward-only check: the token ids the other batches missed, up to a limit
-(every id
-of a vocabulary within it), each output kept as a linear random sketch (``SKETCH`` columns), which
-the
-precision-aware criterion judges as it judges whole outputs (docs/checking.md)."""
+(every id of a vocabulary within it), each output kept as a linear random sketch (``SKETCH``
+columns), which the precision-aware criterion judges as it judges whole outputs
+(docs/checking.md)."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ from ..analysis.inputs import (
 
 SWEEP_TOKENS = 8192
 """The most token ids the sweep runs by default beyond those the other batches drew
-(``--sweep-tokens``): each
-costs a row of logits in every model run, so a 262,144-id vocabulary swept whole took hours on 2
-cores."""
+(``--sweep-tokens``): each costs a row of logits in every model run, so a 262,144-id vocabulary
+swept whole took hours on 2 cores."""
 SKETCH = 16
 """Columns of the sketch each sweep output keeps per row."""
 BATCH_BYTES = 256 << 20
@@ -46,8 +44,7 @@ def sweep_bytes(
     vocab: int, hidden: int, params: int, length: int = 64, rows: int | None = None
 ) -> int:
     """The memory one sweep batch (of ``rows`` rows, or as many as ``batch_tokens`` gives) keeps
-    live: its
-    float64 outputs and hidden states (for the memory pre-check)."""
+    live: its float64 outputs and hidden states (for the memory pre-check)."""
     tokens = batch_tokens(vocab, hidden, params, length) if rows is None else rows * length
     return tokens * 8 * (vocab + 16 * hidden)
 
@@ -65,8 +62,7 @@ def token_sweep(
     limit: int = SWEEP_TOKENS,
 ) -> tuple[list[Inputs], int]:
     """(batches that together run the token ids of ``model``'s vocabulary not in ``drawn``, at most
-    ``limit`` of
-    them, drawn at random; how many ids neither ran)."""
+    ``limit`` of them, drawn at random; how many ids neither ran)."""
     config = getattr(model, "config", None)
     vocab = config_value(config, "vocab_size") if is_hf_model(model) else None
     if not isinstance(vocab, int) or vocab <= 0:
@@ -113,8 +109,7 @@ def drawn_ids(batches: list[Inputs]) -> set[int]:
 
 def sketched(outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each output's sketch, under its name with ``SUFFIX``: floating outputs wider than ``SKETCH``
-    times a
-    fixed random matrix along the last axis, in float64; others as they are."""
+    times a fixed random matrix along the last axis, in float64; others as they are."""
     return {
         name + SUFFIX: t.detach().to(torch.float64) @ _matrix(t.shape[-1])
         if t.is_floating_point() and t.dim() and t.shape[-1] > SKETCH

@@ -1,7 +1,6 @@
 """The static check's verdict on each tensor: bit for bit what the fold computes in the reference's
 dtype, or for another ``--dtype`` exactly one of *fold, then cast* and *cast, then fold*, each
-rounded
-to nearest (docs/checking.md)."""
+rounded to nearest (docs/checking.md)."""
 
 from __future__ import annotations
 
@@ -99,8 +98,7 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def locate(name: str, cand: torch.Tensor, expected: torch.Tensor) -> Difference | None:
     """Where ``cand`` is furthest from ``expected`` (the same shape and dtype), in float64, a chunk
-    at a
-    time; NaN against a number counts as infinitely far. None if they are the same bytes."""
+    at a time; NaN against a number counts as infinitely far. None if they are the same bytes."""
     c, e = cand.reshape(-1), expected.reshape(-1)
     worst, where = 0.0, -1
     for start in range(0, c.numel(), CHUNK):
@@ -149,8 +147,7 @@ def center_as_planned(
 
 def cast_allowed(ref: torch.dtype, cand: torch.dtype, dtype: str | None = None) -> bool:
     """The changes of dtype a candidate may make: a wider float, which is exact (``load_problems``
-    checks
-    the dtype it loads in), or a narrower float of the ``dtype`` the caller names."""
+    checks the dtype it loads in), or a narrower float of the ``dtype`` the caller names."""
     wider = {
         torch.float16: (torch.float32, torch.float64),
         torch.bfloat16: (torch.float32, torch.float64),
@@ -168,9 +165,8 @@ def cast_allowed(ref: torch.dtype, cand: torch.dtype, dtype: str | None = None) 
 
 def nearest(name: str, cand: torch.Tensor, makes: Sequence[Make]) -> tuple[bool, Difference | None]:
     """(whether ``cand`` is bit for bit one of the tensors ``makes`` compute, rounded to nearest,
-    each made
-    only if the one before is not; where it differs from the first, None if that has another
-    shape)."""
+    each made only if the one before is not; where it differs from the first, None if that has
+    another shape)."""
     first = None
     for make in makes:
         expected = make()
@@ -186,9 +182,8 @@ def nearest(name: str, cand: torch.Tensor, makes: Sequence[Make]) -> tuple[bool,
 
 class Verifier:
     """Each paired tensor judged, from the mapped files where that proves it, else read;
-    ``expected``
-    computes a fused or rotated fold's tensors, ``cast_expected`` those of the reference cast
-    (``run`` closes both)."""
+    ``expected`` computes a fused or rotated fold's tensors, ``cast_expected`` those of the
+    reference cast (``run`` closes both)."""
 
     def __init__(
         self,
@@ -278,9 +273,8 @@ class Verifier:
 
     def _mapped(self, order: list[Pair]) -> dict[str, tuple[bool, bool]]:
         """(identical, folded) for every tensor both mapped files prove right: byte for byte, or
-        centered and
-        compared in one pass of the C kernel. Anything else is left to the reading path, which says
-        why."""
+        centered and compared in one pass of the C kernel. Anything else is left to the reading
+        path, which says why."""
         ref, cand = self.ref, self.cand
         decided: dict[str, tuple[bool, bool]] = {}
         eligible = [

@@ -22,9 +22,8 @@ class NotWidened(RuntimeError):
 
 class _Scratch:
     """Stack-ordered scratch memory in chunks, taken by a module's forward and given back when it
-    ends: chunks
-    are allocated (and first touched) once, by the largest module, and reused by every one after
-    it."""
+    ends: chunks are allocated (and first touched) once, by the largest module, and reused by
+    every one after it."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -79,9 +78,8 @@ def _copies_of_views(out: Any, storages: set[int]) -> Any:
 @contextlib.contextmanager
 def widened(model: nn.Module, dtype: torch.dtype) -> Iterator[_Scratch]:
     """Within the block, calling ``model`` computes in ``dtype`` as ``model.to(dtype)`` would, one
-    module's
-    weights converted at a time; ``NotWidened`` (on leaving) if a weight was not read by its owner's
-    forward.
+    module's weights converted at a time; ``NotWidened`` (on leaving) if a weight was not read by
+    its owner's forward.
 
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     >>> with widened(net, torch.float64):

@@ -1,6 +1,5 @@
 """The commands on model directories. Whatever can be checked without torch is checked first
-(options,
-paths, a hub id), so bad input is refused in a fraction of a second."""
+(options, paths, a hub id), so bad input is refused in a fraction of a second."""
 
 from __future__ import annotations
 
@@ -162,8 +161,7 @@ def rotate(
     revision: Revision = None,
 ) -> None:
     """Fold with fused affines and rotate each residual stream (a vision tower's too) by an
-    orthogonal Q; same
-    outputs, proved.
+    orthogonal Q; same outputs, proved.
 
     Example: enjoyln rotate gpt2-dir gpt2-rotated --kind hadamard
     """

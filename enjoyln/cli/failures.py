@@ -1,6 +1,5 @@
 """How a command fails: one line on stderr (with ``--json`` a JSON document on stdout) and an exit
-code
-(2 bad input, 1 a failed check, 130 Ctrl-C, 143 SIGTERM), never a traceback."""
+code (2 bad input, 1 a failed check, 130 Ctrl-C, 143 SIGTERM), never a traceback."""
 
 from __future__ import annotations
 

@@ -105,8 +105,7 @@ AllowMissing = Annotated[
 
 class OptionSet:
     """Typer options declared once, as the parameters of ``build``, which makes their values into
-    what
-    a command takes; ``takes`` gives them to every command that shares them."""
+    what a command takes; ``takes`` gives them to every command that shares them."""
 
     def __init__(self, build: Callable[..., Any]) -> None:
         self.build = build
@@ -117,11 +116,9 @@ def takes(
     *shared: OptionSet, **sets: OptionSet
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A typer command whose parameter ``name`` is ``sets[name]``'s built value; ``shared`` sets it
-    reads
-    no value of (``--quiet``, which the command's wrapper reads). Typer reads a command's options
-    from
-    its signature, so the one given here lists the command's own parameters with each set's in place
-    of its value.
+    reads no value of (``--quiet``, which the command's wrapper reads). Typer reads a command's
+    options from its signature, so the one given here lists the command's own parameters with
+    each set's in place of its value.
 
     >>> @takes(access=ACCESS)
     ... def show(path: str, access: Access) -> None: print(path, access.allow_pickle)

@@ -1,7 +1,6 @@
 """Progress on stderr, on a terminal only: a spinner naming the phase, and byte bars. Totals never
-jump (an
-unknown one shows a count, no bar); rates show only once a second has passed (a burst gives
-none)."""
+jump (an unknown one shows a count, no bar); rates show only once a second has passed (a burst
+gives none)."""
 
 from __future__ import annotations
 

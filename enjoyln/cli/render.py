@@ -25,9 +25,8 @@ from .progress import honest_rate
 
 class _OnFirstUse:
     """A rich Console made when first used, not at import: making one asks the stream whether it is
-    a
-    terminal, and at import the command line has not yet made its streams safe (fd 1 closed leaves
-    ``sys.stdout`` None)."""
+    a terminal, and at import the command line has not yet made its streams safe (fd 1 closed
+    leaves ``sys.stdout`` None)."""
 
     def __init__(self, make: Callable[[], Console]) -> None:
         object.__setattr__(self, "_make", make)
@@ -441,8 +440,8 @@ def print_kernels(results: list[Any]) -> None:
 
 def print_latency(lat: Any, a: str = "original", b: str = "folded", what: str = "") -> None:
     """The difference in one direction (from the run-by-run ratios), then the reference's own time:
-    the two
-    medians are not set side by side, since on a drifting machine they can point the other way."""
+    the two medians are not set side by side, since on a drifting machine they can point the
+    other way."""
     out.print(f"{what}{lat.difference(a, b)}")
     tokens = f", {lat.tokens_per_s('a'):,.0f} tokens/s" if lat.tokens else ""
     out.print(

@@ -1,7 +1,6 @@
 """The command line's standard streams, made safe before anything uses them. A closed descriptor is
 opened on /dev/null, so that no file the command opens later takes its number (a weight shard on fd
-1
-would receive the report). stdout and stderr are rebuilt on writers that never raise: once a write
+1 would receive the report). stdout and stderr are rebuilt on writers that never raise: once a write
 fails (a full disk, a reader that went away), what follows is dropped, and the exit code stays the
 command's own (a check's verdict, a published fold), not that of the failed print."""
 
@@ -19,8 +18,7 @@ STANDARD = (0, 1, 2)
 
 def guard_streams() -> None:
     """Open every closed standard descriptor on /dev/null; rebuild ``sys.stdout`` and ``sys.stderr``
-    on
-    writers that drop their output, rather than raise, once it cannot be written."""
+    on writers that drop their output, rather than raise, once it cannot be written."""
     for fd in STANDARD:  # in order, so os.open returns the lowest closed one
         try:
             os.fstat(fd)
@@ -67,8 +65,7 @@ def _rebuilt(stream: TextIO | None, fd: int, name: str) -> TextIO:
 
 class _Unfailing(io.FileIO):
     """A descriptor's writer that, at its first failed write, says why on stderr (but for a reader
-    that
-    went away, which ``| head`` does by design) and drops everything after."""
+    that went away, which ``| head`` does by design) and drops everything after."""
 
     def __init__(self, fd: int, name: str) -> None:
         super().__init__(fd, "w", closefd=False)

@@ -1,6 +1,6 @@
 """ONNX export of folded models: ``enjoyln::rms_norm`` as ``RMSNormalization`` (opset 23+) or
-onnxruntime's
-``SimplifiedLayerNormalization``, then an ``Add`` for a kept β (docs/performance.md)."""
+onnxruntime's ``SimplifiedLayerNormalization``, then an ``Add`` for a kept β
+(docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -406,8 +406,7 @@ def _dynamic_axes(model: nn.Module, inputs: Inputs) -> dict[str, Any]:
 
 def second_shape(inputs: Inputs, shapes: dict[str, list[Any]]) -> Inputs:
     """Fresh inputs with every dynamic axis of ``shapes`` resized: ``batch_size`` one larger, every
-    other
-    a quarter shorter; an ``attention_mask`` pads the end of its last row."""
+    other a quarter shorter; an ``attention_mask`` pads the end of its last row."""
     positional = [n for n in shapes if n not in inputs.kwargs]
     named = dict(zip(positional, inputs.args)) | inputs.kwargs
     sizes: dict[str, int] = {}

@@ -14,10 +14,8 @@ def output_config(
     checkpoint: Checkpoint, plan: FoldPlan, dtype: str | None = None
 ) -> dict[str, Any]:
     """The input's config.json with the ``enjoyln`` block, and the dtype it loads in where it names
-    none
-    (transformers would otherwise take the first tensor's, which an untied head or re-sharding
-    changes),
-    or ``dtype``, the one the fold is stored in."""
+    none (transformers would otherwise take the first tensor's, which an untied head or
+    re-sharding changes), or ``dtype``, the one the fold is stored in."""
     config = json.loads(json.dumps(checkpoint.config))
     if (
         checkpoint.source == "transformers"

@@ -24,9 +24,8 @@ def analyze_dir(
     must_rotate: bool = False,
 ) -> FoldPlan:
     """The plan for ``checkpoint``'s meta model, analysed again where a gain it divides by has a
-    zero entry;
-    ``must_rotate``: a rotation the meta model already rules out is refused before any weight is
-    read."""
+    zero entry; ``must_rotate``: a rotation the meta model already rules out is refused before
+    any weight is read."""
     options = {
         "auxiliary_centering": auxiliary_centering,
         "fuse_affine": fuse_affine,
@@ -63,8 +62,8 @@ def missing_note(names: list[str], architecture: str) -> Note:
 
 def missing_refusal(checkpoint: Checkpoint) -> CheckpointError:
     """A fold that would write a checkpoint whose model draws some parameters at random on every
-    load, refused
-    (``--allow-missing`` folds it), naming the class the weights match where there is one."""
+    load, refused (``--allow-missing`` folds it), naming the class the weights match where there
+    is one."""
     names, arch = checkpoint.missing, checkpoint.architecture
     many = len(names) > 1
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

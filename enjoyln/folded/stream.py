@@ -1,8 +1,6 @@
 """The plan applied to a checkpoint tensor by tensor, without the model in memory:
-``StreamedTensors``
-replays each slot's trace with the functions the steps run, in the same order and dtypes, so the
-bits are
-those of the plan applied to the loaded model."""
+``StreamedTensors`` replays each slot's trace with the functions the steps run, in the same order
+and dtypes, so the bits are those of the plan applied to the loaded model."""
 
 from __future__ import annotations
 
@@ -27,10 +25,8 @@ STASH_BYTES = 512 << 20
 
 def output_slots(t: Tracer, plan: FoldPlan, ck: Checkpoint) -> dict[str, int]:
     """The keys of the folded checkpoint, each with its slot: every name's key, an untied head, a
-    dropped
-    tie, then a changed tensor stored only under a name it no longer shares (an embedding saved only
-    as
-    the tied head)."""
+    dropped tie, then a changed tensor stored only under a name it no longer shares (an embedding
+    saved only as the tied head)."""
     slots: dict[str, int] = {}
     names, key, saved = t.names(), ck.key, ck.saved
     for name in names:
@@ -71,8 +67,7 @@ class Output:
 
 class StreamedTensors:
     """Every tensor of ``md`` folded by ``plan``, by key, each computed when asked for (to read, not
-    to
-    change); with ``dtype``, those of the model loaded in that dtype, then folded.
+    to change); with ``dtype``, those of the model loaded in that dtype, then folded.
 
     >>> tensors = StreamedTensors(open_checkpoint(path), plan)  # doctest: +SKIP
     >>> tensors.get("lm_head.weight").shape  # doctest: +SKIP
@@ -166,8 +161,7 @@ class StreamedTensors:
 
     def centerings(self, key: str) -> tuple[str | None, list[Centering]]:
         """The key the output's bytes come from (through an untied copy) and the centerings applied
-        on the
-        way, in order."""
+        on the way, in order."""
         out = self.outputs[key]
         if out.slot is None:
             return out.raw, []
@@ -228,10 +222,8 @@ class StreamedTensors:
 
     def _scaled_rotation(self, index: int, v: int, ops: list[Op], t: torch.Tensor) -> bool:
         """A fused gain and the rotation after it (``ops[v]``, ``ops[v + 1]``) applied in one pass
-        of the
-        rotation kernel, with the bits of the two steps one after the other; False where they cannot
-        be,
-        or where another slot reads the scaled weight before its rotation."""
+        of the rotation kernel, with the bits of the two steps one after the other; False where
+        they cannot be, or where another slot reads the scaled weight before its rotation."""
         if v + 1 >= len(ops) or (index, v + 1) in self._taps:
             return False
         scale, rotate = ops[v], ops[v + 1]

@@ -19,8 +19,7 @@ def _mark_unit(t: torch.Tensor) -> None:
 
 def _is_unit(t: torch.Tensor | None) -> bool:
     """``t`` is a weightless norm's ones as made: not written in place (the version), not given
-    other
-    data (``.data =`` moves the pointer), not a copy (new storage)."""
+    other data (``.data =`` moves the pointer), not a copy (new storage)."""
     mark = getattr(t, _UNIT, None) if t is not None else None
     return (
         mark is not None
@@ -31,8 +30,8 @@ def _is_unit(t: torch.Tensor | None) -> bool:
 
 def _sharing(cls: type, module: nn.Module, children: bool = False, **attrs: Any) -> Any:
     """A ``cls`` with ``attrs`` sharing ``module``'s ``weight`` and ``bias`` (or None) and its mode;
-    with
-    ``children``, its child modules too, under their names (so their parameters keep theirs)."""
+    with ``children``, its child modules too, under their names (so their parameters keep
+    theirs)."""
     new = cls.__new__(cls)
     nn.Module.__init__(new)
     for name, value in attrs.items():
@@ -47,8 +46,8 @@ def _sharing(cls: type, module: nn.Module, children: bool = False, **attrs: Any)
 
 class RMSNorm(nn.Module):
     """RMSNorm with ``nn.LayerNorm``'s interface. A weightless norm keeps a ``weight`` of ones for
-    tools that fold
-    a gain into the next layer (llmcompressor); once one writes to it, ``forward`` multiplies by it.
+    tools that fold a gain into the next layer (llmcompressor); once one writes to it,
+    ``forward`` multiplies by it.
 
     >>> ln = torch.nn.LayerNorm(8, eps=1e-12)
     >>> rms = RMSNorm.from_layer_norm(ln)

@@ -1,9 +1,7 @@
 """Raw RMSNorm kernels, kept apart from the ``nn.Module`` that uses them: ``rms_norm`` picks the
-fused C
-kernel on CPU, ``F.rms_norm`` or the Triton kernel on CUDA, else the reference; where autograd or a
-tracer
-must see the call it is the CompositeImplicitAutograd op ``torch.ops.enjoyln.rms_norm``
-(docs/performance.md)."""
+fused C kernel on CPU, ``F.rms_norm`` or the Triton kernel on CUDA, else the reference; where
+autograd or a tracer must see the call it is the CompositeImplicitAutograd op
+``torch.ops.enjoyln.rms_norm`` (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -45,8 +43,7 @@ def status() -> dict[str, str]:
 
 def paths() -> dict[str, dict[str, str]]:
     """Which implementation each kind of call takes, by device ('cuda' where a GPU is at hand), and
-    under a
-    tracer on any device (``enjoyln env``).
+    under a tracer on any device (``enjoyln env``).
 
     >>> sorted(paths())  # doctest: +SKIP
     ['any device', 'cpu']
@@ -166,8 +163,7 @@ _rms_norm_kernel.register_autograd(_backward, setup_context=_setup)
 class _Fused(torch.autograd.Function):
     """The fused C kernel with the op's backward, as one Python autograd node: where the C++ node
     (``grad.py``) cannot be built, for plain CPU tensors that need a gradient outside any tracer,
-    where the
-    op's dispatch would cost several LayerNorm calls (docs/performance.md)."""
+    where the op's dispatch would cost several LayerNorm calls (docs/performance.md)."""
 
     @staticmethod
     def forward(
@@ -247,9 +243,8 @@ _library.impl("rms_norm", _composite, "CompositeImplicitAutograd")
 @contextlib.contextmanager
 def opaque() -> Iterator[None]:
     """Inside this block ``enjoyln::rms_norm`` decomposes to one opaque ``enjoyln::rms_norm_kernel``
-    node, for
-    exporters that decompose every composite op they do not know (``run_decompositions()``, some
-    ONNX ones).
+    node, for exporters that decompose every composite op they do not know
+    (``run_decompositions()``, some ONNX ones).
 
     >>> ep = torch.export.export(enjoyln.fold(model), inputs)   # doctest: +SKIP
     >>> with opaque():                                           # doctest: +SKIP
@@ -279,8 +274,8 @@ HOT, GRAD, OP = (
 
 def _mode(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> int:
     """HOT, GRAD or OP for this call, inline (no ``_plain`` calls): at small shapes a call costs
-    LayerNorm-sized
-    time. GRAD needs no functorch transform active: ``_fused`` skips functorch's handling."""
+    LayerNorm-sized time. GRAD needs no functorch transform active: ``_fused`` skips functorch's
+    handling."""
     if type(x) is not Tensor or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return OP
     grad = torch.is_grad_enabled()

@@ -42,8 +42,7 @@ def compiler(env: str = "CC", names: tuple[str, ...] = ("cc", "gcc", "clang")) -
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """``path`` held by this process alone: processes building the same library (pytest-xdist's
-    workers)
-    build it once, the others waiting, then loading what it wrote."""
+    workers) build it once, the others waiting, then loading what it wrote."""
     if fcntl is None:  # no POSIX locks: each builds, the rename below still atomic
         yield
         return
@@ -66,8 +65,7 @@ def build_library(
     timeout: float = 120,
 ) -> Path:
     """``source`` compiled by ``program`` (a compiler) into the cache, once per source, program,
-    flags,
-    ``key`` and machine; the path of the library."""
+    flags, ``key`` and machine; the path of the library."""
     # the headers beside it are part of what it compiles to
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     digest = hashlib.sha256(
@@ -112,8 +110,7 @@ def compile_library(source: Path, flags: list[str]) -> ctypes.CDLL:
 
 class Once:
     """A C library built on first use, once per process (``ENJOYLN_DISABLE_CPU_KERNEL``: never);
-    calling it
-    returns the library, or None with ``error`` saying why."""
+    calling it returns the library, or None with ``error`` saying why."""
 
     def __init__(self, build: Callable[[], Any]) -> None:
         self.build, self.lock, self.loaded, self.value, self.error = (

@@ -1,8 +1,7 @@
 """RMSNorm on CUDA: which implementation runs, decided once per process from what was measured
 (docs/performance.md: ``F.rms_norm`` without a bias, the Triton kernel through the cached launcher
-with a
-bias or residual or from 32 MiB), and the call's hot path. ``ENJOYLN_CUDA_PATH`` (or ``force``) pins
-one."""
+with a bias or residual or from 32 MiB), and the call's hot path. ``ENJOYLN_CUDA_PATH`` (or
+``force``) pins one."""
 
 from __future__ import annotations
 
@@ -124,9 +123,8 @@ def narrow(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) 
 
 def choose(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: bool = False) -> str:
     """'native' (F.rms_norm), 'native+bias', 'triton' (cached launcher), 'triton-jit' or
-    'reference': a pure
-    function of the process state and the call's dtypes and size, so it is decided (and tested)
-    without a GPU.
+    'reference': a pure function of the process state and the call's dtypes and size, so it is
+    decided (and tested) without a GPU.
 
     >>> choose(torch.randn(2048, 768, device="cuda"), None, None)  # doctest: +SKIP
     'native'
@@ -176,8 +174,8 @@ def _lose_triton(exc: Exception) -> None:
 
 def _triton(name: str, *args: Any, cached: bool) -> Any:
     """``triton_kernels.<name>(*args)``, or None once it failed (then the caller takes a path
-    without Triton).
-    Out of memory is not Triton's fault: every path would need the memory, so it is raised."""
+    without Triton). Out of memory is not Triton's fault: every path would need the memory, so it
+    is raised."""
     try:
         return getattr(_state.triton, name)(*args, cached=cached)
     except torch.cuda.OutOfMemoryError:
@@ -223,18 +221,15 @@ def rms_norm_autograd(
     eps: float,
 ) -> Tensor:
     """For a call that needs a gradient: ``F.rms_norm`` then the bias add, whose backward torch's
-    autograd
-    computes in C++ (in the input's dtype from float32 up: float64 stays float64)."""
+    autograd computes in C++ (in the input's dtype from float32 up: float64 stays float64)."""
     y = F.rms_norm(x, normalized_shape, weight, eps)
     return y + bias if bias is not None else y
 
 
 def unfused(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> str:
     """The path of a call the hot path turns away (strided, mixed dtypes): the Triton kernel, which
-    reads
-    strided rows and mixed dtypes, where they are float32 or narrower and all on ``x``'s GPU; else
-    the
-    reference. Pure, as ``choose`` is.
+    reads strided rows and mixed dtypes, where they are float32 or narrower and all on ``x``'s
+    GPU; else the reference. Pure, as ``choose`` is.
 
     >>> unfused(torch.randn(8, 4, dtype=torch.float64, device="cuda").t(), None, None)  # doctest: +SKIP
     'reference'
@@ -264,8 +259,7 @@ def rms_norm_any(
     eps: float,
 ) -> Tensor:
     """Any CUDA call, the ones the hot path turns away included: ``rms_norm_cuda`` where the hot
-    path takes
-    it, else ``unfused``'s path."""
+    path takes it, else ``unfused``'s path."""
     if supports(x, weight, bias):
         return rms_norm_cuda(x, normalized_shape, weight, bias, eps)
     path = unfused(x, weight, bias)
@@ -309,8 +303,7 @@ NAMES = {
 
 def cases() -> dict[str, str]:
     """Which path each kind of call on a GPU takes in this process (``enjoyln env``), as ``choose``
-    and
-    ``unfused`` decide it for meta tensors of that kind: no GPU needed.
+    and ``unfused`` decide it for meta tensors of that kind: no GPU needed.
 
     >>> cases()["float64"]  # doctest: +SKIP
     "torch's F.rms_norm, then the bias add"

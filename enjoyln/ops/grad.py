@@ -1,8 +1,7 @@
 """The CPU RMSNorm with a gradient as one C++ autograd node: a torch extension
-(``rmsnorm_grad.cpp``) built on
-first use against the running torch into ``$ENJOYLN_CACHE``; where it cannot be built, ``ops`` takes
-the
-Python ``autograd.Function`` instead, with one warning (docs/performance.md)."""
+(``rmsnorm_grad.cpp``) built on first use against the running torch into ``$ENJOYLN_CACHE``;
+where it cannot be built, ``ops`` takes the Python ``autograd.Function`` instead, with one
+warning (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -28,9 +27,8 @@ FLAGS = ["-O1", "-shared", "-fPIC", "-std=c++20", "-w"]
 
 def _flags() -> tuple[list[str], list[str]]:
     """Compile and link flags for the running torch and Python: the paths
-    ``torch.utils.cpp_extension`` gives
-    for a CPU extension, named here because importing it imports setuptools and costs 0.3 s per
-    process."""
+    ``torch.utils.cpp_extension`` gives for a CPU extension, named here because importing it
+    imports setuptools and costs 0.3 s per process."""
     root = Path(torch.__file__).parent
     includes = [
         root / "include",

@@ -2,12 +2,10 @@
 as n x n.
 
 For a width ``n = k * m`` (``k`` a power of two, ``m`` odd) ``Q = S (H_k ⊗ B) (I - 2 w wᵀ)``: random
-signs,
-a Walsh–Hadamard transform on the power-of-two part, an ``m x m`` orthogonal block on the odd part,
-and, to
-map the ones vector to itself, a reflection applied as a rank-one update. Every bit of it comes from
-arithmetic this package fixes (``rotate.c``), so a rotated checkpoint is recomputed bit for bit
-anywhere.
+signs, a Walsh–Hadamard transform on the power-of-two part, an ``m x m`` orthogonal block on the odd
+part, and, to map the ones vector to itself, a reflection applied as a rank-one update. Every bit of
+it comes from arithmetic this package fixes (``rotate.c``), so a rotated checkpoint is recomputed
+bit for bit anywhere.
 
 >>> table = structured(12, 0, True)
 >>> x = torch.ones(1, 12, dtype=torch.float64)
@@ -126,8 +124,8 @@ class Structured:
         scale: int | None = None,
     ) -> int:
         """``rotate.c`` on the vectors at ``src`` laid out as (outer, outer stride, inner), each
-        element first
-        times the float64 at ``scale`` rounded to ``dtype`` where given; its result."""
+        element first times the float64 at ``scale`` rounded to ``dtype`` where given; its
+        result."""
         outer, stride, inner = layout
         w = self.w.data_ptr() if self.w is not None else None
         return _lib().enjoyln_rotate_scaled_into(
@@ -197,11 +195,9 @@ def rotate_(
     t: torch.Tensor, axis: int, table: Structured, start: int = 0, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``t ×_axis Q`` in place on entries ``start .. start + n`` of ``axis``; a view, a strided or a
-    GPU
-    tensor is rotated in a contiguous CPU copy of its own dtype (never widened whole to float64).
-    With
-    ``scale`` (``n`` values), the entries are first multiplied by it, each product rounded to
-    ``t``'s dtype:
+    GPU tensor is rotated in a contiguous CPU copy of its own dtype (never widened whole to
+    float64). With ``scale`` (``n`` values), the entries are first multiplied by it, each product
+    rounded to ``t``'s dtype:
     the bits of that product stored into ``t``, then rotated, in one pass."""
     if t.device.type == "meta" or t.numel() == 0:
         return t
@@ -246,8 +242,8 @@ def rotated_equal(
     start: int = 0,
 ) -> bool:
     """Whether ``cand`` holds ``rotate_`` of the tensor at ``src`` (``dtype``, ``shape``,
-    contiguous; entries
-    outside the rotated block not compared), bit for bit, read once and nothing written."""
+    contiguous; entries outside the rotated block not compared), bit for bit, read once and
+    nothing written."""
     axis = axis % len(shape)
     layout, at = _layout(shape, axis, start)
     offset = at * dtype.itemsize

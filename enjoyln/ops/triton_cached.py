@@ -1,11 +1,8 @@
 """A launcher for a Triton kernel that skips Triton's Python dispatch (35 µs a call) on every call
-but the
-first: on a key's first use it records the launch Triton makes, repeats it into fresh outputs and
-compares
-them bit for bit, and anything unexpected turns it off for the process (docs/performance.md). The
-caller's
-key must tell apart whatever Triton specialises on (dtypes, 16-byte alignment, integer classes,
-device)."""
+but the first: on a key's first use it records the launch Triton makes, repeats it into fresh
+outputs and compares them bit for bit, and anything unexpected turns it off for the process
+(docs/performance.md). The caller's key must tell apart whatever Triton specialises on (dtypes,
+16-byte alignment, integer classes, device)."""
 
 from __future__ import annotations
 

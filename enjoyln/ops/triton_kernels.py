@@ -1,7 +1,6 @@
 """Triton RMSNorm kernels for CUDA, forward and fused with a residual add: three kernels with one
 signature, chosen by row length in ``triton_launch.py`` (docs/performance.md); fp32 accumulation,
-tested on
-CPU with TRITON_INTERPRET=1."""
+tested on CPU with TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 

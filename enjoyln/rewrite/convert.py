@@ -1,6 +1,6 @@
 """Fold a model directory into a new one, streamed into a temporary directory beside OUT_DIR,
-checked there
-and published by rename: OUT_DIR never holds a partial or unchecked fold (docs/how-it-works.md)."""
+checked there and published by rename: OUT_DIR never holds a partial or unchecked fold
+(docs/how-it-works.md)."""
 
 from __future__ import annotations
 
@@ -99,8 +99,8 @@ def _os_error(exc: OSError, out: Path, tmp: Path | None) -> CheckpointError:
 
 def _same_load_dtype(checkpoint: Checkpoint, tmp: Path, opts: FoldOptions) -> Checkpoint:
     """The fold's postcondition: the output loads in the original's dtype, or in the one asked for.
-    The
-    output is opened as its check opens it, and handed to the check, so its config is read once."""
+    The output is opened as its check opens it, and handed to the check, so its config is read
+    once."""
     out = open_checkpoint(tmp, **dataclasses.asdict(opts.access))
     theirs, (ours, why) = opts.dtype or checkpoint.load_dtype[0], out.load_dtype
     if ours != theirs:
@@ -142,11 +142,9 @@ def fold_checkpoint(
     stage: Stage | None = None,
 ) -> FoldResult:
     """Fold a Hugging Face (or timm) model directory into OUT_DIR, checked (``FoldOptions.check``: a
-    full,
-    static or no check) before it is published, else ``CheckFailed``. ``options``: a ``FoldOptions``
-    (``FoldOptions.of(check="static")``); ``progress`` hears of the bytes written,
-    ``check_progress`` of
-    the check's.
+    full, static or no check) before it is published, else ``CheckFailed``. ``options``: a
+    ``FoldOptions`` (``FoldOptions.of(check="static")``); ``progress`` hears of the bytes
+    written, ``check_progress`` of the check's.
     >>> fold_checkpoint("gpt2-dir", "gpt2-folded").report.passed  # doctest: +SKIP
     True
     """
@@ -178,8 +176,7 @@ def fold_checkpoint(
 
 def _out_dir(out: Path) -> Path:
     """OUT_DIR resolved where a publish by rename would replace a link (its target left stale) or
-    '.'/'..'
-    has no name to put a temporary directory beside."""
+    '.'/'..' has no name to put a temporary directory beside."""
     if out.is_symlink() or out.name in ("", ".."):
         try:
             return out.resolve(strict=False)

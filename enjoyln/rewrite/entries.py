@@ -1,7 +1,6 @@
 """What a fold writes for a model directory: its entries, in output shards like the input's, each
-saying
-how its bytes are made (copied, centered where they lie, or computed when the writer reaches
-them)."""
+saying how its bytes are made (copied, centered where they lie, or computed when the writer
+reaches them)."""
 
 from __future__ import annotations
 
@@ -47,9 +46,8 @@ def fold_entries(
     checkpoint: Checkpoint, plan: FoldPlan, tensors: StreamedTensors
 ) -> list[tuple[str, list[Entry]]]:
     """Output shards like the input's: each stored tensor in input order, then what the fold adds. A
-    plan
-    that only centers copies each tensor's bytes and centers it where it lies (the early copy relies
-    on it)."""
+    plan that only centers copies each tensor's bytes and centers it where it lies (the early
+    copy relies on it)."""
     home = (
         {k: shard for k, (shard, _) in checkpoint.pickled_tensors.items()}
         if checkpoint.pickled
@@ -139,10 +137,9 @@ def cast_entries(
     checkpoint: Checkpoint, shards: list[tuple[str, list[Entry]]], dtype: str
 ) -> list[tuple[str, list[Entry]]]:
     """Every floating entry stored in ``dtype``: a centered one is cast, then centered in float64
-    and rounded
-    once (as ``enjoyln.fold`` of the model loaded in ``dtype``); a computed one rounded from its
-    result; a
-    copied one read and rounded. The check's rule for a cast copy accepts exactly these."""
+    and rounded once (as ``enjoyln.fold`` of the model loaded in ``dtype``); a computed one
+    rounded from its result; a copied one read and rounded. The check's rule for a cast copy
+    accepts exactly these."""
     target = getattr(torch, dtype)
 
     def cast(e: Entry) -> Entry:
@@ -178,8 +175,8 @@ def reshard(
     shards: list[tuple[str, list[Entry]]], max_bytes: int | None, *, indexed: bool = False
 ) -> list[tuple[str, list[Entry]]]:
     """Keep the input's shards (renamed to .safetensors), or pack up to ``max_bytes`` each. A lone
-    shard
-    named by an index (``indexed``) keeps it: the index can carry the dtype the model loads in."""
+    shard named by an index (``indexed``) keeps it: the index can carry the dtype the model loads
+    in."""
     if max_bytes is not None:
         packed: list[list[Entry]] = [[]]
         size = 0

@@ -1,7 +1,6 @@
 """The streaming writer: safetensors shards written tensor by tensor (unchanged ones copied by the
 kernel, centered ones through one reused buffer, computed ones from their own memory), and the early
-copy
-of the input's weight files while the analysis runs."""
+copy of the input's weight files while the analysis runs."""
 
 from __future__ import annotations
 
@@ -107,9 +106,8 @@ alignment."""
 
 class EarlyCopy:
     """Copies the input's weight files into the output while the analysis runs (CPU and I/O
-    overlap), at
-    the input's offsets plus ``_HEADER_ROOM``; ``finish_shard`` then centers in place behind the
-    copy."""
+    overlap), at the input's offsets plus ``_HEADER_ROOM``; ``finish_shard`` then centers in
+    place behind the copy."""
 
     def __init__(
         self,
@@ -188,10 +186,8 @@ def finish_shard(
     file: Path, entries: list[Entry], w: Writing, early: EarlyCopy, shard: str
 ) -> bool:
     """Turn the early copy of the input's ``shard`` into ``file``; False, untouched, if its header
-    would not
-    fit. Tensors are centered as soon as the copy is past them. The copy may still be writing the
-    shard's
-    tail when this returns."""
+    would not fit. Tensors are centered as soon as the copy is past them. The copy may still be
+    writing the shard's tail when this returns."""
     blob = _header_json(entries, w.metadata)
     start = early.spans[shard][1] + _HEADER_ROOM
     if len(blob) > start - 8:
@@ -214,10 +210,8 @@ def _write_entries(
     early: tuple[EarlyCopy, str] | None = None,
 ) -> None:
     """The entries after ``header``: those copied unchanged by the kernel on a second thread while
-    this one
-    centers or computes the others; with ``early``, those its copy of the input shard put in place
-    are
-    centered there, each once the copy is past it."""
+    this one centers or computes the others; with ``early``, those its copy of the input shard
+    put in place are centered there, each once the copy is past it."""
     *positions, end = itertools.accumulate((e.nbytes for e in entries), initial=8 + len(header))
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(open(file, mode, buffering=0)).fileno()
@@ -296,16 +290,13 @@ def _copying_alongside(
 
 WRITE_BEHIND_BYTES = 256 << 20
 """A computed tensor up to this size is written on a second thread while the next one is computed
-(the
-page cache can stall a write for as long as the computing takes); a larger one is written in turn,
-so
-that two of them are never in memory at once."""
+(the page cache can stall a write for as long as the computing takes); a larger one is written in
+turn, so that two of them are never in memory at once."""
 
 
 class _WriteBehind(contextlib.AbstractContextManager):
     """Writes of computed tensors into ``out`` on a thread of their own, one at a time; leaving the
-    block
-    waits for the last and raises what it raised."""
+    block waits for the last and raises what it raised."""
 
     def __init__(self, out: int) -> None:
         self.out, self.pool, self.pending = (
@@ -316,8 +307,7 @@ class _WriteBehind(contextlib.AbstractContextManager):
 
     def write(self, t: torch.Tensor, at: int) -> bool:
         """``t``'s bytes to ``at`` behind the caller's back (``t`` is not changed after); False,
-        nothing
-        done, for a tensor over ``WRITE_BEHIND_BYTES``."""
+        nothing done, for a tensor over ``WRITE_BEHIND_BYTES``."""
         nbytes = t.numel() * t.element_size()
         if nbytes > WRITE_BEHIND_BYTES:
             return False
@@ -345,8 +335,7 @@ class _WriteBehind(contextlib.AbstractContextManager):
 
 def _center_and_write(out: int, at: int, t: torch.Tensor, e: Entry) -> None:
     """Write ``t`` at ``at`` in the entry's dtype (a tensor stored narrower than it loads is
-    centered in
-    the wider one), centered first if the entry says so."""
+    centered in the wider one), centered first if the entry says so."""
     t = t.to(DTYPES[e.dtype])
     view = memoryview(t.view(-1).view(torch.uint8).numpy()) if e.nbytes else memoryview(b"")
     if e.axis is not None:
@@ -356,8 +345,7 @@ def _center_and_write(out: int, at: int, t: torch.Tensor, e: Entry) -> None:
 
 def _center_in_file(out: int, at: int, e: Entry) -> bool:
     """Center the copied tensor where it lies, through a writable mapping (only the page cache's
-    pages
-    change: 4 GB/s against 1.5 through a buffer); False where that cannot be done."""
+    pages change: 4 GB/s against 1.5 through a buffer); False where that cannot be done."""
     if not e.nbytes or not Mapped.available():
         return False
     try:

@@ -92,8 +92,7 @@ class Checkpoint:
 
     def meta_as_loaded(self, dtype: str = "auto") -> nn.Module:
         """The model its library's loader gives in ``dtype`` (``"auto"``: as stored), on the meta
-        device;
-        built once per dtype. Read it, never change it: every caller shares it."""
+        device; built once per dtype. Read it, never change it: every caller shares it."""
         if dtype not in self._as_loaded:
             self._as_loaded[dtype] = self.library.meta_as_loaded(self, dtype)
         return self._as_loaded[dtype]
@@ -170,8 +169,7 @@ class Checkpoint:
 
 def _index(index_file: Path) -> dict[str, str]:
     """A weight index's map, naming only files inside the directory, each named as the weights its
-    loader
-    reads it as (transformers opens a shard as safetensors only by its name, else with
+    loader reads it as (transformers opens a shard as safetensors only by its name, else with
     ``torch.load``)."""
     weight_map = read_json(index_file, "a weight index").get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
@@ -229,8 +227,7 @@ def open_checkpoint(
     model_class: str | None = None,
 ) -> Checkpoint:
     """Validate a model directory (config, architecture, custom code, every weight header); nothing
-    is
-    loaded. ``model_class`` names a class to build instead of config.json's (``MPNetModel``).
+    is loaded. ``model_class`` names a class to build instead of config.json's (``MPNetModel``).
 
     >>> open_checkpoint("gpt2-dir").architecture  # doctest: +SKIP
     'GPT2LMHeadModel'

@@ -1,6 +1,6 @@
 """The files of a model directory besides the weights: which a loader may read, which links are
-followed
-(only to files a model needs, as in the Hugging Face cache), and copying them into an output."""
+followed (only to files a model needs, as in the Hugging Face cache), and copying them into an
+output."""
 
 from __future__ import annotations
 
@@ -64,9 +64,9 @@ def needed_file(name: str) -> bool:
 
 class _Walk:
     """(source, path relative to MODEL_DIR, is a directory) for everything a fold copies
-    (``copy_extras``);
-    what is left out goes to ``skipped``. A link out to a file a loader may read raises, unless
-    ``foreign`` (the gate's view of a reference the user handed over) collects it."""
+    (``copy_extras``); what is left out goes to ``skipped``. A link out to a file a loader may
+    read raises, unless ``foreign`` (the gate's view of a reference the user handed over)
+    collects it."""
 
     def __init__(
         self,
@@ -182,10 +182,9 @@ def check_links(checkpoint: Checkpoint) -> None:
 
 def copy_extras(checkpoint: Checkpoint, dest: Path, followed: list[str] | None = None) -> list[str]:
     """Copy every file of ``md`` but the weights and config into ``dest``; return what was skipped.
-    A link
-    out is followed only to a file a model directory needs (top level) or a blob of the Hugging Face
-    cache,
-    collected in ``followed``; any other is refused. Modes follow the umask."""
+    A link out is followed only to a file a model directory needs (top level) or a blob of the
+    Hugging Face cache, collected in ``followed``; any other is refused. Modes follow the
+    umask."""
     skipped: list[str] = []
     for src, rel, is_dir in _Walk(checkpoint, skipped, followed):
         if is_dir:
@@ -202,8 +201,8 @@ def copy_extras(checkpoint: Checkpoint, dest: Path, followed: list[str] | None =
 
 def extra_files(checkpoint: Checkpoint) -> dict[str, Path]:
     """Relative path -> source of the files ``copy_extras`` would copy, and those reached through
-    links out
-    of ``md``: with config.json and the weights, what a copy that loads the same holds."""
+    links out of ``md``: with config.json and the weights, what a copy that loads the same
+    holds."""
     return {
         rel.as_posix(): src for src, rel, is_dir in _Walk(checkpoint, [], None, []) if not is_dir
     }
@@ -211,8 +210,7 @@ def extra_files(checkpoint: Checkpoint) -> dict[str, Path]:
 
 def loader_files(root: Path) -> tuple[dict[str, Path], list[str]]:
     """Every file under ``root`` as a loader sees it (relative path -> path), through links, and
-    what no
-    loader could read there. Version-control data is left out: no loader reads it."""
+    what no loader could read there. Version-control data is left out: no loader reads it."""
     files: dict[str, Path] = {}
     problems: list[str] = []
     entered: set[Path] = set()

@@ -1,6 +1,5 @@
 """A model directory's files as their loaders read them: safetensors headers (validated as strictly
-as
-the format requires) and JSON files (strict UTF-8, bounded in size and depth)."""
+as the format requires) and JSON files (strict UTF-8, bounded in size and depth)."""
 
 from __future__ import annotations
 
@@ -71,8 +70,7 @@ class TensorInfo:
 
 def widened(stored: torch.dtype, loads: torch.dtype) -> torch.dtype:
     """The dtype a fold stores a changed tensor in: its own, or the wider dtype the model loads it
-    in
-    (a centered float16 table rounded after centering keeps a mean of an ulp in float32)."""
+    in (a centered float16 table rounded after centering keeps a mean of an ulp in float32)."""
     wider = (
         stored.is_floating_point and loads.is_floating_point and loads.itemsize > stored.itemsize
     )
@@ -90,9 +88,8 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def read_safetensors_header(file: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate a safetensors header: byte counts match dtypes and shapes, and the tensors
-    tile
-    the data exactly (an overlap would come out of a fold as two independent copies of the same
-    bytes)."""
+    tile the data exactly (an overlap would come out of a fold as two independent copies of the
+    same bytes)."""
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:

@@ -23,8 +23,7 @@ if TYPE_CHECKING:
 @functools.lru_cache(maxsize=1)
 def transformers_names() -> frozenset[str]:
     """transformers' public names, lazy ones included, without importing the model's module
-    (seconds);
-    read directly as its lazy module's dir() is quadratic in its 6,500 names."""
+    (seconds); read directly as its lazy module's dir() is quadratic in its 6,500 names."""
     import transformers
 
     return frozenset(vars(transformers)) | frozenset(getattr(transformers, "__all__", ()))
@@ -136,9 +135,8 @@ def dtype_name(dtype: Any) -> str:
 
 def transformers_load_dtype(checkpoint: Checkpoint) -> tuple[str, str]:
     """The dtype (its name) a plain ``from_pretrained`` loads ``md`` in, and where from, as
-    transformers 5's
-    ``dtype="auto"`` decides: config, else index metadata, else the first weight file's first
-    floating tensor."""
+    transformers 5's ``dtype="auto"`` decides: config, else index metadata, else the first weight
+    file's first floating tensor."""
     value = getattr(checkpoint.model_config, "dtype", None)
     if value is not None:
         return _floating(value, checkpoint.path / "config.json"), "config.json"
@@ -205,8 +203,8 @@ def check_shapes(checkpoint: Checkpoint) -> None:
 
 def random_when_missing(model: nn.Module) -> set[str]:
     """The names a load initialises at random when no checkpoint holds them: floating parameters (a
-    buffer
-    is built the same on every load), but those transformers expects a checkpoint to lack."""
+    buffer is built the same on every load), but those transformers expects a checkpoint to
+    lack."""
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or ()]
     return {
         name
@@ -217,8 +215,7 @@ def random_when_missing(model: nn.Module) -> set[str]:
 
 def missing_parameters(checkpoint: Checkpoint, model: nn.Module | None = None) -> list[str]:
     """The parameters the meta model (or ``model``, another class's) builds that no weight file
-    holds under any
-    tied name: every load initialises them at random.
+    holds under any tied name: every load initialises them at random.
 
     >>> missing_parameters(open_checkpoint("mpnet-dir"))  # doctest: +SKIP
     ['lm_head.dense.weight', 'lm_head.dense.bias', ...]
@@ -239,9 +236,8 @@ def missing_parameters(checkpoint: Checkpoint, model: nn.Module | None = None) -
 
 def matching_class(checkpoint: Checkpoint) -> str | None:
     """The class AutoModel builds for this config (the model without a head) where it is not the one
-    named and
-    the weights hold every parameter it builds: what a checkpoint saved without its head is a
-    checkpoint of."""
+    named and the weights hold every parameter it builds: what a checkpoint saved without its
+    head is a checkpoint of."""
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     name = MODEL_MAPPING_NAMES.get(checkpoint.config.get("model_type"))
@@ -262,8 +258,7 @@ def matching_class(checkpoint: Checkpoint) -> str | None:
 
 def transformers_generation(checkpoint: Checkpoint) -> dict[str, Any]:
     """The generation settings ``from_pretrained`` gives the model, as transformers 5 builds them:
-    from
-    generation_config.json, else config.json's raw values (which may sample)."""
+    from generation_config.json, else config.json's raw values (which may sample)."""
     import transformers
 
     file = checkpoint.path / "generation_config.json"

@@ -27,10 +27,8 @@ def load(
     **from_pretrained_kwargs: Any,
 ) -> nn.Module:
     """Load a folded directory and run its recorded LNs as ``enjoyln.RMSNorm``
-    (``from_pretrained_kwargs``
-    go to ``from_pretrained``). With ``max_memory`` (bytes), the rest of the weights are read from
-    disk as
-    each layer runs.
+    (``from_pretrained_kwargs`` go to ``from_pretrained``). With ``max_memory`` (bytes), the rest
+    of the weights are read from disk as each layer runs.
 
     >>> model = load("gpt2-folded", dtype="bfloat16")  # doctest: +SKIP
     """
@@ -55,8 +53,7 @@ def load_plain(
     **from_pretrained_kwargs: Any,
 ) -> nn.Module:
     """What the library's own loader gives for a directory, the class chosen as ``load`` chooses it:
-    a
-    folded directory keeps its LayerNorms, which see zero-mean inputs.
+    a folded directory keeps its LayerNorms, which see zero-mean inputs.
 
     >>> model = load_plain("gpt2-folded")  # doctest: +SKIP
     """

@@ -1,9 +1,7 @@
 """Where a model directory is (a local path, or a Hugging Face hub id through huggingface_hub's
-cache),
-and the checks a path can get without torch. No torch or transformers here: the command line calls
-these
-first, so a mistyped path is refused in a fraction of a second; what is found is validated in full
-later.
+cache), and the checks a path can get without torch. No torch or transformers here: the command
+line calls these first, so a mistyped path is refused in a fraction of a second; what is found is
+validated in full later.
 """
 
 from __future__ import annotations
@@ -116,9 +114,8 @@ def resave_command(root: Path) -> str:
 
 def precheck_weights(root: Path, config: dict[str, Any], *, allow_pickle: bool = False) -> None:
     """The weight files' refusals that need no weight read: pickle weights alone without
-    ``allow_pickle``,
-    and a timm directory with ``pytorch_model.bin`` (with the command that re-saves it as
-    safetensors)."""
+    ``allow_pickle``, and a timm directory with ``pytorch_model.bin`` (with the command that
+    re-saves it as safetensors)."""
     present = {n for n in WEIGHT_FILES if (root / n).exists() or (root / n).is_symlink()}
     timm = (
         "architecture" in config and "architectures" not in config
@@ -155,8 +152,7 @@ def small_json(path: Path) -> Any:
 
 def precheck_model_dir(path: str | os.PathLike, *, allow_pickle: bool = False) -> Path:
     """The checks a model directory gets before torch loads: a non-empty directory with a
-    ``config.json``
-    holding a JSON object, and weights enjoyln may read (``precheck_weights``).
+    ``config.json`` holding a JSON object, and weights enjoyln may read (``precheck_weights``).
 
     >>> precheck_model_dir("/no/such/dir")
     Traceback (most recent call last):
@@ -198,10 +194,8 @@ def resolve_model_dir(
     role: str = "MODEL_DIR",
 ) -> Path:
     """The local directory ``spec`` names: the path itself where it exists, else the snapshot of the
-    hub
-    repository ``spec`` at ``revision``, from huggingface_hub's cache or downloaded into it (pickle
-    weights
-    only with ``allow_pickle``, other frameworks' never).
+    hub repository ``spec`` at ``revision``, from huggingface_hub's cache or downloaded into it
+    (pickle weights only with ``allow_pickle``, other frameworks' never).
 
     >>> resolve_model_dir("/no/such/dir")
     Traceback (most recent call last):

@@ -1,8 +1,6 @@
 """transformers' and huggingface_hub's progress bars and log messages, off while enjoyln works: each
-of
-the many loads would draw a bar or log a load report, burying what enjoyln reports. The caller's
-settings
-come back after, so a user's own ``from_pretrained`` keeps its bars."""
+of the many loads would draw a bar or log a load report, burying what enjoyln reports. The
+caller's settings come back after, so a user's own ``from_pretrained`` keeps its bars."""
 
 from __future__ import annotations
 
@@ -30,8 +28,7 @@ def show_library_output(show: bool) -> None:
 @contextlib.contextmanager
 def quiet_libraries(transformers: bool = True) -> Iterator[None]:
     """Within it, the libraries log errors only, draw no bars and show no Future- or
-    DeprecationWarnings;
-    ``transformers=False`` leaves transformers alone (and unimported).
+    DeprecationWarnings; ``transformers=False`` leaves transformers alone (and unimported).
 
     >>> with quiet_libraries():
     ...     pass

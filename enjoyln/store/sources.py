@@ -28,11 +28,9 @@ if TYPE_CHECKING:
 
 class Source:
     """What a model directory's library does for enjoyln. Each library gives ``architecture(root,
-    config,
-    remote)`` (config.json's model, refused unless it knows it), ``meta_model(checkpoint)`` (built
-    on the meta
-    device, in eval mode), ``meta_as_loaded(checkpoint, dtype)`` (the meta model its loader gives in
-    ``dtype``),
+    config, remote)`` (config.json's model, refused unless it knows it),
+    ``meta_model(checkpoint)`` (built on the meta device, in eval mode),
+    ``meta_as_loaded(checkpoint, dtype)`` (the meta model its loader gives in ``dtype``),
     ``load(checkpoint, ...)`` (its own loader's model, LayerNorms unchanged) and
     ``load_dtype(checkpoint)`` (that model's dtype name, and where from)."""
 
@@ -135,9 +133,8 @@ set."""
 
 class Timm(Source):
     """timm's hub format, loaded by ``create_model(architecture, pretrained=True,
-    pretrained_cfg_overlay=
-    dict(file=.../model.safetensors))``; timm builds its models in float32 and copies the weights
-    in."""
+    pretrained_cfg_overlay= dict(file=.../model.safetensors))``; timm builds its models in
+    float32 and copies the weights in."""
 
     name = "timm"
     shards = False

@@ -1,6 +1,6 @@
 """Reading a checkpoint's tensors one at a time: ``read`` into memory of its own, ``mapped``
-read-only from
-the file, no copy, for the C kernels that compare and center (docs/performance.md)."""
+read-only from the file, no copy, for the C kernels that compare and center
+(docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ _MADV_POPULATE_WRITE = 23
 
 class Mapped(contextlib.AbstractContextManager):
     """One tensor's bytes mapped from its file (the page cache's own pages) until ``close``; a file
-    truncated
-    meanwhile ends the process with SIGBUS, as for every loader that maps safetensors."""
+    truncated meanwhile ends the process with SIGBUS, as for every loader that maps
+    safetensors."""
 
     def __init__(self, fd: int, start: int, nbytes: int, *, writable: bool = False) -> None:
         page = mmap.ALLOCATIONGRANULARITY
@@ -220,9 +220,8 @@ def read_ahead(
     jobs: Iterable[J], load: Callable[[J], R], size: Callable[[J], int]
 ) -> Iterator[tuple[J, R]]:
     """``(job, load(job))`` in order; the next job's ``load`` (if at most ``READ_AHEAD``) runs in a
-    thread
-    while the caller works on this one (``preadv`` releases the GIL). A load's exception is raised
-    in order."""
+    thread while the caller works on this one (``preadv`` releases the GIL). A load's exception
+    is raised in order."""
     jobs = list(jobs)
     # leaving the block (GeneratorExit too) waits for a running read: files are never closed under
     # it
@@ -238,9 +237,8 @@ def read_ahead(
 
 def return_freed_memory() -> None:
     """Make glibc hand large freed blocks back at once: offloaded layers load and free the same
-    large tensors
-    over and over, which with glibc's adaptive threshold fragment the heap (near twice the
-    budget)."""
+    large tensors over and over, which with glibc's adaptive threshold fragment the heap (near
+    twice the budget)."""
     mallopt = getattr(_LIBC, "mallopt", None)  # glibc's and musl's; none on Windows
     if mallopt is not None:
         mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD

@@ -176,9 +176,9 @@ def signals_held() -> Iterator[None]:
     together.
 
     The handlers are swapped, not the signal mask: Python runs a handler in the main thread
-    whichever
-    thread the signal reached, and torch's worker threads do not block it (a masked main thread
-    still ran SIGTERM's handler between creating the temporary directory and recording it)."""
+    whichever thread the signal reached, and torch's worker threads do not block it (a masked main
+    thread still ran SIGTERM's handler between creating the temporary directory and recording
+    it)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -1,8 +1,6 @@
 """Rotations of the residual stream, the same on any machine, and rotating tensors by them: the
-structured
-hadamard ``Q`` of version 2 (``ops/rotate.c``, never a matrix), and the dense matrices of version 1,
-kept to
-recompute checkpoints made with them."""
+structured hadamard ``Q`` of version 2 (``ops/rotate.c``, never a matrix), and the dense matrices
+of version 1, kept to recompute checkpoints made with them."""
 
 from __future__ import annotations
 
@@ -55,10 +53,8 @@ def rotation_matrix(
     n: int, kind: str = "hadamard", seed: int = 0, keep_mean: bool = True, version: int = 1
 ) -> torch.Tensor:
     """An orthogonal ``n x n`` matrix in float64: ``hadamard`` (randomized, as in QuaRot; version 1
-    see
-    ``MAX_BLOCK``, version 2 the structured ``Q`` written out, for small widths) or ``random``
-    (Haar-random).
-    With ``keep_mean``, ``Q 1 = 1``.
+    see ``MAX_BLOCK``, version 2 the structured ``Q`` written out, for small widths) or
+    ``random`` (Haar-random). With ``keep_mean``, ``Q 1 = 1``.
 
     >>> q = rotation_matrix(8)
     >>> bool(torch.allclose(q @ q.T, torch.eye(8, dtype=torch.float64)))
@@ -113,8 +109,8 @@ def slabs(
     block: torch.Tensor, axis: int, elements: int = SLAB_ELEMENTS, align: int = 1
 ) -> Sequence[torch.Tensor]:
     """``block`` split along an axis other than ``axis`` into pieces of about ``elements`` (whole
-    multiples of
-    ``align`` vectors), so that widening one piece to float64 never widens the whole tensor."""
+    multiples of ``align`` vectors), so that widening one piece to float64 never widens the whole
+    tensor."""
     if block.dim() < 2:
         return [block]
     other = 0 if axis != 0 else 1
@@ -128,8 +124,7 @@ def rotate_(
     t: torch.Tensor, axis: int, q: torch.Tensor, start: int = 0, *, slab: int = SLAB_ELEMENTS
 ) -> torch.Tensor:
     """``t ×_axis Q`` in place on entries ``start .. start + n`` of ``axis``, in float64 slabs along
-    another
-    axis: never a float64 copy of the whole tensor, yet the bits of one product."""
+    another axis: never a float64 copy of the whole tensor, yet the bits of one product."""
     if t.device.type == "meta":
         return t
     axis = axis % t.dim()
@@ -144,9 +139,8 @@ def rotate_(
 
 def scaled_in_kernel(t: torch.Tensor, rot: Rotated, r: Rotation, f: Fused) -> bool:
     """Whether a gain scaling ``f``'s block of ``t`` just before this rotation can be applied by the
-    rotation
-    kernel on its way (``apply_rotation``'s ``scale``): the structured rotation, of exactly that
-    block."""
+    rotation kernel on its way (``apply_rotation``'s ``scale``): the structured rotation, of
+    exactly that block."""
     axis = rot.axis % t.dim()
     n = rot.length if rot.length else t.shape[axis] - rot.start
     return (
@@ -165,9 +159,8 @@ def apply_rotation(
     t: torch.Tensor, rot: Rotated, r: Rotation, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """One tensor of a plan's rotation, in place, by the algorithm of its version; the width is what
-    its
-    block holds. ``scale`` (where ``scaled_in_kernel``): the block is first multiplied by it, as
-    ``transform.tensors.scale_inputs_`` does, in the same pass."""
+    its block holds. ``scale`` (where ``scaled_in_kernel``): the block is first multiplied by it,
+    as ``transform.tensors.scale_inputs_`` does, in the same pass."""
     n = rot.length if rot.length else t.shape[rot.axis] - rot.start
     if r.kind == "hadamard" and r.version >= 2:
         try:

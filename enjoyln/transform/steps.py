@@ -158,8 +158,7 @@ class CenterParameters(Transformation):
 
 class FuseAffine(Transformation):
     """Move each folded norm's γ and β (and those of a LayerNorm on a rotated stream) into the
-    linear layers that
-    read it (the norm keeps 1 and 0, or β/γ)."""
+    linear layers that read it (the norm keeps 1 and 0, or β/γ)."""
 
     def check(self, model: nn.Module, plan: FoldPlan) -> None:
         for e in plan.affine_moved:
@@ -355,8 +354,7 @@ def _norm_misfit(module: nn.Module, e: LayerNormEntry) -> str:
 
 def _become(module: nn.Module, cls: type, e: LayerNormEntry) -> None:
     """Turn a norm module into ``cls`` in place: with offloading (accelerate's ``device_map``) a
-    hook
-    wraps its ``forward`` and holds its weights, which a new module would not have."""
+    hook wraps its ``forward`` and holds its weights, which a new module would not have."""
     if cls is RMSNorm:
         for leaf in ("weight", "bias"):
             if not hasattr(module, leaf):  # OLMo's norm has neither
@@ -424,8 +422,7 @@ def _has(model: nn.Module, fqn: str) -> bool:
 
 class SeparateTies(Transformation):
     """Give each tie that untying the head dropped its own copy: the untied config no longer re-ties
-    it
-    on load, so a reload would get it at random (BERT's MLM decoder bias). Last, after every
+    it on load, so a reload would get it at random (BERT's MLM decoder bias). Last, after every
     change."""
 
     def __call__(self, model: nn.Module, plan: FoldPlan) -> nn.Module:
@@ -551,18 +548,14 @@ def rotate(
     exact_outputs: str = SERVED,
 ) -> nn.Module:
     """Fold ``model`` with fused affines and rotate each of its residual streams (a vision tower's,
-    the language
-    model's) by an orthogonal ``Q`` (``kind``: ``"hadamard"`` or ``"random"``), in place, with the
-    same outputs;
-    the rotation spreads outlier features. With ``keep_mean`` ``Q`` fixes the all-ones vector, so
-    plain LayerNorms
-    still agree. ``version`` 0 builds the newest ``Q`` of the kind (for hadamard the structured one,
-    applied in
-    O(n log n)); 1 the dense matrices of earlier releases. ``exact_outputs`` ``"served"`` keeps what
-    the model
-    serves exact (its logits, so its generation) and lets the rotation change a tower's hidden
-    states among its
-    outputs; ``"all"`` keeps every output exact, leaving a stream that reaches one unrotated.
+    the language model's) by an orthogonal ``Q`` (``kind``: ``"hadamard"`` or ``"random"``), in
+    place, with the same outputs; the rotation spreads outlier features. With ``keep_mean`` ``Q``
+    fixes the all-ones vector, so plain LayerNorms still agree. ``version`` 0 builds the newest
+    ``Q`` of the kind (for hadamard the structured one, applied in O(n log n)); 1 the dense
+    matrices of earlier releases. ``exact_outputs`` ``"served"`` keeps what the model serves
+    exact (its logits, so its generation) and lets the rotation change a tower's hidden states
+    among its outputs; ``"all"`` keeps every output exact, leaving a stream that reaches one
+    unrotated.
     >>> import enjoyln
     >>> from enjoyln.testing import perturb, tiny_model
     >>> model = enjoyln.rotate(perturb(tiny_model("gpt2")))

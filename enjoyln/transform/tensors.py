@@ -1,6 +1,5 @@
 """The tensor math of a fold (``center_``, ``fuse_``, in float64, in place) and its lookups; the
-steps, the
-streamed writer and the static check share it, so all three give the same bits."""
+steps, the streamed writer and the static check share it, so all three give the same bits."""
 
 from __future__ import annotations
 
@@ -102,8 +101,8 @@ def tie_groups(model: nn.Module, separate: Collection[str] = ()) -> dict[str, tu
 
 def merge_centerings(centerings: Sequence[Centering], ndim: int | None = None) -> list[Centering]:
     """The centerings of one tensor, each applied once (twice would round twice); those differing
-    only
-    in their blocks joined. ``ndim`` (the tensor's) makes axis -1 and axis ndim-1 one axis."""
+    only in their blocks joined. ``ndim`` (the tensor's) makes axis -1 and axis ndim-1 one
+    axis."""
     merged: dict[tuple, Centering] = {}
     for c in centerings:
         axis = c.axis % ndim if ndim else c.axis
@@ -119,8 +118,7 @@ def merge_centerings(centerings: Sequence[Centering], ndim: int | None = None) -
 
 def ties_lost_on_untie(model: nn.Module, plan: FoldPlan) -> dict[str, str]:
     """The ties (target -> source) that untying the plan's heads also drops: transformers 5 applies
-    every
-    tie only while ``tie_word_embeddings`` is on, so BERT's MLM decoder bias would load at
+    every tie only while ``tie_word_embeddings`` is on, so BERT's MLM decoder bias would load at
     random."""
     if not plan.untied:
         return {}
@@ -142,9 +140,9 @@ def center_(
     blocks: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Subtract ``t``'s mean along ``axis``, in place, in float64: with ``groups``, each block on
-    its
-    own (``blocks``: only those); with ``scale`` (a LayerScale γ), ``γ·t`` becomes zero-mean. The
-    arithmetic is ``enjoyln.ops.center``'s, in a fixed order, so every machine gives the same bits.
+    its own (``blocks``: only those); with ``scale`` (a LayerScale γ), ``γ·t`` becomes zero-mean.
+    The arithmetic is ``enjoyln.ops.center``'s, in a fixed order, so every machine gives the same
+    bits.
     >>> w = torch.tensor([[1., 2.], [3., 6.]])
     >>> center_(w, 0, scale=torch.tensor([1., 2.])) * torch.tensor([[1.], [2.]])
     tensor([[-2.5000, -5.0000],
@@ -226,9 +224,8 @@ def fuse_(
 
 def fused_product(weight: torch.Tensor, f: Fused, beta: torch.Tensor) -> torch.Tensor:
     """``W β`` over the block of ``weight`` that reads the norm, in float64. The whole weight is
-    widened
-    first, as it always was, so the product's bits (a BLAS reduction) stay what earlier folds
-    wrote."""
+    widened first, as it always was, so the product's bits (a BLAS reduction) stay what earlier
+    folds wrote."""
     block = weight.detach().to(torch.float64).narrow(f.axis, f.start, f.length)
     return torch.tensordot(
         block, beta[f.offset : f.offset + f.length].to(torch.float64), dims=([f.axis], [0])
@@ -241,9 +238,8 @@ _SCALE_ELEMENTS = 1 << 22
 
 def scale_inputs_(weight: torch.Tensor, f: Fused, gamma: torch.Tensor) -> None:
     """W's block that reads the norm ``*= γ``, in place, each element rounded once from float64; in
-    slabs
-    of the other axis, never widening the whole weight (an embedding-sized head would need twice its
-    size)."""
+    slabs of the other axis, never widening the whole weight (an embedding-sized head would need
+    twice its size)."""
     seg = gamma[f.offset : f.offset + f.length].to(torch.float64)
     block = weight.detach().narrow(f.axis, f.start, f.length)
     g = seg.reshape([f.length if d == f.axis else 1 for d in range(block.dim())])

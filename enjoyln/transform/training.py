@@ -19,8 +19,7 @@ from .tensors import center_, own_copy, owner_of, tensor_at, untie_config
 
 class Centered(nn.Module):
     """The CBWC parametrisation: ``V - V.mean(axis)`` per group (``blocks``: only those), or ``V -
-    mean(γV) / γ``
-    for a LayerScale gain ``γ`` (read live, so it may train too)."""
+    mean(γV) / γ`` for a LayerScale gain ``γ`` (read live, so it may train too)."""
 
     def __init__(
         self,

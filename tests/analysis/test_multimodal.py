@@ -1,6 +1,5 @@
 """Example inputs for vision-language models: an image in every batch, in the layout the model
-takes, with one
-placeholder token per image feature."""
+takes, with one placeholder token per image feature."""
 
 import pytest
 import torch

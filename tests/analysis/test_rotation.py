@@ -230,8 +230,7 @@ def test_rotated_checkpoint_through_the_command_line(tmp_path):
 
 def test_rotate_refusal_through_the_command_line_writes_nothing(tmp_path, monkeypatch):
     """A post-LN model: refused in one sentence that says why, from one analysis of the meta model
-    (what
-    inspect runs), before any weight is read."""
+    (what inspect runs), before any weight is read."""
     from typer.testing import CliRunner
 
     from enjoyln.cli.app import app

@@ -278,8 +278,7 @@ def test_near_miss_a_buffer_read_by_something_else():
 
 class DataDependent(nn.Module):
     """Rows chosen by a mask, so the batch is data-dependent: a mask on the layer's own output,
-    which centering
-    changes, or on the input, which it does not."""
+    which centering changes, or on the input, which it does not."""
 
     def __init__(self, mask_on_input: bool = False):
         super().__init__()
@@ -298,8 +297,7 @@ def test_data_dependent_sizes_are_followed():
 
 class MaskedPatches(nn.Module):
     """A patch embedding as Idefics3 writes it: the real images picked by a mask (a data-dependent
-    batch), a
-    convolution with ``padding="valid"``, positions added, then a LayerNorm."""
+    batch), a convolution with ``padding="valid"``, positions added, then a LayerNorm."""
 
     def __init__(self):
         super().__init__()
@@ -322,8 +320,7 @@ def test_a_patch_embedding_of_masked_images_is_centered():
 
 class PooledTwice(nn.Module):
     """BLIP-2's vision tower: the post-norm over the sequence, then again over its first token,
-    which the caller
-    drops."""
+    which the caller drops."""
 
     def __init__(self):
         super().__init__()

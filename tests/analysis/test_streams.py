@@ -1,7 +1,6 @@
 """Several residual streams, each rotated with its own Q: a vision tower's and a language model's,
-found from the
-graph; a tapped tower layer's reader takes the rotation, and the plan records each stream and what
-it keeps."""
+found from the graph; a tapped tower layer's reader takes the rotation, and the plan records each
+stream and what it keeps."""
 
 import copy
 import json
@@ -19,9 +18,8 @@ from conftest import assert_same_outputs
 
 class Tower(nn.Module):
     """A ViT-like tower of width 16: patches embedded by a Linear plus positions (or then a
-    LayerNorm, as CLIP's
-    ``pre_layrnorm``), two pre-LN blocks, read at the first block (a tap) and through a final
-    norm."""
+    LayerNorm, as CLIP's ``pre_layrnorm``), two pre-LN blocks, read at the first block (a tap)
+    and through a final norm."""
 
     def __init__(self, pre_norm: bool):
         super().__init__()
@@ -44,10 +42,9 @@ class Tower(nn.Module):
 
 class Vlm(nn.Module):
     """A tower whose tapped layer a projector reads (or, with ``merge``, its final norm's output
-    with 2 tokens
-    merged into one, as a pixel-shuffle connector does), its tokens before the text's in a pre-LN
-    language model
-    of width 32; it returns its logits and the tower's last hidden state."""
+    with 2 tokens merged into one, as a pixel-shuffle connector does), its tokens before the
+    text's in a pre-LN language model of width 32; it returns its logits and the tower's last
+    hidden state."""
 
     def __init__(self, pre_norm: bool = False, merge: bool = False):
         super().__init__()
@@ -171,8 +168,7 @@ def test_a_stream_that_starts_at_a_gain_is_not_rotated_and_says_why(inputs):
 
 def test_a_merger_of_tokens_takes_the_rotation_block_by_block(inputs):
     """A connector that lays 2 tokens side by side before its Linear reads the final norm's features
-    twice: the
-    norm's γ and β, and the rotation, go into each block of its input (I₂ ⊗ Q)."""
+    twice: the norm's γ and β, and the rotation, go into each block of its input (I₂ ⊗ Q)."""
     model = _vlm(merge=True)
     plan = enjoyln.analyze(model, inputs, rotate=("hadamard", 0, True))
     tower = plan.rotations[0]

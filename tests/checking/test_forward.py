@@ -199,8 +199,7 @@ def test_a_dropped_model_is_collected_at_once_only_when_large(monkeypatch):
 
 def test_a_recorded_claim_never_hides_what_the_model_serves(gpt2):
     """Outputs a plan lets its rotation change are skipped only where the model does not serve them:
-    a block
-    claiming the logits changed (a forged one) still has them compared."""
+    a block claiming the logits changed (a forged one) still has them compared."""
     from enjoyln.options import CheckOptions
 
     broken = enjoyln.fold(copy.deepcopy(gpt2))

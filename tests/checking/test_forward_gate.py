@@ -741,8 +741,8 @@ def test_default_check_confirms_briefly_once_the_weights_are_proven(tmp_path):
 def test_forward_only_runs_every_token_id_and_catches_a_garbage_row(tmp_path):
     """16 positions and a vocabulary of 8,192: the coverage batch draws 64 ids, so a garbage
     embedding row passed. The token sweep runs the other 8,128 (within its default limit), its
-    outputs
-    kept as sketches; with a lower limit it runs that many, and the report says how many ids ran."""
+    outputs kept as sketches; with a lower limit it runs that many, and the report says how many ids
+    ran."""
     from enjoyln.checking import sweep
 
     perturb(tiny_model("gpt2", n_positions=16, vocab_size=8192), seed=3).save_pretrained(

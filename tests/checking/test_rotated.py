@@ -1,7 +1,6 @@
 """Rotated checkpoints: one written before the structured rotation (version 1, kept in tests/data
-from that
-release) still passes the static check; a new one records version 2 and checks; in memory, the same
-path."""
+from that release) still passes the static check; a new one records version 2 and checks; in
+memory, the same path."""
 
 import copy
 import hashlib

@@ -561,12 +561,9 @@ def test_a_dtype_that_is_none_is_named(value, gpt2_dir, tmp_path):
 
 def test_rotate_then_check_a_vision_language_directory(tmp_path):
     """LLaVA with a SigLIP tower read at layer -2, from its directory alone: every batch holds an
-    image, the tapped
-    tower's LNs are refused with the tap's reader named, yet its stream rotates (the projector takes
-    Qᵀ), the
-    tower's hidden states among the outputs are left out of the check, and the output loads with
-    plain
-    from_pretrained with the same logits."""
+    image, the tapped tower's LNs are refused with the tap's reader named, yet its stream rotates
+    (the projector takes Qᵀ), the tower's hidden states among the outputs are left out of the
+    check, and the output loads with plain from_pretrained with the same logits."""
     import transformers
 
     from enjoyln.analysis.inputs import hf_example_inputs

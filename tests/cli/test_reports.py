@@ -292,8 +292,7 @@ def test_a_difference_is_claimed_only_when_measurable(capsys):
 
 def test_a_speed_line_shows_no_second_median_to_point_the_other_way(capsys):
     """The medians are 10% apart, but the run-by-run ratios spread across 1: no difference is
-    claimed, and
-    the folded median, which would suggest one, is not printed."""
+    claimed, and the folded median, which would suggest one, is not printed."""
     lat = LatencyComparison.of([10.0, 10.0, 10.0, 30.0, 30.0], [11.0, 11.0, 11.0, 9.0, 9.0])
     assert lat.b_ms / lat.a_ms == pytest.approx(1.1) and lat.direction() == "same"
     render.state.begin()

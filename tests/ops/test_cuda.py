@@ -246,8 +246,8 @@ STATES = [
 @pytest.mark.parametrize("st", STATES, ids=str)
 def test_float64_never_reaches_a_triton_kernel(state, st):
     """The Triton kernels compute in float32: float64 (x, weight or bias) takes torch's own path,
-    whatever
-    the process has or pins, at any size, fused with a residual or not, contiguous or not."""
+    whatever the process has or pins, at any size, fused with a residual or not, contiguous or
+    not."""
     kernels = FakeKernels(st["off"]) if st["triton"] else None
     state(native=st["native"], triton=kernels, forced=st["forced"])
     x = torch.randn(4, 3, 8, dtype=torch.float64)

@@ -1,7 +1,6 @@
 """A CPU call with a gradient: one C++ autograd node (the extension ops/grad.py builds), with the
-output bits of the
-call without a gradient and the op's backward; and the Python Function, with one warning, where it
-cannot be built."""
+output bits of the call without a gradient and the op's backward; and the Python Function, with
+one warning, where it cannot be built."""
 
 import warnings
 

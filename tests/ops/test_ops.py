@@ -255,10 +255,8 @@ def test_gpt2_with_rms_norms_exports_one_node_per_norm():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_gradient_costs_one_autograd_node_and_keeps_the_kernel_s_output(dtype):
     """With parameters that require grad, the call is the fused kernel as one autograd node (not the
-    op's
-    dispatch; C++'s where the extension builds, else a Python Function): the same output bits as
-    without a
-    gradient, and gradients as the float64 reference's."""
+    op's dispatch; C++'s where the extension builds, else a Python Function): the same output
+    bits as without a gradient, and gradients as the float64 reference's."""
     gen = torch.Generator().manual_seed(2)
     x = (torch.randn(3, 5, 40, generator=gen) * 2 + 0.3).to(dtype)
     w = torch.nn.Parameter((torch.rand(40, generator=gen) + 0.5).to(dtype))
@@ -296,8 +294,7 @@ def test_a_gradient_under_a_tracer_or_a_transform_still_takes_the_op():
 
 def test_the_cuda_route_for_a_gradient_is_exact():
     """On CUDA a call that needs a gradient is F.rms_norm then the bias add, torch's autograd
-    throughout;
-    float64 stays float64 (here on CPU tensors: the same ops)."""
+    throughout; float64 stays float64 (here on CPU tensors: the same ops)."""
     x = torch.randn(3, 2, 6, dtype=torch.float64, requires_grad=True)
     w = (torch.rand(6, dtype=torch.float64) + 0.5).requires_grad_()
     b = torch.randn(6, dtype=torch.float64, requires_grad=True)

@@ -1,7 +1,6 @@
 """The structured rotation kernel: every width gets an orthogonal Q that keeps the ones vector where
-asked,
-written as the factors say, with bits that depend on neither the layout, the thread count, nor the
-instruction set the kernel is compiled for."""
+asked, written as the factors say, with bits that depend on neither the layout, the thread count,
+nor the instruction set the kernel is compiled for."""
 
 import hashlib
 import math
@@ -102,8 +101,8 @@ def test_a_block_of_an_axis_is_rotated_and_the_rest_left_alone():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_a_gain_scaled_on_the_way_gives_the_bits_of_scaling_then_rotating(dtype):
     """The fused gain: each product rounded to the dtype as ``scale_inputs_`` stores it, then
-    rotated; along
-    rows, along strided columns (a tile of four items and a ragged one: 37 columns), in one pass."""
+    rotated; along rows, along strided columns (a tile of four items and a ragged one: 37
+    columns), in one pass."""
     from enjoyln.plan import Fused
     from enjoyln.transform.tensors import scale_inputs_
 
@@ -167,8 +166,7 @@ def _digest(lib, n, dtype):
 
 def test_the_bits_do_not_depend_on_the_instruction_set():
     """Built for plain x86-64 (SSE2) without vectorizing, and for this machine, the kernel gives the
-    same
-    bits: vectorizing across vectors reorders no sum. Pinned too: a change of them is a new
+    same bits: vectorizing across vectors reorders no sum. Pinned too: a change of them is a new
     version."""
     portable = [f for f in R.FLAGS if f != "-march=native"] + ["-fno-tree-vectorize", "-O1"]
     other = cpu.compile_library(R.SOURCE, portable)

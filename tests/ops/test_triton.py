@@ -88,8 +88,7 @@ def interpreter_loops(monkeypatch):
 
 def looped(value, loops=None):
     """A test parameter (a row length, or a config when ``loops`` says whether it runs the looped
-    kernel),
-    skipped with the reason where the interpreter cannot run the looped kernel."""
+    kernel), skipped with the reason where the interpreter cannot run the looped kernel."""
     if (value > MAX_FUSED if loops is None else loops) and LOOPS not in ("", "patched"):
         return pytest.param(value, marks=pytest.mark.skip(reason=LOOPS))
     return value

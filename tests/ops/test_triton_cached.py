@@ -220,8 +220,7 @@ def test_nothing_is_verified_while_a_graph_is_captured(monkeypatch):
 
 def test_a_tensor_on_another_device_is_verified_then_launched_directly_on_it():
     """With ``device_map="auto"`` most tensors are on a GPU other than the current one: each launch,
-    the
-    first (Triton's) and the direct ones, runs with that GPU current and on its stream, then
+    the first (Triton's) and the direct ones, runs with that GPU current and on its stream, then
     switches back."""
     devices = Devices()
     kernel = FakeKernel(devices=devices)

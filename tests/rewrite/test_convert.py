@@ -696,13 +696,10 @@ def test_model_class_folds_weights_as_the_class_they_match(tmp_path):
 
 def test_a_class_its_weights_do_not_match_is_refused_before_anything_is_written(tmp_path):
     """MPNetForMaskedLM over MPNetModel's weights, as a sentence-transformers MPNet ships: fold and
-    rotate stop
-    at once, even with -q, naming the class the weights match and the flag that chooses it;
-    --allow-missing
-    folds it as before, and the fold and its check count the same parameters (the fold's untied head
-    also
-    unties its bias from lm_head.bias, one tensor in the original, which the check once counted
-    twice)."""
+    rotate stop at once, even with -q, naming the class the weights match and the flag that
+    chooses it; --allow-missing folds it as before, and the fold and its check count the same
+    parameters (the fold's untied head also unties its bias from lm_head.bias, one tensor in the
+    original, which the check once counted twice)."""
     from typer.testing import CliRunner
 
     from enjoyln.cli.app import app
@@ -775,8 +772,7 @@ def test_a_head_the_checkpoint_lacks_stays_missing_when_its_tie_is_undone(fuse_a
 
 def test_a_fold_in_another_dtype_passes_check_dtype_and_only_it(saved, tmp_path):
     """``fold --dtype bfloat16``: every floating tensor stored in bfloat16, the config saying so;
-    each
-    tensor one of the two roundings the check's rule for a cast copy accepts."""
+    each tensor one of the two roundings the check's rule for a cast copy accepts."""
     from typer.testing import CliRunner
 
     from enjoyln.cli.app import app

@@ -78,8 +78,7 @@ def test_a_tensor_that_cannot_be_mapped_is_left_to_the_plain_write(tmp_path, mon
 
 def test_computed_tensors_written_behind_land_where_they_belong(tmp_path, monkeypatch):
     """Small tensors are written on the second thread while the next is computed, a large one in
-    turn;
-    each lands at its offset, and a write that fails is raised when the block ends."""
+    turn; each lands at its offset, and a write that fails is raised when the block ends."""
     from enjoyln.rewrite import writer
 
     monkeypatch.setattr(writer, "WRITE_BEHIND_BYTES", 400)

@@ -233,8 +233,7 @@ def test_unknown_timm_architecture_and_missing_weights(hub_dir, tmp_path):
 
 def test_a_timm_bin_directory_gets_a_resave_line_that_works(hub_dir, tmp_path):
     """timm would unpickle pytorch_model.bin itself, so even --allow-pickle refuses it, with the one
-    line
-    that re-saves it as safetensors; run as given, that line makes the directory fold."""
+    line that re-saves it as safetensors; run as given, that line makes the directory fold."""
     src, _ = hub_dir
     pickled = shutil.copytree(src, tmp_path / "pickled vit")  # a space: the line quotes the path
     torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
