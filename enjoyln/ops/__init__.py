@@ -311,6 +311,14 @@ def _agree(
     x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None
 ) -> None:
     """Refuses, as ``F.layer_norm`` does, shapes that do not match ``normalized_shape``."""
+    if len(normalized_shape) == 1:  # the common case first, in the cheapest reads: host time counts
+        n = normalized_shape[0]
+        if (
+            x.shape[-1] == n
+            and (weight is None or (weight.numel() == n and weight.dim() == 1))
+            and (bias is None or (bias.numel() == n and bias.dim() == 1))
+        ):
+            return
     shape = tuple(normalized_shape)
     if (
         x.shape[x.dim() - len(shape) :] != shape
