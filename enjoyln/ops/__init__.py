@@ -348,9 +348,8 @@ def rms_norm(
     True
     """
     mode = _mode(x, weight, bias)
-    if (
-        mode != OP
-    ):  # the kernels below read raw pointers: a weight of the wrong length would be read past
+    # the kernels below read raw pointers: a weight of the wrong length would be read past its end
+    if mode != OP:
         _agree(x, normalized_shape, weight, bias)
     if mode == HOT:  # the inference hot path: a few attribute reads, then C or one kernel launch
         if cpu.supports(x, weight, bias):
