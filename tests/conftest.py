@@ -1,7 +1,13 @@
+import functools
 import os
 
 import pytest
 import torch
+import typer.testing
+
+# typer's runner builds the click command from the functions' signatures on every invoke (50 ms
+# for enjoyln's): build it once per app
+typer.testing._get_command = functools.cache(typer.testing._get_command)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -28,6 +34,20 @@ def pytest_xdist_auto_num_workers(config):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_analyses(request):
+    """A test that patches code in process may change what an analysis computes: it starts and
+    ends without the analyses earlier tests left in this worker's memo."""
+    if "monkeypatch" not in request.fixturenames:
+        yield
+        return
+    from enjoyln.folded.planning import forget_analyses
+
+    forget_analyses()
+    yield
+    forget_analyses()
 
 
 def assert_same_outputs(reference, candidate, inputs, rtol=1e-5):

@@ -3,7 +3,11 @@ weights."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
+import json
+from typing import Any, Hashable
 
 import torch
 
@@ -31,7 +35,7 @@ def analyze_dir(
         "fuse_affine": fuse_affine,
         "rotate": rotate,
     }
-    plan = analyze(checkpoint.meta, **options)
+    plan = remembered_analysis(checkpoint, options)
     if must_rotate and plan.rotation is None:
         raise EnjoylnError(f"{plan.not_rotated()}; nothing was written")
     names = sorted(
@@ -45,6 +49,49 @@ def analyze_dir(
     if checkpoint.missing:
         plan.notes.append(missing_note(checkpoint.missing, checkpoint.architecture))
     return plan
+
+
+MEMO_SIZE = 16
+_memo: collections.OrderedDict[Hashable, FoldPlan] = collections.OrderedDict()
+
+
+def remembered_analysis(checkpoint: Checkpoint, options: dict[str, Any]) -> FoldPlan:
+    """``analyze(checkpoint.meta, **options)``, traced once per process for what it depends on:
+    a fold traces its source, and the check that follows traces the same directory as its
+    reference. The key is everything the meta model is built from (the library, the class, the
+    config's JSON, each tensor's name, dtype and shape, the default dtype), so two directories
+    with the same key give the same trace; a model with custom code is traced every time. Each
+    caller gets its own copy, which it may change."""
+    key = _identity(checkpoint, options)
+    if key is None:
+        return analyze(checkpoint.meta, **options)
+    if key in _memo:
+        _memo.move_to_end(key)
+    else:
+        _memo[key] = analyze(checkpoint.meta, **options)
+        while len(_memo) > MEMO_SIZE:
+            _memo.popitem(last=False)
+    return copy.deepcopy(_memo[key])
+
+
+def forget_analyses() -> None:
+    """Drop every remembered analysis (tests that change the analysis's code in process)."""
+    _memo.clear()
+
+
+def _identity(checkpoint: Checkpoint, options: dict[str, Any]) -> Hashable | None:
+    if checkpoint.custom_code:
+        return None
+    tensors = tuple(sorted((k, t.dtype, tuple(t.shape)) for k, t in checkpoint.tensors.items()))
+    return (
+        checkpoint.source,
+        checkpoint.architecture,
+        json.dumps(checkpoint.config, sort_keys=True),
+        checkpoint.pickled,
+        tensors,
+        str(torch.get_default_dtype()),
+        tuple(sorted((k, repr(v)) for k, v in options.items())),
+    )
 
 
 def missing_note(names: list[str], architecture: str) -> Note:

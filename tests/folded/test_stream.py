@@ -466,7 +466,7 @@ def test_the_stream_never_holds_the_whole_model(options, tmp_path, monkeypatch):
     def measured(where, real):
         def run(*args, **kwargs):
             calls[where] += 1
-            if calls[where] % 3 == 0:  # a scan of every object takes a while: every third call
+            if calls[where] % 6 == 0:  # a scan of every object takes a while: every sixth call
                 peaks[where].append(sum(n for p, n in _cpu_storages().items() if p not in before))
             return real(*args, **kwargs)
 
@@ -479,6 +479,6 @@ def test_the_stream_never_holds_the_whole_model(options, tmp_path, monkeypatch):
     before = set(_cpu_storages())
     result = fold_checkpoint(src, tmp_path / "out", FoldOptions.of(check="static", **options))
     assert result.report.passed and result.report.static.computed > 0
-    assert len(peaks["write"]) > 30 and len(peaks["compare"]) > 30
+    assert len(peaks["write"]) > 15 and len(peaks["compare"]) > 15
     assert 0 < max(peaks["write"]) <= 6 * largest, (peaks, largest, total)
     assert 0 < max(peaks["compare"]) <= 8 * largest, (peaks, largest, total)

@@ -4,6 +4,7 @@ processes), its verdict against the one owed, the score per category."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import shutil
@@ -108,10 +109,14 @@ def gate(
     tree = os.environ.get(GATE_TREE)
     if tree:
         return _gate_in(Path(tree), reference, candidate, args, env)
+    import typer.testing
     from typer.testing import CliRunner
 
     from enjoyln.cli.app import app
 
+    if not hasattr(typer.testing._get_command, "cache_info"):
+        # the click command built once per worker, not on each of its hundreds of runs
+        typer.testing._get_command = functools.cache(typer.testing._get_command)
     result = CliRunner().invoke(app, ["check", str(reference), str(candidate), *args], env=env)
     lines = [line.strip() for line in result.output.splitlines() if line.strip()]
     if result.exception is not None and not isinstance(result.exception, SystemExit):
