@@ -14,7 +14,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 from .errors import PlanError
 from .units import format_bytes
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """The newest format read; a plan is written in the oldest that holds it: old readers refuse only
 what they misread."""
 
@@ -237,7 +237,7 @@ class Rotation(Record):
     keep_mean: bool
     rotated: list[Rotated] = field(default_factory=list)
     version: int = (
-        1  # how ``Q`` is built and applied: 1 dense, 2 structured (``ROTATION_VERSIONS``)
+        1  # how ``Q`` is built and applied: 1 dense, 2 and 3 structured (``ROTATION_VERSIONS``)
     )
     stream: str = (
         ""  # the stream rotated, where a plan rotates several: the modules its norms share ...
@@ -256,11 +256,13 @@ class Rotation(Record):
         )
 
 
-ROTATION_VERSIONS = {"hadamard": 2, "random": 1}
+ROTATION_VERSIONS = {"hadamard": 3, "random": 1}
 """The version a new rotation of each kind gets. A hadamard ``Q`` of version 1 is a dense matrix (a
 Kronecker product with a LAPACK block, or Haar-random where the odd part of the width is over 64)
-applied by BLAS; of version 2 it is structured (``ops/rotate.c``) for every width. Checkpoints
-keep the version they were made with."""
+applied by BLAS; of version 2 it is structured (``ops/rotate.c``) for every width; version 3 is
+version 2's ``Q`` with each fused bias's ``W β`` summed in a fixed order
+(``ops.rotate.dot_vectors``) instead of by BLAS, whose order, and so whose bits, depend on the
+machine. Checkpoints keep the version they were made with."""
 
 
 @dataclass(frozen=True)
@@ -415,6 +417,13 @@ class FoldPlan(Record):
     _where = "plan"
 
     @property
+    def fixed_order_products(self) -> bool:
+        """Whether a fused bias's ``W β`` is summed in enjoyln's fixed order (a hadamard rotation
+        of version 3 or later), not by BLAS."""
+        r = self.rotation
+        return r is not None and r.kind == "hadamard" and r.version >= 3
+
+    @property
     def rotations(self) -> list[Rotation]:
         """Every stream's rotation."""
         return ([self.rotation] if self.rotation is not None else []) + list(self.more_rotations)
@@ -459,7 +468,10 @@ class FoldPlan(Record):
         """The oldest plan format that holds this plan: 2 once a norm is not a plain LayerNorm, 3
         with a rotation of version 2 (which an older reader would apply as a dense one), 4 with
         several streams rotated, an unfolded norm's affine moved, or outputs a rotation changes
-        (which an older reader would miss)."""
+        (which an older reader would miss), 5 with a rotation of version 3 (whose fused biases an
+        older reader would recompute by BLAS)."""
+        if self.fixed_order_products:
+            return 5
         if (
             self.more_rotations
             or self.changed_outputs

@@ -83,6 +83,7 @@ class StreamedTensors:
         dtype: str | None = None,
     ) -> None:
         self.ck = ck
+        self.fixed_order = plan.fixed_order_products
         # else glibc keeps the freed slabs on a heap that small lasting values (W β) pin: it grows
         # by layer
         return_freed_memory()
@@ -246,7 +247,12 @@ class StreamedTensors:
         for r in self._taps.get((index, version), ()):
             if r not in self._memo:
                 self._memo[r] = (
-                    fused_product(t, r.fused, self._read(r.beta).to(torch.float64).reshape(-1))
+                    fused_product(
+                        t,
+                        r.fused,
+                        self._read(r.beta).to(torch.float64).reshape(-1),
+                        self.fixed_order,
+                    )
                     if isinstance(r, Product)
                     else t.clone()
                 )

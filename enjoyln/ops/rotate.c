@@ -118,11 +118,22 @@ static inline lanes fma_lanes(lanes x, double c, lanes acc) {
     return out;
 }
 
-/* x[a*m + :] B for one a, from xt[m] into y[m]. bt is B transposed: bt[d * m + b]. Four outputs at a
- * time, each its own sum in order of b (acc = x[0] c[0], then acc = fma(x[b], c[b], acc)), so that four
- * chains overlap. */
+/* x[a*m + :] B for one a, from xt[m] into y[m]. bt is B transposed: bt[d * m + b]. Eight outputs at a
+ * time, then four, then one, each its own sum in order of b (acc = x[0] c[0], then acc = fma(x[b], c[b],
+ * acc)), so that eight chains overlap the multiply-add's latency; how many run side by side changes no
+ * output's order. */
 static void mix_lanes(lanes* restrict y, const lanes* restrict xt, const double* restrict bt, int64_t m) {
     int64_t d = 0;
+    for (; d + 8 <= m; d += 8) {
+        const double* c[8];
+        lanes a[8];
+        for (int j = 0; j < 8; j++) c[j] = bt + (d + j) * m, a[j] = xt[0] * c[j][0];
+        for (int64_t b = 1; b < m; b++) {
+            const lanes x = xt[b];
+            for (int j = 0; j < 8; j++) a[j] = fma_lanes(x, c[j][b], a[j]);
+        }
+        for (int j = 0; j < 8; j++) y[d + j] = a[j];
+    }
     for (; d + 4 <= m; d += 4) {
         const double *c0 = bt + d * m, *c1 = c0 + m, *c2 = c1 + m, *c3 = c2 + m;
         lanes a0 = xt[0] * c0[0], a1 = xt[0] * c1[0], a2 = xt[0] * c2[0], a3 = xt[0] * c3[0];
@@ -323,3 +334,61 @@ int enjoyln_rotate_into(const void* src, void* dst, const void* cand, int dtype,
 }
 
 int enjoyln_rotate_has_f16(void) { return ENJOYLN_HAS_F16; }
+
+/* The fused bias's product W beta, in a fixed order: for each vector of the slice at src (seen as
+ * [outer, n, inner] as above), out[o * inner + j] = x[0] beta[0], then fma(x[i], beta[i], acc) for
+ * i = 1 .. n - 1 in order, in float64. Each output is one thread's chain, whatever the thread count;
+ * the loop runs along memory (rows of [n, inner]) with independent chains side by side, so
+ * vectorising it reorders nothing. BLAS's reduction order depends on the machine; this one does not.
+ * Returns 0, or -1 for an unknown dtype. */
+#define DOT_ROWS(LD)                                                                         \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(outer * n * inner >= PARALLEL_MIN)") \
+    for (int64_t t = 0; t < tiles; t++) {                                                    \
+        const int64_t o = t / per_outer, j0 = (t % per_outer) * DOT_COLUMNS;                 \
+        const int64_t j1 = j0 + DOT_COLUMNS < inner ? j0 + DOT_COLUMNS : inner;              \
+        const int64_t base = o * outer_stride;                                               \
+        double* acc = out + o * inner;                                                       \
+        for (int64_t j = j0; j < j1; j++) acc[j] = LD(src, base + j) * beta[0];              \
+        for (int64_t i = 1; i < n; i++) {                                                    \
+            const double b = beta[i];                                                        \
+            const int64_t row = base + i * inner;                                            \
+            for (int64_t j = j0; j < j1; j++) acc[j] = __builtin_fma(LD(src, row + j), b, acc[j]); \
+        }                                                                                    \
+    }
+
+#define DOT_CHAINS(LD)                                                                       \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(outer * n >= PARALLEL_MIN)") \
+    for (int64_t o0 = 0; o0 < outer; o0 += LANES) {                                          \
+        const int64_t w = outer - o0 < LANES ? outer - o0 : LANES;                           \
+        lanes acc = {0};                                                                     \
+        for (int l = 0; l < w; l++) acc[l] = LD(src, (o0 + l) * outer_stride) * beta[0];     \
+        for (int64_t i = 1; i < n; i++)                                                      \
+            for (int l = 0; l < w; l++)                                                      \
+                acc[l] = __builtin_fma(LD(src, (o0 + l) * outer_stride + i), beta[i], acc[l]); \
+        for (int l = 0; l < w; l++) out[o0 + l] = acc[l];                                    \
+    }
+
+#define DOT_COLUMNS 256 /* outputs one thread carries along the rows of a strided slice: 2 KiB */
+
+int enjoyln_dot_vectors(const void* src, int dtype, int64_t outer, int64_t outer_stride, int64_t n,
+                        int64_t inner, const double* beta, double* out, int threads) {
+    if (n <= 0 || outer <= 0 || inner <= 0) return 0;
+    if (dtype < F32 || dtype > F64) return -1;
+    const int64_t per_outer = (inner + DOT_COLUMNS - 1) / DOT_COLUMNS, tiles = outer * per_outer;
+    if (inner == 1) {
+        switch (dtype) {
+            case F32: DOT_CHAINS(ld_f32) break;
+            case F64: DOT_CHAINS(ld_f64) break;
+            case BF16: DOT_CHAINS(ld_bf16) break;
+            case F16: DOT_CHAINS(ld_f16) break;
+        }
+    } else {
+        switch (dtype) {
+            case F32: DOT_ROWS(ld_f32) break;
+            case F64: DOT_ROWS(ld_f64) break;
+            case BF16: DOT_ROWS(ld_bf16) break;
+            case F16: DOT_ROWS(ld_f16) break;
+        }
+    }
+    return 0;
+}

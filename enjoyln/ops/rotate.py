@@ -72,7 +72,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         p,
         ctypes.c_int,
     ]
+    lib.enjoyln_dot_vectors.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, p, p, ctypes.c_int]
     lib.enjoyln_rotation_tables.restype = lib.enjoyln_rotate_into.restype = ctypes.c_int
+    lib.enjoyln_dot_vectors.restype = ctypes.c_int
     lib.enjoyln_rotate_scaled_into.restype = ctypes.c_int
     return lib
 
@@ -251,3 +253,46 @@ def rotated_equal(
     if result < 0:
         raise MemoryError("the rotation kernel could not allocate its buffers")
     return result == 0
+
+
+def dot_vectors(t: torch.Tensor, axis: int, beta: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """``t``'s entries ``start .. start + len(beta)`` of ``axis`` times ``beta``, summed along it,
+    in float64 in a fixed order (``rotate.c``'s ``enjoyln_dot_vectors``): the same bits whatever
+    the machine, the thread count or ``t``'s layout in memory, where a BLAS product's depend on
+    them. The shape is ``t``'s without ``axis``; ``t`` is read in its own dtype, never widened
+    whole.
+
+    >>> w = torch.arange(6.0).reshape(2, 3)
+    >>> dot_vectors(w, 1, torch.ones(3, dtype=torch.float64)).tolist()
+    [3.0, 12.0]
+    """
+    axis = axis % t.dim()
+    n = beta.numel()
+    if start < 0 or start + n > t.shape[axis]:
+        raise ValueError(f"entries {start} to {start + n} do not fit an axis of {t.shape[axis]}")
+    out_shape = [d for i, d in enumerate(t.shape) if i != axis]
+    out = torch.empty(out_shape, dtype=torch.float64)
+    if t.numel() == 0 or n == 0:
+        return out.zero_()
+    if not usable(t.dtype):
+        raise RotationUnavailable(f"cannot read a tensor of dtype {t.dtype}")
+    work = t.detach()
+    work = work if work.device.type == "cpu" and work.is_contiguous() else work.cpu().contiguous()
+    factors = beta.detach().to("cpu", torch.float64).contiguous()
+    (outer, stride, inner), at = _layout(work.shape, axis, start)
+    if (
+        _lib().enjoyln_dot_vectors(
+            work.data_ptr() + at * work.element_size(),
+            CODES[work.dtype],
+            outer,
+            stride,
+            n,
+            inner,
+            factors.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        < 0
+    ):
+        raise RotationUnavailable(f"cannot read a tensor of dtype {work.dtype}")
+    return out

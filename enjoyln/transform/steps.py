@@ -220,7 +220,8 @@ class FuseAffine(Transformation):
                     target = (
                         tensor_at(model, f.bias) if f.bias and e.affine == AFFINE_FUSED else None
                     )
-                    fuse_(tensor_at(model, f.weight), target, f, gamma, beta)
+                    reader = tensor_at(model, f.weight)
+                    fuse_(reader, target, f, gamma, beta, plan.fixed_order_products)
                 if weight is not None:
                     weight.fill_(1)
                 if bias is not None:

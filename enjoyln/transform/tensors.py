@@ -12,6 +12,7 @@ from torch import nn
 
 from ..errors import PlanError
 from ..ops import center as centering_kernel
+from ..ops.rotate import RotationUnavailable, dot_vectors
 from ..plan import Centering, FoldPlan, Fused
 from .rotation import slabs
 
@@ -211,25 +212,32 @@ def fuse_(
     f: Fused,
     gamma: torch.Tensor | None,
     beta: torch.Tensor | None,
+    fixed_order: bool = False,
 ) -> None:
     """Move a norm's affine into a linear layer that reads it, in place: ``bias += W β``, then W's
-    block ``*= γ``."""
+    block ``*= γ``; ``fixed_order``: see ``fused_product``."""
     if bias is not None and beta is not None:
-        bias.copy_(
-            bias.detach().to(torch.float64) + fused_product(weight, f, beta).reshape(bias.shape)
-        )
+        product = fused_product(weight, f, beta, fixed_order)
+        bias.copy_(bias.detach().to(torch.float64) + product.reshape(bias.shape))
     if gamma is not None:
         scale_inputs_(weight, f, gamma)
 
 
-def fused_product(weight: torch.Tensor, f: Fused, beta: torch.Tensor) -> torch.Tensor:
-    """``W β`` over the block of ``weight`` that reads the norm, in float64. The whole weight is
-    widened first, as it always was, so the product's bits (a BLAS reduction) stay what earlier
-    folds wrote."""
+def fused_product(
+    weight: torch.Tensor, f: Fused, beta: torch.Tensor, fixed_order: bool = False
+) -> torch.Tensor:
+    """``W β`` over the block of ``weight`` that reads the norm, in float64. ``fixed_order`` (a
+    plan's ``fixed_order_products``): summed in one order on every machine, reading the weight in
+    its own dtype. Otherwise the whole weight is widened first, as it always was, so the product's
+    bits (a BLAS reduction) stay what earlier folds wrote."""
+    segment = beta[f.offset : f.offset + f.length]
+    if fixed_order:
+        try:
+            return dot_vectors(weight, f.axis, segment, f.start)
+        except RotationUnavailable as exc:
+            raise PlanError(str(exc)) from None
     block = weight.detach().to(torch.float64).narrow(f.axis, f.start, f.length)
-    return torch.tensordot(
-        block, beta[f.offset : f.offset + f.length].to(torch.float64), dims=([f.axis], [0])
-    )
+    return torch.tensordot(block, segment.to(torch.float64), dims=([f.axis], [0]))
 
 
 _SCALE_ELEMENTS = 1 << 22

@@ -119,16 +119,20 @@ def test_two_rotated_streams_keep_the_served_outputs(two_streams, inputs):
 
 def test_a_plan_of_several_streams_reads_back(two_streams):
     data = json.loads(two_streams.to_json())
-    assert data["format_version"] == 4 and len(data["more_rotations"]) == 1
+    # format 4 for several streams, 5 for version 3's fused biases
+    assert data["format_version"] == 5 and len(data["more_rotations"]) == 1
     assert data["rotation"]["stream"] == "tower" and data["rotation"]["width"] == 16
     assert FoldPlan.from_json(two_streams.to_json()) == two_streams
 
 
 def test_a_single_stream_plan_is_written_as_before():
     model = perturb(tiny_model("gpt2"))
-    plan = enjoyln.analyze(model, torch.randint(0, 64, (2, 6)), rotate=("hadamard", 3, True))
+    ids = torch.randint(0, 64, (2, 6))
+    plan = enjoyln.analyze(model, ids, rotate=RotationSpec("hadamard", 3, True, version=2))
     data = plan.to_dict()
     assert data["format_version"] == 3 and data["rotation"]["seed"] == 3
+    newest = enjoyln.analyze(model, ids, rotate=("hadamard", 3, True)).to_dict()
+    assert newest["format_version"] == 5 and newest["rotation"]["version"] == 3
     assert not {"more_rotations", "exact_outputs", "changed_outputs"} & data.keys()
     assert not {"stream", "width"} & data["rotation"].keys()
 

@@ -1,6 +1,6 @@
 """Rotated checkpoints: one written before the structured rotation (version 1, kept in tests/data
-from that release) still passes the static check; a new one records version 2 and checks; in
-memory, the same path."""
+from that release) still passes the static check; one of version 2 (BLAS's fused-bias products)
+still checks; a new one records version 3 and checks; in memory, the same path."""
 
 import copy
 import hashlib
@@ -76,12 +76,12 @@ def test_a_checkpoint_rotated_by_the_dense_release_still_checks(ref, name, tmp_p
     assert not static_check(open_checkpoint(ref), open_checkpoint(bad)).passed
 
 
-def test_a_new_rotation_records_version_2_and_checks(ref, tmp_path):
+def test_a_new_rotation_records_version_3_and_checks(ref, tmp_path):
     out = tmp_path / "new"
     fold_checkpoint(ref, out, FoldOptions.of(fuse_affine=True, rotate=RotationSpec(), check="none"))
     config = json.loads((out / "config.json").read_text())
     plan = config["enjoyln"]["plan"]
-    assert plan["rotation"]["version"] == 2 and plan["format_version"] == 3
+    assert plan["rotation"]["version"] == 3 and plan["format_version"] == 5
     assert static_check(open_checkpoint(ref), open_checkpoint(out)).passed
     assert sha(out) != sha(DATA / "w24")
     # the writer scales a fused gain inside the rotation kernel, the in-memory steps scale and then
@@ -115,3 +115,32 @@ def test_in_memory_rotate_uses_the_structured_path():
     ids = {"input_ids": torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))}
     for model in (rotated, dense):
         assert_same_outputs(original, model, ids)
+
+
+def test_version_2_still_checks_and_differs_only_in_the_fused_biases(ref, tmp_path):
+    """Version 3 keeps version 2's Q; only a fused bias's W β is summed in the fixed order, the
+    bits of ``dot_vectors``, not BLAS's."""
+    tensors = {}
+    for version in (2, 3):
+        out = tmp_path / f"v{version}"
+        options = FoldOptions.of(
+            fuse_affine=True, rotate=RotationSpec(version=version), check="none"
+        )
+        fold_checkpoint(ref, out, options)
+        plan = json.loads((out / "config.json").read_text())["enjoyln"]["plan"]
+        assert (plan["rotation"]["version"], plan["format_version"]) == (
+            version,
+            {2: 3, 3: 5}[version],
+        )
+        assert static_check(open_checkpoint(ref), open_checkpoint(out)).passed
+        tensors[version] = load_file(out / "model.safetensors")
+    assert tensors[2].keys() == tensors[3].keys()
+    fused = {"transformer.h.0.attn.c_attn.bias", "transformer.h.0.mlp.c_fc.bias"}
+    for key in tensors[2].keys() - fused:
+        assert torch.equal(tensors[2][key], tensors[3][key]), key
+    source = load_file(ref / "model.safetensors")
+    for key, norm in zip(sorted(fused), ("ln_1", "ln_2")):
+        weight = source[key.replace(".bias", ".weight")]  # Conv1D: [in, out], β along axis 0
+        beta = source[f"transformer.h.0.{norm}.bias"].double()
+        expected = (source[key].double() + R.dot_vectors(weight, 0, beta)).float()
+        assert torch.equal(tensors[3][key], expected), key

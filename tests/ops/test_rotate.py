@@ -188,3 +188,43 @@ PINNED = {
 }
 """Digests of the version-2 rotation of a fixed input (float64 ones show every bit of the
 arithmetic)."""
+
+
+def _fma(x, y, z):
+    """fma(x, y, z) correctly rounded, from exact rationals."""
+    from fractions import Fraction
+
+    return float(Fraction(x) * Fraction(y) + Fraction(z))
+
+
+def test_dot_vectors_sums_in_order_whatever_the_layout_and_threads():
+    """W β for a fused bias: x[0] β[0], then one fma per entry in order, in float64; the same bits
+    from rows or strided columns, a block of a wider axis, one thread or two, and every dtype read
+    as stored."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 300, generator=g)
+    beta = torch.randn(300, dtype=torch.float64, generator=g)
+    got = R.dot_vectors(w, 1, beta)
+    for row in (0, 17, 36):
+        x, acc = w[row].double().tolist(), None
+        for i, xi in enumerate(x):
+            acc = xi * beta[0].item() if i == 0 else _fma(xi, beta[i].item(), acc)
+        assert got[row].item() == acc
+    assert torch.equal(R.dot_vectors(w.t().contiguous(), 0, beta), got)
+    assert torch.equal(R.dot_vectors(w.t(), 0, beta), got)  # a strided view, copied
+    wide = torch.cat([torch.randn(37, 5, generator=g), w, torch.randn(37, 9, generator=g)], 1)
+    assert torch.equal(R.dot_vectors(wide, 1, beta, start=5), got)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        big = torch.randn(300, 1200, generator=g)
+        one = R.dot_vectors(big, 0, beta)
+        torch.set_num_threads(2)
+        assert torch.equal(R.dot_vectors(big, 0, beta), one)
+    finally:
+        torch.set_num_threads(threads)
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        low = w.to(dtype)
+        assert torch.allclose(R.dot_vectors(low, 1, beta), low.double() @ beta, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="do not fit"):
+        R.dot_vectors(w, 1, beta, start=1)
