@@ -176,26 +176,41 @@ class RotationSpread(Spread):
         return [(keys, f"{g.describe(node)}")]
 
 
+PADS = ("constant_pad_nd", "pad")
+
+
 def _sum_written(g: GraphIndex, calls: list[fx.Node]) -> fx.Node | None:
-    """The sum that a norm's output reaches through ops that only move values: there the norm writes
-    the residual stream (a post-LN block), so its gain is part of the stream, not of one layer's
-    input."""
+    """The sum that a norm's output reaches through ops that only move values, or pad them with
+    zeros along another axis: there the norm writes the residual stream (a post-LN block, a
+    pre-norm at a tower's start), so its gain is part of the stream, not of one layer's input."""
     for ln in calls:
-        todo = (
-            [u for u in ln.users if op_name(u) == "getitem" and u.args[1] == 0]
-            if op_name(ln) == "native_layer_norm"
-            else [ln]
-        )
-        seen = set(todo)
+        dims = shape(ln.args[0])
+        todo = [
+            (out, len(dims) - 1 if dims else -1)
+            for out in (
+                [u for u in ln.users if op_name(u) == "getitem" and u.args[1] == 0]
+                if op_name(ln) == "native_layer_norm"
+                else [ln]
+            )
+        ]
+        seen = {node for node, _ in todo}
         while todo:
-            for user in todo.pop().users:
+            value, axis = todo.pop()
+            for user in value.users:
                 if user in seen or user not in g.live:
                     continue
                 if kind_of(user) == SUM:
                     return user
                 if op_name(user) in MOVES:
                     seen.add(user)
-                    todo.append(user)
+                    todo.append((user, axis))
+                elif op_name(user) in PADS and axis >= 0:
+                    # zeros padded along another axis (Mllama's tiles padded to a multiple of 8
+                    # patches): the padded rows are new, the norm's rows still reach the sum
+                    moved = carry(user, value, axis, g.cap.where(user))
+                    if not isinstance(moved, Refusal):
+                        seen.add(user)
+                        todo.append((user, moved))
     return None
 
 
@@ -208,8 +223,8 @@ def _kept_affine(g: GraphIndex, e: LayerNormEntry, calls: list[fx.Node]) -> str:
             f"{e.name} writes the residual stream ({g.describe(written)} adds its output to "
             "another value), so "
             "its gain cannot move into the layers that read it, as a rotation needs; post-LN "
-            "models such as "
-            "BERT and MPNet cannot be rotated"
+            "models such as BERT and MPNet, and towers whose stream starts at a LayerNorm with a "
+            "gain such as CLIP's and Mllama's, cannot be rotated"
         )
     return (
         f"{e.name}'s gain cannot move into the layers that read it, as a rotation needs: "

@@ -18,11 +18,13 @@ from conftest import assert_same_outputs
 
 class Tower(nn.Module):
     """A ViT-like tower of width 16: patches embedded by a Linear plus positions (or then a
-    LayerNorm, as CLIP's ``pre_layrnorm``), two pre-LN blocks, read at the first block (a tap)
-    and through a final norm."""
+    LayerNorm, as CLIP's ``pre_layrnorm``; with ``pad``, its output padded with two rows of zeros,
+    as Mllama pads its tiles' patches), two pre-LN blocks, read at the first block (a tap) and
+    through a final norm."""
 
-    def __init__(self, pre_norm: bool):
+    def __init__(self, pre_norm: bool, pad: bool = False):
         super().__init__()
+        self.pad = pad
         self.embed, self.pos = nn.Linear(12, 16), nn.Parameter(torch.randn(4, 16))
         self.pre = nn.LayerNorm(16) if pre_norm else None
         self.ln = nn.ModuleList(nn.LayerNorm(16) for _ in range(2))
@@ -33,6 +35,7 @@ class Tower(nn.Module):
     def forward(self, pixels):
         h = self.embed(pixels) + self.pos
         h = self.pre(h) if self.pre is not None else h
+        h = torch.nn.functional.pad(h, (0, 0, 0, 2)) if self.pad else h
         taps = []
         for ln, up, down in zip(self.ln, self.up, self.down):
             h = h + down(torch.nn.functional.gelu(up(ln(h))))
@@ -46,11 +49,11 @@ class Vlm(nn.Module):
     text's in a pre-LN language model of width 32; it returns its logits and the tower's last
     hidden state."""
 
-    def __init__(self, pre_norm: bool = False, merge: bool = False):
+    def __init__(self, pre_norm: bool = False, merge: bool = False, pad: bool = False):
         super().__init__()
         self.merge = merge
         self.tower, self.proj, self.tok = (
-            Tower(pre_norm),
+            Tower(pre_norm, pad),
             nn.Linear(32 if merge else 16, 32),
             nn.Embedding(20, 32),
         )
@@ -71,9 +74,9 @@ def inputs():
     return {"input_ids": torch.randint(0, 20, (2, 5)), "pixels": torch.randn(2, 4, 12)}
 
 
-def _vlm(pre_norm=False, merge=False):
+def _vlm(pre_norm=False, merge=False, pad=False):
     torch.manual_seed(0)
-    return perturb(Vlm(pre_norm, merge)).eval()
+    return perturb(Vlm(pre_norm, merge, pad)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +167,17 @@ def test_a_stream_that_starts_at_a_gain_is_not_rotated_and_says_why(inputs):
         and "tower.pre writes the residual stream" in note
     )
     assert all(not e.fused for e in plan.layer_norms if e.name.startswith("tower."))
+
+
+def test_a_pre_norm_padded_with_zeros_is_seen_through_to_the_stream_it_writes(inputs):
+    """Mllama's tower pads its pre-norm's output with rows of zeros before the residual sums: the
+    reason names the sum the norm writes, not the pad, and the fold stays exact."""
+    model = _vlm(pre_norm=True, pad=True)
+    plan = enjoyln.analyze(model, inputs, rotate=("hadamard", 0, True))
+    note = next(n for n in plan.notes if n.kind == STREAM_NOT_ROTATED)
+    assert "tower.pre writes the residual stream (add in tower adds its output" in note
+    assert "pad" not in note and plan["tower.pre"].foldable
+    assert_same_outputs(model, enjoyln.fold(copy.deepcopy(model), inputs), tuple(inputs.values()))
 
 
 def test_a_merger_of_tokens_takes_the_rotation_block_by_block(inputs):
