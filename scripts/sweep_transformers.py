@@ -359,6 +359,16 @@ def fit_towers(default: Any, kw: dict[str, Any], vocab: int) -> dict[str, Any]:
         for key, value in base.items():  # layer indices (Mllama's taps, Qwen3-VL's DeepStack)
             if (key.endswith("_indices") or key.endswith("_indexes")) and _is_int_list(value):
                 cfg[key] = list(range(min(len(value), 2)))
+    depth, tdefault = text.get("num_hidden_layers"), vars(default.text_config)
+    for key, value in tdefault.items():
+        # the layers of a kind, by index (Mllama's cross-attention layers): kept within the shrunk
+        # depth, at least one, or the image would reach no layer of the language model
+        if key.endswith("_layers") and _is_int_list(value) and isinstance(depth, int):
+            if max(value) >= depth:
+                kw["text_config"] = {
+                    **kw["text_config"],
+                    key: [v for v in value if v < depth] or [depth - 1],
+                }
     indices = next((v for k, v in kw["vision_config"].items() if k.endswith("_indices")), None)
     if (
         "vision_output_dim" in vdefault and indices is not None

@@ -49,9 +49,11 @@ class Vlm(nn.Module):
     text's in a pre-LN language model of width 32; it returns its logits and the tower's last
     hidden state."""
 
-    def __init__(self, pre_norm: bool = False, merge: bool = False, pad: bool = False):
+    def __init__(
+        self, pre_norm: bool = False, merge: bool = False, pad: bool = False, pool: bool = False
+    ):
         super().__init__()
-        self.merge = merge
+        self.merge, self.pool = merge, pool
         self.tower, self.proj, self.tok = (
             Tower(pre_norm, pad),
             nn.Linear(32 if merge else 16, 32),
@@ -62,10 +64,12 @@ class Vlm(nn.Module):
 
     def forward(self, input_ids, pixels):
         tap, last = self.tower(pixels)
-        image = last.reshape(last.shape[0], -1, 32) if self.merge else tap
+        image = last.reshape(last.shape[0], -1, 32) if self.merge else last if self.pool else tap
         h = torch.cat([self.proj(image), self.tok(input_ids)], 1)
         h = h + self.fc(torch.tanh(self.up(self.ln_1(h))))
-        return {"logits": self.head(self.ln_f(h)), "vision_hidden_state": last}
+        out = {"logits": self.head(self.ln_f(h)), "vision_hidden_state": last}
+        # BLIP-2's vision model: its post-norm called again on its own output's first token
+        return {**out, "pooled": self.tower.post(last[:, 0])} if self.pool else out
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +78,9 @@ def inputs():
     return {"input_ids": torch.randint(0, 20, (2, 5)), "pixels": torch.randn(2, 4, 12)}
 
 
-def _vlm(pre_norm=False, merge=False, pad=False):
+def _vlm(pre_norm=False, merge=False, pad=False, pool=False):
     torch.manual_seed(0)
-    return perturb(Vlm(pre_norm, merge, pad)).eval()
+    return perturb(Vlm(pre_norm, merge, pad, pool)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +182,23 @@ def test_a_pre_norm_padded_with_zeros_is_seen_through_to_the_stream_it_writes(in
     assert "tower.pre writes the residual stream (add in tower adds its output" in note
     assert "pad" not in note and plan["tower.pre"].foldable
     assert_same_outputs(model, enjoyln.fold(copy.deepcopy(model), inputs), tuple(inputs.values()))
+
+
+def test_a_second_call_that_only_unserved_outputs_read_lets_the_tower_rotate(inputs):
+    """BLIP-2's post-norm also normalizes its own output's first token, into an output not served:
+    the rotation (keeping the served outputs) changes it and says so; keeping every output exact
+    leaves the tower alone, as before."""
+    model = _vlm(pool=True)
+    plan = enjoyln.analyze(model, inputs, rotate=("hadamard", 0, True))
+    assert [r.stream for r in plan.rotations] == ["tower", "the model"]
+    assert plan["tower.post"].affine == "fused" and "pooled" in plan.changed_outputs
+    rotated = enjoyln.rotate(copy.deepcopy(model), inputs, plan=plan)
+    with torch.no_grad():
+        got, want = rotated(**inputs), model(**inputs)
+    assert torch.allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got["pooled"], want["pooled"], atol=1e-2)
+    every = enjoyln.analyze(model, inputs, rotate=RotationSpec(exact_outputs="all"))
+    assert [r.stream for r in every.rotations] == [""]
 
 
 def test_a_merger_of_tokens_takes_the_rotation_block_by_block(inputs):
