@@ -31,7 +31,18 @@ from ..plan import (
     Rotation,
     RotationSpec,
 )
-from .rules import MAP, SCALE, SUM, Refusal, Source, carry, kind_of, other_reads, per_row
+from .rules import (
+    MAP,
+    RESHAPE_OPS,
+    SCALE,
+    SUM,
+    Refusal,
+    Source,
+    carry,
+    kind_of,
+    other_reads,
+    per_row,
+)
 from .soundness import Flags, Hits, Shift, Spread
 
 
@@ -52,11 +63,12 @@ class RotationSpread(Spread):
         )
         self.entries = entries  # LN call -> its plan entry
         self.keep_mean = keep_mean
-        self.absorbed: set[fx.Node] = set()
+        self.absorbed: dict[fx.Node, int] = {}  # a norm the rotation reaches -> its blocks
+        self.changed: dict[fx.Node, Shift] = {}
         self.means = set(g.centers.values())
-        self.taps: dict[
-            fx.Node, list[Fused]
-        ] = {}  # a linear layer reading the stream itself -> its input blocks
+        # a linear layer reading the stream itself -> its input blocks, and the tokens merged in
+        # each row of its input
+        self.taps: dict[fx.Node, tuple[list[Fused], int]] = {}
         self.outputs: list[
             str
         ] = []  # outputs the rotation changes, which ``exact_outputs`` lets it
@@ -88,7 +100,7 @@ class RotationSpread(Spread):
             return None
         if isinstance(found, str):
             return [(keys, f"{self.g.describe(node)}: the stream {found}")]
-        if s.layout is not None or s.groups != 1 or dims[s.axis] != self.width:
+        if s.layout is not None or dims[s.axis] != s.groups * self.width:
             return [
                 (
                     keys,
@@ -96,8 +108,36 @@ class RotationSpread(Spread):
                     "values",
                 )
             ]
-        self.taps[node] = found
+        self.taps[node] = (found, s.groups)
         return []
+
+    def spread(self, changed: dict[fx.Node, Shift]) -> None:
+        self.changed = changed  # where a merge of tokens puts the rotated rows side by side
+        super().spread(changed)
+
+    def _merge(self, node: fx.Node, hits: Hits) -> bool:
+        """A reshape that lays ``k`` consecutive rows of the stream side by side (a merger of 4
+        tokens): row-major, so row ``t``'s features land in block ``t % k`` of the wide row, and the
+        rotation goes on block by block (``I_k ⊗ Q``)."""
+        stream, s = hits[0]
+        dims, out = shape(stream), shape(node)
+        if (
+            op_name(node) not in RESHAPE_OPS
+            or len(hits) != 1
+            or node.args[0] is not stream
+            or dims is None
+            or out is None
+            or s.layout is not None
+            or s.groups != 1
+            or s.axis != len(dims) - 1
+            or dims[-1] != self.width
+            or not isinstance(out[-1], int)
+            or out[-1] <= self.width
+            or out[-1] % self.width
+        ):
+            return False
+        self.changed[node] = Shift(len(out) - 1, s.keys, out[-1] // self.width)
+        return True
 
     def sink(self, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Flags | None:
         g, name = self.g, op_name(node)
@@ -127,7 +167,7 @@ class RotationSpread(Spread):
                 or hits[0][1].axis != len(dims) - 1
             ):
                 return [(keys, f"{g.describe(node)} along an axis it does not normalize")]
-            self.absorbed.add(node)
+            self.absorbed[node] = hits[0][1].groups
             return []
         if node in self.means:
             # mean(x Q) = mean(x) when Q fixes the all-ones vector: the centering's mean is
@@ -145,6 +185,8 @@ class RotationSpread(Spread):
         tap = self._tap(node, hits, keys)
         if tap is not None:
             return tap
+        if self._merge(node, hits):
+            return []
         kind = kind_of(node)
         where = g.cap.where(node)
         if kind == SUM:
@@ -341,10 +383,12 @@ def plan_rotations(
                 else Note.of(STREAM_NOT_ROTATED, stream.name, stream.width, result)
             )
             continue
-        rotation, outputs = result
+        rotation, outputs, absorbed = result
         found.append((stream, rotation))
         out.outputs += [o for o in outputs if o not in out.outputs]
-        out.kept |= {e.name for e in stream.entries if not e.foldable}
+        # every norm the rotation reaches that does not fold stays a LayerNorm, weightless: the
+        # stream's, and one over merged tokens that reads it (a DeepStack merger's)
+        out.kept |= {e.name for e in stream.entries if not e.foldable} | absorbed
     for stream, rotation in found:
         if len(found) > 1:  # several rotated: each says which stream it is
             rotation.stream, rotation.width = stream.name, stream.width
@@ -360,9 +404,9 @@ def plan_rotation(
     calls: dict[str, list[fx.Node]],
     spec: RotationSpec,
     stream: Stream,
-) -> tuple[Rotation, list[str]] | str:
-    """The tensors to rotate for one stream and the outputs it changes, or why the stream cannot be
-    rotated."""
+) -> tuple[Rotation, list[str], set[str]] | str:
+    """The tensors to rotate for one stream, the outputs it changes and the norms it reaches that do
+    not fold, or why the stream cannot be rotated."""
     if not stream.width:
         return "its norms normalize different widths"
     for e in (
@@ -397,13 +441,14 @@ def plan_rotation(
     spread.spread(changed)
     if spread.bad:
         return f"the rotation would reach {next(iter(spread.bad.values()))}"
-    for ln in spread.absorbed:
+    for ln, blocks in spread.absorbed.items():
         e = entries[ln]
         width = shape(ln.args[0])[-1]
         for f in e.fused:
             if f.offset != 0 or f.length != width:
                 return f"{f.weight} reads only part of {e.name}'s output, which a rotation mixes"
-            add(Rotated(f.weight, f.axis, start=f.start, length=f.length))
+            for b in _blocks(f.start, f.length, blocks):
+                add(Rotated(f.weight, f.axis, start=b[0], length=b[1]))
         if (
             e.affine == AFFINE_GAIN
             and getattr(g.cap.model.get_submodule(e.name), "bias", None) is not None
@@ -411,7 +456,7 @@ def plan_rotation(
             add(Rotated(f"{e.name}.bias", 0))
     if not spread.absorbed:
         return "no folded norm reads the stream"
-    for node, fused in spread.taps.items():
+    for node, (fused, blocks) in spread.taps.items():
         for f in fused:
             ph = g.placeholder_of.get(f.weight)
             user = (
@@ -425,7 +470,8 @@ def plan_rotation(
                     f"{g.describe(user)} "
                     "also reads it"
                 )
-            add(Rotated(f.weight, f.axis, start=f.start, length=f.length))
+            for b in _blocks(f.start, f.length, blocks):
+                add(Rotated(f.weight, f.axis, start=b[0], length=b[1]))
     return (
         Rotation(
             spec.kind,
@@ -435,7 +481,14 @@ def plan_rotation(
             spec.algorithm,
         ),
         spread.outputs,
+        {entries[ln].name for ln in spread.absorbed if not entries[ln].foldable},
     )
+
+
+def _blocks(start: int, length: int, k: int) -> list[tuple[int, int]]:
+    """The ``k`` blocks, each one token's features, of a reader's input that holds ``k`` merged
+    tokens: each takes ``Qᵀ`` alone."""
+    return [(start + j * (length // k), length // k) for j in range(k)]
 
 
 def _seed(

@@ -50,10 +50,20 @@ class Vlm(nn.Module):
     hidden state."""
 
     def __init__(
-        self, pre_norm: bool = False, merge: bool = False, pad: bool = False, pool: bool = False
+        self,
+        pre_norm: bool = False,
+        merge: bool = False,
+        pad: bool = False,
+        pool: bool = False,
+        deepstack: bool = False,
     ):
         super().__init__()
         self.merge, self.pool = merge, pool
+        # Qwen3-VL's DeepStack: the tapped layer, 2 tokens merged into one, then a LayerNorm over
+        # the merged width and a Linear, its tokens beside the image's
+        self.deepstack = deepstack
+        if deepstack:
+            self.ds_norm, self.ds_fc = nn.LayerNorm(32), nn.Linear(32, 32)
         self.tower, self.proj, self.tok = (
             Tower(pre_norm, pad),
             nn.Linear(32 if merge else 16, 32),
@@ -65,7 +75,10 @@ class Vlm(nn.Module):
     def forward(self, input_ids, pixels):
         tap, last = self.tower(pixels)
         image = last.reshape(last.shape[0], -1, 32) if self.merge else last if self.pool else tap
-        h = torch.cat([self.proj(image), self.tok(input_ids)], 1)
+        parts = [self.proj(image), self.tok(input_ids)]
+        if self.deepstack:
+            parts.insert(1, self.ds_fc(self.ds_norm(tap.reshape(tap.shape[0], -1, 32))))
+        h = torch.cat(parts, 1)
         h = h + self.fc(torch.tanh(self.up(self.ln_1(h))))
         out = {"logits": self.head(self.ln_f(h)), "vision_hidden_state": last}
         # BLIP-2's vision model: its post-norm called again on its own output's first token
@@ -78,9 +91,9 @@ def inputs():
     return {"input_ids": torch.randint(0, 20, (2, 5)), "pixels": torch.randn(2, 4, 12)}
 
 
-def _vlm(pre_norm=False, merge=False, pad=False, pool=False):
+def _vlm(pre_norm=False, merge=False, pad=False, pool=False, deepstack=False):
     torch.manual_seed(0)
-    return perturb(Vlm(pre_norm, merge, pad, pool)).eval()
+    return perturb(Vlm(pre_norm, merge, pad, pool, deepstack)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +212,25 @@ def test_a_second_call_that_only_unserved_outputs_read_lets_the_tower_rotate(inp
     assert not torch.allclose(got["pooled"], want["pooled"], atol=1e-2)
     every = enjoyln.analyze(model, inputs, rotate=RotationSpec(exact_outputs="all"))
     assert [r.stream for r in every.rotations] == [""]
+
+
+def test_a_norm_over_merged_tokens_rides_the_rotation_block_by_block(inputs):
+    """A DeepStack merger normalizes 2 merged tokens of a tapped layer at once: its LayerNorm
+    commutes with I₂ ⊗ Q, so it stays a LayerNorm, weightless, and its Linear takes Qᵀ on each
+    token's block."""
+    model = _vlm(deepstack=True)
+    plan = enjoyln.analyze(model, inputs, rotate=("hadamard", 0, True))
+    tower = plan.rotations[0]
+    assert tower.stream == "tower" and plan["ds_norm"].affine == "fused"
+    assert {
+        (r.start, r.length) for r in tower.rotated if r.param == "ds_fc.weight" and r.axis == 1
+    } == {(0, 16), (16, 16)}
+    rotated = enjoyln.rotate(copy.deepcopy(model), inputs, plan=plan)
+    assert isinstance(rotated.ds_norm, nn.LayerNorm) and bool((rotated.ds_norm.weight == 1).all())
+    with torch.no_grad():
+        assert torch.allclose(
+            rotated(**inputs)["logits"], model(**inputs)["logits"], rtol=1e-5, atol=1e-6
+        )
 
 
 def test_a_merger_of_tokens_takes_the_rotation_block_by_block(inputs):
