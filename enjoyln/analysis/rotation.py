@@ -16,7 +16,7 @@ from torch import fx
 
 from .affine import MOVES, Trace, linear_reader
 from .dataflow import operands
-from .graph import LN_OPS, GraphIndex, op_name, shape
+from .graph import LN_OPS, GraphIndex, arg, norm_dim, op_name, shape
 from ..plan import (
     AFFINE_FUSED,
     AFFINE_GAIN,
@@ -32,6 +32,7 @@ from ..plan import (
     RotationSpec,
 )
 from .rules import (
+    CAT_OPS,
     MAP,
     RESHAPE_OPS,
     SCALE,
@@ -115,6 +116,27 @@ class RotationSpread(Spread):
         self.changed = changed  # where a merge of tokens puts the rotated rows side by side
         super().spread(changed)
 
+    def _concat(self, node: fx.Node, hits: Hits) -> bool:
+        """Taps of the stream side by side along the features (several tapped layers read as one
+        input): each is rotated by the same ``Q``, so the whole is rotated by ``I_k ⊗ Q``."""
+        parts, dims = node.args[0] if node.args else (), shape(node)
+        changed = dict(hits)
+        if op_name(node) not in CAT_OPS or dims is None or not parts:
+            return False
+        axis = norm_dim(arg(node, 1, "dim", 0), len(dims))
+        if axis != len(dims) - 1 or any(
+            p not in changed
+            or changed[p].groups != 1
+            or changed[p].layout is not None
+            or changed[p].axis != axis
+            or shape(p)[-1] != self.width
+            for p in parts
+        ):
+            return False
+        keys = frozenset().union(*(changed[p].keys for p in parts))
+        self.changed[node] = Shift(axis, keys, len(parts))
+        return True
+
     def _merge(self, node: fx.Node, hits: Hits) -> bool:
         """A reshape that lays ``k`` consecutive rows of the stream side by side (a merger of 4
         tokens): row-major, so row ``t``'s features land in block ``t % k`` of the wide row, and the
@@ -185,7 +207,7 @@ class RotationSpread(Spread):
         tap = self._tap(node, hits, keys)
         if tap is not None:
             return tap
-        if self._merge(node, hits):
+        if self._merge(node, hits) or self._concat(node, hits):
             return []
         kind = kind_of(node)
         where = g.cap.where(node)

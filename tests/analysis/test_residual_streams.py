@@ -40,7 +40,7 @@ class Tower(nn.Module):
         for ln, up, down in zip(self.ln, self.up, self.down):
             h = h + down(torch.nn.functional.gelu(up(ln(h))))
             taps.append(h)
-        return taps[0], self.post(h)
+        return taps[0], self.post(h), h
 
 
 class Vlm(nn.Module):
@@ -56,9 +56,10 @@ class Vlm(nn.Module):
         pad: bool = False,
         pool: bool = False,
         deepstack: bool = False,
+        taps: bool = False,
     ):
         super().__init__()
-        self.merge, self.pool = merge, pool
+        self.merge, self.pool, self.taps = merge, pool, taps
         # Qwen3-VL's DeepStack: the tapped layer, 2 tokens merged into one, then a LayerNorm over
         # the merged width and a Linear, its tokens beside the image's
         self.deepstack = deepstack
@@ -66,15 +67,17 @@ class Vlm(nn.Module):
             self.ds_norm, self.ds_fc = nn.LayerNorm(32), nn.Linear(32, 32)
         self.tower, self.proj, self.tok = (
             Tower(pre_norm, pad),
-            nn.Linear(32 if merge else 16, 32),
+            nn.Linear(32 if merge or taps else 16, 32),
             nn.Embedding(20, 32),
         )
         self.ln_1, self.up, self.fc = nn.LayerNorm(32), nn.Linear(32, 48), nn.Linear(48, 32)
         self.ln_f, self.head = nn.LayerNorm(32), nn.Linear(32, 20)
 
     def forward(self, input_ids, pixels):
-        tap, last = self.tower(pixels)
+        tap, last, raw = self.tower(pixels)
         image = last.reshape(last.shape[0], -1, 32) if self.merge else last if self.pool else tap
+        if self.taps:  # Mllama-like: two tapped layers side by side along the features
+            image = torch.cat([tap, raw], -1)
         parts = [self.proj(image), self.tok(input_ids)]
         if self.deepstack:
             parts.insert(1, self.ds_fc(self.ds_norm(tap.reshape(tap.shape[0], -1, 32))))
@@ -91,9 +94,9 @@ def inputs():
     return {"input_ids": torch.randint(0, 20, (2, 5)), "pixels": torch.randn(2, 4, 12)}
 
 
-def _vlm(pre_norm=False, merge=False, pad=False, pool=False, deepstack=False):
+def _vlm(pre_norm=False, merge=False, pad=False, pool=False, deepstack=False, taps=False):
     torch.manual_seed(0)
-    return perturb(Vlm(pre_norm, merge, pad, pool, deepstack)).eval()
+    return perturb(Vlm(pre_norm, merge, pad, pool, deepstack, taps)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +230,23 @@ def test_a_norm_over_merged_tokens_rides_the_rotation_block_by_block(inputs):
     } == {(0, 16), (16, 16)}
     rotated = enjoyln.rotate(copy.deepcopy(model), inputs, plan=plan)
     assert isinstance(rotated.ds_norm, nn.LayerNorm) and bool((rotated.ds_norm.weight == 1).all())
+    with torch.no_grad():
+        assert torch.allclose(
+            rotated(**inputs)["logits"], model(**inputs)["logits"], rtol=1e-5, atol=1e-6
+        )
+
+
+def test_tapped_layers_side_by_side_take_the_rotation_block_by_block(inputs):
+    """Two tapped layers concatenated along the features before the projector (as Mllama reads
+    its intermediate layers with its last): each is the stream rotated by the same Q, so the
+    projector takes Qᵀ on each block."""
+    model = _vlm(taps=True)
+    plan = enjoyln.analyze(model, inputs, rotate=("hadamard", 0, True))
+    tower = plan.rotations[0]
+    assert tower.stream == "tower" and {
+        (r.start, r.length) for r in tower.rotated if r.param == "proj.weight" and r.axis == 1
+    } == {(0, 16), (16, 16)}
+    rotated = enjoyln.rotate(copy.deepcopy(model), inputs, plan=plan)
     with torch.no_grad():
         assert torch.allclose(
             rotated(**inputs)["logits"], model(**inputs)["logits"], rtol=1e-5, atol=1e-6
