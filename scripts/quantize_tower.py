@@ -12,6 +12,8 @@ round-to-nearest), against the full-precision original.
 
     python scripts/quantize_tower.py [--width 256] [--layers 4] [--write]    # the tower-outliers
     block
+    python scripts/quantize_tower.py --llmcompressor --write    # also the tower-llmcompressor block
+    (llmcompressor installed apart: docs/quantization.md)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 
 import enjoyln
 from enjoyln.analysis.inputs import hf_example_inputs
+from enjoyln.options import CheckOptions
 from enjoyln.testing import perturb
 
 HERE = Path(__file__).resolve().parent
@@ -131,6 +134,80 @@ def logits_error(original: nn.Module, model: nn.Module, inputs: dict, weight_bit
     return float((a - b).norm() / a.norm())
 
 
+def llmcompressor_rows(original: nn.Module, inputs: dict) -> list[tuple[str, int, int, float]]:
+    """The original saved and ``enjoyln rotate``d on disk, each loaded with plain
+    ``from_pretrained`` and quantized by llmcompressor (W8A8: int8 weights per output channel and
+    int8 activations per token, round-to-nearest, every ``nn.Linear`` but the head): per model, the
+    quantized linear layers of the tower and of the language model, and the logits' relative error
+    against the full-precision original."""
+    import subprocess
+    import tempfile
+
+    import transformers
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        original.save_pretrained(f"{tmp}/original")
+        subprocess.run(
+            [sys.executable, "-m", "enjoyln", "rotate", f"{tmp}/original", f"{tmp}/rotated"],
+            check=True,
+            capture_output=True,
+        )
+        for name in ("original", "rotated"):
+            model = transformers.LlavaForConditionalGeneration.from_pretrained(f"{tmp}/{name}")
+            recipe = QuantizationModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])
+            oneshot(model=model.eval(), recipe=recipe)
+            done = [
+                n
+                for n, m in model.named_modules()
+                if getattr(m, "quantization_scheme", None) is not None
+            ]
+            with torch.no_grad():
+                a, b = original(**inputs).logits.double(), model(**inputs).logits.double()
+            rows.append(
+                (
+                    name,
+                    sum(".vision_tower." in f".{n}." for n in done),
+                    sum(".language_model." in f".{n}." for n in done),
+                    float((a - b).norm() / a.norm()),
+                )
+            )
+    return rows
+
+
+def write_llmcompressor(args: argparse.Namespace, original: nn.Module, inputs: dict) -> str:
+    """The tower-llmcompressor block: llmcompressor's W8A8 of the original and the rotated
+    checkpoint."""
+    import llmcompressor
+
+    rows = llmcompressor_rows(original, inputs)
+    (_, t0, l0, e0), (_, t1, l1, e1) = rows
+    return "\n".join(
+        [
+            f"The same LLaVA (SigLIP tower of width {args.width}, {args.layers} layers, read at "
+            "-2, outliers planted), saved, `enjoyln rotate`d, each directory loaded with plain "
+            f"`from_pretrained` and quantized by llmcompressor {llmcompressor.__version__} "
+            '(`QuantizationModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])`: int8 '
+            "weights per output channel, int8 activations per token, round-to-nearest); the "
+            f"logits against the full-precision original, 4 images; {machine()}:",
+            "",
+            "| checkpoint | linear layers quantized: tower | language model | logits error, W8A8 |",
+            "|---|---|---|---|",
+            *(f"| {n} | {t} | {lm} | {e:.2%} |" for n, t, lm, e in rows),
+            "",
+            f"llmcompressor quantizes the rotated tower's {t1} linear layers as it does the "
+            f"language model's {l1}, and the rotated checkpoint's W8A8 logits error is "
+            f"{e0 / e1:.1f}x lower ({e0:.2%} to {e1:.2%}); both include the language model's "
+            "own quantization, of the same weights in the two checkpoints (its RMSNorm stream is "
+            "not rotated).",
+            f"Command: `python scripts/quantize_tower.py --width {args.width} --layers "
+            f"{args.layers} --llmcompressor --write` (llmcompressor installed apart, as above).",
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=256)
@@ -138,13 +215,20 @@ def main() -> None:
     parser.add_argument(
         "--write", action="store_true", help="put the table into docs/quantization.md"
     )
+    parser.add_argument(
+        "--llmcompressor",
+        action="store_true",
+        help="also quantize the original and the rotated checkpoint with llmcompressor (W8A8)",
+    )
     args = parser.parse_args()
 
     original = build(args.width, args.layers)
     inputs = hf_example_inputs(original, batch=4, seed=1)
     plan = enjoyln.analyze(original, inputs, rotate=("hadamard", 0, True))
     rotated = enjoyln.rotate(copy.deepcopy(original), inputs, plan=plan)
-    report = enjoyln.check(original, rotated, skip=tuple(plan.changed_outputs))
+    report = enjoyln.check(
+        original, rotated, options=CheckOptions(skip=tuple(plan.changed_outputs))
+    )
     assert report.passed, report.summary()
     rows = []
     for name, model in (
@@ -190,6 +274,11 @@ def main() -> None:
     print(body)
     if args.write:
         replace_section("tower-outliers", body)
+    if args.llmcompressor:
+        block = write_llmcompressor(args, original, inputs)
+        print(block)
+        if args.write:
+            replace_section("tower-llmcompressor", block)
 
 
 if __name__ == "__main__":

@@ -359,6 +359,13 @@ def fit_towers(default: Any, kw: dict[str, Any], vocab: int) -> dict[str, Any]:
         for key, value in base.items():  # layer indices (Mllama's taps, Qwen3-VL's DeepStack)
             if (key.endswith("_indices") or key.endswith("_indexes")) and _is_int_list(value):
                 cfg[key] = list(range(min(len(value), 2)))
+    depth, tdefault = text.get("num_hidden_layers"), vars(default.text_config)
+    for key, value in tdefault.items():
+        # the layers of a kind, by index, none within the shrunk depth (Mllama's cross-attention
+        # layers, from 3): the last layer, or the image would reach no layer of the language model
+        if key.endswith("_layers") and _is_int_list(value) and isinstance(depth, int):
+            if min(value) >= depth:
+                kw["text_config"] = {**kw["text_config"], key: [depth - 1]}
     indices = next((v for k, v in kw["vision_config"].items() if k.endswith("_indices")), None)
     if (
         "vision_output_dim" in vdefault and indices is not None

@@ -40,6 +40,8 @@ class Capture:
     specialized: list[str] = field(default_factory=list)
     """Branches ``draft_export`` took as the example's values dictated; empty when ``torch.export``
     traced it."""
+    patched: bool = False
+    """Traced under transformers' export patches (``transformers.exporters``)."""
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -227,14 +229,52 @@ def _specializations(program: torch.export.ExportedProgram) -> list[str]:
     return out
 
 
-def export(model: nn.Module, inputs: Inputs) -> tuple[torch.export.ExportedProgram, list[str]]:
-    """``torch.export`` (non-strict), or ``draft_export`` where control flow depends on data; also
-    the branches ``draft_export`` fixed to the example's values. Either failure is a one-line
+@contextlib.contextmanager
+def _export_patches(model: nn.Module) -> Iterator[bool]:
+    """transformers' own patches for ``torch.export`` (``transformers.exporters``: a packed vision
+    attention over equal-length images in ops it can follow, in place of a split by lengths read
+    from the grids), installed for the block; yields False, installing nothing, where this
+    transformers has none or ``model`` is not one of its models."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.exporters import exporter_dynamo  # noqa: F401 - registers the patches
+        from transformers.exporters.utils import apply_patches
+    except ImportError:
+        yield False
+        return
+    if not isinstance(model, PreTrainedModel):
+        yield False
+        return
+    with apply_patches("dynamo"):
+        yield True
+
+
+def _export_patched(model: nn.Module, inputs: Inputs) -> torch.export.ExportedProgram | None:
+    """``torch.export`` under transformers' export patches; None where there are none, or it
+    still stops at control flow on data."""
+    with _export_patches(model) as patched:
+        if not patched:
+            return None
+        try:
+            with torch.no_grad():
+                return torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
+        except Exception as exc:  # noqa: BLE001 - draft_export is tried next, or it is reported
+            if _data_dependent(exc):
+                return None
+            raise
+
+
+def export(
+    model: nn.Module, inputs: Inputs
+) -> tuple[torch.export.ExportedProgram, list[str], bool]:
+    """``torch.export`` (non-strict); where control flow depends on data, ``torch.export`` again
+    under transformers' export patches, then ``draft_export``; also the branches ``draft_export``
+    fixed to the example's values, and whether the patches were on. Either failure is a one-line
     CaptureError."""
     name = type(model).__name__
     try:
         with torch.no_grad():
-            return torch.export.export(model, inputs.args, inputs.kwargs, strict=False), []
+            return torch.export.export(model, inputs.args, inputs.kwargs, strict=False), [], False
     except Exception as exc:  # export raises many unrelated types
         if not _data_dependent(exc):
             raise CaptureError(
@@ -242,6 +282,16 @@ def export(model: nn.Module, inputs: Inputs) -> tuple[torch.export.ExportedProgr
                 f"{first_line(exc)}{_origin(exc)}"
             ) from exc
         first = exc
+    try:
+        program = _export_patched(model, inputs)
+    except Exception as exc:  # noqa: BLE001 - reported with the first failure
+        raise CaptureError(
+            f"torch.export could not trace {name}: {type(first).__name__}: {first_line(first)}"
+            f"{_origin(first)}; under transformers' export patches: {type(exc).__name__}: "
+            f"{first_line(exc)}{_origin(exc)}"
+        ) from exc
+    if program is not None:
+        return program, [], True
     try:
         with torch.no_grad(), _quiet_logs("torch.export", "torch.fx.experimental.symbolic_shapes"):
             program = torch.export.draft_export(model, inputs.args, inputs.kwargs, strict=False)
@@ -252,7 +302,7 @@ def export(model: nn.Module, inputs: Inputs) -> tuple[torch.export.ExportedProgr
             "also "
             f"failed: {type(exc).__name__}: {first_line(exc)}{_origin(exc)}"
         ) from exc
-    return program, _specializations(program)
+    return program, _specializations(program), False
 
 
 def capture(model: nn.Module, example_inputs: ExampleInputs = None) -> Capture:
@@ -266,7 +316,7 @@ def capture(model: nn.Module, example_inputs: ExampleInputs = None) -> Capture:
     if not isinstance(model, nn.Module):
         raise CaptureError(f"expected a torch.nn.Module, got {type(model).__name__}")
     inputs = resolve_inputs(model, example_inputs)
-    program, specialized = export(model, inputs)
+    program, specialized, patched = export(model, inputs)
     if not _functionalize(program.graph):
         try:
             program = program.run_decompositions({})
@@ -293,4 +343,5 @@ def capture(model: nn.Module, example_inputs: ExampleInputs = None) -> Capture:
         aliases=_aliases(model),
         output_names=output_names,
         specialized=specialized,
+        patched=patched,
     )

@@ -360,6 +360,13 @@ def analyze_capture(
     plan = analysis.run()
     if rotate is not None:  # a rotation of each stream, or a note saying why it cannot be
         _plan_rotations(analysis, plan, rotate)
+    if cap.patched:
+        plan.notes.append(
+            Note(
+                "traced with transformers' export patches (transformers.exporters), which compute "
+                "the model's attention over images of one size in ops torch.export follows"
+            )
+        )
     if cap.specialized:
         plan.notes.append(
             Note(

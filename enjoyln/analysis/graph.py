@@ -306,6 +306,39 @@ class GraphIndex:
         """Whether output ``name`` is what the model serves (``served``)."""
         return served(name, self.output_names.values())
 
+    def only_unserved(self, node: fx.Node) -> list[str] | None:
+        """The outputs ``node``'s values reach if a rotation keeping what is served may change
+        them all (each is an output not served, as BLIP-2's pooled image token, a second call of
+        the tower's post-norm); None if it reaches anything else."""
+        if not self.free_outputs:
+            return None
+        names: list[str] = []
+        todo, seen = [node], {node}
+        while todo:
+            value = todo.pop()
+            for user in value.users:
+                if user in seen or user not in self.live or not reads_value(user, value):
+                    continue
+                if user.op == "output":
+                    outs = (
+                        user.args[0] if isinstance(user.args[0], (list, tuple)) else [user.args[0]]
+                    )
+                    found = [
+                        self.output_names.get(i, str(i)) for i, o in enumerate(outs) if o is value
+                    ]
+                    if any(self.served(n) for n in found):
+                        return None
+                    names += [n for n in found if n not in names]
+                    continue
+                if (
+                    getattr(user.target, "_schema", None) is not None
+                    and user.target._schema.is_mutable
+                ):
+                    return None  # a write to a buffer or an input: served
+                seen.add(user)
+                todo.append(user)
+        return names or None
+
     def writes_back(self, index: int, out: fx.Node) -> bool:
         """Whether output ``index`` stores a buffer's own value back, unchanged (CTRL's
         ``pos_encoding.to(dtype)``)."""

@@ -16,7 +16,7 @@ from torch import fx
 
 from .affine import MOVES, Trace, linear_reader
 from .dataflow import operands
-from .graph import LN_OPS, GraphIndex, op_name, shape
+from .graph import LN_OPS, GraphIndex, arg, norm_dim, op_name, shape
 from ..plan import (
     AFFINE_FUSED,
     AFFINE_GAIN,
@@ -31,7 +31,19 @@ from ..plan import (
     Rotation,
     RotationSpec,
 )
-from .rules import MAP, SCALE, SUM, Refusal, Source, carry, kind_of, other_reads, per_row
+from .rules import (
+    CAT_OPS,
+    MAP,
+    RESHAPE_OPS,
+    SCALE,
+    SUM,
+    Refusal,
+    Source,
+    carry,
+    kind_of,
+    other_reads,
+    per_row,
+)
 from .soundness import Flags, Hits, Shift, Spread
 
 
@@ -52,11 +64,12 @@ class RotationSpread(Spread):
         )
         self.entries = entries  # LN call -> its plan entry
         self.keep_mean = keep_mean
-        self.absorbed: set[fx.Node] = set()
+        self.absorbed: dict[fx.Node, int] = {}  # a norm the rotation reaches -> its blocks
+        self.changed: dict[fx.Node, Shift] = {}
         self.means = set(g.centers.values())
-        self.taps: dict[
-            fx.Node, list[Fused]
-        ] = {}  # a linear layer reading the stream itself -> its input blocks
+        # a linear layer reading the stream itself -> its input blocks, and the tokens merged in
+        # each row of its input
+        self.taps: dict[fx.Node, tuple[list[Fused], int]] = {}
         self.outputs: list[
             str
         ] = []  # outputs the rotation changes, which ``exact_outputs`` lets it
@@ -88,7 +101,7 @@ class RotationSpread(Spread):
             return None
         if isinstance(found, str):
             return [(keys, f"{self.g.describe(node)}: the stream {found}")]
-        if s.layout is not None or s.groups != 1 or dims[s.axis] != self.width:
+        if s.layout is not None or dims[s.axis] != s.groups * self.width:
             return [
                 (
                     keys,
@@ -96,8 +109,57 @@ class RotationSpread(Spread):
                     "values",
                 )
             ]
-        self.taps[node] = found
+        self.taps[node] = (found, s.groups)
         return []
+
+    def spread(self, changed: dict[fx.Node, Shift]) -> None:
+        self.changed = changed  # where a merge of tokens puts the rotated rows side by side
+        super().spread(changed)
+
+    def _concat(self, node: fx.Node, hits: Hits) -> bool:
+        """Taps of the stream side by side along the features (several tapped layers read as one
+        input): each is rotated by the same ``Q``, so the whole is rotated by ``I_k ⊗ Q``."""
+        parts, dims = node.args[0] if node.args else (), shape(node)
+        changed = dict(hits)
+        if op_name(node) not in CAT_OPS or dims is None or not parts:
+            return False
+        axis = norm_dim(arg(node, 1, "dim", 0), len(dims))
+        if axis != len(dims) - 1 or any(
+            p not in changed
+            or changed[p].groups != 1
+            or changed[p].layout is not None
+            or changed[p].axis != axis
+            or shape(p)[-1] != self.width
+            for p in parts
+        ):
+            return False
+        keys = frozenset().union(*(changed[p].keys for p in parts))
+        self.changed[node] = Shift(axis, keys, len(parts))
+        return True
+
+    def _merge(self, node: fx.Node, hits: Hits) -> bool:
+        """A reshape that lays ``k`` consecutive rows of the stream side by side (a merger of 4
+        tokens): row-major, so row ``t``'s features land in block ``t % k`` of the wide row, and the
+        rotation goes on block by block (``I_k ⊗ Q``)."""
+        stream, s = hits[0]
+        dims, out = shape(stream), shape(node)
+        if (
+            op_name(node) not in RESHAPE_OPS
+            or len(hits) != 1
+            or node.args[0] is not stream
+            or dims is None
+            or out is None
+            or s.layout is not None
+            or s.groups != 1
+            or s.axis != len(dims) - 1
+            or dims[-1] != self.width
+            or not isinstance(out[-1], int)
+            or out[-1] <= self.width
+            or out[-1] % self.width
+        ):
+            return False
+        self.changed[node] = Shift(len(out) - 1, s.keys, out[-1] // self.width)
+        return True
 
     def sink(self, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Flags | None:
         g, name = self.g, op_name(node)
@@ -127,7 +189,7 @@ class RotationSpread(Spread):
                 or hits[0][1].axis != len(dims) - 1
             ):
                 return [(keys, f"{g.describe(node)} along an axis it does not normalize")]
-            self.absorbed.add(node)
+            self.absorbed[node] = hits[0][1].groups
             return []
         if node in self.means:
             # mean(x Q) = mean(x) when Q fixes the all-ones vector: the centering's mean is
@@ -145,6 +207,8 @@ class RotationSpread(Spread):
         tap = self._tap(node, hits, keys)
         if tap is not None:
             return tap
+        if self._merge(node, hits) or self._concat(node, hits):
+            return []
         kind = kind_of(node)
         where = g.cap.where(node)
         if kind == SUM:
@@ -176,26 +240,41 @@ class RotationSpread(Spread):
         return [(keys, f"{g.describe(node)}")]
 
 
+PADS = ("constant_pad_nd", "pad")
+
+
 def _sum_written(g: GraphIndex, calls: list[fx.Node]) -> fx.Node | None:
-    """The sum that a norm's output reaches through ops that only move values: there the norm writes
-    the residual stream (a post-LN block), so its gain is part of the stream, not of one layer's
-    input."""
+    """The sum that a norm's output reaches through ops that only move values, or pad them with
+    zeros along another axis: there the norm writes the residual stream (a post-LN block, a
+    pre-norm at a tower's start), so its gain is part of the stream, not of one layer's input."""
     for ln in calls:
-        todo = (
-            [u for u in ln.users if op_name(u) == "getitem" and u.args[1] == 0]
-            if op_name(ln) == "native_layer_norm"
-            else [ln]
-        )
-        seen = set(todo)
+        dims = shape(ln.args[0])
+        todo = [
+            (out, len(dims) - 1 if dims else -1)
+            for out in (
+                [u for u in ln.users if op_name(u) == "getitem" and u.args[1] == 0]
+                if op_name(ln) == "native_layer_norm"
+                else [ln]
+            )
+        ]
+        seen = {node for node, _ in todo}
         while todo:
-            for user in todo.pop().users:
+            value, axis = todo.pop()
+            for user in value.users:
                 if user in seen or user not in g.live:
                     continue
                 if kind_of(user) == SUM:
                     return user
                 if op_name(user) in MOVES:
                     seen.add(user)
-                    todo.append(user)
+                    todo.append((user, axis))
+                elif op_name(user) in PADS and axis >= 0:
+                    # zeros padded along another axis (Mllama's tiles padded to a multiple of 8
+                    # patches): the padded rows are new, the norm's rows still reach the sum
+                    moved = carry(user, value, axis, g.cap.where(user))
+                    if not isinstance(moved, Refusal):
+                        seen.add(user)
+                        todo.append((user, moved))
     return None
 
 
@@ -208,8 +287,8 @@ def _kept_affine(g: GraphIndex, e: LayerNormEntry, calls: list[fx.Node]) -> str:
             f"{e.name} writes the residual stream ({g.describe(written)} adds its output to "
             "another value), so "
             "its gain cannot move into the layers that read it, as a rotation needs; post-LN "
-            "models such as "
-            "BERT and MPNet cannot be rotated"
+            "models such as BERT and MPNet, and towers whose stream starts at a LayerNorm with a "
+            "gain such as CLIP's and Mllama's, cannot be rotated"
         )
     return (
         f"{e.name}'s gain cannot move into the layers that read it, as a rotation needs: "
@@ -326,10 +405,12 @@ def plan_rotations(
                 else Note.of(STREAM_NOT_ROTATED, stream.name, stream.width, result)
             )
             continue
-        rotation, outputs = result
+        rotation, outputs, absorbed = result
         found.append((stream, rotation))
         out.outputs += [o for o in outputs if o not in out.outputs]
-        out.kept |= {e.name for e in stream.entries if not e.foldable}
+        # every norm the rotation reaches that does not fold stays a LayerNorm, weightless: the
+        # stream's, and one over merged tokens that reads it (a DeepStack merger's)
+        out.kept |= {e.name for e in stream.entries if not e.foldable} | absorbed
     for stream, rotation in found:
         if len(found) > 1:  # several rotated: each says which stream it is
             rotation.stream, rotation.width = stream.name, stream.width
@@ -345,9 +426,9 @@ def plan_rotation(
     calls: dict[str, list[fx.Node]],
     spec: RotationSpec,
     stream: Stream,
-) -> tuple[Rotation, list[str]] | str:
-    """The tensors to rotate for one stream and the outputs it changes, or why the stream cannot be
-    rotated."""
+) -> tuple[Rotation, list[str], set[str]] | str:
+    """The tensors to rotate for one stream, the outputs it changes and the norms it reaches that do
+    not fold, or why the stream cannot be rotated."""
     if not stream.width:
         return "its norms normalize different widths"
     for e in (
@@ -382,13 +463,14 @@ def plan_rotation(
     spread.spread(changed)
     if spread.bad:
         return f"the rotation would reach {next(iter(spread.bad.values()))}"
-    for ln in spread.absorbed:
+    for ln, blocks in spread.absorbed.items():
         e = entries[ln]
         width = shape(ln.args[0])[-1]
         for f in e.fused:
             if f.offset != 0 or f.length != width:
                 return f"{f.weight} reads only part of {e.name}'s output, which a rotation mixes"
-            add(Rotated(f.weight, f.axis, start=f.start, length=f.length))
+            for b in _blocks(f.start, f.length, blocks):
+                add(Rotated(f.weight, f.axis, start=b[0], length=b[1]))
         if (
             e.affine == AFFINE_GAIN
             and getattr(g.cap.model.get_submodule(e.name), "bias", None) is not None
@@ -396,7 +478,7 @@ def plan_rotation(
             add(Rotated(f"{e.name}.bias", 0))
     if not spread.absorbed:
         return "no folded norm reads the stream"
-    for node, fused in spread.taps.items():
+    for node, (fused, blocks) in spread.taps.items():
         for f in fused:
             ph = g.placeholder_of.get(f.weight)
             user = (
@@ -410,7 +492,8 @@ def plan_rotation(
                     f"{g.describe(user)} "
                     "also reads it"
                 )
-            add(Rotated(f.weight, f.axis, start=f.start, length=f.length))
+            for b in _blocks(f.start, f.length, blocks):
+                add(Rotated(f.weight, f.axis, start=b[0], length=b[1]))
     return (
         Rotation(
             spec.kind,
@@ -420,7 +503,14 @@ def plan_rotation(
             spec.algorithm,
         ),
         spread.outputs,
+        {entries[ln].name for ln in spread.absorbed if not entries[ln].foldable},
     )
+
+
+def _blocks(start: int, length: int, k: int) -> list[tuple[int, int]]:
+    """The ``k`` blocks, each one token's features, of a reader's input that holds ``k`` merged
+    tokens: each takes ``Qᵀ`` alone."""
+    return [(start + j * (length // k), length // k) for j in range(k)]
 
 
 def _seed(

@@ -3,6 +3,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
 
 import enjoyln
 from enjoyln.analysis.capture import capture
@@ -46,6 +47,52 @@ def test_data_dependent_branch_is_specialized_and_said():
     assert enjoyln.check(model, folded, x, CheckOptions(batches=1)).passed
     # the other branch returns the centered projection itself: check catches it
     assert not enjoyln.check(model, folded, -x, CheckOptions(batches=1)).passed
+
+
+class Packed(PreTrainedModel):
+    """Tokens of several images packed in one sequence, attended image by image: split by lengths
+    read from the data, as Qwen's vision towers do, which torch.export cannot follow."""
+
+    config_class = PretrainedConfig
+
+    def __init__(self):
+        super().__init__(PretrainedConfig())
+        self.proj, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def attend(self, x, lengths):
+        parts = torch.split(x, lengths.tolist())
+        return torch.cat([p.softmax(0) * p if p.shape[0] > 1 else p for p in parts])
+
+    def forward(self, x, lengths):
+        return self.ln(self.attend(self.proj(x), lengths))
+
+
+def _equal_lengths(original):
+    """A patch in the manner of transformers' export patches: images of one size, as a batch."""
+
+    def attend(self, x, lengths):
+        p = x.unflatten(0, (lengths.shape[0], -1))
+        return (p.softmax(1) * p).flatten(0, 1)
+
+    return attend
+
+
+def test_a_split_by_data_is_traced_under_transformers_export_patches(monkeypatch):
+    """torch.export refuses the split; the capture retries under transformers' export patches
+    (registered per class in transformers.exporters), and the plan says so."""
+    from transformers.exporters import exporter_dynamo  # noqa: F401 - registers its own first
+    from transformers.exporters import utils
+
+    path = f"{Packed.__module__}.{Packed.__qualname__}"
+    monkeypatch.setitem(utils._PATCHES, "dynamo", [(path, "attend", _equal_lengths)])
+    model = perturb(Packed()).eval()
+    inputs = (torch.randn(6, 8), torch.tensor([3, 3]))
+    original = Packed.attend
+    cap = capture(model, inputs)
+    assert cap.patched and cap.specialized == [] and Packed.attend is original  # restored
+    assert not [n for n in cap.graph.nodes if "split" in str(n.target)]
+    plan = enjoyln.analyze(model, inputs)
+    assert any("transformers' export patches" in n for n in plan.notes)
 
 
 def test_plain_export_records_no_specialization():

@@ -255,9 +255,9 @@ def test_rotate_refusal_through_the_command_line_writes_nothing(tmp_path, monkey
         "stream (add in "
         "encoder.layer.0.attention.output adds its output to another value), so its gain cannot "
         "move into the layers "
-        "that read it, as a rotation needs; post-LN models such as BERT and MPNet cannot be "
-        "rotated; nothing was "
-        "written"
+        "that read it, as a rotation needs; post-LN models such as BERT and MPNet, and towers "
+        "whose stream starts at a LayerNorm with a gain such as CLIP's and Mllama's, cannot be "
+        "rotated; nothing was written"
     )
     assert len(analyses) == 1
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.enjoyln-*"))

@@ -36,6 +36,9 @@ towers = _load("sweep_towers")
             lambda c: (
                 c.vision_config.intermediate_layers_indices == [0, 1]
                 and c.vision_config.vision_output_dim == 64 * 3
+                # a cross-attention layer within the shrunk depth, or the image reaches no logit
+                and c.text_config.cross_attention_layers == [1]
+                and c.text_config.num_hidden_layers == 2
             ),
         ),
         ("blip-2", lambda c: c.image_token_index == 511),
