@@ -131,10 +131,25 @@ def post_ln_note(plan: FoldPlan) -> str | None:
     )
 
 
+def no_layer_norm(plan: FoldPlan) -> str:
+    """Why a plan lists no LayerNorm: the model has none, or the inputs made for its meta model
+    reach none (a tower that reads the values of its inputs, such as image grids, cannot run on
+    the meta device)."""
+    if not plan.norm_modules:
+        return "has no LayerNorm"
+    n = len(plan.norm_modules)
+    return (
+        f"has {n} normalization layer{'s' if n > 1 else ''} ({plan.norm_modules[0]}"
+        f"{', ...' if n > 1 else ''}), but the inputs enjoyln could make for its meta model reach "
+        f"none of them (a tower that reads the values of its inputs cannot run there; "
+        f"enjoyln.fold on the loaded model can)"
+    )
+
+
 def plan_sentence(plan: FoldPlan) -> str:
     """The plan in one sentence, the first line of ``inspect``."""
     if not plan.layer_norms:
-        return f"{plan.model} has no LayerNorm: nothing to fold."
+        return f"{plan.model} {no_layer_norm(plan)}: nothing to fold."
     n, total = len(plan.foldable), len(plan.layer_norms)
     what = (
         f"all {total} LayerNorms fold"
@@ -345,7 +360,7 @@ def show_fold(
             out.print("Dry run: nothing written.")
     if not dry_run and not plan.changes:
         what = (
-            "has no LayerNorm"
+            no_layer_norm(plan)
             if not plan.layer_norms
             else f"has {len(plan.layer_norms)} LayerNorms and none can fold"
         )

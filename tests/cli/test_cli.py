@@ -109,6 +109,21 @@ def test_no_layer_norm_says_nothing_to_fold(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_norms_the_traced_inputs_never_reach_are_not_called_absent():
+    """A model whose LayerNorms sit in a tower the meta model's inputs cannot reach (Qwen2-VL's,
+    whose image grids are read as values) is not told it has none."""
+    from enjoyln.cli.render import plan_sentence
+    from enjoyln.plan import FoldPlan
+
+    plan = FoldPlan("VLM", norm_modules=["visual.blocks.0.norm1", "visual.blocks.0.norm2"])
+    assert plan_sentence(plan) == (
+        "VLM has 2 normalization layers (visual.blocks.0.norm1, ...), but the inputs enjoyln "
+        "could make for its meta model reach none of them (a tower that reads the values of its "
+        "inputs cannot run there; enjoyln.fold on the loaded model can): nothing to fold."
+    )
+    assert plan_sentence(FoldPlan("LM")) == "LM has no LayerNorm: nothing to fold."
+
+
 def test_bad_option_values(gpt2_dir, tmp_path):
     for args, message in [
         (["fold", str(gpt2_dir), str(tmp_path / "o"), "--max-shard-size", "0"], "positive size"),
