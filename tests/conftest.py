@@ -1,9 +1,14 @@
 import functools
 import os
 
-import pytest
-import torch
-import typer.testing
+# Triton's interpreter runs the kernels on CPU tensors (tests/ops/test_triton.py); Triton reads the
+# variable when it is first imported, and any test module that imports transformers' model classes
+# (torch._dynamo, then Triton) may be collected first
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import typer.testing  # noqa: E402
 
 # typer's runner builds the click command from the functions' signatures on every invoke (50 ms
 # for enjoyln's): build it once per app
