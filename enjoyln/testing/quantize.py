@@ -5,9 +5,8 @@ time (dynamic); symmetric grids. The values are rounded in floating point ("fake
 the error is the quantizer's alone and any model runs as it is.
 
 >>> import torch
->>> x = torch.tensor([[1.0, -0.5, 0.26]])
->>> quantize_rows(x, 3).tolist()  # 3 bits: the grid -3..3 times 1/3
-[[1.0, -0.6666666865348694, 0.3333333432491638]]
+>>> quantize_rows(torch.tensor([[3.0, -1.4, 0.6]]), 3).tolist()  # 3 bits: -3..3 times max/3
+[[3.0, -1.0, 1.0]]
 """
 
 from __future__ import annotations
