@@ -175,12 +175,16 @@ def quantized(
 
 
 def relative_error(
-    reference: nn.Module, models: Iterable[nn.Module], inputs: dict, *, worst: bool = False
+    reference: nn.Module | torch.Tensor,
+    models: Iterable[nn.Module],
+    inputs: dict,
+    *,
+    worst: bool = False,
 ) -> list[float]:
-    """Each model's logits' relative error against ``reference``'s on ``inputs``: in the Frobenius
-    norm, or with ``worst`` ``max|a - b| / max|a|``."""
+    """Each model's logits' relative error against ``reference``'s (a model, or its logits) on
+    ``inputs``: in the Frobenius norm, or with ``worst`` ``max|a - b| / max|a|``."""
     with torch.no_grad():
-        a = reference(**inputs).logits
+        a = reference(**inputs).logits if isinstance(reference, nn.Module) else reference
         if worst:
             return [max_relative_diff(a, m(**inputs).logits) for m in models]
         a = a.double()
