@@ -17,6 +17,7 @@ init) and outliers planted in three features of every stream writer:
 3. The whole model with every such input quantized to int8 per token and
    its weights to int8 or int4 per output channel (round-to-nearest, no
    GPTQ): the error of its logits against the full-precision model.
+   ``scripts/quantize_payoff.py`` measures the same with GPTQ, on OPT-shaped models.
 
 With random weights a rotation cannot make the weights easier to quantize
 (they are Gaussian either way), so the int4 row shows weight noise, which no

@@ -22,6 +22,7 @@ def test_gptq_lowers_the_layers_output_error_on_its_calibration_data(bits):
     # correlated inputs with a few large features, as a norm's readers see them
     x = torch.randn(256, 96, generator=gen) @ torch.randn(96, 96, generator=gen) / 10
     x[:, :3] *= 20
+    x[:, 7] = 0  # an input that is always zero: its column is left at zero
     q = gptq(w, x.double().T @ x.double(), bits)
     rtn = quantize_rows(w, bits)
     out = lambda v: float(((w - v) @ x.T).norm())  # noqa: E731
@@ -32,6 +33,7 @@ def test_gptq_lowers_the_layers_output_error_on_its_calibration_data(bits):
     assert torch.allclose(steps, steps.round(), atol=1e-3)
     assert float(steps.abs().max()) <= 2 ** (bits - 1) - 1 + 1e-3
     assert not torch.equal(q, rtn)
+    assert not q[:, 7].any() and rtn[:, 7].any()
 
 
 def test_a_rotation_lowers_the_w8a8_error_with_planted_outliers():
