@@ -245,7 +245,9 @@ def table(rows: list[Row], settings: Settings, command: str) -> str:
             "|---|---|---|---|---|---|---|",
             *lines,
             "",
-            verdict(rows),
+            verdict(rows)
+            + " Unquantized, every model computes the original's logits (max rel diff at most "
+            f"{max(r.exact for r in rows):.1e}).",
             f"Command: `{command}`.",
         ]
     )

@@ -77,10 +77,12 @@ def input_stats(model: nn.Module, readers: Readers, inputs: dict[str, Any]) -> t
 def gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, block: int = 16) -> torch.Tensor:
     """``w`` (``[out, in]``) quantized per output channel by GPTQ (Frantar, Ashkboos, Hoefler and
     Alistarh, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained Transformers",
-    ICLR 2023, Algorithm 1): columns in their given order, each rounded to the round-to-nearest
-    grid of its row and its error spread over the columns not yet rounded through the Cholesky
-    factor of the inverse of ``hessian`` (``XᵀX`` of the layer's inputs, damped by 1% of its mean
-    diagonal), the updates batched ``block`` columns at a time."""
+    ICLR 2023, Algorithm 1): columns in their given order (the paper's; no reordering by the
+    Hessian's diagonal), each rounded to the round-to-nearest grid of its row and its error spread
+    over the columns not yet rounded through the Cholesky factor of the inverse of ``hessian``
+    (``XᵀX`` of the layer's inputs, damped by 1% of its mean diagonal), the updates to the later
+    columns batched ``block`` columns at a time (the paper's lazy batches of 128; smaller ones do
+    fewer operations on a CPU, and only the float rounding differs)."""
     h = hessian.to(torch.float64).clone()
     dead = h.diagonal() == 0  # an input that is always zero: its column cannot matter
     h[dead, dead] = 1.0
