@@ -11,7 +11,12 @@ Then every linear layer that reads a norm (q, k, v, fc1, the head) takes its inp
 by GPTQ calibrated on random token batches; the logits' relative error against the unquantized
 original is measured on other batches.
 
-    python scripts/quantize_payoff.py [--widths 2048,1600,4544] [--layers 2] [--seeds 0] [--write]
+    python scripts/quantize_payoff.py [--widths 2048,1600,4544] [--layers 2] [--seeds 0,1,2]
+        [--threads 1] [--write]
+
+About 30 minutes for the three widths and three seeds on a shared 2-core machine, most of it at
+width 4544; ``--threads 1`` there, since two threads that wait on each other on a busy core are
+slower than one.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ class Settings:
     layers: int = 2
     vocab: int = 512
     ffn: int = 2
-    """``fc1``'s width over the stream's (OPT's is 4; 2 halves the time at width 4544)."""
+    """``fc1``'s width over the stream's: OPT's is 4; 2 keeps a 4544-wide model to a few minutes per
+    variant here."""
     calibration: int = 8
     """Calibration batches for GPTQ."""
     length: int = 128
