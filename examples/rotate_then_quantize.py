@@ -17,6 +17,7 @@ init) and outliers planted in three features of every stream writer:
 3. The whole model with every such input quantized to int8 per token and
    its weights to int8 or int4 per output channel (round-to-nearest, no
    GPTQ): the error of its logits against the full-precision model.
+   ``scripts/quantize_payoff.py`` measures the same with GPTQ, on OPT-shaped models.
 
 With random weights a rotation cannot make the weights easier to quantize
 (they are Gaussian either way), so the int4 row shows weight noise, which no
@@ -38,9 +39,7 @@ from torch import nn
 
 import enjoyln
 from enjoyln.testing import perturb, tiny_model
-
-OUTLIERS = (3, 200)
-"""The planted outlier features."""
+from enjoyln.testing.quantize import OUTLIERS, input_stats, quantized, relative_error
 
 
 def build(layers: int, width: int, vocab: int, seed: int = 0, scale: float = 40.0) -> nn.Module:
@@ -76,55 +75,6 @@ def norm_readers(model: nn.Module) -> list[nn.Module]:
     return [m for b in t.h for m in (b.attn.c_attn, b.mlp.c_fc)] + [model.lm_head]
 
 
-def quantize_rows(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Symmetric round-to-nearest with one scale per row (per token, or per output channel)."""
-    top = 2 ** (bits - 1) - 1
-    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / top
-    return (x / scale).round().clamp(-top, top) * scale
-
-
-def activation_stats(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
-    """Mean over tokens and layers of max|x|/rms(x), and of the int8 per-token relative error."""
-    ratios, errors = [], []
-
-    def record(module: nn.Module, args: tuple) -> None:
-        x = args[0].detach().double().reshape(-1, args[0].shape[-1])
-        rms = x.square().mean(-1).sqrt()
-        ratios.append(float((x.abs().amax(-1) / rms).mean()))
-        q = quantize_rows(x, 8)
-        errors.append(float(((x - q).norm(dim=-1) / x.norm(dim=-1)).mean()))
-
-    handles = [m.register_forward_pre_hook(record) for m in norm_readers(model)]
-    try:
-        with torch.no_grad():
-            model(input_ids=ids)
-    finally:
-        for h in handles:
-            h.remove()
-    return sum(ratios) / len(ratios), sum(errors) / len(errors)
-
-
-def quantized(model: nn.Module, weight_bits: int) -> nn.Module:
-    """A copy with int8 per-token inputs and per-channel weights for every norm reader."""
-    q = copy.deepcopy(model)
-    with torch.no_grad():
-        for m in norm_readers(q):
-            w = m.weight  # Conv1D is [in, out], nn.Linear [out, in]: quantize per output channel
-            m.weight.copy_(
-                quantize_rows(w.T, weight_bits).T
-                if w is not q.lm_head.weight
-                else quantize_rows(w, weight_bits)
-            )
-            m.register_forward_pre_hook(lambda mod, args: (quantize_rows(args[0], 8), *args[1:]))
-    return q
-
-
-def logits_error(reference: nn.Module, model: nn.Module, ids: torch.Tensor) -> float:
-    with torch.no_grad():
-        a, b = reference(input_ids=ids).logits.double(), model(input_ids=ids).logits.double()
-    return float((a - b).norm() / a.norm())
-
-
 def measure(
     layers: int, width: int, vocab: int, dense: bool = True
 ) -> list[tuple[str, float, float, float, float]]:
@@ -152,8 +102,10 @@ def measure(
             f"{'fused' if name.startswith('folded') else 'rotated'}: exact against the original "
             f"(width {width}, {name}; max rel diff {report.max_rel_diff:.2g})"
         )
-        ratio, err8 = activation_stats(model, ids)
-        w8, w4 = (logits_error(original, quantized(model, bits), ids) for bits in (8, 4))
+        ratio, err8 = input_stats(model, norm_readers, dict(input_ids=ids))
+        w8, w4 = relative_error(
+            original, (quantized(model, norm_readers, bits) for bits in (8, 4)), dict(input_ids=ids)
+        )
         rows.append((name, ratio, err8, w8, w4))
     return rows
 

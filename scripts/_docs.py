@@ -56,7 +56,9 @@ def machine() -> str:
                 break
     except OSError:
         pass
+    threads = torch.get_num_threads()
+    plural = "" if threads == 1 else "s"
     return (
-        f"{cpu}, {torch.get_num_threads()} threads, Python {platform.python_version()}, "
+        f"{cpu}, {threads} thread{plural}, Python {platform.python_version()}, "
         f"torch {torch.__version__}"
     )

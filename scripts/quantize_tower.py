@@ -28,14 +28,10 @@ from torch import nn
 
 import enjoyln
 from enjoyln.analysis.inputs import hf_example_inputs
-from enjoyln.options import CheckOptions
 from enjoyln.testing import perturb
+from enjoyln.testing.quantize import OUTLIERS, input_stats, quantized, relative_error
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "examples"))
-sys.path.insert(0, str(HERE))
-
-from rotate_then_quantize import OUTLIERS, quantize_rows  # noqa: E402 - the example beside the scripts
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _docs import machine, replace_section  # noqa: E402
 
 
@@ -100,38 +96,6 @@ def readers(model: nn.Module) -> list[nn.Linear]:
         )
     ]
     return found + [model.model.multi_modal_projector.linear_1]
-
-
-def input_stats(model: nn.Module, inputs: dict) -> tuple[float, float]:
-    """Mean over tokens and layers of max|x|/rms(x), and of the int8 per-token relative error of the
-    inputs."""
-    ratios, errors = [], []
-
-    def record(module: nn.Module, args: tuple) -> None:
-        x = args[0].detach().double().reshape(-1, args[0].shape[-1])
-        ratios.append(float((x.abs().amax(-1) / x.square().mean(-1).sqrt()).mean()))
-        errors.append(float(((x - quantize_rows(x, 8)).norm(dim=-1) / x.norm(dim=-1)).mean()))
-
-    handles = [m.register_forward_pre_hook(record) for m in readers(model)]
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    return sum(ratios) / len(ratios), sum(errors) / len(errors)
-
-
-def logits_error(original: nn.Module, model: nn.Module, inputs: dict, weight_bits: int) -> float:
-    """The logits' relative error with the readers' inputs in int8 per token and weights per output
-    channel."""
-    q = copy.deepcopy(model)
-    with torch.no_grad():
-        for m in readers(q):
-            m.weight.copy_(quantize_rows(m.weight, weight_bits))
-            m.register_forward_pre_hook(lambda mod, args: (quantize_rows(args[0], 8), *args[1:]))
-        a, b = original(**inputs).logits.double(), q(**inputs).logits.double()
-    return float((a - b).norm() / a.norm())
 
 
 def llmcompressor_rows(original: nn.Module, inputs: dict) -> list[tuple[str, int, int, float]]:
@@ -227,7 +191,7 @@ def main() -> None:
     plan = enjoyln.analyze(original, inputs, rotate=("hadamard", 0, True))
     rotated = enjoyln.rotate(copy.deepcopy(original), inputs, plan=plan)
     report = enjoyln.check(
-        original, rotated, options=CheckOptions(skip=tuple(plan.changed_outputs))
+        original, rotated, options=enjoyln.CheckOptions(skip=tuple(plan.changed_outputs))
     )
     assert report.passed, report.summary()
     rows = []
@@ -235,10 +199,11 @@ def main() -> None:
         ("original (the tower's norms cannot fold)", original),
         ("rotated", rotated),
     ):
-        ratio, err8 = input_stats(model, inputs)
-        rows.append(
-            (name, ratio, err8, *(logits_error(original, model, inputs, bits) for bits in (8, 4)))
+        ratio, err8 = input_stats(model, readers, inputs)
+        errors = relative_error(
+            original, (quantized(model, readers, bits) for bits in (8, 4)), inputs
         )
+        rows.append((name, ratio, err8, *errors))
     (_, r0, e0, a0, b0), (_, r1, e1, a1, b1) = rows
     body = "\n".join(
         [
