@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from .errors import EnjoylnError
-from .plan import FoldPlan, RotationSpec
+from .plan import SERVED, FoldPlan, RotationSpec, check_exact
 
 ACCESS = ("allow_pickle", "trust_remote_code", "model_class")
 
@@ -121,6 +121,9 @@ class FoldOptions:
     auxiliary_centering: bool = False
     fuse_affine: bool = False
     rotate: RotationSpec | None = None
+    exact_outputs: str = SERVED
+    """The outputs the fold keeps exact: ``"served"`` (logits, so generation) or ``"all"``; a
+    rotation keeps ``rotate``'s."""
     plan: FoldPlan | None = None
     max_shard_size: int | None = None
     dtype: str | None = (
@@ -146,6 +149,7 @@ class FoldOptions:
         if check.mode not in ("full", "static", "none"):
             raise EnjoylnError(f"unknown check mode {check.mode!r}; use one of full, static, none")
         values["rotate"] = RotationSpec.of(values.get("rotate", base.get("rotate")))
+        check_exact(values.get("exact_outputs", base.get("exact_outputs", SERVED)))
         return _built(cls, {**base, **values}, check=check)
 
     @property

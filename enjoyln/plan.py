@@ -14,7 +14,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 from .errors import PlanError
 from .units import format_bytes
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 """The newest format read; a plan is written in the oldest that holds it: old readers refuse only
 what they misread."""
 
@@ -213,8 +213,20 @@ kept."""
 
 
 SERVED, ALL_OUTPUTS = "served", "all"
-"""The outputs a rotation keeps exact: what a model serves (its logits, and so its generation; every
-output of a model without logits), or every output, the hidden states of its towers included."""
+"""The outputs a fold or rotation keeps exact: what a model serves (its logits, and so its
+generation; every output of a model without logits), or every output, the hidden states of its
+towers included."""
+
+
+def check_exact(value: str) -> str:
+    """``value`` if it names the outputs to keep exact, else a ``PlanError``.
+
+    >>> check_exact("served")
+    'served'
+    """
+    if value not in (SERVED, ALL_OUTPUTS):
+        raise PlanError(f"exact_outputs is {value!r}; use {SERVED!r} or {ALL_OUTPUTS!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -409,10 +421,10 @@ class FoldPlan(Record):
     more_rotations: list[Rotation] = field(
         default_factory=list
     )  # ... and the others, each with its own Q
-    exact_outputs: str = SERVED  # SERVED or ALL_OUTPUTS: the outputs a rotation keeps exact
+    exact_outputs: str = SERVED  # SERVED or ALL_OUTPUTS: the outputs the fold and rotation keep
     changed_outputs: list[str] = field(
         default_factory=list
-    )  # outputs a rotation changes (a tower's hidden states)
+    )  # outputs the fold or rotation changes (a tower's hidden states)
     _sparse = ("rotation", "more_rotations", "exact_outputs", "changed_outputs")
     _where = "plan"
 
@@ -469,7 +481,10 @@ class FoldPlan(Record):
         with a rotation of version 2 (which an older reader would apply as a dense one), 4 with
         several streams rotated, an unfolded norm's affine moved, or outputs a rotation changes
         (which an older reader would miss), 5 with a rotation of version 3 (whose fused biases an
-        older reader would recompute by BLAS)."""
+        older reader would recompute by BLAS), 6 with outputs changed (which an older reader's
+        analysis, folding only where every output stays exact, would not confirm)."""
+        if self.changed_outputs:
+            return 6
         if self.fixed_order_products:
             return 5
         if (
@@ -549,7 +564,7 @@ class FoldPlan(Record):
         lines += [f"Rotate {r.describe()}: {len(r.rotated)} tensors" for r in self.rotations]
         if self.changed_outputs:
             lines.append(
-                f"Outputs the rotation changes, not kept exact: {', '.join(self.changed_outputs)}"
+                f"Outputs the model does not serve that change: {', '.join(self.changed_outputs)}"
             )
         lines += [f"Note: {note}" for note in self.notes]
         return "\n".join(lines)

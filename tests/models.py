@@ -96,3 +96,44 @@ def llava_siglip(**kw):
     )
     torch.manual_seed(0)
     return transformers.LlavaForConditionalGeneration(cfg).eval()
+
+
+def blip2_opt(**kw):
+    """A tiny BLIP-2 (ViT tower, Q-Former, OPT), its 8 query tokens placed in the text as image
+    tokens, the last of 128 ids. Its tower's attention mask is read by value (``mask.all()``), so a
+    meta model of it runs only where enjoyln stands zeros in for its weights."""
+    import transformers
+
+    cfg = transformers.Blip2Config(
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        qformer_config=dict(
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            encoder_hidden_size=32,
+        ),
+        text_config=dict(
+            model_type="opt",
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=1,
+            ffn_dim=64,
+            num_attention_heads=2,
+            word_embed_proj_dim=32,
+            max_position_embeddings=128,
+        ),
+        num_query_tokens=8,
+        image_token_index=127,
+        **kw,
+    )
+    torch.manual_seed(0)
+    return transformers.Blip2ForConditionalGeneration(cfg).eval()

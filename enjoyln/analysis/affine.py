@@ -218,7 +218,7 @@ def trace_readers(g: GraphIndex, ln: fx.Node) -> Readers | str:
             new = _cat(node, traces, where)
         elif name in MOVES and len(hits) == 1 and node.args and node.args[0] is hits[0]:
             new = _move(node, hits[0], traces[hits[0]], where)
-        elif (unserved := g.only_unserved(node)) is not None:
+        elif g.free_outputs and (unserved := g.only_unserved(node)) is not None:
             # whatever it computes, only outputs the contract lets change read it
             g.changed_outputs.setdefault(ln, []).extend(unserved)
             continue

@@ -3,11 +3,13 @@ each judged by the full analysis and confirmed by analysing again with the hooks
 
 from __future__ import annotations
 
+import functools
+
 from torch import fx, nn
 
 from ..errors import CaptureError
 from ..modules import centering
-from ..plan import AuxCentering, FoldPlan, Note, RotationSpec
+from ..plan import SERVED, AuxCentering, FoldPlan, Note, RotationSpec
 from .capture import Capture, capture
 from .dataflow import NotZero
 from .driver import Analysis, Weights, analyze_capture
@@ -67,11 +69,11 @@ def _candidate_points(
 
 
 def auxiliary_plan(
-    cap: Capture, *, max_candidates: int = 6, weights: Weights = None
+    cap: Capture, *, max_candidates: int = 6, weights: Weights = None, exact_outputs: str = SERVED
 ) -> tuple[FoldPlan, dict[fx.Node, AuxCentering]]:
     """Greedily insert centerings that each make more LNs foldable than they cost: the plan, the
     points by node."""
-    base = Analysis(cap, weights=weights)
+    base = Analysis(cap, weights=weights, exact_outputs=exact_outputs)
     plan = base.run()
     strict_count = len(plan.foldable)
     chosen: dict[fx.Node, AuxCentering] = {}
@@ -84,7 +86,9 @@ def auxiliary_plan(
         for node, (point, covered) in ranked:
             if node in chosen:
                 continue
-            trial = Analysis(cap, {**chosen, node: point}, weights=weights)
+            trial = Analysis(
+                cap, {**chosen, node: point}, weights=weights, exact_outputs=exact_outputs
+            )
             trial_plan = trial.run()
             gain = len(trial_plan.foldable) - len(plan.foldable)
             if gain > 1 and (best is None or gain > best[0]):
@@ -120,23 +124,30 @@ def analyze_with_auxiliary(
     weights: Weights,
     fuse_affine: bool = False,
     rotate: RotationSpec | None = None,
+    exact_outputs: str = SERVED,
 ) -> FoldPlan:
     """Choose centerings, then prove the folds again on the model with the centering hooks in place
     (removed again before returning): the second, strict analysis gives the parameters to center."""
     unhooked = capture(model, example_inputs)
-    predicted, _ = auxiliary_plan(unhooked, weights=weights)
+    predicted, _ = auxiliary_plan(unhooked, weights=weights, exact_outputs=exact_outputs)
+    predicted.exact_outputs = exact_outputs
+    again = functools.partial(
+        analyze_capture,
+        weights=weights,
+        fuse_affine=fuse_affine,
+        rotate=rotate,
+        exact_outputs=exact_outputs,
+    )
     if not predicted.auxiliary:
         if fuse_affine or rotate:
-            plan = analyze_capture(unhooked, weights=weights, fuse_affine=True, rotate=rotate)
+            plan = again(unhooked, fuse_affine=True)
             plan.notes = predicted.notes
             return plan
         return predicted
     for a in predicted.auxiliary:
         centering.install(model, a.module, a.where)
     try:
-        plan = analyze_capture(
-            capture(model, example_inputs), weights=weights, fuse_affine=fuse_affine, rotate=rotate
-        )
+        plan = again(capture(model, example_inputs))
     except CaptureError as exc:  # a hook met an output it cannot center
         plan = FoldPlan(predicted.model)
         plan.notes.append(Note(f"auxiliary centering was not applied: {exc}"))
@@ -145,7 +156,7 @@ def analyze_with_auxiliary(
             centering.remove(model, a.module)
     missing = {e.name for e in predicted.foldable} - {e.name for e in plan.foldable}
     if missing:  # the hooks did not land where the graph said: keep the strict result
-        strict = analyze_capture(unhooked, weights=weights, fuse_affine=fuse_affine, rotate=rotate)
+        strict = again(unhooked)
         strict.notes += plan.notes or [
             Note(
                 "auxiliary centering was not applied: the re-analysis could not "

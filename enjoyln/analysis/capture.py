@@ -4,9 +4,11 @@ tie it back to the model: parameter names, tied parameters, module paths, output
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import operator
 import os
+import sys
 import sysconfig
 import traceback
 from dataclasses import dataclass, field
@@ -186,6 +188,17 @@ def _data_dependent(exc: BaseException) -> bool:
 
 
 @contextlib.contextmanager
+def _no_partial_graph() -> Iterator[None]:
+    """torch.export prints the code of the graph it had traced to stderr when it fails (hundreds of
+    lines), even where the caller goes on to another way of tracing: what the block writes there
+    is held back, dropped if it fails and passed on if it does not."""
+    held = io.StringIO()
+    with contextlib.redirect_stderr(held):
+        yield
+    sys.stderr.write(held.getvalue())
+
+
+@contextlib.contextmanager
 def _quiet_logs(*names: str) -> Iterator[None]:
     """draft_export logs a banner and each specialization as warnings; the plan reports them."""
     loggers = [logging.getLogger(n) for n in names]
@@ -256,7 +269,7 @@ def _export_patched(model: nn.Module, inputs: Inputs) -> torch.export.ExportedPr
         if not patched:
             return None
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _no_partial_graph():
                 return torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
         except Exception as exc:  # noqa: BLE001 - draft_export is tried next, or it is reported
             if _data_dependent(exc):
@@ -273,7 +286,7 @@ def export(
     CaptureError."""
     name = type(model).__name__
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _no_partial_graph():
             return torch.export.export(model, inputs.args, inputs.kwargs, strict=False), [], False
     except Exception as exc:  # export raises many unrelated types
         if not _data_dependent(exc):

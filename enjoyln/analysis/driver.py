@@ -34,16 +34,22 @@ class Analysis:
         *,
         weights: Weights = None,
         fuse_affine: bool = False,
+        exact_outputs: str = SERVED,
     ):
         self.cap = cap
         self.fuse_affine = fuse_affine
         self.index = GraphIndex(cap, weights)
+        self.index.free_outputs = exact_outputs == SERVED
         self.graph = cap.graph
         self.flow = Dataflow(self.index, aux)
         self.sources: dict[str, Source] = self.flow.sources
         self.states: dict[fx.Node, Any] = self.flow.states
-        self.soundness = ShiftSoundness(self.index, self.sources, self.flow.aux)
+        self.soundness = ShiftSoundness(
+            self.index, self.sources, self.flow.aux, free=exact_outputs == SERVED
+        )
         self.norms = NormModules(self.index)
+        self.needs: dict[str, set[str]] = {}  # norm -> the sources it needs centered
+        self.active: set[str] = set()  # the norms that fold
         self.last_bad: dict[str, str] = {}  # source -> what its centering would change, last pass
         self.why_not_replaced: dict[
             str, str
@@ -162,6 +168,7 @@ class Analysis:
                         cs, key=lambda c: (c.param, c.axis, c.groups, c.blocks or (), c.scale or "")
                     )
             self.needs = needs
+            self.active = active
             model = self.cap.model
             kinds = {
                 type(self.cap.module_of(calls[0]))
@@ -177,9 +184,28 @@ class Analysis:
                 for u in plan_fusion(self.index, plan.layer_norms, self.ln_nodes()):
                     untie.setdefault(u.param, u)
             plan.untied = sorted(untie.values(), key=lambda u: u.param) if plan.foldable else []
+            plan.changed_outputs = self.changed_outputs(plan)
             if self.cap.model.training and any(op_name(n) in DROPOUT_OPS for n in self.graph.nodes):
                 plan.notes.append(Note.of(TRAINING_MODE))
             return plan
+
+    def changed_outputs(self, plan: FoldPlan) -> list[str]:
+        """The outputs not served that ``plan`` changes, as its contract lets it: by centering the
+        sources of the norms that fold, and by moving a norm's affine into its readers."""
+        found = self.soundness.unserved
+        centering = [
+            n
+            for k in sorted(set().union(*map(self.needs.get, self.active)))
+            for n in found.get(k, [])
+        ]
+        calls = self.ln_nodes()
+        moving = [
+            n
+            for e in plan.affine_moved
+            for ln in calls.get(e.name, [])
+            for n in self.index.changed_outputs.get(ln, [])
+        ]
+        return list(dict.fromkeys(centering + moving))
 
     def _layer_norms(self) -> tuple[dict[str, LayerNormEntry], dict[str, set[str]], set[str]]:
         """One entry per LN module (all its calls) or per functional call."""
@@ -353,11 +379,21 @@ def analyze_capture(
     weights: Weights = None,
     fuse_affine: bool = False,
     rotate: RotationSpec | None = None,
+    exact_outputs: str = SERVED,
 ) -> FoldPlan:
-    """Run the analysis on an already captured graph, and plan the ``rotate`` asked for."""
-    analysis = Analysis(cap, weights=weights, fuse_affine=fuse_affine or rotate is not None)
-    analysis.index.free_outputs = rotate is not None and rotate.exact_outputs == SERVED
+    """Run the analysis on an already captured graph, and plan the ``rotate`` asked for. The fold
+    keeps ``exact_outputs`` exact (``plan.SERVED`` or ``plan.ALL_OUTPUTS``), the rotation and the
+    affines it moves ``rotate``'s."""
+    exact = rotate.exact_outputs if rotate is not None else exact_outputs
+    analysis = Analysis(
+        cap,
+        weights=weights,
+        fuse_affine=fuse_affine or rotate is not None,
+        exact_outputs=exact_outputs,
+    )
+    analysis.index.free_outputs = exact == SERVED
     plan = analysis.run()
+    plan.exact_outputs = exact
     if rotate is not None:  # a rotation of each stream, or a note saying why it cannot be
         _plan_rotations(analysis, plan, rotate)
     if cap.patched:
@@ -400,12 +436,5 @@ def _plan_rotations(analysis: Analysis, plan: FoldPlan, rotate: RotationSpec) ->
         )
     plan.rotation = found.rotations[0] if found.rotations else None
     plan.more_rotations = found.rotations[1:]
-    changed = [
-        n
-        for e in plan.affine_moved
-        for ln in calls.get(e.name, [])
-        for n in g.changed_outputs.get(ln, [])
-    ]
-    plan.changed_outputs = list(dict.fromkeys(changed + found.outputs))
-    plan.exact_outputs = rotate.exact_outputs
+    plan.changed_outputs = list(dict.fromkeys(analysis.changed_outputs(plan) + found.outputs))
     plan.notes += found.notes

@@ -238,8 +238,8 @@ class GraphIndex:
             for alias in cap.aliases.get(fqn, (fqn,)):
                 if node.users or alias not in self.placeholder_of:
                     self.placeholder_of[alias] = node
-        # for a rotation keeping only what the model serves exact: the outputs not served a norm's
-        # change reaches
+        # for a fold or rotation keeping only what the model serves exact: the outputs not served
+        # a norm's change reaches
         self.free_outputs = False
         self.changed_outputs: dict[fx.Node, list[str]] = {}
         self.buffers = {
@@ -307,11 +307,9 @@ class GraphIndex:
         return served(name, self.output_names.values())
 
     def only_unserved(self, node: fx.Node) -> list[str] | None:
-        """The outputs ``node``'s values reach if a rotation keeping what is served may change
-        them all (each is an output not served, as BLIP-2's pooled image token, a second call of
-        the tower's post-norm); None if it reaches anything else."""
-        if not self.free_outputs:
-            return None
+        """The outputs ``node``'s values reach if a fold or rotation keeping what is served may
+        change them all (each is an output not served, as BLIP-2's pooled image token, a second call
+        of the tower's post-norm); None if it reaches anything else."""
         names: list[str] = []
         todo, seen = [node], {node}
         while todo:

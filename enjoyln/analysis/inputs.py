@@ -162,11 +162,14 @@ def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[d
     gen = torch.Generator().manual_seed(seed)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     # a model dispatched by accelerate keeps offloaded parameters on meta but runs on the CPU
-    device = (
+    target = (
         torch.device("cpu")
         if getattr(model, "hf_device_map", None)
         else next((p.device for p in model.parameters()), torch.device("cpu"))
     )
+    # a meta model's inputs are made on the CPU, where code that reads their values can run, and
+    # moved to meta at the end
+    device = torch.device("cpu") if target.type == "meta" else target
     max_pos = config_value(config, "max_position_embeddings", "n_positions", "max_target_positions")
     seq = min(seq_len, max_pos) if isinstance(max_pos, int) and max_pos > 0 else seq_len
     vocab = config_value(config, "vocab_size")
@@ -195,7 +198,7 @@ def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[d
         and hasattr(config, "vision_config")
     ):
         # a vision-language model: an image in every sample, the text holding its placeholder tokens
-        with _evaluating(model):
+        with _evaluating(model), _on_cpu(model):
             options += image_text_options(
                 model, image_layouts(model, randn, batch, device), text["input_ids"], image_token
             )
@@ -221,7 +224,12 @@ def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[d
         dec_max = config_value(config, "max_target_positions") or seq
         tail["decoder_input_ids"] = ids(min(seq, dec_max))
     extra = {"use_cache": False} if wants_no_cache(model) else {}
-    return [{**c, **extra} for c in ({**text, **o, **tail} for o in (options or [{}])) if c]
+    cands = [{**c, **extra} for c in ({**text, **o, **tail} for o in (options or [{}])) if c]
+    return [{k: _moved(v, target) for k, v in c.items()} for c in cands]
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 def _pixel_options(config: Any, randn: Any, batch: int) -> list[dict[str, Any]]:
@@ -302,6 +310,27 @@ def _evaluating(model: nn.Module) -> Iterator[None]:
     finally:
         for m, mode in modes.items():
             m.training = mode
+
+
+@contextlib.contextmanager
+def _on_cpu(model: nn.Module) -> Iterator[None]:
+    """Each meta tensor of ``model`` stood in for, while inside, by zeros on the CPU broadcast from
+    one element: a tower that reads its inputs' values (an image grid's ``tolist``, a padding
+    mask's ``all``) runs, its shapes are the real ones, and the weights cost no memory."""
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    zeros: dict[int, torch.Tensor] = {}  # tied tensors stay tied
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None and t.is_meta:
+                    zero = torch.zeros((), dtype=t.dtype).expand(t.shape)
+                    swapped.append((table, name, t))
+                    table[name] = zeros.setdefault(id(t), zero)
+    try:
+        yield
+    finally:
+        for table, name, t in swapped:
+            table[name] = t
 
 
 def _runs(model: nn.Module, inputs: "dict[str, Any] | Inputs") -> bool:

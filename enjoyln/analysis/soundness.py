@@ -73,6 +73,10 @@ class Spread:
         for k in keys:
             self.bad.setdefault(k, what)
 
+    def escape(self, node: fx.Node, keys: frozenset[str], what: str) -> None:
+        """The change of ``keys`` reaches ``node``, which alters ``what``."""
+        self.flag(keys, what)
+
     def sink(self, node: fx.Node, hits: Hits, keys: frozenset[str], groups: int) -> Flags | None:
         raise NotImplementedError
 
@@ -110,7 +114,7 @@ class Spread:
                 if new.keys:
                     changed[node] = new
             else:
-                self.flag(keys, new)
+                self.escape(node, keys, new)
 
 
 def carry_shift(
@@ -146,8 +150,16 @@ def carry_shift(
 class ShiftSoundness(Spread):
     """Which sources' centering changes something other than LN inputs."""
 
-    def __init__(self, g: GraphIndex, sources: dict[str, Source], aux: dict[fx.Node, AuxCentering]):
+    def __init__(
+        self,
+        g: GraphIndex,
+        sources: dict[str, Source],
+        aux: dict[fx.Node, AuxCentering],
+        free: bool = False,
+    ):
         super().__init__(g)
+        self.free = free  # the outputs a model does not serve may change (``plan.SERVED``)
+        self.unserved: dict[str, list[str]] = {}  # source -> the outputs not served it changes
         self.sources = sources
         self.aux = aux
         self.active: dict[str, Source] = {}
@@ -160,10 +172,23 @@ class ShiftSoundness(Spread):
         # in a fixed order: a set's order changes with PYTHONHASHSEED, and with it the name an
         # untied head is recorded as tied to, which a check in another process must confirm
         self.active = {k: self.sources[k] for k in sorted(active)}
-        self.bad = {}
+        self.bad, self.unserved = {}, {}
         changed, untie = self._seed()
         self.spread(changed)
         return self.bad, untie
+
+    def let_change(self, keys: Iterable[str], names: list[str]) -> None:
+        """``keys`` change the outputs ``names``, none of them served, as the contract lets them."""
+        for k in keys:
+            found = self.unserved.setdefault(k, [])
+            found += [n for n in names if n not in found]
+
+    def escape(self, node: fx.Node, keys: frozenset[str], what: str) -> None:
+        unserved = self.g.only_unserved(node) if self.free else None
+        if unserved is None:
+            self.flag(keys, what)
+        else:  # whatever it computes, only outputs the contract lets change read it
+            self.let_change(keys, unserved)
 
     def _seed(self) -> tuple[dict[fx.Node, Shift], dict[str, Untie]]:
         g, active = self.g, self.active
@@ -280,12 +305,16 @@ class ShiftSoundness(Spread):
             return [(keys, f"the input of {g.describe(node)}")]
         if node.op == "output":
             outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
-            changed = dict(hits)
-            return [
-                (changed[out].keys, _output_label(g.output_names.get(i, str(i))))
-                for i, out in enumerate(outs)
-                if out in changed and not g.writes_back(i, out)
-            ]
+            changed, flags = dict(hits), []
+            for i, out in enumerate(outs):
+                name = g.output_names.get(i, str(i))
+                if out not in changed or g.writes_back(i, out):
+                    continue
+                if self.free and not g.served(name):
+                    self.let_change(changed[out].keys, [name])
+                else:
+                    flags.append((changed[out].keys, _output_label(name)))
+            return flags
         center = self.absorbing.get(node, node)
         if center in g.centers and all(s.axis == g.center_axis(center) for _, s in hits):
             if groups != 1:  # x - mean(x) removes a shift shared by all features, not per group

@@ -19,10 +19,12 @@ from ..analysis.graph import served
 from ..analysis.inputs import ExampleInputs, is_causal_lm
 from ..errors import EnjoylnError
 from ..options import CheckOptions
+from ..plan import FoldPlan
 from .batches import covering, input_batches
 from .generation import (
     generate_greedy,
     generation_lengths,
+    prompt_of,
     generation_settings,
     judge_generation,
     settings_problems,
@@ -139,21 +141,26 @@ def check(
     options: CheckOptions | None = None,
     *,
     fp32_reference: nn.Module | None = None,
+    plan: FoldPlan | None = None,
 ) -> CheckReport:
     """Compare ``candidate`` with ``reference`` on seeded input batches, and greedy decoding for
     causal LMs; ``options``: a ``CheckOptions`` (``CheckOptions(batches=4)``), of which the
-    forward fields apply.
+    forward fields apply; ``plan``: the plan ``candidate`` was made with, whose changed outputs
+    (a tower's hidden states, not served) are not compared.
     >>> import copy, torch, enjoyln
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     >>> folded = enjoyln.fold(copy.deepcopy(net), torch.randn(2, 8))
     >>> check(net, folded, torch.randn(2, 8)).passed
     True
     """
+    options = options or CheckOptions()
+    if plan is not None:
+        options = dataclasses.replace(options, skip=(*options.skip, *plan.changed_outputs))
     return check_sources(
         ModelSource.of(reference),
         [CandidatePath("", ModelSource.of(candidate))],
         example_inputs,
-        options or CheckOptions(),
+        options,
         truth=ModelSource.of(fp32_reference) if fp32_reference is not None else None,
     )
 
@@ -269,12 +276,12 @@ class _Comparison:
         self.prompt_len, self.new_tokens = (
             generation_lengths(model, o.generate_tokens) if causal else (0, 0)
         )
-        prompt = next(
-            (b.kwargs.get("input_ids") for b in self.inputs if "input_ids" in b.kwargs), None
-        )
+        batch = next((b.kwargs for b in self.inputs if "input_ids" in b.kwargs), None)
         self.prompt = (
-            prompt[:, : self.prompt_len] if self.new_tokens and prompt is not None else None
+            prompt_of(batch, self.prompt_len) if self.new_tokens and batch is not None else None
         )
+        if self.prompt is not None:
+            self.prompt_len = self.prompt["input_ids"].shape[1]
         for i in range(len(self.inputs)):
             self.say(f"running the original: batch {i + 1} of {len(self.inputs)}")
             self.base.put(i, self.outputs(model, i, self.base_dtype))

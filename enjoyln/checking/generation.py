@@ -34,23 +34,47 @@ def generation_lengths(model: nn.Module, new_tokens: int) -> tuple[int, int]:
     return (prompt, new) if new > 0 else (0, 0)
 
 
+TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache"})
+"""A batch's inputs that ``generate`` makes itself, or that belong to the text alone."""
+
+
+def prompt_of(batch: dict[str, Any], length: int) -> dict[str, Any] | None:
+    """The prompt greedy decoding starts from: the first ``length`` tokens of a text batch; a batch
+    with images or audio (and what the model reads beside them) whole, as its placeholder tokens
+    must each meet an image feature. None for a batch without tokens.
+
+    >>> ids = torch.arange(12).view(2, 6)
+    >>> prompt_of({"input_ids": ids, "use_cache": False}, 4)["input_ids"].shape
+    torch.Size([2, 4])
+    >>> sorted(prompt_of({"input_ids": ids, "pixel_values": torch.zeros(2, 3)}, 4))
+    ['input_ids', 'pixel_values']
+    """
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        return None
+    more = {k: v for k, v in batch.items() if k not in TEXT_INPUTS}
+    return {"input_ids": ids, **more} if more else {"input_ids": ids[:, :length]}
+
+
 Generated = tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]
 """The new tokens of each row, then per step the raw logits and the scores generate() chose by."""
 
 
-def generate_greedy(model: nn.Module, prompt: torch.Tensor, n: int, seed: int) -> Generated:
-    """Greedy tokens, with every step's raw logits and processed scores (seeded as in
-    ``run_model``)."""
+def generate_greedy(model: nn.Module, prompt: dict[str, Any], n: int, seed: int) -> Generated:
+    """Greedy tokens from ``prompt`` (``prompt_of``), with every step's raw logits and processed
+    scores (seeded as in ``run_model``)."""
     config = model.generation_config
     pad = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_id or 0)
     if isinstance(pad, list):
         pad = pad[0]
-    prompt = prompt.to(model_device(model))
+    device = model_device(model)
+    given = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in prompt.items()}
+    ids = given["input_ids"]
     try:
         with torch.no_grad(), seeded(seed):
             out = model.generate(
-                input_ids=prompt,
-                attention_mask=torch.ones_like(prompt),
+                **given,
+                attention_mask=torch.ones_like(ids),
                 max_new_tokens=n,
                 min_new_tokens=n,
                 do_sample=False,
@@ -66,7 +90,7 @@ def generate_greedy(model: nn.Module, prompt: torch.Tensor, n: int, seed: int) -
             f"{type(exc).__name__}: {first_line(exc)}"
         ) from exc
     return (
-        out.sequences[:, prompt.shape[1] :].tolist(),
+        out.sequences[:, ids.shape[1] :].tolist(),
         [t.detach().cpu().clone() for t in out.logits],
         [t.detach().cpu().clone() for t in (out.scores or ())],
     )

@@ -8,12 +8,12 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..errors import CheckpointError, EnjoylnError
-from ..plan import FoldPlan, RotationSpec
+from ..plan import ALL_OUTPUTS, SERVED, FoldPlan, RotationSpec
 from ..folded.config import output_config
 from ..folded.planning import analyze_dir, moves_values
 from ..store.hf import check_shapes
@@ -274,18 +274,40 @@ def _analysis(ref: Checkpoint, recorded: FoldPlan | None) -> FoldPlan:
         recorded.rotation
     )  # the first stream rotated has the user's seed; the others' are derived from it
     options = {
+        "auxiliary_centering": bool(recorded.auxiliary),
         "fuse_affine": any(e.affine for e in recorded.layer_norms),
         "rotate": RotationSpec(r.kind, r.seed, r.keep_mean, r.version, recorded.exact_outputs)
         if r
         else None,
+        "exact_outputs": recorded.exact_outputs,
     }
-    plan = analyze_dir(ref, auxiliary_centering=bool(recorded.auxiliary), **options)
-    if not recorded.auxiliary and plan.to_dict() != recorded.to_dict():
-        # --auxiliary-centering that placed none leaves a trace only in the plan's notes and
-        # reasons, which the block must still match: the analysis with it may
-        other = analyze_dir(ref, auxiliary_centering=True, **options)
-        plan = other if not other.auxiliary and other.to_dict() == recorded.to_dict() else plan
-    return plan
+    plan = analyze_dir(ref, **options)
+    if plan.to_dict() == recorded.to_dict():
+        return plan
+    return next(
+        (p for p in _older_analyses(ref, recorded, options) if p.to_dict() == recorded.to_dict()),
+        plan,
+    )
+
+
+def _older_analyses(
+    ref: Checkpoint, recorded: FoldPlan, options: dict[str, Any]
+) -> Iterator[FoldPlan]:
+    """The analyses that may have made ``recorded`` beside the one its options name:
+    --auxiliary-centering that placed none, which leaves a trace only in the plan's notes and
+    reasons; a fold by an enjoyln before plan format 6, which kept every output exact whatever
+    the plan says (its ``exact_outputs`` was the rotation's alone)."""
+    if not recorded.auxiliary:
+        other = analyze_dir(ref, **{**options, "auxiliary_centering": True})
+        if not other.auxiliary:
+            yield other
+    if recorded.exact_outputs == SERVED:
+        for aux in [bool(recorded.auxiliary)] + ([True] if not recorded.auxiliary else []):
+            other = analyze_dir(
+                ref, **{**options, "auxiliary_centering": aux, "exact_outputs": ALL_OUTPUTS}
+            )
+            if aux == bool(recorded.auxiliary) or not other.auxiliary:
+                yield dataclasses.replace(other, exact_outputs=recorded.exact_outputs)
 
 
 def _verify(

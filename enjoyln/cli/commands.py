@@ -23,6 +23,7 @@ from .options import (
     FOLD,
     LOGGING,
     CheckDevice,
+    Exact,
     JsonOnly,
     ModelClass,
     OptionSet,
@@ -111,6 +112,7 @@ def fold(
             "does."
         ),
     ] = None,
+    exact: Exact = "served",
     *,
     options: FoldOptions,
     as_json: JsonOnly = False,
@@ -125,6 +127,7 @@ def fold(
         auxiliary_centering=auxiliary_centering,
         fuse_affine=fuse_affine,
         dtype=parse_dtypes(dtype, "--dtype")[0] if dtype is not None else None,
+        exact_outputs=parse_exact(exact),
     )
     _publish(model_dir, out_dir, options, as_json, revision)
 
@@ -146,15 +149,7 @@ def rotate(
             help="Q fixes the all-ones vector, so plain from_pretrained stays exact.",
         ),
     ] = True,
-    exact: Annotated[
-        str,
-        typer.Option(
-            help="served: keep what the model serves exact (its logits, so its generation), "
-            "letting the rotation "
-            "change a vision or audio tower's hidden states among its outputs; all: keep every "
-            "output exact."
-        ),
-    ] = "served",
+    exact: Exact = "served",
     *,
     options: FoldOptions,
     as_json: JsonOnly = False,
@@ -170,6 +165,7 @@ def rotate(
         options,
         fuse_affine=True,
         rotate=RotationSpec(kind, seed, keep_mean, exact_outputs=parse_exact(exact)),
+        exact_outputs=exact,
     )
     _publish(model_dir, out_dir, options, as_json, revision)
 
@@ -257,6 +253,7 @@ def inspect(
         Optional[str],
         typer.Option(help="Also say whether the stream can be rotated (hadamard or random)."),
     ] = None,
+    exact: Exact = "served",
     model_class: ModelClass = None,
     revision: Revision = None,
 ) -> None:
@@ -265,6 +262,7 @@ def inspect(
     Example: enjoyln inspect gpt2-dir --json
     """
     parse_rotation(rotate, "--rotate")
+    parse_exact(exact)
     if graph is not None and graph.suffix.lower() not in (".html", ".htm", ".svg"):
         raise EnjoylnError(f"--graph must end in .html or .svg, not {graph.suffix or 'nothing'}")
     access = Access(allow_pickle=allow_pickle, model_class=model_class)
@@ -279,8 +277,9 @@ def inspect(
             allow_pickle=allow_pickle,
             auxiliary_centering=auxiliary_centering,
             fuse_affine=fuse_affine,
-            rotate=RotationSpec(rotate) if rotate else None,
+            rotate=RotationSpec(rotate, exact_outputs=exact) if rotate else None,
             model_class=model_class,
+            exact_outputs=exact,
         )
         if graph is not None:
             from ..analysis.explain import write_graph

@@ -43,6 +43,14 @@ Verbose = Annotated[
         "error.",
     ),
 ]
+Exact = Annotated[
+    str,
+    typer.Option(
+        help="served: keep what the model serves exact (its logits, so its generation), letting "
+        "a vision or audio tower's hidden states among its outputs change; all: keep every "
+        "output exact."
+    ),
+]
 Revision = Annotated[
     Optional[str],
     typer.Option(

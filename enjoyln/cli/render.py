@@ -264,7 +264,7 @@ def print_plan(plan: FoldPlan) -> None:
         )
     if plan.changed_outputs:
         out.print(
-            "Outputs the rotation changes (not served, so not compared): "
+            "Outputs the model does not serve that change (so not compared): "
             f"{', '.join(plan.changed_outputs)}"
         )
     for note in plan.notes:

@@ -13,7 +13,7 @@ import torch
 
 from ..analysis import analyze
 from ..errors import CheckpointError, EnjoylnError
-from ..plan import AFFINE_GAIN, MISSING, FoldPlan, Note, RotationSpec
+from ..plan import AFFINE_GAIN, MISSING, SERVED, FoldPlan, Note, RotationSpec
 from ..store.checkpoint import Checkpoint
 from ..store.hf import matching_class
 from ..store.tensors import TensorReader
@@ -26,6 +26,7 @@ def analyze_dir(
     rotate: RotationSpec | None = None,
     *,
     must_rotate: bool = False,
+    exact_outputs: str = SERVED,
 ) -> FoldPlan:
     """The plan for ``checkpoint``'s meta model, analysed again where a gain it divides by has a
     zero entry; ``must_rotate``: a rotation the meta model already rules out is refused before
@@ -34,6 +35,7 @@ def analyze_dir(
         "auxiliary_centering": auxiliary_centering,
         "fuse_affine": fuse_affine,
         "rotate": rotate,
+        "exact_outputs": exact_outputs,
     }
     plan = remembered_analysis(checkpoint, options)
     if must_rotate and plan.rotation is None:

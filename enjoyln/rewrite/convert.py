@@ -24,7 +24,7 @@ from ..folded.config import output_config
 from ..folded.planning import analyze_dir, missing_refusal, moves_values
 from ..folded.stream import StreamedTensors
 from ..options import FoldOptions
-from ..plan import FoldPlan, RotationSpec
+from ..plan import SERVED, FoldPlan, RotationSpec, check_exact
 from ..store.checkpoint import Checkpoint, open_checkpoint
 from ..store.files import check_links, copy_extras
 from ..store.formats import read_safetensors_header
@@ -69,8 +69,10 @@ def analyze_checkpoint(
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     model_class: str | None = None,
+    exact_outputs: str = SERVED,
 ) -> FoldPlan:
-    """The fold plan for a model directory, computed on the meta device.
+    """The fold plan for a model directory, computed on the meta device; ``exact_outputs`` as for
+    ``enjoyln.analyze``.
 
     >>> analyze_checkpoint("path/to/gpt2").summary()  # doctest: +SKIP
     """
@@ -81,7 +83,13 @@ def analyze_checkpoint(
         model_class=model_class,
     )
     check_shapes(checkpoint)
-    return analyze_dir(checkpoint, auxiliary_centering, fuse_affine, RotationSpec.of(rotate))
+    return analyze_dir(
+        checkpoint,
+        auxiliary_centering,
+        fuse_affine,
+        RotationSpec.of(rotate),
+        exact_outputs=check_exact(exact_outputs),
+    )
 
 
 def _os_error(exc: OSError, out: Path, tmp: Path | None) -> CheckpointError:
@@ -299,6 +307,7 @@ class _Fold:
             opts.fuse_affine,
             opts.rotate,
             must_rotate=opts.rotate is not None and not opts.dry_run,
+            exact_outputs=opts.exact_outputs,
         )
         if opts.rotate is not None and plan.rotation is None and not opts.dry_run:
             why = plan.not_rotated()

@@ -518,10 +518,14 @@ def fold(
     plan: FoldPlan | None = None,
     auxiliary_centering: bool = False,
     fuse_affine: bool = False,
+    exact_outputs: str = SERVED,
 ) -> nn.Module:
     """Fold every foldable LayerNorm of ``model`` into RMSNorm, in place, with the same outputs;
     ``auxiliary_centering`` inserts explicit centerings where they pay off (BLOOM, the Whisper
-    encoder), ``fuse_affine`` moves each folded norm's γ and β into its readers. Returns ``model``.
+    encoder), ``fuse_affine`` moves each folded norm's γ and β into its readers. ``exact_outputs``
+    ``"served"`` keeps what the model serves exact (its logits, so its generation) and lets the
+    fold change a vision or audio tower's hidden states among its outputs (``plan.changed_outputs``
+    lists them); ``"all"`` keeps every output exact. Returns ``model``.
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     >>> type(fold(net, torch.randn(2, 8))[1]).__name__
@@ -529,7 +533,11 @@ def fold(
     """
     if plan is None:
         plan = analyze(
-            model, example_inputs, auxiliary_centering=auxiliary_centering, fuse_affine=fuse_affine
+            model,
+            example_inputs,
+            auxiliary_centering=auxiliary_centering,
+            fuse_affine=fuse_affine,
+            exact_outputs=exact_outputs,
         )
     note = plan.note(TRAINING_MODE)
     if note:
@@ -554,8 +562,8 @@ def rotate(
     fixes the all-ones vector, so plain LayerNorms still agree. ``version`` 0 builds the newest
     ``Q`` of the kind (for hadamard the structured one, applied in O(n log n)); 1 the dense
     matrices of earlier releases. ``exact_outputs`` ``"served"`` keeps what the model serves
-    exact (its logits, so its generation) and lets the rotation change a tower's hidden states
-    among its outputs; ``"all"`` keeps every output exact, leaving a stream that reaches one
+    exact (its logits, so its generation) and lets the fold and rotation change a tower's hidden
+    states among its outputs; ``"all"`` keeps every output exact, leaving a stream that reaches one
     unrotated.
     >>> import enjoyln
     >>> from enjoyln.testing import perturb, tiny_model
@@ -574,6 +582,7 @@ def rotate(
             example_inputs,
             fuse_affine=True,
             rotate=RotationSpec(kind, int(seed), bool(keep_mean), int(version), exact_outputs),
+            exact_outputs=exact_outputs,
         )
     if plan.rotation is None:
         raise PlanError(plan.not_rotated())

@@ -23,8 +23,10 @@ ZOO = {
     "gpt_neox": (4, 1),
     "falcon": (0, 3),
     "vit": (5, 0),
-    "clip": (4, 0),  # text final_layer_norm is a model output; vision pre_layrnorm feeds an LN
-    "whisper": (6, 5),  # k_proj has no bias
+    # the text final_layer_norm's output is text_model_output.last_hidden_state, not served: its
+    # affine moves (the bias stays); vision pre_layrnorm feeds an LN
+    "clip": (4, 1),
+    "whisper": (6, 6),  # k_proj has no bias; encoder_last_hidden_state is not served
     "bloom": (4, 1),  # with auxiliary centering
 }
 
@@ -32,10 +34,16 @@ ZOO = {
 @pytest.mark.parametrize("arch", sorted(ZOO))
 def test_fuse_affine_is_exact_and_leaves_weightless_norms(arch):
     model = perturb(tiny_model(arch), seed=11)
-    folded = enjoyln.fold(
-        copy.deepcopy(model), fuse_affine=True, auxiliary_centering=arch in ("bloom", "whisper")
+    plan = enjoyln.analyze(
+        model, fuse_affine=True, auxiliary_centering=arch in ("bloom", "whisper")
     )
-    assert_same_outputs(model, folded, hf_example_inputs(model, seed=12))
+    folded = enjoyln.fold(copy.deepcopy(model), plan=plan)
+    changed = {
+        "clip": ["text_model_output.last_hidden_state"],
+        "whisper": ["encoder_last_hidden_state"],
+    }
+    assert plan.changed_outputs == changed.get(arch, [])
+    assert_same_outputs(model, folded, hf_example_inputs(model, seed=12), skip=plan.changed_outputs)
     norms = [m for m in folded.modules() if isinstance(m, enjoyln.RMSNorm)]
     weightless = sum(not m.elementwise_affine and m.bias is None for m in norms)
     bias_only = sum(not m.elementwise_affine and m.bias is not None for m in norms)

@@ -36,16 +36,25 @@ def test_counts_and_placement(case):
         assert [(a.module, a.where) for a in plan.auxiliary] == [
             ("model.encoder.layers.0", "input")
         ]
-    if arch == "clip":
-        assert plan.auxiliary == [] and len(plan.foldable) == (2 * L + 1) + 1
-        vision_kept = [
-            e for e in plan.layer_norms if e.name.startswith("vision") and not e.foldable
+    if arch == "clip":  # the vision tower's hidden state is not served: it may change
+        assert [(a.module, a.where) for a in plan.auxiliary] == [
+            ("vision_model.pre_layrnorm", "output")
         ]
-        assert vision_kept and all(
-            "vision_model.pre_layrnorm would not help" in e.reason
-            and "`vision_model_output.last_hidden_state`" in e.reason
-            for e in vision_kept
-        )
+        assert len(plan.foldable) == len(plan.layer_norms) == 2 * (2 * L + 1) + 1
+        assert plan.changed_outputs == ["vision_model_output.last_hidden_state"]
+
+
+def test_keeping_every_output_exact_refuses_the_centering():
+    model = perturb(tiny_model("clip"), seed=61)
+    plan = enjoyln.analyze(model, auxiliary_centering=True, exact_outputs="all")
+    assert plan.auxiliary == [] and len(plan.foldable) == (2 * L + 1) + 1
+    vision_kept = [e for e in plan.layer_norms if e.name.startswith("vision") and not e.foldable]
+    assert vision_kept and all(
+        "vision_model.pre_layrnorm would not help" in e.reason
+        and "`vision_model_output.last_hidden_state`" in e.reason
+        for e in vision_kept
+    )
+    assert plan.changed_outputs == [] and plan.exact_outputs == "all"
 
 
 def test_fold_is_exact(case):
@@ -53,8 +62,11 @@ def test_fold_is_exact(case):
     folded = enjoyln.fold(copy.deepcopy(model), plan=plan)
     assert sum(isinstance(m, enjoyln.RMSNorm) for m in folded.modules()) == len(plan.foldable)
     for seed in (62, 63):
-        assert_same_outputs(model, folded, hf_example_inputs(model, seed=seed, seq_len=12))
-    assert enjoyln.check(model, folded).passed
+        inputs = hf_example_inputs(model, seed=seed, seq_len=12)
+        assert_same_outputs(model, folded, inputs, skip=plan.changed_outputs)
+    assert enjoyln.check(model, folded, plan=plan).passed
+    if plan.changed_outputs:  # compared, the tower's hidden state differs
+        assert not enjoyln.check(model, folded).passed
 
 
 def test_every_step_keeps_its_promise_with_centering():
@@ -69,7 +81,13 @@ def test_refused_where_the_stream_is_an_output():
     embedding LN; only after the last layer's attention is it still safe."""
     model = perturb(tiny_model("bloom"), seed=66)
     inputs = {"input_ids": torch.randint(0, 128, (2, 8)), "output_hidden_states": True}
-    plan = enjoyln.analyze(model, inputs, auxiliary_centering=True)
+    served = enjoyln.analyze(model, inputs, auxiliary_centering=True)
+    # the hidden states are not what a model with logits serves: by default they may change
+    assert [(a.module, a.where) for a in served.auxiliary] == [
+        ("transformer.word_embeddings_layernorm", "output")
+    ]
+    assert len(served.foldable) == 2 * L + 2 and "hidden_states.1" in served.changed_outputs
+    plan = enjoyln.analyze(model, inputs, auxiliary_centering=True, exact_outputs="all")
     assert [(a.module, a.where) for a in plan.auxiliary] == [
         ("transformer.h.1.self_attention", "output")
     ]

@@ -1,12 +1,14 @@
 """Example inputs for vision-language models: an image in every batch, in the layout the model
 takes, with one placeholder token per image feature."""
 
+import copy
+
 import pytest
 import torch
 import transformers
 
 from enjoyln.analysis.inputs import fill_text_ids, hf_example_inputs
-from models import llava_siglip
+from models import blip2_opt, llava_siglip
 
 _TEXT = dict(
     model_type="llama",
@@ -121,7 +123,7 @@ def test_mllama_gets_tiles_and_aspect_ratios():
     _runs(model, inputs)
 
 
-def test_qwen2_vl_gets_flat_patches_grids_token_types_and_positions():
+def _qwen2_vl():
     cfg = transformers.Qwen2VLConfig(
         vision_config=dict(
             depth=1,
@@ -145,7 +147,11 @@ def test_qwen2_vl_gets_flat_patches_grids_token_types_and_positions():
         video_token_id=151,
         vision_start_token_id=152,
     )
-    model = transformers.Qwen2VLForConditionalGeneration(cfg).eval()
+    return transformers.Qwen2VLForConditionalGeneration(cfg).eval()
+
+
+def test_qwen2_vl_gets_flat_patches_grids_token_types_and_positions():
+    model = _qwen2_vl()
     inputs = hf_example_inputs(model)
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]
     assert inputs["pixel_values"].shape == (32, 3 * 2 * 4 * 4)
@@ -160,3 +166,21 @@ def test_the_count_follows_the_model_not_the_config_fields(strategy, tokens):
     model = llava_siglip()
     model.config.vision_feature_select_strategy = strategy  # "default" drops the first feature
     assert _image_tokens(model, hf_example_inputs(model)) == [tokens, tokens]
+
+
+@pytest.mark.parametrize("build", [_qwen2_vl, blip2_opt], ids=["qwen2_vl", "blip2"])
+def test_a_meta_model_gets_the_inputs_its_loaded_model_gets(build):
+    """A directory is analysed as a meta model. Qwen2-VL's tower reads its image grid's values
+    (``tolist``) and BLIP-2's its attention mask's (``all``), and the text's placeholder count
+    comes from running the tower: zeros stand in for the meta weights meanwhile, and the inputs
+    end on the meta device, shaped as for the loaded model."""
+    model = build()
+    want = hf_example_inputs(model)
+    meta = copy.deepcopy(model).to("meta")
+    before = dict(meta.named_parameters())
+    got = hf_example_inputs(meta)
+    assert got.keys() == want.keys() and "pixel_values" in got
+    for name, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[name].is_meta and got[name].shape == value.shape, name
+    assert dict(meta.named_parameters()) == before and all(p.is_meta for p in before.values())

@@ -142,8 +142,10 @@ def test_two_rotated_streams_keep_the_served_outputs(two_streams, inputs):
 
 def test_a_plan_of_several_streams_reads_back(two_streams):
     data = json.loads(two_streams.to_json())
-    # format 4 for several streams, 5 for version 3's fused biases
-    assert data["format_version"] == 5 and len(data["more_rotations"]) == 1
+    # format 4 for several streams, 5 for version 3's fused biases, 6 for the tower's hidden
+    # state changed
+    assert data["format_version"] == 6 and len(data["more_rotations"]) == 1
+    assert data["changed_outputs"] == ["vision_hidden_state"]
     assert data["rotation"]["stream"] == "tower" and data["rotation"]["width"] == 16
     assert FoldPlan.from_json(two_streams.to_json()) == two_streams
 

@@ -1287,3 +1287,34 @@ def test_a_failed_weight_check_says_where_and_by_how_much(pair, tmp_path):
         and not _zero_differences(data)
     )
     assert data["static"]["first_difference"]["tensor"] == first.tensor
+
+
+def test_the_two_contracts_of_a_tower_fold_and_an_older_plan(tmp_path):
+    """A CLIP fold keeping what it serves changes its vision tower's hidden state; one keeping
+    every output does not. Plans before format 6 recorded no contract for the fold, which then
+    kept every output exact: such a plan still checks, and one that claims more folds than it
+    recorded's analysis gives is refused."""
+    model = perturb(tiny_model("clip"), seed=42)
+    model.save_pretrained(tmp_path / "ref")
+    served, kept = tmp_path / "served", tmp_path / "all"
+    common = dict(check="none", auxiliary_centering=True)
+    fold_checkpoint(tmp_path / "ref", served, FoldOptions.of(**common))
+    fold_checkpoint(tmp_path / "ref", kept, FoldOptions.of(**common, exact_outputs="all"))
+    plans = [json.loads((d / "config.json").read_text())["enjoyln"]["plan"] for d in (served, kept)]
+    assert plans[0]["format_version"] == 6
+    assert plans[0]["changed_outputs"] == ["vision_model_output.last_hidden_state"]
+    assert plans[1]["exact_outputs"] == "all" and "changed_outputs" not in plans[1]
+    folded = [sum(e["foldable"] for e in p["layer_norms"]) for p in plans]
+    assert folded[0] > folded[1]
+    for d in (served, kept):
+        assert run(tmp_path / "ref", d).passed
+    config = json.loads((kept / "config.json").read_text())
+    del config["enjoyln"]["plan"]["exact_outputs"]  # as an enjoyln before format 6 wrote it
+    config["enjoyln"]["plan"]["format_version"] = config["enjoyln"]["format_version"] = 1
+    (kept / "config.json").write_text(json.dumps(config))
+    report = run(tmp_path / "ref", kept)
+    assert report.passed and report.plan.startswith("recorded"), report.summary()
+    config = json.loads((served / "config.json").read_text())
+    del config["enjoyln"]["plan"]["changed_outputs"]  # claims every output stays exact
+    (served / "config.json").write_text(json.dumps(config))
+    assert not run(tmp_path / "ref", served).passed

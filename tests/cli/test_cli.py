@@ -627,3 +627,36 @@ def test_rotate_then_check_a_vision_language_directory(tmp_path):
         original.model.multi_modal_projector.linear_1.weight,
         atol=1e-3,
     )
+
+
+def test_rotate_a_directory_whose_tower_reads_its_inputs_values(tmp_path):
+    """BLIP-2 from its directory alone: its tower reads its mask's values, so the meta model's
+    inputs are made beside zeros standing in for its weights; the tower's stream rotates, the
+    greedy decode starts from the whole prompt with its image, and OUT loads with plain
+    from_pretrained with the same logits."""
+    import transformers
+
+    from enjoyln.analysis.inputs import hf_example_inputs
+    from models import blip2_opt
+
+    src, out = tmp_path / "blip2", tmp_path / "out"
+    original = perturb(blip2_opt(), seed=6)
+    original.save_pretrained(src)
+    result = runner.invoke(app, ["rotate", str(src), str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    plan, check = payload["plan"], payload["check"]
+    assert check["passed"] is True
+    streams = [plan["rotation"], *plan.get("more_rotations", [])]
+    assert any(
+        r["param"] == "vision_model.embeddings.patch_embedding.weight"
+        for s in streams
+        for r in s["rotated"]
+    )
+    assert check["generation"]["prompt_tokens"] == 8 + 16  # the query tokens, then the text
+    inputs = hf_example_inputs(original, seed=3)
+    with torch.no_grad():
+        expected = original(**inputs).logits
+        loaded = transformers.Blip2ForConditionalGeneration.from_pretrained(out).eval()
+        got = loaded(**inputs).logits
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
