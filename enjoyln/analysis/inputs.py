@@ -198,7 +198,7 @@ def _candidates(model: nn.Module, batch: int, seq_len: int, seed: int) -> list[d
         and hasattr(config, "vision_config")
     ):
         # a vision-language model: an image in every sample, the text holding its placeholder tokens
-        with _evaluating(model), _on_cpu(model):
+        with _evaluating(model), _on_cpu(model) if device != target else contextlib.nullcontext():
             options += image_text_options(
                 model, image_layouts(model, randn, batch, device), text["input_ids"], image_token
             )
