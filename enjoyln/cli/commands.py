@@ -13,7 +13,7 @@ from rich.markup import escape
 
 from ..errors import CheckFailed, EnjoylnError
 from ..options import Access, CheckOptions, FoldOptions
-from ..plan import RotationSpec
+from ..plan import FoldPlan, RotationSpec
 from ..store.locate import precheck_model_dir, resolve_model_dir
 from ..store.quiet import quiet_libraries
 from ..store.transaction import check_out_dir
@@ -282,34 +282,10 @@ def inspect(
             exact_outputs=exact,
         )
         if graph is not None:
-            from ..analysis.explain import write_graph
-            from ..store.checkpoint import open_checkpoint
-
             display.stage(f"drawing the zero-mean graphs into {graph}")
-            with quiet_libraries():
-                write_graph(
-                    open_checkpoint(src, allow_pickle=allow_pickle, model_class=model_class).meta,
-                    graph,
-                )
+            _draw_graphs(src, access, graph)
     if as_json:
-        # the counts and the sentence first; then the plan, which reads back with
-        # FoldPlan.from_dict, and
-        # the centered parameters beside its untied ones, both lists
-        print_json(
-            {
-                "foldable": len(plan.foldable),
-                "total": len(plan.layer_norms),
-                "not_foldable": len(plan.layer_norms) - len(plan.foldable),
-                "n_centered": len(plan.centered),
-                "n_untied": len(plan.untied),
-                "untie_bytes": plan.untie_bytes,
-                "n_auxiliary": len(plan.auxiliary),
-                "summary": plan_sentence(plan),
-                "post_ln": post_ln_note(plan),
-                "centered": [c.to_dict() for c in plan.centered],
-                **plan.to_dict(),
-            }
-        )
+        print_json(_plan_payload(plan))
         return
     if state.quiet:  # the plan in one sentence is inspect's verdict
         out.print(escape(plan_sentence(plan)))
@@ -321,6 +297,36 @@ def inspect(
                 "Note: the picture shows the strict analysis, without the auxiliary centerings"
             )
         out.print(f"Wrote the zero-mean graphs to {graph}")
+
+
+def _draw_graphs(src: str, access: Access, graph: Path) -> None:
+    """Each LN's zero-mean graph of the directory's meta model, into ``graph``."""
+    from ..analysis.explain import write_graph
+    from ..store.checkpoint import open_checkpoint
+
+    with quiet_libraries():
+        meta = open_checkpoint(
+            src, allow_pickle=access.allow_pickle, model_class=access.model_class
+        ).meta
+        write_graph(meta, graph)
+
+
+def _plan_payload(plan: FoldPlan) -> dict[str, Any]:
+    """inspect's JSON: the counts and the sentence first; then the plan, which reads back with
+    FoldPlan.from_dict, and the centered parameters beside its untied ones, both lists."""
+    return {
+        "foldable": len(plan.foldable),
+        "total": len(plan.layer_norms),
+        "not_foldable": len(plan.layer_norms) - len(plan.foldable),
+        "n_centered": len(plan.centered),
+        "n_untied": len(plan.untied),
+        "untie_bytes": plan.untie_bytes,
+        "n_auxiliary": len(plan.auxiliary),
+        "summary": plan_sentence(plan),
+        "post_ln": post_ln_note(plan),
+        "centered": [c.to_dict() for c in plan.centered],
+        **plan.to_dict(),
+    }
 
 
 def _check_access(
