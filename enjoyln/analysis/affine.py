@@ -22,9 +22,12 @@ from .rules import (
     other_reads,
 )
 
-# ops that only move values around, so every element still carries its own feature's γ and β
+# ops that only move values around, so every element still carries its own feature's γ and β; a
+# mean over other axes than the features too (the mean of γ ⊙ r + β is γ ⊙ mean(r) + β; a sum would
+# scale β), which ``carry`` refuses over the features
 MOVES = (
     {
+        "mean",
         "getitem",
         "clone",
         "contiguous",

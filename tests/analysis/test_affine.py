@@ -101,8 +101,12 @@ class Block(nn.Module):
             return self.wide(torch.cat([y, y], -1))
         if self.reader == "rows":  # selecting positions moves values only
             return self.lin(y[:, 1:3].transpose(0, 1))
-        if self.reader == "mean":  # averaging positions changes what β contributes
+        if self.reader == "mean":  # the mean of γ ⊙ r + β over positions is γ ⊙ mean(r) + β
             return self.lin(y.mean(1))
+        if self.reader == "sum":  # summing positions multiplies what β contributes
+            return self.lin(y.sum(1))
+        if self.reader == "feature mean":  # the mean over the features mixes γ's entries
+            return self.lin(y - y.mean(-1, keepdim=True))
         return self.lin(y)
 
 
@@ -119,7 +123,9 @@ def _block(reader):
         ("cat", AFFINE_FUSED, ""),
         ("output", AFFINE_KEPT, "is the model output `1`"),
         ("gelu", AFFINE_KEPT, "reaches gelu"),
-        ("mean", AFFINE_KEPT, "reaches mean"),
+        ("mean", AFFINE_FUSED, ""),
+        ("sum", AFFINE_KEPT, "reaches sum"),
+        ("feature mean", AFFINE_KEPT, "is reduced over the feature axis by mean"),
     ],
 )
 def test_where_the_affine_can_go(reader, affine, why):
@@ -133,6 +139,17 @@ def test_where_the_affine_can_go(reader, affine, why):
     folded = enjoyln.fold(copy.deepcopy(model), ids, plan=plan)
     assert_same_outputs(model, folded, ids)
     assert (not folded.ln.elementwise_affine) == (affine == AFFINE_FUSED)
+
+
+def test_a_stream_pooled_by_a_mean_rotates():
+    """A tower whose last norm is averaged over its positions before the head (SigLIP's image
+    classifier): the norm's affine moves through the mean into the head, which takes Qᵀ."""
+    model = _block("mean")
+    ids = torch.randint(0, 16, (3, 5))
+    rotated = enjoyln.rotate(copy.deepcopy(model), ids, seed=2)
+    assert_same_outputs(model, rotated, ids)
+    assert not torch.allclose(rotated.lin.weight, model.lin.weight, atol=1e-3)
+    assert not rotated.ln.elementwise_affine
 
 
 def test_a_zero_gain_keeps_the_affine_when_a_reader_has_no_bias():
