@@ -184,6 +184,18 @@ def print_plan(plan: FoldPlan) -> None:
         say(f"[yellow]Note:[/] {escape(note)}")
     if state.quiet:
         return
+    out.print(_norms_table(plan))
+    if plan.centered or plan.untied:
+        out.print(_changes_table(plan))
+    for a in plan.auxiliary:
+        out.print(f"Auxiliary centering: {a.describe()}")
+    if any(e.affine for e in plan.foldable) or plan.affine_moved:
+        out.print(_affine_table(plan))
+    _print_rotations_and_notes(plan)
+
+
+def _norms_table(plan: FoldPlan) -> Table:
+    """One row per norm: folded, with the modules it centers, or the reason it is kept."""
     table = Table(
         title=f"{plan.model}: {len(plan.foldable)} of {len(plan.layer_norms)} LayerNorms foldable",
         title_justify="left",
@@ -191,9 +203,8 @@ def print_plan(plan: FoldPlan) -> None:
     table.add_column("LayerNorm", overflow="fold")
     table.add_column("fold")
     table.add_column("centered / reason", overflow="fold")
-    for e in (
-        plan.layer_norms
-    ):  # centered 'transformer.h.0.attn.c_proj.weight', ... as 'transformer.h.*.attn.c_proj'
+    for e in plan.layer_norms:
+        # centered 'transformer.h.0.attn.c_proj.weight', ... as 'transformer.h.*.attn.c_proj'
         modules = dict.fromkeys(
             re.sub(
                 r"\.\d+\.",
@@ -207,54 +218,54 @@ def print_plan(plan: FoldPlan) -> None:
             "[green]yes[/]" if e.foldable else "[red]no[/]",
             escape(f"{len(e.centered)} tensors: " + ", ".join(modules) if e.foldable else e.reason),
         )
-    out.print(table)
-    if plan.centered or plan.untied:
-        out.print(
-            _table(
-                f"Changes: center {len(plan.centered)} tensors, untie {len(plan.untied)} "
-                f"(+{format_bytes(plan.untie_bytes)})",
-                ("parameter", "change"),
-                [(c.param, f"center along axis {c.axis}") for c in plan.centered]
-                + [
-                    (u.param, f"untie from {u.tied_to}: +{format_bytes(u.nbytes)}")
-                    for u in plan.untied
-                ],
-                overflow="fold",
-            )
-        )
-    for a in plan.auxiliary:
-        out.print(f"Auxiliary centering: {a.describe()}")
+    return table
+
+
+def _changes_table(plan: FoldPlan) -> Table:
+    """The tensors the plan centers and unties."""
+    return _table(
+        f"Changes: center {len(plan.centered)} tensors, untie {len(plan.untied)} "
+        f"(+{format_bytes(plan.untie_bytes)})",
+        ("parameter", "change"),
+        [(c.param, f"center along axis {c.axis}") for c in plan.centered]
+        + [(u.param, f"untie from {u.tied_to}: +{format_bytes(u.nbytes)}") for u in plan.untied],
+        overflow="fold",
+    )
+
+
+def _affine_table(plan: FoldPlan) -> Table:
+    """Where each folded norm's γ and β go, and those of norms that stay on a rotated stream."""
     affine = [e for e in plan.foldable if e.affine]
-    if affine or plan.affine_moved:
-        rows = []
-        for e in affine:
-            into = ", ".join(sorted({f.weight for f in e.fused})) or "nothing to move"
-            what = {
-                "fused": f"into {into}",
-                "gain fused": f"γ into {into}; β stays as β/γ ({e.affine_reason})",
-                "kept": f"kept: {e.affine_reason}",
-            }[e.affine]
-            rows.append((e.name, escape(what)))
-        rows += [
-            (
-                e.name,
-                escape(
-                    f"into {', '.join(sorted({f.weight for f in e.fused})) or 'nothing to move'}; "
-                    "it stays a LayerNorm, on a rotated stream"
-                ),
-            )
-            for e in plan.affine_moved
-            if not e.foldable
-        ]
-        out.print(
-            _table(
-                f"Affine: {sum(e.weightless for e in affine)} of {len(affine)} folded norms become "
-                "weightless",
-                ("LayerNorm", "γ and β"),
-                rows,
-                overflow="fold",
-            )
+    rows = []
+    for e in affine:
+        into = ", ".join(sorted({f.weight for f in e.fused})) or "nothing to move"
+        what = {
+            "fused": f"into {into}",
+            "gain fused": f"γ into {into}; β stays as β/γ ({e.affine_reason})",
+            "kept": f"kept: {e.affine_reason}",
+        }[e.affine]
+        rows.append((e.name, escape(what)))
+    rows += [
+        (
+            e.name,
+            escape(
+                f"into {', '.join(sorted({f.weight for f in e.fused})) or 'nothing to move'}; "
+                "it stays a LayerNorm, on a rotated stream"
+            ),
         )
+        for e in plan.affine_moved
+        if not e.foldable
+    ]
+    return _table(
+        f"Affine: {sum(e.weightless for e in affine)} of {len(affine)} folded norms become "
+        "weightless",
+        ("LayerNorm", "γ and β"),
+        rows,
+        overflow="fold",
+    )
+
+
+def _print_rotations_and_notes(plan: FoldPlan) -> None:
     for r in plan.rotations:
         stream = f"{r.stream}, width {r.width}, " if r.width else ""
         out.print(
