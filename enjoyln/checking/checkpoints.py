@@ -239,17 +239,7 @@ def _forward_part(
     every weight is proven (full mode, not thorough) it only confirms: short batches and a short
     decode."""
     confirm = opts.mode == "full" and not opts.thorough
-    batches = opts.batches if opts.batches is not None else CONFIRM_BATCHES if confirm else 3
-    forward = dataclasses.replace(
-        opts,
-        batches=batches,
-        coverage=not confirm if opts.coverage is None else opts.coverage,
-        generate_tokens=(CONFIRM_TOKENS if confirm else 8)
-        if opts.generate_tokens is None
-        else opts.generate_tokens,
-        sweep=opts.mode == "forward" if opts.sweep is None else opts.sweep,
-        skip=_changed_outputs(cand_ck),
-    )
+    forward = _forward_options(opts, cand_ck, confirm)
     plain_required, caveat, note = _plain_loading(cand_ck, verified=opts.mode == "full")
     max_memory, auto = budget
     stage("loading the original and the candidate")
@@ -258,27 +248,8 @@ def _forward_part(
     )
     with bounded or contextlib.nullcontext():
         if bounded is None:
-            # each model is freed after its runs: the reference becomes its own truth (widened in
-            # place), and the plain load comes from disk after the candidate's runs
-            on = functools.partial(_on_device, opts.device, stage)
-            ref_src = ModelSource.given(on("the original", _load(load, ref_ck, missing)))
-            cand_src = ModelSource.given(
-                on("the candidate", _load(load, cand_ck, missing, candidate=True))
-            )
-            # a half-precision candidate of a float32 reference: the truth is the reference as
-            # stored
-            truth = ModelSource(
-                ref_src.dtype,
-                lambda dtype: on("the original", _load(load, ref_ck, missing, dtype=dtype)),
-                nbytes=ref_src.nbytes,
-            )
-            plain = ModelSource(
-                cand_src.dtype,
-                lambda dtype: on(
-                    "the candidate",
-                    _load(load_plain, cand_ck, missing, candidate=True, dtype=dtype),
-                ),
-                nbytes=cand_src.nbytes,
+            ref_src, truth, cand_src, plain = _sources_in_memory(
+                ref_ck, cand_ck, opts.device, missing, stage
             )
         else:
             ref_src, truth, cand_src, plain = _bounded_sources(
@@ -304,13 +275,66 @@ def _forward_part(
         )
     report.caveat = caveat
     report.notes += [note] if note else []
+    _add_notes(report, ref_ck, missing, confirm, plain_required is not None)
+    return report
+
+
+def _forward_options(opts: CheckOptions, cand_ck: Checkpoint, confirm: bool) -> CheckOptions:
+    """The forward check's options: short batches and a short decode where it only confirms the
+    proven weights, and the outputs the candidate's plan changes left out."""
+    return dataclasses.replace(
+        opts,
+        batches=opts.batches if opts.batches is not None else CONFIRM_BATCHES if confirm else 3,
+        coverage=not confirm if opts.coverage is None else opts.coverage,
+        generate_tokens=(CONFIRM_TOKENS if confirm else 8)
+        if opts.generate_tokens is None
+        else opts.generate_tokens,
+        sweep=opts.mode == "forward" if opts.sweep is None else opts.sweep,
+        skip=_changed_outputs(cand_ck),
+    )
+
+
+def _sources_in_memory(
+    ref_ck: Checkpoint,
+    cand_ck: Checkpoint,
+    device: str,
+    missing: list[str],
+    stage: Callable[[str], None],
+) -> tuple[ModelSource, ModelSource, ModelSource, ModelSource]:
+    """The reference, its truth, the candidate and its plain load, each loaded whole. Each model is
+    freed after its runs: the reference becomes its own truth (widened in place), and the plain
+    load comes from disk after the candidate's runs."""
+    on = functools.partial(_on_device, device, stage)
+    ref_src = ModelSource.given(on("the original", _load(load, ref_ck, missing)))
+    cand_src = ModelSource.given(on("the candidate", _load(load, cand_ck, missing, candidate=True)))
+    # a half-precision candidate of a float32 reference: the truth is the reference as stored
+    truth = ModelSource(
+        ref_src.dtype,
+        lambda dtype: on("the original", _load(load, ref_ck, missing, dtype=dtype)),
+        nbytes=ref_src.nbytes,
+    )
+    plain = ModelSource(
+        cand_src.dtype,
+        lambda dtype: on(
+            "the candidate", _load(load_plain, cand_ck, missing, candidate=True, dtype=dtype)
+        ),
+        nbytes=cand_src.nbytes,
+    )
+    return ref_src, truth, cand_src, plain
+
+
+def _add_notes(
+    report: CheckReport, ref_ck: Checkpoint, missing: list[str], confirm: bool, plain: bool
+) -> None:
+    """What the report must say of parameters the weights lack, and of a check that only
+    confirmed proven weights."""
     if missing:
         report.notes.append(
             f"{missing_note(as_reference_holds(ref_ck, missing))}; every model this check loaded "
             "got the same seeded values for exactly those, so they were compared like the rest"
         )
     if confirm:
-        plain_too = " (plain loading on the first)" if plain_required is not None else ""
+        plain_too = " (plain loading on the first)" if plain else ""
         decoded = (
             report.generation is not None
         )  # the model generates: decided by the model, not its name
@@ -321,7 +345,6 @@ def _forward_part(
             "--thorough also runs a batch over every position and many token ids"
             f"{', and decodes 8 tokens' if decoded else ''}"
         )
-    return report
 
 
 def _on_device(device: str, stage: Callable[[str], None], what: str, model: nn.Module) -> nn.Module:
