@@ -74,31 +74,10 @@ def demo(
 
     Example: enjoyln demo --workdir demo
     """
-    if (
-        workdir is not None
-        and workdir.exists()
-        and any(workdir.iterdir())
-        and not (workdir / "gpt2-demo").is_dir()
-    ):
-        raise EnjoylnError(
-            f"--workdir {workdir} is not empty and holds no earlier demo; choose another directory"
-        )
-    temp = None
-    if workdir is None:
-        temp = tempfile.TemporaryDirectory(prefix="enjoyln-demo-")
-        workdir = Path(temp.name)
-        say(
-            f"Working in the temporary directory {escape(str(workdir))}, removed when the demo "
-            "ends "
-            "(pass --workdir DIR to keep the checkpoints)."
-        )
+    workdir, temp = _demo_workdir(workdir)
     try:
         with Display(err, enabled=not state.quiet) as display:
             display.stage(IMPORTING)
-            from ..analysis.inputs import hf_example_inputs
-            from ..bench import compare_latency, forward_seconds, latency_seconds
-            from ..checking.checkpoints import check_checkpoints
-            from ..rewrite.convert import analyze_checkpoint, fold_checkpoint
             from ..store.load import load
             from ..testing import demo_checkpoint
 
@@ -111,60 +90,99 @@ def demo(
                 f"A random GPT-2 ({layers} layers, width {width}, perturbed weights) in "
                 f"{escape(str(src))}"
             )
-            _rule("2. inspect: enjoyln inspect ORIGINAL")
-            display.stage("analysing")
-            plan = analyze_checkpoint(src)
-            display.stop()
-            print_plan(plan)
-            _rule("3. fold, check and publish: enjoyln fold ORIGINAL FOLDED")
-            result = fold_checkpoint(
-                src,
-                dst,
-                FoldOptions(force=True),
-                progress=display.phase("writing"),
-                check_progress=display.phase("checking weights"),
-                stage=display.stage,
-            )
-            display.stop()
-            report = result.report
-            print_report(report, "the folded model")
-            kept = " (temporary: removed when the demo ends)" if temp is not None else ""
-            say(
-                f"Wrote {escape(str(dst))}{kept} in {result.seconds:.2f} s: "
-                f"{', '.join(sorted(os.listdir(dst)))}"
-            )
-            _rule("4. check again, as a CI gate would: enjoyln check ORIGINAL FOLDED")
-            again = check_checkpoints(
-                src, dst, stage=display.stage, progress=display.phase("checking weights")
-            )
-            display.stop()
-            print_report(again)
+            passed = _demo_fold_and_check(display, src, dst, temp is not None)
             _rule("5. speed: forward, batch 1, 512 tokens, alternating runs")
             display.stage("loading both models to time them")
-            original, folded = load(src), load(dst)
-            inputs = hf_example_inputs(original, batch=1, seq_len=512)
-            forward_s = forward_seconds(
-                original, inputs
-            )  # this machine's speed, not a fixed promise
-            estimate = latency_seconds(forward_s, 10, seconds)
-            _estimate(display, forward_s, estimate, state.quiet)
-            display.stage(
-                f"timing the original against the folded model (about {format_duration(estimate)})"
-            )
-            timing = compare_latency(original, folded, inputs, repeats=10, seconds=seconds)
-            display.stop()
+            timing = _demo_timing(display, load(src), load(dst), seconds)
         print_latency(timing)
         if temp is None:
             say(
                 f"The checkpoints stay in {escape(str(workdir))}: gpt2-demo (the original) and "
                 "gpt2-demo-folded."
             )
-        if not (report.passed and again.passed):
+        if not passed:
             raise typer.Exit(1)
     finally:
         if temp is not None:
             temp.cleanup()
             say(f"Removed the temporary directory {escape(str(workdir))}.")
+
+
+def _demo_workdir(workdir: Optional[Path]) -> tuple[Path, Optional[tempfile.TemporaryDirectory]]:
+    """Where the demo writes: ``workdir`` if it is empty or holds an earlier demo, else a temporary
+    directory (returned too, to remove at the end)."""
+    if (
+        workdir is not None
+        and workdir.exists()
+        and any(workdir.iterdir())
+        and not (workdir / "gpt2-demo").is_dir()
+    ):
+        raise EnjoylnError(
+            f"--workdir {workdir} is not empty and holds no earlier demo; choose another directory"
+        )
+    if workdir is not None:
+        return workdir, None
+    temp = tempfile.TemporaryDirectory(prefix="enjoyln-demo-")
+    say(
+        f"Working in the temporary directory {escape(temp.name)}, removed when the demo "
+        "ends "
+        "(pass --workdir DIR to keep the checkpoints)."
+    )
+    return Path(temp.name), temp
+
+
+def _demo_fold_and_check(display: Display, src: Path, dst: Path, temporary: bool) -> bool:
+    """Steps 2 to 4: inspect, fold with its check, and check again as a CI gate; whether both
+    checks passed."""
+    from ..checking.checkpoints import check_checkpoints
+    from ..rewrite.convert import analyze_checkpoint, fold_checkpoint
+
+    _rule("2. inspect: enjoyln inspect ORIGINAL")
+    display.stage("analysing")
+    plan = analyze_checkpoint(src)
+    display.stop()
+    print_plan(plan)
+    _rule("3. fold, check and publish: enjoyln fold ORIGINAL FOLDED")
+    result = fold_checkpoint(
+        src,
+        dst,
+        FoldOptions(force=True),
+        progress=display.phase("writing"),
+        check_progress=display.phase("checking weights"),
+        stage=display.stage,
+    )
+    display.stop()
+    report = result.report
+    print_report(report, "the folded model")
+    kept = " (temporary: removed when the demo ends)" if temporary else ""
+    say(
+        f"Wrote {escape(str(dst))}{kept} in {result.seconds:.2f} s: "
+        f"{', '.join(sorted(os.listdir(dst)))}"
+    )
+    _rule("4. check again, as a CI gate would: enjoyln check ORIGINAL FOLDED")
+    again = check_checkpoints(
+        src, dst, stage=display.stage, progress=display.phase("checking weights")
+    )
+    display.stop()
+    print_report(again)
+    return report.passed and again.passed
+
+
+def _demo_timing(display: Display, original: Any, folded: Any, seconds: float) -> Any:
+    """Step 5: the original against the folded model, batch 1, 512 tokens."""
+    from ..analysis.inputs import hf_example_inputs
+    from ..bench import compare_latency, forward_seconds, latency_seconds
+
+    inputs = hf_example_inputs(original, batch=1, seq_len=512)
+    forward_s = forward_seconds(original, inputs)  # this machine's speed, not a fixed promise
+    estimate = latency_seconds(forward_s, 10, seconds)
+    _estimate(display, forward_s, estimate, state.quiet)
+    display.stage(
+        f"timing the original against the folded model (about {format_duration(estimate)})"
+    )
+    timing = compare_latency(original, folded, inputs, repeats=10, seconds=seconds)
+    display.stop()
+    return timing
 
 
 def _rule(title: str) -> None:
