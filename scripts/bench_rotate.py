@@ -49,8 +49,11 @@ DEPTHS = {2048: (2, 4), 1600: (3, 6), 4544: (1, 2)}
 
 
 def measure_width(width: int, work: Path, repeat: int) -> list[dict]:
-    """The commands on both sizes of one width; each result keyed by command. The first run of
-    ``rotate`` writes the rotated checkpoint the other commands read (timed like the others)."""
+    """The commands on both sizes of one width; each result keyed by command. The rotated
+    checkpoints the checks read are written first, untimed; then every timed command that writes
+    writes to ``out``, removed after it, so that each meets the page cache in the same state (on a
+    virtual machine, pages the guest freed long ago cost the host a fault each when written again,
+    and recently freed ones do not)."""
     refs, rotated = [], []
     for layers in DEPTHS.get(width, (2, 4)):
         ref, out = work / f"ref-{width}-{layers}", work / f"rotated-{width}-{layers}"
@@ -60,6 +63,10 @@ def measure_width(width: int, work: Path, repeat: int) -> list[dict]:
         )
         refs.append(ref)
         rotated.append(out)
+        if run_once(enjoyln("rotate", ref, out, "--no-check"), f"rotate ({ref.name})", (ref,))[
+            "exit"
+        ]:
+            raise SystemExit(f"rotate {ref} failed")
     commands = {
         "rotate": (
             lambda ref, rot, out: enjoyln("rotate", ref, out, "--no-check"),
@@ -81,24 +88,17 @@ def measure_width(width: int, work: Path, repeat: int) -> list[dict]:
             lambda ref, rot: (ref, rot),
         ),
     }
-    results: list[dict] = [{} for _ in refs]
-    for key, (cmd, reads) in commands.items():
-        runs: list[list[dict]] = [[] for _ in refs]
-        for r in range(repeat):
+    runs: dict[str, list[list[dict]]] = {key: [[] for _ in refs] for key in commands}
+    for _ in range(repeat):  # the commands take turns, so that a busy minute hits them all
+        for key, (cmd, reads) in commands.items():
             for j, (ref, rot) in enumerate(zip(refs, rotated)):
-                keep = key == "rotate" and r == 0
-                runs[j].append(
-                    run_once(
-                        cmd(ref, rot, rot if keep else work / "out"),
-                        f"{key} ({ref.name})",
-                        reads(ref, rot),
-                    )
+                runs[key][j].append(
+                    run_once(cmd(ref, rot, work / "out"), f"{key} ({ref.name})", reads(ref, rot))
                 )
-                if keep and runs[j][-1]["exit"] != 0:
-                    raise SystemExit(f"rotate {ref} failed")
                 shutil.rmtree(work / "out", ignore_errors=True)
-        for j in range(len(refs)):
-            results[j][key] = fastest(runs[j])
+    results: list[dict] = [
+        {key: fastest(runs[key][j]) for key in commands} for j in range(len(refs))
+    ]
     for j, (ref, rot) in enumerate(zip(refs, rotated)):
         results[j]["check"] = run_once(
             enjoyln("check", ref, rot), f"check ({ref.name})", (ref, rot)

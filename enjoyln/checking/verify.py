@@ -215,7 +215,7 @@ class Verifier:
                 if progress is not None:
                     progress(done[0], total)
 
-            decided = self._mapped(order) if self.expected is None else {}
+            decided = self._mapped(order) if self.expected is None else self._one_pass(order)
             for p in order:
                 if p.cand in decided:
                     self._count(p, *decided[p.cand], None)
@@ -319,6 +319,31 @@ class Verifier:
                     )
             if folded:
                 decided[p.cand] = (bool(same), True)
+        return decided
+
+    def _one_pass(self, order: list[Pair]) -> dict[str, tuple[bool, bool]]:
+        """(identical, folded) for every computed tensor one pass of the rotation kernel proves
+        right from both mapped files (``StreamedTensors.equal_in_file``); the rest, and any that
+        differs, are left to the reading path, which says where."""
+        decided: dict[str, tuple[bool, bool]] = {}
+        into = Buffer()
+        for p in order:
+            out = self.expected.outputs.get(p.cand)
+            if not (
+                out is not None
+                and self.cand.mappable(p.cand)
+                and self.cand.dtype(p.cand) == out.dtype
+                and self.cand.shape(p.cand) == out.shape
+            ):
+                continue
+            try:
+                with self.cand.mapped(p.cand) as t:
+                    same = self.expected.equal_in_file(p.cand, t.address, into)
+            except OSError:  # a file system that cannot map files: the reading path
+                continue
+            if same:
+                decided[p.cand] = (False, True)
+                self.out.computed += 1
         return decided
 
     def _read(self, order: list[Pair], advance: Callable[[Pair], None]) -> None:

@@ -4,6 +4,7 @@ and dtypes, so the bits are those of the plan applied to the loaded model."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -13,14 +14,26 @@ from ..errors import CheckpointError, PlanError
 from ..plan import Centering, FoldPlan
 from ..store.checkpoint import Checkpoint
 from ..store.formats import DTYPES, widened
-from ..store.tensors import TensorReader, return_freed_memory
+from ..ops import rotate as structured_kernel
+from ..store.tensors import Buffer, Mapped, TensorReader, return_freed_memory
 from ..transform.rotation import apply_rotation, scaled_in_kernel
 from ..transform.steps import trace_plan
-from ..transform.tensors import center_, fused_product, scale_inputs_, ties_lost_on_untie
-from ..transform.trace import Op, Product, Read, Ref, Tracer
+from ..transform.tensors import (
+    center_,
+    center_into,
+    fused_product,
+    scale_inputs_,
+    ties_lost_on_untie,
+)
+from ..transform.trace import Op, Product, Read, Ref, Slot, Tracer
 
 STASH_BYTES = 512 << 20
 """At most this much of weights computed ahead of their request (for a fused bias's ``W β``)."""
+
+ONE_PASS_BYTES = 1 << 30
+"""The largest tensor computed or compared from its mapped file (``OnePass``): the mapping's pages
+count towards the process's memory while it is open, beside the result, so a larger one is read
+and rotated in place as before."""
 
 
 def output_slots(t: Tracer, plan: FoldPlan, ck: Checkpoint) -> dict[str, int]:
@@ -63,6 +76,21 @@ class Output:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class OnePass:
+    """A key whose value is one pass of the rotation kernel over a stored tensor of its own dtype
+    (a norm's gain, ``scale``, multiplied in on the way), after a centering into the output's
+    memory where the plan centers it first: computed from the mapped file, or compared with a
+    candidate's bytes, with no copy of the stored tensor."""
+
+    source: str
+    axis: int
+    table: structured_kernel.Structured
+    scale: torch.Tensor | None = None
+    center: Centering | None = None
+    center_scale: torch.Tensor | None = None
 
 
 class StreamedTensors:
@@ -178,23 +206,119 @@ class StreamedTensors:
                 return s.base, found
             index, version = s.base.slot, s.base.version
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, into: Buffer | None = None) -> torch.Tensor:
+        """The folded tensor (to read, not to change); one computed in ``into``'s memory where
+        given, valid until its next use."""
         out = self.outputs[key]
         if out.raw is not None:
-            return self.reader.read(out.raw)
+            return self.reader.read(out.raw, into)
         if out.fill is not None:
             return torch.full(out.shape, out.fill, dtype=out.dtype)
         s = self.trace.slots[out.slot]
         pending = self._pending[s.index]
         pending.discard(key)
         t = self._stash.get(s.index)
-        if t is None:
+        if t is None and (one := self.one_pass(key)) is not None:
+            t = self._from_file(s.index, one, into)
+        elif t is None:
             t = self._value(s.index, len(s.ops))
             if pending and self._stashed() + s.nbytes <= STASH_BYTES:
                 self._stash[s.index] = t  # another key has it too (a tie's copy)
         if not pending:
             self._stash.pop(s.index, None)
         return t.to(out.dtype) if t.dtype != out.dtype else t
+
+    def one_pass(self, key: str) -> OnePass | None:
+        """How ``key`` is one pass of the rotation kernel over its stored tensor, where it is:
+        rotated along a whole axis after a gain or a centering, from a mappable tensor of its
+        dtype that nothing else reads once changed."""
+        out = self.outputs[key]
+        s = self.trace.slots[out.slot] if out.slot is not None else None
+        source = self._stored(s) if s is not None else None
+        if (
+            source is None
+            or out.dtype != s.dtype
+            or s.nbytes > ONE_PASS_BYTES
+            or any((s.index, v) in self._taps for v in range(1, len(s.ops) + 1))
+            or not 0 < len(s.ops) <= 2
+        ):
+            return None
+        first, rotate = s.ops[0] if len(s.ops) == 2 else None, s.ops[-1]
+        rot, r = rotate.rotated, rotate.rotation
+        if rotate.kind != "rotate" or r.kind != "hadamard" or r.version < 2 or rot.start:
+            return None
+        if structured_kernel.library() is None or not structured_kernel.usable(s.dtype):
+            return None  # the step-by-step path says why
+        shape = torch.Size(s.shape)
+        n = shape[rot.axis % len(shape)]
+        if rot.length not in (0, n):
+            return None
+        table = structured_kernel.structured(n, r.seed, r.keep_mean)
+        one = OnePass(source, rot.axis, table)
+        if first is None:
+            return one
+        if first.kind == "center":
+            c = first.centering
+            gain = self._read(first.reads[0]) if first.reads else None
+            return dataclasses.replace(one, center=c, center_scale=gain)
+        # no memory: the kernel's conditions read only the shape, dtype and device
+        shaped = torch.empty((), dtype=s.dtype).expand(shape)
+        if first.kind == "scale" and scaled_in_kernel(shaped, rot, r, first.fused):
+            return dataclasses.replace(one, scale=self._gain(first))
+        return None
+
+    def _stored(self, s: Slot) -> str | None:
+        """The stored key a slot's first value is, as stored (an untied copy's too), where it can
+        be mapped."""
+        base = s.base
+        if isinstance(base, Ref) and base.version == 0:
+            copied = self.trace.slots[base.slot]
+            base = copied.base if copied.dtype == s.dtype else None
+        ok = isinstance(base, str) and self.reader.mappable(base)
+        return base if ok and self.reader.dtype(base) == s.dtype else None
+
+    def equal_in_file(self, key: str, cand: int, into: Buffer) -> bool | None:
+        """Whether the bytes at ``cand`` are ``get(key)``'s, compared in one pass from the mapped
+        file (a centering first written into ``into``); None where ``key`` is not one pass."""
+        one = self.one_pass(key)
+        if one is None:
+            return None
+        self._pending[self.outputs[key].slot].discard(key)
+        s = self.trace.slots[self.outputs[key].slot]
+        with self.reader.mapped(one.source) as m:
+            src = m.address
+            if one.center is not None:
+                src = self._centered(m, one, into.bytes(s.nbytes).view(s.dtype).view(s.shape))
+            return structured_kernel.rotated_equal(
+                src, cand, s.dtype, s.shape, one.axis, one.table, scale=one.scale
+            )
+
+    def _gain(self, scale: Op) -> torch.Tensor:
+        f = scale.fused
+        gamma = self._read(scale.reads[0]).to(torch.float64).reshape(-1)
+        return gamma[f.offset : f.offset + f.length]
+
+    def _from_file(self, index: int, one: OnePass, into: Buffer | None) -> torch.Tensor:
+        """``one`` computed from the mapped stored tensor (what others read of its first value is
+        read from the file too, when they ask)."""
+        s = self.trace.slots[index]
+        out = (
+            into.bytes(s.nbytes).view(s.dtype).view(s.shape)
+            if into is not None
+            else torch.empty(s.shape, dtype=s.dtype)
+        )
+        with self.reader.mapped(one.source) as m:
+            src = m.address if one.center is None else self._centered(m, one, out)
+            return structured_kernel.rotate_from(src, out, one.axis, one.table, one.scale)
+
+    @staticmethod
+    def _centered(m: Mapped, one: OnePass, out: torch.Tensor) -> int:
+        """``one``'s centering of the mapped tensor written into ``out``; its address."""
+        c = one.center
+        if not center_into(m.address, out, c.axis, c.groups, one.center_scale, c.blocks):
+            out.copy_(m.tensor(out.dtype, out.shape))
+            center_(out, c.axis, c.groups, one.center_scale, c.blocks)
+        return out.data_ptr()
 
     def _stashed(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._stash.values())
@@ -258,6 +382,8 @@ class StreamedTensors:
                 )
 
     def _read(self, r: Read) -> torch.Tensor:
+        if r not in self._memo and self._mapped_product(r):
+            return self._memo[r]
         if r not in self._memo:
             at = r.weight if isinstance(r, Product) else r
             s = self.trace.slots[at.slot]
@@ -272,6 +398,22 @@ class StreamedTensors:
             if ahead:
                 self._stash[at.slot] = t
         return self._memo[r]
+
+    def _mapped_product(self, r: Read) -> bool:
+        """``W β`` of a stored weight as it is, read from the mapped file (nothing copied, nothing
+        computed ahead); False where it is not that."""
+        if not isinstance(r, Product) or r.weight.version != 0:
+            return False
+        s = self.trace.slots[r.weight.slot]
+        source = self._stored(s)
+        if source is None:
+            return False
+        beta = self._read(r.beta).to(torch.float64).reshape(-1)
+        with self.reader.mapped(source) as m:
+            w = m.tensor(s.dtype, s.shape)
+            self._memo[r] = fused_product(w, r.fused, beta, self.fixed_order)
+            del w
+        return True
 
     def _apply(self, op: Op, t: torch.Tensor) -> None:
         """One operation, with the very code the in-memory steps run."""

@@ -203,35 +203,29 @@ def rotate_(
     the bits of that product stored into ``t``, then rotated, in one pass."""
     if t.device.type == "meta" or t.numel() == 0:
         return t
-    if not usable(t.dtype):
-        raise RotationUnavailable(f"cannot rotate a tensor of dtype {t.dtype}")
     axis = axis % t.dim()
     if start < 0 or start + table.n > t.shape[axis]:
         raise ValueError(
             f"entries {start} to {start + table.n} do not fit an axis of {t.shape[axis]}"
         )
-    if scale is not None and scale.shape != (table.n,):
-        raise ValueError(f"a scale of shape {list(scale.shape)} for a rotation of width {table.n}")
-    factors = None if scale is None else scale.detach().to("cpu", torch.float64).contiguous()
     work = t if t.device.type == "cpu" and t.is_contiguous() else t.detach().to("cpu").contiguous()
-    layout, at = _layout(work.shape, axis, start)
-    address = work.data_ptr() + at * work.element_size()
-    if (
-        table.run(
-            address,
-            address,
-            None,
-            work.dtype,
-            layout,
-            None if factors is None else factors.data_ptr(),
-        )
-        < 0
-    ):
-        raise MemoryError("the rotation kernel could not allocate its buffers")
+    address = work.data_ptr()
+    _run_at(table, (address, address, None), work.dtype, work.shape, axis, start, scale)
     if work is not t:
         with torch.no_grad():
             t.copy_(work)
     return t
+
+
+def rotate_from(
+    src: int, out: torch.Tensor, axis: int, table: Structured, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out`` := the contiguous tensor at address ``src`` (``out``'s dtype and shape) rotated along
+    the whole of ``axis``, read once, with ``scale`` as ``rotate_`` takes it: the bits ``rotate_``
+    gives a copy of it, without the copy (``src`` may be a mapped file)."""
+    if out.numel():
+        _run_at(table, (src, out.data_ptr(), None), out.dtype, out.shape, axis, 0, scale)
+    return out
 
 
 def rotated_equal(
@@ -242,17 +236,40 @@ def rotated_equal(
     axis: int,
     table: Structured,
     start: int = 0,
+    scale: torch.Tensor | None = None,
 ) -> bool:
     """Whether ``cand`` holds ``rotate_`` of the tensor at ``src`` (``dtype``, ``shape``,
-    contiguous; entries outside the rotated block not compared), bit for bit, read once and
-    nothing written."""
+    contiguous, ``scale`` as ``rotate_`` takes it; entries outside the rotated block not
+    compared), bit for bit, read once and nothing written."""
+    return _run_at(table, (src, None, cand), dtype, shape, axis, start, scale) == 0
+
+
+def _run_at(
+    table: Structured,
+    addresses: tuple[int, int | None, int | None],
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    axis: int,
+    start: int,
+    scale: torch.Tensor | None,
+) -> int:
+    """The kernel on the block of a contiguous tensor at ``addresses`` (source, destination,
+    candidate); what it returns (0: every vector equal to the candidate's)."""
+    if not usable(dtype):
+        raise RotationUnavailable(f"cannot rotate a tensor of dtype {dtype}")
+    if scale is not None and scale.shape != (table.n,):
+        raise ValueError(f"a scale of shape {list(scale.shape)} for a rotation of width {table.n}")
+    factors = None if scale is None else scale.detach().to("cpu", torch.float64).contiguous()
     axis = axis % len(shape)
     layout, at = _layout(shape, axis, start)
     offset = at * dtype.itemsize
-    result = table.run(src + offset, None, cand + offset, dtype, layout)
+    src, dst, cand = (None if a is None else a + offset for a in addresses)
+    result = table.run(
+        src, dst, cand, dtype, layout, None if factors is None else factors.data_ptr()
+    )
     if result < 0:
         raise MemoryError("the rotation kernel could not allocate its buffers")
-    return result == 0
+    return result
 
 
 def dot_vectors(t: torch.Tensor, axis: int, beta: torch.Tensor, start: int = 0) -> torch.Tensor:

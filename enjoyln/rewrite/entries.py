@@ -20,6 +20,7 @@ from ..plan import FoldPlan
 from ..store.checkpoint import Checkpoint
 from ..store.formats import CODES, DTYPES, TensorInfo, parse_json_file
 from ..store.locate import SAFE_WEIGHTS
+from ..store.tensors import Buffer
 from ..transform.tensors import merge_centerings
 
 
@@ -37,8 +38,8 @@ class Entry:
     tensor: torch.Tensor | None = None  # or write this (pickle input)
     blocks: tuple[int, ...] | None = None  # ... only these of the blocks
     scale: torch.Tensor | None = None  # ... for this LayerScale gain
-    compute: Callable[[], torch.Tensor] | None = (
-        None  # or write what this computes when its turn comes
+    compute: Callable[[Buffer | None], torch.Tensor] | None = (
+        None  # or write what this computes when its turn comes (in the buffer's memory, if it can)
     )
 
 
@@ -163,12 +164,14 @@ def cast_entries(
     return [(name, [cast(e) for e in entries]) for name, entries in shards]
 
 
-def _read(checkpoint: Checkpoint, name: str) -> torch.Tensor:
+def _read(checkpoint: Checkpoint, name: str, into: Buffer | None = None) -> torch.Tensor:
     return read_tensors(checkpoint, [name])[0]
 
 
-def _rounded(compute: Callable[[], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    return compute().to(dtype)
+def _rounded(
+    compute: Callable[[Buffer | None], torch.Tensor], dtype: torch.dtype, into: Buffer | None
+) -> torch.Tensor:
+    return compute(into).to(dtype)
 
 
 def reshard(

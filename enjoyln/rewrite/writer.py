@@ -90,6 +90,8 @@ class Writing:
     metadata: dict[str, str]
     advance: Callable[[int], None]
     buffer: Buffer = field(default_factory=Buffer)
+    computed: tuple[Buffer, Buffer] = field(default_factory=lambda: (Buffer(), Buffer()))
+    """Memory computed tensors take turns in: fresh pages cost a fault each, written or read."""
 
 
 def write_shard(file: Path, entries: list[Entry], w: Writing) -> None:
@@ -238,6 +240,7 @@ def _write_entries(
             for e, at, here in placed
             if not here and e.axis is None and e.tensor is None and e.compute is None
         ]
+        computed = 0
         with _copying_alongside(out, copies, w.advance), _WriteBehind(out) as behind:
             for e, at, here in placed:
                 if e.axis is None and (here or (e.tensor is None and e.compute is None)):
@@ -247,7 +250,11 @@ def _write_entries(
                     if _center_in_file(out, at, e):
                         continue
                 if e.compute is not None:  # computed now, written from its own memory, dropped
-                    t = e.compute().contiguous()
+                    # the two buffers take turns: one is written behind while the other fills;
+                    # a tensor too large to be written behind gets memory freed once written
+                    behind_it = e.nbytes <= WRITE_BEHIND_BYTES
+                    t = e.compute(w.computed[computed % 2] if behind_it else None).contiguous()
+                    computed += behind_it
                     if t.dtype != DTYPES[e.dtype] or t.numel() * t.element_size() != e.nbytes:
                         raise AssertionError(f"{e.name} was computed as {t.dtype} {list(t.shape)}")
                     if e.axis is None and behind.write(t, at):

@@ -144,3 +144,29 @@ def test_version_2_still_checks_and_differs_only_in_the_fused_biases(ref, tmp_pa
         beta = source[f"transformer.h.0.{norm}.bias"].double()
         expected = (source[key].double() + R.dot_vectors(weight, 0, beta)).float()
         assert torch.equal(tensors[3][key], expected), key
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "transformer.h.0.attn.c_attn.weight",  # a gain multiplied in on the way
+        "transformer.h.0.attn.c_proj.weight",  # centered first
+        "lm_head.weight",  # the untied head, from the embedding's bytes
+    ],
+)
+def test_one_ulp_of_a_rotated_weight_fails_where_it_is(ref, tmp_path, key):
+    """The static check compares a rotated weight with the candidate's bytes in one pass from
+    both mapped files; one ulp off anywhere fails, and the reading path then says where."""
+    out = tmp_path / "rotated"
+    fold_checkpoint(ref, out, FoldOptions.of(fuse_affine=True, rotate=RotationSpec(), check="none"))
+    sd = load_file(out / "model.safetensors")
+    sd[key].view(-1).view(torch.int32)[7] += 1
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    report = static_check(open_checkpoint(ref), open_checkpoint(out))
+    assert not report.passed
+    assert any(p.startswith(f"{key} is not what the plan makes") for p in report.problems), (
+        report.problems
+    )
+    where = report.first_difference
+    columns = sd[key].shape[1]
+    assert report.first_differing.startswith(key) and where.index == [7 // columns, 7 % columns]

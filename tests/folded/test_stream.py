@@ -123,7 +123,7 @@ from enjoyln.transform.trace import Ref
 from enjoyln.transform.steps import apply_plan
 from enjoyln.transform.tensors import ties_lost_on_untie
 from enjoyln.store.formats import DTYPES
-from enjoyln.store.tensors import TensorReader
+from enjoyln.store.tensors import Buffer, TensorReader
 from enjoyln.options import FoldOptions
 
 
@@ -382,7 +382,7 @@ class _InMemory:
     def __contains__(self, key):
         return key in self.tensors
 
-    def get(self, key):
+    def get(self, key, into=None):
         return self.tensors[key].contiguous()
 
     def close(self):
@@ -475,6 +475,9 @@ def test_the_stream_never_holds_the_whole_model(options, tmp_path, monkeypatch):
     calls = {"write": 0, "compare": 0}
     monkeypatch.setattr(writer, "_pwrite_all", measured("write", writer._pwrite_all))
     monkeypatch.setattr(verify, "nearest", measured("compare", verify.nearest))
+    # a rotated tensor is compared from the mapped files in one pass
+    one_pass = measured("compare", StreamedTensors.equal_in_file)
+    monkeypatch.setattr(StreamedTensors, "equal_in_file", one_pass)
     gc.collect()
     before = set(_cpu_storages())
     result = fold_checkpoint(src, tmp_path / "out", FoldOptions.of(check="static", **options))
@@ -482,3 +485,33 @@ def test_the_stream_never_holds_the_whole_model(options, tmp_path, monkeypatch):
     assert len(peaks["write"]) > 15 and len(peaks["compare"]) > 15
     assert 0 < max(peaks["write"]) <= 6 * largest, (peaks, largest, total)
     assert 0 < max(peaks["compare"]) <= 8 * largest, (peaks, largest, total)
+
+
+def test_rotated_weights_come_from_the_mapped_file_in_one_pass(saved):
+    """A rotated weight (centered first, or with a gain multiplied in, or the untied head made of
+    the embedding's bytes) is computed from its mapped file straight into the caller's memory,
+    with the bits of the step-by-step path, and no tensor of the layer is read into memory for
+    it; the static check's comparison says equal for those bits and not for one bit off."""
+    ck = open_checkpoint(saved("gpt2"))
+    plan = analyze_dir(ck, False, True, ("hadamard", 0, True))
+    streamed = StreamedTensors(ck, plan)
+    one_pass = [k for k in streamed.keys() if streamed.one_pass(k) is not None]
+    assert {
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.0.attn.c_proj.weight",
+        "transformer.h.0.mlp.c_fc.weight",
+        "lm_head.weight",
+    } <= set(one_pass)
+    read = []
+    real_read = streamed.reader.read
+    streamed.reader.read = lambda key, into=None: read.append(key) or real_read(key, into)
+    expected, into = final_tensors(ck, plan), Buffer()
+    for key in one_pass:
+        got = streamed.get(key, into)
+        assert got.data_ptr() == into.data.data_ptr() and torch.equal(bits(got), bits(expected[key]))
+        cand = expected[key].contiguous().clone()
+        assert streamed.equal_in_file(key, cand.data_ptr(), Buffer()) is True
+        cand.view(-1).view(torch.int32)[cand.numel() // 2] ^= 1
+        assert streamed.equal_in_file(key, cand.data_ptr(), Buffer()) is False
+    assert not any(k.endswith("weight") and ".ln_" not in k for k in read), read
+    streamed.close()
