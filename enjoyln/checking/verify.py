@@ -5,6 +5,7 @@ rounded to nearest (docs/checking.md)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -337,8 +338,9 @@ class Verifier:
             ):
                 continue
             try:
-                with self.cand.mapped(p.cand) as t:
-                    same = self.expected.equal_in_file(p.cand, t.address, into)
+                same = self.expected.equal_in_file(
+                    p.cand, functools.partial(self.cand.mapped, p.cand), into
+                )
             except OSError:  # a file system that cannot map files: the reading path
                 continue
             if same:

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import CheckpointError, PlanError
-from ..plan import Centering, FoldPlan
+from ..plan import Centering, FoldPlan, Fused
 from ..store.checkpoint import Checkpoint
 from ..store.formats import DTYPES, widened
 from ..ops import rotate as structured_kernel
 from ..store.tensors import Buffer, Mapped, TensorReader, return_freed_memory
+from .pieces import WHOLE_BYTES, Piece, pieces
 from ..transform.rotation import apply_rotation, scaled_in_kernel
 from ..transform.steps import trace_plan
 from ..transform.tensors import (
@@ -31,9 +33,14 @@ STASH_BYTES = 512 << 20
 """At most this much of weights computed ahead of their request (for a fused bias's ``W β``)."""
 
 ONE_PASS_BYTES = 1 << 30
-"""The largest tensor computed or compared from its mapped file (``OnePass``): the mapping's pages
-count towards the process's memory while it is open, beside the result, so a larger one is read
-and rotated in place as before."""
+"""The largest tensor ``get`` computes whole from its mapped file (``OnePass``): the mapping's
+pages count towards the process's memory while it is open, beside the result, so a larger one is
+read and rotated in place (the writer and the static check take it in pieces where they can)."""
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns: equal exactly where the bytes are (a NaN, a zero's sign)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.itemsize])
 
 
 def output_slots(t: Tracer, plan: FoldPlan, ck: Checkpoint) -> dict[str, int]:
@@ -228,7 +235,7 @@ class StreamedTensors:
             self._stash.pop(s.index, None)
         return t.to(out.dtype) if t.dtype != out.dtype else t
 
-    def one_pass(self, key: str) -> OnePass | None:
+    def one_pass(self, key: str, any_size: bool = False) -> OnePass | None:
         """How ``key`` is one pass of the rotation kernel over its stored tensor, where it is:
         rotated along a whole axis after a gain or a centering, from a mappable tensor of its
         dtype that nothing else reads once changed."""
@@ -238,7 +245,7 @@ class StreamedTensors:
         if (
             source is None
             or out.dtype != s.dtype
-            or s.nbytes > ONE_PASS_BYTES
+            or (s.nbytes > ONE_PASS_BYTES and not any_size)
             or any((s.index, v) in self._taps for v in range(1, len(s.ops) + 1))
             or not 0 < len(s.ops) <= 2
         ):
@@ -277,20 +284,58 @@ class StreamedTensors:
         ok = isinstance(base, str) and self.reader.mappable(base)
         return base if ok and self.reader.dtype(base) == s.dtype else None
 
-    def equal_in_file(self, key: str, cand: int, into: Buffer) -> bool | None:
-        """Whether the bytes at ``cand`` are ``get(key)``'s, compared in one pass from the mapped
-        file (a centering first written into ``into``); None where ``key`` is not one pass."""
+    def in_pieces(self, key: str) -> OnePass | None:
+        """``one_pass`` of a tensor too large to work on whole (``pieces.WHOLE_BYTES``) whose
+        centering, if any, is along its rotation: worked a piece of whole vectors at a time."""
+        one = self.one_pass(key, any_size=True)
+        s = self.trace.slots[self.outputs[key].slot] if one is not None else None
+        if s is None or s.nbytes <= WHOLE_BYTES:
+            return None
+        at = one.axis % len(s.shape)
+        return one if one.center is None or one.center.axis % len(s.shape) == at else None
+
+    def pieces(self, key: str, into: Buffer) -> Iterator[tuple[Piece, torch.Tensor]]:
+        """``get(key)`` a piece at a time (``in_pieces``), each in ``into``'s memory until the
+        next: the stored tensor's piece gathered from its mapped file, centered and rotated."""
+        one = self.in_pieces(key)
+        s = self.trace.slots[self.outputs[key].slot]
+        self._pending[s.index].discard(key)
+        for piece in pieces(s.shape, one.axis, s.dtype.itemsize):
+            size = math.prod(piece.shape) * s.dtype.itemsize
+            t = into.bytes(size).view(s.dtype).view(piece.shape)
+            with self.reader.mapped(one.source) as m:
+                t.copy_(piece.of(m.tensor(s.dtype, s.shape)))
+            if one.center is not None:
+                c = one.center
+                center_(t, piece.axis, c.groups, one.center_scale, c.blocks)
+            yield (
+                piece,
+                structured_kernel.rotate_from(t.data_ptr(), t, piece.axis, one.table, one.scale),
+            )
+
+    def equal_in_file(self, key: str, cand: Callable[[], Mapped], into: Buffer) -> bool | None:
+        """Whether the candidate's bytes (``cand`` maps them) are ``get(key)``'s, compared in one
+        pass from the mapped files (a centering first written into ``into``), or a piece at a
+        time; None where ``key`` is neither."""
+        if self.outputs[key].slot is None:
+            return None
+        s = self.trace.slots[self.outputs[key].slot]
+        if self.in_pieces(key) is not None:
+            for piece, t in self.pieces(key, into):
+                with cand() as m:
+                    if not torch.equal(_bits(t), _bits(piece.of(m.tensor(s.dtype, s.shape)))):
+                        return False
+            return True
         one = self.one_pass(key)
         if one is None:
             return None
-        self._pending[self.outputs[key].slot].discard(key)
-        s = self.trace.slots[self.outputs[key].slot]
-        with self.reader.mapped(one.source) as m:
+        self._pending[s.index].discard(key)
+        with self.reader.mapped(one.source) as m, cand() as theirs:
             src = m.address
             if one.center is not None:
                 src = self._centered(m, one, into.bytes(s.nbytes).view(s.dtype).view(s.shape))
             return structured_kernel.rotated_equal(
-                src, cand, s.dtype, s.shape, one.axis, one.table, scale=one.scale
+                src, theirs.address, s.dtype, s.shape, one.axis, one.table, scale=one.scale
             )
 
     def _gain(self, scale: Op) -> torch.Tensor:
@@ -409,11 +454,33 @@ class StreamedTensors:
         if source is None:
             return False
         beta = self._read(r.beta).to(torch.float64).reshape(-1)
+        if s.nbytes > WHOLE_BYTES and self.fixed_order:
+            self._memo[r] = self._product_in_pieces(source, s, r.fused, beta)
+            return True
         with self.reader.mapped(source) as m:
             w = m.tensor(s.dtype, s.shape)
             self._memo[r] = fused_product(w, r.fused, beta, self.fixed_order)
             del w
         return True
+
+    def _product_in_pieces(
+        self, source: str, s: Slot, f: Fused, beta: torch.Tensor
+    ) -> torch.Tensor:
+        """``fused_product`` of a large stored weight, a piece of whole vectors at a time: each
+        output sums one vector in a fixed order, so the pieces give the whole's bits."""
+        into, out = Buffer(), None
+        for piece in pieces(s.shape, f.axis, s.dtype.itemsize):
+            t = into.bytes(math.prod(piece.shape) * s.dtype.itemsize).view(s.dtype)
+            with self.reader.mapped(source) as m:
+                t = t.view(piece.shape).copy_(piece.of(m.tensor(s.dtype, s.shape)))
+            part = fused_product(t, dataclasses.replace(f, axis=piece.axis), beta, True)
+            out = (
+                torch.empty(piece.dims[0], piece.dims[2], dtype=part.dtype) if out is None else out
+            )
+            out[piece.index[0], piece.index[2]] = part.reshape(
+                out[piece.index[0], piece.index[2]].shape
+            )
+        return out.reshape([d for i, d in enumerate(s.shape) if i != f.axis % len(s.shape)])
 
     def _apply(self, op: Op, t: torch.Tensor) -> None:
         """One operation, with the very code the in-memory steps run."""

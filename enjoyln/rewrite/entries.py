@@ -8,13 +8,14 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from .._version import __version__
 from ..errors import CheckpointError
 from ..folded.planning import moves_values, read_tensors
+from ..folded.pieces import Piece
 from ..folded.stream import StreamedTensors
 from ..plan import FoldPlan
 from ..store.checkpoint import Checkpoint
@@ -40,6 +41,9 @@ class Entry:
     scale: torch.Tensor | None = None  # ... for this LayerScale gain
     compute: Callable[[Buffer | None], torch.Tensor] | None = (
         None  # or write what this computes when its turn comes (in the buffer's memory, if it can)
+    )
+    pieces: Callable[[Buffer], Iterator[tuple[Piece, torch.Tensor]]] | None = (
+        None  # or, for a large one, write it a piece at a time
     )
 
 
@@ -93,6 +97,9 @@ def _computed(tensors: StreamedTensors, key: str) -> Entry:
         out.nbytes,
         source=source,
         compute=None if source is not None else functools.partial(tensors.get, key),
+        pieces=functools.partial(tensors.pieces, key)
+        if source is None and tensors.in_pieces(key)
+        else None,
     )
 
 
@@ -158,7 +165,7 @@ def cast_entries(
                 _rounded, functools.partial(_read, checkpoint, e.source.name), target
             )
         return dataclasses.replace(
-            e, dtype=CODES[target], nbytes=nbytes, scale=scale, compute=compute
+            e, dtype=CODES[target], nbytes=nbytes, scale=scale, compute=compute, pieces=None
         )
 
     return [(name, [cast(e) for e in entries]) for name, entries in shards]

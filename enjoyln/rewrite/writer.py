@@ -249,6 +249,10 @@ def _write_entries(
                     early[0].wait(early[1], at + e.nbytes)
                     if _center_in_file(out, at, e):
                         continue
+                if e.pieces is not None:  # too large to hold: computed and written by pieces
+                    _write_pieces(out, at, e, w.buffer)
+                    w.advance(e.nbytes)
+                    continue
                 if e.compute is not None:  # computed now, written from its own memory, dropped
                     # the two buffers take turns: one is written behind while the other fills;
                     # a tensor too large to be written behind gets memory freed once written
@@ -270,6 +274,15 @@ def _write_entries(
                 if not here:
                     w.advance(e.nbytes)
         _pwrite_all(out, memoryview(struct.pack("<Q", len(header)) + header), 0)
+
+
+def _write_pieces(out: int, at: int, e: Entry, into: Buffer) -> None:
+    """``e``'s pieces, each written to its runs in the file as it comes."""
+    itemsize = DTYPES[e.dtype].itemsize
+    for piece, t in e.pieces(into):
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        for offset, start, nbytes in piece.runs(itemsize):
+            _pwrite_all(out, data[start : start + nbytes], at + offset)
 
 
 @contextlib.contextmanager
