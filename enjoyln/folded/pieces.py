@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-WHOLE_BYTES = 256 << 20
+WHOLE_BYTES = 64 << 20
 """A tensor up to this size is worked on whole; a larger one in pieces."""
 
 PIECE_BYTES = 64 << 20
@@ -72,7 +72,12 @@ def pieces(
     if inner == 1:
         rows = max(1, piece_bytes // max(1, n * itemsize))
         return [
-            Piece(dims, (slice(r, min(r + rows, outer)), every, every), (min(rows, outer - r), n, 1), 1)
+            Piece(
+                dims,
+                (slice(r, min(r + rows, outer)), every, every),
+                (min(rows, outer - r), n, 1),
+                1,
+            )
             for r in range(0, outer, rows)
         ]
     width = max(2, piece_bytes // max(1, n * itemsize))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -294,24 +294,30 @@ class StreamedTensors:
         at = one.axis % len(s.shape)
         return one if one.center is None or one.center.axis % len(s.shape) == at else None
 
-    def pieces(self, key: str, into: Buffer) -> Iterator[tuple[Piece, torch.Tensor]]:
-        """``get(key)`` a piece at a time (``in_pieces``), each in ``into``'s memory until the
-        next: the stored tensor's piece gathered from its mapped file, centered and rotated."""
+    def pieces(self, key: str, into: Sequence[Buffer]) -> Iterator[tuple[Piece, torch.Tensor]]:
+        """``get(key)`` a piece at a time (``in_pieces``), each in the memory of the buffers in
+        turn until its next use: the stored tensor's piece gathered from its mapped file (the
+        pages read dropped after each), centered and rotated."""
         one = self.in_pieces(key)
         s = self.trace.slots[self.outputs[key].slot]
         self._pending[s.index].discard(key)
-        for piece in pieces(s.shape, one.axis, s.dtype.itemsize):
-            size = math.prod(piece.shape) * s.dtype.itemsize
-            t = into.bytes(size).view(s.dtype).view(piece.shape)
-            with self.reader.mapped(one.source) as m:
-                t.copy_(piece.of(m.tensor(s.dtype, s.shape)))
-            if one.center is not None:
-                c = one.center
-                center_(t, piece.axis, c.groups, one.center_scale, c.blocks)
-            yield (
-                piece,
-                structured_kernel.rotate_from(t.data_ptr(), t, piece.axis, one.table, one.scale),
-            )
+        with self.reader.mapped(one.source) as m:
+            stored = m.tensor(s.dtype, s.shape)
+            for i, piece in enumerate(pieces(s.shape, one.axis, s.dtype.itemsize)):
+                size = math.prod(piece.shape) * s.dtype.itemsize
+                t = into[i % len(into)].bytes(size).view(s.dtype).view(piece.shape)
+                t.copy_(piece.of(stored))
+                m.release()
+                if one.center is not None:
+                    c = one.center
+                    center_(t, piece.axis, c.groups, one.center_scale, c.blocks)
+                yield (
+                    piece,
+                    structured_kernel.rotate_from(
+                        t.data_ptr(), t, piece.axis, one.table, one.scale
+                    ),
+                )
+            del stored
 
     def equal_in_file(self, key: str, cand: Callable[[], Mapped], into: Buffer) -> bool | None:
         """Whether the candidate's bytes (``cand`` maps them) are ``get(key)``'s, compared in one
@@ -321,10 +327,14 @@ class StreamedTensors:
             return None
         s = self.trace.slots[self.outputs[key].slot]
         if self.in_pieces(key) is not None:
-            for piece, t in self.pieces(key, into):
-                with cand() as m:
-                    if not torch.equal(_bits(t), _bits(piece.of(m.tensor(s.dtype, s.shape)))):
+            with cand() as theirs:
+                stored = theirs.tensor(s.dtype, s.shape)
+                for piece, t in self.pieces(key, [into]):
+                    same = torch.equal(_bits(t), _bits(piece.of(stored)))
+                    theirs.release()
+                    if not same:
                         return False
+                del stored
             return True
         one = self.one_pass(key)
         if one is None:
@@ -469,18 +479,28 @@ class StreamedTensors:
         """``fused_product`` of a large stored weight, a piece of whole vectors at a time: each
         output sums one vector in a fixed order, so the pieces give the whole's bits."""
         into, out = Buffer(), None
-        for piece in pieces(s.shape, f.axis, s.dtype.itemsize):
-            t = into.bytes(math.prod(piece.shape) * s.dtype.itemsize).view(s.dtype)
-            with self.reader.mapped(source) as m:
-                t = t.view(piece.shape).copy_(piece.of(m.tensor(s.dtype, s.shape)))
-            part = fused_product(t, dataclasses.replace(f, axis=piece.axis), beta, True)
-            out = (
-                torch.empty(piece.dims[0], piece.dims[2], dtype=part.dtype) if out is None else out
-            )
-            out[piece.index[0], piece.index[2]] = part.reshape(
-                out[piece.index[0], piece.index[2]].shape
-            )
+        with self.reader.mapped(source) as m:
+            stored = m.tensor(s.dtype, s.shape)
+            for piece in pieces(s.shape, f.axis, s.dtype.itemsize):
+                t = into.bytes(math.prod(piece.shape) * s.dtype.itemsize).view(s.dtype)
+                t = t.view(piece.shape).copy_(piece.of(stored))
+                m.release()
+                out = self._sum_piece(t, piece, f, beta, out)
+            del stored
         return out.reshape([d for i, d in enumerate(s.shape) if i != f.axis % len(s.shape)])
+
+    @staticmethod
+    def _sum_piece(
+        t: torch.Tensor, piece: Piece, f: Fused, beta: torch.Tensor, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The piece's outputs of ``fused_product`` put in their place of ``out`` ([outer, inner],
+        made on the first piece)."""
+        part = fused_product(t, dataclasses.replace(f, axis=piece.axis), beta, True)
+        if out is None:
+            out = torch.empty(piece.dims[0], piece.dims[2], dtype=part.dtype)
+        place = out[piece.index[0], piece.index[2]]
+        place.copy_(part.reshape(place.shape))
+        return out
 
     def _apply(self, op: Op, t: torch.Tensor) -> None:
         """One operation, with the very code the in-memory steps run."""

@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -42,7 +42,7 @@ class Entry:
     compute: Callable[[Buffer | None], torch.Tensor] | None = (
         None  # or write what this computes when its turn comes (in the buffer's memory, if it can)
     )
-    pieces: Callable[[Buffer], Iterator[tuple[Piece, torch.Tensor]]] | None = (
+    pieces: Callable[[Sequence[Buffer]], Iterator[tuple[Piece, torch.Tensor]]] | None = (
         None  # or, for a large one, write it a piece at a time
     )
 

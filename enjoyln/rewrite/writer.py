@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -32,6 +32,11 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+def _pwrite_runs(fd: int, data: memoryview, at: int, runs: list[tuple[int, int, int]]) -> None:
+    for offset, start, nbytes in runs:
+        _pwrite_all(fd, data[start : start + nbytes], at + offset)
 
 
 def _fd_path(fd: int) -> str:
@@ -250,7 +255,10 @@ def _write_entries(
                     if _center_in_file(out, at, e):
                         continue
                 if e.pieces is not None:  # too large to hold: computed and written by pieces
-                    _write_pieces(out, at, e, w.buffer)
+                    behind.wait()  # the pieces take the two buffers in turn from the first
+                    for piece, t in e.pieces(w.computed):
+                        behind.write_runs(t, at, piece.runs(t.element_size()))
+                    behind.wait()
                     w.advance(e.nbytes)
                     continue
                 if e.compute is not None:  # computed now, written from its own memory, dropped
@@ -274,15 +282,6 @@ def _write_entries(
                 if not here:
                     w.advance(e.nbytes)
         _pwrite_all(out, memoryview(struct.pack("<Q", len(header)) + header), 0)
-
-
-def _write_pieces(out: int, at: int, e: Entry, into: Buffer) -> None:
-    """``e``'s pieces, each written to its runs in the file as it comes."""
-    itemsize = DTYPES[e.dtype].itemsize
-    for piece, t in e.pieces(into):
-        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-        for offset, start, nbytes in piece.runs(itemsize):
-            _pwrite_all(out, data[start : start + nbytes], at + offset)
 
 
 @contextlib.contextmanager
@@ -336,6 +335,13 @@ class _WriteBehind(contextlib.AbstractContextManager):
         view = memoryview(t.view(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
         self.pending = self.pool.submit(_pwrite_all, self.out, view, at)
         return True
+
+    def write_runs(self, t: torch.Tensor, at: int, runs: Iterable[tuple[int, int, int]]) -> None:
+        """The runs of ``t``'s bytes (offset from ``at``, offset in ``t``, bytes) behind the
+        caller's back, as ``write``."""
+        self.wait()
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        self.pending = self.pool.submit(_pwrite_runs, self.out, data, at, list(runs))
 
     def wait(self) -> None:
         pending, self.pending = self.pending, None

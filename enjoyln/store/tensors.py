@@ -88,6 +88,12 @@ class Mapped(contextlib.AbstractContextManager):
         raw = (ctypes.c_char * self.nbytes).from_address(self.address)
         return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
 
+    def release(self) -> None:
+        """Drop the pages read so far from the process (not from the page cache): a large tensor
+        read a piece at a time then holds one piece, not all it has read."""
+        if self._addr is not None and hasattr(mmap, "MADV_DONTNEED"):
+            _LIBC.madvise(self._addr, self._length, mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         if self._addr is not None:
             _LIBC.munmap(self._addr, self._length)
