@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -261,6 +262,7 @@ def build_falcon(path: Path, layers: int) -> int:
 def measure_big(work: Path, layers: int) -> str:
     ref, out = work / "falcon", work / "rotated"
     total = build_falcon(ref, layers)
+    load = os.getloadavg()[0]
     print(f"Falcon-180B-shaped, {layers} layers: {total / 1e9:.2f} GB", flush=True)
     cp = run_once(["cp", "-r", str(ref), str(work / "copy")], "cp", (ref,))
     shutil.rmtree(work / "copy")
@@ -272,6 +274,9 @@ def measure_big(work: Path, layers: int) -> str:
         (ref, out),
     )
     both = total + size(out)
+    load = (
+        f"load average {load:.1f} before the first command, {os.getloadavg()[0]:.1f} after the last"
+    )
     rate = lambda r, n: (
         f"{r['seconds']:.0f} s ({n / r['seconds'] / 1e9:.2f} GB/s), {r['cpu']:.0f} s of CPU"
     )  # noqa: E731
@@ -286,7 +291,7 @@ def measure_big(work: Path, layers: int) -> str:
             "command once, "
             "whole (start-up included), its inputs read once before it (this machine's page cache "
             "cannot hold both "
-            f"checkpoints); {machine()}; shared with other jobs while it ran.",
+            f"checkpoints); {machine()}; {load}.",
             "",
             "| command | wall time | peak RSS | exit |",
             "|---|---|---|---|",
