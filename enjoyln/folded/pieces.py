@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -27,6 +27,11 @@ WHOLE_BYTES = 64 << 20
 
 PIECE_BYTES = 64 << 20
 """About the size of a piece."""
+
+ROWS_MAPPED = 512
+"""Rows of a block of columns read from a mapping before its pages are dropped: the kernel maps
+the pages around each one a read touches (64 KiB by default), so a block of columns read whole
+would map most of the tensor."""
 
 
 def view3(shape: Sequence[int], axis: int) -> tuple[int, int, int]:
@@ -88,3 +93,36 @@ def pieces(
     return [
         Piece(dims, (o, every, slice(a, b)), (n, b - a), 0) for o in range(outer) for a, b in bounds
     ]
+
+
+def gather(
+    piece: Piece, stored: torch.Tensor, into: torch.Tensor, release: Callable[[], None]
+) -> torch.Tensor:
+    """``piece`` of ``stored`` (a mapped file's tensor) copied into ``into`` (the piece's shape),
+    the mapping's pages dropped (``release``) every ``ROWS_MAPPED`` rows of a block of columns."""
+    src = piece.of(stored)
+    step = src.shape[0] if piece.axis == 1 else ROWS_MAPPED
+    for i in range(0, src.shape[0], step):
+        into[i : i + step].copy_(src[i : i + step])
+        release()
+    return into
+
+
+def same_bits(
+    piece: Piece, t: torch.Tensor, stored: torch.Tensor, release: Callable[[], None]
+) -> bool:
+    """Whether ``t`` holds the bytes of ``piece`` of ``stored`` (a mapped file's), read as
+    ``gather`` reads them."""
+    theirs = piece.of(stored)
+    step = theirs.shape[0] if piece.axis == 1 else ROWS_MAPPED
+    for i in range(0, theirs.shape[0], step):
+        same = torch.equal(_bits(t[i : i + step]), _bits(theirs[i : i + step]))
+        release()
+        if not same:
+            return False
+    return True
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns: equal exactly where the bytes are (a NaN, a zero's sign)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.itemsize])

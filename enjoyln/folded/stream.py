@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -17,7 +17,6 @@ from ..store.checkpoint import Checkpoint
 from ..store.formats import DTYPES, widened
 from ..ops import rotate as structured_kernel
 from ..store.tensors import Buffer, Mapped, TensorReader, return_freed_memory
-from .pieces import WHOLE_BYTES, Piece, pieces
 from ..transform.rotation import apply_rotation, scaled_in_kernel
 from ..transform.steps import trace_plan
 from ..transform.tensors import (
@@ -28,6 +27,7 @@ from ..transform.tensors import (
     ties_lost_on_untie,
 )
 from ..transform.trace import Op, Product, Read, Ref, Slot, Tracer
+from .pieces import WHOLE_BYTES, Piece, gather, pieces, same_bits
 
 STASH_BYTES = 512 << 20
 """At most this much of weights computed ahead of their request (for a fused bias's ``W β``)."""
@@ -36,11 +36,6 @@ ONE_PASS_BYTES = 1 << 30
 """The largest tensor ``get`` computes whole from its mapped file (``OnePass``): the mapping's
 pages count towards the process's memory while it is open, beside the result, so a larger one is
 read and rotated in place (the writer and the static check take it in pieces where they can)."""
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bit patterns: equal exactly where the bytes are (a NaN, a zero's sign)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.itemsize])
 
 
 def output_slots(t: Tracer, plan: FoldPlan, ck: Checkpoint) -> dict[str, int]:
@@ -306,8 +301,7 @@ class StreamedTensors:
             for i, piece in enumerate(pieces(s.shape, one.axis, s.dtype.itemsize)):
                 size = math.prod(piece.shape) * s.dtype.itemsize
                 t = into[i % len(into)].bytes(size).view(s.dtype).view(piece.shape)
-                t.copy_(piece.of(stored))
-                m.release()
+                gather(piece, stored, t, m.release)
                 if one.center is not None:
                     c = one.center
                     center_(t, piece.axis, c.groups, one.center_scale, c.blocks)
@@ -330,9 +324,7 @@ class StreamedTensors:
             with cand() as theirs:
                 stored = theirs.tensor(s.dtype, s.shape)
                 for piece, t in self.pieces(key, [into]):
-                    same = torch.equal(_bits(t), _bits(piece.of(stored)))
-                    theirs.release()
-                    if not same:
+                    if not same_bits(piece, t, stored, theirs.release):
                         return False
                 del stored
             return True
@@ -483,8 +475,7 @@ class StreamedTensors:
             stored = m.tensor(s.dtype, s.shape)
             for piece in pieces(s.shape, f.axis, s.dtype.itemsize):
                 t = into.bytes(math.prod(piece.shape) * s.dtype.itemsize).view(s.dtype)
-                t = t.view(piece.shape).copy_(piece.of(stored))
-                m.release()
+                t = gather(piece, stored, t.view(piece.shape), m.release)
                 out = self._sum_piece(t, piece, f, beta, out)
             del stored
         return out.reshape([d for i, d in enumerate(s.shape) if i != f.axis % len(s.shape)])
