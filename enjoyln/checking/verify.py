@@ -216,11 +216,14 @@ class Verifier:
                 if progress is not None:
                     progress(done[0], total)
 
-            decided = self._mapped(order) if self.expected is None else self._one_pass(order)
+            # each tensor these decide moves the progress on as it is decided
+            if self.expected is None:
+                decided = self._mapped(order, advance)
+            else:
+                decided = self._one_pass(order, advance)
             for p in order:
                 if p.cand in decided:
                     self._count(p, *decided[p.cand], None)
-                    advance(p)
             self._read([p for p in order if p.cand not in decided], advance)
         finally:
             for streamed in (self._cast, self.expected):
@@ -272,7 +275,9 @@ class Verifier:
             )
         return self.out.not_identical[at], diff
 
-    def _mapped(self, order: list[Pair]) -> dict[str, tuple[bool, bool]]:
+    def _mapped(
+        self, order: list[Pair], advance: Callable[[Pair], None]
+    ) -> dict[str, tuple[bool, bool]]:
         """(identical, folded) for every tensor both mapped files prove right: byte for byte, or
         centered and compared in one pass of the C kernel. Anything else is left to the reading
         path, which says why."""
@@ -320,9 +325,12 @@ class Verifier:
                     )
             if folded:
                 decided[p.cand] = (bool(same), True)
+                advance(p)
         return decided
 
-    def _one_pass(self, order: list[Pair]) -> dict[str, tuple[bool, bool]]:
+    def _one_pass(
+        self, order: list[Pair], advance: Callable[[Pair], None]
+    ) -> dict[str, tuple[bool, bool]]:
         """(identical, folded) for every computed tensor one pass of the rotation kernel proves
         right from both mapped files (``StreamedTensors.equal_in_file``); the rest, and any that
         differs, are left to the reading path, which says where."""
@@ -346,6 +354,7 @@ class Verifier:
             if same:
                 decided[p.cand] = (False, True)
                 self.out.computed += 1
+                advance(p)
         return decided
 
     def _read(self, order: list[Pair], advance: Callable[[Pair], None]) -> None:

@@ -170,3 +170,27 @@ def test_one_ulp_of_a_rotated_weight_fails_where_it_is(ref, tmp_path, key):
     where = report.first_difference
     columns = sd[key].shape[1]
     assert report.first_differing.startswith(key) and where.index == [7 // columns, 7 % columns]
+
+
+def test_the_static_check_moves_on_as_each_rotated_weight_is_proven(ref, tmp_path, monkeypatch):
+    """The progress moves as each tensor is compared in one pass, not all at once after them."""
+    from enjoyln.folded.stream import StreamedTensors
+
+    out = tmp_path / "rotated"
+    fold_checkpoint(ref, out, FoldOptions.of(fuse_affine=True, rotate=RotationSpec(), check="none"))
+    compared, seen = [0], []
+    real = StreamedTensors.equal_in_file
+
+    def counting(self, *args):
+        compared[0] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(StreamedTensors, "equal_in_file", counting)
+    report = static_check(
+        open_checkpoint(ref),
+        open_checkpoint(out),
+        progress=lambda d, t: seen.append((d, t, compared[0])),
+    )
+    assert report.passed and report.computed >= 4
+    assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen) and seen[-1][0] == seen[-1][1]
+    assert len({c for _, _, c in seen}) >= 4, seen  # progress seen between the comparisons
