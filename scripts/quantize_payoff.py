@@ -1,11 +1,11 @@
 """What rotating the stream does for GPTQ: W8A8 on an OPT-shaped model with planted outlier
 features, not rotated, rotated by the dense rotation of version 1 and by the structured one of
-version 2, at width 2048 (OPT-1.3B's) and the odd widths 1600 and 4544.
+version 3 (the default), at width 2048 (OPT-1.3B's) and the odd widths 1600 and 4544.
 
 Each model is an ``OPTForCausalLM`` with random weights perturbed away from init, outliers planted
 (40x) in a few features of every writer of the residual stream (the embeddings, each attention's
 ``out_proj``, each ``fc2``), folded with fused affines (``enjoyln.fold(..., fuse_affine=True)``)
-or rotated (``enjoyln.rotate``, ``version=1`` or ``2``), each checked exact before it is quantized.
+or rotated (``enjoyln.rotate``, ``version=1`` or ``3``), each checked exact before it is quantized.
 Then every linear layer that reads a norm (q, k, v, fc1, the head) takes its input in int8 per token
 (dynamic, round-to-nearest) and its weight in int8 per output channel, rounded to nearest (RTN) or
 by GPTQ calibrated on random token batches; the logits' relative error against the unquantized
@@ -44,7 +44,7 @@ from _docs import machine, replace_section  # noqa: E402
 VARIANTS = {
     None: "not rotated (fused)",
     1: "dense rotation (version 1)",
-    2: "structured rotation (version 2)",
+    3: "structured rotation (version 3)",
 }
 """The rotation version of each model measured, and its name in the table."""
 
@@ -190,17 +190,17 @@ def spread(values: list[float]) -> str:
 
 
 def verdict(rows: list[Row]) -> str:
-    """Whether version 2 is at least as good as version 1 with GPTQ at each width (the mean over
-    seeds), in words."""
+    """Whether the structured rotation (version 3, the default) is at least as good as the dense one
+    (version 1) with GPTQ at each width (the mean over seeds), in words."""
     widths = list(dict.fromkeys(r.width for r in rows))
     gptq = {
         (w, v): [r.gptq for r in rows if (r.width, r.version) == (w, v)]
         for w in widths
-        for v in (1, 2)
+        for v in (1, 3)
     }
-    worse = [w for w in widths if mean(gptq[w, 2]) > mean(gptq[w, 1])]
-    seeds = len(gptq[widths[0], 2])
-    said = "; ".join(f"{w}: {mean(gptq[w, 2]):.2%} against {mean(gptq[w, 1]):.2%}" for w in widths)
+    worse = [w for w in widths if mean(gptq[w, 3]) > mean(gptq[w, 1])]
+    seeds = len(gptq[widths[0], 3])
+    said = "; ".join(f"{w}: {mean(gptq[w, 3]):.2%} against {mean(gptq[w, 1]):.2%}" for w in widths)
     over = f", the mean over {seeds} seeds" if seeds > 1 else ""
     if not worse:
         return (
