@@ -45,8 +45,9 @@ from _docs import machine, replace_section  # noqa: E402
 from bench_bounded_check import build as build_gpt2  # noqa: E402
 from bench_check import enjoyln, fastest, files, run_once, size  # noqa: E402
 
-DEPTHS = {2048: (2, 4), 1600: (3, 6), 4544: (1, 2)}
-"""Layers of the two checkpoints of each width (vocabulary 8192): each at least 0.4 GB."""
+DEPTHS = {2048: (2, 8), 1600: (3, 12), 4544: (1, 4)}
+"""Layers of the two checkpoints of each width (vocabulary 8192): each at least 0.4 GB, and a
+difference of over a gigabyte, so that the start-up's variation does not swamp it."""
 
 
 def measure_width(width: int, work: Path, repeat: int) -> list[dict]:
@@ -151,7 +152,7 @@ def width_rows(width: int, small: dict, large: dict) -> tuple[str, dict]:
     return row, ratios
 
 
-def widths_table(results: dict[int, list[dict]], repeat: int) -> str:
+def widths_table(results: dict[int, list[dict]], repeat: int, load: str) -> str:
     lines = [
         "| width | checkpoints | `cp` GB/s | `rotate` GB/s | rotate / cp | `cat` both GB/s "
         "| `check --static` GB/s | static / cat | GB per CPU-second: rotate / static "
@@ -176,11 +177,11 @@ def widths_table(results: dict[int, list[dict]], repeat: int) -> str:
             "each rotated "
             f"output. GPT-2-shaped fp32 checkpoints, vocabulary 8192; each command run {repeat} "
             f"time{'s' if repeat != 1 else ''}, the two "
-            f"sizes alternating, the fastest counting; {machine()}; the machine was shared with "
-            "other jobs while "
-            "it ran, so the ratios, measured side by side, mean more than the rates (– : the "
-            "larger checkpoint took "
-            "no longer, the difference lost in the sharing). "
+            f"sizes alternating, the fastest counting; {machine()}; {load}. Each command also "
+            "pays its start-up (importing torch and transformers, the analysis: about 10 s, "
+            "varying by a second from run to run), which the difference cancels only on average: "
+            "the ratios, measured side by side, mean more than the rates (– : the larger "
+            "checkpoint took no longer). "
             "Command: `python scripts/bench_rotate.py --write`.",
         ]
     )
@@ -335,10 +336,15 @@ def main() -> None:
             BIG["vocab"] = args.big_vocab
             text, block = measure_big(work, args.big_layers), "rotate-big"
         else:
+            before = os.getloadavg()[0]
             results = {
                 int(w): measure_width(int(w), work, args.repeat) for w in args.widths.split(",")
             }
-            text, block = widths_table(results, args.repeat), "rotate"
+            load = (
+                f"load average {before:.1f} before the first command, "
+                f"{os.getloadavg()[0]:.1f} after the last"
+            )
+            text, block = widths_table(results, args.repeat, load), "rotate"
             for width, runs in results.items():
                 print(f"{width}: {width_rows(width, *runs)[1]}")
         print(text)
