@@ -345,15 +345,25 @@ class StreamedTensors:
         gamma = self._read(scale.reads[0]).to(torch.float64).reshape(-1)
         return gamma[f.offset : f.offset + f.length]
 
-    def _from_file(self, index: int, one: OnePass, into: Buffer | None) -> torch.Tensor:
+    def compute_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """``get(key)`` written into ``out`` (its shape and dtype, contiguous: the output file's
+        own pages, mapped), where ``one_pass(key)``."""
+        s = self.trace.slots[self.outputs[key].slot]
+        self._pending[s.index].discard(key)
+        return self._from_file(s.index, self.one_pass(key), out=out)
+
+    def _from_file(
+        self, index: int, one: OnePass, into: Buffer | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``one`` computed from the mapped stored tensor (what others read of its first value is
         read from the file too, when they ask)."""
         s = self.trace.slots[index]
-        out = (
-            into.bytes(s.nbytes).view(s.dtype).view(s.shape)
-            if into is not None
-            else torch.empty(s.shape, dtype=s.dtype)
-        )
+        if out is None:
+            out = (
+                into.bytes(s.nbytes).view(s.dtype).view(s.shape)
+                if into is not None
+                else torch.empty(s.shape, dtype=s.dtype)
+            )
         with self.reader.mapped(one.source) as m:
             src = m.address if one.center is None else self._centered(m, one, out)
             return structured_kernel.rotate_from(src, out, one.axis, one.table, one.scale)

@@ -45,6 +45,9 @@ class Entry:
     pieces: Callable[[Sequence[Buffer]], Iterator[tuple[Piece, torch.Tensor]]] | None = (
         None  # or, for a large one, write it a piece at a time
     )
+    into_file: Callable[[torch.Tensor], torch.Tensor] | None = (
+        None  # or compute it straight into the output file's pages
+    )
 
 
 def fold_entries(
@@ -99,6 +102,9 @@ def _computed(tensors: StreamedTensors, key: str) -> Entry:
         compute=None if source is not None else functools.partial(tensors.get, key),
         pieces=functools.partial(tensors.pieces, key)
         if source is None and tensors.in_pieces(key)
+        else None,
+        into_file=functools.partial(tensors.compute_into, key)
+        if source is None and tensors.one_pass(key)
         else None,
     )
 
@@ -165,7 +171,13 @@ def cast_entries(
                 _rounded, functools.partial(_read, checkpoint, e.source.name), target
             )
         return dataclasses.replace(
-            e, dtype=CODES[target], nbytes=nbytes, scale=scale, compute=compute, pieces=None
+            e,
+            dtype=CODES[target],
+            nbytes=nbytes,
+            scale=scale,
+            compute=compute,
+            pieces=None,
+            into_file=None,
         )
 
     return [(name, [cast(e) for e in entries]) for name, entries in shards]

@@ -103,7 +103,7 @@ def write_shard(file: Path, entries: list[Entry], w: Writing) -> None:
     """Write one safetensors file tensor by tensor (safetensors' own writer needs them all in
     memory)."""
     blob = _header_json(entries, w.metadata)
-    _write_entries(file, "wb", entries, w, blob + b" " * (-len(blob) % 8))
+    _write_entries(file, "w+b", entries, w, blob + b" " * (-len(blob) % 8))
 
 
 _HEADER_ROOM = 4096
@@ -254,6 +254,9 @@ def _write_entries(
                     early[0].wait(early[1], at + e.nbytes)
                     if _center_in_file(out, at, e):
                         continue
+                if e.into_file is not None and e.pieces is None and _into_file(out, at, e):
+                    w.advance(e.nbytes)
+                    continue
                 if e.pieces is not None:  # too large to hold: computed and written by pieces
                     behind.wait()  # the pieces take the two buffers in turn from the first
                     for piece, t in e.pieces(w.computed):
@@ -282,6 +285,18 @@ def _write_entries(
                 if not here:
                     w.advance(e.nbytes)
         _pwrite_all(out, memoryview(struct.pack("<Q", len(header)) + header), 0)
+
+
+def _into_file(out: int, at: int, e: Entry) -> bool:
+    """``e`` computed straight into the output file's pages, mapped (no copy into the page cache
+    after); False, nothing written, where the file cannot be mapped so."""
+    try:
+        mapped = Mapped(out, at, e.nbytes, writable=True)
+    except OSError:
+        return False
+    with mapped:
+        e.into_file(mapped.tensor(DTYPES[e.dtype], e.shape))
+    return True
 
 
 @contextlib.contextmanager

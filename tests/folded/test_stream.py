@@ -390,6 +390,9 @@ class _InMemory:
     def in_pieces(self, key):
         return None
 
+    def one_pass(self, key):
+        return None
+
     def close(self):
         pass
 
@@ -479,6 +482,8 @@ def test_the_stream_never_holds_the_whole_model(options, tmp_path, monkeypatch):
 
     calls = {"write": 0, "compare": 0}
     monkeypatch.setattr(writer, "_pwrite_all", measured("write", writer._pwrite_all))
+    # a rotated tensor is computed straight into the output file's pages
+    monkeypatch.setattr(writer, "_into_file", measured("write", writer._into_file))
     monkeypatch.setattr(verify, "nearest", measured("compare", verify.nearest))
     # a rotated tensor is compared from the mapped files in one pass
     one_pass = measured("compare", StreamedTensors.equal_in_file)
@@ -571,3 +576,25 @@ def test_large_tensors_are_rotated_checked_and_summed_in_pieces(name, saved, tmp
     sd[made[-1]].view(-1).view(torch.int32)[3] ^= 1
     save_file(sd, in_pieces / "model.safetensors", metadata={"format": "pt"})
     assert not static_check(open_checkpoint(src), open_checkpoint(in_pieces)).passed
+
+
+def test_a_rotated_weight_is_computed_into_the_output_files_pages(saved, tmp_path, monkeypatch):
+    """Where the output file can be mapped, a rotated weight is computed straight into its pages;
+    where it cannot (no writable mapping: an old kernel, a file system without it), the same
+    bytes are written from memory."""
+    src = saved("gpt2")
+    options = FoldOptions.of(check="none", fuse_affine=True, rotate=("hadamard", 0, True))
+    into, real = [], writer._into_file
+    monkeypatch.setattr(writer, "_into_file", lambda *a: into.append(a[2].name) or real(*a))
+    mapped = fold_checkpoint(src, tmp_path / "mapped", options).out_dir
+    assert "transformer.h.0.attn.c_attn.weight" in into and len(into) >= 8
+
+    def refused(*args, writable=False):
+        if writable:
+            raise OSError(22, "Invalid argument")
+        return real_mapped(*args)
+
+    real_mapped = writer.Mapped
+    monkeypatch.setattr(writer, "Mapped", refused)
+    written = fold_checkpoint(src, tmp_path / "written", options).out_dir
+    assert _files(mapped) == _files(written)
