@@ -223,6 +223,8 @@ def rotate_from(
     """``out`` := the contiguous tensor at address ``src`` (``out``'s dtype and shape) rotated along
     the whole of ``axis``, read once, with ``scale`` as ``rotate_`` takes it: the bits ``rotate_``
     gives a copy of it, without the copy (``src`` may be a mapped file)."""
+    if table.n != out.shape[axis]:  # entries left out would be left unwritten
+        raise ValueError(f"a rotation of width {table.n} for an axis of {out.shape[axis]}")
     if out.numel():
         _run_at(table, (src, out.data_ptr(), None), out.dtype, out.shape, axis, 0, scale)
     return out
