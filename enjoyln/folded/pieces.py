@@ -22,6 +22,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from ..ops.compare import same_bytes
+
 WHOLE_BYTES = 64 << 20
 """A tensor up to this size is worked on whole; a larger one in pieces."""
 
@@ -116,13 +118,8 @@ def same_bits(
     theirs = piece.of(stored)
     step = theirs.shape[0] if piece.axis == 1 else ROWS_MAPPED
     for i in range(0, theirs.shape[0], step):
-        same = torch.equal(_bits(t[i : i + step]), _bits(theirs[i : i + step]))
+        same = same_bytes(t[i : i + step], theirs[i : i + step])
         release()
         if not same:
             return False
     return True
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bit patterns: equal exactly where the bytes are (a NaN, a zero's sign)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.itemsize])
