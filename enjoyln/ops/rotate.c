@@ -196,74 +196,187 @@ static lanes twice_dot(const lanes* y, const double* w, int64_t n) {
     return acc + acc;
 }
 
-/* v rounded to each dtype and back to float64, as a store and a load of it give. */
-static inline double rd_f32(double v) { return (double)(float)v; }
-static inline double rd_f64(double v) { return v; }
-static inline double rd_bf16(double v) { uint16_t h; st_bf16(&h, 0, v); return ld_bf16(&h, 0); }
-static inline double rd_f16(double v) { uint16_t h; st_f16(&h, 0, v); return ld_f16(&h, 0); }
+/* Four float32s, and four 16-bit words, as one vector; unaligned where a mapped file puts them. */
+typedef float f4 __attribute__((vector_size(16), aligned(4)));
+typedef uint32_t u4 __attribute__((vector_size(16), aligned(4)));
+typedef uint16_t h4 __attribute__((vector_size(8), aligned(2)));
+typedef int64_t i4 __attribute__((vector_size(32)));
 
-/* Each lane of v times s, rounded to the dtype: through memory, one lane at a time, since GCC 12 at -O3
- * drops a float32 round trip it vectorizes here (the products would then skip their rounding). */
-#define SCALED(RD, v, s)                                                                     \
+/* Four neighbouring elements from index i as the lanes of a vector, and back, each lane exactly as ld_*
+ * and st_* treat it (conversions between float64, float32 and the 16-bit formats are exact or correctly
+ * rounded lane by lane, whatever instructions carry them). */
+static inline lanes ldv_f32(const void* p, int64_t i) {
+    f4 f;
+    memcpy(&f, (const char*)p + 4 * i, 16);
+    return __builtin_convertvector(f, lanes);
+}
+static inline lanes ldv_f64(const void* p, int64_t i) {
+    lanes v;
+    memcpy(&v, (const char*)p + 8 * i, 32);
+    return v;
+}
+static inline lanes ldv_bf16(const void* p, int64_t i) {
+    h4 h;
+    memcpy(&h, (const char*)p + 2 * i, 8);
+    const u4 u = __builtin_convertvector(h, u4) << 16;
+    f4 f;
+    memcpy(&f, &u, 16);
+    return __builtin_convertvector(f, lanes);
+}
+static inline lanes ldv_f16(const void* p, int64_t i) {
+    lanes v;
+    for (int l = 0; l < LANES; l++) v[l] = ld_f16(p, i + l);
+    return v;
+}
+/* v rounded to float32 then bfloat16 (ties to even, a NaN to the quiet one), as st_bf16 does. */
+static inline h4 bf16_bits(lanes v) {
+    const f4 f = __builtin_convertvector(v, f4);
+    u4 u;
+    memcpy(&u, &f, 16);
+    const u4 nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const u4 r = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16 & ~nan) | (0x7fc0u & nan);
+    return __builtin_convertvector(r, h4);
+}
+static inline void stv_f32(void* p, int64_t i, lanes v) {
+    const f4 f = __builtin_convertvector(v, f4);
+    memcpy((char*)p + 4 * i, &f, 16);
+}
+static inline void stv_f64(void* p, int64_t i, lanes v) { memcpy((char*)p + 8 * i, &v, 32); }
+static inline void stv_bf16(void* p, int64_t i, lanes v) {
+    const h4 h = bf16_bits(v);
+    memcpy((char*)p + 2 * i, &h, 8);
+}
+static inline void stv_f16(void* p, int64_t i, lanes v) {
+    for (int l = 0; l < LANES; l++) st_f16(p, i + l, v[l]);
+}
+
+/* Each lane of v times s, rounded to the dtype and back to float64: the bits a store of the product and a
+ * load of it give. The conversions are explicit vector conversions, which the compiler must keep (GCC 12
+ * at -O3 dropped a float32 round trip it vectorized from scalar code). */
+static inline lanes sc_f32(lanes v, double s) { return __builtin_convertvector(__builtin_convertvector(v * s, f4), lanes); }
+static inline lanes sc_f64(lanes v, double s) { return v * s; }
+static inline lanes sc_bf16(lanes v, double s) {
+    const u4 u = __builtin_convertvector(bf16_bits(v * s), u4) << 16;
+    f4 f;
+    memcpy(&f, &u, 16);
+    return __builtin_convertvector(f, lanes);
+}
+static inline lanes sc_f16(lanes v, double s) {
+    volatile double p[LANES]; /* through memory, one lane at a time, for the reason above */
+    for (int l = 0; l < LANES; l++) {
+        uint16_t h;
+        st_f16(&h, 0, v[l] * s);
+        p[l] = ld_f16(&h, 0);
+    }
+    for (int l = 0; l < LANES; l++) v[l] = p[l];
+    return v;
+}
+
+/* The 4 x 4 block r[0..3] (rows) transposed in place: lane l of r[j] becomes lane j of r[l]. */
+static inline void transpose(lanes* r) {
+    const i4 lo = {0, 4, 2, 6}, hi = {1, 5, 3, 7}, first = {0, 1, 4, 5}, second = {2, 3, 6, 7};
+    const lanes a = __builtin_shuffle(r[0], r[1], lo), b = __builtin_shuffle(r[0], r[1], hi);
+    const lanes c = __builtin_shuffle(r[2], r[3], lo), d = __builtin_shuffle(r[2], r[3], hi);
+    r[0] = __builtin_shuffle(a, c, first), r[1] = __builtin_shuffle(b, d, first);
+    r[2] = __builtin_shuffle(a, c, second), r[3] = __builtin_shuffle(b, d, second);
+}
+
+/* Positions i0 .. i0 + count of item q (its lanes at off[q][]) loaded into v[0 .. count]: four rows read
+ * four positions at a time and transposed; four neighbouring columns read as one vector; else (a short item
+ * of columns, the tail) one element at a time. A short item of rows repeats its first row in the lanes it
+ * lacks, which SCATTER never writes. */
+#define LOAD(LD, LDV, q, v, i0, count)                                                       \
     {                                                                                        \
-        volatile double p[LANES];                                                            \
-        for (int l = 0; l < LANES; l++) p[l] = RD(v[l] * s);                                 \
-        for (int l = 0; l < LANES; l++) v[l] = p[l];                                         \
+        int64_t j = 0;                                                                       \
+        if (inner == 1)                                                                      \
+            for (; j + LANES <= count; j += LANES) {                                         \
+                for (int l = 0; l < LANES; l++) v[j + l] = LDV(src, off[q][l] + i0 + j);     \
+                transpose(v + j);                                                            \
+            }                                                                                \
+        else if (wl[q] == LANES)                                                             \
+            for (; j < count; j++) v[j] = LDV(src, off[q][0] + (i0 + j) * step);             \
+        for (; j < count; j++)                                                               \
+            for (int l = 0; l < LANES; l++) v[j][l] = LD(src, off[q][l] + (i0 + j) * step);  \
     }
 
-/* Positions a0 .. a0 + kb of the vectors at off[], gathered into y: signs, block, lower transform levels. */
-/* Positions a0 .. a0 + kb of item q (its LANES vectors at off[q][]) into its buffer y + q n: signs, block,
- * lower transform levels. */
-#define GATHER(LD, RD, q, a0)                                                                \
+/* Positions a0 .. a0 + kb of item q into its buffer y + q n: loaded (into the buffer itself, or xt where
+ * the block has to mix them), signs, block, lower transform levels. */
+#define GATHER(LD, LDV, SC, q, a0)                                                           \
     {                                                                                        \
         lanes* yq = y + q * n;                                                               \
-        for (int64_t a = a0; a < a0 + kb; a++) {                                             \
-            lanes* out = m == 1 ? yq + a : xt;                                               \
-            for (int64_t b = 0; b < m; b++) {                                                \
-                const int64_t i = a * m + b;                                                 \
-                lanes v = {0};                                                               \
-                if (wl[q] == LANES)                                                          \
-                    for (int l = 0; l < LANES; l++) v[l] = LD(src, off[q][l] + i * step);    \
-                else                                                                         \
-                    for (int l = 0; l < wl[q]; l++) v[l] = LD(src, off[q][l] + i * step);    \
-                if (scale) SCALED(RD, v, scale[i])                                           \
-                out[b] = v * pre[i];                                                         \
-            }                                                                                \
-            if (m > 1) mix_lanes(yq + a * m, xt, bt, m);                                     \
-        }                                                                                    \
+        lanes* v = m == 1 ? yq + a0 : xt;                                                    \
+        const int64_t i0 = a0 * m, count = kb * m;                                           \
+        LOAD(LD, LDV, q, v, i0, count)                                                       \
+        for (int64_t j = 0; j < count; j++)                                                  \
+            v[j] = (scale ? SC(v[j], scale[i0 + j]) : v[j]) * pre[i0 + j];                   \
+        if (m > 1)                                                                           \
+            for (int64_t a = a0; a < a0 + kb; a++) mix_lanes(yq + a * m, xt + (a - a0) * m, bt, m); \
         hadamard_lanes(yq + a0 * m, kb, m, 1);                                               \
     }
 
-/* Positions i0 .. i1 of item q written (or compared with cand). */
-#define SCATTER(ST, SIZE, q, i0, i1)                                                         \
-    for (int64_t i = i0; i < i1; i++) {                                                      \
-        const lanes v = w ? y[q * n + i] - c[q] * w[i] : y[q * n + i];                       \
-        if (cand) {                                                                          \
-            for (int l = 0; l < wl[q]; l++) {                                                \
-                unsigned char out[8];                                                        \
-                ST(out, 0, v[l]);                                                            \
-                if (memcmp(out, (const char*)cand + (off[q][l] + i * step) * SIZE, SIZE)) differ = 1; \
+/* The vector r[j] (positions i0 + j across item q's lanes) as its dtype would store it, compared with cand
+ * or written: where four rows or four neighbouring columns allow, as whole vectors. */
+#define PUT(ST, STV, SIZE, q, r, i0, count)                                                  \
+    {                                                                                        \
+        int64_t j = 0;                                                                       \
+        if (inner == 1)                                                                      \
+            for (; j + LANES <= count; j += LANES) {                                         \
+                lanes t[LANES] = {r[j], r[j + 1], r[j + 2], r[j + 3]};                       \
+                transpose(t);                                                                \
+                for (int l = 0; l < wl[q]; l++) {                                            \
+                    const int64_t at = off[q][l] + i0 + j;                                   \
+                    if (!cand) STV(dst, at, t[l]);                                           \
+                    else {                                                                   \
+                        unsigned char out[4 * 8];                                            \
+                        STV(out, 0, t[l]);                                                   \
+                        if (memcmp(out, (const char*)cand + at * SIZE, 4 * SIZE)) differ = 1; \
+                    }                                                                        \
+                }                                                                            \
             }                                                                                \
-        } else if (wl[q] == LANES) {                                                         \
-            for (int l = 0; l < LANES; l++) ST(dst, off[q][l] + i * step, v[l]);             \
-        } else {                                                                             \
-            for (int l = 0; l < wl[q]; l++) ST(dst, off[q][l] + i * step, v[l]);             \
-        }                                                                                    \
+        else if (wl[q] == LANES)                                                             \
+            for (; j < count; j++) {                                                         \
+                const int64_t at = off[q][0] + (i0 + j) * step;                              \
+                if (!cand) STV(dst, at, r[j]);                                               \
+                else {                                                                       \
+                    unsigned char out[4 * 8];                                                \
+                    STV(out, 0, r[j]);                                                       \
+                    if (memcmp(out, (const char*)cand + at * SIZE, 4 * SIZE)) differ = 1;    \
+                }                                                                            \
+            }                                                                                \
+        for (; j < count; j++)                                                               \
+            for (int l = 0; l < wl[q]; l++) {                                                \
+                const int64_t at = off[q][l] + (i0 + j) * step;                              \
+                if (!cand) ST(dst, at, r[j][l]);                                             \
+                else {                                                                       \
+                    unsigned char out[8];                                                    \
+                    ST(out, 0, r[j][l]);                                                     \
+                    if (memcmp(out, (const char*)cand + at * SIZE, SIZE)) differ = 1;        \
+                }                                                                            \
+            }                                                                                \
+    }
+
+/* Positions i0 .. i1 of item q written (or compared with cand): the reflection applied, then stored. */
+#define SCATTER(ST, STV, SIZE, q, i0, i1)                                                    \
+    {                                                                                        \
+        lanes* yq = y + q * n;                                                               \
+        if (w)                                                                               \
+            for (int64_t i = i0; i < i1; i++) yq[i] = yq[i] - c[q] * w[i];                   \
+        PUT(ST, STV, SIZE, q, (yq + i0), i0, (i1 - i0))                                      \
     }
 
 /* The items of one tile, each rotated on its own; their gathers and scatters interleaved a block of
  * positions at a time, so that the cache lines and pages of strided vectors are read and written once. */
-#define ROTATE_TILE(LD, ST, RD, SIZE)                                                        \
+#define ROTATE_TILE(LD, LDV, SC, ST, STV, SIZE)                                                        \
     {                                                                                        \
         for (int64_t a0 = 0; a0 < k; a0 += kb)                                               \
-            for (int q = 0; q < nq; q++) GATHER(LD, RD, q, a0)                               \
+            for (int q = 0; q < nq; q++) GATHER(LD, LDV, SC, q, a0)                               \
         lanes c[TILE];                                                                       \
         for (int q = 0; q < nq; q++) {                                                       \
             hadamard_lanes(y + q * n, k, m, kb);                                             \
             c[q] = twice_dot(y + q * n, w, n);                                               \
         }                                                                                    \
         for (int64_t i0 = 0; i0 < n; i0 += L1_POSITIONS)                                     \
-            for (int q = 0; q < nq; q++) SCATTER(ST, SIZE, q, i0, (i0 + L1_POSITIONS < n ? i0 + L1_POSITIONS : n)) \
+            for (int q = 0; q < nq; q++) SCATTER(ST, STV, SIZE, q, i0, (i0 + L1_POSITIONS < n ? i0 + L1_POSITIONS : n)) \
     }
 
 /* Rotate the vectors of the slice at src (a tensor seen as [outer, n, inner], outer_stride elements
@@ -288,7 +401,7 @@ int enjoyln_rotate_scaled_into(const void* src, void* dst, const void* cand, int
     _Pragma("omp parallel num_threads(threads) reduction(|:differ, failed) if(outer * n * inner >= PARALLEL_MIN)")
     {
         lanes* y = aligned_alloc(64, (size_t)(TILE * n) * sizeof(lanes));
-        lanes* xt = aligned_alloc(64, (size_t)m * sizeof(lanes));
+        lanes* xt = aligned_alloc(64, (size_t)(kb * m) * sizeof(lanes));
         double* bt = malloc((size_t)(m * m) * sizeof(double));
         if (!y || !xt || !bt) failed = 1;
         else
@@ -314,10 +427,10 @@ int enjoyln_rotate_scaled_into(const void* src, void* dst, const void* cand, int
                 }
             }
             switch (dtype) {
-                case F32: ROTATE_TILE(ld_f32, st_f32, rd_f32, 4) break;
-                case F64: ROTATE_TILE(ld_f64, st_f64, rd_f64, 8) break;
-                case BF16: ROTATE_TILE(ld_bf16, st_bf16, rd_bf16, 2) break;
-                case F16: ROTATE_TILE(ld_f16, st_f16, rd_f16, 2) break;
+                case F32: ROTATE_TILE(ld_f32, ldv_f32, sc_f32, st_f32, stv_f32, 4) break;
+                case F64: ROTATE_TILE(ld_f64, ldv_f64, sc_f64, st_f64, stv_f64, 8) break;
+                case BF16: ROTATE_TILE(ld_bf16, ldv_bf16, sc_bf16, st_bf16, stv_bf16, 2) break;
+                case F16: ROTATE_TILE(ld_f16, ldv_f16, sc_f16, st_f16, stv_f16, 2) break;
             }
         }
         free(y), free(xt), free(bt);
