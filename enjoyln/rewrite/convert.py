@@ -44,6 +44,7 @@ from ..store.transaction import (
 )
 from ..transform.steps import check_fits
 from .entries import Entry, cast_entries, fold_entries, index_metadata, reshard
+from .pages import EarlyPages
 from .writer import EarlyCopy, Writing, early_layout, early_spans, finish_shard, write_shard
 
 if TYPE_CHECKING:
@@ -230,6 +231,7 @@ class _Fold:
         self.tmp: Path | None = None
         self.candidate: Checkpoint | None = None  # the written output, opened
         self.early: EarlyCopy | None = None
+        self.pages: EarlyPages | None = None
         self.cleaned: list[Path] = []
         self.published = False
         self._done, self._total, self._lock = 0, 0, threading.Lock()
@@ -269,7 +271,8 @@ class _Fold:
                 self.progress(self._done, max(self._total, self._done) if self._total_known else 0)
 
     def _start_early_copy(self) -> None:
-        """Not for a plan that moves values, which rewrites nearly every tensor."""
+        """Not for a plan that moves values, which rewrites nearly every tensor: its output's pages
+        are made ahead instead."""
         opts = self.opts
         # nor for another dtype, in which no byte of the input is written as it is
         moving = (
@@ -278,12 +281,15 @@ class _Fold:
             or opts.dtype is not None
             or (opts.plan is not None and moves_values(opts.plan))
         )
-        spans = (
-            early_spans(self.checkpoint, opts.max_shard_size)
-            if not opts.dry_run and not moving
-            else {}
-        )
-        if spans:
+        spans = early_spans(self.checkpoint, opts.max_shard_size) if not opts.dry_run else {}
+        if spans and moving:  # its pages, then, not its bytes
+            tmp = self._temp_dir()
+            sizes = [(tmp / name, start + length) for name, start, length in spans.values()]
+            with signals_held():  # an interrupt must find it registered, to stop it first
+                self.pages = EarlyPages.start(sizes)
+                if self.pages is not None:
+                    self.resources.callback(self.pages.finish)
+        elif spans:
             self.advance(0, sum(length for _, _, length in spans.values()))
             tmp = self._temp_dir()
             with (
@@ -359,7 +365,9 @@ class _Fold:
         )
 
     def _write_shards(self, shards: list[tuple[str, list[Entry]]]) -> None:
-        """Each shard finished from its early copy where its layout allows, else written afresh."""
+        """Each shard finished from its early copy where its layout allows, else written afresh
+        (into the pages made ahead for it, if any)."""
+        prepared = self.pages.finish() if self.pages is not None else set()
         by_name = (
             {name: shard for shard, (name, _, _) in self.early.spans.items()}
             if self.early is not None
@@ -397,7 +405,9 @@ class _Fold:
                 continue
             if layout[name] is not None:  # the header outgrew its room: write the shard afresh
                 self.advance(0, sum(e.nbytes for e in entries))
-            write_shard(self.tmp / name, entries, w)
+            write_shard(self.tmp / name, entries, w, keep=self.tmp / name in prepared)
+        for path in prepared - {self.tmp / name for name, _ in shards}:
+            path.unlink()  # made ahead for a shard the output does not have
 
     def check(self, progress: Progress | None, stage: Stage | None = None) -> CheckReport | None:
         """The check of the written fold; ``CheckFailed`` if it fails."""

@@ -99,11 +99,12 @@ class Writing:
     """Memory computed tensors take turns in: fresh pages cost a fault each, written or read."""
 
 
-def write_shard(file: Path, entries: list[Entry], w: Writing) -> None:
+def write_shard(file: Path, entries: list[Entry], w: Writing, *, keep: bool = False) -> None:
     """Write one safetensors file tensor by tensor (safetensors' own writer needs them all in
-    memory)."""
+    memory); ``keep``: ``file`` exists and is written over, not truncated first (its pages stay
+    in the page cache), every byte of it rewritten and its size set."""
     blob = _header_json(entries, w.metadata)
-    _write_entries(file, "w+b", entries, w, blob + b" " * (-len(blob) % 8))
+    _write_entries(file, "r+b" if keep else "w+b", entries, w, blob + b" " * (-len(blob) % 8))
 
 
 _HEADER_ROOM = 4096
