@@ -39,6 +39,8 @@
 #define TILE 4 /* items of neighbouring strided vectors gathered together: 16 float32s, one cache line */
 #define L1_POSITIONS 512 /* positions whose lower transform levels run while they sit in L1: 16 KiB of lanes */
 #define PARALLEL_MIN 262144
+#define PANEL_BYTES (2 << 20) /* a panel's copy: in L3, its rows within a few hundred pages */
+#define PANEL_MAX 256
 
 static uint64_t splitmix(uint64_t* s) {
     uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
@@ -188,12 +190,19 @@ static void hadamard_lanes(lanes* restrict y, int64_t k, int64_t m, int64_t h0) 
             }
 }
 
-/* 2 (y . w) per lane, summed over i in order; zero without w. */
-static lanes twice_dot(const lanes* y, const double* w, int64_t n) {
-    lanes acc = {0};
-    if (!w) return acc;
-    for (int64_t i = 0; i < n; i++) acc += y[i] * w[i];
-    return acc + acc;
+/* c[q] = 2 (y_q . w) per lane for the nq buffers y_q = y + q n, each summed over i in order; zero without w.
+ * The items' sums run side by side, so that each waits on its own additions only. */
+static void twice_dots(lanes* c, const lanes* y, const double* w, int64_t n, int nq) {
+    lanes acc[TILE] = {{0}};
+    if (w) {
+        if (nq == TILE)
+            for (int64_t i = 0; i < n; i++)
+                for (int q = 0; q < TILE; q++) acc[q] += y[q * n + i] * w[i];
+        else
+            for (int64_t i = 0; i < n; i++)
+                for (int q = 0; q < nq; q++) acc[q] += y[q * n + i] * w[i];
+    }
+    for (int q = 0; q < nq; q++) c[q] = acc[q] + acc[q];
 }
 
 /* Four float32s, and four 16-bit words, as one vector; unaligned where a mapped file puts them. */
@@ -290,13 +299,13 @@ static inline void transpose(lanes* r) {
         int64_t j = 0;                                                                       \
         if (inner == 1)                                                                      \
             for (; j + LANES <= count; j += LANES) {                                         \
-                for (int l = 0; l < LANES; l++) v[j + l] = LDV(src, off[q][l] + i0 + j);     \
+                for (int l = 0; l < LANES; l++) v[j + l] = LDV(lsrc, loff[q][l] + i0 + j);     \
                 transpose(v + j);                                                            \
             }                                                                                \
         else if (wl[q] == LANES)                                                             \
-            for (; j < count; j++) v[j] = LDV(src, off[q][0] + (i0 + j) * step);             \
+            for (; j < count; j++) v[j] = LDV(lsrc, loff[q][0] + (i0 + j) * lstep);             \
         for (; j < count; j++)                                                               \
-            for (int l = 0; l < LANES; l++) v[j][l] = LD(src, off[q][l] + (i0 + j) * step);  \
+            for (int l = 0; l < LANES; l++) v[j][l] = LD(lsrc, loff[q][l] + (i0 + j) * lstep);  \
     }
 
 /* Positions a0 .. a0 + kb of item q into its buffer y + q n: loaded (into the buffer itself, or xt where
@@ -371,12 +380,18 @@ static inline void transpose(lanes* r) {
         for (int64_t a0 = 0; a0 < k; a0 += kb)                                               \
             for (int q = 0; q < nq; q++) GATHER(LD, LDV, SC, q, a0)                               \
         lanes c[TILE];                                                                       \
-        for (int q = 0; q < nq; q++) {                                                       \
-            hadamard_lanes(y + q * n, k, m, kb);                                             \
-            c[q] = twice_dot(y + q * n, w, n);                                               \
-        }                                                                                    \
+        for (int q = 0; q < nq; q++) hadamard_lanes(y + q * n, k, m, kb);                    \
+        twice_dots(c, y, w, n, nq);                                                          \
         for (int64_t i0 = 0; i0 < n; i0 += L1_POSITIONS)                                     \
             for (int q = 0; q < nq; q++) SCATTER(ST, STV, SIZE, q, i0, (i0 + L1_POSITIONS < n ? i0 + L1_POSITIONS : n)) \
+    }
+
+#define TILE_BY_DTYPE                                                                        \
+    switch (dtype) {                                                                         \
+        case F32: ROTATE_TILE(ld_f32, ldv_f32, sc_f32, st_f32, stv_f32, 4) break;            \
+        case F64: ROTATE_TILE(ld_f64, ldv_f64, sc_f64, st_f64, stv_f64, 8) break;            \
+        case BF16: ROTATE_TILE(ld_bf16, ldv_bf16, sc_bf16, st_bf16, stv_bf16, 2) break;      \
+        case F16: ROTATE_TILE(ld_f16, ldv_f16, sc_f16, st_f16, stv_f16, 2) break;            \
     }
 
 /* Rotate the vectors of the slice at src (a tensor seen as [outer, n, inner], outer_stride elements
@@ -390,11 +405,16 @@ int enjoyln_rotate_scaled_into(const void* src, void* dst, const void* cand, int
                                int threads) {
     if (n <= 0 || outer <= 0 || inner <= 0) return 0;
     if (dtype < F32 || dtype > F64 || k * m != n) return -1;
-    /* an item: LANES vectors; a tile: up to TILE items of neighbouring columns (one item for rows) */
-    const int64_t lane_blocks = (inner + LANES - 1) / LANES;
-    const int64_t per_outer = (lane_blocks + TILE - 1) / TILE;
-    const int64_t tiles = inner == 1 ? (outer + LANES - 1) / LANES : outer * per_outer;
-    const int64_t step = inner;
+    /* an item: LANES vectors; a tile: up to TILE items of neighbouring columns (one item for rows); a panel
+     * (columns): up to `panel` neighbouring columns copied whole into the thread's own buffer first, so that
+     * each strided row is visited once per panel, not once per tile (a page walk each, on a tensor larger
+     * than the TLB covers) */
+    const int64_t esize = dtype == F64 ? 8 : dtype == F32 ? 4 : 2;
+    int64_t panel = PANEL_BYTES / (n * esize) / (TILE * LANES) * (TILE * LANES);
+    panel = panel > PANEL_MAX ? PANEL_MAX : panel < TILE * LANES ? TILE * LANES : panel;
+    if (panel > inner) panel = inner;
+    const int64_t per_outer = (inner + panel - 1) / panel, step = inner;
+    const int64_t jobs = inner == 1 ? (outer + TILE * LANES - 1) / (TILE * LANES) : outer * per_outer;
     int64_t kb = 1; /* the lower levels: a power of two dividing k, kb * m positions within L1_POSITIONS */
     while (2 * kb <= k && 2 * kb * m <= L1_POSITIONS) kb <<= 1;
     int differ = 0, failed = 0;
@@ -403,37 +423,50 @@ int enjoyln_rotate_scaled_into(const void* src, void* dst, const void* cand, int
         lanes* y = aligned_alloc(64, (size_t)(TILE * n) * sizeof(lanes));
         lanes* xt = aligned_alloc(64, (size_t)(kb * m) * sizeof(lanes));
         double* bt = malloc((size_t)(m * m) * sizeof(double));
-        if (!y || !xt || !bt) failed = 1;
+        char* copy = inner == 1 ? NULL : aligned_alloc(64, (size_t)(n * panel * esize + 64) / 64 * 64);
+        if (!y || !xt || !bt || (inner > 1 && !copy)) failed = 1;
         else
             for (int64_t d = 0; d < m; d++)
                 for (int64_t b = 0; b < m; b++) bt[d * m + b] = m == 1 ? 1.0 : block[b * m + d];
         _Pragma("omp for schedule(static)")
-        for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t job = 0; job < jobs; job++) {
             if (failed) continue;
-            int64_t off[TILE][LANES];
+            int64_t off[TILE][LANES], loff[TILE][LANES];
             int wl[TILE], nq;
-            if (inner == 1) {
-                const int64_t o0 = t * LANES;
-                nq = 1;
-                wl[0] = outer - o0 < LANES ? (int)(outer - o0) : LANES;
-                for (int l = 0; l < LANES; l++) off[0][l] = (o0 + (l < wl[0] ? l : 0)) * outer_stride;
-            } else {
-                const int64_t o = t / per_outer, b0 = (t % per_outer) * TILE;
+            if (inner == 1) { /* up to TILE items of LANES rows, read where they lie */
+                const int64_t o0 = job * TILE * LANES;
+                const void* lsrc = src;
+                const int64_t lstep = 1;
+                const int64_t rows = outer - o0 < TILE * LANES ? outer - o0 : TILE * LANES;
+                nq = (int)((rows + LANES - 1) / LANES);
+                for (int q = 0; q < nq; q++) {
+                    wl[q] = rows - q * LANES < LANES ? (int)(rows - q * LANES) : LANES;
+                    for (int l = 0; l < LANES; l++)
+                        loff[q][l] = off[q][l] = (o0 + q * LANES + (l < wl[q] ? l : 0)) * outer_stride;
+                }
+                TILE_BY_DTYPE
+                continue;
+            }
+            const int64_t o = job / per_outer, c0 = (job % per_outer) * panel;
+            const int64_t pc = inner - c0 < panel ? inner - c0 : panel;
+            const char* from = (const char*)src + (o * outer_stride + c0) * esize;
+            for (int64_t i = 0; i < n; i++) memcpy(copy + i * pc * esize, from + i * inner * esize, pc * esize);
+            const void* lsrc = copy;
+            const int64_t lstep = pc, lane_blocks = (pc + LANES - 1) / LANES;
+            for (int64_t b0 = 0; b0 < lane_blocks; b0 += TILE) {
                 nq = lane_blocks - b0 < TILE ? (int)(lane_blocks - b0) : TILE;
                 for (int q = 0; q < nq; q++) {
                     const int64_t j0 = (b0 + q) * LANES;
-                    wl[q] = inner - j0 < LANES ? (int)(inner - j0) : LANES;
-                    for (int l = 0; l < LANES; l++) off[q][l] = o * outer_stride + j0 + (l < wl[q] ? l : 0);
+                    wl[q] = pc - j0 < LANES ? (int)(pc - j0) : LANES;
+                    for (int l = 0; l < LANES; l++) {
+                        loff[q][l] = j0 + (l < wl[q] ? l : 0);
+                        off[q][l] = o * outer_stride + c0 + loff[q][l];
+                    }
                 }
-            }
-            switch (dtype) {
-                case F32: ROTATE_TILE(ld_f32, ldv_f32, sc_f32, st_f32, stv_f32, 4) break;
-                case F64: ROTATE_TILE(ld_f64, ldv_f64, sc_f64, st_f64, stv_f64, 8) break;
-                case BF16: ROTATE_TILE(ld_bf16, ldv_bf16, sc_bf16, st_bf16, stv_bf16, 2) break;
-                case F16: ROTATE_TILE(ld_f16, ldv_f16, sc_f16, st_f16, stv_f16, 2) break;
+                TILE_BY_DTYPE
             }
         }
-        free(y), free(xt), free(bt);
+        free(y), free(xt), free(bt), free(copy);
     }
     return failed ? -2 : differ;
 }
