@@ -367,7 +367,7 @@ class _Fold:
     def _write_shards(self, shards: list[tuple[str, list[Entry]]]) -> None:
         """Each shard finished from its early copy where its layout allows, else written afresh
         (into the pages made ahead for it, if any)."""
-        prepared = self.pages.finish() if self.pages is not None else set()
+        made = self.pages.finish() if self.pages is not None else {}
         by_name = (
             {name: shard for shard, (name, _, _) in self.early.spans.items()}
             if self.early is not None
@@ -405,8 +405,8 @@ class _Fold:
                 continue
             if layout[name] is not None:  # the header outgrew its room: write the shard afresh
                 self.advance(0, sum(e.nbytes for e in entries))
-            write_shard(self.tmp / name, entries, w, keep=self.tmp / name in prepared)
-        for path in prepared - {self.tmp / name for name, _ in shards}:
+            write_shard(self.tmp / name, entries, w, made=made.get(self.tmp / name, 0))
+        for path in made.keys() - {self.tmp / name for name, _ in shards}:
             path.unlink()  # made ahead for a shard the output does not have
 
     def check(self, progress: Progress | None, stage: Stage | None = None) -> CheckReport | None:

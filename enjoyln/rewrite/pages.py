@@ -1,10 +1,11 @@
 """The output's page-cache pages made while the analysis runs, for a plan that rewrites most of the
 weights (docs/performance.md).
 
-Writing a new file costs the kernel a page of its cache per 4 KiB, zeroed before it is written; on
-a virtual machine a page the guest freed a while ago can cost the host a fault as well (measured:
-several seconds per gigabyte). The analysis keeps one core busy and leaves the other idle, so that
-cost is paid there, ahead of the writer, which then writes into pages that already exist.
+Writing a new file costs the kernel a page of its cache per 4 KiB; on a virtual machine it can
+cost the host a fault as well. The analysis keeps one core busy and leaves the other idle, so the
+pages are made there, ahead of the writer, which then computes straight into them through a
+mapping (a mapping's own page faults would make them in large folios: see
+``writer.WRITE_STEP``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from ..store.memory import available_memory
 from ..store.tensors import Mapped
+from .writer import WRITE_STEP
 
 CHUNK = 64 << 20
 """Bytes made per step: the thread stops between two steps when asked."""
@@ -26,19 +28,19 @@ writer's bytes replace them, and written back as zeros if the kernel needs the r
 
 
 class EarlyPages:
-    """Makes the pages of ``files`` (path, size) on a thread of its own, up to ``budget`` bytes,
-    until ``finish``; a file it touched is left at its size, which the writer then opens without
-    truncating (``prepared``). Any failure (no room, no mapping) just stops it: the writer meets
-    the cause itself and reports it.
+    """Makes the pages of ``files`` (path, size), from the start of each, on a thread of its own,
+    up to ``budget`` bytes in all, until ``finish``, by writing zeros; a file it touched is left
+    at its size with how many bytes it made (``made``), and the writer opens it without
+    truncating. Any failure (no room) just stops it: the writer meets the cause and reports it.
 
     >>> pages = EarlyPages([(Path("out/model.safetensors"), 1 << 30)], 1 << 30)  # doctest: +SKIP
     >>> pages.finish()  # doctest: +SKIP
-    {PosixPath('out/model.safetensors')}
+    {PosixPath('out/model.safetensors'): 1073741824}
     """
 
     def __init__(self, files: list[tuple[Path, int]], budget: int) -> None:
         self.files, self.budget = files, budget
-        self.prepared: set[Path] = set()
+        self.made: dict[Path, int] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="enjoyln-early-pages", daemon=True)
         self.thread.start()
@@ -53,7 +55,7 @@ class EarlyPages:
         return cls(files, min(sum(size for _, size in files), avail // SHARE))
 
     def _run(self) -> None:
-        left = self.budget
+        left, zeros = self.budget, memoryview(bytes(WRITE_STEP))
         with contextlib.suppress(OSError):
             for path, size in self.files:
                 if self.stop.is_set() or left <= 0:
@@ -61,18 +63,18 @@ class EarlyPages:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
                 try:
                     os.ftruncate(fd, size)
-                    self.prepared.add(path)
-                    for at in range(0, min(size, left), CHUNK):
-                        if self.stop.is_set():
-                            return
-                        with Mapped(fd, at, min(CHUNK, size - at), writable=True):
-                            pass  # mapping it writable made the pages: that is all
-                        left -= min(CHUNK, size - at)
+                    self.made[path] = 0
+                    while self.made[path] < min(size, left) and not self.stop.is_set():
+                        at = self.made[path]
+                        for step in range(at, min(at + CHUNK, size), WRITE_STEP):
+                            os.pwrite(fd, zeros[: min(WRITE_STEP, size - step)], step)
+                        self.made[path] = min(at + CHUNK, size)
+                    left -= self.made[path]
                 finally:
                     os.close(fd)
 
-    def finish(self) -> set[Path]:
-        """Stop making pages; the files touched, each at the size it was given."""
+    def finish(self) -> dict[Path, int]:
+        """Stop making pages; each file touched, with how many bytes from its start it made."""
         self.stop.set()
         self.thread.join()
-        return self.prepared
+        return self.made

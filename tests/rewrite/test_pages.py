@@ -17,40 +17,38 @@ def test_files_are_made_at_their_sizes_within_the_budget(tmp_path, monkeypatch):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     made = EarlyPages([(a, 300_000), (b, 200_000), (c, 100_000)], 400_000)
     made.thread.join()  # to the end of its budget
-    done = made.finish()
-    # a whole, b begun (the budget runs out in its first chunks), c never opened
-    assert done == {a, b} and not c.exists()
+    # a whole; b by whole chunks until the budget ran out in it; c never opened
+    assert made.finish() == {a: 300_000, b: 2 << 16} and not c.exists()
     assert a.stat().st_size == 300_000 and b.stat().st_size == 200_000
     assert a.read_bytes() == bytes(300_000)
 
 
 def test_finish_stops_it_between_chunks(tmp_path, monkeypatch):
-    started = []
-    real = pages.Mapped
-
-    class Slow(real):
-        def __init__(self, *args, **kwargs):
-            started.append(1)
-            ev.wait()
-            super().__init__(*args, **kwargs)
-
     import threading
 
-    ev = threading.Event()
-    monkeypatch.setattr(pages, "Mapped", Slow)
+    started, go = [], threading.Event()
+    real = pages.os.pwrite
+
+    def slow(fd, data, at):
+        started.append(at)
+        go.wait()
+        return real(fd, data, at)
+
     monkeypatch.setattr(pages, "CHUNK", 1 << 16)
+    monkeypatch.setattr(pages, "WRITE_STEP", 1 << 16)
+    monkeypatch.setattr(pages.os, "pwrite", slow)
     p = EarlyPages([(tmp_path / "a", 1 << 20), (tmp_path / "b", 1 << 20)], 1 << 30)
     while not started:
         pass
     p.stop.set()
-    ev.set()
-    assert p.finish() == {tmp_path / "a"} and len(started) == 1
+    go.set()
+    assert p.finish() == {tmp_path / "a": 1 << 16} and started == [0]
     assert not (tmp_path / "b").exists()
 
 
 def test_a_failure_only_stops_it(tmp_path):
     missing = tmp_path / "no-such-dir" / "a"
-    assert EarlyPages([(missing, 1 << 20), (tmp_path / "b", 10)], 1 << 20).finish() == set()
+    assert EarlyPages([(missing, 1 << 20), (tmp_path / "b", 10)], 1 << 20).finish() == {}
     assert not (tmp_path / "b").exists()  # nothing after the failure either
 
 
@@ -87,14 +85,14 @@ def test_a_rotation_written_into_pages_made_ahead_is_the_fresh_write(ckpt, tmp_p
         # every byte the writer leaves alone would show: the files longer, and all ones
         first = not self.stop.is_set()
         done = real_finish(self)
-        for path in done if first else ():
+        for path in done if first else {}:
             path.write_bytes(b"\xff" * (path.stat().st_size + 12345))
         return done
 
     monkeypatch.setattr(convert.EarlyPages, "start", staticmethod(spy))
     monkeypatch.setattr(EarlyPages, "finish", garbled)
     ahead = fold_checkpoint(ckpt, tmp_path / "ahead", options)
-    assert made and made[0] is not None and len(made[0].prepared) == 2
+    assert made and made[0] is not None and len(made[0].made) == 2
     monkeypatch.setattr(EarlyPages, "finish", real_finish)
     monkeypatch.setattr(convert.EarlyPages, "start", staticmethod(lambda files: None))
     fresh = fold_checkpoint(ckpt, tmp_path / "fresh", options)
