@@ -5,7 +5,7 @@ Writing a new file costs the kernel a page of its cache per 4 KiB; on a virtual 
 cost the host a fault as well. The analysis keeps one core busy and leaves the other idle, so the
 pages are made there, ahead of the writer, which then computes straight into them through a
 mapping (a mapping's own page faults would make them in large folios: see
-``writer.WRITE_STEP``).
+``writer.WRITE_STEP``). Linux only (/dev/zero and sendfile); elsewhere nothing is made ahead.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from pathlib import Path
 
 from ..store.memory import available_memory
 from ..store.tensors import Mapped
-from .writer import WRITE_STEP
 
 CHUNK = 64 << 20
 """Bytes made per step: the thread stops between two steps when asked."""
@@ -29,9 +28,10 @@ writer's bytes replace them, and written back as zeros if the kernel needs the r
 
 class EarlyPages:
     """Makes the pages of ``files`` (path, size), from the start of each, on a thread of its own,
-    up to ``budget`` bytes in all, until ``finish``, by writing zeros; a file it touched is left
-    at its size with how many bytes it made (``made``), and the writer opens it without
-    truncating. Any failure (no room) just stops it: the writer meets the cause and reports it.
+    up to ``budget`` bytes in all, until ``finish``, by writing zeros (``_zeros``); a file it
+    touched is left at its size with how many bytes it made (``made``), and the writer opens it
+    without truncating. Any failure (no room) just stops it: the writer meets the cause and reports
+    it.
 
     >>> pages = EarlyPages([(Path("out/model.safetensors"), 1 << 30)], 1 << 30)  # doctest: +SKIP
     >>> pages.finish()  # doctest: +SKIP
@@ -55,8 +55,8 @@ class EarlyPages:
         return cls(files, min(sum(size for _, size in files), avail // SHARE))
 
     def _run(self) -> None:
-        left, zeros = self.budget, memoryview(bytes(WRITE_STEP))
-        with contextlib.suppress(OSError):
+        left = self.budget
+        with contextlib.suppress(OSError), open("/dev/zero", "rb", buffering=0) as zeros:
             for path, size in self.files:
                 if self.stop.is_set() or left <= 0:
                     return
@@ -65,10 +65,9 @@ class EarlyPages:
                     os.ftruncate(fd, size)
                     self.made[path] = 0
                     while self.made[path] < min(size, left) and not self.stop.is_set():
-                        at = self.made[path]
-                        for step in range(at, min(at + CHUNK, size), WRITE_STEP):
-                            os.pwrite(fd, zeros[: min(WRITE_STEP, size - step)], step)
-                        self.made[path] = min(at + CHUNK, size)
+                        end = min(self.made[path] + CHUNK, size)
+                        _zeros(fd, zeros.fileno(), self.made[path], end)
+                        self.made[path] = end
                     left -= self.made[path]
                 finally:
                     os.close(fd)
@@ -78,3 +77,16 @@ class EarlyPages:
         self.stop.set()
         self.thread.join()
         return self.made
+
+
+def _zeros(fd: int, zeros: int, at: int, end: int) -> None:
+    """Zeros into ``fd`` from ``at`` to ``end``, copied from /dev/zero by the kernel, which writes
+    them a pipe's worth at a time (small folios, as ``WRITE_STEP`` asks) in one call that does not
+    hold the interpreter's lock: a loop of writes would wait for it at every step while the
+    analysis holds it (5 ms at a time)."""
+    os.lseek(fd, at, os.SEEK_SET)
+    while at < end:
+        n = os.sendfile(fd, zeros, None, end - at)
+        if n <= 0:
+            raise OSError(f"/dev/zero gave {n} bytes")
+        at += n

@@ -27,16 +27,15 @@ def test_finish_stops_it_between_chunks(tmp_path, monkeypatch):
     import threading
 
     started, go = [], threading.Event()
-    real = pages.os.pwrite
+    real = pages._zeros
 
-    def slow(fd, data, at):
+    def slow(fd, zeros, at, end):
         started.append(at)
         go.wait()
-        return real(fd, data, at)
+        return real(fd, zeros, at, end)
 
     monkeypatch.setattr(pages, "CHUNK", 1 << 16)
-    monkeypatch.setattr(pages, "WRITE_STEP", 1 << 16)
-    monkeypatch.setattr(pages.os, "pwrite", slow)
+    monkeypatch.setattr(pages, "_zeros", slow)
     p = EarlyPages([(tmp_path / "a", 1 << 20), (tmp_path / "b", 1 << 20)], 1 << 30)
     while not started:
         pass
@@ -44,6 +43,15 @@ def test_finish_stops_it_between_chunks(tmp_path, monkeypatch):
     go.set()
     assert p.finish() == {tmp_path / "a": 1 << 16} and started == [0]
     assert not (tmp_path / "b").exists()
+
+
+def test_zeros_land_where_asked(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"\x01" * 300_000)
+    with open(path, "r+b", buffering=0) as f, open("/dev/zero", "rb", buffering=0) as z:
+        pages._zeros(f.fileno(), z.fileno(), 1000, 250_000)
+    data = path.read_bytes()
+    assert data == b"\x01" * 1000 + bytes(249_000) + b"\x01" * 50_000
 
 
 def test_a_failure_only_stops_it(tmp_path):
