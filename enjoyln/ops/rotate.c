@@ -308,19 +308,40 @@ static inline void transpose(lanes* r) {
             for (int l = 0; l < LANES; l++) v[j][l] = LD(lsrc, loff[q][l] + (i0 + j) * lstep);  \
     }
 
-/* Positions a0 .. a0 + kb of item q into its buffer y + q n: loaded (into the buffer itself, or xt where
- * the block has to mix them), signs, block, lower transform levels. */
-#define GATHER(LD, LDV, SC, q, a0)                                                           \
+/* Where positions a0 .. a0 + kb of item q are loaded: its buffer y + q n itself, or xt where the block has
+ * to mix them. */
+#define STAGE(q, a0) (m == 1 ? y + q * n + a0 : xt)
+
+/* Positions a0 .. a0 + kb of item q, loaded, into its buffer: scale, signs, block, lower transform levels. */
+#define FINISH(SC, q, a0)                                                                    \
     {                                                                                        \
         lanes* yq = y + q * n;                                                               \
-        lanes* v = m == 1 ? yq + a0 : xt;                                                    \
+        lanes* v = STAGE(q, a0);                                                             \
         const int64_t i0 = a0 * m, count = kb * m;                                           \
-        LOAD(LD, LDV, q, v, i0, count)                                                       \
         for (int64_t j = 0; j < count; j++)                                                  \
             v[j] = (scale ? SC(v[j], scale[i0 + j]) : v[j]) * pre[i0 + j];                   \
         if (m > 1)                                                                           \
-            for (int64_t a = a0; a < a0 + kb; a++) mix_lanes(yq + a * m, xt + (a - a0) * m, bt, m); \
+            for (int64_t a = a0; a < a0 + kb; a++) mix_lanes(yq + a * m, v + (a - a0) * m, bt, m); \
         hadamard_lanes(yq + a0 * m, kb, m, 1);                                               \
+    }
+
+/* Positions a0 .. a0 + kb of every item of the tile. Where the items are TILE whole runs of neighbouring
+ * columns and need no block, each row's TILE * LANES elements (a cache line of float32) are read at once
+ * into the items' buffers; else each item is loaded and finished in turn, while its part of xt is in L1. */
+#define GATHER(LD, LDV, SC, a0)                                                              \
+    {                                                                                        \
+        const int64_t i0 = a0 * m, count = kb * m;                                           \
+        if (m == 1 && inner > 1 && nq == TILE && wl[TILE - 1] == LANES) {                    \
+            for (int64_t j = 0; j < count; j++)                                              \
+                for (int q = 0; q < TILE; q++)                                               \
+                    STAGE(q, a0)[j] = LDV(lsrc, loff[q][0] + (i0 + j) * lstep);             \
+            for (int q = 0; q < nq; q++) FINISH(SC, q, a0)                                   \
+        } else                                                                               \
+            for (int q = 0; q < nq; q++) {                                                   \
+                lanes* v = STAGE(q, a0);                                                     \
+                LOAD(LD, LDV, q, v, i0, count)                                               \
+                FINISH(SC, q, a0)                                                            \
+            }                                                                                \
     }
 
 /* The vector r[j] (positions i0 + j across item q's lanes) as its dtype would store it, compared with cand
@@ -333,33 +354,33 @@ static inline void transpose(lanes* r) {
                 lanes t[LANES] = {r[j], r[j + 1], r[j + 2], r[j + 3]};                       \
                 transpose(t);                                                                \
                 for (int l = 0; l < wl[q]; l++) {                                            \
-                    const int64_t at = off[q][l] + i0 + j;                                   \
-                    if (!cand) STV(dst, at, t[l]);                                           \
+                    const int64_t at = soff[q][l] + i0 + j;                                   \
+                    if (!scand) STV(sdst, at, t[l]);                                           \
                     else {                                                                   \
                         unsigned char out[4 * 8];                                            \
                         STV(out, 0, t[l]);                                                   \
-                        if (memcmp(out, (const char*)cand + at * SIZE, 4 * SIZE)) differ = 1; \
+                        if (memcmp(out, (const char*)scand + at * SIZE, 4 * SIZE)) differ = 1; \
                     }                                                                        \
                 }                                                                            \
             }                                                                                \
         else if (wl[q] == LANES)                                                             \
             for (; j < count; j++) {                                                         \
-                const int64_t at = off[q][0] + (i0 + j) * step;                              \
-                if (!cand) STV(dst, at, r[j]);                                               \
+                const int64_t at = soff[q][0] + (i0 + j) * sstep;                              \
+                if (!scand) STV(sdst, at, r[j]);                                               \
                 else {                                                                       \
                     unsigned char out[4 * 8];                                                \
                     STV(out, 0, r[j]);                                                       \
-                    if (memcmp(out, (const char*)cand + at * SIZE, 4 * SIZE)) differ = 1;    \
+                    if (memcmp(out, (const char*)scand + at * SIZE, 4 * SIZE)) differ = 1;    \
                 }                                                                            \
             }                                                                                \
         for (; j < count; j++)                                                               \
             for (int l = 0; l < wl[q]; l++) {                                                \
-                const int64_t at = off[q][l] + (i0 + j) * step;                              \
-                if (!cand) ST(dst, at, r[j][l]);                                             \
+                const int64_t at = soff[q][l] + (i0 + j) * sstep;                              \
+                if (!scand) ST(sdst, at, r[j][l]);                                             \
                 else {                                                                       \
                     unsigned char out[8];                                                    \
                     ST(out, 0, r[j][l]);                                                     \
-                    if (memcmp(out, (const char*)cand + at * SIZE, SIZE)) differ = 1;        \
+                    if (memcmp(out, (const char*)scand + at * SIZE, SIZE)) differ = 1;        \
                 }                                                                            \
             }                                                                                \
     }
@@ -377,8 +398,7 @@ static inline void transpose(lanes* r) {
  * positions at a time, so that the cache lines and pages of strided vectors are read and written once. */
 #define ROTATE_TILE(LD, LDV, SC, ST, STV, SIZE)                                                        \
     {                                                                                        \
-        for (int64_t a0 = 0; a0 < k; a0 += kb)                                               \
-            for (int q = 0; q < nq; q++) GATHER(LD, LDV, SC, q, a0)                               \
+        for (int64_t a0 = 0; a0 < k; a0 += kb) GATHER(LD, LDV, SC, a0)                       \
         lanes c[TILE];                                                                       \
         for (int q = 0; q < nq; q++) hadamard_lanes(y + q * n, k, m, kb);                    \
         twice_dots(c, y, w, n, nq);                                                          \
@@ -424,7 +444,8 @@ int enjoyln_rotate_scaled_into(const void* src, void* dst, const void* cand, int
         lanes* xt = aligned_alloc(64, (size_t)(kb * m) * sizeof(lanes));
         double* bt = malloc((size_t)(m * m) * sizeof(double));
         char* copy = inner == 1 ? NULL : aligned_alloc(64, (size_t)(n * panel * esize + 64) / 64 * 64);
-        if (!y || !xt || !bt || (inner > 1 && !copy)) failed = 1;
+        char* out = inner == 1 ? NULL : aligned_alloc(64, (size_t)(n * panel * esize + 64) / 64 * 64);
+        if (!y || !xt || !bt || (inner > 1 && (!copy || !out))) failed = 1;
         else
             for (int64_t d = 0; d < m; d++)
                 for (int64_t b = 0; b < m; b++) bt[d * m + b] = m == 1 ? 1.0 : block[b * m + d];
@@ -433,10 +454,13 @@ int enjoyln_rotate_scaled_into(const void* src, void* dst, const void* cand, int
             if (failed) continue;
             int64_t off[TILE][LANES], loff[TILE][LANES];
             int wl[TILE], nq;
-            if (inner == 1) { /* up to TILE items of LANES rows, read where they lie */
+            if (inner == 1) { /* up to TILE items of LANES rows, read and written where they lie */
                 const int64_t o0 = job * TILE * LANES;
                 const void* lsrc = src;
-                const int64_t lstep = 1;
+                const int64_t lstep = 1, sstep = 1;
+                void* sdst = dst;
+                const void* scand = cand;
+                int64_t(*soff)[LANES] = off;
                 const int64_t rows = outer - o0 < TILE * LANES ? outer - o0 : TILE * LANES;
                 nq = (int)((rows + LANES - 1) / LANES);
                 for (int q = 0; q < nq; q++) {
@@ -452,7 +476,13 @@ int enjoyln_rotate_scaled_into(const void* src, void* dst, const void* cand, int
             const char* from = (const char*)src + (o * outer_stride + c0) * esize;
             for (int64_t i = 0; i < n; i++) memcpy(copy + i * pc * esize, from + i * inner * esize, pc * esize);
             const void* lsrc = copy;
-            const int64_t lstep = pc, lane_blocks = (pc + LANES - 1) / LANES;
+            /* without a block, the panel's results are gathered in `out` and written (or compared) row by
+             * row after; with one, the arithmetic outweighs the strided stores, and they go straight out */
+            const int gathered = m == 1;
+            void* sdst = gathered ? (void*)out : dst;
+            const void* scand = gathered ? NULL : cand;
+            int64_t(*soff)[LANES] = gathered ? loff : off;
+            const int64_t lstep = pc, sstep = gathered ? pc : step, lane_blocks = (pc + LANES - 1) / LANES;
             for (int64_t b0 = 0; b0 < lane_blocks; b0 += TILE) {
                 nq = lane_blocks - b0 < TILE ? (int)(lane_blocks - b0) : TILE;
                 for (int q = 0; q < nq; q++) {
@@ -465,8 +495,13 @@ int enjoyln_rotate_scaled_into(const void* src, void* dst, const void* cand, int
                 }
                 TILE_BY_DTYPE
             }
+            char* to = (char*)(cand ? (void*)(uintptr_t)cand : dst) + (o * outer_stride + c0) * esize;
+            for (int64_t i = 0; i < n && gathered; i++) {
+                if (!cand) memcpy(to + i * inner * esize, out + i * pc * esize, pc * esize);
+                else if (memcmp(to + i * inner * esize, out + i * pc * esize, pc * esize)) differ = 1;
+            }
         }
-        free(y), free(xt), free(bt), free(copy);
+        free(y), free(xt), free(bt), free(copy), free(out);
     }
     return failed ? -2 : differ;
 }
