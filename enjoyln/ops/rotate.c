@@ -17,6 +17,14 @@
  * every element still goes through the same additions in the same order, only the schedule of
  * independent butterflies changes.
  *
+ * Memory is read and written in whole vectors where the layout allows: along rows, four rows
+ * four elements at a time, transposed in registers; along strided columns (a weight rotated
+ * along its output axis), a panel of up to 256 neighbouring columns is first copied into the
+ * thread's own buffer (each strided row visited once per panel, not once per sixteen columns:
+ * a page walk each on a tensor larger than the TLB covers), and each row of it read a cache
+ * line at a time; without a block, the panel's results are gathered likewise and written out,
+ * or compared, row by row.
+ *
  * With scale (a norm's gain fused into the weight that reads it), step 0 comes first:
  * x[i] = round(x[i] * scale[i]) to the tensor's dtype, the bits a separate pass of that product
  * rounded into the tensor gives. With

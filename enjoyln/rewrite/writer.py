@@ -216,6 +216,7 @@ def finish_shard(
     early.wait(shard, start)  # the copy has created the file: its truncation is behind us
     # JSON allows trailing spaces; safetensors pads this way too
     header = blob + b" " * (start - 8 - len(blob))
+    # the pages are the early copy's
     _write_entries(file, "r+b", entries, w, header, (early, shard), made=sys.maxsize)
     return True
 

@@ -110,3 +110,55 @@ def test_computed_tensors_written_behind_land_where_they_belong(tmp_path, monkey
             assert behind.write(tensors[0], 0)
     finally:
         os.close(read_only)
+
+
+def test_no_write_carries_more_than_a_step(tmp_path, monkeypatch):
+    """Large writes make large folios, which this writer avoids: every write() is at most
+    WRITE_STEP, and the bytes land whole."""
+    from enjoyln.rewrite import writer
+
+    sizes, real = [], os.pwrite
+
+    def spy(fd, data, at):
+        sizes.append(len(data))
+        return real(fd, data, at)
+
+    monkeypatch.setattr(writer, "WRITE_STEP", 1000)
+    monkeypatch.setattr(writer.os, "pwrite", spy)
+    data = bytes(range(256)) * 17
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        writer._pwrite_all(fd, memoryview(data), 5)
+    finally:
+        os.close(fd)
+    assert sizes == [1000] * 4 + [352] and path.read_bytes() == bytes(5) + data
+
+
+@pytest.mark.parametrize("made", [0, 10**9])
+def test_a_tensor_goes_into_the_mapping_only_where_its_pages_were_made(tmp_path, monkeypatch, made):
+    """A mapping's page faults would make the pages in large folios: a computed tensor is computed
+    into the file's mapping where ``made`` covers it, else written from memory; the same bytes."""
+    from enjoyln.rewrite import writer
+
+    mapped = []
+    real = writer._into_file
+    monkeypatch.setattr(writer, "_into_file", lambda *a: mapped.append(1) or real(*a))
+    t = torch.arange(1000, dtype=torch.float32)
+    e = Entry(
+        "w",
+        "F32",
+        (1000,),
+        4000,
+        compute=lambda buf: t.clone(),
+        into_file=lambda out: out.copy_(t),
+    )
+    w = writer.Writing(None, {}, lambda n: None)
+    path = tmp_path / "shard.safetensors"
+    if made:  # as the pages made ahead leave it
+        path.write_bytes(b"\xff" * 8192)
+    writer.write_shard(path, [e], w, made=made)
+    assert bool(mapped) == bool(made)
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(path)["w"], t)
