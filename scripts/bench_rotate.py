@@ -330,6 +330,8 @@ def main() -> None:
         "--write", action="store_true", help="put the table into docs/performance.md"
     )
     args = parser.parse_args()
+    if args.workdir is not None:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="enjoyln-bench-rotate-", dir=args.workdir))
     try:
         if args.big:
