@@ -352,6 +352,18 @@ static inline void transpose(lanes* r) {
             }                                                                                \
     }
 
+/* v (count elements from index at) as its dtype would store it: written to sdst, or compared with scand. */
+#define EMIT(STORE, SIZE, v, at, count)                                                      \
+    {                                                                                        \
+        const int64_t at_ = (at);                                                            \
+        if (!scand) STORE(sdst, at_, v);                                                     \
+        else {                                                                               \
+            unsigned char out_[LANES * 8];                                                   \
+            STORE(out_, 0, v);                                                               \
+            if (memcmp(out_, (const char*)scand + at_ * SIZE, (count) * SIZE)) differ = 1;   \
+        }                                                                                    \
+    }
+
 /* The vector r[j] (positions i0 + j across item q's lanes) as its dtype would store it, compared with cand
  * or written: where four rows or four neighbouring columns allow, as whole vectors. */
 #define PUT(ST, STV, SIZE, q, r, i0, count)                                                  \
@@ -361,36 +373,12 @@ static inline void transpose(lanes* r) {
             for (; j + LANES <= count; j += LANES) {                                         \
                 lanes t[LANES] = {r[j], r[j + 1], r[j + 2], r[j + 3]};                       \
                 transpose(t);                                                                \
-                for (int l = 0; l < wl[q]; l++) {                                            \
-                    const int64_t at = soff[q][l] + i0 + j;                                   \
-                    if (!scand) STV(sdst, at, t[l]);                                           \
-                    else {                                                                   \
-                        unsigned char out[4 * 8];                                            \
-                        STV(out, 0, t[l]);                                                   \
-                        if (memcmp(out, (const char*)scand + at * SIZE, 4 * SIZE)) differ = 1; \
-                    }                                                                        \
-                }                                                                            \
+                for (int l = 0; l < wl[q]; l++) EMIT(STV, SIZE, t[l], soff[q][l] + i0 + j, LANES) \
             }                                                                                \
         else if (wl[q] == LANES)                                                             \
-            for (; j < count; j++) {                                                         \
-                const int64_t at = soff[q][0] + (i0 + j) * sstep;                              \
-                if (!scand) STV(sdst, at, r[j]);                                               \
-                else {                                                                       \
-                    unsigned char out[4 * 8];                                                \
-                    STV(out, 0, r[j]);                                                       \
-                    if (memcmp(out, (const char*)scand + at * SIZE, 4 * SIZE)) differ = 1;    \
-                }                                                                            \
-            }                                                                                \
+            for (; j < count; j++) EMIT(STV, SIZE, r[j], soff[q][0] + (i0 + j) * sstep, LANES) \
         for (; j < count; j++)                                                               \
-            for (int l = 0; l < wl[q]; l++) {                                                \
-                const int64_t at = soff[q][l] + (i0 + j) * sstep;                              \
-                if (!scand) ST(sdst, at, r[j][l]);                                             \
-                else {                                                                       \
-                    unsigned char out[8];                                                    \
-                    ST(out, 0, r[j][l]);                                                     \
-                    if (memcmp(out, (const char*)scand + at * SIZE, SIZE)) differ = 1;        \
-                }                                                                            \
-            }                                                                                \
+            for (int l = 0; l < wl[q]; l++) EMIT(ST, SIZE, r[j][l], soff[q][l] + (i0 + j) * sstep, 1) \
     }
 
 /* Positions i0 .. i1 of item q written (or compared with cand): the reflection applied, then stored. */

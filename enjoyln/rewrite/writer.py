@@ -246,17 +246,7 @@ def _write_entries(
         os.ftruncate(
             out, end
         )  # the final size first, so that the two threads below never race on it
-        # where the early copy put it, judged by the input shard, not the output's (other) name
-        placed = [
-            (
-                e,
-                at,
-                early is not None
-                and e.source.start + _HEADER_ROOM == at
-                and e.source.file == early[1],
-            )
-            for e, at in zip(entries, positions)
-        ]
+        placed = _placed(entries, positions, early)
         copies = [
             (fds[e.source.file], e.source.start, e.nbytes, at)
             for e, at, here in placed
@@ -280,20 +270,10 @@ def _write_entries(
                     w.advance(e.nbytes)
                     continue
                 if e.pieces is not None:  # too large to hold: computed and written by pieces
-                    behind.wait()  # the pieces take the two buffers in turn from the first
-                    for piece, t in e.pieces(w.computed):
-                        behind.write_runs(t, at, piece.runs(t.element_size()))
-                    behind.wait()
-                    w.advance(e.nbytes)
+                    _write_pieces(e, at, w, behind)
                     continue
                 if e.compute is not None:  # computed now, written from its own memory, dropped
-                    # the two buffers take turns: one is written behind while the other fills;
-                    # a tensor too large to be written behind gets memory freed once written
-                    behind_it = e.nbytes <= WRITE_BEHIND_BYTES
-                    t = e.compute(w.computed[computed % 2] if behind_it else None).contiguous()
-                    computed += behind_it
-                    if t.dtype != DTYPES[e.dtype] or t.numel() * t.element_size() != e.nbytes:
-                        raise AssertionError(f"{e.name} was computed as {t.dtype} {list(t.shape)}")
+                    t, computed = _computed(e, w, computed)
                     if e.axis is None and behind.write(t, at):
                         w.advance(e.nbytes)
                         continue
@@ -307,6 +287,40 @@ def _write_entries(
                 if not here:
                     w.advance(e.nbytes)
         _pwrite_all(out, memoryview(struct.pack("<Q", len(header)) + header), 0)
+
+
+def _placed(
+    entries: list[Entry], positions: list[int], early: tuple[EarlyCopy, str] | None
+) -> list[tuple[Entry, int, bool]]:
+    """Each entry, its offset, and whether the early copy put its bytes there (judged by the input
+    shard, not the output's other name)."""
+    return [
+        (
+            e,
+            at,
+            early is not None and e.source.start + _HEADER_ROOM == at and e.source.file == early[1],
+        )
+        for e, at in zip(entries, positions)
+    ]
+
+
+def _write_pieces(e: Entry, at: int, w: Writing, behind: "_WriteBehind") -> None:
+    """A tensor too large to hold, computed and written behind a piece at a time."""
+    behind.wait()  # the pieces take the two buffers in turn from the first
+    for piece, t in e.pieces(w.computed):
+        behind.write_runs(t, at, piece.runs(t.element_size()))
+    behind.wait()
+    w.advance(e.nbytes)
+
+
+def _computed(e: Entry, w: Writing, turn: int) -> tuple[torch.Tensor, int]:
+    """``e`` computed, and the next turn of the writer's two buffers: one is written behind while
+    the other fills; a tensor too large to be written behind gets memory freed once written."""
+    behind_it = e.nbytes <= WRITE_BEHIND_BYTES
+    t = e.compute(w.computed[turn % 2] if behind_it else None).contiguous()
+    if t.dtype != DTYPES[e.dtype] or t.numel() * t.element_size() != e.nbytes:
+        raise AssertionError(f"{e.name} was computed as {t.dtype} {list(t.shape)}")
+    return t, turn + behind_it
 
 
 def _into_file(out: int, at: int, e: Entry) -> bool:
