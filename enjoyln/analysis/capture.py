@@ -199,6 +199,30 @@ def _no_partial_graph() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _lean_trace() -> Iterator[None]:
+    """torch.export without two costs nothing here needs, together about half its time on a
+    transformer: the Python stack it records and symbolizes for every node (draft_export's report,
+    which names the source of each specialization, keeps them), and the Python code it generates
+    for the whole graph after each of its passes (made when the graph module is first called)."""
+    config = torch.fx.config
+    before = getattr(config, "do_not_emit_stack_traces", False)
+    config.do_not_emit_stack_traces = True
+    try:
+        with _lazy_graph_modules():
+            yield
+    finally:
+        config.do_not_emit_stack_traces = before
+
+
+def _lazy_graph_modules() -> contextlib.AbstractContextManager[Any]:
+    try:
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:  # a torch without it generates the code eagerly, as before
+        return contextlib.nullcontext()
+    return _use_lazy_graph_module(True)
+
+
+@contextlib.contextmanager
 def _quiet_logs(*names: str) -> Iterator[None]:
     """draft_export logs a banner and each specialization as warnings; the plan reports them."""
     loggers = [logging.getLogger(n) for n in names]
@@ -269,7 +293,7 @@ def _export_patched(model: nn.Module, inputs: Inputs) -> torch.export.ExportedPr
         if not patched:
             return None
         try:
-            with torch.no_grad(), _no_partial_graph():
+            with torch.no_grad(), _no_partial_graph(), _lean_trace():
                 return torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
         except Exception as exc:  # noqa: BLE001 - draft_export is tried next, or it is reported
             if _data_dependent(exc):
@@ -286,7 +310,7 @@ def export(
     CaptureError."""
     name = type(model).__name__
     try:
-        with torch.no_grad(), _no_partial_graph():
+        with torch.no_grad(), _no_partial_graph(), _lean_trace():
             return torch.export.export(model, inputs.args, inputs.kwargs, strict=False), [], False
     except Exception as exc:  # export raises many unrelated types
         if not _data_dependent(exc):

@@ -100,6 +100,27 @@ def test_plain_export_records_no_specialization():
     assert cap.specialized == []
 
 
+def test_plain_export_skips_stack_traces_and_restores_the_setting():
+    """Stack traces and eager code generation are about half of torch.export's time and nothing
+    reads them; the global setting is the user's again afterwards, also after a failed trace, and
+    the program still runs (its code is generated when first called)."""
+    model = perturb(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))).eval()
+    x = torch.randn(2, 4)
+    for before in (False, True):
+        torch.fx.config.do_not_emit_stack_traces = before
+        try:
+            cap = capture(model, x)
+            with pytest.raises(enjoyln.CaptureError):
+                capture(model, torch.randn(2, 5))
+            assert torch.fx.config.do_not_emit_stack_traces is before
+        finally:
+            torch.fx.config.do_not_emit_stack_traces = False
+        calls = [n for n in cap.graph.nodes if n.op == "call_function"]
+        assert calls and all(not n.meta.get("stack_trace") for n in calls)
+        assert torch.equal(cap.program.module()(x), model(x))
+        assert "layer_norm" in cap.program.graph_module.code
+
+
 def test_untraceable_model_names_both_causes_on_one_line():
     class FailsOnExample(nn.Module):
         def forward(self, x):
