@@ -165,10 +165,26 @@ static void mix_lanes(lanes* restrict y, const lanes* restrict xt, const double*
 }
 
 /* Levels h = h0, 2 h0, ... below k of the Walsh-Hadamard transform along a on y[k][m], in order:
- * (u, v) -> (u + v, u - v). Two levels per pass over the buffer where they pair up (the same additions on
- * every element, in the same order, as one level at a time). */
+ * (u, v) -> (u + v, u - v). Three levels per pass over the buffer where they group (eight vectors in
+ * registers), else two, else one: the same additions on every element, in the same order, as one level
+ * at a time. Four levels left go as two pairs, not three and one: a pass of one level does the most loads
+ * and stores per addition (measured slower at width 1600). */
 static void hadamard_lanes(lanes* restrict y, int64_t k, int64_t m, int64_t h0) {
     int64_t h = h0;
+    for (; 8 * h <= k && 16 * h != k; h <<= 3)
+        for (int64_t a0 = 0; a0 < k; a0 += 8 * h)
+            for (int64_t a = a0; a < a0 + h; a++) {
+                lanes* restrict p[8];
+                for (int r = 0; r < 8; r++) p[r] = y + (a + r * h) * m;
+                for (int64_t e = 0; e < m; e++) {
+                    lanes x[8], u[8];
+                    for (int r = 0; r < 8; r++) x[r] = p[r][e];
+                    for (int r = 0; r < 8; r += 2) u[r] = x[r] + x[r + 1], u[r + 1] = x[r] - x[r + 1];
+                    for (int r = 0; r < 8; r += 4)
+                        for (int s = 0; s < 2; s++) x[r + s] = u[r + s] + u[r + s + 2], x[r + s + 2] = u[r + s] - u[r + s + 2];
+                    for (int r = 0; r < 4; r++) p[r][e] = x[r] + x[r + 4], p[r + 4][e] = x[r] - x[r + 4];
+                }
+            }
     for (; 4 * h <= k; h <<= 2)
         for (int64_t a0 = 0; a0 < k; a0 += 4 * h)
             for (int64_t a = a0; a < a0 + h; a++) {
