@@ -303,7 +303,19 @@ class RotationSpec:
         if value is None or isinstance(value, RotationSpec):
             return value
         kind, seed, keep_mean = value
-        return cls(str(kind), int(seed), bool(keep_mean))
+        return cls(str(kind), checked_seed(seed), bool(keep_mean))
+
+
+MAX_SEED = 2**64 - 1
+"""A rotation's seed is 64 bits: each seed from 0 to this gives its own ``Q``, and one outside
+would give the same ``Q`` as one inside while the config records it as given."""
+
+
+def checked_seed(seed: int) -> int:
+    """``seed`` as an int, refused outside 0 .. ``MAX_SEED``."""
+    if not 0 <= int(seed) <= MAX_SEED:
+        raise PlanError(f"the rotation's seed must be from 0 to 2**64 - 1, got {seed}")
+    return int(seed)
 
 
 TRAINING_MODE, NOT_ROTATED, MISSING = "training mode", "not rotated", "missing parameters"

@@ -96,6 +96,18 @@ def test_rotation_spec_takes_the_public_tuple():
     )
 
 
+def test_a_rotation_seed_outside_64_bits_is_refused_not_aliased():
+    """Seeds wrap modulo 2**64 in the generators, so one outside would give another seed's Q under
+    its own name in the config."""
+    assert RotationSpec.of(("hadamard", 2**64 - 1, True)).seed == 2**64 - 1
+    model = perturb(tiny_model("gpt2"))
+    for seed in (-1, 2**64):
+        with pytest.raises(enjoyln.PlanError, match=rf"seed must be from 0 to 2\*\*64 - 1, got {seed}"):
+            RotationSpec.of(("hadamard", seed, True))
+        with pytest.raises(enjoyln.PlanError, match="seed must be from 0"):
+            enjoyln.rotate(model, seed=seed)
+
+
 @pytest.mark.parametrize(
     "blocks, words",
     [

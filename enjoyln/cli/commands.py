@@ -141,7 +141,7 @@ def rotate(
     kind: Annotated[
         str, typer.Option(help="hadamard (randomized Hadamard, as QuaRot) or random (Haar).")
     ] = "hadamard",
-    seed: Annotated[int, typer.Option(help="Seed of the rotation.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=2**64 - 1, help="Seed of the rotation.")] = 0,
     keep_mean: Annotated[
         bool,
         typer.Option(

@@ -26,6 +26,7 @@ from ..plan import (
     FoldPlan,
     LayerNormEntry,
     RotationSpec,
+    checked_seed,
 )
 from .rotation import KINDS, apply_rotation
 from .tensors import center_all, declared_ties, fuse_, own_copy, owner_of, tensor_at, untie_config
@@ -581,7 +582,9 @@ def rotate(
             model,
             example_inputs,
             fuse_affine=True,
-            rotate=RotationSpec(kind, int(seed), bool(keep_mean), int(version), exact_outputs),
+            rotate=RotationSpec(
+                kind, checked_seed(seed), bool(keep_mean), int(version), exact_outputs
+            ),
             exact_outputs=exact_outputs,
         )
     if plan.rotation is None:

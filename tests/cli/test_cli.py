@@ -512,6 +512,8 @@ def test_a_block_no_fold_writes_is_a_wrong_candidate(name, mode, gpt2_dir, folde
 
 BAD_OPTIONS = [
     (["check", "{ref}", "{ref}", "--seed", str(2**64)], "--seed"),
+    (["rotate", "{ref}", "{tmp}/out", "--seed", "-1"], "--seed"),
+    (["rotate", "{ref}", "{tmp}/out", "--seed", str(2**64)], "--seed"),
     (["fold", "{ref}", "{tmp}/out", "--max-shard-size", "²"], "cannot use the size '²'"),
     (["bench", "--dtypes", "float8_e4m3fn", "--no-e2e"], "cannot use 'float8_e4m3fn' in --dtypes"),
     (["bench", "--device", "foo"], "unknown --device 'foo'"),
@@ -533,7 +535,8 @@ def test_bad_option_values_get_one_line_naming_them(args, message, gpt2_dir, tmp
 
 
 def test_rotate_takes_any_seed(gpt2_dir, tmp_path):
-    """A seed beyond 64 bits once overflowed the generator: every seed is one."""
+    """A seed of 2**63 or more once overflowed the generator: every 64-bit seed is one (others are
+    refused: BAD_OPTIONS)."""
     result = runner.invoke(
         app, ["rotate", str(gpt2_dir), str(tmp_path / "out"), "--seed", str(2**63), "--static"]
     )
