@@ -109,6 +109,23 @@ def missing_note(names: list[str], architecture: str) -> Note:
     )
 
 
+def refuse_inexact_source(checkpoint: Checkpoint) -> None:
+    """A directory rotated without keeping the mean is a model only ``enjoyln.load`` computes: its
+    config builds LayerNorms that would not see a zero-mean stream, so neither its analysis nor a
+    fold of it stands for that model. Refused before anything is traced or written (a malformed
+    block is left to the code that reads it)."""
+    try:
+        plan = checkpoint.recorded_plan
+    except CheckpointError:
+        return
+    if plan is not None and any(not r.keep_mean for r in plan.rotations):
+        raise CheckpointError(
+            f"{checkpoint.path} was rotated without keeping the mean, so only enjoyln.load computes "
+            "its model (plain from_pretrained, which fold and rotate analyse, does not); fold or "
+            "rotate the model it was rotated from, or rotate that with --keep-mean"
+        )
+
+
 def missing_refusal(checkpoint: Checkpoint) -> CheckpointError:
     """A fold that would write a checkpoint whose model draws some parameters at random on every
     load, refused (``--allow-missing`` folds it), naming the class the weights match where there

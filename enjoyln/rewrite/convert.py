@@ -21,7 +21,7 @@ from ..analysis.norms import norm_module_paths
 from ..checking.checkpoints import check_checkpoints, require_memory
 from ..errors import CheckFailed, CheckpointError, EnjoylnError
 from ..folded.config import output_config
-from ..folded.planning import analyze_dir, missing_refusal, moves_values
+from ..folded.planning import analyze_dir, missing_refusal, moves_values, refuse_inexact_source
 from ..folded.stream import StreamedTensors
 from ..options import FoldOptions
 from ..plan import SERVED, FoldPlan, RotationSpec, check_exact
@@ -84,6 +84,7 @@ def analyze_checkpoint(
         model_class=model_class,
     )
     check_shapes(checkpoint)
+    refuse_inexact_source(checkpoint)
     return analyze_dir(
         checkpoint,
         auxiliary_centering,
@@ -210,6 +211,7 @@ def _refuse_early(checkpoint: Checkpoint, out: Path, opts: FoldOptions) -> None:
             "is not re-sharded; drop --max-shard-size"
         )
     check_out_dir(checkpoint.path, out, opts.force, dry_run=opts.dry_run)
+    refuse_inexact_source(checkpoint)
     if (
         checkpoint.missing and not opts.allow_missing
     ):  # the meta model's names against the saved ones: no weight read

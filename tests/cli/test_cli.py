@@ -663,3 +663,25 @@ def test_rotate_a_directory_whose_tower_reads_its_inputs_values(tmp_path):
         loaded = transformers.Blip2ForConditionalGeneration.from_pretrained(out).eval()
         got = loaded(**inputs).logits
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rotation_without_keep_mean_is_not_folded_or_rotated_again(gpt2_dir, tmp_path):
+    """Its config builds LayerNorms that do not see a zero-mean stream: the analysis of that plain
+    model is not the model enjoyln.load computes, and the fold of it failed only at the check."""
+    nokm = tmp_path / "nokm"
+    rotated = runner.invoke(app, ["rotate", str(gpt2_dir), str(nokm), "--no-keep-mean", "--no-check"])
+    assert rotated.exit_code == 0, rotated.output
+    before = digest(nokm)
+    for args in (
+        ["rotate", str(nokm), str(tmp_path / "again")],
+        ["fold", str(nokm), str(tmp_path / "again")],
+        ["inspect", str(nokm)],
+    ):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, result.output
+        assert "was rotated without keeping the mean" in result.output
+        assert "Traceback" not in result.output
+    assert not (tmp_path / "again").exists() and digest(nokm) == before
+    kept = runner.invoke(app, ["rotate", str(gpt2_dir), str(tmp_path / "km"), "--no-check"])
+    again = runner.invoke(app, ["rotate", str(tmp_path / "km"), str(tmp_path / "km2"), "--static"])
+    assert kept.exit_code == 0 and again.exit_code == 0, again.output
