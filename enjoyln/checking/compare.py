@@ -367,8 +367,11 @@ def _essentials(plan: FoldPlan) -> dict[str, set]:
     }
 
 
-def plan_problems(recorded: FoldPlan, analysed: FoldPlan) -> list[str]:
-    """Where a recorded plan is not what this enjoyln's analysis gives, one line per kind."""
+def plan_problems(
+    recorded: FoldPlan, analysed: FoldPlan, hint: str = "fold again with this version"
+) -> list[str]:
+    """Where a recorded plan is not what this enjoyln's analysis gives, one line per kind, each
+    ending with ``hint``."""
     problems = []
     mine, theirs = _essentials(analysed), _essentials(recorded)
     for what in mine:
@@ -377,6 +380,6 @@ def plan_problems(recorded: FoldPlan, analysed: FoldPlan) -> list[str]:
             odd = sorted(map(str, extra or missing))[0]
             problems.append(
                 f"the recorded plan is not what this enjoyln's analysis gives: its {what} "
-                f"{'include' if extra else 'lack'} {odd}; fold again with this version"
+                f"{'include' if extra else 'lack'} {odd}; {hint}"
             )
     return problems

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .._version import __version__
 from ..errors import CheckpointError, EnjoylnError
 from ..plan import ALL_OUTPUTS, SERVED, FoldPlan, RotationSpec
 from ..folded.config import output_config
@@ -60,6 +61,9 @@ class StaticReport:
     """Parameters the model class builds that neither checkpoint holds (random on every load)."""
     differing: int = 0
     """Tensors that are not what they must be (each has a line in ``problems``)."""
+    plan_problems: int = 0
+    """The first problems, about the plan the candidate is held to (not confirmed, or its config
+    unlike the one it gives): the tensors were then judged without it, so they are its symptoms."""
     first_differing: str = ""
     """The line of the first of them, in the candidate's file order."""
     first_difference: Difference | None = None
@@ -257,13 +261,25 @@ def _recorded(
         out.problems.append(
             f"cannot confirm the recorded plan: the analysis of the reference failed ({exc})"
         )
-    out.problems += plan_problems(recorded, analysed or out.plan)
+    out.problems += plan_problems(recorded, analysed or out.plan, _unconfirmed_hint(cand))
     out.problems += config_problems(output_config(ref, analysed or recorded), cand.config, dtype)
     if out.problems:
         out.plan = analysed or out.plan
     else:
         out.plan, out.source = recorded, "recorded, confirmed by the analysis"
     return out
+
+
+def _unconfirmed_hint(cand: Checkpoint) -> str:
+    """What to do about a recorded plan this analysis does not give: another version made it, or
+    (made by this one) it was made from another model than the reference, such as a directory
+    already folded or rotated (a rotation of a fold records the plan of its own source)."""
+    if cand.config["enjoyln"].get("version") != __version__:
+        return "fold again with this version"
+    return (
+        "it was made from another model than this reference (a directory already folded or "
+        "rotated, say): check it against that one, or against this one with --forward-only"
+    )
 
 
 def _analysis(ref: Checkpoint, recorded: FoldPlan | None) -> FoldPlan:
@@ -382,6 +398,7 @@ def _judge(resolved: _Resolved, v: Verdicts, files: list[str], *, moved: bool) -
         plan=resolved.source,
         problems=problems,
         differing=v.unlike_reference if identical else v.unlike_fold,
+        plan_problems=len(resolved.problems),
         first_differing=first[0] if first else "",
         first_difference=first[1] if first else None,
     )

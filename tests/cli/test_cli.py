@@ -685,3 +685,31 @@ def test_a_rotation_without_keep_mean_is_not_folded_or_rotated_again(gpt2_dir, t
     kept = runner.invoke(app, ["rotate", str(gpt2_dir), str(tmp_path / "km"), "--no-check"])
     again = runner.invoke(app, ["rotate", str(tmp_path / "km"), str(tmp_path / "km2"), "--static"])
     assert kept.exit_code == 0 and again.exit_code == 0, again.output
+
+
+def test_a_chain_checked_against_the_first_model_names_the_cause_first(
+    gpt2_dir, folded_dir, tmp_path
+):
+    """A rotation of a fold records the plan of its own source, so held to the first model it is
+    not confirmed: the verdict leads with that and what to do, not with the tensors it then finds
+    unlike; a config changed after the fold leads likewise."""
+    chain = tmp_path / "chain"
+    made = runner.invoke(app, ["rotate", str(folded_dir), str(chain), "--static"])
+    assert made.exit_code == 0, made.output
+    result = runner.invoke(app, ["check", str(gpt2_dir), str(chain), "--static"])
+    headline = result.output.splitlines()[0]
+    assert result.exit_code == 1 and headline.startswith(
+        "FAIL: the candidate does not match the plan it records: the recorded plan is not what"
+    ), result.output
+    assert "made from another model than this reference" in headline
+    assert "--forward-only" in headline and "fold again with this version" not in headline
+    assert headline.endswith("tensors differ"), headline
+    assert runner.invoke(app, ["check", str(gpt2_dir), str(chain), "--forward-only"]).exit_code == 0
+    config = json.loads((chain / "config.json").read_text())
+    config["layer_norm_epsilon"] *= 10
+    (chain / "config.json").write_text(json.dumps(config))
+    result = runner.invoke(app, ["check", str(folded_dir), str(chain), "--static"])
+    assert result.exit_code == 1 and result.output.startswith(
+        "FAIL: the candidate does not match the plan it records: config.json changes "
+        "layer_norm_epsilon"
+    ), result.output
