@@ -108,26 +108,32 @@ _FEEDS = re.compile(r"its input includes the output of (\S+), which is not zero-
 
 
 def post_ln_note(plan: FoldPlan) -> str | None:
-    """Why a post-LN model (BERT) folds only the LNs fed by weights alone, where the plan shows
-    it."""
-    norms = {e.name for e in plan.layer_norms}
-    fed = [
-        e
+    """Why LayerNorms that read another's output stay, where the plan shows it: a post-LN model
+    (BERT), whose blocks' LNs each read the one before, or a stream an LN writes (CLIP's vision
+    tower's pre_layrnorm), read by the LNs after it."""
+    unfoldable = {e.name for e in plan.layer_norms if not e.foldable}
+    feeders = {
+        e.name: m.group(1)
         for e in plan.layer_norms
-        if not e.foldable and (m := _FEEDS.search(e.reason)) and m.group(1) in norms
-    ]
-    if not fed:
+        if not e.foldable and (m := _FEEDS.search(e.reason))
+        if m.group(1) in {n.name for n in plan.layer_norms}
+    }
+    if not feeders:
         return None
-    folded = ", ".join(e.name for e in plan.foldable[:3]) or "none"
+    if not any(f in unfoldable for f in feeders.values()):  # no chain: one LN writes the stream
+        writers = ", ".join(sorted(set(feeders.values())))
+        return (
+            f"{writers} write{'s' if ', ' not in writers else ''} a residual stream, so the stream "
+            f"holds a LayerNorm's output, which is not zero-mean: the {len(feeders)} LayerNorms "
+            "that read it after stay."
+        )
+    folded = ", ".join(sorted({f for f in feeders.values() if f not in unfoldable})) or "none"
     return (
         f"{plan.model} is a post-LN model: in each block the LayerNorm's input is the residual "
-        "sum, whose skip "
-        "branch is the output of the LayerNorm before it. That output is not zero-mean, so "
-        "centering the layers "
-        f"that feed the sum cannot make the sum zero-mean, and those {len(fed)} LayerNorms stay. "
-        "An LN whose "
-        "inputs are all weights (the embedding LN) can be centered, so it folds "
-        f"(here: {folded})."
+        "sum, whose skip branch is the output of the LayerNorm before it. That output is not "
+        "zero-mean, so centering the layers that feed the sum cannot make the sum zero-mean, and "
+        f"those {len(feeders)} LayerNorms stay. An LN whose inputs are all weights (the embedding "
+        f"LN) can be centered, so it folds (here: {folded})."
     )
 
 

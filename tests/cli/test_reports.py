@@ -198,6 +198,18 @@ def test_a_post_ln_model_is_told_why_once(tmp_path, gpt2_dir):
     assert "post-LN" not in runner.invoke(app, ["inspect", str(gpt2_dir)]).stdout
 
 
+def test_a_stream_an_ln_writes_is_not_called_post_ln(tmp_path):
+    """CLIP's vision tower is pre-LN; its pre_layrnorm writes the stream the later LNs read. The
+    note names that LN, and lists no LN of the text tower as an embedding LN."""
+    perturb(tiny_model("clip"), seed=3).save_pretrained(tmp_path / "clip")
+    text = runner.invoke(app, ["inspect", str(tmp_path / "clip")], env={"COLUMNS": "400"}).stdout
+    assert "post-LN" not in text and "text_model" not in text.splitlines()[1]
+    assert text.splitlines()[1] == (
+        "Note: vision_model.pre_layrnorm writes a residual stream, so the stream holds a "
+        "LayerNorm's output, which is not zero-mean: the 5 LayerNorms that read it after stay."
+    )
+
+
 # --- the demo keeps what it says it wrote -----------------------------------------------------
 
 
