@@ -102,7 +102,9 @@ def test_a_rotation_seed_outside_64_bits_is_refused_not_aliased():
     assert RotationSpec.of(("hadamard", 2**64 - 1, True)).seed == 2**64 - 1
     model = perturb(tiny_model("gpt2"))
     for seed in (-1, 2**64):
-        with pytest.raises(enjoyln.PlanError, match=rf"seed must be from 0 to 2\*\*64 - 1, got {seed}"):
+        with pytest.raises(
+            enjoyln.PlanError, match=rf"seed must be from 0 to 2\*\*64 - 1, got {seed}"
+        ):
             RotationSpec.of(("hadamard", seed, True))
         with pytest.raises(enjoyln.PlanError, match="seed must be from 0"):
             enjoyln.rotate(model, seed=seed)

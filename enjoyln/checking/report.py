@@ -201,7 +201,9 @@ class CheckReport:
                 return f"{subject} fails the check of its {static.scope}: {first}{more}"
             differing = getattr(static, "differing", 0)
             if getattr(static, "plan_problems", 0):  # the cause first: the tensors are its symptoms
-                judged = f"; judged without that plan, {differing} of {static.tensors} tensors differ"
+                judged = (
+                    f"; judged without that plan, {differing} of {static.tensors} tensors differ"
+                )
                 return f"{subject} does not match the plan it records: {first}{more}" + (
                     judged if differing else ""
                 )

@@ -120,9 +120,9 @@ def refuse_inexact_source(checkpoint: Checkpoint) -> None:
         return
     if plan is not None and any(not r.keep_mean for r in plan.rotations):
         raise CheckpointError(
-            f"{checkpoint.path} was rotated without keeping the mean, so only enjoyln.load computes "
-            "its model (plain from_pretrained, which fold and rotate analyse, does not); fold or "
-            "rotate the model it was rotated from, or rotate that with --keep-mean"
+            f"{checkpoint.path} was rotated without keeping the mean, so only enjoyln.load "
+            "computes its model (plain from_pretrained, which fold and rotate analyse, does "
+            "not); fold or rotate the model it was rotated from, or rotate that with --keep-mean"
         )
 
 

@@ -669,7 +669,9 @@ def test_a_rotation_without_keep_mean_is_not_folded_or_rotated_again(gpt2_dir, t
     """Its config builds LayerNorms that do not see a zero-mean stream: the analysis of that plain
     model is not the model enjoyln.load computes, and the fold of it failed only at the check."""
     nokm = tmp_path / "nokm"
-    rotated = runner.invoke(app, ["rotate", str(gpt2_dir), str(nokm), "--no-keep-mean", "--no-check"])
+    rotated = runner.invoke(
+        app, ["rotate", str(gpt2_dir), str(nokm), "--no-keep-mean", "--no-check"]
+    )
     assert rotated.exit_code == 0, rotated.output
     before = digest(nokm)
     for args in (
