@@ -14,6 +14,7 @@ from enjoyln.plan import (
     RotationSpec,
     Untie,
 )
+from enjoyln.options import FoldOptions
 from enjoyln.testing import perturb, tiny_model
 from models import Heads
 
@@ -108,6 +109,17 @@ def test_a_rotation_seed_outside_64_bits_is_refused_not_aliased():
             RotationSpec.of(("hadamard", seed, True))
         with pytest.raises(enjoyln.PlanError, match="seed must be from 0"):
             enjoyln.rotate(model, seed=seed)
+
+
+def test_a_new_rotation_of_a_directory_checks_its_seed_first(tmp_path):
+    """However the spec is built; a recorded one is checked as it was made (no such refusal)."""
+    perturb(tiny_model("gpt2")).save_pretrained(tmp_path / "m")
+    spec = RotationSpec("hadamard", 2**64)
+    with pytest.raises(enjoyln.PlanError, match="seed must be from 0"):
+        enjoyln.analyze_checkpoint(tmp_path / "m", fuse_affine=True, rotate=spec)
+    with pytest.raises(enjoyln.PlanError, match="seed must be from 0"):
+        enjoyln.fold_checkpoint(tmp_path / "m", tmp_path / "out", FoldOptions(rotate=spec))
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(

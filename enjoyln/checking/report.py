@@ -201,11 +201,16 @@ class CheckReport:
                 return f"{subject} fails the check of its {static.scope}: {first}{more}"
             differing = getattr(static, "differing", 0)
             if getattr(static, "plan_problems", 0):  # the cause first: the tensors are its symptoms
-                judged = (
-                    f"; judged without that plan, {differing} of {static.tensors} tensors differ"
-                )
-                return f"{subject} does not match the plan it records: {first}{more}" + (
-                    judged if differing else ""
+                others = len(problems) - differing - 1
+                return (
+                    f"{subject} does not match the plan it records: {first}"
+                    + (f" (and {others} more)" if others > 0 else "")
+                    + (
+                        f"; judged without that plan, {differing} of {static.tensors} tensors "
+                        "differ"
+                        if differing
+                        else ""
+                    )
                 )
             if differing:  # where and by how much, before the other problems
                 others = len(problems) - differing

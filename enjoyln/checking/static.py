@@ -62,8 +62,9 @@ class StaticReport:
     differing: int = 0
     """Tensors that are not what they must be (each has a line in ``problems``)."""
     plan_problems: int = 0
-    """The first problems, about the plan the candidate is held to (not confirmed, or its config
-    unlike the one it gives): the tensors were then judged without it, so they are its symptoms."""
+    """How many of the first problems are about the plan the candidate records (not confirmed, or
+    its config unlike the one it gives), counted only where the tensors were judged without that
+    plan, so that their differences are its symptoms; 0 otherwise."""
     first_differing: str = ""
     """The line of the first of them, in the candidate's file order."""
     first_difference: Difference | None = None
@@ -143,6 +144,8 @@ class _Resolved:
     problems: list[str] = field(default_factory=list)
     as_reference: list[str] = field(default_factory=list)
     as_folded: list[str] = field(default_factory=list)
+    unconfirmed: bool = False
+    """The recorded plan is not what the analysis gives (or the analysis failed)."""
 
 
 def static_check(
@@ -262,6 +265,7 @@ def _recorded(
             f"cannot confirm the recorded plan: the analysis of the reference failed ({exc})"
         )
     out.problems += plan_problems(recorded, analysed or out.plan, _unconfirmed_hint(cand))
+    out.unconfirmed = bool(out.problems)
     out.problems += config_problems(output_config(ref, analysed or recorded), cand.config, dtype)
     if out.problems:
         out.plan = analysed or out.plan
@@ -398,7 +402,11 @@ def _judge(resolved: _Resolved, v: Verdicts, files: list[str], *, moved: bool) -
         plan=resolved.source,
         problems=problems,
         differing=v.unlike_reference if identical else v.unlike_fold,
-        plan_problems=len(resolved.problems),
+        # the tensors were judged without the recorded plan: an unconfirmed one, or a plan that
+        # moves values, which is recomputed only where nothing else is wrong (_verify)
+        plan_problems=(
+            len(resolved.problems) if resolved.unconfirmed or (moved and resolved.problems) else 0
+        ),
         first_differing=first[0] if first else "",
         first_difference=first[1] if first else None,
     )

@@ -120,12 +120,22 @@ def post_ln_note(plan: FoldPlan) -> str | None:
     }
     if not feeders:
         return None
-    if not any(f in unfoldable for f in feeders.values()):  # no chain: one LN writes the stream
-        writers = ", ".join(sorted(set(feeders.values())))
+    if not any(f in unfoldable for f in feeders.values()):  # no chain: an LN writes the stream
+        writers = sorted(set(feeders.values()))
+        it = "it" if len(writers) == 1 else "them"
+        readers = (
+            f"the {len(feeders)} LayerNorms that read {it} after stay"
+            if len(feeders) > 1
+            else f"the LayerNorm that reads {it} after stays"
+        )
+        if len(writers) == 1:
+            return (
+                f"{writers[0]} writes a residual stream, so the stream holds a LayerNorm's output, "
+                f"which is not zero-mean: {readers}."
+            )
         return (
-            f"{writers} write{'s' if ', ' not in writers else ''} a residual stream, so the stream "
-            f"holds a LayerNorm's output, which is not zero-mean: the {len(feeders)} LayerNorms "
-            "that read it after stay."
+            f"{', '.join(writers)} write residual streams, so each holds a LayerNorm's output, "
+            f"which is not zero-mean: {readers}."
         )
     folded = ", ".join(sorted({f for f in feeders.values() if f not in unfoldable})) or "none"
     return (

@@ -24,7 +24,7 @@ from ..folded.config import output_config
 from ..folded.planning import analyze_dir, missing_refusal, moves_values, refuse_inexact_source
 from ..folded.stream import StreamedTensors
 from ..options import FoldOptions
-from ..plan import SERVED, FoldPlan, RotationSpec, check_exact
+from ..plan import SERVED, FoldPlan, RotationSpec, check_exact, checked_seed
 from ..store.checkpoint import Checkpoint, open_checkpoint
 from ..store.files import check_links, copy_extras
 from ..store.formats import read_safetensors_header
@@ -85,11 +85,14 @@ def analyze_checkpoint(
     )
     check_shapes(checkpoint)
     refuse_inexact_source(checkpoint)
+    spec = RotationSpec.of(rotate)
+    if spec is not None:
+        checked_seed(spec.seed)
     return analyze_dir(
         checkpoint,
         auxiliary_centering,
         fuse_affine,
-        RotationSpec.of(rotate),
+        spec,
         exact_outputs=check_exact(exact_outputs),
     )
 
@@ -198,6 +201,8 @@ def _out_dir(out: Path) -> Path:
 
 
 def _refuse_early(checkpoint: Checkpoint, out: Path, opts: FoldOptions) -> None:
+    if opts.rotate is not None:  # a new rotation's seed (a recorded one is checked as it was made)
+        checked_seed(opts.rotate.seed)
     if opts.dtype is not None and checkpoint.source != "transformers":
         raise CheckpointError(
             f"{checkpoint.library.name} builds its models in {checkpoint.load_dtype[0]} whatever "

@@ -121,6 +121,19 @@ def test_plain_export_skips_stack_traces_and_restores_the_setting():
         assert "layer_norm" in cap.program.graph_module.code
 
 
+def test_export_generates_the_graphs_code_once_not_after_each_pass(monkeypatch):
+    made = []
+    python_code = torch.fx.graph.Graph.python_code
+
+    def counted(self, *args, **kwargs):
+        made.append(self)
+        return python_code(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.fx.graph.Graph, "python_code", counted)
+    capture(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)).eval(), torch.randn(2, 4))
+    assert len(made) <= 1  # torch.export's passes recompile six times when eager
+
+
 def test_untraceable_model_names_both_causes_on_one_line():
     class FailsOnExample(nn.Module):
         def forward(self, x):

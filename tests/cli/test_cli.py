@@ -715,3 +715,21 @@ def test_a_chain_checked_against_the_first_model_names_the_cause_first(
         "FAIL: the candidate does not match the plan it records: config.json changes "
         "layer_norm_epsilon"
     ), result.output
+    # a fold's plan is confirmed whatever its config says, and its tensors judged by it: a
+    # tampered tensor still leads
+    from safetensors.torch import load_file, save_file
+
+    fold = copy_dir(folded_dir, tmp_path / "fold")
+    config = json.loads((fold / "config.json").read_text())
+    config["layer_norm_epsilon"] *= 10
+    (fold / "config.json").write_text(json.dumps(config))
+    sd = load_file(fold / "model.safetensors")
+    sd["transformer.h.0.ln_1.bias"] = sd["transformer.h.0.ln_1.bias"] + 1
+    save_file(sd, fold / "model.safetensors", metadata={"format": "pt"})
+    result = runner.invoke(app, ["check", str(gpt2_dir), str(fold), "--static"])
+    headline = result.output.splitlines()[0]
+    assert result.exit_code == 1 and headline.startswith(
+        "FAIL: the weights of the candidate are not what the fold makes of the original's: "
+        "transformer.h.0.ln_1.bias"
+    ), result.output
+    assert headline.endswith("tensors differ; and 1 other problem)"), headline

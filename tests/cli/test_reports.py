@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from enjoyln.bench import LatencyComparison
 from enjoyln.cli import progress, render
 from enjoyln.cli.app import app
-from enjoyln.cli.render import print_latency
+from enjoyln.cli.render import post_ln_note, print_latency
+from enjoyln.plan import FoldPlan, LayerNormEntry
 from enjoyln.rewrite.convert import fold_checkpoint
 from enjoyln.store.load import load, load_plain
 from enjoyln.testing import perturb, tiny_model
@@ -385,4 +386,25 @@ def test_bench_warns_when_its_timings_are_noisy(monkeypatch):
     )
     assert json.loads(result.stdout)["kernels"][0]["warnings"][0].startswith(
         "8x64 float32 LayerNorm"
+    )
+
+
+def test_the_stream_note_counts_its_writers_and_readers():
+    why = "its input includes the output of {}, which is not zero-mean"
+    one, two = FoldPlan("M"), FoldPlan("M")
+    one.layer_norms = [
+        LayerNormEntry("a.pre", "ln", True),
+        LayerNormEntry("a.l0", "ln", False, why.format("a.pre")),
+    ]
+    two.layer_norms = one.layer_norms + [
+        LayerNormEntry("b.pre", "ln", True),
+        LayerNormEntry("b.l0", "ln", False, why.format("b.pre")),
+    ]
+    assert post_ln_note(one) == (
+        "a.pre writes a residual stream, so the stream holds a LayerNorm's output, which is not "
+        "zero-mean: the LayerNorm that reads it after stays."
+    )
+    assert post_ln_note(two) == (
+        "a.pre, b.pre write residual streams, so each holds a LayerNorm's output, which is not "
+        "zero-mean: the 2 LayerNorms that read them after stay."
     )
