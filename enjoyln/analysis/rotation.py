@@ -431,17 +431,9 @@ def plan_rotation(
     not fold, or why the stream cannot be rotated."""
     if not stream.width:
         return "its norms normalize different widths"
-    for e in (
-        stream.entries
-    ):  # a norm the rotation reaches whose affine stays: said first, in the plan's own terms
-        if e.affine not in (AFFINE_FUSED, AFFINE_GAIN):
-            if not e.foldable and not spec.keep_mean:
-                return (
-                    f"{e.name} does not fold, and a LayerNorm commutes only with a rotation that "
-                    "keeps the "
-                    "mean"
-                )
-            return _kept_affine(g, e, calls.get(e.name, []))
+    kept = _kept_affine_reached(g, stream, spec, calls)
+    if kept:
+        return kept
     entries = {ln: e for e in plan.layer_norms for ln in calls.get(e.name, [])}
     rotated: dict[tuple, Rotated] = {}
     untied = {u.param for u in plan.untied}
@@ -463,6 +455,47 @@ def plan_rotation(
     spread.spread(changed)
     if spread.bad:
         return f"the rotation would reach {next(iter(spread.bad.values()))}"
+    why = _absorbed(g, spread, entries, add) or _tapped(g, spread, add)
+    if why:
+        return why
+    return (
+        Rotation(
+            spec.kind,
+            spec.seed,
+            spec.keep_mean,
+            sorted(rotated.values(), key=lambda r: (r.param, r.axis, r.start)),
+            spec.algorithm,
+        ),
+        spread.outputs,
+        {entries[ln].name for ln in spread.absorbed if not entries[ln].foldable},
+    )
+
+
+def _kept_affine_reached(
+    g: GraphIndex, stream: Stream, spec: RotationSpec, calls: dict[str, list[fx.Node]]
+) -> str | None:
+    """Why not, where a norm the rotation reaches keeps its affine: said first, in the plan's own
+    terms."""
+    for e in stream.entries:
+        if e.affine not in (AFFINE_FUSED, AFFINE_GAIN):
+            if not e.foldable and not spec.keep_mean:
+                return (
+                    f"{e.name} does not fold, and a LayerNorm commutes only with a rotation that "
+                    "keeps the "
+                    "mean"
+                )
+            return _kept_affine(g, e, calls.get(e.name, []))
+    return None
+
+
+def _absorbed(
+    g: GraphIndex,
+    spread: RotationSpread,
+    entries: dict[fx.Node, LayerNormEntry],
+    add: Callable[[Rotated], None],
+) -> str | None:
+    """The weights that read each norm the rotation reaches take ``Q``'s transpose (and a fused
+    gain's bias is rotated), or why not."""
     for ln, blocks in spread.absorbed.items():
         e = entries[ln]
         width = shape(ln.args[0])[-1]
@@ -478,6 +511,11 @@ def plan_rotation(
             add(Rotated(f"{e.name}.bias", 0))
     if not spread.absorbed:
         return "no folded norm reads the stream"
+    return None
+
+
+def _tapped(g: GraphIndex, spread: RotationSpread, add: Callable[[Rotated], None]) -> str | None:
+    """The weights that read the stream where it is tapped take ``Q``'s transpose, or why not."""
     for node, (fused, blocks) in spread.taps.items():
         for f in fused:
             ph = g.placeholder_of.get(f.weight)
@@ -494,17 +532,7 @@ def plan_rotation(
                 )
             for b in _blocks(f.start, f.length, blocks):
                 add(Rotated(f.weight, f.axis, start=b[0], length=b[1]))
-    return (
-        Rotation(
-            spec.kind,
-            spec.seed,
-            spec.keep_mean,
-            sorted(rotated.values(), key=lambda r: (r.param, r.axis, r.start)),
-            spec.algorithm,
-        ),
-        spread.outputs,
-        {entries[ln].name for ln in spread.absorbed if not entries[ln].foldable},
-    )
+    return None
 
 
 def _blocks(start: int, length: int, k: int) -> list[tuple[int, int]]:

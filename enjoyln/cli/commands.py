@@ -13,7 +13,7 @@ from rich.markup import escape
 
 from ..errors import CheckFailed, EnjoylnError
 from ..options import Access, CheckOptions, FoldOptions
-from ..plan import FoldPlan, RotationSpec
+from ..plan import MAX_SEED, FoldPlan, RotationSpec
 from ..store.locate import precheck_model_dir, resolve_model_dir
 from ..store.quiet import quiet_libraries
 from ..store.transaction import check_out_dir
@@ -141,7 +141,7 @@ def rotate(
     kind: Annotated[
         str, typer.Option(help="hadamard (randomized Hadamard, as QuaRot) or random (Haar).")
     ] = "hadamard",
-    seed: Annotated[int, typer.Option(min=0, max=2**64 - 1, help="Seed of the rotation.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed of the rotation.")] = 0,
     keep_mean: Annotated[
         bool,
         typer.Option(

@@ -111,12 +111,12 @@ def post_ln_note(plan: FoldPlan) -> str | None:
     """Why LayerNorms that read another's output stay, where the plan shows it: a post-LN model
     (BERT), whose blocks' LNs each read the one before, or a stream an LN writes (CLIP's vision
     tower's pre_layrnorm), read by the LNs after it."""
+    names = {e.name for e in plan.layer_norms}
     unfoldable = {e.name for e in plan.layer_norms if not e.foldable}
     feeders = {
         e.name: m.group(1)
         for e in plan.layer_norms
-        if not e.foldable and (m := _FEEDS.search(e.reason))
-        if m.group(1) in {n.name for n in plan.layer_norms}
+        if not e.foldable and (m := _FEEDS.search(e.reason)) and m.group(1) in names
     }
     if not feeders:
         return None

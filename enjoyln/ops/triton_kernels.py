@@ -4,6 +4,9 @@ tested on CPU with TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 import triton
 import triton.language as tl
@@ -217,6 +220,23 @@ def _rows_of(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     return t, t.stride(0)
 
 
+def _rows_and_outputs(
+    x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[tuple[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, int, torch.Tensor]]:
+    """(x as rows, its row stride, y) and (the residual as rows, its stride, the sum S), each made
+    contiguous only where its rows are not evenly strided."""
+    n = x.shape[-1]
+    if x.is_contiguous():
+        x2, sx, y = x, n, torch.empty_like(x)
+    else:
+        x2, sx = _rows_of(x, n)
+        y = torch.empty_like(x2, memory_format=torch.contiguous_format)
+    if residual is None:  # R and S are never read: any valid pointer
+        return (x2, sx, y), (x2, sx, y)
+    r2, sr = (residual, n) if residual.is_contiguous() else _rows_of(residual, n)
+    return (x2, sx, y), (r2, sr, torch.empty_like(y))
+
+
 def _launch(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -231,15 +251,7 @@ def _launch(
     ``config`` forces a kernel and its launch (tests); ``cached=False`` takes Triton's own
     launcher."""
     n = x.shape[-1]
-    if x.is_contiguous():
-        x2, sx, y = x, n, torch.empty_like(x)
-    else:
-        x2, sx = _rows_of(x, n)
-        y = torch.empty_like(x2, memory_format=torch.contiguous_format)
-    r2, sr, s = x2, sx, y  # without a residual, R and S are never read: any valid pointer
-    if residual is not None:
-        r2, sr = (residual, n) if residual.is_contiguous() else _rows_of(residual, n)
-        s = torch.empty_like(y)
+    (x2, sx, y), (r2, sr, s) = _rows_and_outputs(x, residual)
     rows = x2.numel() // n if n else 0
     if rows:
         cfg = config or launch_config(n)
@@ -264,9 +276,8 @@ def _launch(
             cfg.block,
             cfg.rows,
         )
-        ptrs = x2.data_ptr() | r2.data_ptr() | y.data_ptr() | s.data_ptr()
-        ptrs |= (weight.data_ptr() if weight is not None else 0) | (
-            bias.data_ptr() if bias is not None else 0
+        ptrs = functools.reduce(
+            operator.or_, (t.data_ptr() for t in (x2, r2, y, s, weight, bias) if t is not None)
         )
         # The key must tell apart every specialisation Triton's launcher makes: each pointer's
         # dtype and 16-byte alignment (only aligned ones are cached), each integer's class (the
