@@ -132,7 +132,7 @@ static inline lanes fma_lanes(lanes x, double c, lanes acc) {
  * time, then four, then one, each its own sum in order of b (acc = x[0] c[0], then acc = fma(x[b], c[b],
  * acc)), so that eight chains overlap the multiply-add's latency; how many run side by side changes no
  * output's order. */
-static void mix_lanes(lanes* restrict y, const lanes* restrict xt, const double* restrict bt, int64_t m) {
+static void mix_one(lanes* restrict y, const lanes* restrict xt, const double* restrict bt, int64_t m) {
     int64_t d = 0;
     for (; d + 8 <= m; d += 8) {
         const double* c[8];
@@ -162,6 +162,86 @@ static void mix_lanes(lanes* restrict y, const lanes* restrict xt, const double*
         for (int64_t b = 1; b < m; b++) acc = fma_lanes(xt[b], c[b], acc);
         y[d] = acc;
     }
+}
+
+/* u and v kept in registers: GCC would fold a load of each into every multiply-add that reads them
+ * (a vector of lanes fits one register only with AVX). */
+#if defined(__AVX__)
+#define HOLD(u, v) __asm__("" : "+x"(u), "+x"(v))
+#else
+#define HOLD(u, v) ((void)0)
+#endif
+
+/* Outputs d .. d + t of two positions at once (x0 -> y0, x1 -> y1), every chain as mix_one runs it: each
+ * coefficient loaded once for two multiply-adds, and 2 t chains side by side (t a constant once inlined). */
+static inline void mix_two_outputs(lanes* restrict y0, lanes* restrict y1, const lanes* restrict x0,
+                                   const lanes* restrict x1, const double* restrict bt, int64_t m, int64_t d,
+                                   int t) {
+    const double* c[4];
+    lanes a0[4], a1[4];
+    for (int j = 0; j < t; j++) c[j] = bt + (d + j) * m, a0[j] = x0[0] * c[j][0], a1[j] = x1[0] * c[j][0];
+    for (int64_t b = 1; b < m; b++) {
+        lanes u = x0[b], v = x1[b];
+        HOLD(u, v);
+        for (int j = 0; j < t; j++) {
+            const double cj = c[j][b];
+            a0[j] = fma_lanes(u, cj, a0[j]);
+            a1[j] = fma_lanes(v, cj, a1[j]);
+        }
+    }
+    for (int j = 0; j < t; j++) y0[d + j] = a0[j], y1[d + j] = a1[j];
+}
+
+/* Outputs d .. d + t of g neighbouring positions (x + p m -> y + p m), t g <= 8 chains side by side,
+ * each as mix_one runs it (t and g constants once inlined). */
+static inline void mix_across(lanes* restrict y, const lanes* restrict x, const double* restrict bt, int64_t m,
+                              int64_t d, int t, int g) {
+    lanes acc[8];
+    for (int j = 0; j < t; j++)
+        for (int p = 0; p < g; p++) acc[j * g + p] = x[p * m] * bt[(d + j) * m];
+    for (int64_t b = 1; b < m; b++)
+        for (int j = 0; j < t; j++) {
+            const double cj = bt[(d + j) * m + b];
+            for (int p = 0; p < g; p++) acc[j * g + p] = fma_lanes(x[p * m + b], cj, acc[j * g + p]);
+        }
+    for (int j = 0; j < t; j++)
+        for (int p = 0; p < g; p++) y[p * m + d + j] = acc[j * g + p];
+}
+
+/* The last m % 4 outputs (m is odd: one or three) of count positions, eight or two positions at a time
+ * where they are there. */
+static void mix_tail(lanes* restrict y, const lanes* restrict x, const double* restrict bt, int64_t m, int64_t count) {
+    const int64_t d = m - m % 4;
+    int64_t a = 0;
+    switch (m % 4) {
+        case 1:
+            for (; a + 8 <= count; a += 8) mix_across(y + a * m, x + a * m, bt, m, d, 1, 8);
+            for (; a + 2 <= count; a += 2) mix_across(y + a * m, x + a * m, bt, m, d, 1, 2);
+            break;
+        case 3:
+            for (; a + 2 <= count; a += 2) mix_across(y + a * m, x + a * m, bt, m, d, 3, 2);
+            break;
+    }
+    for (; a < count && m % 4; a++)
+        for (int64_t e = d; e < m; e++) mix_across(y + a * m, x + a * m, bt, m, e, 1, 1);
+}
+
+/* x[a*m + :] B for the count positions a from xt[count * m] into y[count * m]: two positions at a time,
+ * four outputs of each per pass (six loads for eight multiply-adds, where one position alone needs nine),
+ * then the last outputs across several positions; each output the same chain as mix_one's. */
+static void mix_lanes(lanes* restrict y, const lanes* restrict xt, const double* restrict bt, int64_t m,
+                      int64_t count) {
+    if (count == 1) {
+        mix_one(y, xt, bt, m);
+        return;
+    }
+    int64_t a = 0;
+    for (; a + 2 <= count; a += 2)
+        for (int64_t d = 0; d + 4 <= m; d += 4) mix_two_outputs(y + a * m, y + (a + 1) * m, xt + a * m,
+                                                                xt + (a + 1) * m, bt, m, d, 4);
+    for (; a < count; a++)
+        for (int64_t d = 0; d + 4 <= m; d += 4) mix_across(y + a * m, xt + a * m, bt, m, d, 4, 1);
+    mix_tail(y, xt, bt, m, count);
 }
 
 /* Levels h = h0, 2 h0, ... below k of the Walsh-Hadamard transform along a on y[k][m], in order:
@@ -345,7 +425,7 @@ static inline void transpose(lanes* r) {
         for (int64_t j = 0; j < count; j++)                                                  \
             v[j] = (scale ? SC(v[j], scale[i0 + j]) : v[j]) * pre[i0 + j];                   \
         if (m > 1)                                                                           \
-            for (int64_t a = a0; a < a0 + kb; a++) mix_lanes(yq + a * m, v + (a - a0) * m, bt, m); \
+            mix_lanes(yq + a0 * m, v, bt, m, kb);                                           \
         hadamard_lanes(yq + a0 * m, kb, m, 1);                                               \
     }
 
