@@ -35,6 +35,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -45,6 +46,11 @@ from _docs import machine, replace_section  # noqa: E402
 from bench_bounded_check import build as build_gpt2  # noqa: E402
 from bench_check import enjoyln, fastest, files, run_once, size  # noqa: E402
 
+SETTLE = 15.0
+"""Seconds between removing a command's output and the next timed command: long enough for the
+guest to hand the freed pages back (cp of a 4 GB checkpoint took 3.4-4.7 s right after removing
+the previous copy, 6.5-8.3 s five to ten seconds after, on the machine of docs/performance.md)."""
+
 DEPTHS = {2048: (2, 8), 1600: (3, 12), 4544: (1, 4)}
 """Layers of the two checkpoints of each width (vocabulary 8192): each at least 0.4 GB, and a
 difference of over a gigabyte, so that the start-up's variation does not swamp it."""
@@ -53,9 +59,11 @@ difference of over a gigabyte, so that the start-up's variation does not swamp i
 def measure_width(width: int, work: Path, repeat: int) -> list[dict]:
     """The commands on both sizes of one width; each result keyed by command. The rotated
     checkpoints the checks read are written first, untimed; then every timed command that writes
-    writes to ``out``, removed after it, so that each meets the page cache in the same state (on a
-    virtual machine, pages the guest freed long ago cost the host a fault each when written again,
-    and recently freed ones do not)."""
+    writes to ``out``, removed after it, and the next run starts ``SETTLE`` seconds later, so that
+    each meets the page cache in the same state: on a virtual machine, pages the guest freed long
+    ago cost the host a fault each when written again, and pages freed a moment ago do not. Without
+    the wait ``cp`` wrote into the pages the previous output had just given back, while ``rotate``
+    (whose writes begin seconds into its start-up) met them already returned to the host."""
     refs, rotated = [], []
     for layers in DEPTHS.get(width, (2, 4)):
         ref, out = work / f"ref-{width}-{layers}", work / f"rotated-{width}-{layers}"
@@ -97,7 +105,9 @@ def measure_width(width: int, work: Path, repeat: int) -> list[dict]:
                 runs[key][j].append(
                     run_once(cmd(ref, rot, work / "out"), f"{key} ({ref.name})", reads(ref, rot))
                 )
-                shutil.rmtree(work / "out", ignore_errors=True)
+                if (work / "out").exists():
+                    shutil.rmtree(work / "out", ignore_errors=True)
+                    time.sleep(SETTLE)
     results: list[dict] = [
         {key: fastest(runs[key][j]) for key in commands} for j in range(len(refs))
     ]
@@ -177,7 +187,11 @@ def widths_table(results: dict[int, list[dict]], repeat: int, load: str) -> str:
             "each rotated "
             f"output. GPT-2-shaped fp32 checkpoints, vocabulary 8192; each command run {repeat} "
             f"time{'s' if repeat != 1 else ''}, the two "
-            f"sizes alternating, the fastest counting; {machine()}; {load}. Each command also "
+            "sizes alternating, the fastest counting; each command that writes started "
+            f"{SETTLE:g} s after the previous output was removed (on a virtual machine, pages "
+            "freed a moment before are cheaper to write than ones the host has taken back; "
+            "without the wait `cp` got the cheap ones and `rotate` did not); "
+            f"{machine()}; {load}. Each command also "
             "pays its start-up (importing torch and transformers, the analysis: about 10 s, "
             "varying by a second from run to run), which the difference cancels only on average: "
             "the ratios, measured side by side, mean more than the rates (– : the larger "
@@ -267,6 +281,7 @@ def measure_big(work: Path, layers: int) -> str:
     print(f"Falcon-180B-shaped, {layers} layers: {total / 1e9:.2f} GB", flush=True)
     cp = run_once(["cp", "-r", str(ref), str(work / "copy")], "cp", (ref,))
     shutil.rmtree(work / "copy")
+    time.sleep(SETTLE)
     rot = run_once(enjoyln("rotate", ref, out, "--no-check"), "rotate", (ref,))
     static = run_once(enjoyln("check", ref, out, "--static"), "check --static", (ref, out))
     cat = run_once(

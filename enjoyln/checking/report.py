@@ -7,6 +7,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+SWAPPED = (
+    "the reference is itself a fold by enjoyln and the candidate holds none: the two look given "
+    "in the wrong order (the original comes first: enjoyln check ORIGINAL FOLDED)"
+)
+"""Why a failed check of an unfolded candidate against a folded reference most likely failed."""
+
 
 def worse(a: float, b: float) -> float:
     """``max`` that a NaN cannot lower (Python's ``max(0.0, nan)`` is 0.0)."""
@@ -192,6 +198,12 @@ class CheckReport:
         return f"PASS: {subject} computes the same outputs ({'; '.join(parts)}){caveat}"
 
     def _what_differs(self, subject: str) -> str:
+        static = self.static
+        if getattr(static, "swapped", False):  # the likely cause first; the differences as given
+            return f"{SWAPPED}; as given, {self._weights_differ(subject)}"
+        return self._weights_differ(subject)
+
+    def _weights_differ(self, subject: str) -> str:
         static = self.static
         if static is not None and not static.passed:
             problems = static.problems

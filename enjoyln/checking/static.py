@@ -72,6 +72,9 @@ class StaticReport:
     lacking: list[str] = field(default_factory=list)
     """The same, counted as the reference's model holds them (its tied names once), as the fold
     counts them."""
+    swapped: bool = False
+    """Failed, with a reference that records a fold by enjoyln and a candidate that records none:
+    most likely the two given in the wrong order."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -200,6 +203,7 @@ def static_check(
         judged,
         missing=missing,
         lacking=as_reference_holds(ref, missing),
+        swapped=not judged.passed and "enjoyln" in ref.config and "enjoyln" not in cand.config,
         bytes_read=sum(r.bytes_read for r in readers),
         seconds=time.perf_counter() - start,
     )

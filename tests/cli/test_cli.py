@@ -4,6 +4,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -687,6 +688,35 @@ def test_a_rotation_without_keep_mean_is_not_folded_or_rotated_again(gpt2_dir, t
     kept = runner.invoke(app, ["rotate", str(gpt2_dir), str(tmp_path / "km"), "--no-check"])
     again = runner.invoke(app, ["rotate", str(tmp_path / "km"), str(tmp_path / "km2"), "--static"])
     assert kept.exit_code == 0 and again.exit_code == 0, again.output
+
+
+def test_a_check_given_in_the_wrong_order_says_so_first(gpt2_dir, folded_dir, tmp_path):
+    """The fold first and the original second fails (the original holds none of the fold's
+    tensors): the verdict leads with the likely cause, then the differences as given; the right
+    order passes, and a failing candidate that is itself a fold gets no such guess."""
+    for flags in (["--static"], []):
+        result = runner.invoke(app, ["check", str(folded_dir), str(gpt2_dir), *flags, "--json"])
+        assert result.exit_code == 1, result.output
+        report = json.loads(result.output)
+        assert report["verdict"].startswith(
+            "FAIL: the reference is itself a fold by enjoyln and the candidate holds none: the "
+            "two look given in the wrong order (the original comes first"
+        ), report["verdict"]
+        assert "; as given, the weights of the candidate are not what" in report["verdict"]
+        assert report["static"]["swapped"] is True
+        right = runner.invoke(app, ["check", str(gpt2_dir), str(folded_dir), *flags])
+        assert right.exit_code == 0, right.output
+    refolded = tmp_path / "refolded"
+    shutil.copytree(folded_dir, refolded)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(refolded / "model.safetensors")
+    weights["transformer.h.0.mlp.c_fc.weight"][0, 0] += 1
+    save_file(weights, refolded / "model.safetensors", metadata={"format": "pt"})
+    result = runner.invoke(app, ["check", str(folded_dir), str(refolded), "--static", "--json"])
+    report = json.loads(result.output)
+    assert result.exit_code == 1 and report["static"]["swapped"] is False
+    assert "wrong order" not in report["verdict"], report["verdict"]
 
 
 def test_a_chain_checked_against_the_first_model_names_the_cause_first(
