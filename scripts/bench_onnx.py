@@ -28,14 +28,8 @@ import transformers
 import enjoyln
 from enjoyln.bench import compare_latency
 from enjoyln.analysis.inputs import hf_example_inputs
-from enjoyln.export.onnx import (
-    LN_OPS,
-    RMS_OPS,
-    deployment_inputs,
-    export_onnx,
-    ort_feed,
-    ort_session,
-)
+from enjoyln.export.onnx import deployment_inputs, export_onnx, ort_feed, ort_session
+from enjoyln.export.optimize import LN_OPS, RMS_OPS
 from enjoyln.testing import perturb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

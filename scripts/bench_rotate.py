@@ -5,7 +5,8 @@ For each width (2048, 1600 and 4544 by default: a power of two, GPT-2 XL's and F
 odd parts are 1, 25 and 71), builds two GPT-2-shaped fp32 checkpoints of different depth (each at
 least 0.4 GB; LayerNorm gains and biases moved away from their init), then runs in its own process,
 each ``--repeat`` times after a ``sync`` with every file it reads in the page cache, the two sizes
-alternating (the fastest time and the largest peak RSS count):
+one after the other (each marginal the median of the repeats' paired differences; the largest
+peak RSS counts):
 
 - ``cp -r`` of the reference, and ``cat`` of the reference and the rotated checkpoint (the read
 floor);
@@ -33,6 +34,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -109,7 +111,8 @@ def measure_width(width: int, work: Path, repeat: int) -> list[dict]:
                     shutil.rmtree(work / "out", ignore_errors=True)
                     time.sleep(SETTLE)
     results: list[dict] = [
-        {key: fastest(runs[key][j]) for key in commands} for j in range(len(refs))
+        {key: {**fastest(runs[key][j]), "runs": runs[key][j]} for key in commands}
+        for j in range(len(refs))
     ]
     for j, (ref, rot) in enumerate(zip(refs, rotated)):
         results[j]["check"] = run_once(
@@ -121,28 +124,50 @@ def measure_width(width: int, work: Path, repeat: int) -> list[dict]:
     return results
 
 
-def width_rows(width: int, small: dict, large: dict) -> tuple[str, dict]:
-    """One table row for a width, and its ratios."""
+def paired(small: dict, large: dict, key: str, field: str) -> list[float]:
+    """The larger checkpoint's ``field`` (seconds, cpu) minus the smaller's, repeat by repeat: the
+    two ran one after the other, so each difference meets the machine in one state."""
+    return [b[field] - a[field] for a, b in zip(small[key]["runs"], large[key]["runs"])]
 
-    def marginal(key: str, by: str) -> float:
+
+def width_rows(width: int, small: dict, large: dict) -> tuple[str, dict]:
+    """One table row for a width, and its ratios: each marginal the median of the repeats' paired
+    differences, each ratio's range that of the repeats' own ratios."""
+
+    def rate(by: str, dt: float) -> float:
         """NaN where the larger checkpoint took no longer: other jobs swamped the difference."""
-        dt = large[key]["seconds"] - small[key]["seconds"]
         return (large[by] - small[by]) / dt / 1e9 if dt > 0 else math.nan
+
+    def marginal(key: str, by: str, field: str = "seconds") -> float:
+        return rate(by, statistics.median(paired(small, large, key, field)))
+
+    def spread(key: str, base: str, by: str, base_by: str) -> tuple[float, float]:
+        ratios = [
+            rate(by, d) / rate(base_by, b)
+            for d, b in zip(
+                paired(small, large, key, "seconds"), paired(small, large, base, "seconds")
+            )
+        ]
+        return min(ratios), max(ratios)
 
     def per_cpu(key: str, by: str) -> float:
         """GB per second of CPU time (user and system, all threads), marginal: what the work costs
         the cores."""
-        dt = large[key]["cpu"] - small[key]["cpu"]
-        return (large[by] - small[by]) / dt / 1e9 if dt > 0 else math.nan
+        return marginal(key, by, "cpu")
 
     def f(x: float) -> str:
         return f"{x:.2f}" if math.isfinite(x) else "–"
+
+    def span(lo_hi: tuple[float, float]) -> str:
+        return f"({f(lo_hi[0])}–{f(lo_hi[1])})"
 
     cp, cat = marginal("cp", "bytes_ref"), marginal("cat", "bytes_both")
     rot, static = marginal("rotate", "bytes_ref"), marginal("static", "bytes_both")
     ratios = {
         "rotate/cp": rot / cp,
         "static/cat": static / cat,
+        "rotate/cp range": spread("rotate", "cp", "bytes_ref", "bytes_ref"),
+        "static/cat range": spread("static", "cat", "bytes_both", "bytes_both"),
         "rotate cpu": per_cpu("rotate", "bytes_ref"),
         "static cpu": per_cpu("static", "bytes_both"),
         "check/static": large["check"]["seconds"] / large["static"]["seconds"],
@@ -153,8 +178,10 @@ def width_rows(width: int, small: dict, large: dict) -> tuple[str, dict]:
     row = (
         f"| {width} = {k} × {width // k} | {small['bytes_ref'] / 1e9:.2f} / "
         f"{large['bytes_ref'] / 1e9:.2f} GB "
-        f"| {f(cp)} | {f(rot)} | **{f(ratios['rotate/cp'])}** | {f(cat)} | {f(static)} "
-        f"| **{f(ratios['static/cat'])}** | {f(ratios['rotate cpu'])} / {f(ratios['static cpu'])} "
+        f"| {f(cp)} | {f(rot)} | **{f(ratios['rotate/cp'])}** {span(ratios['rotate/cp range'])} "
+        f"| {f(cat)} | {f(static)} | **{f(ratios['static/cat'])}** "
+        f"{span(ratios['static/cat range'])} "
+        f"| {f(ratios['rotate cpu'])} / {f(ratios['static cpu'])} "
         f"| {ratios['check/static']:.2f} | "
         f"{' / '.join(f'{v / 2**30:.2f}' for v in ratios['rss'].values())} GiB "
         f"| {'passed' if ratios['passed'] else 'FAILED'} |"
@@ -187,7 +214,9 @@ def widths_table(results: dict[int, list[dict]], repeat: int, load: str) -> str:
             "each rotated "
             f"output. GPT-2-shaped fp32 checkpoints, vocabulary 8192; each command run {repeat} "
             f"time{'s' if repeat != 1 else ''}, the two "
-            "sizes alternating, the fastest counting; each command that writes started "
+            "sizes one after the other, each marginal the median of the repeats' paired "
+            "differences (in parentheses, the range of the repeats' own ratios); each command "
+            "that writes started "
             f"{SETTLE:g} s after the previous output was removed (on a virtual machine, pages "
             "freed a moment before are cheaper to write than ones the host has taken back; "
             "without the wait `cp` got the cheap ones and `rotate` did not); "
@@ -332,7 +361,10 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--widths", default="2048,1600,4544")
     parser.add_argument(
-        "--repeat", type=int, default=1, help="runs of each command; the fastest counts"
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each command; the median of the paired differences counts",
     )
     parser.add_argument(
         "--big", action="store_true", help="the Falcon-180B-shaped checkpoint instead"

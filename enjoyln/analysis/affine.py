@@ -10,17 +10,8 @@ from torch import fx
 
 from .graph import GraphIndex, arg, norm_dim, op_name, reads_value, shape
 from ..plan import AFFINE_FUSED, AFFINE_GAIN, AFFINE_KEPT, Fused, LayerNormEntry, Untie
-from .rules import (
-    CAST_OPS,
-    CAT_OPS,
-    DROPOUT_OPS,
-    LINEAR_LAYOUTS,
-    RESHAPE_OPS,
-    SPLIT_OPS,
-    Refusal,
-    carry,
-    other_reads,
-)
+from .rules import CAST_OPS, CAT_OPS, DROPOUT_OPS, RESHAPE_OPS, SPLIT_OPS, Refusal, carry
+from .sources import LINEAR_LAYOUTS, other_reads
 
 # ops that only move values around, so every element still carries its own feature's γ and β; a
 # mean over other axes than the features too (the mean of γ ⊙ r + β is γ ⊙ mean(r) + β; a sum would

@@ -17,17 +17,13 @@ from .rules import (
     SUM,
     Layout,
     Refusal,
-    Source,
     carry,
     carry_all,
     kind_of,
-    linear_terms,
-    param_source,
-    per_feature_param,
     per_row,
-    source_of,
     split_axis,
 )
+from .sources import Source, linear_terms, param_source, per_feature_param, source_of
 
 
 @dataclass(frozen=True)

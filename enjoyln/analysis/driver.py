@@ -17,7 +17,8 @@ from .dataflow import Dataflow, NotZero, Zero
 from .graph import FUNCTIONAL_LN, GN_OPS, LN_OPS, GraphIndex, arg, op_name, shape
 from .norms import NormForm, NormModules, norm_module_paths
 from .rotation import plan_rotations
-from .rules import DROPOUT_OPS, Source, kind_of
+from .rules import DROPOUT_OPS, kind_of
+from .sources import Source
 from .soundness import ShiftSoundness, gn_groups
 
 Weights = Mapping[str, torch.Tensor] | None

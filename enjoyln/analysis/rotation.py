@@ -31,19 +31,8 @@ from ..plan import (
     Rotation,
     RotationSpec,
 )
-from .rules import (
-    CAT_OPS,
-    MAP,
-    RESHAPE_OPS,
-    SCALE,
-    SUM,
-    Refusal,
-    Source,
-    carry,
-    kind_of,
-    other_reads,
-    per_row,
-)
+from .rules import CAT_OPS, MAP, RESHAPE_OPS, SCALE, SUM, Refusal, carry, kind_of, per_row
+from .sources import Source, other_reads
 from .soundness import Flags, Hits, Shift, Spread
 
 

@@ -14,20 +14,8 @@ from torch import fx
 
 from .graph import GN_OPS, LN_OPS, GraphIndex, arg, op_name, reads_value, shape
 from ..plan import AuxCentering, Untie
-from .rules import (
-    MAP,
-    SCALE,
-    SUM,
-    Layout,
-    Refusal,
-    Source,
-    carry_all,
-    kind_of,
-    linear_reads,
-    other_reads,
-    per_row,
-    split_axis,
-)
+from .rules import MAP, SCALE, SUM, Layout, Refusal, carry_all, kind_of, per_row, split_axis
+from .sources import Source, linear_reads, other_reads
 
 
 @dataclass(frozen=True)

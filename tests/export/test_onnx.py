@@ -17,7 +17,8 @@ for name in ("onnx", "onnxscript", "onnxruntime"):
 import onnx  # noqa: E402
 
 from enjoyln.analysis.inputs import Inputs  # noqa: E402
-from enjoyln.export.onnx import RMS_OPS, export_onnx, ort_session, second_shape  # noqa: E402
+from enjoyln.export.onnx import export_onnx, ort_session, second_shape  # noqa: E402
+from enjoyln.export.optimize import RMS_OPS  # noqa: E402
 from enjoyln.options import FoldOptions
 
 
