@@ -142,12 +142,16 @@ def width_rows(width: int, small: dict, large: dict) -> tuple[str, dict]:
         return rate(by, statistics.median(paired(small, large, key, field)))
 
     def spread(key: str, base: str, by: str, base_by: str) -> tuple[float, float]:
+        """The repeats' own ratios, lowest and highest; NaN for both where a repeat's larger
+        checkpoint took no longer (min and max would drop a NaN, or not, by its place)."""
         ratios = [
             rate(by, d) / rate(base_by, b)
             for d, b in zip(
                 paired(small, large, key, "seconds"), paired(small, large, base, "seconds")
             )
         ]
+        if not all(math.isfinite(r) for r in ratios):
+            return math.nan, math.nan
         return min(ratios), max(ratios)
 
     def per_cpu(key: str, by: str) -> float:
@@ -159,7 +163,7 @@ def width_rows(width: int, small: dict, large: dict) -> tuple[str, dict]:
         return f"{x:.2f}" if math.isfinite(x) else "–"
 
     def span(lo_hi: tuple[float, float]) -> str:
-        return f"({f(lo_hi[0])}–{f(lo_hi[1])})"
+        return f"({f(lo_hi[0])}–{f(lo_hi[1])})" if math.isfinite(lo_hi[0]) else "(–)"
 
     cp, cat = marginal("cp", "bytes_ref"), marginal("cat", "bytes_both")
     rot, static = marginal("rotate", "bytes_ref"), marginal("static", "bytes_both")

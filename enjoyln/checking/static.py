@@ -203,10 +203,18 @@ def static_check(
         judged,
         missing=missing,
         lacking=as_reference_holds(ref, missing),
-        swapped=not judged.passed and "enjoyln" in ref.config and "enjoyln" not in cand.config,
+        swapped=not judged.passed and _records_fold(ref) and "enjoyln" not in cand.config,
         bytes_read=sum(r.bytes_read for r in readers),
         seconds=time.perf_counter() - start,
     )
+
+
+def _records_fold(ck: Checkpoint) -> bool:
+    """Whether ``ck`` records a fold's plan (an empty or malformed block records none)."""
+    try:
+        return ck.recorded_plan is not None
+    except CheckpointError:
+        return False
 
 
 def _resolve_plan(ref: Checkpoint, cand: Checkpoint, dtype: str | None) -> _Resolved:

@@ -717,6 +717,14 @@ def test_a_check_given_in_the_wrong_order_says_so_first(gpt2_dir, folded_dir, tm
     report = json.loads(result.output)
     assert result.exit_code == 1 and report["static"]["swapped"] is False
     assert "wrong order" not in report["verdict"], report["verdict"]
+    # a reference whose enjoyln block records no plan is no fold: no guess either
+    blank = tmp_path / "blank"
+    shutil.copytree(gpt2_dir, blank)
+    config = json.loads((blank / "config.json").read_text())
+    (blank / "config.json").write_text(json.dumps({**config, "enjoyln": {}}))
+    result = runner.invoke(app, ["check", str(blank), str(gpt2_dir), "--static", "--json"])
+    report = json.loads(result.output)
+    assert result.exit_code == 1 and report["static"]["swapped"] is False, result.output
 
 
 def test_a_chain_checked_against_the_first_model_names_the_cause_first(
