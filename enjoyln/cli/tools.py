@@ -291,35 +291,19 @@ def bench(
 
     Example: enjoyln bench --no-kernels --threads 2
     """
-    kernels, shapes, shape_list, dtype_names = (
-        kernel_run.on,
-        kernel_run.text,
-        kernel_run.shapes,
-        kernel_run.dtypes,
-    )
-    m = model_run
-    e2e, batch, seq_len, repeats, seconds, model_dtype, compile_ = (
-        m.e2e,
-        m.batch,
-        m.seq_len,
-        m.repeats,
-        m.seconds,
-        m.dtype,
-        m.compile,
-    )
     device, plot = parse_device(device), parse_plot(plot)
     results, e2e_result = [], None
     with Display(err, enabled=not as_json and not state.quiet) as display:
+        m = model_run
         src = (
             model_dir_of(model_dir, revision, access, display)
-            if model_dir is not None and (e2e or compile_)
+            if model_dir is not None and (m.e2e or m.compile)
             else None
         )
         display.stage(IMPORTING)
         import torch
 
-        from .. import bench as timing, ops
-        from ..analysis.inputs import hf_example_inputs
+        from .. import ops
 
         check_cuda(device)
         if threads is not None:
@@ -328,60 +312,84 @@ def bench(
         display.stop()
         if not as_json:
             say(f"backends: {ops.status()}; {torch.get_num_threads()} threads")
-        if kernels:
+        if kernel_run.on:
             results = _phase(
                 display,
                 payload,
                 "kernels",
                 "timing the norm kernels",
                 lambda: _kernel_benchmark(
-                    shape_list, [getattr(torch, n) for n in dtype_names], shapes, device
+                    kernel_run.shapes,
+                    [getattr(torch, n) for n in kernel_run.dtypes],
+                    kernel_run.text,
+                    device,
                 ),
                 print_kernels,
                 as_json,
             )
-        if e2e or compile_:
-            display.stage("loading and folding the model")
-            cast = getattr(torch, model_dtype) if model_dtype else None
-            original, folded = timing.models_to_compare(src, device, cast, access)
-            inputs = hf_example_inputs(original, batch=batch, seq_len=seq_len)
-            forward_s = timing.forward_seconds(original, inputs)
-            _estimate(
-                display,
-                forward_s,
-                (timing.end_to_end_seconds(forward_s, repeats, seconds) if e2e else 0.0)
-                + (timing.latency_seconds(forward_s, repeats, seconds) if compile_ else 0.0),
-                as_json,
-                ", plus compiling both models" if compile_ else "",
-            )
-        if e2e:
-            e2e_result = _phase(
-                display,
-                payload,
-                "e2e",
-                f"timing end to end for at least {repeats} pairs of runs",
-                lambda: timing.end_to_end(
-                    original, folded, inputs, repeats=repeats, seconds=seconds
-                ),
-                lambda r: print_end_to_end(r, type(original).__name__, batch, seq_len),
-                as_json,
-            )
-        if compile_:
-            _phase(
-                display,
-                payload,
-                "compiled",
-                "compiling both models and timing them",
-                lambda: timing.compiled_comparison(
-                    original, folded, inputs, repeats=repeats, seconds=seconds
-                ),
-                print_compiled,
-                as_json,
-            )
+        if m.e2e or m.compile:
+            e2e_result = _bench_models(display, payload, src, device, m, access, as_json)
     if plot is not None:
         _save_plot(plot, results, e2e_result, as_json)
     if as_json:
         print_json(payload)
+
+
+def _bench_models(
+    display: Display,
+    payload: dict[str, Any],
+    src: Any,
+    device: str,
+    m: SimpleNamespace,
+    access: Access,
+    as_json: bool,
+) -> Any:
+    """The model phases of ``bench``: load and fold, estimate, then end to end and compiled as
+    asked; the end-to-end result, or None."""
+    import torch
+
+    from .. import bench as timing
+    from ..analysis.inputs import hf_example_inputs
+
+    display.stage("loading and folding the model")
+    cast = getattr(torch, m.dtype) if m.dtype else None
+    original, folded = timing.models_to_compare(src, device, cast, access)
+    inputs = hf_example_inputs(original, batch=m.batch, seq_len=m.seq_len)
+    forward_s = timing.forward_seconds(original, inputs)
+    _estimate(
+        display,
+        forward_s,
+        (timing.end_to_end_seconds(forward_s, m.repeats, m.seconds) if m.e2e else 0.0)
+        + (timing.latency_seconds(forward_s, m.repeats, m.seconds) if m.compile else 0.0),
+        as_json,
+        ", plus compiling both models" if m.compile else "",
+    )
+    e2e_result = None
+    if m.e2e:
+        e2e_result = _phase(
+            display,
+            payload,
+            "e2e",
+            f"timing end to end for at least {m.repeats} pairs of runs",
+            lambda: timing.end_to_end(
+                original, folded, inputs, repeats=m.repeats, seconds=m.seconds
+            ),
+            lambda r: print_end_to_end(r, type(original).__name__, m.batch, m.seq_len),
+            as_json,
+        )
+    if m.compile:
+        _phase(
+            display,
+            payload,
+            "compiled",
+            "compiling both models and timing them",
+            lambda: timing.compiled_comparison(
+                original, folded, inputs, repeats=m.repeats, seconds=m.seconds
+            ),
+            print_compiled,
+            as_json,
+        )
+    return e2e_result
 
 
 def _save_plot(plot: Path, results: list[Any], e2e_result: Any, as_json: bool) -> None:
