@@ -335,7 +335,7 @@ class Verifier:
         right from both mapped files (``StreamedTensors.equal_in_file``); the rest, and any that
         differs, are left to the reading path, which says where."""
         decided: dict[str, tuple[bool, bool]] = {}
-        into = Buffer()
+        into = Buffer(), Buffer()
         for p in order:
             out = self.expected.outputs.get(p.cand)
             if not (

@@ -22,8 +22,6 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from ..ops.compare import same_bytes
-
 WHOLE_BYTES = 64 << 20
 """A tensor up to this size is worked on whole; a larger one in pieces."""
 
@@ -62,6 +60,11 @@ class Piece:
         width = (cols.stop - cols.start) * itemsize
         for i in range(n):
             yield ((first * n + i) * inner + cols.start) * itemsize, i * width, width
+
+    def lies_at(self, itemsize: int) -> int | None:
+        """The byte offset in the tensor where the piece lies whole, as its own contiguous tensor
+        (a run of rows); None for a block of columns."""
+        return next(self.runs(itemsize))[0] if self.dims[2] == 1 else None
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
         """The piece of ``t`` (the whole tensor: a mapped file's), a view in the piece's shape."""
@@ -108,18 +111,3 @@ def gather(
         into[i : i + step].copy_(src[i : i + step])
         release()
     return into
-
-
-def same_bits(
-    piece: Piece, t: torch.Tensor, stored: torch.Tensor, release: Callable[[], None]
-) -> bool:
-    """Whether ``t`` holds the bytes of ``piece`` of ``stored`` (a mapped file's), read as
-    ``gather`` reads them."""
-    theirs = piece.of(stored)
-    step = theirs.shape[0] if piece.axis == 1 else ROWS_MAPPED
-    for i in range(0, theirs.shape[0], step):
-        same = same_bytes(t[i : i + step], theirs[i : i + step])
-        release()
-        if not same:
-            return False
-    return True

@@ -27,7 +27,7 @@ from ..transform.tensors import (
     ties_lost_on_untie,
 )
 from ..transform.trace import Op, Product, Read, Ref, Slot, Tracer
-from .pieces import WHOLE_BYTES, Piece, gather, pieces, same_bits
+from .pieces import WHOLE_BYTES, Piece, gather, pieces
 
 STASH_BYTES = 512 << 20
 """At most this much of weights computed ahead of their request (for a fused bias's ``W β``)."""
@@ -291,43 +291,53 @@ class StreamedTensors:
 
     def pieces(self, key: str, into: Sequence[Buffer]) -> Iterator[tuple[Piece, torch.Tensor]]:
         """``get(key)`` a piece at a time (``in_pieces``), each in the memory of the buffers in
-        turn until its next use: the stored tensor's piece gathered from its mapped file (the
-        pages read dropped after each), centered and rotated."""
+        turn until its next use: rotated from the mapped file, or gathered from it first where it
+        is a block of columns or centered (the pages read dropped after each)."""
         one = self.in_pieces(key)
         s = self.trace.slots[self.outputs[key].slot]
         self._pending[s.index].discard(key)
         with self.reader.mapped(one.source) as m:
-            stored = m.tensor(s.dtype, s.shape)
-            for i, piece in enumerate(pieces(s.shape, one.axis, s.dtype.itemsize)):
-                size = math.prod(piece.shape) * s.dtype.itemsize
-                t = into[i % len(into)].bytes(size).view(s.dtype).view(piece.shape)
+            for piece, src, t in self._piece_sources(one, s, m, into):
+                yield (
+                    piece,
+                    structured_kernel.rotate_from(src, t, piece.axis, one.table, one.scale),
+                )
+
+    def _piece_sources(
+        self, one: OnePass, s: Slot, m: Mapped, into: Sequence[Buffer]
+    ) -> Iterator[tuple[Piece, int, torch.Tensor]]:
+        """Each piece of ``one``'s stored tensor (mapped as ``m``), the address the kernel reads
+        it from, and the piece's shape in the next of ``into``: a run of rows nothing centers
+        first is read where the file lies (no copy); a block of columns, or a centered piece, is
+        gathered into that memory (and centered there). The pages read are dropped once the
+        caller is done with each."""
+        stored = m.tensor(s.dtype, s.shape)
+        itemsize = s.dtype.itemsize
+        for i, piece in enumerate(pieces(s.shape, one.axis, itemsize)):
+            size = math.prod(piece.shape) * itemsize
+            t = into[i % len(into)].bytes(size).view(s.dtype).view(piece.shape)
+            at = piece.lies_at(itemsize) if one.center is None else None
+            if at is None:
                 gather(piece, stored, t, m.release)
                 if one.center is not None:
                     c = one.center
                     center_(t, piece.axis, c.groups, one.center_scale, c.blocks)
-                yield (
-                    piece,
-                    structured_kernel.rotate_from(
-                        t.data_ptr(), t, piece.axis, one.table, one.scale
-                    ),
-                )
-            del stored
+            yield piece, (t.data_ptr() if at is None else m.address + at), t
+            m.release()
+        del stored
 
-    def equal_in_file(self, key: str, cand: Callable[[], Mapped], into: Buffer) -> bool | None:
-        """Whether the candidate's bytes (``cand`` maps them) are ``get(key)``'s, compared in one
-        pass from the mapped files (a centering first written into ``into``), or a piece at a
-        time; None where ``key`` is neither."""
+    def equal_in_file(
+        self, key: str, cand: Callable[[], Mapped], into: tuple[Buffer, Buffer]
+    ) -> bool | None:
+        """Whether the candidate's bytes (``cand`` maps them) are ``get(key)``'s, compared by the
+        kernel from the mapped files (a centering first written into ``into[0]``), or a piece at
+        a time; None where ``key`` is neither."""
         if self.outputs[key].slot is None:
             return None
         s = self.trace.slots[self.outputs[key].slot]
-        if self.in_pieces(key) is not None:
-            with cand() as theirs:
-                stored = theirs.tensor(s.dtype, s.shape)
-                for piece, t in self.pieces(key, [into]):
-                    if not same_bits(piece, t, stored, theirs.release):
-                        return False
-                del stored
-            return True
+        if (one := self.in_pieces(key)) is not None:
+            self._pending[s.index].discard(key)
+            return self._equal_in_pieces(one, s, cand, into)
         one = self.one_pass(key)
         if one is None:
             return None
@@ -335,10 +345,35 @@ class StreamedTensors:
         with self.reader.mapped(one.source) as m, cand() as theirs:
             src = m.address
             if one.center is not None:
-                src = self._centered(m, one, into.bytes(s.nbytes).view(s.dtype).view(s.shape))
+                src = self._centered(m, one, into[0].bytes(s.nbytes).view(s.dtype).view(s.shape))
             return structured_kernel.rotated_equal(
                 src, theirs.address, s.dtype, s.shape, one.axis, one.table, scale=one.scale
             )
+
+    def _equal_in_pieces(
+        self, one: OnePass, s: Slot, cand: Callable[[], Mapped], into: tuple[Buffer, Buffer]
+    ) -> bool:
+        """``equal_in_file`` a piece at a time: each compared by the kernel with the candidate's
+        piece, read where the file lies for a run of rows, gathered into ``into[1]`` for a block
+        of columns (the candidate's pages dropped after each)."""
+        itemsize = s.dtype.itemsize
+        with self.reader.mapped(one.source) as m, cand() as theirs:
+            stored = theirs.tensor(s.dtype, s.shape)
+            for piece, src, t in self._piece_sources(one, s, m, into[:1]):
+                at = piece.lies_at(itemsize)
+                if at is None:  # a block of columns: gathered as the source's was
+                    gathered = into[1].bytes(t.numel() * itemsize).view(s.dtype).view(piece.shape)
+                    theirs_at = gather(piece, stored, gathered, theirs.release).data_ptr()
+                else:
+                    theirs_at = theirs.address + at
+                same = structured_kernel.rotated_equal(
+                    src, theirs_at, s.dtype, piece.shape, piece.axis, one.table, scale=one.scale
+                )
+                theirs.release()
+                if not same:
+                    return False
+            del stored
+        return True
 
     def _gain(self, scale: Op) -> torch.Tensor:
         f = scale.fused
@@ -484,9 +519,14 @@ class StreamedTensors:
         with self.reader.mapped(source) as m:
             stored = m.tensor(s.dtype, s.shape)
             for piece in pieces(s.shape, f.axis, s.dtype.itemsize):
-                t = into.bytes(math.prod(piece.shape) * s.dtype.itemsize).view(s.dtype)
-                t = gather(piece, stored, t.view(piece.shape), m.release)
+                if piece.lies_at(s.dtype.itemsize) is None:
+                    t = into.bytes(math.prod(piece.shape) * s.dtype.itemsize).view(s.dtype)
+                    t = gather(piece, stored, t.view(piece.shape), m.release)
+                else:  # a run of rows: summed where the file lies
+                    t = piece.of(stored)
                 out = self._sum_piece(t, piece, f, beta, out)
+                del t
+                m.release()
             del stored
         return out.reshape([d for i, d in enumerate(s.shape) if i != f.axis % len(s.shape)])
 

@@ -522,9 +522,9 @@ def test_rotated_weights_come_from_the_mapped_file_in_one_pass(saved):
             bits(got), bits(expected[key])
         )
         cand = expected[key].contiguous().clone()
-        assert streamed.equal_in_file(key, lambda: _Held(cand), Buffer()) is True
+        assert streamed.equal_in_file(key, lambda: _Held(cand), (Buffer(), Buffer())) is True
         cand.view(-1).view(torch.int32)[cand.numel() // 2] ^= 1
-        assert streamed.equal_in_file(key, lambda: _Held(cand), Buffer()) is False
+        assert streamed.equal_in_file(key, lambda: _Held(cand), (Buffer(), Buffer())) is False
     assert not any(k.endswith("weight") and ".ln_" not in k for k in read), read
     streamed.close()
 
@@ -547,7 +547,8 @@ def test_large_tensors_are_rotated_checked_and_summed_in_pieces(name, saved, tmp
     """With every tensor counted large, the rotated weights (rows of one, columns of another,
     centered or scaled first) and the fused products of the weights are computed a piece of a
     few vectors at a time: the same bytes as whole, the static check passes from the pieces, and
-    one flipped bit in a piece-checked weight fails it."""
+    one flipped bit in a piece-checked weight fails it, whether its pieces are runs of rows
+    (compared where both files lie) or blocks of columns (gathered first)."""
     from enjoyln.checking.static import static_check
     from enjoyln.folded import pieces as pieces_module
 
@@ -556,8 +557,9 @@ def test_large_tensors_are_rotated_checked_and_summed_in_pieces(name, saved, tmp
     whole = fold_checkpoint(src, tmp_path / "whole", options).out_dir
     monkeypatch.setattr(stream, "WHOLE_BYTES", 0)
     monkeypatch.setattr(pieces_module, "PIECE_BYTES", 700)
-    made, summed = [], []
+    made, summed, checked = [], [], []
     real, real_sum = StreamedTensors.pieces, StreamedTensors._product_in_pieces
+    real_check = StreamedTensors._equal_in_pieces
     monkeypatch.setattr(
         StreamedTensors,
         "_product_in_pieces",
@@ -566,16 +568,33 @@ def test_large_tensors_are_rotated_checked_and_summed_in_pieces(name, saved, tmp
     monkeypatch.setattr(
         StreamedTensors, "pieces", lambda self, key, into: made.append(key) or real(self, key, into)
     )
+    monkeypatch.setattr(
+        StreamedTensors,
+        "_equal_in_pieces",
+        lambda self, one, *a: checked.append(one.axis) or real_check(self, one, *a),
+    )
     in_pieces = fold_checkpoint(src, tmp_path / "pieces", options).out_dir
     assert _files(whole) == _files(in_pieces)
     written = len(made)
     assert written >= 4 and len(summed) >= 2, (made, summed)
-    assert static_check(open_checkpoint(src), open_checkpoint(in_pieces)).passed
-    assert len(made) == 2 * written  # the check compared the same ones a piece at a time
+    ref = open_checkpoint(src)
+    assert static_check(ref, open_checkpoint(in_pieces)).passed
+    assert len(checked) == written  # the check compared the same ones a piece at a time
     sd = load_file(in_pieces / "model.safetensors")
-    sd[made[-1]].view(-1).view(torch.int32)[3] ^= 1
-    save_file(sd, in_pieces / "model.safetensors", metadata={"format": "pt"})
-    assert not static_check(open_checkpoint(src), open_checkpoint(in_pieces)).passed
+    streamed = StreamedTensors(ref, analyze_dir(ref, False, True, ("hadamard", 0, True)))
+    layouts = {}  # a weight whose pieces are runs of rows, and one whose are blocks of columns
+    for key in made:
+        if key.endswith("weight"):
+            rows = streamed.in_pieces(key).axis % sd[key].dim() == sd[key].dim() - 1
+            layouts.setdefault(rows, key)
+    streamed.close()
+    assert set(layouts) == {True, False}, made
+    for key in layouts.values():
+        flipped = {k: v.clone() for k, v in sd.items()}
+        flipped[key].view(-1).view(torch.int32)[3] ^= 1
+        save_file(flipped, in_pieces / "model.safetensors", metadata={"format": "pt"})
+        report = static_check(ref, open_checkpoint(in_pieces))
+        assert not report.passed and key in report.first_differing, (key, report.problems)
 
 
 def test_a_rotated_weight_is_computed_into_the_output_files_pages(saved, tmp_path, monkeypatch):
