@@ -307,10 +307,10 @@ class StreamedTensors:
         self, one: OnePass, s: Slot, m: Mapped, into: Sequence[Buffer]
     ) -> Iterator[tuple[Piece, int, torch.Tensor]]:
         """Each piece of ``one``'s stored tensor (mapped as ``m``), the address the kernel reads
-        it from, and the piece's shape in the next of ``into``: a run of rows nothing centers
-        first is read where the file lies (no copy); a block of columns, or a centered piece, is
-        gathered into that memory (and centered there). The pages read are dropped once the
-        caller is done with each."""
+        it from, and a tensor of the piece's shape in the memory of the next of ``into`` (where the
+        writer's rotation goes): a run of rows nothing centers first is read where the file lies
+        (no copy); a block of columns, or a centered piece, is gathered into that memory (and
+        centered there). The pages read are dropped once the caller is done with each."""
         stored = m.tensor(s.dtype, s.shape)
         itemsize = s.dtype.itemsize
         for i, piece in enumerate(pieces(s.shape, one.axis, itemsize)):
@@ -331,7 +331,8 @@ class StreamedTensors:
     ) -> bool | None:
         """Whether the candidate's bytes (``cand`` maps them) are ``get(key)``'s, compared by the
         kernel from the mapped files (a centering first written into ``into[0]``), or a piece at
-        a time; None where ``key`` is neither."""
+        a time (a gathered piece of the reference in ``into[0]``, of the candidate in
+        ``into[1]``); None where ``key`` is neither."""
         if self.outputs[key].slot is None:
             return None
         s = self.trace.slots[self.outputs[key].slot]
