@@ -21,7 +21,8 @@ import torch
 import transformers
 
 import enjoyln
-from enjoyln.bench import compiled_comparison, end_to_end
+from enjoyln.bench import end_to_end
+from enjoyln.bench_compiled import compiled_comparison
 from enjoyln.analysis.inputs import hf_example_inputs
 from enjoyln.testing import perturb
 

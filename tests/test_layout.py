@@ -36,6 +36,7 @@ LAYERS = {
     "enjoyln.rewrite": 8,
     "enjoyln.export": 9,
     "enjoyln.bench": 10,
+    "enjoyln.bench_compiled": 10,
     "enjoyln.testing": 10,
     "enjoyln.sentence": 10,
     "enjoyln.cli": 11,

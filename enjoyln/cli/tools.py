@@ -349,6 +349,7 @@ def _bench_models(
     import torch
 
     from .. import bench as timing
+    from ..bench_compiled import compiled_comparison
     from ..analysis.inputs import hf_example_inputs
 
     display.stage("loading and folding the model")
@@ -383,7 +384,7 @@ def _bench_models(
             payload,
             "compiled",
             "compiling both models and timing them",
-            lambda: timing.compiled_comparison(
+            lambda: compiled_comparison(
                 original, folded, inputs, repeats=m.repeats, seconds=m.seconds
             ),
             print_compiled,
